@@ -1,0 +1,7 @@
+"""qcore: exact low-precision numerics (the oracle) that also run fast on torch tensors."""
+
+from .dtypes import DTYPES, BlockDType, FloatDType, IntDType, ScaleMode, Specials, get_dtype
+from .rounding import RoundingMode, round_to_integral, round_to_step
+from .cast import cast, decode, encode
+
+__version__ = "0.1.0"

@@ -1,0 +1,315 @@
+"""The few array operations qcore needs, for numpy arrays and torch tensors.
+
+qcore's numerics are written once against this small shim. ``ops(x)`` returns the namespace for ``x``'s array
+kind; every function here takes and returns arrays of that kind, on the input's device. torch is never
+imported unless a torch tensor is passed in (we look at ``type(x).__module__``), so numpy users never pay for it.
+
+Only the operations whose spelling differs between numpy and torch live here (bit casts, dtype conversion,
+reductions over several axes, padding, device-aware constants). Operators (``+ - * / >> & |``, comparisons,
+indexing) are used directly on arrays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ops", "is_torch", "to_array", "NumpyOps", "TorchOps"]
+
+
+def is_torch(x: Any) -> bool:
+    """True for a torch.Tensor, decided without importing torch."""
+    mod = type(x).__module__
+    return mod.startswith("torch") and "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor)
+
+
+class NumpyOps:
+    """numpy spelling of the shim (the oracle path)."""
+
+    name = "numpy"
+    float32 = np.float32
+    int32 = np.int32
+    int64 = np.int64
+    uint8 = np.uint8
+    int8 = np.int8
+    bool_ = np.bool_
+
+    # -- conversion -------------------------------------------------------------------------------------------
+    @staticmethod
+    def astype(x, dtype):
+        return np.asarray(x).astype(dtype, copy=False)
+
+    @staticmethod
+    def bits_of_f32(x):
+        """float32 -> int32 with the same bits."""
+        return np.ascontiguousarray(x, dtype=np.float32).view(np.int32)
+
+    @staticmethod
+    def f32_of_bits(i):
+        """int32 -> float32 with the same bits."""
+        return np.ascontiguousarray(i, dtype=np.int32).view(np.float32)
+
+    @staticmethod
+    def full(shape, value, dtype, like):
+        return np.full(shape, value, dtype=dtype)
+
+    @staticmethod
+    def asarray(value, dtype, like):
+        return np.asarray(value, dtype=dtype)
+
+    @staticmethod
+    def arange(n, dtype, like):
+        return np.arange(n, dtype=dtype)
+
+    # -- elementwise ------------------------------------------------------------------------------------------
+    where = staticmethod(np.where)
+    abs = staticmethod(np.abs)
+    floor = staticmethod(np.floor)
+    ceil = staticmethod(np.ceil)
+    trunc = staticmethod(np.trunc)
+    rint = staticmethod(np.rint)
+    isnan = staticmethod(np.isnan)
+    isinf = staticmethod(np.isinf)
+    isfinite = staticmethod(np.isfinite)
+    signbit = staticmethod(np.signbit)
+    sqrt = staticmethod(np.sqrt)
+    maximum = staticmethod(np.maximum)
+    minimum = staticmethod(np.minimum)
+    logical_and = staticmethod(np.logical_and)
+    logical_or = staticmethod(np.logical_or)
+    logical_not = staticmethod(np.logical_not)
+
+    @staticmethod
+    def clip(x, lo, hi):
+        return np.clip(x, lo, hi)
+
+    # -- shape ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def reshape(x, shape):
+        return np.reshape(x, shape)
+
+    @staticmethod
+    def moveaxis(x, src, dst):
+        return np.moveaxis(x, src, dst)
+
+    @staticmethod
+    def pad_axis(x, axis, after, value=0):
+        """Pad ``after`` elements of ``value`` at the end of ``axis``."""
+        if after == 0:
+            return x
+        width = [(0, 0)] * x.ndim
+        width[axis] = (0, after)
+        return np.pad(x, width, constant_values=value)
+
+    @staticmethod
+    def slice_axis(x, axis, n):
+        """The first ``n`` entries along ``axis``."""
+        idx = [slice(None)] * x.ndim
+        idx[axis] = slice(0, n)
+        return x[tuple(idx)]
+
+    @staticmethod
+    def broadcast_to(x, shape):
+        return np.broadcast_to(x, shape)
+
+    @staticmethod
+    def contiguous(x):
+        return np.ascontiguousarray(x)
+
+    # -- reductions -------------------------------------------------------------------------------------------
+    @staticmethod
+    def amax(x, axis, keepdims=True):
+        return np.max(x, axis=axis, keepdims=keepdims)
+
+    @staticmethod
+    def amin(x, axis, keepdims=True):
+        return np.min(x, axis=axis, keepdims=keepdims)
+
+    @staticmethod
+    def sum(x, axis, keepdims=True):
+        return np.sum(x, axis=axis, keepdims=keepdims)
+
+    @staticmethod
+    def any(x):
+        return bool(np.any(x))
+
+    @staticmethod
+    def nanquantile(x, q, axis, keepdims=True):
+        return np.nanquantile(x, q, axis=axis, keepdims=keepdims, method="linear").astype(np.float32)
+
+    @staticmethod
+    def numpy(x):
+        return np.asarray(x)
+
+    @staticmethod
+    def quiet():
+        """Silence numpy's overflow/invalid warnings where Inf/NaN are intended and handled."""
+        return np.errstate(all="ignore")
+
+    @staticmethod
+    def from_numpy(a, like):
+        return np.asarray(a)
+
+
+class TorchOps:
+    """torch spelling of the shim (the fast path; CPU or any device torch supports)."""
+
+    name = "torch"
+
+    def __init__(self, torch):
+        self.t = torch
+        self.float32 = torch.float32
+        self.int32 = torch.int32
+        self.int64 = torch.int64
+        self.uint8 = torch.uint8
+        self.int8 = torch.int8
+        self.bool_ = torch.bool
+        t = torch
+        self.where = t.where
+        self.abs = t.abs
+        self.floor = t.floor
+        self.ceil = t.ceil
+        self.trunc = t.trunc
+        self.rint = t.round  # round half to even, like np.rint
+        self.isnan = t.isnan
+        self.isinf = t.isinf
+        self.isfinite = t.isfinite
+        self.signbit = t.signbit
+        self.sqrt = t.sqrt
+        self.logical_and = t.logical_and
+        self.logical_or = t.logical_or
+        self.logical_not = t.logical_not
+
+    def astype(self, x, dtype):
+        return x.to(dtype)
+
+    def bits_of_f32(self, x):
+        return x.to(self.t.float32).contiguous().view(self.t.int32)
+
+    def f32_of_bits(self, i):
+        return i.to(self.t.int32).contiguous().view(self.t.float32)
+
+    def full(self, shape, value, dtype, like):
+        return self.t.full(tuple(shape), value, dtype=dtype, device=like.device)
+
+    def asarray(self, value, dtype, like):
+        if isinstance(value, self.t.Tensor):
+            return value.to(device=like.device, dtype=dtype)
+        return self.t.as_tensor(np.asarray(value), dtype=dtype, device=like.device)
+
+    def arange(self, n, dtype, like):
+        return self.t.arange(n, dtype=dtype, device=like.device)
+
+    def maximum(self, a, b):
+        if not isinstance(b, self.t.Tensor):
+            return self.t.clamp(a, min=b)
+        if not isinstance(a, self.t.Tensor):
+            return self.t.clamp(b, min=a)
+        return self.t.maximum(a, b)
+
+    def minimum(self, a, b):
+        if not isinstance(b, self.t.Tensor):
+            return self.t.clamp(a, max=b)
+        if not isinstance(a, self.t.Tensor):
+            return self.t.clamp(b, max=a)
+        return self.t.minimum(a, b)
+
+    def clip(self, x, lo, hi):
+        return self.t.clamp(x, lo, hi)
+
+    def reshape(self, x, shape):
+        return x.reshape(tuple(shape))
+
+    def moveaxis(self, x, src, dst):
+        return self.t.movedim(x, src, dst)
+
+    def pad_axis(self, x, axis, after, value=0):
+        if after == 0:
+            return x
+        shape = list(x.shape)
+        shape[axis] = after
+        fill = self.t.full(shape, value, dtype=x.dtype, device=x.device)
+        return self.t.cat([x, fill], dim=axis)
+
+    def slice_axis(self, x, axis, n):
+        return self.t.narrow(x, axis, 0, n)
+
+    def broadcast_to(self, x, shape):
+        return self.t.broadcast_to(x, tuple(shape))
+
+    def contiguous(self, x):
+        return x.contiguous()
+
+    def amax(self, x, axis, keepdims=True):
+        return self.t.amax(x, dim=axis, keepdim=keepdims)
+
+    def amin(self, x, axis, keepdims=True):
+        return self.t.amin(x, dim=axis, keepdim=keepdims)
+
+    def sum(self, x, axis, keepdims=True):
+        return self.t.sum(x, dim=axis, keepdim=keepdims)
+
+    def any(self, x):
+        return bool(self.t.any(x))
+
+    def nanquantile(self, x, q, axis, keepdims=True):
+        # torch.nanquantile works on one dim only: flatten the reduced axes to the end first.
+        axes = (axis,) if isinstance(axis, int) else tuple(axis)
+        axes = tuple(a % x.ndim for a in axes)
+        keep = [d for d in range(x.ndim) if d not in axes]
+        y = x.permute(*keep, *axes).reshape(*[x.shape[d] for d in keep], -1)
+        out = self.t.nanquantile(y.double(), q, dim=-1, keepdim=False).to(self.t.float32)
+        if keepdims:
+            shape = [1 if d in axes else x.shape[d] for d in range(x.ndim)]
+            out = out.reshape(shape)
+        return out
+
+    def numpy(self, x):
+        return x.detach().cpu().numpy()
+
+    def quiet(self):
+        return contextlib.nullcontext()
+
+    def from_numpy(self, a, like):
+        return self.t.from_numpy(np.ascontiguousarray(a)).to(like.device)
+
+
+_NUMPY = NumpyOps()
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_ops(torch_module) -> TorchOps:
+    return TorchOps(torch_module)
+
+
+def ops(x: Any):
+    """The shim for ``x``'s array kind: ``TorchOps`` for torch tensors, ``NumpyOps`` otherwise."""
+    if is_torch(x):
+        return _torch_ops(sys.modules["torch"])
+    return _NUMPY
+
+
+def to_array(x: Any, *, name: str = "x"):
+    """Accept numpy arrays, torch tensors, Python scalars and lists; return (array, ops).
+
+    Floating inputs of any width are accepted; everything else raises ``TypeError`` naming ``name``.
+    """
+    if is_torch(x):
+        o = ops(x)
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+        return x, o
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be floating point, got a bool")
+    a = np.asarray(x)
+    if a.dtype.kind not in "f" and a.dtype.name != "bfloat16":
+        if a.dtype.kind in "iub" and not isinstance(x, np.ndarray) and a.ndim == 0:
+            # A bare Python number is a value, not an integer array: treat 3 as 3.0.
+            a = a.astype(np.float32)
+        else:
+            raise TypeError(f"{name} must be a floating-point array, got dtype {a.dtype}")
+    return a, _NUMPY

@@ -1,0 +1,180 @@
+"""Rounding: one exact primitive, every mode.
+
+All of qcore's rounding goes through ``round_to_step(x, k, mode=...)``: round each float32 ``x`` to a multiple
+of ``2**k`` (``k`` per element). It works on the float's integer significand, so it is exact for every input
+(subnormals, huge values, ties) with no float arithmetic that could round twice. Casting to a float format is
+``k = max(exponent(x), emin) - mantissa_bits``; rounding to integers is ``k = 0``.
+
+``RoundingMode`` (the tie and direction rules; formulas for a value ``v`` between grid neighbours
+``lo < v < hi`` with ``lo = q * 2**k``):
+
+- ``NEAREST_EVEN``: nearer neighbour; a tie goes to the neighbour whose significand ``q`` is even (IEEE 754
+  roundTiesToEven). For exponent-only formats (E8M0) the kept significand is the implicit 1, which is odd, so
+  ties go up: 1.5 -> 2, 3 -> 4 (ml_dtypes agrees).
+- ``NEAREST_AWAY``: nearer neighbour; ties away from zero (IEEE roundTiesToAway; C ``round``).
+- ``TOWARD_ZERO``: truncate the magnitude (IEEE roundTowardZero).
+- ``FLOOR``: toward -inf (IEEE roundTowardNegative).
+- ``CEIL``: toward +inf (IEEE roundTowardPositive).
+- ``STOCHASTIC``: up in magnitude with probability ``(|v| - lo) / 2**k``, resolved to 2**-32 of a step, so
+  ``E[round(v)] = v`` (unbiased). Needs ``key``: a non-negative int; the random bits are a counter-based hash
+  of (key, flat element index), so the same key gives the same result on numpy and torch, on any device.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+from ._backend import ops, to_array
+
+__all__ = ["RoundingMode", "round_to_step", "round_to_integral", "random_bits"]
+
+
+class RoundingMode(enum.Enum):
+    """How a value between two grid points is rounded (see the module docstring for the formulas)."""
+
+    NEAREST_EVEN = "nearest_even"
+    NEAREST_AWAY = "nearest_away"
+    TOWARD_ZERO = "toward_zero"
+    FLOOR = "floor"
+    CEIL = "ceil"
+    STOCHASTIC = "stochastic"
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _lowbias32_py(h: int) -> int:
+    h &= _M32
+    h ^= h >> 16
+    h = (h * 0x7FEB352D) & _M32
+    h ^= h >> 15
+    h = (h * 0x846CA68B) & _M32
+    h ^= h >> 16
+    return h
+
+
+def check_mode(mode, key):
+    """Validate a rounding mode / key pair; returns the mode."""
+    if not isinstance(mode, RoundingMode):
+        raise TypeError(f"rounding must be a qcore.RoundingMode, got {mode!r}")
+    if mode is RoundingMode.STOCHASTIC:
+        if key is None:
+            raise ValueError("RoundingMode.STOCHASTIC needs an explicit key= (a non-negative int)")
+        if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or key < 0:
+            raise ValueError(f"key must be a non-negative int, got {key!r}")
+    return mode
+
+
+def random_bits(key: int, shape, *, like):
+    """Uniform 32-bit random integers (as int64 in [0, 2**32)) for each element of ``shape``.
+
+    Counter-based: element ``i`` (C order) gets ``lowbias32(lowbias32(i + h(key)) ^ h(key))``, so the stream is
+    a pure function of (key, index), identical on numpy and torch.
+    """
+    o = ops(like)
+    n = 1
+    for s in shape:
+        n *= int(s)
+    kh = _lowbias32_py(int(key) * 0x9E3779B9 + 0x85EBCA6B)
+    h = (o.arange(n, o.int64, like) + kh) & _M32
+    for _ in range(2):
+        h = h ^ (h >> 16)
+        h = (h * 0x7FEB352D) & _M32
+        h = h ^ (h >> 15)
+        h = (h * 0x846CA68B) & _M32
+        h = h ^ (h >> 16)
+        h = h ^ kh
+    return o.reshape(h, tuple(shape))
+
+
+def pow2(k, o, like):
+    """2.0**k as float32, exactly, for integer arrays k in [-149, 127] (built from bits, no pow)."""
+    k = o.astype(k, o.int32)
+    normal = o.maximum(k, -126) + 127
+    bits_normal = normal << 23
+    sub_shift = o.clip(k + 149, 0, 22)
+    one = o.full((), 1, o.int32, like)
+    bits = o.where(k < -126, one << sub_shift, bits_normal)
+    return o.f32_of_bits(bits)
+
+
+def decompose(x, o):
+    """Split float32 ``x`` into (negative, significand, exponent, finite) with ``|x| = sig * 2**(exp - 23)``.
+
+    ``sig`` is int32 in [2**23, 2**24) for nonzero finite x (subnormal inputs are normalised exactly), 0 for
+    zeros. Inf/NaN have ``finite`` False and meaningless sig/exp.
+    """
+    bits = o.bits_of_f32(x)
+    neg = bits < 0
+    u = bits & 0x7FFFFFFF
+    field = u >> 23
+    sub = field == 0
+    # Normalise subnormals exactly: x * 2**64 is exact and normal for |x| < 2**-126.
+    xs = o.where(sub, o.where(sub, x, np.float32(0)) * np.float32(2.0**64), x)
+    us = o.bits_of_f32(xs) & 0x7FFFFFFF
+    fs = us >> 23
+    exp = fs - 127 - (o.astype(sub, o.int32) << 6)
+    sig = o.where(fs == 0, 0, (us & 0x7FFFFF) | 0x800000)
+    finite = field != 255
+    return neg, sig, exp, finite
+
+
+def _round_sig(neg, sig, exp, k, mode, key, o, like):
+    """Round |x| = sig * 2**(exp-23) to a multiple of 2**k; returns (r, exact) with rounded |x| = r * 2**k.
+
+    ``exact`` marks elements already on the grid (d <= 0), for which r is meaningless and |x| is the answer.
+    """
+    d = k - (exp - 23)
+    dc = o.clip(d, 0, 25)
+    q = sig >> dc
+    one = o.full((), 1, o.int32, like) << dc
+    rem = sig & (one - 1)
+    if mode is RoundingMode.NEAREST_EVEN:
+        twice = rem << 1
+        inc = o.logical_or(twice > one, o.logical_and(twice == one, (q & 1) == 1))
+    elif mode is RoundingMode.NEAREST_AWAY:
+        inc = (rem << 1) >= one
+    elif mode is RoundingMode.TOWARD_ZERO:
+        inc = None
+    elif mode is RoundingMode.FLOOR:
+        inc = o.logical_and(rem > 0, neg)
+    elif mode is RoundingMode.CEIL:
+        inc = o.logical_and(rem > 0, o.logical_not(neg))
+    else:  # STOCHASTIC
+        u = random_bits(key, tuple(sig.shape), like=like)
+        rem64 = o.astype(rem, o.int64)
+        d64 = o.astype(o.maximum(d, 1), o.int64)
+        frac32 = o.where(
+            d64 <= 32,
+            rem64 << o.clip(32 - d64, 0, 31),
+            rem64 >> o.clip(d64 - 32, 0, 62),
+        )
+        inc = u < frac32
+    r = q if inc is None else q + o.astype(inc, o.int32)
+    return r, d <= 0
+
+
+def round_to_step(x, k, *, mode: RoundingMode = RoundingMode.NEAREST_EVEN, key: int | None = None):
+    """Round float32 ``x`` to a multiple of ``2**k`` (``k`` an int or int array broadcastable to x).
+
+    Exact for every finite input; Inf/NaN pass through. ``k`` must lie in [-149, 127]. Returns float32 of the
+    same kind as ``x``. Results that round past the float32 range become Inf.
+    """
+    check_mode(mode, key)
+    x, o = to_array(x)
+    x = o.astype(x, o.float32)
+    neg, sig, exp, finite = decompose(x, o)
+    k = o.asarray(k, o.int32, x) if not hasattr(k, "shape") else o.astype(k, o.int32)
+    r, exact = _round_sig(neg, sig, exp, k, mode, key, o, x)
+    mag = o.astype(r, o.float32) * pow2(k, o, x)
+    ax = o.abs(x)
+    mag = o.where(exact, ax, mag)
+    out = o.where(neg, -mag, mag)
+    return o.where(finite, out, x)
+
+
+def round_to_integral(x, *, mode: RoundingMode = RoundingMode.NEAREST_EVEN, key: int | None = None):
+    """Round float32 ``x`` to integers (as float32) with ``mode``; ``round_to_step(x, 0)``."""
+    return round_to_step(x, 0, mode=mode, key=key)
