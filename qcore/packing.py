@@ -1,0 +1,469 @@
+"""Bit packing: integer code arrays <-> the byte layouts that kernels and checkpoint files use.
+
+Every function is pure, takes a numpy array or a torch tensor (any device torch runs on) and returns the same kind
+on the same device, bit-identically between the two. torch is never imported for numpy input. Round trips are
+exact: ``unpack_*(pack_*(c), length=n) == c`` for every valid code array ``c`` of length ``n`` along ``axis``.
+
+Code conventions (what the rest of qcore produces and consumes):
+
+- float-element codes are ``uint8`` arrays holding the bit pattern in the low bits (fp4 e2m1: 0..15, fp6: 0..63);
+- signed integer codes (int2/int3/int4/int8) are ``int8`` arrays holding the value (-8..7 for int4), written as
+  two's complement in their field and sign-extended again by ``unpack_*(..., signed=True)``;
+- unsigned integer codes are ``uint8`` values. E8M0 scale codes are already one ``uint8`` per scale (nothing to
+  pack).
+
+Any integer dtype is accepted as input (``bool``, float and complex raise ``TypeError``). A value must fit the field:
+with ``signed=None`` (the default for the generic packers) both readings are allowed, ``-2**(b-1) <= v < 2**b``;
+``signed=True`` asks for ``-2**(b-1) <= v < 2**(b-1)`` and ``signed=False`` for ``0 <= v < 2**b``. The float-code
+packers (``pack_fp4``, ``pack_fp6``, ``pack_gguf_q4``) want unsigned codes. Out-of-range values raise
+``ValueError``.
+
+Layouts (``axis`` picks the packed axis, default the last; other axes are carried along unchanged):
+
+================== =================================================================================================
+``pack_bits``       dense little-endian bitstream: element ``i`` occupies bits ``[i*b, (i+1)*b)`` of the byte
+                    stream, byte ``k`` holding stream bits ``8k..8k+7`` (LSB first). For ``b`` in {1, 2, 4, 8} this
+                    is "element ``j`` of a byte at bit offset ``j*b``". The stream is cut in groups of
+                    ``lcm(b, 8) / b`` elements = ``lcm(b, 8) / 8`` bytes (b=1: 8->1, 2: 4->1, 3: 8->3, 4: 2->1,
+                    5: 8->5, 6: 4->3, 7: 8->7, 8: 1->1); a ragged last group is padded with code 0.
+``pack_fp4``        ``pack_bits(codes, 4)``: element ``2i`` in the low nibble of byte ``i``, ``2i+1`` in the high
+                    nibble (torchao / Quark / OCP). [0.5, 1.0, 1.5, -6.0] = codes [1, 2, 3, 0xF] -> 0x21, 0xF3.
+``pack_fp6``        ``pack_bits(codes, 6)``: 4 values -> 3 bytes, Quark's layout
+                    ``b0 = v0 | (v1 & 3) << 6``, ``b1 = v1 >> 2 | (v2 & 0xF) << 4``, ``b2 = v2 >> 4 | v3 << 2``.
+``pack_int4_int32`` eight nibbles per int32, slot ``i`` = bits ``4i..4i+3`` (slot 7 in the sign bit);
+                    ``Int4Order.REORDER`` (AWQ / Quark) puts element ``[0, 2, 4, 6, 1, 3, 5, 7][i]`` of each group of
+                    8 in slot ``i``, ``Int4Order.ORDER`` element ``i`` (so ``ORDER`` is ``pack_bits(v, 4)`` read as
+                    little-endian int32). Values 0..7 -> 0x75316420 (reorder), 0x76543210 (order).
+``pack_gguf_q4``    GGUF Q4 nibbles: in each block of 32 codes, byte ``j`` holds element ``j`` (low nibble) and
+                    element ``j + 16`` (high nibble); 32 codes -> 16 bytes; the length must be a multiple of 32.
+================== =================================================================================================
+
+Ragged lengths: the packers pad the last group with code 0; the unpackers return every element of the packed
+groups unless ``length=n`` is given, which trims to ``n`` (it must be a length that packs to exactly that many
+groups, else ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import operator
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from qcore._backend import is_torch, ops
+
+__all__ = [
+    "Int4Order",
+    "pack_bits",
+    "unpack_bits",
+    "pack_fp4",
+    "unpack_fp4",
+    "pack_fp6",
+    "unpack_fp6",
+    "pack_int4_int32",
+    "unpack_int4_int32",
+    "pack_gguf_q4",
+    "unpack_gguf_q4",
+]
+
+_SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
+# In-field position of each element of a group of 8 for Int4Order.REORDER: slot i holds element _REORDER[i].
+_REORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+class Int4Order(enum.Enum):
+    """Nibble order inside an int32 word for ``pack_int4_int32`` / ``unpack_int4_int32``.
+
+    ``ORDER``: slot ``i`` (bits ``4i..4i+3``) holds element ``i`` of each group of 8 (compressed-tensors, GPTQ).
+    ``REORDER``: slot ``i`` holds element ``[0, 2, 4, 6, 1, 3, 5, 7][i]`` (AWQ, Quark).
+    """
+
+    ORDER = "order"
+    REORDER = "reorder"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# validation helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _as_int_array(x: Any, name: str):
+    """Return (array, ops) for an integer-typed numpy array / torch tensor / list; TypeError otherwise."""
+    if is_torch(x):
+        t = x
+        dt = t.dtype
+        if dt.is_floating_point or dt.is_complex:
+            raise TypeError(f"{name} must be an integer tensor of codes, got dtype {dt}")
+        if str(dt) == "torch.bool":
+            raise TypeError(f"{name} must be an integer tensor of codes, got dtype {dt}")
+        if str(dt) in ("torch.uint16", "torch.uint32", "torch.uint64"):
+            raise TypeError(
+                f"{name} has dtype {dt}, which torch supports too sparsely; pass uint8/int8/int16/int32/int64"
+            )
+        return t, ops(t)
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer array of codes, got a bool")
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array of codes, got dtype {a.dtype}")
+    return a, ops(a)
+
+
+def _check_axis(axis: Any, ndim: int, name: str = "axis") -> int:
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(axis).__name__}")
+    axis = int(axis)
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{name}={axis} is out of range for an array with {ndim} dimension(s)")
+    return axis % ndim
+
+
+def _check_bits(bits: Any) -> int:
+    if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, (int, np.integer)):
+        raise TypeError(f"bits must be an int, got {type(bits).__name__}")
+    bits = int(bits)
+    if bits not in _SUPPORTED_BITS:
+        raise ValueError(f"bits={bits} is not supported; supported widths are {_SUPPORTED_BITS}")
+    return bits
+
+
+def _check_signed(signed: Any, *, allow_none: bool) -> Optional[bool]:
+    if signed is None and allow_none:
+        return None
+    if not isinstance(signed, (bool, np.bool_)):
+        allowed = "True, False or None" if allow_none else "True or False"
+        raise TypeError(f"signed must be {allowed}, got {signed!r}")
+    return bool(signed)
+
+
+def _range_for(bits: int, signed: Optional[bool]) -> tuple[int, int]:
+    """Inclusive [lo, hi] of the values a ``bits``-wide field accepts under ``signed``."""
+    if signed is None:
+        return -(1 << (bits - 1)), (1 << bits) - 1
+    if signed:
+        return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    return 0, (1 << bits) - 1
+
+
+def _codes_to_int64(x: Any, bits: int, signed: Optional[bool], name: str):
+    """Validate codes for a ``bits``-wide field and return them as int64 (array, ops)."""
+    a, o = _as_int_array(x, name)
+    lo, hi = _range_for(bits, signed)
+    if is_torch(a):
+        # torch compares against out-of-range Python scalars after wrapping them to the tensor dtype: widen first.
+        w = o.astype(a, o.int64)
+        bad = (w < lo) | (w > hi)
+    else:
+        # numpy >= 2 compares integer arrays with any Python int exactly; check before widening (uint64 safety).
+        bad = (a < lo) | (a > hi)
+        w = o.astype(a, o.int64)
+    if o.any(bad):
+        kind = {None: "", True: " signed", False: " unsigned"}[signed]
+        raise ValueError(f"{name} holds values outside [{lo}, {hi}], the range of a {bits}-bit{kind} field")
+    return w, o
+
+
+def _bytes_to_int64(x: Any, name: str):
+    """Validate packed bytes: uint8 as is, int8 reinterpreted bitwise, other integer dtypes must hold 0..255."""
+    a, o = _as_int_array(x, name)
+    w = o.astype(a, o.int64)
+    if a.dtype == o.int8:
+        return w & 0xFF, o
+    if a.dtype != o.uint8 and o.any((w < 0) | (w > 255)):
+        raise ValueError(f"{name} must hold bytes 0..255 (dtype {a.dtype} holds values outside that range)")
+    return w, o
+
+
+def _check_length(length: Any, n_groups: int, group: int, name_len: str = "length") -> int:
+    """Resolve ``length`` for an unpack whose packed input holds ``n_groups`` groups of ``group`` elements."""
+    capacity = n_groups * group
+    if length is None:
+        return capacity
+    if isinstance(length, (bool, np.bool_)) or not isinstance(length, (int, np.integer)):
+        raise TypeError(f"{name_len} must be an int or None, got {type(length).__name__}")
+    length = int(length)
+    if length < 0 or -(-length // group) != n_groups:
+        raise ValueError(
+            f"{name_len}={length} does not match the packed input: {n_groups} group(s) of {group} element(s) "
+            f"hold lengths {max(capacity - group + 1, 0)}..{capacity}"
+        )
+    return length
+
+
+def _to_end(x, o, axis: int):
+    return x if axis == x.ndim - 1 else o.moveaxis(x, axis, -1)
+
+
+def _from_end(x, o, axis: int):
+    return x if axis == x.ndim - 1 else o.moveaxis(x, -1, axis)
+
+
+def _shifts(o, n: int, step: int, like):
+    """int64 array [0, step, 2*step, ...] of length n on ``like``'s device."""
+    return o.arange(n, o.int64, like) * step
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# generic bitstream packing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _group(bits: int) -> tuple[int, int]:
+    """(elements, bytes) per group: the smallest whole number of elements that fills whole bytes."""
+    span = bits * 8 // math.gcd(bits, 8)  # lcm(bits, 8) <= 56, fits an int64 word
+    return span // bits, span // 8
+
+
+def _pack_stream(w, o, bits: int, axis: int):
+    """Pack validated int64 codes ``w`` into a uint8 LSB-first bitstream along ``axis``."""
+    n_el, n_by = _group(bits)
+    x = _to_end(w, o, axis)
+    lead = tuple(x.shape[:-1])
+    n = int(x.shape[-1])
+    n_groups = -(-n // n_el)
+    x = o.pad_axis(x, -1, n_groups * n_el - n, 0)
+    x = o.reshape(x & ((1 << bits) - 1), lead + (n_groups, n_el))
+    # Fields do not overlap, so the sum of the shifted fields is their bitwise OR.
+    word = o.sum(x << _shifts(o, n_el, bits, x), -1, keepdims=False)
+    by = (word[..., None] >> _shifts(o, n_by, 8, x)) & 0xFF
+    out = o.astype(o.reshape(by, lead + (n_groups * n_by,)), o.uint8)
+    return _from_end(out, o, axis)
+
+
+def _unpack_stream(b, o, bits: int, axis: int, length, signed: bool, name: str):
+    """Inverse of ``_pack_stream`` on validated int64 bytes ``b``; returns uint8 (or int8 when ``signed``)."""
+    n_el, n_by = _group(bits)
+    x = _to_end(b, o, axis)
+    lead = tuple(x.shape[:-1])
+    m = int(x.shape[-1])
+    if m % n_by:
+        raise ValueError(
+            f"{name} has {m} byte(s) along axis {axis}; {bits}-bit packing comes in groups of {n_by} byte(s)"
+        )
+    n_groups = m // n_by
+    n = _check_length(length, n_groups, n_el)
+    x = o.reshape(x, lead + (n_groups, n_by))
+    word = o.sum(x << _shifts(o, n_by, 8, x), -1, keepdims=False)
+    v = (word[..., None] >> _shifts(o, n_el, bits, x)) & ((1 << bits) - 1)
+    v = o.reshape(v, lead + (n_groups * n_el,))
+    v = o.slice_axis(v, -1, n)
+    if signed:
+        half = 1 << (bits - 1)
+        v = o.astype((v ^ half) - half, o.int8)
+    else:
+        v = o.astype(v, o.uint8)
+    return _from_end(v, o, axis)
+
+
+def pack_bits(codes, bits: int, *, axis: int = -1, signed: Optional[bool] = None):
+    """Pack ``bits``-wide integer codes along ``axis`` into a ``uint8`` little-endian bitstream.
+
+    Element ``i`` occupies bits ``[i*bits, (i+1)*bits)`` of the byte stream (byte ``k`` = stream bits
+    ``8k..8k+7``, LSB first); for ``bits`` in {1, 2, 4, 8} that is element ``j`` of each byte at bit offset
+    ``j*bits``. Signed values are written as two's complement in their field. The packed axis has length
+    ``ceil(n / E) * B`` where a group of ``E = lcm(bits, 8) / bits`` elements fills ``B = lcm(bits, 8) / 8``
+    bytes; a ragged last group is padded with code 0 (pass ``length=n`` to ``unpack_bits`` to trim).
+
+    Args:
+        codes: integer array / tensor of codes.
+        bits: field width, 1..8.
+        axis: the axis to pack (default last).
+        signed: which values are valid: ``True`` -2**(bits-1)..2**(bits-1)-1, ``False`` 0..2**bits-1,
+            ``None`` (default) either.
+
+    Returns:
+        ``uint8`` array / tensor, same kind and device as ``codes``.
+    """
+    bits = _check_bits(bits)
+    signed = _check_signed(signed, allow_none=True)
+    w, o = _codes_to_int64(codes, bits, signed, "codes")
+    axis = _check_axis(axis, w.ndim)
+    return _pack_stream(w, o, bits, axis)
+
+
+def unpack_bits(packed, bits: int, *, axis: int = -1, length: Optional[int] = None, signed: bool = False):
+    """Inverse of ``pack_bits``: ``uint8`` codes (``signed=False``) or sign-extended ``int8`` (``signed=True``).
+
+    ``length`` trims the unpacked axis to the original element count; by default every element of every packed
+    group is returned. ``packed`` should be ``uint8`` (``int8`` is read bitwise; other integer dtypes must hold
+    0..255).
+    """
+    bits = _check_bits(bits)
+    signed = _check_signed(signed, allow_none=False)
+    b, o = _bytes_to_int64(packed, "packed")
+    axis = _check_axis(axis, b.ndim)
+    return _unpack_stream(b, o, bits, axis, length, signed, "packed")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fp4 / fp6
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def pack_fp4(codes, *, axis: int = -1):
+    """Pack fp4 (e2m1) codes 0..15 two per byte: element ``2i`` in the low nibble, ``2i+1`` in the high nibble.
+
+    This is the torchao / Quark / OCP layout: [0.5, 1.0, 1.5, -6.0] = codes [0x1, 0x2, 0x3, 0xF] -> bytes
+    [0x21, 0xF3]. An odd length is padded with code 0 (``unpack_fp4(..., length=n)`` trims). Returns ``uint8``.
+    """
+    w, o = _codes_to_int64(codes, 4, False, "codes")
+    axis = _check_axis(axis, w.ndim)
+    return _pack_stream(w, o, 4, axis)
+
+
+def unpack_fp4(packed, *, axis: int = -1, length: Optional[int] = None):
+    """Inverse of ``pack_fp4``: ``uint8`` fp4 codes 0..15, ``length`` (default ``2 * bytes``) along ``axis``."""
+    b, o = _bytes_to_int64(packed, "packed")
+    axis = _check_axis(axis, b.ndim)
+    return _unpack_stream(b, o, 4, axis, length, False, "packed")
+
+
+def pack_fp6(codes, *, axis: int = -1):
+    """Pack fp6 (e2m3 / e3m2) codes 0..63, 4 values -> 3 bytes, in Quark's layout::
+
+        byte0 = v0        | (v1 & 0x3) << 6
+        byte1 = v1 >> 2   | (v2 & 0xF) << 4
+        byte2 = v2 >> 4   | v3 << 2
+
+    which is exactly the dense LSB-first 6-bit bitstream of ``pack_bits(codes, 6)`` (``v_i`` at stream bits
+    ``6i..6i+5``: v0 = byte0 bits 0-5; v1 = byte0 bits 6-7 + byte1 bits 0-3; v2 = byte1 bits 4-7 + byte2 bits 0-1;
+    v3 = byte2 bits 2-7). A length that is not a multiple of 4 is padded with code 0 (``length=`` trims on
+    unpack). Returns ``uint8``.
+    """
+    w, o = _codes_to_int64(codes, 6, False, "codes")
+    axis = _check_axis(axis, w.ndim)
+    return _pack_stream(w, o, 6, axis)
+
+
+def unpack_fp6(packed, *, axis: int = -1, length: Optional[int] = None):
+    """Inverse of ``pack_fp6``: ``uint8`` fp6 codes 0..63; the packed axis must be a multiple of 3 bytes."""
+    b, o = _bytes_to_int64(packed, "packed")
+    axis = _check_axis(axis, b.ndim)
+    return _unpack_stream(b, o, 6, axis, length, False, "packed")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# int4 in int32 words
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_order(order: Any) -> Int4Order:
+    if isinstance(order, Int4Order):
+        return order
+    if isinstance(order, str):
+        try:
+            return Int4Order(order.lower())
+        except ValueError:
+            raise ValueError(
+                f"order={order!r} is not a known nibble order; use Int4Order.ORDER or Int4Order.REORDER"
+            ) from None
+    raise TypeError(f"order must be an Int4Order (ORDER or REORDER), got {type(order).__name__}")
+
+
+def pack_int4_int32(values, *, order: Union[Int4Order, str], axis: int = -1, signed: Optional[bool] = None):
+    """Pack 4-bit integers eight per ``int32`` word along ``axis``.
+
+    Nibble slot ``i`` is bits ``4i..4i+3`` of the word read as uint32 (slot 7 carries the sign bit of the
+    ``int32``). ``Int4Order.ORDER`` puts element ``i`` of each group of 8 in slot ``i``; ``Int4Order.REORDER``
+    (AWQ / Quark) puts element ``[0, 2, 4, 6, 1, 3, 5, 7][i]`` there. Values 0..7 pack to 0x76543210 (ORDER) and
+    0x75316420 (REORDER). Signed int4 is written in two's complement nibbles; uint4 0..15 works too (``signed``
+    says which values are valid, default either). A length that is not a multiple of 8 is padded with 0
+    (``length=`` trims on unpack).
+
+    ``order`` is required (no default: the two layouts are silently incompatible). ``Int4Order`` is preferred;
+    its value strings ``"order"`` / ``"reorder"`` are accepted for convenience.
+
+    Returns:
+        ``int32`` array / tensor (numpy ``int32`` / ``torch.int32``), same kind and device as ``values``.
+    """
+    order = _check_order(order)
+    signed = _check_signed(signed, allow_none=True)
+    w, o = _codes_to_int64(values, 4, signed, "values")
+    axis = _check_axis(axis, w.ndim)
+    x = _to_end(w, o, axis)
+    lead = tuple(x.shape[:-1])
+    n = int(x.shape[-1])
+    n_groups = -(-n // 8)
+    x = o.pad_axis(x, -1, n_groups * 8 - n, 0)
+    x = o.reshape(x & 0xF, lead + (n_groups, 8))
+    if order is Int4Order.REORDER:
+        # slot i holds element _REORDER[i]; element e therefore sits in slot _REORDER.index(e).
+        slot_of_element = [_REORDER.index(e) for e in range(8)]
+        shifts = o.asarray([4 * s for s in slot_of_element], o.int64, x)
+    else:
+        shifts = _shifts(o, 8, 4, x)
+    word = o.sum(x << shifts, -1, keepdims=False)  # 0 .. 2**32 - 1
+    word = o.where(word >= (1 << 31), word - (1 << 32), word)  # reinterpret as int32, explicitly
+    return _from_end(o.astype(word, o.int32), o, axis)
+
+
+def unpack_int4_int32(
+    packed, *, order: Union[Int4Order, str], axis: int = -1, length: Optional[int] = None, signed: bool = True
+):
+    """Inverse of ``pack_int4_int32``: ``int8`` sign-extended int4 (``signed=True``, default) or ``uint8`` uint4.
+
+    ``packed`` must be ``int32`` (numpy ``uint32`` is read bitwise too). ``length`` trims the unpacked axis
+    (default ``8 * words``).
+    """
+    order = _check_order(order)
+    signed = _check_signed(signed, allow_none=False)
+    a, o = _as_int_array(packed, "packed")
+    ok = a.dtype == o.int32 or (not is_torch(a) and a.dtype == np.uint32)
+    if not ok:
+        raise TypeError(f"packed must be an int32 array of packed words, got dtype {a.dtype}")
+    axis = _check_axis(axis, a.ndim)
+    w = o.astype(a, o.int64) & 0xFFFFFFFF
+    x = _to_end(w, o, axis)
+    lead = tuple(x.shape[:-1])
+    n_groups = int(x.shape[-1])
+    n = _check_length(length, n_groups, 8)
+    if order is Int4Order.REORDER:
+        shifts = o.asarray([4 * _REORDER.index(e) for e in range(8)], o.int64, x)
+    else:
+        shifts = _shifts(o, 8, 4, x)
+    v = (x[..., None] >> shifts) & 0xF
+    v = o.slice_axis(o.reshape(v, lead + (n_groups * 8,)), -1, n)
+    v = o.astype((v ^ 8) - 8, o.int8) if signed else o.astype(v, o.uint8)
+    return _from_end(v, o, axis)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GGUF Q4 nibbles
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def pack_gguf_q4(codes, *, axis: int = -1):
+    """Pack 4-bit codes 0..15 in GGUF's Q4 nibble order: per block of 32, byte ``j`` = ``c[j] | c[j+16] << 4``.
+
+    ``codes`` has shape (..., 32 * nb) along ``axis`` (default last; a length that is not a multiple of 32 raises
+    ``ValueError``); the result is ``uint8`` of shape (..., 16 * nb) — the ``qs`` field of Q4_0 / Q4_1 / MXFP4
+    blocks (the scale fields are not written here).
+    """
+    w, o = _codes_to_int64(codes, 4, False, "codes")
+    axis = _check_axis(axis, w.ndim)
+    x = _to_end(w, o, axis)
+    lead = tuple(x.shape[:-1])
+    n = int(x.shape[-1])
+    if n % 32:
+        raise ValueError(f"codes has length {n} along axis {axis}; GGUF Q4 blocks need a multiple of 32")
+    x = o.reshape(x, lead + (n // 32, 2, 16))
+    by = o.sum(x << _shifts(o, 2, 4, x)[:, None], -2, keepdims=False)  # low half | high half << 4
+    out = o.astype(o.reshape(by, lead + (n // 2,)), o.uint8)
+    return _from_end(out, o, axis)
+
+
+def unpack_gguf_q4(packed, *, axis: int = -1):
+    """Inverse of ``pack_gguf_q4``: (..., 16 * nb) bytes -> (..., 32 * nb) ``uint8`` codes 0..15."""
+    b, o = _bytes_to_int64(packed, "packed")
+    axis = _check_axis(axis, b.ndim)
+    x = _to_end(b, o, axis)
+    lead = tuple(x.shape[:-1])
+    m = int(x.shape[-1])
+    if m % 16:
+        raise ValueError(f"packed has length {m} along axis {axis}; GGUF Q4 blocks are 16 bytes")
+    x = o.reshape(x, lead + (m // 16, 1, 16))
+    v = (x >> _shifts(o, 2, 4, x)[:, None]) & 0xF  # (..., nb, 2, 16): low nibbles then high nibbles
+    out = o.astype(o.reshape(v, lead + (2 * m,)), o.uint8)
+    return _from_end(out, o, axis)

@@ -1,0 +1,362 @@
+"""Quantize, dequantize, fake-quantize: ``QuantSpec`` (what to do) and ``QTensor`` (the result).
+
+``quantize(x, spec)`` computes, per block of the spec's granularity, a scale (and zero point) from the block's
+statistic (absmax, or min/max when asymmetric) unless you pass calibrated ``scale=`` / ``zero_point=``; then
+codes = round(x / scale) (+ zero point) in the element format. ``dequantize(q)`` = (element value - zero
+point) * scale. ``fake_quantize(x, spec)`` = ``dequantize(quantize(x, spec))`` bit for bit, computed without
+materialising codes.
+
+A format name is shorthand for its default spec: ``fake_quantize(x, "mxfp4", axis=-1)`` (OCP FLOOR E8M0
+scales, blocks of 32 along ``axis``), ``quantize(x, "int4", granularity=PerGroup(128))``. Keyword overrides
+replace spec fields: ``fake_quantize(x, "mxfp4", scale_mode=ScaleMode.EVEN)``.
+
+Semantics decided here (the places where libraries differ):
+
+- Element rounding: ``spec.rounding`` (default nearest-even). Float elements saturate at ``±max_finite``
+  inside quantize (OCP MX clamps; an FN format's NaN-on-overflow is for plain casts).
+- Power-of-two scales divide exactly (``x * 2**-s``); other scales divide in float32 (``x / scale``).
+- Integer codes are ``clip(round(x / scale) + zero_point, qmin, qmax)`` (``narrow_range``: qmin = -qmax).
+- Block formats with integer elements (MXINT8, bfp16, MX9/6/4) keep the OCP meaning of the scale: the element
+  value is ``code * 2**unit_exponent`` (MXINT8: code/64), and the scale is the shared ``X = 2**s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from ._backend import ops, to_array
+from .cast import cast, decode, encode
+from .dtypes import BlockDType, FloatDType, IntDType, ScaleMode, get_dtype
+from .granularity import (Granularity, PerChannel, PerGroup, PerTensor, check_granularity, from_blocks,
+                          scales_to_blocked, to_blocks)
+from .granularity import scale_shape as _scale_shape
+from .rounding import RoundingMode, check_mode, pow2
+from .scales import asymmetric_scale, floor_log2, pow2_scale_exponent, symmetric_scale
+
+__all__ = ["QuantSpec", "QTensor", "make_spec", "quantize", "dequantize", "fake_quantize"]
+
+_F32 = get_dtype("float32")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """What a quantizer does; frozen and validated at construction.
+
+    dtype: element format (``IntDType`` or ``FloatDType``; a name is resolved).
+    granularity: ``PerTensor()``, ``PerChannel(axis)``, ``PerGroup(size, axis)`` or ``PerBlock(shape)``.
+    symmetric: False adds an integer zero point (integer elements only).
+    scale_dtype: format the scales are stored in (float32, float16, bfloat16, float8_e8m0fnu, float8_e5m3,
+        float8_e4m3fn, ...). ``float8_e8m0fnu`` implies ``pow2_scale``.
+    pow2_scale: scales are powers of two chosen by ``scale_mode``.
+    scale_mode: ``ScaleMode`` for power-of-two scales (FLOOR = OCP MX).
+    rounding: ``RoundingMode`` of the elements; STOCHASTIC needs ``key=`` at the call.
+    saturate: float elements: clamp at ±max (default True inside quantize).
+    narrow_range: signed integers use [-max, max] (int8: -127..127).
+    unit_exponent: integer elements of a block format mean ``code * 2**unit_exponent`` (MXINT8: -6).
+    subblock_size, subblock_shift_bits: shared microexponents (MX9/MX6/MX4): each sub-block of the block may
+        lower the shared exponent by up to ``2**subblock_shift_bits - 1``.
+    bump_on_overflow: bfp16's rule: if an element rounds past the integer range, raise the shared exponent once.
+    name: the format name this spec came from (for messages and exporters), or "".
+    """
+
+    dtype: Union[IntDType, FloatDType]
+    granularity: Granularity = PerTensor()
+    symmetric: bool = True
+    scale_dtype: FloatDType = _F32
+    pow2_scale: bool = False
+    scale_mode: ScaleMode = ScaleMode.FLOOR
+    rounding: RoundingMode = RoundingMode.NEAREST_EVEN
+    saturate: bool = True
+    narrow_range: bool = False
+    unit_exponent: int = 0
+    subblock_size: int = 1
+    subblock_shift_bits: int = 0
+    bump_on_overflow: bool = False
+    name: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        d = get_dtype(self.dtype)
+        if isinstance(d, BlockDType):
+            raise ValueError(f"QuantSpec.dtype is the element format; build block formats with make_spec({d.name!r})")
+        object.__setattr__(self, "dtype", d)
+        sd = get_dtype(self.scale_dtype)
+        if not isinstance(sd, FloatDType):
+            raise ValueError(f"scale_dtype must be a float format, got {sd.name}")
+        object.__setattr__(self, "scale_dtype", sd)
+        check_granularity(self.granularity)
+        for name in ("symmetric", "pow2_scale", "saturate", "narrow_range", "bump_on_overflow"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"QuantSpec.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.scale_mode, ScaleMode):
+            raise TypeError(f"QuantSpec.scale_mode must be a qcore.ScaleMode, got {self.scale_mode!r}")
+        if not isinstance(self.rounding, RoundingMode):
+            raise TypeError(f"QuantSpec.rounding must be a qcore.RoundingMode, got {self.rounding!r}")
+        if sd.mantissa_bits == 0 and not self.pow2_scale:
+            object.__setattr__(self, "pow2_scale", True)
+        if not self.symmetric:
+            if not isinstance(d, IntDType):
+                raise ValueError(f"asymmetric (zero-point) quantization needs an integer dtype, got {d.name}")
+            if self.pow2_scale:
+                raise ValueError("asymmetric quantization with power-of-two scales is not supported")
+        if self.narrow_range and not (isinstance(d, IntDType) and d.signed):
+            raise ValueError("narrow_range applies to signed integer dtypes only")
+        if self.unit_exponent and not (isinstance(d, IntDType) and self.pow2_scale):
+            raise ValueError("unit_exponent applies to integer elements with power-of-two scales only")
+        if self.subblock_size < 1 or self.subblock_shift_bits < 0:
+            raise ValueError("subblock_size must be >= 1 and subblock_shift_bits >= 0")
+        if self.subblock_shift_bits and not (self.pow2_scale and isinstance(self.granularity, PerGroup)
+                                              and self.granularity.size % self.subblock_size == 0):
+            raise ValueError("shared microexponents need power-of-two scales and PerGroup blocks that are a "
+                             "multiple of subblock_size")
+        if self.bump_on_overflow and not (self.pow2_scale and isinstance(d, IntDType)):
+            raise ValueError("bump_on_overflow needs integer elements and power-of-two scales")
+
+    @property
+    def qmin(self) -> float:
+        d = self.dtype
+        if isinstance(d, IntDType):
+            return float(-d.max if self.narrow_range else d.min)
+        return -d.max_finite
+
+    @property
+    def qmax(self) -> float:
+        d = self.dtype
+        return float(d.max) if isinstance(d, IntDType) else d.max_finite
+
+    def scale_shape(self, shape) -> tuple:
+        """Shape of this spec's scales for an input of ``shape``."""
+        return _scale_shape(self.granularity, shape)
+
+
+def make_spec(fmt: Union[str, IntDType, FloatDType, BlockDType, QuantSpec], *, axis: Optional[int] = None,
+              **overrides) -> QuantSpec:
+    """The default spec of a format name (or dtype), with keyword overrides of QuantSpec fields.
+
+    Element formats default to per-tensor symmetric float32 scales. Block formats (``mxfp4``, ``mxint8``,
+    ``mx9``, ``bfp16``, ...) give PerGroup(block_size, axis) with E8M0 scales and their scale rule; ``axis``
+    (default -1) picks the blocked axis. For element formats ``axis`` means per-channel along ``axis``.
+    """
+    if isinstance(fmt, QuantSpec):
+        spec = fmt
+        if axis is not None and isinstance(spec.granularity, (PerGroup, PerChannel)):
+            overrides.setdefault("granularity", dataclasses.replace(spec.granularity, axis=axis))
+        return dataclasses.replace(spec, **overrides) if overrides else spec
+    d = get_dtype(fmt)
+    if isinstance(d, BlockDType):
+        el = d.element
+        unit = -el.emax if isinstance(el, IntDType) else 0
+        base = dict(
+            dtype=el, granularity=PerGroup(d.block_size, -1 if axis is None else axis), scale_dtype=d.scale,
+            pow2_scale=True, scale_mode=d.scale_mode, narrow_range=d.narrow, unit_exponent=unit,
+            subblock_size=d.subblock_size, subblock_shift_bits=d.subblock_shift_bits,
+            bump_on_overflow=d.bump_on_overflow, name=d.name,
+        )
+    else:
+        gran = PerTensor() if axis is None else PerChannel(axis)
+        base = dict(dtype=d, granularity=gran, name=d.name)
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(QuantSpec)}
+    if unknown:
+        raise TypeError(f"unknown QuantSpec field(s): {', '.join(sorted(unknown))}")
+    base.update(overrides)
+    return QuantSpec(**base)
+
+
+@dataclass(frozen=True)
+class QTensor:
+    """A quantized tensor: ``codes`` (x's shape), ``scales`` (``spec.scale_shape(shape)``, float32 values that
+    are exactly representable in ``spec.scale_dtype``), ``zero_points`` (same shape as scales, float32
+    integers; None when symmetric), ``subblock_shifts`` (microexponent formats: int32, one per sub-block along
+    the blocked axis, else None).
+
+    Codes are bit patterns (uint8, or int32 for > 8-bit formats) for float elements and integer values for
+    integer elements (int8/uint8 up to 8 bits, else int32), as ``qcore.encode`` returns them.
+    """
+
+    codes: Any
+    scales: Any
+    zero_points: Any
+    spec: QuantSpec
+    subblock_shifts: Any = None
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.codes.shape)
+
+
+def _spec_of(spec, axis, overrides) -> QuantSpec:
+    if isinstance(spec, QuantSpec) and not overrides and axis is None:
+        return spec
+    return make_spec(spec, axis=axis, **overrides)
+
+
+def _scaled(xb, sb, spec: QuantSpec, o):
+    """x / scale for the element grid (exact for power-of-two scales)."""
+    with o.quiet():
+        if spec.pow2_scale:
+            return xb * sb  # sb holds 2**-s here
+        return xb / sb
+
+
+def _elements(y, spec: QuantSpec, key, o):
+    """Round scaled values to the element grid; returns element values (float32) in scale units."""
+    d = spec.dtype
+    if isinstance(d, FloatDType):
+        return cast(y, d, rounding=spec.rounding, saturate=True if spec.saturate else None, key=key)
+    unit = spec.unit_exponent
+    if unit:
+        y = y * np.float32(2.0**-unit)
+    from .rounding import round_to_step
+
+    r = round_to_step(y, 0, mode=spec.rounding, key=key)
+    return r
+
+
+def _int_clip(r, spec: QuantSpec, o, zp=None):
+    lo, hi = np.float32(spec.qmin), np.float32(spec.qmax)
+    if zp is not None:
+        r = r + zp
+    return o.clip(r, lo, hi)
+
+
+def _pow2_exponents(xb, blocked, spec: QuantSpec, o):
+    amax = o.amax(o.abs(xb), blocked.reduce_axes)
+    s, bad = pow2_scale_exponent(amax, element=spec.dtype, mode=spec.scale_mode, scale_dtype=spec.scale_dtype,
+                                 unit_exponent=spec.unit_exponent)
+    return s, bad
+
+
+def _quantize_blocks(x, spec: QuantSpec, scale, zero_point, key, o):
+    """Core: returns (element values in scale units (float32, blocked), scales (float32, scale shape),
+    zero points or None, blocked info, element values before zero point removal)."""
+    xb, blocked = to_blocks(x, spec.granularity, o)
+    sshape = blocked.scale_shape
+    zp = None
+    if spec.subblock_shift_bits:
+        from ._microexp import quantize_microexp_blocks
+
+        return quantize_microexp_blocks(xb, blocked, spec, scale, key, o)
+    if scale is None:
+        if spec.pow2_scale:
+            s, bad = _pow2_exponents(xb, blocked, spec, o)
+            if spec.bump_on_overflow:
+                s = _bump(xb, blocked, s, spec, key, o)
+            scales = o.where(bad, np.float32(math.nan), pow2(s, o, x))
+            inv = o.where(bad, np.float32(math.nan), pow2(-s, o, x))
+        elif spec.symmetric:
+            amax = o.amax(o.abs(xb), blocked.reduce_axes)
+            scales = symmetric_scale(amax, dtype=spec.dtype, scale_dtype=spec.scale_dtype,
+                                     narrow_range=spec.narrow_range)
+        else:
+            lo = o.amin(xb, blocked.reduce_axes)
+            hi = o.amax(xb, blocked.reduce_axes)
+            scales, zp = asymmetric_scale(lo, hi, dtype=spec.dtype, scale_dtype=spec.scale_dtype)
+        scales = o.reshape(scales, sshape)
+        if zp is not None:
+            zp = o.reshape(zp, sshape)
+    else:
+        scales = _check_param(scale, sshape, "scale", o, x)
+        if not spec.symmetric:
+            if zero_point is None:
+                raise ValueError("an asymmetric spec with a given scale also needs zero_point=")
+            zp = _check_param(zero_point, sshape, "zero_point", o, x)
+    sb = scales_to_blocked(scales, blocked, o)
+    if spec.pow2_scale:
+        if scale is not None:
+            s = o.where(o.isnan(scales), 0, floor_log2(scales))
+            inv = o.where(o.isnan(scales), np.float32(math.nan), pow2(-s, o, x))
+        y = _scaled(xb, scales_to_blocked(inv, blocked, o), spec, o)
+    else:
+        y = _scaled(xb, sb, spec, o)
+    v = _elements(y, spec, key, o)
+    if isinstance(spec.dtype, IntDType):
+        zpb = None if zp is None else scales_to_blocked(zp, blocked, o)
+        v = _int_clip(v, spec, o, zpb)
+        if zpb is not None:
+            return v, scales, zp, blocked, None
+    return v, scales, zp, blocked, None
+
+
+def _bump(xb, blocked, s, spec, key, o):
+    """bfp16: raise the shared exponent once where any element of the block would round past the range."""
+    sb = scales_to_blocked(s, blocked, o)
+    y = xb * pow2(o.clip(-sb, -126, 127), o, xb)
+    r = _elements(y, spec, key, o)
+    over = o.logical_or(r > np.float32(spec.qmax), r < np.float32(spec.qmin))
+    anyover = o.amax(o.astype(over, o.int32), blocked.reduce_axes)
+    from .scales import scale_exponent_range
+
+    _, smax = scale_exponent_range(spec.scale_dtype)
+    return o.minimum(s + o.reshape(anyover, tuple(s.shape)), smax)
+
+
+def _check_param(p, shape, name, o, like):
+    p = o.asarray(p, o.float32, like) if o.name == "torch" else np.asarray(p, dtype=np.float32)
+    if tuple(p.shape) != tuple(shape):
+        try:
+            p = o.broadcast_to(p, shape)
+        except (ValueError, RuntimeError):
+            raise ValueError(f"{name} has shape {tuple(p.shape)}; this spec needs {tuple(shape)}") from None
+    return p
+
+
+def quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point=None, key: Optional[int] = None,
+             **overrides) -> QTensor:
+    """Quantize ``x`` (float array) with ``spec`` (a QuantSpec, a format name or a dtype) -> ``QTensor``.
+
+    ``scale``/``zero_point``: calibrated parameters of shape ``spec.scale_shape(x.shape)`` (static
+    quantization); if omitted they are computed from ``x`` (dynamic). ``key``: for stochastic rounding.
+    """
+    spec = _spec_of(spec, axis, overrides)
+    check_mode(spec.rounding, key)
+    x, o = to_array(x)
+    x = o.astype(x, o.float32)
+    v, scales, zp, blocked, shifts = _quantize_blocks(x, spec, scale, zero_point, key, o)
+    v = from_blocks(v, blocked, o)
+    d = spec.dtype
+    if isinstance(d, IntDType):
+        codes = o.astype(v, (o.int8 if d.signed else o.uint8) if d.bits <= 8 else o.int32)
+    else:
+        codes = encode(v, d, saturate=True)
+    return QTensor(codes, scales, zp, spec, shifts)
+
+
+def dequantize(q: QTensor):
+    """Float32 values of a ``QTensor``: (element value - zero point) * scale, per block."""
+    if not isinstance(q, QTensor):
+        raise TypeError(f"dequantize takes a QTensor, got {type(q).__name__}")
+    spec = q.spec
+    o = ops(q.codes)
+    v = decode(q.codes, spec.dtype)
+    vb, blocked = to_blocks(v, spec.granularity, o)
+    return from_blocks(_dequant_blocks(vb, q.scales, q.zero_points, q.subblock_shifts, blocked, spec, o),
+                       blocked, o)
+
+
+def _dequant_blocks(vb, scales, zp, shifts, blocked, spec, o):
+    sb = scales_to_blocked(scales, blocked, o)
+    if zp is not None:
+        vb = vb - scales_to_blocked(zp, blocked, o)
+    if spec.subblock_shift_bits:
+        from ._microexp import dequant_microexp_blocks
+
+        return dequant_microexp_blocks(vb, sb, shifts, blocked, spec, o)
+    if spec.unit_exponent:
+        vb = vb * np.float32(2.0**spec.unit_exponent)
+    with o.quiet():
+        return vb * sb
+
+
+def fake_quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point=None, key: Optional[int] = None,
+                  **overrides):
+    """``dequantize(quantize(x, spec, ...))``, bit for bit, without building codes. Same arguments as quantize."""
+    spec = _spec_of(spec, axis, overrides)
+    check_mode(spec.rounding, key)
+    x, o = to_array(x)
+    x = o.astype(x, o.float32)
+    v, scales, zp, blocked, shifts = _quantize_blocks(x, spec, scale, zero_point, key, o)
+    return from_blocks(_dequant_blocks(v, scales, zp, shifts, blocked, spec, o), blocked, o)

@@ -1,0 +1,151 @@
+"""Scales: from a block statistic (absmax, or min and max) to the scale (and zero point) of a block.
+
+- ``floor_log2(x)``: exact ``floor(log2(|x|))`` read from the float32 bits (subnormals included). Computing it
+  as ``floor(log2(x))`` in float32 is wrong just below powers of two (log2(2**k - ulp) rounds to k), which
+  makes an MX scale one binade too big; qcore never takes a float log.
+- ``pow2_scale_exponent(amax, ...)``: the shared exponent of a power-of-two (E8M0 / pow2) scale, for each
+  ``qcore.ScaleMode`` (formulas in ``ScaleMode``'s docstring).
+- ``symmetric_scale(amax, ...)``, ``asymmetric_scale(lo, hi, ...)``: ordinary float scales, rounded to a scale
+  dtype.
+
+Conventions (the same as AMD Quark, torch.ao and compressed-tensors): a symmetric integer scale is
+``amax / ((qmax - qmin) / 2)`` (int8: amax / 127.5), or ``amax / qmax`` with ``narrow_range``; a float element's
+scale is ``amax / max_finite``; an asymmetric scale is ``(hi - lo) / (qmax - qmin)`` over the range widened to
+contain 0, with zero point ``clip(qmin - round(lo / scale), qmin, qmax)``. A block whose statistic is 0 gets
+scale 1 (pow2: the smallest exponent) so that it quantizes to exact zeros; a non-finite statistic gives a NaN
+scale, which makes the whole block NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._backend import ops
+from .dtypes import FloatDType, IntDType, ScaleMode
+from .rounding import RoundingMode, _round_sig, decompose, pow2
+
+__all__ = ["floor_log2", "pow2_scale_exponent", "symmetric_scale", "asymmetric_scale", "scale_exponent_range"]
+
+
+def floor_log2(x):
+    """Exact floor(log2(|x|)) of float32 ``x`` as int32 (from the bits; 0, Inf and NaN give -150 / 128)."""
+    o = ops(x)
+    x = o.astype(x, o.float32)
+    _, sig, exp, finite = decompose(x, o)
+    return o.where(sig == 0, o.where(finite, -150, 128), exp)
+
+
+def scale_exponent_range(scale_dtype: FloatDType) -> tuple[int, int]:
+    """Smallest and largest exponent of a power-of-two scale stored in ``scale_dtype``.
+
+    E8M0: [-127, 127]. Other float dtypes: their normal range ([-126, 127] for float32), so that 1/scale is
+    also representable.
+    """
+    if scale_dtype.mantissa_bits == 0 and not scale_dtype.subnormals:
+        return scale_dtype.emin, scale_dtype.emax
+    return max(scale_dtype.emin, -126), min(scale_dtype.emax, 126)
+
+
+def element_emax_and_max(element, unit_exponent: int = 0, narrow: bool = False):
+    """(emax, max) of the element grid in units of the scale: floats their own; ints ``emax + unit``."""
+    if isinstance(element, FloatDType):
+        return element.emax, element.max_finite
+    qmax = element.max
+    return element.emax + unit_exponent, float(qmax) * 2.0**unit_exponent
+
+
+def pow2_scale_exponent(amax, *, element, mode: ScaleMode = ScaleMode.FLOOR, scale_dtype: FloatDType,
+                        unit_exponent: int = 0):
+    """Shared exponent ``s`` (int32; the scale is ``2**s``) per block from its float32 absmax ``amax``.
+
+    ``element`` is the element dtype (``FloatDType`` or ``IntDType``; an ``IntDType`` element's value is
+    ``code * 2**unit_exponent``). Returns ``(s, bad)`` where ``bad`` marks blocks whose amax is NaN or Inf
+    (their scale is NaN). ``s`` is clamped to ``scale_exponent_range(scale_dtype)``; a zero block gets the
+    smallest exponent.
+    """
+    if not isinstance(mode, ScaleMode):
+        raise TypeError(f"scale_mode must be a qcore.ScaleMode, got {mode!r}")
+    o = ops(amax)
+    a = o.astype(amax, o.float32)
+    emax, maxv = element_emax_and_max(element, unit_exponent)
+    neg, sig, e, finite = decompose(a, o)
+    bad = o.logical_not(finite)
+    if mode is ScaleMode.FLOOR:
+        s = e - emax
+    elif mode is ScaleMode.CEIL:
+        s = e - emax + o.astype(sig != (1 << 23), o.int32)
+    elif mode is ScaleMode.EVEN:
+        mbits = element.mantissa_bits
+        r, exact = _round_sig(neg, sig, e, e - mbits, RoundingMode.NEAREST_EVEN, None, o, a)
+        # r counts steps of 2**(e - mbits); it reaches 2**(mbits + 1) exactly when amax rounds up a binade.
+        carried = o.logical_and(o.logical_not(exact), r >= (1 << (mbits + 1)))
+        s = e - emax + o.astype(carried, o.int32)
+    elif mode is ScaleMode.RCEIL:
+        s0 = e - emax
+        lo, hi = -126, 127
+        scaled = a * pow2(o.clip(-s0, lo, hi), o, a) * pow2(o.clip(-s0 - o.clip(-s0, lo, hi), lo, hi), o, a)
+        s = s0 + o.astype(scaled > np.float32(maxv), o.int32)
+    else:  # pragma: no cover - enum is closed
+        raise ValueError(mode)
+    smin, smax = scale_exponent_range(scale_dtype)
+    s = o.where(sig == 0, smin, s)
+    s = o.clip(s, smin, smax)
+    return o.astype(s, o.int32), bad
+
+
+def _int_range(dtype: IntDType, narrow: bool):
+    qmin = -dtype.max if (narrow and dtype.signed) else dtype.min
+    return qmin, dtype.max
+
+
+def _round_scale(scale, scale_dtype: FloatDType, o):
+    """Cast float32 scales to ``scale_dtype`` (RNE, saturating), keeping them positive and finite."""
+    from .cast import cast
+
+    if scale_dtype.name == "float32":
+        return scale
+    s = cast(scale, scale_dtype, saturate=True)
+    # A positive scale must not round to 0: use the dtype's smallest positive value instead.
+    return o.where(o.logical_and(s == 0, scale > 0), np.float32(scale_dtype.min_subnormal), s)
+
+
+def symmetric_scale(amax, *, dtype, scale_dtype: FloatDType, narrow_range: bool = False):
+    """Float scale per block from absmax for a symmetric spec (see the module docstring for the divisor)."""
+    o = ops(amax)
+    a = o.astype(amax, o.float32)
+    if isinstance(dtype, IntDType):
+        qmin, qmax = _int_range(dtype, narrow_range)
+        div = float(qmax) if narrow_range else (qmax - qmin) / 2.0
+    else:
+        div = dtype.max_finite
+    with o.quiet():
+        s = a / np.float32(div)
+    s = _round_scale(s, scale_dtype, o)
+    s = o.where(a == 0, np.float32(1.0), s)
+    return o.where(o.isfinite(a), s, np.float32(math.nan))
+
+
+def asymmetric_scale(lo, hi, *, dtype: IntDType, scale_dtype: FloatDType):
+    """(scale, zero_point) per block from the block min ``lo`` and max ``hi`` (integer elements only).
+
+    The range is widened to contain 0 so that 0 is exactly representable; ``zero_point`` is float32 holding
+    an integer in [qmin, qmax].
+    """
+    if not isinstance(dtype, IntDType):
+        raise ValueError(f"asymmetric quantization needs an integer dtype, got {dtype.name}")
+    o = ops(lo)
+    lo = o.minimum(o.astype(lo, o.float32), np.float32(0.0))
+    hi = o.maximum(o.astype(hi, o.float32), np.float32(0.0))
+    qmin, qmax = dtype.min, dtype.max
+    with o.quiet():
+        s = (hi - lo) / np.float32(qmax - qmin)
+    s = _round_scale(s, scale_dtype, o)
+    s = o.where(hi - lo == 0, np.float32(1.0), s)
+    finite = o.logical_and(o.isfinite(lo), o.isfinite(hi))
+    s = o.where(finite, s, np.float32(math.nan))
+    with o.quiet():
+        zp = o.clip(np.float32(qmin) - o.rint(lo / s), np.float32(qmin), np.float32(qmax))
+    zp = o.where(finite, zp, np.float32(0.0))
+    return s, zp
