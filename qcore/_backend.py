@@ -12,7 +12,6 @@ indexing) are used directly on arrays.
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 from typing import Any
 
@@ -281,15 +280,15 @@ class TorchOps:
 _NUMPY = NumpyOps()
 
 
-@functools.lru_cache(maxsize=None)
-def _torch_ops(torch_module) -> TorchOps:
-    return TorchOps(torch_module)
+_TORCH_OPS: list = []  # filled on first use with the one TorchOps instance (a memo, not configuration)
 
 
 def ops(x: Any):
     """The shim for ``x``'s array kind: ``TorchOps`` for torch tensors, ``NumpyOps`` otherwise."""
     if is_torch(x):
-        return _torch_ops(sys.modules["torch"])
+        if not _TORCH_OPS:
+            _TORCH_OPS.append(TorchOps(sys.modules["torch"]))
+        return _TORCH_OPS[0]
     return _NUMPY
 
 

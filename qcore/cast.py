@@ -34,7 +34,7 @@ import numpy as np
 
 from ._backend import ops, to_array
 from .dtypes import BlockDType, FloatDType, IntDType, Specials, get_dtype
-from .rounding import RoundingMode, _round_sig, check_mode, decompose, pow2
+from .rounding import RoundingMode, _round_sig, check_mode, decompose, pow2, round_to_integral
 
 __all__ = ["cast", "encode", "decode", "code_dtype_bits"]
 
@@ -98,9 +98,7 @@ def _cast_float(x, d: FloatDType, rounding, saturate, key, o):
 
 
 def _cast_int(x, d: IntDType, rounding, key, o):
-    from .rounding import round_to_step
-
-    y = round_to_step(x, 0, mode=rounding, key=key)
+    y = round_to_integral(x, mode=rounding, key=key)
     return o.clip(y, np.float32(d.min), np.float32(d.max))
 
 

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import enum
 import math
-import operator
 from typing import Any, Optional, Union
 
 import numpy as np

@@ -29,13 +29,16 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from ._backend import ops, to_array
+from functools import partial
+
+from ._backend import is_torch, ops, to_array
+from ._compiled import compiled
 from .cast import cast, decode, encode
 from .dtypes import BlockDType, FloatDType, IntDType, ScaleMode, get_dtype
 from .granularity import (Granularity, PerChannel, PerGroup, PerTensor, check_granularity, from_blocks,
                           scales_to_blocked, to_blocks)
 from .granularity import scale_shape as _scale_shape
-from .rounding import RoundingMode, check_mode, pow2
+from .rounding import RoundingMode, check_mode, pow2, round_to_integral
 from .scales import asymmetric_scale, floor_log2, pow2_scale_exponent, symmetric_scale
 
 __all__ = ["QuantSpec", "QTensor", "make_spec", "quantize", "dequantize", "fake_quantize"]
@@ -210,10 +213,7 @@ def _elements(y, spec: QuantSpec, key, o):
     unit = spec.unit_exponent
     if unit:
         y = y * np.float32(2.0**-unit)
-    from .rounding import round_to_step
-
-    r = round_to_step(y, 0, mode=spec.rounding, key=key)
-    return r
+    return round_to_integral(y, mode=spec.rounding, key=key)
 
 
 def _int_clip(r, spec: QuantSpec, o, zp=None):
@@ -304,19 +304,41 @@ def _check_param(p, shape, name, o, like):
     return p
 
 
+def _use_compiled(compile, x, spec) -> bool:
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be a bool, got {compile!r}")
+    return compile and is_torch(x) and spec.rounding is not RoundingMode.STOCHASTIC
+
+
+def _quantize_parts(x, scale, zero_point, key, *, spec):
+    """The pure core of quantize: float32 array -> (element values, scales, zero points, shifts)."""
+    o = ops(x)
+    v, scales, zp, blocked, shifts = _quantize_blocks(x, spec, scale, zero_point, key, o)
+    return from_blocks(v, blocked, o), scales, zp, shifts
+
+
+def _fake_quantize_pure(x, scale, zero_point, key, *, spec):
+    o = ops(x)
+    v, scales, zp, blocked, shifts = _quantize_blocks(x, spec, scale, zero_point, key, o)
+    return from_blocks(_dequant_blocks(v, scales, zp, shifts, blocked, spec, o), blocked, o)
+
+
 def quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point=None, key: Optional[int] = None,
-             **overrides) -> QTensor:
+             compile: bool = False, **overrides) -> QTensor:
     """Quantize ``x`` (float array) with ``spec`` (a QuantSpec, a format name or a dtype) -> ``QTensor``.
 
     ``scale``/``zero_point``: calibrated parameters of shape ``spec.scale_shape(x.shape)`` (static
     quantization); if omitted they are computed from ``x`` (dynamic). ``key``: for stochastic rounding.
+    ``compile=True`` (torch tensors): run the same pure function through torch.compile, once per spec and
+    shape class; bit-identical, eager fallback where no compiler is available (stochastic rounding stays
+    eager).
     """
     spec = _spec_of(spec, axis, overrides)
     check_mode(spec.rounding, key)
     x, o = to_array(x)
     x = o.astype(x, o.float32)
-    v, scales, zp, blocked, shifts = _quantize_blocks(x, spec, scale, zero_point, key, o)
-    v = from_blocks(v, blocked, o)
+    fn = compiled(_quantize_parts, spec) if _use_compiled(compile, x, spec) else partial(_quantize_parts, spec=spec)
+    v, scales, zp, shifts = fn(x, scale, zero_point, key)
     d = spec.dtype
     if isinstance(d, IntDType):
         codes = o.astype(v, (o.int8 if d.signed else o.uint8) if d.bits <= 8 else o.int32)
@@ -352,11 +374,12 @@ def _dequant_blocks(vb, scales, zp, shifts, blocked, spec, o):
 
 
 def fake_quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point=None, key: Optional[int] = None,
-                  **overrides):
+                  compile: bool = False, **overrides):
     """``dequantize(quantize(x, spec, ...))``, bit for bit, without building codes. Same arguments as quantize."""
     spec = _spec_of(spec, axis, overrides)
     check_mode(spec.rounding, key)
     x, o = to_array(x)
     x = o.astype(x, o.float32)
-    v, scales, zp, blocked, shifts = _quantize_blocks(x, spec, scale, zero_point, key, o)
-    return from_blocks(_dequant_blocks(v, scales, zp, shifts, blocked, spec, o), blocked, o)
+    if _use_compiled(compile, x, spec):
+        return compiled(_fake_quantize_pure, spec)(x, scale, zero_point, key)
+    return _fake_quantize_pure(x, scale, zero_point, key, spec=spec)

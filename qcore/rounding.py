@@ -176,5 +176,20 @@ def round_to_step(x, k, *, mode: RoundingMode = RoundingMode.NEAREST_EVEN, key: 
 
 
 def round_to_integral(x, *, mode: RoundingMode = RoundingMode.NEAREST_EVEN, key: int | None = None):
-    """Round float32 ``x`` to integers (as float32) with ``mode``; ``round_to_step(x, 0)``."""
+    """Round float32 ``x`` to integers (as float32) with ``mode``; equals ``round_to_step(x, 0)``.
+
+    The four IEEE directed/even modes use the array library's own exact float ops (rint, trunc, floor, ceil:
+    one pass, no integer work); NEAREST_AWAY and STOCHASTIC go through ``round_to_step``.
+    """
+    check_mode(mode, key)
+    x, o = to_array(x)
+    x = o.astype(x, o.float32)
+    direct = {
+        RoundingMode.NEAREST_EVEN: o.rint,
+        RoundingMode.TOWARD_ZERO: o.trunc,
+        RoundingMode.FLOOR: o.floor,
+        RoundingMode.CEIL: o.ceil,
+    }.get(mode)
+    if direct is not None:
+        return direct(x)
     return round_to_step(x, 0, mode=mode, key=key)
