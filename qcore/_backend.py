@@ -26,6 +26,11 @@ def is_torch(x: Any) -> bool:
     return mod.startswith("torch") and "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor)
 
 
+def _c(a, dtype) -> bool:
+    """True if ``a`` is a C-contiguous numpy array of ``dtype`` (so a bit view needs no copy)."""
+    return isinstance(a, np.ndarray) and a.dtype == dtype and a.flags.c_contiguous
+
+
 class NumpyOps:
     """numpy spelling of the shim (the oracle path)."""
 
@@ -44,13 +49,15 @@ class NumpyOps:
 
     @staticmethod
     def bits_of_f32(x):
-        """float32 -> int32 with the same bits."""
-        return np.ascontiguousarray(x, dtype=np.float32).view(np.int32)
+        """float32 -> int32 with the same bits (0-d arrays stay 0-d)."""
+        return np.asarray(x, dtype=np.float32).copy(order="C").view(np.int32) if not _c(x, np.float32) \
+            else np.asarray(x).view(np.int32)
 
     @staticmethod
     def f32_of_bits(i):
         """int32 -> float32 with the same bits."""
-        return np.ascontiguousarray(i, dtype=np.int32).view(np.float32)
+        return np.asarray(i, dtype=np.int32).copy(order="C").view(np.float32) if not _c(i, np.int32) \
+            else np.asarray(i).view(np.float32)
 
     @staticmethod
     def full(shape, value, dtype, like):

@@ -217,10 +217,13 @@ def _elements(y, spec: QuantSpec, key, o):
 
 
 def _int_clip(r, spec: QuantSpec, o, zp=None):
+    """Clamp rounded integer values (plus zero point) to the code range; -0 becomes 0 (integer codes have no
+    sign of zero, so fake_quantize must not keep one either)."""
     lo, hi = np.float32(spec.qmin), np.float32(spec.qmax)
     if zp is not None:
         r = r + zp
-    return o.clip(r, lo, hi)
+    r = o.clip(r, lo, hi)
+    return o.where(r == 0, np.float32(0), r)
 
 
 def _pow2_exponents(xb, blocked, spec: QuantSpec, o):
@@ -314,6 +317,9 @@ def _quantize_parts(x, scale, zero_point, key, *, spec):
     """The pure core of quantize: float32 array -> (element values, scales, zero points, shifts)."""
     o = ops(x)
     v, scales, zp, blocked, shifts = _quantize_blocks(x, spec, scale, zero_point, key, o)
+    # A NaN scale (a NaN or Inf in the block) already makes the whole block NaN, as in OCP MX: the element
+    # codes of such a block are 0.
+    v = o.where(o.isnan(scales_to_blocked(scales, blocked, o)), np.float32(0), v)
     return from_blocks(v, blocked, o), scales, zp, shifts
 
 
