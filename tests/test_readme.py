@@ -1,0 +1,32 @@
+"""The README's examples run as written, and its test command is the one .ci/run executes."""
+
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def python_blocks():
+    return re.findall(r"```python\n(.*?)```", README, flags=re.S)
+
+
+def test_readme_examples_run():
+    blocks = python_blocks()
+    assert len(blocks) >= 2
+    ns: dict = {}
+    for block in blocks:
+        if "import torch" in block:
+            pytest.importorskip("torch")
+        exec(compile(block, "README.md", "exec"), ns)
+
+
+def test_ci_runs_the_readme_test_command():
+    out = subprocess.run(
+        ["awk", '/<!-- test-command -->/{f=1; next} f && /^```/{if (started) exit; started=1; next} f && started {print}',
+         str(ROOT / "README.md")], capture_output=True, text=True, check=True).stdout.strip()
+    assert out.startswith("python -m pip install") and "pytest" in out
+    assert "awk" in (ROOT / ".ci" / "run").read_text()
