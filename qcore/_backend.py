@@ -144,10 +144,6 @@ class NumpyOps:
         return bool(np.any(x))
 
     @staticmethod
-    def nanquantile(x, q, axis, keepdims=True):
-        return np.nanquantile(x, q, axis=axis, keepdims=keepdims, method="linear").astype(np.float32)
-
-    @staticmethod
     def numpy(x):
         return np.asarray(x)
 
@@ -261,18 +257,6 @@ class TorchOps:
 
     def any(self, x):
         return bool(self.t.any(x))
-
-    def nanquantile(self, x, q, axis, keepdims=True):
-        # torch.nanquantile works on one dim only: flatten the reduced axes to the end first.
-        axes = (axis,) if isinstance(axis, int) else tuple(axis)
-        axes = tuple(a % x.ndim for a in axes)
-        keep = [d for d in range(x.ndim) if d not in axes]
-        y = x.permute(*keep, *axes).reshape(*[x.shape[d] for d in keep], -1)
-        out = self.t.nanquantile(y.double(), q, dim=-1, keepdim=False).to(self.t.float32)
-        if keepdims:
-            shape = [1 if d in axes else x.shape[d] for d in range(x.ndim)]
-            out = out.reshape(shape)
-        return out
 
     def numpy(self, x):
         return x.detach().cpu().numpy()

@@ -299,6 +299,10 @@ _FLOATS = [
     # Scale formats: E8M0 (OCP MX shared scale) and unsigned E5M3 (NVIDIA-style fine scale; bias 15, no NaN).
     _E8M0,
     FloatDType("float8_e5m3", 5, 3, 15, _S.FINITE, signed=False),
+    # Sign-magnitude fixed point in [-(2 - 2**(1-m)), 2 - 2**(1-m)]: the elements of MX9 / MX6 / MX4.
+    FloatDType("float8_e1m6", 1, 6, 1, _S.FINITE),
+    FloatDType("float5_e1m3", 1, 3, 1, _S.FINITE),
+    FloatDType("float3_e1m1", 1, 1, 1, _S.FINITE),
 ]
 
 _F = {d.name: d for d in _FLOATS}
@@ -316,11 +320,13 @@ def _blocks() -> list[BlockDType]:
     out.append(BlockDType("mxint8", _INT8, 32, _E8M0, ScaleMode.FLOOR, narrow=True, description="OCP MX v1.0"))
     # Shared-microexponent formats (Rouhani et al. 2023, AMD Quark's MX9/MX6/MX4): sign-magnitude elements
     # with 7/4/2 magnitude bits, blocks of 16, one 8-bit shared exponent, one 1-bit microexponent per pair.
-    for name, bits in (("mx9", 8), ("mx6", 5), ("mx4", 3)):
+    # A sign + m-bit magnitude k * 2**(1-m) is exactly the E1M(m-1) float grid with bias 1 (exponent field 0
+    # holds the small magnitudes as "subnormals"), -0 included, so the elements are FloatDTypes.
+    for name, el in (("mx9", "float8_e1m6"), ("mx6", "float5_e1m3"), ("mx4", "float3_e1m1")):
         out.append(
             BlockDType(
-                name, IntDType(f"int{bits}", bits), 16, _E8M0, ScaleMode.FLOOR,
-                subblock_size=2, subblock_shift_bits=1, narrow=True, description="shared microexponents",
+                name, _F[el], 16, _E8M0, ScaleMode.FLOOR,
+                subblock_size=2, subblock_shift_bits=1, description="shared microexponents",
             )
         )
     out.append(

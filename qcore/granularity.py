@@ -13,8 +13,8 @@ value                          tile over x of shape (M, K)   scale shape
 ============================== ============================= ======================================
 
 A last group or block that does not divide the axis evenly is a short group: it is padded internally with
-zeros (which change no absmax, no MSE, and no min/max range, since ranges always include 0) and the padding
-is dropped from every result. Quark raises on hidden size 576 with group 128; qcore gives 5 groups, the last
+zeros (which change no absmax, no quantization error, and no scale: asymmetric ranges always include 0; the
+true block min/max in ``qcore.stats`` masks the padding instead) and the padding is dropped from every result. Quark raises on hidden size 576 with group 128; qcore gives 5 groups, the last
 one of 64.
 """
 

@@ -106,8 +106,8 @@ class QuantSpec:
                 raise ValueError(f"asymmetric (zero-point) quantization needs an integer dtype, got {d.name}")
             if self.pow2_scale:
                 raise ValueError("asymmetric quantization with power-of-two scales is not supported")
-        if self.narrow_range and not (isinstance(d, IntDType) and d.signed):
-            raise ValueError("narrow_range applies to signed integer dtypes only")
+        if self.narrow_range and not (isinstance(d, IntDType) and d.signed and self.symmetric):
+            raise ValueError("narrow_range applies to symmetric signed integer specs only")
         if self.unit_exponent and not (isinstance(d, IntDType) and self.pow2_scale):
             raise ValueError("unit_exponent applies to integer elements with power-of-two scales only")
         if self.subblock_size < 1 or self.subblock_shift_bits < 0:
@@ -263,6 +263,7 @@ def _quantize_blocks(x, spec: QuantSpec, scale, zero_point, key, o):
             zp = o.reshape(zp, sshape)
     else:
         scales = _check_param(scale, sshape, "scale", o, x)
+        _check_given_scale(scales, spec, o)
         if not spec.symmetric:
             if zero_point is None:
                 raise ValueError("an asymmetric spec with a given scale also needs zero_point=")
@@ -279,22 +280,43 @@ def _quantize_blocks(x, spec: QuantSpec, scale, zero_point, key, o):
     if isinstance(spec.dtype, IntDType):
         zpb = None if zp is None else scales_to_blocked(zp, blocked, o)
         v = _int_clip(v, spec, o, zpb)
-        if zpb is not None:
-            return v, scales, zp, blocked, None
     return v, scales, zp, blocked, None
 
 
 def _bump(xb, blocked, s, spec, key, o):
     """bfp16: raise the shared exponent once where any element of the block would round past the range."""
-    sb = scales_to_blocked(s, blocked, o)
-    y = xb * pow2(o.clip(-sb, -126, 127), o, xb)
-    r = _elements(y, spec, key, o)
-    over = o.logical_or(r > np.float32(spec.qmax), r < np.float32(spec.qmin))
-    anyover = o.amax(o.astype(over, o.int32), blocked.reduce_axes)
+    if spec.rounding is RoundingMode.STOCHASTIC:
+        # The random bits differ per element: round every element to see whether one overflows.
+        sb = scales_to_blocked(s, blocked, o)
+        r = _elements(xb * pow2(o.clip(-sb, -127, 127), o, xb), spec, key, o)
+        over = o.logical_or(r > np.float32(spec.qmax), r < np.float32(spec.qmin))
+        anyover = o.amax(o.astype(over, o.int32), blocked.reduce_axes)
+    else:
+        # Rounding is monotone: an element rounds past the range iff the block's max (or min) does.
+        inv = pow2(o.clip(-s, -127, 127), o, xb)
+        hi = _elements(o.amax(xb, blocked.reduce_axes) * inv, spec, None, o)
+        lo = _elements(o.amin(xb, blocked.reduce_axes) * inv, spec, None, o)
+        anyover = o.logical_or(hi > np.float32(spec.qmax), lo < np.float32(spec.qmin))
+        anyover = o.astype(anyover, o.int32)
     from .scales import scale_exponent_range
 
     _, smax = scale_exponent_range(spec.scale_dtype)
     return o.minimum(s + o.reshape(anyover, tuple(s.shape)), smax)
+
+
+def _check_given_scale(scales, spec: QuantSpec, o):
+    """A calibrated scale must be positive (NaN allowed: it marks a NaN block) and, for power-of-two specs,
+    an exact power of two in the scale dtype's exponent range."""
+    from .scales import scale_exponent_range
+
+    if o.any(scales <= 0) or o.any(o.isinf(scales)):
+        raise ValueError("scale must be positive and finite (NaN marks a NaN block)")
+    if spec.pow2_scale:
+        fin = o.where(o.isnan(scales), np.float32(1), scales)
+        e = floor_log2(fin)
+        lo, hi = scale_exponent_range(spec.scale_dtype)
+        if o.any(o.logical_or(e < lo, e > hi)) or o.any(pow2(o.clip(e, -149, 127), o, fin) != fin):
+            raise ValueError(f"this spec uses power-of-two scales: scale must be 2**k with k in [{lo}, {hi}]")
 
 
 def _check_param(p, shape, name, o, like):
