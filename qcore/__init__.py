@@ -8,3 +8,4 @@ __version__ = "0.1.0"
 from .granularity import PerBlock, PerChannel, PerGroup, PerTensor
 from .quantize import QTensor, QuantSpec, dequantize, fake_quantize, make_spec, quantize
 from .scales import floor_log2
+from . import packing, stats

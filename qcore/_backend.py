@@ -119,6 +119,13 @@ class NumpyOps:
         return x[tuple(idx)]
 
     @staticmethod
+    def slice_index(x, axis, j):
+        """``x`` indexed at ``j:j+1`` along ``axis`` (the axis is kept, with length 1)."""
+        idx = [slice(None)] * x.ndim
+        idx[axis] = slice(j, j + 1)
+        return x[tuple(idx)]
+
+    @staticmethod
     def broadcast_to(x, shape):
         return np.broadcast_to(x, shape)
 
@@ -239,6 +246,9 @@ class TorchOps:
 
     def slice_axis(self, x, axis, n):
         return self.t.narrow(x, axis, 0, n)
+
+    def slice_index(self, x, axis, j):
+        return self.t.narrow(x, axis, j, 1)
 
     def broadcast_to(self, x, shape):
         return self.t.broadcast_to(x, tuple(shape))

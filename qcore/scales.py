@@ -34,7 +34,8 @@ def floor_log2(x):
     o = ops(x)
     x = o.astype(x, o.float32)
     _, sig, exp, finite = decompose(x, o)
-    return o.where(sig == 0, o.where(finite, -150, 128), exp)
+    special = o.astype(o.where(finite, -150, 128), o.int32)
+    return o.where(sig == 0, special, o.astype(exp, o.int32))
 
 
 def scale_exponent_range(scale_dtype: FloatDType) -> tuple[int, int]:
