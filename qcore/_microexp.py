@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from .dtypes import IntDType
-from .rounding import pow2
+from .rounding import mul_pow2, pow2
 from .scales import floor_log2, pow2_scale_exponent
 
 __all__ = ["quantize_microexp_blocks", "dequant_microexp_blocks"]
@@ -99,11 +99,11 @@ def quantize_microexp_blocks(xb, blocked, spec, scale, key, o):
     d = o.clip(s_sub + emax_eff - ep, 0, maxshift)
     d = o.where(o.reshape(bad_b, tuple(s_sub.shape)), 0, d)
     e_pair = s_sub - d
-    inv = pow2(o.clip(-e_pair, -149, 127), o, xb)
-    # Spread the per-pair factor back over the block's elements first: rounding on the contiguous (…, 16)
+    # Spread the per-pair exponent back over the block's elements first: rounding on the contiguous (…, 16)
     # layout vectorises (on a (…, 8, 2) layout inductor's inner loop has stride 2 and runs ~7x slower).
-    inv = _merge(o.broadcast_to(inv, tuple(xs.shape)), ax, o)
-    y = xb * inv
+    # e_pair can be -128 (s = -127 shifted once): 2**128 is not a float32, so scale in two exact steps.
+    e_el = _merge(o.broadcast_to(e_pair, tuple(xs.shape)), ax, o)
+    y = mul_pow2(xb, -e_el, o)
     v = _elements(y, spec, key, o)
     if isinstance(spec.dtype, IntDType):
         v = _int_clip(v, spec, o)

@@ -172,6 +172,8 @@ def encode(x, dtype, *, rounding: RoundingMode = RoundingMode.NEAREST_EVEN, satu
         if d.bits <= 8:
             return o.astype(v, o.int8 if d.signed else o.uint8)
         return o.astype(v, o.int32)
+    if d.bits == 32:  # float32 itself: the codes are its bits (the sign bit does not fit the generic path)
+        return o.bits_of_f32(v)
     code = _float_codes_of_grid_values(v, d, o)
     return o.astype(code, o.uint8 if d.bits <= 8 else o.int32)
 
@@ -188,6 +190,8 @@ def decode(codes, dtype):
     if kind not in "iu":
         raise TypeError(f"codes must be an integer array, got dtype {codes.dtype}")
     c = o.astype(codes, o.int32)
+    if not isinstance(d, IntDType) and d.bits == 32:
+        return o.f32_of_bits(c)
     if isinstance(d, IntDType):
         lo, hi = d.min, d.max
     else:

@@ -100,6 +100,14 @@ def pow2(k, o, like):
     return o.f32_of_bits(bits)
 
 
+def mul_pow2(x, k, o):
+    """``x * 2**k`` for integer arrays ``k`` in [-252, 254], exact whenever the result is representable
+    (two multiplications by in-range powers of two; 2**128 itself is not a float32)."""
+    k = o.astype(k, o.int32)
+    k1 = o.clip(k, -126, 127)
+    return x * pow2(k1, o, x) * pow2(o.clip(k - k1, -126, 127), o, x)
+
+
 def decompose(x, o):
     """Split float32 ``x`` into (negative, significand, exponent, finite) with ``|x| = sig * 2**(exp - 23)``.
 
@@ -168,7 +176,8 @@ def round_to_step(x, k, *, mode: RoundingMode = RoundingMode.NEAREST_EVEN, key: 
     neg, sig, exp, finite = decompose(x, o)
     k = o.asarray(k, o.int32, x) if not hasattr(k, "shape") else o.astype(k, o.int32)
     r, exact = _round_sig(neg, sig, exp, k, mode, key, o, x)
-    mag = o.astype(r, o.float32) * pow2(k, o, x)
+    with o.quiet():  # a result past float32's range is Inf, as documented
+        mag = o.astype(r, o.float32) * pow2(k, o, x)
     ax = o.abs(x)
     mag = o.where(exact, ax, mag)
     out = o.where(neg, -mag, mag)
@@ -191,5 +200,6 @@ def round_to_integral(x, *, mode: RoundingMode = RoundingMode.NEAREST_EVEN, key:
         RoundingMode.CEIL: o.ceil,
     }.get(mode)
     if direct is not None:
-        return direct(x)
+        with o.quiet():  # signalling NaNs make numpy warn; they stay NaN
+            return direct(x)
     return round_to_step(x, 0, mode=mode, key=key)

@@ -101,15 +101,14 @@ def _int_range(dtype: IntDType, narrow: bool):
     return qmin, dtype.max
 
 
-def _round_scale(scale, scale_dtype: FloatDType, o):
-    """Cast float32 scales to ``scale_dtype`` (RNE, saturating), keeping them positive and finite."""
+def _round_scale(scale, scale_dtype: FloatDType, o, *, positive):
+    """Cast float32 scales to ``scale_dtype`` (RNE, saturating). Where the statistic was positive (``positive``)
+    a scale that underflowed to 0 (in the float32 division or in the cast) becomes the dtype's smallest
+    positive value, so tiny blocks keep a usable, positive scale."""
     from .cast import cast
 
-    if scale_dtype.name == "float32":
-        return scale
-    s = cast(scale, scale_dtype, saturate=True)
-    # A positive scale must not round to 0: use the dtype's smallest positive value instead.
-    return o.where(o.logical_and(s == 0, scale > 0), np.float32(scale_dtype.min_subnormal), s)
+    s = scale if scale_dtype.name == "float32" else cast(scale, scale_dtype, saturate=True)
+    return o.where(o.logical_and(s == 0, positive), np.float32(scale_dtype.min_subnormal), s)
 
 
 def symmetric_scale(amax, *, dtype, scale_dtype: FloatDType, narrow_range: bool = False):
@@ -123,7 +122,7 @@ def symmetric_scale(amax, *, dtype, scale_dtype: FloatDType, narrow_range: bool 
         div = dtype.max_finite
     with o.quiet():
         s = a / np.float32(div)
-    s = _round_scale(s, scale_dtype, o)
+    s = _round_scale(s, scale_dtype, o, positive=a > 0)
     s = o.where(a == 0, np.float32(1.0), s)
     return o.where(o.isfinite(a), s, np.float32(math.nan))
 
@@ -141,9 +140,10 @@ def asymmetric_scale(lo, hi, *, dtype: IntDType, scale_dtype: FloatDType):
     hi = o.maximum(o.astype(hi, o.float32), np.float32(0.0))
     qmin, qmax = dtype.min, dtype.max
     with o.quiet():
-        s = (hi - lo) / np.float32(qmax - qmin)
-    s = _round_scale(s, scale_dtype, o)
-    s = o.where(hi - lo == 0, np.float32(1.0), s)
+        width = hi - lo
+        s = width / np.float32(qmax - qmin)
+    s = _round_scale(s, scale_dtype, o, positive=width > 0)
+    s = o.where(width == 0, np.float32(1.0), s)
     finite = o.logical_and(o.isfinite(lo), o.isfinite(hi))
     s = o.where(finite, s, np.float32(math.nan))
     with o.quiet():
