@@ -43,6 +43,23 @@ def timeit(fn, repeat):
     return statistics.median(times)
 
 
+def paired(fn, ref, repeat):
+    """Median time of ``fn`` and of ``ref``, measured alternately so both see the same machine state
+    (allocator, page cache, other load): the ratio is what this benchmark reports."""
+    fn()
+    ref()
+    a, b = [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        ref()
+        t2 = time.perf_counter()
+        a.append(t1 - t0)
+        b.append(t2 - t1)
+    return statistics.median(a), statistics.median(b)
+
+
 def torchao_qdq(torch, elem):
     try:
         from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
@@ -97,12 +114,12 @@ def main(argv=None):
     for name in args.formats.split(","):
         fmt, kw, ao, mld = FORMATS[name]
         spec = qcore.make_spec(fmt, **kw)
-        clone = timeit(lambda: x.clone(), args.repeat)
-        eager = timeit(lambda: qcore.fake_quantize(x, spec), max(2, args.repeat // 3))
         t0 = time.perf_counter()
         yc = qcore.fake_quantize(x, spec, compile=True)
         ctime = time.perf_counter() - t0
-        comp = timeit(lambda: qcore.fake_quantize(x, spec, compile=True), args.repeat)
+        comp, clone = paired(lambda: qcore.fake_quantize(x, spec, compile=True), lambda: x.clone(), args.repeat)
+        eager = paired(lambda: qcore.fake_quantize(x, spec), lambda: x.clone(), max(2, args.repeat // 3))
+        eager = eager[0] / eager[1] * clone
         ye = qcore.fake_quantize(x, spec)
         same = torch.equal(yc.view(torch.int32), ye.view(torch.int32))
         cells = [f"{clone * 1e3:8.1f}", f"{eager / clone:6.1f}x", f"{comp / clone:7.2f}x", f"{ctime:9.1f}"]

@@ -25,7 +25,7 @@ def compiled(fn, spec):
     entry = _MEMO.get(key)
     if entry is None:
         torch = sys.modules.get("torch")
-        bound = functools.partial(fn, spec=spec)
+        bound = _own_code_object(fn, spec, len(_MEMO))
         try:
             entry = torch.compile(bound, dynamic=None)
         except Exception as exc:  # pragma: no cover - depends on the installation
@@ -33,6 +33,21 @@ def compiled(fn, spec):
             entry = bound
         _MEMO[key] = entry
     return _Guarded(entry, functools.partial(fn, spec=spec), key)
+
+
+def _own_code_object(fn, spec, n):
+    """``fn`` with ``spec`` bound, as a function with its own code object.
+
+    Dynamo keeps one cache per code object and stops compiling a code object after a few recompilations
+    (torch._dynamo.config.cache_size_limit, 8): with one shared wrapper the ninth spec would silently run
+    eager. A distinct code object per spec gives each spec its own cache.
+    """
+
+    def bound(*args):
+        return fn(*args, spec=spec)
+
+    bound.__code__ = bound.__code__.replace(co_name=f"qcore_{fn.__name__}_{n}")
+    return bound
 
 
 class _Guarded:
