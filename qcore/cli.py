@@ -1,0 +1,158 @@
+"""The ``qcore`` command line (``qcore ...`` or ``python -m qcore ...``).
+
+Commands are subcommands; each one is a ``_add_<name>(subparsers)`` function in ``_COMMANDS`` that registers its
+parser and sets ``func`` (a function of the parsed arguments returning the exit code). Exit codes: 0 success,
+1 the check found mismatches (or missing outputs), 2 usage errors (bad arguments, unknown formats, a directory
+that would be overwritten). Only numpy is imported: torch and qcore.adapters stay out of these commands.
+
+    qcore conformance export DIR --formats mxfp4,float8_e4m3fn [--modes all] [--key 0] [--overwrite]
+    qcore conformance check VECTORS --outputs OUT [--ulps N] [--formats ...] [--cases ...] [--allow-missing]
+                            [--strict-nan] [--max-examples N] [--json]
+    qcore conformance modes [--formats ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+__all__ = ["main", "build_parser"]
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but usage errors raise instead of exiting (main turns them into exit code 2)."""
+
+    def error(self, message):
+        raise _UsageError(f"{self.prog}: error: {message}\n{self.format_usage().rstrip()}")
+
+
+def _csv(text: str) -> list:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qcore conformance ...
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _conformance_export(args) -> int:
+    from . import conformance
+
+    m = conformance.export(args.directory, args.formats, modes=args.modes, key=args.key, overwrite=args.overwrite)
+    n_files = sum(len(c["files"]) for c in m.cases)
+    print(f"wrote {len(m.cases)} case(s), {n_files} array(s) (.npy + .bin) for {', '.join(m.formats)} to "
+          f"{m.directory}")
+    for c in m.cases:
+        print(f"  {c['name']}")
+    for s in m.data["skipped"]:
+        print(f"  skipped {s['format']} {s['mode']}: {s['reason']}")
+    print(f"manifest: {m.directory / 'manifest.json'} and {m.directory / 'manifest.tsv'}")
+    return EXIT_OK
+
+
+def _conformance_check(args) -> int:
+    from . import conformance
+
+    r = conformance.check(args.vectors, args.outputs, ulps=args.ulps, formats=args.formats, cases=args.cases,
+                          allow_missing=args.allow_missing, nan_equal=not args.strict_nan,
+                          max_examples=args.max_examples)
+    if args.json:
+        print(json.dumps(r.to_dict(), indent=1))
+    else:
+        print(r.format(max_examples=args.max_examples))
+    return EXIT_OK if r.ok else EXIT_FAIL
+
+
+def _conformance_modes(args) -> int:
+    from . import conformance
+    from .dtypes import DTYPES, BlockDType
+
+    names = args.formats or [n for n, d in DTYPES.items() if isinstance(d, BlockDType)]
+    print("element formats (op cast):", ", ".join(conformance.ELEMENT_MODES))
+    print("block formats (op quantize):", ", ".join(conformance.BLOCK_MODES))
+    print("defaults:")
+    for n in names:
+        print(f"  {n}: {', '.join(conformance.default_modes(n))}")
+    return EXIT_OK
+
+
+def _add_conformance(sub) -> None:
+    p = sub.add_parser("conformance", help="export conformance vectors / check a kernel's outputs against them",
+                       description="Conformance vectors on disk for test suites without Python "
+                                   "(see docs/kernel_testing.md).")
+    csub = p.add_subparsers(dest="conformance_command", metavar="{export,check,modes}")
+    csub.required = True
+
+    e = csub.add_parser("export", help="write inputs and expected outputs (.npy, .bin, manifest.json/.tsv)")
+    e.add_argument("directory", help="output directory (must not exist or be empty, unless --overwrite)")
+    e.add_argument("--formats", required=True, type=_csv, help="comma-separated format names, e.g. mxfp4,float8_e4m3fn")
+    e.add_argument("--modes", type=_csv, default=None,
+                   help="comma-separated modes (element: nearest_even[_saturate|_nosaturate], nearest_away, "
+                        "toward_zero, floor, ceil; block: scale_floor, scale_ceil, scale_even, scale_rceil; or all); "
+                        "default: each format's defaults")
+    e.add_argument("--key", type=int, default=0, help="seed of the random probes (default 0)")
+    e.add_argument("--overwrite", action="store_true", help="replace an existing non-empty directory")
+    e.set_defaults(func=_conformance_export)
+
+    c = csub.add_parser("check", help="compare a kernel's outputs with exported vectors, bit for bit")
+    c.add_argument("vectors", help="directory written by 'qcore conformance export'")
+    c.add_argument("--outputs", required=True,
+                   help="directory with the kernel's outputs: <case>/<expected file stem>.npy or .bin")
+    c.add_argument("--ulps", type=int, default=0, help="tolerance in units in the last place for float files (default 0)")
+    c.add_argument("--formats", type=_csv, default=None, help="check only these formats' cases")
+    c.add_argument("--cases", type=_csv, default=None, help="check only these cases")
+    c.add_argument("--allow-missing", action="store_true", help="missing output files are not a failure")
+    c.add_argument("--strict-nan", action="store_true",
+                   help="NaN sign and payload bits must match too (default: any NaN matches any NaN)")
+    c.add_argument("--max-examples", type=int, default=5, help="mismatches shown per file (default 5)")
+    c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.set_defaults(func=_conformance_check)
+
+    m = csub.add_parser("modes", help="list the modes and each format's default modes")
+    m.add_argument("--formats", type=_csv, default=None)
+    m.set_defaults(func=_conformance_modes)
+
+
+# Top-level commands, in help order. A later command (e.g. ``quantize``) adds one entry here.
+_COMMANDS = (
+    ("conformance", _add_conformance),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = _Parser(prog="qcore", description="qcore: exact low-precision numerics.")
+    parser.add_argument("--version", action="version", version=f"qcore {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(n for n, _ in _COMMANDS) + "}",
+                                parser_class=_Parser)
+    sub.required = True
+    for _, add in _COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 1 check failed, 2 usage error)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_USAGE
+    except SystemExit as e:  # --help / --version
+        return int(e.code or 0) if isinstance(e.code, int) else EXIT_USAGE
+    try:
+        return args.func(args)
+    except (ValueError, TypeError) as e:
+        where = " ".join(filter(None, [args.command, getattr(args, "conformance_command", None)]))
+        print(f"qcore {where}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
