@@ -251,7 +251,6 @@ def halfway_points(name: str):
     vals = all_values(name)
     d = qcore.get_dtype(name)
     top = (1 << (d.bits - 1)) if d.signed else (1 << d.bits)  # positive codes are 0 .. top-1
-    pos = np.arange(top)
     ok = np.isfinite(vals[:top])
     # adjacent positive codes c, c+1 that are both finite (and distinct numbers)
     cs = [int(c) for c in np.nonzero(ok[:-1] & ok[1:] & (vals[1:top] > vals[: top - 1]))[0]]

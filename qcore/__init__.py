@@ -1,11 +1,23 @@
-"""qcore: exact low-precision numerics (the oracle) that also run fast on torch tensors."""
+"""qcore: exact low-precision numerics (the oracle) that also run fast on torch tensors.
 
-from .dtypes import DTYPES, BlockDType, FloatDType, IntDType, ScaleMode, Specials, get_dtype
-from .rounding import RoundingMode, round_to_integral, round_to_step
+The core needs numpy only; torch is imported only when torch tensors are passed in.
+"""
+
+from . import packing, stats
 from .cast import cast, decode, encode
-
-__version__ = "0.1.0"
+from .dtypes import DTYPES, BlockDType, FloatDType, IntDType, ScaleMode, Specials, get_dtype
 from .granularity import PerBlock, PerChannel, PerGroup, PerTensor
 from .quantize import QTensor, QuantSpec, dequantize, fake_quantize, make_spec, quantize
+from .rounding import RoundingMode, round_to_integral, round_to_step
 from .scales import floor_log2
-from . import packing, stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DTYPES", "BlockDType", "FloatDType", "IntDType", "ScaleMode", "Specials", "get_dtype",
+    "RoundingMode", "round_to_integral", "round_to_step",
+    "cast", "encode", "decode",
+    "PerTensor", "PerChannel", "PerGroup", "PerBlock",
+    "QuantSpec", "QTensor", "make_spec", "quantize", "dequantize", "fake_quantize",
+    "floor_log2", "packing", "stats",
+]

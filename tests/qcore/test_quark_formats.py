@@ -12,7 +12,6 @@ Where qcore deliberately differs from Quark the tests state the difference and c
 import numpy as np
 import pytest
 
-import qcore
 from qcore import ScaleMode, dequantize, fake_quantize, quantize
 
 import quark_reference as qr  # noqa: E402  (tests/qcore is on sys.path via rootdir conftest)

@@ -210,7 +210,7 @@ def test_ties_away_is_caught_on_midpoints(fmt, tie, expected, actual):
     assert first.kind == "midpoints" and first.input == tie
     assert first.expected == expected and first.actual == actual
     bits = f"0x{int(np.float32(tie).view(np.uint32)):08x}"
-    assert f"probe kind 'midpoints'" in msg and bits in msg
+    assert "probe kind 'midpoints'" in msg and bits in msg
     assert f"0x{int(np.float32(actual).view(np.uint32)):08x}" in msg
 
 
