@@ -111,7 +111,7 @@ def cast(x, dtype, *, rounding: RoundingMode = RoundingMode.NEAREST_EVEN, satura
     ``dtype``: a name from ``qcore.DTYPES`` or a ``FloatDType``/``IntDType``. ``key``: for STOCHASTIC only.
     """
     d = _element_dtype(dtype, "cast")
-    check_mode(rounding, key)
+    key = check_mode(rounding, key)
     x, o = to_array(x)
     x = _as_f32(x, o)
     if isinstance(d, IntDType):

@@ -362,7 +362,7 @@ def quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point=None
     eager).
     """
     spec = _spec_of(spec, axis, overrides)
-    check_mode(spec.rounding, key)
+    key = check_mode(spec.rounding, key)
     x, o = to_array(x)
     x = o.astype(x, o.float32)
     fn = compiled(_quantize_parts, spec) if _use_compiled(compile, x, spec) else partial(_quantize_parts, spec=spec)
@@ -405,7 +405,7 @@ def fake_quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point
                   compile: bool = False, **overrides):
     """``dequantize(quantize(x, spec, ...))``, bit for bit, without building codes. Same arguments as quantize."""
     spec = _spec_of(spec, axis, overrides)
-    check_mode(spec.rounding, key)
+    key = check_mode(spec.rounding, key)
     x, o = to_array(x)
     x = o.astype(x, o.float32)
     if _use_compiled(compile, x, spec):

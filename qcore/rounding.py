@@ -16,8 +16,9 @@ of ``2**k`` (``k`` per element). It works on the float's integer significand, so
 - ``FLOOR``: toward -inf (IEEE roundTowardNegative).
 - ``CEIL``: toward +inf (IEEE roundTowardPositive).
 - ``STOCHASTIC``: up in magnitude with probability ``(|v| - lo) / 2**k``, resolved to 2**-32 of a step, so
-  ``E[round(v)] = v`` (unbiased). Needs ``key``: a non-negative int; the random bits are a counter-based hash
-  of (key, flat element index), so the same key gives the same result on numpy and torch, on any device.
+  ``E[round(v)] = v`` (unbiased). Needs ``key``: a non-negative int (the random bits are a counter-based hash
+  of (key, flat element index), so the same key gives the same result on numpy and torch, on any device), or
+  a ``numpy.random.Generator`` / ``torch.Generator`` from which one int key is drawn.
 """
 
 from __future__ import annotations
@@ -55,16 +56,32 @@ def _lowbias32_py(h: int) -> int:
     return h
 
 
+def _is_torch_generator(key) -> bool:
+    return type(key).__name__ == "Generator" and type(key).__module__.startswith("torch")
+
+
 def check_mode(mode, key):
-    """Validate a rounding mode / key pair; returns the mode."""
+    """Validate a rounding mode / key pair; returns the key as a non-negative int (or None).
+
+    ``key`` may be a non-negative int (the counter-based stream: same key, same bits, on numpy and torch), or a
+    ``numpy.random.Generator`` / ``torch.Generator``, from which one 63-bit key is drawn (advancing it), so a
+    seeded generator gives reproducible results too.
+    """
     if not isinstance(mode, RoundingMode):
         raise TypeError(f"rounding must be a qcore.RoundingMode, got {mode!r}")
-    if mode is RoundingMode.STOCHASTIC:
-        if key is None:
-            raise ValueError("RoundingMode.STOCHASTIC needs an explicit key= (a non-negative int)")
-        if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or key < 0:
-            raise ValueError(f"key must be a non-negative int, got {key!r}")
-    return mode
+    if mode is not RoundingMode.STOCHASTIC:
+        return None
+    if key is None:
+        raise ValueError("RoundingMode.STOCHASTIC needs an explicit key= (a non-negative int or a Generator)")
+    if isinstance(key, np.random.Generator):
+        return int(key.integers(0, 2**63, dtype=np.int64))
+    if _is_torch_generator(key):
+        import torch  # only reachable when the caller already uses torch
+
+        return int(torch.randint(0, 2**62, (1,), generator=key, device=key.device).item())
+    if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or key < 0:
+        raise ValueError(f"key must be a non-negative int or a numpy/torch Generator, got {key!r}")
+    return int(key)
 
 
 def random_bits(key: int, shape, *, like):
@@ -170,7 +187,7 @@ def round_to_step(x, k, *, mode: RoundingMode = RoundingMode.NEAREST_EVEN, key: 
     Exact for every finite input; Inf/NaN pass through. ``k`` must lie in [-149, 127]. Returns float32 of the
     same kind as ``x``. Results that round past the float32 range become Inf.
     """
-    check_mode(mode, key)
+    key = check_mode(mode, key)
     x, o = to_array(x)
     x = o.astype(x, o.float32)
     neg, sig, exp, finite = decompose(x, o)
@@ -190,7 +207,7 @@ def round_to_integral(x, *, mode: RoundingMode = RoundingMode.NEAREST_EVEN, key:
     The four IEEE directed/even modes use the array library's own exact float ops (rint, trunc, floor, ceil:
     one pass, no integer work); NEAREST_AWAY and STOCHASTIC go through ``round_to_step``.
     """
-    check_mode(mode, key)
+    key = check_mode(mode, key)
     x, o = to_array(x)
     x = o.astype(x, o.float32)
     direct = {

@@ -296,7 +296,7 @@ def mse_clip(x, spec, *, grid: int = 100, lo: float = 0.5, p: float = 2.0, key: 
     p = _check_real(p, "p")
     if not (p > 0 and math.isfinite(p)):
         raise ValueError(f"p must be a positive finite number, got {p}")
-    check_mode(spec.rounding, key)
+    key = check_mode(spec.rounding, key)
     x, o = _float_input(x)
     g = spec.granularity
     amax = absmax(x, g)

@@ -242,3 +242,19 @@ def test_compiled_path_bit_identical():
         a = fake_quantize(x, fmt, compile=True, **kw)
         b = fake_quantize(x, fmt, **kw)
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_stochastic_key_may_be_a_seeded_generator():
+    torch = pytest.importorskip("torch")
+    x = np.full((8, 32), 0.3, np.float32)
+    kw = dict(scale=np.float32([[1.0]]), rounding=qcore.RoundingMode.STOCHASTIC)
+    a = fake_quantize(x, "int8", key=np.random.default_rng(5), **kw)
+    b = fake_quantize(x, "int8", key=np.random.default_rng(5), **kw)
+    assert np.array_equal(a, b) and set(np.unique(a)) == {0.0, 1.0}
+    c = fake_quantize(torch.from_numpy(x), "int8", key=torch.Generator().manual_seed(5), **kw)
+    d = fake_quantize(torch.from_numpy(x), "int8", key=torch.Generator().manual_seed(5), **kw)
+    assert torch.equal(c, d)
+    g = np.random.default_rng(5)
+    assert not np.array_equal(fake_quantize(x, "int8", key=g, **kw), fake_quantize(x, "int8", key=g, **kw))
+    with pytest.raises(ValueError, match="Generator"):
+        fake_quantize(x, "int8", key=-1, **kw)
