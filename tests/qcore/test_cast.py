@@ -256,3 +256,21 @@ def test_torch_bit_identical():
 def test_numpy_path_does_not_import_torch(numpy_only):
     numpy_only("import numpy as np, qcore; qcore.fake_quantize(np.ones((4, 32), np.float32), 'mxfp4'); "
                "qcore.cast(np.ones(3, np.float32), 'float8_e4m3fn')")
+
+
+@pytest.mark.parametrize("name", ["float8_e1m6", "float5_e1m3", "float3_e1m1"])
+@pytest.mark.parametrize("mode", [RoundingMode.NEAREST_EVEN, RoundingMode.FLOOR, RoundingMode.CEIL,
+                                  RoundingMode.TOWARD_ZERO])
+def test_fixed_point_fast_path_equals_the_generic_bit_path(name, mode):
+    """The MX9/MX6/MX4 elements take a rint-based shortcut in cast; it must equal the generic path exactly."""
+    from qcore._backend import ops
+    from qcore.cast import _cast_float
+
+    x = np.concatenate([interesting_inputs(name),
+                        np.random.default_rng(1).integers(0, 2**32, 1 << 18, dtype=np.uint64)
+                        .astype(np.uint32).view(np.float32)])
+    fast = cast(x, name, rounding=mode)
+    with np.errstate(all="ignore"):
+        slow = _cast_float(x, qcore.get_dtype(name), mode, True, None, ops(x))
+    same = (bits(fast) == bits(slow)) | (np.isnan(fast) & np.isnan(slow))
+    assert same.all(), x[~same][:5]
