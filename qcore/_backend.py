@@ -81,8 +81,6 @@ class NumpyOps:
     isnan = staticmethod(np.isnan)
     isinf = staticmethod(np.isinf)
     isfinite = staticmethod(np.isfinite)
-    signbit = staticmethod(np.signbit)
-    sqrt = staticmethod(np.sqrt)
     maximum = staticmethod(np.maximum)
     minimum = staticmethod(np.minimum)
     logical_and = staticmethod(np.logical_and)
@@ -129,10 +127,6 @@ class NumpyOps:
     def broadcast_to(x, shape):
         return np.broadcast_to(x, shape)
 
-    @staticmethod
-    def contiguous(x):
-        return np.ascontiguousarray(x)
-
     # -- reductions -------------------------------------------------------------------------------------------
     @staticmethod
     def amax(x, axis, keepdims=True):
@@ -149,10 +143,6 @@ class NumpyOps:
     @staticmethod
     def any(x):
         return bool(np.any(x))
-
-    @staticmethod
-    def numpy(x):
-        return np.asarray(x)
 
     @staticmethod
     def quiet():
@@ -187,8 +177,6 @@ class TorchOps:
         self.isnan = t.isnan
         self.isinf = t.isinf
         self.isfinite = t.isfinite
-        self.signbit = t.signbit
-        self.sqrt = t.sqrt
         self.logical_and = t.logical_and
         self.logical_or = t.logical_or
         self.logical_not = t.logical_not
@@ -253,9 +241,6 @@ class TorchOps:
     def broadcast_to(self, x, shape):
         return self.t.broadcast_to(x, tuple(shape))
 
-    def contiguous(self, x):
-        return x.contiguous()
-
     def amax(self, x, axis, keepdims=True):
         return self.t.amax(x, dim=axis, keepdim=keepdims)
 
@@ -267,9 +252,6 @@ class TorchOps:
 
     def any(self, x):
         return bool(self.t.any(x))
-
-    def numpy(self, x):
-        return x.detach().cpu().numpy()
 
     def quiet(self):
         return contextlib.nullcontext()

@@ -159,7 +159,7 @@ def _float_codes_of_grid_values(v, d: FloatDType, o):
     shift = o.clip(23 - m + o.where(normal, 0, d.emin - exp), 0, 31)
     mant = (sig >> shift) & ((1 << m) - 1)
     mag = o.where(sig == 0, 0, (o.astype(field, i32) << m) | mant)
-    top = (1 << (e + m)) - 1 if d.signed else (1 << (e + m)) - 1
+    top = (1 << (e + m)) - 1  # the all-ones magnitude: FN's NaN
     sign_bit = (1 << (e + m)) if d.signed else 0
     isnan = o.isnan(v)
     isinf = o.logical_and(o.logical_not(finite), o.logical_not(isnan))
