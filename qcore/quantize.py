@@ -39,7 +39,7 @@ from .granularity import (Granularity, PerChannel, PerGroup, PerTensor, check_gr
                           scales_to_blocked, to_blocks)
 from .granularity import scale_shape as _scale_shape
 from .rounding import RoundingMode, check_mode, pow2, round_to_integral
-from .scales import asymmetric_scale, floor_log2, pow2_scale_exponent, symmetric_scale
+from .scales import asymmetric_scale, floor_log2, pow2_scale_exponent, scale_exponent_range, symmetric_scale
 
 __all__ = ["QuantSpec", "QTensor", "make_spec", "quantize", "dequantize", "fake_quantize"]
 
@@ -234,8 +234,8 @@ def _pow2_exponents(xb, blocked, spec: QuantSpec, o):
 
 
 def _quantize_blocks(x, spec: QuantSpec, scale, zero_point, key, o):
-    """Core: returns (element values in scale units (float32, blocked), scales (float32, scale shape),
-    zero points or None, blocked info, element values before zero point removal)."""
+    """Core: returns (element values in scale units (float32, blocked layout, zero point added), scales
+    (float32, scale shape), zero points or None, the Blocked layout, sub-block shifts or None)."""
     xb, blocked = to_blocks(x, spec.granularity, o)
     sshape = blocked.scale_shape
     zp = None
@@ -268,14 +268,13 @@ def _quantize_blocks(x, spec: QuantSpec, scale, zero_point, key, o):
             if zero_point is None:
                 raise ValueError("an asymmetric spec with a given scale also needs zero_point=")
             zp = _check_param(zero_point, sshape, "zero_point", o, x)
-    sb = scales_to_blocked(scales, blocked, o)
     if spec.pow2_scale:
         if scale is not None:
             s = o.where(o.isnan(scales), 0, floor_log2(scales))
             inv = o.where(o.isnan(scales), np.float32(math.nan), pow2(-s, o, x))
         y = _scaled(xb, scales_to_blocked(inv, blocked, o), spec, o)
     else:
-        y = _scaled(xb, sb, spec, o)
+        y = _scaled(xb, scales_to_blocked(scales, blocked, o), spec, o)
     v = _elements(y, spec, key, o)
     if isinstance(spec.dtype, IntDType):
         zpb = None if zp is None else scales_to_blocked(zp, blocked, o)
@@ -298,8 +297,6 @@ def _bump(xb, blocked, s, spec, key, o):
         lo = _elements(o.amin(xb, blocked.reduce_axes) * inv, spec, None, o)
         anyover = o.logical_or(hi > np.float32(spec.qmax), lo < np.float32(spec.qmin))
         anyover = o.astype(anyover, o.int32)
-    from .scales import scale_exponent_range
-
     _, smax = scale_exponent_range(spec.scale_dtype)
     return o.minimum(s + o.reshape(anyover, tuple(s.shape)), smax)
 
@@ -307,8 +304,6 @@ def _bump(xb, blocked, s, spec, key, o):
 def _check_given_scale(scales, spec: QuantSpec, o):
     """A calibrated scale must be positive (NaN allowed: it marks a NaN block) and, for power-of-two specs,
     an exact power of two in the scale dtype's exponent range."""
-    from .scales import scale_exponent_range
-
     if o.any(scales <= 0) or o.any(o.isinf(scales)):
         raise ValueError("scale must be positive and finite (NaN marks a NaN block)")
     if spec.pow2_scale:
