@@ -155,14 +155,15 @@ class Blocked:
         return tuple(out)
 
 
-def to_blocks(x, g: Granularity, o):
-    """Zero-pad ``x`` to whole tiles and reshape to ``(n0, t0, n1, t1, ...)``; returns (xb, Blocked)."""
+def to_blocks(x, g: Granularity, o, fill=0):
+    """Pad ``x`` to whole tiles with ``fill`` (default 0; statistics that must ignore the padding pass +-inf)
+    and reshape to ``(n0, t0, n1, t1, ...)``; returns (xb, Blocked)."""
     shape = tuple(x.shape)
     tile = tile_shape(g, shape)
     padded = tuple(-(-s // t) * t if s else 0 for s, t in zip(shape, tile))
     for a, (s, p) in enumerate(zip(shape, padded)):
         if p != s:
-            x = o.pad_axis(x, a, p - s, 0)
+            x = o.pad_axis(x, a, p - s, fill)
     b = Blocked(shape, tile, padded)
     return o.reshape(x, b.blocked_shape), b
 

@@ -291,14 +291,20 @@ def _bump(xb, blocked, s, spec, key, o):
         over = o.logical_or(r > np.float32(spec.qmax), r < np.float32(spec.qmin))
         anyover = o.amax(o.astype(over, o.int32), blocked.reduce_axes)
     else:
-        # Rounding is monotone: an element rounds past the range iff the block's max (or min) does.
-        inv = pow2(o.clip(-s, -127, 127), o, xb)
-        hi = _elements(o.amax(xb, blocked.reduce_axes) * inv, spec, None, o)
-        lo = _elements(o.amin(xb, blocked.reduce_axes) * inv, spec, None, o)
-        anyover = o.logical_or(hi > np.float32(spec.qmax), lo < np.float32(spec.qmin))
-        anyover = o.astype(anyover, o.int32)
+        return bump_from_extremes(s, o.amin(xb, blocked.reduce_axes), o.amax(xb, blocked.reduce_axes), spec, o)
     _, smax = scale_exponent_range(spec.scale_dtype)
     return o.minimum(s + o.reshape(anyover, tuple(s.shape)), smax)
+
+
+def bump_from_extremes(s, lo, hi, spec, o):
+    """bfp16's bump decided from each block's min ``lo`` and max ``hi`` (deterministic rounding only):
+    rounding is monotone, so an element rounds past the range iff the block's max or min does."""
+    inv = pow2(o.clip(-s, -127, 127), o, s)
+    rhi = _elements(o.reshape(hi, tuple(s.shape)) * inv, spec, None, o)
+    rlo = _elements(o.reshape(lo, tuple(s.shape)) * inv, spec, None, o)
+    over = o.logical_or(rhi > np.float32(spec.qmax), rlo < np.float32(spec.qmin))
+    _, smax = scale_exponent_range(spec.scale_dtype)
+    return o.minimum(s + o.astype(over, o.int32), smax)
 
 
 def _check_given_scale(scales, spec: QuantSpec, o):

@@ -60,9 +60,9 @@ import numpy as np
 
 from ._backend import ops, to_array
 from .granularity import (Blocked, Granularity, PerChannel, PerGroup, PerTensor, check_granularity,
-                          tile_shape, to_blocks)
+                          to_blocks)
 from .rounding import RoundingMode, check_mode, pow2
-from .scales import asymmetric_scale, pow2_scale_exponent, scale_exponent_range, symmetric_scale
+from .scales import asymmetric_scale, pow2_scale_exponent, symmetric_scale
 
 __all__ = ["absmax", "minmax", "percentile", "mse_clip", "QParams", "RunningStats", "update", "scale_from_stats"]
 
@@ -107,18 +107,6 @@ def _float_input(x, name="x"):
     return o.astype(x, o.float32), o
 
 
-def _blocks(x, g, o, fill):
-    """Like ``to_blocks`` but pads short tiles with ``fill`` (so the padding can be masked out of min/max)."""
-    shape = tuple(x.shape)
-    tile = tile_shape(g, shape)
-    padded = tuple(-(-s // t) * t if s else 0 for s, t in zip(shape, tile))
-    for a, (s, p) in enumerate(zip(shape, padded)):
-        if p != s:
-            x = o.pad_axis(x, a, p - s, fill)
-    b = Blocked(shape, tile, padded)
-    return o.reshape(x, b.blocked_shape), b
-
-
 def _counts(b: Blocked, o, like):
     """Number of real (unpadded) elements in each block, int64 of ``b.scale_shape``."""
     cnt = np.ones(b.scale_shape, dtype=np.int64)
@@ -147,8 +135,8 @@ def minmax(x, granularity):
     """(lo, hi): the true per-block min and max (float32); the padding of short tiles is excluded."""
     g = _check_g(granularity)
     x, o = _float_input(x)
-    xlo, b = _blocks(x, g, o, math.inf)
-    xhi, _ = _blocks(x, g, o, -math.inf)
+    xlo, b = to_blocks(x, g, o, math.inf)
+    xhi, _ = to_blocks(x, g, o, -math.inf)
     return o.amin(xlo, b.reduce_axes, keepdims=False), o.amax(xhi, b.reduce_axes, keepdims=False)
 
 
@@ -170,7 +158,7 @@ def percentile(x, granularity, *, q):
     q = _check_q(q)
     g = _check_g(granularity)
     x, o = _float_input(x)
-    xb, b = _blocks(o.abs(x), g, o, math.inf)  # +inf padding sorts after every real value (NaN sorts last)
+    xb, b = to_blocks(o.abs(x), g, o, math.inf)  # +inf padding sorts after every real value (NaN sorts last)
     k = len(b.shape)
     sshape = b.scale_shape
     tsize = 1
@@ -223,29 +211,18 @@ def _as_spec(spec):
     return spec
 
 
-def _bump_from_range(s, lo, hi, spec, o, like):
-    """bfp16's overflow bump decided from the block's min and max: rounding is monotone, so an element of the
-    block rounds past the integer range iff the max rounds above qmax or the min below qmin."""
-    from .quantize import _elements
-
-    sp = spec
-    if spec.rounding is RoundingMode.STOCHASTIC:  # the data's random bits are not known from a statistic
-        sp = dataclasses.replace(spec, rounding=RoundingMode.NEAREST_EVEN)
-    inv = pow2(o.clip(-s, -126, 127), o, like)
-    rhi = _elements(hi * inv, sp, None, o)
-    rlo = _elements(lo * inv, sp, None, o)
-    over = o.logical_or(rhi > np.float32(spec.qmax), rlo < np.float32(spec.qmin))
-    _, smax = scale_exponent_range(spec.scale_dtype)
-    return o.minimum(s + o.astype(over, o.int32), smax)
-
-
 def _params(amax, lo, hi, spec, o, like):
     """QParams from block statistics, by the same rule as dynamic quantize (``qcore.quantize``)."""
+    from .quantize import bump_from_extremes
+
     if spec.pow2_scale:
         s, bad = pow2_scale_exponent(amax, element=spec.dtype, mode=spec.scale_mode, scale_dtype=spec.scale_dtype,
                                      unit_exponent=spec.unit_exponent)
         if spec.bump_on_overflow:
-            s = _bump_from_range(s, lo, hi, spec, o, like)
+            # The data's random bits are not known from a statistic: decide the bump as nearest-even would.
+            det = dataclasses.replace(spec, rounding=RoundingMode.NEAREST_EVEN) \
+                if spec.rounding is RoundingMode.STOCHASTIC else spec
+            s = bump_from_extremes(s, lo, hi, det, o)
         return QParams(o.where(bad, np.float32(math.nan), pow2(s, o, like)), None)
     if spec.symmetric:
         return QParams(symmetric_scale(amax, dtype=spec.dtype, scale_dtype=spec.scale_dtype,
