@@ -31,6 +31,7 @@ import numpy as np
 
 from functools import partial
 
+from . import _fast
 from ._backend import is_torch, ops, to_array
 from ._compiled import compiled
 from .cast import cast, decode, encode
@@ -366,6 +367,10 @@ def quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point=None
     key = check_mode(spec.rounding, key)
     x, o = to_array(x)
     x = o.astype(x, o.float32)
+    if not _use_compiled(compile, x, spec):
+        fast = _fast.run_quantize(x, spec, scale, zero_point, o)
+        if fast is not None:
+            return QTensor(*fast[:3], spec, fast[3])
     fn = compiled(_quantize_parts, spec) if _use_compiled(compile, x, spec) else partial(_quantize_parts, spec=spec)
     v, scales, zp, shifts = fn(x, scale, zero_point, key)
     d = spec.dtype
@@ -382,6 +387,9 @@ def dequantize(q: QTensor):
         raise TypeError(f"dequantize takes a QTensor, got {type(q).__name__}")
     spec = q.spec
     o = ops(q.codes)
+    fast = _fast.run_dequantize(q, o)
+    if fast is not None:
+        return fast
     v = decode(q.codes, spec.dtype)
     vb, blocked = to_blocks(v, spec.granularity, o)
     return from_blocks(_dequant_blocks(vb, q.scales, q.zero_points, q.subblock_shifts, blocked, spec, o),
@@ -411,4 +419,7 @@ def fake_quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point
     x = o.astype(x, o.float32)
     if _use_compiled(compile, x, spec):
         return compiled(_fake_quantize_pure, spec)(x, scale, zero_point, key)
+    fast = _fast.run_fake_quantize(x, spec, scale, zero_point, o)
+    if fast is not None:
+        return fast
     return _fake_quantize_pure(x, scale, zero_point, key, spec=spec)

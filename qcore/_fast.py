@@ -1,0 +1,940 @@
+"""The default path: the exact semantics of the generic functions, computed in slabs, in place, in few passes.
+
+The generic functions (``quantize._quantize_blocks``, ``cast._cast_float``) are the oracle: readable, exact, and
+about 100 elementwise operations for an MX format, each a full-size temporary. This module computes the same bits
+for the common specs with a handful of operations per element, on slabs of a few hundred KiB that stay in cache,
+writing into one preallocated output. Peak extra memory is a few slabs, whatever the input size.
+
+How (every step exact; tests/qcore/test_fast.py checks each against the generic path bit for bit):
+
+1. Canonical layout. Adjacent axes that tile the same way are merged (``PerGroup(32)`` on (B, T, K) becomes
+   (B*T, K) with tile (1, 32)), then the array is cut into slabs of whole rows that never split a block row.
+2. Statistics. Per slab, ``|x|`` into a scratch buffer and one reduction per block (absmax, or min and max). Blocks
+   that span several slabs (per-tensor, per-channel along the last axis) combine their partial statistics.
+3. Parameters. The scales (and zero points) come from the statistics through the same functions as the generic
+   path (``pow2_scale_exponent``, ``symmetric_scale``, ``asymmetric_scale``, bfp16's ``bump_from_extremes``),
+   once, on the small arrays.
+4. Elements. Float elements round to nearest-even with one add and one subtract: for ``a = |y|`` with float32
+   exponent ``e``, the grid step is ``2**k`` with ``k = max(e, emin) - m``; ``C = 1.5 * 2**(k + 23)`` has ulp
+   ``2**k`` and ``a + C`` stays in C's binade, so float32 addition rounds ``a`` to the grid, ties to even (C's
+   significand is even), and ``(a + C) - C`` is exact. ``C`` is built from ``a``'s exponent bits with two integer
+   operations. The sign is put back with ``copysign`` (so ``-0`` survives). Integer and fixed-point elements use
+   the array library's exact ``rint``.
+
+NaN outputs are NaN at the same positions as the generic path; their sign and payload are not specified (the
+kit's comparisons treat NaNs as equal). Everything else is bit-identical.
+
+Specs this path does not cover (rounding modes other than nearest-even, non-saturating float elements, unsigned
+float elements, groups that do not divide their axis, NaN inputs under a given scale for quantize) run the generic
+functions slab by slab (``_generic_slabs``), which keeps the memory bound.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .dtypes import FloatDType, IntDType, Specials
+from .granularity import PerBlock, PerChannel, PerGroup, PerTensor, tile_shape
+from .rounding import RoundingMode, pow2
+from .scales import asymmetric_scale, floor_log2, pow2_scale_exponent, symmetric_scale
+
+__all__ = ["fake_quantize", "quantize", "dequantize", "cast_float", "SLAB"]
+
+SLAB = 1 << 18  # elements per slab: 1 MiB of float32, a few of which fit the L2/L3 caches of current CPUs
+
+_EXP_MASK = 0x7F800000
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backends: the in-place primitives (numpy ``out=`` and torch ``out=`` / ``_`` methods).
+# ---------------------------------------------------------------------------------------------------------------
+class _NumpyIP:
+    name = "numpy"
+    f32 = np.float32
+    i32 = np.int32
+    u8 = np.uint8
+    i8 = np.int8
+
+    @staticmethod
+    def empty(n, dtype, like=None):
+        return np.empty(n, dtype=dtype)
+
+    @staticmethod
+    def flat(x):
+        return x.reshape(-1)
+
+    @staticmethod
+    def ibits(a):
+        return a.view(np.int32)
+
+    @staticmethod
+    def fbits(i):
+        return i.view(np.float32)
+
+    @staticmethod
+    def abs(a, out):
+        return np.abs(a, out=out)
+
+    @staticmethod
+    def mul(a, b, out):
+        return np.multiply(a, b, out=out)
+
+    @staticmethod
+    def div(a, b, out):
+        return np.divide(a, b, out=out)
+
+    @staticmethod
+    def add(a, b, out):
+        return np.add(a, b, out=out)
+
+    @staticmethod
+    def sub(a, b, out):
+        return np.subtract(a, b, out=out)
+
+    @staticmethod
+    def clamp_(a, lo, hi):
+        return np.clip(a, lo, hi, out=a)
+
+    @staticmethod
+    def min_(a, hi):
+        return np.minimum(a, hi, out=a)
+
+    @staticmethod
+    def max_(a, lo):
+        return np.maximum(a, lo, out=a)
+
+    @staticmethod
+    def rint_(a):
+        return np.rint(a, out=a)
+
+    @staticmethod
+    def copysign(a, s, out):
+        return np.copysign(a, s, out=out)
+
+    @staticmethod
+    def band(a, m, out):
+        return np.bitwise_and(a, m, out=out)
+
+    @staticmethod
+    def bor(a, b, out):
+        return np.bitwise_or(a, b, out=out)
+
+    @staticmethod
+    def shr(a, k, out):
+        return np.right_shift(a, k, out=out)
+
+    @staticmethod
+    def amax(a, axes):
+        return np.max(a, axis=axes, keepdims=True) if axes else a.copy()
+
+    @staticmethod
+    def amin(a, axes):
+        return np.min(a, axis=axes, keepdims=True) if axes else a.copy()
+
+    @staticmethod
+    def maximum(a, b):
+        return np.maximum(a, b)
+
+    @staticmethod
+    def minimum(a, b):
+        return np.minimum(a, b)
+
+    @staticmethod
+    def copy_to(dst, src):
+        np.copyto(dst, src, casting="unsafe")
+        return dst
+
+    @staticmethod
+    def gather(table, idx, out):
+        return np.take(table, idx, out=out)
+
+    @staticmethod
+    def fill_where(a, mask, value):
+        np.copyto(a, value, where=mask)
+        return a
+
+    @staticmethod
+    def any(a):
+        return bool(np.any(a))
+
+    @staticmethod
+    def to_f32(a):
+        return a if a.dtype == np.float32 else a.astype(np.float32)
+
+    @staticmethod
+    def contiguous(a):
+        return np.ascontiguousarray(a)
+
+    @staticmethod
+    def quiet():
+        return np.errstate(all="ignore")
+
+
+class _TorchIP:
+    name = "torch"
+
+    def __init__(self, torch):
+        self.t = torch
+        self.f32, self.i32, self.u8, self.i8 = torch.float32, torch.int32, torch.uint8, torch.int8
+        self.i64 = torch.int64
+
+    def empty(self, n, dtype, like):
+        return self.t.empty(n, dtype=dtype, device=like.device)
+
+    @staticmethod
+    def flat(x):
+        return x.reshape(-1)
+
+    def ibits(self, a):
+        return a.view(self.t.int32)
+
+    def fbits(self, i):
+        return i.view(self.t.float32)
+
+    def abs(self, a, out):
+        return self.t.abs(a, out=out)
+
+    def mul(self, a, b, out):
+        return self.t.mul(a, b, out=out)
+
+    def div(self, a, b, out):
+        return self.t.div(a, b, out=out)
+
+    def add(self, a, b, out):
+        return self.t.add(a, b, out=out)
+
+    def sub(self, a, b, out):
+        return self.t.sub(a, b, out=out)
+
+    @staticmethod
+    def clamp_(a, lo, hi):
+        return a.clamp_(lo, hi)
+
+    @staticmethod
+    def min_(a, hi):
+        return a.clamp_(max=hi)
+
+    @staticmethod
+    def max_(a, lo):
+        return a.clamp_(min=lo)
+
+    @staticmethod
+    def rint_(a):
+        return a.round_()
+
+    def copysign(self, a, s, out):
+        return self.t.copysign(a, s, out=out)
+
+    def band(self, a, m, out):
+        return self.t.bitwise_and(a, m, out=out)
+
+    def bor(self, a, b, out):
+        return self.t.bitwise_or(a, b, out=out)
+
+    def shr(self, a, k, out):
+        return self.t.bitwise_right_shift(a, k, out=out)
+
+    def amax(self, a, axes):
+        return self.t.amax(a, dim=axes, keepdim=True) if axes else a.clone()
+
+    def amin(self, a, axes):
+        return self.t.amin(a, dim=axes, keepdim=True) if axes else a.clone()
+
+    def maximum(self, a, b):
+        return self.t.maximum(a, b)
+
+    def minimum(self, a, b):
+        return self.t.minimum(a, b)
+
+    @staticmethod
+    def copy_to(dst, src):
+        return dst.copy_(src)
+
+    def gather(self, table, idx, out):
+        return self.t.index_select(table, 0, idx, out=out)
+
+    @staticmethod
+    def fill_where(a, mask, value):
+        return a.masked_fill_(mask, float(value))
+
+    def any(self, a):
+        return bool(self.t.any(a))
+
+    def to_f32(self, a):
+        return a if a.dtype == self.t.float32 else a.to(self.t.float32)
+
+    @staticmethod
+    def contiguous(a):
+        return a.contiguous()
+
+    @staticmethod
+    def quiet():
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+_NP = _NumpyIP()
+_TORCH: list = []  # the one _TorchIP instance, made on first use (a memo, not configuration)
+
+
+def _ip(o):
+    if o.name == "numpy":
+        return _NP
+    if not _TORCH:
+        _TORCH.append(_TorchIP(o.t))
+    return _TORCH[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layout: canonical shape, slabs.
+# ---------------------------------------------------------------------------------------------------------------
+def canonical(shape, tile):
+    """Merge adjacent axes that tile alike; returns (shape, tile) of the merged layout, or None where an axis is
+    ragged (its length not a multiple of its tile) anywhere but axis 0."""
+    shape, tile = list(shape), list(tile)
+    if not shape:
+        return [1], [1]
+    for s, t in zip(shape[1:], tile[1:]):
+        if s % t:
+            return None
+    out_s, out_t = [shape[0]], [tile[0]]
+    for s, t in zip(shape[1:], tile[1:]):
+        ps, pt = out_s[-1], out_t[-1]
+        if pt == 1 and (t == 1 or s % t == 0):
+            # a row of tile 1 followed by whole groups: groups never cross rows
+            out_s[-1], out_t[-1] = ps * s, t
+        elif pt == ps and t == s:  # whole axis followed by whole axis
+            out_s[-1], out_t[-1] = ps * s, ps * s
+        else:
+            out_s.append(s)
+            out_t.append(t)
+    # A tile that covers a whole merged axis of length 0 stays valid; a leading axis of tile == its length is fine.
+    return out_s, out_t
+
+
+def slabs(cshape, ctile, target=SLAB):
+    """Row ranges ``(r0, r1, block_row)`` along axis 0 of the canonical layout; a slab never splits a block row
+    unless one block row alone exceeds ``target`` (then its slabs share ``block_row``, marked by r1 - r0 < its
+    tile; their statistics combine)."""
+    rows = cshape[0]
+    rowsize = 1
+    for s in cshape[1:]:
+        rowsize *= s
+    t0 = ctile[0]
+    out = []
+    if t0 * rowsize <= target:
+        step = max(1, target // (t0 * rowsize)) * t0
+        full = rows // t0 * t0  # a short last block row is a slab of its own
+        for r0 in range(0, full, step):
+            out.append((r0, min(r0 + step, full), None))
+        if full < rows:
+            out.append((full, rows, None))
+        return out
+    step = max(1, target // max(rowsize, 1))
+    for b0 in range(0, rows, t0):
+        end = min(b0 + t0, rows)
+        for r0 in range(b0, end, step):
+            out.append((r0, min(r0 + step, end), b0 // t0))
+    return out
+
+
+def _blocked_view(a, ctile, rows):
+    """View a slab (rows, d1, ...) as (n0, t0, n1, t1, ...) with t0 = min(tile0, rows)."""
+    t0 = min(ctile[0], rows)
+    shape = [rows // t0, t0]
+    for s, t in zip(a.shape[1:], ctile[1:]):
+        shape += [s // t, t]
+    return a.reshape(tuple(shape))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which specs the fast kernels cover.
+# ---------------------------------------------------------------------------------------------------------------
+def _float_ok(d: FloatDType) -> bool:
+    """Small signed float formats with subnormals whose magic constant stays finite: 2**(emax + 1 + 23 - m)."""
+    return (isinstance(d, FloatDType) and d.signed and d.subnormals and d.mantissa_bits <= 21
+            and d.emax + 24 - d.mantissa_bits < 127 and d.emin > -126)
+
+
+def kernel_kind(spec):
+    """'float', 'int', 'microexp' or None (generic)."""
+    if spec.rounding is not RoundingMode.NEAREST_EVEN:
+        return None
+    d = spec.dtype
+    if spec.subblock_shift_bits:
+        if spec.subblock_shift_bits == 1 and spec.subblock_size == 2 and isinstance(d, FloatDType) \
+                and _fixed_point(d) and not spec.unit_exponent:
+            return "microexp"
+        return None
+    if isinstance(d, IntDType):
+        return "int"
+    if _float_ok(d) and spec.saturate:
+        return "float"
+    return None
+
+
+def _fixed_point(d) -> bool:
+    return d.emin == d.emax and d.subnormals and d.signed and d.specials is Specials.FINITE
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Statistics and parameters.
+# ---------------------------------------------------------------------------------------------------------------
+def _stats(r, x, need_minmax):
+    """Per-block statistics, slab by slab: absmax, or (min, max); lists of per-slab arrays (blocked-scale layout)
+    in canonical block order. Blocks that span several slabs combine their parts."""
+    ip = r.ip
+    red = tuple(range(1, 2 * len(r.cshape), 2))
+    parts_a, parts_lo, parts_hi = [], [], []
+    pending = None  # (block_row, a, lo, hi) while a block row spans several slabs
+    for r0, r1, brow in r.plan:
+        xb = r.slab_in(x, r0, r1)
+        if need_minmax:
+            lo, hi = ip.amin(xb, red), ip.amax(xb, red)
+            a = None
+        else:
+            buf = r.scratch(xb, "f")
+            ip.abs(xb, buf)
+            a = ip.amax(buf, red)
+            lo = hi = None
+        if brow is None:
+            parts_a.append(a), parts_lo.append(lo), parts_hi.append(hi)
+            continue
+        if pending is not None and pending[0] == brow:
+            _, pa, plo, phi = pending
+            pending = (brow, None if a is None else ip.maximum(pa, a),
+                       None if lo is None else ip.minimum(plo, lo), None if hi is None else ip.maximum(phi, hi))
+        else:
+            if pending is not None:
+                parts_a.append(pending[1]), parts_lo.append(pending[2]), parts_hi.append(pending[3])
+            pending = (brow, a, lo, hi)
+    if pending is not None:
+        parts_a.append(pending[1]), parts_lo.append(pending[2]), parts_hi.append(pending[3])
+    return parts_a, parts_lo, parts_hi
+
+
+def _cat(parts, o, sshape):
+    """Concatenate per-slab statistics (blocked-scale layout, axis 0) into the public scale shape."""
+    flat = [o.reshape(p, (-1,)) for p in parts]
+    if o.name == "torch":
+        v = o.t.cat(flat) if len(flat) > 1 else flat[0]
+    else:
+        v = np.concatenate(flat) if len(flat) > 1 else flat[0]
+    return o.reshape(v, sshape)
+
+
+def params(x, spec, scale, zero_point, o, r):
+    """(scales, inv or None, zero points or None) in the public scale shape, exactly as the generic path."""
+    from .quantize import _check_given_scale, _check_param, bump_from_extremes
+
+    sshape = spec.scale_shape(tuple(x.shape))
+    if scale is not None:
+        scales = _check_param(scale, sshape, "scale", o, x)
+        _check_given_scale(scales, spec, o)
+        zp = None
+        if not spec.symmetric:
+            if zero_point is None:
+                raise ValueError("an asymmetric spec with a given scale also needs zero_point=")
+            zp = _check_param(zero_point, sshape, "zero_point", o, x)
+        inv = None
+        if spec.pow2_scale:
+            s = o.where(o.isnan(scales), 0, floor_log2(scales))
+            inv = o.where(o.isnan(scales), np.float32(math.nan), pow2(-s, o, x))
+        return scales, inv, zp, None
+    need_minmax = (not spec.symmetric) or spec.bump_on_overflow
+    pa, plo, phi = _stats(r, x, need_minmax)
+    if need_minmax:
+        lo, hi = _cat(plo, o, sshape), _cat(phi, o, sshape)
+        with o.quiet():
+            amax = o.maximum(o.abs(lo), o.abs(hi))
+    else:
+        amax = _cat(pa, o, sshape)
+    zp = None
+    inv = None
+    s = None
+    if spec.pow2_scale:
+        s, bad = pow2_scale_exponent(amax, element=spec.dtype, mode=spec.scale_mode, scale_dtype=spec.scale_dtype,
+                                     unit_exponent=spec.unit_exponent)
+        if spec.bump_on_overflow:
+            s = bump_from_extremes(s, lo, hi, spec, o)
+        scales = o.where(bad, np.float32(math.nan), pow2(s, o, x))
+        inv = o.where(bad, np.float32(math.nan), pow2(-s, o, x))
+    elif spec.symmetric:
+        scales = symmetric_scale(amax, dtype=spec.dtype, scale_dtype=spec.scale_dtype,
+                                 narrow_range=spec.narrow_range)
+    else:
+        scales, zp = asymmetric_scale(lo, hi, dtype=spec.dtype, scale_dtype=spec.scale_dtype)
+    return scales, inv, zp, s
+
+
+def _slab_params(arr, cscale_shape, r0, r1, ctile, brow):
+    """The rows of a canonical-scale-shaped array that a slab uses, in blocked-scale layout (n0, 1, n1, 1, ...)."""
+    if arr is None:
+        return None
+    t0 = ctile[0]
+    a = arr.reshape(tuple(cscale_shape))
+    a = a[brow:brow + 1] if brow is not None else a[r0 // t0:-(-r1 // t0)]
+    shape = []
+    for n in a.shape:
+        shape += [n, 1]
+    return a.reshape(tuple(shape))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Element kernels (one slab, blocked views; ``out`` may be the output slab).
+# ---------------------------------------------------------------------------------------------------------------
+def _round_float_abs(a, d: FloatDType, ip, ib):
+    """Round non-negative float32 ``a`` (<= max_finite or NaN) to ``d``'s grid in place, nearest-even."""
+    m = d.mantissa_bits
+    ip.band(ip.ibits(a), _EXP_MASK, ib)
+    ip.max_(ib, (d.emin + 127) << 23)
+    ip.add(ib, ((23 - m) << 23) | 0x400000, ib)
+    c = ip.fbits(ib)
+    ip.add(a, c, a)
+    ip.sub(a, c, a)
+    return a
+
+
+def _scale_abs(xb, inv, sc, spec, ip, a):
+    """a = |x| / scale (exact multiplication by 2**-s for power-of-two scales)."""
+    ip.abs(xb, a)
+    if inv is not None:
+        ip.mul(a, inv, a)
+    else:
+        ip.div(a, sc, a)
+    return a
+
+
+def _fake_float(xb, sc, inv, spec, ip, a, ib, out):
+    d = spec.dtype
+    _scale_abs(xb, inv, sc, spec, ip, a)
+    ip.min_(a, np.float32(d.max_finite))
+    _round_float_abs(a, d, ip, ib)
+    ip.copysign(a, xb, out)
+    if d.specials is Specials.FNUZ:
+        ip.add(out, np.float32(0.0), out)  # FNUZ has no -0
+    ip.mul(out, sc, out)
+    return out
+
+
+def _int_factors(spec, sc, inv, o):
+    """Per-block multipliers for integer elements: forward (x -> code units) and back (code units -> value),
+    each exact; None for the forward one where it would leave float32's range (then two steps are taken)."""
+    unit = spec.unit_exponent
+    if inv is None:
+        return None, sc, None
+    fwd = inv * np.float32(2.0 ** -unit) if unit else inv
+    if unit and o.any(o.isinf(fwd)):
+        fwd = None  # some block needs 2**-s * 2**-unit beyond 2**127: multiply twice
+    return fwd, _int_back(spec, sc, o), inv
+
+
+def _int_back(spec, sc, o):
+    """scale * 2**unit_exponent per block (exact), or None if that underflows for some block (generic path)."""
+    unit = spec.unit_exponent
+    if not unit:
+        return sc
+    back = sc * np.float32(2.0 ** unit)
+    if o.any(o.logical_and(back == 0, sc > 0)):
+        return None
+    return back
+
+
+def _int_codes_float(xb, sc, fwd, inv, zp, spec, ip, a):
+    """a = clip(rint(x / scale) + zero point, qmin, qmax) as float32, with -0 made +0 (integer codes)."""
+    if inv is None:
+        ip.div(xb, sc, a)
+    elif fwd is not None:
+        ip.mul(xb, fwd, a)
+    else:
+        ip.mul(xb, inv, a)
+        ip.mul(a, np.float32(2.0 ** -spec.unit_exponent), a)
+    ip.rint_(a)
+    if zp is not None:
+        ip.add(a, zp, a)
+    else:
+        ip.add(a, np.float32(0.0), a)  # -0 -> +0
+    ip.clamp_(a, np.float32(spec.qmin), np.float32(spec.qmax))
+    return a
+
+
+def _fake_int(xb, sc, fwd, back, inv, zp, spec, ip, a, out):
+    _int_codes_float(xb, sc, fwd, inv, zp, spec, ip, a)
+    if zp is not None:
+        ip.sub(a, zp, a)
+    ip.mul(a, back, out)
+    return out
+
+
+def _fake_microexp(xb, sc, inv, spec, ip, o, a, out):
+    """MX9/MX6/MX4: per pair, shift d = 1 when both |x| are below 2**s; element = clip(rint(x * 2**(m - s + d)),
+    +-(2**(m+1) - 1)) * 2**(s - d - m)."""
+    m = spec.dtype.mantissa_bits
+    top = np.float32((1 << (m + 1)) - 1)
+    pshape = tuple(xb.shape[:-1]) + (xb.shape[-1] // 2, 2)
+    ip.abs(xb, a)
+    ap = a.reshape(pshape)
+    pm = ip.maximum(ap[..., 0], ap[..., 1])  # pair absmax, half size
+    d = _pair_shift(pm, sc, inv, o)
+    fwd = o.where(d, np.float32(2.0 ** (m + 1)), np.float32(2.0 ** m))[..., None]
+    back = (o.where(d, np.float32(2.0 ** (-m - 1)), np.float32(2.0 ** -m)) * sc)[..., None]
+    op = out.reshape(pshape)
+    ip.mul(xb, inv, out)
+    ip.mul(op, fwd, op)
+    ip.rint_(out)
+    ip.clamp_(out, -top, top)
+    ip.mul(op, back, op)
+    return out, d
+
+
+def _pair_shift(pm, sc, inv, o):
+    """d = 1 where the pair's absmax is below the block scale 2**s (both exponents below the shared one); NaN
+    blocks get 0 (the comparison with a NaN scale is false)."""
+    return pm < sc  # sc broadcasts over (…, pairs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Drivers.
+# ---------------------------------------------------------------------------------------------------------------
+class _Run:
+    """Everything one call needs: canonical layout, slab plan, scratch buffers.
+
+    Axes other than 0 whose length is not a multiple of the tile (a short last group) are padded with zeros slab
+    by slab (as the generic path pads the whole array): ``slab_in`` copies a slab into a padded buffer, kernels
+    write a padded output buffer, ``slab_done`` copies the valid part back.
+    """
+
+    def __init__(self, x, spec, o, ip):
+        self.o, self.ip, self.spec = o, ip, spec
+        shape = tuple(x.shape) if tuple(x.shape) else (1,)
+        tile = tuple(tile_shape(spec.granularity, shape))
+        lead = len(shape) == 1 and shape[0] % tile[0] != 0 and bool(spec.subblock_shift_bits)
+        if lead:  # pairs of a short last group need the padding only axes other than 0 get
+            shape, tile = (1,) + shape, (1,) + tile
+        self.shape = shape
+        self.pshape = (shape[0],) + tuple(-(-s // t) * t for s, t in zip(shape[1:], tile[1:]))
+        self.public_pshape = self.pshape[1:] if lead else self.pshape
+        self.ragged = self.pshape != self.shape
+        if self.ragged:  # slabs are whole rows of axis 0, so axis 0 stays on its own
+            rest = canonical(self.pshape[1:], tile[1:])
+            self.cshape, self.ctile = [shape[0]] + rest[0], [tile[0]] + rest[1]
+        else:
+            self.cshape, self.ctile = canonical(self.pshape, tile)
+        self.cscale = [-(-s // t) if s else 0 for s, t in zip(self.cshape, self.ctile)]
+        self.plan = slabs(self.cshape, self.ctile, SLAB)
+        rowsize = 1
+        for s in self.cshape[1:]:
+            rowsize *= s
+        self.rowsize = rowsize
+        prow = 1
+        for s in self.pshape[1:]:
+            prow *= s
+        self.prow = prow  # elements per row of axis 0 of the (padded) input
+        self.maxn = max((r1 - r0) * rowsize for r0, r1, _ in self.plan) if self.plan else 0
+        self.a = ip.empty(self.maxn, ip.f32, x)
+        self.ib = ip.empty(self.maxn, ip.i32, x)
+        self.like = x
+        self._pads = {}
+
+    def _rows(self, r0, r1):
+        """Canonical rows r0:r1 as rows of axis 0 of the input (canonical axis 0 may merge leading axes)."""
+        return r0 * self.rowsize // self.prow, r1 * self.rowsize // self.prow
+
+    def _pad(self, key, n, dtype):
+        buf = self._pads.get(key)
+        if buf is None:
+            buf = self.ip.empty(self.maxn, dtype, self.like)
+            self._pads[key] = buf
+        return buf[:n]
+
+    def slab_in(self, arr, r0, r1, key="in"):
+        """The slab of ``arr`` (input shape) in blocked canonical layout; a zero-padded copy where ragged."""
+        if not self.ragged:
+            s = arr.reshape(tuple(self.cshape))[r0:r1]
+            return _blocked_view(s, self.ctile, r1 - r0)
+        arr = arr.reshape(self.shape)
+        a0, a1 = self._rows(r0, r1)
+        n = (r1 - r0) * self.rowsize
+        buf = self._pad(key, n, arr.dtype).reshape((a1 - a0,) + self.pshape[1:])
+        _zero(buf, self.ip)
+        buf[(slice(None),) + tuple(slice(0, s) for s in self.shape[1:])] = arr[a0:a1]
+        return _blocked_view(buf.reshape((r1 - r0,) + tuple(self.cshape[1:])), self.ctile, r1 - r0)
+
+    def slab_out(self, arr, r0, r1, key="out"):
+        """Where a kernel writes the slab: a view of ``arr``, or a padded buffer (then call ``slab_done``)."""
+        if not self.ragged:
+            return self.slab_in(arr, r0, r1)
+        n = (r1 - r0) * self.rowsize
+        return _blocked_view(self._pad(key, n, arr.dtype).reshape((r1 - r0,) + tuple(self.cshape[1:])),
+                             self.ctile, r1 - r0)
+
+    def slab_done(self, arr, buf, r0, r1):
+        if not self.ragged:
+            return
+        arr = arr.reshape(self.shape)
+        a0, a1 = self._rows(r0, r1)
+        b = buf.reshape((a1 - a0,) + self.pshape[1:])
+        self.ip.copy_to(arr[a0:a1], b[(slice(None),) + tuple(slice(0, s) for s in self.shape[1:])])
+
+    def pairs(self, shifts, r0, r1):
+        """The sub-block shifts of a slab (flat; one per pair of elements of the padded layout)."""
+        return shifts.reshape(-1)[r0 * self.rowsize // 2:r1 * self.rowsize // 2]
+
+    def scratch(self, xb, which):
+        n = 1
+        for v in xb.shape:
+            n *= v
+        buf = self.a if which == "f" else self.ib
+        return buf[:n].reshape(tuple(xb.shape))
+
+    def per_slab(self, arr, r0, r1, brow):
+        return _slab_params(arr, self.cscale, r0, r1, self.ctile, brow)
+
+
+def _zero(buf, ip):
+    if ip.name == "numpy":
+        buf.fill(0)
+    else:
+        buf.zero_()
+
+
+def _empty(x) -> bool:
+    return any(int(s) == 0 for s in x.shape)
+
+
+def _prepare(x, o):
+    """float32, contiguous (a copy only where the input is not already so)."""
+    x = o.astype(x, o.float32)
+    return _NP.contiguous(x) if o.name == "numpy" else x.contiguous()
+
+
+def run_fake_quantize(x, spec, scale, zero_point, o):
+    """Fast fake_quantize, or None when the spec or layout is not covered (the caller uses the generic path)."""
+    kind = kernel_kind(spec)
+    if kind is None:
+        return None
+    if kind == "microexp" and not _group_last(spec, x):
+        return None
+    if _empty(x):
+        return None
+    ip = _ip(o)
+    x = _prepare(x, o)
+    r = _Run(x, spec, o, ip)
+    with o.quiet():
+        scales, inv, zp, _ = params(x, spec, scale, zero_point, o, r)
+        out = ip.empty(tuple(x.shape), ip.f32, x) if o.name == "torch" else np.empty(x.shape, np.float32)
+        fwd, back, inv2 = _int_factors(spec, scales, inv, o) if kind == "int" else (None, None, inv)
+        if kind == "int" and back is None:
+            return None
+        bad = _bad_blocks(scales, o)
+        for r0, r1, brow in r.plan:
+            xb = r.slab_in(x, r0, r1)
+            ob = r.slab_out(out, r0, r1)
+            sc = r.per_slab(scales, r0, r1, brow)
+            if kind == "float":
+                _fake_float(xb, sc, r.per_slab(inv, r0, r1, brow), spec, ip, r.scratch(xb, "f"),
+                            r.scratch(xb, "i"), ob)
+            elif kind == "int":
+                _fake_int(xb, sc, r.per_slab(fwd, r0, r1, brow), r.per_slab(back, r0, r1, brow),
+                          r.per_slab(inv2, r0, r1, brow), r.per_slab(zp, r0, r1, brow), spec, ip,
+                          r.scratch(xb, "f"), ob)
+            else:
+                _fake_microexp(xb, sc, r.per_slab(inv, r0, r1, brow), spec, ip, o, r.scratch(xb, "f"), ob)
+            if bad is not None:
+                ip.fill_where(ob, r.per_slab(bad, r0, r1, brow), np.float32(math.nan))
+            r.slab_done(out, ob, r0, r1)
+    return out
+
+
+def _bad_blocks(scales, o):
+    """Blocks with a NaN scale (a NaN or Inf met by the statistic), or None when there are none. Their outputs are
+    the canonical NaN 0x7FC00000, as dequantize gives them (0 * NaN scale)."""
+    bad = o.isnan(scales)
+    return bad if o.any(bad) else None
+
+
+def _group_last(spec, x) -> bool:
+    g = spec.granularity
+    return isinstance(g, PerGroup) and len(x.shape) >= 1 and g.axis % len(x.shape) == len(x.shape) - 1
+
+
+def run_quantize(x, spec, scale, zero_point, o):
+    """Fast quantize -> (codes, scales, zero points, shifts), or None (generic path)."""
+    kind = kernel_kind(spec)
+    if kind is None:
+        return None
+    if kind == "microexp" and not _group_last(spec, x):
+        return None
+    if _empty(x):
+        return None
+    ip = _ip(o)
+    x = _prepare(x, o)
+    if scale is not None and o.any(o.isnan(x)):
+        return None  # NaN elements under a given scale: the generic path encodes (or refuses) them
+    r = _Run(x, spec, o, ip)
+    d = spec.dtype
+    with o.quiet():
+        scales, inv, zp, _ = params(x, spec, scale, zero_point, o, r)
+        if isinstance(d, IntDType):
+            cdt = (ip.i8 if d.signed else ip.u8) if d.bits <= 8 else ip.i32
+        else:
+            cdt = ip.u8 if d.bits <= 8 else ip.i32
+        codes = ip.empty(tuple(x.shape), cdt, x) if o.name == "torch" else np.empty(x.shape, cdt)
+        bad = o.isnan(scales)
+        has_bad = o.any(bad)
+        good = None
+        if has_bad:
+            good = o.astype(o.logical_not(bad), cdt)
+        fwd, back, inv2 = _int_factors(spec, scales, inv, o) if kind == "int" else (None, None, inv)
+        shifts = None
+        if kind == "microexp":
+            sh_shape = tuple(r.public_pshape[:-1]) + (r.public_pshape[-1] // 2,)
+            shifts = ip.empty(sh_shape, ip.i32, x) if o.name == "torch" else np.empty(sh_shape, np.int32)
+        for r0, r1, brow in r.plan:
+            xb = r.slab_in(x, r0, r1)
+            cb = r.slab_out(codes, r0, r1)
+            sc = r.per_slab(scales, r0, r1, brow)
+            a = r.scratch(xb, "f")
+            ib = r.scratch(xb, "i")
+            if kind == "float":
+                _codes_float(xb, sc, r.per_slab(inv, r0, r1, brow), spec, ip, a, ib, cb)
+            elif kind == "int":
+                _int_codes_float(xb, sc, r.per_slab(fwd, r0, r1, brow), r.per_slab(inv2, r0, r1, brow),
+                                 r.per_slab(zp, r0, r1, brow), spec, ip, a)
+                ip.copy_to(cb, a)
+            else:
+                dsh = _codes_microexp(xb, sc, r.per_slab(inv, r0, r1, brow), spec, ip, o, a, ib, cb)
+                sh = r.pairs(shifts, r0, r1)
+                ip.copy_to(sh, dsh.reshape(tuple(sh.shape)))
+            if has_bad:
+                ip.mul(cb, r.per_slab(good, r0, r1, brow), cb)
+            r.slab_done(codes, cb, r0, r1)
+    if shifts is not None and has_bad:
+        pass  # shifts of NaN blocks are 0 already (the pair comparison with a NaN scale is false)
+    return codes, scales, zp, shifts
+
+
+def _codes_float(xb, sc, inv, spec, ip, a, ib, cb):
+    """Bit codes of the rounded elements: magnitude from the exponent-rebiased grid value, sign from x."""
+    d = spec.dtype
+    e, m = d.exponent_bits, d.mantissa_bits
+    _scale_abs(xb, inv, sc, spec, ip, a)
+    ip.min_(a, np.float32(d.max_finite))
+    _round_float_abs(a, d, ip, ib)
+    # a * 2**(bias - 127) puts d's exponent field into float32's (d's subnormals become float32 subnormals with
+    # the same mantissa bits); exact, since a is on d's grid.
+    ip.mul(a, np.float32(2.0 ** (d.bias - 127)), a)
+    mag = ip.ibits(a)
+    ip.shr(mag, 23 - m, mag)
+    sgn = ip.shr(ip.ibits(xb), 31 - (e + m), ib)
+    ip.band(sgn, 1 << (e + m), sgn)
+    if d.specials is Specials.FNUZ:  # no -0: the sign only where the magnitude is not zero
+        nz = mag != 0
+        ip.mul(sgn, nz, sgn)
+    ip.bor(mag, sgn, mag)
+    ip.copy_to(cb, mag)
+    return cb
+
+
+def _codes_microexp(xb, sc, inv, spec, ip, o, a, ib, cb):
+    m = spec.dtype.mantissa_bits
+    top = np.float32((1 << (m + 1)) - 1)
+    pshape = tuple(xb.shape[:-1]) + (xb.shape[-1] // 2, 2)
+    ip.abs(xb, a)
+    ap = a.reshape(pshape)
+    pm = ip.maximum(ap[..., 0], ap[..., 1])
+    d = _pair_shift(pm, sc, inv, o)
+    fwd = o.where(d, np.float32(2.0 ** (m + 1)), np.float32(2.0 ** m))[..., None]
+    ip.mul(a, inv, a)
+    ip.mul(ap, fwd, ap)
+    ip.rint_(a)
+    ip.min_(a, top)
+    mag = ib
+    ip.copy_to(mag, a)
+    sgn = ip.shr(ip.ibits(xb), 31 - (m + 1), ip.ibits(a))
+    ip.band(sgn, 1 << (m + 1), sgn)
+    ip.bor(mag, sgn, mag)
+    ip.copy_to(cb, mag)
+    return o.astype(d, o.int32)
+
+
+def run_dequantize(q, o):
+    """Fast dequantize, or None (generic path)."""
+    spec = q.spec
+    kind = kernel_kind(spec)
+    if kind is None:
+        return None
+    codes = q.codes
+    if kind == "microexp" and not _group_last(spec, codes):
+        return None
+    if _empty(codes):
+        return None
+    ip = _ip(o)
+    codes = _NP.contiguous(codes) if o.name == "numpy" else codes.contiguous()
+    r = _Run(codes, spec, o, ip)
+    d = spec.dtype
+    out = ip.empty(tuple(codes.shape), ip.f32, codes) if o.name == "torch" else np.empty(codes.shape, np.float32)
+    scales = q.scales
+    zp = q.zero_points
+    table = None
+    if kind != "int":
+        table = _code_table(d, o, codes)
+        _check_code_range(codes, d, o)
+    with o.quiet():
+        if kind == "int":
+            back = _int_back(spec, scales, o)
+            if back is None:
+                return None
+        bad = _bad_blocks(scales, o)
+        for r0, r1, brow in r.plan:
+            cb = r.slab_in(codes, r0, r1)
+            cs = cb
+            ob = r.slab_out(out, r0, r1)
+            sc = r.per_slab(scales, r0, r1, brow)
+            if kind == "int":
+                ip.copy_to(ob, cb)
+                if zp is not None:
+                    ip.sub(ob, r.per_slab(zp, r0, r1, brow), ob)
+                ip.mul(ob, r.per_slab(back, r0, r1, brow), ob)
+            elif kind == "float":
+                _lookup(table, cs, ob, ip, r)
+                ip.mul(ob, sc, ob)
+            else:
+                _lookup(table, cs, ob, ip, r)
+                pshape = tuple(ob.shape[:-1]) + (ob.shape[-1] // 2, 2)
+                sh = r.pairs(q.subblock_shifts, r0, r1).reshape(pshape[:-1])
+                f = (o.where(sh != 0, np.float32(0.5), np.float32(1.0)) * sc)[..., None]
+                op = ob.reshape(pshape)
+                ip.mul(op, f, op)
+            if bad is not None:
+                ip.fill_where(ob, r.per_slab(bad, r0, r1, brow), np.float32(math.nan))
+            r.slab_done(out, ob, r0, r1)
+    return out
+
+
+def _code_table(d, o, like):
+    from .cast import decode
+
+    n = 1 << d.bits
+    if o.name == "torch":
+        return decode(o.t.arange(n, dtype=o.t.int32, device=like.device), d)
+    return decode(np.arange(n, dtype=np.int32), d)
+
+
+def _check_code_range(codes, d, o):
+    if d.bits >= 8:
+        return
+    if o.any(codes > ((1 << d.bits) - 1)):
+        raise ValueError(f"codes out of range for {d.name}: valid codes are 0..{(1 << d.bits) - 1}")
+
+
+def _lookup(table, cs, ob, ip, r):
+    if ip.name == "numpy":
+        np.take(table, cs, out=ob.reshape(cs.shape))
+        return
+    idx = r.ib[:cs.numel()]
+    idx.copy_(cs.reshape(-1))
+    ip.t.index_select(table, 0, idx, out=ob.reshape(-1))
