@@ -122,6 +122,26 @@ class _NumpyIP:
         return np.bitwise_or(a, b, out=out)
 
     @staticmethod
+    def bxor(a, b, out):
+        return np.bitwise_xor(a, b, out=out)
+
+    @staticmethod
+    def shl(a, k, out):
+        return np.left_shift(a, k, out=out)
+
+    @staticmethod
+    def scalar64(v):
+        return np.int64(v)
+
+    @staticmethod
+    def i32view(a):
+        return a.view(np.int32)
+
+    @staticmethod
+    def min2(a, b, out):
+        return np.minimum(a, b, out=out)
+
+    @staticmethod
     def shr(a, k, out):
         return np.right_shift(a, k, out=out)
 
@@ -232,6 +252,21 @@ class _TorchIP:
 
     def bor(self, a, b, out):
         return self.t.bitwise_or(a, b, out=out)
+
+    def bxor(self, a, b, out):
+        return self.t.bitwise_xor(a, b, out=out)
+
+    def shl(self, a, k, out):
+        return self.t.bitwise_left_shift(a, k, out=out)
+
+    def scalar64(self, v):
+        return self.t.tensor(v, dtype=self.t.int64)
+
+    def i32view(self, a):
+        return a.view(self.t.int32)
+
+    def min2(self, a, b, out):
+        return self.t.minimum(a, b, out=out)
 
     def shr(self, a, k, out):
         return self.t.bitwise_right_shift(a, k, out=out)
@@ -392,13 +427,17 @@ def _stats(r, x, need_minmax):
     pending = None  # (block_row, a, lo, hi) while a block row spans several slabs
     for r0, r1, brow in r.plan:
         xb = r.slab_in(x, r0, r1)
+        # Reductions over the float32 bits as int32 (monotone keys): integer max/min vectorise well over the short
+        # inner axes of small blocks, where float reductions do not; NaN has the largest magnitude key, so a NaN
+        # in a block still makes its statistic NaN.
+        k = r.scratch(xb, "i")
         if need_minmax:
-            lo, hi = ip.amin(xb, red), ip.amax(xb, red)
+            _order_keys(ip.ibits(xb), k, ip)
+            lo, hi = _from_keys(ip.amin(k, red), ip), _from_keys(ip.amax(k, red), ip)
             a = None
         else:
-            buf = r.scratch(xb, "f")
-            ip.abs(xb, buf)
-            a = ip.amax(buf, red)
+            ip.band(ip.ibits(xb), 0x7FFFFFFF, k)
+            a = ip.fbits(ip.contiguous(ip.amax(k, red)))
             lo = hi = None
         if brow is None:
             parts_a.append(a), parts_lo.append(lo), parts_hi.append(hi)
@@ -414,6 +453,21 @@ def _stats(r, x, need_minmax):
     if pending is not None:
         parts_a.append(pending[1]), parts_lo.append(pending[2]), parts_hi.append(pending[3])
     return parts_a, parts_lo, parts_hi
+
+
+def _order_keys(bits, out, ip):
+    """int32 keys that order like the float32 values: negative floats have their magnitude bits flipped."""
+    ip.shr(bits, 31, out)
+    ip.band(out, 0x7FFFFFFF, out)
+    ip.bxor(out, bits, out)
+    return out
+
+
+def _from_keys(k, ip):
+    """Inverse of ``_order_keys`` (it is an involution) on a small reduced array, as float32."""
+    k = ip.contiguous(k)
+    t = ip.band(ip.shr(k, 31, None), 0x7FFFFFFF, None)
+    return ip.fbits(ip.contiguous(ip.bxor(t, k, None)))
 
 
 def _cat(parts, o, sshape):
@@ -452,22 +506,79 @@ def params(x, spec, scale, zero_point, o, r):
             amax = o.maximum(o.abs(lo), o.abs(hi))
     else:
         amax = _cat(pa, o, sshape)
+    scales, inv, zp = _params_from_stats(amax, lo if need_minmax else None, hi if need_minmax else None, spec, o, x)
+    return scales, inv, zp, None
+
+
+def _params_from_stats(amax, lo, hi, spec, o, like):
+    """(scales, 2**-s or None, zero points or None) from block statistics (any shape): the generic rules."""
+    from .quantize import bump_from_extremes
+
     zp = None
     inv = None
-    s = None
     if spec.pow2_scale:
         s, bad = pow2_scale_exponent(amax, element=spec.dtype, mode=spec.scale_mode, scale_dtype=spec.scale_dtype,
                                      unit_exponent=spec.unit_exponent)
         if spec.bump_on_overflow:
             s = bump_from_extremes(s, lo, hi, spec, o)
-        scales = o.where(bad, np.float32(math.nan), pow2(s, o, x))
-        inv = o.where(bad, np.float32(math.nan), pow2(-s, o, x))
+        scales = o.where(bad, np.float32(math.nan), pow2(s, o, like))
+        inv = o.where(bad, np.float32(math.nan), pow2(-s, o, like))
     elif spec.symmetric:
         scales = symmetric_scale(amax, dtype=spec.dtype, scale_dtype=spec.scale_dtype,
                                  narrow_range=spec.narrow_range)
     else:
         scales, zp = asymmetric_scale(lo, hi, dtype=spec.dtype, scale_dtype=spec.scale_dtype)
-    return scales, inv, zp, s
+    return scales, inv, zp
+
+
+def _slab_stats(xb, r, need_minmax):
+    """Statistics of one slab's blocks (blocked-scale layout): (absmax, lo, hi) with lo/hi None unless needed."""
+    ip = r.ip
+    red = tuple(range(1, 2 * len(r.cshape), 2))
+    k = r.scratch(xb, "i")
+    if need_minmax:
+        _order_keys(ip.ibits(xb), k, ip)
+        lo, hi = _from_keys(ip.amin(k, red), ip), _from_keys(ip.amax(k, red), ip)
+        with r.o.quiet():
+            return r.o.maximum(r.o.abs(lo), r.o.abs(hi)), lo, hi
+    ip.band(ip.ibits(xb), 0x7FFFFFFF, k)
+    return ip.fbits(ip.contiguous(ip.amax(k, red))), None, None
+
+
+def iter_slabs(x, spec, scale, zero_point, o, r):
+    """Yield ``(r0, r1, brow, xb, scales, inv, zp)`` per slab (parameters in blocked-scale layout); afterwards
+    ``r.scales`` / ``r.zps`` hold the public arrays.
+
+    Where every slab holds whole blocks and scales are computed (the usual case), each slab's parameters are
+    computed right after its statistics, while the slab is still in cache; otherwise (blocks spanning slabs, or
+    given scales) all parameters first, then the slabs."""
+    fused = scale is None and all(b is None for _, _, b in r.plan)
+    if not fused:
+        scales, inv, zp, _ = params(x, spec, scale, zero_point, o, r)
+        r.scales, r.zps = scales, zp
+        for r0, r1, brow in r.plan:
+            yield (r0, r1, brow, r.slab_in(x, r0, r1), r.per_slab(scales, r0, r1, brow),
+                   r.per_slab(inv, r0, r1, brow), r.per_slab(zp, r0, r1, brow))
+        return
+    sshape = spec.scale_shape(tuple(x.shape))
+    need_minmax = (not spec.symmetric) or spec.bump_on_overflow
+    ip = r.ip
+    full_s = ip.empty(tuple(r.cscale), ip.f32, x) if ip.name == "torch" else np.empty(r.cscale, np.float32)
+    full_z = None
+    if not spec.symmetric:
+        full_z = ip.empty(tuple(r.cscale), ip.f32, x) if ip.name == "torch" else np.empty(r.cscale, np.float32)
+    t0 = r.ctile[0]
+    for r0, r1, _ in r.plan:
+        xb = r.slab_in(x, r0, r1)
+        amax, lo, hi = _slab_stats(xb, r, need_minmax)
+        sc, inv, zp = _params_from_stats(amax, lo, hi, spec, o, x)
+        b0, b1 = r0 // t0, -(-r1 // t0)
+        ip.copy_to(full_s[b0:b1], sc.reshape(tuple(full_s[b0:b1].shape)))
+        if zp is not None:
+            ip.copy_to(full_z[b0:b1], zp.reshape(tuple(full_z[b0:b1].shape)))
+        yield r0, r1, None, xb, sc, inv, zp
+    r.scales = full_s.reshape(sshape)
+    r.zps = None if full_z is None else full_z.reshape(sshape)
 
 
 def _slab_params(arr, cscale_shape, r0, r1, ctile, brow):
@@ -513,7 +624,8 @@ def _fake_float(xb, sc, inv, spec, ip, a, ib, out):
     _scale_abs(xb, inv, sc, spec, ip, a)
     ip.min_(a, np.float32(d.max_finite))
     _round_float_abs(a, d, ip, ib)
-    ip.copysign(a, xb, out)
+    ip.band(ip.ibits(xb), -0x80000000, ib)  # x's sign bit back onto the rounded magnitude (-0 kept)
+    ip.bor(ip.ibits(a), ib, ip.ibits(out))
     if d.specials is Specials.FNUZ:
         ip.add(out, np.float32(0.0), out)  # FNUZ has no -0
     ip.mul(out, sc, out)
@@ -569,31 +681,72 @@ def _fake_int(xb, sc, fwd, back, inv, zp, spec, ip, a, out):
     return out
 
 
-def _fake_microexp(xb, sc, inv, spec, ip, o, a, out):
-    """MX9/MX6/MX4: per pair, shift d = 1 when both |x| are below 2**s; element = clip(rint(x * 2**(m - s + d)),
-    +-(2**(m+1) - 1)) * 2**(s - d - m)."""
+def _dup_shift(d, ip, l1, l2):
+    """Per-pair flags ``d`` (bool, one per pair) -> int64 per pair holding ``d << 23`` in both float32 halves: added
+    to (or subtracted from) the bits of a constant pair it multiplies (divides) both elements by ``2**d``."""
+    ip.copy_to(l1, d)
+    ip.shl(l1, 32, l2)
+    ip.bor(l1, l2, l1)
+    ip.shl(l1, 23, l1)
+    return l1
+
+
+def _pair64(v: float) -> int:
+    b = int(np.array(v, np.float32).view(np.int32))
+    return b | (b << 32)
+
+
+def _microexp_round(xb, inv, spec, ip, o, r, a, ib):
+    """Shared-microexponent rounding in units of the block scale. Returns (|rounded| as float32 view of ``ib``,
+    ``a`` holding y = x * 2**-s, the per-pair shift flags d, their int64 shift S).
+
+    With y = x * 2**-s (|y| < 2), a pair shifts (d = 1) iff both |y| < 1 (the same comparison as both exponents
+    below the shared one); its elements round to multiples of 2**-(m + d) by one add and subtract of
+    C = 1.5 * 2**(23 - m - d) and clamp at (2 - 2**-m) * 2**-d. The per-element constants come from per-pair ones
+    by an exponent shift in int64 pairs, so no operation broadcasts over the pairs' tiny inner axis."""
     m = spec.dtype.mantissa_bits
-    top = np.float32((1 << (m + 1)) - 1)
-    pshape = tuple(xb.shape[:-1]) + (xb.shape[-1] // 2, 2)
-    ip.abs(xb, a)
-    ap = a.reshape(pshape)
-    pm = ip.maximum(ap[..., 0], ap[..., 1])  # pair absmax, half size
-    d = _pair_shift(pm, sc, inv, o)
-    fwd = o.where(d, np.float32(2.0 ** (m + 1)), np.float32(2.0 ** m))[..., None]
-    back = (o.where(d, np.float32(2.0 ** (-m - 1)), np.float32(2.0 ** -m)) * sc)[..., None]
-    op = out.reshape(pshape)
-    ip.mul(xb, inv, out)
-    ip.mul(op, fwd, op)
-    ip.rint_(out)
-    ip.clamp_(out, -top, top)
-    ip.mul(op, back, op)
-    return out, d
+    n = a.size if ip.name == "numpy" else a.numel()
+    ip.mul(xb, inv, a)
+    ip.band(ip.ibits(a), 0x7FFFFFFF, ib)
+    fa = ip.fbits(ib).reshape(-1)
+    pm = ip.maximum(fa[0::2], fa[1::2])
+    d = pm < np.float32(1.0)
+    l1, l2 = r.l64[:n // 2], r.l64b[:n // 2]
+    sh = _dup_shift(d, ip, l1, l2)
+    c = ip.sub(ip.scalar64(_pair64(1.5 * 2.0 ** (23 - m))), sh, l2)
+    cf = ip.fbits(ip.i32view(c))
+    ip.add(fa, cf, fa)
+    ip.sub(fa, cf, fa)
+    b = ip.sub(ip.scalar64(_pair64(2.0 - 2.0 ** -m)), sh, l2)
+    ip.min2(fa, ip.fbits(ip.i32view(b)), fa)
+    return fa, d, sh
 
 
-def _pair_shift(pm, sc, inv, o):
-    """d = 1 where the pair's absmax is below the block scale 2**s (both exponents below the shared one); NaN
-    blocks get 0 (the comparison with a NaN scale is false)."""
-    return pm < sc  # sc broadcasts over (…, pairs)
+def _fake_microexp(xb, sc, inv, spec, ip, o, r, a, ib, out):
+    """MX9/MX6/MX4 fake-quantize of one slab: the rounded magnitude gets x's sign back, then the block scale."""
+    fa, d, sh = _microexp_round(xb, inv, spec, ip, o, r, a, ib)
+    ai = ip.ibits(a).reshape(-1)
+    ip.band(ai, -0x80000000, ai)  # the sign of y (= the sign of x)
+    ii = ip.ibits(fa)
+    ip.bor(ii, ai, ii)
+    ip.mul(ip.fbits(ii).reshape(tuple(xb.shape)), sc, out)
+    return out
+
+
+def _codes_microexp(xb, sc, inv, spec, ip, o, r, a, ib, cb):
+    """MX9/MX6/MX4 codes (sign-magnitude, sign at bit m + 1) and the per-pair shifts."""
+    m = spec.dtype.mantissa_bits
+    fa, d, sh = _microexp_round(xb, inv, spec, ip, o, r, a, ib)
+    f = ip.add(ip.scalar64(_pair64(2.0 ** m)), sh, sh)  # 2**(m + d) per element
+    ip.mul(fa, ip.fbits(ip.i32view(f)), fa)
+    mag = ip.ibits(a).reshape(-1)
+    ip.copy_to(mag, fa)
+    sgn = ip.ibits(fa)  # reuse: sign bit of x moved to bit m + 1
+    ip.shr(ip.ibits(xb).reshape(-1), 31 - (m + 1), sgn)
+    ip.band(sgn, 1 << (m + 1), sgn)
+    ip.bor(mag, sgn, mag)
+    ip.copy_to(cb, mag.reshape(tuple(cb.shape)))
+    return d
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -636,6 +789,10 @@ class _Run:
         self.maxn = max((r1 - r0) * rowsize for r0, r1, _ in self.plan) if self.plan else 0
         self.a = ip.empty(self.maxn, ip.f32, x)
         self.ib = ip.empty(self.maxn, ip.i32, x)
+        if spec.subblock_shift_bits:
+            i64 = np.int64 if ip.name == "numpy" else ip.t.int64
+            self.l64 = ip.empty(self.maxn // 2, i64, x)
+            self.l64b = ip.empty(self.maxn // 2, i64, x)
         self.like = x
         self._pads = {}
 
@@ -714,46 +871,30 @@ def _prepare(x, o):
 def run_fake_quantize(x, spec, scale, zero_point, o):
     """Fast fake_quantize, or None when the spec or layout is not covered (the caller uses the generic path)."""
     kind = kernel_kind(spec)
-    if kind is None:
-        return None
-    if kind == "microexp" and not _group_last(spec, x):
-        return None
-    if _empty(x):
+    if kind is None or _empty(x) or (kind == "microexp" and not _group_last(spec, x)):
         return None
     ip = _ip(o)
     x = _prepare(x, o)
     r = _Run(x, spec, o, ip)
+    out = ip.empty(tuple(x.shape), ip.f32, x) if o.name == "torch" else np.empty(x.shape, np.float32)
     with o.quiet():
-        scales, inv, zp, _ = params(x, spec, scale, zero_point, o, r)
-        out = ip.empty(tuple(x.shape), ip.f32, x) if o.name == "torch" else np.empty(x.shape, np.float32)
-        fwd, back, inv2 = _int_factors(spec, scales, inv, o) if kind == "int" else (None, None, inv)
-        if kind == "int" and back is None:
-            return None
-        bad = _bad_blocks(scales, o)
-        for r0, r1, brow in r.plan:
-            xb = r.slab_in(x, r0, r1)
+        for r0, r1, brow, xb, sc, inv, zp in iter_slabs(x, spec, scale, zero_point, o, r):
             ob = r.slab_out(out, r0, r1)
-            sc = r.per_slab(scales, r0, r1, brow)
+            a, ib = r.scratch(xb, "f"), r.scratch(xb, "i")
             if kind == "float":
-                _fake_float(xb, sc, r.per_slab(inv, r0, r1, brow), spec, ip, r.scratch(xb, "f"),
-                            r.scratch(xb, "i"), ob)
+                _fake_float(xb, sc, inv, spec, ip, a, ib, ob)
             elif kind == "int":
-                _fake_int(xb, sc, r.per_slab(fwd, r0, r1, brow), r.per_slab(back, r0, r1, brow),
-                          r.per_slab(inv2, r0, r1, brow), r.per_slab(zp, r0, r1, brow), spec, ip,
-                          r.scratch(xb, "f"), ob)
+                fwd, back, inv2 = _int_factors(spec, sc, inv, o)
+                if back is None:
+                    return None
+                _fake_int(xb, sc, fwd, back, inv2, zp, spec, ip, a, ob)
             else:
-                _fake_microexp(xb, sc, r.per_slab(inv, r0, r1, brow), spec, ip, o, r.scratch(xb, "f"), ob)
+                _fake_microexp(xb, sc, inv, spec, ip, o, r, a, ib, ob)
+            bad = _bad_blocks(sc, o)
             if bad is not None:
-                ip.fill_where(ob, r.per_slab(bad, r0, r1, brow), np.float32(math.nan))
+                ip.fill_where(ob, bad, np.float32(math.nan))
             r.slab_done(out, ob, r0, r1)
     return out
-
-
-def _bad_blocks(scales, o):
-    """Blocks with a NaN scale (a NaN or Inf met by the statistic), or None when there are none. Their outputs are
-    the canonical NaN 0x7FC00000, as dequantize gives them (0 * NaN scale)."""
-    bad = o.isnan(scales)
-    return bad if o.any(bad) else None
 
 
 def _group_last(spec, x) -> bool:
@@ -764,11 +905,7 @@ def _group_last(spec, x) -> bool:
 def run_quantize(x, spec, scale, zero_point, o):
     """Fast quantize -> (codes, scales, zero points, shifts), or None (generic path)."""
     kind = kernel_kind(spec)
-    if kind is None:
-        return None
-    if kind == "microexp" and not _group_last(spec, x):
-        return None
-    if _empty(x):
+    if kind is None or _empty(x) or (kind == "microexp" and not _group_last(spec, x)):
         return None
     ip = _ip(o)
     x = _prepare(x, o)
@@ -776,45 +913,41 @@ def run_quantize(x, spec, scale, zero_point, o):
         return None  # NaN elements under a given scale: the generic path encodes (or refuses) them
     r = _Run(x, spec, o, ip)
     d = spec.dtype
+    if isinstance(d, IntDType):
+        cdt = (ip.i8 if d.signed else ip.u8) if d.bits <= 8 else ip.i32
+    else:
+        cdt = ip.u8 if d.bits <= 8 else ip.i32
+    codes = ip.empty(tuple(x.shape), cdt, x) if o.name == "torch" else np.empty(x.shape, cdt)
+    shifts = None
+    if kind == "microexp":
+        sh_shape = tuple(r.public_pshape[:-1]) + (r.public_pshape[-1] // 2,)
+        shifts = ip.empty(sh_shape, ip.i32, x) if o.name == "torch" else np.empty(sh_shape, np.int32)
     with o.quiet():
-        scales, inv, zp, _ = params(x, spec, scale, zero_point, o, r)
-        if isinstance(d, IntDType):
-            cdt = (ip.i8 if d.signed else ip.u8) if d.bits <= 8 else ip.i32
-        else:
-            cdt = ip.u8 if d.bits <= 8 else ip.i32
-        codes = ip.empty(tuple(x.shape), cdt, x) if o.name == "torch" else np.empty(x.shape, cdt)
-        bad = o.isnan(scales)
-        has_bad = o.any(bad)
-        good = None
-        if has_bad:
-            good = o.astype(o.logical_not(bad), cdt)
-        fwd, back, inv2 = _int_factors(spec, scales, inv, o) if kind == "int" else (None, None, inv)
-        shifts = None
-        if kind == "microexp":
-            sh_shape = tuple(r.public_pshape[:-1]) + (r.public_pshape[-1] // 2,)
-            shifts = ip.empty(sh_shape, ip.i32, x) if o.name == "torch" else np.empty(sh_shape, np.int32)
-        for r0, r1, brow in r.plan:
-            xb = r.slab_in(x, r0, r1)
+        for r0, r1, brow, xb, sc, inv, zp in iter_slabs(x, spec, scale, zero_point, o, r):
             cb = r.slab_out(codes, r0, r1)
-            sc = r.per_slab(scales, r0, r1, brow)
-            a = r.scratch(xb, "f")
-            ib = r.scratch(xb, "i")
+            a, ib = r.scratch(xb, "f"), r.scratch(xb, "i")
             if kind == "float":
-                _codes_float(xb, sc, r.per_slab(inv, r0, r1, brow), spec, ip, a, ib, cb)
+                _codes_float(xb, sc, inv, spec, ip, a, ib, cb)
             elif kind == "int":
-                _int_codes_float(xb, sc, r.per_slab(fwd, r0, r1, brow), r.per_slab(inv2, r0, r1, brow),
-                                 r.per_slab(zp, r0, r1, brow), spec, ip, a)
+                fwd, _, inv2 = _int_factors(spec, sc, inv, o)
+                _int_codes_float(xb, sc, fwd, inv2, zp, spec, ip, a)
                 ip.copy_to(cb, a)
             else:
-                dsh = _codes_microexp(xb, sc, r.per_slab(inv, r0, r1, brow), spec, ip, o, a, ib, cb)
+                dsh = _codes_microexp(xb, sc, inv, spec, ip, o, r, a, ib, cb)
                 sh = r.pairs(shifts, r0, r1)
                 ip.copy_to(sh, dsh.reshape(tuple(sh.shape)))
-            if has_bad:
-                ip.mul(cb, r.per_slab(good, r0, r1, brow), cb)
+            bad = _bad_blocks(sc, o)
+            if bad is not None:  # NaN blocks: codes 0 (their scale carries the NaN)
+                ip.fill_where(cb, bad, 0)
             r.slab_done(codes, cb, r0, r1)
-    if shifts is not None and has_bad:
-        pass  # shifts of NaN blocks are 0 already (the pair comparison with a NaN scale is false)
-    return codes, scales, zp, shifts
+    return codes, r.scales, r.zps, shifts
+
+
+def _bad_blocks(scales, o):
+    """Blocks with a NaN scale (a NaN or Inf met by the statistic), or None when there are none. Their outputs are
+    the canonical NaN 0x7FC00000, as dequantize gives them (0 * NaN scale)."""
+    bad = o.isnan(scales)
+    return bad if o.any(bad) else None
 
 
 def _codes_float(xb, sc, inv, spec, ip, a, ib, cb):
@@ -837,28 +970,6 @@ def _codes_float(xb, sc, inv, spec, ip, a, ib, cb):
     ip.bor(mag, sgn, mag)
     ip.copy_to(cb, mag)
     return cb
-
-
-def _codes_microexp(xb, sc, inv, spec, ip, o, a, ib, cb):
-    m = spec.dtype.mantissa_bits
-    top = np.float32((1 << (m + 1)) - 1)
-    pshape = tuple(xb.shape[:-1]) + (xb.shape[-1] // 2, 2)
-    ip.abs(xb, a)
-    ap = a.reshape(pshape)
-    pm = ip.maximum(ap[..., 0], ap[..., 1])
-    d = _pair_shift(pm, sc, inv, o)
-    fwd = o.where(d, np.float32(2.0 ** (m + 1)), np.float32(2.0 ** m))[..., None]
-    ip.mul(a, inv, a)
-    ip.mul(ap, fwd, ap)
-    ip.rint_(a)
-    ip.min_(a, top)
-    mag = ib
-    ip.copy_to(mag, a)
-    sgn = ip.shr(ip.ibits(xb), 31 - (m + 1), ip.ibits(a))
-    ip.band(sgn, 1 << (m + 1), sgn)
-    ip.bor(mag, sgn, mag)
-    ip.copy_to(cb, mag)
-    return o.astype(d, o.int32)
 
 
 def run_dequantize(q, o):
@@ -904,11 +1015,12 @@ def run_dequantize(q, o):
                 ip.mul(ob, sc, ob)
             else:
                 _lookup(table, cs, ob, ip, r)
-                pshape = tuple(ob.shape[:-1]) + (ob.shape[-1] // 2, 2)
-                sh = r.pairs(q.subblock_shifts, r0, r1).reshape(pshape[:-1])
-                f = (o.where(sh != 0, np.float32(0.5), np.float32(1.0)) * sc)[..., None]
-                op = ob.reshape(pshape)
-                ip.mul(op, f, op)
+                n = (r1 - r0) * r.rowsize
+                dd = _dup_shift(r.pairs(q.subblock_shifts, r0, r1), ip, r.l64[:n // 2], r.l64b[:n // 2])
+                f = ip.sub(ip.scalar64(_pair64(1.0)), dd, dd)  # 2**-d per element
+                of = ob.reshape(-1)
+                ip.mul(of, ip.fbits(ip.i32view(f)), of)
+                ip.mul(ob, sc, ob)
             if bad is not None:
                 ip.fill_where(ob, r.per_slab(bad, r0, r1, brow), np.float32(math.nan))
             r.slab_done(out, ob, r0, r1)
