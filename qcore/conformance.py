@@ -11,8 +11,10 @@ file (``.npy`` + raw ``.bin``)        contents
 ``expected_cast``                     element formats: ``qcore.cast`` values (float32)
 ``expected_codes``                    ``qcore.encode`` codes / ``QTensor.codes`` (uint8 bit patterns for float
                                       elements; int8/uint8 values for integer elements; int32 above 8 bits)
-``expected_packed``                   uint8 bytes along the last axis: fp4 ``pack_fp4``, fp6 ``pack_fp6``, sub-byte
-                                      integers ``pack_bits(codes, bits)``, anything else the codes' own bytes (LE)
+``expected_packed``                   uint8 bytes along the last axis, ``qcore.packing.pack(codes, format)``: the
+                                      dense ``pack_bits(codes, bits)`` bitstream up to 8 bits (fp4 = ``pack_fp4``,
+                                      fp6 = ``pack_fp6``, MX4's 3-bit and MX6's 5-bit elements 8 codes -> 3 / 5
+                                      bytes), 16-bit little-endian words above (``default_layout``)
 ``expected_scales``                   block formats: float32 scales, one per block (NaN for a NaN/Inf block)
 ``expected_scale_codes``              block formats: the scales' E8M0 bytes (``qcore.encode(scales, e8m0)``)
 ``expected_shifts``                   MX9/MX6/MX4: int32 microexponent per sub-block (padding sub-blocks included)
@@ -229,36 +231,14 @@ def _normalize_formats(formats) -> list:
 
 
 def _packing_of(el) -> dict:
-    """How codes of element dtype ``el`` become bytes along the last axis."""
-    bits = el.bits
-    if isinstance(el, FloatDType) and bits == 4:
-        return dict(layout="fp4", function="qcore.packing.pack_fp4", bits=4, group_elements=2, group_bytes=1)
-    if isinstance(el, FloatDType) and bits == 6:
-        return dict(layout="fp6", function="qcore.packing.pack_fp6", bits=6, group_elements=4, group_bytes=3)
-    if isinstance(el, IntDType) and bits < 8:
-        n_el, n_by = packing._group(bits)
-        return dict(layout="bits", function=f"qcore.packing.pack_bits(codes, {bits})", bits=bits,
-                    group_elements=n_el, group_bytes=n_by)
-    width = 1 if bits <= 8 else (2 if bits <= 16 else 4)
-    return dict(layout="bytes", function=f"codes as {width}-byte little-endian words", bits=bits,
-                group_elements=1, group_bytes=width)
+    """How codes of element dtype ``el`` become bytes along the last axis: ``qcore.packing.default_layout``."""
+    lay = packing.default_layout(el)
+    return dict(layout=lay.name, function=lay.function, bits=lay.bits, field_bits=lay.field_bits,
+                group_elements=lay.group_elements, group_bytes=lay.group_bytes)
 
 
-def _pack(codes: np.ndarray, el, info: dict) -> np.ndarray:
-    layout = info["layout"]
-    if layout == "fp4":
-        return packing.pack_fp4(codes)
-    if layout == "fp6":
-        return packing.pack_fp6(codes)
-    if layout == "bits":
-        return packing.pack_bits(codes, info["bits"])
-    width = info["group_bytes"]
-    if width == 1:  # int8 codes become their two's-complement bytes, uint8 codes stay
-        return np.ascontiguousarray(codes.astype(codes.dtype.newbyteorder("<"))).view(np.uint8)
-    signed = isinstance(el, IntDType) and el.signed
-    word = np.dtype(f"<{'i' if signed else 'u'}{width}")
-    c = np.ascontiguousarray(codes.astype(np.int64).astype(word))
-    return c.view(np.uint8).reshape(codes.shape[:-1] + (codes.shape[-1] * width,))
+def _pack(codes: np.ndarray, el) -> np.ndarray:
+    return packing.pack(codes, el)
 
 
 def _overflow_words(d: FloatDType, sat: bool) -> str:
@@ -331,7 +311,7 @@ def _cast_case(d, mode: str, key: int):
         "input": x,
         "expected_cast": values.astype(np.float32),
         "expected_codes": codes,
-        "expected_packed": _pack(codes, d, info),
+        "expected_packed": _pack(codes, d),
     }
     meta = dict(
         op="cast", element_format=d.name, options=dict(rounding=rounding.name, saturate=saturate),
@@ -358,7 +338,7 @@ def _quantize_case(d: BlockDType, mode: str, key: int):
     arrays = {
         "input": x,
         "expected_codes": codes,
-        "expected_packed": _pack(codes, d.element, info),
+        "expected_packed": _pack(codes, d.element),
         "expected_scales": scales,
         "expected_scale_codes": encode(scales, d.scale),
     }

@@ -41,19 +41,39 @@ Layouts (``axis`` picks the packed axis, default the last; other axes are carrie
 Ragged lengths: the packers pad the last group with code 0; the unpackers return every element of the packed
 groups unless ``length=n`` is given, which trims to ``n`` (it must be a length that packs to exactly that many
 groups, else ``ValueError``).
+
+The default layout of a format (``default_layout(dtype)``, ``pack(codes, dtype)``, ``unpack(packed, dtype)``):
+the one rule that ``qcore conformance export`` (``expected_packed``) and ``qcore.testing``'s ``Op.PACK`` use.
+
+- Codes of 8 bits or fewer: the dense bitstream of ``pack_bits(codes, bits)``, whatever the width. fp4 is
+  ``pack_fp4``, fp6 is ``pack_fp6`` (Quark's 3-in-4), int4 is two per byte, and the 3-bit and 5-bit
+  sign-magnitude elements of MX4 / MX6 (``float3_e1m1``, ``float5_e1m3``) are dense too: 8 codes -> 3 bytes
+  and 8 codes -> 5 bytes, as a kernel storing them packs them (one byte per code would be a different,
+  silently incompatible layout). 8-bit codes are their own bytes (int8 values in two's complement).
+- Codes of 9 to 16 bits (int9..int16, uint9..uint16, float16, bfloat16): one little-endian 16-bit word per code
+  (two's complement for signed integers), 2 bytes per element.
+- Wider formats (float32) have no packed layout (``ValueError``). Block formats pack their element's codes; the
+  scales are separate arrays. ``pack_int4_int32`` and ``pack_gguf_q4`` are alternative layouts a caller picks
+  explicitly (``Op.PACK`` takes ``order=`` for the former).
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import numpy as np
 
 from qcore._backend import is_torch, ops
+from qcore.dtypes import BlockDType, DType, FloatDType, IntDType, get_dtype
 
 __all__ = [
+    "Layout",
+    "default_layout",
+    "pack",
+    "unpack",
     "Int4Order",
     "pack_bits",
     "unpack_bits",
@@ -232,7 +252,8 @@ def _pack_stream(w, o, bits: int, axis: int):
 
 
 def _unpack_stream(b, o, bits: int, axis: int, length, signed: bool, name: str):
-    """Inverse of ``_pack_stream`` on validated int64 bytes ``b``; returns uint8 (or int8 when ``signed``)."""
+    """Inverse of ``_pack_stream`` on validated int64 bytes ``b``; returns uint8 (or int8 when ``signed``), or
+    int32 for fields wider than 8 bits."""
     n_el, n_by = _group(bits)
     x = _to_end(b, o, axis)
     lead = tuple(x.shape[:-1])
@@ -250,9 +271,11 @@ def _unpack_stream(b, o, bits: int, axis: int, length, signed: bool, name: str):
     v = o.slice_axis(v, -1, n)
     if signed:
         half = 1 << (bits - 1)
-        v = o.astype((v ^ half) - half, o.int8)
+        v = (v ^ half) - half
+    if bits > 8:  # 16-bit words (``unpack``): int32, as qcore.encode returns codes wider than 8 bits
+        v = o.astype(v, o.int32)
     else:
-        v = o.astype(v, o.uint8)
+        v = o.astype(v, o.int8 if signed else o.uint8)
     return _from_end(v, o, axis)
 
 
@@ -341,6 +364,103 @@ def unpack_fp6(packed, *, axis: int = -1, length: Optional[int] = None):
     b, o = _bytes_to_int64(packed, "packed")
     axis = _check_axis(axis, b.ndim)
     return _unpack_stream(b, o, 6, axis, length, False, "packed")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the default layout of a format
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The default byte layout of one element format's codes (``default_layout``; see the module docstring).
+
+    ``dtype``: the element format's name. ``bits``: its code width. ``field_bits``: the width each code takes in
+    the byte stream (``bits`` for formats of 8 bits or fewer, 16 for wider ones). ``signed``: the codes are
+    two's-complement integer values (signed ``IntDType``) rather than unsigned bit patterns. ``name``:
+    ``"fp4"``, ``"fp6"``, ``"bits"`` (any other width of 8 bits or fewer) or ``"words16"``.
+    """
+
+    dtype: str
+    bits: int
+    field_bits: int
+    signed: bool
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.field_bits not in _SUPPORTED_BITS + (16,) or not 1 <= self.bits <= self.field_bits:
+            raise ValueError(f"Layout: bits={self.bits!r} / field_bits={self.field_bits!r} is not a layout qcore has")
+        if self.name not in ("fp4", "fp6", "bits", "words16"):
+            raise ValueError(f"Layout: unknown name {self.name!r}")
+
+    @property
+    def group_elements(self) -> int:
+        """Elements in the smallest whole-byte group (fp4: 2, fp6: 4, 3- and 5-bit: 8, 8- and 16-bit: 1)."""
+        return _group(self.field_bits)[0]
+
+    @property
+    def group_bytes(self) -> int:
+        """Bytes of that group (fp4: 1, fp6: 3, 3-bit: 3, 5-bit: 5, 8-bit: 1, 16-bit words: 2)."""
+        return _group(self.field_bits)[1]
+
+    @property
+    def function(self) -> str:
+        """The explicit packer call that gives the same bytes."""
+        if self.name == "fp4":
+            return "qcore.packing.pack_fp4(codes)"
+        if self.name == "fp6":
+            return "qcore.packing.pack_fp6(codes)"
+        if self.name == "bits":
+            return f"qcore.packing.pack_bits(codes, {self.bits})"
+        return "codes as 16-bit little-endian words"
+
+
+def default_layout(dtype: Union[str, DType]) -> Layout:
+    """The byte layout qcore uses for ``dtype``'s codes (a format name or dtype; a block format gives its
+    element's layout): dense ``pack_bits`` bitstreams up to 8 bits, 16-bit little-endian words for 9 to 16 bits.
+
+    ``ValueError`` for formats wider than 16 bits (float32 has no packed layout)."""
+    d = get_dtype(dtype)
+    if isinstance(d, BlockDType):
+        d = d.element
+    signed = isinstance(d, IntDType) and d.signed
+    if d.bits > 16:
+        raise ValueError(f"dtype {d.name} has {d.bits}-bit codes; qcore packs formats of 16 bits or fewer")
+    if d.bits > 8:
+        return Layout(d.name, d.bits, 16, signed, "words16")
+    name = f"fp{d.bits}" if isinstance(d, FloatDType) and d.bits in (4, 6) else "bits"
+    return Layout(d.name, d.bits, d.bits, signed, name)
+
+
+def pack(codes: Any, dtype: Union[str, DType], *, axis: int = -1) -> Any:
+    """Pack ``dtype``'s codes (as ``qcore.encode`` / ``QTensor.codes`` give them) along ``axis`` in the
+    format's default layout (``default_layout``); returns ``uint8``, same kind and device as ``codes``.
+
+    Codes must fit the format: ``0 .. 2**bits - 1`` for float and unsigned formats, the value range for signed
+    integers (``ValueError`` otherwise). A ragged last group is padded with code 0 (``unpack(..., length=n)``
+    trims).
+    """
+    lay = default_layout(dtype)
+    w, o = _codes_to_int64(codes, lay.bits, lay.signed, "codes")
+    axis = _check_axis(axis, w.ndim)
+    return _pack_stream(w, o, lay.field_bits, axis)
+
+
+def unpack(packed: Any, dtype: Union[str, DType], *, axis: int = -1, length: Optional[int] = None) -> Any:
+    """Inverse of ``pack``: the codes in ``qcore.encode``'s dtypes (``uint8`` bit patterns / unsigned values,
+    ``int8`` values of signed integer formats, ``int32`` above 8 bits). ``length`` trims the unpacked axis.
+
+    16-bit words that do not hold a code of a narrower format (int12: outside -2048..2047) raise ``ValueError``.
+    """
+    lay = default_layout(dtype)
+    b, o = _bytes_to_int64(packed, "packed")
+    axis = _check_axis(axis, b.ndim)
+    v = _unpack_stream(b, o, lay.field_bits, axis, length, lay.signed, "packed")
+    if lay.field_bits != lay.bits:
+        lo, hi = _range_for(lay.bits, lay.signed)
+        if o.any((v < lo) | (v > hi)):
+            raise ValueError(f"packed holds 16-bit words outside [{lo}, {hi}], the codes of {lay.dtype}")
+    return v
 
 
 # ---------------------------------------------------------------------------------------------------------------

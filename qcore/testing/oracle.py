@@ -25,9 +25,11 @@ sub-block shift.
 ``Op.DEQUANTIZE``         a ``QTensor`` (or float values,  float32 ``qcore.dequantize(x)`` (or of
                           which the oracle quantizes)      ``quantize(x, fmt, ...)``)
 ``Op.FAKE_QUANTIZE``      float values                     float32 ``qcore.fake_quantize(x, fmt, ...)``
-``Op.PACK``               integer codes (or float values,  packed bytes: ``pack_fp4`` (fp4), ``pack_fp6``
-                          which the oracle encodes)        (fp6), ``pack_bits(codes, bits)`` (other <= 8-bit
-                                                           formats; block formats use their element), or
+``Op.PACK``               integer codes (or float values,  packed bytes in the format's default layout,
+                          which the oracle encodes)        ``qcore.packing.pack(codes, fmt)`` (dense bits up
+                                                           to 8 bits: ``pack_fp4``, ``pack_fp6``,
+                                                           ``pack_bits(codes, bits)``; 16-bit LE words above;
+                                                           block formats use their element), or
                                                            ``pack_int4_int32`` with ``order=``; ``axis=``
 ========================= ================================ ================================================
 
@@ -116,14 +118,8 @@ def _pack_reference(codes: np.ndarray, fmt, overrides: dict):
         if not (isinstance(d, IntDType) and d.bits == 4):
             raise ValueError(f"order= (int4 in int32) applies to int4/uint4 codes, not {d.name}")
         return packing.pack_int4_int32(codes, order=overrides["order"], axis=axis, signed=d.signed), 32, axis
-    if isinstance(d, FloatDType) and d.bits == 4:
-        return packing.pack_fp4(codes, axis=axis), 4, axis
-    if isinstance(d, FloatDType) and d.bits == 6:
-        return packing.pack_fp6(codes, axis=axis), 6, axis
-    if d.bits <= 8:
-        signed = d.signed if isinstance(d, IntDType) else False
-        return packing.pack_bits(codes, d.bits, axis=axis, signed=signed), d.bits, axis
-    raise ValueError(f"Op.PACK: {d.name} has {d.bits}-bit codes; qcore packs formats of 8 bits or fewer")
+    lay = packing.default_layout(d)  # the one packing rule, shared with qcore.conformance
+    return packing.pack(codes, d, axis=axis), lay.field_bits, axis
 
 
 def reference(x, fmt_or_spec, *, op: Op = Op.FAKE_QUANTIZE, **overrides):
