@@ -43,8 +43,12 @@ Modes (``modes=``, default per format):
 - ``all``: every mode of every family that applies to the format.
 
 A mode of one family does not touch formats of the other: ``modes=["nearest_even_saturate"]`` with
-``["float8_e4m3fn", "mxfp4"]`` gives fp8 its saturating case and mxfp4 its default cases. The semantics are
-those of docs/numerics.md; each case's ``semantics`` line in the manifest says which rule it pins.
+``["float8_e4m3fn", "mxfp4"]`` gives fp8 its saturating case and mxfp4 its default cases. A mode that fits some
+of the formats but not others is skipped for the others (``nearest_even_nosaturate`` for fp4, which always
+saturates), and the manifest's ``skipped`` says why. A mode that fits none of the formats is an error
+(``ValueError`` naming the mode and each format: ``modes=["nearest_even"]`` with ``["mxfp4"]``), never
+ignored. The semantics are those of docs/numerics.md; each case's ``semantics`` line in the manifest says
+which rule it pins.
 
 Element formats without a NaN code (fp4, fp6, integers) cannot encode NaN: NaN probes are dropped from their
 inputs (the manifest's ``dropped_nan_inputs`` counts them).
@@ -79,6 +83,7 @@ __all__ = [
     "CaseResult",
     "FileResult",
     "CheckReport",
+    "DirectoryNotEmptyError",
     "default_modes",
     "export",
     "load_manifest",
@@ -146,7 +151,7 @@ def _mode_problem(d, mode: str) -> Optional[str]:
         return None
     _, sat = _parse_element_mode(mode)
     if sat is False and _always_saturates(d):
-        return f"{d.name} always saturates (no Inf or NaN code), so saturate=False is impossible"
+        return f"{d.name} always saturates (no Inf or NaN code), so it has no _nosaturate mode"
     return None
 
 
@@ -195,6 +200,36 @@ def _modes_for(d, modes: Optional[list]):
         elif explicit:
             skipped.append((m, why))
     return out, skipped
+
+
+def _why_not(d, mode: str) -> str:
+    """Why ``mode`` does not fit dtype ``d`` (for a mode that no requested format takes)."""
+    if isinstance(d, BlockDType) and mode not in BLOCK_MODES:
+        return f"{d.name} is a block format (op quantize), its modes are {', '.join(BLOCK_MODES)}"
+    if not isinstance(d, BlockDType) and mode not in ELEMENT_MODES:
+        return (f"{d.name} is an element format (op cast), its modes are <rounding>[_saturate|_nosaturate] "
+                f"with rounding one of {', '.join(_ROUNDINGS)}")
+    return _mode_problem(d, mode) or "it is not among its modes"
+
+
+def _check_all_modes_used(wanted: Optional[list], dtypes: list, plan: list) -> None:
+    """A requested mode that no format takes is an error, not a silent no-op."""
+    if wanted is None or "all" in wanted:
+        return
+    used = {m for _, m in plan}
+    for m in wanted:
+        if m not in used:
+            names = ", ".join(d.name for d in dtypes)
+            why = "; ".join(_why_not(d, m) for d in dtypes)
+            raise ValueError(f"mode {m!r} does not fit format(s) {names}: {why}")
+
+
+class DirectoryNotEmptyError(ValueError):
+    """``export`` refuses to replace a non-empty ``directory`` without ``overwrite=True``."""
+
+    def __init__(self, directory: Path, hint: str = "pass overwrite=True to replace it"):
+        self.directory = directory
+        super().__init__(f"directory {str(directory)!r} exists and is not empty; {hint}")
 
 
 def _normalize_formats(formats) -> list:
@@ -477,9 +512,7 @@ def _check_target(directory: Path, overwrite: bool):
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"directory {str(directory)!r} exists and is not a directory")
     if directory.is_dir() and any(directory.iterdir()) and not overwrite:
-        raise ValueError(
-            f"directory {str(directory)!r} exists and is not empty; pass overwrite=True (--overwrite) to replace it"
-        )
+        raise DirectoryNotEmptyError(directory)
     if not directory.parent.is_dir():
         raise ValueError(f"the parent of {str(directory)!r} does not exist")
 
@@ -487,9 +520,10 @@ def _check_target(directory: Path, overwrite: bool):
 def export(directory, formats, *, modes=None, key: int = 0, overwrite: bool = False) -> Manifest:
     """Write conformance vectors for ``formats`` (names; a comma-separated str works) into ``directory``.
 
-    ``modes``: None (each format's defaults), a list of mode names or ``["all"]`` (see the module docstring).
-    ``key``: seed of the random part of the probes. ``directory`` must not exist or be empty unless
-    ``overwrite=True``; everything is written to a temporary sibling first and renamed into place, so a failure
+    ``modes``: None (each format's defaults), a list of mode names or ``["all"]`` (see the module docstring; a
+    mode that fits none of the formats raises ``ValueError``). ``key``: seed of the random part of the probes.
+    ``directory`` must not exist or be empty unless ``overwrite=True`` (else ``DirectoryNotEmptyError``, a
+    ``ValueError``); everything is written to a temporary sibling first and renamed into place, so a failure
     leaves nothing half-written (and an existing directory untouched). Returns the ``Manifest``.
     """
     from . import __version__
@@ -508,6 +542,7 @@ def export(directory, formats, *, modes=None, key: int = 0, overwrite: bool = Fa
         if not ms:
             raise ValueError(f"no mode applies to {d.name}: " + "; ".join(f"{m}: {why}" for m, why in sk))
         plan += [(d, m) for m in ms]
+    _check_all_modes_used(wanted, dtypes, plan)
     _check_target(directory, overwrite)
 
     safetensors_ok = importlib.util.find_spec("safetensors") is not None
