@@ -299,7 +299,8 @@ _FLOATS = [
     # Scale formats: E8M0 (OCP MX shared scale) and unsigned E5M3 (NVIDIA-style fine scale; bias 15, no NaN).
     _E8M0,
     FloatDType("float8_e5m3", 5, 3, 15, _S.FINITE, signed=False),
-    # Sign-magnitude fixed point in [-(2 - 2**(1-m)), 2 - 2**(1-m)]: the elements of MX9 / MX6 / MX4.
+    # Sign-magnitude fixed point in [-(2 - 2**-m), 2 - 2**-m], m = mantissa_bits (max 1.984375 / 1.875 / 1.5):
+    # the elements of MX9 / MX6 / MX4.
     FloatDType("float8_e1m6", 1, 6, 1, _S.FINITE),
     FloatDType("float5_e1m3", 1, 3, 1, _S.FINITE),
     FloatDType("float3_e1m1", 1, 1, 1, _S.FINITE),
