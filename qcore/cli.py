@@ -129,7 +129,8 @@ def _add_conformance(sub) -> None:
     c.add_argument("vectors", help="directory written by 'qcore conformance export'")
     c.add_argument("--outputs", required=True,
                    help="directory with the kernel's outputs: <case>/<expected file stem>.npy or .bin")
-    c.add_argument("--ulps", type=_count, default=0, help="tolerance in units in the last place for float files (default 0)")
+    c.add_argument("--ulps", type=_count, default=0,
+                   help="tolerance in units in the last place for float files (default 0)")
     c.add_argument("--formats", type=_csv, default=None, help="check only these formats' cases")
     c.add_argument("--cases", type=_csv, default=None, help="check only these cases")
     c.add_argument("--allow-missing", action="store_true", help="missing output files are not a failure")
