@@ -176,6 +176,15 @@ class QTensor:
     def shape(self) -> tuple:
         return tuple(self.codes.shape)
 
+    @property
+    def scale_codes(self) -> Any:
+        """The scales as codes of ``spec.scale_dtype`` (``qcore.encode``), the bytes exporters and kernels store:
+        ``uint8`` for 8-bit scale formats (E8M0: the biased exponent ``s + 127``, and 0xFF, its NaN code, for a
+        NaN block; fp8 scales: their bit patterns), ``int32`` for wider ones (float16 / bfloat16: the 16-bit
+        pattern; float32: its bits). Same array kind and device as ``scales``. A NaN scale in a format without a
+        NaN code (``float8_e5m3``) raises ``ValueError``."""
+        return encode(self.scales, self.spec.scale_dtype)
+
 
 def _spec_of(spec, axis, overrides) -> QuantSpec:
     if isinstance(spec, QuantSpec) and not overrides and axis is None:
