@@ -65,10 +65,11 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
+from ._typing import FormatLike
 from .cast import cast, decode, encode
 from .dtypes import DTYPES, BlockDType, FloatDType, IntDType, ScaleMode, Specials, get_dtype
 from .quantize import dequantize, fake_quantize, make_spec, quantize
@@ -95,9 +96,9 @@ DOCS = "docs/numerics.md"
 
 _ROUNDINGS = ("nearest_even", "nearest_away", "toward_zero", "floor", "ceil")
 _OVERFLOW = (("", None), ("_saturate", True), ("_nosaturate", False))
-ELEMENT_MODES: tuple = tuple(r + suffix for r in _ROUNDINGS for suffix, _ in _OVERFLOW)
+ELEMENT_MODES: tuple[str, ...] = tuple(r + suffix for r in _ROUNDINGS for suffix, _ in _OVERFLOW)
 """Modes of element formats (op ``cast``): rounding mode plus overflow rule."""
-BLOCK_MODES: tuple = tuple("scale_" + m.value for m in ScaleMode)
+BLOCK_MODES: tuple[str, ...] = tuple("scale_" + m.value for m in ScaleMode)
 """Modes of block formats (op ``quantize``): the ``ScaleMode`` of the shared scale."""
 
 _OCP_MX = frozenset({"mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8"})
@@ -131,7 +132,7 @@ def _parse_block_mode(mode: str) -> ScaleMode:
     return ScaleMode(mode[len("scale_"):])
 
 
-def default_modes(fmt) -> tuple:
+def default_modes(fmt: FormatLike) -> tuple[str, ...]:
     """The modes ``export`` writes for ``fmt`` when ``modes`` is None (see the module docstring)."""
     d = get_dtype(fmt)
     if isinstance(d, BlockDType):
@@ -227,7 +228,7 @@ def _check_all_modes_used(wanted: Optional[list], dtypes: list, plan: list) -> N
 class DirectoryNotEmptyError(ValueError):
     """``export`` refuses to replace a non-empty ``directory`` without ``overwrite=True``."""
 
-    def __init__(self, directory: Path, hint: str = "pass overwrite=True to replace it"):
+    def __init__(self, directory: Path, hint: str = "pass overwrite=True to replace it") -> None:
         self.directory = directory
         super().__init__(f"directory {str(directory)!r} exists and is not empty; {hint}")
 
@@ -413,21 +414,21 @@ class Manifest:
     """What ``export`` wrote (also ``load_manifest(directory)``): ``data`` is the parsed manifest.json."""
 
     directory: Path
-    data: dict
+    data: dict[str, Any]
 
     @property
-    def formats(self) -> list:
+    def formats(self) -> list[str]:
         return list(self.data["formats"])
 
     @property
-    def cases(self) -> list:
+    def cases(self) -> list[dict[str, Any]]:
         return list(self.data["cases"])
 
     @property
-    def case_names(self) -> list:
+    def case_names(self) -> list[str]:
         return [c["name"] for c in self.data["cases"]]
 
-    def case(self, name: str) -> dict:
+    def case(self, name: str) -> dict[str, Any]:
         for c in self.data["cases"]:
             if c["name"] == name:
                 return c
@@ -517,7 +518,8 @@ def _check_target(directory: Path, overwrite: bool):
         raise ValueError(f"the parent of {str(directory)!r} does not exist")
 
 
-def export(directory, formats, *, modes=None, key: int = 0, overwrite: bool = False) -> Manifest:
+def export(directory: Union[str, os.PathLike], formats: Union[FormatLike, Sequence[FormatLike]], *,
+           modes: Union[str, Sequence[str], None] = None, key: int = 0, overwrite: bool = False) -> Manifest:
     """Write conformance vectors for ``formats`` (names; a comma-separated str works) into ``directory``.
 
     ``modes``: None (each format's defaults), a list of mode names or ``["all"]`` (see the module docstring; a
@@ -586,7 +588,7 @@ def _replace_dir(new: Path, target: Path, overwrite: bool):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load_manifest(directory) -> Manifest:
+def load_manifest(directory: Union[str, os.PathLike]) -> Manifest:
     """Read ``directory/manifest.json`` (as written by ``export``)."""
     directory = Path(os.fspath(directory)).absolute()
     path = directory / "manifest.json"
@@ -617,9 +619,9 @@ class FileResult:
     n_total: int = 0
     path: Optional[str] = None
     message: str = ""
-    examples: list = field(default_factory=list)
+    examples: list[dict[str, Any]] = field(default_factory=list)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
@@ -632,7 +634,7 @@ class CaseResult:
     format: str
     op: str
     mode: str
-    files: list
+    files: list[FileResult]
 
     @property
     def status(self) -> str:
@@ -645,7 +647,7 @@ class CaseResult:
             return "missing"
         return "incomplete"
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dict(name=self.name, format=self.format, op=self.op, mode=self.mode, status=self.status,
                     files=[f.to_dict() for f in self.files])
 
@@ -659,7 +661,7 @@ class CheckReport:
     outputs: str
     ulps: int
     qcore_version: str
-    cases: list
+    cases: list[CaseResult]
     allow_missing: bool = False
 
     def count(self, status: str) -> int:
@@ -670,7 +672,7 @@ class CheckReport:
         good = {"ok", "missing", "incomplete"} if self.allow_missing else {"ok"}
         return all(c.status in good for c in self.cases)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dict(vectors=self.vectors, outputs=self.outputs, ulps=self.ulps, qcore_version=self.qcore_version,
                     ok=self.ok, counts={s: self.count(s) for s in ("ok", "mismatch", "missing", "incomplete")},
                     cases=[c.to_dict() for c in self.cases])
@@ -776,7 +778,7 @@ def _examples(actual, expected, x, positions, role, case, span, limit) -> list:
     for p in positions[:limit]:
         idx = tuple(int(i) for i in p)
         a, e = actual[idx], expected[idx]
-        item = dict(index=list(idx), input=_input_context(x, idx, span, expected.ndim))
+        item: dict[str, Any] = dict(index=list(idx), input=_input_context(x, idx, span, expected.ndim))
         n = expected.dtype.itemsize
         item["expected_bits"] = _hex(_bits_view(np.asarray([e], expected.dtype))[0], n)
         item["actual_bits"] = _hex(_bits_view(np.asarray([a], expected.dtype))[0], n)
@@ -820,8 +822,10 @@ def _load_output(path: Path, dtype: np.dtype, shape: tuple):
     return np.ascontiguousarray(a.astype(dtype)).reshape(shape), None
 
 
-def check(vectors_dir, outputs_dir, *, ulps: int = 0, formats=None, cases=None, allow_missing: bool = False,
-          nan_equal: bool = True, max_examples: int = 5) -> CheckReport:
+def check(vectors_dir: Union[str, os.PathLike], outputs_dir: Union[str, os.PathLike], *, ulps: int = 0,
+          formats: Union[FormatLike, Sequence[FormatLike], None] = None,
+          cases: Union[str, Sequence[str], None] = None, allow_missing: bool = False, nan_equal: bool = True,
+          max_examples: int = 5) -> CheckReport:
     """Compare a kernel's outputs in ``outputs_dir`` with the vectors ``export`` wrote to ``vectors_dir``.
 
     For every expected file ``<case>/<role>.npy`` of the manifest, the output is ``outputs_dir/<case>/<role>``

@@ -67,6 +67,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from qcore._backend import is_torch, ops
+from qcore._typing import Array, ArrayLike
 from qcore.dtypes import BlockDType, DType, FloatDType, IntDType, get_dtype
 
 __all__ = [
@@ -279,7 +280,7 @@ def _unpack_stream(b, o, bits: int, axis: int, length, signed: bool, name: str):
     return _from_end(v, o, axis)
 
 
-def pack_bits(codes, bits: int, *, axis: int = -1, signed: Optional[bool] = None):
+def pack_bits(codes: ArrayLike, bits: int, *, axis: int = -1, signed: Optional[bool] = None) -> Array:
     """Pack ``bits``-wide integer codes along ``axis`` into a ``uint8`` little-endian bitstream.
 
     Element ``i`` occupies bits ``[i*bits, (i+1)*bits)`` of the byte stream (byte ``k`` = stream bits
@@ -305,7 +306,8 @@ def pack_bits(codes, bits: int, *, axis: int = -1, signed: Optional[bool] = None
     return _pack_stream(w, o, bits, axis)
 
 
-def unpack_bits(packed, bits: int, *, axis: int = -1, length: Optional[int] = None, signed: bool = False):
+def unpack_bits(packed: ArrayLike, bits: int, *, axis: int = -1, length: Optional[int] = None,
+                signed: bool = False) -> Array:
     """Inverse of ``pack_bits``: ``uint8`` codes (``signed=False``) or sign-extended ``int8`` (``signed=True``).
 
     ``length`` trims the unpacked axis to the original element count; by default every element of every packed
@@ -313,7 +315,7 @@ def unpack_bits(packed, bits: int, *, axis: int = -1, length: Optional[int] = No
     0..255).
     """
     bits = _check_bits(bits)
-    signed = _check_signed(signed, allow_none=False)
+    signed = bool(_check_signed(signed, allow_none=False))  # never None here
     b, o = _bytes_to_int64(packed, "packed")
     axis = _check_axis(axis, b.ndim)
     return _unpack_stream(b, o, bits, axis, length, signed, "packed")
@@ -324,7 +326,7 @@ def unpack_bits(packed, bits: int, *, axis: int = -1, length: Optional[int] = No
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def pack_fp4(codes, *, axis: int = -1):
+def pack_fp4(codes: ArrayLike, *, axis: int = -1) -> Array:
     """Pack fp4 (e2m1) codes 0..15 two per byte: element ``2i`` in the low nibble, ``2i+1`` in the high nibble.
 
     This is the torchao / Quark / OCP layout: [0.5, 1.0, 1.5, -6.0] = codes [0x1, 0x2, 0x3, 0xF] -> bytes
@@ -335,14 +337,14 @@ def pack_fp4(codes, *, axis: int = -1):
     return _pack_stream(w, o, 4, axis)
 
 
-def unpack_fp4(packed, *, axis: int = -1, length: Optional[int] = None):
+def unpack_fp4(packed: ArrayLike, *, axis: int = -1, length: Optional[int] = None) -> Array:
     """Inverse of ``pack_fp4``: ``uint8`` fp4 codes 0..15, ``length`` (default ``2 * bytes``) along ``axis``."""
     b, o = _bytes_to_int64(packed, "packed")
     axis = _check_axis(axis, b.ndim)
     return _unpack_stream(b, o, 4, axis, length, False, "packed")
 
 
-def pack_fp6(codes, *, axis: int = -1):
+def pack_fp6(codes: ArrayLike, *, axis: int = -1) -> Array:
     """Pack fp6 (e2m3 / e3m2) codes 0..63, 4 values -> 3 bytes, in Quark's layout::
 
         byte0 = v0        | (v1 & 0x3) << 6
@@ -359,7 +361,7 @@ def pack_fp6(codes, *, axis: int = -1):
     return _pack_stream(w, o, 6, axis)
 
 
-def unpack_fp6(packed, *, axis: int = -1, length: Optional[int] = None):
+def unpack_fp6(packed: ArrayLike, *, axis: int = -1, length: Optional[int] = None) -> Array:
     """Inverse of ``pack_fp6``: ``uint8`` fp6 codes 0..63; the packed axis must be a multiple of 3 bytes."""
     b, o = _bytes_to_int64(packed, "packed")
     axis = _check_axis(axis, b.ndim)
@@ -432,7 +434,7 @@ def default_layout(dtype: Union[str, DType]) -> Layout:
     return Layout(d.name, d.bits, d.bits, signed, name)
 
 
-def pack(codes: Any, dtype: Union[str, DType], *, axis: int = -1) -> Any:
+def pack(codes: ArrayLike, dtype: Union[str, DType], *, axis: int = -1) -> Array:
     """Pack ``dtype``'s codes (as ``qcore.encode`` / ``QTensor.codes`` give them) along ``axis`` in the
     format's default layout (``default_layout``); returns ``uint8``, same kind and device as ``codes``.
 
@@ -446,7 +448,7 @@ def pack(codes: Any, dtype: Union[str, DType], *, axis: int = -1) -> Any:
     return _pack_stream(w, o, lay.field_bits, axis)
 
 
-def unpack(packed: Any, dtype: Union[str, DType], *, axis: int = -1, length: Optional[int] = None) -> Any:
+def unpack(packed: ArrayLike, dtype: Union[str, DType], *, axis: int = -1, length: Optional[int] = None) -> Array:
     """Inverse of ``pack``: the codes in ``qcore.encode``'s dtypes (``uint8`` bit patterns / unsigned values,
     ``int8`` values of signed integer formats, ``int32`` above 8 bits). ``length`` trims the unpacked axis.
 
@@ -481,7 +483,8 @@ def _check_order(order: Any) -> Int4Order:
     raise TypeError(f"order must be an Int4Order (ORDER or REORDER), got {type(order).__name__}")
 
 
-def pack_int4_int32(values, *, order: Union[Int4Order, str], axis: int = -1, signed: Optional[bool] = None):
+def pack_int4_int32(values: ArrayLike, *, order: Union[Int4Order, str], axis: int = -1,
+                    signed: Optional[bool] = None) -> Array:
     """Pack 4-bit integers eight per ``int32`` word along ``axis``.
 
     Nibble slot ``i`` is bits ``4i..4i+3`` of the word read as uint32 (slot 7 carries the sign bit of the
@@ -519,15 +522,16 @@ def pack_int4_int32(values, *, order: Union[Int4Order, str], axis: int = -1, sig
 
 
 def unpack_int4_int32(
-    packed, *, order: Union[Int4Order, str], axis: int = -1, length: Optional[int] = None, signed: bool = True
-):
+    packed: ArrayLike, *, order: Union[Int4Order, str], axis: int = -1, length: Optional[int] = None,
+    signed: bool = True,
+) -> Array:
     """Inverse of ``pack_int4_int32``: ``int8`` sign-extended int4 (``signed=True``, default) or ``uint8`` uint4.
 
     ``packed`` must be ``int32`` (numpy ``uint32`` is read bitwise too). ``length`` trims the unpacked axis
     (default ``8 * words``).
     """
     order = _check_order(order)
-    signed = _check_signed(signed, allow_none=False)
+    signed = bool(_check_signed(signed, allow_none=False))  # never None here
     a, o = _as_int_array(packed, "packed")
     ok = a.dtype == o.int32 or (not is_torch(a) and a.dtype == np.uint32)
     if not ok:
@@ -553,7 +557,7 @@ def unpack_int4_int32(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def pack_gguf_q4(codes, *, axis: int = -1):
+def pack_gguf_q4(codes: ArrayLike, *, axis: int = -1) -> Array:
     """Pack 4-bit codes 0..15 in GGUF's Q4 nibble order: per block of 32, byte ``j`` = ``c[j] | c[j+16] << 4``.
 
     ``codes`` has shape (..., 32 * nb) along ``axis`` (default last; a length that is not a multiple of 32 raises
@@ -573,7 +577,7 @@ def pack_gguf_q4(codes, *, axis: int = -1):
     return _from_end(out, o, axis)
 
 
-def unpack_gguf_q4(packed, *, axis: int = -1):
+def unpack_gguf_q4(packed: ArrayLike, *, axis: int = -1) -> Array:
     """Inverse of ``pack_gguf_q4``: (..., 16 * nb) bytes -> (..., 32 * nb) ``uint8`` codes 0..15."""
     b, o = _bytes_to_int64(packed, "packed")
     axis = _check_axis(axis, b.ndim)

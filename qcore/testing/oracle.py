@@ -40,16 +40,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import replace
-from typing import Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 
 from .. import packing
+from .._typing import Array, ArrayLike, SpecLike
 from ..cast import cast, decode, encode
 from ..dtypes import BlockDType, FloatDType, IntDType, get_dtype
 from ..granularity import tile_shape
 from ..quantize import QTensor, QuantSpec, dequantize, fake_quantize, quantize
-from .compare import (BlockInfo, Report, _check_opts, compare_arrays, float_bits, kind_labels, merge_reports,
+from .compare import (BlockInfo, Kinds, Report, _check_opts, compare_arrays, float_bits, kind_labels, merge_reports,
                       to_numpy)
 
 __all__ = ["Op", "reference", "assert_matches_oracle", "check_against_oracle", "Oracle"]
@@ -122,7 +123,8 @@ def _pack_reference(codes: np.ndarray, fmt, overrides: dict):
     return packing.pack(codes, d, axis=axis), lay.field_bits, axis
 
 
-def reference(x, fmt_or_spec, *, op: Op = Op.FAKE_QUANTIZE, **overrides):
+def reference(x: Union[ArrayLike, QTensor], fmt_or_spec: SpecLike, *, op: Op = Op.FAKE_QUANTIZE,
+              **overrides: Any) -> Union[Array, QTensor]:
     """What a kernel implementing ``op`` must return for input ``x``: qcore's numpy result (a ``QTensor`` for
     ``Op.QUANTIZE``, packed bytes for ``Op.PACK``, else an array). ``x`` is moved to host numpy first."""
     _check_op(op)
@@ -295,9 +297,10 @@ def _scales_expected(actual_scales, expected: np.ndarray, spec: QuantSpec):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def check_against_oracle(actual, x, fmt_or_spec, *, op: Op = Op.FAKE_QUANTIZE, ulps: int = 0,
-                         max_report: int = 10, kinds=None, nan_equal: bool = True, signed_zero: bool = True,
-                         **overrides) -> Report:
+def check_against_oracle(actual: Any, x: Union[ArrayLike, QTensor], fmt_or_spec: SpecLike, *,
+                         op: Op = Op.FAKE_QUANTIZE, ulps: int = 0, max_report: int = 10,
+                         kinds: Optional[Kinds] = None, nan_equal: bool = True, signed_zero: bool = True,
+                         **overrides: Any) -> Report:
     """``assert_matches_oracle`` without the raise: the ``Report``."""
     with np.errstate(invalid="ignore", over="ignore", under="ignore", divide="ignore"):
         return _check(actual, x, fmt_or_spec, op=op, ulps=ulps, max_report=max_report, kinds=kinds,
@@ -433,9 +436,10 @@ def _pack_notes(rep: Report, codes: np.ndarray, bits: int, ax: int) -> Report:
     return replace(rep, mismatches=out)
 
 
-def assert_matches_oracle(actual, x, fmt_or_spec, *, op: Op = Op.FAKE_QUANTIZE, ulps: int = 0,
-                          max_report: int = 10, kinds=None, nan_equal: bool = True, signed_zero: bool = True,
-                          **overrides) -> Report:
+def assert_matches_oracle(actual: Any, x: Union[ArrayLike, QTensor], fmt_or_spec: SpecLike, *,
+                          op: Op = Op.FAKE_QUANTIZE, ulps: int = 0, max_report: int = 10,
+                          kinds: Optional[Kinds] = None, nan_equal: bool = True, signed_zero: bool = True,
+                          **overrides: Any) -> Report:
     """Assert that ``actual`` (a kernel's output for input ``x``) equals qcore's numpy result of ``op`` for
     ``fmt_or_spec`` (with keyword ``overrides``: spec fields, ``axis``, ``key``, ``rounding``, ``saturate``,
     ...), bit for bit or within ``ulps`` (float outputs). Raises ``AssertionError`` with the report; returns the
@@ -457,10 +461,11 @@ class Oracle:
 
     Op = Op
 
-    def __init__(self):
-        self._kinds: dict = {}  # id(array) -> (array, kinds dict): the arrays this fixture handed out
+    def __init__(self) -> None:
+        # id(array) -> (array, kinds dict): the arrays this fixture handed out
+        self._kinds: dict[int, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
 
-    def probes(self, fmt, **kw):
+    def probes(self, fmt: SpecLike, **kw: Any) -> np.ndarray:
         from .probes import probes_by_kind
 
         kinds = probes_by_kind(fmt, **kw)
@@ -468,35 +473,42 @@ class Oracle:
         self._kinds[id(x)] = (x, kinds)
         return x
 
-    def probes_by_kind(self, fmt, **kw):
+    def probes_by_kind(self, fmt: SpecLike, **kw: Any) -> dict[str, np.ndarray]:
         from .probes import probes_by_kind
 
         return probes_by_kind(fmt, **kw)
 
-    def kinds_of(self, x):
+    def kinds_of(self, x: Any) -> Optional[dict[str, np.ndarray]]:
         """The kinds dict of an array this object's ``probes`` returned, else None."""
         entry = self._kinds.get(id(x))
         return entry[1] if entry is not None and entry[0] is x else None
 
-    def reference(self, x, fmt_or_spec, *, op: Op = Op.FAKE_QUANTIZE, **overrides):
+    # (``Op`` in these annotations is the enum; the class attribute ``Op`` above is that same enum.)
+    def reference(self, x: Union[ArrayLike, QTensor], fmt_or_spec: SpecLike, *,
+                  op: Op = Op.FAKE_QUANTIZE,  # type: ignore[valid-type]
+                  **overrides: Any) -> Union[Array, QTensor]:
         return reference(x, fmt_or_spec, op=op, **overrides)
 
-    def check(self, actual, x, fmt_or_spec, *, op: Op = Op.FAKE_QUANTIZE, kinds=None, **kw) -> Report:
+    def check(self, actual: Any, x: Union[ArrayLike, QTensor], fmt_or_spec: SpecLike, *,
+              op: Op = Op.FAKE_QUANTIZE,  # type: ignore[valid-type]
+              kinds: Optional[Kinds] = None, **kw: Any) -> Report:
         kinds = self.kinds_of(x) if kinds is None else kinds
         return check_against_oracle(actual, x, fmt_or_spec, op=op, kinds=kinds, **kw)
 
-    def assert_matches(self, actual, x, fmt_or_spec, *, op: Op = Op.FAKE_QUANTIZE, kinds=None, **kw) -> Report:
+    def assert_matches(self, actual: Any, x: Union[ArrayLike, QTensor], fmt_or_spec: SpecLike, *,
+                       op: Op = Op.FAKE_QUANTIZE,  # type: ignore[valid-type]
+                       kinds: Optional[Kinds] = None, **kw: Any) -> Report:
         kinds = self.kinds_of(x) if kinds is None else kinds
         return assert_matches_oracle(actual, x, fmt_or_spec, op=op, kinds=kinds, **kw)
 
     @staticmethod
-    def compare(actual, expected, **kw) -> Report:
+    def compare(actual: ArrayLike, expected: ArrayLike, **kw: Any) -> Report:
         from .compare import compare
 
         return compare(actual, expected, **kw)
 
     @staticmethod
-    def assert_equal(actual, expected, **kw) -> Report:
+    def assert_equal(actual: ArrayLike, expected: ArrayLike, **kw: Any) -> Report:
         from .compare import assert_equal
 
         return assert_equal(actual, expected, **kw)
