@@ -1,2 +1,2 @@
-"""qcore.adapters: the torch layer (quantized modules, calibration hooks, model quantizer, transformers glue,
-Triton kernels, command line). The only place with module state. Empty until the adapter issues land."""
+"""qcore.adapters: reserved for the torch layer (quantized modules, calibration hooks, model integration), the
+only place meant to hold module state. Empty so far: the torch layer is planned."""

@@ -1,2 +1,2 @@
-"""qcore.algorithms: quantization algorithms (GPTQ, AWQ, SmoothQuant, rotations, observers) as pure functions
-over weights and statistics. Depends on qcore only. Empty until the algorithm issues land."""
+"""qcore.algorithms: reserved for quantization algorithms as pure functions over weights and statistics.
+Depends on qcore only. Empty so far: the algorithms are planned."""

@@ -4,8 +4,8 @@
 
 Rows: qcore eager (torch), qcore ``compile=True`` (torch.compile, first call's compile time reported
 separately), and where they exist torchao 0.18's MX QDQ (to_mx + to_dtype) and ml_dtypes' cast round trip
-(numpy), each checked for bit-identity with qcore's numpy oracle semantics where they share them. The target
-(issue 2) is every format within 3x of clone with compile=True. Timings are medians; this machine is noisy,
+(numpy), each checked for bit-identity with qcore's numpy oracle semantics where they share them. The goal
+is every format within 3x of clone with compile=True. Timings are medians; this machine is noisy,
 so only ratios measured in the same run mean anything. Nothing here asserts a time.
 """
 

@@ -1,2 +1,2 @@
-"""qcore.formats: serialization (Quark-HF safetensors, GGUF, ONNX readers and writers). Depends on qcore only.
-Empty until the format issues land."""
+"""qcore.formats: reserved for checkpoint file readers and writers. Depends on qcore only. Empty so far: the
+file formats are planned."""

@@ -1,29 +1,9 @@
 """Elementwise casts: value -> format grid (``cast``), value <-> bit code (``encode`` / ``decode``).
 
-Semantics of ``cast(x, dtype)`` for a ``FloatDType`` (float32 in, float32 out, same array kind and device):
-
-1. Round ``|x|`` to the format's grid with ``rounding`` (default ``NEAREST_EVEN``), subnormals included,
-   exactly (``qcore.rounding.round_to_step``). The sign is kept; ``-0`` stays ``-0`` where the format has it.
-2. Overflow (the rounded magnitude exceeds the largest finite value) and ``±Inf`` inputs:
-   ``saturate=True`` gives ``±max_finite``. Otherwise: IEEE formats give ``±Inf``; FN/FNUZ formats give NaN;
-   formats without Inf/NaN (``Specials.FINITE``) always saturate (``saturate=False`` is an error for them).
-   The default is the format's ``default_saturate`` (ml_dtypes: FINITE saturates, the others do not).
-3. Underflow below the smallest subnormal rounds to ``±0``; FNUZ formats have no ``-0`` (gives ``+0``);
-   formats without zero (E8M0) give their smallest value instead of 0, and ``0`` itself becomes NaN.
-4. Unsigned formats: negative inputs (and ``-0``) give NaN if the format has NaN, else 0.
-5. NaN stays NaN, in every format, also those without a NaN code (ml_dtypes returns ``-0``/``0`` there,
-   which silently hides the NaN; ``encode`` refuses it instead, with ``ValueError``).
-
-With the defaults this equals ``x.astype(ml_dtypes.<fmt>).astype(np.float32)`` bit for bit for every non-NaN
-float32 ``x`` and every format ml_dtypes has (tests/qcore/test_cast.py checks all formats of 8 bits or fewer
-exhaustively over codes and densely over float32).
-
-For an ``IntDType`` ``cast`` rounds to an integer with ``rounding`` and clamps to ``[min, max]`` (NaN stays
-NaN). Block formats are not elementwise: use ``qcore.fake_quantize``.
-
-Codes: ``encode`` returns the format's bit patterns as ``uint8`` for formats of 8 bits or fewer (int8 values for
-signed integer formats), ``int32`` for wider ones. NaN encodes to the format's canonical NaN: IEEE
-``0 11..1 10..0`` with x's sign, FN all-ones with x's sign, FNUZ ``0x80``.
+The semantics live in the docstrings of ``cast`` (rounding, overflow, underflow, -0, unsigned formats, NaN, the
+ml_dtypes equivalence) and ``encode`` (codes, NaN codes), which ``help(qcore.cast)`` / ``help(qcore.encode)``
+show: in the ``qcore`` namespace ``qcore.cast`` is the function, which shadows this module. docs/numerics.md
+('cast') states the same rules and where qcore differs from other libraries.
 """
 
 from __future__ import annotations
@@ -104,11 +84,32 @@ def _cast_int(x, d: IntDType, rounding, key, o):
 
 def cast(x, dtype, *, rounding: RoundingMode = RoundingMode.NEAREST_EVEN, saturate: bool | None = None,
          key: int | None = None):
-    """Round ``x`` elementwise to the grid of ``dtype``; float32 in, float32 out (see the module docstring).
+    """Round ``x`` elementwise to the grid of ``dtype``; float32 in, float32 out.
 
     ``x``: numpy array, torch tensor, or Python number/list (-> numpy). Any floating input dtype is accepted
     and converted to float32 first (float64 inputs are therefore rounded twice: to float32, then to dtype).
     ``dtype``: a name from ``qcore.DTYPES`` or a ``FloatDType``/``IntDType``. ``key``: for STOCHASTIC only.
+
+    Semantics for a ``FloatDType`` (the same array kind and device out as in; docs/numerics.md, 'cast'):
+
+    1. Round ``|x|`` to the format's grid with ``rounding`` (default ``NEAREST_EVEN``), subnormals included,
+       exactly (``qcore.rounding.round_to_step``). The sign is kept; ``-0`` stays ``-0`` where the format has it.
+    2. Overflow (the rounded magnitude exceeds the largest finite value) and ``±Inf`` inputs:
+       ``saturate=True`` gives ``±max_finite``. Otherwise: IEEE formats give ``±Inf``; FN/FNUZ formats give NaN;
+       formats without Inf/NaN (``Specials.FINITE``) always saturate (``saturate=False`` is an error for them).
+       The default is the format's ``default_saturate`` (ml_dtypes: FINITE saturates, the others do not).
+    3. Underflow below the smallest subnormal rounds to ``±0``; FNUZ formats have no ``-0`` (gives ``+0``);
+       formats without zero (E8M0) give their smallest value instead of 0, and ``0`` itself becomes NaN.
+    4. Unsigned formats: negative inputs (and ``-0``) give NaN if the format has NaN, else 0.
+    5. NaN stays NaN, in every format, also those without a NaN code (ml_dtypes returns ``-0``/``0`` there,
+       which silently hides the NaN; ``encode`` refuses it instead, with ``ValueError``).
+
+    With the defaults this equals ``x.astype(ml_dtypes.<fmt>).astype(np.float32)`` bit for bit for every non-NaN
+    float32 ``x`` and every format ml_dtypes has (tests/qcore/test_cast.py checks all formats of 8 bits or fewer
+    exhaustively over codes and densely over float32).
+
+    For an ``IntDType`` ``cast`` rounds to an integer with ``rounding`` and clamps to ``[min, max]`` (NaN stays
+    NaN). Block formats are not elementwise: use ``qcore.fake_quantize``.
     """
     d = _element_dtype(dtype, "cast")
     key = check_mode(rounding, key)
@@ -181,7 +182,8 @@ def encode(x, dtype, *, rounding: RoundingMode = RoundingMode.NEAREST_EVEN, satu
     """Round ``x`` to ``dtype`` (as ``cast``) and return the bit codes (uint8 for <= 8 bits, else int32).
 
     Signed integer formats of <= 8 bits return int8 values; unsigned ones uint8. NaN in a format without a NaN
-    code raises ``ValueError``.
+    code raises ``ValueError``. NaN encodes to the format's canonical NaN: IEEE ``0 11..1 10..0`` with x's sign,
+    FN all-ones with x's sign, FNUZ ``0x80``.
     """
     d = _element_dtype(dtype, "encode")
     v = cast(x, d, rounding=rounding, saturate=saturate, key=key)

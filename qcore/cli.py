@@ -2,8 +2,11 @@
 
 Commands are subcommands; each one is a ``_add_<name>(subparsers)`` function in ``_COMMANDS`` that registers its
 parser and sets ``func`` (a function of the parsed arguments returning the exit code). Exit codes: 0 success,
-1 the check found mismatches (or missing outputs), 2 usage errors (bad arguments, unknown formats, a directory
-that would be overwritten). Only numpy is imported: torch and qcore.adapters stay out of these commands.
+1 the check found mismatches (or missing outputs), 2 usage errors (bad arguments, unknown formats, a mode that
+fits none of the formats, a directory that would be overwritten), 141 (128 + SIGPIPE) when the reader of
+stdout went away (``qcore conformance check ... | head``): like a standard Unix tool, the command then stops
+quietly, without a traceback. Error messages name command-line flags, not Python arguments. Only numpy is
+imported: torch and qcore.adapters stay out of these commands.
 
     qcore conformance export DIR --formats mxfp4,float8_e4m3fn [--modes all] [--key 0] [--overwrite]
     qcore conformance check VECTORS --outputs OUT [--ulps N] [--formats ...] [--cases ...] [--allow-missing]
@@ -15,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Optional, Sequence
 
 __all__ = ["main", "build_parser"]
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a process ended by SIGPIPE
 
 
 class _UsageError(Exception):
@@ -35,7 +40,21 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _csv(text: str) -> list:
-    return [t.strip() for t in text.split(",") if t.strip()]
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of names, got {text!r}")
+    return items
+
+
+def _count(text: str) -> int:
+    """A non-negative int (argparse type), so that range errors name the flag, not a Python argument."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative int, got {v}")
+    return v
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -46,7 +65,11 @@ def _csv(text: str) -> list:
 def _conformance_export(args) -> int:
     from . import conformance
 
-    m = conformance.export(args.directory, args.formats, modes=args.modes, key=args.key, overwrite=args.overwrite)
+    try:
+        m = conformance.export(args.directory, args.formats, modes=args.modes, key=args.key,
+                               overwrite=args.overwrite)
+    except conformance.DirectoryNotEmptyError as e:
+        raise conformance.DirectoryNotEmptyError(e.directory, "pass --overwrite to replace it") from None
     n_files = sum(len(c["files"]) for c in m.cases)
     print(f"wrote {len(m.cases)} case(s), {n_files} array(s) (.npy + .bin) for {', '.join(m.formats)} to "
           f"{m.directory}")
@@ -98,7 +121,7 @@ def _add_conformance(sub) -> None:
                    help="comma-separated modes (element: nearest_even[_saturate|_nosaturate], nearest_away, "
                         "toward_zero, floor, ceil; block: scale_floor, scale_ceil, scale_even, scale_rceil; or all); "
                         "default: each format's defaults")
-    e.add_argument("--key", type=int, default=0, help="seed of the random probes (default 0)")
+    e.add_argument("--key", type=_count, default=0, help="seed of the random probes (default 0)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing non-empty directory")
     e.set_defaults(func=_conformance_export)
 
@@ -106,13 +129,14 @@ def _add_conformance(sub) -> None:
     c.add_argument("vectors", help="directory written by 'qcore conformance export'")
     c.add_argument("--outputs", required=True,
                    help="directory with the kernel's outputs: <case>/<expected file stem>.npy or .bin")
-    c.add_argument("--ulps", type=int, default=0, help="tolerance in units in the last place for float files (default 0)")
+    c.add_argument("--ulps", type=_count, default=0,
+                   help="tolerance in units in the last place for float files (default 0)")
     c.add_argument("--formats", type=_csv, default=None, help="check only these formats' cases")
     c.add_argument("--cases", type=_csv, default=None, help="check only these cases")
     c.add_argument("--allow-missing", action="store_true", help="missing output files are not a failure")
     c.add_argument("--strict-nan", action="store_true",
                    help="NaN sign and payload bits must match too (default: any NaN matches any NaN)")
-    c.add_argument("--max-examples", type=int, default=5, help="mismatches shown per file (default 5)")
+    c.add_argument("--max-examples", type=_count, default=5, help="mismatches shown per file (default 5)")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=_conformance_check)
 
@@ -141,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the command line; returns the exit code (0 ok, 1 check failed, 2 usage error)."""
+    """Run the command line; returns the exit code (0 ok, 1 check failed, 2 usage error, 141 stdout closed)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -151,8 +175,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as e:  # --help / --version
         return int(e.code or 0) if isinstance(e.code, int) else EXIT_USAGE
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except (ValueError, TypeError) as e:
         where = " ".join(filter(None, [args.command, getattr(args, "conformance_command", None)]))
         print(f"qcore {where}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _silence_stdout() -> None:
+    """After EPIPE: point stdout at /dev/null so that the interpreter's last flush does not print a traceback."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # not a real file (captured in tests): nothing to silence
+        pass

@@ -11,8 +11,10 @@ file (``.npy`` + raw ``.bin``)        contents
 ``expected_cast``                     element formats: ``qcore.cast`` values (float32)
 ``expected_codes``                    ``qcore.encode`` codes / ``QTensor.codes`` (uint8 bit patterns for float
                                       elements; int8/uint8 values for integer elements; int32 above 8 bits)
-``expected_packed``                   uint8 bytes along the last axis: fp4 ``pack_fp4``, fp6 ``pack_fp6``, sub-byte
-                                      integers ``pack_bits(codes, bits)``, anything else the codes' own bytes (LE)
+``expected_packed``                   uint8 bytes along the last axis, ``qcore.packing.pack(codes, format)``: the
+                                      dense ``pack_bits(codes, bits)`` bitstream up to 8 bits (fp4 = ``pack_fp4``,
+                                      fp6 = ``pack_fp6``, MX4's 3-bit and MX6's 5-bit elements 8 codes -> 3 / 5
+                                      bytes), 16-bit little-endian words above (``default_layout``)
 ``expected_scales``                   block formats: float32 scales, one per block (NaN for a NaN/Inf block)
 ``expected_scale_codes``              block formats: the scales' E8M0 bytes (``qcore.encode(scales, e8m0)``)
 ``expected_shifts``                   MX9/MX6/MX4: int32 microexponent per sub-block (padding sub-blocks included)
@@ -41,8 +43,12 @@ Modes (``modes=``, default per format):
 - ``all``: every mode of every family that applies to the format.
 
 A mode of one family does not touch formats of the other: ``modes=["nearest_even_saturate"]`` with
-``["float8_e4m3fn", "mxfp4"]`` gives fp8 its saturating case and mxfp4 its default cases. The semantics are
-those of docs/numerics.md; each case's ``semantics`` line in the manifest says which rule it pins.
+``["float8_e4m3fn", "mxfp4"]`` gives fp8 its saturating case and mxfp4 its default cases. A mode that fits some
+of the formats but not others is skipped for the others (``nearest_even_nosaturate`` for fp4, which always
+saturates), and the manifest's ``skipped`` says why. A mode that fits none of the formats is an error
+(``ValueError`` naming the mode and each format: ``modes=["nearest_even"]`` with ``["mxfp4"]``), never
+ignored. The semantics are those of docs/numerics.md; each case's ``semantics`` line in the manifest says
+which rule it pins.
 
 Element formats without a NaN code (fp4, fp6, integers) cannot encode NaN: NaN probes are dropped from their
 inputs (the manifest's ``dropped_nan_inputs`` counts them).
@@ -59,10 +65,11 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
+from ._typing import FormatLike
 from .cast import cast, decode, encode
 from .dtypes import DTYPES, BlockDType, FloatDType, IntDType, ScaleMode, Specials, get_dtype
 from .quantize import dequantize, fake_quantize, make_spec, quantize
@@ -77,6 +84,7 @@ __all__ = [
     "CaseResult",
     "FileResult",
     "CheckReport",
+    "DirectoryNotEmptyError",
     "default_modes",
     "export",
     "load_manifest",
@@ -88,9 +96,9 @@ DOCS = "docs/numerics.md"
 
 _ROUNDINGS = ("nearest_even", "nearest_away", "toward_zero", "floor", "ceil")
 _OVERFLOW = (("", None), ("_saturate", True), ("_nosaturate", False))
-ELEMENT_MODES: tuple = tuple(r + suffix for r in _ROUNDINGS for suffix, _ in _OVERFLOW)
+ELEMENT_MODES: tuple[str, ...] = tuple(r + suffix for r in _ROUNDINGS for suffix, _ in _OVERFLOW)
 """Modes of element formats (op ``cast``): rounding mode plus overflow rule."""
-BLOCK_MODES: tuple = tuple("scale_" + m.value for m in ScaleMode)
+BLOCK_MODES: tuple[str, ...] = tuple("scale_" + m.value for m in ScaleMode)
 """Modes of block formats (op ``quantize``): the ``ScaleMode`` of the shared scale."""
 
 _OCP_MX = frozenset({"mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8"})
@@ -124,7 +132,7 @@ def _parse_block_mode(mode: str) -> ScaleMode:
     return ScaleMode(mode[len("scale_"):])
 
 
-def default_modes(fmt) -> tuple:
+def default_modes(fmt: FormatLike) -> tuple[str, ...]:
     """The modes ``export`` writes for ``fmt`` when ``modes`` is None (see the module docstring)."""
     d = get_dtype(fmt)
     if isinstance(d, BlockDType):
@@ -144,7 +152,7 @@ def _mode_problem(d, mode: str) -> Optional[str]:
         return None
     _, sat = _parse_element_mode(mode)
     if sat is False and _always_saturates(d):
-        return f"{d.name} always saturates (no Inf or NaN code), so saturate=False is impossible"
+        return f"{d.name} always saturates (no Inf or NaN code), so it has no _nosaturate mode"
     return None
 
 
@@ -195,6 +203,36 @@ def _modes_for(d, modes: Optional[list]):
     return out, skipped
 
 
+def _why_not(d, mode: str) -> str:
+    """Why ``mode`` does not fit dtype ``d`` (for a mode that no requested format takes)."""
+    if isinstance(d, BlockDType) and mode not in BLOCK_MODES:
+        return f"{d.name} is a block format (op quantize), its modes are {', '.join(BLOCK_MODES)}"
+    if not isinstance(d, BlockDType) and mode not in ELEMENT_MODES:
+        return (f"{d.name} is an element format (op cast), its modes are <rounding>[_saturate|_nosaturate] "
+                f"with rounding one of {', '.join(_ROUNDINGS)}")
+    return _mode_problem(d, mode) or "it is not among its modes"
+
+
+def _check_all_modes_used(wanted: Optional[list], dtypes: list, plan: list) -> None:
+    """A requested mode that no format takes is an error, not a silent no-op."""
+    if wanted is None or "all" in wanted:
+        return
+    used = {m for _, m in plan}
+    for m in wanted:
+        if m not in used:
+            names = ", ".join(d.name for d in dtypes)
+            why = "; ".join(_why_not(d, m) for d in dtypes)
+            raise ValueError(f"mode {m!r} does not fit format(s) {names}: {why}")
+
+
+class DirectoryNotEmptyError(ValueError):
+    """``export`` refuses to replace a non-empty ``directory`` without ``overwrite=True``."""
+
+    def __init__(self, directory: Path, hint: str = "pass overwrite=True to replace it") -> None:
+        self.directory = directory
+        super().__init__(f"directory {str(directory)!r} exists and is not empty; {hint}")
+
+
 def _normalize_formats(formats) -> list:
     if isinstance(formats, (str, IntDType, FloatDType, BlockDType)):
         formats = formats.split(",") if isinstance(formats, str) else [formats]
@@ -229,36 +267,14 @@ def _normalize_formats(formats) -> list:
 
 
 def _packing_of(el) -> dict:
-    """How codes of element dtype ``el`` become bytes along the last axis."""
-    bits = el.bits
-    if isinstance(el, FloatDType) and bits == 4:
-        return dict(layout="fp4", function="qcore.packing.pack_fp4", bits=4, group_elements=2, group_bytes=1)
-    if isinstance(el, FloatDType) and bits == 6:
-        return dict(layout="fp6", function="qcore.packing.pack_fp6", bits=6, group_elements=4, group_bytes=3)
-    if isinstance(el, IntDType) and bits < 8:
-        n_el, n_by = packing._group(bits)
-        return dict(layout="bits", function=f"qcore.packing.pack_bits(codes, {bits})", bits=bits,
-                    group_elements=n_el, group_bytes=n_by)
-    width = 1 if bits <= 8 else (2 if bits <= 16 else 4)
-    return dict(layout="bytes", function=f"codes as {width}-byte little-endian words", bits=bits,
-                group_elements=1, group_bytes=width)
+    """How codes of element dtype ``el`` become bytes along the last axis: ``qcore.packing.default_layout``."""
+    lay = packing.default_layout(el)
+    return dict(layout=lay.name, function=lay.function, bits=lay.bits, field_bits=lay.field_bits,
+                group_elements=lay.group_elements, group_bytes=lay.group_bytes)
 
 
-def _pack(codes: np.ndarray, el, info: dict) -> np.ndarray:
-    layout = info["layout"]
-    if layout == "fp4":
-        return packing.pack_fp4(codes)
-    if layout == "fp6":
-        return packing.pack_fp6(codes)
-    if layout == "bits":
-        return packing.pack_bits(codes, info["bits"])
-    width = info["group_bytes"]
-    if width == 1:  # int8 codes become their two's-complement bytes, uint8 codes stay
-        return np.ascontiguousarray(codes.astype(codes.dtype.newbyteorder("<"))).view(np.uint8)
-    signed = isinstance(el, IntDType) and el.signed
-    word = np.dtype(f"<{'i' if signed else 'u'}{width}")
-    c = np.ascontiguousarray(codes.astype(np.int64).astype(word))
-    return c.view(np.uint8).reshape(codes.shape[:-1] + (codes.shape[-1] * width,))
+def _pack(codes: np.ndarray, el) -> np.ndarray:
+    return packing.pack(codes, el)
 
 
 def _overflow_words(d: FloatDType, sat: bool) -> str:
@@ -331,7 +347,7 @@ def _cast_case(d, mode: str, key: int):
         "input": x,
         "expected_cast": values.astype(np.float32),
         "expected_codes": codes,
-        "expected_packed": _pack(codes, d, info),
+        "expected_packed": _pack(codes, d),
     }
     meta = dict(
         op="cast", element_format=d.name, options=dict(rounding=rounding.name, saturate=saturate),
@@ -358,7 +374,7 @@ def _quantize_case(d: BlockDType, mode: str, key: int):
     arrays = {
         "input": x,
         "expected_codes": codes,
-        "expected_packed": _pack(codes, d.element, info),
+        "expected_packed": _pack(codes, d.element),
         "expected_scales": scales,
         "expected_scale_codes": encode(scales, d.scale),
     }
@@ -398,21 +414,21 @@ class Manifest:
     """What ``export`` wrote (also ``load_manifest(directory)``): ``data`` is the parsed manifest.json."""
 
     directory: Path
-    data: dict
+    data: dict[str, Any]
 
     @property
-    def formats(self) -> list:
+    def formats(self) -> list[str]:
         return list(self.data["formats"])
 
     @property
-    def cases(self) -> list:
+    def cases(self) -> list[dict[str, Any]]:
         return list(self.data["cases"])
 
     @property
-    def case_names(self) -> list:
+    def case_names(self) -> list[str]:
         return [c["name"] for c in self.data["cases"]]
 
-    def case(self, name: str) -> dict:
+    def case(self, name: str) -> dict[str, Any]:
         for c in self.data["cases"]:
             if c["name"] == name:
                 return c
@@ -497,19 +513,19 @@ def _check_target(directory: Path, overwrite: bool):
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"directory {str(directory)!r} exists and is not a directory")
     if directory.is_dir() and any(directory.iterdir()) and not overwrite:
-        raise ValueError(
-            f"directory {str(directory)!r} exists and is not empty; pass overwrite=True (--overwrite) to replace it"
-        )
+        raise DirectoryNotEmptyError(directory)
     if not directory.parent.is_dir():
         raise ValueError(f"the parent of {str(directory)!r} does not exist")
 
 
-def export(directory, formats, *, modes=None, key: int = 0, overwrite: bool = False) -> Manifest:
+def export(directory: Union[str, os.PathLike], formats: Union[FormatLike, Sequence[FormatLike]], *,
+           modes: Union[str, Sequence[str], None] = None, key: int = 0, overwrite: bool = False) -> Manifest:
     """Write conformance vectors for ``formats`` (names; a comma-separated str works) into ``directory``.
 
-    ``modes``: None (each format's defaults), a list of mode names or ``["all"]`` (see the module docstring).
-    ``key``: seed of the random part of the probes. ``directory`` must not exist or be empty unless
-    ``overwrite=True``; everything is written to a temporary sibling first and renamed into place, so a failure
+    ``modes``: None (each format's defaults), a list of mode names or ``["all"]`` (see the module docstring; a
+    mode that fits none of the formats raises ``ValueError``). ``key``: seed of the random part of the probes.
+    ``directory`` must not exist or be empty unless ``overwrite=True`` (else ``DirectoryNotEmptyError``, a
+    ``ValueError``); everything is written to a temporary sibling first and renamed into place, so a failure
     leaves nothing half-written (and an existing directory untouched). Returns the ``Manifest``.
     """
     from . import __version__
@@ -528,6 +544,7 @@ def export(directory, formats, *, modes=None, key: int = 0, overwrite: bool = Fa
         if not ms:
             raise ValueError(f"no mode applies to {d.name}: " + "; ".join(f"{m}: {why}" for m, why in sk))
         plan += [(d, m) for m in ms]
+    _check_all_modes_used(wanted, dtypes, plan)
     _check_target(directory, overwrite)
 
     safetensors_ok = importlib.util.find_spec("safetensors") is not None
@@ -571,7 +588,7 @@ def _replace_dir(new: Path, target: Path, overwrite: bool):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load_manifest(directory) -> Manifest:
+def load_manifest(directory: Union[str, os.PathLike]) -> Manifest:
     """Read ``directory/manifest.json`` (as written by ``export``)."""
     directory = Path(os.fspath(directory)).absolute()
     path = directory / "manifest.json"
@@ -602,9 +619,9 @@ class FileResult:
     n_total: int = 0
     path: Optional[str] = None
     message: str = ""
-    examples: list = field(default_factory=list)
+    examples: list[dict[str, Any]] = field(default_factory=list)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
@@ -617,7 +634,7 @@ class CaseResult:
     format: str
     op: str
     mode: str
-    files: list
+    files: list[FileResult]
 
     @property
     def status(self) -> str:
@@ -630,7 +647,7 @@ class CaseResult:
             return "missing"
         return "incomplete"
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dict(name=self.name, format=self.format, op=self.op, mode=self.mode, status=self.status,
                     files=[f.to_dict() for f in self.files])
 
@@ -644,7 +661,7 @@ class CheckReport:
     outputs: str
     ulps: int
     qcore_version: str
-    cases: list
+    cases: list[CaseResult]
     allow_missing: bool = False
 
     def count(self, status: str) -> int:
@@ -655,7 +672,7 @@ class CheckReport:
         good = {"ok", "missing", "incomplete"} if self.allow_missing else {"ok"}
         return all(c.status in good for c in self.cases)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dict(vectors=self.vectors, outputs=self.outputs, ulps=self.ulps, qcore_version=self.qcore_version,
                     ok=self.ok, counts={s: self.count(s) for s in ("ok", "mismatch", "missing", "incomplete")},
                     cases=[c.to_dict() for c in self.cases])
@@ -761,7 +778,7 @@ def _examples(actual, expected, x, positions, role, case, span, limit) -> list:
     for p in positions[:limit]:
         idx = tuple(int(i) for i in p)
         a, e = actual[idx], expected[idx]
-        item = dict(index=list(idx), input=_input_context(x, idx, span, expected.ndim))
+        item: dict[str, Any] = dict(index=list(idx), input=_input_context(x, idx, span, expected.ndim))
         n = expected.dtype.itemsize
         item["expected_bits"] = _hex(_bits_view(np.asarray([e], expected.dtype))[0], n)
         item["actual_bits"] = _hex(_bits_view(np.asarray([a], expected.dtype))[0], n)
@@ -805,8 +822,10 @@ def _load_output(path: Path, dtype: np.dtype, shape: tuple):
     return np.ascontiguousarray(a.astype(dtype)).reshape(shape), None
 
 
-def check(vectors_dir, outputs_dir, *, ulps: int = 0, formats=None, cases=None, allow_missing: bool = False,
-          nan_equal: bool = True, max_examples: int = 5) -> CheckReport:
+def check(vectors_dir: Union[str, os.PathLike], outputs_dir: Union[str, os.PathLike], *, ulps: int = 0,
+          formats: Union[FormatLike, Sequence[FormatLike], None] = None,
+          cases: Union[str, Sequence[str], None] = None, allow_missing: bool = False, nan_equal: bool = True,
+          max_examples: int = 5) -> CheckReport:
     """Compare a kernel's outputs in ``outputs_dir`` with the vectors ``export`` wrote to ``vectors_dir``.
 
     For every expected file ``<case>/<role>.npy`` of the manifest, the output is ``outputs_dir/<case>/<role>``

@@ -88,7 +88,7 @@ class IntDType:
     bits: int
     signed: bool = True
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.bits, int) or not 1 <= self.bits <= 16:
             raise ValueError(f"IntDType {self.name!r}: bits must be an int in [1, 16], got {self.bits!r}")
         if self.signed and self.bits < 2:
@@ -139,7 +139,7 @@ class FloatDType:
     signed: bool = True
     subnormals: bool = True
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         e, m = self.exponent_bits, self.mantissa_bits
         if not isinstance(e, int) or not 1 <= e <= 8:
             raise ValueError(f"FloatDType {self.name!r}: exponent_bits must be an int in [1, 8], got {e!r}")
@@ -169,14 +169,19 @@ class FloatDType:
         return int(self.signed) + self.exponent_bits + self.mantissa_bits
 
     @property
+    def _bias(self) -> int:
+        """``bias`` as an int (``__post_init__`` replaces the default None with ``2**(e-1) - 1``)."""
+        return int(self.bias or 0)
+
+    @property
     def emin(self) -> int:
         """Exponent of the smallest normal number."""
-        return 1 - self.bias if self.subnormals else -self.bias
+        return 1 - self._bias if self.subnormals else -self._bias
 
     @property
     def emax(self) -> int:
         """Exponent of the largest finite number."""
-        top = (1 << self.exponent_bits) - 1 - self.bias  # exponent of the all-ones exponent field
+        top = (1 << self.exponent_bits) - 1 - self._bias  # exponent of the all-ones exponent field
         if self.specials is Specials.IEEE:
             return top - 1
         if self.specials is Specials.FN and self.mantissa_bits == 0:
@@ -250,7 +255,7 @@ class BlockDType:
     bump_on_overflow: bool = False
     description: str = field(default="", compare=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
             raise ValueError(f"BlockDType {self.name!r}: block_size must be a positive int, got {self.block_size!r}")
         if self.subblock_size <= 0 or self.block_size % self.subblock_size:
@@ -270,7 +275,7 @@ DType = Union[IntDType, FloatDType, BlockDType]
 
 
 def _ints() -> list[IntDType]:
-    out = []
+    out: list[IntDType] = []
     for b in range(2, 17):
         out.append(IntDType(f"int{b}", b, True))
     for b in range(1, 17):
@@ -299,7 +304,8 @@ _FLOATS = [
     # Scale formats: E8M0 (OCP MX shared scale) and unsigned E5M3 (NVIDIA-style fine scale; bias 15, no NaN).
     _E8M0,
     FloatDType("float8_e5m3", 5, 3, 15, _S.FINITE, signed=False),
-    # Sign-magnitude fixed point in [-(2 - 2**(1-m)), 2 - 2**(1-m)]: the elements of MX9 / MX6 / MX4.
+    # Sign-magnitude fixed point in [-(2 - 2**-m), 2 - 2**-m], m = mantissa_bits (max 1.984375 / 1.875 / 1.5):
+    # the elements of MX9 / MX6 / MX4.
     FloatDType("float8_e1m6", 1, 6, 1, _S.FINITE),
     FloatDType("float5_e1m3", 1, 3, 1, _S.FINITE),
     FloatDType("float3_e1m1", 1, 1, 1, _S.FINITE),
@@ -316,7 +322,8 @@ def _blocks() -> list[BlockDType]:
         ("mxfp6_e3m2", _F["float6_e3m2fn"]),
         ("mxfp4", _F["float4_e2m1fn"]),
     ]
-    out = [BlockDType(n, el, 32, _E8M0, ScaleMode.FLOOR, description="OCP MX v1.0") for n, el in mx]
+    out: list[BlockDType] = [BlockDType(n, el, 32, _E8M0, ScaleMode.FLOOR, description="OCP MX v1.0")
+                             for n, el in mx]
     out.append(BlockDType("mxint8", _INT8, 32, _E8M0, ScaleMode.FLOOR, narrow=True, description="OCP MX v1.0"))
     # Shared-microexponent formats (Rouhani et al. 2023, AMD Quark's MX9/MX6/MX4): sign-magnitude elements
     # with 7/4/2 magnitude bits, blocks of 16, one 8-bit shared exponent, one 1-bit microexponent per pair.
@@ -335,7 +342,11 @@ def _blocks() -> list[BlockDType]:
     return out
 
 
-DTYPES: dict[str, DType] = {d.name: d for d in [*_ints(), *_FLOATS, *_blocks()]}
+def _all() -> list[DType]:
+    return [*_ints(), *_FLOATS, *_blocks()]
+
+
+DTYPES: dict[str, DType] = {d.name: d for d in _all()}
 """The one table of named formats. Keys are the canonical names (ml_dtypes spelling for elements)."""
 
 # Short aliases people type; each maps to exactly one canonical entry.

@@ -21,7 +21,9 @@ one of 64.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Sequence, Union
+
+from ._typing import Array
 
 __all__ = ["PerTensor", "PerChannel", "PerGroup", "PerBlock", "Granularity", "tile_shape", "Blocked",
            "to_blocks", "from_blocks", "check_granularity"]
@@ -51,14 +53,14 @@ class PerGroup:
 class PerBlock:
     """One scale per tile of ``shape`` over ``axes`` (default: the last ``len(shape)`` axes)."""
 
-    shape: tuple
-    axes: tuple | None = None
+    shape: tuple[int, ...]
+    axes: tuple[int, ...] | None = None
 
 
 Granularity = Union[PerTensor, PerChannel, PerGroup, PerBlock]
 
 
-def _norm_axis(axis, ndim, what):
+def _norm_axis(axis: Any, ndim: int, what: str) -> int:
     if isinstance(axis, bool) or not isinstance(axis, int):
         raise TypeError(f"{what}: axis must be an int, got {axis!r}")
     if not -ndim <= axis < ndim:
@@ -66,7 +68,7 @@ def _norm_axis(axis, ndim, what):
     return axis % ndim
 
 
-def check_granularity(g):
+def check_granularity(g: object) -> Granularity:
     """Validate a granularity value without an array (sizes positive, types right)."""
     if isinstance(g, PerTensor):
         return g
@@ -90,7 +92,7 @@ def check_granularity(g):
     raise TypeError(f"granularity must be PerTensor, PerChannel, PerGroup or PerBlock, got {g!r}")
 
 
-def tile_shape(g: Granularity, shape) -> tuple:
+def tile_shape(g: Granularity, shape: Sequence[int]) -> tuple[int, ...]:
     """The tile extent along each axis of an array of ``shape`` (see the module table)."""
     check_granularity(g)
     shape = tuple(int(s) for s in shape)
@@ -118,7 +120,7 @@ def tile_shape(g: Granularity, shape) -> tuple:
     return tuple(tile)
 
 
-def scale_shape(g: Granularity, shape) -> tuple:
+def scale_shape(g: Granularity, shape: Sequence[int]) -> tuple[int, ...]:
     """Shape of the scale array for an input of ``shape``."""
     tile = tile_shape(g, shape)
     return tuple(-(-int(s) // t) if s else 0 for s, t in zip(shape, tile))
@@ -128,34 +130,34 @@ def scale_shape(g: Granularity, shape) -> tuple:
 class Blocked:
     """How an array was reshaped into tiles: ``(n0, t0, n1, t1, ...)``; reduce over the odd axes."""
 
-    shape: tuple  # original shape
-    tile: tuple
-    padded: tuple  # padded shape (multiples of tile)
+    shape: tuple[int, ...]  # original shape
+    tile: tuple[int, ...]
+    padded: tuple[int, ...]  # padded shape (multiples of tile)
 
     @property
-    def blocked_shape(self) -> tuple:
-        out = []
+    def blocked_shape(self) -> tuple[int, ...]:
+        out: list[int] = []
         for p, t in zip(self.padded, self.tile):
             out += [p // t, t]
         return tuple(out)
 
     @property
-    def reduce_axes(self) -> tuple:
+    def reduce_axes(self) -> tuple[int, ...]:
         return tuple(range(1, 2 * len(self.shape), 2))
 
     @property
-    def scale_shape(self) -> tuple:
+    def scale_shape(self) -> tuple[int, ...]:
         return tuple(p // t for p, t in zip(self.padded, self.tile))
 
     @property
-    def scale_blocked_shape(self) -> tuple:
-        out = []
+    def scale_blocked_shape(self) -> tuple[int, ...]:
+        out: list[int] = []
         for p, t in zip(self.padded, self.tile):
             out += [p // t, 1]
         return tuple(out)
 
 
-def to_blocks(x, g: Granularity, o, fill=0):
+def to_blocks(x: Array, g: Granularity, o: Any, fill: float = 0) -> tuple[Array, Blocked]:
     """Pad ``x`` to whole tiles with ``fill`` (default 0; statistics that must ignore the padding pass +-inf)
     and reshape to ``(n0, t0, n1, t1, ...)``; returns (xb, Blocked)."""
     shape = tuple(x.shape)
@@ -168,7 +170,7 @@ def to_blocks(x, g: Granularity, o, fill=0):
     return o.reshape(x, b.blocked_shape), b
 
 
-def from_blocks(xb, b: Blocked, o):
+def from_blocks(xb: Array, b: Blocked, o: Any) -> Array:
     """Inverse of ``to_blocks``: reshape back and drop the padding."""
     x = o.reshape(xb, b.padded)
     for a, (s, p) in enumerate(zip(b.shape, b.padded)):
@@ -177,6 +179,6 @@ def from_blocks(xb, b: Blocked, o):
     return x
 
 
-def scales_to_blocked(s, b: Blocked, o):
+def scales_to_blocked(s: Array, b: Blocked, o: Any) -> Array:
     """Scale array of shape ``b.scale_shape`` -> broadcastable against the blocked array."""
     return o.reshape(s, b.scale_blocked_shape)

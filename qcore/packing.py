@@ -41,19 +41,40 @@ Layouts (``axis`` picks the packed axis, default the last; other axes are carrie
 Ragged lengths: the packers pad the last group with code 0; the unpackers return every element of the packed
 groups unless ``length=n`` is given, which trims to ``n`` (it must be a length that packs to exactly that many
 groups, else ``ValueError``).
+
+The default layout of a format (``default_layout(dtype)``, ``pack(codes, dtype)``, ``unpack(packed, dtype)``):
+the one rule that ``qcore conformance export`` (``expected_packed``) and ``qcore.testing``'s ``Op.PACK`` use.
+
+- Codes of 8 bits or fewer: the dense bitstream of ``pack_bits(codes, bits)``, whatever the width. fp4 is
+  ``pack_fp4``, fp6 is ``pack_fp6`` (Quark's 3-in-4), int4 is two per byte, and the 3-bit and 5-bit
+  sign-magnitude elements of MX4 / MX6 (``float3_e1m1``, ``float5_e1m3``) are dense too: 8 codes -> 3 bytes
+  and 8 codes -> 5 bytes, as a kernel storing them packs them (one byte per code would be a different,
+  silently incompatible layout). 8-bit codes are their own bytes (int8 values in two's complement).
+- Codes of 9 to 16 bits (int9..int16, uint9..uint16, float16, bfloat16): one little-endian 16-bit word per code
+  (two's complement for signed integers), 2 bytes per element.
+- Wider formats (float32) have no packed layout (``ValueError``). Block formats pack their element's codes; the
+  scales are separate arrays. ``pack_int4_int32`` and ``pack_gguf_q4`` are alternative layouts a caller picks
+  explicitly (``Op.PACK`` takes ``order=`` for the former).
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import numpy as np
 
 from qcore._backend import is_torch, ops
+from qcore._typing import Array, ArrayLike
+from qcore.dtypes import BlockDType, DType, FloatDType, IntDType, get_dtype
 
 __all__ = [
+    "Layout",
+    "default_layout",
+    "pack",
+    "unpack",
     "Int4Order",
     "pack_bits",
     "unpack_bits",
@@ -232,7 +253,8 @@ def _pack_stream(w, o, bits: int, axis: int):
 
 
 def _unpack_stream(b, o, bits: int, axis: int, length, signed: bool, name: str):
-    """Inverse of ``_pack_stream`` on validated int64 bytes ``b``; returns uint8 (or int8 when ``signed``)."""
+    """Inverse of ``_pack_stream`` on validated int64 bytes ``b``; returns uint8 (or int8 when ``signed``), or
+    int32 for fields wider than 8 bits."""
     n_el, n_by = _group(bits)
     x = _to_end(b, o, axis)
     lead = tuple(x.shape[:-1])
@@ -250,13 +272,15 @@ def _unpack_stream(b, o, bits: int, axis: int, length, signed: bool, name: str):
     v = o.slice_axis(v, -1, n)
     if signed:
         half = 1 << (bits - 1)
-        v = o.astype((v ^ half) - half, o.int8)
+        v = (v ^ half) - half
+    if bits > 8:  # 16-bit words (``unpack``): int32, as qcore.encode returns codes wider than 8 bits
+        v = o.astype(v, o.int32)
     else:
-        v = o.astype(v, o.uint8)
+        v = o.astype(v, o.int8 if signed else o.uint8)
     return _from_end(v, o, axis)
 
 
-def pack_bits(codes, bits: int, *, axis: int = -1, signed: Optional[bool] = None):
+def pack_bits(codes: ArrayLike, bits: int, *, axis: int = -1, signed: Optional[bool] = None) -> Array:
     """Pack ``bits``-wide integer codes along ``axis`` into a ``uint8`` little-endian bitstream.
 
     Element ``i`` occupies bits ``[i*bits, (i+1)*bits)`` of the byte stream (byte ``k`` = stream bits
@@ -282,7 +306,8 @@ def pack_bits(codes, bits: int, *, axis: int = -1, signed: Optional[bool] = None
     return _pack_stream(w, o, bits, axis)
 
 
-def unpack_bits(packed, bits: int, *, axis: int = -1, length: Optional[int] = None, signed: bool = False):
+def unpack_bits(packed: ArrayLike, bits: int, *, axis: int = -1, length: Optional[int] = None,
+                signed: bool = False) -> Array:
     """Inverse of ``pack_bits``: ``uint8`` codes (``signed=False``) or sign-extended ``int8`` (``signed=True``).
 
     ``length`` trims the unpacked axis to the original element count; by default every element of every packed
@@ -290,7 +315,7 @@ def unpack_bits(packed, bits: int, *, axis: int = -1, length: Optional[int] = No
     0..255).
     """
     bits = _check_bits(bits)
-    signed = _check_signed(signed, allow_none=False)
+    signed = bool(_check_signed(signed, allow_none=False))  # never None here
     b, o = _bytes_to_int64(packed, "packed")
     axis = _check_axis(axis, b.ndim)
     return _unpack_stream(b, o, bits, axis, length, signed, "packed")
@@ -301,7 +326,7 @@ def unpack_bits(packed, bits: int, *, axis: int = -1, length: Optional[int] = No
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def pack_fp4(codes, *, axis: int = -1):
+def pack_fp4(codes: ArrayLike, *, axis: int = -1) -> Array:
     """Pack fp4 (e2m1) codes 0..15 two per byte: element ``2i`` in the low nibble, ``2i+1`` in the high nibble.
 
     This is the torchao / Quark / OCP layout: [0.5, 1.0, 1.5, -6.0] = codes [0x1, 0x2, 0x3, 0xF] -> bytes
@@ -312,14 +337,14 @@ def pack_fp4(codes, *, axis: int = -1):
     return _pack_stream(w, o, 4, axis)
 
 
-def unpack_fp4(packed, *, axis: int = -1, length: Optional[int] = None):
+def unpack_fp4(packed: ArrayLike, *, axis: int = -1, length: Optional[int] = None) -> Array:
     """Inverse of ``pack_fp4``: ``uint8`` fp4 codes 0..15, ``length`` (default ``2 * bytes``) along ``axis``."""
     b, o = _bytes_to_int64(packed, "packed")
     axis = _check_axis(axis, b.ndim)
     return _unpack_stream(b, o, 4, axis, length, False, "packed")
 
 
-def pack_fp6(codes, *, axis: int = -1):
+def pack_fp6(codes: ArrayLike, *, axis: int = -1) -> Array:
     """Pack fp6 (e2m3 / e3m2) codes 0..63, 4 values -> 3 bytes, in Quark's layout::
 
         byte0 = v0        | (v1 & 0x3) << 6
@@ -336,11 +361,108 @@ def pack_fp6(codes, *, axis: int = -1):
     return _pack_stream(w, o, 6, axis)
 
 
-def unpack_fp6(packed, *, axis: int = -1, length: Optional[int] = None):
+def unpack_fp6(packed: ArrayLike, *, axis: int = -1, length: Optional[int] = None) -> Array:
     """Inverse of ``pack_fp6``: ``uint8`` fp6 codes 0..63; the packed axis must be a multiple of 3 bytes."""
     b, o = _bytes_to_int64(packed, "packed")
     axis = _check_axis(axis, b.ndim)
     return _unpack_stream(b, o, 6, axis, length, False, "packed")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the default layout of a format
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The default byte layout of one element format's codes (``default_layout``; see the module docstring).
+
+    ``dtype``: the element format's name. ``bits``: its code width. ``field_bits``: the width each code takes in
+    the byte stream (``bits`` for formats of 8 bits or fewer, 16 for wider ones). ``signed``: the codes are
+    two's-complement integer values (signed ``IntDType``) rather than unsigned bit patterns. ``name``:
+    ``"fp4"``, ``"fp6"``, ``"bits"`` (any other width of 8 bits or fewer) or ``"words16"``.
+    """
+
+    dtype: str
+    bits: int
+    field_bits: int
+    signed: bool
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.field_bits not in _SUPPORTED_BITS + (16,) or not 1 <= self.bits <= self.field_bits:
+            raise ValueError(f"Layout: bits={self.bits!r} / field_bits={self.field_bits!r} is not a layout qcore has")
+        if self.name not in ("fp4", "fp6", "bits", "words16"):
+            raise ValueError(f"Layout: unknown name {self.name!r}")
+
+    @property
+    def group_elements(self) -> int:
+        """Elements in the smallest whole-byte group (fp4: 2, fp6: 4, 3- and 5-bit: 8, 8- and 16-bit: 1)."""
+        return _group(self.field_bits)[0]
+
+    @property
+    def group_bytes(self) -> int:
+        """Bytes of that group (fp4: 1, fp6: 3, 3-bit: 3, 5-bit: 5, 8-bit: 1, 16-bit words: 2)."""
+        return _group(self.field_bits)[1]
+
+    @property
+    def function(self) -> str:
+        """The explicit packer call that gives the same bytes."""
+        if self.name == "fp4":
+            return "qcore.packing.pack_fp4(codes)"
+        if self.name == "fp6":
+            return "qcore.packing.pack_fp6(codes)"
+        if self.name == "bits":
+            return f"qcore.packing.pack_bits(codes, {self.bits})"
+        return "codes as 16-bit little-endian words"
+
+
+def default_layout(dtype: Union[str, DType]) -> Layout:
+    """The byte layout qcore uses for ``dtype``'s codes (a format name or dtype; a block format gives its
+    element's layout): dense ``pack_bits`` bitstreams up to 8 bits, 16-bit little-endian words for 9 to 16 bits.
+
+    ``ValueError`` for formats wider than 16 bits (float32 has no packed layout)."""
+    d = get_dtype(dtype)
+    if isinstance(d, BlockDType):
+        d = d.element
+    signed = isinstance(d, IntDType) and d.signed
+    if d.bits > 16:
+        raise ValueError(f"dtype {d.name} has {d.bits}-bit codes; qcore packs formats of 16 bits or fewer")
+    if d.bits > 8:
+        return Layout(d.name, d.bits, 16, signed, "words16")
+    name = f"fp{d.bits}" if isinstance(d, FloatDType) and d.bits in (4, 6) else "bits"
+    return Layout(d.name, d.bits, d.bits, signed, name)
+
+
+def pack(codes: ArrayLike, dtype: Union[str, DType], *, axis: int = -1) -> Array:
+    """Pack ``dtype``'s codes (as ``qcore.encode`` / ``QTensor.codes`` give them) along ``axis`` in the
+    format's default layout (``default_layout``); returns ``uint8``, same kind and device as ``codes``.
+
+    Codes must fit the format: ``0 .. 2**bits - 1`` for float and unsigned formats, the value range for signed
+    integers (``ValueError`` otherwise). A ragged last group is padded with code 0 (``unpack(..., length=n)``
+    trims).
+    """
+    lay = default_layout(dtype)
+    w, o = _codes_to_int64(codes, lay.bits, lay.signed, "codes")
+    axis = _check_axis(axis, w.ndim)
+    return _pack_stream(w, o, lay.field_bits, axis)
+
+
+def unpack(packed: ArrayLike, dtype: Union[str, DType], *, axis: int = -1, length: Optional[int] = None) -> Array:
+    """Inverse of ``pack``: the codes in ``qcore.encode``'s dtypes (``uint8`` bit patterns / unsigned values,
+    ``int8`` values of signed integer formats, ``int32`` above 8 bits). ``length`` trims the unpacked axis.
+
+    16-bit words that do not hold a code of a narrower format (int12: outside -2048..2047) raise ``ValueError``.
+    """
+    lay = default_layout(dtype)
+    b, o = _bytes_to_int64(packed, "packed")
+    axis = _check_axis(axis, b.ndim)
+    v = _unpack_stream(b, o, lay.field_bits, axis, length, lay.signed, "packed")
+    if lay.field_bits != lay.bits:
+        lo, hi = _range_for(lay.bits, lay.signed)
+        if o.any((v < lo) | (v > hi)):
+            raise ValueError(f"packed holds 16-bit words outside [{lo}, {hi}], the codes of {lay.dtype}")
+    return v
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -361,7 +483,8 @@ def _check_order(order: Any) -> Int4Order:
     raise TypeError(f"order must be an Int4Order (ORDER or REORDER), got {type(order).__name__}")
 
 
-def pack_int4_int32(values, *, order: Union[Int4Order, str], axis: int = -1, signed: Optional[bool] = None):
+def pack_int4_int32(values: ArrayLike, *, order: Union[Int4Order, str], axis: int = -1,
+                    signed: Optional[bool] = None) -> Array:
     """Pack 4-bit integers eight per ``int32`` word along ``axis``.
 
     Nibble slot ``i`` is bits ``4i..4i+3`` of the word read as uint32 (slot 7 carries the sign bit of the
@@ -399,15 +522,16 @@ def pack_int4_int32(values, *, order: Union[Int4Order, str], axis: int = -1, sig
 
 
 def unpack_int4_int32(
-    packed, *, order: Union[Int4Order, str], axis: int = -1, length: Optional[int] = None, signed: bool = True
-):
+    packed: ArrayLike, *, order: Union[Int4Order, str], axis: int = -1, length: Optional[int] = None,
+    signed: bool = True,
+) -> Array:
     """Inverse of ``pack_int4_int32``: ``int8`` sign-extended int4 (``signed=True``, default) or ``uint8`` uint4.
 
     ``packed`` must be ``int32`` (numpy ``uint32`` is read bitwise too). ``length`` trims the unpacked axis
     (default ``8 * words``).
     """
     order = _check_order(order)
-    signed = _check_signed(signed, allow_none=False)
+    signed = bool(_check_signed(signed, allow_none=False))  # never None here
     a, o = _as_int_array(packed, "packed")
     ok = a.dtype == o.int32 or (not is_torch(a) and a.dtype == np.uint32)
     if not ok:
@@ -433,7 +557,7 @@ def unpack_int4_int32(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def pack_gguf_q4(codes, *, axis: int = -1):
+def pack_gguf_q4(codes: ArrayLike, *, axis: int = -1) -> Array:
     """Pack 4-bit codes 0..15 in GGUF's Q4 nibble order: per block of 32, byte ``j`` = ``c[j] | c[j+16] << 4``.
 
     ``codes`` has shape (..., 32 * nb) along ``axis`` (default last; a length that is not a multiple of 32 raises
@@ -453,7 +577,7 @@ def pack_gguf_q4(codes, *, axis: int = -1):
     return _from_end(out, o, axis)
 
 
-def unpack_gguf_q4(packed, *, axis: int = -1):
+def unpack_gguf_q4(packed: ArrayLike, *, axis: int = -1) -> Array:
     """Inverse of ``pack_gguf_q4``: (..., 16 * nb) bytes -> (..., 32 * nb) ``uint8`` codes 0..15."""
     b, o = _bytes_to_int64(packed, "packed")
     axis = _check_axis(axis, b.ndim)

@@ -1,23 +1,9 @@
 """Quantize, dequantize, fake-quantize: ``QuantSpec`` (what to do) and ``QTensor`` (the result).
 
-``quantize(x, spec)`` computes, per block of the spec's granularity, a scale (and zero point) from the block's
-statistic (absmax, or min/max when asymmetric) unless you pass calibrated ``scale=`` / ``zero_point=``; then
-codes = round(x / scale) (+ zero point) in the element format. ``dequantize(q)`` = (element value - zero
-point) * scale. ``fake_quantize(x, spec)`` = ``dequantize(quantize(x, spec))`` bit for bit, computed without
-materialising codes.
-
-A format name is shorthand for its default spec: ``fake_quantize(x, "mxfp4", axis=-1)`` (OCP FLOOR E8M0
-scales, blocks of 32 along ``axis``), ``quantize(x, "int4", granularity=PerGroup(128))``. Keyword overrides
-replace spec fields: ``fake_quantize(x, "mxfp4", scale_mode=ScaleMode.EVEN)``.
-
-Semantics decided here (the places where libraries differ):
-
-- Element rounding: ``spec.rounding`` (default nearest-even). Float elements saturate at ``±max_finite``
-  inside quantize (OCP MX clamps; an FN format's NaN-on-overflow is for plain casts).
-- Power-of-two scales divide exactly (``x * 2**-s``); other scales divide in float32 (``x / scale``).
-- Integer codes are ``clip(round(x / scale) + zero_point, qmin, qmax)`` (``narrow_range``: qmin = -qmax).
-- Block formats with integer elements (MXINT8, bfp16, MX9/6/4) keep the OCP meaning of the scale: the element
-  value is ``code * 2**unit_exponent`` (MXINT8: code/64), and the scale is the shared ``X = 2**s``.
+The semantics (scales, rounding, saturation, codes, block formats) live in ``quantize``'s docstring, which
+``help(qcore.quantize)`` shows: in the ``qcore`` namespace ``qcore.quantize`` is the function, which shadows this
+module. docs/numerics.md ('Scales', 'Quantize') states the same rules and where qcore differs from other
+libraries.
 """
 
 from __future__ import annotations
@@ -191,6 +177,15 @@ class QTensor:
     def shape(self) -> tuple:
         return tuple(self.codes.shape)
 
+    @property
+    def scale_codes(self) -> Any:
+        """The scales as codes of ``spec.scale_dtype`` (``qcore.encode``), the bytes exporters and kernels store:
+        ``uint8`` for 8-bit scale formats (E8M0: the biased exponent ``s + 127``, and 0xFF, its NaN code, for a
+        NaN block; fp8 scales: their bit patterns), ``int32`` for wider ones (float16 / bfloat16: the 16-bit
+        pattern; float32: its bits). Same array kind and device as ``scales``. A NaN scale in a format without a
+        NaN code (``float8_e5m3``) raises ``ValueError``."""
+        return encode(self.scales, self.spec.scale_dtype)
+
 
 def _spec_of(spec, axis, overrides) -> QuantSpec:
     if isinstance(spec, QuantSpec) and not overrides and axis is None:
@@ -362,6 +357,26 @@ def quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point=None
     ``compile=True`` (torch tensors): run the same pure function through torch.compile, once per spec and
     shape class; bit-identical, eager fallback where no compiler is available (stochastic rounding stays
     eager).
+
+    ``quantize(x, spec)`` computes, per block of the spec's granularity, a scale (and zero point) from the block's
+    statistic (absmax, or min/max when asymmetric) unless you pass calibrated ``scale=`` / ``zero_point=``; then
+    codes = round(x / scale) (+ zero point) in the element format. ``dequantize(q)`` = (element value - zero
+    point) * scale. ``fake_quantize(x, spec)`` = ``dequantize(quantize(x, spec))`` bit for bit, computed without
+    materialising codes.
+
+    A format name is shorthand for its default spec: ``fake_quantize(x, "mxfp4", axis=-1)`` (OCP FLOOR E8M0
+    scales, blocks of 32 along ``axis``), ``quantize(x, "int4", granularity=PerGroup(128))``. Keyword overrides
+    replace spec fields: ``fake_quantize(x, "mxfp4", scale_mode=ScaleMode.EVEN)``.
+
+    Semantics decided here (the places where libraries differ; scale rules: ``qcore.ScaleMode`` and
+    docs/numerics.md, 'Scales'):
+
+    - Element rounding: ``spec.rounding`` (default nearest-even). Float elements saturate at ``±max_finite``
+      inside quantize (OCP MX clamps; an FN format's NaN-on-overflow is for plain casts).
+    - Power-of-two scales divide exactly (``x * 2**-s``); other scales divide in float32 (``x / scale``).
+    - Integer codes are ``clip(round(x / scale) + zero_point, qmin, qmax)`` (``narrow_range``: qmin = -qmax).
+    - Block formats with integer elements (MXINT8, bfp16, MX9/6/4) keep the OCP meaning of the scale: the element
+      value is ``code * 2**unit_exponent`` (MXINT8: code/64), and the scale is the shared ``X = 2**s``.
     """
     spec = _spec_of(spec, axis, overrides)
     key = check_mode(spec.rounding, key)

@@ -19,17 +19,19 @@ scale, which makes the whole block NaN.
 from __future__ import annotations
 
 import math
+from typing import Union
 
 import numpy as np
 
 from ._backend import ops
+from ._typing import Array, ArrayLike
 from .dtypes import FloatDType, IntDType, ScaleMode
 from .rounding import RoundingMode, _round_sig, decompose, pow2
 
 __all__ = ["floor_log2", "pow2_scale_exponent", "symmetric_scale", "asymmetric_scale", "scale_exponent_range"]
 
 
-def floor_log2(x):
+def floor_log2(x: ArrayLike) -> Array:
     """Exact floor(log2(|x|)) of float32 ``x`` as int32 (from the bits; 0, Inf and NaN give -150 / 128)."""
     o = ops(x)
     x = o.astype(x, o.float32)
@@ -49,7 +51,8 @@ def scale_exponent_range(scale_dtype: FloatDType) -> tuple[int, int]:
     return max(scale_dtype.emin, -126), min(scale_dtype.emax, 126)
 
 
-def element_emax_and_max(element, unit_exponent: int = 0, narrow: bool = False):
+def element_emax_and_max(element: Union[FloatDType, IntDType], unit_exponent: int = 0,
+                         narrow: bool = False) -> tuple[int, float]:
     """(emax, max) of the element grid in units of the scale: floats their own; ints ``emax + unit``."""
     if isinstance(element, FloatDType):
         return element.emax, element.max_finite
@@ -57,8 +60,8 @@ def element_emax_and_max(element, unit_exponent: int = 0, narrow: bool = False):
     return element.emax + unit_exponent, float(qmax) * 2.0**unit_exponent
 
 
-def pow2_scale_exponent(amax, *, element, mode: ScaleMode = ScaleMode.FLOOR, scale_dtype: FloatDType,
-                        unit_exponent: int = 0):
+def pow2_scale_exponent(amax: Array, *, element: Union[FloatDType, IntDType], mode: ScaleMode = ScaleMode.FLOOR,
+                        scale_dtype: FloatDType, unit_exponent: int = 0) -> tuple[Array, Array]:
     """Shared exponent ``s`` (int32; the scale is ``2**s``) per block from its float32 absmax ``amax``.
 
     ``element`` is the element dtype (``FloatDType`` or ``IntDType``; an ``IntDType`` element's value is
@@ -111,7 +114,8 @@ def _round_scale(scale, scale_dtype: FloatDType, o, *, positive):
     return o.where(o.logical_and(s == 0, positive), np.float32(scale_dtype.min_subnormal), s)
 
 
-def symmetric_scale(amax, *, dtype, scale_dtype: FloatDType, narrow_range: bool = False):
+def symmetric_scale(amax: Array, *, dtype: Union[IntDType, FloatDType], scale_dtype: FloatDType,
+                    narrow_range: bool = False) -> Array:
     """Float scale per block from absmax for a symmetric spec (see the module docstring for the divisor)."""
     o = ops(amax)
     a = o.astype(amax, o.float32)
@@ -127,7 +131,7 @@ def symmetric_scale(amax, *, dtype, scale_dtype: FloatDType, narrow_range: bool 
     return o.where(o.isfinite(a), s, np.float32(math.nan))
 
 
-def asymmetric_scale(lo, hi, *, dtype: IntDType, scale_dtype: FloatDType):
+def asymmetric_scale(lo: Array, hi: Array, *, dtype: IntDType, scale_dtype: FloatDType) -> tuple[Array, Array]:
     """(scale, zero_point) per block from the block min ``lo`` and max ``hi`` (integer elements only).
 
     The range is widened to contain 0 so that 0 is exactly representable; ``zero_point`` is float32 holding

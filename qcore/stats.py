@@ -54,15 +54,19 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import numpy as np
 
 from ._backend import ops, to_array
+from ._typing import Array, ArrayLike, SpecLike
 from .granularity import (Blocked, Granularity, PerChannel, PerGroup, PerTensor, check_granularity,
                           to_blocks)
 from .rounding import RoundingMode, check_mode, pow2
 from .scales import asymmetric_scale, pow2_scale_exponent, symmetric_scale
+
+if TYPE_CHECKING:
+    from .quantize import QuantSpec
 
 __all__ = ["absmax", "minmax", "percentile", "mse_clip", "QParams", "RunningStats", "update", "scale_from_stats"]
 
@@ -123,7 +127,7 @@ def _counts(b: Blocked, o, like):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def absmax(x, granularity):
+def absmax(x: ArrayLike, granularity: Granularity) -> Array:
     """Max |x| per block (float32, shape ``scale_shape(granularity, x.shape)``). Padding (zeros) is harmless."""
     g = _check_g(granularity)
     x, o = _float_input(x)
@@ -131,7 +135,7 @@ def absmax(x, granularity):
     return o.amax(xb, b.reduce_axes, keepdims=False)
 
 
-def minmax(x, granularity):
+def minmax(x: ArrayLike, granularity: Granularity) -> tuple[Array, Array]:
     """(lo, hi): the true per-block min and max (float32); the padding of short tiles is excluded."""
     g = _check_g(granularity)
     x, o = _float_input(x)
@@ -149,7 +153,7 @@ def _check_q(q):
     return q
 
 
-def percentile(x, granularity, *, q):
+def percentile(x: ArrayLike, granularity: Granularity, *, q: float) -> Array:
     """The ``q``-th percentile (0 < q <= 100) of |x| per block, numpy's "linear" method (module docstring).
 
     float32 of ``scale_shape(granularity, x.shape)``; the padding of short tiles is excluded; a block holding
@@ -196,11 +200,11 @@ class QParams(NamedTuple):
     scale: Any
     zero_point: Any = None
 
-    def kwargs(self) -> dict:
+    def kwargs(self) -> dict[str, Any]:
         return {"scale": self.scale, "zero_point": self.zero_point}
 
 
-def _as_spec(spec):
+def _as_spec(spec: SpecLike) -> "QuantSpec":
     from .quantize import QuantSpec, make_spec
 
     if not isinstance(spec, QuantSpec):
@@ -250,7 +254,8 @@ def _ratios(grid, lo):
     return [np.float32(1.0)] + sorted({float(v) for v in r if v < 1.0}, reverse=True)
 
 
-def mse_clip(x, spec, *, grid: int = 100, lo: float = 0.5, p: float = 2.0, key: Optional[int] = None) -> QParams:
+def mse_clip(x: ArrayLike, spec: SpecLike, *, grid: int = 100, lo: float = 0.5, p: float = 2.0,
+             key: Optional[int] = None) -> QParams:
     """MSE-optimal (``p``-norm) clipping scale per block of ``spec``'s granularity (module docstring).
 
     Tries ``grid`` ratios ``r`` in ``linspace(lo, 1, grid)`` (0 < lo <= 1; ``r = 1`` always tried first) of each
@@ -350,7 +355,7 @@ class RunningStats:
     hi: Any = None
     count: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_granularity(self.granularity)
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 0:
             raise ValueError(f"RunningStats.count must be a non-negative int, got {self.count!r}")
@@ -361,24 +366,24 @@ class RunningStats:
             raise ValueError("RunningStats: absmax, lo and hi must have the same shape")
 
     @classmethod
-    def empty(cls, granularity) -> "RunningStats":
+    def empty(cls, granularity: Granularity) -> "RunningStats":
         """No batches seen yet."""
         return cls(check_granularity(granularity))
 
     @classmethod
-    def from_array(cls, x, granularity) -> "RunningStats":
+    def from_array(cls, x: ArrayLike, granularity: Granularity) -> "RunningStats":
         """One-shot statistics of ``x`` (equal to ``update(RunningStats.empty(granularity), x)``)."""
         return update(cls.empty(granularity), x)
 
     @property
-    def scale_shape(self) -> Optional[tuple]:
+    def scale_shape(self) -> Optional[tuple[int, ...]]:
         return None if self.absmax is None else tuple(self.absmax.shape)
 
-    def update(self, x, granularity=None) -> "RunningStats":
+    def update(self, x: ArrayLike, granularity: Optional[Granularity] = None) -> "RunningStats":
         return update(self, x, granularity)
 
 
-def update(stats: RunningStats, x, granularity=None) -> RunningStats:
+def update(stats: RunningStats, x: ArrayLike, granularity: Optional[Granularity] = None) -> RunningStats:
     """New ``RunningStats`` with batch ``x`` folded in (elementwise max of absmax/hi, min of lo).
 
     ``granularity``, if given, must match the stats' own. The batch must give the same scale shape and be the
@@ -403,7 +408,7 @@ def update(stats: RunningStats, x, granularity=None) -> RunningStats:
                                hi=o.maximum(stats.hi, hi), count=stats.count + 1)
 
 
-def scale_from_stats(stats: RunningStats, spec) -> QParams:
+def scale_from_stats(stats: RunningStats, spec: SpecLike) -> QParams:
     """``QParams(scale, zero_point)`` from calibrated stats, by the rule dynamic ``quantize`` uses.
 
     symmetric: ``symmetric_scale(absmax)``; asymmetric: ``asymmetric_scale(lo, hi)``; power-of-two:

@@ -49,7 +49,7 @@ class FormatKind(enum.Enum):
     ALL = "all"
 
 
-def formats(kind="all", *, max_bits: int | None = None) -> list:
+def formats(kind: FormatKind | str = "all", *, max_bits: int | None = None) -> list[str]:
     """Canonical names from ``qcore.DTYPES`` for parametrizing kernel tests, sorted.
 
     ``kind``: a ``FormatKind`` or its value ``"element"`` (every ``FloatDType`` and ``IntDType``), ``"block"``
@@ -67,7 +67,7 @@ def formats(kind="all", *, max_bits: int | None = None) -> list:
         is_block = isinstance(d, BlockDType)
         if k is FormatKind.ELEMENT and is_block or k is FormatKind.BLOCK and not is_block:
             continue
-        el = d.element if is_block else d
+        el = d.element if isinstance(d, BlockDType) else d
         if max_bits is not None and el.bits > max_bits:
             continue
         out.append(name)

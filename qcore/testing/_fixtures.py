@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
+
+if TYPE_CHECKING:
+    from qcore.testing.oracle import Oracle
 
 
 @pytest.fixture
-def qcore_oracle():
+def qcore_oracle() -> "Oracle":
     """A ``qcore.testing.oracle.Oracle``: ``.probes(fmt)``, ``.probes_by_kind(fmt)``, ``.assert_matches(actual, x,
     fmt, op=Op...)``, ``.check(...)`` (the Report), ``.reference(x, fmt, op=...)``, ``.compare``,
     ``.assert_equal`` and ``.Op``."""

@@ -25,16 +25,21 @@ Rules:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from .._backend import is_torch
+from .._typing import ArrayLike
 
 __all__ = ["BlockInfo", "Mismatch", "Report", "compare", "assert_equal", "to_numpy", "float_bits",
            "ulp_distance", "kind_labels", "KindLabels"]
 
 Number = Union[int, float]
+
+
+Kinds = Union[Mapping[str, Any], Sequence[str]]
+"""Probe kinds of an input: the dict ``probes_by_kind`` returned, or one label per row along axis 0."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -65,7 +70,7 @@ def to_numpy(a: Any, *, name: str = "array") -> np.ndarray:
     return arr
 
 
-def float_bits(v) -> np.ndarray:
+def float_bits(v: ArrayLike) -> np.ndarray:
     """float32 bit patterns of ``v`` as uint32 (same shape)."""
     a = np.asarray(v, dtype=np.float32)
     return np.ascontiguousarray(a).view(np.uint32).reshape(a.shape)
@@ -77,7 +82,7 @@ def _ordered(bits_u32: np.ndarray) -> np.ndarray:
     return np.where(b & 0x80000000, -mag, mag)
 
 
-def ulp_distance(a, b) -> np.ndarray:
+def ulp_distance(a: ArrayLike, b: ArrayLike) -> np.ndarray:
     """Elementwise distance of float32 ``a`` and ``b`` in float32 ulps (ordered-integer distance of the bits;
     ``±0`` are 0 apart). Meaningless where either is NaN."""
     return np.abs(_ordered(float_bits(a)) - _ordered(float_bits(b)))
@@ -270,7 +275,7 @@ class KindLabels:
         self.names, self.index = names, index
 
 
-def kind_labels(kinds, n0: int) -> Optional[KindLabels]:
+def kind_labels(kinds: Optional[Kinds], n0: int) -> Optional[KindLabels]:
     """The kind of every row (index along axis 0) of an input of ``n0`` rows, from ``kinds``: the dict
     ``probes_by_kind`` returns (its arrays' lengths along axis 0, in order) or a sequence of one name per row.
     None when ``kinds`` is None."""
@@ -359,9 +364,10 @@ def _value_and_bits(arr, i, kind, width):
     return iv, iv & ((1 << (4 * width)) - 1)
 
 
-def compare_arrays(actual, expected, *, ulps: int = 0, nan_equal: bool = True, signed_zero: bool = True,
-                   max_report: int = 10, inputs=None, kinds=None, component: Optional[str] = None,
-                   row_of: Optional[Callable] = None, title: str = ""):
+def compare_arrays(actual: ArrayLike, expected: ArrayLike, *, ulps: int = 0, nan_equal: bool = True,
+                   signed_zero: bool = True, max_report: int = 10, inputs: Optional[ArrayLike] = None,
+                   kinds: Any = None, component: Optional[str] = None,
+                   row_of: Optional[Callable[[int], int]] = None, title: str = "") -> Report:
     """``compare`` plus what the oracle needs: ``component`` (a label for every mismatch), ``row_of`` (maps the
     axis-0 indices of the compared array to input rows for ``kinds``) and ``kinds`` already resolved by
     ``kind_labels`` for the input (whose row count may differ from the compared array's)."""
@@ -426,7 +432,7 @@ def _check_opts(ulps, nan_equal, signed_zero, max_report):
         raise ValueError(f"max_report must be a non-negative int, got {max_report!r}")
 
 
-def merge_reports(reports: list, *, max_report: int, title: str = "") -> Report:
+def merge_reports(reports: list[Report], *, max_report: int, title: str = "") -> Report:
     """One report from several (components of one output, in order)."""
     problems = [r.problem for r in reports if r.problem is not None]
     if problems:
@@ -448,8 +454,9 @@ def merge_reports(reports: list, *, max_report: int, title: str = "") -> Report:
                   title=title)
 
 
-def compare(actual, expected, *, ulps: int = 0, nan_equal: bool = True, signed_zero: bool = True,
-            max_report: int = 10, inputs=None, kinds=None, title: str = "") -> Report:
+def compare(actual: ArrayLike, expected: ArrayLike, *, ulps: int = 0, nan_equal: bool = True,
+            signed_zero: bool = True, max_report: int = 10, inputs: Optional[ArrayLike] = None,
+            kinds: Optional[Kinds] = None, title: str = "") -> Report:
     """Compare ``actual`` with ``expected`` (see the module docstring for the rules) -> ``Report``.
 
     ``inputs``: the input array (same shape) whose elements are shown next to each mismatch. ``kinds``: the
@@ -461,8 +468,9 @@ def compare(actual, expected, *, ulps: int = 0, nan_equal: bool = True, signed_z
                           max_report=max_report, inputs=inputs, kinds=kinds, title=title)
 
 
-def assert_equal(actual, expected, *, ulps: int = 0, inputs=None, kinds=None, nan_equal: bool = True,
-                 signed_zero: bool = True, max_report: int = 10, title: str = "") -> Report:
+def assert_equal(actual: ArrayLike, expected: ArrayLike, *, ulps: int = 0, inputs: Optional[ArrayLike] = None,
+                 kinds: Optional[Kinds] = None, nan_equal: bool = True, signed_zero: bool = True,
+                 max_report: int = 10, title: str = "") -> Report:
     """``compare`` and raise ``AssertionError(report.format())`` unless the report is ok; returns the report."""
     r = compare(actual, expected, ulps=ulps, nan_equal=nan_equal, signed_zero=signed_zero, max_report=max_report,
                 inputs=inputs, kinds=kinds, title=title)

@@ -25,9 +25,11 @@ sub-block shift.
 ``Op.DEQUANTIZE``         a ``QTensor`` (or float values,  float32 ``qcore.dequantize(x)`` (or of
                           which the oracle quantizes)      ``quantize(x, fmt, ...)``)
 ``Op.FAKE_QUANTIZE``      float values                     float32 ``qcore.fake_quantize(x, fmt, ...)``
-``Op.PACK``               integer codes (or float values,  packed bytes: ``pack_fp4`` (fp4), ``pack_fp6``
-                          which the oracle encodes)        (fp6), ``pack_bits(codes, bits)`` (other <= 8-bit
-                                                           formats; block formats use their element), or
+``Op.PACK``               integer codes (or float values,  packed bytes in the format's default layout,
+                          which the oracle encodes)        ``qcore.packing.pack(codes, fmt)`` (dense bits up
+                                                           to 8 bits: ``pack_fp4``, ``pack_fp6``,
+                                                           ``pack_bits(codes, bits)``; 16-bit LE words above;
+                                                           block formats use their element), or
                                                            ``pack_int4_int32`` with ``order=``; ``axis=``
 ========================= ================================ ================================================
 
@@ -38,16 +40,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import replace
-from typing import Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 
 from .. import packing
+from .._typing import Array, ArrayLike, SpecLike
 from ..cast import cast, decode, encode
 from ..dtypes import BlockDType, FloatDType, IntDType, get_dtype
 from ..granularity import tile_shape
 from ..quantize import QTensor, QuantSpec, dequantize, fake_quantize, quantize
-from .compare import (BlockInfo, Report, _check_opts, compare_arrays, float_bits, kind_labels, merge_reports,
+from .compare import (BlockInfo, Kinds, Report, _check_opts, compare_arrays, float_bits, kind_labels, merge_reports,
                       to_numpy)
 
 __all__ = ["Op", "reference", "assert_matches_oracle", "check_against_oracle", "Oracle"]
@@ -116,17 +119,12 @@ def _pack_reference(codes: np.ndarray, fmt, overrides: dict):
         if not (isinstance(d, IntDType) and d.bits == 4):
             raise ValueError(f"order= (int4 in int32) applies to int4/uint4 codes, not {d.name}")
         return packing.pack_int4_int32(codes, order=overrides["order"], axis=axis, signed=d.signed), 32, axis
-    if isinstance(d, FloatDType) and d.bits == 4:
-        return packing.pack_fp4(codes, axis=axis), 4, axis
-    if isinstance(d, FloatDType) and d.bits == 6:
-        return packing.pack_fp6(codes, axis=axis), 6, axis
-    if d.bits <= 8:
-        signed = d.signed if isinstance(d, IntDType) else False
-        return packing.pack_bits(codes, d.bits, axis=axis, signed=signed), d.bits, axis
-    raise ValueError(f"Op.PACK: {d.name} has {d.bits}-bit codes; qcore packs formats of 8 bits or fewer")
+    lay = packing.default_layout(d)  # the one packing rule, shared with qcore.conformance
+    return packing.pack(codes, d, axis=axis), lay.field_bits, axis
 
 
-def reference(x, fmt_or_spec, *, op: Op = Op.FAKE_QUANTIZE, **overrides):
+def reference(x: Union[ArrayLike, QTensor], fmt_or_spec: SpecLike, *, op: Op = Op.FAKE_QUANTIZE,
+              **overrides: Any) -> Union[Array, QTensor]:
     """What a kernel implementing ``op`` must return for input ``x``: qcore's numpy result (a ``QTensor`` for
     ``Op.QUANTIZE``, packed bytes for ``Op.PACK``, else an array). ``x`` is moved to host numpy first."""
     _check_op(op)
@@ -299,9 +297,10 @@ def _scales_expected(actual_scales, expected: np.ndarray, spec: QuantSpec):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def check_against_oracle(actual, x, fmt_or_spec, *, op: Op = Op.FAKE_QUANTIZE, ulps: int = 0,
-                         max_report: int = 10, kinds=None, nan_equal: bool = True, signed_zero: bool = True,
-                         **overrides) -> Report:
+def check_against_oracle(actual: Any, x: Union[ArrayLike, QTensor], fmt_or_spec: SpecLike, *,
+                         op: Op = Op.FAKE_QUANTIZE, ulps: int = 0, max_report: int = 10,
+                         kinds: Optional[Kinds] = None, nan_equal: bool = True, signed_zero: bool = True,
+                         **overrides: Any) -> Report:
     """``assert_matches_oracle`` without the raise: the ``Report``."""
     with np.errstate(invalid="ignore", over="ignore", under="ignore", divide="ignore"):
         return _check(actual, x, fmt_or_spec, op=op, ulps=ulps, max_report=max_report, kinds=kinds,
@@ -437,9 +436,10 @@ def _pack_notes(rep: Report, codes: np.ndarray, bits: int, ax: int) -> Report:
     return replace(rep, mismatches=out)
 
 
-def assert_matches_oracle(actual, x, fmt_or_spec, *, op: Op = Op.FAKE_QUANTIZE, ulps: int = 0,
-                          max_report: int = 10, kinds=None, nan_equal: bool = True, signed_zero: bool = True,
-                          **overrides) -> Report:
+def assert_matches_oracle(actual: Any, x: Union[ArrayLike, QTensor], fmt_or_spec: SpecLike, *,
+                          op: Op = Op.FAKE_QUANTIZE, ulps: int = 0, max_report: int = 10,
+                          kinds: Optional[Kinds] = None, nan_equal: bool = True, signed_zero: bool = True,
+                          **overrides: Any) -> Report:
     """Assert that ``actual`` (a kernel's output for input ``x``) equals qcore's numpy result of ``op`` for
     ``fmt_or_spec`` (with keyword ``overrides``: spec fields, ``axis``, ``key``, ``rounding``, ``saturate``,
     ...), bit for bit or within ``ulps`` (float outputs). Raises ``AssertionError`` with the report; returns the
@@ -461,10 +461,11 @@ class Oracle:
 
     Op = Op
 
-    def __init__(self):
-        self._kinds: dict = {}  # id(array) -> (array, kinds dict): the arrays this fixture handed out
+    def __init__(self) -> None:
+        # id(array) -> (array, kinds dict): the arrays this fixture handed out
+        self._kinds: dict[int, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
 
-    def probes(self, fmt, **kw):
+    def probes(self, fmt: SpecLike, **kw: Any) -> np.ndarray:
         from .probes import probes_by_kind
 
         kinds = probes_by_kind(fmt, **kw)
@@ -472,35 +473,42 @@ class Oracle:
         self._kinds[id(x)] = (x, kinds)
         return x
 
-    def probes_by_kind(self, fmt, **kw):
+    def probes_by_kind(self, fmt: SpecLike, **kw: Any) -> dict[str, np.ndarray]:
         from .probes import probes_by_kind
 
         return probes_by_kind(fmt, **kw)
 
-    def kinds_of(self, x):
+    def kinds_of(self, x: Any) -> Optional[dict[str, np.ndarray]]:
         """The kinds dict of an array this object's ``probes`` returned, else None."""
         entry = self._kinds.get(id(x))
         return entry[1] if entry is not None and entry[0] is x else None
 
-    def reference(self, x, fmt_or_spec, *, op: Op = Op.FAKE_QUANTIZE, **overrides):
+    # (``Op`` in these annotations is the enum; the class attribute ``Op`` above is that same enum.)
+    def reference(self, x: Union[ArrayLike, QTensor], fmt_or_spec: SpecLike, *,
+                  op: Op = Op.FAKE_QUANTIZE,  # type: ignore[valid-type]
+                  **overrides: Any) -> Union[Array, QTensor]:
         return reference(x, fmt_or_spec, op=op, **overrides)
 
-    def check(self, actual, x, fmt_or_spec, *, op: Op = Op.FAKE_QUANTIZE, kinds=None, **kw) -> Report:
+    def check(self, actual: Any, x: Union[ArrayLike, QTensor], fmt_or_spec: SpecLike, *,
+              op: Op = Op.FAKE_QUANTIZE,  # type: ignore[valid-type]
+              kinds: Optional[Kinds] = None, **kw: Any) -> Report:
         kinds = self.kinds_of(x) if kinds is None else kinds
         return check_against_oracle(actual, x, fmt_or_spec, op=op, kinds=kinds, **kw)
 
-    def assert_matches(self, actual, x, fmt_or_spec, *, op: Op = Op.FAKE_QUANTIZE, kinds=None, **kw) -> Report:
+    def assert_matches(self, actual: Any, x: Union[ArrayLike, QTensor], fmt_or_spec: SpecLike, *,
+                       op: Op = Op.FAKE_QUANTIZE,  # type: ignore[valid-type]
+                       kinds: Optional[Kinds] = None, **kw: Any) -> Report:
         kinds = self.kinds_of(x) if kinds is None else kinds
         return assert_matches_oracle(actual, x, fmt_or_spec, op=op, kinds=kinds, **kw)
 
     @staticmethod
-    def compare(actual, expected, **kw) -> Report:
+    def compare(actual: ArrayLike, expected: ArrayLike, **kw: Any) -> Report:
         from .compare import compare
 
         return compare(actual, expected, **kw)
 
     @staticmethod
-    def assert_equal(actual, expected, **kw) -> Report:
+    def assert_equal(actual: ArrayLike, expected: ArrayLike, **kw: Any) -> Report:
         from .compare import assert_equal
 
         return assert_equal(actual, expected, **kw)

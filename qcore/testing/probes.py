@@ -92,6 +92,7 @@ from typing import Union
 
 import numpy as np
 
+from .._typing import SpecLike
 from ..cast import decode
 from ..dtypes import BlockDType, FloatDType, IntDType, get_dtype
 from ..granularity import PerGroup
@@ -116,7 +117,7 @@ _MAX_GRID = 4096
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def resolve(fmt) -> Union[FloatDType, IntDType, QuantSpec]:
+def resolve(fmt: SpecLike) -> Union[FloatDType, IntDType, QuantSpec]:
     """The element dtype of an element format, or the ``QuantSpec`` of a block format (``PerGroup`` along the
     last axis). Raises ``ValueError``/``TypeError`` naming ``fmt`` otherwise."""
     if isinstance(fmt, QuantSpec):
@@ -484,7 +485,7 @@ def _check_args(key, random, ragged):
         raise TypeError(f"ragged must be a bool, got {ragged!r}")
 
 
-def probes_by_kind(fmt, *, key: int = 0, random: int = 1024, ragged: bool = True) -> dict:
+def probes_by_kind(fmt: SpecLike, *, key: int = 0, random: int = 1024, ragged: bool = True) -> dict[str, np.ndarray]:
     """The probe inputs of ``fmt`` split by kind: an ordered ``dict[str, np.ndarray]`` of float32 arrays (1-D
     for element formats, 2-D ``(rows, cols)`` for block formats). See the module docstring for each kind."""
     _check_args(key, random, ragged)
@@ -496,7 +497,7 @@ def probes_by_kind(fmt, *, key: int = 0, random: int = 1024, ragged: bool = True
     return _element_kinds(r, int(key), int(random))
 
 
-def probes(fmt, *, key: int = 0, random: int = 1024, ragged: bool = True) -> np.ndarray:
+def probes(fmt: SpecLike, *, key: int = 0, random: int = 1024, ragged: bool = True) -> np.ndarray:
     """Probe inputs of ``fmt`` (float32): ``probes_by_kind(fmt, ...)`` concatenated along axis 0, in kind order.
 
     Element format -> 1-D; block format (name, ``BlockDType`` or ``QuantSpec`` with ``PerGroup(size, -1)``) ->

@@ -10,6 +10,7 @@ import pytest
 
 import qcore
 from qcore import conformance, packing
+from qcore.testing import Op, reference
 
 FORMATS = ["float4_e2m1fn", "float8_e4m3fn", "int4", "mxfp4", "mx6", "mxint8"]
 
@@ -130,6 +131,14 @@ def test_expected_values_are_the_oracle(vectors):
 
     q6 = qcore.quantize(m.load("mx6.quantize.scale_floor", "input"), "mx6")
     assert np.array_equal(m.load("mx6.quantize.scale_floor", "expected_shifts"), q6.subblock_shifts)
+    # MX6's 5-bit elements are packed densely (8 codes -> 5 bytes), the same bytes Op.PACK expects
+    p6 = m.load("mx6.quantize.scale_floor", "expected_packed")
+    rows, cols = q6.codes.shape
+    assert p6.shape == (rows, -(-cols // 8) * 5)
+    assert np.array_equal(p6, packing.pack_bits(q6.codes, 5))
+    assert np.array_equal(p6, reference(q6.codes, "mx6", op=Op.PACK))
+    info = m.case("mx6.quantize.scale_floor")["packing"]
+    assert (info["layout"], info["bits"], info["group_elements"], info["group_bytes"]) == ("bits", 5, 8, 5)
     qi = qcore.quantize(m.load("mxint8.quantize.scale_floor", "input"), "mxint8")
     assert np.array_equal(m.load("mxint8.quantize.scale_floor", "expected_packed"), qi.codes.view(np.uint8))
 

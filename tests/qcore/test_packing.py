@@ -12,8 +12,11 @@ import math
 import numpy as np
 import pytest
 
+import qcore
 from qcore.packing import (
     Int4Order,
+    default_layout,
+    pack,
     pack_bits,
     pack_fp4,
     pack_fp6,
@@ -24,6 +27,7 @@ from qcore.packing import (
     unpack_fp6,
     unpack_gguf_q4,
     unpack_int4_int32,
+    unpack,
 )
 
 ALL_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -416,6 +420,86 @@ def test_errors():
         unpack_bits(np.array([256], np.int64), 8)
     with pytest.raises(ValueError, match="packed"):
         unpack_bits(np.zeros(4, np.uint8), 3)  # 3-bit groups are 3 bytes
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the default layout of a format (pack / unpack / default_layout): one rule for conformance and qcore.testing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _codes_of(d, n=37, seed=0):
+    """Random valid codes of element dtype ``d`` in the dtype qcore.encode gives them."""
+    rng = np.random.default_rng(seed)
+    if isinstance(d, qcore.IntDType):
+        dt = (np.int8 if d.signed else np.uint8) if d.bits <= 8 else np.int32
+        return rng.integers(d.min, d.max + 1, size=(3, n)).astype(dt)
+    return rng.integers(0, 1 << d.bits, size=(3, n)).astype(np.uint8 if d.bits <= 8 else np.int32)
+
+
+def test_default_layout_is_dense_bits_up_to_8_and_words_above():
+    assert (default_layout("float4_e2m1fn").name, default_layout("mxfp6_e3m2").name) == ("fp4", "fp6")
+    for name, bits, group in (("mx4", 3, (8, 3)), ("mx6", 5, (8, 5)), ("mx9", 8, (1, 1)), ("int4", 4, (2, 1)),
+                              ("uint7", 7, (8, 7)), ("mxint8", 8, (1, 1)), ("int12", 12, (1, 2)),
+                              ("bfloat16", 16, (1, 2))):
+        lay = default_layout(name)
+        assert lay.bits == bits and (lay.group_elements, lay.group_bytes) == group, name
+    assert default_layout("mx4").dtype == "float3_e1m1" and not default_layout("mx4").signed
+    assert default_layout("int4").signed and not default_layout("uint4").signed
+    with pytest.raises(ValueError, match="16 bits or fewer"):
+        default_layout("float32")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        pack(np.zeros(2, np.uint8), "float3")
+
+
+def test_pack_named_vectors_and_explicit_equivalents():
+    # MX4 elements (3 bits): 8 codes -> 3 bytes; MX6 elements (5 bits): 8 codes -> 5 bytes
+    assert pack(np.arange(8, dtype=np.uint8), "mx4").tolist() == [0x88, 0xC6, 0xFA]
+    assert pack(np.arange(8, dtype=np.uint8), "float5_e1m3").tolist() == ref_stream(list(range(8)), 5).tolist()
+    assert pack(np.array([-2048, 2047, -1], np.int32), "int12").tolist() == [0x00, 0xF8, 0xFF, 0x07, 0xFF, 0xFF]
+    assert pack(np.array([0x3C00], np.int32), "float16").tolist() == [0x00, 0x3C]
+    for name in ("float4_e2m1fn", "float6_e2m3fn", "float3_e1m1", "float5_e1m3", "float8_e4m3fn", "int4", "int8",
+                 "uint3"):
+        d = qcore.get_dtype(name)
+        c = _codes_of(d)
+        explicit = {"fp4": lambda: pack_fp4(c), "fp6": lambda: pack_fp6(c)}.get(
+            default_layout(d).name, lambda: pack_bits(c, d.bits))()
+        np.testing.assert_array_equal(pack(c, d), explicit, err_msg=name)
+    with pytest.raises(ValueError, match="outside"):
+        pack(np.array([8], np.uint8), "float3_e1m1")
+    with pytest.raises(ValueError, match="outside"):
+        pack(np.array([-1], np.int8), "float4_e2m1fn")  # float codes are unsigned bit patterns
+    with pytest.raises(ValueError, match="outside"):
+        pack(np.array([2048], np.int32), "int12")
+    with pytest.raises(ValueError, match="outside"):
+        unpack(np.array([0xFF, 0x7F], np.uint8), "int12")
+
+
+@pytest.mark.parametrize("name", [n for n, d in qcore.DTYPES.items()
+                                  if not isinstance(d, qcore.BlockDType) and d.bits <= 16])
+def test_pack_round_trips_every_format(name):
+    d = qcore.get_dtype(name)
+    c = _codes_of(d)
+    p = pack(c, d)
+    lay = default_layout(d)
+    assert p.dtype == np.uint8 and p.shape == (3, -(-c.shape[1] // lay.group_elements) * lay.group_bytes)
+    back = unpack(p, d, length=c.shape[1])
+    assert back.dtype == c.dtype
+    np.testing.assert_array_equal(back, c)
+    back0 = unpack(pack(c, d, axis=0), d, axis=0, length=3)
+    np.testing.assert_array_equal(back0, c)
+
+
+def test_pack_torch_bit_identical_to_numpy():
+    torch = pytest.importorskip("torch")
+    for name in ("float3_e1m1", "float5_e1m3", "int4", "int12", "float16", "uint16"):
+        d = qcore.get_dtype(name)
+        c = _codes_of(d, seed=1)
+        p = pack(torch.from_numpy(c), d)
+        assert p.dtype == torch.uint8
+        np.testing.assert_array_equal(p.numpy(), pack(c, d), err_msg=name)
+        u = unpack(p, d, length=c.shape[1])
+        assert str(u.dtype).split(".")[-1] == c.dtype.name, name
+        np.testing.assert_array_equal(u.numpy(), c, err_msg=name)
 
 
 def test_numpy_path_does_not_import_torch(numpy_only):

@@ -258,3 +258,34 @@ def test_stochastic_key_may_be_a_seeded_generator():
     assert not np.array_equal(fake_quantize(x, "int8", key=g, **kw), fake_quantize(x, "int8", key=g, **kw))
     with pytest.raises(ValueError, match="Generator"):
         fake_quantize(x, "int8", key=-1, **kw)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8_e4m3", "mxint8", "mx6", "bfp16"])
+def test_scale_codes_are_the_e8m0_bytes(fmt):
+    from qcore.testing import probes
+
+    x = probes(fmt)  # NaN/Inf blocks (scale NaN -> 0xFF) and zero blocks (2**-127 -> 0x00) included
+    q = quantize(x, fmt)
+    c = q.scale_codes
+    ref = np.asarray(q.scales).astype(ml_dtypes.float8_e8m0fnu).view(np.uint8)
+    assert c.dtype == np.uint8 and c.shape == q.scales.shape and np.array_equal(c, ref)
+    assert (c == 0xFF).any() and (c == 0).any()
+    torch = pytest.importorskip("torch")
+    qt = quantize(torch.from_numpy(x), fmt)
+    ct = qt.scale_codes
+    assert ct.dtype == torch.uint8 and np.array_equal(ct.numpy(), ref)
+
+
+def test_scale_codes_of_other_scale_formats():
+    w = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
+    q = quantize(w, "float4_e2m1fn", granularity=PerGroup(16), scale_dtype="float8_e4m3fn")  # NVFP4-like
+    assert np.array_equal(q.scale_codes, q.scales.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+    q16 = quantize(w, "int8", granularity=PerChannel(0), scale_dtype="bfloat16")
+    assert q16.scale_codes.dtype == np.int32
+    assert np.array_equal(q16.scale_codes, q16.scales.astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.int32))
+    q32 = quantize(w, "int8")
+    assert np.array_equal(q32.scale_codes, np.asarray(q32.scales, np.float32).view(np.int32))
+    bad = np.array([[1.0, np.nan, 2.0, 3.0]], np.float32)
+    qe = quantize(bad, "float8_e4m3fn", granularity=PerTensor(), scale_dtype="float8_e5m3")
+    with pytest.raises(ValueError, match="NaN"):
+        qe.scale_codes

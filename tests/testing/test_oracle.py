@@ -186,6 +186,14 @@ def test_pack_variants():
     # Float values are encoded first; block formats pack their element codes.
     x = no_nan(probes("float4_e2m1fn", random=16))
     assert_matches_oracle(qcore.packing.pack_fp4(qcore.encode(x, "fp4")), x, "mxfp4", op=Op.PACK)
+    # The 3-bit elements of MX4 pack densely (8 codes -> 3 bytes): one byte per code is a mismatch.
+    c3 = np.arange(8, dtype=np.uint8)
+    assert reference(c3, "mx4", op=Op.PACK).tolist() == [0x88, 0xC6, 0xFA]
+    r = check_against_oracle(c3, c3, "mx4", op=Op.PACK)
+    assert not r.ok and "shape" in r.problem
+    # 16-bit formats: little-endian words
+    h = qcore.encode(np.array([1.0, -2.0], np.float32), "float16")
+    assert reference(h, "float16", op=Op.PACK).tolist() == [0x00, 0x3C, 0x00, 0xC0]
 
 
 def test_errors():
