@@ -875,6 +875,9 @@ def run_fake_quantize(x, spec, scale, zero_point, o):
         return None
     ip = _ip(o)
     x = _prepare(x, o)
+    if scale is not None and kind != "microexp" and isinstance(spec.granularity, (PerTensor, PerChannel)) \
+            and _numel(x) <= SLAB:
+        return _small_given(x, spec, scale, zero_point, kind, o, ip)
     r = _Run(x, spec, o, ip)
     out = ip.empty(tuple(x.shape), ip.f32, x) if o.name == "torch" else np.empty(x.shape, np.float32)
     with o.quiet():
@@ -894,6 +897,33 @@ def run_fake_quantize(x, spec, scale, zero_point, o):
             if bad is not None:
                 ip.fill_where(ob, bad, np.float32(math.nan))
             r.slab_done(out, ob, r0, r1)
+    return out
+
+
+def _numel(x) -> int:
+    n = 1
+    for v in x.shape:
+        n *= int(v)
+    return n
+
+
+def _small_given(x, spec, scale, zero_point, kind, o, ip):
+    """Small tensors with given per-tensor or per-channel parameters (GPTQ's column step): the parameters
+    already broadcast against x, so the kernels run on x directly, with no slab machinery."""
+    scales, inv, zp, _ = params(x, spec, scale, zero_point, o, None)
+    out = ip.empty(tuple(x.shape), ip.f32, x) if o.name == "torch" else np.empty(x.shape, np.float32)
+    with o.quiet():
+        if kind == "int":
+            fwd, back, inv2 = _int_factors(spec, scales, inv, o)
+            if back is None:
+                return None
+            _fake_int(x, scales, fwd, back, inv2, zp, spec, ip, out, out)
+        else:
+            ib = ip.empty(tuple(x.shape), ip.i32, x) if o.name == "torch" else np.empty(x.shape, np.int32)
+            _fake_float(x, scales, inv, spec, ip, out, ib, out)
+            bad = _bad_blocks(scales, o)
+            if bad is not None:
+                ip.fill_where(out, bad, np.float32(math.nan))
     return out
 
 
@@ -1050,3 +1080,42 @@ def _lookup(table, cs, ob, ip, r):
     idx = r.ib[:cs.numel()]
     idx.copy_(cs.reshape(-1))
     ip.t.index_select(table, 0, idx, out=ob.reshape(-1))
+
+
+def cast_ok(d, rounding) -> bool:
+    """Elementwise casts the fast kernel covers: nearest-even to small signed float formats with subnormals."""
+    return (rounding is RoundingMode.NEAREST_EVEN and _float_ok(d)
+            and d.emax + 26 - d.mantissa_bits < 127)
+
+
+def run_cast(x, d: FloatDType, saturate: bool, o):
+    """``cast`` to a small float format, nearest-even, slab by slab: |x| clamped (at max, or past every value
+    that overflows), rounded by the add-subtract of ``_round_float_abs``, overflow mapped to Inf/NaN, sign bit
+    back. NaN inputs come back as the same NaN (signalling NaNs quieted)."""
+    ip = _ip(o)
+    shape = tuple(x.shape)
+    x = _prepare(x, o)
+    xf = ip.flat(x)
+    n = xf.size if ip.name == "numpy" else xf.numel()
+    out = ip.empty(n, ip.f32, x)
+    m = min(n, SLAB)
+    a, ib = ip.empty(m, ip.f32, x), ip.empty(m, ip.i32, x)
+    maxf = np.float32(d.max_finite)
+    if d.specials is Specials.IEEE:
+        over_val = np.float32(math.inf)
+    else:
+        over_val = np.float32(math.nan)
+    with o.quiet():
+        for i in range(0, n, SLAB):
+            j = min(i + SLAB, n)
+            xs, os_, aa, ii = xf[i:j], out[i:j], a[:j - i], ib[:j - i]
+            ip.band(ip.ibits(xs), 0x7FFFFFFF, ip.ibits(aa))
+            ip.min_(aa, maxf if saturate else np.float32(2.0 ** (d.emax + 2)))
+            _round_float_abs(aa, d, ip, ii)
+            if not saturate:
+                ip.fill_where(aa, aa > maxf, over_val)
+            ip.band(ip.ibits(xs), -0x80000000, ii)
+            ip.bor(ip.ibits(aa), ii, ip.ibits(os_))
+            if d.specials is Specials.FNUZ:
+                ip.add(os_, np.float32(0.0), os_)  # no -0 (NaN stays NaN)
+    return out.reshape(shape)

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from . import _fast
 from ._backend import ops, to_array
 from .dtypes import BlockDType, FloatDType, IntDType, Specials, get_dtype
 from .rounding import RoundingMode, _round_sig, check_mode, decompose, pow2, round_to_integral
@@ -123,6 +124,8 @@ def cast(x, dtype, *, rounding: RoundingMode = RoundingMode.NEAREST_EVEN, satura
     with o.quiet():
         if _is_fixed_point(d) and rounding in _DIRECT:
             return _cast_fixed_point(x, d, rounding, o)
+        if _fast.cast_ok(d, rounding) and not _fast._empty(x):
+            return _fast.run_cast(x, d, sat, o)
         return _cast_float(x, d, rounding, sat, key, o)
 
 

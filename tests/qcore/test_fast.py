@@ -247,3 +247,34 @@ def test_fast_ties_with_unit_scale(fmt):
     one = np.ones((1, 1), np.float32)
     got = _fast.run_fake_quantize(x, spec, one, None, ops(x))
     _bits_equal(got, _generic_fake(x, spec, one))
+
+
+CAST_FORMATS = ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e4m3", "float8_e3m4",
+                "float8_e4m3b11fnuz", "float16", "float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn"]
+
+
+@pytest.mark.parametrize("fmt", CAST_FORMATS)
+@pytest.mark.parametrize("saturate", [None, True])
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_fast_cast_equals_generic(fmt, saturate, backend):
+    """``cast``'s fast kernel against the generic bit path on 2**18 random bit patterns plus the kit's probes."""
+    from qcore.cast import _cast_float, _resolve_saturate
+    from qcore.testing import probes
+
+    d = qcore.get_dtype(fmt)
+    if saturate is False and d.specials is qcore.Specials.FINITE:
+        pytest.skip("always saturates")
+    rng = np.random.default_rng(11)
+    x = np.concatenate([rng.integers(-2**31, 2**31, 2**18, dtype=np.int64).astype(np.int32).view(np.float32),
+                        np.asarray(probes(fmt), np.float32).reshape(-1)])
+    x = x[~np.isnan(x) | (x.view(np.int32) & 0x400000 != 0)]  # quiet NaNs only (signalling ones come back quiet)
+    if backend == "torch":
+        torch = pytest.importorskip("torch")
+        x = torch.from_numpy(x)
+    o = ops(x)
+    sat = _resolve_saturate(d, saturate)
+    assert _fast.cast_ok(d, qcore.RoundingMode.NEAREST_EVEN)
+    got = _fast.run_cast(x, d, sat, o)
+    with np.errstate(all="ignore"):
+        ref = _cast_float(x, d, qcore.RoundingMode.NEAREST_EVEN, sat, None, o)
+    _bits_equal(_np(got), _np(ref))
