@@ -9,7 +9,7 @@ import pytest
 from hypothesis import strategies as st
 
 import qcore
-from qcore import PerBlock, PerChannel, PerGroup, PerTensor, ScaleMode, make_spec
+from qcore import PerBlock, PerChannel, PerGroup, PerTensor, ScaleMode, TensorScale, make_spec
 from qcore.granularity import tile_shape
 
 from ._util import seeded_arrays
@@ -21,6 +21,7 @@ MX_FLOAT = ["mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2"]
 MX_INT = ["mxint8", "bfp16"]
 MICROEXP = ["mx9", "mx6", "mx4"]
 BLOCK_FORMATS = MX_FLOAT + MX_INT + MICROEXP
+TWO_LEVEL = ["nvfp4"]  # block scales under a per-tensor scale (tested by test_prop_two_level.py and the mix below)
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,11 +89,27 @@ def block_specs(draw, shape, names=tuple(BLOCK_FORMATS), modes=tuple(ScaleMode))
 
 
 @st.composite
+def two_level_specs(draw, shape, modes=(TensorScale.ONE, TensorScale.AMAX)):
+    """Two-level specs (NVFP4 and its variants): tensor scale ONE or AMAX (GIVEN needs a value at the call), e4m3
+    or e5m3 block scales, blocks of 16 or 32 (or any group size), along the last or first axis."""
+    axis = draw(st.sampled_from([-1, 0])) if len(shape) > 1 else -1
+    size = draw(st.sampled_from([16, 16, 32, max(1, shape[axis] // 2 + 1)]))
+    return make_spec(draw(st.sampled_from(TWO_LEVEL)), granularity=PerGroup(size, axis),
+                     tensor_scale_mode=draw(st.sampled_from(list(modes))),
+                     scale_dtype=draw(st.sampled_from(["float8_e4m3fn", "float8_e4m3fn", "float8_e5m3"])))
+
+
+@st.composite
 def quant_cases(draw, *, finite=True, allow_huge=False, spec_kind="any", max_side=40):
-    """(x, spec): a float32 array and a spec for it (element formats with any granularity, or block formats)."""
+    """(x, spec): a float32 array and a spec for it (element formats with any granularity, block formats, or
+    two-level block formats)."""
     shape = draw(shapes(max_side=max_side))
-    kind = spec_kind if spec_kind != "any" else draw(st.sampled_from(["element", "element", "block"]))
-    spec = draw(element_specs(shape) if kind == "element" else block_specs(shape))
+    kind = spec_kind if spec_kind != "any" else draw(st.sampled_from(["element", "element", "block",
+                                                                      "two_level"]))
+    if kind == "two_level":
+        spec = draw(two_level_specs(shape))
+    else:
+        spec = draw(element_specs(shape) if kind == "element" else block_specs(shape))
     x = draw(seeded_arrays(shape, finite=finite, allow_huge=allow_huge))
     if not spec.pow2_scale:
         x = no_scale_underflow(x)

@@ -72,6 +72,9 @@ def _assert_qtensors_equal(qt, qn, what):
     assert (qt.subblock_shifts is None) == (qn.subblock_shifts is None)
     if qn.subblock_shifts is not None:
         assert_same_ints(qt.subblock_shifts, qn.subblock_shifts, f"{what}: subblock shifts")
+    assert (qt.tensor_scale is None) == (qn.tensor_scale is None)
+    if qn.tensor_scale is not None:
+        assert_same_bits(qt.tensor_scale, qn.tensor_scale, f"{what}: tensor scale")
 
 
 @given(case=quant_cases(finite=False, allow_huge=True), key=_KEY, sr=st.booleans())

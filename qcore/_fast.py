@@ -396,7 +396,7 @@ def _float_ok(d: FloatDType) -> bool:
 
 def kernel_kind(spec):
     """'float', 'int', 'microexp' or None (generic)."""
-    if spec.rounding is not RoundingMode.NEAREST_EVEN:
+    if spec.rounding is not RoundingMode.NEAREST_EVEN or spec.two_level:
         return None
     d = spec.dtype
     if spec.subblock_shift_bits:

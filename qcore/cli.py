@@ -101,6 +101,7 @@ def _conformance_modes(args) -> int:
     names = args.formats or [n for n, d in DTYPES.items() if isinstance(d, BlockDType)]
     print("element formats (op cast):", ", ".join(conformance.ELEMENT_MODES))
     print("block formats (op quantize):", ", ".join(conformance.BLOCK_MODES))
+    print("two-level block formats (op quantize):", ", ".join(conformance.TWO_LEVEL_MODES))
     print("defaults:")
     for n in names:
         print(f"  {n}: {', '.join(conformance.default_modes(n))}")

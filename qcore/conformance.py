@@ -15,8 +15,10 @@ file (``.npy`` + raw ``.bin``)        contents
                                       dense ``pack_bits(codes, bits)`` bitstream up to 8 bits (fp4 = ``pack_fp4``,
                                       fp6 = ``pack_fp6``, MX4's 3-bit and MX6's 5-bit elements 8 codes -> 3 / 5
                                       bytes), 16-bit little-endian words above (``default_layout``)
+``input_tensor_scale``                two-level formats (NVFP4): the per-tensor float32 scale ``g`` (shape (1,)) the
+                                      kernel is given (1.0 in mode ``tensor_scale_one``)
 ``expected_scales``                   block formats: float32 scales, one per block (NaN for a NaN/Inf block)
-``expected_scale_codes``              block formats: the scales' E8M0 bytes (``qcore.encode(scales, e8m0)``)
+``expected_scale_codes``              block formats: the scales' bytes in the scale format (E8M0; NVFP4: e4m3)
 ``expected_shifts``                   MX9/MX6/MX4: int32 microexponent per sub-block (padding sub-blocks included)
 ``expected_dequantized``              block formats: ``dequantize(quantize(x))`` (float32)
 ==================================== ================================================================================
@@ -40,6 +42,10 @@ Modes (``modes=``, default per format):
   ``ceil``;
 - block formats (op ``quantize``): ``scale_floor``, ``scale_ceil``, ``scale_even``, ``scale_rceil`` (``ScaleMode``).
   OCP MX formats (mxfp8/mxfp6/mxfp4/mxint8) default to all four; MX9/MX6/MX4 and bfp16 to their own rule.
+- two-level block formats (NVFP4, op ``quantize``): ``tensor_scale_one`` (tensor scale 1, ``TensorScale.ONE``)
+  and ``tensor_scale_given`` (the fixed tensor scale ``CONFORMANCE_TENSOR_SCALE`` = float32(0.1) given to the
+  kernel, ``TensorScale.GIVEN``), both by default. A tensor scale computed from the amax of the whole probe set
+  is not exported: one NaN/Inf probe makes every block NaN (docs/numerics.md, "Two-level scales").
 - ``all``: every mode of every family that applies to the format.
 
 A mode of one family does not touch formats of the other: ``modes=["nearest_even_saturate"]`` with
@@ -71,7 +77,7 @@ import numpy as np
 
 from ._typing import FormatLike
 from .cast import cast, decode, encode
-from .dtypes import DTYPES, BlockDType, FloatDType, IntDType, ScaleMode, Specials, get_dtype
+from .dtypes import DTYPES, BlockDType, FloatDType, IntDType, ScaleMode, Specials, TensorScale, get_dtype
 from .quantize import dequantize, fake_quantize, make_spec, quantize
 from .rounding import RoundingMode
 from . import packing
@@ -79,6 +85,8 @@ from . import packing
 __all__ = [
     "ELEMENT_MODES",
     "BLOCK_MODES",
+    "TWO_LEVEL_MODES",
+    "CONFORMANCE_TENSOR_SCALE",
     "SCHEMA",
     "Manifest",
     "CaseResult",
@@ -100,6 +108,10 @@ ELEMENT_MODES: tuple[str, ...] = tuple(r + suffix for r in _ROUNDINGS for suffix
 """Modes of element formats (op ``cast``): rounding mode plus overflow rule."""
 BLOCK_MODES: tuple[str, ...] = tuple("scale_" + m.value for m in ScaleMode)
 """Modes of block formats (op ``quantize``): the ``ScaleMode`` of the shared scale."""
+TWO_LEVEL_MODES: tuple = ("tensor_scale_one", "tensor_scale_given")
+"""Modes of two-level block formats (NVFP4, op ``quantize``): where the per-tensor scale comes from."""
+CONFORMANCE_TENSOR_SCALE = np.float32(0.1)
+"""The per-tensor scale of mode ``tensor_scale_given`` (not a power of two, so the two-level arithmetic rounds)."""
 
 _OCP_MX = frozenset({"mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8"})
 
@@ -110,8 +122,8 @@ _SCALE_RULE = {
     ScaleMode.RCEIL: "s = ceil(log2(amax / max_elem)) (NVIDIA cvt.rp)",
 }
 
-# Roles in the order they are written; "input" first.
-_ROLE_ORDER = ("input", "expected_cast", "expected_codes", "expected_packed", "expected_scales",
+# Roles in the order they are written; "input" first. Roles starting with "input" are given to the kernel.
+_ROLE_ORDER = ("input", "input_tensor_scale", "expected_cast", "expected_codes", "expected_packed", "expected_scales",
                "expected_scale_codes", "expected_shifts", "expected_dequantized")
 
 
@@ -132,9 +144,15 @@ def _parse_block_mode(mode: str) -> ScaleMode:
     return ScaleMode(mode[len("scale_"):])
 
 
+def _two_level(d) -> bool:
+    return isinstance(d, BlockDType) and d.tensor_scale is not TensorScale.NONE
+
+
 def default_modes(fmt: FormatLike) -> tuple[str, ...]:
     """The modes ``export`` writes for ``fmt`` when ``modes`` is None (see the module docstring)."""
     d = get_dtype(fmt)
+    if _two_level(d):
+        return TWO_LEVEL_MODES
     if isinstance(d, BlockDType):
         if d.name in _OCP_MX:
             return BLOCK_MODES
@@ -168,19 +186,19 @@ def _normalize_modes(modes) -> Optional[list]:
     modes = [m for m in modes if m]
     if not modes:
         raise ValueError("modes is empty; leave it None for each format's default modes")
-    known = set(ELEMENT_MODES) | set(BLOCK_MODES) | {"all"}
+    known = set(ELEMENT_MODES) | set(BLOCK_MODES) | set(TWO_LEVEL_MODES) | {"all"}
     bad = [m for m in modes if m not in known]
     if bad:
         raise ValueError(
             f"unknown mode(s) {', '.join(map(repr, bad))}; known: all, element formats: {', '.join(ELEMENT_MODES)}; "
-            f"block formats: {', '.join(BLOCK_MODES)}"
+            f"block formats: {', '.join(BLOCK_MODES)}; two-level block formats: {', '.join(TWO_LEVEL_MODES)}"
         )
     return list(dict.fromkeys(modes))
 
 
 def _modes_for(d, modes: Optional[list]):
     """(modes to export, [(mode, reason) skipped]) for dtype ``d``."""
-    family = BLOCK_MODES if isinstance(d, BlockDType) else ELEMENT_MODES
+    family = TWO_LEVEL_MODES if _two_level(d) else BLOCK_MODES if isinstance(d, BlockDType) else ELEMENT_MODES
     if modes is None:
         wanted, explicit = list(default_modes(d)), True
     elif "all" in modes:
@@ -302,6 +320,16 @@ def _cast_semantics(d, rounding: RoundingMode, saturate) -> str:
             f"{_overflow_words(d, sat)}; {'; '.join(extra)}; see {DOCS} ('cast')")
 
 
+def _two_level_semantics(d: BlockDType, spec, g) -> str:
+    el, sd = d.element, d.scale
+    return (f"{d.name}: {el.name} elements in blocks of {d.block_size} along the last axis, block scales b in "
+            f"{sd.name} under the float32 tensor scale g = {float(g)!r} (input_tensor_scale): "
+            f"b = {sd.name}(RNE(clamp(fl(fl(amax / {el.max_finite:g}) / g), {sd.min_normal:g}, {sd.max_finite:g}))); "
+            f"codes = {el.name}(RNE(x * min(fl(fl(1 / g) / b), FLT_MAX))), saturating; dequantized = value * "
+            f"fl(g * b); a NaN/Inf block has a NaN scale, codes 0 and NaN values; an all-zero block has "
+            f"b = {sd.min_normal:g}; see {DOCS} ('Two-level scales')")
+
+
 def _quantize_semantics(d: BlockDType, spec) -> str:
     el = d.element
     scale = f"E8M0 scale 2**s per block of {d.block_size} along the last axis, {_SCALE_RULE[spec.scale_mode]}"
@@ -358,14 +386,22 @@ def _cast_case(d, mode: str, key: int):
 
 
 def _quantize_case(d: BlockDType, mode: str, key: int):
-    scale_mode = _parse_block_mode(mode)
-    spec = make_spec(d, scale_mode=scale_mode)
+    kw = {}
+    if _two_level(d):
+        given = mode == "tensor_scale_given"
+        spec = make_spec(d, tensor_scale_mode=TensorScale.GIVEN if given else TensorScale.ONE)
+        if given:
+            kw = dict(tensor_scale=CONFORMANCE_TENSOR_SCALE)
+        scale_mode = spec.scale_mode
+    else:
+        scale_mode = _parse_block_mode(mode)
+        spec = make_spec(d, scale_mode=scale_mode)
     x = _probes(d, key)
     if x.ndim < 2:
         x = x.reshape(1, -1)
-    q = quantize(x, spec)
+    q = quantize(x, spec, **kw)
     deq = np.asarray(dequantize(q), dtype=np.float32)
-    fq = np.asarray(fake_quantize(x, spec), dtype=np.float32)
+    fq = np.asarray(fake_quantize(x, spec, **kw), dtype=np.float32)
     if not np.array_equal(deq.view(np.uint32), fq.view(np.uint32)):  # an invariant of qcore; never ship a lie
         raise RuntimeError(f"{d.name}/{mode}: dequantize(quantize(x)) != fake_quantize(x); qcore is inconsistent")
     codes = np.asarray(q.codes)
@@ -378,15 +414,22 @@ def _quantize_case(d: BlockDType, mode: str, key: int):
         "expected_scales": scales,
         "expected_scale_codes": encode(scales, d.scale),
     }
+    options = dict(scale_mode=scale_mode.name, rounding=spec.rounding.name, scale_dtype=d.scale.name,
+                   unit_exponent=spec.unit_exponent, narrow_range=spec.narrow_range,
+                   subblock_shift_bits=spec.subblock_shift_bits, bump_on_overflow=spec.bump_on_overflow)
+    if spec.two_level:
+        g = np.asarray(q.tensor_scale, dtype=np.float32).reshape(1)
+        arrays["input_tensor_scale"] = g
+        options.update(tensor_scale_mode=spec.tensor_scale_mode.name, tensor_scale=float(g[0]))
+        semantics = _two_level_semantics(d, spec, g[0])
+    else:
+        semantics = _quantize_semantics(d, spec)
     if q.subblock_shifts is not None:
         arrays["expected_shifts"] = np.asarray(q.subblock_shifts, dtype=np.int32)
     arrays["expected_dequantized"] = deq
     meta = dict(
-        op="quantize", element_format=d.element.name,
-        options=dict(scale_mode=scale_mode.name, rounding=spec.rounding.name, scale_dtype=d.scale.name,
-                     unit_exponent=spec.unit_exponent, narrow_range=spec.narrow_range,
-                     subblock_shift_bits=spec.subblock_shift_bits, bump_on_overflow=spec.bump_on_overflow),
-        semantics=_quantize_semantics(d, spec), blocked_axis=-1, block_size=d.block_size,
+        op="quantize", element_format=d.element.name, options=options,
+        semantics=semantics, blocked_axis=-1, block_size=d.block_size,
         subblock_size=d.subblock_size if d.subblock_shift_bits else None, packing=info, dropped_nan_inputs=0,
     )
     return arrays, meta
@@ -872,7 +915,7 @@ def check(vectors_dir: Union[str, os.PathLike], outputs_dir: Union[str, os.PathL
         files = []
         for f in case["files"]:
             role = f["role"]
-            if role == "input":
+            if role.startswith("input"):
                 continue
             exp_path = manifest.directory / f["npy"]
             if not exp_path.is_file() or _sha256(exp_path) != f["sha256"]["npy"]:

@@ -15,8 +15,8 @@ Three kinds of description, each a frozen dataclass whose constants are *derived
   ``FINITE``    every code is a finite number                           e2m3fn, e3m2fn, e2m1fn
   ============ ======================================================== ==========================
 
-- ``BlockDType``: a block format (OCP MX, shared-microexponent MX9/MX6/MX4, bfp16): an element dtype, a block
-  size, a scale dtype and the default scale rule.
+- ``BlockDType``: a block format (OCP MX, shared-microexponent MX9/MX6/MX4, bfp16, NVFP4): an element dtype, a
+  block size, a scale dtype, the default scale rule and, for two-level formats (NVFP4), the per-tensor scale.
 
 A new format is one line, e.g. ``FloatDType("float7_e3m3", 3, 3)`` (bias defaults to 2**(e-1)-1, IEEE-less
 ``FINITE`` specials default to saturating). ``get_dtype(name)`` looks a name up in ``DTYPES``, the one table.
@@ -36,6 +36,7 @@ __all__ = [
     "FloatDType",
     "BlockDType",
     "ScaleMode",
+    "TensorScale",
     "DType",
     "DTYPES",
     "get_dtype",
@@ -74,6 +75,27 @@ class ScaleMode(enum.Enum):
     CEIL = "ceil"
     EVEN = "even"
     RCEIL = "rceil"
+
+
+class TensorScale(enum.Enum):
+    """The per-tensor float32 scale ``g`` of a two-level format (NVFP4): block scales are stored in a narrow
+    float format (float8_e4m3fn) *relative to* ``g``, and a value is ``element * block_scale * g``.
+
+    - ``NONE``: no tensor scale; block scales follow the ordinary rules (the default of every spec).
+    - ``ONE``: the two-level arithmetic with ``g = 1`` (NVFP4 without a global scale: torchao's
+      ``nvfp4_quantize(x, per_tensor_scale=None)``).
+    - ``AMAX``: ``g = amax(|x|) / (max_element * max_scale)`` computed from the whole tensor at every call
+      (NVFP4: amax / (6 * 448), torchao's ``per_tensor_amax_to_scale``); dynamic.
+    - ``GIVEN``: ``g`` is passed at the call (``quantize(x, spec, tensor_scale=g)``); static / calibrated.
+
+    The exact arithmetic (order of operations, clamps, zero/NaN/Inf rules) is in docs/numerics.md
+    ("Two-level scales").
+    """
+
+    NONE = "none"
+    ONE = "one"
+    AMAX = "amax"
+    GIVEN = "given"
 
 
 @dataclass(frozen=True)
@@ -235,9 +257,12 @@ class FloatDType:
 
 @dataclass(frozen=True)
 class BlockDType:
-    """A block format: ``block_size`` elements of ``element`` share one ``scale`` (a power of two).
+    """A block format: ``block_size`` elements of ``element`` share one scale stored in ``scale`` (E8M0: a
+    power of two; a float format with mantissa bits for two-level formats such as NVFP4).
 
-    ``scale_mode`` is the default rule for choosing the shared exponent (``ScaleMode``). Shared-microexponent
+    ``scale_mode`` is the default rule for choosing a power-of-two shared exponent (``ScaleMode``).
+    ``tensor_scale`` (``TensorScale``) makes the format two-level: the block scales are stored relative to a
+    per-tensor float32 scale (NVFP4: ``TensorScale.AMAX``). Shared-microexponent
     formats (MX9/MX6/MX4) also set ``subblock_size`` (2) and ``subblock_shift_bits`` (1): each sub-block may
     shift the shared exponent down by up to ``2**subblock_shift_bits - 1``. ``narrow`` clamps signed integer
     elements to ``[-max, max]`` (MXINT8 uses -127..127). ``bump_on_overflow`` raises the shared exponent once
@@ -253,6 +278,7 @@ class BlockDType:
     subblock_shift_bits: int = 0
     narrow: bool = False
     bump_on_overflow: bool = False
+    tensor_scale: TensorScale = TensorScale.NONE
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -260,6 +286,13 @@ class BlockDType:
             raise ValueError(f"BlockDType {self.name!r}: block_size must be a positive int, got {self.block_size!r}")
         if self.subblock_size <= 0 or self.block_size % self.subblock_size:
             raise ValueError(f"BlockDType {self.name!r}: subblock_size must divide block_size")
+        if not isinstance(self.tensor_scale, TensorScale):
+            raise TypeError(f"BlockDType {self.name!r}: tensor_scale must be a TensorScale, got {self.tensor_scale!r}")
+        if self.tensor_scale is not TensorScale.NONE and not (
+                isinstance(self.element, FloatDType) and self.scale.mantissa_bits > 0):
+            raise ValueError(f"BlockDType {self.name!r}: a two-level format needs float elements and a float scale "
+                             f"format with mantissa bits (e.g. float8_e4m3fn), got {self.element.name} / "
+                             f"{self.scale.name}")
 
     @property
     def bits_per_element(self) -> float:
@@ -338,6 +371,12 @@ def _blocks() -> list[BlockDType]:
         )
     out.append(
         BlockDType("bfp16", _INT8, 8, _E8M0, ScaleMode.FLOOR, bump_on_overflow=True, description="AMD bfp16")
+    )
+    # NVIDIA NVFP4 (Blackwell): fp4 e2m1 in blocks of 16, block scales in e4m3 under a float32 tensor scale
+    # amax / (6 * 448); docs/numerics.md "Two-level scales" has the exact arithmetic (torchao's).
+    out.append(
+        BlockDType("nvfp4", _F["float4_e2m1fn"], 16, _F["float8_e4m3fn"], tensor_scale=TensorScale.AMAX,
+                   description="NVIDIA NVFP4")
     )
     return out
 

@@ -21,7 +21,7 @@ from . import _fast
 from ._backend import is_torch, ops, to_array
 from ._compiled import compiled
 from .cast import cast, decode, encode
-from .dtypes import BlockDType, FloatDType, IntDType, ScaleMode, get_dtype
+from .dtypes import BlockDType, FloatDType, IntDType, ScaleMode, TensorScale, get_dtype
 from .granularity import (Granularity, PerChannel, PerGroup, PerTensor, check_granularity, from_blocks,
                           scales_to_blocked, to_blocks)
 from .granularity import scale_shape as _scale_shape
@@ -51,6 +51,10 @@ class QuantSpec:
     subblock_size, subblock_shift_bits: shared microexponents (MX9/MX6/MX4): each sub-block of the block may
         lower the shared exponent by up to ``2**subblock_shift_bits - 1``.
     bump_on_overflow: bfp16's rule: if an element rounds past the integer range, raise the shared exponent once.
+    tensor_scale_mode: ``TensorScale``: NONE (default) or a two-level scale (NVFP4): block scales stored in
+        ``scale_dtype`` relative to a per-tensor float32 scale that is 1 (ONE), computed from the tensor's amax
+        (AMAX) or passed at the call as ``tensor_scale=`` (GIVEN). Float elements, a non-power-of-two
+        ``scale_dtype`` narrower than float32.
     name: the format name this spec came from (for messages and exporters), or "".
     """
 
@@ -67,6 +71,7 @@ class QuantSpec:
     subblock_size: int = 1
     subblock_shift_bits: int = 0
     bump_on_overflow: bool = False
+    tensor_scale_mode: TensorScale = TensorScale.NONE
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -105,6 +110,7 @@ class QuantSpec:
                              "multiple of subblock_size")
         if self.bump_on_overflow and not (self.pow2_scale and isinstance(d, IntDType)):
             raise ValueError("bump_on_overflow needs integer elements and power-of-two scales")
+        _check_two_level_spec(self)
 
     @property
     def qmin(self) -> float:
@@ -121,6 +127,28 @@ class QuantSpec:
     def scale_shape(self, shape) -> tuple:
         """Shape of this spec's scales for an input of ``shape``."""
         return _scale_shape(self.granularity, shape)
+
+    @property
+    def two_level(self) -> bool:
+        """True when block scales sit under a per-tensor scale (``tensor_scale_mode`` is not NONE)."""
+        return self.tensor_scale_mode is not TensorScale.NONE
+
+
+def _check_two_level_spec(spec: QuantSpec):
+    """Validation of ``QuantSpec.tensor_scale_mode`` (called from ``__post_init__``)."""
+    mode = spec.tensor_scale_mode
+    if not isinstance(mode, TensorScale):
+        raise TypeError(f"QuantSpec.tensor_scale_mode must be a qcore.TensorScale, got {mode!r}")
+    if mode is TensorScale.NONE:
+        return
+    if not isinstance(spec.dtype, FloatDType):
+        raise ValueError(f"tensor_scale_mode={mode.name}: two-level scales need float elements, got {spec.dtype.name}")
+    if spec.pow2_scale:
+        raise ValueError(f"tensor_scale_mode={mode.name}: two-level block scales are float scales; they cannot be "
+                         f"powers of two (pow2_scale=True / scale_dtype={spec.scale_dtype.name})")
+    if spec.scale_dtype.name == "float32":
+        raise ValueError(f"tensor_scale_mode={mode.name}: two-level scales store block scales in a narrow float "
+                         "format; scale_dtype must not be float32 (e.g. float8_e4m3fn, float8_e5m3)")
 
 
 def make_spec(fmt: Union[str, IntDType, FloatDType, BlockDType, QuantSpec], *, axis: Optional[int] = None,
@@ -142,9 +170,9 @@ def make_spec(fmt: Union[str, IntDType, FloatDType, BlockDType, QuantSpec], *, a
         unit = -el.emax if isinstance(el, IntDType) else 0
         base = dict(
             dtype=el, granularity=PerGroup(d.block_size, -1 if axis is None else axis), scale_dtype=d.scale,
-            pow2_scale=True, scale_mode=d.scale_mode, narrow_range=d.narrow, unit_exponent=unit,
-            subblock_size=d.subblock_size, subblock_shift_bits=d.subblock_shift_bits,
-            bump_on_overflow=d.bump_on_overflow, name=d.name,
+            pow2_scale=d.scale.mantissa_bits == 0, scale_mode=d.scale_mode, narrow_range=d.narrow,
+            unit_exponent=unit, subblock_size=d.subblock_size, subblock_shift_bits=d.subblock_shift_bits,
+            bump_on_overflow=d.bump_on_overflow, tensor_scale_mode=d.tensor_scale, name=d.name,
         )
     else:
         gran = PerTensor() if axis is None else PerChannel(axis)
@@ -161,7 +189,9 @@ class QTensor:
     """A quantized tensor: ``codes`` (x's shape), ``scales`` (``spec.scale_shape(shape)``, float32 values that
     are exactly representable in ``spec.scale_dtype``), ``zero_points`` (same shape as scales, float32
     integers; None when symmetric), ``subblock_shifts`` (microexponent formats: int32, one per sub-block along
-    the blocked axis, else None).
+    the blocked axis, else None), ``tensor_scale`` (two-level specs such as NVFP4: the per-tensor float32
+    scale ``g`` as a 0-d array, 1.0 under ``TensorScale.ONE``; else None). A two-level value is
+    ``element * (g * scale)``.
 
     Codes are bit patterns (uint8, or int32 for > 8-bit formats) for float elements and integer values for
     integer elements (int8/uint8 up to 8 bits, else int32), as ``qcore.encode`` returns them.
@@ -172,6 +202,7 @@ class QTensor:
     zero_points: Any
     spec: QuantSpec
     subblock_shifts: Any = None
+    tensor_scale: Any = None
 
     @property
     def shape(self) -> tuple:
@@ -303,11 +334,122 @@ def bump_from_extremes(s, lo, hi, spec, o):
     return o.minimum(s + o.astype(over, o.int32), smax)
 
 
+# -- two-level scales (NVFP4) ---------------------------------------------------------------------------------
+# The arithmetic is torchao's nvfp4_quantize (bit for bit on CPU); the zero / tiny / NaN / Inf rules are qcore's
+# (docs/numerics.md, "Two-level scales"). Every division has a device tensor as divisor: torch on CUDA turns
+# "tensor / python scalar" into a multiplication by the scalar's reciprocal, which is not the same number.
+
+_F32_MAX = np.float32(np.finfo(np.float32).max)
+_F32_MIN_NORMAL = np.float32(2.0**-126)
+
+
+def _f32_const(v, o, like):
+    return o.asarray(np.float32(v), o.float32, like)
+
+
+def _tensor_scale(x, spec: QuantSpec, given, o):
+    """The per-tensor float32 scale ``g`` (0-d) of a two-level spec: the validated ``given`` one, 1 (ONE), or
+    ``amax(|x|) / (max_element * max_scale)`` (AMAX) raised to float32's smallest normal 2**-126, 1 for an
+    all-zero (or empty) tensor, NaN when the tensor holds a NaN or Inf."""
+    if given is not None:
+        return given
+    one = _f32_const(1.0, o, x)
+    if spec.tensor_scale_mode is TensorScale.ONE or math.prod(tuple(x.shape)) == 0:
+        return one
+    amax = o.amax(o.reshape(o.abs(x), (-1,)), 0, keepdims=False)
+    with o.quiet():
+        g = amax / _f32_const(spec.qmax * spec.scale_dtype.max_finite, o, x)
+    g = o.where(g < _F32_MIN_NORMAL, _F32_MIN_NORMAL, g)
+    g = o.where(amax == 0, one, g)
+    return o.where(o.isfinite(amax), g, np.float32(math.nan))
+
+
+def _two_level_scales(amax, g, spec: QuantSpec, o):
+    """THE two-level rule: from block absmax ``amax`` (float32, scale shape) and tensor scale ``g`` (0-d) ->
+    ``(scales, q_mul, dq_mul)``: the public block scales (values of ``spec.scale_dtype``), the quantization
+    multiplier (codes = round(x * q_mul)) and the dequantization multiplier (value = element * dq_mul).
+
+    scale = cast_RNE(clamp(fl(fl(amax / max_element) / g), min_normal, max_finite), scale_dtype); NaN where
+    amax or g is NaN/Inf (the block is NaN). Multipliers: ``_two_level_multipliers``."""
+    sd = spec.scale_dtype
+    with o.quiet():
+        s = (amax / _f32_const(spec.qmax, o, amax)) / g
+    s = o.clip(s, np.float32(sd.min_normal), np.float32(sd.max_finite))
+    scales = cast(s, sd, saturate=True)
+    good = o.logical_and(o.isfinite(amax), o.isfinite(g))
+    scales = o.where(good, scales, np.float32(math.nan))
+    q_mul, dq_mul = _two_level_multipliers(scales, g, o)
+    return scales, q_mul, dq_mul
+
+
+def _two_level_multipliers(scales, g, o):
+    """Per-block multipliers from block scales and the tensor scale (the one rule quantize, fake_quantize and
+    dequantize share): ``q_mul = min(fl(fl(1 / g) / scale), FLT_MAX)`` (torchao's reciprocal, kept finite),
+    ``dq_mul = fl(g * scale)`` (torchao's ``per_tensor_scale * scale``)."""
+    with o.quiet():
+        q_mul = (_f32_const(1.0, o, scales) / g) / scales
+        dq_mul = g * scales
+    q_mul = o.where(q_mul > _F32_MAX, _F32_MAX, q_mul)
+    return q_mul, dq_mul
+
+
+def _quantize_two_level(x, spec: QuantSpec, scale, tensor_scale, key, o):
+    """Two-level core: (element values (blocked), block scales, tensor scale g, dequantization multipliers,
+    Blocked). The elementwise step is ``x * q_mul`` per block, then the element rounding."""
+    xb, blocked = to_blocks(x, spec.granularity, o)
+    g = _tensor_scale(x, spec, tensor_scale, o)
+    if scale is None:
+        amax = o.reshape(o.amax(o.abs(xb), blocked.reduce_axes), blocked.scale_shape)
+        scales, q_mul, dq_mul = _two_level_scales(amax, g, spec, o)
+    else:
+        scales = _check_param(scale, blocked.scale_shape, "scale", o, x)
+        _check_given_scale(scales, spec, o)
+        q_mul, dq_mul = _two_level_multipliers(scales, g, o)
+    with o.quiet():
+        y = xb * scales_to_blocked(q_mul, blocked, o)
+    v = _elements(y, spec, key, o)
+    return v, scales, g, dq_mul, blocked
+
+
+def _check_tensor_scale_arg(tensor_scale, spec: QuantSpec, o, like):
+    """Validate the call's ``tensor_scale=`` against the spec; returns it as a 0-d float32 array/tensor on
+    ``like``'s device, or None."""
+    mode = spec.tensor_scale_mode
+    if tensor_scale is None:
+        if mode is TensorScale.GIVEN:
+            raise ValueError(f"spec {spec.name or spec.dtype.name!r} has tensor_scale_mode=GIVEN: pass the per-tensor "
+                             "scale as tensor_scale=")
+        return None
+    if mode in (TensorScale.NONE, TensorScale.ONE):
+        raise ValueError(f"tensor_scale={tensor_scale!r}: spec {spec.name or spec.dtype.name!r} has "
+                         f"tensor_scale_mode={mode.name}; a given tensor scale needs TensorScale.GIVEN or AMAX")
+    if isinstance(tensor_scale, (bool, np.bool_, str, bytes)):
+        raise TypeError(f"tensor_scale must be a positive float (or a 1-element array), got {tensor_scale!r}")
+    try:
+        with np.errstate(over="ignore"):  # a float64 beyond float32 becomes Inf and is refused below
+            g = o.asarray(tensor_scale, o.float32, like) if o.name == "torch" else \
+                np.asarray(tensor_scale, dtype=np.float32)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"tensor_scale must be a positive float (or a 1-element array), got {tensor_scale!r}") from None
+    if math.prod(tuple(g.shape)) != 1:
+        raise ValueError(f"tensor_scale must be one value, got shape {tuple(g.shape)}")
+    g = o.reshape(g, ())
+    v = float(g)
+    if not (math.isfinite(v) and v >= float(_F32_MIN_NORMAL)):
+        raise ValueError(f"tensor_scale must be a finite float32 >= 2**-126 (a normal number), got {v!r}")
+    return g
+
+
 def _check_given_scale(scales, spec: QuantSpec, o):
     """A calibrated scale must be positive (NaN allowed: it marks a NaN block) and, for power-of-two specs,
-    an exact power of two in the scale dtype's exponent range."""
+    an exact power of two in the scale dtype's exponent range; two-level block scales must be values of the
+    scale dtype."""
     if o.any(scales <= 0) or o.any(o.isinf(scales)):
         raise ValueError("scale must be positive and finite (NaN marks a NaN block)")
+    if spec.two_level:
+        fin = o.where(o.isnan(scales), np.float32(1), scales)
+        if o.any(cast(fin, spec.scale_dtype, saturate=True) != fin):
+            raise ValueError(f"scale: two-level block scales must be values of {spec.scale_dtype.name}")
     if spec.pow2_scale:
         fin = o.where(o.isnan(scales), np.float32(1), scales)
         e = floor_log2(fin)
@@ -332,28 +474,38 @@ def _use_compiled(compile, x, spec) -> bool:
     return compile and is_torch(x) and spec.rounding is not RoundingMode.STOCHASTIC
 
 
-def _quantize_parts(x, scale, zero_point, key, *, spec):
-    """The pure core of quantize: float32 array -> (element values, scales, zero points, shifts)."""
+def _quantize_parts(x, scale, zero_point, key, tensor_scale=None, *, spec):
+    """The pure core of quantize: float32 array -> (element values, scales, zero points, shifts, tensor scale)."""
     o = ops(x)
-    v, scales, zp, blocked, shifts = _quantize_blocks(x, spec, scale, zero_point, key, o)
+    g = None
+    if spec.two_level:
+        v, scales, g, _, blocked = _quantize_two_level(x, spec, scale, tensor_scale, key, o)
+        zp = shifts = None
+    else:
+        v, scales, zp, blocked, shifts = _quantize_blocks(x, spec, scale, zero_point, key, o)
     # A NaN scale (a NaN or Inf in the block) already makes the whole block NaN, as in OCP MX: the element
     # codes of such a block are 0.
     v = o.where(o.isnan(scales_to_blocked(scales, blocked, o)), np.float32(0), v)
-    return from_blocks(v, blocked, o), scales, zp, shifts
+    return from_blocks(v, blocked, o), scales, zp, shifts, g
 
 
-def _fake_quantize_pure(x, scale, zero_point, key, *, spec):
+def _fake_quantize_pure(x, scale, zero_point, key, tensor_scale=None, *, spec):
     o = ops(x)
+    if spec.two_level:
+        v, _, _, dq_mul, blocked = _quantize_two_level(x, spec, scale, tensor_scale, key, o)
+        return from_blocks(_dequant_two_level(v, dq_mul, blocked, o), blocked, o)
     v, scales, zp, blocked, shifts = _quantize_blocks(x, spec, scale, zero_point, key, o)
     return from_blocks(_dequant_blocks(v, scales, zp, shifts, blocked, spec, o), blocked, o)
 
 
 def quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point=None, key: Optional[int] = None,
-             compile: bool = False, **overrides) -> QTensor:
+             tensor_scale=None, compile: bool = False, **overrides) -> QTensor:
     """Quantize ``x`` (float array) with ``spec`` (a QuantSpec, a format name or a dtype) -> ``QTensor``.
 
     ``scale``/``zero_point``: calibrated parameters of shape ``spec.scale_shape(x.shape)`` (static
     quantization); if omitted they are computed from ``x`` (dynamic). ``key``: for stochastic rounding.
+    ``tensor_scale``: two-level specs (NVFP4) with ``TensorScale.GIVEN`` (required) or ``AMAX`` (replaces the
+    computed one): the per-tensor float32 scale, a finite value >= 2**-126.
     ``compile=True`` (torch tensors): run the same pure function through torch.compile, once per spec and
     shape class; bit-identical, eager fallback where no compiler is available (stochastic rounding stays
     eager).
@@ -377,23 +529,27 @@ def quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point=None
     - Integer codes are ``clip(round(x / scale) + zero_point, qmin, qmax)`` (``narrow_range``: qmin = -qmax).
     - Block formats with integer elements (MXINT8, bfp16, MX9/6/4) keep the OCP meaning of the scale: the element
       value is ``code * 2**unit_exponent`` (MXINT8: code/64), and the scale is the shared ``X = 2**s``.
+    - Two-level scales (NVFP4, ``spec.tensor_scale_mode`` not ``TensorScale.NONE``): block scales in a narrow
+      float format under a float32 tensor scale ``g``, with torchao's arithmetic; ``_two_level_scales`` holds
+      the whole rule (docs/numerics.md, "Two-level scales").
     """
     spec = _spec_of(spec, axis, overrides)
     key = check_mode(spec.rounding, key)
     x, o = to_array(x)
     x = o.astype(x, o.float32)
-    if not _use_compiled(compile, x, spec):
+    tensor_scale = _check_tensor_scale_arg(tensor_scale, spec, o, x)
+    if not _use_compiled(compile, x, spec) and not spec.two_level:
         fast = _fast.run_quantize(x, spec, scale, zero_point, o)
         if fast is not None:
             return QTensor(*fast[:3], spec, fast[3])
     fn = compiled(_quantize_parts, spec) if _use_compiled(compile, x, spec) else partial(_quantize_parts, spec=spec)
-    v, scales, zp, shifts = fn(x, scale, zero_point, key)
+    v, scales, zp, shifts, g = fn(x, scale, zero_point, key, tensor_scale)
     d = spec.dtype
     if isinstance(d, IntDType):
         codes = o.astype(v, (o.int8 if d.signed else o.uint8) if d.bits <= 8 else o.int32)
     else:
         codes = encode(v, d, saturate=True)
-    return QTensor(codes, scales, zp, spec, shifts)
+    return QTensor(codes, scales, zp, spec, shifts, g)
 
 
 def dequantize(q: QTensor):
@@ -402,13 +558,27 @@ def dequantize(q: QTensor):
         raise TypeError(f"dequantize takes a QTensor, got {type(q).__name__}")
     spec = q.spec
     o = ops(q.codes)
-    fast = _fast.run_dequantize(q, o)
-    if fast is not None:
-        return fast
+    if spec.two_level and q.tensor_scale is None:
+        raise ValueError(f"dequantize: spec {spec.name or spec.dtype.name!r} is two-level but the QTensor has no "
+                         "tensor_scale")
+    if not spec.two_level:
+        fast = _fast.run_dequantize(q, o)
+        if fast is not None:
+            return fast
     v = decode(q.codes, spec.dtype)
     vb, blocked = to_blocks(v, spec.granularity, o)
+    if spec.two_level:
+        g = o.reshape(o.asarray(q.tensor_scale, o.float32, v), ())
+        _, dq_mul = _two_level_multipliers(q.scales, g, o)
+        return from_blocks(_dequant_two_level(vb, dq_mul, blocked, o), blocked, o)
     return from_blocks(_dequant_blocks(vb, q.scales, q.zero_points, q.subblock_shifts, blocked, spec, o),
                        blocked, o)
+
+
+def _dequant_two_level(vb, dq_mul, blocked, o):
+    """Two-level dequantization: element value * fl(g * scale) per block (torchao's order)."""
+    with o.quiet():
+        return vb * scales_to_blocked(dq_mul, blocked, o)
 
 
 def _dequant_blocks(vb, scales, zp, shifts, blocked, spec, o):
@@ -426,15 +596,17 @@ def _dequant_blocks(vb, scales, zp, shifts, blocked, spec, o):
 
 
 def fake_quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point=None, key: Optional[int] = None,
-                  compile: bool = False, **overrides):
+                  tensor_scale=None, compile: bool = False, **overrides):
     """``dequantize(quantize(x, spec, ...))``, bit for bit, without building codes. Same arguments as quantize."""
     spec = _spec_of(spec, axis, overrides)
     key = check_mode(spec.rounding, key)
     x, o = to_array(x)
     x = o.astype(x, o.float32)
+    tensor_scale = _check_tensor_scale_arg(tensor_scale, spec, o, x)
     if _use_compiled(compile, x, spec):
-        return compiled(_fake_quantize_pure, spec)(x, scale, zero_point, key)
-    fast = _fast.run_fake_quantize(x, spec, scale, zero_point, o)
-    if fast is not None:
-        return fast
-    return _fake_quantize_pure(x, scale, zero_point, key, spec=spec)
+        return compiled(_fake_quantize_pure, spec)(x, scale, zero_point, key, tensor_scale)
+    if not spec.two_level:
+        fast = _fast.run_fake_quantize(x, spec, scale, zero_point, o)
+        if fast is not None:
+            return fast
+    return _fake_quantize_pure(x, scale, zero_point, key, tensor_scale, spec=spec)

@@ -212,6 +212,10 @@ def _as_spec(spec: SpecLike) -> "QuantSpec":
     if spec.subblock_shift_bits:
         raise ValueError(f"shared-microexponent specs ({spec.name or spec.dtype.name}) are not supported: their "
                          "sub-block shifts depend on the data, not only on a block statistic")
+    if spec.two_level:
+        raise ValueError(f"two-level specs ({spec.name or spec.dtype.name}, tensor_scale_mode="
+                         f"{spec.tensor_scale_mode.name}) are not supported: calibrate the tensor scale (e.g. "
+                         "absmax / (6 * 448) for NVFP4) and pass it as tensor_scale= to quantize")
     return spec
 
 

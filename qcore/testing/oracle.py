@@ -18,10 +18,11 @@ sub-block shift.
 ``Op.DECODE``             integer codes                    float32 ``qcore.decode(x, fmt)``
 ``Op.QUANTIZE``           float values                     ``qcore.quantize(x, fmt, ...)``: a ``QTensor``
                                                            (numpy or torch parts), a tuple ``(codes, scales[,
-                                                           zero_points[, subblock_shifts]])`` or a dict with
-                                                           those keys. Scales may be float32 values or, for
-                                                           8-bit scale dtypes, their codes (E8M0 bytes).
-                                                           Zero points and shifts are compared when given.
+                                                           zero_points[, subblock_shifts[, tensor_scale]]])``
+                                                           or a dict with those keys. Scales may be float32
+                                                           values or, for 8-bit scale dtypes, their codes
+                                                           (E8M0 / e4m3 bytes). Zero points, shifts and the
+                                                           two-level tensor scale are compared when given.
 ``Op.DEQUANTIZE``         a ``QTensor`` (or float values,  float32 ``qcore.dequantize(x)`` (or of
                           which the oracle quantizes)      ``quantize(x, fmt, ...)``)
 ``Op.FAKE_QUANTIZE``      float values                     float32 ``qcore.fake_quantize(x, fmt, ...)``
@@ -99,7 +100,7 @@ def _host_qtensor(q: QTensor) -> QTensor:
     def h(v):
         return None if v is None else to_numpy(v)
 
-    return QTensor(h(q.codes), h(q.scales), h(q.zero_points), q.spec, h(q.subblock_shifts))
+    return QTensor(h(q.codes), h(q.scales), h(q.zero_points), q.spec, h(q.subblock_shifts), h(q.tensor_scale))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -264,16 +265,16 @@ def _code_note(report: Report, d) -> Report:
 
 
 def _parts(actual) -> dict:
-    names = ("codes", "scales", "zero_points", "subblock_shifts")
+    names = ("codes", "scales", "zero_points", "subblock_shifts", "tensor_scale")
     if isinstance(actual, dict):
         unknown = set(actual) - set(names)
         if unknown:
             raise TypeError(f"actual: unknown QTensor part(s) {', '.join(sorted(unknown))}; use {names}")
         return {k: actual.get(k) for k in names}
     if isinstance(actual, (tuple, list)):
-        if not 2 <= len(actual) <= 4:
-            raise TypeError("actual: a tuple (codes, scales[, zero_points[, subblock_shifts]])")
-        vals = list(actual) + [None] * (4 - len(actual))
+        if not 2 <= len(actual) <= 5:
+            raise TypeError("actual: a tuple (codes, scales[, zero_points[, subblock_shifts[, tensor_scale]]])")
+        vals = list(actual) + [None] * (5 - len(actual))
         return dict(zip(names, vals))
     if hasattr(actual, "codes") and hasattr(actual, "scales"):
         return {k: getattr(actual, k, None) for k in names}
@@ -403,6 +404,11 @@ def _check(actual, x, fmt_or_spec, *, op, ulps, max_report, kinds, nan_equal, si
 
         r = compare_arrays(parts["subblock_shifts"], q.subblock_shifts, component="subblock_shifts", kinds=labels,
                            row_of=row_sub, title=title, **{**opts, "ulps": 0})
+        reports.append(r)
+    if q.tensor_scale is not None and parts["tensor_scale"] is not None:
+        a_t = np.asarray(to_numpy(parts["tensor_scale"]), dtype=np.float32).reshape(-1)
+        r = compare_arrays(a_t, np.asarray(q.tensor_scale, dtype=np.float32).reshape(-1), component="tensor_scale",
+                           title=title, **{**opts, "ulps": 0})
         reports.append(r)
     r = compare_arrays(parts["codes"], q.codes, component="codes", inputs=xh, kinds=labels, title=title,
                        **{**opts, "ulps": 0})

@@ -83,6 +83,19 @@ kind                  blocks
 ``random_bits``       ``max(1, random // (4 * B))`` blocks of random float32 bit patterns with exponent field
                       255 avoided (finite)
 ===================== =========================================================================================
+
+Two-level specs (NVFP4: ``spec.two_level``) get one more kind, right after ``scale_boundaries``:
+
+========================= =====================================================================================
+``block_scale_rounding``  block amax = ``maxel * t`` (exact, and ±1/±2 float32 ulps) for every tie ``t`` of the
+                          block scale's rounding under tensor scale 1: each midpoint between adjacent normal
+                          values of the scale format, and the clamp edges (its smallest normal and half of it,
+                          its largest value and the overflow tie above it)
+========================= =====================================================================================
+
+All kinds go into one tensor. Under ``TensorScale.AMAX`` the tensor scale comes from the whole tensor, so one
+NaN/Inf probe makes every block NaN and the ``huge`` probes flatten everything else to zero: test two-level
+kernels with a given tensor scale (``tensor_scale=``), with ``TensorScale.ONE``, or kind by kind.
 """
 
 from __future__ import annotations
@@ -320,6 +333,23 @@ def _element_grid_units(spec: QuantSpec) -> np.ndarray:
     return g
 
 
+def _block_scale_ties(spec: QuantSpec, k: "_Blocks") -> "_Blocks":
+    """Blocks whose amax / maxel sits on a rounding tie (or clamp edge) of a two-level block scale (g = 1)."""
+    sd = spec.scale_dtype
+    maxel = float(spec.dtype.max_finite)
+    g = _grid(sd)
+    g = g[g >= sd.min_normal]
+    ties = list((g[:-1] + g[1:]) / 2)
+    step_top = _format_step_above(sd, float(g[-1]))
+    ties += [sd.min_normal, sd.min_normal / 2, float(g[-1]), float(g[-1]) + step_top / 2]
+    for t in ties:
+        a = _f32([maxel * t])
+        for v in (a, _ulp_steps(a, (-2, -1, 1, 2))):
+            for w in v:
+                k.filled([w], float(w))
+    return k
+
+
 def _block_kinds(spec: QuantSpec, key: int, random: int) -> dict:
     B = spec.granularity.size
     el = spec.dtype
@@ -377,6 +407,9 @@ def _block_kinds(spec: QuantSpec, key: int, random: int) -> dict:
             vals = np.array(vals[:B] + [0.0] * max(0, B - len(vals)))
             k.exact(vals)
     kinds["scale_boundaries"] = k
+
+    if spec.two_level:
+        kinds["block_scale_rounding"] = _block_scale_ties(spec, new())
 
     g = _element_grid_units(spec)
     signed_g = np.concatenate([g, [-0.0], -g[g > 0]])

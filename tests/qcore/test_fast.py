@@ -82,7 +82,7 @@ def _generic_fake(x, spec, scale=None, zp=None):
 
 
 def _generic_quantize(x, spec, scale=None, zp=None):
-    v, scales, z, shifts = _quantize_parts(x, scale, zp, None, spec=spec)
+    v, scales, z, shifts, _ = _quantize_parts(x, scale, zp, None, spec=spec)
     d = spec.dtype
     o = ops(x)
     if isinstance(d, qcore.IntDType):
