@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import qcore
@@ -71,10 +71,12 @@ def test_cast_sr_gives_a_grid_neighbour(name, data, key):
 
 
 @given(k1=KEYS, k2=KEYS)
+@example(k1=7, k2=7 + 2**32)  # keys equal in their low 32 bits: every bit of the key counts
+@example(k1=0, k2=2**62)
 @settings(max_examples=examples(0.1))
 def test_different_keys_differ_somewhere(k1, k2):
     if k1 == k2:
-        k2 = k1 + 1
+        k2 = k1 ^ 1
     n = 4096
     assert not np.array_equal(random_bits(k1, (n,), like=np.zeros(1)), random_bits(k2, (n,), like=np.zeros(1)))
     x = np.linspace(0.01, 100.0, n, dtype=np.float32)  # mostly off the integer grid

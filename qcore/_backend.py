@@ -2,7 +2,8 @@
 
 qcore's numerics are written once against this small shim. ``ops(x)`` returns the namespace for ``x``'s array
 kind; every function here takes and returns arrays of that kind, on the input's device. torch is never
-imported unless a torch tensor is passed in (we look at ``type(x).__module__``), so numpy users never pay for it.
+imported unless a torch tensor is passed in (a tensor can only exist once torch is in ``sys.modules``), so numpy
+users never pay for it.
 
 Only the operations whose spelling differs between numpy and torch live here (bit casts, dtype conversion,
 reductions over several axes, padding, device-aware constants). Operators (``+ - * / >> & |``, comparisons,
@@ -21,9 +22,10 @@ __all__ = ["ops", "is_torch", "to_array", "NumpyOps", "TorchOps"]
 
 
 def is_torch(x: Any) -> bool:
-    """True for a torch.Tensor, decided without importing torch."""
-    mod = type(x).__module__
-    return mod.startswith("torch") and "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor)
+    """True for a torch.Tensor or any subclass of it (``nn.Parameter``, user subclasses), decided without
+    importing torch: if torch is not imported yet, ``x`` cannot be a tensor."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def _c(a, dtype) -> bool:
@@ -275,10 +277,23 @@ def ops(x: Any):
     return _NUMPY
 
 
-def to_array(x: Any, *, name: str = "x"):
-    """Accept numpy arrays, torch tensors, Python scalars and lists; return (array, ops).
+def _is_ml_dtypes_float(dtype) -> bool:
+    """True for ml_dtypes' float types (bfloat16, float8_*, float6_*, float4_*): all exact in float32."""
+    if dtype.type.__module__ != "ml_dtypes" or "ml_dtypes" not in sys.modules:
+        return False
+    try:
+        sys.modules["ml_dtypes"].finfo(dtype)
+    except (TypeError, ValueError):  # ml_dtypes' integer types (int4, uint4, ...)
+        return False
+    return True
 
-    Floating inputs of any width are accepted; everything else raises ``TypeError`` naming ``name``.
+
+def to_array(x: Any, *, name: str = "x"):
+    """Accept numpy arrays, torch tensors (subclasses included), Python scalars and lists; return (array, ops).
+
+    Floating inputs of any width are accepted, including ml_dtypes' float types (bfloat16, float8_*, float6_*,
+    float4_*: converted to float32, exactly). Python numbers and lists/tuples of numbers are values: ``3`` and
+    ``[1, 2, 3]`` become float32 arrays. Integer or bool *arrays* raise ``TypeError`` naming ``name``.
     """
     if is_torch(x):
         o = ops(x)
@@ -288,10 +303,12 @@ def to_array(x: Any, *, name: str = "x"):
     if isinstance(x, (bool, np.bool_)):
         raise TypeError(f"{name} must be floating point, got a bool")
     a = np.asarray(x)
-    if a.dtype.kind not in "f" and a.dtype.name != "bfloat16":
-        if a.dtype.kind in "iub" and not isinstance(x, np.ndarray) and a.ndim == 0:
-            # A bare Python number is a value, not an integer array: treat 3 as 3.0.
-            a = a.astype(np.float32)
-        else:
-            raise TypeError(f"{name} must be a floating-point array, got dtype {a.dtype}")
-    return a, _NUMPY
+    if a.dtype.kind == "f":
+        return a, _NUMPY
+    if _is_ml_dtypes_float(a.dtype):
+        return a.astype(np.float32), _NUMPY
+    if a.dtype.kind in "iu" and not isinstance(x, np.ndarray):
+        # Python numbers and lists of numbers are values, not integer arrays: 3 -> 3.0, [1, 2] -> [1.0, 2.0].
+        return a.astype(np.float32), _NUMPY
+    raise TypeError(f"{name} must be a floating-point array (or a number or list of numbers), got "
+                    f"{type(x).__name__} of dtype {a.dtype}")

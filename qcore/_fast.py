@@ -481,13 +481,13 @@ def _cat(parts, o, sshape):
 
 
 def params(x, spec, scale, zero_point, o, r):
-    """(scales, inv or None, zero points or None) in the public scale shape, exactly as the generic path."""
-    from .quantize import _check_given_scale, _check_param, bump_from_extremes
+    """(scales, inv or None, zero points or None) in the public scale shape, exactly as the generic path.
+    Given parameters were validated (and rounded to the scale dtype) by the caller (``_prepare_params``)."""
+    from .quantize import _check_param
 
     sshape = spec.scale_shape(tuple(x.shape))
     if scale is not None:
         scales = _check_param(scale, sshape, "scale", o, x)
-        _check_given_scale(scales, spec, o)
         zp = None
         if not spec.symmetric:
             if zero_point is None:
@@ -858,6 +858,13 @@ def _zero(buf, ip):
         buf.zero_()
 
 
+def _is_int_array(a) -> bool:
+    dt = a.dtype
+    if isinstance(dt, np.dtype):
+        return dt.kind in "iu"
+    return not (dt.is_floating_point or dt.is_complex or str(dt) == "torch.bool")
+
+
 def _empty(x) -> bool:
     return any(int(s) == 0 for s in x.shape)
 
@@ -1011,8 +1018,8 @@ def run_dequantize(q, o):
     codes = q.codes
     if kind == "microexp" and not _group_last(spec, codes):
         return None
-    if _empty(codes):
-        return None
+    if _empty(codes) or not _is_int_array(codes):
+        return None  # the generic path raises its errors (or handles empty arrays)
     ip = _ip(o)
     codes = _NP.contiguous(codes) if o.name == "numpy" else codes.contiguous()
     r = _Run(codes, spec, o, ip)
@@ -1021,9 +1028,9 @@ def run_dequantize(q, o):
     scales = q.scales
     zp = q.zero_points
     table = None
+    _check_code_range(codes, d, o)
     if kind != "int":
         table = _code_table(d, o, codes)
-        _check_code_range(codes, d, o)
     with o.quiet():
         if kind == "int":
             back = _int_back(spec, scales, o)
@@ -1067,10 +1074,20 @@ def _code_table(d, o, like):
 
 
 def _check_code_range(codes, d, o):
-    if d.bits >= 8:
+    """Codes outside ``d``'s range raise decode's ValueError (two reductions; none where the container is
+    exactly the format's width)."""
+    if isinstance(d, IntDType):
+        lo, hi = d.min, d.max
+    else:
+        lo, hi = 0, (1 << d.bits) - 1
+    full = {(-128, 127): "int8", (0, 255): "uint8"}.get((lo, hi))
+    if full is not None and str(codes.dtype).endswith(full) and not str(codes.dtype).endswith("u" + full):
         return
-    if o.any(codes > ((1 << d.bits) - 1)):
-        raise ValueError(f"codes out of range for {d.name}: valid codes are 0..{(1 << d.bits) - 1}")
+    if o.any(o.amin(codes, None, keepdims=False) < lo) or o.any(o.amax(codes, None, keepdims=False) > hi):
+        from .cast import decode
+
+        decode(codes, d)  # raises, naming the first bad code
+        raise ValueError(f"codes out of range for {d.name}: valid codes are {lo}..{hi}")
 
 
 def _lookup(table, cs, ob, ip, r):

@@ -23,7 +23,9 @@ import math
 
 import numpy as np
 
+from ._elements import _elements, _int_clip
 from .dtypes import IntDType
+from .granularity import scales_to_blocked
 from .rounding import mul_pow2, pow2
 from .scales import floor_log2, pow2_scale_exponent
 
@@ -67,9 +69,6 @@ def _shifts_to_blocked(shifts, blocked, spec, o, ax):
 
 
 def quantize_microexp_blocks(xb, blocked, spec, scale, key, o):
-    from .quantize import _check_given_scale, _check_param, _elements, _int_clip
-    from .granularity import scales_to_blocked
-
     ax = _tile_axis(blocked, spec)
     sub = spec.subblock_size
     maxshift = (1 << spec.subblock_shift_bits) - 1
@@ -80,8 +79,7 @@ def quantize_microexp_blocks(xb, blocked, spec, scale, key, o):
                                      scale_dtype=spec.scale_dtype, unit_exponent=spec.unit_exponent)
         scales = o.reshape(o.where(bad, np.float32(math.nan), pow2(s, o, xb)), blocked.scale_shape)
     else:
-        scales = _check_param(scale, blocked.scale_shape, "scale", o, xb)
-        _check_given_scale(scales, spec, o)
+        scales = scale  # validated and of the scale shape (qcore.quantize._prepare_params)
         bad = o.isnan(scales_to_blocked(scales, blocked, o))
         s = o.where(bad, 0, floor_log2(o.where(bad, np.float32(1), scales_to_blocked(scales, blocked, o))))
     s_b = o.reshape(s, blocked.scale_blocked_shape)

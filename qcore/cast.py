@@ -215,15 +215,20 @@ def decode(codes, dtype):
         kind = "f" if codes.dtype.is_floating_point else ("b" if codes.dtype == o.t.bool else "i")
     if kind not in "iu":
         raise TypeError(f"codes must be an integer array, got dtype {codes.dtype}")
-    c = o.astype(codes, o.int32)
-    if not isinstance(d, IntDType) and d.bits == 32:
-        return o.f32_of_bits(c)
     if isinstance(d, IntDType):
         lo, hi = d.min, d.max
+    elif d.bits == 32:
+        lo, hi = -(1 << 31), (1 << 32) - 1  # float32 bit patterns, read as int32 or uint32
     else:
         lo, hi = 0, (1 << d.bits) - 1
-    if o.any(o.logical_or(c < lo, c > hi)):
-        raise ValueError(f"codes out of range for {d.name}: valid codes are {lo}..{hi}")
+    # Check the range on the codes as given, before narrowing to int32 (which would wrap 2**32 + 3 to 3).
+    wide = codes if o.name == "numpy" else o.astype(codes, o.int64)
+    out = o.logical_or(wide < lo, wide > hi)
+    if o.any(out):
+        raise ValueError(f"codes out of range for {d.name}: valid codes are {lo}..{hi}, got {int(wide[out][0])}")
+    c = o.astype(codes, o.int32) if o.name == "torch" or codes.dtype != np.uint32 else codes.view(np.int32)
+    if not isinstance(d, IntDType) and d.bits == 32:
+        return o.f32_of_bits(c)
     if isinstance(d, IntDType):
         return o.astype(c, o.float32)
     e, m = d.exponent_bits, d.mantissa_bits

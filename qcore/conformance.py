@@ -119,7 +119,7 @@ _SCALE_RULE = {
     ScaleMode.FLOOR: "s = floor(log2 amax) - emax_elem (OCP MX v1.0)",
     ScaleMode.CEIL: "s = floor(log2 amax) - emax_elem, +1 unless amax is a power of two",
     ScaleMode.EVEN: "s = floor(log2(amax rounded RNE to the element's mantissa bits)) - emax_elem (AMD Quark)",
-    ScaleMode.RCEIL: "s = ceil(log2(amax / max_elem)) (NVIDIA cvt.rp)",
+    ScaleMode.RCEIL: "s = ceil(log2(fp32(amax / max_elem))): float32 quotient, exact ceiling (NVIDIA cvt.rp)",
 }
 
 # Roles in the order they are written; "input" first. Roles starting with "input" are given to the kernel.

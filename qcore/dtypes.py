@@ -64,8 +64,12 @@ class ScaleMode(enum.Enum):
     - ``EVEN`` (AMD Quark's default): round amax to the element's precision (round-half-even on its
       mantissa, ``mantissa_bits`` of the element) first, then ``s = floor(log2(rounded)) - emax``: the scale
       moves up one binade exactly when amax would round up into the next binade.
-    - ``RCEIL`` (NVIDIA's cvt.rp for MXFP8 scales): ``s = ceil(log2(amax / max_element))``: the smallest power
-      of two that keeps every element within the element max.
+    - ``RCEIL`` (NVIDIA's ``cvt.rp.satfinite.ue8m0x2.f32`` recipe for MXFP8 scales, torchao's RCEIL):
+      ``s = ceil(log2(fp32(amax / max_element)))``: the quotient is rounded to float32 (RNE) first, then rounded
+      up to a power of two exactly (from its bits, no float log). This is the smallest power of two that keeps
+      every element within the element max, except where the quotient is subnormal and its float32 rounding
+      drops below the true value (e.g. amax one ulp above ``max * 2**-127`` gives ``s = -127``, byte 0, as the
+      hardware and torchao do; an exact ceiling would give byte 1).
 
     Blocks of all zeros get ``s`` = the scale format's smallest exponent; a NaN or Inf in a block makes that
     block's scale NaN (the E8M0 NaN code 0xFF) and the whole block NaN, as the OCP spec reads.

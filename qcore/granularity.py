@@ -20,6 +20,7 @@ one of 64.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
@@ -29,6 +30,14 @@ __all__ = ["PerTensor", "PerChannel", "PerGroup", "PerBlock", "Granularity", "ti
            "to_blocks", "from_blocks", "check_granularity"]
 
 
+def as_int(v: Any) -> Any:
+    """``v`` as a Python int if it is an integer (numpy integers included, bools excluded), else ``v`` unchanged
+    (the validators below then name it in their error)."""
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        return int(v)
+    return v
+
+
 @dataclass(frozen=True)
 class PerTensor:
     """One scale for the whole tensor."""
@@ -36,25 +45,41 @@ class PerTensor:
 
 @dataclass(frozen=True)
 class PerChannel:
-    """One scale per index along ``axis`` (e.g. per output channel: axis 0 of a Linear weight)."""
+    """One scale per index along ``axis`` (e.g. per output channel: axis 0 of a Linear weight). ``axis`` may be
+    a numpy integer; it is stored as an int."""
 
     axis: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "axis", as_int(self.axis))
 
 
 @dataclass(frozen=True)
 class PerGroup:
-    """One scale per ``size`` consecutive elements along ``axis`` (per index of every other axis)."""
+    """One scale per ``size`` consecutive elements along ``axis`` (per index of every other axis). Numpy
+    integers are accepted and stored as ints."""
 
     size: int
     axis: int = -1
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", as_int(self.size))
+        object.__setattr__(self, "axis", as_int(self.axis))
+
 
 @dataclass(frozen=True)
 class PerBlock:
-    """One scale per tile of ``shape`` over ``axes`` (default: the last ``len(shape)`` axes)."""
+    """One scale per tile of ``shape`` over ``axes`` (default: the last ``len(shape)`` axes). ``shape`` and
+    ``axes`` are stored as tuples of ints (numpy integers accepted)."""
 
     shape: tuple[int, ...]
     axes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.shape, (tuple, list)):
+            object.__setattr__(self, "shape", tuple(as_int(s) for s in self.shape))
+        if isinstance(self.axes, (tuple, list)):
+            object.__setattr__(self, "axes", tuple(as_int(a) for a in self.axes))
 
 
 Granularity = Union[PerTensor, PerChannel, PerGroup, PerBlock]

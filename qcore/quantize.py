@@ -20,13 +20,16 @@ from functools import partial
 from . import _fast
 from ._backend import is_torch, ops, to_array
 from ._compiled import compiled
+from ._elements import _check_given_scale, _check_param, _elements, _int_clip  # noqa: F401 (re-exported)
+from ._microexp import dequant_microexp_blocks, quantize_microexp_blocks
 from .cast import cast, decode, encode
 from .dtypes import BlockDType, FloatDType, IntDType, ScaleMode, TensorScale, get_dtype
-from .granularity import (Granularity, PerChannel, PerGroup, PerTensor, check_granularity, from_blocks,
+from .granularity import (Granularity, PerChannel, PerGroup, PerTensor, as_int, check_granularity, from_blocks,
                           scales_to_blocked, to_blocks)
 from .granularity import scale_shape as _scale_shape
 from .rounding import RoundingMode, check_mode, pow2, round_to_integral
-from .scales import asymmetric_scale, floor_log2, pow2_scale_exponent, scale_exponent_range, symmetric_scale
+from .scales import (_round_scale, asymmetric_scale, floor_log2, pow2_scale_exponent, scale_exponent_range,
+                     symmetric_scale)
 
 __all__ = ["QuantSpec", "QTensor", "make_spec", "quantize", "dequantize", "fake_quantize"]
 
@@ -39,7 +42,10 @@ class QuantSpec:
 
     dtype: element format (``IntDType`` or ``FloatDType``; a name is resolved).
     granularity: ``PerTensor()``, ``PerChannel(axis)``, ``PerGroup(size, axis)`` or ``PerBlock(shape)``.
-    symmetric: False adds an integer zero point (integer elements only).
+    symmetric: False adds an integer zero point (integer elements only). Default (None): True, except for
+        unsigned integer dtypes (``uint8``, ...), which default to False (asymmetric, with a zero point).
+        ``symmetric=True`` with an unsigned dtype is allowed and means zero point 0 over ``[0, qmax]``: scale
+        ``amax / qmax`` and negative inputs clamp to code 0 (e.g. post-ReLU activations).
     scale_dtype: format the scales are stored in (float32, float16, bfloat16, float8_e8m0fnu, float8_e5m3,
         float8_e4m3fn, ...). ``float8_e8m0fnu`` implies ``pow2_scale``.
     pow2_scale: scales are powers of two chosen by ``scale_mode``.
@@ -47,9 +53,12 @@ class QuantSpec:
     rounding: ``RoundingMode`` of the elements; STOCHASTIC needs ``key=`` at the call.
     saturate: float elements: clamp at ±max (default True inside quantize).
     narrow_range: signed integers use [-max, max] (int8: -127..127).
-    unit_exponent: integer elements of a block format mean ``code * 2**unit_exponent`` (MXINT8: -6).
+    unit_exponent: integer elements of a block format mean ``code * 2**unit_exponent`` (MXINT8: -6); an int
+        in ``[-126, 127 - emax]`` (``emax``: the dtype's, int8: 6) so that ``2**unit_exponent`` and
+        ``qmax * 2**unit_exponent`` are normal float32 numbers.
     subblock_size, subblock_shift_bits: shared microexponents (MX9/MX6/MX4): each sub-block of the block may
-        lower the shared exponent by up to ``2**subblock_shift_bits - 1``.
+        lower the shared exponent by up to ``2**subblock_shift_bits - 1``. Ints: ``subblock_size >= 1``,
+        ``0 <= subblock_shift_bits <= 7`` (shifts up to 127 keep every ``2**-shift`` a float32).
     bump_on_overflow: bfp16's rule: if an element rounds past the integer range, raise the shared exponent once.
     tensor_scale_mode: ``TensorScale``: NONE (default) or a two-level scale (NVFP4): block scales stored in
         ``scale_dtype`` relative to a per-tensor float32 scale that is 1 (ONE), computed from the tensor's amax
@@ -60,7 +69,7 @@ class QuantSpec:
 
     dtype: Union[IntDType, FloatDType]
     granularity: Granularity = PerTensor()
-    symmetric: bool = True
+    symmetric: Optional[bool] = None
     scale_dtype: FloatDType = _F32
     pow2_scale: bool = False
     scale_mode: ScaleMode = ScaleMode.FLOOR
@@ -84,9 +93,18 @@ class QuantSpec:
             raise ValueError(f"scale_dtype must be a float format, got {sd.name}")
         object.__setattr__(self, "scale_dtype", sd)
         check_granularity(self.granularity)
+        if self.symmetric is None:
+            object.__setattr__(self, "symmetric", not (isinstance(d, IntDType) and not d.signed))
         for name in ("symmetric", "pow2_scale", "saturate", "narrow_range", "bump_on_overflow"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"QuantSpec.{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("unit_exponent", "subblock_size", "subblock_shift_bits"):
+            v = as_int(getattr(self, name))
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"QuantSpec.{name} must be an int, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, v)
+        if not isinstance(self.name, str):
+            raise TypeError(f"QuantSpec.name must be a str, got {self.name!r}")
         if not isinstance(self.scale_mode, ScaleMode):
             raise TypeError(f"QuantSpec.scale_mode must be a qcore.ScaleMode, got {self.scale_mode!r}")
         if not isinstance(self.rounding, RoundingMode):
@@ -97,17 +115,29 @@ class QuantSpec:
             if not isinstance(d, IntDType):
                 raise ValueError(f"asymmetric (zero-point) quantization needs an integer dtype, got {d.name}")
             if self.pow2_scale:
-                raise ValueError("asymmetric quantization with power-of-two scales is not supported")
+                hint = " (unsigned dtypes default to asymmetric; pass symmetric=True)" if not d.signed else ""
+                raise ValueError(f"asymmetric quantization with power-of-two scales ({sd.name} / pow2_scale) is "
+                                 f"not supported{hint}")
         if self.narrow_range and not (isinstance(d, IntDType) and d.signed and self.symmetric):
             raise ValueError("narrow_range applies to symmetric signed integer specs only")
         if self.unit_exponent and not (isinstance(d, IntDType) and self.pow2_scale):
             raise ValueError("unit_exponent applies to integer elements with power-of-two scales only")
-        if self.subblock_size < 1 or self.subblock_shift_bits < 0:
-            raise ValueError("subblock_size must be >= 1 and subblock_shift_bits >= 0")
+        if self.unit_exponent:
+            lo, hi = -126, 127 - d.emax
+            if not lo <= self.unit_exponent <= hi:
+                raise ValueError(f"QuantSpec.unit_exponent must be in [{lo}, {hi}] for {d.name} (so that "
+                                 f"2**unit_exponent and qmax * 2**unit_exponent are float32 numbers), got "
+                                 f"{self.unit_exponent}")
+        if self.subblock_size < 1:
+            raise ValueError(f"QuantSpec.subblock_size must be >= 1, got {self.subblock_size}")
+        if not 0 <= self.subblock_shift_bits <= 7:
+            raise ValueError(f"QuantSpec.subblock_shift_bits must be in [0, 7] (shifts up to 127), got "
+                             f"{self.subblock_shift_bits}")
         if self.subblock_shift_bits and not (self.pow2_scale and isinstance(self.granularity, PerGroup)
                                               and self.granularity.size % self.subblock_size == 0):
             raise ValueError("shared microexponents need power-of-two scales and PerGroup blocks that are a "
-                             "multiple of subblock_size")
+                             f"multiple of subblock_size ({self.subblock_size}), got granularity "
+                             f"{self.granularity!r}")
         if self.bump_on_overflow and not (self.pow2_scale and isinstance(d, IntDType)):
             raise ValueError("bump_on_overflow needs integer elements and power-of-two scales")
         _check_two_level_spec(self)
@@ -151,18 +181,52 @@ def _check_two_level_spec(spec: QuantSpec):
                          "format; scale_dtype must not be float32 (e.g. float8_e4m3fn, float8_e5m3)")
 
 
+def _check_axis(axis) -> int:
+    a = as_int(axis)
+    if isinstance(a, bool) or not isinstance(a, int):
+        raise TypeError(f"axis must be an int, got {axis!r}")
+    return a
+
+
+def _granularity_with_axis(g, axis: int, what: str):
+    """``g`` with ``axis=`` applied: PerGroup/PerChannel take it; a granularity without one axis refuses it."""
+    check_granularity(g)
+    if isinstance(g, (PerGroup, PerChannel)):
+        return dataclasses.replace(g, axis=axis)
+    raise ValueError(f"axis={axis} does not apply to {what} {g!r}: {type(g).__name__} has no single axis; drop "
+                     f"axis= (or use PerChannel/PerGroup)")
+
+
 def make_spec(fmt: Union[str, IntDType, FloatDType, BlockDType, QuantSpec], *, axis: Optional[int] = None,
               **overrides) -> QuantSpec:
     """The default spec of a format name (or dtype), with keyword overrides of QuantSpec fields.
 
-    Element formats default to per-tensor symmetric float32 scales. Block formats (``mxfp4``, ``mxint8``,
-    ``mx9``, ``bfp16``, ...) give PerGroup(block_size, axis) with E8M0 scales and their scale rule; ``axis``
-    (default -1) picks the blocked axis. For element formats ``axis`` means per-channel along ``axis``.
+    Element formats default to per-tensor float32 scales, symmetric (unsigned integers: asymmetric). Block
+    formats (``mxfp4``, ``mxint8``, ``mx9``, ``bfp16``, ...) give PerGroup(block_size, axis) with E8M0 scales and
+    their scale rule; ``axis`` (default -1) picks the blocked axis. For element formats ``axis`` means
+    per-channel along ``axis``. For a ``QuantSpec`` with PerGroup/PerChannel granularity ``axis`` replaces its
+    axis; a PerTensor/PerBlock spec refuses ``axis`` (ValueError). With an explicit ``granularity=`` override,
+    ``axis`` must equal that granularity's axis (or be omitted): a different one raises ValueError rather than
+    being ignored. ``axis`` and granularity sizes may be numpy integers.
     """
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(QuantSpec)}
+    if unknown:
+        raise TypeError(f"unknown QuantSpec field(s): {', '.join(sorted(unknown))}")
+    if axis is not None:
+        axis = _check_axis(axis)
+        if "granularity" in overrides:
+            g = overrides["granularity"]
+            check_granularity(g)
+            if not isinstance(g, (PerGroup, PerChannel)):
+                _granularity_with_axis(g, axis, "granularity=")  # raises
+            if g.axis != axis:
+                raise ValueError(f"axis={axis} conflicts with granularity={g!r} (axis {g.axis}); give the axis once, "
+                                 f"in the granularity or as axis=")
+            axis = None  # the granularity carries it
     if isinstance(fmt, QuantSpec):
         spec = fmt
-        if axis is not None and isinstance(spec.granularity, (PerGroup, PerChannel)):
-            overrides.setdefault("granularity", dataclasses.replace(spec.granularity, axis=axis))
+        if axis is not None:
+            overrides["granularity"] = _granularity_with_axis(spec.granularity, axis, "the spec's granularity")
         return dataclasses.replace(spec, **overrides) if overrides else spec
     d = get_dtype(fmt)
     if isinstance(d, BlockDType):
@@ -177,9 +241,6 @@ def make_spec(fmt: Union[str, IntDType, FloatDType, BlockDType, QuantSpec], *, a
     else:
         gran = PerTensor() if axis is None else PerChannel(axis)
         base = dict(dtype=d, granularity=gran, name=d.name)
-    unknown = set(overrides) - {f.name for f in dataclasses.fields(QuantSpec)}
-    if unknown:
-        raise TypeError(f"unknown QuantSpec field(s): {', '.join(sorted(unknown))}")
     base.update(overrides)
     return QuantSpec(**base)
 
@@ -232,27 +293,6 @@ def _scaled(xb, sb, spec: QuantSpec, o):
         return xb / sb
 
 
-def _elements(y, spec: QuantSpec, key, o):
-    """Round scaled values to the element grid; returns element values (float32) in scale units."""
-    d = spec.dtype
-    if isinstance(d, FloatDType):
-        return cast(y, d, rounding=spec.rounding, saturate=True if spec.saturate else None, key=key)
-    unit = spec.unit_exponent
-    if unit:
-        y = y * np.float32(2.0**-unit)
-    return round_to_integral(y, mode=spec.rounding, key=key)
-
-
-def _int_clip(r, spec: QuantSpec, o, zp=None):
-    """Clamp rounded integer values (plus zero point) to the code range; -0 becomes 0 (integer codes have no
-    sign of zero, so fake_quantize must not keep one either)."""
-    lo, hi = np.float32(spec.qmin), np.float32(spec.qmax)
-    if zp is not None:
-        r = r + zp
-    r = o.clip(r, lo, hi)
-    return o.where(r == 0, np.float32(0), r)
-
-
 def _pow2_exponents(xb, blocked, spec: QuantSpec, o):
     amax = o.amax(o.abs(xb), blocked.reduce_axes)
     s, bad = pow2_scale_exponent(amax, element=spec.dtype, mode=spec.scale_mode, scale_dtype=spec.scale_dtype,
@@ -267,8 +307,6 @@ def _quantize_blocks(x, spec: QuantSpec, scale, zero_point, key, o):
     sshape = blocked.scale_shape
     zp = None
     if spec.subblock_shift_bits:
-        from ._microexp import quantize_microexp_blocks
-
         return quantize_microexp_blocks(xb, blocked, spec, scale, key, o)
     if scale is None:
         if spec.pow2_scale:
@@ -289,12 +327,9 @@ def _quantize_blocks(x, spec: QuantSpec, scale, zero_point, key, o):
         if zp is not None:
             zp = o.reshape(zp, sshape)
     else:
-        scales = _check_param(scale, sshape, "scale", o, x)
-        _check_given_scale(scales, spec, o)
-        if not spec.symmetric:
-            if zero_point is None:
-                raise ValueError("an asymmetric spec with a given scale also needs zero_point=")
-            zp = _check_param(zero_point, sshape, "zero_point", o, x)
+        # Calibrated parameters arrive validated by _prepare_params: float32 arrays of the scale shape, scales
+        # rounded to the scale dtype, zero points integral and in range (None for symmetric specs).
+        scales, zp = scale, zero_point
     if spec.pow2_scale:
         if scale is not None:
             s = o.where(o.isnan(scales), 0, floor_log2(scales))
@@ -440,34 +475,6 @@ def _check_tensor_scale_arg(tensor_scale, spec: QuantSpec, o, like):
     return g
 
 
-def _check_given_scale(scales, spec: QuantSpec, o):
-    """A calibrated scale must be positive (NaN allowed: it marks a NaN block) and, for power-of-two specs,
-    an exact power of two in the scale dtype's exponent range; two-level block scales must be values of the
-    scale dtype."""
-    if o.any(scales <= 0) or o.any(o.isinf(scales)):
-        raise ValueError("scale must be positive and finite (NaN marks a NaN block)")
-    if spec.two_level:
-        fin = o.where(o.isnan(scales), np.float32(1), scales)
-        if o.any(cast(fin, spec.scale_dtype, saturate=True) != fin):
-            raise ValueError(f"scale: two-level block scales must be values of {spec.scale_dtype.name}")
-    if spec.pow2_scale:
-        fin = o.where(o.isnan(scales), np.float32(1), scales)
-        e = floor_log2(fin)
-        lo, hi = scale_exponent_range(spec.scale_dtype)
-        if o.any(o.logical_or(e < lo, e > hi)) or o.any(pow2(o.clip(e, -149, 127), o, fin) != fin):
-            raise ValueError(f"this spec uses power-of-two scales: scale must be 2**k with k in [{lo}, {hi}]")
-
-
-def _check_param(p, shape, name, o, like):
-    p = o.asarray(p, o.float32, like) if o.name == "torch" else np.asarray(p, dtype=np.float32)
-    if tuple(p.shape) != tuple(shape):
-        try:
-            p = o.broadcast_to(p, shape)
-        except (ValueError, RuntimeError):
-            raise ValueError(f"{name} has shape {tuple(p.shape)}; this spec needs {tuple(shape)}") from None
-    return p
-
-
 def _use_compiled(compile, x, spec) -> bool:
     if not isinstance(compile, bool):
         raise TypeError(f"compile must be a bool, got {compile!r}")
@@ -498,17 +505,171 @@ def _fake_quantize_pure(x, scale, zero_point, key, tensor_scale=None, *, spec):
     return from_blocks(_dequant_blocks(v, scales, zp, shifts, blocked, spec, o), blocked, o)
 
 
+def _prepare_params(x, spec: QuantSpec, scale, zero_point, o):
+    """Validate calibrated ``scale`` / ``zero_point`` against ``spec`` and ``x`` (float32) before any work.
+
+    Returns (scale, zero_point) as float32 arrays of ``spec.scale_shape(x.shape)`` (broadcast if needed;
+    detached: they get no gradient), scales rounded to ``spec.scale_dtype`` (RNE, saturating, like computed
+    scales), or (None, None) for dynamic quantization. Also checks that ``spec.granularity`` fits ``x``.
+    """
+    sshape = spec.scale_shape(tuple(x.shape))
+    if scale is None:
+        if zero_point is not None:
+            raise ValueError(f"zero_point={_brief(zero_point)} was given without scale=; a zero point belongs to a "
+                             "calibrated scale: pass both (or neither, to compute them from x)")
+        return None, None
+    s = _check_param(scale, sshape, "scale", o, x)
+    if o.name == "torch":
+        s = s.detach()
+    _check_given_scale(s, spec, o)
+    if not spec.pow2_scale:
+        s = _round_scale(s, spec.scale_dtype, o, positive=s > 0)
+    if spec.symmetric:
+        if zero_point is not None:
+            raise ValueError(f"zero_point={_brief(zero_point)} was given for a symmetric spec (no zero point); "
+                             "use symmetric=False for zero-point quantization, or drop zero_point=")
+        return s, None
+    if zero_point is None:
+        raise ValueError("an asymmetric spec with a given scale also needs zero_point=")
+    zp = _check_param(zero_point, sshape, "zero_point", o, x)
+    if o.name == "torch":
+        zp = zp.detach()
+    _check_zero_points(zp, spec, o, "zero_point")
+    return s, zp
+
+
+def _brief(v) -> str:
+    """A short description of an argument's value for error messages."""
+    shape = getattr(v, "shape", None)
+    if shape is not None and len(tuple(shape)) > 0:
+        return f"<array of shape {tuple(shape)}>"
+    return repr(v)
+
+
+def _check_zero_points(zp, spec: QuantSpec, o, name: str):
+    """Zero points (float32 array) must be integers in the code range [qmin, qmax]."""
+    with o.quiet():
+        notint = o.logical_not(o.rint(zp) == zp)  # NaN and Inf included
+    if o.any(notint):
+        raise ValueError(f"{name} must hold integers (float32 integer values), got {float(zp[notint][0])!r}")
+    lo, hi = spec.qmin, spec.qmax
+    out = o.logical_or(zp < np.float32(lo), zp > np.float32(hi))
+    if o.any(out):
+        raise ValueError(f"{name} must lie in the code range [{int(lo)}, {int(hi)}] of {spec.dtype.name}, got "
+                         f"{float(zp[out][0])!r}")
+
+
+def _exact_f32(v, o, name: str):
+    """A float (or integer) array as float32, refusing values that float32 does not hold exactly."""
+    if o.name == "numpy":
+        v = np.asarray(v)
+        kind = v.dtype.kind
+        if kind not in "fiu" and v.dtype.name != "bfloat16":
+            raise TypeError(f"{name} must be a float array, got dtype {v.dtype}")
+    elif v.dtype == o.t.bool or v.dtype.is_complex:
+        raise TypeError(f"{name} must be a float tensor, got dtype {v.dtype}")
+    f = o.astype(v, o.float32)
+    if v.dtype in (np.float32, getattr(o, "float32", None)):
+        return f
+    with o.quiet():
+        back = o.astype(f, v.dtype)
+        same = o.logical_or(back == v, o.logical_and(o.isnan(f), o.isnan(back)))
+    if not o.any(o.logical_not(same)):
+        return f
+    bad = v[o.logical_not(same)]
+    raise ValueError(f"{name} must hold float32 values, got {float(bad[0])!r} ({v.dtype}), which float32 does "
+                     "not represent exactly")
+
+
+def _check_qtensor(q: QTensor):
+    """Validate a QTensor's parts against its spec before dequantizing; returns (codes, scales, zero points,
+    shifts) with scales and zero points as float32."""
+    spec = q.spec
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"QTensor.spec must be a QuantSpec, got {type(spec).__name__}")
+    codes = q.codes
+    if not (is_torch(codes) or isinstance(codes, np.ndarray)):
+        raise TypeError(f"QTensor.codes must be a numpy array or a torch tensor, got {type(codes).__name__}")
+    o = ops(codes)
+    parts = {"scales": q.scales, "zero_points": q.zero_points, "subblock_shifts": q.subblock_shifts}
+    for name, v in parts.items():
+        if v is None:
+            continue
+        if is_torch(v) != is_torch(codes) or not (is_torch(v) or isinstance(v, np.ndarray)):
+            kind = "a torch tensor" if is_torch(codes) else "a numpy array"
+            raise TypeError(f"QTensor.{name} is {type(v).__name__}, but codes are {kind}; all parts of a QTensor "
+                            "must be the same array kind")
+        if o.name == "torch" and v.device != codes.device:
+            raise ValueError(f"QTensor.{name} is on {v.device}, codes on {codes.device}; all parts must be on "
+                             "one device")
+    shape = tuple(codes.shape)
+    sshape = spec.scale_shape(shape)
+    if q.scales is None:
+        raise ValueError("QTensor.scales is None; dequantize needs scales of shape "
+                         f"{sshape} for codes of shape {shape}")
+    for name in ("scales", "zero_points"):
+        v = parts[name]
+        if v is not None and tuple(v.shape) != sshape:
+            raise ValueError(f"QTensor.{name} has shape {tuple(v.shape)}; spec {spec.name or spec.dtype.name!r} "
+                             f"({spec.granularity!r}) needs {sshape} for codes of shape {shape}")
+    scales = _exact_f32(q.scales, o, "QTensor.scales")
+    _check_given_scale(scales, spec, o, "QTensor.scales")
+    if not spec.pow2_scale and spec.scale_dtype.name != "float32":
+        r = cast(scales, spec.scale_dtype, saturate=True)
+        off = o.logical_not(o.logical_or(r == scales, o.isnan(scales)))
+        if o.any(off):
+            raise ValueError(f"QTensor.scales must be {spec.scale_dtype.name} values (spec.scale_dtype), got "
+                             f"{float(scales[off][0])!r}")
+    zp = q.zero_points
+    if spec.symmetric:
+        if zp is not None:
+            raise ValueError("QTensor.zero_points must be None for a symmetric spec, got "
+                             f"{_brief(zp)}")
+    else:
+        if zp is None:
+            raise ValueError(f"QTensor.zero_points is None, but the spec is asymmetric: it needs integer zero points "
+                             f"of shape {sshape}")
+        zp = _exact_f32(zp, o, "QTensor.zero_points")
+        _check_zero_points(zp, spec, o, "QTensor.zero_points")
+    shifts = q.subblock_shifts
+    if spec.subblock_shift_bits:
+        g = spec.granularity
+        a = g.axis % len(shape)
+        want = tuple(-(-n // g.size) * g.size // spec.subblock_size if i == a else n for i, n in enumerate(shape))
+        if shifts is None:
+            raise ValueError(f"QTensor.subblock_shifts is None, but {spec.name or 'this spec'} has shared "
+                             f"microexponents: it needs integer shifts of shape {want}")
+        kind_ok = shifts.dtype.kind in "iu" if o.name == "numpy" else \
+            not (shifts.dtype.is_floating_point or shifts.dtype.is_complex or shifts.dtype == o.t.bool)
+        if not kind_ok:
+            raise TypeError(f"QTensor.subblock_shifts must be an integer array, got dtype {shifts.dtype}")
+        if tuple(shifts.shape) != want:
+            raise ValueError(f"QTensor.subblock_shifts has shape {tuple(shifts.shape)}; codes of shape {shape} need "
+                             f"{want}")
+        top = (1 << spec.subblock_shift_bits) - 1
+        out = o.logical_or(shifts < 0, shifts > top)
+        if o.any(out):
+            raise ValueError(f"QTensor.subblock_shifts must lie in [0, {top}], got {int(shifts[out][0])}")
+    elif shifts is not None:
+        raise ValueError(f"QTensor.subblock_shifts must be None for a spec without shared microexponents, got "
+                         f"{_brief(shifts)}")
+    return codes, scales, zp, shifts
+
+
 def quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point=None, key: Optional[int] = None,
              tensor_scale=None, compile: bool = False, **overrides) -> QTensor:
     """Quantize ``x`` (float array) with ``spec`` (a QuantSpec, a format name or a dtype) -> ``QTensor``.
 
     ``scale``/``zero_point``: calibrated parameters of shape ``spec.scale_shape(x.shape)`` (static
-    quantization); if omitted they are computed from ``x`` (dynamic). ``key``: for stochastic rounding.
+    quantization; a smaller shape that broadcasts to it is accepted); if omitted they are computed from ``x``
+    (dynamic). A given scale must be positive (NaN marks a NaN block) and is rounded to ``spec.scale_dtype``
+    (RNE, saturating) like a computed one; power-of-two specs need exact powers of two. A zero point is
+    needed exactly when the spec is asymmetric and a scale is given; it must hold integers in the code range.
+    ``key``: for stochastic rounding. ``compile=True`` (torch tensors): run the same pure function through
+    torch.compile, once per spec and shape class; bit-identical, eager fallback where no compiler is available
+    (stochastic rounding stays eager). The QTensor holds no autograd graph (codes have no gradient).
     ``tensor_scale``: two-level specs (NVFP4) with ``TensorScale.GIVEN`` (required) or ``AMAX`` (replaces the
     computed one): the per-tensor float32 scale, a finite value >= 2**-126.
-    ``compile=True`` (torch tensors): run the same pure function through torch.compile, once per spec and
-    shape class; bit-identical, eager fallback where no compiler is available (stochastic rounding stays
-    eager).
 
     ``quantize(x, spec)`` computes, per block of the spec's granularity, a scale (and zero point) from the block's
     statistic (absmax, or min/max when asymmetric) unless you pass calibrated ``scale=`` / ``zero_point=``; then
@@ -536,13 +697,17 @@ def quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point=None
     spec = _spec_of(spec, axis, overrides)
     key = check_mode(spec.rounding, key)
     x, o = to_array(x)
+    if o.name == "torch":
+        x = x.detach()
     x = o.astype(x, o.float32)
+    use_compiled = _use_compiled(compile, x, spec)
     tensor_scale = _check_tensor_scale_arg(tensor_scale, spec, o, x)
-    if not _use_compiled(compile, x, spec) and not spec.two_level:
+    scale, zero_point = _prepare_params(x, spec, scale, zero_point, o)
+    if not use_compiled and not spec.two_level:
         fast = _fast.run_quantize(x, spec, scale, zero_point, o)
         if fast is not None:
             return QTensor(*fast[:3], spec, fast[3])
-    fn = compiled(_quantize_parts, spec) if _use_compiled(compile, x, spec) else partial(_quantize_parts, spec=spec)
+    fn = compiled(_quantize_parts, spec) if use_compiled else partial(_quantize_parts, spec=spec)
     v, scales, zp, shifts, g = fn(x, scale, zero_point, key, tensor_scale)
     d = spec.dtype
     if isinstance(d, IntDType):
@@ -553,26 +718,33 @@ def quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point=None
 
 
 def dequantize(q: QTensor):
-    """Float32 values of a ``QTensor``: (element value - zero point) * scale, per block."""
+    """Float32 values of a ``QTensor``: (element value - zero point) * scale, per block.
+
+    The QTensor is validated first (ValueError/TypeError naming the part): codes an integer array in the
+    format's code range; scales of exactly ``spec.scale_shape(codes.shape)``, positive (or NaN), values of
+    ``spec.scale_dtype`` (float16/float64 arrays are accepted when float32 holds them exactly); zero points
+    present iff the spec is asymmetric, integers in the code range; sub-block shifts present iff the spec has
+    shared microexponents; every part the same array kind (and device) as the codes.
+    """
     if not isinstance(q, QTensor):
         raise TypeError(f"dequantize takes a QTensor, got {type(q).__name__}")
+    codes, scales, zp, shifts = _check_qtensor(q)
     spec = q.spec
-    o = ops(q.codes)
+    o = ops(codes)
     if spec.two_level and q.tensor_scale is None:
         raise ValueError(f"dequantize: spec {spec.name or spec.dtype.name!r} is two-level but the QTensor has no "
                          "tensor_scale")
     if not spec.two_level:
-        fast = _fast.run_dequantize(q, o)
+        fast = _fast.run_dequantize(QTensor(codes, scales, zp, spec, shifts), o)
         if fast is not None:
             return fast
-    v = decode(q.codes, spec.dtype)
+    v = decode(codes, spec.dtype)
     vb, blocked = to_blocks(v, spec.granularity, o)
     if spec.two_level:
         g = o.reshape(o.asarray(q.tensor_scale, o.float32, v), ())
-        _, dq_mul = _two_level_multipliers(q.scales, g, o)
+        _, dq_mul = _two_level_multipliers(scales, g, o)
         return from_blocks(_dequant_two_level(vb, dq_mul, blocked, o), blocked, o)
-    return from_blocks(_dequant_blocks(vb, q.scales, q.zero_points, q.subblock_shifts, blocked, spec, o),
-                       blocked, o)
+    return from_blocks(_dequant_blocks(vb, scales, zp, shifts, blocked, spec, o), blocked, o)
 
 
 def _dequant_two_level(vb, dq_mul, blocked, o):
@@ -586,8 +758,6 @@ def _dequant_blocks(vb, scales, zp, shifts, blocked, spec, o):
     if zp is not None:
         vb = vb - scales_to_blocked(zp, blocked, o)
     if spec.subblock_shift_bits:
-        from ._microexp import dequant_microexp_blocks
-
         return dequant_microexp_blocks(vb, sb, shifts, blocked, spec, o)
     if spec.unit_exponent:
         vb = vb * np.float32(2.0**spec.unit_exponent)
@@ -597,16 +767,37 @@ def _dequant_blocks(vb, scales, zp, shifts, blocked, spec, o):
 
 def fake_quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point=None, key: Optional[int] = None,
                   tensor_scale=None, compile: bool = False, **overrides):
-    """``dequantize(quantize(x, spec, ...))``, bit for bit, without building codes. Same arguments as quantize."""
+    """``dequantize(quantize(x, spec, ...))``, bit for bit, without building codes. Same arguments as quantize.
+
+    Gradients (torch tensors that require grad): straight-through, ``d out / d x`` is the identity, whatever
+    the rounding, clamping or saturation did (``qcore._grad``). Scales and zero points, given or computed, get
+    no gradient (they are treated as constants).
+    """
     spec = _spec_of(spec, axis, overrides)
     key = check_mode(spec.rounding, key)
     x, o = to_array(x)
     x = o.astype(x, o.float32)
+    use_compiled = _use_compiled(compile, x, spec)
     tensor_scale = _check_tensor_scale_arg(tensor_scale, spec, o, x)
-    if _use_compiled(compile, x, spec):
-        return compiled(_fake_quantize_pure, spec)(x, scale, zero_point, key, tensor_scale)
+    scale, zero_point = _prepare_params(x, spec, scale, zero_point, o)
+    if use_compiled:
+        guarded = compiled(_fake_quantize_pure, spec)
+
+        def run(x, scale, zero_point, key):
+            return guarded(x, scale, zero_point, key, tensor_scale)
+    else:
+        run = partial(_fake_quantize_default, tensor_scale=tensor_scale, spec=spec)
+    if o.name == "torch" and x.requires_grad and o.t.is_grad_enabled():
+        from ._grad import straight_through
+
+        return straight_through(run, x, scale, zero_point, key)
+    return run(x, scale, zero_point, key)
+
+
+def _fake_quantize_default(x, scale, zero_point, key, tensor_scale=None, *, spec):
+    """The default path: the fast slab kernels where they cover the spec (``qcore._fast``), else the generic."""
     if not spec.two_level:
-        fast = _fast.run_fake_quantize(x, spec, scale, zero_point, o)
+        fast = _fast.run_fake_quantize(x, spec, scale, zero_point, ops(x))
         if fast is not None:
             return fast
     return _fake_quantize_pure(x, scale, zero_point, key, tensor_scale, spec=spec)

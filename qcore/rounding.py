@@ -16,8 +16,9 @@ of ``2**k`` (``k`` per element). It works on the float's integer significand, so
 - ``FLOOR``: toward -inf (IEEE roundTowardNegative).
 - ``CEIL``: toward +inf (IEEE roundTowardPositive).
 - ``STOCHASTIC``: up in magnitude with probability ``(|v| - lo) / 2**k``, resolved to 2**-32 of a step, so
-  ``E[round(v)] = v`` (unbiased). Needs ``key``: a non-negative int (the random bits are a counter-based hash
-  of (key, flat element index), so the same key gives the same result on numpy and torch, on any device), or
+  ``E[round(v)] = v`` (unbiased). Needs ``key``: an int in [0, 2**63) (the random bits are a counter-based hash
+  of all 63 bits of the key and the flat element index, so the same key gives the same result on numpy and
+  torch, on any device), or
   a ``numpy.random.Generator`` / ``torch.Generator`` from which one int key is drawn.
 """
 
@@ -63,7 +64,7 @@ def _is_torch_generator(key) -> bool:
 def check_mode(mode, key):
     """Validate a rounding mode / key pair; returns the key as a non-negative int (or None).
 
-    ``key`` may be a non-negative int (the counter-based stream: same key, same bits, on numpy and torch), or a
+    ``key`` may be an int in [0, 2**63) (the counter-based stream: same key, same bits, on numpy and torch), or a
     ``numpy.random.Generator`` / ``torch.Generator``, from which one 63-bit key is drawn (advancing it), so a
     seeded generator gives reproducible results too.
     """
@@ -79,30 +80,35 @@ def check_mode(mode, key):
         import torch  # only reachable when the caller already uses torch
 
         return int(torch.randint(0, 2**62, (1,), generator=key, device=key.device).item())
-    if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or key < 0:
-        raise ValueError(f"key must be a non-negative int or a numpy/torch Generator, got {key!r}")
+    if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or not 0 <= key < 2**63:
+        raise ValueError(f"key must be an int in [0, 2**63) or a numpy/torch Generator, got {key!r}")
     return int(key)
 
 
 def random_bits(key: int, shape, *, like):
     """Uniform 32-bit random integers (as int64 in [0, 2**32)) for each element of ``shape``.
 
-    Counter-based: element ``i`` (C order) gets ``lowbias32(lowbias32(i + h(key)) ^ h(key))``, so the stream is
-    a pure function of (key, index), identical on numpy and torch.
+    Counter-based: element ``i`` (C order) gets ``lowbias32(lowbias32(i + k1) ^ k1) ^ k2`` with
+    ``k1 = lowbias32(lo * 0x9E3779B9 + 0x85EBCA6B)`` from the key's low 32 bits ``lo`` and
+    ``k2 = k1 ^ lowbias32(hi * 0x9E3779B9)`` from its high bits ``hi = key >> 32`` (all 63 bits count: keys 7 and
+    7 + 2**32 give different streams; ``k2 = k1`` for keys below 2**32). The stream is a pure function of
+    (key, index), identical on numpy and torch.
     """
     o = ops(like)
     n = 1
     for s in shape:
         n *= int(s)
-    kh = _lowbias32_py(int(key) * 0x9E3779B9 + 0x85EBCA6B)
+    key = int(key)
+    kh = _lowbias32_py((key & _M32) * 0x9E3779B9 + 0x85EBCA6B)
+    kh2 = kh ^ _lowbias32_py((key >> 32) * 0x9E3779B9)
     h = (o.arange(n, o.int64, like) + kh) & _M32
-    for _ in range(2):
+    for k in (kh, kh2):
         h = h ^ (h >> 16)
         h = (h * 0x7FEB352D) & _M32
         h = h ^ (h >> 15)
         h = (h * 0x846CA68B) & _M32
         h = h ^ (h >> 16)
-        h = h ^ kh
+        h = h ^ k
     return o.reshape(h, tuple(shape))
 
 

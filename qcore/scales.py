@@ -9,9 +9,11 @@
   dtype.
 
 Conventions (the same as AMD Quark, torch.ao and compressed-tensors): a symmetric integer scale is
-``amax / ((qmax - qmin) / 2)`` (int8: amax / 127.5), or ``amax / qmax`` with ``narrow_range``; a float element's
+``amax / ((qmax - qmin) / 2)`` (int8: amax / 127.5), or ``amax / qmax`` with ``narrow_range`` and for unsigned
+integers (codes [0, qmax], zero point 0, negative inputs clamp to 0); a float element's
 scale is ``amax / max_finite``; an asymmetric scale is ``(hi - lo) / (qmax - qmin)`` over the range widened to
-contain 0, with zero point ``clip(qmin - round(lo / scale), qmin, qmax)``. A block whose statistic is 0 gets
+contain 0, with zero point ``clip(qmin - round(lo / scale), qmin, qmax)`` (also for finite ranges wider than
+float32's max: the scale is computed without the overflowing ``hi - lo``). A block whose statistic is 0 gets
 scale 1 (pow2: the smallest exponent) so that it quantizes to exact zeros; a non-finite statistic gives a NaN
 scale, which makes the whole block NaN.
 """
@@ -87,16 +89,50 @@ def pow2_scale_exponent(amax: Array, *, element: Union[FloatDType, IntDType], mo
         carried = o.logical_and(o.logical_not(exact), r >= (1 << (mbits + 1)))
         s = e - emax + o.astype(carried, o.int32)
     elif mode is ScaleMode.RCEIL:
+        # NVIDIA's recipe (cvt.rp.satfinite.ue8m0x2.f32 of amax / max, as torchao's RCEIL): the quotient is
+        # rounded to float32 first, then up to a power of two. Computed without a division (compiled GPU
+        # divisions are not always correctly rounded): the exact ceiling, then the float32 rounding's effect.
         s0 = e - emax
         lo, hi = -126, 127
         scaled = a * pow2(o.clip(-s0, lo, hi), o, a) * pow2(o.clip(-s0 - o.clip(-s0, lo, hi), lo, hi), o, a)
         s = s0 + o.astype(scaled > np.float32(maxv), o.int32)
+        s = s - o.astype(_rceil_quotient_rounds_down(sig, e, s - 1, maxv, o), o.int32)
     else:  # pragma: no cover - enum is closed
         raise ValueError(mode)
     smin, smax = scale_exponent_range(scale_dtype)
     s = o.where(sig == 0, smin, s)
     s = o.clip(s, smin, smax)
     return o.astype(s, o.int32), bad
+
+
+def _rceil_quotient_rounds_down(sig, e, k, maxv: float, o):
+    """Where float32 rounding of the quotient ``t = amax / maxv`` lowers RCEIL's power-of-two ceiling by one.
+
+    ``amax = sig * 2**(e - 23)`` (``sig`` in [2**23, 2**24)) and ``2**k < t <= 2**(k + 1)`` (``k + 1`` is the exact
+    ceiling). For a normal quotient the rounding never reaches ``2**k`` (``maxv`` has at most 24 significant
+    bits, so ``t`` exceeds ``2**k`` by more than half an ulp). For a subnormal one (``-149 <= k <= -127``) it
+    rounds to nearest-even on the grid of ``2**-149``, down to ``2**k`` exactly when ``t <= 2**k + 2**-150``
+    (``k = -149``: ``t < 1.5 * 2**-149``, the tie goes to the even 2**-148). With ``maxv = M * 2**b`` (M odd)
+    that is ``sig * 2**(e + 127 - b) <= M * (2**(k + 150) + 1)``, decided in int64 (both sides stay below
+    2**49 where it matters).
+    """
+    num, den = float(maxv).as_integer_ratio()
+    b = -(den.bit_length() - 1)
+    while num % 2 == 0:
+        num //= 2
+        b += 1
+    i64 = o.int64
+    region = o.logical_and(k >= -149, k <= -127)
+    one = o.full((), 1, i64, sig)
+    rhs = ((one << o.astype(o.clip(k + 150, 1, 23), i64)) + 1) * num
+    d = o.astype(e, i64) + (127 - b)
+    sig64 = o.astype(sig, i64)
+    pos = d >= 0
+    lhs = o.where(pos, sig64 << o.clip(d, 0, 25), sig64)
+    small = o.where(o.logical_and(region, o.logical_not(pos)), rhs, 0)  # here rhs < 2**25: no overflow below
+    rhs = o.where(pos, rhs, small << o.clip(-d, 0, 22))
+    down = o.where(k == -149, lhs < rhs, lhs <= rhs)
+    return o.logical_and(region, down)
 
 
 def _int_range(dtype: IntDType, narrow: bool):
@@ -121,7 +157,8 @@ def symmetric_scale(amax: Array, *, dtype: Union[IntDType, FloatDType], scale_dt
     a = o.astype(amax, o.float32)
     if isinstance(dtype, IntDType):
         qmin, qmax = _int_range(dtype, narrow_range)
-        div = float(qmax) if narrow_range else (qmax - qmin) / 2.0
+        # Unsigned (zero point 0, codes [0, qmax]): the whole range is on the positive side.
+        div = float(qmax) if (narrow_range or not dtype.signed) else (qmax - qmin) / 2.0
     else:
         div = dtype.max_finite
     with o.quiet():
@@ -135,7 +172,9 @@ def asymmetric_scale(lo: Array, hi: Array, *, dtype: IntDType, scale_dtype: Floa
     """(scale, zero_point) per block from the block min ``lo`` and max ``hi`` (integer elements only).
 
     The range is widened to contain 0 so that 0 is exactly representable; ``zero_point`` is float32 holding
-    an integer in [qmin, qmax].
+    an integer in [qmin, qmax]. A finite block whose widened range ``hi - lo`` overflows float32 still gets its
+    correctly rounded scale ``(hi - lo) / (qmax - qmin)`` (computed without the overflowing intermediate;
+    saturated to float32's max for uint1); a NaN or Inf statistic gives a NaN scale.
     """
     if not isinstance(dtype, IntDType):
         raise ValueError(f"asymmetric quantization needs an integer dtype, got {dtype.name}")
@@ -146,6 +185,13 @@ def asymmetric_scale(lo: Array, hi: Array, *, dtype: IntDType, scale_dtype: Floa
     with o.quiet():
         width = hi - lo
         s = width / np.float32(qmax - qmin)
+        # A finite range wider than float32's max: hi - lo overflows, but the scale itself is a float32 (for
+        # qmax - qmin >= 2). Halving is exact at these magnitudes, so this is the same correctly rounded
+        # quotient; with qmax - qmin == 1 (uint1) it saturates to float32's max, like any scale (saturating
+        # rounding to the scale dtype). Dynamic and static (scale_from_stats) quantization share this rule.
+        wide = o.logical_and(o.isinf(width), o.logical_and(o.isfinite(lo), o.isfinite(hi)))
+        half = (hi * np.float32(0.5) - lo * np.float32(0.5)) / np.float32((qmax - qmin) / 2.0)
+        s = o.where(wide, o.minimum(half, np.float32(np.finfo(np.float32).max)), s)
     s = _round_scale(s, scale_dtype, o, positive=width > 0)
     s = o.where(width == 0, np.float32(1.0), s)
     finite = o.logical_and(o.isfinite(lo), o.isfinite(hi))

@@ -157,9 +157,11 @@ static int mx_scale_exponent(float amax, const std::string& mode) {
         double r = std::nearbyint(std::ldexp(static_cast<double>(amax), 1 - e));  // in [2, 4]
         s = e - emax_elem + (r >= 4.0 ? 1 : 0);
     } else if (mode == "scale_rceil") {
-        // Smallest s with amax <= 6 * 2**s (all exact in double).
-        s = e - emax_elem;
-        if (static_cast<double>(amax) > std::ldexp(6.0, s)) ++s;
+        // NVIDIA's recipe: the quotient amax / 6 rounded to float32, then its exact power-of-two ceiling.
+        float q = amax / 6.0f;
+        if (q == 0.0f) return -127;
+        int eq = floor_log2(q);
+        s = eq + (static_cast<double>(q) == std::ldexp(1.0, eq) ? 0 : 1);
     } else {
         throw std::runtime_error("unknown mode " + mode);
     }

@@ -19,6 +19,16 @@ MX_ELEMENTS = {
 }
 
 
+def rceil_exponent(amax, maxv):
+    """NVIDIA's RCEIL recipe, independently: the quotient amax / max rounded to float32 (numpy's float32
+    division), then the exact ceil(log2) of that float32 (Python's frexp); -127 for a zero quotient."""
+    q = float(np.float32(amax) / np.float32(maxv))
+    if q == 0.0:
+        return -127
+    m, e = math.frexp(q)  # q = m * 2**e, 0.5 <= m < 1
+    return e - 1 if m == 0.5 else e
+
+
 def ocp_mx_reference(x, fmt, mode="floor"):
     """Independent OCP MX v1.0 reference: Python's exact frexp for the exponent, ml_dtypes for the elements,
     float64 arithmetic (exact here), blocks of 32 along the last axis."""
@@ -34,11 +44,7 @@ def ocp_mx_reference(x, fmt, mode="floor"):
             if mode == "ceil" and amax != 2.0**e:
                 e += 1
             if mode == "rceil":
-                e = math.ceil(math.log2(amax / maxv)) + emax
-                while maxv * 2.0 ** (e - emax) < amax:
-                    e += 1
-                while maxv * 2.0 ** (e - 1 - emax) >= amax:
-                    e -= 1
+                e = rceil_exponent(amax, maxv) + emax
         s = min(max(e - emax, -127), 127)
         scale = 2.0**s
         v = np.clip(blk / scale, -maxv, maxv).astype(np.float32).astype(getattr(ml_dtypes, el)).astype(np.float64)
