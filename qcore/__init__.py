@@ -7,7 +7,7 @@ from . import packing, stats
 from .cast import cast, decode, encode
 from .dtypes import DTYPES, BlockDType, FloatDType, IntDType, ScaleMode, Specials, TensorScale, get_dtype
 from .granularity import PerBlock, PerChannel, PerGroup, PerTensor
-from .quantize import QTensor, QuantSpec, dequantize, fake_quantize, make_spec, quantize
+from .quantize import QTensor, QuantSpec, dequantize, fake_quantize, fake_quantizer, make_spec, quantize
 from .rounding import RoundingMode, round_to_integral, round_to_step
 from .scales import floor_log2
 
@@ -18,6 +18,6 @@ __all__ = [
     "RoundingMode", "round_to_integral", "round_to_step",
     "cast", "encode", "decode",
     "PerTensor", "PerChannel", "PerGroup", "PerBlock",
-    "QuantSpec", "QTensor", "make_spec", "quantize", "dequantize", "fake_quantize",
+    "QuantSpec", "QTensor", "make_spec", "quantize", "dequantize", "fake_quantize", "fake_quantizer",
     "floor_log2", "packing", "stats",
 ]

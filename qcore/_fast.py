@@ -38,7 +38,9 @@ import numpy as np
 from .dtypes import FloatDType, IntDType, Specials
 from .granularity import PerBlock, PerChannel, PerGroup, PerTensor, tile_shape
 from .rounding import RoundingMode, pow2
-from .scales import asymmetric_scale, floor_log2, pow2_scale_exponent, symmetric_scale
+from .dtypes import ScaleMode
+from .scales import (asymmetric_scale, element_emax_and_max, floor_log2, pow2_scale_exponent, scale_exponent_range,
+                     symmetric_scale)
 
 __all__ = ["fake_quantize", "quantize", "dequantize", "cast_float", "SLAB"]
 
@@ -517,18 +519,40 @@ def _params_from_stats(amax, lo, hi, spec, o, like):
     zp = None
     inv = None
     if spec.pow2_scale:
-        s, bad = pow2_scale_exponent(amax, element=spec.dtype, mode=spec.scale_mode, scale_dtype=spec.scale_dtype,
-                                     unit_exponent=spec.unit_exponent)
+        emax_eff, _ = element_emax_and_max(spec.dtype, spec.unit_exponent)
+        if spec.scale_mode is ScaleMode.FLOOR and emax_eff >= 0:
+            # OCP's rule straight from the exponent field of amax (>= 0): a zero or subnormal amax lands below the
+            # smallest exponent and is clamped there; field 255 is NaN/Inf.
+            smin, smax = scale_exponent_range(spec.scale_dtype)
+            field = o.astype(amax, o.float32)
+            field = ip_of(o).shr(ip_of(o).ibits(ip_of(o).contiguous(field)), 23, None)
+            field = ip_of(o).band(field, 0xFF, field)  # a NaN from torch.maximum can carry the sign bit
+            bad = field == 255
+            s = o.clip(field - (127 + emax_eff), smin, smax)
+        else:
+            s, bad = pow2_scale_exponent(amax, element=spec.dtype, mode=spec.scale_mode,
+                                         scale_dtype=spec.scale_dtype, unit_exponent=spec.unit_exponent)
         if spec.bump_on_overflow:
             s = bump_from_extremes(s, lo, hi, spec, o)
-        scales = o.where(bad, np.float32(math.nan), pow2(s, o, like))
-        inv = o.where(bad, np.float32(math.nan), pow2(-s, o, like))
+        scales = o.where(bad, np.float32(math.nan), _pow2_small(s, o))
+        inv = o.where(bad, np.float32(math.nan), _pow2_small(-s, o))
     elif spec.symmetric:
         scales = symmetric_scale(amax, dtype=spec.dtype, scale_dtype=spec.scale_dtype,
                                  narrow_range=spec.narrow_range)
     else:
         scales, zp = asymmetric_scale(lo, hi, dtype=spec.dtype, scale_dtype=spec.scale_dtype)
     return scales, inv, zp
+
+
+def _pow2_small(k, o):
+    """2.0**k as float32 for int32 k in [-127, 127] (normal, or the one subnormal 2**-127), from bits."""
+    ip = ip_of(o)
+    bits = o.where(k >= -126, (k + 127) << 23, 0x00400000)
+    return ip.fbits(ip.contiguous(o.astype(bits, o.int32)))
+
+
+def ip_of(o):
+    return _ip(o)
 
 
 def _slab_stats(xb, r, need_minmax):
@@ -918,6 +942,19 @@ def _small_given(x, spec, scale, zero_point, kind, o, ip):
     """Small tensors with given per-tensor or per-channel parameters (GPTQ's column step): the parameters
     already broadcast against x, so the kernels run on x directly, with no slab machinery."""
     scales, inv, zp, _ = params(x, spec, scale, zero_point, o, None)
+    return _small_kernels(x, spec, scales, inv, zp, kind, o, ip)
+
+
+def small_given_prepared(x, spec, scales, zp, kind, o):
+    """``_small_given`` for parameters already validated and shaped (``qcore.fake_quantizer``)."""
+    inv = None
+    if spec.pow2_scale:
+        inv = o.where(o.isnan(scales), np.float32(math.nan), pow2(-floor_log2(o.where(o.isnan(scales),
+                                                                                       np.float32(1), scales)), o, x))
+    return _small_kernels(x, spec, scales, inv, zp, kind, o, _ip(o))
+
+
+def _small_kernels(x, spec, scales, inv, zp, kind, o, ip):
     out = ip.empty(tuple(x.shape), ip.f32, x) if o.name == "torch" else np.empty(x.shape, np.float32)
     with o.quiet():
         if kind == "int":

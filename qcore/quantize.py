@@ -31,7 +31,7 @@ from .rounding import RoundingMode, check_mode, pow2, round_to_integral
 from .scales import (_round_scale, asymmetric_scale, floor_log2, pow2_scale_exponent, scale_exponent_range,
                      symmetric_scale)
 
-__all__ = ["QuantSpec", "QTensor", "make_spec", "quantize", "dequantize", "fake_quantize"]
+__all__ = ["QuantSpec", "QTensor", "make_spec", "quantize", "dequantize", "fake_quantize", "fake_quantizer"]
 
 _F32 = get_dtype("float32")
 
@@ -512,6 +512,12 @@ def _prepare_params(x, spec: QuantSpec, scale, zero_point, o):
     detached: they get no gradient), scales rounded to ``spec.scale_dtype`` (RNE, saturating, like computed
     scales), or (None, None) for dynamic quantization. Also checks that ``spec.granularity`` fits ``x``.
     """
+    if o.name == "torch" and scale is not None and _small_cpu_params(x, scale, zero_point):
+        # Few parameters of a CPU tensor: validate them with numpy (no per-check tensor dispatch); same checks,
+        # same messages, same bits.
+        stand_in = np.broadcast_to(np.float32(0), tuple(x.shape))
+        s, zp = _prepare_params(stand_in, spec, _np_view(scale), _np_view(zero_point), ops(stand_in))
+        return o.t.from_numpy(np.ascontiguousarray(s)), None if zp is None else o.t.from_numpy(np.ascontiguousarray(zp))
     sshape = spec.scale_shape(tuple(x.shape))
     if scale is None:
         if zero_point is not None:
@@ -536,6 +542,29 @@ def _prepare_params(x, spec: QuantSpec, scale, zero_point, o):
         zp = zp.detach()
     _check_zero_points(zp, spec, o, "zero_point")
     return s, zp
+
+
+def _small_cpu_params(x, scale, zero_point, limit: int = 4096) -> bool:
+    """True when x is a CPU tensor and the given parameters are few values on the CPU (or Python/numpy)."""
+    if x.device.type != "cpu":
+        return False
+    for p in (scale, zero_point):
+        if p is None:
+            continue
+        if is_torch(p):
+            if p.device.type != "cpu" or p.numel() > limit or p.requires_grad:
+                return False
+        elif np.size(p) > limit:
+            return False
+    return True
+
+
+def _np_view(p):
+    """A CPU torch tensor as a numpy array (no copy); anything else as it is."""
+    if p is not None and is_torch(p):
+        p = p.detach()
+        return (p.float() if p.dtype == p.new_empty(()).bfloat16().dtype else p).numpy()
+    return p
 
 
 def _brief(v) -> str:
@@ -801,3 +830,44 @@ def _fake_quantize_default(x, scale, zero_point, key, tensor_scale=None, *, spec
         if fast is not None:
             return fast
     return _fake_quantize_pure(x, scale, zero_point, key, tensor_scale, spec=spec)
+
+
+def fake_quantizer(spec, *, shape, scale, zero_point=None, like=None, axis: Optional[int] = None, **overrides):
+    """Validate calibrated parameters once; return ``f(x) == fake_quantize(x, spec, scale=..., zero_point=...)``.
+
+    For loops that apply the same scales to many tensors of one ``shape`` (GPTQ's column step: one column of
+    a weight, per-row scale and zero point, hundreds of times): the checks of ``scale`` / ``zero_point`` (and
+    their rounding to ``spec.scale_dtype``) run here, before any work, and each call of ``f`` only checks
+    ``x.shape`` and runs the element kernel. ``like``: a torch tensor whose device the parameters move to
+    (default: numpy). Same bits as ``fake_quantize``; no stochastic rounding, no two-level specs, no gradient
+    (use ``fake_quantize`` for training).
+    """
+    spec = _spec_of(spec, axis, overrides)
+    if spec.rounding is RoundingMode.STOCHASTIC or spec.two_level:
+        raise ValueError(f"fake_quantizer: spec {spec.name or spec.dtype.name!r} needs a key or a tensor scale per "
+                         "call; use fake_quantize")
+    shape = tuple(as_int(v) for v in shape)
+    stand_in = np.broadcast_to(np.float32(0), shape)
+    s, zp = _prepare_params(stand_in, spec, _np_view(scale), _np_view(zero_point), ops(stand_in))
+    if like is not None and is_torch(like):
+        t = ops(like).t
+        s = t.from_numpy(np.ascontiguousarray(s)).to(like.device)
+        zp = None if zp is None else t.from_numpy(np.ascontiguousarray(zp)).to(like.device)
+    kind = _fast.kernel_kind(spec)
+    direct = kind in ("int", "float") and isinstance(spec.granularity, (PerTensor, PerChannel))
+    po = ops(s)
+
+    def f(x):
+        if tuple(x.shape) != shape:
+            raise ValueError(f"fake_quantizer was prepared for shape {shape}, got x of shape {tuple(x.shape)}")
+        if ops(x) is not po:
+            raise TypeError(f"fake_quantizer was prepared for {po.name} arrays (like=), got {type(x).__name__}")
+        x, o = to_array(x) if po.name == "numpy" or x.dtype != po.float32 else (x, po)
+        x = o.astype(x, o.float32)
+        if direct:
+            out = _fast.small_given_prepared(x, spec, s, zp, kind, o)
+            if out is not None:
+                return out
+        return _fake_quantize_default(x, s, zp, None, spec=spec)
+
+    return f

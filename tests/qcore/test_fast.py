@@ -278,3 +278,49 @@ def test_fast_cast_equals_generic(fmt, saturate, backend):
     with np.errstate(all="ignore"):
         ref = _cast_float(x, d, qcore.RoundingMode.NEAREST_EVEN, sat, None, o)
     _bits_equal(_np(got), _np(ref))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("case", ["uint4_tensor", "uint4_rows", "int8_rows", "fp8_tensor", "mxfp4"])
+def test_fake_quantizer_equals_fake_quantize(backend, case):
+    """``qcore.fake_quantizer`` (parameters validated once) gives fake_quantize's bits on many tensors."""
+    rng = np.random.default_rng(21)
+    shape = (576, 1) if case != "mxfp4" else (4, 64)
+    if case == "uint4_tensor":
+        spec, s, z = make_spec("uint4", symmetric=False), np.float32([[0.11]]), np.float32([[7]])
+    elif case == "uint4_rows":
+        spec = make_spec("uint4", symmetric=False, granularity=PerChannel(0))
+        s, z = rng.uniform(0.01, 0.2, (576, 1)).astype(np.float32), rng.integers(0, 16, (576, 1)).astype(np.float32)
+    elif case == "int8_rows":
+        spec, s, z = make_spec("int8", granularity=PerChannel(0)), rng.uniform(0.01, 0.2, (576, 1)).astype(np.float32), None
+    elif case == "fp8_tensor":
+        spec, s, z = make_spec("float8_e4m3fn"), np.float32([[0.003]]), None
+    else:
+        spec = make_spec("mxfp4")
+        s, z = np.exp2(rng.integers(-3, 3, (4, 2))).astype(np.float32), None
+    like = None
+    if backend == "torch":
+        torch = pytest.importorskip("torch")
+        like = torch.zeros(1)
+    f = qcore.fake_quantizer(spec, shape=shape, scale=s, zero_point=z, like=like)
+    for i in range(3):
+        x = rng.standard_normal(shape).astype(np.float32) * np.float32(0.5 + i)
+        x.reshape(-1)[:3] = [0.0, -0.0, np.nan]
+        if backend == "torch":
+            x = torch.from_numpy(x)
+        sp = s if backend == "numpy" else torch.from_numpy(s)
+        zp = z if (z is None or backend == "numpy") else torch.from_numpy(z)
+        _bits_equal(_np(f(x)), _np(qcore.fake_quantize(x, spec, scale=sp, zero_point=zp)))
+    with pytest.raises(ValueError, match="prepared for shape"):
+        f(x[:2])
+
+
+def test_fake_quantizer_validates_before_work():
+    spec = make_spec("uint4", symmetric=False)
+    with pytest.raises(ValueError, match="zero_point"):
+        qcore.fake_quantizer(spec, shape=(8, 1), scale=np.float32([[0.1]]), zero_point=np.float32([[0.5]]))
+    with pytest.raises(ValueError, match="scale must be positive"):
+        qcore.fake_quantizer(spec, shape=(8, 1), scale=np.float32([[-0.1]]), zero_point=np.float32([[1]]))
+    with pytest.raises(ValueError, match="key"):
+        qcore.fake_quantizer(make_spec("int8", rounding=qcore.RoundingMode.STOCHASTIC), shape=(8, 1),
+                             scale=np.float32([[0.1]]))
