@@ -398,7 +398,7 @@ def _float_ok(d: FloatDType) -> bool:
 
 def kernel_kind(spec):
     """'float', 'int', 'microexp' or None (generic)."""
-    if spec.rounding is not RoundingMode.NEAREST_EVEN or spec.two_level:
+    if spec.rounding is not RoundingMode.NEAREST_EVEN:
         return None
     d = spec.dtype
     if spec.subblock_shift_bits:
@@ -577,6 +577,16 @@ def iter_slabs(x, spec, scale, zero_point, o, r):
     computed right after its statistics, while the slab is still in cache; otherwise (blocks spanning slabs, or
     given scales) all parameters first, then the slabs."""
     fused = scale is None and all(b is None for _, _, b in r.plan)
+    if spec.two_level and not fused:
+        from .quantize import _check_param, _two_level_multipliers
+
+        scales = _check_param(scale, spec.scale_shape(tuple(x.shape)), "scale", o, x)
+        q_mul, dq_mul = _two_level_multipliers(scales, r.g, o)
+        r.scales, r.zps = scales, None
+        for r0, r1, brow in r.plan:
+            yield (r0, r1, brow, r.slab_in(x, r0, r1), r.per_slab(dq_mul, r0, r1, brow),
+                   r.per_slab(q_mul, r0, r1, brow), None)
+        return
     if not fused:
         scales, inv, zp, _ = params(x, spec, scale, zero_point, o, r)
         r.scales, r.zps = scales, zp
@@ -595,9 +605,16 @@ def iter_slabs(x, spec, scale, zero_point, o, r):
     for r0, r1, _ in r.plan:
         xb = r.slab_in(x, r0, r1)
         amax, lo, hi = _slab_stats(xb, r, need_minmax)
-        sc, inv, zp = _params_from_stats(amax, lo, hi, spec, o, x)
+        if spec.two_level:  # the public scales are the block scales; the kernels take the two multipliers
+            from .quantize import _two_level_scales
+
+            pub, inv, sc = _two_level_scales(amax, r.g, spec, o)
+            zp = None
+        else:
+            sc, inv, zp = _params_from_stats(amax, lo, hi, spec, o, x)
+            pub = sc
         b0, b1 = r0 // t0, -(-r1 // t0)
-        ip.copy_to(full_s[b0:b1], sc.reshape(tuple(full_s[b0:b1].shape)))
+        ip.copy_to(full_s[b0:b1], pub.reshape(tuple(full_s[b0:b1].shape)))
         if zp is not None:
             ip.copy_to(full_z[b0:b1], zp.reshape(tuple(full_z[b0:b1].shape)))
         yield r0, r1, None, xb, sc, inv, zp
@@ -899,7 +916,7 @@ def _prepare(x, o):
     return _NP.contiguous(x) if o.name == "numpy" else x.contiguous()
 
 
-def run_fake_quantize(x, spec, scale, zero_point, o):
+def run_fake_quantize(x, spec, scale, zero_point, o, *, tensor_scale=None):
     """Fast fake_quantize, or None when the spec or layout is not covered (the caller uses the generic path)."""
     kind = kernel_kind(spec)
     if kind is None or _empty(x) or (kind == "microexp" and not _group_last(spec, x)):
@@ -907,9 +924,10 @@ def run_fake_quantize(x, spec, scale, zero_point, o):
     ip = _ip(o)
     x = _prepare(x, o)
     if scale is not None and kind != "microexp" and isinstance(spec.granularity, (PerTensor, PerChannel)) \
-            and _numel(x) <= SLAB:
+            and _numel(x) <= SLAB and not spec.two_level:
         return _small_given(x, spec, scale, zero_point, kind, o, ip)
     r = _Run(x, spec, o, ip)
+    r.g = _tensor_scale(x, spec, tensor_scale, o, ip) if spec.two_level else None
     out = ip.empty(tuple(x.shape), ip.f32, x) if o.name == "torch" else np.empty(x.shape, np.float32)
     with o.quiet():
         for r0, r1, brow, xb, sc, inv, zp in iter_slabs(x, spec, scale, zero_point, o, r):
@@ -976,8 +994,8 @@ def _group_last(spec, x) -> bool:
     return isinstance(g, PerGroup) and len(x.shape) >= 1 and g.axis % len(x.shape) == len(x.shape) - 1
 
 
-def run_quantize(x, spec, scale, zero_point, o):
-    """Fast quantize -> (codes, scales, zero points, shifts), or None (generic path)."""
+def run_quantize(x, spec, scale, zero_point, o, *, tensor_scale=None):
+    """Fast quantize -> (codes, scales, zero points, shifts, tensor scale), or None (generic path)."""
     kind = kernel_kind(spec)
     if kind is None or _empty(x) or (kind == "microexp" and not _group_last(spec, x)):
         return None
@@ -986,6 +1004,7 @@ def run_quantize(x, spec, scale, zero_point, o):
     if scale is not None and o.any(o.isnan(x)):
         return None  # NaN elements under a given scale: the generic path encodes (or refuses) them
     r = _Run(x, spec, o, ip)
+    r.g = _tensor_scale(x, spec, tensor_scale, o, ip) if spec.two_level else None
     d = spec.dtype
     if isinstance(d, IntDType):
         cdt = (ip.i8 if d.signed else ip.u8) if d.bits <= 8 else ip.i32
@@ -1014,7 +1033,29 @@ def run_quantize(x, spec, scale, zero_point, o):
             if bad is not None:  # NaN blocks: codes 0 (their scale carries the NaN)
                 ip.fill_where(cb, bad, 0)
             r.slab_done(codes, cb, r0, r1)
-    return codes, r.scales, r.zps, shifts
+    return codes, r.scales, r.zps, shifts, r.g
+
+
+def _tensor_scale(x, spec, given, o, ip):
+    """Two-level specs: the tensor scale g, with AMAX's tensor absmax as a slab-wise integer reduction."""
+    from .dtypes import TensorScale
+    from .quantize import _f32_const, tensor_scale_from_amax
+
+    if given is not None:
+        return given
+    if spec.tensor_scale_mode is TensorScale.ONE:
+        return _f32_const(1.0, o, x)
+    xf = ip.flat(x)
+    n = _numel(x)
+    buf = ip.empty(min(n, SLAB), ip.i32, x)
+    best = None
+    for i in range(0, n, SLAB):
+        k = buf[:min(n, i + SLAB) - i]
+        ip.band(ip.ibits(xf[i:i + SLAB]), 0x7FFFFFFF, k)
+        m = ip.amax(k, (0,))
+        best = m if best is None else ip.maximum(best, m)
+    amax = o.reshape(ip.fbits(ip.contiguous(best)), ())
+    return tensor_scale_from_amax(amax, spec, o, x)
 
 
 def _bad_blocks(scales, o):
@@ -1073,6 +1114,11 @@ def run_dequantize(q, o):
             back = _int_back(spec, scales, o)
             if back is None:
                 return None
+        if spec.two_level:
+            from .quantize import _two_level_multipliers
+
+            g = o.reshape(o.asarray(q.tensor_scale, o.float32, codes), ())
+            _, scales = _two_level_multipliers(scales, g, o)  # value = element * fl(g * block scale)
         bad = _bad_blocks(scales, o)
         for r0, r1, brow in r.plan:
             cb = r.slab_in(codes, r0, r1)

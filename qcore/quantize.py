@@ -388,12 +388,16 @@ def _tensor_scale(x, spec: QuantSpec, given, o):
     all-zero (or empty) tensor, NaN when the tensor holds a NaN or Inf."""
     if given is not None:
         return given
-    one = _f32_const(1.0, o, x)
     if spec.tensor_scale_mode is TensorScale.ONE or math.prod(tuple(x.shape)) == 0:
-        return one
-    amax = o.amax(o.reshape(o.abs(x), (-1,)), 0, keepdims=False)
+        return _f32_const(1.0, o, x)
+    return tensor_scale_from_amax(o.amax(o.reshape(o.abs(x), (-1,)), 0, keepdims=False), spec, o, x)
+
+
+def tensor_scale_from_amax(amax, spec: QuantSpec, o, like):
+    """AMAX's rule for ``g`` from the tensor's absmax (0-d float32): see ``_tensor_scale``."""
+    one = _f32_const(1.0, o, like)
     with o.quiet():
-        g = amax / _f32_const(spec.qmax * spec.scale_dtype.max_finite, o, x)
+        g = amax / _f32_const(spec.qmax * spec.scale_dtype.max_finite, o, like)
     g = o.where(g < _F32_MIN_NORMAL, _F32_MIN_NORMAL, g)
     g = o.where(amax == 0, one, g)
     return o.where(o.isfinite(amax), g, np.float32(math.nan))
@@ -732,10 +736,10 @@ def quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point=None
     use_compiled = _use_compiled(compile, x, spec)
     tensor_scale = _check_tensor_scale_arg(tensor_scale, spec, o, x)
     scale, zero_point = _prepare_params(x, spec, scale, zero_point, o)
-    if not use_compiled and not spec.two_level:
-        fast = _fast.run_quantize(x, spec, scale, zero_point, o)
+    if not use_compiled:
+        fast = _fast.run_quantize(x, spec, scale, zero_point, o, tensor_scale=tensor_scale)
         if fast is not None:
-            return QTensor(*fast[:3], spec, fast[3])
+            return QTensor(*fast[:3], spec, fast[3], fast[4])
     fn = compiled(_quantize_parts, spec) if use_compiled else partial(_quantize_parts, spec=spec)
     v, scales, zp, shifts, g = fn(x, scale, zero_point, key, tensor_scale)
     d = spec.dtype
@@ -763,10 +767,9 @@ def dequantize(q: QTensor):
     if spec.two_level and q.tensor_scale is None:
         raise ValueError(f"dequantize: spec {spec.name or spec.dtype.name!r} is two-level but the QTensor has no "
                          "tensor_scale")
-    if not spec.two_level:
-        fast = _fast.run_dequantize(QTensor(codes, scales, zp, spec, shifts), o)
-        if fast is not None:
-            return fast
+    fast = _fast.run_dequantize(QTensor(codes, scales, zp, spec, shifts, q.tensor_scale), o)
+    if fast is not None:
+        return fast
     v = decode(codes, spec.dtype)
     vb, blocked = to_blocks(v, spec.granularity, o)
     if spec.two_level:
@@ -825,10 +828,9 @@ def fake_quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point
 
 def _fake_quantize_default(x, scale, zero_point, key, tensor_scale=None, *, spec):
     """The default path: the fast slab kernels where they cover the spec (``qcore._fast``), else the generic."""
-    if not spec.two_level:
-        fast = _fast.run_fake_quantize(x, spec, scale, zero_point, ops(x))
-        if fast is not None:
-            return fast
+    fast = _fast.run_fake_quantize(x, spec, scale, zero_point, ops(x), tensor_scale=tensor_scale)
+    if fast is not None:
+        return fast
     return _fake_quantize_pure(x, scale, zero_point, key, tensor_scale, spec=spec)
 
 

@@ -36,6 +36,8 @@ SPECS = [
     ("int8", {"granularity": PerBlock((8, 16))}), ("int4", {"scale_dtype": "float16", "granularity": PerGroup(32)}),
     ("int16", {"granularity": PerGroup(32)}), ("int2", {"granularity": PerGroup(32), "symmetric": False}),
     ("int8", {"pow2_scale": True, "granularity": PerGroup(32)}),
+    ("nvfp4", {}), ("nvfp4", {"tensor_scale_mode": qcore.TensorScale.ONE}),
+    ("nvfp4", {"scale_dtype": "float8_e5m3", "granularity": PerGroup(32)}),
 ]
 
 
@@ -82,21 +84,34 @@ def _generic_fake(x, spec, scale=None, zp=None):
 
 
 def _generic_quantize(x, spec, scale=None, zp=None):
-    v, scales, z, shifts, _ = _quantize_parts(x, scale, zp, None, spec=spec)
+    v, scales, z, shifts, g = _quantize_parts(x, scale, zp, None, spec=spec)
     d = spec.dtype
     o = ops(x)
     if isinstance(d, qcore.IntDType):
         codes = o.astype(v, (o.int8 if d.signed else o.uint8) if d.bits <= 8 else o.int32)
     else:
         codes = encode(v, d, saturate=True)
-    return codes, scales, z, shifts
+    return codes, scales, z, shifts, g
 
 
 def _generic_dequantize(q):
     o = ops(q.codes)
+    if q.spec.two_level:
+        return _generic_two_level_deq(q)
     v = decode(q.codes, q.spec.dtype)
     vb, blocked = to_blocks(v, q.spec.granularity, o)
     return from_blocks(_dequant_blocks(vb, q.scales, q.zero_points, q.subblock_shifts, blocked, q.spec, o), blocked, o)
+
+
+def _generic_two_level_deq(q):
+    from qcore.quantize import _dequant_two_level, _two_level_multipliers
+
+    o = ops(q.codes)
+    v = decode(q.codes, q.spec.dtype)
+    vb, blocked = to_blocks(v, q.spec.granularity, o)
+    g = o.reshape(o.asarray(q.tensor_scale, o.float32, v), ())
+    _, dq = _two_level_multipliers(q.scales, g, o)
+    return from_blocks(_dequant_two_level(vb, dq, blocked, o), blocked, o)
 
 
 def _np(a):
@@ -130,7 +145,7 @@ def test_fast_equals_generic(p, shape, backend):
     if fast is not None:
         _bits_equal(_np(fast), _np(ref))
     q = _fast.run_quantize(x, spec, None, None, o)
-    codes, scales, z, shifts = _generic_quantize(x, spec)
+    codes, scales, z, shifts, g = _generic_quantize(x, spec)
     if q is not None:
         _bits_equal(_np(q[0]), _np(codes))
         _bits_equal(_np(q[1]), _np(scales))
@@ -138,7 +153,9 @@ def test_fast_equals_generic(p, shape, backend):
             _bits_equal(_np(q[2]), _np(z))
         if shifts is not None:
             _bits_equal(_np(q[3]), _np(shifts))
-    qt = qcore.QTensor(codes, scales, z, spec, shifts)
+    if g is not None:
+        _bits_equal(_np(q[4]), _np(g))
+    qt = qcore.QTensor(codes, scales, z, spec, shifts, g)
     deq = _fast.run_dequantize(qt, o)
     if deq is not None:
         _bits_equal(_np(deq), _np(_generic_dequantize(qt)))
