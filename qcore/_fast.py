@@ -560,13 +560,24 @@ def _slab_stats(xb, r, need_minmax):
     ip = r.ip
     red = tuple(range(1, 2 * len(r.cshape), 2))
     k = r.scratch(xb, "i")
+    amax, amin = ip.amax, ip.amin
+    if ip.name == "numpy" and len(r.cshape) == 1:
+        # Blocks are contiguous runs: numpy's reduceat is about twice as fast as a reduction over a short axis.
+        t = r.ctile[0]
+        shape = tuple(xb.shape[:1]) + (1,)
+
+        def amax(a, _):  # noqa: E306
+            return np.maximum.reduceat(a.reshape(-1), np.arange(0, a.size, t)).reshape(shape)
+
+        def amin(a, _):  # noqa: E306
+            return np.minimum.reduceat(a.reshape(-1), np.arange(0, a.size, t)).reshape(shape)
     if need_minmax:
         _order_keys(ip.ibits(xb), k, ip)
-        lo, hi = _from_keys(ip.amin(k, red), ip), _from_keys(ip.amax(k, red), ip)
+        lo, hi = _from_keys(amin(k, red), ip), _from_keys(amax(k, red), ip)
         with r.o.quiet():
             return r.o.maximum(r.o.abs(lo), r.o.abs(hi)), lo, hi
     ip.band(ip.ibits(xb), 0x7FFFFFFF, k)
-    return ip.fbits(ip.contiguous(ip.amax(k, red))), None, None
+    return ip.fbits(ip.contiguous(amax(k, red))), None, None
 
 
 def iter_slabs(x, spec, scale, zero_point, o, r):
