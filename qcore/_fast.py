@@ -18,15 +18,16 @@ How (every step exact; tests/qcore/test_fast.py checks each against the generic 
    exponent ``e``, the grid step is ``2**k`` with ``k = max(e, emin) - m``; ``C = 1.5 * 2**(k + 23)`` has ulp
    ``2**k`` and ``a + C`` stays in C's binade, so float32 addition rounds ``a`` to the grid, ties to even (C's
    significand is even), and ``(a + C) - C`` is exact. ``C`` is built from ``a``'s exponent bits with two integer
-   operations. The sign is put back with ``copysign`` (so ``-0`` survives). Integer and fixed-point elements use
-   the array library's exact ``rint``.
+   operations. x's sign bit is OR-ed back (so ``-0`` survives). Integer elements use the array library's exact
+   ``rint``; MX9/MX6/MX4 round each pair to ``2**-(m + d)`` by the same add-subtract, with per-element constants
+   made by exponent shifts in int64 pairs (no broadcast over the pairs' tiny axis).
 
 NaN outputs are NaN at the same positions as the generic path; their sign and payload are not specified (the
 kit's comparisons treat NaNs as equal). Everything else is bit-identical.
 
-Specs this path does not cover (rounding modes other than nearest-even, non-saturating float elements, unsigned
-float elements, groups that do not divide their axis, NaN inputs under a given scale for quantize) run the generic
-functions slab by slab (``_generic_slabs``), which keeps the memory bound.
+Specs this path does not cover (rounding modes other than nearest-even, non-saturating float elements inside
+quantize, bfloat16 / E8M0 / unsigned float elements, MX9/MX6/MX4 blocked along another axis than the last, NaN
+inputs under a given scale for quantize) run the generic functions (``kernel_kind`` returns None).
 """
 
 from __future__ import annotations
@@ -111,9 +112,6 @@ class _NumpyIP:
     def rint_(a):
         return np.rint(a, out=a)
 
-    @staticmethod
-    def copysign(a, s, out):
-        return np.copysign(a, s, out=out)
 
     @staticmethod
     def band(a, m, out):
@@ -168,30 +166,18 @@ class _NumpyIP:
         np.copyto(dst, src, casting="unsafe")
         return dst
 
-    @staticmethod
-    def gather(table, idx, out):
-        return np.take(table, idx, out=out)
 
     @staticmethod
     def fill_where(a, mask, value):
         np.copyto(a, value, where=mask)
         return a
 
-    @staticmethod
-    def any(a):
-        return bool(np.any(a))
 
-    @staticmethod
-    def to_f32(a):
-        return a if a.dtype == np.float32 else a.astype(np.float32)
 
     @staticmethod
     def contiguous(a):
         return np.ascontiguousarray(a)
 
-    @staticmethod
-    def quiet():
-        return np.errstate(all="ignore")
 
 
 class _TorchIP:
@@ -246,8 +232,6 @@ class _TorchIP:
     def rint_(a):
         return a.round_()
 
-    def copysign(self, a, s, out):
-        return self.t.copysign(a, s, out=out)
 
     def band(self, a, m, out):
         return self.t.bitwise_and(a, m, out=out)
@@ -289,28 +273,17 @@ class _TorchIP:
     def copy_to(dst, src):
         return dst.copy_(src)
 
-    def gather(self, table, idx, out):
-        return self.t.index_select(table, 0, idx, out=out)
 
     @staticmethod
     def fill_where(a, mask, value):
         return a.masked_fill_(mask, float(value))
 
-    def any(self, a):
-        return bool(self.t.any(a))
 
-    def to_f32(self, a):
-        return a if a.dtype == self.t.float32 else a.to(self.t.float32)
 
     @staticmethod
     def contiguous(a):
         return a.contiguous()
 
-    @staticmethod
-    def quiet():
-        import contextlib
-
-        return contextlib.nullcontext()
 
 
 _NP = _NumpyIP()
