@@ -933,6 +933,27 @@ def run_fake_quantize(x, spec, scale, zero_point, o, *, tensor_scale=None):
     return out
 
 
+def generic_rows(fn, x, spec, scale, zero_point, key, o, *, tensor_scale=None):
+    """The generic function ``fn(x_rows, None, None, key, ...)`` applied to slabs of whole rows of axis 0 (the
+    memory bound for specs the fast kernels do not cover), or None where that would change the result: given
+    parameters, blocks that span rows (per-tensor, per-channel along another axis), two-level scales (a
+    tensor-wide scale) and stochastic rounding (its random bits follow the flat element index)."""
+    shape = tuple(x.shape)
+    if (scale is not None or zero_point is not None or tensor_scale is not None or spec.two_level or not shape
+            or spec.rounding is RoundingMode.STOCHASTIC or _numel(x) <= SLAB):
+        return None
+    t0 = tile_shape(spec.granularity, shape)[0]
+    if t0 >= shape[0]:
+        return None
+    rowsize = _numel(x) // shape[0]
+    step = max(1, SLAB // max(1, t0 * rowsize)) * t0
+    ip = _ip(o)
+    out = ip.empty(shape, ip.f32, x) if o.name == "torch" else np.empty(shape, np.float32)
+    for r0 in range(0, shape[0], step):
+        ip.copy_to(out[r0:r0 + step], fn(x[r0:r0 + step], None, None, key, spec=spec))
+    return out
+
+
 def _numel(x) -> int:
     n = 1
     for v in x.shape:

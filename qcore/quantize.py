@@ -831,6 +831,9 @@ def _fake_quantize_default(x, scale, zero_point, key, tensor_scale=None, *, spec
     fast = _fast.run_fake_quantize(x, spec, scale, zero_point, ops(x), tensor_scale=tensor_scale)
     if fast is not None:
         return fast
+    rows = _fast.generic_rows(_fake_quantize_pure, x, spec, scale, zero_point, key, ops(x), tensor_scale=tensor_scale)
+    if rows is not None:
+        return rows
     return _fake_quantize_pure(x, scale, zero_point, key, tensor_scale, spec=spec)
 
 

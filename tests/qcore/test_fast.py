@@ -341,3 +341,18 @@ def test_fake_quantizer_validates_before_work():
     with pytest.raises(ValueError, match="key"):
         qcore.fake_quantizer(make_spec("int8", rounding=qcore.RoundingMode.STOCHASTIC), shape=(8, 1),
                              scale=np.float32([[0.1]]))
+
+
+@pytest.mark.parametrize("mode", ["NEAREST_AWAY", "TOWARD_ZERO", "FLOOR", "CEIL"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4", "bfloat16"])
+def test_generic_specs_run_in_row_slabs(monkeypatch, mode, fmt):
+    """Specs the fast kernels do not cover run the generic function on slabs of rows: same bits as one call."""
+    rng = np.random.default_rng(2)
+    x = _inputs(rng, (64, 96))
+    kw = {"granularity": PerGroup(32)} if fmt == "int4" else ({"granularity": PerChannel(0)} if fmt == "bfloat16" else {})
+    spec = make_spec(fmt, rounding=getattr(qcore.RoundingMode, mode), **kw)
+    assert _fast.kernel_kind(spec) is None
+    monkeypatch.setattr(_fast, "SLAB", 500)
+    got = _fast.generic_rows(_fake_quantize_pure, x, spec, None, None, None, ops(x))
+    assert got is not None
+    _bits_equal(got, _generic_fake(x, spec))
