@@ -22,3 +22,7 @@ FormatLike = Union[str, "IntDType", "FloatDType", "BlockDType"]
 
 SpecLike = Union[str, "IntDType", "FloatDType", "BlockDType", "QuantSpec"]
 """A ``QuantSpec``, or a format whose default spec ``qcore.make_spec`` builds."""
+
+KeyLike = Any
+"""A stochastic-rounding key: a non-negative int below 2**63, a ``numpy.random.Generator`` or a
+``torch.Generator`` (or None where no key is needed)."""

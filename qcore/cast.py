@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from . import _fast
+from ._typing import Array, ArrayLike, FormatLike, KeyLike
 from ._backend import ops, to_array
 from .dtypes import BlockDType, FloatDType, IntDType, Specials, get_dtype
 from .rounding import RoundingMode, _round_sig, check_mode, decompose, pow2, round_to_integral
@@ -83,8 +84,8 @@ def _cast_int(x, d: IntDType, rounding, key, o):
     return o.clip(y, np.float32(d.min), np.float32(d.max))
 
 
-def cast(x, dtype, *, rounding: RoundingMode = RoundingMode.NEAREST_EVEN, saturate: bool | None = None,
-         key: int | None = None):
+def cast(x: ArrayLike, dtype: FormatLike, *, rounding: RoundingMode = RoundingMode.NEAREST_EVEN,
+         saturate: bool | None = None, key: KeyLike = None) -> Array:
     """Round ``x`` elementwise to the grid of ``dtype``; float32 in, float32 out.
 
     ``x``: numpy array, torch tensor, or Python number/list (-> numpy). Any floating input dtype is accepted
@@ -180,8 +181,8 @@ def _float_codes_of_grid_values(v, d: FloatDType, o):
     return code
 
 
-def encode(x, dtype, *, rounding: RoundingMode = RoundingMode.NEAREST_EVEN, saturate: bool | None = None,
-           key: int | None = None):
+def encode(x: ArrayLike, dtype: FormatLike, *, rounding: RoundingMode = RoundingMode.NEAREST_EVEN,
+           saturate: bool | None = None, key: KeyLike = None) -> Array:
     """Round ``x`` to ``dtype`` (as ``cast``) and return the bit codes (uint8 for <= 8 bits, else int32).
 
     Signed integer formats of <= 8 bits return int8 values; unsigned ones uint8. NaN in a format without a NaN
@@ -204,7 +205,7 @@ def encode(x, dtype, *, rounding: RoundingMode = RoundingMode.NEAREST_EVEN, satu
     return o.astype(code, o.uint8 if d.bits <= 8 else o.int32)
 
 
-def decode(codes, dtype):
+def decode(codes: ArrayLike, dtype: FormatLike) -> Array:
     """Values (float32) of the bit codes ``codes`` of ``dtype``. Codes out of range raise ``ValueError``."""
     d = _element_dtype(dtype, "decode")
     o = ops(codes)

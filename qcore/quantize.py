@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
 from functools import partial
 
 from . import _fast
+from ._typing import Array, ArrayLike, KeyLike, SpecLike
 from ._backend import is_torch, ops, to_array
 from ._compiled import compiled
 from ._elements import _check_given_scale, _check_param, _elements, _int_clip  # noqa: F401 (re-exported)
@@ -197,8 +198,7 @@ def _granularity_with_axis(g, axis: int, what: str):
                      f"axis= (or use PerChannel/PerGroup)")
 
 
-def make_spec(fmt: Union[str, IntDType, FloatDType, BlockDType, QuantSpec], *, axis: Optional[int] = None,
-              **overrides) -> QuantSpec:
+def make_spec(fmt: SpecLike, *, axis: Optional[int] = None, **overrides: Any) -> QuantSpec:
     """The default spec of a format name (or dtype), with keyword overrides of QuantSpec fields.
 
     Element formats default to per-tensor float32 scales, symmetric (unsigned integers: asymmetric). Block
@@ -689,8 +689,9 @@ def _check_qtensor(q: QTensor):
     return codes, scales, zp, shifts
 
 
-def quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point=None, key: Optional[int] = None,
-             tensor_scale=None, compile: bool = False, **overrides) -> QTensor:
+def quantize(x: ArrayLike, spec: SpecLike, *, axis: Optional[int] = None, scale: Optional[ArrayLike] = None,
+             zero_point: Optional[ArrayLike] = None, key: KeyLike = None, tensor_scale: Optional[ArrayLike] = None,
+             compile: bool = False, **overrides: Any) -> QTensor:
     """Quantize ``x`` (float array) with ``spec`` (a QuantSpec, a format name or a dtype) -> ``QTensor``.
 
     ``scale``/``zero_point``: calibrated parameters of shape ``spec.scale_shape(x.shape)`` (static
@@ -750,7 +751,7 @@ def quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point=None
     return QTensor(codes, scales, zp, spec, shifts, g)
 
 
-def dequantize(q: QTensor):
+def dequantize(q: QTensor) -> Array:
     """Float32 values of a ``QTensor``: (element value - zero point) * scale, per block.
 
     The QTensor is validated first (ValueError/TypeError naming the part): codes an integer array in the
@@ -797,8 +798,9 @@ def _dequant_blocks(vb, scales, zp, shifts, blocked, spec, o):
         return vb * sb
 
 
-def fake_quantize(x, spec, *, axis: Optional[int] = None, scale=None, zero_point=None, key: Optional[int] = None,
-                  tensor_scale=None, compile: bool = False, **overrides):
+def fake_quantize(x: ArrayLike, spec: SpecLike, *, axis: Optional[int] = None, scale: Optional[ArrayLike] = None,
+                  zero_point: Optional[ArrayLike] = None, key: KeyLike = None,
+                  tensor_scale: Optional[ArrayLike] = None, compile: bool = False, **overrides: Any) -> Array:
     """``dequantize(quantize(x, spec, ...))``, bit for bit, without building codes. Same arguments as quantize.
 
     Gradients (torch tensors that require grad): straight-through, ``d out / d x`` is the identity, whatever
@@ -837,7 +839,9 @@ def _fake_quantize_default(x, scale, zero_point, key, tensor_scale=None, *, spec
     return _fake_quantize_pure(x, scale, zero_point, key, tensor_scale, spec=spec)
 
 
-def fake_quantizer(spec, *, shape, scale, zero_point=None, like=None, axis: Optional[int] = None, **overrides):
+def fake_quantizer(spec: SpecLike, *, shape: tuple[int, ...], scale: ArrayLike, zero_point: Optional[ArrayLike] = None,
+                   like: Optional[Array] = None, axis: Optional[int] = None,
+                   **overrides: Any) -> Callable[[Array], Array]:
     """Validate calibrated parameters once; return ``f(x) == fake_quantize(x, spec, scale=..., zero_point=...)``.
 
     For loops that apply the same scales to many tensors of one ``shape`` (GPTQ's column step: one column of

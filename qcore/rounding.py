@@ -28,6 +28,7 @@ import enum
 
 import numpy as np
 
+from ._typing import Array, ArrayLike, KeyLike
 from ._backend import ops, to_array
 
 __all__ = ["RoundingMode", "round_to_step", "round_to_integral", "random_bits"]
@@ -61,7 +62,7 @@ def _is_torch_generator(key) -> bool:
     return type(key).__name__ == "Generator" and type(key).__module__.startswith("torch")
 
 
-def check_mode(mode, key):
+def check_mode(mode: RoundingMode, key: KeyLike) -> int | None:
     """Validate a rounding mode / key pair; returns the key as a non-negative int (or None).
 
     ``key`` may be an int in [0, 2**63) (the counter-based stream: same key, same bits, on numpy and torch), or a
@@ -187,7 +188,8 @@ def _round_sig(neg, sig, exp, k, mode, key, o, like):
     return r, d <= 0
 
 
-def round_to_step(x, k, *, mode: RoundingMode = RoundingMode.NEAREST_EVEN, key: int | None = None):
+def round_to_step(x: ArrayLike, k: ArrayLike, *, mode: RoundingMode = RoundingMode.NEAREST_EVEN,
+                  key: KeyLike = None) -> Array:
     """Round float32 ``x`` to a multiple of ``2**k`` (``k`` an int or int array broadcastable to x).
 
     Exact for every finite input; Inf/NaN pass through. ``k`` must lie in [-149, 127]. Returns float32 of the
@@ -207,7 +209,8 @@ def round_to_step(x, k, *, mode: RoundingMode = RoundingMode.NEAREST_EVEN, key: 
     return o.where(finite, out, x)
 
 
-def round_to_integral(x, *, mode: RoundingMode = RoundingMode.NEAREST_EVEN, key: int | None = None):
+def round_to_integral(x: ArrayLike, *, mode: RoundingMode = RoundingMode.NEAREST_EVEN,
+                      key: KeyLike = None) -> Array:
     """Round float32 ``x`` to integers (as float32) with ``mode``; equals ``round_to_step(x, 0)``.
 
     The four IEEE directed/even modes use the array library's own exact float ops (rint, trunc, floor, ceil:
