@@ -43,9 +43,15 @@ from .dtypes import ScaleMode
 from .scales import (asymmetric_scale, element_emax_and_max, floor_log2, pow2_scale_exponent, scale_exponent_range,
                      symmetric_scale)
 
-__all__ = ["fake_quantize", "quantize", "dequantize", "cast_float", "SLAB"]
+__all__ = ["run_fake_quantize", "run_quantize", "run_dequantize", "run_cast", "cast_ok", "kernel_kind", "small_given_prepared",
+           "SLAB", "SLAB_TORCH"]
 
-SLAB = 1 << 18  # elements per slab: 1 MiB of float32, a few of which fit the L2/L3 caches of current CPUs
+SLAB = 1 << 18  # elements per slab on numpy: 1 MiB of float32, a few of which fit a CPU's L2/L3 caches
+SLAB_TORCH = 1 << 20  # torch: fewer, larger slabs (each op has dispatch and thread-pool costs); fits L3
+
+
+def slab_size(o) -> int:
+    return SLAB_TORCH if o.name == "torch" else SLAB
 
 _EXP_MASK = 0x7F800000
 
@@ -802,7 +808,7 @@ class _Run:
         else:
             self.cshape, self.ctile = canonical(self.pshape, tile)
         self.cscale = [-(-s // t) if s else 0 for s, t in zip(self.cshape, self.ctile)]
-        self.plan = slabs(self.cshape, self.ctile, SLAB)
+        self.plan = slabs(self.cshape, self.ctile, slab_size(o))
         rowsize = 1
         for s in self.cshape[1:]:
             rowsize *= s
@@ -908,7 +914,7 @@ def run_fake_quantize(x, spec, scale, zero_point, o, *, tensor_scale=None):
     ip = _ip(o)
     x = _prepare(x, o)
     if scale is not None and kind != "microexp" and isinstance(spec.granularity, (PerTensor, PerChannel)) \
-            and _numel(x) <= SLAB and not spec.two_level:
+            and _numel(x) <= slab_size(o) and not spec.two_level:
         return _small_given(x, spec, scale, zero_point, kind, o, ip)
     r = _Run(x, spec, o, ip)
     r.g = _tensor_scale(x, spec, tensor_scale, o, ip) if spec.two_level else None
@@ -940,13 +946,13 @@ def generic_rows(fn, x, spec, scale, zero_point, key, o, *, tensor_scale=None):
     tensor-wide scale) and stochastic rounding (its random bits follow the flat element index)."""
     shape = tuple(x.shape)
     if (scale is not None or zero_point is not None or tensor_scale is not None or spec.two_level or not shape
-            or spec.rounding is RoundingMode.STOCHASTIC or _numel(x) <= SLAB):
+            or spec.rounding is RoundingMode.STOCHASTIC or _numel(x) <= slab_size(o)):
         return None
     t0 = tile_shape(spec.granularity, shape)[0]
     if t0 >= shape[0]:
         return None
     rowsize = _numel(x) // shape[0]
-    step = max(1, SLAB // max(1, t0 * rowsize)) * t0
+    step = max(1, slab_size(o) // max(1, t0 * rowsize)) * t0
     ip = _ip(o)
     out = ip.empty(shape, ip.f32, x) if o.name == "torch" else np.empty(shape, np.float32)
     for r0 in range(0, shape[0], step):
@@ -1052,11 +1058,12 @@ def _tensor_scale(x, spec, given, o, ip):
         return _f32_const(1.0, o, x)
     xf = ip.flat(x)
     n = _numel(x)
-    buf = ip.empty(min(n, SLAB), ip.i32, x)
+    step = slab_size(o)
+    buf = ip.empty(min(n, step), ip.i32, x)
     best = None
-    for i in range(0, n, SLAB):
-        k = buf[:min(n, i + SLAB) - i]
-        ip.band(ip.ibits(xf[i:i + SLAB]), 0x7FFFFFFF, k)
+    for i in range(0, n, step):
+        k = buf[:min(n, i + step) - i]
+        ip.band(ip.ibits(xf[i:i + step]), 0x7FFFFFFF, k)
         m = ip.amax(k, (0,))
         best = m if best is None else ip.maximum(best, m)
     amax = o.reshape(ip.fbits(ip.contiguous(best)), ())
@@ -1187,6 +1194,15 @@ def _lookup(table, cs, ob, ip, r):
     ip.t.index_select(table, 0, idx, out=ob.reshape(-1))
 
 
+def tracing(o) -> bool:
+    """True while torch.compile traces the generic functions (``compile=True``): the slab loop is for eager
+    calls; traced, the generic element-wise code fuses better."""
+    if o.name != "torch":
+        return False
+    comp = getattr(o.t, "compiler", None)
+    return bool(comp is not None and comp.is_compiling())
+
+
 def cast_ok(d, rounding) -> bool:
     """Elementwise casts the fast kernel covers: nearest-even to small signed float formats with subnormals."""
     return (rounding is RoundingMode.NEAREST_EVEN and _float_ok(d)
@@ -1203,7 +1219,8 @@ def run_cast(x, d: FloatDType, saturate: bool, o):
     xf = ip.flat(x)
     n = xf.size if ip.name == "numpy" else xf.numel()
     out = ip.empty(n, ip.f32, x)
-    m = min(n, SLAB)
+    step = slab_size(o)
+    m = min(n, step)
     a, ib = ip.empty(m, ip.f32, x), ip.empty(m, ip.i32, x)
     maxf = np.float32(d.max_finite)
     if d.specials is Specials.IEEE:
@@ -1211,8 +1228,8 @@ def run_cast(x, d: FloatDType, saturate: bool, o):
     else:
         over_val = np.float32(math.nan)
     with o.quiet():
-        for i in range(0, n, SLAB):
-            j = min(i + SLAB, n)
+        for i in range(0, n, step):
+            j = min(i + step, n)
             xs, os_, aa, ii = xf[i:j], out[i:j], a[:j - i], ib[:j - i]
             ip.band(ip.ibits(xs), 0x7FFFFFFF, ip.ibits(aa))
             ip.min_(aa, maxf if saturate else np.float32(2.0 ** (d.emax + 2)))

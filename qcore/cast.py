@@ -125,7 +125,7 @@ def cast(x: ArrayLike, dtype: FormatLike, *, rounding: RoundingMode = RoundingMo
     with o.quiet():
         if _is_fixed_point(d) and rounding in _DIRECT:
             return _cast_fixed_point(x, d, rounding, o)
-        if _fast.cast_ok(d, rounding) and not _fast._empty(x):
+        if _fast.cast_ok(d, rounding) and not _fast._empty(x) and not _fast.tracing(o):
             return _fast.run_cast(x, d, sat, o)
         return _cast_float(x, d, rounding, sat, key, o)
 

@@ -207,6 +207,7 @@ def test_small_slabs_equal_one_slab(monkeypatch):
         spec = make_spec(fmt, **kw)
         ref = _generic_fake(x, spec)
         monkeypatch.setattr(_fast, "SLAB", 100)
+        monkeypatch.setattr(_fast, "SLAB_TORCH", 100)
         plan = _fast.slabs([64, 48], [64, 1] if kw.get("granularity") else [64, 48], target=100)
         assert len(plan) > 1
         got = _fast.run_fake_quantize(x, spec, None, None, ops(x))
@@ -353,6 +354,7 @@ def test_generic_specs_run_in_row_slabs(monkeypatch, mode, fmt):
     spec = make_spec(fmt, rounding=getattr(qcore.RoundingMode, mode), **kw)
     assert _fast.kernel_kind(spec) is None
     monkeypatch.setattr(_fast, "SLAB", 500)
+    monkeypatch.setattr(_fast, "SLAB_TORCH", 500)
     got = _fast.generic_rows(_fake_quantize_pure, x, spec, None, None, None, ops(x))
     assert got is not None
     _bits_equal(got, _generic_fake(x, spec))
