@@ -464,6 +464,12 @@ def small_rows(args, torch, with_numpy):
         rows.append({"case": label, "backend": "torch", "qcore_us": t_a * 1e6, "ref": "plain torch expression",
                      "ref_us": t_b * 1e6, "qcore_over_ref": t_a / t_b, "target": f"<= {TARGETS['small_over_plain']}",
                      "same_bits": same_bits(qc(), plain())})
+        # The same step with the parameters validated once (qcore.fake_quantizer), as a GPTQ loop would use it.
+        fq = qcore.fake_quantizer(spec, shape=tuple(w.shape), scale=s, zero_point=z, like=w)
+        t_a, t_b = paired(lambda fq=fq, w=w: fq(w), plain, rep, n)
+        rows.append({"case": label.replace("gptq col", "fake_quantizer"), "backend": "torch", "qcore_us": t_a * 1e6,
+                     "ref": "plain torch expression", "ref_us": t_b * 1e6, "qcore_over_ref": t_a / t_b,
+                     "target": f"<= {TARGETS['small_over_plain']}", "same_bits": same_bits(fq(w), plain())})
         if with_numpy:
             wn, sn, zn = w.numpy(), s.numpy(), z.numpy()
 
