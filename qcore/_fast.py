@@ -37,7 +37,7 @@ import math
 import numpy as np
 
 from .dtypes import FloatDType, IntDType, Specials
-from .granularity import PerBlock, PerChannel, PerGroup, PerTensor, tile_shape
+from .granularity import PerChannel, PerGroup, PerTensor, tile_shape
 from .rounding import RoundingMode, pow2
 from .dtypes import ScaleMode
 from .scales import (asymmetric_scale, element_emax_and_max, floor_log2, pow2_scale_exponent, scale_exponent_range,
@@ -504,8 +504,8 @@ def _params_from_stats(amax, lo, hi, spec, o, like):
             # smallest exponent and is clamped there; field 255 is NaN/Inf.
             smin, smax = scale_exponent_range(spec.scale_dtype)
             field = o.astype(amax, o.float32)
-            field = ip_of(o).shr(ip_of(o).ibits(ip_of(o).contiguous(field)), 23, None)
-            field = ip_of(o).band(field, 0xFF, field)  # a NaN from torch.maximum can carry the sign bit
+            field = _ip(o).shr(_ip(o).ibits(_ip(o).contiguous(field)), 23, None)
+            field = _ip(o).band(field, 0xFF, field)  # a NaN from torch.maximum can carry the sign bit
             bad = field == 255
             s = o.clip(field - (127 + emax_eff), smin, smax)
         else:
@@ -525,13 +525,9 @@ def _params_from_stats(amax, lo, hi, spec, o, like):
 
 def _pow2_small(k, o):
     """2.0**k as float32 for int32 k in [-127, 127] (normal, or the one subnormal 2**-127), from bits."""
-    ip = ip_of(o)
+    ip = _ip(o)
     bits = o.where(k >= -126, (k + 127) << 23, 0x00400000)
     return ip.fbits(ip.contiguous(o.astype(bits, o.int32)))
-
-
-def ip_of(o):
-    return _ip(o)
 
 
 def _slab_stats(xb, r, need_minmax):
@@ -539,17 +535,17 @@ def _slab_stats(xb, r, need_minmax):
     ip = r.ip
     red = tuple(range(1, 2 * len(r.cshape), 2))
     k = r.scratch(xb, "i")
-    amax, amin = ip.amax, ip.amin
     if ip.name == "numpy" and len(r.cshape) == 1:
         # Blocks are contiguous runs: numpy's reduceat is about twice as fast as a reduction over a short axis.
-        t = r.ctile[0]
-        shape = tuple(xb.shape[:1]) + (1,)
+        starts, shape = np.arange(0, k.size, r.ctile[0]), tuple(xb.shape[:1]) + (1,)
 
-        def amax(a, _):  # noqa: E306
-            return np.maximum.reduceat(a.reshape(-1), np.arange(0, a.size, t)).reshape(shape)
+        def amax(a, _):
+            return np.maximum.reduceat(a.reshape(-1), starts).reshape(shape)
 
-        def amin(a, _):  # noqa: E306
-            return np.minimum.reduceat(a.reshape(-1), np.arange(0, a.size, t)).reshape(shape)
+        def amin(a, _):
+            return np.minimum.reduceat(a.reshape(-1), starts).reshape(shape)
+    else:
+        amax, amin = ip.amax, ip.amin
     if need_minmax:
         _order_keys(ip.ibits(xb), k, ip)
         lo, hi = _from_keys(amin(k, red), ip), _from_keys(amax(k, red), ip)

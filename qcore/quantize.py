@@ -28,7 +28,7 @@ from .dtypes import BlockDType, FloatDType, IntDType, ScaleMode, TensorScale, ge
 from .granularity import (Granularity, PerChannel, PerGroup, PerTensor, as_int, check_granularity, from_blocks,
                           scales_to_blocked, to_blocks)
 from .granularity import scale_shape as _scale_shape
-from .rounding import RoundingMode, check_mode, pow2, round_to_integral
+from .rounding import RoundingMode, check_mode, pow2
 from .scales import (_round_scale, asymmetric_scale, floor_log2, pow2_scale_exponent, scale_exponent_range,
                      symmetric_scale)
 
