@@ -363,19 +363,27 @@ def run_memory_subprocess(args):
 # ---------------------------------------------------------------------------------------------------------------
 # Rows
 # ---------------------------------------------------------------------------------------------------------------
-def torch_row(name, x, args, torch):
-    spec = spec_of(name)
-    rep = args.repeat
-    r = {"format": name}
+def time_default_path(x, spec, ref, ref_name, rep, r):
+    """The default call against ``ref`` (clone/copy), and quantize and dequantize against it; fills ``r`` with
+    ``{ref_name}_ms``, ``fake_ms``, ``fake_x``, ``quantize_ms``, ``q_over_fake``, ``dequantize_ms``,
+    ``dq_over_fake``; returns (the QTensor, the fake_quantize call, the reference's median time)."""
     fake = lambda: qcore.fake_quantize(x, spec)  # noqa: E731
     r["samples_ms"] = {}
-    t_fake, t_clone = paired(fake, lambda: x.clone(), rep, samples=r["samples_ms"])
-    r.update(clone_ms=t_clone * 1e3, fake_ms=t_fake * 1e3, fake_x=t_fake / t_clone)
+    t_fake, t_ref = paired(fake, ref, rep, samples=r["samples_ms"])
+    r.update({f"{ref_name}_ms": t_ref * 1e3, "fake_ms": t_fake * 1e3, "fake_x": t_fake / t_ref})
     q = qcore.quantize(x, spec)
     t_q, t_f = paired(lambda: qcore.quantize(x, spec), fake, rep)
     r.update(quantize_ms=t_q * 1e3, q_over_fake=t_q / t_f)
     t_dq, t_f = paired(lambda: qcore.dequantize(q), fake, rep)
     r.update(dequantize_ms=t_dq * 1e3, dq_over_fake=t_dq / t_f)
+    return q, fake, t_ref
+
+
+def torch_row(name, x, args, torch):
+    spec = spec_of(name)
+    rep = args.repeat
+    r = {"format": name}
+    q, fake, t_clone = time_default_path(x, spec, lambda: x.clone(), "clone", rep, r)
     y = fake()
     bits = {"t~n": same_bits(y, qcore.fake_quantize(x.numpy(), spec)), "q": same_bits(qcore.dequantize(q), y)}
     del q
@@ -414,15 +422,7 @@ def numpy_row(name, xn, args):
     spec = spec_of(name)
     rep = args.repeat
     r = {"format": name}
-    fake = lambda: qcore.fake_quantize(xn, spec)  # noqa: E731
-    r["samples_ms"] = {}
-    t_fake, t_copy = paired(fake, lambda: xn.copy(), rep, samples=r["samples_ms"])
-    r.update(copy_ms=t_copy * 1e3, fake_ms=t_fake * 1e3, fake_x=t_fake / t_copy)
-    q = qcore.quantize(xn, spec)
-    t_q, t_f = paired(lambda: qcore.quantize(xn, spec), fake, rep)
-    r.update(quantize_ms=t_q * 1e3, q_over_fake=t_q / t_f)
-    t_dq, t_f = paired(lambda: qcore.dequantize(q), fake, rep)
-    r.update(dequantize_ms=t_dq * 1e3, dq_over_fake=t_dq / t_f)
+    q, fake, t_copy = time_default_path(xn, spec, lambda: xn.copy(), "copy", rep, r)
     y = fake()
     bits = {"q": same_bits(qcore.dequantize(q), y)}
     xs = np.ascontiguousarray(xn[:ORACLE_SLICE, :ORACLE_SLICE])

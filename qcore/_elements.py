@@ -77,3 +77,4 @@ def _check_param(p, shape, name, o, like):
             raise ValueError(f"{name} has shape {tuple(p.shape)}; this spec needs {tuple(shape)} (or a shape that "
                              f"broadcasts to it)") from None
     return p
+

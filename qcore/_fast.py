@@ -36,15 +36,14 @@ import math
 
 import numpy as np
 
-from .dtypes import FloatDType, IntDType, Specials
+from .dtypes import FloatDType, IntDType, ScaleMode, Specials
 from .granularity import PerChannel, PerGroup, PerTensor, tile_shape
-from .rounding import RoundingMode, pow2
-from .dtypes import ScaleMode
-from .scales import (asymmetric_scale, element_emax_and_max, floor_log2, pow2_scale_exponent, scale_exponent_range,
-                     symmetric_scale)
+from .rounding import RoundingMode
+from .scales import (asymmetric_scale, element_emax_and_max, inverse_pow2_scales, pow2_scale_exponent,
+                     scale_exponent_range, symmetric_scale)
 
-__all__ = ["run_fake_quantize", "run_quantize", "run_dequantize", "run_cast", "cast_ok", "kernel_kind", "small_given_prepared",
-           "SLAB", "SLAB_TORCH"]
+__all__ = ["run_fake_quantize", "run_quantize", "run_dequantize", "run_cast", "cast_ok", "kernel_kind",
+           "small_given_prepared", "SLAB", "SLAB_TORCH"]
 
 SLAB = 1 << 18  # elements per slab on numpy: 1 MiB of float32, a few of which fit a CPU's L2/L3 caches
 SLAB_TORCH = 1 << 20  # torch: fewer, larger slabs (each op has dispatch and thread-pool costs); fits L3
@@ -118,7 +117,6 @@ class _NumpyIP:
     def rint_(a):
         return np.rint(a, out=a)
 
-
     @staticmethod
     def band(a, m, out):
         return np.bitwise_and(a, m, out=out)
@@ -172,12 +170,10 @@ class _NumpyIP:
         np.copyto(dst, src, casting="unsafe")
         return dst
 
-
     @staticmethod
     def fill_where(a, mask, value):
         np.copyto(a, value, where=mask)
         return a
-
 
 
     @staticmethod
@@ -238,7 +234,6 @@ class _TorchIP:
     def rint_(a):
         return a.round_()
 
-
     def band(self, a, m, out):
         return self.t.bitwise_and(a, m, out=out)
 
@@ -279,11 +274,9 @@ class _TorchIP:
     def copy_to(dst, src):
         return dst.copy_(src)
 
-
     @staticmethod
     def fill_where(a, mask, value):
         return a.masked_fill_(mask, float(value))
-
 
 
     @staticmethod
@@ -400,26 +393,15 @@ def _fixed_point(d) -> bool:
 # Statistics and parameters.
 # ---------------------------------------------------------------------------------------------------------------
 def _stats(r, x, need_minmax):
-    """Per-block statistics, slab by slab: absmax, or (min, max); lists of per-slab arrays (blocked-scale layout)
-    in canonical block order. Blocks that span several slabs combine their parts."""
+    """Per-block statistics of every slab (``_slab_stats``): lists of absmax, or of (min, max), per slab in the
+    blocked-scale layout, in canonical block order. Blocks that span several slabs combine their parts."""
     ip = r.ip
-    red = tuple(range(1, 2 * len(r.cshape), 2))
     parts_a, parts_lo, parts_hi = [], [], []
     pending = None  # (block_row, a, lo, hi) while a block row spans several slabs
     for r0, r1, brow in r.plan:
-        xb = r.slab_in(x, r0, r1)
-        # Reductions over the float32 bits as int32 (monotone keys): integer max/min vectorise well over the short
-        # inner axes of small blocks, where float reductions do not; NaN has the largest magnitude key, so a NaN
-        # in a block still makes its statistic NaN.
-        k = r.scratch(xb, "i")
+        a, lo, hi = _slab_stats(r.slab_in(x, r0, r1), r, need_minmax)
         if need_minmax:
-            _order_keys(ip.ibits(xb), k, ip)
-            lo, hi = _from_keys(ip.amin(k, red), ip), _from_keys(ip.amax(k, red), ip)
             a = None
-        else:
-            ip.band(ip.ibits(xb), 0x7FFFFFFF, k)
-            a = ip.fbits(ip.contiguous(ip.amax(k, red)))
-            lo = hi = None
         if brow is None:
             parts_a.append(a), parts_lo.append(lo), parts_hi.append(hi)
             continue
@@ -474,10 +456,7 @@ def params(x, spec, scale, zero_point, o, r):
             if zero_point is None:
                 raise ValueError("an asymmetric spec with a given scale also needs zero_point=")
             zp = _check_param(zero_point, sshape, "zero_point", o, x)
-        inv = None
-        if spec.pow2_scale:
-            s = o.where(o.isnan(scales), 0, floor_log2(scales))
-            inv = o.where(o.isnan(scales), np.float32(math.nan), pow2(-s, o, x))
+        inv = inverse_pow2_scales(scales, o, x) if spec.pow2_scale else None
         return scales, inv, zp, None
     need_minmax = (not spec.symmetric) or spec.bump_on_overflow
     pa, plo, phi = _stats(r, x, need_minmax)
@@ -531,7 +510,11 @@ def _pow2_small(k, o):
 
 
 def _slab_stats(xb, r, need_minmax):
-    """Statistics of one slab's blocks (blocked-scale layout): (absmax, lo, hi) with lo/hi None unless needed."""
+    """Statistics of one slab's blocks (blocked-scale layout): (absmax, lo, hi) with lo/hi None unless needed.
+
+    Reductions over the float32 bits as int32 (monotone keys): integer max/min vectorise well over the short
+    inner axes of small blocks, where float reductions do not; NaN has the largest magnitude key, so a NaN in a
+    block still makes its statistic NaN."""
     ip = r.ip
     red = tuple(range(1, 2 * len(r.cshape), 2))
     k = r.scratch(xb, "i")
@@ -972,10 +955,7 @@ def _small_given(x, spec, scale, zero_point, kind, o, ip):
 
 def small_given_prepared(x, spec, scales, zp, kind, o):
     """``_small_given`` for parameters already validated and shaped (``qcore.fake_quantizer``)."""
-    inv = None
-    if spec.pow2_scale:
-        inv = o.where(o.isnan(scales), np.float32(math.nan), pow2(-floor_log2(o.where(o.isnan(scales),
-                                                                                       np.float32(1), scales)), o, x))
+    inv = inverse_pow2_scales(scales, o, x) if spec.pow2_scale else None
     return _small_kernels(x, spec, scales, inv, zp, kind, o, _ip(o))
 
 

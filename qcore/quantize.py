@@ -29,7 +29,7 @@ from .granularity import (Granularity, PerChannel, PerGroup, PerTensor, as_int, 
                           scales_to_blocked, to_blocks)
 from .granularity import scale_shape as _scale_shape
 from .rounding import RoundingMode, check_mode, pow2
-from .scales import (_round_scale, asymmetric_scale, floor_log2, pow2_scale_exponent, scale_exponent_range,
+from .scales import (_round_scale, asymmetric_scale, inverse_pow2_scales, pow2_scale_exponent, scale_exponent_range,
                      symmetric_scale)
 
 __all__ = ["QuantSpec", "QTensor", "make_spec", "quantize", "dequantize", "fake_quantize", "fake_quantizer"]
@@ -332,8 +332,7 @@ def _quantize_blocks(x, spec: QuantSpec, scale, zero_point, key, o):
         scales, zp = scale, zero_point
     if spec.pow2_scale:
         if scale is not None:
-            s = o.where(o.isnan(scales), 0, floor_log2(scales))
-            inv = o.where(o.isnan(scales), np.float32(math.nan), pow2(-s, o, x))
+            inv = inverse_pow2_scales(scales, o, x)
         y = _scaled(xb, scales_to_blocked(inv, blocked, o), spec, o)
     else:
         y = _scaled(xb, scales_to_blocked(scales, blocked, o), spec, o)

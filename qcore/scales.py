@@ -42,6 +42,13 @@ def floor_log2(x: ArrayLike) -> Array:
     return o.where(sig == 0, special, o.astype(exp, o.int32))
 
 
+def inverse_pow2_scales(scales, o, like):
+    """``2**-s`` for given power-of-two scales ``2**s`` (exact), NaN where the scale is NaN (a NaN block)."""
+    nan = o.isnan(scales)
+    s = o.where(nan, 0, floor_log2(scales))
+    return o.where(nan, np.float32(math.nan), pow2(-s, o, like))
+
+
 def scale_exponent_range(scale_dtype: FloatDType) -> tuple[int, int]:
     """Smallest and largest exponent of a power-of-two scale stored in ``scale_dtype``.
 
