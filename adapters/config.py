@@ -1,0 +1,498 @@
+"""Quantization configs for torch models: frozen, validated values with a JSON round trip.
+
+A config says, for every quantizable module of a model, what happens to each of its tensors (roles):
+
+- ``TensorConfig(spec, dynamic=False, observer=MinMax())``: a core ``qcore.QuantSpec`` plus how its scale is
+  found. Weights always take their scales from the weight itself (``MinMax``: the spec's own rule, exactly
+  ``qcore.fake_quantize``; ``Percentile``/``MSE``: clipped). Activations are either *dynamic* (scales computed
+  on every call from the tensor itself) or *static* (scales calibrated once over calibration batches by the
+  observer, then fixed).
+- ``LayerConfig(weight=, input=, output=, bias=)``: the roles of one module (None: that tensor stays float).
+- ``ModelConfig(layer, by_type=, by_name=, exclude=, kv_cache=, algorithms=)``: the global layer config, overrides
+  by module type (``"Linear"``, ``"Conv2d"``, ...) and by module name (glob patterns, or ``"re:<regex>"``), the
+  modules left alone (default: the model's output head), the KV-cache config and the algorithms to run.
+
+Granularity axes are written on a canonical layout, the same for every module type:
+
+- weights as ``[out_features, in_features, *kernel]``: per output channel is ``PerChannel(0)``, groups along the
+  input (reduction) axis are ``PerGroup(size, axis=1)``. ``nn.ConvTranspose2d`` stores ``[in, out, kh, kw]``;
+  its wrapper maps the axes, so the same config means the same thing. Embeddings are ``[num_embeddings, dim]``:
+  ``PerChannel(0)`` is one scale per row, ``PerGroup(size, 1)`` groups along the embedding dimension.
+- activations (input, output) as the 2-D view ``[tokens, features]``: per tensor ``PerTensor()``, per token
+  ``PerChannel(0)`` (dynamic only), per feature ``PerChannel(1)``, per group / MX block along the features
+  ``PerGroup(size, axis=1)``. For convolutions ``features`` are the channels (axis 1 of ``[N, C, H, W]``).
+
+Precedence for a module named ``n`` of type ``T``: ``exclude`` (left alone), then the first ``by_name`` pattern
+matching ``n`` (in insertion order), then ``by_type[T]``, then ``layer`` (which applies to ``Linear``, ``Conv2d``
+and ``ConvTranspose2d``; embeddings are quantized only through ``by_type``/``by_name``). A ``None`` value in
+``by_name``/``by_type`` leaves the matching modules alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Union
+
+import qcore
+from qcore import PerBlock, PerChannel, PerGroup, PerTensor, QuantSpec, RoundingMode, ScaleMode, TensorScale
+from qcore.dtypes import BlockDType, FloatDType, IntDType
+
+__all__ = ["MinMax", "Percentile", "MSE", "Observer", "TensorConfig", "LayerConfig", "KVCacheConfig",
+           "ModelConfig", "ROLES", "MODULE_TYPES", "spec_to_dict", "spec_from_dict"]
+
+ROLES = ("weight", "input", "output", "bias")
+#: module types the adapters can wrap; ``ModelConfig.layer`` applies to the first three
+MODULE_TYPES = ("Linear", "Conv2d", "ConvTranspose2d", "Embedding", "EmbeddingBag")
+COMPUTE_TYPES = ("Linear", "Conv2d", "ConvTranspose2d")
+DEFAULT_EXCLUDE = None  # sentinel meaning: the model's output head (see ModelConfig.exclude)
+
+
+def _err(what: str, value: Any, expected: str) -> ValueError:
+    return ValueError(f"{what}: got {value!r}; expected {expected}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# observers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MinMax:
+    """Scales from the running absolute max (asymmetric: min and max), by the spec's own scale rule."""
+
+    def to_dict(self) -> dict:
+        return {"kind": "minmax"}
+
+
+@dataclass(frozen=True)
+class Percentile:
+    """Scales from the ``q``-th percentile of |x| (0 < q <= 100) instead of the max; symmetric specs only.
+
+    Static activations: the mean over calibration batches of each batch's percentile (``qcore.stats.percentile``).
+    """
+
+    q: float = 99.99
+
+    def __post_init__(self):
+        if isinstance(self.q, bool) or not isinstance(self.q, (int, float)) or not 0 < self.q <= 100:
+            raise _err("Percentile.q", self.q, "a number in (0, 100]")
+        object.__setattr__(self, "q", float(self.q))
+
+    def to_dict(self) -> dict:
+        return {"kind": "percentile", "q": self.q}
+
+
+@dataclass(frozen=True)
+class MSE:
+    """Scales that minimise ``sum |x - fake_quantize(x)|**p`` over clipping ratios ``linspace(lo, 1, grid)``
+    (``qcore.stats.mse_clip``). Static activations: the mean over calibration batches of each batch's best scale."""
+
+    grid: int = 100
+    lo: float = 0.5
+    p: float = 2.0
+
+    def __post_init__(self):
+        if isinstance(self.grid, bool) or not isinstance(self.grid, int) or self.grid < 1:
+            raise _err("MSE.grid", self.grid, "a positive int")
+        if isinstance(self.lo, bool) or not isinstance(self.lo, (int, float)) or not 0 < self.lo <= 1:
+            raise _err("MSE.lo", self.lo, "a number in (0, 1]")
+        if isinstance(self.p, bool) or not isinstance(self.p, (int, float)) or not self.p > 0:
+            raise _err("MSE.p", self.p, "a positive number")
+        object.__setattr__(self, "lo", float(self.lo))
+        object.__setattr__(self, "p", float(self.p))
+
+    def to_dict(self) -> dict:
+        return {"kind": "mse", "grid": self.grid, "lo": self.lo, "p": self.p}
+
+
+Observer = Union[MinMax, Percentile, MSE]
+_OBSERVERS = {"minmax": MinMax, "percentile": Percentile, "mse": MSE}
+
+
+def observer_from_dict(d: Mapping) -> Observer:
+    if not isinstance(d, Mapping) or d.get("kind") not in _OBSERVERS:
+        raise _err("observer", d, f"a dict with 'kind' in {sorted(_OBSERVERS)}")
+    args = {k: v for k, v in d.items() if k != "kind"}
+    try:
+        return _OBSERVERS[d["kind"]](**args)
+    except TypeError as e:
+        raise ValueError(f"observer {d!r}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# QuantSpec <-> dict
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _g_to_dict(g) -> dict:
+    if isinstance(g, PerTensor):
+        return {"kind": "per_tensor"}
+    if isinstance(g, PerChannel):
+        return {"kind": "per_channel", "axis": g.axis}
+    if isinstance(g, PerGroup):
+        return {"kind": "per_group", "size": g.size, "axis": g.axis}
+    return {"kind": "per_block", "shape": list(g.shape), "axes": None if g.axes is None else list(g.axes)}
+
+
+def _g_from_dict(d) -> Any:
+    if not isinstance(d, Mapping):
+        raise _err("granularity", d, "a dict with 'kind'")
+    kind = d.get("kind")
+    args = {k: v for k, v in d.items() if k != "kind"}
+    cls = {"per_tensor": PerTensor, "per_channel": PerChannel, "per_group": PerGroup, "per_block": PerBlock}.get(kind)
+    if cls is None:
+        raise _err("granularity.kind", kind, "'per_tensor', 'per_channel', 'per_group' or 'per_block'")
+    if cls is PerBlock:
+        args["shape"] = tuple(args.get("shape", ()))
+        if args.get("axes") is not None:
+            args["axes"] = tuple(args["axes"])
+    try:
+        return qcore.granularity.check_granularity(cls(**args))
+    except TypeError as e:
+        raise ValueError(f"granularity {d!r}: {e}") from None
+
+
+_ENUMS = {"scale_mode": ScaleMode, "rounding": RoundingMode, "tensor_scale_mode": TensorScale}
+
+
+def spec_to_dict(spec: QuantSpec) -> dict:
+    """A JSON-able dict of every field of ``spec`` (``spec_from_dict`` inverts it exactly)."""
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"spec_to_dict takes a qcore.QuantSpec, got {type(spec).__name__}")
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(spec):
+        v = getattr(spec, f.name)
+        if f.name in ("dtype", "scale_dtype"):
+            v = v.name
+        elif f.name == "granularity":
+            v = _g_to_dict(v)
+        elif f.name in _ENUMS:
+            v = v.value
+        out[f.name] = v
+    return out
+
+
+def spec_from_dict(d: Mapping) -> QuantSpec:
+    """The ``QuantSpec`` of a ``spec_to_dict`` dict. Missing fields take ``QuantSpec``'s defaults."""
+    if not isinstance(d, Mapping):
+        raise TypeError(f"spec_from_dict takes a dict, got {type(d).__name__}")
+    names = {f.name for f in dataclasses.fields(QuantSpec)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"spec dict: unknown field(s) {unknown}; expected fields of qcore.QuantSpec: {sorted(names)}")
+    if "dtype" not in d:
+        raise ValueError(f"spec dict {dict(d)!r} has no 'dtype'")
+    args = dict(d)
+    if "granularity" in args:
+        args["granularity"] = _g_from_dict(args["granularity"])
+    for k, e in _ENUMS.items():
+        if k in args:
+            try:
+                args[k] = e(args[k])
+            except ValueError:
+                raise _err(f"spec.{k}", args[k], f"one of {[m.value for m in e]}") from None
+    return QuantSpec(**args)
+
+
+def _as_spec(spec: Any, what: str) -> QuantSpec:
+    if isinstance(spec, QuantSpec):
+        return spec
+    if isinstance(spec, str):
+        try:
+            return qcore.make_spec(spec)
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"{what}: unknown format {spec!r} ({e})") from None
+    raise TypeError(f"{what} must be a qcore.QuantSpec or a format name, got {type(spec).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tensor and layer configs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorConfig:
+    """How one tensor of a module is quantized: ``spec`` (a ``QuantSpec`` or a format name for ``make_spec``),
+    ``dynamic`` (activations only: scales from each call's tensor) and ``observer`` (static scales)."""
+
+    spec: QuantSpec
+    dynamic: bool = False
+    observer: Observer = MinMax()
+
+    def __post_init__(self):
+        object.__setattr__(self, "spec", _as_spec(self.spec, "TensorConfig.spec"))
+        if not isinstance(self.dynamic, bool):
+            raise TypeError(f"TensorConfig.dynamic must be a bool, got {self.dynamic!r}")
+        if not isinstance(self.observer, (MinMax, Percentile, MSE)):
+            raise TypeError(f"TensorConfig.observer must be MinMax(), Percentile(q) or MSE(), got {self.observer!r}")
+        if self.dynamic and not isinstance(self.observer, MinMax):
+            raise ValueError(f"TensorConfig: a dynamic tensor takes its scale from each call (observer MinMax()); "
+                             f"observer {self.observer!r} applies to static scales only")
+        if isinstance(self.observer, Percentile) and not self.spec.symmetric:
+            raise ValueError(f"TensorConfig: Percentile observes |x| and needs a symmetric spec; "
+                             f"{self.spec.dtype.name} is asymmetric here (use MinMax() or MSE())")
+        if self.spec.subblock_shift_bits and not isinstance(self.observer, MinMax):
+            raise ValueError("TensorConfig: shared-microexponent specs (mx9/mx6/mx4) take MinMax() only")
+        if self.spec.two_level and not isinstance(self.observer, MinMax):
+            raise ValueError("TensorConfig: two-level (NVFP4) specs take MinMax() only")
+
+    def to_dict(self) -> dict:
+        return {"spec": spec_to_dict(self.spec), "dynamic": self.dynamic, "observer": self.observer.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "TensorConfig":
+        if not isinstance(d, Mapping) or "spec" not in d:
+            raise _err("tensor config", d, "a dict with 'spec' (and 'dynamic', 'observer')")
+        unknown = sorted(set(d) - {"spec", "dynamic", "observer"})
+        if unknown:
+            raise ValueError(f"tensor config: unknown field(s) {unknown}; expected 'spec', 'dynamic', 'observer'")
+        obs = observer_from_dict(d["observer"]) if "observer" in d else MinMax()
+        return cls(spec_from_dict(d["spec"]), dynamic=d.get("dynamic", False), observer=obs)
+
+
+def _check_activation(tc: TensorConfig, role: str):
+    g = tc.spec.granularity
+    if isinstance(g, PerBlock):
+        raise ValueError(f"LayerConfig.{role}: activations take PerTensor(), PerChannel(0) (per token, dynamic), "
+                         f"PerChannel(1) (per feature) or PerGroup(size, axis=1); got {g!r}")
+    if isinstance(g, (PerChannel, PerGroup)) and g.axis not in (0, 1, -1, -2):
+        raise ValueError(f"LayerConfig.{role}: activation axes refer to the [tokens, features] view (0 or 1); "
+                         f"got {g!r}")
+    axis = g.axis % 2 if isinstance(g, (PerChannel, PerGroup)) else None
+    if isinstance(g, PerGroup) and axis != 1:
+        raise ValueError(f"LayerConfig.{role}: activation groups run along the features (axis=1); got {g!r}")
+    if not tc.dynamic:
+        if isinstance(g, PerChannel) and axis == 0:
+            raise ValueError(f"LayerConfig.{role}: per-token scales (PerChannel(0)) change with every batch: "
+                             f"they must be dynamic=True")
+        if isinstance(g, PerGroup):
+            raise ValueError(f"LayerConfig.{role}: per-group scales of activations ({g!r}) change with every token: "
+                             f"they must be dynamic=True")
+        if tc.spec.subblock_shift_bits:
+            raise ValueError(f"LayerConfig.{role}: shared-microexponent activations must be dynamic=True")
+
+
+def _check_weight(tc: TensorConfig, role: str):
+    if tc.dynamic:
+        raise ValueError(f"LayerConfig.{role}: dynamic=True applies to activations; {role} scales always come "
+                         f"from the {role} itself (use dynamic=False)")
+    g = tc.spec.granularity
+    if role == "bias" and not isinstance(g, (PerTensor, PerChannel, PerGroup)):
+        raise ValueError(f"LayerConfig.bias: bias is 1-D; got granularity {g!r}")
+    if role == "bias" and isinstance(g, (PerChannel, PerGroup)) and g.axis not in (0, -1):
+        raise ValueError(f"LayerConfig.bias: bias is 1-D, its only axis is 0; got {g!r}")
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """The roles of one module; None leaves that tensor in float. Values may be ``TensorConfig`` or a bare
+    ``QuantSpec``/format name (taken as ``TensorConfig(spec)``: static, MinMax)."""
+
+    weight: Optional[TensorConfig] = None
+    input: Optional[TensorConfig] = None
+    output: Optional[TensorConfig] = None
+    bias: Optional[TensorConfig] = None
+
+    def __post_init__(self):
+        for role in ROLES:
+            v = getattr(self, role)
+            if v is None or isinstance(v, TensorConfig):
+                pass
+            elif isinstance(v, (QuantSpec, str)):
+                v = TensorConfig(v)
+                object.__setattr__(self, role, v)
+            else:
+                raise TypeError(f"LayerConfig.{role} must be a TensorConfig, a QuantSpec, a format name or None, "
+                                f"got {type(v).__name__}")
+            if v is not None:
+                (_check_activation if role in ("input", "output") else _check_weight)(v, role)
+
+    @property
+    def empty(self) -> bool:
+        return all(getattr(self, r) is None for r in ROLES)
+
+    def to_dict(self) -> dict:
+        return {r: (None if getattr(self, r) is None else getattr(self, r).to_dict()) for r in ROLES}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "LayerConfig":
+        if not isinstance(d, Mapping):
+            raise _err("layer config", d, f"a dict with keys among {ROLES}")
+        unknown = sorted(set(d) - set(ROLES))
+        if unknown:
+            raise ValueError(f"layer config: unknown role(s) {unknown}; expected {list(ROLES)}")
+        return cls(**{r: (None if d.get(r) is None else TensorConfig.from_dict(d[r])) for r in ROLES})
+
+
+def _fp8_per_tensor() -> QuantSpec:
+    return qcore.make_spec("float8_e4m3fn")
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """Static per-tensor quantization of the keys and values written to the KV cache, as output quantization of
+    the modules matching ``targets`` (Quark's way: the scales export as ``k_proj.output_scale`` /
+    ``v_proj.output_scale``, which vLLM reads as ``k_scale`` / ``v_scale``). Default: fp8 e4m3, MinMax."""
+
+    spec: QuantSpec = field(default_factory=_fp8_per_tensor)
+    observer: Observer = MinMax()
+    targets: tuple = ("*k_proj", "*v_proj")
+
+    def __post_init__(self):
+        object.__setattr__(self, "spec", _as_spec(self.spec, "KVCacheConfig.spec"))
+        if not isinstance(self.spec.granularity, PerTensor):
+            raise ValueError(f"KVCacheConfig.spec: the KV cache takes per-tensor scales (what vLLM reads); got "
+                             f"{self.spec.granularity!r}")
+        if isinstance(self.targets, str) or not all(isinstance(t, str) for t in self.targets) or not self.targets:
+            raise _err("KVCacheConfig.targets", self.targets, "a non-empty tuple of name patterns")
+        object.__setattr__(self, "targets", tuple(self.targets))
+        TensorConfig(self.spec, observer=self.observer)  # validates the observer against the spec
+
+    @property
+    def output(self) -> TensorConfig:
+        return TensorConfig(self.spec, dynamic=False, observer=self.observer)
+
+    def to_dict(self) -> dict:
+        return {"spec": spec_to_dict(self.spec), "observer": self.observer.to_dict(), "targets": list(self.targets)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "KVCacheConfig":
+        if not isinstance(d, Mapping) or "spec" not in d:
+            raise _err("kv_cache", d, "a dict with 'spec', 'observer', 'targets'")
+        return cls(spec_from_dict(d["spec"]), observer=observer_from_dict(d.get("observer", {"kind": "minmax"})),
+                   targets=tuple(d.get("targets", ("*k_proj", "*v_proj"))))
+
+
+def _type_name(t: Any) -> str:
+    name = t if isinstance(t, str) else getattr(t, "__name__", None)
+    if name not in MODULE_TYPES:
+        raise ValueError(f"ModelConfig.by_type: unsupported module type {t!r}; expected one of {list(MODULE_TYPES)} "
+                         f"(or the torch.nn classes)")
+    return name
+
+
+def check_pattern(p: Any, what: str) -> str:
+    if not isinstance(p, str) or not p:
+        raise _err(what, p, "a non-empty module-name pattern (glob, or 're:<regex>')")
+    if p.startswith("re:"):
+        try:
+            re.compile(p[3:])
+        except re.error as e:
+            raise ValueError(f"{what}: bad regular expression {p!r}: {e}") from None
+    return p
+
+
+def _layer_or_none(v: Any, what: str) -> Optional[LayerConfig]:
+    if v is None or isinstance(v, LayerConfig):
+        return v
+    raise TypeError(f"{what} must be a LayerConfig or None, got {type(v).__name__}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to do to a whole model (see the module docstring for precedence and axes).
+
+    layer: the global ``LayerConfig`` (Linear, Conv2d, ConvTranspose2d).
+    by_type: ``{module type name or torch.nn class: LayerConfig or None}``.
+    by_name: ``{pattern: LayerConfig or None}``; glob (``fnmatch``) or ``"re:<regex>"`` (full match).
+    exclude: names/patterns left in float. ``None`` (default): the model's output head
+        (``get_output_embeddings()`` for transformers models, nothing for other models).
+    kv_cache: ``KVCacheConfig`` or None.
+    algorithms: algorithm configs to run before rounding, in order (dicts with a ``"name"``; filled in by the
+        algorithm modules; an algorithm qcore does not implement yet is refused at quantize time).
+    """
+
+    layer: LayerConfig = LayerConfig()
+    by_type: Mapping[str, Optional[LayerConfig]] = field(default_factory=dict)
+    by_name: Mapping[str, Optional[LayerConfig]] = field(default_factory=dict)
+    exclude: Optional[tuple] = DEFAULT_EXCLUDE
+    kv_cache: Optional[KVCacheConfig] = None
+    algorithms: tuple = ()
+
+    def __post_init__(self):
+        _layer_or_none(self.layer, "ModelConfig.layer")
+        if self.layer is None:
+            object.__setattr__(self, "layer", LayerConfig())
+        if not isinstance(self.by_type, Mapping):
+            raise TypeError(f"ModelConfig.by_type must be a dict, got {type(self.by_type).__name__}")
+        bt = {_type_name(k): _layer_or_none(v, f"ModelConfig.by_type[{k!r}]") for k, v in self.by_type.items()}
+        if not isinstance(self.by_name, Mapping):
+            raise TypeError(f"ModelConfig.by_name must be a dict, got {type(self.by_name).__name__}")
+        bn = {check_pattern(k, "ModelConfig.by_name key"): _layer_or_none(v, f"ModelConfig.by_name[{k!r}]")
+              for k, v in self.by_name.items()}
+        object.__setattr__(self, "by_type", _FrozenDict(bt))
+        object.__setattr__(self, "by_name", _FrozenDict(bn))
+        if self.exclude is not None:
+            if isinstance(self.exclude, str):
+                raise _err("ModelConfig.exclude", self.exclude, "a list of names/patterns (not one string)")
+            object.__setattr__(self, "exclude", tuple(check_pattern(p, "ModelConfig.exclude entry")
+                                                      for p in self.exclude))
+        if self.kv_cache is not None and not isinstance(self.kv_cache, KVCacheConfig):
+            raise TypeError(f"ModelConfig.kv_cache must be a KVCacheConfig or None, got {type(self.kv_cache).__name__}")
+        algos = tuple(self.algorithms)
+        for a in algos:
+            if not isinstance(a, Mapping) or not isinstance(a.get("name"), str):
+                raise _err("ModelConfig.algorithms entry", a, "a dict with a 'name'")
+        object.__setattr__(self, "algorithms", tuple(_FrozenDict(a) for a in algos))
+
+    def to_dict(self) -> dict:
+        return {
+            "layer": self.layer.to_dict(),
+            "by_type": {k: (None if v is None else v.to_dict()) for k, v in self.by_type.items()},
+            "by_name": {k: (None if v is None else v.to_dict()) for k, v in self.by_name.items()},
+            "exclude": None if self.exclude is None else list(self.exclude),
+            "kv_cache": None if self.kv_cache is None else self.kv_cache.to_dict(),
+            "algorithms": [_plain(a) for a in self.algorithms],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "ModelConfig":
+        if not isinstance(d, Mapping):
+            raise TypeError(f"ModelConfig.from_dict takes a dict, got {type(d).__name__}")
+        keys = {"layer", "by_type", "by_name", "exclude", "kv_cache", "algorithms"}
+        unknown = sorted(set(d) - keys)
+        if unknown:
+            raise ValueError(f"model config: unknown field(s) {unknown}; expected {sorted(keys)}")
+        lc = lambda v: None if v is None else LayerConfig.from_dict(v)  # noqa: E731
+        return cls(
+            layer=lc(d.get("layer")) or LayerConfig(),
+            by_type={k: lc(v) for k, v in (d.get("by_type") or {}).items()},
+            by_name={k: lc(v) for k, v in (d.get("by_name") or {}).items()},
+            exclude=None if d.get("exclude") is None else tuple(d["exclude"]),
+            kv_cache=None if d.get("kv_cache") is None else KVCacheConfig.from_dict(d["kv_cache"]),
+            algorithms=tuple(d.get("algorithms") or ()),
+        )
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    @classmethod
+    def from_json(cls, s: str) -> "ModelConfig":
+        return cls.from_dict(json.loads(s))
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _plain(v):
+    if isinstance(v, Mapping):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
+class _FrozenDict(dict):
+    """A dict that refuses changes (configs are values) and hashes by content."""
+
+    def _ro(self, *a, **k):
+        raise TypeError("config mappings are read-only; build a new config (ModelConfig.replace)")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _ro  # type: ignore[assignment]
+
+    def __hash__(self):  # type: ignore[override]
+        return hash(json.dumps(_plain(self), sort_keys=True, default=repr))

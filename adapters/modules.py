@@ -1,0 +1,591 @@
+"""Quantized drop-in wrappers for ``nn.Linear``, ``nn.Conv2d``, ``nn.ConvTranspose2d``, ``nn.Embedding`` and
+``nn.EmbeddingBag``.
+
+Each wrapper subclasses the module it replaces (``isinstance(q, nn.Linear)`` holds, ``state_dict`` keeps the
+original keys) and adds the quantization of its roles (``LayerConfig``: weight, input, output, bias):
+
+- **weights** (and bias) are quantized once. By default (``qat=False``) the float weight is overwritten in place
+  by its fake-quantized values (``qcore.dequantize(qcore.quantize(w))`` cast to the model dtype), so a
+  fake-quantized model holds one copy of its weights; the scales are kept as buffers (``weight_scale``,
+  ``weight_zero_point``, ``weight_tensor_scale``). If the weight changes afterwards (``load_state_dict``, an
+  optimizer step, any in-place write), it is quantized again at the next forward (tracked by the tensor's
+  version counter), never on every forward. With ``qat=True`` the float weight stays the trainable master copy;
+  the forward uses its fake-quantized value with straight-through gradients (recomputed while the weight
+  requires grad and grad is enabled, otherwise cached until the weight changes).
+- **activations** (input, output) are fake-quantized in the forward: dynamic scales per call, or static scales
+  (buffers ``input_scale`` / ``input_zero_point``, ``output_scale`` / ``output_zero_point``) calibrated by
+  ``qcore.adapters.calibrate``. Granularities are given on the ``[tokens, features]`` view (see
+  ``qcore.adapters.config``).
+- ``freeze()``: the weight becomes packed low-bit codes (``weight_packed``, ``qcore.packing``) plus scale codes;
+  the forward dequantizes them and gives the fake-quantized weight bit for bit.
+
+Quantization math is qcore's, in float32 (exact for float32, bfloat16 and float16 inputs); results are cast back
+to the module's dtype once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qcore
+from qcore import PerBlock, PerChannel, PerGroup, PerTensor, QuantSpec
+from qcore.dtypes import FloatDType, IntDType
+from qcore.stats import RunningStats
+
+from .config import MSE, LayerConfig, MinMax, Percentile, TensorConfig
+
+__all__ = ["QuantLinear", "QuantConv2d", "QuantConvTranspose2d", "QuantEmbedding", "QuantEmbeddingBag",
+           "QUANT_CLASSES", "wrap", "is_quantized_module", "CalibrationError"]
+
+
+class CalibrationError(ValueError):
+    """A calibration statistic is NaN or Inf, or a calibration batch does not fit the model."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# axis maps: canonical config axes -> the module's tensors
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _norm_weight_granularity(g, kind: str, name: str, ndim: int, shape: tuple):
+    """Check a weight/bias granularity given on the canonical layout; return it with non-negative axes."""
+    where = f"{kind} {name!r} (weight shape {list(shape)})"
+    if isinstance(g, PerTensor):
+        return g
+    if isinstance(g, PerChannel):
+        if g.axis % ndim != 0:
+            raise ValueError(f"weight granularity {g!r} on {where}: per-channel weight scales are per output "
+                             f"channel, PerChannel(0) in the canonical [out, in, *kernel] layout")
+        return PerChannel(0)
+    if isinstance(g, PerGroup):
+        if ndim < 2 or g.axis % ndim != 1 and not (ndim == 2 and g.axis == -1):
+            raise ValueError(f"per-group weight spec {g!r} on {where}: groups run along the input axis, "
+                             f"PerGroup(size, axis=1) in the canonical [out, in, *kernel] layout; axis {g.axis} "
+                             f"is not the input axis")
+        return PerGroup(g.size, 1)
+    if isinstance(g, PerBlock):
+        if ndim != 2:
+            raise ValueError(f"PerBlock weight scales apply to 2-D weights; {where} is {ndim}-D")
+        return g
+    raise TypeError(f"unsupported granularity {g!r}")
+
+
+def _act_granularity(g, conv: bool):
+    """The granularity on the tensor the module sees: the 2-D [tokens, features] view (Linear, Embedding) or the
+    [N, C, *spatial] tensor (conv), where features are axis 1 either way."""
+    if isinstance(g, PerChannel):
+        return PerChannel(g.axis % 2)
+    if isinstance(g, PerGroup):
+        return PerGroup(g.size, 1)
+    return g
+
+
+def _with_granularity(spec: QuantSpec, g) -> QuantSpec:
+    if spec.granularity == g:
+        return spec
+    import dataclasses
+    return dataclasses.replace(spec, granularity=g)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# static activation observers (statistics only, never activations)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Observer:
+    """Running statistics of one static activation role, as values updated per batch."""
+
+    def __init__(self, tc: TensorConfig, spec: QuantSpec, where: str):
+        self.tc, self.spec, self.where = tc, spec, where
+        self.stats = RunningStats.empty(spec.granularity)
+        self.sum: Optional[torch.Tensor] = None
+        self.sum_zp: Optional[torch.Tensor] = None
+        self.n = 0
+
+    def _check(self, v, what: str):
+        if not bool(torch.isfinite(v).all()):
+            bad = "NaN" if bool(torch.isnan(v).any()) else "Inf"
+            raise CalibrationError(f"calibration: {bad} met in the {what} of {self.where} (batch {self.n + 1}); "
+                                   f"statistics need finite activations")
+
+    def update(self, x: torch.Tensor) -> None:
+        obs = self.tc.observer
+        x = x.detach()
+        if isinstance(obs, MinMax):
+            self.stats = self.stats.update(x)
+            self._check(self.stats.absmax, "statistics")
+        elif isinstance(obs, Percentile):
+            p = qcore.stats.percentile(x, self.spec.granularity, q=obs.q).double()
+            self._check(p, "percentile")
+            self.sum = p if self.sum is None else self.sum + p
+        else:
+            pr = qcore.stats.mse_clip(x, self.spec, grid=obs.grid, lo=obs.lo, p=obs.p)
+            self._check(pr.scale, "MSE-chosen scale")
+            s = pr.scale.double()
+            s = torch.log2(s) if self.spec.pow2_scale else s
+            self.sum = s if self.sum is None else self.sum + s
+            if pr.zero_point is not None:
+                z = pr.zero_point.double()
+                self.sum_zp = z if self.sum_zp is None else self.sum_zp + z
+        self.n += 1
+
+    def params(self):
+        """(scale, zero_point or None) as float32 tensors of the spec's scale shape."""
+        if self.n == 0:
+            raise CalibrationError(f"calibration: {self.where} saw no calibration batch (is it reached by the "
+                                   f"model's forward?)")
+        obs = self.tc.observer
+        if isinstance(obs, MinMax):
+            p = qcore.stats.scale_from_stats(self.stats, self.spec)
+            return p.scale, p.zero_point
+        mean = (self.sum / self.n)
+        if isinstance(obs, Percentile):
+            a = mean.float()
+            rs = RunningStats(self.spec.granularity, absmax=a, lo=-a, hi=a, count=self.n)
+            p = qcore.stats.scale_from_stats(rs, self.spec)
+            return p.scale, p.zero_point
+        if self.spec.pow2_scale:
+            scale = torch.exp2(torch.round(mean)).float()
+        else:
+            scale = mean.float()
+        zp = None if self.sum_zp is None else torch.round(self.sum_zp / self.n).float()
+        return scale, zp
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the shared machinery
+# ---------------------------------------------------------------------------------------------------------------
+
+_PENDING, _INPLACE, _QAT, _FROZEN = "pending", "inplace", "qat", "frozen"
+
+
+class _QuantMixin:
+    """State and helpers shared by the wrappers. Module state lives here only (adapters hold module state)."""
+
+    _conv = False
+    _index_input = False  # embeddings: the input is indices
+
+    # -- construction ---------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_module(cls, module: nn.Module, config: LayerConfig, *, name: str = "", qat: bool = False):
+        """A wrapper sharing ``module``'s parameters, buffers, submodules and hooks (``module`` itself is not
+        changed). Validates ``config`` against the module before doing anything."""
+        if type(module) is not cls.__bases__[1]:
+            raise TypeError(f"{cls.__name__}.from_module takes a {cls.__bases__[1].__name__}, got "
+                            f"{type(module).__name__}")
+        if not isinstance(config, LayerConfig):
+            raise TypeError(f"config must be a LayerConfig, got {type(config).__name__}")
+        plan = cls._plan(module, config, name)
+        q = cls.__new__(cls)
+        d = dict(module.__dict__)
+        for k in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+            d[k] = type(module.__dict__[k])(module.__dict__[k])
+        q.__dict__.update(d)
+        q._qinit(config, name, plan, qat)
+        return q
+
+    @classmethod
+    def _plan(cls, module, config: LayerConfig, name: str) -> dict:
+        kind = cls.__bases__[1].__name__
+        where = f"{kind} {name!r}"
+        w = module.weight
+        if not w.is_floating_point():
+            raise TypeError(f"{where}: weight dtype {w.dtype} is not floating point")
+        plan: dict[str, Any] = {}
+        canon_shape = tuple(cls._canon(w).shape)
+        if config.weight is not None:
+            g = _norm_weight_granularity(config.weight.spec.granularity, kind, name, w.dim(), canon_shape)
+            plan["weight"] = _with_granularity(config.weight.spec, g)
+            if not bool(torch.isfinite(w).all()):
+                raise ValueError(f"{where}: the weight holds NaN or Inf; refusing to quantize it")
+            if isinstance(g, PerBlock) and any(s > d for s, d in zip(g.shape, canon_shape[-len(g.shape):])):
+                pass  # short blocks are allowed (padded), as in qcore
+        if config.bias is not None:
+            if getattr(module, "bias", None) is None:
+                raise ValueError(f"{where} has no bias but the config quantizes the bias")
+            g = config.bias.spec.granularity
+            plan["bias"] = _with_granularity(config.bias.spec, g if isinstance(g, PerTensor) else
+                                             (PerChannel(0) if isinstance(g, PerChannel) else PerGroup(g.size, 0)))
+        for role in ("input", "output"):
+            tc = getattr(config, role)
+            if tc is None:
+                continue
+            if role == "input" and cls._index_input:
+                raise ValueError(f"{where}: the input of an embedding is indices; it takes no input quantization "
+                                 f"(weight and output only)")
+            g = tc.spec.granularity
+            if cls._conv and isinstance(g, PerChannel) and g.axis % 2 == 0:
+                raise ValueError(f"{where}: per-token scales (PerChannel(0)) apply to Linear activations; "
+                                 f"convolution activations take PerTensor(), PerChannel(1) (per channel) or "
+                                 f"PerGroup(size, axis=1) along the channels")
+            plan[role] = _with_granularity(tc.spec, _act_granularity(g, cls._conv))
+        if getattr(module, "max_norm", None) is not None and config.weight is not None:
+            raise ValueError(f"{where}: max_norm renormalises the weight in place on every call; it cannot be "
+                             f"combined with weight quantization")
+        if getattr(module, "padding_mode", "zeros") != "zeros" and cls.__bases__[1] is nn.ConvTranspose2d:
+            raise ValueError(f"{where}: ConvTranspose2d supports padding_mode='zeros' only")
+        return plan
+
+    def _qinit(self, config: LayerConfig, name: str, plan: dict, qat: bool) -> None:
+        self.qconfig = config
+        self.qname = name
+        self._qspecs = plan
+        self._qmode = _QAT if qat else _PENDING
+        self._wcache = None  # (version key, fake-quantized weight) while pending / qat
+        self._wver = None  # weight version after the last in-place quantization
+        self._bver = None
+        self._observers: Optional[dict] = None
+        self._frozen_meta: Optional[dict] = None
+        self.quant_enabled = True
+        for role in ("input", "output"):
+            tc = getattr(config, role)
+            if tc is not None and not tc.dynamic:
+                shape = self._static_shape(role)
+                self.register_buffer(f"{role}_scale", torch.full(shape, float("nan"), device=self.weight.device))
+                if not tc.spec.symmetric:
+                    self.register_buffer(f"{role}_zero_point", torch.zeros(shape, device=self.weight.device))
+
+    # -- layout --------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _canon(w: torch.Tensor) -> torch.Tensor:
+        """The weight in the canonical [out, in, *kernel] layout (a view)."""
+        return w
+
+    @staticmethod
+    def _uncanon(w: torch.Tensor) -> torch.Tensor:
+        return w
+
+    def _features(self, role: str) -> int:
+        raise NotImplementedError
+
+    def _static_shape(self, role: str) -> tuple:
+        g = self._qspecs[role].granularity
+        return () if isinstance(g, PerTensor) else (self._features(role),)
+
+    def _scale_view(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """A stored static scale (shape () or (features,)) shaped for the tensor ``x`` it applies to."""
+        if t.dim() == 0:
+            return t.reshape((1,) * x.dim())
+        shape = [1] * x.dim()
+        shape[1] = t.shape[0]
+        return t.reshape(shape)
+
+    # -- weights -------------------------------------------------------------------------------------------
+
+    def _quantize_param(self, w: torch.Tensor, role: str):
+        """QTensor of the parameter in the canonical layout (float32 math), by the role's observer."""
+        spec = self._qspecs[role]
+        obs = getattr(self.qconfig, role).observer
+        x = self._canon(w).detach() if role == "weight" else w.detach()
+        if isinstance(obs, MinMax):
+            return qcore.quantize(x, spec)
+        if isinstance(obs, Percentile):
+            a = qcore.stats.percentile(x, spec.granularity, q=obs.q)
+            p = qcore.stats.scale_from_stats(RunningStats(spec.granularity, absmax=a, lo=-a, hi=a, count=1), spec)
+        else:
+            p = qcore.stats.mse_clip(x, spec, grid=obs.grid, lo=obs.lo, p=obs.p)
+        return qcore.quantize(x, spec, **p.kwargs())
+
+    def _fq_param(self, w: torch.Tensor, role: str) -> tuple[torch.Tensor, Any]:
+        q = self._quantize_param(w, role)
+        fq = qcore.dequantize(q)
+        if role == "weight":
+            fq = self._uncanon(fq)
+        return fq.to(w.dtype), q
+
+    def _keep_params(self, role: str, q) -> None:
+        """Store the scales of a quantized weight/bias as buffers (what exporters and freeze read)."""
+        pref = role
+        for suffix, v in (("scale", q.scales), ("zero_point", q.zero_points), ("tensor_scale", q.tensor_scale)):
+            key = f"{pref}_{suffix}"
+            if v is None:
+                continue
+            v = v.detach().to(torch.float32)
+            if key in self._buffers and self._buffers[key] is not None and self._buffers[key].shape == v.shape:
+                self._buffers[key].copy_(v)
+            else:
+                self.register_buffer(key, v.clone())
+
+    def _inplace_quantize(self, role: str) -> None:
+        p = getattr(self, role)
+        with torch.no_grad():
+            fq, q = self._fq_param(p, role)
+            p.copy_(fq)
+            self._keep_params(role, q)
+        if role == "weight":
+            self._wver = (p._version, p.data_ptr())
+        else:
+            self._bver = (p._version, p.data_ptr())
+
+    def _param(self, role: str) -> torch.Tensor:
+        """The parameter to use in the forward (weight or bias), quantized per the module's mode."""
+        p = getattr(self, role)
+        if role not in self._qspecs or not self.quant_enabled or p is None:
+            return p
+        mode = self._qmode
+        if mode == _INPLACE:
+            ver = self._wver if role == "weight" else self._bver
+            if ver != (p._version, p.data_ptr()):
+                self._inplace_quantize(role)
+            return p
+        if mode == _QAT and torch.is_grad_enabled() and p.requires_grad:
+            x = self._canon(p) if role == "weight" else p
+            fq = qcore.fake_quantize(x, self._qspecs[role]) if isinstance(
+                getattr(self.qconfig, role).observer, MinMax) else _ste(x, self._fq_param(p, role)[0])
+            return (self._uncanon(fq) if role == "weight" else fq).to(p.dtype)
+        key = (role, p._version, p.data_ptr())
+        cache = self._wcache or {}
+        if cache.get(role, (None,))[0] != key:
+            with torch.no_grad():
+                fq, q = self._fq_param(p, role)
+            cache[role] = (key, fq)
+            self._wcache = cache
+            if mode == _QAT:
+                self._keep_params(role, q)
+        return cache[role][1]
+
+    def commit(self) -> None:
+        """Pending -> in place: write the fake-quantized weight (and bias) into the parameters; drop caches."""
+        if self._qmode != _PENDING:
+            return
+        for role in ("weight", "bias"):
+            if role in self._qspecs:
+                self._inplace_quantize(role)
+        self._wcache = None
+        self._qmode = _INPLACE
+
+    # -- activations ---------------------------------------------------------------------------------------
+
+    def _act_view(self, x: torch.Tensor) -> torch.Tensor:
+        if self._conv:
+            return x
+        return x.reshape(-1, x.shape[-1])
+
+    def _qact(self, x: torch.Tensor, role: str) -> torch.Tensor:
+        if role not in self._qspecs or not self.quant_enabled:
+            return x
+        tc = getattr(self.qconfig, role)
+        spec = self._qspecs[role]
+        v = self._act_view(x)
+        if tc.dynamic:
+            y = qcore.fake_quantize(v, spec)
+        elif self._observers is not None:
+            self._observers[role].update(v)
+            return x
+        else:
+            s = self._buffers[f"{role}_scale"]
+            if bool(torch.isnan(s).any()) if s.numel() < 64 else False:
+                raise RuntimeError(f"{self.qname!r}: static {role} scales are not calibrated; run "
+                                   f"qcore.adapters.quantize_model(model, config, data) with calibration data")
+            zp = self._buffers.get(f"{role}_zero_point")
+            y = qcore.fake_quantize(v, spec, scale=self._scale_view(s, v),
+                                    zero_point=None if zp is None else self._scale_view(zp, v))
+        return y.reshape(x.shape).to(x.dtype)
+
+    # -- calibration ---------------------------------------------------------------------------------------
+
+    def static_roles(self) -> list[str]:
+        return [r for r in ("input", "output") if r in self._qspecs and not getattr(self.qconfig, r).dynamic]
+
+    def start_calibration(self) -> None:
+        self._observers = {r: _Observer(getattr(self.qconfig, r), self._qspecs[r], f"{self.qname!r} ({r})")
+                           for r in self.static_roles()}
+
+    def finish_calibration(self) -> None:
+        obs, self._observers = self._observers, None
+        for role, o in (obs or {}).items():
+            scale, zp = o.params()
+            shape = self._static_shape(role)
+            self._buffers[f"{role}_scale"].copy_(scale.reshape(shape).to(self._buffers[f"{role}_scale"].device))
+            if zp is not None:
+                self._buffers[f"{role}_zero_point"].copy_(zp.reshape(shape))
+
+    def abort_calibration(self) -> None:
+        self._observers = None
+
+    # -- freeze --------------------------------------------------------------------------------------------
+
+    @property
+    def frozen(self) -> bool:
+        return self._qmode == _FROZEN
+
+    def freeze(self) -> None:
+        """Store the weight as packed low-bit codes + scale codes; the forward dequantizes them (bit-identical to
+        the fake-quantized weight). Irreversible (the float weight is dropped)."""
+        if self._qmode == _FROZEN or "weight" not in self._qspecs:
+            return
+        if self._qmode == _PENDING:
+            self.commit()
+        w = self._param("weight").detach()
+        spec = self._qspecs["weight"]
+        wc = self._canon(w).float()
+        kw: dict[str, Any] = {"scale": self.weight_scale}
+        if not spec.symmetric:
+            kw["zero_point"] = self.weight_zero_point
+        if spec.two_level:
+            kw["tensor_scale"] = self.weight_tensor_scale
+        q = qcore.quantize(wc, spec, **kw)
+        back = self._uncanon(qcore.dequantize(q)).to(w.dtype)
+        if not torch.equal(back.view(torch.int16 if w.element_size() == 2 else torch.int32),
+                           w.view(torch.int16 if w.element_size() == 2 else torch.int32)):
+            raise RuntimeError(f"freeze {self.qname!r}: the stored codes do not reproduce the fake-quantized weight "
+                               f"exactly (a qcore bug; please report it)")
+        packed = qcore.packing.pack(q.codes, spec.dtype, axis=-1)
+        meta = {"shape": tuple(q.codes.shape), "dtype": w.dtype}
+        del self._parameters["weight"]
+        self.register_buffer("weight_packed", packed)
+        if spec.scale_dtype.name == "float32":
+            self._buffers["weight_scale"] = q.scales.float()
+        else:
+            self._buffers["weight_scale"] = q.scale_codes
+        if q.zero_points is not None:
+            d = spec.dtype
+            self._buffers["weight_zero_point"] = q.zero_points.to(torch.int8 if d.signed else torch.uint8) \
+                if d.bits <= 8 else q.zero_points.to(torch.int32)
+        if q.subblock_shifts is not None:
+            self.register_buffer("weight_subblock_shifts", q.subblock_shifts.to(torch.uint8))
+        self._frozen_meta = meta
+        self._qmode = _FROZEN
+
+    def _frozen_weight(self) -> torch.Tensor:
+        spec = self._qspecs["weight"]
+        meta = self._frozen_meta
+        codes = qcore.packing.unpack(self.weight_packed, spec.dtype, axis=-1, length=meta["shape"][-1])
+        sc = self.weight_scale
+        scales = sc if sc.dtype == torch.float32 else qcore.decode(sc, spec.scale_dtype)
+        zp = self._buffers.get("weight_zero_point")
+        shifts = self._buffers.get("weight_subblock_shifts")
+        ts = self._buffers.get("weight_tensor_scale")
+        q = qcore.QTensor(codes=codes.to(torch.uint8 if isinstance(spec.dtype, FloatDType) else codes.dtype),
+                          scales=scales.float(), zero_points=None if zp is None else zp.float(), spec=spec,
+                          subblock_shifts=None if shifts is None else shifts.to(torch.int32),
+                          tensor_scale=ts)
+        return self._uncanon(qcore.dequantize(q)).to(meta["dtype"])
+
+    def _w(self) -> torch.Tensor:
+        if self._qmode == _FROZEN:
+            return self._frozen_weight()
+        return self._param("weight")
+
+    def extra_repr(self) -> str:  # type: ignore[override]
+        base = super().extra_repr()  # type: ignore[misc]
+        roles = ", ".join(f"{r}={self._qspecs[r].name or self._qspecs[r].dtype.name}"
+                          + ("(dyn)" if r in ("input", "output") and getattr(self.qconfig, r).dynamic else "")
+                          for r in ("weight", "input", "output", "bias") if r in self._qspecs)
+        return f"{base}, quant=[{roles}], mode={self._qmode}"
+
+
+def _ste(x: torch.Tensor, fq: torch.Tensor) -> torch.Tensor:
+    """``fq`` in the forward, identity gradient to ``x`` in the backward."""
+    return x + (fq.to(x.dtype) - x).detach()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the wrappers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class QuantLinear(_QuantMixin, nn.Linear):
+    """``nn.Linear`` with qcore quantization of its weight, input, output and bias."""
+
+    def _features(self, role):
+        return self.in_features if role == "input" else self.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._qact(x, "input")
+        y = F.linear(x, self._w(), self._param("bias"))
+        return self._qact(y, "output")
+
+
+class QuantConv2d(_QuantMixin, nn.Conv2d):
+    """``nn.Conv2d`` with qcore quantization; activations per tensor or along the channel axis."""
+
+    _conv = True
+
+    def _features(self, role):
+        return self.in_channels if role == "input" else self.out_channels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._qact(x, "input")
+        y = self._conv_forward(x, self._w(), self._param("bias"))
+        return self._qact(y, "output")
+
+
+class QuantConvTranspose2d(_QuantMixin, nn.ConvTranspose2d):
+    """``nn.ConvTranspose2d`` with qcore quantization. Its weight is stored ``[in, out/groups, kh, kw]``; the
+    config's canonical ``[out, in, ...]`` axes are mapped (PerChannel(0) is per output channel here too)."""
+
+    _conv = True
+
+    @staticmethod
+    def _canon(w):
+        return w.transpose(0, 1)
+
+    @staticmethod
+    def _uncanon(w):
+        return w.transpose(0, 1)
+
+    def _features(self, role):
+        return self.in_channels if role == "input" else self.out_channels
+
+    def forward(self, x: torch.Tensor, output_size: Optional[list] = None) -> torch.Tensor:
+        x = self._qact(x, "input")
+        output_padding = self._output_padding(x, output_size, self.stride, self.padding, self.kernel_size, 2,
+                                              self.dilation)
+        y = F.conv_transpose2d(x, self._w(), self._param("bias"), self.stride, self.padding, output_padding,
+                               self.groups, self.dilation)
+        return self._qact(y, "output")
+
+
+class QuantEmbedding(_QuantMixin, nn.Embedding):
+    """``nn.Embedding`` with a quantized table (rows = canonical output axis) and optional output quantization."""
+
+    _index_input = True
+
+    def _features(self, role):
+        return self.embedding_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.embedding(x, self._w(), self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
+                        self.sparse)
+        return self._qact(y, "output")
+
+
+class QuantEmbeddingBag(_QuantMixin, nn.EmbeddingBag):
+    """``nn.EmbeddingBag`` with a quantized table and optional output quantization."""
+
+    _index_input = True
+
+    def _features(self, role):
+        return self.embedding_dim
+
+    def forward(self, x: torch.Tensor, offsets: Optional[torch.Tensor] = None,
+                per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        y = F.embedding_bag(x, self._w(), offsets, self.max_norm, self.norm_type, self.scale_grad_by_freq,
+                            self.mode, self.sparse, per_sample_weights, self.include_last_offset, self.padding_idx)
+        return self._qact(y, "output")
+
+
+QUANT_CLASSES = {nn.Linear: QuantLinear, nn.Conv2d: QuantConv2d, nn.ConvTranspose2d: QuantConvTranspose2d,
+                 nn.Embedding: QuantEmbedding, nn.EmbeddingBag: QuantEmbeddingBag}
+
+
+def is_quantized_module(m: nn.Module) -> bool:
+    return isinstance(m, _QuantMixin)
+
+
+def wrap(module: nn.Module, config: LayerConfig, *, name: str = "", qat: bool = False) -> nn.Module:
+    """The quantized wrapper of ``module`` (exact type match: Linear, Conv2d, ConvTranspose2d, Embedding,
+    EmbeddingBag) for ``config``; ``module`` itself is not modified."""
+    cls = QUANT_CLASSES.get(type(module))
+    if cls is None:
+        raise TypeError(f"{name or 'module'}: cannot quantize a {type(module).__name__}; supported: "
+                        f"{[c.__name__ for c in QUANT_CLASSES]}")
+    return cls.from_module(module, config, name=name, qat=qat)

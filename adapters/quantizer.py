@@ -1,0 +1,326 @@
+"""Quantize a whole torch model from a ``ModelConfig``: plan, swap, calibrate, commit; freeze; sizes.
+
+``quantize_model(model, config, data=None)`` is all-or-nothing: the plan (which module gets which config) and
+every check run before any module is touched; calibration runs on wrappers whose weights are not yet written;
+any error restores the original modules, so the model is either unchanged or fully quantized.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from .config import COMPUTE_TYPES, LayerConfig, ModelConfig, TensorConfig
+from .modules import QUANT_CLASSES, CalibrationError, _QuantMixin, is_quantized_module, wrap
+
+__all__ = ["quantize_model", "plan_model", "calibrate", "freeze", "model_bytes", "quantized_modules", "LayerPlan"]
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One module to quantize: its dotted name, type name and resolved ``LayerConfig``."""
+
+    name: str
+    type: str
+    config: LayerConfig
+
+
+def _match(pattern: str, name: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], name) is not None
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def _no_match_error(what: str, pattern: str, names: list[str]) -> ValueError:
+    core = pattern[3:] if pattern.startswith("re:") else pattern.replace("*", "")
+    close = difflib.get_close_matches(core, names, n=5, cutoff=0.3)
+    if not close:
+        close = [n for n in names if core and core.split(".")[-1] in n][:5]
+    hint = f"; closest module names: {close}" if close else f"; module names look like {names[:5]}"
+    return ValueError(f"{what} {pattern!r} matches no module of the model{hint}")
+
+
+def _output_head(model: nn.Module) -> list[str]:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None:
+        return []
+    return [n for n, m in model.named_modules() if m is head]
+
+
+def _as_config(config: Any) -> ModelConfig:
+    if isinstance(config, ModelConfig):
+        return config
+    if isinstance(config, str):
+        from .presets import preset
+        return preset(config)
+    if isinstance(config, Mapping):
+        return ModelConfig.from_dict(config)
+    raise TypeError(f"config must be a ModelConfig, a preset name or a config dict, got {type(config).__name__}")
+
+
+def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping]) -> list[LayerPlan]:
+    """Resolve ``config`` on ``model``: the modules that will be quantized and their configs. Pure: raises
+    ``ValueError``/``TypeError`` for patterns matching nothing, configs that cannot apply, tied weights shared
+    with a module treated differently, an already quantized model; changes nothing."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    config = _as_config(config)
+    mods = dict(model.named_modules())
+    if any(is_quantized_module(m) for m in mods.values()):
+        raise ValueError("the model already holds qcore quantized modules; quantize a float model (reload it)")
+    names = [n for n in mods if n]
+    if config.algorithms:
+        known: tuple = ()
+        for a in config.algorithms:
+            if a["name"] not in known:
+                raise ValueError(f"ModelConfig.algorithms: algorithm {a['name']!r} is not available in this "
+                                 f"version of qcore (none are yet); remove it to quantize with round-to-nearest")
+    exclude = _output_head(model) if config.exclude is None else list(config.exclude)
+    for p in ([] if config.exclude is None else exclude):
+        if not any(_match(p, n) for n in names):
+            raise _no_match_error("ModelConfig.exclude entry", p, names)
+    for p in config.by_name:
+        if not any(_match(p, n) for n in names):
+            raise _no_match_error("ModelConfig.by_name pattern", p, names)
+    kv_targets = config.kv_cache.targets if config.kv_cache is not None else ()
+    for p in kv_targets:
+        if not any(_match(p, n) for n in names):
+            raise _no_match_error("KVCacheConfig.targets pattern", p, names)
+
+    plans: list[LayerPlan] = []
+    for name, m in mods.items():
+        if not name:
+            continue
+        tname = next((c.__name__ for c in QUANT_CLASSES if type(m) is c), None)
+        named = next((p for p in config.by_name if _match(p, name)), None)
+        excluded = any(_match(p, name) for p in exclude)
+        if tname is None:
+            if named is not None and config.by_name[named] is not None and not any(
+                    _match(named, n) and type(mods[n]) in QUANT_CLASSES for n in names):
+                raise ValueError(f"ModelConfig.by_name pattern {named!r} matches only modules qcore cannot quantize "
+                                 f"(e.g. {name!r}: {type(m).__name__}); supported: "
+                                 f"{[c.__name__ for c in QUANT_CLASSES]}")
+            continue
+        if excluded:
+            lc: Optional[LayerConfig] = None
+        elif named is not None:
+            lc = config.by_name[named]
+        elif tname in config.by_type:
+            lc = config.by_type[tname]
+        elif tname in COMPUTE_TYPES:
+            lc = config.layer
+        else:
+            lc = None
+        if kv_targets and any(_match(p, name) for p in kv_targets):
+            if tname != "Linear":
+                raise ValueError(f"KVCacheConfig.targets: {name!r} is a {tname}; KV-cache scales go on the "
+                                 f"outputs of the k/v projection Linears")
+            base = lc or LayerConfig()
+            if base.output is not None and base.output != config.kv_cache.output:
+                raise ValueError(f"{name!r}: the layer config quantizes its output and the KV-cache config too; "
+                                 f"give one of them")
+            lc = LayerConfig(weight=base.weight, input=base.input, output=config.kv_cache.output, bias=base.bias)
+        if lc is None or lc.empty:
+            continue
+        plans.append(LayerPlan(name, tname, lc))
+    if not plans:
+        raise ValueError("the config quantizes no module of this model (everything excluded or unmatched); "
+                         f"quantizable modules: {[n for n, m in mods.items() if type(m) in QUANT_CLASSES][:10]}")
+    _check_ties(model, mods, plans)
+    return plans
+
+
+def _check_ties(model, mods, plans):
+    """A weight tensor shared by several modules must get the same weight config in all of them."""
+    by_param: dict[int, list[tuple[str, Any]]] = {}
+    cfg = {p.name: p.config.weight for p in plans}
+    for name, m in mods.items():
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor) and type(m) in QUANT_CLASSES:
+            by_param.setdefault(id(w), []).append((name, cfg.get(name)))
+    for users in by_param.values():
+        if len(users) > 1 and len({repr(c) for _, c in users}) > 1:
+            desc = ", ".join(f"{n!r} ({'float' if c is None else c.spec.name or c.spec.dtype.name})" for n, c in users)
+            raise ValueError(f"tied weight shared by {desc} would be quantized differently; give the tied modules "
+                             f"the same config (or exclude all of them), or untie the weights first")
+
+
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def _progress(it, *, total=None, desc="", enabled=True):
+    if not enabled:
+        return it
+    from tqdm.auto import tqdm
+    return tqdm(it, total=total, desc=desc, leave=False)
+
+
+def _describe(batch) -> str:
+    if isinstance(batch, torch.Tensor):
+        return f"tensor {tuple(batch.shape)} {batch.dtype}"
+    if isinstance(batch, Mapping):
+        return "dict(" + ", ".join(f"{k}={_describe(v)}" for k, v in batch.items()) + ")"
+    if isinstance(batch, (tuple, list)):
+        return type(batch).__name__ + "(" + ", ".join(_describe(v) for v in batch) + ")"
+    return type(batch).__name__
+
+
+def _device_of(model: nn.Module):
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _to(batch, device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return {k: _to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to(v, device) for v in batch)
+    return batch
+
+
+def _check_batch(model: nn.Module, batch: Any, i: int) -> None:
+    expected = ("a tensor (model(batch)), a dict of tensors (model(**batch)) or a tuple/list of tensors "
+                "(model(*batch))")
+    if not isinstance(batch, (torch.Tensor, Mapping, tuple, list)):
+        raise TypeError(f"calibration batch {i} is a {type(batch).__name__}; expected {expected}")
+    main = getattr(model, "main_input_name", None)
+    ids = None
+    if main == "input_ids":
+        if isinstance(batch, torch.Tensor):
+            ids = batch
+        elif isinstance(batch, Mapping):
+            ids = batch.get("input_ids")
+        elif batch and isinstance(batch[0], torch.Tensor):
+            ids = batch[0]
+    if ids is not None and (ids.dtype.is_floating_point or ids.dim() != 2):
+        raise ValueError(f"calibration batch {i}: input_ids of {_describe(ids)}; this transformers model expects "
+                         f"integer token ids of shape [batch, sequence]")
+
+
+def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True) -> int:
+    """Run ``data`` through ``model`` under ``no_grad`` and set the static activation scales of its quantized
+    modules from their observers (statistics only; activations are never kept). Returns the number of batches.
+
+    Batches: a tensor (``model(batch)``), a dict (``model(**batch)``) or a tuple/list (``model(*batch)``),
+    moved to the model's device. On any error the observers are dropped and the scales are left as they were.
+    """
+    if isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable):
+        raise TypeError(f"calibration data must be an iterable of batches (a list or a DataLoader), got "
+                        f"{type(data).__name__}; wrap a single batch in a list: [batch]")
+    mods = [m for m in model.modules() if isinstance(m, _QuantMixin) and m.static_roles()]
+    if not mods:
+        return 0
+    device = _device_of(model)
+    for m in mods:
+        m.start_calibration()
+    n = 0
+    was_training = model.training
+    model.eval()
+    try:
+        total = len(data) if hasattr(data, "__len__") else None
+        with torch.no_grad():
+            for i, batch in enumerate(_progress(data, total=total, desc="calibrating", enabled=progress)):
+                _check_batch(model, batch, i)
+                b = _to(batch, device)
+                try:
+                    if isinstance(b, torch.Tensor):
+                        model(b)
+                    elif isinstance(b, Mapping):
+                        model(**b)
+                    else:
+                        model(*b)
+                except CalibrationError:
+                    raise
+                except (RuntimeError, ValueError, TypeError, IndexError) as e:
+                    raise ValueError(f"calibration batch {i} ({_describe(batch)}) does not fit the model: "
+                                     f"{type(e).__name__}: {e}") from e
+                n += 1
+        if n == 0:
+            raise ValueError("calibration data is empty; static activation scales need at least one batch")
+        for m in mods:
+            m.finish_calibration()
+    except BaseException:
+        for m in mods:
+            m.abort_calibration()
+        raise
+    finally:
+        model.train(was_training)
+    return n
+
+
+def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], data: Optional[Iterable] = None, *,
+                   qat: bool = False, progress: bool = True) -> nn.Module:
+    """Quantize ``model`` in place per ``config`` (a ``ModelConfig``, a preset name or a config dict) and return it.
+
+    data: calibration batches (see ``calibrate``); needed when the config has static activation scales.
+    qat: keep float master weights (trainable, straight-through gradients) instead of writing the fake-quantized
+        weights in place (the default, which keeps one copy of the weights).
+    progress: show progress bars.
+
+    All or nothing: on any error the original modules are put back and the weights are untouched.
+    """
+    if not isinstance(qat, bool):
+        raise TypeError(f"qat must be a bool, got {qat!r}")
+    plans = plan_model(model, config)
+    static = [f"{p.name}.{r}" for p in plans for r in ("input", "output")
+              if isinstance(getattr(p.config, r), TensorConfig) and not getattr(p.config, r).dynamic]
+    if static and data is None:
+        raise ValueError(f"the config has static activation scales ({', '.join(static[:3])}"
+                         f"{', ...' if len(static) > 3 else ''}); pass calibration batches as data=")
+    if data is not None and (isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable)):
+        raise TypeError(f"data must be an iterable of batches (a list or a DataLoader), got {type(data).__name__}; "
+                        f"wrap a single batch in a list: [batch]")
+    wrappers = [(p.name, model.get_submodule(p.name), wrap(model.get_submodule(p.name), p.config, name=p.name,
+                                                           qat=qat)) for p in plans]
+    for name, _, new in wrappers:
+        _set_module(model, name, new)
+    try:
+        if static:
+            calibrate(model, data, progress=progress)
+        if not qat:
+            for _, _, new in _progress(wrappers, desc="quantizing weights", enabled=progress):
+                new.commit()
+    except BaseException:
+        for name, old, _ in wrappers:
+            _set_module(model, name, old)
+        raise
+    return model
+
+
+def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: wrapper}`` of the quantized modules of ``model``."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
+
+
+def freeze(model: nn.Module, *, progress: bool = False) -> nn.Module:
+    """Turn every quantized module's weight into packed low-bit codes + scales (in place; irreversible)."""
+    mods = quantized_modules(model)
+    if not mods:
+        raise ValueError("freeze: the model has no qcore quantized modules; run quantize_model first")
+    for m in _progress(list(mods.values()), desc="freezing", enabled=progress):
+        m.freeze()
+    return model
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes held by the model's parameters and buffers (each storage counted once: tied weights once)."""
+    seen: dict[Any, int] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t is None:
+            continue
+        key = (t.device, t.untyped_storage().data_ptr()) if t.numel() else id(t)
+        seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes() if t.numel() else 0)
+    return sum(seen.values())
