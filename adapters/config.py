@@ -32,14 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 import qcore
 from qcore import PerBlock, PerChannel, PerGroup, PerTensor, QuantSpec, RoundingMode, ScaleMode, TensorScale
-from qcore.dtypes import BlockDType, FloatDType, IntDType
 
 __all__ = ["MinMax", "Percentile", "MSE", "Observer", "TensorConfig", "LayerConfig", "KVCacheConfig",
            "ModelConfig", "ROLES", "MODULE_TYPES", "spec_to_dict", "spec_from_dict"]

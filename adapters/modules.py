@@ -25,7 +25,6 @@ to the module's dtype once.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
@@ -34,10 +33,10 @@ from torch import nn
 
 import qcore
 from qcore import PerBlock, PerChannel, PerGroup, PerTensor, QuantSpec
-from qcore.dtypes import FloatDType, IntDType
+from qcore.dtypes import FloatDType
 from qcore.stats import RunningStats
 
-from .config import MSE, LayerConfig, MinMax, Percentile, TensorConfig
+from .config import LayerConfig, MinMax, Percentile, TensorConfig
 
 __all__ = ["QuantLinear", "QuantConv2d", "QuantConvTranspose2d", "QuantEmbedding", "QuantEmbeddingBag",
            "QUANT_CLASSES", "wrap", "is_quantized_module", "CalibrationError"]
