@@ -1,2 +1,5 @@
-"""qcore.formats: reserved for checkpoint file readers and writers. Depends on qcore only. Empty so far: the
-file formats are planned."""
+"""qcore.formats: checkpoint file formats (readers and writers). Depends on qcore only (no torch).
+
+- ``qcore.formats.quark_hf``: AMD Quark's Hugging Face ``quantization_config`` (``quant_method: "quark"``),
+  read and written exactly, and its quantization specs converted to and from ``qcore.QuantSpec``.
+"""
