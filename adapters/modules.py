@@ -197,7 +197,7 @@ class _QuantMixin:
         if not w.is_floating_point():
             raise TypeError(f"{where}: weight dtype {w.dtype} is not floating point")
         plan: dict[str, Any] = {}
-        canon_shape = tuple(cls._canon(w).shape)
+        canon_shape = tuple(cls._canon(module, w).shape)
         if config.weight is not None:
             g = _norm_weight_granularity(config.weight.spec.granularity, kind, name, w.dim(), canon_shape)
             plan["weight"] = _with_granularity(config.weight.spec, g)
@@ -252,13 +252,12 @@ class _QuantMixin:
 
     # -- layout --------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _canon(w: torch.Tensor) -> torch.Tensor:
-        """The weight in the canonical [out, in, *kernel] layout (a view)."""
+    def _canon(self, w: torch.Tensor) -> torch.Tensor:
+        """The weight in the canonical [out, in/groups, *kernel] layout (a view, except for grouped transposed
+        convolutions). Reads only ``self.groups``, so ``_plan`` may call it on the module being wrapped."""
         return w
 
-    @staticmethod
-    def _uncanon(w: torch.Tensor) -> torch.Tensor:
+    def _uncanon(self, w: torch.Tensor) -> torch.Tensor:
         return w
 
     def _features(self, role: str) -> int:
@@ -519,17 +518,24 @@ class QuantConv2d(_QuantMixin, nn.Conv2d):
 
 class QuantConvTranspose2d(_QuantMixin, nn.ConvTranspose2d):
     """``nn.ConvTranspose2d`` with qcore quantization. Its weight is stored ``[in, out/groups, kh, kw]``; the
-    config's canonical ``[out, in, ...]`` axes are mapped (PerChannel(0) is per output channel here too)."""
+    config's canonical ``[out, in/groups, ...]`` axes (those of ``nn.Conv2d``) are mapped, so PerChannel(0) is
+    per output channel here too: output channel ``g * out/groups + j`` is ``weight[g*in/groups:(g+1)*in/groups, j]``."""
 
     _conv = True
 
-    @staticmethod
-    def _canon(w):
-        return w.transpose(0, 1)
+    def _canon(self, w):
+        g = self.groups
+        if g == 1:
+            return w.transpose(0, 1)
+        i, og = w.shape[:2]
+        return w.reshape(g, i // g, og, *w.shape[2:]).transpose(1, 2).reshape(g * og, i // g, *w.shape[2:])
 
-    @staticmethod
-    def _uncanon(w):
-        return w.transpose(0, 1)
+    def _uncanon(self, w):
+        g = self.groups
+        if g == 1:
+            return w.transpose(0, 1)
+        o, ig = w.shape[:2]
+        return w.reshape(g, o // g, ig, *w.shape[2:]).transpose(1, 2).reshape(g * ig, o // g, *w.shape[2:])
 
     def _features(self, role):
         return self.in_channels if role == "input" else self.out_channels
