@@ -9,9 +9,11 @@ original keys) and adds the quantization of its roles (``LayerConfig``: weight, 
   fake-quantized model holds one copy of its weights; the scales are kept as buffers (``weight_scale``,
   ``weight_zero_point``, ``weight_tensor_scale``). If the weight changes afterwards (``load_state_dict``, an
   optimizer step, any in-place write), it is quantized again at the next forward (tracked by the tensor's
-  version counter), never on every forward. With ``qat=True`` the float weight stays the trainable master copy;
-  the forward uses its fake-quantized value with straight-through gradients (recomputed while the weight
-  requires grad and grad is enabled, otherwise cached until the weight changes).
+  version counter), never on every forward; a weight loaded together with its ``weight_scale`` (a saved
+  fake-quantized model) is kept as saved when it lies exactly on those scales' grid. With ``qat=True`` the
+  float weight stays the trainable master copy; the forward uses its fake-quantized value with straight-through
+  gradients (recomputed while the weight requires grad and grad is enabled, otherwise cached until the weight
+  changes).
 - **activations** (input, output) are fake-quantized in the forward: dynamic scales per call, or static scales
   (buffers ``input_scale`` / ``input_zero_point``, ``output_scale`` / ``output_zero_point``) calibrated by
   ``qcore.adapters.calibrate``. Granularities are given on the ``[tokens, features]`` view (see
@@ -348,6 +350,37 @@ class _QuantMixin:
             if mode == _QAT:
                 self._keep_params(role, q)
         return cache[role][1]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)  # type: ignore[misc]
+        if self._qmode != _INPLACE:
+            return
+        for role in ("weight", "bias"):
+            if role in self._qspecs and prefix + role in state_dict and f"{prefix}{role}_scale" in state_dict:
+                self._adopt_loaded(role)
+
+    def _adopt_loaded(self, role: str) -> None:
+        """A weight loaded together with its scales (a saved fake-quantized model) is kept as it is when it lies
+        exactly on the grid of those scales: quantizing it again from its own statistics is not idempotent (int8:
+        the absmax shrinks to 127 * scale, so the scale changes). Otherwise (float weights, stale scales) it is
+        quantized again at the next forward, as after any other write."""
+        p = getattr(self, role)
+        spec = self._qspecs[role]
+        kw = {"scale": self._buffers[f"{role}_scale"], "zero_point": self._buffers.get(f"{role}_zero_point")}
+        if spec.two_level:
+            kw["tensor_scale"] = self._buffers.get(f"{role}_tensor_scale")
+        x = (self._canon(p) if role == "weight" else p).detach().float()
+        try:
+            back = qcore.dequantize(qcore.quantize(x, spec, **kw))
+        except ValueError:
+            return  # scales that cannot be used as given: quantize again from the weight
+        if role == "weight":
+            back = self._uncanon(back)
+        if torch.equal(back.to(p.dtype), p.detach()):
+            if role == "weight":
+                self._wver = (p._version, p.data_ptr())
+            else:
+                self._bver = (p._version, p.data_ptr())
 
     def commit(self) -> None:
         """Pending -> in place: write the fake-quantized weight (and bias) into the parameters; drop caches."""
