@@ -454,7 +454,8 @@ class _QuantMixin:
             return
         if self._qmode == _PENDING:
             self.commit()
-        w = self._param("weight").detach()
+        with torch.no_grad():  # qat: the cached path, which also keeps the weight's scales as buffers
+            w = self._param("weight").detach()
         spec = self._qspecs["weight"]
         wc = self._canon(w).float()
         kw: dict[str, Any] = {"scale": self.weight_scale}
