@@ -9,9 +9,11 @@ original keys) and adds the quantization of its roles (``LayerConfig``: weight, 
   fake-quantized model holds one copy of its weights; the scales are kept as buffers (``weight_scale``,
   ``weight_zero_point``, ``weight_tensor_scale``). If the weight changes afterwards (``load_state_dict``, an
   optimizer step, any in-place write), it is quantized again at the next forward (tracked by the tensor's
-  version counter), never on every forward. With ``qat=True`` the float weight stays the trainable master copy;
-  the forward uses its fake-quantized value with straight-through gradients (recomputed while the weight
-  requires grad and grad is enabled, otherwise cached until the weight changes).
+  version counter), never on every forward; a weight loaded together with its ``weight_scale`` (a saved
+  fake-quantized model) is kept as saved when it lies exactly on those scales' grid. With ``qat=True`` the
+  float weight stays the trainable master copy; the forward uses its fake-quantized value with straight-through
+  gradients (recomputed while the weight requires grad and grad is enabled, otherwise cached until the weight
+  changes).
 - **activations** (input, output) are fake-quantized in the forward: dynamic scales per call, or static scales
   (buffers ``input_scale`` / ``input_zero_point``, ``output_scale`` / ``output_zero_point``) calibrated by
   ``qcore.adapters.calibrate``. Granularities are given on the ``[tokens, features]`` view (see
@@ -197,7 +199,7 @@ class _QuantMixin:
         if not w.is_floating_point():
             raise TypeError(f"{where}: weight dtype {w.dtype} is not floating point")
         plan: dict[str, Any] = {}
-        canon_shape = tuple(cls._canon(w).shape)
+        canon_shape = tuple(cls._canon(module, w).shape)
         if config.weight is not None:
             g = _norm_weight_granularity(config.weight.spec.granularity, kind, name, w.dim(), canon_shape)
             plan["weight"] = _with_granularity(config.weight.spec, g)
@@ -252,13 +254,12 @@ class _QuantMixin:
 
     # -- layout --------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _canon(w: torch.Tensor) -> torch.Tensor:
-        """The weight in the canonical [out, in, *kernel] layout (a view)."""
+    def _canon(self, w: torch.Tensor) -> torch.Tensor:
+        """The weight in the canonical [out, in/groups, *kernel] layout (a view, except for grouped transposed
+        convolutions). Reads only ``self.groups``, so ``_plan`` may call it on the module being wrapped."""
         return w
 
-    @staticmethod
-    def _uncanon(w: torch.Tensor) -> torch.Tensor:
+    def _uncanon(self, w: torch.Tensor) -> torch.Tensor:
         return w
 
     def _features(self, role: str) -> int:
@@ -350,6 +351,37 @@ class _QuantMixin:
                 self._keep_params(role, q)
         return cache[role][1]
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)  # type: ignore[misc]
+        if self._qmode != _INPLACE:
+            return
+        for role in ("weight", "bias"):
+            if role in self._qspecs and prefix + role in state_dict and f"{prefix}{role}_scale" in state_dict:
+                self._adopt_loaded(role)
+
+    def _adopt_loaded(self, role: str) -> None:
+        """A weight loaded together with its scales (a saved fake-quantized model) is kept as it is when it lies
+        exactly on the grid of those scales: quantizing it again from its own statistics is not idempotent (int8:
+        the absmax shrinks to 127 * scale, so the scale changes). Otherwise (float weights, stale scales) it is
+        quantized again at the next forward, as after any other write."""
+        p = getattr(self, role)
+        spec = self._qspecs[role]
+        kw = {"scale": self._buffers[f"{role}_scale"], "zero_point": self._buffers.get(f"{role}_zero_point")}
+        if spec.two_level:
+            kw["tensor_scale"] = self._buffers.get(f"{role}_tensor_scale")
+        x = (self._canon(p) if role == "weight" else p).detach().float()
+        try:
+            back = qcore.dequantize(qcore.quantize(x, spec, **kw))
+        except ValueError:
+            return  # scales that cannot be used as given: quantize again from the weight
+        if role == "weight":
+            back = self._uncanon(back)
+        if torch.equal(back.to(p.dtype), p.detach()):
+            if role == "weight":
+                self._wver = (p._version, p.data_ptr())
+            else:
+                self._bver = (p._version, p.data_ptr())
+
     def commit(self) -> None:
         """Pending -> in place: write the fake-quantized weight (and bias) into the parameters; drop caches."""
         if self._qmode != _PENDING:
@@ -422,7 +454,8 @@ class _QuantMixin:
             return
         if self._qmode == _PENDING:
             self.commit()
-        w = self._param("weight").detach()
+        with torch.no_grad():  # qat: the cached path, which also keeps the weight's scales as buffers
+            w = self._param("weight").detach()
         spec = self._qspecs["weight"]
         wc = self._canon(w).float()
         kw: dict[str, Any] = {"scale": self.weight_scale}
@@ -519,17 +552,24 @@ class QuantConv2d(_QuantMixin, nn.Conv2d):
 
 class QuantConvTranspose2d(_QuantMixin, nn.ConvTranspose2d):
     """``nn.ConvTranspose2d`` with qcore quantization. Its weight is stored ``[in, out/groups, kh, kw]``; the
-    config's canonical ``[out, in, ...]`` axes are mapped (PerChannel(0) is per output channel here too)."""
+    config's canonical ``[out, in/groups, ...]`` axes (those of ``nn.Conv2d``) are mapped, so PerChannel(0) is
+    per output channel here too: output channel ``g * out/groups + j`` is ``weight[g*in/groups:(g+1)*in/groups, j]``."""
 
     _conv = True
 
-    @staticmethod
-    def _canon(w):
-        return w.transpose(0, 1)
+    def _canon(self, w):
+        g = self.groups
+        if g == 1:
+            return w.transpose(0, 1)
+        i, og = w.shape[:2]
+        return w.reshape(g, i // g, og, *w.shape[2:]).transpose(1, 2).reshape(g * og, i // g, *w.shape[2:])
 
-    @staticmethod
-    def _uncanon(w):
-        return w.transpose(0, 1)
+    def _uncanon(self, w):
+        g = self.groups
+        if g == 1:
+            return w.transpose(0, 1)
+        o, ig = w.shape[:2]
+        return w.reshape(g, o // g, ig, *w.shape[2:]).transpose(1, 2).reshape(g * ig, o // g, *w.shape[2:])
 
     def _features(self, role):
         return self.in_channels if role == "input" else self.out_channels
