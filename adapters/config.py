@@ -238,6 +238,12 @@ class TensorConfig:
         if self.spec.two_level and not isinstance(self.observer, MinMax):
             raise ValueError("TensorConfig: two-level (NVFP4) specs take MinMax() only")
 
+    @property
+    def calibrated(self) -> bool:
+        """True when calibration sets this tensor's scales: static activations, and two-level activations
+        whose per-tensor scale is calibrated (``tensor_scale_mode=GIVEN``) under per-call block scales."""
+        return not self.dynamic or self.spec.tensor_scale_mode is TensorScale.GIVEN
+
     def to_dict(self) -> dict:
         return {"spec": spec_to_dict(self.spec), "dynamic": self.dynamic, "observer": self.observer.to_dict()}
 
@@ -254,6 +260,10 @@ class TensorConfig:
 
 def _check_activation(tc: TensorConfig, role: str):
     g = tc.spec.granularity
+    if tc.spec.two_level and not tc.dynamic:
+        raise ValueError(f"LayerConfig.{role}: two-level (NVFP4) activations have per-call block scales: "
+                         f"dynamic=True, with tensor_scale_mode AMAX (tensor scale per call), GIVEN (tensor scale "
+                         f"calibrated) or ONE")
     if isinstance(g, PerBlock):
         raise ValueError(f"LayerConfig.{role}: activations take PerTensor(), PerChannel(0) (per token, dynamic), "
                          f"PerChannel(1) (per feature) or PerGroup(size, axis=1); got {g!r}")
@@ -275,6 +285,9 @@ def _check_activation(tc: TensorConfig, role: str):
 
 
 def _check_weight(tc: TensorConfig, role: str):
+    if tc.spec.tensor_scale_mode is TensorScale.GIVEN:
+        raise ValueError(f"LayerConfig.{role}: a two-level {role} spec takes its tensor scale from the {role} "
+                         f"itself: tensor_scale_mode AMAX (or ONE), not GIVEN")
     if tc.dynamic:
         raise ValueError(f"LayerConfig.{role}: dynamic=True applies to activations; {role} scales always come "
                          f"from the {role} itself (use dynamic=False)")
@@ -402,6 +415,9 @@ class ModelConfig:
     kv_cache: ``KVCacheConfig`` or None.
     algorithms: algorithm configs to run before rounding, in order (dicts with a ``"name"``; filled in by the
         algorithm modules; an algorithm qcore does not implement yet is refused at quantize time).
+    origin: the AMD Quark ``quantization_config`` this config was read from (``from_quark``), kept so that
+        ``to_quark`` writes the source's spelling back where the numerics did not change; not compared, not in
+        JSON.
     """
 
     layer: LayerConfig = LayerConfig()
@@ -410,9 +426,12 @@ class ModelConfig:
     exclude: Optional[tuple] = DEFAULT_EXCLUDE
     kv_cache: Optional[KVCacheConfig] = None
     algorithms: tuple = ()
+    origin: Optional[Mapping] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         _layer_or_none(self.layer, "ModelConfig.layer")
+        if self.origin is not None and not isinstance(self.origin, Mapping):
+            raise TypeError(f"ModelConfig.origin must be a dict or None, got {type(self.origin).__name__}")
         if self.layer is None:
             object.__setattr__(self, "layer", LayerConfig())
         if not isinstance(self.by_type, Mapping):
@@ -464,6 +483,17 @@ class ModelConfig:
             kv_cache=None if d.get("kv_cache") is None else KVCacheConfig.from_dict(d["kv_cache"]),
             algorithms=tuple(d.get("algorithms") or ()),
         )
+
+    @classmethod
+    def from_quark(cls, quantization_config: Mapping, *, model_dtype: str = "float32") -> "ModelConfig":
+        """The config of AMD Quark's ``quantization_config`` dict (``qcore.adapters.quark_config``)."""
+        from .quark_config import config_from_quark
+        return config_from_quark(quantization_config, model_dtype=model_dtype)
+
+    def to_quark(self, *, model_dtype: str = "float32") -> dict:
+        """AMD Quark's ``quantization_config`` dict for this config (``qcore.adapters.quark_config``)."""
+        from .quark_config import config_to_quark
+        return config_to_quark(self, model_dtype=model_dtype)
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **kw)

@@ -36,6 +36,8 @@ from torch import nn
 import qcore
 from qcore import PerBlock, PerChannel, PerGroup, PerTensor, QuantSpec
 from qcore.dtypes import FloatDType
+from qcore._backend import ops
+from qcore.quantize import tensor_scale_from_amax
 from qcore.stats import RunningStats
 
 from .config import LayerConfig, MinMax, Percentile, TensorConfig
@@ -103,7 +105,8 @@ class _Observer:
 
     def __init__(self, tc: TensorConfig, spec: QuantSpec, where: str):
         self.tc, self.spec, self.where = tc, spec, where
-        self.stats = RunningStats.empty(spec.granularity)
+        # two-level activations calibrate their per-tensor scale only (block scales are per call)
+        self.stats = RunningStats.empty(PerTensor() if spec.two_level else spec.granularity)
         self.sum: Optional[torch.Tensor] = None
         self.sum_zp: Optional[torch.Tensor] = None
         self.n = 0
@@ -141,6 +144,9 @@ class _Observer:
             raise CalibrationError(f"calibration: {self.where} saw no calibration batch (is it reached by the "
                                    f"model's forward?)")
         obs = self.tc.observer
+        if self.spec.two_level:
+            a = self.stats.absmax.reshape(())
+            return tensor_scale_from_amax(a, self.spec, ops(a), a), None
         if isinstance(obs, MinMax):
             p = qcore.stats.scale_from_stats(self.stats, self.spec)
             return p.scale, p.zero_point
@@ -246,7 +252,9 @@ class _QuantMixin:
         self.quant_enabled = True
         for role in ("input", "output"):
             tc = getattr(config, role)
-            if tc is not None and not tc.dynamic:
+            if tc is not None and tc.calibrated and tc.spec.two_level:
+                self.register_buffer(f"{role}_tensor_scale", torch.full((), float("nan"), device=self.weight.device))
+            elif tc is not None and tc.calibrated:
                 shape = self._static_shape(role)
                 self.register_buffer(f"{role}_scale", torch.full(shape, float("nan"), device=self.weight.device))
                 if not tc.spec.symmetric:
@@ -405,25 +413,34 @@ class _QuantMixin:
         tc = getattr(self.qconfig, role)
         spec = self._qspecs[role]
         v = self._act_view(x)
-        if tc.dynamic:
+        if not tc.calibrated:
             y = qcore.fake_quantize(v, spec)
         elif self._observers is not None:
             self._observers[role].update(v)
             return x
+        elif spec.two_level:
+            ts = self._buffers[f"{role}_tensor_scale"]
+            if bool(torch.isnan(ts)):
+                raise RuntimeError(self._uncalibrated(role))
+            y = qcore.fake_quantize(v, spec, tensor_scale=ts)
         else:
             s = self._buffers[f"{role}_scale"]
             if bool(torch.isnan(s).any()) if s.numel() < 64 else False:
-                raise RuntimeError(f"{self.qname!r}: static {role} scales are not calibrated; run "
-                                   f"qcore.adapters.quantize_model(model, config, data) with calibration data")
+                raise RuntimeError(self._uncalibrated(role))
             zp = self._buffers.get(f"{role}_zero_point")
             y = qcore.fake_quantize(v, spec, scale=self._scale_view(s, v),
                                     zero_point=None if zp is None else self._scale_view(zp, v))
         return y.reshape(x.shape).to(x.dtype)
 
+    def _uncalibrated(self, role: str) -> str:
+        return (f"{self.qname!r}: static {role} scales are not calibrated; run "
+                f"qcore.adapters.quantize_model(model, config, data) with calibration data")
+
     # -- calibration ---------------------------------------------------------------------------------------
 
     def static_roles(self) -> list[str]:
-        return [r for r in ("input", "output") if r in self._qspecs and not getattr(self.qconfig, r).dynamic]
+        """The activation roles calibration sets (static scales, calibrated two-level tensor scales)."""
+        return [r for r in ("input", "output") if r in self._qspecs and getattr(self.qconfig, r).calibrated]
 
     def start_calibration(self) -> None:
         self._observers = {r: _Observer(getattr(self.qconfig, r), self._qspecs[r], f"{self.qname!r} ({r})")
@@ -433,6 +450,9 @@ class _QuantMixin:
         obs, self._observers = self._observers, None
         for role, o in (obs or {}).items():
             scale, zp = o.params()
+            if self._qspecs[role].two_level:
+                self._buffers[f"{role}_tensor_scale"].copy_(scale.reshape(()))
+                continue
             shape = self._static_shape(role)
             self._buffers[f"{role}_scale"].copy_(scale.reshape(shape).to(self._buffers[f"{role}_scale"].device))
             if zp is not None:

@@ -6,21 +6,28 @@
 - granularity: ``"tensor"``, ``"channel"`` (weights: per output channel), ``"token"`` (activations, dynamic),
   ``"group"`` (groups of ``group_size`` along the input / feature axis) or ``"block"`` (the block format's own
   blocks along the input / feature axis; ``group_size`` overrides the block size);
-- mode: ``"static"`` (calibrated; weights: from the weight) or ``"dynamic"`` (per call).
+- mode: ``"static"`` (calibrated; weights: from the weight), ``"dynamic"`` (per call) or
+  ``"dynamic_calibrated_tensor_scale"`` (two-level formats: per-call block scales under a calibrated per-tensor
+  scale, ``TensorScale.GIVEN``).
 
-``preset(name, group_size=..., kv_cache=..., exclude=...)`` builds the ``ModelConfig``. MX block scales use Quark's
-E8M0 rule (``ScaleMode.EVEN``) so that results match Quark; ``scale_mode=`` picks another (``FLOOR`` is OCP's).
+``preset(name, group_size=..., kv_cache=..., exclude=...)`` builds the ``ModelConfig``. OCP MX float formats
+(MXFP4/6/8) use Quark's E8M0 rule (``ScaleMode.EVEN``) so that results match Quark; ``scale_mode=`` picks another
+(``FLOOR`` is OCP's). MX9/MX6/bfp16/MXINT8 keep their formats' own rule (FLOOR, as Quark's mx9/mx6/bfp16).
+Every preset that Quark 0.13 also writes equals ``ModelConfig.from_quark`` of Quark's own config (tested), except
+``int4_fp8``: Quark rounds the weight to fp8 per tensor and then to int4 per channel (two quantizers); qcore's
+preset is the int4 per-channel rounding alone.
 The first list comes from Quark's ``quantize_quark.py`` (``--quant_scheme``), the second from Quark 0.13's
 scheme names.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import qcore
-from qcore import PerChannel, PerGroup, PerTensor, ScaleMode
-from qcore.dtypes import BlockDType
+from qcore import PerChannel, PerGroup, PerTensor, ScaleMode, TensorScale
+from qcore.dtypes import BlockDType, FloatDType
 
 from .config import KVCacheConfig, LayerConfig, ModelConfig, TensorConfig
 
@@ -70,11 +77,14 @@ PRESETS: dict[str, dict[str, tuple]] = {
     "mxfp6_e2m3": _wa(("mxfp6_e2m3", "block", "static"), ("mxfp6_e2m3", "block", "dynamic")),
     "mxfp6_e3m2": _wa(("mxfp6_e3m2", "block", "static"), ("mxfp6_e3m2", "block", "dynamic")),
     "mxfp4_fp8": _wa(("mxfp4", "block", "static"), (_FP8, "tensor", "static")),
-    "nvfp4": _wa(("nvfp4", "block", "static"), ("nvfp4", "block", "dynamic")),
+    # NVFP4 (Quark's nvfp4): activations have per-call block scales under a calibrated per-tensor scale
+    "nvfp4": _wa(("nvfp4", "block", "static"), ("nvfp4", "block", "dynamic_calibrated_tensor_scale")),
     "mx6": _wa(("mx6", "block", "static"), ("mx6", "block", "dynamic")),
     "mx9": _wa(("mx9", "block", "static"), ("mx9", "block", "dynamic")),
     "bfp16": _wa(("bfp16", "block", "static"), ("bfp16", "block", "dynamic")),
-    "int4_fp8": _wa(("int4", "group", "static"), (_FP8, "tensor", "static")),
+    # Quark's int4_fp8 rounds the weight to fp8 per tensor first, then to int4 per channel; qcore's preset is
+    # the int4 per-channel rounding alone (one quantizer), with fp8 per-tensor dynamic activations as Quark's
+    "int4_fp8": _wa(("int4", "channel", "static"), (_FP8, "tensor", "dynamic")),
 }
 
 _KV = {"fp8": _FP8, "float8_e4m3fn": _FP8, "fp8_e4m3": _FP8}
@@ -93,8 +103,8 @@ def _spec(fmt: str, gran: str, group_size: Optional[int], scale_mode: ScaleMode)
         if not isinstance(d, BlockDType):
             raise ValueError(f"preset role {fmt!r}: 'block' needs a block format")
         over: dict[str, Any] = {}
-        if d.scale.mantissa_bits == 0:
-            over["scale_mode"] = scale_mode
+        if d.scale.mantissa_bits == 0 and isinstance(d.element, FloatDType) and not d.subblock_shift_bits:
+            over["scale_mode"] = scale_mode  # OCP MX float formats; mx9/mx6/bfp16/mxint8 keep their own rule
         if group_size is not None:
             over["granularity"] = PerGroup(group_size, axis=1)
         return qcore.make_spec(fmt, axis=1, **over)
@@ -131,7 +141,10 @@ def preset(name: str, *, group_size: Optional[int] = None, kv_cache: Optional[st
         raise TypeError(f"scale_mode must be a qcore.ScaleMode, got {scale_mode!r}")
     roles = {}
     for role, (fmt, gran, mode) in PRESETS[name].items():
-        roles[role] = TensorConfig(_spec(fmt, gran, group_size, scale_mode), dynamic=(mode == "dynamic"))
+        spec = _spec(fmt, gran, group_size, scale_mode)
+        if mode == "dynamic_calibrated_tensor_scale":
+            spec = dataclasses.replace(spec, tensor_scale_mode=TensorScale.GIVEN)
+        roles[role] = TensorConfig(spec, dynamic=mode.startswith("dynamic"))
     kv = None
     if kv_cache is not None:
         if kv_cache not in _KV:

@@ -276,7 +276,7 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         raise TypeError(f"qat must be a bool, got {qat!r}")
     plans = plan_model(model, config)
     static = [f"{p.name}.{r}" for p in plans for r in ("input", "output")
-              if isinstance(getattr(p.config, r), TensorConfig) and not getattr(p.config, r).dynamic]
+              if isinstance(getattr(p.config, r), TensorConfig) and getattr(p.config, r).calibrated]
     if static and data is None:
         raise ValueError(f"the config has static activation scales ({', '.join(static[:3])}"
                          f"{', ...' if len(static) > 3 else ''}); pass calibration batches as data=")
