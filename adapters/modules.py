@@ -27,7 +27,7 @@ to the module's dtype once.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -323,10 +323,27 @@ class _QuantMixin:
 
     def _inplace_quantize(self, role: str) -> None:
         p = getattr(self, role)
-        with torch.no_grad():
-            fq, q = self._fq_param(p, role)
-            p.copy_(fq)
-            self._keep_params(role, q)
+        key = (self._qspecs[role], getattr(self.qconfig, role).observer)
+        mark = getattr(p, "_qcore_inplace", None)
+        if mark is not None and mark[0] == (p._version, p.data_ptr()) and mark[1] == key:
+            # a tied module (same tensor, same config) already wrote its fake-quantized values: quantizing them
+            # again is not idempotent (int8: absmax 127.5 * s -> 127 * s); take its scales instead
+            self._keep_params(role, mark[2])
+        else:
+            with torch.no_grad():
+                fq, q = self._fq_param(p, role)
+                p.copy_(fq)
+                self._keep_params(role, q)
+            self._mark(p, role, q)
+        self._set_ver(role, p)
+
+    def _mark(self, p: torch.Tensor, role: str, q) -> None:
+        """Record on the tensor itself (shared by tied modules) that its current values are fake-quantized."""
+        kept = _Kept(q.scales, q.zero_points, q.tensor_scale)
+        p._qcore_inplace = ((p._version, p.data_ptr()), (self._qspecs[role], getattr(self.qconfig, role).observer),
+                            kept)
+
+    def _set_ver(self, role: str, p: torch.Tensor) -> None:
         if role == "weight":
             self._wver = (p._version, p.data_ptr())
         else:
@@ -385,10 +402,9 @@ class _QuantMixin:
         if role == "weight":
             back = self._uncanon(back)
         if torch.equal(back.to(p.dtype), p.detach()):
-            if role == "weight":
-                self._wver = (p._version, p.data_ptr())
-            else:
-                self._bver = (p._version, p.data_ptr())
+            kept = (kw["scale"], kw["zero_point"], kw.get("tensor_scale"))
+            self._mark(p, role, _Kept(*(None if t is None else t.clone() for t in kept)))
+            self._set_ver(role, p)
 
     def commit(self) -> None:
         """Pending -> in place: write the fake-quantized weight (and bias) into the parameters; drop caches."""
@@ -532,6 +548,14 @@ class _QuantMixin:
                           + ("(dyn)" if r in ("input", "output") and getattr(self.qconfig, r).dynamic else "")
                           for r in ("weight", "input", "output", "bias") if r in self._qspecs)
         return f"{base}, quant=[{roles}], mode={self._qmode}"
+
+
+class _Kept(NamedTuple):
+    """The scales of a fake-quantized parameter (what ``_keep_params`` stores as buffers)."""
+
+    scales: Any
+    zero_points: Any
+    tensor_scale: Any
 
 
 def _ste(x: torch.Tensor, fq: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,170 @@
+"""Tiny models for the adapter tests, built offline from configs with fixed seeds (no hub access).
+
+Factories are plain functions (``tiny_llama(seed)``, ``small_cnn(seed)``, ...) that build a fresh model; tests
+reach them through the ``zoo`` fixture (``zoo.tiny_llama()``, ``zoo.token_batches(2, seed=1)``). ``family_model``
+builds each transformers model once per session: deepcopy it before changing it.
+"""
+
+import os
+import types
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+VOCAB = 128
+HIDDEN = 64
+SEQ = 8
+
+
+def _transformers():
+    return pytest.importorskip("transformers")
+
+
+def tiny_llama(seed: int = 0):
+    t = _transformers()
+    cfg = t.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    return t.LlamaForCausalLM(cfg).eval()
+
+
+def tiny_opt(seed: int = 0):
+    t = _transformers()
+    cfg = t.OPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                      max_position_embeddings=64, word_embed_proj_dim=HIDDEN, dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(seed)
+    return t.OPTForCausalLM(cfg).eval()
+
+
+def tiny_qwen2(seed: int = 0):
+    t = _transformers()
+    cfg = t.Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    return t.Qwen2ForCausalLM(cfg).eval()
+
+
+def tiny_bert(seed: int = 0):
+    t = _transformers()
+    cfg = t.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0)
+    torch.manual_seed(seed)
+    return t.BertModel(cfg).eval()
+
+
+FAMILIES = {"llama": tiny_llama, "opt": tiny_opt, "qwen2": tiny_qwen2, "bert": tiny_bert}
+
+
+def token_batches(n: int, *, seed: int, batch: int = 2, seq: int = SEQ, vocab: int = VOCAB) -> list:
+    """``n`` batches of token ids ``[batch, seq]`` from a fixed generator."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(n)]
+
+
+def model_output(model, batch):
+    """The main float output of a transformers model (logits, or the last hidden state) without grad."""
+    with torch.no_grad():
+        out = model(batch)
+    return out.logits if hasattr(out, "logits") and out.logits is not None else out.last_hidden_state
+
+
+class SmallCNN(nn.Module):
+    """Conv2d -> grouped Conv2d -> ConvTranspose2d (stride 2): [N, 3, H, W] -> [N, 16, 2H, 2W]."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 32, 3, padding=1)
+        self.conv2 = nn.Conv2d(32, 32, 3, padding=1, groups=4)
+        self.up = nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1)
+
+    def forward(self, x):
+        return self.up(torch.relu(self.conv2(torch.relu(self.conv1(x)))))
+
+
+def small_cnn(seed: int = 0) -> SmallCNN:
+    torch.manual_seed(seed)
+    return SmallCNN().eval()
+
+
+def image_batches(n: int, *, seed: int, batch: int = 2, size: int = 8) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, 3, size, size, generator=g) for _ in range(n)]
+
+
+class BagModel(nn.Module):
+    """EmbeddingBag (mean over bags) -> Linear; called as ``model(indices, offsets)``."""
+
+    def __init__(self, num: int = 100, dim: int = 32, out: int = 8):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(num, dim, mode="mean")
+        self.head = nn.Linear(dim, out)
+
+    def forward(self, indices, offsets):
+        return self.head(self.bag(indices, offsets))
+
+
+def bag_model(seed: int = 0) -> BagModel:
+    torch.manual_seed(seed)
+    return BagModel().eval()
+
+
+def bag_inputs(seed: int, *, num: int = 100, n_idx: int = 20, bags: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, num, (n_idx,), generator=g), torch.tensor([0, 3, 9, 14])[:bags]
+
+
+class EmbModel(nn.Module):
+    """Embedding -> Linear over [batch, seq] ids."""
+
+    def __init__(self, num: int = 100, dim: int = 32, out: int = 8):
+        super().__init__()
+        self.emb = nn.Embedding(num, dim)
+        self.head = nn.Linear(dim, out)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def emb_model(seed: int = 0) -> EmbModel:
+    torch.manual_seed(seed)
+    return EmbModel().eval()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny matmuls on a shared 2-core machine: torch's thread pool costs ~1000x (ms per 16x64 linear when the
+    cores are busy). One thread for these tests; the previous setting is restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def zoo():
+    """The factories and helpers of this file, as one namespace."""
+    return types.SimpleNamespace(
+        VOCAB=VOCAB, HIDDEN=HIDDEN, SEQ=SEQ, FAMILIES=FAMILIES, tiny_llama=tiny_llama, tiny_opt=tiny_opt,
+        tiny_qwen2=tiny_qwen2, tiny_bert=tiny_bert, token_batches=token_batches, model_output=model_output,
+        SmallCNN=SmallCNN, small_cnn=small_cnn, image_batches=image_batches, BagModel=BagModel, bag_model=bag_model,
+        bag_inputs=bag_inputs, EmbModel=EmbModel, emb_model=emb_model)
+
+
+@pytest.fixture(scope="session")
+def family_model():
+    """``family_model(name)``: the seed-0 tiny model of a family (llama, opt, qwen2, bert), built once per
+    session; deepcopy it before quantizing."""
+    cache: dict = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = FAMILIES[name]()
+        return cache[name]
+
+    return get
