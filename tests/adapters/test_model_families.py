@@ -49,7 +49,7 @@ def _preset_kwargs(name: str) -> dict:
 
 
 def _has_static_activations(cfg: ModelConfig) -> bool:
-    return any(tc is not None and not tc.dynamic for tc in (cfg.layer.input, cfg.layer.output))
+    return any(tc is not None and tc.calibrated for tc in (cfg.layer.input, cfg.layer.output))
 
 
 def _error_bound(cfg: ModelConfig) -> float:
@@ -145,10 +145,11 @@ def test_every_preset_on_tiny_llama(name, family_model, zoo):
     for m in quantized_modules(model).values():
         for role in ("input", "output"):
             tc = getattr(cfg.layer, role)
-            has = hasattr(m, f"{role}_scale")
-            assert has == (tc is not None and not tc.dynamic), (m.qname, role)
+            two_level = tc is not None and tc.spec.two_level
+            has = hasattr(m, f"{role}_{'tensor_scale' if two_level else 'scale'}")
+            assert has == (tc is not None and tc.calibrated), (m.qname, role)
             if has:
-                s = getattr(m, f"{role}_scale")
+                s = getattr(m, f"{role}_{'tensor_scale' if two_level else 'scale'}")
                 assert s.shape == () and bool(torch.isfinite(s)) and float(s) > 0
     _check_freeze(model, ids, out, model_bytes(base))
 
