@@ -1,5 +1,10 @@
 """Tiny models for the adapter tests, built offline from configs with fixed seeds (no hub access).
 
+Adapters tests run offline: nothing may reach a model hub (the loaders also pass local_files_only=True).
+``OMP_WAIT_POLICY=PASSIVE`` (unless set already; effective only if torch is not imported yet): torch's OpenMP
+threads sleep instead of spinning while they wait, which keeps 2-thread forwards fast on a shared 2-core machine
+(about 2.7 s instead of 4-11 s per 512-token SmolLM2 window when another process keeps a core busy).
+
 Factories are plain functions (``tiny_llama(seed)``, ``small_cnn(seed)``, ...) that build a fresh model; tests
 reach them through the ``zoo`` fixture (``zoo.tiny_llama()``, ``zoo.token_batches(2, seed=1)``). ``family_model``
 builds each transformers model once per session: deepcopy it before changing it.
@@ -8,8 +13,9 @@ builds each transformers model once per session: deepcopy it before changing it.
 import os
 import types
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 

@@ -1,0 +1,279 @@
+"""Model quality evaluation: the project's perplexity protocol, its calibration data, sentence-embedding similarity.
+
+The protocol (/work/shared/reference/anchors.md, the one Quark's figures were measured with):
+
+- text: ``pydoc_text()``, the CPython help topics joined by blank lines (stdlib, no download);
+- tokenized once by the model's tokenizer, called the usual way (``tokenizer(text)``: special tokens as the
+  tokenizer adds them by default). SmolLM2's GGUF tokenizer adds none (``add_bos_token`` false): 113,108 tokens
+  with or without ``add_special_tokens``, no BOS at the start of the text or of any window;
+- evaluation: non-overlapping windows of 512 tokens, windows 0..19 (tokens [0, 10240)); each window is one
+  independent forward pass; the loss is the next-token cross entropy of the 511 predictions inside the window
+  (the first token of a window is context only), perplexity = exp(mean over all 20 x 511 = 10,220 predictions);
+- calibration: windows 20, 21, ... of the same token stream (never overlapping the evaluation tokens).
+
+fp32 SmolLM2-135M-Instruct (Q4_1 GGUF dequantized) gives 14.0122 under this protocol.
+
+Sentence embeddings (for MiniLM): attention-mask weighted mean of ``last_hidden_state`` (sentence-transformers'
+mean pooling), compared by cosine similarity against the fp32 model's embeddings. Two disjoint sentence sets
+come from the same stdlib text: ``calibration_sentences()`` and ``evaluation_sentences()``.
+
+The arithmetic (windows, nll -> ppl, cosine) is in ``qcore.algorithms.metrics``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from qcore.algorithms.metrics import mean_cosine, perplexity_from_nll, token_windows
+
+__all__ = [
+    "pydoc_text", "protocol_token_ids", "perplexity", "calibration_batches", "sentence_embeddings",
+    "embedding_similarity", "mean_cosine", "split_sentences", "calibration_sentences", "evaluation_sentences",
+    "SEQ_LEN", "EVAL_WINDOWS", "CALIBRATION_START_WINDOW", "PYDOC_TEXT_SHA256", "SMOLLM2_TOKENS",
+    "SMOLLM2_REFERENCE_PPL", "text_sha256",
+]
+
+SEQ_LEN = 512
+EVAL_WINDOWS = range(0, 20)
+CALIBRATION_START_WINDOW = 20
+# The protocol's text as CPython 3.11.7 ships it (465,126 characters). pydoc_data differs between Python
+# versions: the reference figures below hold only for this text.
+PYDOC_TEXT_SHA256 = "71f2ff5d99bdc1f9c48c5c2353ad138201c5ca1c377e0226857ef8fa89b8bcee"
+SMOLLM2_TOKENS = 113_108
+# Quark 0.13 on SmolLM2-135M-Instruct under this protocol (anchors.md): the figures to beat.
+SMOLLM2_REFERENCE_PPL = {
+    "fp32": 14.012,
+    "uint4 weight-only g64 asym RTN": 18.201,
+    "uint4 weight-only g64 asym GPTQ": 15.565,
+    "W MXFP4 / A MXFP4 dynamic (even)": 44.914,
+    "W fp8 / A fp8 per-tensor static": 14.345,
+}
+
+
+# -- text and tokens ------------------------------------------------------------------------------------------------
+
+def pydoc_text() -> str:
+    """The protocol text: ``"\\n\\n".join(pydoc_data.topics.topics[k] for k in sorted(topics))``.
+    Compare ``hashlib.sha256(text.encode()).hexdigest()`` with ``PYDOC_TEXT_SHA256`` to know whether the
+    reference figures apply (the text changes between Python versions)."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as e:  # some distributions strip pydoc_data
+        raise ModuleNotFoundError("the protocol text needs the stdlib module pydoc_data.topics, which this Python "
+                                  "installation lacks") from e
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def _text_arg(text):
+    if text is None:
+        return pydoc_text()
+    if not isinstance(text, str) or not text:
+        raise TypeError(f"text must be a non-empty str or None (the protocol text), got {type(text).__name__}")
+    return text
+
+
+def protocol_token_ids(tokenizer, *, text: str | None = None) -> torch.Tensor:
+    """The token stream of the protocol: ``tokenizer(text)["input_ids"]`` as a 1-D int64 tensor (``text``
+    defaults to ``pydoc_text()``). Tokenize once and pass ``token_ids=`` to ``perplexity`` and
+    ``calibration_batches`` to skip re-tokenizing (about 0.5 s for SmolLM2)."""
+    text = _text_arg(text)
+    if tokenizer is None or not callable(tokenizer):
+        raise TypeError(f"tokenizer must be a callable transformers tokenizer, got {tokenizer!r}")
+    ids = tokenizer(text)["input_ids"]
+    return torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+
+
+def _token_ids_arg(tokenizer, text, token_ids) -> torch.Tensor:
+    if token_ids is None:
+        return protocol_token_ids(tokenizer, text=text)
+    if text is not None:
+        raise ValueError("give text or token_ids, not both")
+    if not isinstance(token_ids, torch.Tensor) or token_ids.ndim != 1 or token_ids.dtype.is_floating_point \
+            or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
+        raise TypeError(f"token_ids must be a 1-D integer torch.Tensor (from protocol_token_ids), got "
+                        f"{getattr(token_ids, 'shape', None)} {getattr(token_ids, 'dtype', type(token_ids))}")
+    return token_ids.to(torch.int64)
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _model_device(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration):
+        raise TypeError(f"model must be a torch nn.Module with parameters, got {type(model).__name__}") from None
+
+
+# -- perplexity -----------------------------------------------------------------------------------------------------
+
+def perplexity(model, tokenizer, *, text: str | None = None, token_ids: torch.Tensor | None = None,
+               seq_len: int = SEQ_LEN, windows: Iterable[int] = EVAL_WINDOWS, batch_size: int = 1,
+               progress: bool = True) -> float:
+    """Perplexity of a causal LM under the protocol (module docstring): windows ``windows`` of ``seq_len``
+    tokens of ``protocol_token_ids(tokenizer, text=text)`` (or of ``token_ids``), each its own forward pass.
+
+    ``batch_size`` windows go through the model at once (on CPU 1 is as fast as more and holds one
+    ``[seq_len, vocab]`` logits tensor: 100 MB for SmolLM2). The model runs under ``torch.inference_mode`` in
+    eval mode (its train/eval mode is restored afterwards) with ``use_cache=False``; logits are taken in float32
+    for the cross entropy and the sum is accumulated in float64. ``progress`` shows a tqdm bar per window.
+    Returns a float (NaN if the model produced NaN logits, never hidden).
+
+    Speed (fp32 SmolLM2, 2-core CPU, 2 threads): about 1.4 s per window, 28-30 s for the 20 protocol windows
+    on an idle machine. On a shared machine set ``OMP_WAIT_POLICY=PASSIVE`` before importing torch (see
+    bench/bench_quality.py): with spinning OpenMP waits a busy neighbour makes 2 threads 3-8x slower.
+    """
+    seq_len = _positive_int(seq_len, "seq_len")
+    batch_size = _positive_int(batch_size, "batch_size")
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be a bool, got {progress!r}")
+    device = _model_device(model)
+    ids = _token_ids_arg(tokenizer, text, token_ids)
+    spans = token_windows(ids.numel(), seq_len=seq_len, windows=windows)
+
+    nll_sum, n_predictions = 0.0, 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode(), tqdm(total=len(spans), desc="perplexity", unit="window",
+                                          disable=not progress) as bar:
+            for i in range(0, len(spans), batch_size):
+                batch = torch.stack([ids[a:b] for a, b in spans[i:i + batch_size]]).to(device)
+                logits = model(input_ids=batch, use_cache=False).logits
+                nll = torch.nn.functional.cross_entropy(
+                    logits[:, :-1].reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1),
+                    reduction="sum")
+                nll_sum += float(nll)
+                n_predictions += batch.shape[0] * (seq_len - 1)
+                del logits, nll
+                bar.update(batch.shape[0])
+    finally:
+        model.train(was_training)
+    return perplexity_from_nll(nll_sum, n_predictions)
+
+
+def calibration_batches(tokenizer, *, n: int = 32, seq_len: int = SEQ_LEN,
+                        start_window: int = CALIBRATION_START_WINDOW, text: str | None = None,
+                        token_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The protocol's calibration data: ``n`` int64 tensors of shape ``[1, seq_len]`` (CPU), windows
+    ``start_window .. start_window + n - 1`` of the token stream. ValueError if they would overlap the
+    evaluation tokens [0, 20 * 512) or run past the end of the text (220 full 512-token windows for
+    SmolLM2: at most 200 calibration windows from window 20)."""
+    n = _positive_int(n, "n")
+    seq_len = _positive_int(seq_len, "seq_len")
+    if isinstance(start_window, bool) or not isinstance(start_window, int) or start_window < 0:
+        raise ValueError(f"start_window must be a non-negative int, got {start_window!r}")
+    eval_stop = EVAL_WINDOWS.stop * SEQ_LEN
+    if start_window * seq_len < eval_stop:
+        raise ValueError(f"start_window={start_window} with seq_len={seq_len} starts at token "
+                         f"{start_window * seq_len}, inside the evaluation tokens [0, {eval_stop}); calibration "
+                         f"must start at token {eval_stop} or later")
+    ids = _token_ids_arg(tokenizer, text, token_ids)
+    spans = token_windows(ids.numel(), seq_len=seq_len, windows=range(start_window, start_window + n))
+    return [ids[a:b].reshape(1, seq_len).clone() for a, b in spans]
+
+
+# -- sentence embeddings --------------------------------------------------------------------------------------------
+
+def _sentences_arg(sentences) -> list[str]:
+    if isinstance(sentences, str) or not isinstance(sentences, Sequence) or not sentences:
+        raise TypeError(f"sentences must be a non-empty list of str, got {type(sentences).__name__}")
+    bad = [i for i, s in enumerate(sentences) if not isinstance(s, str) or not s]
+    if bad:
+        raise TypeError(f"sentences must be non-empty str; items {bad[:5]} are not")
+    return list(sentences)
+
+
+def sentence_embeddings(model, tokenizer, sentences: Sequence[str], *, batch_size: int = 32,
+                        max_length: int = 256) -> torch.Tensor:
+    """``[len(sentences), hidden]`` float32 CPU tensor: for each sentence the mean of the encoder's
+    ``last_hidden_state`` over its tokens, weighted by the attention mask (padding excluded; the tokenizer's
+    special tokens included, as sentence-transformers does). Not normalized (cosine does not need it)."""
+    sentences = _sentences_arg(sentences)
+    batch_size = _positive_int(batch_size, "batch_size")
+    max_length = _positive_int(max_length, "max_length")
+    device = _model_device(model)
+    out = []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            for i in range(0, len(sentences), batch_size):
+                enc = tokenizer(sentences[i:i + batch_size], padding=True, truncation=True, max_length=max_length,
+                                return_tensors="pt").to(device)
+                hidden = model(**enc).last_hidden_state.float()
+                mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+                out.append(((hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)).cpu())
+    finally:
+        model.train(was_training)
+    return torch.cat(out)
+
+
+def embedding_similarity(model, tokenizer, sentences: Sequence[str], *, reference_embeddings,
+                         batch_size: int = 32) -> float:
+    """Mean cosine similarity between ``model``'s sentence embeddings of ``sentences`` and
+    ``reference_embeddings`` (usually ``sentence_embeddings(fp32_model, tokenizer, sentences)``): 1.0 means the
+    same directions. ValueError if the reference does not hold one row per sentence."""
+    sentences = _sentences_arg(sentences)
+    shape = tuple(getattr(reference_embeddings, "shape", ()))
+    if len(shape) != 2 or shape[0] != len(sentences):
+        raise ValueError(f"reference_embeddings must have shape [{len(sentences)}, hidden] (one row per sentence), "
+                         f"got {shape}")
+    emb = sentence_embeddings(model, tokenizer, sentences, batch_size=batch_size)
+    return mean_cosine(emb, reference_embeddings)
+
+
+# -- sentence sets ----------------------------------------------------------------------------------------------------
+
+_SENTENCE_END = re.compile(r"(?<=[a-z0-9)][.!?])\s+(?=[A-Z])")
+_PROSE = re.compile(r"[A-Z][A-Za-z0-9 ,;:'()\-]+[.!?]")
+
+
+def split_sentences(text: str, *, min_words: int = 6, max_words: int = 40) -> list[str]:
+    """Prose sentences of ``text`` in order of first appearance, without duplicates: paragraphs (blank-line
+    separated, whitespace collapsed) cut after ``.``/``!``/``?`` followed by a capital letter; kept if the
+    sentence starts with a capital, ends with terminal punctuation, holds only letters, digits, spaces and
+    ``,;:'()-`` (no code, no markup) and has ``min_words..max_words`` words."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    seen: dict[str, None] = {}
+    for paragraph in re.split(r"\n\s*\n", text):
+        flat = " ".join(paragraph.split())
+        for s in _SENTENCE_END.split(flat):
+            if _PROSE.fullmatch(s) and min_words <= len(s.split()) <= max_words:
+                seen.setdefault(s, None)
+    return list(seen)
+
+
+def _sentence_share(parity: int, n: int) -> list[str]:
+    n = _positive_int(n, "n")
+    pool = split_sentences(pydoc_text())[parity::2]
+    if n > len(pool):
+        raise ValueError(f"n={n} sentences requested, the text holds {len(pool)} for this set")
+    return [pool[(k * len(pool)) // n] for k in range(n)]  # evenly spread over the whole text
+
+
+def evaluation_sentences(*, n: int = 64) -> list[str]:
+    """``n`` prose sentences of ``pydoc_text()``, spread evenly over the text: taken from the even-numbered
+    sentences of ``split_sentences(pydoc_text())``, so never one of ``calibration_sentences`` (odd-numbered),
+    for any ``n``."""
+    return _sentence_share(0, n)
+
+
+def calibration_sentences(*, n: int = 64) -> list[str]:
+    """``n`` prose sentences of ``pydoc_text()`` from the odd-numbered sentences: disjoint from
+    ``evaluation_sentences`` for any ``n`` (the pool holds unique sentences)."""
+    return _sentence_share(1, n)
+
+
+def text_sha256(text: str) -> str:
+    """sha256 hex digest of ``text`` (utf-8); compare ``text_sha256(pydoc_text())`` with ``PYDOC_TEXT_SHA256``."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()

@@ -1,0 +1,143 @@
+"""Quality metrics as pure math: token windows, perplexity from negative log-likelihoods, MSE, SQNR, cosine.
+
+Inputs may be numpy arrays, Python sequences or torch tensors; every result is a Python float (or a tuple of
+ints), computed in float64. torch is never imported here: a tensor is recognised through ``qcore._backend``
+(a tensor can only exist once torch is imported) and converted with its own methods.
+
+The model-facing side (running a model over the windows, pooling embeddings) lives in
+``qcore.adapters.evaluate``; this module is the arithmetic it relies on, testable without a model.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Iterable
+
+import numpy as np
+
+from qcore._backend import is_torch
+
+__all__ = ["token_windows", "perplexity_from_nll", "mse", "sqnr_db", "cosine_similarities", "mean_cosine"]
+
+
+def _as_index(value: Any, name: str, *, minimum: int) -> int:
+    """``value`` as an int >= ``minimum`` (bool and floats rejected), else TypeError/ValueError naming ``name``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r} (a bool)")
+    try:
+        i = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
+    if i < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {i}")
+    return i
+
+
+def token_windows(n_tokens: int, *, seq_len: int, windows: Iterable[int]) -> tuple[tuple[int, int], ...]:
+    """The token ranges ``(start, stop)`` of non-overlapping windows: window ``w`` is tokens
+    ``[w * seq_len, (w + 1) * seq_len)`` of a sequence of ``n_tokens`` tokens.
+
+    ``windows`` is an iterable of distinct window indices (e.g. ``range(0, 20)``), kept in the given order.
+    Raises ValueError if it is empty, repeats an index, or names a window that does not fit entirely inside
+    ``n_tokens`` (a partial last window is never used).
+    """
+    n_tokens = _as_index(n_tokens, "n_tokens", minimum=0)
+    seq_len = _as_index(seq_len, "seq_len", minimum=2)
+    try:
+        ws = [_as_index(w, "windows[...]", minimum=0) for w in windows]
+    except TypeError as e:
+        if "windows[...]" in str(e):
+            raise
+        raise TypeError(f"windows must be an iterable of ints, got {windows!r}") from None
+    if not ws:
+        raise ValueError(f"windows must name at least one window, got {windows!r}")
+    if len(set(ws)) != len(ws):
+        raise ValueError(f"windows must be distinct, got {windows!r}")
+    available = n_tokens // seq_len
+    too_far = [w for w in ws if w >= available]
+    if too_far:
+        raise ValueError(f"windows {too_far[:5]} do not fit: {n_tokens} tokens hold {available} full windows of "
+                         f"seq_len={seq_len} (indices 0..{available - 1})")
+    return tuple((w * seq_len, (w + 1) * seq_len) for w in ws)
+
+
+def perplexity_from_nll(nll_sum: float, n_predictions: int) -> float:
+    """``exp(nll_sum / n_predictions)``: perplexity from the summed negative log-likelihood (natural log) of
+    ``n_predictions`` predicted tokens. A NaN sum gives NaN (a broken model is reported, not hidden); a mean
+    too large for exp gives inf."""
+    n = _as_index(n_predictions, "n_predictions", minimum=1)
+    if isinstance(nll_sum, bool) or not isinstance(nll_sum, (int, float, np.floating, np.integer)):
+        raise TypeError(f"nll_sum must be a real number, got {nll_sum!r} ({type(nll_sum).__name__})")
+    mean = float(nll_sum) / n
+    if math.isnan(mean):
+        return math.nan
+    try:
+        return math.exp(mean)
+    except OverflowError:
+        return math.inf
+
+
+def _f64(x: Any, name: str) -> np.ndarray:
+    """``x`` as a float64 numpy array (a torch tensor through its own detach/cpu/double, no torch import)."""
+    if is_torch(x):
+        return x.detach().cpu().double().numpy()
+    try:
+        a = np.asarray(x, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a real array (numpy array, torch tensor or sequence of numbers), got "
+                        f"{type(x).__name__}") from None
+    return a
+
+
+def _pair(ref: Any, x: Any, *, min_ndim: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    r, q = _f64(ref, "ref"), _f64(x, "x")
+    if r.shape != q.shape:
+        raise ValueError(f"ref and x must have the same shape, got {r.shape} and {q.shape}")
+    if r.size == 0:
+        raise ValueError(f"ref and x must not be empty, got shape {r.shape}")
+    if r.ndim < min_ndim:
+        raise ValueError(f"ref and x must have at least {min_ndim} dimensions, got shape {r.shape}")
+    return r, q
+
+
+def mse(ref: Any, x: Any) -> float:
+    """Mean squared error ``mean((ref - x)**2)`` in float64."""
+    r, q = _pair(ref, x)
+    return float(np.mean(np.square(r - q)))
+
+
+def sqnr_db(ref: Any, x: Any) -> float:
+    """Signal-to-quantization-noise ratio in dB: ``10 log10(sum(ref**2) / sum((ref - x)**2))``, float64.
+
+    ``inf`` when ``x == ref`` exactly (no noise); ``-inf`` when ``ref`` is all zeros but ``x`` is not;
+    NaN when either input holds NaN.
+    """
+    r, q = _pair(ref, x)
+    signal = float(np.sum(np.square(r)))
+    noise = float(np.sum(np.square(r - q)))
+    if math.isnan(signal) or math.isnan(noise):
+        return math.nan
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def cosine_similarities(a: Any, b: Any) -> np.ndarray:
+    """Row-wise cosine similarity of two ``[n, d]`` arrays (the last axis is the vector; leading axes are
+    flattened), float64 array of shape ``[n]``. A row of zero norm has no direction: ValueError naming it."""
+    x, y = _pair(a, b, min_ndim=1)
+    x, y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+    nx, ny = np.linalg.norm(x, axis=1), np.linalg.norm(y, axis=1)
+    for arg, n in (("a", nx), ("b", ny)):
+        zero = np.flatnonzero(n == 0)
+        if zero.size:
+            raise ValueError(f"{arg} has rows of zero norm (rows {zero[:5].tolist()}): their cosine is undefined")
+    return np.einsum("ij,ij->i", x, y) / (nx * ny)
+
+
+def mean_cosine(a: Any, b: Any) -> float:
+    """Mean of the row-wise cosine similarities of ``a`` and ``b`` (see ``cosine_similarities``)."""
+    return float(np.mean(cosine_similarities(a, b)))
