@@ -50,6 +50,8 @@ PRESETS: dict[str, dict[str, tuple]] = {
     "w_fp8_a_fp8": _wa((_FP8, "tensor", "static"), (_FP8, "tensor", "static")),
     "w_int8_a_int8_per_tensor_sym": _wa(("int8", "tensor", "static"), ("int8", "tensor", "static")),
     "w_int8_per_channel_sym": _wa(("int8", "channel", "static")),
+    "w_int8_per_channel_a_int8_per_tensor_sym": _wa(("int8", "channel", "static"), ("int8", "tensor", "static")),
+    "w_int8_a_int8_per_token_dynamic": _wa(("int8", "channel", "static"), ("int8", "token", "dynamic")),
     "w_int4_per_group_sym": _wa(("int4", "group", "static")),
     "w_uint4_per_group_asym": _wa(("uint4", "group", "static")),
     "w_int2_per_group_asym": _wa(("int2_asym", "group", "static")),

@@ -143,9 +143,14 @@ def emb_model(seed: int = 0) -> EmbModel:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
+def _one_torch_thread(request):
     """Tiny matmuls on a shared 2-core machine: torch's thread pool costs ~1000x (ms per 16x64 linear when the
-    cores are busy). One thread for these tests; the previous setting is restored afterwards."""
+    cores are busy). One thread for these tests (not for real-model modules, whose large matmuls use every core);
+    the previous setting is restored afterwards."""
+    if any(getattr(item, "get_closest_marker", lambda _: None)("real_model") for item in
+           getattr(request.node, "items", [])) or "real_model" in request.node.keywords:
+        yield
+        return
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
