@@ -52,6 +52,13 @@ SMOLLM2_REFERENCE_PPL = {
     "uint4 weight-only g64 asym GPTQ": 15.565,
     "W MXFP4 / A MXFP4 dynamic (even)": 44.914,
     "W fp8 / A fp8 per-tensor static": 14.345,
+    # MXFP4 by E8M0 scale mode (anchors.md; all linears but lm_head, activations per 32-block dynamic)
+    "W MXFP4 / A MXFP4 dynamic (rceil)": 54.62,
+    "W MXFP4 / A MXFP4 dynamic (floor)": 56.89,
+    "W MXFP4 / A MXFP4 dynamic (ceil)": 98.50,
+    "W MXFP4 weight-only (even)": 20.74,
+    "W MXFP4 weight-only (rceil)": 21.09,
+    "W MXFP4 weight-only (floor)": 22.68,
 }
 
 

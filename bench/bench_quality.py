@@ -79,10 +79,45 @@ def fp32(model: torch.nn.Module) -> torch.nn.Module:
 #  ``calib`` for calibration-based methods. Names matching a key of E.SMOLLM2_REFERENCE_PPL get Quark's    #
 #  figure printed beside them.                                                                              #
 # ======================================================================================================== #
+def _preset(name: str, calib: CalibrationData, **kw) -> Quantize:
+    """``quantize_model`` with a preset; calibration on the protocol's windows (SmolLM2) or on the calibration
+    sentences (MiniLM) when the preset has static activation scales."""
+    from qcore.adapters import preset, quantize_model
+
+    config = preset(name, **kw)
+
+    def run(model):
+        if getattr(model.config, "model_type", "") == "bert":
+            tok = calib.minilm_tokenizer
+            s = list(calib.sentences)
+            data = [dict(tok(s[i:i + 16], padding=True, return_tensors="pt")) for i in range(0, len(s), 16)]
+        else:
+            data = list(calib.lm_batches)
+        return quantize_model(model, config, data, progress=False)
+
+    return run
+
+
 def quantize_configs(calib: CalibrationData) -> dict[str, Quantize]:
-    del calib  # not used by fp32
+    from qcore import ScaleMode
+
+    mx = {f"W MXFP4 / A MXFP4 dynamic ({m.value})": _preset("w_mxfp4_a_mxfp4", calib, scale_mode=m)
+          for m in (ScaleMode.EVEN, ScaleMode.RCEIL, ScaleMode.FLOOR, ScaleMode.CEIL)}
+    mx_wo = {f"W MXFP4 weight-only ({m.value})": _preset("mxfp4_weight_only", calib, scale_mode=m)
+             for m in (ScaleMode.EVEN, ScaleMode.RCEIL, ScaleMode.FLOOR)}
     return {
         "fp32": fp32,
+        "uint4 weight-only g64 asym RTN": _preset("w_uint4_per_group_asym", calib, group_size=64),
+        "W fp8 / A fp8 per-tensor static": _preset("w_fp8_a_fp8", calib),
+        "int8 per-channel weight-only": _preset("w_int8_per_channel_sym", calib),
+        **mx, **mx_wo,
+        "int8 W8A8 per-tensor static (int8)": _preset("int8", calib),
+        "int8 W8A8 W per-channel, A per-tensor static": _preset("w_int8_per_channel_a_int8_per_tensor_sym", calib),
+        "int8 W8A8 W per-channel, A per-token dynamic": _preset("w_int8_a_int8_per_token_dynamic", calib),
+        "fp8 W per-channel, A per-token dynamic (ptpc_fp8)": _preset("ptpc_fp8", calib),
+        "W MXFP6 e2m3 / A MXFP6 e2m3 dynamic": _preset("w_mxfp6_e2m3_a_mxfp6_e2m3", calib),
+        "nvfp4 (W+A)": _preset("nvfp4", calib),
+        "int4 weight-only g128 sym (w_int4_per_group_sym)": _preset("w_int4_per_group_sym", calib),
     }
 
 
