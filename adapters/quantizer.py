@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import logging
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from torch import nn
 
 from .config import COMPUTE_TYPES, LayerConfig, ModelConfig, TensorConfig
 from .modules import QUANT_CLASSES, CalibrationError, _QuantMixin, is_quantized_module, wrap
+
+_log = logging.getLogger("qcore.adapters")
 
 __all__ = ["quantize_model", "plan_model", "calibrate", "freeze", "model_bytes", "quantized_modules", "LayerPlan"]
 
@@ -306,12 +309,19 @@ def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def freeze(model: nn.Module, *, progress: bool = False) -> nn.Module:
-    """Turn every quantized module's weight into packed low-bit codes + scales (in place; irreversible)."""
+    """Turn every quantized module's weight into packed low-bit codes + scales (in place; irreversible).
+
+    Logs the model's bytes before and after (``logging`` at INFO, logger ``qcore.adapters``); ``model_bytes``
+    gives them too."""
     mods = quantized_modules(model)
     if not mods:
         raise ValueError("freeze: the model has no qcore quantized modules; run quantize_model first")
+    before = model_bytes(model)
     for m in _progress(list(mods.values()), desc="freezing", enabled=progress):
         m.freeze()
+    after = model_bytes(model)
+    _log.info("froze %d modules: %s -> %s bytes (%.3fx)", len(mods), f"{before:,}", f"{after:,}",
+              after / before if before else 1.0)
     return model
 
 

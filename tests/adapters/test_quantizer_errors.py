@@ -176,3 +176,18 @@ def test_calibrate_without_static_roles_is_a_no_op():
     m = _net()
     quantize_model(m, ModelConfig(LayerConfig(weight="int8")), progress=False)
     assert calibrate(m, [_ids(2, 3)], progress=False) == 0
+
+
+def test_freeze_logs_the_bytes_before_and_after(caplog):
+    import logging
+    from qcore.adapters import freeze, model_bytes
+    m = _net()
+    quantize_model(m, ModelConfig(LayerConfig(weight="int8")), progress=False)
+    before = model_bytes(m)
+    with caplog.at_level(logging.INFO, logger="qcore.adapters"):
+        freeze(m)
+    after = model_bytes(m)
+    assert after < before
+    assert f"froze 3 modules: {before:,} -> {after:,} bytes" in caplog.text
+    with pytest.raises(ValueError, match="no qcore quantized modules"):
+        freeze(_net())
