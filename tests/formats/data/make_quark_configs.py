@@ -42,7 +42,6 @@ Fixtures (file name = scheme name):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import sys
