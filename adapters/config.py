@@ -201,9 +201,12 @@ def _as_spec(spec: Any, what: str) -> QuantSpec:
         return spec
     if isinstance(spec, str):
         try:
-            return qcore.make_spec(spec)
+            s = qcore.make_spec(spec)
         except (KeyError, ValueError) as e:
             raise ValueError(f"{what}: unknown format {spec!r} ({e})") from None
+        if isinstance(s.granularity, PerGroup):  # block formats: blocks along the canonical input/feature axis
+            s = dataclasses.replace(s, granularity=PerGroup(s.granularity.size, 1))
+        return s
     raise TypeError(f"{what} must be a qcore.QuantSpec or a format name, got {type(spec).__name__}")
 
 
@@ -374,8 +377,9 @@ class KVCacheConfig:
     def from_dict(cls, d: Mapping) -> "KVCacheConfig":
         if not isinstance(d, Mapping) or "spec" not in d:
             raise _err("kv_cache", d, "a dict with 'spec', 'observer', 'targets'")
+        t = d.get("targets", ("*k_proj", "*v_proj"))
         return cls(spec_from_dict(d["spec"]), observer=observer_from_dict(d.get("observer", {"kind": "minmax"})),
-                   targets=tuple(d.get("targets", ("*k_proj", "*v_proj"))))
+                   targets=t if isinstance(t, str) else tuple(t))
 
 
 def _type_name(t: Any) -> str:
@@ -479,7 +483,7 @@ class ModelConfig:
             layer=lc(d.get("layer")) or LayerConfig(),
             by_type={k: lc(v) for k, v in (d.get("by_type") or {}).items()},
             by_name={k: lc(v) for k, v in (d.get("by_name") or {}).items()},
-            exclude=None if d.get("exclude") is None else tuple(d["exclude"]),
+            exclude=d.get("exclude") if isinstance(d.get("exclude"), (str, type(None))) else tuple(d["exclude"]),
             kv_cache=None if d.get("kv_cache") is None else KVCacheConfig.from_dict(d["kv_cache"]),
             algorithms=tuple(d.get("algorithms") or ()),
         )

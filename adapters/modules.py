@@ -209,6 +209,11 @@ class _QuantMixin:
         if config.weight is not None:
             g = _norm_weight_granularity(config.weight.spec.granularity, kind, name, w.dim(), canon_shape)
             plan["weight"] = _with_granularity(config.weight.spec, g)
+            try:
+                plan["weight"].scale_shape(canon_shape)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{where}: weight spec {g!r} does not fit its weight of shape "
+                                 f"{list(canon_shape)}: {e}") from None
             if not bool(torch.isfinite(w).all()):
                 raise ValueError(f"{where}: the weight holds NaN or Inf; refusing to quantize it")
             if isinstance(g, PerBlock) and any(s > d for s, d in zip(g.shape, canon_shape[-len(g.shape):])):
@@ -250,6 +255,18 @@ class _QuantMixin:
         self._observers: Optional[dict] = None
         self._frozen_meta: Optional[dict] = None
         self.quant_enabled = True
+        self._calibrated: set = set()
+        for role in ("weight", "bias"):  # scale buffers exist from the start (state_dict keys are stable)
+            spec = plan.get(role)
+            if spec is None:
+                continue
+            p = getattr(self, role)
+            shape = spec.scale_shape(tuple(self._canon(p).shape) if role == "weight" else tuple(p.shape))
+            self.register_buffer(f"{role}_scale", torch.full(shape, float("nan"), device=p.device))
+            if not spec.symmetric:
+                self.register_buffer(f"{role}_zero_point", torch.zeros(shape, device=p.device))
+            if spec.two_level:
+                self.register_buffer(f"{role}_tensor_scale", torch.full((), float("nan"), device=p.device))
         for role in ("input", "output"):
             tc = getattr(config, role)
             if tc is not None and tc.calibrated and tc.spec.two_level:
@@ -361,10 +378,10 @@ class _QuantMixin:
                 self._inplace_quantize(role)
             return p
         if mode == _QAT and torch.is_grad_enabled() and p.requires_grad:
-            x = self._canon(p) if role == "weight" else p
-            fq = qcore.fake_quantize(x, self._qspecs[role]) if isinstance(
-                getattr(self.qconfig, role).observer, MinMax) else _ste(x, self._fq_param(p, role)[0])
-            return (self._uncanon(fq) if role == "weight" else fq).to(p.dtype)
+            with torch.no_grad():
+                fq, q = self._fq_param(p, role)
+            self._keep_params(role, q)  # the scale buffers follow the master weight at every step
+            return _ste(p, fq)
         key = (role, p._version, p.data_ptr())
         cache = self._wcache or {}
         if cache.get(role, (None,))[0] != key:
@@ -378,6 +395,9 @@ class _QuantMixin:
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)  # type: ignore[misc]
+        for role in ("input", "output"):  # static scales loaded from a checkpoint count as calibrated
+            if any(f"{prefix}{role}_{k}" in state_dict for k in ("scale", "tensor_scale")):
+                self._calibrated.add(role)
         if self._qmode != _INPLACE:
             return
         for role in ("weight", "bias"):
@@ -436,12 +456,12 @@ class _QuantMixin:
             return x
         elif spec.two_level:
             ts = self._buffers[f"{role}_tensor_scale"]
-            if bool(torch.isnan(ts)):
+            if role not in self._calibrated:
                 raise RuntimeError(self._uncalibrated(role))
             y = qcore.fake_quantize(v, spec, tensor_scale=ts)
         else:
             s = self._buffers[f"{role}_scale"]
-            if bool(torch.isnan(s).any()) if s.numel() < 64 else False:
+            if role not in self._calibrated:
                 raise RuntimeError(self._uncalibrated(role))
             zp = self._buffers.get(f"{role}_zero_point")
             y = qcore.fake_quantize(v, spec, scale=self._scale_view(s, v),
@@ -466,6 +486,7 @@ class _QuantMixin:
         obs, self._observers = self._observers, None
         for role, o in (obs or {}).items():
             scale, zp = o.params()
+            self._calibrated.add(role)
             if self._qspecs[role].two_level:
                 self._buffers[f"{role}_tensor_scale"].copy_(scale.reshape(()))
                 continue
@@ -522,6 +543,23 @@ class _QuantMixin:
         self._frozen_meta = meta
         self._qmode = _FROZEN
 
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        """``module.to(dtype/device)``, ``.half()``, ...: scale buffers move device but stay float32 (casting them
+        would change the numerics); a frozen weight dequantizes to the new dtype."""
+        keys = [k for k, v in self._buffers.items() if v is not None and k.endswith(_SCALE_SUFFIXES)]
+        saved = {k: self._buffers[k] for k in keys}
+        for k in keys:
+            self._buffers[k] = None
+        try:
+            out = super()._apply(fn, recurse)  # type: ignore[misc]
+        finally:
+            for k, v in saved.items():
+                moved = fn(v)
+                self._buffers[k] = moved if moved.dtype == v.dtype else v.to(device=moved.device)
+        if self._frozen_meta is not None:
+            self._frozen_meta["dtype"] = fn(torch.empty(0, dtype=self._frozen_meta["dtype"])).dtype
+        return out
+
     def _frozen_weight(self) -> torch.Tensor:
         spec = self._qspecs["weight"]
         meta = self._frozen_meta
@@ -547,7 +585,10 @@ class _QuantMixin:
         roles = ", ".join(f"{r}={self._qspecs[r].name or self._qspecs[r].dtype.name}"
                           + ("(dyn)" if r in ("input", "output") and getattr(self.qconfig, r).dynamic else "")
                           for r in ("weight", "input", "output", "bias") if r in self._qspecs)
-        return f"{base}, quant=[{roles}], mode={self._qmode}"
+        return f"{base}, quant=[{roles}], qmode={self._qmode}"
+
+
+_SCALE_SUFFIXES = ("_scale", "_zero_point", "_tensor_scale", "_subblock_shifts")
 
 
 class _Kept(NamedTuple):

@@ -134,15 +134,24 @@ def preset(name: str, *, group_size: Optional[int] = None, kv_cache: Optional[st
     """
     if name not in PRESETS:
         import difflib
-        close = difflib.get_close_matches(str(name), PRESETS, n=3)
+        close = difflib.get_close_matches(str(name).lower(), PRESETS, n=3)
         raise ValueError(f"unknown preset {name!r}" + (f"; did you mean {close}?" if close else "")
                          + f" Known presets: {', '.join(PRESETS)}")
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     if not isinstance(scale_mode, ScaleMode):
         raise TypeError(f"scale_mode must be a qcore.ScaleMode, got {scale_mode!r}")
+    table = PRESETS[name]
+    if group_size is not None and not any(g == "group" or g == "block" or g.startswith("group")
+                                          for _, g, _ in table.values()):
+        raise ValueError(f"preset {name!r} has no per-group or block role: group_size={group_size} does not apply")
+    mx_float = [f for f, g, _ in table.values() if g == "block" and isinstance(qcore.get_dtype(f).element, FloatDType)
+                and qcore.get_dtype(f).scale.mantissa_bits == 0 and not qcore.get_dtype(f).subblock_shift_bits]
+    if scale_mode is not ScaleMode.EVEN and not mx_float:
+        raise ValueError(f"preset {name!r} has no OCP MX float role (MXFP4/6/8): scale_mode={scale_mode.name} does "
+                         f"not apply (its formats keep their own scale rule)")
     roles = {}
-    for role, (fmt, gran, mode) in PRESETS[name].items():
+    for role, (fmt, gran, mode) in table.items():
         spec = _spec(fmt, gran, group_size, scale_mode)
         if mode == "dynamic_calibrated_tensor_scale":
             spec = dataclasses.replace(spec, tensor_scale_mode=TensorScale.GIVEN)

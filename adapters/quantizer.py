@@ -11,6 +11,7 @@ import difflib
 import fnmatch
 import logging
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -34,11 +35,28 @@ class LayerPlan:
     type: str
     config: LayerConfig
 
+    def __repr__(self) -> str:
+        roles = []
+        for r in ("weight", "input", "output", "bias"):
+            tc = getattr(self.config, r)
+            if tc is not None:
+                spec = tc.spec
+                g = type(spec.granularity).__name__
+                mode = "" if r in ("weight", "bias") else (" dynamic" if tc.dynamic else " static")
+                roles.append(f"{r}={spec.name or spec.dtype.name} {g}{mode}")
+        return f"LayerPlan({self.name!r}, {self.type}, {', '.join(roles)})"
+
 
 def _match(pattern: str, name: str) -> bool:
     if pattern.startswith("re:"):
         return re.fullmatch(pattern[3:], name) is not None
     return fnmatch.fnmatchcase(name, pattern)
+
+
+def _match_tree(pattern: str, name: str) -> bool:
+    """``pattern`` matches ``name`` or one of its parent modules (a pattern naming a block covers the block)."""
+    parts = name.split(".")
+    return any(_match(pattern, ".".join(parts[:i])) for i in range(len(parts), 0, -1))
 
 
 def _no_match_error(what: str, pattern: str, names: list[str]) -> ValueError:
@@ -99,18 +117,25 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping]) -> li
             raise _no_match_error("KVCacheConfig.targets pattern", p, names)
 
     plans: list[LayerPlan] = []
+    skipped: list[str] = []
     for name, m in mods.items():
         if not name:
             continue
         tname = next((c.__name__ for c in QUANT_CLASSES if type(m) is c), None)
-        named = next((p for p in config.by_name if _match(p, name)), None)
-        excluded = any(_match(p, name) for p in exclude)
+        named = next((p for p in config.by_name if _match_tree(p, name)), None)
+        excluded = any(_match_tree(p, name) for p in exclude)
         if tname is None:
             if named is not None and config.by_name[named] is not None and not any(
-                    _match(named, n) and type(mods[n]) in QUANT_CLASSES for n in names):
+                    _match_tree(named, n) and type(mods[n]) in QUANT_CLASSES for n in names):
                 raise ValueError(f"ModelConfig.by_name pattern {named!r} matches only modules qcore cannot quantize "
                                  f"(e.g. {name!r}: {type(m).__name__}); supported: "
                                  f"{[c.__name__ for c in QUANT_CLASSES]}")
+            base = next((c.__name__ for c in QUANT_CLASSES if isinstance(m, c)), None)
+            if base is not None and not excluded:  # a subclass of a supported type: would the config apply?
+                would = (config.by_name[named] if named is not None else config.by_type[base]
+                         if base in config.by_type else config.layer if base in COMPUTE_TYPES else None)
+                if would is not None and not would.empty:
+                    skipped.append(f"{name} ({type(m).__name__})")
             continue
         if excluded:
             lc: Optional[LayerConfig] = None
@@ -134,6 +159,11 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping]) -> li
         if lc is None or lc.empty:
             continue
         plans.append(LayerPlan(name, tname, lc))
+    if skipped:
+        warnings.warn(f"qcore.adapters: {len(skipped)} module(s) subclass a supported type but are not exactly it "
+                      f"and are left in float (their forward may not go through the module's weight as nn.Linear "
+                      f"/ nn.Conv2d do): {', '.join(skipped[:5])}{', ...' if len(skipped) > 5 else ''}",
+                      stacklevel=3)
     if not plans:
         raise ValueError("the config quantizes no module of this model (everything excluded or unmatched); "
                          f"quantizable modules: {[n for n, m in mods.items() if type(m) in QUANT_CLASSES][:10]}")
@@ -233,7 +263,10 @@ def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True) -> int
     was_training = model.training
     model.eval()
     try:
-        total = len(data) if hasattr(data, "__len__") else None
+        try:
+            total = len(data)  # type: ignore[arg-type]
+        except TypeError:  # a DataLoader over an IterableDataset, a generator
+            total = None
         with torch.no_grad():
             for i, batch in enumerate(_progress(data, total=total, desc="calibrating", enabled=progress)):
                 _check_batch(model, batch, i)
@@ -293,13 +326,22 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     try:
         if static:
             calibrate(model, data, progress=progress)
-        if not qat:
-            for _, _, new in _progress(wrappers, desc="quantizing weights", enabled=progress):
-                new.commit()
+        if qat:  # the scale buffers of the master weights, from the start
+            with torch.no_grad():
+                for _, _, new in wrappers:
+                    for role in ("weight", "bias"):
+                        if role in new._qspecs:
+                            new._param(role)
     except BaseException:
         for name, old, _ in wrappers:
             _set_module(model, name, old)
         raise
+    if not qat:
+        # Past this point the model is quantized: writing the weights in place cannot be undone without a second
+        # copy of them. If it is interrupted, the wrappers not yet written stay in their pending mode, which
+        # fake-quantizes at the forward: the model is fully quantized either way.
+        for _, _, new in _progress(wrappers, desc="quantizing weights", enabled=progress):
+            new.commit()
     return model
 
 

@@ -10,8 +10,9 @@ scales after RoPE, progressive two-stage weights (``int4_fp8``), ``Percentile``/
 non-default export settings.
 
 Mapping: ``global_quant_config`` <-> ``layer``; ``layer_quant_config`` <-> ``by_name``;
-``layer_type_quant_config`` <-> ``by_type``; ``exclude`` <-> ``exclude`` (qcore's default, the output head, is
-written as ``["lm_head"]``); ``kv_cache_quant_config`` (one entry per target: the global layer config with
+``layer_type_quant_config`` <-> ``by_type``; ``exclude`` <-> ``exclude`` (qcore's default, the model's output
+head, is written as Quark's ``["lm_head"]``, and Quark's ``["lm_head"]`` is read as that default, so the config also
+applies to models without an ``lm_head``); ``kv_cache_quant_config`` (one entry per target: the global layer config with
 ``output_tensors`` replaced) <-> ``kv_cache``; ``algo_config`` <-> ``algorithms``. Two-level NVFP4: Quark's
 static scale-of-scales spec is ``TensorScale.GIVEN``; on weights qcore computes it from the weight
 (``TensorScale.AMAX``), which is what Quark's static weight observer does.
@@ -143,8 +144,8 @@ def config_from_quark(d: Any, *, model_dtype: str = "float32") -> ModelConfig:
             if not isinstance(a, Mapping) or not isinstance(a.get("name"), str):
                 raise ValueError(f"quantization_config.algo_config: entry {a!r} has no 'name'")
         algorithms = tuple(dict(a) for a in items)
-    return ModelConfig(layer, by_type=by_type, by_name=by_name,
-                       exclude=None if qc.exclude is None else tuple(qc.exclude), kv_cache=kv, algorithms=algorithms,
+    exclude = None if qc.exclude is None or tuple(qc.exclude) == ("lm_head",) else tuple(qc.exclude)
+    return ModelConfig(layer, by_type=by_type, by_name=by_name, exclude=exclude, kv_cache=kv, algorithms=algorithms,
                        origin=qc.to_dict())
 
 

@@ -44,12 +44,12 @@ def test_quark_numerics_qcore_does_not_share_are_refused(name):
 
 @pytest.mark.parametrize("name", [n for n in FIXTURES if n in PRESETS and n not in NOT_CONVERTIBLE])
 def test_presets_mean_what_quark_writes(name):
-    assert preset(name, exclude=["lm_head"]) == ModelConfig.from_quark(_load(name))
+    assert preset(name) == ModelConfig.from_quark(_load(name))
 
 
 def test_kv_cache_preset_equals_quarks_and_writes_both_lists():
     q = _load("fp8_kv_fp8")
-    c = preset("fp8", kv_cache="fp8", exclude=["lm_head"])
+    c = preset("fp8", kv_cache="fp8")
     assert ModelConfig.from_quark(q) == c
     out = c.to_quark()
     assert set(out["kv_cache_quant_config"]) == {"*k_proj", "*v_proj"} == set(out["layer_quant_config"])
