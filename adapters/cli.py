@@ -1,4 +1,4 @@
-"""The model commands of the ``qcore`` command line: ``qcore quantize`` and ``qcore schemes``.
+"""The model commands of the ``qcore`` command line: ``qcore quantize``, ``qcore eval`` and ``qcore schemes``.
 
 The parsers live in ``qcore/cli.py`` (numpy only, so ``qcore conformance`` works without torch); these functions
 run the commands and are imported only when a model command runs.
@@ -205,6 +205,34 @@ def quantize_command(args) -> int:
     return 0
 
 
+def eval_command(args) -> int:
+    """Perplexity of a model (``--model`` as for ``quantize``) on the protocol text or ``--eval-text``."""
+    if args.tasks:
+        import importlib.util
+        if importlib.util.find_spec("lm_eval") is None:
+            raise CommandError("--tasks needs lm-evaluation-harness (pip install lm-eval)")
+        raise CommandError("--tasks: lm-evaluation-harness tasks are not wired in yet; perplexity only")
+    model, tok, desc = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
+    if tok is None:
+        raise CommandError(f"--model {args.model}: no tokenizer found next to the model; perplexity needs one")
+    text = None
+    if args.eval_text:
+        p = pathlib.Path(args.eval_text)
+        if not p.is_file():
+            raise CommandError(f"--eval-text {args.eval_text}: no such file")
+        text = p.read_text()
+    ids = E.protocol_token_ids(tok, text=text)
+    n = min(len(E.EVAL_WINDOWS), ids.numel() // args.seq_len)
+    if n < 1:
+        raise CommandError(f"the text has {ids.numel()} tokens, fewer than one window of --seq-len {args.seq_len}")
+    t0 = time.perf_counter()
+    ppl = E.perplexity(model, tok, token_ids=ids, seq_len=args.seq_len, windows=range(n),
+                       progress=not args.no_progress)
+    print(_table([("model", desc), ("perplexity", f"{ppl:.4f}  ({n} windows of {args.seq_len} tokens, "
+                                                  f"{time.perf_counter() - t0:.1f} s)")]))
+    return 0
+
+
 def schemes_command(args) -> int:
     """One line per preset: its roles and the bits per weight element (scales included)."""
     for name in PRESETS:
@@ -231,7 +259,7 @@ def schemes_command(args) -> int:
 def run(args) -> int:
     """Entry from ``qcore/cli.py``: one-line errors (``--debug``: the traceback) and exit code 2."""
     try:
-        return {"quantize": quantize_command, "schemes": schemes_command}[args.command](args)
+        return {"quantize": quantize_command, "eval": eval_command, "schemes": schemes_command}[args.command](args)
     except KeyboardInterrupt:
         print(f"qcore {args.command}: interrupted", file=sys.stderr)
         return 130

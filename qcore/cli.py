@@ -196,6 +196,21 @@ def _add_quantize(sub) -> None:
     q.set_defaults(func=_run_model_command)
 
 
+def _add_eval(sub) -> None:
+    e = sub.add_parser("eval", help="perplexity of a model", description="Perplexity of a causal LM (default: the "
+                       "embedded SmolLM2-135M-Instruct) on the protocol text or a text file.")
+    e.add_argument("--model", default=None, help="HF model directory, .gguf file or hub id (default: the embedded "
+                   "SmolLM2-135M-Instruct)")
+    e.add_argument("--eval-text", default=None, metavar="FILE", help="a text file instead of the protocol text")
+    e.add_argument("--seq-len", type=_positive, default=512, help="tokens per window (default 512)")
+    e.add_argument("--tasks", default=None, help="lm-evaluation-harness tasks (not wired in yet)")
+    e.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    e.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bars")
+    e.add_argument("--debug", action="store_true", help="show tracebacks")
+    e.set_defaults(func=_run_model_command)
+
+
 def _add_schemes(sub) -> None:
     s = sub.add_parser("schemes", help="list the quantization presets")
     s.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -205,6 +220,7 @@ def _add_schemes(sub) -> None:
 # Top-level commands, in help order.
 _COMMANDS = (
     ("quantize", _add_quantize),
+    ("eval", _add_eval),
     ("schemes", _add_schemes),
     ("conformance", _add_conformance),
 )

@@ -96,3 +96,10 @@ def test_the_main_job_on_the_embedded_model(tmp_path, capsys):
     assert r["scheme"] == "ptpc_fp8" and r["layers_quantized"] == 210
     assert abs(r["ppl_baseline"] - 14.012) < 0.002 and 14.2 < r["ppl"] < 14.8, r
     assert "perplexity                  14.012 ->" in capsys.readouterr().out
+
+
+def test_eval_needs_a_tokenizer_and_refuses_unwired_tasks(llama_dir, capsys):
+    assert main(["eval", "--model", str(llama_dir)]) == 2
+    assert "no tokenizer found" in capsys.readouterr().err
+    assert main(["eval", "--tasks", "hellaswag"]) == 2
+    assert "--tasks" in capsys.readouterr().err
