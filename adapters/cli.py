@@ -117,6 +117,32 @@ def _layer_sqnr(model, config) -> dict[str, float]:
     return out
 
 
+def plot_sqnr(sqnr: dict[str, float], path: str, *, title: str) -> None:
+    """A PNG of the per-layer weight SQNR (dB) in model order (needs matplotlib)."""
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is None:
+        raise CommandError("--plot needs matplotlib (pip install matplotlib)")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(sqnr)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.05 * len(names)), 3.2), dpi=120)
+    ax.plot(range(len(names)), [sqnr[n] for n in names], marker=".", linewidth=0.8)
+    ax.set_xlabel("quantized layer (model order)")
+    ax.set_ylabel("weight SQNR (dB)")
+    ax.set_title(title, fontsize=9)
+    worst = min(names, key=lambda n: sqnr[n])
+    right = names.index(worst) > len(names) / 2
+    ax.annotate(worst, (names.index(worst), sqnr[worst]), fontsize=7, xytext=(-5 if right else 5, 4),
+                textcoords="offset points", ha="right" if right else "left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = pathlib.Path(path).with_name(pathlib.Path(path).name + ".partial")
+    fig.savefig(tmp, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)  # no half-written file on failure
+
+
 def _table(rows: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
@@ -130,6 +156,10 @@ def quantize_command(args) -> int:
     if args.export:
         raise CommandError(f"--export {args.export}: no export format is available in this version of qcore yet "
                            f"(the Quark HF export is next)")
+    if args.plot:
+        import importlib.util
+        if importlib.util.find_spec("matplotlib") is None:
+            raise CommandError("--plot needs matplotlib (pip install matplotlib)")
     dtype = _dtype(args.dtype)
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     config, scheme = build_config(args)
@@ -202,6 +232,9 @@ def quantize_command(args) -> int:
     if args.report:
         pathlib.Path(args.report).write_text(json.dumps(report, indent=1) + "\n")
         print(f"  report written to {args.report}")
+    if args.plot:
+        plot_sqnr(sqnr, args.plot, title=f"{desc}: {scheme}")
+        print(f"  per-layer SQNR plot written to {args.plot}")
     return 0
 
 

@@ -189,6 +189,7 @@ def _add_quantize(sub) -> None:
     q.add_argument("--eval-text", default=None, metavar="FILE", help="perplexity on this text file instead of the "
                    "default protocol text")
     q.add_argument("--report", default=None, metavar="FILE.json", help="write the report as JSON")
+    q.add_argument("--plot", default=None, metavar="FILE.png", help="plot the per-layer weight SQNR (needs matplotlib)")
     q.add_argument("--device", default="cpu", help="torch device (default cpu)")
     q.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
     q.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -103,3 +103,13 @@ def test_eval_needs_a_tokenizer_and_refuses_unwired_tasks(llama_dir, capsys):
     assert "no tokenizer found" in capsys.readouterr().err
     assert main(["eval", "--tasks", "hellaswag"]) == 2
     assert "--tasks" in capsys.readouterr().err
+
+
+def test_plot_writes_a_png_of_the_per_layer_sqnr(llama_dir, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sqnr.png"
+    assert main(["quantize", "--model", str(llama_dir), "--scheme", "mxfp4_weight_only", "--eval", "none",
+                 "--plot", str(png), "--no-progress"]) == 0
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
+    assert not list(tmp_path.glob("*.partial"))
