@@ -216,8 +216,6 @@ class _QuantMixin:
                                  f"{list(canon_shape)}: {e}") from None
             if not bool(torch.isfinite(w).all()):
                 raise ValueError(f"{where}: the weight holds NaN or Inf; refusing to quantize it")
-            if isinstance(g, PerBlock) and any(s > d for s, d in zip(g.shape, canon_shape[-len(g.shape):])):
-                pass  # short blocks are allowed (padded), as in qcore
         if config.bias is not None:
             if getattr(module, "bias", None) is None:
                 raise ValueError(f"{where} has no bias but the config quantizes the bias")

@@ -440,6 +440,13 @@ def numpy_row(name, xn, args):
     return r, y
 
 
+def _small_row(case: str, backend: str, t_a: float, t_b: float, same: bool) -> dict:
+    """One row of the small-tensor table: qcore's time against the plain expression on the same backend."""
+    return {"case": case, "backend": backend, "qcore_us": t_a * 1e6, "ref": f"plain {backend} expression",
+            "ref_us": t_b * 1e6, "qcore_over_ref": t_a / t_b, "target": f"<= {TARGETS['small_over_plain']}",
+            "same_bits": same}
+
+
 def small_rows(args, torch, with_numpy):
     rows = []
     rep = max(7, args.repeat)
@@ -461,15 +468,12 @@ def small_rows(args, torch, with_numpy):
 
         n = inner_loops(qc)
         t_a, t_b = paired(qc, plain, rep, n)
-        rows.append({"case": label, "backend": "torch", "qcore_us": t_a * 1e6, "ref": "plain torch expression",
-                     "ref_us": t_b * 1e6, "qcore_over_ref": t_a / t_b, "target": f"<= {TARGETS['small_over_plain']}",
-                     "same_bits": same_bits(qc(), plain())})
+        rows.append(_small_row(label, "torch", t_a, t_b, same_bits(qc(), plain())))
         # The same step with the parameters validated once (qcore.fake_quantizer), as a GPTQ loop would use it.
         fq = qcore.fake_quantizer(spec, shape=tuple(w.shape), scale=s, zero_point=z, like=w)
         t_a, t_b = paired(lambda fq=fq, w=w: fq(w), plain, rep, n)
-        rows.append({"case": label.replace("gptq col", "fake_quantizer"), "backend": "torch", "qcore_us": t_a * 1e6,
-                     "ref": "plain torch expression", "ref_us": t_b * 1e6, "qcore_over_ref": t_a / t_b,
-                     "target": f"<= {TARGETS['small_over_plain']}", "same_bits": same_bits(fq(w), plain())})
+        rows.append(_small_row(label.replace("gptq col", "fake_quantizer"), "torch", t_a, t_b,
+                               same_bits(fq(w), plain())))
         if with_numpy:
             wn, sn, zn = w.numpy(), s.numpy(), z.numpy()
 
@@ -481,9 +485,7 @@ def small_rows(args, torch, with_numpy):
 
             n = inner_loops(qn)
             t_a, t_b = paired(qn, pn, rep, n)
-            rows.append({"case": label, "backend": "numpy", "qcore_us": t_a * 1e6, "ref": "plain numpy expression",
-                         "ref_us": t_b * 1e6, "qcore_over_ref": t_a / t_b,
-                         "target": f"<= {TARGETS['small_over_plain']}", "same_bits": same_bits(qn(), pn())})
+            rows.append(_small_row(label, "numpy", t_a, t_b, same_bits(qn(), pn())))
     a = torch.randn(512, 576, generator=g)
     spec = qcore.make_spec("mxfp4")
     qc = lambda: qcore.fake_quantize(a, spec)  # noqa: E731
