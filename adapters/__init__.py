@@ -3,7 +3,9 @@
     from qcore.adapters import quantize_model, preset
     model = quantize_model(model, preset("w_uint4_per_group_asym", group_size=64))
 
-Importing this package imports torch. Nothing is registered anywhere on import.
+Importing this package imports torch. When transformers is installed, it also registers the quantization method
+``"qcore"`` with transformers (``transformers.quantizers.register_quantization_config`` / ``register_quantizer``),
+so ``AutoModelForCausalLM.from_pretrained`` loads qcore checkpoints; nothing else is registered anywhere.
 """
 
 from .config import (MSE, KVCacheConfig, LayerConfig, MinMax, ModelConfig, Percentile, TensorConfig, spec_from_dict,
@@ -12,10 +14,15 @@ from .modules import (CalibrationError, QuantConv2d, QuantConvTranspose2d, Quant
                       QuantLinear, wrap)
 from .presets import PRESETS, preset, preset_names
 from .quantizer import calibrate, freeze, model_bytes, plan_model, quantize_model, quantized_modules
+from .export import ExportInfo, export_hf
+from .hf import CorruptCheckpointError, from_pretrained, load_quark, register_with_transformers
+
+register_with_transformers()  # the one registration qcore makes (documented above); a no-op without transformers
 
 __all__ = [
     "ModelConfig", "LayerConfig", "TensorConfig", "KVCacheConfig", "MinMax", "Percentile", "MSE",
     "spec_to_dict", "spec_from_dict", "PRESETS", "preset", "preset_names",
     "QuantLinear", "QuantConv2d", "QuantConvTranspose2d", "QuantEmbedding", "QuantEmbeddingBag", "wrap",
     "CalibrationError", "quantize_model", "plan_model", "calibrate", "freeze", "model_bytes", "quantized_modules",
+    "export_hf", "ExportInfo", "from_pretrained", "load_quark", "CorruptCheckpointError", "register_with_transformers",
 ]

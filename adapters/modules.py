@@ -214,7 +214,7 @@ class _QuantMixin:
             except (ValueError, TypeError) as e:
                 raise ValueError(f"{where}: weight spec {g!r} does not fit its weight of shape "
                                  f"{list(canon_shape)}: {e}") from None
-            if not bool(torch.isfinite(w).all()):
+            if not w.is_meta and not bool(torch.isfinite(w).all()):
                 raise ValueError(f"{where}: the weight holds NaN or Inf; refusing to quantize it")
         if config.bias is not None:
             if getattr(module, "bias", None) is None:

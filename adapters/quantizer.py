@@ -342,6 +342,7 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         # fake-quantizes at the forward: the model is fully quantized either way.
         for _, _, new in _progress(wrappers, desc="quantizing weights", enabled=progress):
             new.commit()
+    model.qcore_config = _as_config(config)  # what exporters write (qcore.adapters.export_hf)
     return model
 
 

@@ -1,0 +1,317 @@
+"""Export a quantized model as an HF checkpoint in AMD Quark's layout (``export_hf``), and read such checkpoints.
+
+``export_hf(model, directory)`` writes ``config.json`` (the model's config with Quark's ``quantization_config``),
+``generation_config.json``, the tokenizer (when given) and the weights as safetensors: each quantized layer's
+real low-bit codes and scales in Quark's tensor names, dtypes, shapes and packing (``qcore.formats.quark_layout``),
+every other tensor as it is in the model. vLLM's Quark loader and transformers with amd-quark read it
+(``quant_method: "quark"``).
+
+Formats Quark has no tensor layout for (MX9/MX6/MX4, BFP16, MXINT8, int2/int3, groups that do not divide the
+row, quantized conv and embedding weights, ...) are written in qcore's extension of the layout and the checkpoint
+says ``quant_method: "qcore"``: transformers and vLLM without qcore refuse it instead of misreading it, and
+``qcore.adapters.from_pretrained`` (or ``AutoModelForCausalLM.from_pretrained`` after ``import qcore.adapters``)
+loads it. Either kind also carries qcore's own config (``quantization_config["qcore"]``).
+
+Guarantees: safetensors only (never pickle); the export is atomic (written into a temporary sibling directory
+renamed into place at the end: an error or Ctrl-C leaves the destination as it was) and deterministic (the same
+model and config give byte-identical files); tensors are converted and written one at a time, in shards of at
+most ``max_shard_size`` bytes with an index file, so peak memory does not grow with the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+from torch import nn
+
+import qcore
+from qcore.formats import quark_layout as L
+from qcore.formats.safetensors_io import TensorRecord, write_file
+
+from .config import ModelConfig
+from .modules import QuantLinear, _QuantMixin
+
+__all__ = ["export_hf", "ExportInfo", "parse_size", "QCORE_FORMAT_VERSION"]
+
+QCORE_FORMAT_VERSION = 1
+
+_TORCH_ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+             torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+             torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+@dataclass(frozen=True)
+class ExportInfo:
+    """What ``export_hf`` wrote."""
+
+    directory: str
+    quant_method: str
+    files: tuple
+    bytes_on_disk: int
+    layers: dict = field(default_factory=dict)  # module name -> layout
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """``5GB``, ``500MB``, ``2GiB``, ``1000000`` -> bytes (decimal units as transformers reads them)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size <= 0:
+            raise ValueError(f"max_shard_size must be positive, got {size}")
+        return size
+    if not isinstance(size, str):
+        raise TypeError(f"max_shard_size must be an int or a string like '5GB', got {type(size).__name__}")
+    s = size.strip().upper()
+    units = [("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)]
+    for u, f in units:
+        if s.endswith(u):
+            try:
+                v = float(s[:-len(u)])
+            except ValueError:
+                break
+            if v > 0:
+                return int(v * f)
+            break
+    else:
+        if s.isdigit() and int(s) > 0:
+            return int(s)
+    raise ValueError(f"max_shard_size {size!r} is not a size; expected e.g. '5GB', '500MB', '2GiB' or a byte count")
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu().contiguous()
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16):
+        return t.view(torch.uint8 if t.element_size() == 1 else torch.int16).numpy()
+    return t.numpy()
+
+
+def weight_parts(m: _QuantMixin) -> tuple[L.WeightParts, tuple]:
+    """The qcore parts of a quantized module's weight (canonical layout) and the canonical shape; frozen or not
+    (a fake-quantized weight is quantized again with its own scales, exactly as ``freeze`` does, nothing
+    changes)."""
+    spec = m._qspecs["weight"]
+    if m.frozen:
+        meta = m._frozen_meta
+        codes = qcore.packing.unpack(m.weight_packed.cpu(), spec.dtype, axis=-1, length=meta["shape"][-1])
+        sc = m.weight_scale.cpu()
+        scales = sc.float() if sc.dtype == torch.float32 else qcore.decode(sc, spec.scale_dtype)
+        zp = m._buffers.get("weight_zero_point")
+        sh = m._buffers.get("weight_subblock_shifts")
+        ts = m._buffers.get("weight_tensor_scale")
+        return L.WeightParts(codes=_np(codes), scales=_np(scales.float()),
+                             zero_points=None if zp is None else _np(zp.float()), shifts=None if sh is None else _np(sh),
+                             tensor_scale=None if ts is None else _np(ts.float())), tuple(meta["shape"])
+    with torch.no_grad():
+        w = m._param("weight").detach()
+    wc = m._canon(w).float().cpu()
+    kw: dict[str, Any] = {"scale": m.weight_scale.cpu()}
+    if not spec.symmetric:
+        kw["zero_point"] = m.weight_zero_point.cpu()
+    if spec.two_level:
+        kw["tensor_scale"] = m.weight_tensor_scale.cpu()
+    q = qcore.quantize(wc, spec, **kw)
+    back = qcore.dequantize(q).to(w.dtype)
+    if not torch.equal(back, wc.to(w.dtype)):
+        raise RuntimeError(f"export {m.qname!r}: the weight is not on its quantization grid (was it changed after "
+                           f"quantize_model without a forward?); run a forward or freeze the model first")
+    return L.WeightParts(codes=_np(q.codes), scales=_np(q.scales), zero_points=None if q.zero_points is None
+                         else _np(q.zero_points), shifts=None if q.subblock_shifts is None else _np(q.subblock_shifts),
+                         tensor_scale=None if q.tensor_scale is None else _np(q.tensor_scale)), tuple(wc.shape)
+
+
+def module_layout(m: _QuantMixin) -> str:
+    shape = tuple(m._frozen_meta["shape"]) if m.frozen else tuple(m._canon(m.weight).shape)
+    return L.weight_layout(m._qspecs["weight"], shape, module="Linear" if type(m) is QuantLinear else "other")
+
+
+def _activation_records(m: _QuantMixin, layout: str) -> dict:
+    out = {}
+    for role in m.static_roles():
+        if role not in m._calibrated:
+            raise ValueError(f"export {m.qname!r}: static {role} scales are not calibrated; run quantize_model "
+                             f"with calibration data before exporting")
+        spec = m._qspecs[role]
+        b = m._buffers
+        out.update(L.activation_tensors(
+            role, spec, scale=None if spec.two_level else _np(b[f"{role}_scale"].float()),
+            zero_point=None if f"{role}_zero_point" not in b else _np(b[f"{role}_zero_point"].float()),
+            tensor_scale=_np(b[f"{role}_tensor_scale"].float()) if spec.two_level else None, layout=layout))
+    return out
+
+
+def _record(name: str, dtype: str, arr_fn, shape: tuple) -> TensorRecord:
+    return TensorRecord(name, dtype, tuple(int(d) for d in shape), lambda: np.ascontiguousarray(arr_fn()).tobytes())
+
+
+def _tensor_record(name: str, t: torch.Tensor) -> TensorRecord:
+    if t.dtype not in _TORCH_ST:
+        raise TypeError(f"export: tensor {name!r} has dtype {t.dtype}, which safetensors cannot hold")
+    return _record(name, _TORCH_ST[t.dtype], lambda: _np(t), tuple(t.shape))
+
+
+def _plan_tensors(model: nn.Module) -> tuple[list[TensorRecord], dict[str, str]]:
+    """Every tensor to write, as lazy records (nothing converted yet), and the layout of each quantized module."""
+    mods = {n: m for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
+    layouts = {n: module_layout(m) for n, m in mods.items()}
+    records: list[TensorRecord] = []
+    owned: set[str] = set()
+    cache: dict = {}
+    for name, m in mods.items():
+        layout = layouts[name]
+        prefix = f"{name}."
+        keys = [prefix + k for k in m.state_dict().keys()]
+        owned.update(k for k in keys if "." not in k[len(prefix):])
+        spec = m._qspecs["weight"]
+
+        shape = tuple(m._frozen_meta["shape"]) if m.frozen else tuple(m._canon(m.weight).shape)
+        for suffix, (dt, shp) in L.expected_weight(spec, shape, layout=layout).items():
+            def arr(m=m, suffix=suffix, layout=layout, spec=spec):
+                if cache.get("module") is not m:  # one module's encoded tensors at a time (written together)
+                    cache.clear()
+                    cache["enc"] = L.encode_weight(weight_parts(m)[0], spec, layout=layout)
+                    cache["module"] = m
+                return cache["enc"][suffix][1]
+            records.append(_record(prefix + suffix, dt, arr, shp))
+        for n, (dt, a) in _activation_records(m, layout).items():
+            records.append(_record(prefix + n, dt, lambda a=a: a, a.shape))
+        bias = m._parameters.get("bias")
+        if bias is not None:
+            if "bias" in m._qspecs:  # the fake-quantized bias the model computes with, as floats
+                with torch.no_grad():
+                    records.append(_tensor_record(prefix + "bias", m._param("bias").detach()))
+            else:
+                records.append(_tensor_record(prefix + "bias", bias))
+    seen: dict[tuple, str] = {}
+    for k, t in model.state_dict(keep_vars=True).items():
+        if k in owned or t is None:
+            continue
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if t.numel() and key in seen:  # a tied weight: written once, as save_pretrained does
+            continue
+        seen[key] = k
+        records.append(_tensor_record(k, t.detach()))
+    return records, layouts
+
+
+def _quantization_config(model: nn.Module, config: ModelConfig, layouts: dict[str, str], pack_method: str) -> dict:
+    quark_ok = all(v != "qcore" for v in layouts.values())
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    model_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype,
+                                                                                                      "float32")
+    try:
+        q = config.to_quark(model_dtype=model_dtype)
+        q["export"]["pack_method"] = pack_method
+    except (ValueError, TypeError) as e:
+        if quark_ok:
+            raise ValueError(f"export: the config has no Quark spelling ({e}); Quark's loaders could not read the "
+                             f"checkpoint") from None
+        q = {}
+    q["quant_method"] = "quark" if quark_ok else "qcore"
+    q["qcore"] = {"format_version": QCORE_FORMAT_VERSION, "qcore_version": qcore.__version__,
+                  "config": config.to_dict(), "layouts": dict(sorted(layouts.items()))}
+    return q
+
+
+def _shards(records: list[TensorRecord], max_bytes: int) -> list[list[TensorRecord]]:
+    shards: list[list[TensorRecord]] = [[]]
+    size = 0
+    for r in records:
+        if shards[-1] and size + r.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(r)
+        size += r.nbytes
+    return shards
+
+
+def _check_destination(directory: pathlib.Path, overwrite: bool) -> None:
+    if directory.exists() and not directory.is_dir():
+        raise FileExistsError(f"export directory {str(directory)!r} exists and is not a directory")
+    if directory.is_dir() and any(directory.iterdir()) and not overwrite:
+        raise FileExistsError(f"export directory {str(directory)!r} exists and is not empty; pass overwrite=True "
+                              f"(--overwrite) to replace it")
+
+
+def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: Optional[ModelConfig] = None,
+              tokenizer: Any = None, overwrite: bool = False, max_shard_size: Union[int, str] = "5GB",
+              pack_method: str = "reorder", progress: bool = False) -> ExportInfo:
+    """Write ``model`` (quantized with ``quantize_model``; frozen or not) as an HF checkpoint in Quark's layout.
+
+    config: the model's ``ModelConfig`` (default: the one ``quantize_model`` used, ``model.qcore_config``).
+    tokenizer: saved alongside (``save_pretrained``) so the directory is a complete model.
+    overwrite: replace an existing non-empty ``directory`` (else ``FileExistsError``, before any work).
+    max_shard_size: largest shard in bytes (int) or ``"5GB"``-style; several shards get an index file.
+    pack_method: int4 nibble order, ``"reorder"`` (Quark's default) or ``"order"``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if pack_method not in L.PACK_METHODS:
+        raise ValueError(f"pack_method must be one of {sorted(L.PACK_METHODS)}, got {pack_method!r}")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
+    max_bytes = parse_size(max_shard_size)
+    config = config if config is not None else getattr(model, "qcore_config", None)
+    if not isinstance(config, ModelConfig):
+        raise ValueError("export_hf: the model carries no qcore config (quantize it with qcore.adapters."
+                         "quantize_model, or pass config=)")
+    if not any(isinstance(m, _QuantMixin) for m in model.modules()):
+        raise ValueError("export_hf: the model has no qcore quantized modules; run quantize_model first")
+    hf_config = getattr(model, "config", None)
+    if hf_config is None or not hasattr(hf_config, "to_dict"):
+        raise TypeError("export_hf: the model has no transformers config (model.config); only transformers models "
+                        "can be written as HF checkpoints")
+    directory = pathlib.Path(directory)
+    _check_destination(directory, overwrite)
+
+    records, layouts = _plan_tensors(model)
+    qdict = _quantization_config(model, config, layouts, pack_method)
+    shards = _shards(records, max_bytes)
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.parent / f".{directory.name}.qcore-partial-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        cfg = hf_config.to_dict()
+        cfg["quantization_config"] = qdict
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        gen = getattr(model, "generation_config", None)
+        if gen is not None:
+            (tmp / "generation_config.json").write_text(gen.to_json_string(use_diff=True))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        total = 0
+        it = list(zip(names, shards))
+        if progress:
+            from tqdm.auto import tqdm
+            it = tqdm(it, desc="exporting", unit="shard", leave=False)
+        for fname, shard in it:
+            write_file(tmp / fname, shard, metadata={"format": "pt"})
+            total += sum(r.nbytes for r in shard)
+        if n > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {r.name: f for f, s in zip(names, shards) for r in sorted(s, key=lambda r: r.name)}}
+            index["weight_map"] = dict(sorted(index["weight_map"].items()))
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        old = None
+        if directory.exists():
+            _check_destination(directory, overwrite)  # still allowed (nothing appeared meanwhile)
+            old = directory.parent / f".{directory.name}.qcore-old-{uuid.uuid4().hex[:8]}"
+            directory.rename(old)
+        tmp.rename(directory)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    files = tuple(sorted(p.name for p in directory.iterdir()))
+    size = sum((directory / f).stat().st_size for f in files)
+    return ExportInfo(str(directory), qdict["quant_method"], files, size, layouts)
+

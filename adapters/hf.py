@@ -1,0 +1,294 @@
+"""Loading quantized checkpoints into qcore's modules through transformers (no amd-quark needed).
+
+- ``from_pretrained(directory)`` loads a checkpoint written by ``export_hf`` or by AMD Quark itself
+  (``quant_method`` ``"quark"`` or ``"qcore"``): the model's quantized Linears become frozen qcore modules
+  (packed codes + scales, dequantized in the forward), with logits identical to the in-memory frozen model.
+  ``load_quark`` is the same function, named for Quark-written checkpoints.
+- ``import qcore.adapters`` registers the quantization method ``"qcore"`` with transformers' public plug-in API
+  (``register_quantization_config`` / ``register_quantizer``), so ``AutoModelForCausalLM.from_pretrained(d)``
+  loads checkpoints whose ``quant_method`` is ``"qcore"`` too. ``"quark"`` stays transformers' own (it needs
+  amd-quark): qcore never replaces it; ``from_pretrained`` here routes a Quark checkpoint to qcore explicitly.
+
+Loading checks every tensor against the config before any weight is read: names, dtypes and shapes (from the
+safetensors headers; a truncated or corrupted file fails here), then the values (scales finite and positive,
+e8m0 NaN codes, zero points in range); errors name the tensor and the layer.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+import qcore
+from qcore.formats import quark_layout as L
+from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile
+
+from .config import ModelConfig
+from .modules import QUANT_CLASSES, _FROZEN
+from .quantizer import _set_module, plan_model
+
+__all__ = ["from_pretrained", "load_quark", "register_with_transformers", "QcoreHfConfig", "CorruptCheckpointError"]
+
+_ST_TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8, "U8": torch.uint8,
+             "I32": torch.int32, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_OWN_KEYS = ("quant_method", "qcore", "source_method")
+
+
+def checkpoint_config(raw: dict) -> ModelConfig:
+    """The ``ModelConfig`` of a checkpoint's ``quantization_config``: qcore's own when present, else Quark's."""
+    own = raw.get("qcore")
+    if isinstance(own, dict) and "config" in own:
+        return ModelConfig.from_dict(own["config"])
+    if raw.get("source_method", raw.get("quant_method")) not in ("quark", "qcore"):
+        raise ValueError(f"quantization_config: quant_method {raw.get('quant_method')!r} is not 'quark' or 'qcore'")
+    d = {k: v for k, v in raw.items() if k not in _OWN_KEYS}
+    d["quant_method"] = "quark"
+    return ModelConfig.from_quark(d)
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu().contiguous()
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.view(torch.uint8).numpy()
+    if t.dtype == torch.bfloat16:
+        return t.float().numpy()
+    return t.numpy()
+
+
+class _Shell(nn.Module):
+    """Placeholder for one quantized module while transformers loads the checkpoint: parameters named, shaped and
+    typed as the checkpoint stores them (on meta until loaded)."""
+
+    def __init__(self, orig: nn.Module, name: str, config, layout: str, expected: dict):
+        super().__init__()
+        object.__setattr__(self, "_orig", orig)  # not a submodule: its float weight is not in the checkpoint
+        self.qname, self.qconfig, self.layout, self.expected = name, config, layout, expected
+        for n, (dt, shape) in expected.items():
+            self.register_parameter(n, nn.Parameter(torch.empty(shape, dtype=_ST_TORCH[dt], device="meta"),
+                                                    requires_grad=False))
+        if getattr(orig, "bias", None) is not None:
+            self.bias = orig.bias
+
+
+def _expected(name: str, m: nn.Module, lc) -> tuple[str, dict, Any]:
+    """(layout, {tensor suffix: (dtype, shape)}, the module's wrapper on meta) of one planned module."""
+    q = QUANT_CLASSES[type(m)].from_module(m, lc, name=name)
+    spec = q._qspecs["weight"]
+    shape = tuple(q._canon(m.weight).shape)
+    layout = L.weight_layout(spec, shape, module="Linear" if isinstance(m, nn.Linear) else "other")
+    exp = dict(L.expected_weight(spec, shape, layout=layout))
+    for role in q.static_roles():
+        exp.update(L.expected_activation(role, q._qspecs[role], q._static_shape(role), layout=layout))
+    return layout, exp, q
+
+
+def _check_headers(files: list, shells: dict[str, _Shell]) -> None:
+    """Names, dtypes and shapes of every quantized module's tensors against the safetensors headers."""
+    entries = {}
+    for f in files:
+        if str(f).endswith(".safetensors"):
+            st = SafetensorsFile(f)
+            entries.update({k: (e, f) for k, e in st.entries.items()})
+    if not entries:
+        raise CorruptCheckpointError("the checkpoint has no safetensors files (qcore never loads pickled weights)")
+    for name, sh in shells.items():
+        for suffix, (dt, shape) in sh.expected.items():
+            key = f"{name}.{suffix}"
+            if key not in entries:
+                raise CorruptCheckpointError(f"layer {name!r}: tensor {key!r} is missing from the checkpoint "
+                                             f"(layout {sh.layout!r} stores {sorted(sh.expected)})")
+            e, f = entries[key]
+            if e.dtype != dt or tuple(e.shape) != tuple(shape):
+                raise CorruptCheckpointError(f"layer {name!r}: tensor {key!r} is {e.dtype} {list(e.shape)} in "
+                                             f"{pathlib.Path(f).name}; the config ({sh.layout!r} layout) needs {dt} "
+                                             f"{list(shape)}")
+
+
+def _build(sh: _Shell, pack_method: str, dtype: torch.dtype) -> nn.Module:
+    """The frozen qcore module of a loaded shell (validated values)."""
+    where = f"layer {sh.qname!r}"
+    params = dict(sh.named_parameters(recurse=False))
+    missing = [n for n in sh.expected if params[n].is_meta]
+    if missing:
+        raise CorruptCheckpointError(f"{where}: tensors {missing} were not loaded from the checkpoint")
+    arrays = {n: _np(params[n]) for n in sh.expected}
+    orig = sh._orig
+    q = QUANT_CLASSES[type(orig)].from_module(orig, sh.qconfig, name=sh.qname)
+    spec = q._qspecs["weight"]
+    shape = tuple(q._canon(orig.weight).shape)
+    parts = L.decode_weight(arrays, spec, shape, layout=sh.layout, pack_method=pack_method, where=where)
+    device = params["weight"].device
+    codes = torch.from_numpy(np.ascontiguousarray(parts.codes))
+    el = spec.dtype
+    with torch.no_grad():
+        del q._parameters["weight"]
+        q.register_buffer("weight_packed", qcore.packing.pack(codes, el, axis=-1).to(device))
+        scales = torch.from_numpy(parts.scales)
+        q._buffers["weight_scale"] = (scales if spec.scale_dtype.name == "float32"
+                                      else torch.as_tensor(qcore.encode(scales, spec.scale_dtype))).to(device)
+        if parts.zero_points is not None:
+            zp = torch.from_numpy(parts.zero_points)
+            q._buffers["weight_zero_point"] = (zp.to(torch.int8 if el.signed else torch.uint8) if el.bits <= 8
+                                               else zp.to(torch.int32)).to(device)
+        if parts.shifts is not None:
+            q.register_buffer("weight_subblock_shifts", torch.from_numpy(parts.shifts).to(torch.uint8).to(device))
+        if parts.tensor_scale is not None:
+            q._buffers["weight_tensor_scale"] = torch.from_numpy(parts.tensor_scale).float().to(device)
+        if "bias" in q._parameters and q._parameters["bias"] is not None:
+            q._parameters["bias"] = sh.bias
+            q._qspecs.pop("bias", None)  # exported as the fake-quantized floats it computes with
+        for role in q.static_roles():
+            a = L.decode_activation(arrays, role, q._qspecs[role], where=where)
+            if a["tensor_scale"] is not None:
+                q._buffers[f"{role}_tensor_scale"] = torch.from_numpy(a["tensor_scale"]).to(device)
+            else:
+                q._buffers[f"{role}_scale"] = torch.from_numpy(a["scale"]).reshape(q._static_shape(role)).to(device)
+                if f"{role}_zero_point" in q._buffers:
+                    z = a["zero_point"] if a["zero_point"] is not None else np.zeros(a["scale"].shape, np.float32)
+                    q._buffers[f"{role}_zero_point"] = torch.from_numpy(z).reshape(q._static_shape(role)).to(device)
+            q._calibrated.add(role)
+    q._frozen_meta = {"shape": shape, "dtype": dtype}
+    q._qmode = _FROZEN
+    left = [n for n, t in list(q.named_parameters()) + list(q.named_buffers()) if t is not None and t.is_meta]
+    if left:
+        raise RuntimeError(f"{where}: {left} stayed unloaded (a qcore bug; please report it)")
+    return q
+
+
+def _make_classes():
+    from transformers.quantizers import HfQuantizer
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+
+    class QcoreHfConfig(QuantizationConfigMixin):
+        """transformers' view of a qcore / Quark ``quantization_config`` (the dict is kept as it is)."""
+
+        def __init__(self, **kwargs):
+            self.raw = dict(kwargs)
+            self.quant_method = "qcore"
+
+        def to_dict(self) -> dict:
+            d = dict(self.raw)
+            d["quant_method"] = d.pop("source_method", d.get("quant_method", "qcore"))
+            return d
+
+        def to_diff_dict(self) -> dict:
+            return self.to_dict()
+
+    class QcoreHfQuantizer(HfQuantizer):
+        """Swaps the planned modules for checkpoint-shaped placeholders before loading, and for frozen qcore
+        modules after."""
+
+        requires_calibration = True
+
+        def __init__(self, quantization_config, **kwargs):
+            super().__init__(quantization_config, **kwargs)
+            self._shells: dict[str, _Shell] = {}
+
+        def validate_environment(self, *args, **kwargs):
+            return None
+
+        def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+            raw = self.quantization_config.raw
+            config = checkpoint_config(raw)
+            self.pack_method = (raw.get("export") or {}).get("pack_method", "reorder")
+            if self.pack_method not in L.PACK_METHODS:
+                raise CorruptCheckpointError(f"quantization_config.export.pack_method {self.pack_method!r} is not "
+                                             f"one of {sorted(L.PACK_METHODS)}")
+            stated = (raw.get("qcore") or {}).get("layouts") if isinstance(raw.get("qcore"), dict) else None
+            for p in plan_model(model, config):
+                m = model.get_submodule(p.name)
+                layout, exp, _ = _expected(p.name, m, p.config)
+                if stated is not None and stated.get(p.name, layout) != layout:
+                    raise CorruptCheckpointError(f"layer {p.name!r}: the checkpoint says layout "
+                                                 f"{stated[p.name]!r}, its config gives {layout!r}")
+                if layout == "qcore" and raw.get("source_method", raw.get("quant_method")) == "quark":
+                    raise CorruptCheckpointError(f"layer {p.name!r}: quant_method 'quark' but the config's format "
+                                                 f"has no Quark tensor layout (a qcore extension checkpoint says "
+                                                 f"quant_method 'qcore')")
+                sh = _Shell(m, p.name, p.config, layout, exp)
+                _set_module(model, p.name, sh)
+                self._shells[p.name] = sh
+            if checkpoint_files:
+                _check_headers(list(checkpoint_files), self._shells)
+            return model
+
+        def _process_model_after_weight_loading(self, model, **kwargs):
+            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and not p.is_meta
+                          and p.dtype in (torch.float32, torch.bfloat16, torch.float16)), torch.float32)
+            for name, sh in self._shells.items():
+                _set_module(model, name, _build(sh, self.pack_method, dtype))
+            self._shells = {}
+            model.qcore_config = checkpoint_config(self.quantization_config.raw)
+            return model
+
+        def is_serializable(self):
+            return False
+
+        @property
+        def is_trainable(self):
+            return False
+
+    return QcoreHfConfig, QcoreHfQuantizer
+
+
+_registered: dict = {}
+
+
+def register_with_transformers() -> bool:
+    """Register quant_method ``"qcore"`` with transformers (idempotent); False when transformers is absent."""
+    if "config" in _registered:
+        return True
+    try:
+        from transformers.quantizers import auto
+    except ImportError:
+        return False
+    cfg_cls, q_cls = _make_classes()
+    if "qcore" in auto.AUTO_QUANTIZATION_CONFIG_MAPPING:  # registered by an earlier import (e.g. a reload)
+        cfg_cls = auto.AUTO_QUANTIZATION_CONFIG_MAPPING["qcore"]
+    else:
+        auto.register_quantization_config("qcore")(cfg_cls)
+    if "qcore" not in auto.AUTO_QUANTIZER_MAPPING:
+        auto.register_quantizer("qcore")(q_cls)
+    _registered["config"] = cfg_cls
+    return True
+
+
+def __getattr__(name):
+    if name == "QcoreHfConfig":
+        register_with_transformers()
+        return _registered["config"]
+    raise AttributeError(name)
+
+
+def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_map: Any = None, **kwargs):
+    """Load a quantized checkpoint (``quant_method`` ``"quark"`` or ``"qcore"``) from a local directory into
+    qcore's frozen modules. ``dtype`` is the float dtype of the rest of the model (default: the checkpoint's).
+    Extra keyword arguments go to ``AutoModelForCausalLM.from_pretrained``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    register_with_transformers()
+    d = pathlib.Path(directory)
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"{str(d)!r} is not a checkpoint directory (no config.json)")
+    raw = json.loads((d / "config.json").read_text()).get("quantization_config")
+    if not isinstance(raw, dict) or raw.get("quant_method") not in ("quark", "qcore"):
+        got = None if not isinstance(raw, dict) else raw.get("quant_method")
+        raise ValueError(f"{str(d)!r}: quantization_config.quant_method is {got!r}; qcore loads 'quark' and 'qcore' "
+                         f"checkpoints (a float model loads with AutoModelForCausalLM.from_pretrained)")
+    config = AutoConfig.from_pretrained(d, local_files_only=True)
+    config.quantization_config = dict(raw, quant_method="qcore", source_method=raw["quant_method"])
+    kw = dict(config=config, local_files_only=True, use_safetensors=True)
+    if dtype is not None:
+        kw["dtype"] = dtype
+    if device_map is not None:
+        kw["device_map"] = device_map
+    kw.update(kwargs)
+    return AutoModelForCausalLM.from_pretrained(d, **kw).eval()
+
+
+load_quark = from_pretrained

@@ -1,0 +1,353 @@
+"""The tensors of one quantized layer in AMD Quark's HF checkpoint layout, and qcore's extension of it.
+
+Pure numpy: a weight's qcore parts (codes in the canonical ``[out, in, *kernel]`` layout, float32 scales of
+``spec.scale_shape``, zero points, sub-block shifts, the per-tensor scale of two-level formats) <-> the named
+arrays a checkpoint holds for it (``weight``, ``weight_scale``, ``weight_zero_point``, ``weight_scale_2``, ...).
+The file I/O is ``formats.safetensors_io``; the binding to modules is ``qcore.adapters.export``.
+
+Quark's layouts (what amd-quark 0.13's ``export_safetensors(..., weight_format="real_quantized")`` writes, checked
+byte for byte in ``tests/formats/test_quark_layout.py`` and by the interop suite):
+
+================ ===================================== ====================== ==================================
+layout           ``weight``                            ``weight_scale``       ``weight_zero_point``
+================ ===================================== ====================== ==================================
+``int8``         I8/U8 codes ``[out, in]``             F32 ``()`` / ``[out]`` I8/U8, as the scale (0: symmetric)
+``fp8``          F8_E4M3/F8_E5M2 ``[out, in]``         F32 ``()`` / ``[out]`` --
+``int4_channel`` I32 ``[out, in/8]`` (nibbles)         F32 ``[out]``          I32 ``[out/8]``
+``int4_group``   I32 ``[in, out/8]`` (of the transpose) F32 ``[in/G, out]``   I32 ``[in/G, out/8]``
+``mx``           U8 ``[out, in/2]`` fp4,               U8 e8m0 ``[out, in/32]`` --
+                 ``[out, in*3/4]`` fp6
+``nvfp4``        U8 ``[out, in/2]``                    F8_E4M3 ``[out, in/16]`` -- ; ``weight_scale_2`` F32 ``()``
+================ ===================================== ====================== ==================================
+
+Nibbles in int32 follow the export's ``pack_method`` ("reorder": slot ``i`` holds element ``[0,2,4,6,1,3,5,7][i]``;
+"order": element ``i``); int4 values are two's complement nibbles, uint4 zero points are codes. fp4 packs two per
+byte (low nibble first), fp6 four per three bytes (``qcore.packing.pack_fp6``).
+
+**qcore's extension** (layout ``"qcore"``; the checkpoint's ``quant_method`` is then ``"qcore"``): every other
+weight format (MX9/MX6/MX4, BFP16, MXINT8, int2, int3, groups that do not divide the row, conv and embedding
+weights, scales in other formats). ``weight`` is the 1-D ``U8`` byte string of ``qcore.packing.pack(codes,
+dtype, axis=-1)`` of the canonical codes (its shape matches no float weight, so a loader that does not know the
+method fails on the shape instead of reading codes as floats); ``weight_scale`` holds the scales in qcore's scale
+shape, as ``F32`` values (``scale_dtype`` float32) or ``U8`` scale codes (8-bit scale formats);
+``weight_zero_point`` ``F32`` zero points (codes); ``weight_shifts`` ``U8`` sub-block shifts; ``weight_scale_2``
+the per-tensor scale.
+
+Activations: a static ``input_scale`` / ``output_scale`` is ``F32`` ``()`` (per tensor) or ``[features]``, with an
+``I8`` / ``U8`` zero point for integer formats (Quark writes one for symmetric int8 too); a two-level (NVFP4)
+calibrated per-tensor scale is ``input_scale_2``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import numpy as np
+
+import qcore
+from qcore import PerChannel, PerGroup, PerTensor, QuantSpec
+from qcore.dtypes import FloatDType, IntDType
+from qcore.packing import Int4Order
+
+from .safetensors_io import CorruptCheckpointError
+
+__all__ = ["LAYOUTS", "WeightParts", "weight_layout", "expected_weight", "encode_weight", "decode_weight",
+           "activation_tensors", "expected_activation", "decode_activation", "PACK_METHODS"]
+
+LAYOUTS = ("int8", "fp8", "int4_channel", "int4_group", "mx", "nvfp4", "qcore")
+PACK_METHODS = {"reorder": Int4Order.REORDER, "order": Int4Order.ORDER}
+
+_FP8 = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+_MX_ELEMENTS = ("float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn")
+
+
+@dataclass(frozen=True)
+class WeightParts:
+    """A quantized weight in qcore's terms (canonical layout). ``scales``: float32 of ``spec.scale_shape(shape)``;
+    ``zero_points``: float32 codes or None; ``shifts``: int sub-block shifts or None; ``tensor_scale``: float32
+    0-d or None."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    zero_points: Optional[np.ndarray] = None
+    shifts: Optional[np.ndarray] = None
+    tensor_scale: Optional[np.ndarray] = None
+
+
+def _plain_scale(spec: QuantSpec) -> bool:
+    return spec.scale_dtype.name == "float32" and not spec.two_level and spec.subblock_shift_bits == 0
+
+
+def weight_layout(spec: QuantSpec, shape: tuple, *, module: str = "Linear") -> str:
+    """The layout a weight of ``shape`` (canonical) quantized by ``spec`` is stored in: one of Quark's (``int8``,
+    ``fp8``, ``int4_channel``, ``int4_group``, ``mx``, ``nvfp4``) or ``"qcore"`` (the extension)."""
+    if module != "Linear" or len(shape) != 2:
+        return "qcore"
+    out, n_in = shape
+    el, g = spec.dtype, spec.granularity
+    per_row = isinstance(g, PerTensor) or (isinstance(g, PerChannel) and g.axis % 2 == 0)
+    if isinstance(el, IntDType) and el.bits == 8 and per_row and _plain_scale(spec):
+        return "int8"
+    if el.name in _FP8 and per_row and _plain_scale(spec):
+        return "fp8"
+    if isinstance(el, IntDType) and el.bits == 4 and _plain_scale(spec) and out % 8 == 0:
+        if isinstance(g, PerChannel) and g.axis % 2 == 0 and n_in % 8 == 0:
+            return "int4_channel"
+        if isinstance(g, PerGroup) and g.axis % 2 == 1 and n_in % g.size == 0:
+            return "int4_group"
+    if (el.name in _MX_ELEMENTS and isinstance(g, PerGroup) and g.axis % 2 == 1 and g.size == 32 and n_in % 32 == 0
+            and spec.scale_dtype.name == "float8_e8m0fnu" and not spec.two_level and spec.symmetric is not False):
+        return "mx"
+    if (el.name == "float4_e2m1fn" and isinstance(g, PerGroup) and g.axis % 2 == 1 and g.size == 16
+            and n_in % 16 == 0 and spec.scale_dtype.name == "float8_e4m3fn" and spec.two_level):
+        return "nvfp4"
+    return "qcore"
+
+
+def _int_dtype(el) -> str:
+    return ("I" if el.signed else "U") + str(el.bits)
+
+
+def _scale_code_dtype(spec: QuantSpec) -> str:
+    return "F32" if spec.scale_dtype.name == "float32" else "U8"
+
+
+def expected_weight(spec: QuantSpec, shape: tuple, *, layout: str) -> dict[str, tuple[str, tuple]]:
+    """``{suffix: (safetensors dtype, shape)}`` of the tensors a weight in ``layout`` is stored as."""
+    shape = tuple(shape)
+    el, g = spec.dtype, spec.granularity
+    sshape = tuple(spec.scale_shape(shape))
+    if layout in ("int8", "fp8"):
+        s = () if isinstance(g, PerTensor) else (shape[0],)
+        out = {"weight": (_int_dtype(el) if layout == "int8" else _FP8[el.name], shape), "weight_scale": ("F32", s)}
+        if layout == "int8":
+            out["weight_zero_point"] = (_int_dtype(el), s)
+        return out
+    if layout == "int4_channel":
+        return {"weight": ("I32", (shape[0], shape[1] // 8)), "weight_scale": ("F32", (shape[0],)),
+                "weight_zero_point": ("I32", (shape[0] // 8,))}
+    if layout == "int4_group":
+        ng = shape[1] // g.size
+        return {"weight": ("I32", (shape[1], shape[0] // 8)), "weight_scale": ("F32", (ng, shape[0])),
+                "weight_zero_point": ("I32", (ng, shape[0] // 8))}
+    if layout == "mx":
+        per = 2 if el.bits == 4 else None
+        cols = shape[1] // 2 if per else shape[1] * 3 // 4
+        return {"weight": ("U8", (shape[0], cols)), "weight_scale": ("U8", sshape)}
+    if layout == "nvfp4":
+        return {"weight": ("U8", (shape[0], shape[1] // 2)), "weight_scale": ("F8_E4M3", sshape),
+                "weight_scale_2": ("F32", ())}
+    if layout != "qcore":
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    rows = math.prod(shape[:-1])
+    nbytes = rows * int(qcore.packing.pack(np.zeros((1, shape[-1]), _code_np(el)), el, axis=-1).nbytes)
+    out = {"weight": ("U8", (nbytes,)), "weight_scale": (_scale_code_dtype(spec), sshape)}
+    if not spec.symmetric:
+        out["weight_zero_point"] = ("F32", sshape)
+    if spec.subblock_shift_bits:
+        out["weight_shifts"] = ("U8", _shift_shape(spec, shape))
+    if spec.two_level:
+        out["weight_scale_2"] = ("F32", ())
+    return out
+
+
+def _shift_shape(spec: QuantSpec, shape: tuple) -> tuple:
+    x = np.zeros(shape, np.float32)
+    return tuple(qcore.quantize(x, spec).subblock_shifts.shape)
+
+
+def _code_np(el):
+    if isinstance(el, IntDType):
+        return np.int8 if el.signed and el.bits <= 8 else (np.uint8 if el.bits <= 8 else np.int32)
+    return np.uint8 if el.bits <= 8 else np.int32
+
+
+def _zp_codes(zp: Optional[np.ndarray], n: tuple, el) -> np.ndarray:
+    if zp is None:
+        return np.zeros(n, _code_np(el))
+    return np.asarray(zp).reshape(n).astype(np.int64).astype(_code_np(el))
+
+
+def encode_weight(parts: WeightParts, spec: QuantSpec, *, layout: str, pack_method: str = "reorder") -> dict:
+    """``{suffix: (safetensors dtype, numpy array)}`` for ``parts`` in ``layout`` (see ``expected_weight``)."""
+    order = PACK_METHODS[pack_method]
+    el = spec.dtype
+    codes = np.asarray(parts.codes)
+    shape = codes.shape
+    exp = expected_weight(spec, shape, layout=layout)
+    if layout in ("int8", "fp8"):
+        s = exp["weight_scale"][1]
+        out = {"weight": codes.astype(_code_np(el)), "weight_scale": np.asarray(parts.scales, np.float32).reshape(s)}
+        if layout == "int8":
+            out["weight_zero_point"] = _zp_codes(parts.zero_points, s, el)
+    elif layout == "int4_channel":
+        zp = _zp_codes(parts.zero_points, (shape[0],), el)
+        out = {"weight": qcore.packing.pack_int4_int32(codes, order=order, axis=-1),
+               "weight_scale": np.asarray(parts.scales, np.float32).reshape(shape[0]),
+               "weight_zero_point": qcore.packing.pack_int4_int32(zp, order=order, axis=-1)}
+    elif layout == "int4_group":
+        ng = exp["weight_scale"][1][0]
+        zp = _zp_codes(parts.zero_points, (shape[0], ng), el)
+        out = {"weight": qcore.packing.pack_int4_int32(np.ascontiguousarray(codes.T), order=order, axis=-1),
+               "weight_scale": np.ascontiguousarray(np.asarray(parts.scales, np.float32).reshape(shape[0], ng).T),
+               "weight_zero_point": qcore.packing.pack_int4_int32(np.ascontiguousarray(zp.T), order=order, axis=-1)}
+    elif layout in ("mx", "nvfp4"):
+        out = {"weight": qcore.packing.pack(codes, el, axis=-1),
+               "weight_scale": np.asarray(qcore.encode(np.asarray(parts.scales, np.float32), spec.scale_dtype),
+                                          np.uint8)}
+        if layout == "nvfp4":
+            out["weight_scale_2"] = np.asarray(parts.tensor_scale, np.float32).reshape(())
+    elif layout == "qcore":
+        out = {"weight": np.asarray(qcore.packing.pack(codes.reshape(-1, shape[-1]), el, axis=-1)).reshape(-1)
+               .view(np.uint8)}
+        sc = np.asarray(parts.scales, np.float32)
+        out["weight_scale"] = sc if spec.scale_dtype.name == "float32" else \
+            np.asarray(qcore.encode(sc, spec.scale_dtype)).astype(np.uint8)
+        if not spec.symmetric:
+            out["weight_zero_point"] = np.asarray(parts.zero_points, np.float32)
+        if spec.subblock_shift_bits:
+            out["weight_shifts"] = np.asarray(parts.shifts).astype(np.uint8)
+        if spec.two_level:
+            out["weight_scale_2"] = np.asarray(parts.tensor_scale, np.float32).reshape(())
+    else:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    result = {}
+    for k, (dt, shp) in exp.items():
+        a = np.array(out[k], order="C", copy=None)
+        if tuple(a.shape) != tuple(shp):
+            raise ValueError(f"{k}: encoded shape {list(a.shape)} differs from the layout's {list(shp)} (a qcore bug)")
+        result[k] = (dt, a)
+    return result
+
+
+def _fail(where: str, msg: str):
+    raise CorruptCheckpointError(f"{where}: {msg}")
+
+
+def decode_weight(arrays: Mapping[str, np.ndarray], spec: QuantSpec, shape: tuple, *, layout: str,
+                  pack_method: str = "reorder", where: str = "weight") -> WeightParts:
+    """The inverse of ``encode_weight``: ``arrays`` maps each suffix of ``expected_weight`` to a numpy array
+    (fp8 tensors as their uint8 bytes). Checks what a corrupted checkpoint would get wrong: scales that are not
+    finite and positive, e8m0 NaN codes, zero points out of the code range, codes of 8-bit formats out of range."""
+    order = PACK_METHODS[pack_method]
+    el = spec.dtype
+    shape = tuple(shape)
+    sshape = tuple(spec.scale_shape(shape))
+    signed = bool(getattr(el, "signed", True))
+    zp = shifts = ts = None
+    if layout in ("int8", "fp8"):
+        codes = np.asarray(arrays["weight"]).view(_code_np(el))
+        scales = np.asarray(arrays["weight_scale"], np.float32).reshape(sshape)
+        if layout == "int8" and not spec.symmetric:
+            zp = np.asarray(arrays["weight_zero_point"]).astype(np.float32).reshape(sshape)
+    elif layout == "int4_channel":
+        codes = qcore.packing.unpack_int4_int32(np.asarray(arrays["weight"]), order=order, axis=-1,
+                                                length=shape[1], signed=signed)
+        scales = np.asarray(arrays["weight_scale"], np.float32).reshape(sshape)
+        z = qcore.packing.unpack_int4_int32(np.asarray(arrays["weight_zero_point"]), order=order, axis=-1,
+                                            length=shape[0], signed=signed)
+        zp = None if spec.symmetric else z.astype(np.float32).reshape(sshape)
+    elif layout == "int4_group":
+        codes = np.ascontiguousarray(qcore.packing.unpack_int4_int32(
+            np.asarray(arrays["weight"]), order=order, axis=-1, length=shape[0], signed=signed).T)
+        scales = np.ascontiguousarray(np.asarray(arrays["weight_scale"], np.float32).T).reshape(sshape)
+        z = qcore.packing.unpack_int4_int32(np.asarray(arrays["weight_zero_point"]), order=order, axis=-1,
+                                            length=shape[0], signed=signed)
+        zp = None if spec.symmetric else np.ascontiguousarray(z.T).astype(np.float32).reshape(sshape)
+    elif layout in ("mx", "nvfp4"):
+        codes = qcore.packing.unpack(np.asarray(arrays["weight"]), el, axis=-1, length=shape[1])
+        sc = np.asarray(arrays["weight_scale"]).view(np.uint8).reshape(sshape)
+        if layout == "mx" and bool((sc == 255).any()):
+            _fail(where, "weight_scale holds the E8M0 NaN code 255")
+        scales = np.asarray(qcore.decode(sc, spec.scale_dtype), np.float32)
+        if layout == "nvfp4":
+            ts = np.asarray(arrays["weight_scale_2"], np.float32).reshape(())
+    elif layout == "qcore":
+        flat = np.asarray(arrays["weight"]).view(np.uint8)
+        row_bytes = flat.size // max(1, math.prod(shape[:-1]))
+        packed = flat.reshape(math.prod(shape[:-1]), row_bytes)
+        codes = np.asarray(qcore.packing.unpack(packed, el, axis=-1, length=shape[-1])).reshape(shape)
+        sc = np.asarray(arrays["weight_scale"])
+        scales = sc.astype(np.float32) if spec.scale_dtype.name == "float32" else \
+            np.asarray(qcore.decode(sc.view(np.uint8), spec.scale_dtype), np.float32)
+        if not spec.symmetric:
+            zp = np.asarray(arrays["weight_zero_point"], np.float32)
+        if spec.subblock_shift_bits:
+            shifts = np.asarray(arrays["weight_shifts"]).astype(np.int32)
+            if int(shifts.max(initial=0)) >= 2 ** spec.subblock_shift_bits:
+                _fail(where, f"weight_shifts holds shifts >= {2 ** spec.subblock_shift_bits}")
+        if spec.two_level:
+            ts = np.asarray(arrays["weight_scale_2"], np.float32).reshape(())
+    else:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not bool(np.all(np.isfinite(scales))) or not bool(np.all(scales > 0)):
+        bad = scales[~(np.isfinite(scales) & (scales > 0))]
+        _fail(where, f"weight_scale holds {bad.size} values that are not finite and positive (e.g. {bad.flat[0]})")
+    if ts is not None and not (np.isfinite(ts) and ts > 0):
+        _fail(where, f"weight_scale_2 is {float(ts)}, expected a finite positive float")
+    if zp is not None:
+        lo, hi = (-(2 ** (el.bits - 1)), 2 ** (el.bits - 1) - 1) if signed else (0, 2 ** el.bits - 1)
+        if not bool(np.all((zp >= lo) & (zp <= hi) & (zp == np.round(zp)))):
+            _fail(where, f"weight_zero_point holds values outside the integer code range [{lo}, {hi}]")
+    if isinstance(el, FloatDType) and el.bits == 8 and not el.name.startswith("float8_e5m2"):
+        nan = np.asarray(qcore.decode(np.asarray(codes, np.uint8), el))
+        if not bool(np.all(np.isfinite(nan))):
+            _fail(where, "weight holds NaN or Inf fp8 codes")
+    return WeightParts(codes=np.asarray(codes), scales=scales, zero_points=zp, shifts=shifts, tensor_scale=ts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# activations (static scales)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def expected_activation(role: str, spec: QuantSpec, shape: tuple, *, layout: str) -> dict[str, tuple[str, tuple]]:
+    """The tensors of a calibrated activation role (``input`` / ``output``): ``shape`` is the stored scale's shape
+    (``()`` per tensor, ``(features,)`` per feature); two-level specs store their per-tensor scale only."""
+    if spec.two_level:
+        return {f"{role}_scale_2": ("F32", ())}
+    out = {f"{role}_scale": ("F32", tuple(shape))}
+    if isinstance(spec.dtype, IntDType):
+        if layout == "qcore":
+            if not spec.symmetric:
+                out[f"{role}_zero_point"] = ("F32", tuple(shape))
+        else:
+            out[f"{role}_zero_point"] = (_int_dtype(spec.dtype), tuple(shape))
+    elif not spec.symmetric:
+        out[f"{role}_zero_point"] = ("F32", tuple(shape))
+    return out
+
+
+def activation_tensors(role: str, spec: QuantSpec, *, scale: Optional[np.ndarray] = None,
+                       zero_point: Optional[np.ndarray] = None, tensor_scale: Optional[np.ndarray] = None,
+                       layout: str) -> dict:
+    """``{name: (safetensors dtype, array)}`` for a calibrated activation role."""
+    if spec.two_level:
+        return {f"{role}_scale_2": ("F32", np.asarray(tensor_scale, np.float32).reshape(()))}
+    s = np.asarray(scale, np.float32)
+    exp = expected_activation(role, spec, s.shape, layout=layout)
+    out = {f"{role}_scale": ("F32", s)}
+    zname = f"{role}_zero_point"
+    if zname in exp:
+        dt = exp[zname][0]
+        z = np.zeros(s.shape, np.float32) if zero_point is None else np.asarray(zero_point, np.float32)
+        out[zname] = (dt, z if dt == "F32" else z.astype(np.int64).astype(_code_np(spec.dtype)))
+    return out
+
+
+def decode_activation(arrays: Mapping[str, np.ndarray], role: str, spec: QuantSpec, *, where: str) -> dict:
+    """``{"scale", "zero_point", "tensor_scale"}`` (float32 numpy or None) from the stored tensors, validated."""
+    if spec.two_level:
+        ts = np.asarray(arrays[f"{role}_scale_2"], np.float32).reshape(())
+        if not (np.isfinite(ts) and ts > 0):
+            _fail(where, f"{role}_scale_2 is {float(ts)}, expected a finite positive float")
+        return {"scale": None, "zero_point": None, "tensor_scale": ts}
+    s = np.asarray(arrays[f"{role}_scale"], np.float32)
+    if not bool(np.all(np.isfinite(s) & (s > 0))):
+        _fail(where, f"{role}_scale holds values that are not finite and positive")
+    z = arrays.get(f"{role}_zero_point")
+    zp = None if spec.symmetric or z is None else np.asarray(z).astype(np.float32)
+    return {"scale": s, "zero_point": zp, "tensor_scale": None}
+

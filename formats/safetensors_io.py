@@ -1,0 +1,182 @@
+"""safetensors files without torch: a streaming, deterministic writer and a validating reader.
+
+The format (https://github.com/huggingface/safetensors): an 8-byte little-endian header length ``N``, ``N`` bytes
+of JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``, then the raw
+little-endian tensor bytes, offsets relative to the end of the header.
+
+- **Writer** (``write_file``): tensors are given as ``(name, dtype, shape, produce)`` where ``produce()`` returns
+  the tensor's bytes when it is written, so a shard is written one tensor at a time and peak memory does not grow
+  with the model. Names are written in sorted order with a fixed JSON layout, padding the header with spaces to
+  a multiple of 8 bytes (as the reference implementation does): the same tensors give byte-identical files.
+- **Reader** (``SafetensorsFile``): checks the header before any tensor is read: JSON, known dtypes, shapes,
+  offsets that tile the data area exactly and fit the file (a truncated file fails here, naming the tensor), and
+  byte counts that match ``dtype`` x ``shape``. ``raw(name)`` returns the bytes of one tensor.
+
+Only the pickle-free format exists here; nothing in qcore reads pickled checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import struct
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
+
+__all__ = ["DTYPE_BYTES", "TensorRecord", "SafetensorsFile", "CorruptCheckpointError", "write_file", "header_bytes"]
+
+# bytes per element of each safetensors dtype name
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
+               "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+_MAX_HEADER = 100_000_000  # the reference implementation's limit
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file that is not a valid safetensors file, or whose tensors do not match what is expected."""
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor to write: ``produce()`` returns exactly ``nbytes`` bytes (called once, when it is written)."""
+
+    name: str
+    dtype: str
+    shape: tuple
+    produce: Callable[[], bytes]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or self.name == "__metadata__":
+            raise ValueError(f"tensor name must be a non-empty string other than '__metadata__', got {self.name!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"tensor {self.name!r}: dtype {self.dtype!r} is not a safetensors dtype; expected one "
+                             f"of {sorted(DTYPE_BYTES)}")
+        shape = tuple(self.shape)
+        if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
+            raise ValueError(f"tensor {self.name!r}: shape {shape} must hold non-negative ints")
+        object.__setattr__(self, "shape", shape)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+
+def header_bytes(records: Sequence[TensorRecord], metadata: Optional[Mapping[str, str]] = None) -> bytes:
+    """The 8-byte length + JSON header for ``records`` (sorted by name), padded to a multiple of 8 bytes."""
+    names = [r.name for r in records]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"duplicate tensor names {dup}")
+    head: dict = {}
+    if metadata:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise TypeError("metadata must map str to str")
+        head["__metadata__"] = dict(sorted(metadata.items()))
+    offset = 0
+    for r in sorted(records, key=lambda r: r.name):
+        head[r.name] = {"dtype": r.dtype, "shape": list(r.shape), "data_offsets": [offset, offset + r.nbytes]}
+        offset += r.nbytes
+    text = json.dumps(head, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_file(path: Union[str, os.PathLike], records: Iterable[TensorRecord],
+               metadata: Optional[Mapping[str, str]] = None) -> int:
+    """Write ``records`` to ``path`` one tensor at a time; returns the file size. The caller makes the write atomic
+    (qcore's exporters write into a temporary directory that is renamed into place)."""
+    records = sorted(records, key=lambda r: r.name)
+    head = header_bytes(records, metadata)
+    with open(path, "wb") as f:
+        f.write(head)
+        for r in records:
+            data = r.produce()
+            if len(data) != r.nbytes:
+                raise ValueError(f"tensor {r.name!r}: produced {len(data)} bytes, expected {r.nbytes} "
+                                 f"({r.dtype} x {list(r.shape)})")
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return len(head) + sum(r.nbytes for r in records)
+
+
+@dataclass(frozen=True)
+class Entry:
+    dtype: str
+    shape: tuple
+    begin: int
+    end: int
+
+
+class SafetensorsFile:
+    """A validated safetensors file: ``entries`` (name -> dtype, shape, offsets), ``metadata``, ``raw(name)``.
+
+    Raises ``CorruptCheckpointError`` naming the file (and the tensor) when the header is malformed, a tensor's
+    byte range does not match its dtype and shape, the ranges overlap or leave gaps, or the file is shorter than
+    its header says (a truncated download or copy)."""
+
+    def __init__(self, path: Union[str, os.PathLike]):
+        self.path = pathlib.Path(path)
+        size = self.path.stat().st_size
+        where = str(self.path)
+        with open(self.path, "rb") as f:
+            first = f.read(8)
+            if len(first) < 8:
+                raise CorruptCheckpointError(f"{where}: {size} bytes, too short for a safetensors header")
+            (n,) = struct.unpack("<Q", first)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise CorruptCheckpointError(f"{where}: header length {n} does not fit the file ({size} bytes); "
+                                             f"the file is truncated or not a safetensors file")
+            try:
+                head = json.loads(f.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CorruptCheckpointError(f"{where}: the header is not valid JSON ({e})") from None
+        if not isinstance(head, dict):
+            raise CorruptCheckpointError(f"{where}: the header is not a JSON object")
+        self.metadata = dict(head.pop("__metadata__", None) or {})
+        self.data_start = 8 + n
+        entries = {}
+        for name, e in head.items():
+            try:
+                dtype, shape, (b, end) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise CorruptCheckpointError(f"{where}: tensor {name!r} has a malformed header entry {e!r}") from None
+            if dtype not in DTYPE_BYTES:
+                raise CorruptCheckpointError(f"{where}: tensor {name!r} has unknown dtype {dtype!r}")
+            if not all(isinstance(d, int) and d >= 0 for d in shape) or not (isinstance(b, int) and isinstance(end, int)):
+                raise CorruptCheckpointError(f"{where}: tensor {name!r} has a malformed shape or offsets {e!r}")
+            if end - b != math.prod(shape) * DTYPE_BYTES[dtype]:
+                raise CorruptCheckpointError(f"{where}: tensor {name!r} spans {end - b} bytes but {dtype} x "
+                                             f"{list(shape)} needs {math.prod(shape) * DTYPE_BYTES[dtype]}")
+            entries[name] = Entry(dtype, shape, b, end)
+        pos = 0
+        for name, e in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+            if e.begin != pos:
+                raise CorruptCheckpointError(f"{where}: tensor {name!r} starts at byte {e.begin}, expected {pos} "
+                                             f"(overlapping or gapped data)")
+            pos = e.end
+        if self.data_start + pos > size:
+            last = max(entries, key=lambda k: entries[k].end)
+            raise CorruptCheckpointError(f"{where}: the file is truncated: {size} bytes, its header needs "
+                                         f"{self.data_start + pos} (tensor {last!r} is cut off)")
+        if self.data_start + pos < size:
+            raise CorruptCheckpointError(f"{where}: {size - self.data_start - pos} unexpected bytes after the last "
+                                         f"tensor")
+        self.entries = entries
+
+    def raw(self, name: str) -> bytes:
+        e = self.entries[name]
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + e.begin)
+            data = f.read(e.end - e.begin)
+        if len(data) != e.end - e.begin:  # the file shrank after the header was read
+            raise CorruptCheckpointError(f"{self.path}: tensor {name!r} is truncated")
+        return data
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
