@@ -55,7 +55,12 @@ def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str):
     if p.exists():
         if not (p / "config.json").is_file():
             raise CommandError(f"--model {spec}: a directory without config.json is not an HF model directory")
-        model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True)
+        qc = json.loads((p / "config.json").read_text()).get("quantization_config") or {}
+        if qc.get("quant_method") in ("quark", "qcore"):  # a quantized checkpoint (ours or Quark's): qcore loads it
+            from .hf import from_pretrained
+            model = from_pretrained(p, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True)
         try:
             tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
         except (OSError, ValueError):
@@ -167,9 +172,17 @@ def quantize_command(args) -> int:
     if args.algo:
         raise CommandError(f"--algo {' '.join(args.algo)}: no algorithm is available in this version of qcore yet "
                            f"(GPTQ, AWQ, SmoothQuant and rotations are planned); leave --algo out for round-to-nearest")
-    if args.export:
-        raise CommandError(f"--export {args.export}: no export format is available in this version of qcore yet "
-                           f"(the Quark HF export is next)")
+    if args.export and not args.output:
+        raise CommandError(f"--export {args.export} needs --output DIR (where to write the checkpoint)")
+    out_dir = pathlib.Path(args.output) if args.output else None
+    if out_dir is not None:  # before any work: an existing checkpoint is never replaced by accident
+        if out_dir.exists() and not out_dir.is_dir():
+            raise CommandError(f"--output {args.output}: exists and is not a directory")
+        if out_dir.is_dir() and any(out_dir.iterdir()) and not args.overwrite:
+            raise CommandError(f"--output {args.output}: the directory exists and is not empty; pass --overwrite to "
+                               f"replace it")
+        from .export import parse_size
+        parse_size(args.max_shard_size)
     if args.plot:
         _require_matplotlib()  # before any work
     dtype = _dtype(args.dtype)
@@ -213,6 +226,13 @@ def quantize_command(args) -> int:
     n_layers = len(quantized_modules(model))
     freeze(model)
     size_after = model_bytes(model)
+    export_info = None
+    if out_dir is not None:
+        from .export import export_hf
+        t_export = time.perf_counter()
+        export_info = export_hf(model, out_dir, config=config, tokenizer=tok, overwrite=args.overwrite,
+                                max_shard_size=args.max_shard_size, progress=progress)
+        export_s = time.perf_counter() - t_export
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     worst = sorted(sqnr.items(), key=lambda kv: kv[1])[:5]
 
@@ -223,7 +243,10 @@ def quantize_command(args) -> int:
         "eval_text": args.eval_text or "pydoc protocol (anchors.md)", "calibration_samples": 0 if calib is None
         else len(calib), "quantize_seconds": quantize_s, "total_seconds": time.perf_counter() - t_start,
         "peak_rss_bytes": peak, "model_bytes_before": size_before, "model_bytes_frozen": size_after,
-        "bytes_on_disk": None, "output_dir": None, "per_layer_sqnr_db": sqnr, "qcore_version": qcore.__version__,
+        "bytes_on_disk": None if export_info is None else export_info.bytes_on_disk,
+        "output_dir": None if export_info is None else export_info.directory,
+        "export_format": None if export_info is None else (args.export or "hf"),
+        "quant_method": None if export_info is None else export_info.quant_method, "per_layer_sqnr_db": sqnr, "qcore_version": qcore.__version__,
         "command": "qcore " + " ".join(shlex.quote(a) for a in (args.argv or [])),
     }
     rows = [("model", desc), ("scheme", scheme), ("layers quantized", str(n_layers))]
@@ -233,8 +256,11 @@ def quantize_command(args) -> int:
                                                          if calib and any(m.static_roles() for m in
                                                                           quantized_modules(model).values()) else "")),
              ("weights in memory", f"{size_before / 2**20:.1f} MiB -> {size_after / 2**20:.1f} MiB (frozen)"),
-             ("peak memory", f"{peak / 2**30:.2f} GiB"),
-             ("worst layers (weight SQNR)", ", ".join(f"{n} {v:.1f} dB" for n, v in worst))]
+             ("peak memory", f"{peak / 2**30:.2f} GiB")]
+    if export_info is not None:
+        rows += [("checkpoint", f"{export_info.directory} ({export_info.bytes_on_disk / 2**20:.1f} MiB on disk, "
+                                f"quant_method {export_info.quant_method!r}, {export_s:.1f} s)")]
+    rows += [("worst layers (weight SQNR)", ", ".join(f"{n} {v:.1f} dB" for n, v in worst))]
     print("\nqcore quantize: done\n" + _table(rows))
     if args.report:
         pathlib.Path(args.report).write_text(json.dumps(report, indent=1) + "\n")

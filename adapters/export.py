@@ -281,6 +281,7 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
     try:
         cfg = hf_config.to_dict()
         cfg["quantization_config"] = qdict
+        cfg["architectures"] = [type(model).__name__]  # as save_pretrained writes it (vLLM picks the class by it)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         gen = getattr(model, "generation_config", None)
         if gen is not None:

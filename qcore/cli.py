@@ -196,7 +196,12 @@ def _add_quantize(sub) -> None:
                    help="module name or pattern left in float (repeatable; replaces the default: the output head)")
     q.add_argument("--algo", action="append", default=None, help="algorithms to run (none available yet)")
     q.add_argument("--calib-samples", type=_count, default=32, help="calibration windows (default 32)")
-    q.add_argument("--export", default=None, help="export format (none available yet)")
+    q.add_argument("--output", default=None, metavar="DIR", help="write the quantized checkpoint here (with --export; "
+                   "default format hf); the directory must not exist or be empty unless --overwrite")
+    q.add_argument("--export", choices=["hf"], default=None, help="checkpoint format: hf = AMD Quark's HF layout "
+                   "(config.json + safetensors; vLLM, transformers + amd-quark and qcore load it)")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --output directory")
+    q.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest safetensors shard (default 5GB)")
     q.add_argument("--eval", choices=["ppl", "none"], default="ppl", help="evaluation before and after (default ppl)")
     q.add_argument("--report", default=None, metavar="FILE.json", help="write the report as JSON")
     q.add_argument("--plot", default=None, metavar="FILE.png", help="plot the per-layer weight SQNR (needs matplotlib)")
@@ -207,6 +212,31 @@ def _add_eval(sub) -> None:
                        "embedded SmolLM2-135M-Instruct) on the protocol text or a text file.")
     _add_model_args(e)
     e.add_argument("--tasks", default=None, help="lm-evaluation-harness tasks (not wired in yet)")
+
+
+def _inspect(args) -> int:
+    from .formats import inspect as fi  # numpy only: works without torch
+    try:
+        info = fi.inspect_checkpoint(args.directory)
+    except (OSError, ValueError) as e:
+        if args.debug:
+            raise
+        print(f"qcore inspect: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(info, indent=1) if args.json else fi.format_report(info))
+    return 0
+
+
+def _add_inspect(sub) -> None:
+    i = sub.add_parser("inspect", help="what an exported checkpoint holds: config, tensors, formats, bits per weight",
+                       description="Describe a quantized HF checkpoint directory (qcore or AMD Quark export): its "
+                                   "quantization config, the layers per format, tensor dtypes, size on disk and "
+                                   "bits per weight. Reads only config.json and the safetensors headers, and "
+                                   "checks that every file is complete.")
+    i.add_argument("directory", help="checkpoint directory (config.json + *.safetensors)")
+    i.add_argument("--json", action="store_true", help="print the description as JSON")
+    i.add_argument("--debug", action="store_true", help="show tracebacks")
+    i.set_defaults(func=_inspect)
 
 
 def _add_schemes(sub) -> None:
@@ -220,6 +250,7 @@ _COMMANDS = (
     ("quantize", _add_quantize),
     ("eval", _add_eval),
     ("schemes", _add_schemes),
+    ("inspect", _add_inspect),
     ("conformance", _add_conformance),
 )
 

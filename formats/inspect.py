@@ -1,0 +1,149 @@
+"""What a quantized HF checkpoint holds (``qcore inspect DIR``): numpy only, reads config.json and the safetensors
+headers (every file is validated: a truncated or corrupted file is an error), never the tensor data."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from collections import Counter
+from typing import Any, Union
+
+from .safetensors_io import CorruptCheckpointError, SafetensorsFile
+
+__all__ = ["inspect_checkpoint", "format_report"]
+
+# weight elements per stored weight element, by layout and element bits (packed formats)
+_WEIGHT_SUFFIXES = ("weight", "weight_scale", "weight_zero_point", "weight_scale_2", "weight_shifts")
+_EL_BITS = {"fp4": 4, "fp6_e2m3": 6, "fp6_e3m2": 6, "int4": 4, "uint4": 4, "int8": 8, "uint8": 8,
+            "fp8_e4m3": 8, "fp8_e5m2": 8, "int2": 2, "int3": 3}
+
+
+def _files(d: pathlib.Path) -> list[pathlib.Path]:
+    idx = d / "model.safetensors.index.json"
+    if idx.is_file():
+        try:
+            wm = json.loads(idx.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CorruptCheckpointError(f"{idx}: not a safetensors index ({e})") from None
+        names = sorted(set(wm.values()))
+        missing = [n for n in names if not (d / n).is_file()]
+        if missing:
+            raise CorruptCheckpointError(f"{idx}: shards {missing} are missing")
+        return [d / n for n in names]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise CorruptCheckpointError(f"{d}: no .safetensors files")
+    return files
+
+
+def _weight_count(layout: str, dtype: str, shape: tuple, el_bits: int) -> int:
+    n = math.prod(shape)
+    if layout in ("int4_channel", "int4_group") or (dtype == "I32" and layout == "?"):
+        return n * 8
+    if layout in ("mx", "nvfp4", "qcore") or dtype == "U8":
+        return n * 8 // max(1, el_bits)
+    return n
+
+
+def _infer_layout(entries: dict, name: str) -> str:
+    """The Quark layout of a layer from its tensors' dtypes (checkpoints that do not state their layouts)."""
+    w, s = entries.get(f"{name}.weight"), entries.get(f"{name}.weight_scale")
+    if w is None:
+        return "?"
+    if w.dtype == "I32":
+        return "int4_group" if s is not None and len(s.shape) == 2 else "int4_channel"
+    if w.dtype in ("F8_E4M3", "F8_E5M2"):
+        return "fp8"
+    if w.dtype in ("I8",) or (w.dtype == "U8" and f"{name}.weight_zero_point" in entries):
+        return "int8"
+    if w.dtype == "U8" and s is not None:
+        return "nvfp4" if s.dtype == "F8_E4M3" else "mx"
+    return "?"
+
+
+def inspect_checkpoint(directory: Union[str, pathlib.Path]) -> dict:
+    """A JSON-able description of a checkpoint directory; raises ``ValueError`` (``CorruptCheckpointError``) or
+    ``OSError`` for something that is not a complete checkpoint."""
+    d = pathlib.Path(directory)
+    if not d.is_dir():
+        raise FileNotFoundError(f"{str(d)!r} is not a directory")
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"{str(d)!r} has no config.json (not an HF checkpoint directory)")
+    cfg = json.loads((d / "config.json").read_text())
+    qc = cfg.get("quantization_config") or {}
+    own = qc.get("qcore") if isinstance(qc.get("qcore"), dict) else {}
+    layouts = own.get("layouts") or {}
+    entries: dict[str, Any] = {}
+    files = _files(d)
+    for f in files:
+        entries.update(SafetensorsFile(f).entries)
+    # quantized layers: modules with a weight_scale (or the layouts the checkpoint states)
+    layers = sorted({k.rsplit(".", 1)[0] for k in entries if k.endswith((".weight_scale", ".weight_scale_2"))}
+                    | set(layouts))
+    gw = (qc.get("global_quant_config") or {}).get("weight")
+    gw = gw[0] if isinstance(gw, list) and gw else gw
+    el = (gw or {}).get("dtype") if isinstance(gw, dict) else None
+    el_bits = _EL_BITS.get(el, 8)
+    per_layout: Counter = Counter()
+    q_bytes = q_weights = 0
+    for name in layers:
+        lay = layouts.get(name) or _infer_layout(entries, name)
+        per_layout[lay] += 1
+        w = entries.get(f"{name}.weight")
+        if w is None:
+            raise CorruptCheckpointError(f"layer {name!r}: no {name}.weight tensor")
+        q_weights += _weight_count(lay, w.dtype, w.shape, el_bits)
+        q_bytes += sum(entries[f"{name}.{s}"].end - entries[f"{name}.{s}"].begin for s in _WEIGHT_SUFFIXES
+                       if f"{name}.{s}" in entries)
+    dtypes = Counter(e.dtype for e in entries.values())
+    total = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+    return {
+        "directory": str(d),
+        "architecture": (cfg.get("architectures") or [cfg.get("model_type")])[0],
+        "quant_method": qc.get("quant_method"),
+        "written_by": f"qcore {own.get('qcore_version')}" if own else ("AMD Quark " + str(qc.get("version"))
+                                                                       if qc.get("quant_method") == "quark" else None),
+        "weight_format": (gw or {}).get("dtype") if isinstance(gw, dict) else None,
+        "weight_qscheme": (gw or {}).get("qscheme") if isinstance(gw, dict) else None,
+        "group_size": (gw or {}).get("group_size") if isinstance(gw, dict) else None,
+        "activations": _role(qc, "input_tensors"),
+        "kv_cache": sorted((qc.get("kv_cache_quant_config") or {}).keys()),
+        "exclude": qc.get("exclude"),
+        "pack_method": (qc.get("export") or {}).get("pack_method"),
+        "quantized_layers": len(layers),
+        "layers_per_layout": dict(sorted(per_layout.items())),
+        "bits_per_weight": round(8 * q_bytes / q_weights, 3) if q_weights else None,
+        "tensors": len(entries),
+        "tensor_dtypes": dict(sorted(dtypes.items())),
+        "files": sorted(f.name for f in d.iterdir() if f.is_file()),
+        "safetensors_files": len(files),
+        "bytes_on_disk": total,
+    }
+
+
+def _role(qc: dict, key: str):
+    v = (qc.get("global_quant_config") or {}).get(key)
+    v = v[0] if isinstance(v, list) and v else v
+    if not isinstance(v, dict):
+        return None
+    return f"{v.get('dtype')} {v.get('qscheme')} {'dynamic' if v.get('is_dynamic') else 'static'}"
+
+
+def format_report(info: dict) -> str:
+    rows = [("checkpoint", info["directory"]), ("architecture", str(info["architecture"])),
+            ("quant_method", f"{info['quant_method']} (written by {info['written_by']})"),
+            ("weights", f"{info['weight_format']} {info['weight_qscheme']}"
+                        + (f" g{info['group_size']}" if info["group_size"] else "")),
+            ("activations", str(info["activations"] or "float")),
+            ("kv cache", ", ".join(info["kv_cache"]) or "float"),
+            ("excluded", ", ".join(info["exclude"] or []) or "-"),
+            ("quantized layers", f"{info['quantized_layers']} " + (
+                "(" + ", ".join(f"{k}: {v}" for k, v in info["layers_per_layout"].items()) + ")")),
+            ("bits per weight", f"{info['bits_per_weight']} (quantized layers, scales included)"),
+            ("tensors", f"{info['tensors']} (" + ", ".join(f"{k} {v}" for k, v in info["tensor_dtypes"].items())
+             + ")"),
+            ("files", ", ".join(info["files"])),
+            ("size on disk", f"{info['bytes_on_disk'] / 2**20:.2f} MiB")]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k.ljust(w)}  {v}" for k, v in rows)
