@@ -182,7 +182,10 @@ def quantize_command(args) -> int:
             raise CommandError(f"--output {args.output}: the directory exists and is not empty; pass --overwrite to "
                                f"replace it")
         from .export import parse_size
-        parse_size(args.max_shard_size)
+        try:
+            parse_size(args.max_shard_size)
+        except ValueError as e:
+            raise CommandError(f"--max-shard-size: {e}") from None
     if args.plot:
         _require_matplotlib()  # before any work
     dtype = _dtype(args.dtype)

@@ -218,6 +218,19 @@ def _quantization_config(model: nn.Module, config: ModelConfig, layouts: dict[st
     return q
 
 
+def _check_config_describes(model: nn.Module, config: ModelConfig) -> None:
+    """The config written must give exactly the model's quantized modules (a loader rebuilds them from it)."""
+    from .quantizer import plan_model
+    want = {p.name: p.config for p in plan_model(model, config, _quantized_ok=True)}
+    have = {n: m.qconfig for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
+    for name in sorted(set(want) | set(have)):
+        if want.get(name) != have.get(name):
+            got = "float" if name not in have else "quantized"
+            raise ValueError(f"export: config does not describe the model: {name!r} is {got} in the model but the "
+                             f"config gives {'float' if name not in want else repr(want[name])}; pass the config "
+                             f"the model was quantized with")
+
+
 def _shards(records: list[TensorRecord], max_bytes: int) -> list[list[TensorRecord]]:
     shards: list[list[TensorRecord]] = [[]]
     size = 0
@@ -268,6 +281,7 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
                         "can be written as HF checkpoints")
     directory = pathlib.Path(directory)
     _check_destination(directory, overwrite)
+    _check_config_describes(model, config)
 
     records, layouts = _plan_tensors(model)
     qdict = _quantization_config(model, config, layouts, pack_method)

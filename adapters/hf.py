@@ -280,6 +280,9 @@ def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_ma
         got = None if not isinstance(raw, dict) else raw.get("quant_method")
         raise ValueError(f"{str(d)!r}: quantization_config.quant_method is {got!r}; qcore loads 'quark' and 'qcore' "
                          f"checkpoints (a float model loads with AutoModelForCausalLM.from_pretrained)")
+    from qcore.formats.inspect import checkpoint_files
+    for f in checkpoint_files(d):  # headers first: a truncated or corrupted file fails here, naming the tensor
+        SafetensorsFile(f)
     config = AutoConfig.from_pretrained(d, local_files_only=True)
     config.quantization_config = dict(raw, quant_method="qcore", source_method=raw["quant_method"])
     kw = dict(config=config, local_files_only=True, use_safetensors=True)

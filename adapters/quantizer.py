@@ -87,7 +87,8 @@ def _as_config(config: Any) -> ModelConfig:
     raise TypeError(f"config must be a ModelConfig, a preset name or a config dict, got {type(config).__name__}")
 
 
-def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping]) -> list[LayerPlan]:
+def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _quantized_ok: bool = False
+               ) -> list[LayerPlan]:
     """Resolve ``config`` on ``model``: the modules that will be quantized and their configs. Pure: raises
     ``ValueError``/``TypeError`` for patterns matching nothing, configs that cannot apply, tied weights shared
     with a module treated differently, an already quantized model; changes nothing."""
@@ -95,7 +96,9 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping]) -> li
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     config = _as_config(config)
     mods = dict(model.named_modules())
-    if any(is_quantized_module(m) for m in mods.values()):
+    if _quantized_ok:  # exporters: resolve the config on a quantized model as on its float original
+        mods = {n: _FloatView(m) if is_quantized_module(m) else m for n, m in mods.items()}
+    elif any(is_quantized_module(m) for m in mods.values()):
         raise ValueError("the model already holds qcore quantized modules; quantize a float model (reload it)")
     names = [n for n in mods if n]
     if config.algorithms:
@@ -121,12 +124,12 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping]) -> li
     for name, m in mods.items():
         if not name:
             continue
-        tname = next((c.__name__ for c in QUANT_CLASSES if type(m) is c), None)
+        tname = _tname(m)
         named = next((p for p in config.by_name if _match_tree(p, name)), None)
         excluded = any(_match_tree(p, name) for p in exclude)
         if tname is None:
             if named is not None and config.by_name[named] is not None and not any(
-                    _match_tree(named, n) and type(mods[n]) in QUANT_CLASSES for n in names):
+                    _match_tree(named, n) and _tname(mods[n]) is not None for n in names):
                 raise ValueError(f"ModelConfig.by_name pattern {named!r} matches only modules qcore cannot quantize "
                                  f"(e.g. {name!r}: {type(m).__name__}); supported: "
                                  f"{[c.__name__ for c in QUANT_CLASSES]}")
@@ -166,9 +169,22 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping]) -> li
                       stacklevel=3)
     if not plans:
         raise ValueError("the config quantizes no module of this model (everything excluded or unmatched); "
-                         f"quantizable modules: {[n for n, m in mods.items() if type(m) in QUANT_CLASSES][:10]}")
+                         f"quantizable modules: {[n for n, m in mods.items() if _tname(m) is not None][:10]}")
     _check_ties(model, mods, plans)
     return plans
+
+
+class _FloatView:
+    """Stands for a quantized module in ``plan_model(..., _quantized_ok=True)``: its float type and its weight."""
+
+    def __init__(self, m):
+        self.weight = m._parameters.get("weight", m._buffers.get("weight_packed"))
+        self._base = type(m).__bases__[1]
+
+
+def _tname(m) -> Optional[str]:
+    t = m._base if isinstance(m, _FloatView) else type(m)
+    return next((c.__name__ for c in QUANT_CLASSES if t is c), None)
 
 
 def _check_ties(model, mods, plans):
@@ -177,7 +193,7 @@ def _check_ties(model, mods, plans):
     cfg = {p.name: p.config.weight for p in plans}
     for name, m in mods.items():
         w = getattr(m, "weight", None)
-        if isinstance(w, torch.Tensor) and type(m) in QUANT_CLASSES:
+        if isinstance(w, torch.Tensor) and _tname(m) is not None:
             by_param.setdefault(id(w), []).append((name, cfg.get(name)))
     for users in by_param.values():
         if len(users) > 1 and len({repr(c) for _, c in users}) > 1:

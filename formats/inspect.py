@@ -11,7 +11,7 @@ from typing import Any, Union
 
 from .safetensors_io import CorruptCheckpointError, SafetensorsFile
 
-__all__ = ["inspect_checkpoint", "format_report"]
+__all__ = ["inspect_checkpoint", "format_report", "checkpoint_files"]
 
 # weight elements per stored weight element, by layout and element bits (packed formats)
 _WEIGHT_SUFFIXES = ("weight", "weight_scale", "weight_zero_point", "weight_scale_2", "weight_shifts")
@@ -19,7 +19,9 @@ _EL_BITS = {"fp4": 4, "fp6_e2m3": 6, "fp6_e3m2": 6, "int4": 4, "uint4": 4, "int8
             "fp8_e4m3": 8, "fp8_e5m2": 8, "int2": 2, "int3": 3}
 
 
-def _files(d: pathlib.Path) -> list[pathlib.Path]:
+def checkpoint_files(d: Union[str, pathlib.Path]) -> list[pathlib.Path]:
+    """The safetensors files of a checkpoint directory (the index's shards, or every ``*.safetensors``)."""
+    d = pathlib.Path(d)
     idx = d / "model.safetensors.index.json"
     if idx.is_file():
         try:
@@ -75,7 +77,7 @@ def inspect_checkpoint(directory: Union[str, pathlib.Path]) -> dict:
     own = qc.get("qcore") if isinstance(qc.get("qcore"), dict) else {}
     layouts = own.get("layouts") or {}
     entries: dict[str, Any] = {}
-    files = _files(d)
+    files = checkpoint_files(d)
     for f in files:
         entries.update(SafetensorsFile(f).entries)
     # quantized layers: modules with a weight_scale (or the layouts the checkpoint states)
