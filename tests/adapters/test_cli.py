@@ -21,6 +21,98 @@ def llama_dir(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory):
+    """A tiny random Llama with a byte-level tokenizer (one token per byte, 256 tokens): every flag works on it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("tiny_lm")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(d)
+    import pydoc_data.topics
+    (d.parent / "text.txt").write_text(" ".join(pydoc_data.topics.topics.values())[:6000])
+    return d
+
+
+def test_every_flag_end_to_end_then_inspect_and_eval_the_checkpoint(lm_dir, tmp_path, capsys):
+    text, out, rep, png = lm_dir.parent / "text.txt", tmp_path / "ckpt", tmp_path / "r.json", tmp_path / "p.png"
+    (out).mkdir()
+    (out / "old.txt").write_text("replaced by --overwrite")
+    argv = ["quantize", "--model", str(lm_dir), "--scheme", "w_uint4_per_group_asym", "--group-size", "32",
+            "--kv-cache-dtype", "fp8", "--exclude", "lm_head", "--calib-samples", "3", "--seq-len", "64",
+            "--eval", "ppl", "--eval-text", str(text), "--output", str(out), "--export", "hf", "--overwrite",
+            "--max-shard-size", "40KB", "--report", str(rep), "--device", "cpu", "--dtype", "float32",
+            "--no-progress"]
+    if __import__("importlib.util").util.find_spec("matplotlib"):
+        argv += ["--plot", str(png)]
+    code = main(argv)
+    o = capsys.readouterr()
+    assert code == 0, o.err
+    r = json.loads(rep.read_text())
+    assert r["output_dir"] == str(out) and r["quant_method"] == "quark" and r["export_format"] == "hf"
+    assert r["bytes_on_disk"] == sum(f.stat().st_size for f in out.iterdir())
+    assert r["calibration_samples"] == 3 and r["ppl"] != r["ppl_baseline"] and min(r["ppl"], r["ppl_baseline"]) > 1
+    assert not (out / "old.txt").exists() and len(list(out.glob("model-*.safetensors"))) > 1
+    assert (out / "tokenizer.json").is_file() and "checkpoint" in o.out
+    assert main(["inspect", str(out)]) == 0
+    o = capsys.readouterr().out
+    assert "int4_group: 14" in o and "bits per weight" in o
+    assert main(["inspect", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["kv_cache"] == ["*k_proj", "*v_proj"] and info["safetensors_files"] > 1
+    # the checkpoint evaluates to the perplexity the quantize run reported (the frozen model, reloaded)
+    assert main(["eval", "--model", str(out), "--eval-text", str(text), "--seq-len", "64", "--no-progress"]) == 0
+    ppl = float(capsys.readouterr().out.split("perplexity")[1].split()[0])
+    assert abs(ppl - r["ppl"]) < 1e-3 * r["ppl"]
+
+
+def test_existing_output_is_refused_before_any_work(lm_dir, tmp_path, capsys):
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "x").write_text("keep")
+    assert main(["quantize", "--model", str(lm_dir), "--scheme", "int8", "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "exists and is not empty; pass --overwrite" in err and len(err.strip().splitlines()) == 1
+    assert (tmp_path / "o" / "x").read_text() == "keep"
+
+
+def test_ctrl_c_during_export_leaves_no_output_directory(lm_dir, tmp_path, capsys, monkeypatch):
+    from qcore.adapters import export as E
+    real = E.write_file
+    n = []
+
+    def interrupted(*a, **k):
+        n.append(1)
+        if len(n) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(E, "write_file", interrupted)
+    code = main(["quantize", "--model", str(lm_dir), "--scheme", "uint4_wo_32", "--eval", "none", "--output",
+                 str(tmp_path / "o"), "--max-shard-size", "100KB", "--no-progress"])
+    assert code == 130 and "interrupted" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_inspect_errors_are_one_line(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nothing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "config.json").write_text("{}")
+    (tmp_path / "c" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    assert main(["inspect", str(tmp_path / "c")]) == 2
+    assert "header length" in capsys.readouterr().err
+
+
+def test_inspect_does_not_import_torch(numpy_only):
+    numpy_only("import qcore.cli\ntry:\n    qcore.cli.main(['inspect', '/nonexistent'])\nexcept SystemExit:\n    pass\n")
+
+
 def test_schemes_lists_every_preset_with_bits(capsys):
     assert main(["schemes"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()

@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -262,3 +263,23 @@ def calib_ids(tmp_path_factory) -> pathlib.Path:
 def eval_ids(tmp_path_factory) -> pathlib.Path:
     """``.npy`` of int64 token ids ``[2, 32]`` for comparing logits (seed 2)."""
     return _ids(tmp_path_factory.mktemp("ids") / "eval.npy", 2, seed=2)
+
+
+from interop_schemes import NAMES, SCHEMES  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def roundtrip(quark_python, run_quark, tiny_llama_dir, calib_ids, eval_ids, tmp_path_factory):
+    """Quark exports all schemes (one process), then Quark's loader reloads them all (one process)."""
+    tmp = tmp_path_factory.mktemp("quark_roundtrip")
+    scheme_args = [a for s in SCHEMES for a in ("--scheme", s)]
+    export = run_quark(quark_python, "export", "--model", tiny_llama_dir, "--calib", calib_ids, "--out",
+                       tmp / "exports", "--eval-ids", eval_ids, "--eval-out", tmp / "inmem", *scheme_args,
+                       timeout=1500)
+    logits = run_quark(quark_python, "logits", "--ids", eval_ids, "--out", tmp / "reload",
+                       *[tmp / "exports" / n for n in NAMES], tiny_llama_dir, timeout=900)
+    print(f"\nquark export: {export.seconds:.1f} s, quark logits: {logits.seconds:.1f} s")
+    return types.SimpleNamespace(
+        dir=tmp, exports={r["name"]: r for r in export.results("export")},
+        loads={r["name"]: r for r in logits.results("logits")}, float_dir=pathlib.Path(tiny_llama_dir),
+        float_name=pathlib.Path(tiny_llama_dir).name, eval_ids=pathlib.Path(eval_ids))

@@ -12,17 +12,13 @@ from __future__ import annotations
 import json
 import pathlib
 import struct
-import types
 
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.interop
 
-# Quark scheme (":KV" = KV-cache scheme) -> the export's directory name (= the fixture name in quark_configs/)
-SCHEMES = {"int8": "int8", "fp8:fp8": "fp8_kv_fp8", "uint4_wo_128": "uint4_wo_128", "int4_wo_128": "int4_wo_128",
-           "mxfp4": "mxfp4", "mxfp6_e2m3": "mxfp6_e2m3"}
-NAMES = list(SCHEMES.values())
+from interop_schemes import NAMES  # noqa: E402  (the schemes of the shared ``roundtrip`` fixture)
 QUARK_CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "formats" / "data" / "quark_configs"
 
 # The tiny Llama's Linear layers (out_features, in_features); lm_head is excluded by Quark's llama template.
@@ -71,23 +67,6 @@ def safetensors_scalar_f32(path, name) -> float:
         assert header[name]["dtype"] == "F32" and end - start == 4, header[name]
         f.seek(8 + n + start)
         return struct.unpack("<f", f.read(4))[0]
-
-
-@pytest.fixture(scope="module")
-def roundtrip(quark_python, run_quark, tiny_llama_dir, calib_ids, eval_ids, tmp_path_factory):
-    """Quark exports all schemes (one process), then Quark's loader reloads them all (one process)."""
-    tmp = tmp_path_factory.mktemp("quark_roundtrip")
-    scheme_args = [a for s in SCHEMES for a in ("--scheme", s)]
-    export = run_quark(quark_python, "export", "--model", tiny_llama_dir, "--calib", calib_ids, "--out",
-                       tmp / "exports", "--eval-ids", eval_ids, "--eval-out", tmp / "inmem", *scheme_args,
-                       timeout=1500)
-    logits = run_quark(quark_python, "logits", "--ids", eval_ids, "--out", tmp / "reload",
-                       *[tmp / "exports" / n for n in NAMES], tiny_llama_dir, timeout=900)
-    print(f"\nquark export: {export.seconds:.1f} s, quark logits: {logits.seconds:.1f} s")
-    return types.SimpleNamespace(
-        dir=tmp, exports={r["name"]: r for r in export.results("export")},
-        loads={r["name"]: r for r in logits.results("logits")}, float_dir=pathlib.Path(tiny_llama_dir),
-        float_name=pathlib.Path(tiny_llama_dir).name, eval_ids=pathlib.Path(eval_ids))
 
 
 def test_every_scheme_exported_with_quark_config(roundtrip):
