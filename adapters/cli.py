@@ -274,25 +274,71 @@ def quantize_command(args) -> int:
     return 0
 
 
+def _task_rows(metrics) -> list[tuple[str, str]]:
+    """Table rows of lm-evaluation-harness metrics: a header row per task, then one row per metric."""
+    rows: list[tuple[str, str]] = []
+    task = None
+    for m in metrics:
+        if m.task != task:
+            task = m.task
+            what = "group" if m.samples is None else f"{m.samples} documents, {m.num_fewshot}-shot"
+            rows.append((f"task {task}", f"({what})"))
+        name = m.metric if m.filter == "none" else f"{m.metric} ({m.filter})"
+        arrow = "" if m.higher_is_better is None else ("  (higher is better)" if m.higher_is_better
+                                                       else "  (lower is better)")
+        rows.append((f"  {name}", f"{m.value:.4f}" + (f" +- {m.stderr:.4f}" if m.stderr is not None else "")
+                     + arrow))
+    return rows
+
+
 def eval_command(args) -> int:
-    """Perplexity of a model (``--model`` as for ``quantize``) on the protocol text or ``--eval-text``."""
-    if args.tasks:
-        import importlib.util
-        if importlib.util.find_spec("lm_eval") is None:
-            raise CommandError("--tasks needs lm-evaluation-harness (pip install lm-eval)")
-        raise CommandError("--tasks: lm-evaluation-harness tasks are not wired in yet; perplexity only")
+    """Perplexity of a model (``--model`` as for ``quantize``) on the protocol text or ``--eval-text``, and/or
+    lm-evaluation-harness tasks (``--tasks``: then perplexity only with ``--ppl`` or ``--eval-text``)."""
+    tasks = None
+    ppl = args.ppl if args.ppl is not None else (not args.tasks or args.eval_text is not None)
+    if not args.tasks:
+        for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot),
+                            ("--batch-size", args.batch_size)):
+            if value is not None:
+                raise CommandError(f"{flag} {value}: applies to lm-evaluation-harness tasks; give --tasks too")
+        if not ppl:
+            raise CommandError("--no-ppl without --tasks: nothing to evaluate")
+    if args.eval_text and not ppl:
+        raise CommandError(f"--eval-text {args.eval_text} with --no-ppl: the text is read only for perplexity")
+    text = _eval_text(args) if ppl else None
+    if args.tasks:  # lm_eval present, tasks known and their documents read: all before the model loads
+        from . import lm_eval_tasks as LT
+        try:
+            LT.require_lm_eval()
+            tasks = LT.load_tasks(args.tasks, num_fewshot=args.num_fewshot, progress=not args.no_progress)
+        except ModuleNotFoundError as e:
+            raise CommandError(f"--tasks needs lm-evaluation-harness: {LT.INSTALL_HINT}") from e
+        except ValueError as e:
+            msg = str(e)
+            raise CommandError("--" + msg if msg.startswith("tasks:") else msg) from e  # "--tasks: ..." 
     model, tok, desc = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
     if tok is None:
-        raise CommandError(f"--model {args.model}: no tokenizer found next to the model; perplexity needs one")
-    ids = E.protocol_token_ids(tok, text=_eval_text(args))
-    n = min(len(E.EVAL_WINDOWS), ids.numel() // args.seq_len)
-    if n < 1:
-        raise CommandError(f"the text has {ids.numel()} tokens, fewer than one window of --seq-len {args.seq_len}")
-    t0 = time.perf_counter()
-    ppl = E.perplexity(model, tok, token_ids=ids, seq_len=args.seq_len, windows=range(n),
-                       progress=not args.no_progress)
-    print(_table([("model", desc), ("perplexity", f"{ppl:.4f}  ({n} windows of {args.seq_len} tokens, "
-                                                  f"{time.perf_counter() - t0:.1f} s)")]))
+        raise CommandError(f"--model {args.model}: no tokenizer found next to the model; "
+                           f"{'perplexity' if ppl else 'lm-evaluation-harness tasks'} need{'s' if ppl else ''} one")
+    rows = [("model", desc)]
+    if ppl:
+        ids = E.protocol_token_ids(tok, text=text)
+        n = min(len(E.EVAL_WINDOWS), ids.numel() // args.seq_len)
+        if n < 1:
+            raise CommandError(f"the text has {ids.numel()} tokens, fewer than one window of --seq-len {args.seq_len}")
+        t0 = time.perf_counter()
+        value = E.perplexity(model, tok, token_ids=ids, seq_len=args.seq_len, windows=range(n),
+                             progress=not args.no_progress)
+        rows.append(("perplexity", f"{value:.4f}  ({n} windows of {args.seq_len} tokens, "
+                                   f"{time.perf_counter() - t0:.1f} s)"))
+    if tasks is not None:
+        t0 = time.perf_counter()
+        metrics = LT.run_tasks(model, tok, tasks, limit=args.limit, batch_size=args.batch_size or 1,
+                               progress=not args.no_progress)
+        rows += _task_rows(metrics)
+        rows.append(("tasks time", f"{time.perf_counter() - t0:.1f} s" + (f" (--limit {args.limit})"
+                                                                          if args.limit else "")))
+    print(_table(rows))
     return 0
 
 

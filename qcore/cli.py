@@ -7,7 +7,7 @@ fits none of the formats, a directory that would be overwritten), 141 (128 + SIG
 stdout went away (``qcore conformance check ... | head``): like a standard Unix tool, the command then stops
 quietly, without a traceback. Error messages name command-line flags, not Python arguments. Only numpy is
 imported: torch and qcore.adapters stay out of these commands. The model commands (``qcore quantize``,
-``qcore schemes``) have their parsers here and run in ``qcore.adapters.cli``, imported only when they run.
+``qcore eval``, ``qcore schemes``) have their parsers here and run in ``qcore.adapters.cli``, imported only when they run.
 
     qcore conformance export DIR --formats mxfp4,float8_e4m3fn [--modes all] [--key 0] [--overwrite]
     qcore conformance check VECTORS --outputs OUT [--ulps N] [--formats ...] [--cases ...] [--allow-missing]
@@ -208,10 +208,27 @@ def _add_quantize(sub) -> None:
 
 
 def _add_eval(sub) -> None:
-    e = sub.add_parser("eval", help="perplexity of a model", description="Perplexity of a causal LM (default: the "
-                       "embedded SmolLM2-135M-Instruct) on the protocol text or a text file.")
+    e = sub.add_parser("eval", help="perplexity / lm-evaluation-harness tasks of a model",
+                       description="Evaluate a causal LM (default: the embedded SmolLM2-135M-Instruct): perplexity "
+                       "on the protocol text or a text file, and/or lm-evaluation-harness tasks (--tasks, needs "
+                       "pip install lm-eval). Without --tasks: perplexity. With --tasks: the tasks only, unless "
+                       "--ppl or --eval-text asks for perplexity too.",
+                       epilog="Offline example (a task whose documents are a local JSONL file): qcore eval --model "
+                       "DIR --tasks tests/data/lm_eval_tasks/python_basics.yaml --limit 50. See docs/adapters.md.")
     _add_model_args(e)
-    e.add_argument("--tasks", default=None, help="lm-evaluation-harness tasks (not wired in yet)")
+    e.add_argument("--tasks", type=_csv, default=None, metavar="TASK[,TASK...]",
+                   help="lm-evaluation-harness tasks, comma-separated: task names (hellaswag, ...: documents from "
+                   "the HF hub, so a network or a filled datasets cache), task YAML files, or folders of them (every "
+                   "task defined there); a local YAML with dataset_path: json and a data_files path (relative to the "
+                   "YAML's folder) runs offline")
+    e.add_argument("--limit", type=_positive, default=None, metavar="N", help="at most N documents per task "
+                   "(with --tasks; default all)")
+    e.add_argument("--num-fewshot", type=_count, default=None, metavar="K", help="few-shot examples per prompt "
+                   "(with --tasks; default: each task's own, 0 if it sets none)")
+    e.add_argument("--batch-size", type=_positive, default=None, metavar="B", help="requests per forward pass "
+                   "(with --tasks; default 1)")
+    e.add_argument("--ppl", action=argparse.BooleanOptionalAction, default=None, help="perplexity too / not "
+                   "(default: perplexity without --tasks or with --eval-text, none otherwise)")
 
 
 def _inspect(args) -> int:

@@ -178,11 +178,19 @@ def test_the_command_line_parser_does_not_import_torch(numpy_only):
                "import sys\nassert 'transformers' not in sys.modules")
 
 
-def test_eval_needs_a_tokenizer_and_refuses_unwired_tasks(llama_dir, capsys):
+def test_eval_needs_a_tokenizer_and_task_flags_need_tasks(llama_dir, capsys):
     assert main(["eval", "--model", str(llama_dir)]) == 2
     assert "no tokenizer found" in capsys.readouterr().err
-    assert main(["eval", "--tasks", "hellaswag"]) == 2
-    assert "--tasks" in capsys.readouterr().err
+    # refused before any model loads (no --model: the embedded SmolLM2 is not loaded); --tasks: test_lm_eval.py
+    for argv, message in [(["--limit", "3"], "--limit 3: applies to lm-evaluation-harness tasks; give --tasks too"),
+                          (["--num-fewshot", "0"], "--num-fewshot 0: applies to lm-evaluation-harness tasks"),
+                          (["--batch-size", "8"], "--batch-size 8: applies to lm-evaluation-harness tasks"),
+                          (["--no-ppl"], "--no-ppl without --tasks: nothing to evaluate"),
+                          (["--tasks", "x", "--eval-text", "t.txt", "--no-ppl"], "the text is read only for "
+                                                                                 "perplexity")]:
+        assert main(["eval", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_plot_writes_a_png_of_the_per_layer_sqnr(llama_dir, tmp_path, capsys):
