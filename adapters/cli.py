@@ -320,6 +320,8 @@ def eval_command(args) -> int:
     if tok is None:
         raise CommandError(f"--model {args.model}: no tokenizer found next to the model; "
                            f"{'perplexity' if ppl else 'lm-evaluation-harness tasks'} need{'s' if ppl else ''} one")
+    for m in quantized_modules(model).values():  # a quantized checkpoint: dequantize each weight once, not per call
+        m.keep_dequantized = True
     rows = [("model", desc)]
     if ppl:
         ids = E.protocol_token_ids(tok, text=text)

@@ -32,7 +32,7 @@ from .config import ModelConfig
 from .modules import QUANT_CLASSES, _FROZEN
 from .quantizer import _set_module, plan_model
 
-__all__ = ["from_pretrained", "load_quark", "register_with_transformers", "QcoreHfConfig", "CorruptCheckpointError"]
+__all__ = ["from_pretrained", "load_quark", "register_with_transformers", "CorruptCheckpointError"]
 
 _ST_TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8, "U8": torch.uint8,
              "I32": torch.int32, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}

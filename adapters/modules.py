@@ -556,6 +556,7 @@ class _QuantMixin:
                 self._buffers[k] = moved if moved.dtype == v.dtype else v.to(device=moved.device)
         if self._frozen_meta is not None:
             self._frozen_meta["dtype"] = fn(torch.empty(0, dtype=self._frozen_meta["dtype"])).dtype
+            self.__dict__.pop("_dequantized", None)
         return out
 
     def _frozen_weight(self) -> torch.Tensor:
@@ -575,7 +576,12 @@ class _QuantMixin:
 
     def _w(self) -> torch.Tensor:
         if self._qmode == _FROZEN:
-            return self._frozen_weight()
+            if not getattr(self, "keep_dequantized", False):
+                return self._frozen_weight()
+            dq = self.__dict__.get("_dequantized")
+            if dq is None:  # dequantized once, kept (float memory) for repeated forwards: evaluation
+                dq = self.__dict__["_dequantized"] = self._frozen_weight()
+            return dq
         return self._param("weight")
 
     def extra_repr(self) -> str:  # type: ignore[override]

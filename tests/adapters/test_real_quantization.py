@@ -88,3 +88,29 @@ def test_the_main_job_on_the_embedded_model(smollm2, tmp_path, capsys):
     assert r["scheme"] == "ptpc_fp8" and r["layers_quantized"] == 210
     assert abs(r["ppl_baseline"] - 14.012) < 0.002 and 14.2 < r["ppl"] < 14.8, r
     assert "perplexity                  14.012 ->" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("scheme, kv, layout", [("uint4_wo_64", None, "int4_group"), ("mxfp4", None, "mx"),
+                                                ("fp8", "fp8", "fp8")])
+def test_smollm2_export_reloads_with_the_same_perplexity(smollm2, protocol_ids, tmp_path, scheme, kv, layout):
+    """SmolLM2-135M in int4 (uint4 g64), MXFP4 and fp8 (+ fp8 KV cache): export to Quark's layout, reload with
+    qcore, identical perplexity on protocol windows (the frozen model's logits, bit for bit)."""
+    from qcore.adapters import evaluate as E
+    from qcore.adapters import export_hf, freeze, from_pretrained, preset, quantize_model
+    from qcore.formats.inspect import inspect_checkpoint
+    (model, tok), ids = smollm2, protocol_ids
+    cfg = preset(scheme, kv_cache=kv) if kv else preset(scheme)
+    q = quantize_model(copy.deepcopy(model), cfg, E.calibration_batches(None, token_ids=ids, n=2), progress=False)
+    freeze(q)
+    info = export_hf(q, tmp_path / scheme, tokenizer=tok)
+    assert info.quant_method == "quark" and set(info.layers.values()) == {layout}
+    back = from_pretrained(tmp_path / scheme)
+    windows = E.EVAL_WINDOWS[:2]
+    a = E.perplexity(q, tok, token_ids=ids, windows=windows, progress=False)
+    del q
+    b = E.perplexity(back, tok, token_ids=ids, windows=windows, progress=False)
+    desc = inspect_checkpoint(tmp_path / scheme)
+    print(f"SmolLM2 {scheme}: ppl {a:.4f} in memory, {b:.4f} reloaded; {info.bytes_on_disk / 2**20:.1f} MiB on "
+          f"disk, {desc['bits_per_weight']} bits per weight")
+    assert a == b and 10 < a < 60
+    assert desc["quantized_layers"] == 210
