@@ -91,8 +91,10 @@ def both(roundtrip, quark_python, run_quark, tiny_llama_dir, calib_ids, eval_ids
     quark_smol = run_quark(quark_python, "export", "--model", smol_float_dir, "--calib", smol_calib, "--out",
                            tmp / "quark_smol", *[a for s in ("uint4_wo_64", "fp8:fp8", "mxfp4")
                                                  for a in ("--scheme", s)], timeout=1800)
+    for n in SMOL_SCHEMES:  # the logits files are named after the directories: make them unique
+        (tmp / "quark_smol" / n).rename(tmp / f"quark_smol_{n}")
     dirs = [ours / n for n in NAMES] + [ours / f"smol_{n}" for n in SMOL_SCHEMES] + \
-        [tmp / "quark_smol" / n for n in SMOL_SCHEMES]
+        [tmp / f"quark_smol_{n}" for n in SMOL_SCHEMES]
     loads = run_quark(quark_python, "logits", "--ids", eval_ids, "--out", tmp / "quark_logits", *dirs, timeout=1800)
     print(f"\nquark smol export {quark_smol.seconds:.1f} s, quark logits {loads.seconds:.1f} s")
     return types.SimpleNamespace(tmp=tmp, ours=ours, ours_logits=ours_logits, eval_ids=ev,
@@ -128,11 +130,11 @@ def test_qcore_reads_quark_exports_tiny(roundtrip, name):
 @pytest.mark.parametrize("name", list(SMOL_SCHEMES))
 def test_qcore_reads_quark_exports_smollm2(both, name):
     A = _qcore()
-    m = A.load_quark(both.tmp / "quark_smol" / name)
+    m = A.load_quark(both.tmp / f"quark_smol_{name}")
     assert sum(isinstance(x, A.QuantLinear) for x in m.modules()) == 210
     with torch.no_grad():
         got = m(both.eval_ids).logits.numpy()
-    _close(got, np.load(both.tmp / "quark_logits" / f"{name}.npy"), f"qcore on Quark's SmolLM2 {name}")
+    _close(got, np.load(both.tmp / "quark_logits" / f"quark_smol_{name}.npy"), f"qcore on Quark's SmolLM2 {name}")
 
 
 def test_qcore_inspects_every_export(both, roundtrip):
