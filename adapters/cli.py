@@ -176,12 +176,12 @@ def quantize_command(args) -> int:
         raise CommandError(f"--export {args.export} needs --output DIR (where to write the checkpoint)")
     out_dir = pathlib.Path(args.output) if args.output else None
     if out_dir is not None:  # before any work: an existing checkpoint is never replaced by accident
-        if out_dir.exists() and not out_dir.is_dir():
-            raise CommandError(f"--output {args.output}: exists and is not a directory")
-        if out_dir.is_dir() and any(out_dir.iterdir()) and not args.overwrite:
-            raise CommandError(f"--output {args.output}: the directory exists and is not empty; pass --overwrite to "
-                               f"replace it")
-        from .export import parse_size
+        from .export import check_destination, parse_size
+        try:
+            check_destination(out_dir, args.overwrite)
+        except FileExistsError:
+            raise CommandError(f"--output {args.output}: " + ("exists and is not a directory" if not out_dir.is_dir()
+                               else "the directory exists and is not empty; pass --overwrite to replace it")) from None
         try:
             parse_size(args.max_shard_size)
         except ValueError as e:

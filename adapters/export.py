@@ -24,7 +24,6 @@ import json
 import os
 import pathlib
 import shutil
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 
 import qcore
+from qcore._fsutil import replace_dir, staging_dir
 from qcore.formats import quark_layout as L
 from qcore.formats.safetensors_io import TensorRecord, write_file
 
@@ -125,9 +125,14 @@ def weight_parts(m: _QuantMixin) -> tuple[L.WeightParts, tuple]:
                          tensor_scale=None if q.tensor_scale is None else _np(q.tensor_scale)), tuple(wc.shape)
 
 
+def canonical_shape(m: _QuantMixin) -> tuple:
+    """The shape of a quantized module's weight in the canonical ``[out, in, *kernel]`` layout, frozen or not."""
+    return tuple(m._frozen_meta["shape"]) if m.frozen else tuple(m._canon(m.weight).shape)
+
+
 def module_layout(m: _QuantMixin) -> str:
-    shape = tuple(m._frozen_meta["shape"]) if m.frozen else tuple(m._canon(m.weight).shape)
-    return L.weight_layout(m._qspecs["weight"], shape, module="Linear" if type(m) is QuantLinear else "other")
+    return L.weight_layout(m._qspecs["weight"], canonical_shape(m), module="Linear" if type(m) is QuantLinear
+                           else "other")
 
 
 def _activation_records(m: _QuantMixin, layout: str) -> dict:
@@ -169,8 +174,7 @@ def _plan_tensors(model: nn.Module) -> tuple[list[TensorRecord], dict[str, str]]
         owned.update(k for k in keys if "." not in k[len(prefix):])
         spec = m._qspecs["weight"]
 
-        shape = tuple(m._frozen_meta["shape"]) if m.frozen else tuple(m._canon(m.weight).shape)
-        for suffix, (dt, shp) in L.expected_weight(spec, shape, layout=layout).items():
+        for suffix, (dt, shp) in L.expected_weight(spec, canonical_shape(m), layout=layout).items():
             def arr(m=m, suffix=suffix, layout=layout, spec=spec):
                 if cache.get("module") is not m:  # one module's encoded tensors at a time (written together)
                     cache.clear()
@@ -243,7 +247,7 @@ def _shards(records: list[TensorRecord], max_bytes: int) -> list[list[TensorReco
     return shards
 
 
-def _check_destination(directory: pathlib.Path, overwrite: bool) -> None:
+def check_destination(directory: pathlib.Path, overwrite: bool) -> None:
     if directory.exists() and not directory.is_dir():
         raise FileExistsError(f"export directory {str(directory)!r} exists and is not a directory")
     if directory.is_dir() and any(directory.iterdir()) and not overwrite:
@@ -280,7 +284,7 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
         raise TypeError("export_hf: the model has no transformers config (model.config); only transformers models "
                         "can be written as HF checkpoints")
     directory = pathlib.Path(directory)
-    _check_destination(directory, overwrite)
+    check_destination(directory, overwrite)
     _check_config_describes(model, config)
 
     records, layouts = _plan_tensors(model)
@@ -290,8 +294,7 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.parent / f".{directory.name}.qcore-partial-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = staging_dir(directory)
     try:
         cfg = hf_config.to_dict()
         cfg["quantization_config"] = qdict
@@ -312,17 +315,9 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
             total += sum(r.nbytes for r in shard)
         if n > 1:
             index = {"metadata": {"total_size": total},
-                     "weight_map": {r.name: f for f, s in zip(names, shards) for r in sorted(s, key=lambda r: r.name)}}
-            index["weight_map"] = dict(sorted(index["weight_map"].items()))
+                     "weight_map": dict(sorted((r.name, f) for f, s in zip(names, shards) for r in s))}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        old = None
-        if directory.exists():
-            _check_destination(directory, overwrite)  # still allowed (nothing appeared meanwhile)
-            old = directory.parent / f".{directory.name}.qcore-old-{uuid.uuid4().hex[:8]}"
-            directory.rename(old)
-        tmp.rename(directory)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, directory, recheck=lambda: check_destination(directory, overwrite))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

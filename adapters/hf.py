@@ -29,13 +29,13 @@ from qcore.formats import quark_layout as L
 from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile
 
 from .config import ModelConfig
+from .export import _TORCH_ST, _np
 from .modules import QUANT_CLASSES, _FROZEN
 from .quantizer import _set_module, plan_model
 
 __all__ = ["from_pretrained", "load_quark", "register_with_transformers", "CorruptCheckpointError"]
 
-_ST_TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8, "U8": torch.uint8,
-             "I32": torch.int32, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_ST_TORCH = {st: t for t, st in _TORCH_ST.items()}  # safetensors dtype name -> torch dtype
 _OWN_KEYS = ("quant_method", "qcore", "source_method")
 
 
@@ -51,40 +51,27 @@ def checkpoint_config(raw: dict) -> ModelConfig:
     return ModelConfig.from_quark(d)
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().cpu().contiguous()
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return t.view(torch.uint8).numpy()
-    if t.dtype == torch.bfloat16:
-        return t.float().numpy()
-    return t.numpy()
-
-
 class _Shell(nn.Module):
     """Placeholder for one quantized module while transformers loads the checkpoint: parameters named, shaped and
     typed as the checkpoint stores them (on meta until loaded)."""
 
-    def __init__(self, orig: nn.Module, name: str, config, layout: str, expected: dict):
+    def __init__(self, name: str, m: nn.Module, config):
         super().__init__()
-        object.__setattr__(self, "_orig", orig)  # not a submodule: its float weight is not in the checkpoint
-        self.qname, self.qconfig, self.layout, self.expected = name, config, layout, expected
-        for n, (dt, shape) in expected.items():
+        q = QUANT_CLASSES[type(m)].from_module(m, config, name=name)  # on meta: planned here, filled in _build
+        object.__setattr__(self, "_wrapper", q)  # not a submodule: its float weight is not in the checkpoint
+        spec = q._qspecs["weight"]
+        self.shape = tuple(q._canon(m.weight).shape)
+        self.layout = L.weight_layout(spec, self.shape, module="Linear" if isinstance(m, nn.Linear) else "other")
+        self.expected = dict(L.expected_weight(spec, self.shape, layout=self.layout))
+        for role in q.static_roles():
+            self.expected.update(L.expected_activation(role, q._qspecs[role], q._static_shape(role),
+                                                       layout=self.layout))
+        self.qname = name
+        for n, (dt, shape) in self.expected.items():
             self.register_parameter(n, nn.Parameter(torch.empty(shape, dtype=_ST_TORCH[dt], device="meta"),
                                                     requires_grad=False))
-        if getattr(orig, "bias", None) is not None:
-            self.bias = orig.bias
-
-
-def _expected(name: str, m: nn.Module, lc) -> tuple[str, dict, Any]:
-    """(layout, {tensor suffix: (dtype, shape)}, the module's wrapper on meta) of one planned module."""
-    q = QUANT_CLASSES[type(m)].from_module(m, lc, name=name)
-    spec = q._qspecs["weight"]
-    shape = tuple(q._canon(m.weight).shape)
-    layout = L.weight_layout(spec, shape, module="Linear" if isinstance(m, nn.Linear) else "other")
-    exp = dict(L.expected_weight(spec, shape, layout=layout))
-    for role in q.static_roles():
-        exp.update(L.expected_activation(role, q._qspecs[role], q._static_shape(role), layout=layout))
-    return layout, exp, q
+        if getattr(m, "bias", None) is not None:
+            self.bias = m.bias
 
 
 def _check_headers(files: list, shells: dict[str, _Shell]) -> None:
@@ -117,10 +104,8 @@ def _build(sh: _Shell, pack_method: str, dtype: torch.dtype) -> nn.Module:
     if missing:
         raise CorruptCheckpointError(f"{where}: tensors {missing} were not loaded from the checkpoint")
     arrays = {n: _np(params[n]) for n in sh.expected}
-    orig = sh._orig
-    q = QUANT_CLASSES[type(orig)].from_module(orig, sh.qconfig, name=sh.qname)
+    q, shape = sh._wrapper, sh.shape
     spec = q._qspecs["weight"]
-    shape = tuple(q._canon(orig.weight).shape)
     parts = L.decode_weight(arrays, spec, shape, layout=sh.layout, pack_method=pack_method, where=where)
     device = params["weight"].device
     codes = torch.from_numpy(np.ascontiguousarray(parts.codes))
@@ -201,8 +186,8 @@ def _make_classes():
                                              f"one of {sorted(L.PACK_METHODS)}")
             stated = (raw.get("qcore") or {}).get("layouts") if isinstance(raw.get("qcore"), dict) else None
             for p in plan_model(model, config):
-                m = model.get_submodule(p.name)
-                layout, exp, _ = _expected(p.name, m, p.config)
+                sh = _Shell(p.name, model.get_submodule(p.name), p.config)
+                layout = sh.layout
                 if stated is not None and stated.get(p.name, layout) != layout:
                     raise CorruptCheckpointError(f"layer {p.name!r}: the checkpoint says layout "
                                                  f"{stated[p.name]!r}, its config gives {layout!r}")
@@ -210,7 +195,6 @@ def _make_classes():
                     raise CorruptCheckpointError(f"layer {p.name!r}: quant_method 'quark' but the config's format "
                                                  f"has no Quark tensor layout (a qcore extension checkpoint says "
                                                  f"quant_method 'qcore')")
-                sh = _Shell(m, p.name, p.config, layout, exp)
                 _set_module(model, p.name, sh)
                 self._shells[p.name] = sh
             if checkpoint_files:

@@ -9,14 +9,24 @@ import pathlib
 from collections import Counter
 from typing import Any, Union
 
+from qcore import get_dtype
+
 from .safetensors_io import CorruptCheckpointError, SafetensorsFile
 
 __all__ = ["inspect_checkpoint", "format_report", "checkpoint_files"]
 
 # weight elements per stored weight element, by layout and element bits (packed formats)
 _WEIGHT_SUFFIXES = ("weight", "weight_scale", "weight_zero_point", "weight_scale_2", "weight_shifts")
-_EL_BITS = {"fp4": 4, "fp6_e2m3": 6, "fp6_e3m2": 6, "int4": 4, "uint4": 4, "int8": 8, "uint8": 8,
-            "fp8_e4m3": 8, "fp8_e5m2": 8, "int2": 2, "int3": 3}
+
+
+def _element_bits(name) -> int:
+    """Bits per element of a Quark dtype name (Quark's names are qcore aliases; block formats: their element's);
+    8 when the name is unknown."""
+    try:
+        d = get_dtype(name)
+    except (ValueError, TypeError):
+        return 8
+    return getattr(d, "element", d).bits
 
 
 def checkpoint_files(d: Union[str, pathlib.Path]) -> list[pathlib.Path]:
@@ -86,7 +96,7 @@ def inspect_checkpoint(directory: Union[str, pathlib.Path]) -> dict:
     gw = (qc.get("global_quant_config") or {}).get("weight")
     gw = gw[0] if isinstance(gw, list) and gw else gw
     el = (gw or {}).get("dtype") if isinstance(gw, dict) else None
-    el_bits = _EL_BITS.get(el, 8)
+    el_bits = _element_bits(el) if el is not None else 8
     per_layout: Counter = Counter()
     q_bytes = q_weights = 0
     for name in layers:

@@ -68,7 +68,6 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -81,6 +80,7 @@ from .dtypes import DTYPES, BlockDType, FloatDType, IntDType, ScaleMode, Special
 from .quantize import dequantize, fake_quantize, make_spec, quantize
 from .rounding import RoundingMode
 from . import packing
+from ._fsutil import replace_dir, staging_dir
 
 __all__ = [
     "ELEMENT_MODES",
@@ -591,7 +591,7 @@ def export(directory: Union[str, os.PathLike], formats: Union[FormatLike, Sequen
     _check_target(directory, overwrite)
 
     safetensors_ok = importlib.util.find_spec("safetensors") is not None
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    tmp = staging_dir(directory)
     try:
         cases = []
         for d, m in plan:
@@ -606,29 +606,11 @@ def export(directory: Union[str, os.PathLike], formats: Union[FormatLike, Sequen
         )
         (tmp / "manifest.json").write_text(json.dumps(data, indent=1) + "\n")
         (tmp / "manifest.tsv").write_text(_tsv(cases, __version__))
-        _replace_dir(tmp, directory, overwrite)
+        replace_dir(tmp, directory, recheck=lambda: _check_target(directory, overwrite))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Manifest(directory, data)
-
-
-def _replace_dir(new: Path, target: Path, overwrite: bool):
-    """Move ``new`` to ``target``: a rename (atomic on one file system); an existing target is moved aside first
-    and deleted only once the new one is in place."""
-    if not target.exists():
-        os.rename(new, target)
-        return
-    _check_target(target, overwrite)  # it may have changed while we computed
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-    os.rmdir(old)
-    os.rename(target, old)
-    try:
-        os.rename(new, target)
-    except BaseException:
-        os.rename(old, target)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def load_manifest(directory: Union[str, os.PathLike]) -> Manifest:
