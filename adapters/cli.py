@@ -169,9 +169,13 @@ def _table(rows: list[tuple[str, str]]) -> str:
 
 def quantize_command(args) -> int:
     t_start = time.perf_counter()
+    algos = ()
     if args.algo:
-        raise CommandError(f"--algo {' '.join(args.algo)}: no algorithm is available in this version of qcore yet "
-                           f"(GPTQ, AWQ, SmoothQuant and rotations are planned); leave --algo out for round-to-nearest")
+        from qcore.algorithms.config import parse_algorithms
+        try:
+            algos = parse_algorithms(",".join(args.algo))
+        except (ValueError, TypeError) as e:
+            raise CommandError(f"--algo {','.join(args.algo)}: {e}") from None
     if args.export and not args.output:
         raise CommandError(f"--export {args.export} needs --output DIR (where to write the checkpoint)")
     out_dir = pathlib.Path(args.output) if args.output else None
@@ -191,6 +195,8 @@ def quantize_command(args) -> int:
     dtype = _dtype(args.dtype)
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     config, scheme = build_config(args)
+    if algos:
+        config = config.replace(algorithms=tuple(a.to_dict() for a in algos))
     progress = not args.no_progress
     model, tok, desc = load_model(args.model, dtype=dtype, device=args.device)
     plans = plan_model(model, config)  # all config errors before any evaluation
@@ -241,7 +247,7 @@ def quantize_command(args) -> int:
 
     import qcore
     report: dict[str, Any] = {
-        "model": desc, "scheme": scheme, "config": config.to_dict(), "algorithms": [], "layers_quantized": n_layers,
+        "model": desc, "scheme": scheme, "config": config.to_dict(), "algorithms": [a["name"] for a in config.algorithms], "layers_quantized": n_layers,
         "ppl_baseline": ppl_base, "ppl": ppl, "eval_windows": n_windows, "seq_len": args.seq_len,
         "eval_text": args.eval_text or "pydoc protocol (anchors.md)", "calibration_samples": 0 if calib is None
         else len(calib), "quantize_seconds": quantize_s, "total_seconds": time.perf_counter() - t_start,

@@ -424,15 +424,39 @@ class _QuantMixin:
             self._mark(p, role, _Kept(*(None if t is None else t.clone() for t in kept)))
             self._set_ver(role, p)
 
-    def commit(self) -> None:
-        """Pending -> in place: write the fake-quantized weight (and bias) into the parameters; drop caches."""
+    def commit(self, *, weight: Optional["qcore.QTensor"] = None) -> None:
+        """Pending -> in place: write the fake-quantized weight (and bias) into the parameters; drop caches.
+
+        ``weight``: an already quantized weight (a ``QTensor`` of this module's weight spec in the canonical
+        layout, e.g. GPTQ's result) to commit as it is instead of rounding the current weight to nearest."""
         if self._qmode != _PENDING:
             return
+        if weight is not None:
+            self._check_given_weight(weight)
         for role in ("weight", "bias"):
-            if role in self._qspecs:
+            if role == "weight" and weight is not None:
+                p = self.weight
+                with torch.no_grad():
+                    p.copy_(self._uncanon(qcore.dequantize(weight)).to(p.dtype))
+                    self._keep_params("weight", weight)
+                self._mark(p, "weight", weight)
+                self._set_ver("weight", p)
+            elif role in self._qspecs:
                 self._inplace_quantize(role)
         self._wcache = None
         self._qmode = _INPLACE
+
+    def _check_given_weight(self, q) -> None:
+        spec = self._qspecs.get("weight")
+        if spec is None:
+            raise ValueError(f"{self.qname!r}: commit(weight=...) but the module's config quantizes no weight")
+        if not isinstance(q, qcore.QTensor):
+            raise TypeError(f"{self.qname!r}: commit(weight=...) takes a qcore.QTensor, got {type(q).__name__}")
+        shape = tuple(self._canon(self.weight).shape)
+        if q.spec != spec or tuple(q.shape) != shape:
+            raise ValueError(f"{self.qname!r}: the given quantized weight (spec {q.spec.name or q.spec.dtype.name}, "
+                             f"shape {tuple(q.shape)}) does not match the module's weight spec "
+                             f"{spec.name or spec.dtype.name} and shape {shape}")
 
     # -- activations ---------------------------------------------------------------------------------------
 

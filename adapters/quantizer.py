@@ -102,11 +102,14 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
         raise ValueError("the model already holds qcore quantized modules; quantize a float model (reload it)")
     names = [n for n in mods if n]
     if config.algorithms:
-        known: tuple = ()
-        for a in config.algorithms:
-            if a["name"] not in known:
-                raise ValueError(f"ModelConfig.algorithms: algorithm {a['name']!r} is not available in this "
-                                 f"version of qcore (none are yet); remove it to quantize with round-to-nearest")
+        from qcore.algorithms.config import parse_algorithms
+        try:
+            parse_algorithms(config.algorithms)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"ModelConfig.algorithms: {e}") from None
+    if getattr(model, "_qcore_partial", False):
+        raise ValueError("an algorithm run on this model failed half-way and left some layers rewritten; reload "
+                         "the model and quantize it again")
     exclude = _output_head(model) if config.exclude is None else list(config.exclude)
     for p in ([] if config.exclude is None else exclude):
         if not any(_match(p, n) for n in names):
@@ -322,7 +325,10 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         weights in place (the default, which keeps one copy of the weights).
     progress: show progress bars.
 
-    All or nothing: on any error the original modules are put back and the weights are untouched.
+    All or nothing: on any error the original modules are put back and the weights are untouched. With
+    algorithms (``config.algorithms``: GPTQ, AWQ, SmoothQuant, AutoSmoothQuant; ``qcore.adapters.sequential``)
+    every check still runs first, then the algorithms rewrite the decoder layers one at a time; an error after
+    that point leaves the model marked as partly rewritten (quantizing it again is refused; reload it).
     """
     if not isinstance(qat, bool):
         raise TypeError(f"qat must be a bool, got {qat!r}")
@@ -335,10 +341,24 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     if data is not None and (isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable)):
         raise TypeError(f"data must be an iterable of batches (a list or a DataLoader), got {type(data).__name__}; "
                         f"wrap a single batch in a list: [batch]")
+    pinned: dict = {}
+    if config_algorithms(config):
+        if qat:
+            raise ValueError("qat=True keeps float master weights; the algorithms write quantized weights (use "
+                             "qat=False with algorithms)")
+        if data is None:
+            raise ValueError(f"the algorithms {[a['name'] for a in _as_config(config).algorithms]} need "
+                             f"calibration data; pass calibration batches as data=")
+        from .sequential import run_algorithms
+        data = list(data)  # read twice: by the algorithms and by calibration
+        pinned = run_algorithms(model, plans, _as_config(config).algorithms, data, progress=progress)
     wrappers = [(p.name, model.get_submodule(p.name), wrap(model.get_submodule(p.name), p.config, name=p.name,
                                                            qat=qat)) for p in plans]
     for name, _, new in wrappers:
         _set_module(model, name, new)
+    for name, _, new in wrappers:  # weights the algorithms quantized are committed as they are, before calibration
+        if name in pinned:
+            new.commit(weight=pinned[name])
     try:
         if static:
             calibrate(model, data, progress=progress)
@@ -351,6 +371,8 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     except BaseException:
         for name, old, _ in wrappers:
             _set_module(model, name, old)
+        if pinned:
+            model._qcore_partial = True  # the float modules hold the algorithms' weights now
         raise
     if not qat:
         # Past this point the model is quantized: writing the weights in place cannot be undone without a second
@@ -360,6 +382,12 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
             new.commit()
     model.qcore_config = _as_config(config)  # what exporters write (qcore.adapters.export_hf)
     return model
+
+
+def config_algorithms(config) -> tuple:
+    """The algorithm configs of ``config`` (parsed; empty for round-to-nearest)."""
+    from qcore.algorithms.config import parse_algorithms
+    return parse_algorithms(_as_config(config).algorithms)
 
 
 def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:

@@ -148,7 +148,9 @@ def test_already_quantized_and_unknown_algorithms():
     quantize_model(m, ModelConfig(LayerConfig(weight="int8")), progress=False)
     with pytest.raises(ValueError, match="already holds qcore quantized modules"):
         quantize_model(m, ModelConfig(LayerConfig(weight="int8")), progress=False)
-    with pytest.raises(ValueError, match="algorithm 'gptq' is not available"):
+    with pytest.raises(ValueError, match="algorithm 'quarot' is not available; known: .*gptq"):
+        quantize_model(_net(), ModelConfig(LayerConfig(weight="int8"), algorithms=[{"name": "quarot"}]), progress=False)
+    with pytest.raises(ValueError, match="need calibration data"):
         quantize_model(_net(), ModelConfig(LayerConfig(weight="int8"), algorithms=[{"name": "gptq"}]), progress=False)
     with pytest.raises(TypeError, match="config must be a ModelConfig"):
         quantize_model(_net(), 3, progress=False)

@@ -1,0 +1,522 @@
+"""GPTQ (Frantar et al., arXiv 2210.17323) as pure functions: Hessian statistics built by pure updates, and the
+column-by-column quantization with error feedback, for every qcore weight spec.
+
+Statistics:
+
+- ``HessianStats``: the running sum of ``x^T x`` over calibration rows (float64) and the row count, a frozen
+  value. ``HessianStats.empty(n)``, ``update_hessian(stats, x)`` (``x``: any array whose last axis is the ``n``
+  input features; each batch's ``x^T x`` is a float32 matmul, accumulated in float64),
+  ``merge_hessians(a, b)`` (sums: this is what ranks all-reduce).
+
+The algorithm, ``gptq(weight, hessian, spec)`` on a weight in the canonical ``[out, in]`` layout:
+
+1. dead inputs (``H[j, j] == 0``: the feature is always zero) get ``H[j, j] = 1`` and a zero weight column;
+2. ``act_order``: columns are processed by descending ``H[j, j]``;
+3. damping: ``H + damp * mean(diag H) * I``; when the Cholesky factorisation fails (``H`` not positive
+   definite in floating point) the damping grows tenfold and the factorisation is retried, up to 8 times (a
+   finite ``H`` then always factors); the damping used is returned;
+4. ``U`` = the upper Cholesky factor of ``H^-1`` (float64; the loop runs in float32);
+5. blocks of ``block_size`` columns with lazy batch updates: inside a block each column ``w`` is quantized to
+   ``q``, its error ``(w - q) / U[j, j]`` is spread over the block's remaining columns, and the block's errors
+   update the later columns once per block.
+
+Scales come from qcore's own scale rule for the spec (``qcore.quantize``), applied to the *current* (already
+error-compensated) weights:
+
+- scales spanning whole input rows (``PerTensor``, ``PerChannel(0)``; and the tensor scale of two-level specs
+  such as NVFP4) are computed once from the weight before the loop;
+- scales of groups along the input axis (``PerGroup(size, axis=1)``, ``PerBlock``, MX and NVFP4 blocks, ragged
+  last groups, ``PerChannel(1)``) are computed when the loop first reaches a column of the group, from the
+  group's current values (exact, including the updates still pending in the lazy batch). With ``act_order``
+  the groups stay the contiguous groups of the spec (no ``g_idx`` is needed to load the result);
+  ``static_groups=True`` instead computes every group's scale from the weight before the loop (Quark's
+  ``static_groups``).
+
+Each column is quantized by qcore's exact quantization for the spec with those scales (``fake_quantize``), and
+the result is ``quantize(W_q, spec, scale=..., zero_point=..., tensor_scale=...)`` of the whole quantized
+weight, so exporting it reproduces the same values bit for bit.
+
+Every function takes numpy arrays or torch tensors (CPU or GPU) through the same code; torch is never imported
+here. Not supported (``ValueError`` before any work): stochastic rounding and shared-microexponent specs
+(MX9/MX6/MX4), whose per-column quantization is not determined by a block scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Optional
+
+import numpy as np
+
+import qcore
+from qcore import PerBlock, PerChannel, PerGroup, PerTensor, QTensor, QuantSpec
+from qcore._backend import is_torch
+from qcore.rounding import RoundingMode
+
+__all__ = ["HessianStats", "update_hessian", "merge_hessians", "gptq", "GPTQResult", "check_gptq_spec"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a tiny backend: the handful of linear-algebra calls that differ between numpy and torch
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Np:
+    name = "numpy"
+    f32, f64 = np.float32, np.float64
+
+    @staticmethod
+    def cast(x, dt):
+        return np.asarray(x).astype(dt, copy=True)
+
+    @staticmethod
+    def zeros(shape, dt, like):
+        return np.zeros(shape, dt)
+
+    @staticmethod
+    def eye(n, dt, like):
+        return np.eye(n, dtype=dt)
+
+    @staticmethod
+    def cholesky_lower(h):
+        try:
+            return np.linalg.cholesky(h)
+        except np.linalg.LinAlgError:
+            return None
+
+    @staticmethod
+    def inv_upper_chol(low):
+        """Upper Cholesky factor of (L L^T)^-1."""
+        li = np.linalg.inv(low)
+        hinv = li.T @ li
+        hinv = (hinv + hinv.T) * 0.5
+        try:
+            return np.linalg.cholesky(hinv).T.copy()
+        except np.linalg.LinAlgError:
+            return None
+
+    @staticmethod
+    def argsort_desc(d):
+        return np.argsort(-d, kind="stable")
+
+    @staticmethod
+    def finite(x) -> bool:
+        return bool(np.isfinite(x).all())
+
+    @staticmethod
+    def item(x) -> float:
+        return float(x)
+
+    @staticmethod
+    def diag(x):
+        return np.diagonal(x).copy()
+
+    @staticmethod
+    def index(idx, like):
+        return np.asarray(idx, dtype=np.int64)
+
+
+class _Torch:
+    name = "torch"
+
+    def __init__(self, t):
+        self.t = t
+        self.f32, self.f64 = t.float32, t.float64
+
+    def cast(self, x, dt):
+        return x.detach().to(dt).clone()
+
+    def zeros(self, shape, dt, like):
+        return self.t.zeros(shape, dtype=dt, device=like.device)
+
+    def eye(self, n, dt, like):
+        return self.t.eye(n, dtype=dt, device=like.device)
+
+    def cholesky_lower(self, h):
+        low, info = self.t.linalg.cholesky_ex(h)
+        return low if int(info) == 0 else None
+
+    def inv_upper_chol(self, low):
+        hinv = self.t.cholesky_inverse(low)
+        up, info = self.t.linalg.cholesky_ex(hinv, upper=True)
+        return up if int(info) == 0 else None
+
+    def argsort_desc(self, d):
+        return self.t.argsort(d, descending=True, stable=True)
+
+    def finite(self, x) -> bool:
+        return bool(self.t.isfinite(x).all())
+
+    @staticmethod
+    def item(x) -> float:
+        return float(x)
+
+    def diag(self, x):
+        return self.t.diagonal(x).clone()
+
+    def index(self, idx, like):
+        return self.t.as_tensor(np.asarray(idx, dtype=np.int64), device=like.device)
+
+
+def _lib(x):
+    if is_torch(x):
+        import torch
+
+        return _Torch(torch)
+    return _Np
+
+
+def _as_array(x, name: str):
+    if is_torch(x):
+        return x
+    if isinstance(x, np.ndarray):
+        return x
+    try:
+        return np.asarray(x)
+    except Exception:
+        raise TypeError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}") from None
+
+
+def _to_numpy(x):
+    return x.detach().cpu().numpy() if is_torch(x) else np.asarray(x)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# statistics
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HessianStats:
+    """Running ``sum(x^T x)`` over calibration rows (float64 ``[n, n]``) and the number of rows ``count``.
+
+    ``hessian()`` is ``2 * sum / count`` (GPTQ's ``H``; its scale does not change the result)."""
+
+    sum: Any
+    count: int
+
+    @classmethod
+    def empty(cls, n: int, *, like: Any = None) -> "HessianStats":
+        """No rows yet, for ``n`` input features; ``like``: a torch tensor whose device the sum lives on."""
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            raise ValueError(f"n must be a positive int (the number of input features), got {n!r}")
+        lib = _lib(like) if like is not None else _Np
+        return cls(lib.zeros((int(n), int(n)), lib.f64, like), 0)
+
+    @property
+    def n(self) -> int:
+        return int(self.sum.shape[0])
+
+    def hessian(self):
+        if self.count == 0:
+            raise ValueError("HessianStats: no calibration rows were added (count == 0)")
+        return self.sum * (2.0 / self.count)
+
+
+def update_hessian(stats: HessianStats, x: Any) -> HessianStats:
+    """``stats`` plus the rows of ``x`` (shape ``[..., n]``): a new value, ``stats`` is unchanged."""
+    if not isinstance(stats, HessianStats):
+        raise TypeError(f"stats must be a HessianStats, got {type(stats).__name__}")
+    x = _as_array(x, "x")
+    if x.ndim < 1 or int(x.shape[-1]) != stats.n:
+        raise ValueError(f"x must have {stats.n} features on its last axis (the Hessian's size), got shape "
+                         f"{tuple(x.shape)}")
+    if is_torch(x) != is_torch(stats.sum):
+        raise TypeError("x and stats.sum must be the same kind of array (both numpy or both torch)")
+    lib = _lib(x)
+    rows = x.reshape(-1, stats.n)
+    if is_torch(x):
+        rows = rows.detach().to(device=stats.sum.device, dtype=lib.f32)
+    else:
+        rows = rows.astype(np.float32, copy=False)
+    prod = rows.T @ rows
+    if not lib.finite(prod.diagonal()):  # sum of squares per feature: NaN or Inf in x shows up here
+        raise ValueError("x holds NaN or Inf (or values whose squares overflow float32); Hessian statistics need "
+                         "finite activations")
+    prod = prod.to(lib.f64) if is_torch(prod) else prod.astype(np.float64)
+    return HessianStats(stats.sum + prod, stats.count + int(rows.shape[0]))
+
+
+def merge_hessians(a: HessianStats, b: HessianStats) -> HessianStats:
+    """The statistics of both row sets (``a.sum + b.sum``, ``a.count + b.count``)."""
+    for name, v in (("a", a), ("b", b)):
+        if not isinstance(v, HessianStats):
+            raise TypeError(f"{name} must be a HessianStats, got {type(v).__name__}")
+    if a.n != b.n:
+        raise ValueError(f"merge_hessians: sizes differ ({a.n} and {b.n})")
+    return HessianStats(a.sum + b.sum, a.count + b.count)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the algorithm
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class GPTQResult(NamedTuple):
+    """``qtensor``: the quantized weight (codes and scales of ``spec``); ``weight``: its dequantized values
+    (float32, the input's kind and device); ``damp``: the relative damping used (larger than asked when
+    the Hessian needed retries); ``loss``: GPTQ's objective ``sum((w - q)^2 / U[j, j]^2) / 2`` over columns."""
+
+    qtensor: QTensor
+    weight: Any
+    damp: float
+    loss: float
+
+
+def _group_width(spec: QuantSpec, n_in: int) -> Optional[int]:
+    """Width of the spec's scale groups along the input axis, or None when scales span whole rows."""
+    g = spec.granularity
+    if isinstance(g, PerTensor):
+        return None
+    if isinstance(g, PerChannel):
+        return None if g.axis % 2 == 0 else 1
+    if isinstance(g, PerGroup):
+        return g.size if g.axis % 2 == 1 else 1
+    if isinstance(g, PerBlock):
+        return int(g.shape[-1])
+    raise ValueError(f"spec granularity {g!r} is not supported by GPTQ")
+
+
+def check_gptq_spec(spec: QuantSpec, shape: tuple) -> QuantSpec:
+    """``spec`` if GPTQ can quantize a weight of ``shape`` ([out, in]) with it, else ValueError."""
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"spec must be a qcore.QuantSpec, got {type(spec).__name__}")
+    if len(shape) != 2:
+        raise ValueError(f"weight must be 2-D [out, in] (flatten convolution kernels first), got shape {shape}")
+    if spec.rounding is RoundingMode.STOCHASTIC:
+        raise ValueError(f"spec {spec.name or spec.dtype.name!r} rounds stochastically; GPTQ needs a deterministic "
+                         f"rounding (its error feedback is per column)")
+    if getattr(spec, "subblock_shift_bits", 0):
+        raise ValueError(f"spec {spec.name or spec.dtype.name!r} has shared micro-exponents (MX9/MX6/MX4); GPTQ "
+                         f"supports specs whose per-column quantization is fixed by a block scale")
+    g = spec.granularity
+    if isinstance(g, PerBlock) and len(g.shape) != 2:
+        raise ValueError(f"spec granularity {g!r}: GPTQ takes 2-D blocks on the [out, in] weight")
+    _group_width(spec, shape[1])
+    try:
+        spec.scale_shape(tuple(shape))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"spec {spec.name or spec.dtype.name!r} does not fit a weight of shape {shape}: {e}") from None
+    return spec
+
+
+def _check_positive(v, name, *, allow_zero=False):
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} finite number, got {v!r}")
+
+
+def gptq(weight: Any, hessian: Any, spec: QuantSpec, *, block_size: int = 128, damp: float = 0.01,
+         act_order: bool = False, static_groups: bool = False, max_retries: int = 8,
+         scale_fn: Optional[Callable[[Any], dict]] = None) -> GPTQResult:
+    """Quantize ``weight`` ([out, in], numpy or torch) with GPTQ against ``hessian`` (a ``HessianStats`` or an
+    ``[in, in]`` array) to ``spec``. See the module docstring for the algorithm.
+
+    ``scale_fn(w_part) -> dict``: optional scale rule (``quantize`` keyword arguments: ``scale``,
+    ``zero_point``) for a slice of the weight covering whole scale groups, used instead of the spec's own rule
+    (e.g. an MSE-clipped scale); ``tensor_scale`` of two-level specs is always the spec's own."""
+    weight = _as_array(weight, "weight")
+    if not (weight.dtype.is_floating_point if is_torch(weight) else np.issubdtype(weight.dtype, np.floating)):
+        raise TypeError(f"weight must be floating point, got dtype {weight.dtype}")
+    shape = tuple(int(s) for s in weight.shape)
+    check_gptq_spec(spec, shape)
+    if isinstance(hessian, HessianStats):
+        h_in = hessian.hessian()
+    else:
+        h_in = _as_array(hessian, "hessian")
+    if tuple(h_in.shape) != (shape[1], shape[1]):
+        raise ValueError(f"hessian must be [{shape[1]}, {shape[1]}] for a weight of shape {list(shape)}, got "
+                         f"{list(h_in.shape)}")
+    if is_torch(h_in) != is_torch(weight):
+        raise TypeError("weight and hessian must be the same kind of array (both numpy or both torch)")
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    _check_positive(damp, "damp", allow_zero=True)
+    if isinstance(max_retries, bool) or not isinstance(max_retries, numbers.Integral) or max_retries < 0:
+        raise ValueError(f"max_retries must be a non-negative int, got {max_retries!r}")
+    lib = _lib(weight)
+    if is_torch(weight):
+        h_in = h_in.to(weight.device)
+    if not lib.finite(h_in):
+        raise ValueError("hessian holds NaN or Inf")
+    if not lib.finite(weight):
+        raise ValueError("weight holds NaN or Inf")
+
+    n_out, n = shape
+    W = lib.cast(weight, lib.f32)
+    H = lib.cast(h_in, lib.f64)
+    H = (H + H.T) * 0.5
+    dg = lib.diag(H)
+    dead = dg == 0
+    if bool(dead.any()):
+        idx = lib.index(np.flatnonzero(_to_numpy(dead)), W)
+        H[idx, idx] = 1.0
+        W[:, idx] = 0.0
+
+    two_level = bool(spec.two_level)
+    tensor_scale = qcore.quantize(W, spec).tensor_scale if two_level else None
+    width = _group_width(spec, n)
+
+    def params_of(part):
+        """quantize() keyword arguments fixing the scales of ``part`` (whole groups of the weight)."""
+        if scale_fn is not None:
+            kw = dict(scale_fn(part))
+        else:
+            q = qcore.quantize(part, spec, tensor_scale=tensor_scale) if two_level else qcore.quantize(part, spec)
+            kw = {"scale": q.scales, "zero_point": q.zero_points}
+        if two_level:
+            kw["tensor_scale"] = tensor_scale
+        return kw
+
+    ngroups = 1 if width is None else -(-n // width)
+    group_params: list = [None] * ngroups
+    if width is None:
+        group_params[0] = params_of(W)
+    elif static_groups:
+        for gi in range(ngroups):
+            group_params[gi] = params_of(W[:, gi * width:min(n, (gi + 1) * width)])
+
+    perm = None
+    if act_order:
+        perm = lib.argsort_desc(lib.diag(H))
+        W = W[:, perm]
+        H = H[perm][:, perm]
+    perm_np = None if perm is None else _to_numpy(perm)
+    mean_diag = float(lib.item(lib.diag(H).mean()))
+
+    rel = float(damp)
+    U = None
+    eye = lib.eye(n, lib.f64, W)
+    for attempt in range(int(max_retries) + 1):
+        low = lib.cholesky_lower(H + eye * (rel * mean_diag))
+        U = lib.inv_upper_chol(low) if low is not None else None
+        if U is not None and lib.finite(U):
+            break
+        U = None
+        rel = max(rel * 10.0, 1e-6)
+    if U is None:
+        raise ValueError(f"GPTQ: the Hessian is not positive definite even with damping {rel:g} x mean(diag); "
+                         f"check the calibration data")
+    U = U.to(lib.f32) if is_torch(U) else U.astype(np.float32)
+
+    # column j (in processing order) -> original column, group
+    orig = np.arange(n) if perm_np is None else perm_np
+    group_of = np.zeros(n, np.int64) if width is None else orig // width
+    quantizers: dict = {}
+
+    row_spec = dataclasses.replace(spec, granularity=PerChannel(0))
+
+    def col_quantizer(gi):
+        f = quantizers.get(gi)
+        if f is None:
+            kw = group_params[gi]
+            if two_level:
+                def f(col, kw=kw):
+                    return qcore.fake_quantize(col, spec, **kw)
+            else:
+                # a column's elements each use their row's scale: the same element arithmetic as the spec's own
+                # granularity, through the direct per-row kernel (the final quantize() of the whole weight with
+                # the spec checks nothing changed)
+                like = W if is_torch(W) else None
+                f = qcore.fake_quantizer(row_spec, shape=(n_out, 1), scale=_per_row(kw["scale"], n_out),
+                                         zero_point=_per_row(kw.get("zero_point"), n_out), like=like)
+            quantizers[gi] = f
+        return f
+
+    Q = lib.zeros((n_out, n), lib.f32, W)
+    loss = 0.0
+    # processing position of each original column (to locate a group's columns in W during the loop)
+    pos_of = np.empty(n, np.int64)
+    pos_of[orig] = np.arange(n)
+    for i1 in range(0, n, block_size):
+        i2 = min(i1 + block_size, n)
+        W1 = W[:, i1:i2].clone() if is_torch(W) else W[:, i1:i2].copy()
+        Q1 = lib.zeros((n_out, i2 - i1), lib.f32, W)
+        Err1 = lib.zeros((n_out, i2 - i1), lib.f32, W)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            j = i1 + i
+            gi = int(group_of[j])
+            if group_params[gi] is None:
+                # first touch of this group: its current values (block columns from W1; later columns from W
+                # minus the updates of this block's columns so far, which the lazy batch has not applied yet)
+                cols = np.arange(gi * width, min(n, (gi + 1) * width))
+                p = pos_of[cols]
+                part = lib.zeros((n_out, len(cols)), lib.f32, W)
+                inb = (p >= i1) & (p < i2)
+                if inb.any():
+                    k = np.flatnonzero(inb)
+                    part[:, lib.index(k, W)] = W1[:, lib.index(p[inb] - i1, W)]
+                if (~inb).any():
+                    k = np.flatnonzero(~inb)
+                    pp = lib.index(p[~inb], W)
+                    cur = W[:, pp]
+                    if i > 0:
+                        cur = cur - Err1[:, :i] @ U[i1:j][:, pp]
+                    part[:, lib.index(k, W)] = cur
+                group_params[gi] = params_of(part)
+            w = W1[:, i:i + 1]
+            q = col_quantizer(gi)(w)
+            Q1[:, i:i + 1] = q
+            d = U1[i, i]
+            err = (w - q) / d
+            loss += float(lib.item((err * err).sum())) * 0.5
+            W1[:, i:] -= err @ U1[i:i + 1, i:]
+            Err1[:, i:i + 1] = err
+        Q[:, i1:i2] = Q1
+        if i2 < n:
+            W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+
+    if perm is not None:
+        inv = np.empty(n, np.int64)
+        inv[perm_np] = np.arange(n)
+        Q = Q[:, lib.index(inv, Q)]
+    final = _assemble(Q, spec, group_params, width, two_level, tensor_scale)
+    deq = qcore.dequantize(final)
+    same = bool((deq == Q).all()) if is_torch(Q) else bool(np.array_equal(deq, Q))
+    if not same:  # an internal error: the columns were not quantized as the spec quantizes the whole weight
+        raise RuntimeError(f"GPTQ: the quantized columns differ from quantize(spec={spec.name or spec.dtype.name}) "
+                           f"with the same scales; please report this")
+    return GPTQResult(final, deq, rel, loss)
+
+
+def _per_row(v, n_out: int):
+    """A group's scale (or zero point), shape [rows or row blocks, 1], as one value per weight row [n_out, 1]."""
+    if v is None:
+        return None
+    r = int(v.shape[0]) if getattr(v, "ndim", 0) else 1
+    if r == n_out:
+        return v.reshape(n_out, 1)
+    if r == 1:
+        return (v.reshape(1, 1).expand(n_out, 1) if is_torch(v) else np.broadcast_to(np.asarray(v).reshape(1, 1),
+                                                                                       (n_out, 1)))
+    rep = -(-n_out // r)
+    if is_torch(v):
+        return v.reshape(r, 1).repeat_interleave(rep, dim=0)[:n_out]
+    return np.repeat(np.asarray(v).reshape(r, 1), rep, axis=0)[:n_out]
+
+
+def _assemble(Q, spec, group_params, width, two_level, tensor_scale) -> QTensor:
+    """The QTensor of the whole quantized weight ``Q`` with the scales the loop used."""
+    if width is None:
+        kw = dict(group_params[0])
+    else:
+        cat = (lambda xs: __import__("torch").cat(xs, dim=1)) if is_torch(Q) else (lambda xs: np.concatenate(xs, 1))
+        scales = [_same_kind(p["scale"], Q) for p in group_params]
+        kw = {"scale": cat(scales)}
+        zps = [p.get("zero_point") for p in group_params]
+        kw["zero_point"] = None if zps[0] is None else cat([_same_kind(z, Q) for z in zps])
+        if two_level:
+            kw["tensor_scale"] = tensor_scale
+    kw = {k: v for k, v in kw.items() if v is not None}
+    return qcore.quantize(Q, spec, **kw)
+
+
+def _same_kind(v, like):
+    if is_torch(like):
+        import torch
+
+        return v if is_torch(v) else torch.as_tensor(np.asarray(v), device=like.device)
+    return _to_numpy(v)
