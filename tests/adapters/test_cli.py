@@ -45,7 +45,7 @@ def test_every_flag_end_to_end_then_inspect_and_eval_the_checkpoint(lm_dir, tmp_
     (out).mkdir()
     (out / "old.txt").write_text("replaced by --overwrite")
     argv = ["quantize", "--model", str(lm_dir), "--scheme", "w_uint4_per_group_asym", "--group-size", "32",
-            "--kv-cache-dtype", "fp8", "--exclude", "lm_head", "--calib-samples", "3", "--seq-len", "64",
+            "--kv-cache-dtype", "fp8", "--exclude", "lm_head", "--algo", "gptq", "--calib-samples", "3", "--seq-len", "64",
             "--eval", "ppl", "--eval-text", str(text), "--output", str(out), "--export", "hf", "--overwrite",
             "--max-shard-size", "40KB", "--report", str(rep), "--device", "cpu", "--dtype", "float32",
             "--no-progress"]
@@ -56,6 +56,9 @@ def test_every_flag_end_to_end_then_inspect_and_eval_the_checkpoint(lm_dir, tmp_
     assert code == 0, o.err
     r = json.loads(rep.read_text())
     assert r["output_dir"] == str(out) and r["quant_method"] == "quark" and r["export_format"] == "hf"
+    assert r["algorithms"] == ["gptq"]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["algo_config"][0]["name"] == "gptq" and "damp_percent" in qc["algo_config"][0]  # Quark's schema
     assert r["bytes_on_disk"] == sum(f.stat().st_size for f in out.iterdir())
     assert r["calibration_samples"] == 3 and r["ppl"] != r["ppl_baseline"] and min(r["ppl"], r["ppl_baseline"]) > 1
     assert not (out / "old.txt").exists() and len(list(out.glob("model-*.safetensors"))) > 1
