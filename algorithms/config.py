@@ -3,7 +3,7 @@
 
 ``parse_algorithm(d)`` turns one dict (with a ``"name"``) into one of:
 
-- ``GPTQConfig(block_size=128, damp=0.01, act_order=True, static_groups=False, true_sequential=True,
+- ``GPTQConfig(block_size=128, damp=0.01, act_order=True, static_groups=False, true_sequential=False,
   modules=(), decoder_layers=None)``; Quark keys: ``damp_percent``, ``desc_act``, ``static_groups``,
   ``block_size``, ``inside_layer_modules``, ``model_decoder_layers``.
 - ``AWQConfig(grid=20, clip=True, n_tokens=4096, scaling_layers=(), decoder_layers=None)``; Quark keys:
@@ -104,7 +104,7 @@ class GPTQConfig:
     damp: float = 0.01
     act_order: bool = True
     static_groups: bool = False
-    true_sequential: bool = True
+    true_sequential: bool = False
     modules: tuple = ()
     decoder_layers: Optional[str] = None
     name: str = field(default="gptq", init=False)

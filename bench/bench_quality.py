@@ -79,12 +79,13 @@ def fp32(model: torch.nn.Module) -> torch.nn.Module:
 #  ``calib`` for calibration-based methods. Names matching a key of E.SMOLLM2_REFERENCE_PPL get Quark's    #
 #  figure printed beside them.                                                                              #
 # ======================================================================================================== #
-def _preset(name: str, calib: CalibrationData, **kw) -> Quantize:
-    """``quantize_model`` with a preset; calibration on the protocol's windows (SmolLM2) or on the calibration
-    sentences (MiniLM) when the preset has static activation scales."""
+def _preset(name: str, calib: CalibrationData, *, algorithms: tuple = (), **kw) -> Quantize:
+    """``quantize_model`` with a preset (and ``algorithms``, e.g. ``({"name": "gptq"},)``); calibration on the
+    protocol's windows (SmolLM2) or on the calibration sentences (MiniLM) when the preset has static activation
+    scales or algorithms."""
     from qcore.adapters import preset, quantize_model
 
-    config = preset(name, **kw)
+    config = preset(name, **kw).replace(algorithms=tuple(algorithms))
 
     def run(model):
         if getattr(model.config, "model_type", "") == "bert":
@@ -118,6 +119,24 @@ def quantize_configs(calib: CalibrationData) -> dict[str, Quantize]:
         "W MXFP6 e2m3 / A MXFP6 e2m3 dynamic": _preset("w_mxfp6_e2m3_a_mxfp6_e2m3", calib),
         "nvfp4 (W+A)": _preset("nvfp4", calib),
         "int4 weight-only g128 sym (w_int4_per_group_sym)": _preset("w_int4_per_group_sym", calib),
+        **algorithm_configs(calib),
+    }
+
+
+def algorithm_configs(calib: CalibrationData) -> dict[str, Quantize]:
+    """Issue 10: GPTQ, AWQ, SmoothQuant and AutoSmoothQuant against the round-to-nearest rows above."""
+    from qcore import ScaleMode
+
+    gptq = ({"name": "gptq"},)
+    return {
+        "uint4 weight-only g64 asym + GPTQ": _preset("w_uint4_per_group_asym", calib, group_size=64, algorithms=gptq),
+        "uint4 weight-only g64 asym + GPTQ (Quark's: static groups)": _preset(
+            "w_uint4_per_group_asym", calib, group_size=64,
+            algorithms=({"name": "gptq", "static_groups": True, "true_sequential": False},)),
+        "W MXFP4 weight-only (even) + GPTQ": _preset("mxfp4_weight_only", calib, scale_mode=ScaleMode.EVEN,
+                                                     algorithms=gptq),
+        "int4 weight-only g32 sym RTN": _preset("int4_wo_32", calib),
+        "int4 weight-only g32 sym + GPTQ": _preset("int4_wo_32", calib, algorithms=gptq),
     }
 
 

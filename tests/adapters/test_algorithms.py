@@ -35,7 +35,7 @@ def setup(zoo):
     return model, data, test, ref
 
 
-@pytest.mark.parametrize("algo", [{"name": "gptq"}, {"name": "gptq", "true_sequential": False},
+@pytest.mark.parametrize("algo", [{"name": "gptq"}, {"name": "gptq", "true_sequential": True},
                                   {"name": "gptq", "act_order": False},
                                   {"name": "gptq", "desc_act": True, "static_groups": True}])
 def test_gptq_beats_round_to_nearest_on_the_model_output(setup, algo):
