@@ -1,0 +1,316 @@
+"""Where per-channel scales (AWQ, SmoothQuant) go in a model, and folding them in exactly.
+
+A *scaling group* is a set of Linears that read the same input ``x`` and the op that produces ``x``:
+``y_i = x W_i^T = (x / s) (W_i * s)^T``. Folding divides the producer's output by ``s`` (a norm's weight and
+bias, or a previous Linear's output rows and bias) and multiplies every reader's input columns by ``s``; in exact
+arithmetic the layer computes the same function, and only quantization sees the rescaled tensors.
+
+- ``ScalingGroup(prev_op, layers, inp, module2inspect)``: module names relative to one decoder layer, the fields
+  of an entry of Quark's ``scaling_layers`` (``ScalingGroup.from_quark(entry)`` reads one; ``module2inspect``:
+  the module whose output Quark measures, ``""`` = the whole layer, None = the single Linear; ``inp``: the module
+  whose input is the group's sample).
+- ``scaling_groups(layer, model_type=, quark_entries=)``: the groups of one decoder layer. Built in (detected
+  from the layer's structure):
+
+  * Llama-like layers (Llama, Mistral, Qwen2/3, SmolLM2, and any layer with ``self_attn.{q,k,v,o}_proj``,
+    ``mlp.{gate,up,down}_proj``, ``input_layernorm`` and ``post_attention_layernorm``): ``input_layernorm ->
+    q,k,v``; ``v_proj -> o_proj`` only without grouped-query attention (``v_proj.out_features ==
+    o_proj.in_features``); ``post_attention_layernorm -> gate,up``; ``up_proj -> down_proj``. A layer that also
+    has ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` (Gemma2/3 "sandwich" norms, where
+    ``post_attention_layernorm`` normalises the attention *output*) is not Llama-like; a ``self_attn.v_norm``
+    drops ``v_proj -> o_proj``.
+  * OPT (pre-norm, ``do_layer_norm_before=True``): ``self_attn_layer_norm -> q,k,v``; ``v_proj -> out_proj``
+    (same size rule); ``final_layer_norm -> fc1``; ``fc1 -> fc2`` only when the activation is ReLU (``relu(x /
+    s) = relu(x) / s`` for ``s > 0``; not true for GELU).
+
+  Anything else raises ValueError naming the layer type and asking for ``quark_entries`` (Quark's
+  ``scaling_layers``). Given ``quark_entries``, every named module must exist (ValueError otherwise), and a
+  Linear -> Linear entry whose sizes do not match (Quark's ``v_proj -> o_proj`` under grouped-query attention,
+  which Quark handles by a max over the query heads sharing a KV head) is left out, with a warning, rather
+  than folded wrongly.
+- ``fold_scales(layer, group, s)``: in place, all checks before any change; float64 arithmetic, cast back to
+  each parameter's dtype (so the float model changes only by that rounding). Foldable producers: a norm with a
+  per-channel weight (``nn.LayerNorm``, ``nn.RMSNorm``, any module whose class name ends in ``RMSNorm`` /
+  ``LayerNorm``; Gemma-style "unit offset" RMSNorms, ``x * (1 + w)``, fold as ``(w + 1) / s - 1`` as Quark does)
+  or an ``nn.Linear`` with ``out_features == len(s)``. Fold before a model is quantized (calibrated scales of a
+  wrapped Linear would not follow the change).
+
+Differences from Quark 0.13's ``apply_scale``: activations as producers (Quark's ``ScaledActivation`` for GELU)
+and grouped-query ``v_proj -> o_proj`` folds are not done; Quark's NaN assertions after folding are replaced by
+the checks before it (positive finite ``s``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["ScalingGroup", "scaling_groups", "fold_scales"]
+
+# RMSNorm classes computing normalize(x) * (1 + weight) (Quark 0.13's UNIT_OFFSET_NORM_CLASSES).
+_UNIT_OFFSET_NORMS = frozenset({
+    "GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "RecurrentGemmaRMSNorm", "VaultGemmaRMSNorm",
+    "T5GemmaRMSNorm", "T5Gemma2RMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "MuseGlimmerTextCenteredRMSNorm",
+})
+# model_type -> built-in structure (config.model_type of transformers models).
+_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "opt": "opt"}
+_QUARK_KEYS = {"prev_op", "layers", "inp", "module2inspect", "has_kwargs"}
+
+
+def _name(v: Any, what: str, *, empty_ok: bool = False) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"{what} must be a module name (str), got {v!r}")
+    if not v and not empty_ok:
+        raise ValueError(f"{what} must be a non-empty module name")
+    return v
+
+
+@dataclass(frozen=True)
+class ScalingGroup:
+    """Linears ``layers`` reading the output of ``prev_op`` (names relative to one decoder layer); ``inp``: the
+    module whose input is the group's calibration sample; ``module2inspect``: Quark's module whose output its
+    search measures (``""``: the whole layer; None: the single Linear)."""
+
+    prev_op: str
+    layers: tuple
+    inp: str
+    module2inspect: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _name(self.prev_op, "ScalingGroup.prev_op")
+        if isinstance(self.layers, str) or not isinstance(self.layers, (list, tuple)):
+            raise TypeError(f"ScalingGroup.layers must be a sequence of module names, got {self.layers!r}")
+        layers = tuple(_name(v, f"ScalingGroup.layers[{i}]") for i, v in enumerate(self.layers))
+        if not layers:
+            raise ValueError("ScalingGroup.layers must name at least one Linear")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"ScalingGroup.layers must be distinct, got {layers!r}")
+        if self.prev_op in layers:
+            raise ValueError(f"ScalingGroup.prev_op {self.prev_op!r} is also one of its layers")
+        object.__setattr__(self, "layers", layers)
+        _name(self.inp, "ScalingGroup.inp")
+        if self.module2inspect is not None:
+            _name(self.module2inspect, "ScalingGroup.module2inspect", empty_ok=True)
+
+    @classmethod
+    def from_quark(cls, entry: Mapping[str, Any]) -> "ScalingGroup":
+        """One entry of Quark's ``scaling_layers`` (keys ``prev_op``, ``layers``, ``inp``, optional
+        ``module2inspect``; Quark's ``has_kwargs`` is accepted and ignored). Unknown keys raise ValueError."""
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"a Quark scaling_layers entry must be a dict, got {entry!r}")
+        unknown = set(entry) - _QUARK_KEYS
+        if unknown:
+            raise ValueError(f"unknown key(s) {sorted(unknown)} in Quark scaling_layers entry {dict(entry)!r}; "
+                             f"expected {sorted(_QUARK_KEYS)}")
+        missing = {"prev_op", "layers", "inp"} - set(entry)
+        if missing:
+            raise ValueError(f"Quark scaling_layers entry {dict(entry)!r} lacks {sorted(missing)}")
+        return cls(entry["prev_op"], tuple(entry["layers"]) if isinstance(entry["layers"], list) else entry["layers"],
+                   entry["inp"], entry.get("module2inspect"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# architecture map
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _get(layer: nn.Module, name: str) -> Optional[nn.Module]:
+    try:
+        return layer.get_submodule(name) if name else layer
+    except AttributeError:
+        return None
+
+
+def _linears(layer: nn.Module, names: Iterable[str]) -> bool:
+    return all(isinstance(_get(layer, n), nn.Linear) for n in names)
+
+
+def _sizes_match(layer: nn.Module, prev: str, nxt: str) -> bool:
+    return _get(layer, prev).out_features == _get(layer, nxt).in_features
+
+
+def _llama_groups(layer: nn.Module) -> Optional[list]:
+    attn = [f"self_attn.{p}_proj" for p in "qkvo"]
+    mlp = [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
+    norms = ("input_layernorm", "post_attention_layernorm")
+    if not (_linears(layer, attn + mlp) and all(_get(layer, n) is not None for n in norms)):
+        return None
+    if _get(layer, "pre_feedforward_layernorm") is not None or _get(layer, "post_feedforward_layernorm") is not None:
+        return None
+    groups = [ScalingGroup("input_layernorm", tuple(attn[:3]), "self_attn.q_proj", "self_attn")]
+    if _sizes_match(layer, "self_attn.v_proj", "self_attn.o_proj") and _get(layer, "self_attn.v_norm") is None:
+        groups.append(ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"))
+    groups.append(ScalingGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp.gate_proj", "mlp"))
+    groups.append(ScalingGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"))
+    return groups
+
+
+def _opt_groups(layer: nn.Module) -> Optional[list]:
+    attn = [f"self_attn.{p}_proj" for p in ("q", "k", "v", "out")]
+    if not (_linears(layer, attn + ["fc1", "fc2"]) and isinstance(_get(layer, "self_attn_layer_norm"), nn.LayerNorm)
+            and isinstance(_get(layer, "final_layer_norm"), nn.LayerNorm)):
+        return None
+    if getattr(layer, "do_layer_norm_before", None) is not True:
+        return None  # post-norm OPT (opt-350m): the norms act on the block outputs
+    groups = [ScalingGroup("self_attn_layer_norm", tuple(attn[:3]), "self_attn.q_proj", "self_attn")]
+    if _sizes_match(layer, "self_attn.v_proj", "self_attn.out_proj"):
+        groups.append(ScalingGroup("self_attn.v_proj", ("self_attn.out_proj",), "self_attn.out_proj"))
+    groups.append(ScalingGroup("final_layer_norm", ("fc1",), "fc1"))
+    if type(getattr(layer, "activation_fn", None)) is nn.ReLU:
+        groups.append(ScalingGroup("fc1", ("fc2",), "fc2"))
+    return groups
+
+
+_DETECTORS = {"llama": _llama_groups, "opt": _opt_groups}
+
+
+def _from_entries(layer: nn.Module, entries: Any) -> list:
+    if isinstance(entries, (str, bytes, Mapping)) or not isinstance(entries, Iterable):
+        raise TypeError(f"quark_entries must be a list of Quark scaling_layers dicts (or ScalingGroups), got "
+                        f"{type(entries).__name__}")
+    groups, dropped = [], []
+    for i, e in enumerate(entries):
+        g = e if isinstance(e, ScalingGroup) else ScalingGroup.from_quark(e)
+        for n in (g.prev_op, *g.layers, g.inp) + (() if g.module2inspect is None else (g.module2inspect,)):
+            if _get(layer, n) is None:
+                raise ValueError(f"quark_entries[{i}] names {n!r}, which {type(layer).__name__} does not have")
+        for n in g.layers:
+            if not isinstance(_get(layer, n), nn.Linear):
+                raise ValueError(f"quark_entries[{i}]: {n!r} is a {type(_get(layer, n)).__name__}, not an nn.Linear")
+        prev = _get(layer, g.prev_op)
+        if isinstance(prev, nn.Linear) and any(prev.out_features != _get(layer, n).in_features for n in g.layers):
+            dropped.append(g)
+            continue
+        groups.append(g)
+    if dropped:
+        warnings.warn(f"scaling_groups: left out {len(dropped)} group(s) whose Linear -> Linear sizes differ (e.g. "
+                      f"v_proj -> o_proj with grouped-query attention), which cannot be folded exactly: "
+                      f"{[(g.prev_op, g.layers) for g in dropped]}", stacklevel=3)
+    return groups
+
+
+def scaling_groups(layer: nn.Module, *, model_type: Optional[str] = None,
+                   quark_entries: Optional[Iterable[Any]] = None) -> list:
+    """The scaling groups of one decoder layer (module docstring), in Quark's order.
+
+    ``quark_entries``: Quark's ``scaling_layers`` (list of dicts, or ScalingGroups) to use instead of the built-in
+    map. ``model_type`` (``config.model_type``): with a built-in family (llama, mistral, qwen2, qwen3, opt) only
+    that family's structure is accepted; otherwise every built-in structure is tried.
+    """
+    if not isinstance(layer, nn.Module):
+        raise TypeError(f"layer must be a torch.nn.Module (one decoder layer), got {type(layer).__name__}")
+    if model_type is not None and not isinstance(model_type, str):
+        raise TypeError(f"model_type must be a str or None, got {model_type!r}")
+    if quark_entries is not None:
+        return _from_entries(layer, quark_entries)
+    family = _FAMILIES.get(model_type.lower()) if model_type else None
+    names = [family] if family else list(_DETECTORS)
+    for f in names:
+        groups = _DETECTORS[f](layer)
+        if groups is not None:
+            return groups
+    what = f"model_type {model_type!r}, " if model_type else ""
+    raise ValueError(f"no built-in scaling map for {what}layer type {type(layer).__name__} (built in: Llama-like and "
+                     "pre-norm OPT decoder layers); pass quark_entries= (Quark's scaling_layers: dicts with "
+                     "prev_op, layers, inp, module2inspect)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# folding
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _is_norm(m: nn.Module) -> bool:
+    n = type(m).__name__
+    return isinstance(m, (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))) or n.endswith(("RMSNorm", "LayerNorm"))
+
+
+def _scales(s: Any) -> torch.Tensor:
+    if isinstance(s, np.ndarray):
+        if s.dtype.kind != "f":
+            raise TypeError(f"s must be a floating-point array, got dtype {s.dtype}")
+        t = torch.from_numpy(np.ascontiguousarray(s, dtype=np.float64))
+    elif isinstance(s, torch.Tensor):
+        if not s.dtype.is_floating_point:
+            raise TypeError(f"s must be a floating-point tensor, got dtype {s.dtype}")
+        t = s.detach().to(torch.float64)
+    else:
+        raise TypeError(f"s must be a numpy array or a torch tensor of per-channel scales, got {type(s).__name__}")
+    if t.ndim != 1 or t.numel() == 0:
+        raise ValueError(f"s must be a non-empty 1-D array of per-channel scales, got shape {tuple(t.shape)}")
+    bad = ~(torch.isfinite(t) & (t > 0))
+    if bool(bad.any()):
+        j = int(bad.nonzero()[0, 0])
+        raise ValueError(f"s must hold positive finite scales, got s[{j}] = {float(t[j])!r}")
+    return t
+
+
+@torch.no_grad()
+def _assign(p: torch.Tensor, v: torch.Tensor) -> None:
+    p.copy_(v.to(p.dtype))
+
+
+def fold_scales(layer: nn.Module, group: ScalingGroup, s: Any) -> None:
+    """Fold per-channel scales ``s`` ([n], positive, finite; numpy or torch) into ``layer`` in place: the output
+    of ``group.prev_op`` is divided by ``s`` and each Linear of ``group.layers`` has its input columns multiplied
+    by ``s``, so the layer's float function is unchanged (up to rounding to the parameters' dtypes). Everything
+    is checked first (ValueError/TypeError, nothing changed): the names exist, the layers are nn.Linear with
+    ``in_features == n``, the producer is foldable (module docstring) with ``n`` output channels."""
+    if not isinstance(layer, nn.Module):
+        raise TypeError(f"layer must be a torch.nn.Module, got {type(layer).__name__}")
+    if not isinstance(group, ScalingGroup):
+        raise TypeError(f"group must be a ScalingGroup, got {type(group).__name__}")
+    st = _scales(s)
+    n = int(st.numel())
+    prev = _get(layer, group.prev_op)
+    if prev is None:
+        raise ValueError(f"group.prev_op {group.prev_op!r} is not a module of {type(layer).__name__}")
+    fcs = []
+    for name in group.layers:
+        fc = _get(layer, name)
+        if fc is None:
+            raise ValueError(f"group.layers names {name!r}, which {type(layer).__name__} does not have")
+        if not isinstance(fc, nn.Linear):
+            raise ValueError(f"group.layers: {name!r} is a {type(fc).__name__}, not an nn.Linear")
+        if fc.in_features != n:
+            raise ValueError(f"group.layers: {name!r} has in_features={fc.in_features}, but s has {n} channels")
+        fcs.append(fc)
+    if isinstance(prev, nn.Linear):
+        if prev.out_features != n:
+            raise ValueError(f"group.prev_op {group.prev_op!r} is a Linear with out_features={prev.out_features}, "
+                             f"but s has {n} channels (grouped-query v_proj -> o_proj cannot be folded exactly)")
+        kind = "linear"
+    elif _is_norm(prev):
+        w = getattr(prev, "weight", None)
+        if not isinstance(w, torch.Tensor) or w.ndim != 1 or w.numel() != n:
+            got = "no weight" if w is None else f"weight of shape {tuple(w.shape)}"
+            raise ValueError(f"group.prev_op {group.prev_op!r} ({type(prev).__name__}) needs a per-channel weight of "
+                             f"{n} values to fold into, got {got}")
+        b = getattr(prev, "bias", None)
+        if isinstance(b, torch.Tensor) and (b.ndim != 1 or b.numel() != n):
+            raise ValueError(f"group.prev_op {group.prev_op!r}: bias of shape {tuple(b.shape)}, expected ({n},)")
+        kind = "norm"
+    else:
+        raise ValueError(f"group.prev_op {group.prev_op!r} is a {type(prev).__name__}: scales fold only into a "
+                         "norm with a per-channel weight or an nn.Linear")
+
+    with torch.no_grad():
+        if kind == "linear":
+            sd = st.to(prev.weight.device)
+            _assign(prev.weight, prev.weight.to(torch.float64) / sd[:, None])
+            if prev.bias is not None:
+                _assign(prev.bias, prev.bias.to(torch.float64) / sd.to(prev.bias.device))
+        else:
+            c = 1.0 if type(prev).__name__ in _UNIT_OFFSET_NORMS else 0.0
+            w = prev.weight
+            _assign(w, (w.to(torch.float64) + c) / st.to(w.device) - c)
+            b = getattr(prev, "bias", None)
+            if isinstance(b, torch.Tensor):
+                _assign(b, b.to(torch.float64) / st.to(b.device))
+        for fc in fcs:
+            _assign(fc.weight, fc.weight.to(torch.float64) * st.to(fc.weight.device)[None, :])
