@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["ScalingGroup", "scaling_groups", "fold_scales"]
+__all__ = ["ScalingGroup", "scaling_groups", "fold_scales", "check_fold"]
 
 # RMSNorm classes computing normalize(x) * (1 + weight) (Quark 0.13's UNIT_OFFSET_NORM_CLASSES).
 _UNIT_OFFSET_NORMS = frozenset({
@@ -255,18 +255,13 @@ def _assign(p: torch.Tensor, v: torch.Tensor) -> None:
     p.copy_(v.to(p.dtype))
 
 
-def fold_scales(layer: nn.Module, group: ScalingGroup, s: Any) -> None:
-    """Fold per-channel scales ``s`` ([n], positive, finite; numpy or torch) into ``layer`` in place: the output
-    of ``group.prev_op`` is divided by ``s`` and each Linear of ``group.layers`` has its input columns multiplied
-    by ``s``, so the layer's float function is unchanged (up to rounding to the parameters' dtypes). Everything
-    is checked first (ValueError/TypeError, nothing changed): the names exist, the layers are nn.Linear with
-    ``in_features == n``, the producer is foldable (module docstring) with ``n`` output channels."""
+def check_fold(layer: nn.Module, group: ScalingGroup, n: int) -> tuple:
+    """The checks of ``fold_scales`` for ``n`` channels, changing nothing: ``(kind, producer, linears)`` with
+    kind ``"norm"`` or ``"linear"``; ValueError/TypeError naming what cannot be folded."""
     if not isinstance(layer, nn.Module):
         raise TypeError(f"layer must be a torch.nn.Module, got {type(layer).__name__}")
     if not isinstance(group, ScalingGroup):
         raise TypeError(f"group must be a ScalingGroup, got {type(group).__name__}")
-    st = _scales(s)
-    n = int(st.numel())
     prev = _get(layer, group.prev_op)
     if prev is None:
         raise ValueError(f"group.prev_op {group.prev_op!r} is not a module of {type(layer).__name__}")
@@ -299,6 +294,17 @@ def fold_scales(layer: nn.Module, group: ScalingGroup, s: Any) -> None:
         raise ValueError(f"group.prev_op {group.prev_op!r} is a {type(prev).__name__}: scales fold only into a "
                          "norm with a per-channel weight or an nn.Linear")
 
+    return kind, prev, fcs
+
+
+def fold_scales(layer: nn.Module, group: ScalingGroup, s: Any) -> None:
+    """Fold per-channel scales ``s`` ([n], positive, finite; numpy or torch) into ``layer`` in place: the output
+    of ``group.prev_op`` is divided by ``s`` and each Linear of ``group.layers`` has its input columns multiplied
+    by ``s``, so the layer's float function is unchanged (up to rounding to the parameters' dtypes). Everything
+    is checked first (ValueError/TypeError, nothing changed): the names exist, the layers are nn.Linear with
+    ``in_features == n``, the producer is foldable (module docstring) with ``n`` output channels."""
+    st = _scales(s)
+    kind, prev, fcs = check_fold(layer, group, int(st.numel()))
     with torch.no_grad():
         if kind == "linear":
             sd = st.to(prev.weight.device)

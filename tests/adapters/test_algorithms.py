@@ -147,3 +147,91 @@ def test_gptq_with_weight_and_static_activation_scales(setup):
     qcore.adapters.calibrate(g, data, progress=False)  # calibrating the final model again changes nothing
     for n, x in mods.items():
         assert torch.equal(x.input_scale, scales[n]), n
+
+
+@pytest.fixture(scope="module")
+def outliers(zoo):
+    """A tiny Llama (no grouped-query attention) whose norms make a few activation channels large, as in real
+    LLMs: the case SmoothQuant and AWQ are for."""
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.input_layernorm.weight[:4] *= 20
+            layer.post_attention_layernorm.weight[3:6] *= 15
+    data = zoo.token_batches(8, seed=1, batch=2, seq=32)
+    test = zoo.token_batches(1, seed=2, batch=4, seq=32)[0]
+    with torch.no_grad():
+        ref = model(test).logits
+    return model, data, test, ref
+
+
+def test_smoothquant_and_autosmoothquant_beat_plain_w8a8(outliers):
+    model, data, test, ref = outliers
+    cfg = preset("int8")  # W8A8 int8 per-tensor, static activation scales
+    plain = _mse(quantize_model(copy.deepcopy(model), cfg, data, progress=False), ref, test)
+    sq = _mse(quantize_model(copy.deepcopy(model), cfg.replace(algorithms=({"name": "smoothquant"},)), data,
+                             progress=False), ref, test)
+    auto = _mse(quantize_model(copy.deepcopy(model), cfg.replace(algorithms=({"name": "autosmoothquant"},)), data,
+                               progress=False), ref, test)
+    assert sq < 0.6 * plain and auto < 0.6 * plain
+
+
+def test_awq_beats_round_to_nearest_and_combines_with_gptq(outliers):
+    model, data, test, ref = outliers
+    rtn = _mse(quantize_model(copy.deepcopy(model), _uint4(), progress=False), ref, test)
+    awq = _mse(quantize_model(copy.deepcopy(model), _uint4(algos=[{"name": "awq"}]), data, progress=False), ref, test)
+    both = _mse(quantize_model(copy.deepcopy(model), _uint4(algos=[{"name": "awq"}, {"name": "gptq"}]), data,
+                               progress=False), ref, test)
+    assert awq < 0.6 * rtn and both < 0.6 * rtn
+
+
+def test_smoothquant_leaves_the_float_function_unchanged(outliers):
+    """With nothing quantized but the (unused) scaling, the folded model computes the same function."""
+    model, data, test, ref = outliers
+    m = copy.deepcopy(model)
+    from qcore.adapters.quantizer import plan_model
+    plans = plan_model(m, preset("int8"))
+    sequential.run_algorithms(m, plans, [{"name": "smoothquant", "alpha": 0.7}], data, progress=False)
+    assert not torch.equal(m.model.layers[0].input_layernorm.weight, model.model.layers[0].input_layernorm.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(m(test).logits, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_scaling_checks_run_before_any_weight_changes(setup, zoo):
+    model, data, _, _ = setup
+    m = copy.deepcopy(model)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(ValueError, match="autosmoothquant: .*needs weight and input quantization"):
+        quantize_model(m, _uint4(algos=[{"name": "autosmoothquant"}]), data, progress=False)
+    with pytest.raises(ValueError, match="awq: model.layers.0.mlp.up_proj gets no weight quantization"):
+        quantize_model(m, _uint4(algos=[{"name": "gptq"}, {"name": "awq"}]).replace(exclude=("lm_head", "*up_proj")),
+                       data, progress=False)
+    with pytest.raises(ValueError, match="names 'mlp.nope'"):
+        quantize_model(m, _uint4(algos=[{"name": "awq", "scaling_layers": [
+            {"prev_op": "post_attention_layernorm", "layers": ["mlp.nope"], "inp": "mlp.nope"}]}]), data,
+            progress=False)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    bert = zoo.tiny_bert()
+    with pytest.raises(ValueError, match="no built-in scaling map .*BertLayer.*scaling_layers"):
+        quantize_model(bert, preset("int8").replace(algorithms=({"name": "smoothquant"},)),
+                       [torch.randint(0, 128, (2, 8))], progress=False)
+
+
+def test_gptq_on_an_encoder(zoo):
+    """BERT layers take (hidden_states, attention_mask, ...): the layer-by-layer driver replays them too."""
+    bert = zoo.tiny_bert()
+    data = [{"input_ids": b, "attention_mask": torch.ones_like(b)} for b in zoo.token_batches(6, seed=3, seq=16)]
+    test = zoo.token_batches(1, seed=4, batch=4, seq=16)[0]
+    with torch.no_grad():
+        ref = bert(test).last_hidden_state
+    cfg = preset("int4_wo_32").replace(exclude=())
+    errs = []
+    for algos in ((), ({"name": "gptq"},)):
+        m = quantize_model(copy.deepcopy(bert), cfg.replace(algorithms=algos), data, progress=False)
+        with torch.no_grad():
+            errs.append(float((m(test).last_hidden_state - ref).pow(2).mean()))
+    assert errs[1] < errs[0]

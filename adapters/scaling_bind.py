@@ -1,0 +1,167 @@
+"""AWQ, SmoothQuant and AutoSmoothQuant bound to one decoder layer (called by ``qcore.adapters.sequential``).
+
+For each layer: the scaling groups (``qcore.adapters.scaling.scaling_groups``: detected, or Quark's
+``scaling_layers``) are resolved; one forward of the layer over its kept inputs records, for each group's input,
+the per-channel max |x| over every token and an evenly spaced sample of ``n_tokens`` token rows (AWQ,
+AutoSmoothQuant); then per group, in order:
+
+- SmoothQuant: ``s = smoothquant_scales(max|x|, max|W|, alpha, clamp_min)``;
+- AutoSmoothQuant: ``s`` of the alpha minimising the quantized output error on the sample (the layers' weight
+  specs and the input's activation spec, applied dynamically), identity included;
+- AWQ: ``s`` from ``awq_search`` over the group's weight specs, then (``clip``) ``awq_clip`` of each Linear on the
+  rescaled sample, except the query and key projections (their errors are amplified by the attention scores;
+  AutoAWQ and Quark skip them too);
+
+and ``s`` is folded into the preceding op (``fold_scales``: exact in float arithmetic). All groups' statistics
+come from the float layer before any fold, as AutoAWQ does: a fold leaves the float function unchanged, so the
+statistics of later groups only miss the clipping of earlier ones.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from qcore.algorithms.awq import awq_clip, awq_search
+from qcore.algorithms.config import AutoSmoothQuantConfig, AWQConfig, SmoothQuantConfig
+from qcore.algorithms.smoothquant import SmoothLoss, auto_smoothquant, smoothquant_scales, weight_absmax
+
+from .modules import _act_granularity, _norm_weight_granularity, _with_granularity
+from .scaling import ScalingGroup, check_fold, fold_scales, scaling_groups
+
+__all__ = ["check_scaling", "apply_scaling"]
+
+_NO_CLIP = ("q_proj", "k_proj", "query", "key", "q", "k", "qkv_proj", "Wqkv", "c_attn")
+
+
+def _entries(algo) -> Optional[list]:
+    if not algo.scaling_layers:
+        return None
+    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in e} for e in algo.scaling_layers]
+
+
+def _groups(layer: nn.Module, algo, prefix: str) -> list[ScalingGroup]:
+    try:
+        return scaling_groups(layer, quark_entries=_entries(algo))
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{algo.name}: decoder layer {prefix!r}: {e}") from None
+
+
+def _wspec(layer, plan, name):
+    m = layer.get_submodule(name)
+    spec = plan.config.weight.spec
+    g = _norm_weight_granularity(spec.granularity, "Linear", name, m.weight.dim(), tuple(m.weight.shape))
+    return _with_granularity(spec, g)
+
+
+def _ispec(plan):
+    tc = plan.config.input
+    return _with_granularity(tc.spec, _act_granularity(tc.spec.granularity, False))
+
+
+def check_scaling(layer: nn.Module, lplans: dict, algo, prefix: str) -> None:
+    """Everything ``apply_scaling`` needs from this layer, checked before any weight changes."""
+    groups = _groups(layer, algo, prefix)
+    for g in groups:
+        n = layer.get_submodule(g.layers[0]).in_features
+        try:
+            check_fold(layer, g, n)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{algo.name}: decoder layer {prefix!r}: {e}") from None
+        for name in g.layers:
+            plan = lplans.get(name)
+            if isinstance(algo, AWQConfig) and (plan is None or plan.config.weight is None):
+                raise ValueError(f"awq: {prefix}.{name} gets no weight quantization from the config; AWQ scales the "
+                                 f"weights of quantized Linears (exclude the whole group, or quantize it)")
+            if isinstance(algo, AutoSmoothQuantConfig) and (plan is None or plan.config.weight is None
+                                                            or plan.config.input is None):
+                raise ValueError(f"autosmoothquant: {prefix}.{name} needs weight and input quantization (its search "
+                                 f"measures the quantized matmul); use smoothquant with a fixed alpha instead")
+
+
+class _Recorder:
+    """Per-channel max |x| and an evenly spaced row sample of one module's input over the layer's batches."""
+
+    def __init__(self, stride: int, want_sample: bool):
+        self.stride, self.want = stride, want_sample
+        self.absmax = None
+        self.rows: list = []
+        self.seen = 0
+
+    def __call__(self, mod, args):
+        x = args[0].detach()
+        x = x.reshape(-1, x.shape[-1]).float()
+        a = x.abs().amax(0)
+        self.absmax = a if self.absmax is None else torch.maximum(self.absmax, a)
+        if self.want:
+            start = (-self.seen) % self.stride
+            self.rows.append(x[start::self.stride].clone())
+        self.seen += x.shape[0]
+
+    def sample(self):
+        return torch.cat(self.rows, 0) if self.rows else None
+
+
+def _tokens(inputs) -> int:
+    total = 0
+    for args, kwargs in zip(inputs.args, inputs.kwargs):
+        h = args[0] if args else kwargs["hidden_states"]
+        total += h.numel() // h.shape[-1]
+    return total
+
+
+def apply_scaling(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, *, reduce=None) -> None:
+    """Run ``algo`` (SmoothQuant, AutoSmoothQuant or AWQ config) on one decoder layer in place."""
+    from .sequential import _forward_layer
+
+    if reduce is not None:
+        raise ValueError(f"{algo.name} is not supported with distributed calibration yet (its searches need every "
+                         f"rank's samples); run it in one process")
+    groups = _groups(layer, algo, prefix)
+    if not groups:
+        return
+    want = not isinstance(algo, SmoothQuantConfig)
+    n_tok = getattr(algo, "n_tokens", 1)
+    stride = max(1, -(-_tokens(inputs) // n_tok)) if want else 1
+    recs: dict[str, _Recorder] = {}
+    hooks = []
+    for g in groups:
+        inp = g.inp or g.layers[0]
+        if inp not in recs:
+            recs[inp] = _Recorder(stride, want)
+            hooks.append(layer.get_submodule(inp).register_forward_pre_hook(recs[inp]))
+    try:
+        _forward_layer(layer, inputs, keep=False)
+    finally:
+        for h in hooks:
+            h.remove()
+
+    for g in groups:
+        rec = recs[g.inp or g.layers[0]]
+        mods = [layer.get_submodule(n) for n in g.layers]
+        ws = [m.weight.detach().float() for m in mods]
+        if isinstance(algo, SmoothQuantConfig):
+            s = smoothquant_scales(rec.absmax, weight_absmax(ws), alpha=algo.alpha, clamp_min=algo.clamp_min)
+        elif isinstance(algo, AutoSmoothQuantConfig):
+            r = auto_smoothquant(rec.sample(), ws, weight_spec=[_wspec(layer, lplans[n], n) for n in g.layers],
+                                 input_spec=_ispec(lplans[g.layers[0]]), loss=SmoothLoss(algo.loss),
+                                 act_absmax=rec.absmax)
+            s = r.scales
+        else:
+            specs = [_wspec(layer, lplans[n], n) for n in g.layers]
+            x = rec.sample()
+            s = awq_search(x, ws, specs, grid=algo.grid).scales
+        fold_scales(layer, g, s)
+        if isinstance(algo, AWQConfig) and algo.clip:
+            xs = x / s.to(x.dtype)
+            for n, m, spec in zip(g.layers, mods, specs):
+                if n.rsplit(".", 1)[-1] in _NO_CLIP:
+                    continue
+                try:
+                    clipped = awq_clip(xs, m.weight.detach().float(), spec, grid=algo.grid)
+                except ValueError:
+                    continue  # specs whose scales couple rows (per-tensor, 2-D blocks): no clipping search
+                with torch.no_grad():
+                    m.weight.copy_(clipped.to(m.weight.dtype))
