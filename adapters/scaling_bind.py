@@ -26,7 +26,7 @@ from torch import nn
 
 from qcore.algorithms.awq import awq_clip, awq_search
 from qcore.algorithms.config import AutoSmoothQuantConfig, AWQConfig, SmoothQuantConfig
-from qcore.algorithms.smoothquant import SmoothLoss, auto_smoothquant, smoothquant_scales, weight_absmax
+from qcore.algorithms.smoothquant import auto_smoothquant, smoothquant_scales, weight_absmax
 
 from .modules import _act_granularity, _norm_weight_granularity, _with_granularity
 from .scaling import ScalingGroup, check_fold, fold_scales, scaling_groups
@@ -146,7 +146,7 @@ def apply_scaling(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, *, 
             s = smoothquant_scales(rec.absmax, weight_absmax(ws), alpha=algo.alpha, clamp_min=algo.clamp_min)
         elif isinstance(algo, AutoSmoothQuantConfig):
             r = auto_smoothquant(rec.sample(), ws, weight_spec=[_wspec(layer, lplans[n], n) for n in g.layers],
-                                 input_spec=_ispec(lplans[g.layers[0]]), loss=SmoothLoss(algo.loss),
+                                 input_spec=_ispec(lplans[g.layers[0]]), loss=algo.loss,
                                  act_absmax=rec.absmax)
             s = r.scales
         else:

@@ -1,4 +1,5 @@
-"""qcore.algorithms: reserved for quantization algorithms as pure functions over weights and statistics.
-Depends on qcore only. So far: ``metrics`` (perplexity math, MSE, SQNR, cosine), ``awq`` (AWQ scale and clipping
-search), ``smoothquant`` (SmoothQuant scales, AutoSmoothQuant); GPTQ and rotations are planned. Scales are folded
-into models by ``qcore.adapters.scaling``."""
+"""qcore.algorithms: quantization algorithms as pure functions over weights and statistics (numpy or torch).
+Depends on qcore only: ``metrics`` (perplexity math, MSE, SQNR, cosine), ``gptq`` (Hessian statistics, GPTQ),
+``awq`` (AWQ scale and clipping search), ``smoothquant`` (SmoothQuant scales, AutoSmoothQuant), ``config``
+(their settings, qcore's and Quark's ``algo_config`` keys). Bound to models one decoder layer at a time by
+``qcore.adapters.sequential``; scales are folded into models by ``qcore.adapters.scaling``."""

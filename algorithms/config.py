@@ -10,7 +10,7 @@
   ``scaling_layers``, ``model_decoder_layers`` (Quark's AWQ has no clip switch; its recipes search clipping).
 - ``SmoothQuantConfig(alpha=0.5, clamp_min=1e-5, scaling_layers=(), decoder_layers=None)``; Quark name
   ``"smooth"``, keys ``alpha``, ``scale_clamp_min``, ``scaling_layers``, ``model_decoder_layers``.
-- ``AutoSmoothQuantConfig(loss="mse", n_tokens=4096, scaling_layers=(), decoder_layers=None)``; Quark keys
+- ``AutoSmoothQuantConfig(loss=SmoothLoss.MSE, n_tokens=4096, scaling_layers=(), decoder_layers=None)``; Quark keys
   ``compute_scale_loss`` ("MSE"/"MAE"), ``scaling_layers``, ``model_decoder_layers``.
 
 Unknown keys are refused (naming the key and the known ones), except Quark bookkeeping keys that change nothing
@@ -25,6 +25,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
+
+from .smoothquant import SmoothLoss
 
 __all__ = ["GPTQConfig", "AWQConfig", "SmoothQuantConfig", "AutoSmoothQuantConfig", "AlgorithmConfig",
            "parse_algorithm", "parse_algorithms", "ALGORITHM_NAMES"]
@@ -189,27 +191,30 @@ class AutoSmoothQuantConfig:
     """SmoothQuant with ``alpha`` searched per scaling group, minimising the quantized output's ``loss``
     ("mse" or "mae") on ``n_tokens`` sampled calibration tokens."""
 
-    loss: str = "mse"
+    loss: SmoothLoss = SmoothLoss.MSE
     n_tokens: int = 4096
     scaling_layers: tuple = ()
     decoder_layers: Optional[str] = None
     name: str = field(default="autosmoothquant", init=False)
 
     def __post_init__(self):
-        if not isinstance(self.loss, str) or self.loss.lower() not in ("mse", "mae"):
-            raise ValueError(f"AutoSmoothQuantConfig.loss must be 'mse' or 'mae', got {self.loss!r}")
-        object.__setattr__(self, "loss", self.loss.lower())
+        loss = self.loss
+        if isinstance(loss, str) and loss.lower() in ("mse", "mae"):  # JSON / Quark's "MSE", "MAE"
+            loss = SmoothLoss(loss.lower())
+        if not isinstance(loss, SmoothLoss):
+            raise ValueError(f"AutoSmoothQuantConfig.loss must be 'mse' or 'mae' (SmoothLoss), got {self.loss!r}")
+        object.__setattr__(self, "loss", loss)
         _int(self.n_tokens, "AutoSmoothQuantConfig.n_tokens")
         object.__setattr__(self, "scaling_layers",
                            _scaling_layers(self.scaling_layers, "AutoSmoothQuantConfig.scaling_layers"))
         _layers_path(self.decoder_layers, "AutoSmoothQuantConfig.decoder_layers")
 
     def to_dict(self) -> dict:
-        return {"name": "autosmoothquant", "loss": self.loss, "n_tokens": self.n_tokens,
+        return {"name": "autosmoothquant", "loss": self.loss.value, "n_tokens": self.n_tokens,
                 "scaling_layers": _entries(self.scaling_layers), "decoder_layers": self.decoder_layers}
 
     def to_quark(self) -> dict:
-        return {"name": "autosmoothquant", "compute_scale_loss": self.loss.upper(),
+        return {"name": "autosmoothquant", "compute_scale_loss": self.loss.value.upper(),
                 "scaling_layers": _entries(self.scaling_layers), "model_decoder_layers": self.decoder_layers}
 
 

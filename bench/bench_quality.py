@@ -135,6 +135,16 @@ def algorithm_configs(calib: CalibrationData) -> dict[str, Quantize]:
             algorithms=({"name": "gptq", "static_groups": True, "true_sequential": False},)),
         "W MXFP4 weight-only (even) + GPTQ": _preset("mxfp4_weight_only", calib, scale_mode=ScaleMode.EVEN,
                                                      algorithms=gptq),
+        "uint4 weight-only g64 asym + AWQ": _preset("w_uint4_per_group_asym", calib, group_size=64,
+                                                    algorithms=({"name": "awq"},)),
+        "uint4 weight-only g64 asym + AWQ + GPTQ": _preset("w_uint4_per_group_asym", calib, group_size=64,
+                                                           algorithms=({"name": "awq"}, {"name": "gptq"})),
+        "int8 W8A8 per-tensor static + SmoothQuant a=0.5": _preset("int8", calib,
+                                                                   algorithms=({"name": "smoothquant"},)),
+        "int8 W8A8 per-tensor static + SmoothQuant a=0.8": _preset(
+            "int8", calib, algorithms=({"name": "smoothquant", "alpha": 0.8},)),
+        "int8 W8A8 per-tensor static + AutoSmoothQuant": _preset("int8", calib,
+                                                                 algorithms=({"name": "autosmoothquant"},)),
         "int4 weight-only g32 sym RTN": _preset("int4_wo_32", calib),
         "int4 weight-only g32 sym + GPTQ": _preset("int4_wo_32", calib, algorithms=gptq),
     }

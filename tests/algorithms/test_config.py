@@ -35,7 +35,7 @@ def test_quark_smooth_awq_autosmooth():
     a = parse_algorithm({"name": "awq", "scaling_layers": SCALING, "model_decoder_layers": "model.layers"})
     assert isinstance(a, AWQConfig) and parse_algorithm(a.to_dict()) == a
     z = parse_algorithm({"name": "autosmoothquant", "compute_scale_loss": "MAE"})
-    assert isinstance(z, AutoSmoothQuantConfig) and z.loss == "mae" and z.to_quark()["compute_scale_loss"] == "MAE"
+    assert isinstance(z, AutoSmoothQuantConfig) and z.loss.value == "mae" and z.to_quark()["compute_scale_loss"] == "MAE"
 
 
 def test_names_list_as_the_command_line_gives_it():
