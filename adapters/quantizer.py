@@ -342,6 +342,12 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     if not isinstance(qat, bool):
         raise TypeError(f"qat must be a bool, got {qat!r}")
     plans = plan_model(model, config)
+    meta = [n for n, t in model.named_parameters() if t.is_meta]
+    if meta:
+        raise ValueError(f"quantize_model: {len(meta)} parameters are on the meta device (e.g. {meta[0]!r}): offloaded "
+                         f"by accelerate (a device_map with 'cpu' or 'disk' entries) or never loaded; quantize_model "
+                         f"needs every weight in memory (on any devices). For a model larger than memory use "
+                         f"qcore.adapters.streaming.quantize_checkpoint")
     static = [f"{p.name}.{r}" for p in plans for r in ("input", "output")
               if isinstance(getattr(p.config, r), TensorConfig) and getattr(p.config, r).calibrated]
     if static and data is None:

@@ -1,5 +1,6 @@
-"""Distributed calibration (``qcore.adapters.distributed``): 2 gloo ranks on CPU, each holding half of the
-calibration batches, give bit for bit the weights and scales of one process holding all of them."""
+"""Beyond one process: distributed calibration (``qcore.adapters.distributed``: 2 gloo ranks on CPU, each holding
+half of the calibration batches, give bit for bit the weights and scales of one process holding all of them) and
+models placed on several devices with accelerate (the hooks ``device_map`` installs, exercised on CPU)."""
 
 import os
 import pathlib
@@ -13,7 +14,7 @@ pytest.importorskip("transformers")
 
 import dist_worker  # noqa: E402  (tests/adapters, next to this file)
 
-from qcore.adapters import quantize_model  # noqa: E402
+from qcore.adapters import preset, quantize_model  # noqa: E402
 from qcore.adapters.distributed import Distributed, reduce_hessian  # noqa: E402
 from qcore.algorithms.gptq import HessianStats, merge_hessians, update_hessian  # noqa: E402
 
@@ -117,3 +118,49 @@ def test_not_initialised_refused_before_work():
     assert all(torch.equal(a, b) for a, b in zip(before.values(), dist_worker.tensors(m).values()))
     with pytest.raises(TypeError, match="HessianStats"):
         reduce_hessian(torch.zeros(2, 2))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# several devices: placement with accelerate (device_map), exercised on CPU
+# ---------------------------------------------------------------------------------------------------------------
+
+DEVICE_MAP = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
+              "model.norm": "cpu", "lm_head": "cpu"}
+
+
+@pytest.mark.parametrize("scenario", ["ptpc_fp8", "gptq_static"])
+def test_model_placed_with_accelerate_hooks(scenario):
+    """``dispatch_model`` (what ``from_pretrained(device_map=...)`` does with several GPUs) puts an accelerate hook
+    on every module holding weights, replacing its ``forward`` on the instance. The wrappers take the hook over:
+    the result equals the unplaced model's (before, the wrappers ran the float module's forward: dynamic
+    activations were silently left unquantized and static ones never calibrated)."""
+    accelerate = pytest.importorskip("accelerate")
+    cfg = preset("ptpc_fp8") if scenario == "ptpc_fp8" else dist_worker.configs()["gptq_static"]
+    ref = dist_worker.tiny_llama()
+    quantize_model(ref, cfg, dist_worker.batches(), progress=False)
+    placed = accelerate.dispatch_model(dist_worker.tiny_llama(), device_map=DEVICE_MAP, force_hooks=True)
+    q = placed.model.layers[0].self_attn.q_proj
+    assert "_hf_hook" in q.__dict__ and "forward" in q.__dict__  # the hooks are really there
+    quantize_model(placed, cfg, dist_worker.batches(), progress=False)
+    q = placed.model.layers[0].self_attn.q_proj
+    assert q.__dict__["forward"].args[0] is q  # the hook now calls the wrapper
+    x = dist_worker.batches()[0]
+    with torch.no_grad():
+        assert torch.equal(placed(x).logits, ref(x).logits)
+
+
+def test_offloaded_weights_are_refused():
+    accelerate = pytest.importorskip("accelerate")
+    m = dist_worker.tiny_llama()
+    accelerate.cpu_offload(m, execution_device=torch.device("cpu"))  # weights on meta, loaded at each forward
+    with pytest.raises(ValueError, match="meta device.*quantize_checkpoint"):
+        quantize_model(m, "uint4_wo_64", progress=False)
+    assert not any(type(x).__name__.startswith("Quant") for x in m.modules())
+
+
+def test_instance_patched_forward_is_refused():
+    m = dist_worker.tiny_llama()
+    lin = m.model.layers[0].mlp.up_proj
+    lin.forward = lambda x: x
+    with pytest.raises(TypeError, match="up_proj.*forward is replaced on the instance"):
+        quantize_model(m, "uint4_wo_64", progress=False)
