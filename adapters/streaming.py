@@ -48,9 +48,8 @@ import pathlib
 import shutil
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -61,7 +60,8 @@ from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile
 from .config import ModelConfig, TensorConfig
 from .export import (ExportInfo, _info, _plan_tensors, _quantization_config, check_destination, parse_size,
                      write_metadata, write_shards)
-from .modules import _QuantMixin, wrap
+from .hf import _ST_TORCH
+from .modules import wrap
 from .quantizer import _as_config, _progress, _set_module, _to, config_algorithms, plan_model
 
 _log = logging.getLogger("qcore.adapters")
@@ -71,9 +71,7 @@ __all__ = ["quantize_checkpoint"]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                     "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja",
                     "chat_template.json")
-_ST_TO_TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-                "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-                "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -105,7 +103,7 @@ class _Source:
     def read(self, name: str, dtype: torch.dtype, device) -> torch.Tensor:
         st = self.where[name]
         e = st.entries[name]
-        src = _ST_TO_TORCH.get(e.dtype)
+        src = _ST_TORCH.get(e.dtype)
         if src is None:
             raise CorruptCheckpointError(f"tensor {name!r} has dtype {e.dtype}, which torch cannot hold")
         t = torch.empty(tuple(e.shape), dtype=src)
@@ -141,6 +139,28 @@ def _load(root: nn.Module, prefix: str, keys: list[str], source: _Source, dtype,
                                      f"the model built from its config.json needs")
     for k in keys:
         _set_tensor(root, k, source.read(prefix + k, dtype, device))
+
+
+def _check_source(model: nn.Module, source: _Source) -> None:
+    """Every tensor of the model is in the checkpoint with its shape (from the headers, before any work); a tied
+    weight may be stored under one of its names only."""
+    present: dict[int, str] = {}
+    sd = model.state_dict(keep_vars=True)
+    for k, t in sd.items():
+        if t is not None and k in source.where:
+            present[id(t)] = k
+    for k, t in sd.items():
+        if t is None:
+            continue
+        if k not in source.where:
+            if id(t) in present:
+                continue
+            raise CorruptCheckpointError(f"the checkpoint has no tensor {k!r}, which the model built from its "
+                                         f"config.json needs")
+        shape = tuple(source.where[k].entries[k].shape)
+        if shape != tuple(t.shape):
+            raise CorruptCheckpointError(f"tensor {k!r} has shape {list(shape)} in the checkpoint; the model's "
+                                         f"config gives {list(t.shape)}")
 
 
 def _meta_keys(module: nn.Module) -> list[str]:
@@ -282,7 +302,10 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
             raise TypeError(f"{name} must be a bool, got {v!r}")
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from None
     max_bytes = parse_size(max_shard_size)
     cfg = _as_config(config)
     if data is not None:
@@ -317,16 +340,13 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
     state_order = {k: i for i, k in enumerate(model.state_dict(keep_vars=True))}
     module_order = {p.name: i for i, p in enumerate(plans)}
 
+    _check_source(model, source)
+
     # the weights outside the decoder layers
     outer_keys = [k for k in _meta_keys(model) if not k.startswith(path + ".")]
-    tied_absent = [k for k in outer_keys if k not in source.where]
     _load(model, "", [k for k in outer_keys if k in source.where], source, dtype, device)
-    if tied_absent:
-        model.tie_weights()
-        still = [k for k in tied_absent if k in _meta_keys(model)]
-        if still:
-            raise CorruptCheckpointError(f"the checkpoint has no tensor {still[0]!r} (and it is not tied to another "
-                                         f"weight)")
+    if any(k not in source.where for k in outer_keys):
+        model.tie_weights()  # a tied weight stored once (e.g. lm_head.weight = model.embed_tokens.weight)
     for name, b in list(model.named_buffers()):
         if not name.startswith(path + ".") and b is not None and b.device != device and not b.is_meta:
             _set_tensor(model, name, b.to(device))

@@ -36,7 +36,7 @@ def batches():
 def configs() -> dict:
     """Scenario name -> ModelConfig: GPTQ uint4 g16 weights; the same with static activation scales (MinMax on
     every input, Percentile on down_proj's input, fp8 KV cache)."""
-    from qcore.adapters import LayerConfig, ModelConfig, Percentile, TensorConfig, preset
+    from qcore.adapters import LayerConfig, Percentile, TensorConfig, preset
     gptq = preset("w_uint4_per_group_asym", group_size=16).replace(algorithms=({"name": "gptq"},))
     w = gptq.layer.weight
     inp = TensorConfig("int8", dynamic=False)

@@ -150,7 +150,7 @@ def test_errors_leave_the_destination_alone(tmp_path):
         quantize_checkpoint(src, tmp_path / "o2", "uint4_wo_64", dtype="float32", progress=False)
     with pytest.raises(FileNotFoundError, match="config.json"):
         quantize_checkpoint(tmp_path / "nowhere", tmp_path / "o2", "uint4_wo_64", progress=False)
-    # a checkpoint missing a layer's tensor fails when that layer is read; nothing is written
+    # a checkpoint missing a layer's tensor fails before any work; nothing is written
     index = json.loads((src / "model.safetensors.index.json").read_text())
     del index["weight_map"]["model.layers.2.mlp.up_proj.weight"]
     layer2 = src / "layer-00002.safetensors"
