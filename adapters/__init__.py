@@ -16,6 +16,8 @@ from .presets import PRESETS, preset, preset_names
 from .quantizer import calibrate, freeze, model_bytes, plan_model, quantize_model, quantized_modules
 from .export import ExportInfo, export_hf
 from .hf import CorruptCheckpointError, from_pretrained, load_quark, register_with_transformers
+from .distributed import Distributed
+from .streaming import quantize_checkpoint
 
 register_with_transformers()  # the one registration qcore makes (documented above); a no-op without transformers
 
@@ -25,4 +27,5 @@ __all__ = [
     "QuantLinear", "QuantConv2d", "QuantConvTranspose2d", "QuantEmbedding", "QuantEmbeddingBag", "wrap",
     "CalibrationError", "quantize_model", "plan_model", "calibrate", "freeze", "model_bytes", "quantized_modules",
     "export_hf", "ExportInfo", "from_pretrained", "load_quark", "CorruptCheckpointError", "register_with_transformers",
+    "Distributed", "quantize_checkpoint",
 ]

@@ -160,37 +160,47 @@ def _tensor_record(name: str, t: torch.Tensor) -> TensorRecord:
     return _record(name, _TORCH_ST[t.dtype], lambda: _np(t), tuple(t.shape))
 
 
-def _plan_tensors(model: nn.Module) -> tuple[list[TensorRecord], dict[str, str]]:
-    """Every tensor to write, as lazy records (nothing converted yet), and the layout of each quantized module."""
+def module_records(name: str, m: _QuantMixin, layout: str, cache: dict, pack_method: str = "reorder"
+                   ) -> list[TensorRecord]:
+    """One quantized module's tensors in the checkpoint (weight codes and scales in ``layout``, calibrated
+    activation scales, bias), as lazy records; ``cache`` holds one module's encoded weight at a time."""
+    prefix = f"{name}."
+    spec = m._qspecs["weight"]
+    records: list[TensorRecord] = []
+    for suffix, (dt, shp) in L.expected_weight(spec, canonical_shape(m), layout=layout).items():
+        def arr(m=m, suffix=suffix, layout=layout, spec=spec):
+            if cache.get("module") is not m:  # one module's encoded tensors at a time (written together)
+                cache.clear()
+                cache["enc"] = L.encode_weight(weight_parts(m)[0], spec, layout=layout, pack_method=pack_method)
+                cache["module"] = m
+            return cache["enc"][suffix][1]
+        records.append(_record(prefix + suffix, dt, arr, shp))
+    for n, (dt, a) in _activation_records(m, layout).items():
+        records.append(_record(prefix + n, dt, lambda a=a: a, a.shape))
+    bias = m._parameters.get("bias")
+    if bias is not None:
+        if "bias" in m._qspecs:  # the fake-quantized bias the model computes with, as floats
+            with torch.no_grad():
+                records.append(_tensor_record(prefix + "bias", m._param("bias").detach()))
+        else:
+            records.append(_tensor_record(prefix + "bias", bias))
+    return records
+
+
+def _plan_tensors(model: nn.Module, pack_method: str = "reorder") -> tuple[list[TensorRecord], dict[str, str]]:
+    """Every tensor to write, as lazy records (nothing converted yet), and the layout of each quantized module.
+    Order (it decides the shards): the quantized modules' tensors in module order, then every other tensor of
+    the state dict in its order (a tied weight once)."""
     mods = {n: m for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
     layouts = {n: module_layout(m) for n, m in mods.items()}
     records: list[TensorRecord] = []
     owned: set[str] = set()
     cache: dict = {}
     for name, m in mods.items():
-        layout = layouts[name]
         prefix = f"{name}."
         keys = [prefix + k for k in m.state_dict().keys()]
         owned.update(k for k in keys if "." not in k[len(prefix):])
-        spec = m._qspecs["weight"]
-
-        for suffix, (dt, shp) in L.expected_weight(spec, canonical_shape(m), layout=layout).items():
-            def arr(m=m, suffix=suffix, layout=layout, spec=spec):
-                if cache.get("module") is not m:  # one module's encoded tensors at a time (written together)
-                    cache.clear()
-                    cache["enc"] = L.encode_weight(weight_parts(m)[0], spec, layout=layout)
-                    cache["module"] = m
-                return cache["enc"][suffix][1]
-            records.append(_record(prefix + suffix, dt, arr, shp))
-        for n, (dt, a) in _activation_records(m, layout).items():
-            records.append(_record(prefix + n, dt, lambda a=a: a, a.shape))
-        bias = m._parameters.get("bias")
-        if bias is not None:
-            if "bias" in m._qspecs:  # the fake-quantized bias the model computes with, as floats
-                with torch.no_grad():
-                    records.append(_tensor_record(prefix + "bias", m._param("bias").detach()))
-            else:
-                records.append(_tensor_record(prefix + "bias", bias))
+        records.extend(module_records(name, m, layouts[name], cache, pack_method))
     seen: dict[tuple, str] = {}
     for k, t in model.state_dict(keep_vars=True).items():
         if k in owned or t is None:
@@ -287,41 +297,56 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
     check_destination(directory, overwrite)
     _check_config_describes(model, config)
 
-    records, layouts = _plan_tensors(model)
+    records, layouts = _plan_tensors(model, pack_method)
     qdict = _quantization_config(model, config, layouts, pack_method)
-    shards = _shards(records, max_bytes)
-    n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = staging_dir(directory)
     try:
-        cfg = hf_config.to_dict()
-        cfg["quantization_config"] = qdict
-        cfg["architectures"] = [type(model).__name__]  # as save_pretrained writes it (vLLM picks the class by it)
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        gen = getattr(model, "generation_config", None)
-        if gen is not None:
-            (tmp / "generation_config.json").write_text(gen.to_json_string(use_diff=True))
+        write_metadata(tmp, hf_config, qdict, type(model).__name__, getattr(model, "generation_config", None))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        total = 0
-        it = list(zip(names, shards))
-        if progress:
-            from tqdm.auto import tqdm
-            it = tqdm(it, desc="exporting", unit="shard", leave=False)
-        for fname, shard in it:
-            write_file(tmp / fname, shard, metadata={"format": "pt"})
-            total += sum(r.nbytes for r in shard)
-        if n > 1:
-            index = {"metadata": {"total_size": total},
-                     "weight_map": dict(sorted((r.name, f) for f, s in zip(names, shards) for r in s))}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        write_shards(tmp, records, max_bytes, progress=progress)
         replace_dir(tmp, directory, recheck=lambda: check_destination(directory, overwrite))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return _info(directory, qdict, layouts)
+
+
+def _info(directory: pathlib.Path, qdict: dict, layouts: dict) -> ExportInfo:
     files = tuple(sorted(p.name for p in directory.iterdir()))
     size = sum((directory / f).stat().st_size for f in files)
     return ExportInfo(str(directory), qdict["quant_method"], files, size, layouts)
+
+
+def write_metadata(tmp: pathlib.Path, hf_config: Any, qdict: dict, architecture: str, generation_config: Any) -> None:
+    """``config.json`` (the model's config with ``quantization_config``) and ``generation_config.json``."""
+    cfg = hf_config.to_dict()
+    cfg["quantization_config"] = qdict
+    cfg["architectures"] = [architecture]  # as save_pretrained writes it (vLLM picks the class by it)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if generation_config is not None:
+        (tmp / "generation_config.json").write_text(generation_config.to_json_string(use_diff=True))
+
+
+def write_shards(tmp: pathlib.Path, records: list[TensorRecord], max_bytes: int, *, progress: bool = False) -> int:
+    """The records as safetensors shards of at most ``max_bytes`` (in order), with an index file when there are
+    several; returns the bytes of tensor data written."""
+    shards = _shards(records, max_bytes)
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    total = 0
+    it = list(zip(names, shards))
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(it, desc="exporting", unit="shard", leave=False)
+    for fname, shard in it:
+        write_file(tmp / fname, shard, metadata={"format": "pt"})
+        total += sum(r.nbytes for r in shard)
+    if n > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": dict(sorted((r.name, f) for f, s in zip(names, shards) for r in s))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return total
 

@@ -189,12 +189,24 @@ class _QuantMixin:
         if not isinstance(config, LayerConfig):
             raise TypeError(f"config must be a LayerConfig, got {type(config).__name__}")
         plan = cls._plan(module, config, name)
+        hook = module.__dict__.get("_hf_hook")
+        if "forward" in module.__dict__ and hook is None:
+            raise TypeError(f"{cls.__bases__[1].__name__} {name!r}: the module's forward is replaced on the instance (a "
+                            f"monkey-patch); qcore cannot quantize through it")
         q = cls.__new__(cls)
         d = dict(module.__dict__)
         for k in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
             d[k] = type(module.__dict__[k])(module.__dict__[k])
+        for k in ("forward", "_old_forward", "_hf_hook"):  # accelerate's hook: bound to ``module``, put back below
+            d.pop(k, None)
         q.__dict__.update(d)
         q._qinit(config, name, plan, qat)
+        if hook is not None:
+            # a model placed with accelerate (device_map): the same hook on the wrapper, so that its forward (not
+            # the float module's) runs, with inputs moved to the module's execution device
+            import copy
+            from accelerate.hooks import add_hook_to_module
+            add_hook_to_module(q, copy.copy(hook))
         return q
 
     @classmethod

@@ -262,12 +262,14 @@ def _check_batch(model: nn.Module, batch: Any, i: int) -> None:
                          f"integer token ids of shape [batch, sequence]")
 
 
-def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True) -> int:
+def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distributed: Any = None) -> int:
     """Run ``data`` through ``model`` under ``no_grad`` and set the static activation scales of its quantized
     modules from their observers (statistics only; activations are never kept). Returns the number of batches.
 
     Batches: a tensor (``model(batch)``), a dict (``model(**batch)``) or a tuple/list (``model(*batch)``),
     moved to the model's device. On any error the observers are dropped and the scales are left as they were.
+    distributed: a ``qcore.adapters.distributed.Distributed``: ``data`` is this rank's share; the observers are
+    combined over the ranks before the scales are set (every rank gets the same scales).
     """
     if isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable):
         raise TypeError(f"calibration data must be an iterable of batches (a list or a DataLoader), got "
@@ -305,6 +307,8 @@ def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True) -> int
                 n += 1
         if n == 0:
             raise ValueError("calibration data is empty; static activation scales need at least one batch")
+        if distributed is not None:
+            distributed.reduce_observers([o for m in mods for _, o in sorted(m._observers.items())])
         for m in mods:
             m.finish_calibration()
     except BaseException:
@@ -317,13 +321,18 @@ def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True) -> int
 
 
 def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], data: Optional[Iterable] = None, *,
-                   qat: bool = False, progress: bool = True) -> nn.Module:
+                   qat: bool = False, progress: bool = True, distributed: Any = None) -> nn.Module:
     """Quantize ``model`` in place per ``config`` (a ``ModelConfig``, a preset name or a config dict) and return it.
 
     data: calibration batches (see ``calibrate``); needed when the config has static activation scales.
     qat: keep float master weights (trainable, straight-through gradients) instead of writing the fake-quantized
         weights in place (the default, which keeps one copy of the weights).
     progress: show progress bars.
+    distributed: a ``qcore.adapters.distributed.Distributed`` when several processes (ranks of
+        ``torch.distributed``) each hold a share of the calibration batches in ``data``: the algorithms' statistics
+        (GPTQ's Hessians) and the static activation observers are reduced over the ranks, and every rank ends
+        with the same quantized model (see ``qcore.adapters.distributed``). Every rank calls ``quantize_model``
+        with the same model and config.
 
     All or nothing: on any error the original modules are put back and the weights are untouched. With
     algorithms (``config.algorithms``: GPTQ, AWQ, SmoothQuant, AutoSmoothQuant; ``qcore.adapters.sequential``)
@@ -333,6 +342,12 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     if not isinstance(qat, bool):
         raise TypeError(f"qat must be a bool, got {qat!r}")
     plans = plan_model(model, config)
+    meta = [n for n, t in model.named_parameters() if t.is_meta]
+    if meta:
+        raise ValueError(f"quantize_model: {len(meta)} parameters are on the meta device (e.g. {meta[0]!r}): offloaded "
+                         f"by accelerate (a device_map with 'cpu' or 'disk' entries) or never loaded; quantize_model "
+                         f"needs every weight in memory (on any devices). For a model larger than memory use "
+                         f"qcore.adapters.streaming.quantize_checkpoint")
     static = [f"{p.name}.{r}" for p in plans for r in ("input", "output")
               if isinstance(getattr(p.config, r), TensorConfig) and getattr(p.config, r).calibrated]
     if static and data is None:
@@ -341,6 +356,16 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     if data is not None and (isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable)):
         raise TypeError(f"data must be an iterable of batches (a list or a DataLoader), got {type(data).__name__}; "
                         f"wrap a single batch in a list: [batch]")
+    if distributed is not None:
+        from .distributed import Distributed, fingerprint
+        if not isinstance(distributed, Distributed):
+            raise TypeError(f"distributed must be a qcore.adapters.distributed.Distributed, got "
+                            f"{type(distributed).__name__}")
+        distributed.check()
+        if data is not None:
+            data = list(data)
+        distributed.check_consistent(fingerprint=fingerprint(model, _as_config(config), plans),
+                                     n_batches=len(data) if data is not None else 1)
     pinned: dict = {}
     if config_algorithms(config):
         if qat:
@@ -351,7 +376,8 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
                              f"calibration data; pass calibration batches as data=")
         from .sequential import run_algorithms
         data = list(data)  # read twice: by the algorithms and by calibration
-        pinned = run_algorithms(model, plans, _as_config(config).algorithms, data, progress=progress)
+        pinned = run_algorithms(model, plans, _as_config(config).algorithms, data, progress=progress,
+                                reduce=distributed)
     wrappers = [(p.name, model.get_submodule(p.name), wrap(model.get_submodule(p.name), p.config, name=p.name,
                                                            qat=qat)) for p in plans]
     for name, _, new in wrappers:
@@ -361,7 +387,7 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
             new.commit(weight=pinned[name])
     try:
         if static:
-            calibrate(model, data, progress=progress)
+            calibrate(model, data, progress=progress, distributed=distributed)
         if qat:  # the scale buffers of the master weights, from the start
             with torch.no_grad():
                 for _, _, new in wrappers:

@@ -348,19 +348,10 @@ def _layers_path(algos) -> Optional[str]:
     return next(iter(paths), None)
 
 
-def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence, *, progress: bool = True,
-                   reduce=None) -> dict:
-    """Apply ``algorithms`` (configs or dicts, in order) layer by layer; return ``{module name: QTensor}`` of
-    the weights GPTQ quantized. ``plans``: ``plan_model``'s output; ``batches``: a sequence of calibration
-    batches. ``reduce``: for several processes, a function summing a statistic over ranks (see
-    ``qcore.adapters.distributed``)."""
-    from .quantizer import _device_of, _progress
 
-    algos = parse_algorithms(algorithms)
-    if not algos:
-        return {}
-    if not isinstance(batches, Sequence) or len(batches) == 0:
-        raise ValueError("the algorithms need calibration data: pass a non-empty list of batches as data=")
+def layer_plans(model: nn.Module, plans: list, algos) -> tuple[str, nn.ModuleList, list[dict]]:
+    """``(path, layers, by_layer)``: the decoder layers the algorithms act on and, per layer, ``{name relative to
+    the layer: LayerPlan}`` of its quantized modules (``qcore.adapters.streaming`` shares this)."""
     path, layers = find_decoder_layers(model, _layers_path(algos))
     by_layer: list[dict] = [{} for _ in layers]
     for p in plans:
@@ -371,6 +362,11 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
     if not any(by_layer):
         raise ValueError(f"the algorithms act on the decoder layers {path!r}, but the config quantizes none of "
                          f"their modules")
+    return path, layers, by_layer
+
+
+def check_layers(layers, by_layer: list[dict], algos, path: str) -> None:
+    """Every check the algorithms make on the layers before any weight changes (shapes only: meta layers too)."""
     scalers = [a for a in algos if not isinstance(a, GPTQConfig)]
     if scalers:
         from .scaling_bind import check_scaling
@@ -381,6 +377,35 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
         if isinstance(a, GPTQConfig):
             for i, layer in enumerate(layers):
                 _gptq_targets(layer, by_layer[i], a, f"{path}.{i}")
+
+
+def run_layer(layer: nn.Module, lplans: dict, inputs: _Inputs, algos, prefix: str, pinned: dict, reduce=None) -> None:
+    """The algorithms, in order, on one decoder layer over its kept ``inputs`` (the per-layer step of
+    ``run_algorithms``, shared with ``qcore.adapters.streaming``); GPTQ's QTensors go into ``pinned``."""
+    for a in algos:
+        if isinstance(a, GPTQConfig):
+            _run_gptq(layer, lplans, inputs, a, prefix, pinned, reduce)
+        else:
+            from .scaling_bind import apply_scaling
+            apply_scaling(layer, lplans, inputs, a, prefix, reduce=reduce)
+
+
+def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence, *, progress: bool = True,
+                   reduce=None) -> dict:
+    """Apply ``algorithms`` (configs or dicts, in order) layer by layer; return ``{module name: QTensor}`` of
+    the weights GPTQ quantized. ``plans``: ``plan_model``'s output; ``batches``: a sequence of calibration
+    batches. ``reduce``: for several processes (each holding its share of the batches), a
+    ``qcore.adapters.distributed.Distributed``: called on each layer's ``HessianStats`` (the sum over ranks, before
+    GPTQ), its ``sum`` / ``max`` / ``min`` reduce other statistics; every rank then computes the same weights."""
+    from .quantizer import _device_of, _progress
+
+    algos = parse_algorithms(algorithms)
+    if not algos:
+        return {}
+    if not isinstance(batches, Sequence) or len(batches) == 0:
+        raise ValueError("the algorithms need calibration data: pass a non-empty list of batches as data=")
+    path, layers, by_layer = layer_plans(model, plans, algos)
+    check_layers(layers, by_layer, algos, path)
 
     device = _device_of(model)
     was_training = model.training
@@ -396,12 +421,7 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
                 layer = layers[i]
                 prefix = f"{path}.{i}"
                 current = i
-                for a in algos:
-                    if isinstance(a, GPTQConfig):
-                        _run_gptq(layer, by_layer[i], inputs, a, prefix, pinned, reduce)
-                    else:
-                        from .scaling_bind import apply_scaling
-                        apply_scaling(layer, by_layer[i], inputs, a, prefix, reduce=reduce)
+                run_layer(layer, by_layer[i], inputs, algos, prefix, pinned, reduce)
                 inputs = _forward_layer(layer, inputs, keep=True)
     except BaseException as e:
         if current is None:

@@ -175,6 +175,23 @@ class SafetensorsFile:
             raise CorruptCheckpointError(f"{self.path}: tensor {name!r} is truncated")
         return data
 
+    def read_into(self, name: str, out) -> None:
+        """Read one tensor's bytes into ``out``, a writable buffer of exactly its size (a numpy array, a
+        ``memoryview``), with plain file reads: no memory map, so reading a large checkpoint piece by piece keeps
+        only the pieces in memory."""
+        e = self.entries[name]
+        view = memoryview(out).cast("B")
+        if view.nbytes != e.end - e.begin:
+            raise ValueError(f"read_into {name!r}: the buffer holds {view.nbytes} bytes, the tensor {e.end - e.begin}")
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.data_start + e.begin)
+            done = 0
+            while done < view.nbytes:
+                n = f.readinto(view[done:])
+                if not n:  # the file shrank after the header was read
+                    raise CorruptCheckpointError(f"{self.path}: tensor {name!r} is truncated")
+                done += n
+
     def __contains__(self, name: str) -> bool:
         return name in self.entries
 

@@ -73,6 +73,17 @@ def test_export_reload_gives_identical_logits(scheme, tmp_path):
         assert torch.equal(logits(plain), ref)
 
 
+
+@pytest.mark.parametrize("pack_method", ["order", "reorder"])
+def test_pack_method_is_used_for_the_nibbles_not_only_named(pack_method, tmp_path):
+    """export_hf(pack_method="order") once wrote "order" in the config but packed the nibbles in Quark's
+    "reorder" order, so the reloaded model computed with shuffled weights."""
+    m = quantized("uint4_wo_128")
+    A.export_hf(m, tmp_path / "ckpt", pack_method=pack_method)
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]["export"][
+        "pack_method"] == pack_method
+    assert torch.equal(logits(A.from_pretrained(tmp_path / "ckpt")), logits(m))
+
 def test_kv_cache_scales_are_written_and_reloaded(tmp_path):
     m = quantized("fp8", kv="fp8")
     ref = logits(m)

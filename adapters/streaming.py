@@ -1,0 +1,505 @@
+"""Quantize a checkpoint larger than memory: read it one decoder layer at a time, write the result layer by layer.
+
+``quantize_checkpoint(src_dir, dst_dir, config, data)`` takes an HF model directory (``config.json`` and
+safetensors shards) and writes the quantized checkpoint in AMD Quark's HF layout, the same files
+``export_hf`` writes for the model quantized in memory:
+
+    model = AutoModelForCausalLM.from_pretrained(src_dir)       # needs the whole model in memory
+    quantize_model(model, config, data); export_hf(model, dst_dir)
+
+gives the same tensors, bit for bit, as ``quantize_checkpoint(src_dir, dst_dir, config, data)``, which holds at
+most: the weights outside the decoder layers (embeddings, final norm, output head), one decoder layer (in the
+model dtype), the calibration activations of one layer (two copies per stream: the algorithms' stream and, with
+static activation scales, the calibration stream) and one layer's algorithm statistics (GPTQ: one ``in x in``
+float64 Hessian per distinct input).
+
+How: the transformers model is built from ``config.json`` with its parameters on the meta device (no memory;
+``accelerate.init_empty_weights``); the weights outside the decoder layers are read from the safetensors files
+(plain reads, no memory map: the page cache is not part of the process); the calibration batches run to the
+first decoder layer, whose inputs are kept; then for each layer in turn:
+
+1. its weights are read into a copy of the (meta) layer;
+2. the algorithms run on it (``qcore.adapters.sequential.run_layer``, the step ``run_algorithms`` runs) and
+   the layer's outputs become the next layer's inputs;
+3. its modules are wrapped and their weights written (GPTQ's QTensors as they are, round-to-nearest for the
+   others); static activation scales are calibrated from this layer's inputs in the calibration stream (the
+   inputs ``calibrate`` would give it: the earlier layers quantized, static activations unquantized);
+4. its tensors are encoded in the checkpoint layout (``qcore.adapters.export.module_records``) and appended
+   to a spill file in the staging directory; the layer is dropped (back to meta).
+
+Modules outside the layers are quantized by round-to-nearest; static scales of modules after the layers (an
+output head that is not excluded) are calibrated by running the model with the layers replaced by the kept
+final hidden states. At the end the shards are written in ``export_hf``'s order (the same sharding, names and
+index), with ``config.json``, ``generation_config.json`` and the source's tokenizer files, into a staging
+directory renamed into place (an error or Ctrl-C leaves the destination as it was).
+
+Limits: transformers causal LMs whose state-dict names are the checkpoint's names (no key renaming on load),
+decoder layers that take the same keyword arguments (mask, position embeddings) at every layer (as
+``run_algorithms`` assumes), float source checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import pathlib
+import shutil
+import time
+from collections.abc import Iterable, Mapping
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from qcore._fsutil import replace_dir, staging_dir
+from qcore.formats import quark_layout as L
+from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile, TensorRecord
+
+from .config import ModelConfig, TensorConfig
+from .export import (ExportInfo, _info, _plan_tensors, _quantization_config, check_destination, parse_size,
+                     write_metadata, write_shards)
+from .hf import _ST_TORCH
+from .modules import wrap
+from .quantizer import _as_config, _progress, _set_module, _to, config_algorithms, plan_model
+
+_log = logging.getLogger("qcore.adapters")
+
+__all__ = ["quantize_checkpoint"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja",
+                    "chat_template.json")
+
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the source checkpoint
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Source:
+    """The source checkpoint's tensors by name (headers validated; each tensor read on request)."""
+
+    def __init__(self, directory: pathlib.Path):
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (KeyError, TypeError, ValueError) as e:
+                raise CorruptCheckpointError(f"{str(index)!r} is not a safetensors index ({e})") from None
+        elif (directory / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            raise FileNotFoundError(f"{str(directory)!r} has no model.safetensors nor model.safetensors.index.json "
+                                    f"(qcore reads safetensors checkpoints only)")
+        self.where: dict[str, SafetensorsFile] = {}
+        for f in files:
+            st = SafetensorsFile(directory / f)
+            for k in st.keys():
+                self.where[k] = st
+
+    def read(self, name: str, dtype: torch.dtype, device) -> torch.Tensor:
+        st = self.where[name]
+        e = st.entries[name]
+        src = _ST_TORCH.get(e.dtype)
+        if src is None:
+            raise CorruptCheckpointError(f"tensor {name!r} has dtype {e.dtype}, which torch cannot hold")
+        t = torch.empty(tuple(e.shape), dtype=src)
+        if t.numel():
+            st.read_into(name, t.view(-1).view(torch.uint8).numpy())
+        if src != dtype and t.is_floating_point():
+            t = t.to(dtype)
+        return t.to(device)
+
+
+def _set_tensor(root: nn.Module, name: str, value: torch.Tensor) -> None:
+    mod_name, _, leaf = name.rpartition(".")
+    mod = root.get_submodule(mod_name) if mod_name else root
+    if leaf in mod._parameters:
+        old = mod._parameters[leaf]
+        if tuple(old.shape) != tuple(value.shape):
+            raise CorruptCheckpointError(f"tensor {name!r} has shape {list(value.shape)} in the checkpoint; the "
+                                         f"model's config gives {list(old.shape)}")
+        mod._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad)
+    else:
+        old = mod._buffers[leaf]
+        if old is not None and tuple(old.shape) != tuple(value.shape):
+            raise CorruptCheckpointError(f"tensor {name!r} has shape {list(value.shape)} in the checkpoint; the "
+                                         f"model's config gives {list(old.shape)}")
+        mod._buffers[leaf] = value
+
+
+def _load(root: nn.Module, prefix: str, keys: list[str], source: _Source, dtype, device) -> None:
+    """Read ``keys`` (names relative to ``root``; ``prefix`` + key in the checkpoint) into ``root``."""
+    missing = [prefix + k for k in keys if prefix + k not in source.where]
+    if missing:
+        raise CorruptCheckpointError(f"the checkpoint has no tensor {missing[0]!r} ({len(missing)} missing) that "
+                                     f"the model built from its config.json needs")
+    for k in keys:
+        _set_tensor(root, k, source.read(prefix + k, dtype, device))
+
+
+def _check_source(model: nn.Module, source: _Source) -> None:
+    """Every tensor of the model is in the checkpoint with its shape (from the headers, before any work); a tied
+    weight may be stored under one of its names only."""
+    present: dict[int, str] = {}
+    sd = model.state_dict(keep_vars=True)
+    for k, t in sd.items():
+        if t is not None and k in source.where:
+            present[id(t)] = k
+    for k, t in sd.items():
+        if t is None:
+            continue
+        if k not in source.where:
+            if id(t) in present:
+                continue
+            raise CorruptCheckpointError(f"the checkpoint has no tensor {k!r}, which the model built from its "
+                                         f"config.json needs")
+        shape = tuple(source.where[k].entries[k].shape)
+        if shape != tuple(t.shape):
+            raise CorruptCheckpointError(f"tensor {k!r} has shape {list(shape)} in the checkpoint; the model's "
+                                         f"config gives {list(t.shape)}")
+
+
+def _meta_keys(module: nn.Module) -> list[str]:
+    return [k for k, t in module.state_dict(keep_vars=True).items() if t is not None and t.is_meta]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# spilled records: a layer's encoded tensors, written out before the layer is dropped
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Spill:
+    """Append-only file of encoded tensors; ``add`` writes a record's bytes now and returns a record that reads
+    them back when the shards are written."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        self.f = open(path, "wb")
+        self.pos = 0
+
+    def add(self, r: TensorRecord, name: str) -> TensorRecord:
+        data = r.produce()
+        if len(data) != r.nbytes:
+            raise ValueError(f"tensor {r.name!r}: produced {len(data)} bytes, expected {r.nbytes}")
+        self.f.write(data)
+        off, self.pos = self.pos, self.pos + len(data)
+        path, n = self.path, len(data)
+
+        def produce(path=path, off=off, n=n) -> bytes:
+            with open(path, "rb") as f:
+                f.seek(off)
+                return f.read(n)
+        return TensorRecord(name, r.dtype, r.shape, produce)
+
+    def close(self) -> None:
+        if not self.f.closed:
+            self.f.flush()
+            self.f.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the tail: modules after the decoder layers, calibrated from the kept final hidden states
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Replay(nn.Module):
+    """Stands for the first decoder layer: returns the kept output of the last layer for each batch in turn."""
+
+    def __init__(self, outs: list, as_tuple: bool):
+        super().__init__()
+        self.outs, self.as_tuple, self.i = outs, as_tuple, 0
+
+    def forward(self, hidden_states=None, *args, **kwargs):
+        h = self.outs[self.i]
+        self.i += 1
+        return (h,) if self.as_tuple else h
+
+
+class _Pass(nn.Module):
+    """Stands for the other decoder layers: passes the hidden states through."""
+
+    def __init__(self, as_tuple: bool):
+        super().__init__()
+        self.as_tuple = as_tuple
+
+    def forward(self, hidden_states=None, *args, **kwargs):
+        return (hidden_states,) if self.as_tuple else hidden_states
+
+
+def _release_memory() -> None:
+    """Hand the memory freed with a layer back to the OS. glibc's malloc serves blocks of the sizes it has seen
+    freed from its heap afterwards (its mmap threshold grows), and a fragmented heap keeps them resident: without
+    this the process grows by about half a layer per layer. No-op where glibc is absent."""
+    import ctypes
+    try:
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols: glibc's on Linux
+    except (OSError, TypeError):
+        trim = None
+    if trim is not None:
+        trim(0)
+
+
+def _hidden_of(args, kwargs):
+    return args[0] if args else kwargs["hidden_states"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the driver
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _skeleton(src: pathlib.Path, dtype: Optional[torch.dtype]):
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    hf_config = AutoConfig.from_pretrained(src, local_files_only=True)
+    if getattr(hf_config, "quantization_config", None) is not None:
+        raise ValueError(f"{str(src)!r} is already a quantized checkpoint (its config.json has a "
+                         f"quantization_config); quantize_checkpoint takes a float checkpoint")
+    if dtype is None:
+        dtype = getattr(hf_config, "dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    model.tie_weights()
+    model.eval()
+    gen = None
+    if model.can_generate():  # as from_pretrained reads it: generation_config.json, else from config.json
+        if (src / "generation_config.json").is_file():
+            gen = GenerationConfig.from_pretrained(src, local_files_only=True)
+        else:
+            gen = GenerationConfig.from_pretrained(src, config_file_name="config.json", _from_model_config=True,
+                                                   local_files_only=True)
+    return model, dtype, gen
+
+
+def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os.PathLike],
+                        config: Union[ModelConfig, str, Mapping], data: Optional[Iterable] = None, *,
+                        dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cpu",
+                        max_shard_size: Union[int, str] = "5GB", pack_method: str = "reorder",
+                        overwrite: bool = False, progress: bool = True) -> ExportInfo:
+    """Quantize the float HF checkpoint in ``src_dir`` (config.json + safetensors) per ``config`` and write it to
+    ``dst_dir`` in Quark's HF layout, one decoder layer in memory at a time (module docstring). The result is
+    what ``quantize_model`` + ``export_hf`` write for the model loaded whole, bit for bit.
+
+    data: calibration batches (token ids, as for ``quantize_model``); needed for algorithms and static scales.
+    dtype: the float dtype to compute in (default: the checkpoint's, as ``from_pretrained`` picks it).
+    device: where each layer and the activations live while it is processed (e.g. ``"cuda"``).
+    max_shard_size, pack_method, overwrite, progress: as for ``export_hf``.
+    """
+    src, dst = pathlib.Path(src_dir), pathlib.Path(dst_dir)
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"src_dir {str(src)!r} is not a model directory (no config.json)")
+    if pack_method not in L.PACK_METHODS:
+        raise ValueError(f"pack_method must be one of {sorted(L.PACK_METHODS)}, got {pack_method!r}")
+    for name, v in (("overwrite", overwrite), ("progress", progress)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be a bool, got {v!r}")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from None
+    max_bytes = parse_size(max_shard_size)
+    cfg = _as_config(config)
+    if data is not None:
+        if isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable):
+            raise TypeError(f"data must be an iterable of batches (a list or a DataLoader), got "
+                            f"{type(data).__name__}; wrap a single batch in a list: [batch]")
+        data = list(data)
+    check_destination(dst, overwrite)
+    source = _Source(src)
+
+    model, dtype, gen = _skeleton(src, dtype)
+    plans = plan_model(model, cfg)
+    static = [p for p in plans for r in ("input", "output")
+              if isinstance(getattr(p.config, r), TensorConfig) and getattr(p.config, r).calibrated]
+    algos = config_algorithms(cfg)
+    if (static or algos) and not data:
+        what = "the algorithms" if algos else "static activation scales"
+        raise ValueError(f"{what} need calibration data; pass a non-empty list of batches as data=")
+    from .sequential import check_layers, find_decoder_layers, layer_plans
+    if algos:
+        path, layers, by_layer = layer_plans(model, plans, algos)
+        check_layers(layers, by_layer, algos, path)
+    else:
+        path, layers = find_decoder_layers(model)
+        by_layer = [{} for _ in layers]
+    layer_of = {}
+    for p in plans:
+        idx, _, rel = p.name[len(path) + 1:].partition(".") if p.name.startswith(path + ".") else ("", "", "")
+        if idx.isdigit() and rel:
+            layer_of[p.name] = int(idx)
+    outer_plans = [p for p in plans if p.name not in layer_of]
+    state_order = {k: i for i, k in enumerate(model.state_dict(keep_vars=True))}
+    module_order = {p.name: i for i, p in enumerate(plans)}
+
+    _check_source(model, source)
+
+    # the weights outside the decoder layers
+    outer_keys = [k for k in _meta_keys(model) if not k.startswith(path + ".")]
+    _load(model, "", [k for k in outer_keys if k in source.where], source, dtype, device)
+    if any(k not in source.where for k in outer_keys):
+        model.tie_weights()  # a tied weight stored once (e.g. lm_head.weight = model.embed_tokens.weight)
+    for name, b in list(model.named_buffers()):
+        if not name.startswith(path + ".") and b is not None and b.device != device and not b.is_meta:
+            _set_tensor(model, name, b.to(device))
+
+    t0 = time.perf_counter()
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = staging_dir(dst)
+    spill = _Spill(tmp / ".qcore-layers.spill")
+    try:
+        with torch.no_grad():
+            records, layouts = _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static,
+                                    data, source, dtype, device, spill, pack_method, progress)
+        # export_hf's order: the quantized modules' tensors in module order, then the other tensors in
+        # state-dict order (stable sort: each module keeps its own tensor order)
+        qnames = {p.name for p in plans}
+
+        def key(r):
+            owner = r.name.rpartition(".")[0]
+            if owner in qnames:
+                return (0, module_order[owner])
+            return (1, state_order[r.name])
+        records.sort(key=key)
+        qdict = _quantization_config(model, cfg, layouts, pack_method)
+        write_metadata(tmp, model.config, qdict, type(model).__name__, gen)
+        for f in _TOKENIZER_FILES:
+            if (src / f).is_file():
+                shutil.copyfile(src / f, tmp / f)
+        spill.close()
+        write_shards(tmp, records, max_bytes, progress=progress)
+        os.remove(spill.path)
+        replace_dir(tmp, dst, recheck=lambda: check_destination(dst, overwrite))
+    except BaseException:
+        spill.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _log.info("quantize_checkpoint: %d layers in %.1f s", len(layers), time.perf_counter() - t0)
+    return _info(dst, qdict, layouts)
+
+
+def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static, data, source, dtype, device,
+         spill, pack_method, progress):
+    from .sequential import _capture, _forward_layer, run_layer
+
+    # streams of layer inputs: the algorithms' (float modules outside the layers, as run_algorithms sees them)
+    # and the calibration's (quantized weights, static roles observed, as calibrate sees them)
+    alg_in = _capture(model, layers[0], data, device, progress) if algos else None
+    outer = []
+    for p in outer_plans:
+        w = wrap(model.get_submodule(p.name), p.config, name=p.name)
+        _set_module(model, p.name, w)
+        outer.append(w)
+    cal_in = None
+    tail: list = []
+    if static:
+        for w in outer:
+            if w.static_roles():
+                w.start_calibration()
+        cal_in = _capture(model, layers[0], data, device, progress)
+        for w in outer:
+            if w._observers:
+                if all(o.n > 0 for o in w._observers.values()):
+                    w.finish_calibration()  # called before the first layer: calibrated by the capture
+                else:
+                    w.abort_calibration()
+                    tail.append(w)
+    records: list[TensorRecord] = []
+    layouts: dict[str, str] = {}
+    as_tuple: list = []
+    n = len(layers)
+    for i in _progress(range(n), total=n, desc="quantizing layer by layer", enabled=progress):
+        prefix = f"{path}.{i}"
+        meta_layer = layers[i]
+        work = copy.deepcopy(meta_layer)
+        _load(work, prefix + ".", _meta_keys(work), source, dtype, device)
+        for name, b in list(work.named_buffers()):
+            if b is not None and b.device != device:
+                _set_tensor(work, name, b.to(device))
+        layers[i] = work
+        try:
+            pinned: dict = {}
+            if algos:
+                run_layer(work, by_layer[i], alg_in, algos, prefix, pinned, None)
+                alg_in = _forward_layer(work, alg_in, keep=True) if i + 1 < n else None
+            mine = [p for p in plans if layer_of.get(p.name) == i]
+            wrappers = []
+            for p in mine:
+                w = wrap(model.get_submodule(p.name), p.config, name=p.name)
+                _set_module(model, p.name, w)
+                wrappers.append(w)
+                if p.name in pinned:
+                    w.commit(weight=pinned.pop(p.name))
+            if static:
+                obs = [w for w in wrappers if w.static_roles()]
+                for w in obs:
+                    w.start_calibration()
+                h = work.register_forward_hook(lambda m, a, o: as_tuple.append(isinstance(o, (tuple, list))))
+                try:
+                    cal_in = _forward_layer(work, cal_in, keep=True)
+                except BaseException:
+                    for w in obs:
+                        w.abort_calibration()
+                    raise
+                finally:
+                    h.remove()
+                for w in obs:
+                    w.finish_calibration()
+            for w in wrappers:
+                w.commit()
+            recs, lay = _plan_tensors(work, pack_method)
+            for r in recs:
+                records.append(spill.add(r, f"{prefix}.{r.name}"))
+            layouts.update({f"{prefix}.{k}": v for k, v in lay.items()})
+        finally:
+            layers[i] = meta_layer
+            del work
+        _release_memory()
+    if tail:
+        _calibrate_tail(model, layers, tail, cal_in, data, device, bool(as_tuple and as_tuple[-1]), progress)
+    for w in outer:
+        w.commit()
+    # the tensors outside the layers (read from the live modules when the shards are written)
+    parent_name, _, child = path.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, nn.ModuleList())
+    try:
+        recs, lay = _plan_tensors(model, pack_method)
+    finally:
+        setattr(parent, child, layers)
+    records.extend(recs)
+    layouts.update(lay)
+    return records, layouts
+
+
+def _calibrate_tail(model, layers, tail, cal_in, data, device, as_tuple: bool, progress: bool) -> None:
+    """Static scales of the modules after the decoder layers: the model runs with its layers replaced by the
+    kept final hidden states."""
+    from .sequential import _call
+
+    finals = [_hidden_of(a, k) for a, k in zip(cal_in.args, cal_in.kwargs)]
+    saved = list(layers)
+    for j in range(len(layers)):
+        layers[j] = _Replay(finals, as_tuple) if j == 0 else _Pass(as_tuple)
+    for w in tail:
+        w.start_calibration()
+    try:
+        for batch in _progress(data, total=len(data), desc="calibrating the output modules", enabled=progress):
+            _call(model, _to(batch, device))
+        for w in tail:
+            w.finish_calibration()
+    except BaseException:
+        for w in tail:
+            w.abort_calibration()
+        raise
+    finally:
+        for j, m in enumerate(saved):
+            layers[j] = m
