@@ -3,7 +3,8 @@
 For each layer: the scaling groups (``qcore.adapters.scaling.scaling_groups``: detected, or Quark's
 ``scaling_layers``) are resolved; one forward of the layer over its kept inputs records, for each group's input,
 the per-channel max |x| over every token and an evenly spaced sample of ``n_tokens`` token rows (AWQ,
-AutoSmoothQuant); then per group, in order:
+AutoSmoothQuant; with distributed calibration, SmoothQuant's max |x| is the max over ranks, and the searching
+algorithms are refused); then per group, in order:
 
 - SmoothQuant: ``s = smoothquant_scales(max|x|, max|W|, alpha, clamp_min)``;
 - AutoSmoothQuant: ``s`` of the alpha minimising the quantized output error on the sample (the layers' weight
@@ -116,9 +117,8 @@ def apply_scaling(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, *, 
     """Run ``algo`` (SmoothQuant, AutoSmoothQuant or AWQ config) on one decoder layer in place."""
     from .sequential import _forward_layer
 
-    if reduce is not None:
-        raise ValueError(f"{algo.name} is not supported with distributed calibration yet (its searches need every "
-                         f"rank's samples); run it in one process")
+    if reduce is not None and not isinstance(algo, SmoothQuantConfig):  # run_algorithms refuses these up front
+        raise ValueError(f"{algo.name} does not run with distributed calibration; run it in one process")
     groups = _groups(layer, algo, prefix)
     if not groups:
         return
@@ -138,6 +138,9 @@ def apply_scaling(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, *, 
         for h in hooks:
             h.remove()
 
+    if reduce is not None:  # SmoothQuant: max |x| over every rank's tokens
+        for rec in recs.values():
+            rec.absmax = reduce.max(rec.absmax)
     for g in groups:
         rec = recs[g.inp or g.layers[0]]
         mods = [layer.get_submodule(n) for n in g.layers]
