@@ -1,0 +1,325 @@
+"""Hadamard matrices of many sizes, their fast transform, and orthogonal rotations for every size.
+
+A Hadamard matrix ``H`` of order ``n`` has entries +-1 and ``H H^T = n I``; ``H / sqrt(n)`` is orthogonal. Orders
+other than 1 and 2 are multiples of 4 (and every multiple of 4 is conjectured to have one). Constructions here:
+
+- Sylvester: ``H_{2n} = [[H_n, H_n], [H_n, -H_n]]`` (orders ``2^k``);
+- Paley I: for a prime power ``q = 3 (mod 4)``, order ``q + 1``;
+- Paley II: for a prime power ``q = 1 (mod 4)``, order ``2 (q + 1)``;
+- Kronecker products ``H_a (x) H_b`` of the above.
+
+``hadamard(n)`` returns one (int8 +-1 entries, rows in a fixed, documented order) or raises ValueError when no
+construction above reaches ``n`` (``hadamard_factors(n)`` says which, without building). Orders the constructions
+miss up to 16384 include 92, 116, 156, 172, 184, 188, 232, 236, ... (Williamson and other special constructions,
+which QuaRot hard-codes as tables, are not included).
+
+``rotation(n, *, key=None)``: an orthogonal ``[n, n]`` float64 matrix for *every* ``n``: the normalised Hadamard
+matrix when one is constructible; otherwise (documented fallback) a block-diagonal matrix of normalised Hadamard
+blocks of the largest constructible orders (greedy; a size-1 block is ``[1]``), so it stays a sum of Hadamard
+transforms. With ``key`` (an int seed), the result is ``R @ diag(signs)`` with random signs from
+``numpy.random.default_rng(key)`` (QuaRot's randomised Hadamard).
+
+``fwht(x, *, axis=-1)``: ``x @ hadamard(n).T / sqrt(n)`` along ``axis`` for ``n = m * 2^k`` with a
+constructible ``m``, in ``O(n log n + n m)``: butterflies on the ``2^k`` factor, a dense ``m x m`` product for
+the rest. numpy arrays and torch tensors (any device) through the same code; float32 or float64 results.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from functools import lru_cache
+from typing import Any, Optional
+
+import numpy as np
+
+from qcore._backend import is_torch
+
+__all__ = ["hadamard", "hadamard_factors", "is_constructible", "rotation", "fwht"]
+
+
+def _check_n(n, name="n") -> int:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise ValueError(f"{name} must be a positive int, got {n!r}")
+    return int(n)
+
+
+@lru_cache(maxsize=None)
+def _prime_power(q: int) -> Optional[tuple[int, int]]:
+    """``(p, k)`` with ``q = p**k`` for a prime ``p``, else None."""
+    if q < 2:
+        return None
+    for p in range(2, math.isqrt(q) + 1):
+        if q % p == 0:
+            k = 0
+            while q % p == 0:
+                q //= p
+                k += 1
+            return (p, k) if q == 1 else None
+    return (q, 1)
+
+
+# --- finite fields GF(p^k): elements are ints 0..q-1, the base-p digits of a polynomial's coefficients -------
+
+
+def _poly_mulmod(a: list, b: list, mod: list, p: int) -> list:
+    k = len(mod) - 1
+    out = [0] * (2 * k - 1)
+    for i, x in enumerate(a):
+        if x:
+            for j, y in enumerate(b):
+                out[i + j] = (out[i + j] + x * y) % p
+    for d in range(len(out) - 1, k - 1, -1):  # reduce by the monic modulus
+        c = out[d]
+        if c:
+            for j in range(k + 1):
+                out[d - k + j] = (out[d - k + j] - c * mod[j]) % p
+    return out[:k]
+
+
+def _digits(v: int, p: int, k: int) -> list:
+    return [(v // p ** i) % p for i in range(k)]
+
+
+@lru_cache(maxsize=None)
+def _irreducible(p: int, k: int) -> tuple:
+    """The first monic irreducible polynomial of degree ``k`` over GF(p) (coefficients low to high)."""
+    for v in range(p ** k):
+        mod = _digits(v, p, k) + [1]
+        if mod[0] == 0:
+            continue
+        # irreducible iff no root-free factorisation: check it has no factor of degree <= k // 2 by trial division
+        if all(_has_no_factor(mod, p, d) for d in range(1, k // 2 + 1)):
+            return tuple(mod)
+    raise RuntimeError(f"no irreducible polynomial of degree {k} over GF({p})")  # impossible
+
+
+def _has_no_factor(mod: list, p: int, d: int) -> bool:
+    for v in range(p ** d):
+        f = _digits(v, p, d) + [1]
+        # remainder of mod by f
+        r = list(mod)
+        for i in range(len(r) - 1, d - 1, -1):
+            c = r[i]
+            if c:
+                for j in range(d + 1):
+                    r[i - d + j] = (r[i - d + j] - c * f[j]) % p
+        if not any(r[:d]):
+            return False
+    return True
+
+
+@lru_cache(maxsize=None)
+def _quadratic_character(q: int) -> np.ndarray:
+    """``chi[a]`` for the elements ``a`` of GF(q) (ints): 0 for 0, 1 for non-zero squares, -1 otherwise; and the
+    subtraction table is built by ``_sub``."""
+    p, k = _prime_power(q)
+    chi = -np.ones(q, np.int8)
+    chi[0] = 0
+    if k == 1:
+        chi[(np.arange(1, p, dtype=np.int64) ** 2) % p] = 1
+        return chi
+    mod = list(_irreducible(p, k))
+    for v in range(1, q):
+        d = _digits(v, p, k)
+        s = _poly_mulmod(d, d, mod, p)
+        chi[sum(c * p ** i for i, c in enumerate(s))] = 1
+    return chi
+
+
+def _sub_table(q: int) -> np.ndarray:
+    """``T[a, b] = a - b`` in GF(q) (digit-wise mod p)."""
+    p, k = _prime_power(q)
+    v = np.arange(q)
+    digits = np.stack([(v // p ** i) % p for i in range(k)], -1)  # [q, k]
+    diff = (digits[:, None, :] - digits[None, :, :]) % p
+    return (diff * (p ** np.arange(k))).sum(-1)
+
+
+def _jacobsthal(q: int) -> np.ndarray:
+    return _quadratic_character(q)[_sub_table(q)].astype(np.int64)
+
+
+def _paley1(q: int) -> np.ndarray:
+    """Order q + 1, q = 3 mod 4."""
+    Q = _jacobsthal(q)
+    n = q + 1
+    S = np.zeros((n, n), np.int64)
+    S[0, 1:] = 1
+    S[1:, 0] = -1
+    S[1:, 1:] = Q
+    return (S + np.eye(n, dtype=np.int64)).astype(np.int8)
+
+
+def _paley2(q: int) -> np.ndarray:
+    """Order 2 (q + 1), q = 1 mod 4."""
+    Q = _jacobsthal(q)
+    m = q + 1
+    C = np.zeros((m, m), np.int64)
+    C[0, 1:] = 1
+    C[1:, 0] = 1
+    C[1:, 1:] = Q
+    A = np.array([[1, -1], [-1, -1]], np.int64)
+    B = np.array([[1, 1], [1, -1]], np.int64)
+    out = np.kron(C, A) + np.kron(np.eye(m, dtype=np.int64), B)
+    return out.astype(np.int8)
+
+
+@lru_cache(maxsize=None)
+def _base(m: int) -> Optional[str]:
+    """How ``_dense`` builds an order-``m`` Hadamard matrix: ``"sylvester"`` (m = 1, 2), ``"paley1(q)"``,
+    ``"paley2(q)"``; None if neither applies."""
+    if m in (1, 2):
+        return "sylvester"
+    if m % 4:
+        return None
+    q = m - 1
+    pp = _prime_power(q)
+    if pp is not None and q % 4 == 3:
+        return f"paley1({q})"
+    if m % 2 == 0:
+        q = m // 2 - 1
+        pp = _prime_power(q)
+        if pp is not None and q % 4 == 1:
+            return f"paley2({q})"
+    return None
+
+
+def hadamard_factors(n: int) -> Optional[tuple]:
+    """How ``hadamard(n)`` builds its matrix: ``(m, 2^k, construction of m)`` with ``n = m * 2^k`` and the largest
+    power of two pulled out that leaves a constructible ``m``; None when no construction here reaches ``n``."""
+    n = _check_n(n)
+    # prefer the smallest dense factor m (fastest transform): scan all splits
+    cands = []
+    k = 0
+    while n % (1 << k) == 0:
+        m = n >> k
+        c = _base(m)
+        if c is not None:
+            cands.append((m, 1 << k, c))
+        k += 1
+    if not cands:
+        return None
+    return min(cands, key=lambda t: t[0])
+
+
+def is_constructible(n: int) -> bool:
+    """Whether ``hadamard(n)`` exists here."""
+    return hadamard_factors(n) is not None
+
+
+@lru_cache(maxsize=64)
+def _dense(m: int) -> np.ndarray:
+    c = _base(m)
+    if c == "sylvester":
+        return np.ones((1, 1), np.int8) if m == 1 else np.array([[1, 1], [1, -1]], np.int8)
+    q = int(c[c.index("(") + 1:-1])
+    return _paley1(q) if c.startswith("paley1") else _paley2(q)
+
+
+def _sylvester(k2: int) -> np.ndarray:
+    h = np.ones((1, 1), np.int8)
+    while h.shape[0] < k2:
+        h = np.block([[h, h], [h, -h]]).astype(np.int8)
+    return h
+
+
+def hadamard(n: int) -> np.ndarray:
+    """An order-``n`` Hadamard matrix (int8, entries +-1): ``kron(H_m, S_{2^k})`` with ``(m, 2^k)`` from
+    ``hadamard_factors(n)`` and ``S`` Sylvester's. ValueError when no construction here reaches ``n``."""
+    f = hadamard_factors(n)
+    if f is None:
+        raise ValueError(_no_hadamard(n))
+    m, k2, _ = f
+    return np.kron(_dense(m), _sylvester(k2)).astype(np.int8)
+
+
+def _no_hadamard(n: int) -> str:
+    why = "Hadamard orders are 1, 2 and multiples of 4" if n > 2 and n % 4 else \
+        "no Sylvester / Paley / Kronecker construction reaches it (Williamson-type orders are not included)"
+    return f"no Hadamard matrix of order {n} here: {why}; rotation(n) gives a block-diagonal Hadamard fallback"
+
+
+def _blocks(n: int) -> list:
+    """Greedy block sizes for the fallback: the largest constructible order <= what is left, repeatedly."""
+    out = []
+    left = n
+    while left:
+        b = left
+        while b > 1 and not is_constructible(b):
+            b -= 1
+        out.append(b)
+        left -= b
+    return out
+
+
+def rotation(n: int, *, key: Optional[int] = None) -> np.ndarray:
+    """An orthogonal ``[n, n]`` float64 matrix (module docstring): normalised Hadamard, or the block-diagonal
+    fallback; times random signs on the columns when ``key`` is given."""
+    n = _check_n(n)
+    if key is not None and (isinstance(key, bool) or not isinstance(key, numbers.Integral)):
+        raise TypeError(f"key must be an int seed or None, got {key!r}")
+    if is_constructible(n):
+        r = hadamard(n).astype(np.float64) / math.sqrt(n)
+    else:
+        r = np.zeros((n, n))
+        at = 0
+        for b in _blocks(n):
+            r[at:at + b, at:at + b] = hadamard(b).astype(np.float64) / math.sqrt(b)
+            at += b
+    if key is not None:
+        signs = np.where(np.random.default_rng(int(key)).random(n) < 0.5, -1.0, 1.0)
+        r = r * signs[None, :]
+    return r
+
+
+def fwht(x: Any, *, axis: int = -1) -> Any:
+    """``x`` times ``hadamard(n).T / sqrt(n)`` along ``axis`` (``n = x.shape[axis]``), fast (module docstring).
+    numpy or torch; float64 inputs stay float64, others compute in float32. ValueError when ``n`` has no
+    construction here."""
+    torch_in = is_torch(x)
+    if not torch_in:
+        x = np.asarray(x)
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+        raise TypeError(f"axis must be an int, got {axis!r}")
+    nd = x.ndim
+    if not -nd <= axis < nd:
+        raise ValueError(f"axis {axis} is out of range for x of shape {tuple(x.shape)}")
+    n = int(x.shape[axis])
+    f = hadamard_factors(n)
+    if f is None:
+        raise ValueError(_no_hadamard(n))
+    m, k2, _ = f
+    if torch_in:
+        import torch
+        dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        y = torch.movedim(x.to(dt), axis, -1).contiguous()
+        lead = y.shape[:-1]
+        y = y.reshape(-1, m, k2)
+        h = k2
+        while h > 1:  # butterflies over the 2^k factor
+            y = y.reshape(-1, m, k2 // h, 2, h // 2)
+            a, b = y[..., 0, :], y[..., 1, :]
+            y = torch.stack((a + b, a - b), dim=-2)
+            h //= 2
+        y = y.reshape(-1, m, k2)
+        if m > 1:
+            hm = torch.as_tensor(_dense(m), dtype=dt, device=y.device)
+            y = torch.einsum("ij,bjk->bik", hm, y)
+        y = (y / math.sqrt(n)).reshape(*lead, n)
+        return torch.movedim(y, -1, axis)
+    dt = np.float64 if x.dtype == np.float64 else np.float32
+    y = np.moveaxis(x.astype(dt), axis, -1)
+    lead = y.shape[:-1]
+    y = np.ascontiguousarray(y).reshape(-1, m, k2)
+    h = k2
+    while h > 1:
+        y = y.reshape(-1, m, k2 // h, 2, h // 2)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = np.stack((a + b, a - b), axis=-2)
+        h //= 2
+    y = y.reshape(-1, m, k2)
+    if m > 1:
+        y = np.einsum("ij,bjk->bik", _dense(m).astype(dt), y)
+    y = (y / dt(math.sqrt(n))).reshape(*lead, n)
+    return np.moveaxis(y, -1, axis)
