@@ -1,5 +1,7 @@
 """qcore.algorithms: quantization algorithms as pure functions over weights and statistics (numpy or torch).
+
 Depends on qcore only: ``metrics`` (perplexity math, MSE, SQNR, cosine), ``gptq`` (Hessian statistics, GPTQ),
-``awq`` (AWQ scale and clipping search), ``smoothquant`` (SmoothQuant scales, AutoSmoothQuant), ``hadamard`` (Hadamard matrices
-of many orders, the fast transform, orthogonal rotations of every size), ``config`` (their settings, qcore's and Quark's ``algo_config`` keys). Bound to models one decoder layer at a time by
+``awq`` (AWQ scale and clipping search), ``smoothquant`` (SmoothQuant scales, AutoSmoothQuant), ``hadamard``
+(Hadamard matrices of many orders, the fast transform, orthogonal rotations of every size), ``config`` (their
+settings, qcore's and Quark's ``algo_config`` keys). Bound to models one decoder layer at a time by
 ``qcore.adapters.sequential``; scales are folded into models by ``qcore.adapters.scaling``."""
