@@ -243,6 +243,15 @@ def _to(batch, device):
     return batch
 
 
+def _call(model: nn.Module, batch: Any):
+    """``model(batch)``, ``model(**batch)`` or ``model(*batch)`` for a tensor, a dict or a tuple/list batch."""
+    if isinstance(batch, torch.Tensor):
+        return model(batch)
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    return model(*batch)
+
+
 def _check_batch(model: nn.Module, batch: Any, i: int) -> None:
     expected = ("a tensor (model(batch)), a dict of tensors (model(**batch)) or a tuple/list of tensors "
                 "(model(*batch))")
@@ -291,14 +300,8 @@ def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distri
         with torch.no_grad():
             for i, batch in enumerate(_progress(data, total=total, desc="calibrating", enabled=progress)):
                 _check_batch(model, batch, i)
-                b = _to(batch, device)
                 try:
-                    if isinstance(b, torch.Tensor):
-                        model(b)
-                    elif isinstance(b, Mapping):
-                        model(**b)
-                    else:
-                        model(*b)
+                    _call(model, _to(batch, device))
                 except CalibrationError:
                     raise
                 except (RuntimeError, ValueError, TypeError, IndexError) as e:
@@ -341,6 +344,7 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     """
     if not isinstance(qat, bool):
         raise TypeError(f"qat must be a bool, got {qat!r}")
+    config = _as_config(config)
     plans = plan_model(model, config)
     meta = [n for n, t in model.named_parameters() if t.is_meta]
     if meta:
@@ -364,7 +368,7 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         distributed.check()
         if data is not None:
             data = list(data)
-        distributed.check_consistent(fingerprint=fingerprint(model, _as_config(config), plans),
+        distributed.check_consistent(fingerprint=fingerprint(model, config, plans),
                                      n_batches=len(data) if data is not None else 1)
     pinned: dict = {}
     if config_algorithms(config):
@@ -372,11 +376,11 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
             raise ValueError("qat=True keeps float master weights; the algorithms write quantized weights (use "
                              "qat=False with algorithms)")
         if data is None:
-            raise ValueError(f"the algorithms {[a['name'] for a in _as_config(config).algorithms]} need "
+            raise ValueError(f"the algorithms {[a['name'] for a in config.algorithms]} need "
                              f"calibration data; pass calibration batches as data=")
         from .sequential import run_algorithms
         data = list(data)  # read twice: by the algorithms and by calibration
-        pinned = run_algorithms(model, plans, _as_config(config).algorithms, data, progress=progress,
+        pinned = run_algorithms(model, plans, config.algorithms, data, progress=progress,
                                 reduce=distributed)
     wrappers = [(p.name, model.get_submodule(p.name), wrap(model.get_submodule(p.name), p.config, name=p.name,
                                                            qat=qat)) for p in plans]
@@ -406,7 +410,7 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         # fake-quantizes at the forward: the model is fully quantized either way.
         for _, _, new in _progress(wrappers, desc="quantizing weights", enabled=progress):
             new.commit()
-    model.qcore_config = _as_config(config)  # what exporters write (qcore.adapters.export_hf)
+    model.qcore_config = config  # what exporters write (qcore.adapters.export_hf)
     return model
 
 

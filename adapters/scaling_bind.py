@@ -29,8 +29,9 @@ from qcore.algorithms.awq import awq_clip, awq_search
 from qcore.algorithms.config import AutoSmoothQuantConfig, AWQConfig, SmoothQuantConfig
 from qcore.algorithms.smoothquant import auto_smoothquant, smoothquant_scales, weight_absmax
 
-from .modules import _act_granularity, _norm_weight_granularity, _with_granularity
+from .modules import _act_granularity, _with_granularity
 from .scaling import ScalingGroup, check_fold, fold_scales, scaling_groups
+from .sequential import _forward_layer, _weight_spec
 
 __all__ = ["check_scaling", "apply_scaling"]
 
@@ -48,13 +49,6 @@ def _groups(layer: nn.Module, algo, prefix: str) -> list[ScalingGroup]:
         return scaling_groups(layer, quark_entries=_entries(algo))
     except (ValueError, TypeError) as e:
         raise type(e)(f"{algo.name}: decoder layer {prefix!r}: {e}") from None
-
-
-def _wspec(layer, plan, name):
-    m = layer.get_submodule(name)
-    spec = plan.config.weight.spec
-    g = _norm_weight_granularity(spec.granularity, "Linear", name, m.weight.dim(), tuple(m.weight.shape))
-    return _with_granularity(spec, g)
 
 
 def _ispec(plan):
@@ -115,8 +109,6 @@ def _tokens(inputs) -> int:
 
 def apply_scaling(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, *, reduce=None) -> None:
     """Run ``algo`` (SmoothQuant, AutoSmoothQuant or AWQ config) on one decoder layer in place."""
-    from .sequential import _forward_layer
-
     if reduce is not None and not isinstance(algo, SmoothQuantConfig):  # run_algorithms refuses these up front
         raise ValueError(f"{algo.name} does not run with distributed calibration; run it in one process")
     groups = _groups(layer, algo, prefix)
@@ -145,17 +137,16 @@ def apply_scaling(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, *, 
         rec = recs[g.inp or g.layers[0]]
         mods = [layer.get_submodule(n) for n in g.layers]
         ws = [m.weight.detach().float() for m in mods]
-        if isinstance(algo, SmoothQuantConfig):
+        if isinstance(algo, SmoothQuantConfig):  # needs no weight spec: the layers may be left unquantized
             s = smoothquant_scales(rec.absmax, weight_absmax(ws), alpha=algo.alpha, clamp_min=algo.clamp_min)
-        elif isinstance(algo, AutoSmoothQuantConfig):
-            r = auto_smoothquant(rec.sample(), ws, weight_spec=[_wspec(layer, lplans[n], n) for n in g.layers],
-                                 input_spec=_ispec(lplans[g.layers[0]]), loss=algo.loss,
-                                 act_absmax=rec.absmax)
-            s = r.scales
         else:
-            specs = [_wspec(layer, lplans[n], n) for n in g.layers]
+            specs = [_weight_spec(layer.get_submodule(n), lplans[n], n) for n in g.layers]
             x = rec.sample()
-            s = awq_search(x, ws, specs, grid=algo.grid).scales
+            if isinstance(algo, AutoSmoothQuantConfig):
+                s = auto_smoothquant(x, ws, weight_spec=specs, input_spec=_ispec(lplans[g.layers[0]]),
+                                     loss=algo.loss, act_absmax=rec.absmax).scales
+            else:
+                s = awq_search(x, ws, specs, grid=algo.grid).scales
         fold_scales(layer, g, s)
         if isinstance(algo, AWQConfig) and algo.clip:
             xs = x / s.to(x.dtype)

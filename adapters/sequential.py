@@ -30,17 +30,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
 import qcore
-from qcore.algorithms.config import (AutoSmoothQuantConfig, AWQConfig, GPTQConfig, SmoothQuantConfig,
+from qcore.algorithms.config import (AutoSmoothQuantConfig, AWQConfig, GPTQConfig,
                                      parse_algorithms)
-from qcore.algorithms.gptq import HessianStats, check_gptq_spec, gptq, merge_hessians, update_hessian
+from qcore.algorithms.gptq import HessianStats, check_gptq_spec, gptq, update_hessian
 from qcore.stats import RunningStats
 
 from .config import MinMax, Percentile
@@ -99,16 +99,8 @@ class _Inputs:
         return len(self.args)
 
 
-def _call(model, batch):
-    if isinstance(batch, torch.Tensor):
-        return model(batch)
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    return model(*batch)
-
-
 def _capture(model: nn.Module, layer0: nn.Module, batches: Sequence, device, progress: bool) -> _Inputs:
-    from .quantizer import _check_batch, _describe, _progress, _to
+    from .quantizer import _call, _check_batch, _describe, _progress, _to
 
     args_l: list = []
     kwargs_l: list = []

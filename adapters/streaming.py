@@ -483,7 +483,7 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
 def _calibrate_tail(model, layers, tail, cal_in, data, device, as_tuple: bool, progress: bool) -> None:
     """Static scales of the modules after the decoder layers: the model runs with its layers replaced by the
     kept final hidden states."""
-    from .sequential import _call
+    from .quantizer import _call
 
     finals = [_hidden_of(a, k) for a, k in zip(cal_in.args, cal_in.kwargs)]
     saved = list(layers)

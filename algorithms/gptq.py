@@ -107,10 +107,6 @@ class _Np:
         return bool(np.isfinite(x).all())
 
     @staticmethod
-    def item(x) -> float:
-        return float(x)
-
-    @staticmethod
     def diag(x):
         return np.diagonal(x).copy()
 
@@ -149,10 +145,6 @@ class _Torch:
 
     def finite(self, x) -> bool:
         return bool(self.t.isfinite(x).all())
-
-    @staticmethod
-    def item(x) -> float:
-        return float(x)
 
     def diag(self, x):
         return self.t.diagonal(x).clone()
@@ -384,7 +376,7 @@ def gptq(weight: Any, hessian: Any, spec: QuantSpec, *, block_size: int = 128, d
         W = W[:, perm]
         H = H[perm][:, perm]
     perm_np = None if perm is None else _to_numpy(perm)
-    mean_diag = float(lib.item(lib.diag(H).mean()))
+    mean_diag = float(lib.diag(H).mean())
 
     rel = float(damp)
     U = None
@@ -462,10 +454,11 @@ def gptq(weight: Any, hessian: Any, spec: QuantSpec, *, block_size: int = 128, d
             Q1[:, i:i + 1] = q
             d = U1[i, i]
             err = (w - q) / d
-            loss += float(lib.item((err * err).sum())) * 0.5
             W1[:, i:] -= err @ U1[i:i + 1, i:]
             Err1[:, i:i + 1] = err
         Q[:, i1:i2] = Q1
+        e64 = lib.cast(Err1, lib.f64)
+        loss += 0.5 * float((e64 * e64).sum())  # once per block: no host sync per column
         if i2 < n:
             W[:, i2:] -= Err1 @ U[i1:i2, i2:]
 
@@ -503,7 +496,14 @@ def _assemble(Q, spec, group_params, width, two_level, tensor_scale) -> QTensor:
     if width is None:
         kw = dict(group_params[0])
     else:
-        cat = (lambda xs: __import__("torch").cat(xs, dim=1)) if is_torch(Q) else (lambda xs: np.concatenate(xs, 1))
+        if is_torch(Q):
+            import torch
+
+            def cat(xs):
+                return torch.cat(xs, dim=1)
+        else:
+            def cat(xs):
+                return np.concatenate(xs, 1)
         scales = [_same_kind(p["scale"], Q) for p in group_params]
         kw = {"scale": cat(scales)}
         zps = [p.get("zero_point") for p in group_params]

@@ -292,34 +292,25 @@ def fwht(x: Any, *, axis: int = -1) -> Any:
     m, k2, _ = f
     if torch_in:
         import torch
-        dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        y = torch.movedim(x.to(dt), axis, -1).contiguous()
-        lead = y.shape[:-1]
-        y = y.reshape(-1, m, k2)
-        h = k2
-        while h > 1:  # butterflies over the 2^k factor
-            y = y.reshape(-1, m, k2 // h, 2, h // 2)
-            a, b = y[..., 0, :], y[..., 1, :]
-            y = torch.stack((a + b, a - b), dim=-2)
-            h //= 2
-        y = y.reshape(-1, m, k2)
-        if m > 1:
-            hm = torch.as_tensor(_dense(m), dtype=dt, device=y.device)
-            y = torch.einsum("ij,bjk->bik", hm, y)
-        y = (y / math.sqrt(n)).reshape(*lead, n)
-        return torch.movedim(y, -1, axis)
-    dt = np.float64 if x.dtype == np.float64 else np.float32
-    y = np.moveaxis(x.astype(dt), axis, -1)
+        f64 = x.dtype == torch.float64
+        y = torch.movedim(x.to(torch.float64 if f64 else torch.float32), axis, -1).contiguous()
+        hm = torch.as_tensor(_dense(m), dtype=y.dtype, device=y.device)
+        stack, einsum, moveaxis = torch.stack, torch.einsum, torch.movedim
+    else:
+        dt = np.float64 if x.dtype == np.float64 else np.float32
+        y = np.ascontiguousarray(np.moveaxis(x.astype(dt), axis, -1))
+        hm = _dense(m).astype(dt)
+        stack, einsum, moveaxis = np.stack, np.einsum, np.moveaxis
     lead = y.shape[:-1]
-    y = np.ascontiguousarray(y).reshape(-1, m, k2)
+    y = y.reshape(-1, m, k2)
     h = k2
-    while h > 1:
+    while h > 1:  # butterflies over the 2^k factor, one bit of the index at a time
         y = y.reshape(-1, m, k2 // h, 2, h // 2)
         a, b = y[..., 0, :], y[..., 1, :]
-        y = np.stack((a + b, a - b), axis=-2)
+        y = stack((a + b, a - b), -2)
         h //= 2
     y = y.reshape(-1, m, k2)
     if m > 1:
-        y = np.einsum("ij,bjk->bik", _dense(m).astype(dt), y)
-    y = (y / dt(math.sqrt(n))).reshape(*lead, n)
-    return np.moveaxis(y, -1, axis)
+        y = einsum("ij,bjk->bik", hm, y)
+    y = (y / math.sqrt(n)).reshape(*lead, n)
+    return moveaxis(y, -1, axis)

@@ -14,15 +14,6 @@ from qcore.algorithms.awq import AWQResult, awq_clip, awq_search  # noqa: E402
 U4G64 = qcore.make_spec("uint4", granularity=qcore.PerGroup(64, axis=1))  # asymmetric, as Quark's uint4_wo_64
 
 
-@pytest.fixture(scope="module")
-def torch():
-    t = pytest.importorskip("torch")
-    before = t.get_num_threads()
-    t.set_num_threads(1)
-    yield t
-    t.set_num_threads(before)
-
-
 def salient_data(seed=0, t=256, n=192, outs=(96,), salient=8, factor=30.0):
     """Activations with a few salient channels (mean |x| much larger), random weights."""
     rng = np.random.default_rng(seed)

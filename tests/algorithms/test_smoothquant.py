@@ -17,15 +17,6 @@ from qcore.algorithms.smoothquant import (SmoothLoss, SmoothResult, SmoothRule, 
 INT8 = qcore.make_spec("int8")  # per-tensor symmetric: W8A8 int8 per-tensor
 
 
-@pytest.fixture(scope="module")
-def torch():
-    t = pytest.importorskip("torch")
-    before = t.get_num_threads()
-    t.set_num_threads(1)
-    yield t
-    t.set_num_threads(before)
-
-
 def outlier_data(seed=0, t=256, n=128, outs=(96, 64)):
     """Activations with a few outlier channels (x50), as in LLMs; weights of moderate range."""
     rng = np.random.default_rng(seed)
