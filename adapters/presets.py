@@ -64,6 +64,8 @@ PRESETS: dict[str, dict[str, tuple]] = {
     "w_mx9_a_mx9": _wa(("mx9", "block", "static"), ("mx9", "block", "dynamic")),
     "w_mx6_a_mx6": _wa(("mx6", "block", "static"), ("mx6", "block", "dynamic")),
     "w_bfp16_a_bfp16": _wa(("bfp16", "block", "static"), ("bfp16", "block", "dynamic")),
+    # qcore: W4A4 int (QuaRot / SpinQuant's setting): int4 per-group weights, int4 per-token dynamic activations
+    "w_int4_a_int4_per_token_dynamic": _wa(("int4", "group", "static"), ("int4", "token", "dynamic")),
     # Quark 0.13 scheme names
     "fp8": _wa((_FP8, "tensor", "static"), (_FP8, "tensor", "static")),
     "ptpc_fp8": _wa((_FP8, "channel", "static"), (_FP8, "token", "dynamic")),

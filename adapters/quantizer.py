@@ -371,17 +371,33 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         distributed.check_consistent(fingerprint=fingerprint(model, config, plans),
                                      n_batches=len(data) if data is not None else 1)
     pinned: dict = {}
-    if config_algorithms(config):
+    algos = config_algorithms(config)
+    if algos:
+        from qcore.algorithms.config import ROTATION_CONFIGS, SpinQuantConfig
+        rot = [a for a in algos if isinstance(a, ROTATION_CONFIGS)]
+        algos = tuple(a for a in algos if not isinstance(a, ROTATION_CONFIGS))
         if qat:
             raise ValueError("qat=True keeps float master weights; the algorithms write quantized weights (use "
                              "qat=False with algorithms)")
-        if data is None:
-            raise ValueError(f"the algorithms {[a['name'] for a in config.algorithms]} need "
-                             f"calibration data; pass calibration batches as data=")
-        from .sequential import run_algorithms
-        data = list(data)  # read twice: by the algorithms and by calibration
-        pinned = run_algorithms(model, plans, config.algorithms, data, progress=progress,
-                                reduce=distributed)
+        needs = [a.name for a in algos] + [a.name for a in rot if isinstance(a, SpinQuantConfig)]
+        if data is None and needs:
+            raise ValueError(f"the algorithms {needs} need calibration data; pass calibration batches as data=")
+        if data is not None:
+            data = list(data)  # read more than once: by the algorithms and by calibration
+        if rot:
+            from .rotation import apply_rotation, check_rotation
+            check_rotation(model, rot[0])
+            if algos:
+                from .sequential import check_algorithms
+                check_algorithms(model, plans, algos)
+            try:
+                apply_rotation(model, rot[0], plans=plans, data=data, progress=progress)
+            except BaseException:
+                model._qcore_partial = True  # some weights may already be rotated
+                raise
+        if algos:
+            from .sequential import run_algorithms
+            pinned = run_algorithms(model, plans, algos, data, progress=progress, reduce=distributed)
     wrappers = [(p.name, model.get_submodule(p.name), wrap(model.get_submodule(p.name), p.config, name=p.name,
                                                            qat=qat)) for p in plans]
     for name, _, new in wrappers:

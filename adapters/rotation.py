@@ -14,23 +14,35 @@ same function, its weights and activations are spread by orthogonal (Hadamard) r
    ``v_proj`` per key-value head by ``R2^T``, the columns of ``o_proj`` per query head by ``R2`` (grouped-query
    attention included: every query head reading a key-value head sees the same rotation).
 
+4. ``online`` (default both): online Hadamard transforms where a rotation cannot be fused into the previous
+   layer: the input of ``mlp.down_proj`` (after the SiLU gate, QuaRot's R4) and of ``self_attn.o_proj`` (after
+   attention; a full transform of the ``heads * head_dim`` features, which mixes across heads as QuaRot's
+   online head Hadamard does). The Linear's weight columns are multiplied by ``Q`` and an ``InputRotation``
+   forward pre-hook multiplies its input by ``Q`` (``Q = diag(s) H^T / sqrt(n)``, applied with the fast
+   transform ``fwht``; a dense product for sizes with no construction, whose ``Q`` is ``rotation(n).T``). The
+   pre-hook stays on the module when ``quantize_model`` wraps it (the wrapper shares its hooks), so the
+   quantizer sees the rotated input: activation quantization and GPTQ's Hessians both act on rotated values.
+   ``input_rotations(model)`` lists them.
+
 Supported: layers with ``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``, ``input_layernorm``,
 ``post_attention_layernorm`` (RMSNorm without bias, not Gemma's ``1 + w`` form) and a model with
 ``model.embed_tokens``, ``model.norm``, ``lm_head``. Everything is checked before any weight changes (ValueError).
-The online Hadamard transforms (before down_proj, across heads before o_proj) are not done here yet.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from qcore.algorithms.hadamard import rotation
+from qcore.algorithms.hadamard import fwht, is_constructible, random_signs, rotation
 
-__all__ = ["rotate_model"]
+__all__ = ["rotate_model", "apply_rotation", "check_rotation", "rotated_weights", "InputRotation",
+           "input_rotations", "ONLINE"]
+
+ONLINE = ("mlp.down_proj", "self_attn.o_proj")
 
 _LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
           "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
@@ -75,6 +87,63 @@ def _check(model) -> tuple:
     return emb, norm, head, layers, int(hd)
 
 
+class InputRotation:
+    """A forward pre-hook multiplying a Linear's input by the orthogonal ``Q`` of size ``size`` (see the module
+    docstring): ``x @ Q`` with ``Q = rotation(size, key=key).T``. A value (size, key); the matrix is rebuilt
+    from it, so a model with these hooks deep-copies and pickles."""
+
+    __slots__ = ("size", "key", "_signs", "_dense")
+
+    def __init__(self, size: int, *, key: Optional[int] = None):
+        self.size, self.key = int(size), key
+        self._signs = self._dense = None
+
+    def __repr__(self) -> str:
+        return f"InputRotation(size={self.size}, key={self.key})"
+
+    def __getstate__(self):
+        return {"size": self.size, "key": self.key}
+
+    def __setstate__(self, st):
+        self.size, self.key = st["size"], st["key"]
+        self._signs = self._dense = None
+
+    def matrix(self) -> torch.Tensor:
+        """``Q`` as a float64 [size, size] tensor."""
+        return torch.from_numpy(rotation(self.size, key=self.key).T.copy())
+
+    def __call__(self, module, args):
+        x = args[0]
+        return (self.apply(x),) + tuple(args[1:])
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.size:
+            raise ValueError(f"InputRotation: input has {x.shape[-1]} features, the rotation is of size {self.size}")
+        ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+        if is_constructible(self.size):
+            if self.key is not None:
+                if self._signs is None:
+                    self._signs = torch.from_numpy(random_signs(self.size, key=self.key))
+                y = fwht(x.to(ct) * self._signs.to(device=x.device, dtype=ct))
+            else:
+                y = fwht(x.to(ct))
+        else:
+            if self._dense is None:
+                self._dense = self.matrix()
+            y = x.to(ct) @ self._dense.to(device=x.device, dtype=ct)
+        return y.to(x.dtype)
+
+
+def input_rotations(model: nn.Module) -> dict:
+    """``{module name: InputRotation}`` for every module carrying one (``rotate_model(..., online=...)``)."""
+    out = {}
+    for n, m in model.named_modules():
+        for h in m._forward_pre_hooks.values():
+            if isinstance(h, InputRotation):
+                out[n] = h
+    return out
+
+
 @torch.no_grad()
 def _set(p: torch.Tensor, v: torch.Tensor) -> None:
     p.copy_(v.to(p.dtype))
@@ -84,14 +153,8 @@ def _w(p):
     return p.detach().to(torch.float64)
 
 
-@torch.no_grad()
-def rotate_model(model: nn.Module, *, key: Optional[int] = None, heads: bool = True) -> nn.Module:
-    """Fold norms and fuse QuaRot's rotations into ``model`` in place (module docstring); returns it."""
-    emb, norm, head, layers, hd = _check(model)
-    hidden = emb.weight.shape[1]
-    dev = emb.weight.device
-    r1 = torch.from_numpy(rotation(hidden, key=key)).to(dev)
-    r2 = torch.from_numpy(rotation(hd, key=None if key is None else key + 1)).to(dev)
+def _fold_and_untie(model, emb, norm, head, layers) -> None:
+    """Fold every RMSNorm's weight into the Linears reading it (then ones); untie the output head."""
     if head.weight is emb.weight:  # untie: the head gets the final norm folded in, the embedding does not
         head.weight = nn.Parameter(head.weight.detach().clone())
         model.config.tie_word_embeddings = False
@@ -108,22 +171,121 @@ def rotate_model(model: nn.Module, *, key: Optional[int] = None, heads: bool = T
         fold(layer.post_attention_layernorm, (m.gate_proj, m.up_proj))
     fold(norm, (head,))
 
-    _set(emb.weight, _w(emb.weight) @ r1)
-    _set(head.weight, _w(head.weight) @ r1)
-    for layer in layers:
-        a, m = layer.self_attn, layer.mlp
-        for lin in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj):
-            _set(lin.weight, _w(lin.weight) @ r1)
-        for lin in (a.o_proj, m.down_proj):
-            _set(lin.weight, r1.T @ _w(lin.weight))
-        if heads:
-            v, o = _w(a.v_proj.weight), _w(a.o_proj.weight)
+
+def rotated_weights(model: nn.Module, r1: Optional[torch.Tensor], r2: Optional[Sequence], *,
+                    dtype: torch.dtype = torch.float64) -> dict:
+    """``{parameter name: rotated value}`` for the weights the rotations ``r1`` (``[hidden, hidden]``, residual
+    stream) and ``r2`` (one ``[head_dim, head_dim]`` per layer, values per head) change, computed from the
+    model's current (norm-folded, untied) weights in ``dtype``; differentiable in ``r1`` and ``r2`` (SpinQuant
+    trains through it). None skips a rotation. The model is not changed."""
+    emb, norm, head, layers, hd = _check(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    out: dict = {}
+
+    def cur(mod, what="weight"):
+        key = f"{names[id(mod)]}.{what}"
+        return out.get(key, getattr(mod, what).detach().to(dtype)), key
+
+    if r1 is not None:
+        r1 = r1.to(dtype)
+        for mod in (emb, head):
+            w, k = cur(mod)
+            out[k] = w @ r1
+        for layer in layers:
+            a, m = layer.self_attn, layer.mlp
+            for lin in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj):
+                w, k = cur(lin)
+                out[k] = w @ r1
+            for lin in (a.o_proj, m.down_proj):
+                w, k = cur(lin)
+                out[k] = r1.T @ w
+    if r2 is not None:
+        for layer, r in zip(layers, r2):
+            a = layer.self_attn
+            r = r.to(dtype)
+            v, kv_ = cur(a.v_proj)
             kv = v.shape[0] // hd
-            v = (r2.T @ v.reshape(kv, hd, -1)).reshape(kv * hd, -1)
+            out[kv_] = (r.T @ v.reshape(kv, hd, -1)).reshape(kv * hd, -1)
             if a.v_proj.bias is not None:
-                _set(a.v_proj.bias, (r2.T @ _w(a.v_proj.bias).reshape(kv, hd, 1)).reshape(-1))
+                b, kb = cur(a.v_proj, "bias")
+                out[kb] = (r.T @ b.reshape(kv, hd, 1)).reshape(-1)
+            o, ko = cur(a.o_proj)
             nh = o.shape[1] // hd
-            o = (o.reshape(-1, nh, hd) @ r2).reshape(o.shape[0], nh * hd)
-            _set(a.v_proj.weight, v)
-            _set(a.o_proj.weight, o)
+            out[ko] = (o.reshape(-1, nh, hd) @ r).reshape(o.shape[0], nh * hd)
+    return out
+
+
+@torch.no_grad()
+def _write(model: nn.Module, values: dict) -> None:
+    for k, v in values.items():
+        _set(model.get_parameter(k), v)
+
+
+def _online_hooks(model, layers, online: Sequence[str], key: Optional[int]) -> dict:
+    """Register the online ``InputRotation`` hooks; ``{weight parameter name: Q}`` whose columns must be
+    multiplied by ``Q`` (``W @ Q``) for the model to compute the same function."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out = {}
+    for layer in layers:
+        for i, name in enumerate(online):
+            lin = layer.get_submodule(name)
+            h = InputRotation(lin.in_features, key=None if key is None else key + 2 + i)
+            lin.register_forward_pre_hook(h)
+            out[f"{names[id(lin)]}.weight"] = h.matrix().to(lin.weight.device)
+    return out
+
+
+def _times_online(model, values: dict, qs: dict, dtype=torch.float64) -> dict:
+    """``values`` with every weight in ``qs`` (taken from the model where ``values`` lacks it) times its ``Q``."""
+    out = dict(values)
+    for k, q in qs.items():
+        w = out.get(k, model.get_parameter(k).detach().to(dtype))
+        out[k] = w @ q.to(w.dtype)
+    return out
+
+
+def _check_online(online) -> tuple:
+    if isinstance(online, str) or not all(o in ONLINE for o in online):
+        raise ValueError(f"online must be a subset of {list(ONLINE)}, got {online!r}")
+    return tuple(online)
+
+
+@torch.no_grad()
+def rotate_model(model: nn.Module, *, key: Optional[int] = None, heads: bool = True,
+                 online: Sequence[str] = ONLINE) -> nn.Module:
+    """Fold norms and fuse QuaRot's rotations into ``model`` in place (module docstring); returns it."""
+    online = _check_online(online)
+    emb, norm, head, layers, hd = _check(model)
+    if input_rotations(model):
+        raise ValueError("rotate_model: the model is already rotated (it has online InputRotation hooks)")
+    hidden = emb.weight.shape[1]
+    dev = emb.weight.device
+    r1 = torch.from_numpy(rotation(hidden, key=key)).to(dev)
+    r2 = torch.from_numpy(rotation(hd, key=None if key is None else key + 1)).to(dev)
+    _fold_and_untie(model, emb, norm, head, layers)
+    values = rotated_weights(model, r1, [r2] * len(layers) if heads else None)
+    _write(model, _times_online(model, values, _online_hooks(model, layers, online, key)))
     return model
+
+
+def check_rotation(model: nn.Module, algo) -> None:
+    """What ``apply_rotation`` checks before changing anything."""
+    _check(model)
+    if input_rotations(model):
+        raise ValueError("the model is already rotated (it has online InputRotation hooks); reload it")
+    if algo.decoder_layers not in (None, "model.layers"):
+        raise ValueError(f"{algo.name}: decoder_layers={algo.decoder_layers!r}; rotations support Llama's "
+                         f"'model.layers'")
+
+
+def apply_rotation(model: nn.Module, algo, *, plans: Sequence = (), data: Optional[Sequence] = None,
+                   progress: bool = False) -> nn.Module:
+    """Run a ``QuaRotConfig`` or ``SpinQuantConfig`` (``qcore.algorithms.config``) on the float ``model`` in place:
+    QuaRot's Hadamard rotations, or SpinQuant's learnt ones (``qcore.adapters.spinquant``, which needs ``plans``,
+    the quantizer's plan of the model, and calibration ``data``)."""
+    from qcore.algorithms.config import SpinQuantConfig
+    check_rotation(model, algo)
+    if isinstance(algo, SpinQuantConfig):
+        from .spinquant import spinquant
+        return spinquant(model, plans, data, algo, progress=progress)
+    return rotate_model(model, key=algo.key, heads=algo.heads, online=algo.online)

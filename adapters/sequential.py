@@ -382,6 +382,15 @@ def run_layer(layer: nn.Module, lplans: dict, inputs: _Inputs, algos, prefix: st
             apply_scaling(layer, lplans, inputs, a, prefix, reduce=reduce)
 
 
+def check_algorithms(model: nn.Module, plans: list, algorithms) -> None:
+    """The checks ``run_algorithms`` makes before changing anything (so a rotation that runs first can rely on
+    the layer algorithms being able to run)."""
+    algos = parse_algorithms(algorithms)
+    if algos:
+        path, layers, by_layer = layer_plans(model, plans, algos)
+        check_layers(layers, by_layer, algos, path)
+
+
 def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence, *, progress: bool = True,
                    reduce=None) -> dict:
     """Apply ``algorithms`` (configs or dicts, in order) layer by layer; return ``{module name: QTensor}`` of
@@ -394,6 +403,10 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
     algos = parse_algorithms(algorithms)
     if not algos:
         return {}
+    from qcore.algorithms.config import ROTATION_CONFIGS
+    if any(isinstance(a, ROTATION_CONFIGS) for a in algos):
+        raise ValueError("run_algorithms: rotations (quarot, spinquant) act on the whole model; run them through "
+                         "quantize_model or qcore.adapters.rotation.apply_rotation")
     if not isinstance(batches, Sequence) or len(batches) == 0:
         raise ValueError("the algorithms need calibration data: pass a non-empty list of batches as data=")
     if reduce is not None:

@@ -321,6 +321,10 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
     static = [p for p in plans for r in ("input", "output")
               if isinstance(getattr(p.config, r), TensorConfig) and getattr(p.config, r).calibrated]
     algos = config_algorithms(cfg)
+    from qcore.algorithms.config import ROTATION_CONFIGS
+    if any(isinstance(a, ROTATION_CONFIGS) for a in algos):
+        raise ValueError(f"quantize_checkpoint: rotations ({[a.name for a in algos if isinstance(a, ROTATION_CONFIGS)]}) "
+                         f"act on the whole model at once and are not streamed; use quantize_model")
     if (static or algos) and not data:
         what = "the algorithms" if algos else "static activation scales"
         raise ValueError(f"{what} need calibration data; pass a non-empty list of batches as data=")

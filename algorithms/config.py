@@ -13,6 +13,10 @@
 - ``AutoSmoothQuantConfig(loss=SmoothLoss.MSE, n_tokens=4096, scaling_layers=(), decoder_layers=None)``; Quark keys
   ``compute_scale_loss`` ("MSE"/"MAE"), ``scaling_layers``, ``model_decoder_layers``.
 
+- ``QuaRotConfig(key=None, heads=True, online=("mlp.down_proj", "self_attn.o_proj"), decoder_layers=None)`` and
+  ``SpinQuantConfig(..., steps=100, lr=1.5, batch=1)``; Quark's ``{"name": "rotation", r1, r2, r4, random_r1,
+  trainable, ...}`` (r3, online R1, block-sized rotations and trained smoothing are refused).
+
 Unknown keys are refused (naming the key and the known ones), except Quark bookkeeping keys that change nothing
 here (listed in ``_IGNORED``). ``to_dict()`` gives qcore's dict back (``parse_algorithm(c.to_dict()) == c``);
 ``to_quark()`` gives Quark's schema. Pure data: no torch.
@@ -28,7 +32,8 @@ from typing import Any, Mapping, Optional, Union
 
 from .smoothquant import SmoothLoss
 
-__all__ = ["GPTQConfig", "AWQConfig", "SmoothQuantConfig", "AutoSmoothQuantConfig", "AlgorithmConfig",
+__all__ = ["GPTQConfig", "AWQConfig", "SmoothQuantConfig", "AutoSmoothQuantConfig", "QuaRotConfig",
+           "SpinQuantConfig", "ROTATION_CONFIGS", "AlgorithmConfig",
            "parse_algorithm", "parse_algorithms", "ALGORITHM_NAMES"]
 
 # Quark keys that carry no setting qcore uses (device placement, Quark-internal switches)
@@ -218,7 +223,109 @@ class AutoSmoothQuantConfig:
                 "scaling_layers": _entries(self.scaling_layers), "model_decoder_layers": self.decoder_layers}
 
 
-AlgorithmConfig = Union[GPTQConfig, AWQConfig, SmoothQuantConfig, AutoSmoothQuantConfig]
+_ONLINE = ("mlp.down_proj", "self_attn.o_proj")
+# Quark's RotationConfig keys whose Llama defaults are what qcore's rotations do (any other value is refused)
+_QUARK_ROTATION_PATHS = {"backbone": "model", "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
+                         "self_attn": "self_attn", "mlp": "mlp"}
+
+
+def _online(v, name) -> tuple:
+    v = _names(v, name)
+    bad = [o for o in v if o not in _ONLINE]
+    if bad or len(set(v)) != len(v):
+        raise ValueError(f"{name} must name distinct entries of {list(_ONLINE)}, got {list(v)!r}")
+    return tuple(o for o in _ONLINE if o in v)  # canonical order
+
+
+@dataclass(frozen=True)
+class QuaRotConfig:
+    """QuaRot: norms folded, Hadamard rotations fused into the weights (residual stream R1; per attention head R2
+    when ``heads``), online Hadamard transforms before the Linears in ``online`` (``"mlp.down_proj"``: QuaRot's
+    R4; ``"self_attn.o_proj"``: across heads). ``key``: random signs (randomised Hadamard; None: plain). Runs
+    on the whole float model before the other algorithms (``qcore.adapters.rotation``)."""
+
+    key: Optional[int] = None
+    heads: bool = True
+    online: tuple = _ONLINE
+    decoder_layers: Optional[str] = None
+    name: str = field(default="quarot", init=False)
+
+    def __post_init__(self):
+        if self.key is not None:
+            _int(self.key, f"{type(self).__name__}.key", lo=0)
+        _bool(self.heads, f"{type(self).__name__}.heads")
+        object.__setattr__(self, "online", _online(self.online, f"{type(self).__name__}.online"))
+        _layers_path(self.decoder_layers, f"{type(self).__name__}.decoder_layers")
+
+    def _common(self) -> dict:
+        return {"key": self.key, "heads": self.heads, "online": list(self.online),
+                "decoder_layers": self.decoder_layers}
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, **self._common()}
+
+    def to_quark(self) -> dict:
+        """qcore's own entry, named ``"qcore_rotation"``: Quark's loader would apply *its* Hadamard matrices to the
+        online layers (not the ones the weights were rotated with) and compute a wrong model silently, so an
+        exported rotation is spelt so that Quark refuses it; qcore reads it back (the fused weights and the
+        ``input_rotation`` tensors of the online layers are in the checkpoint)."""
+        return {**self.to_dict(), "name": "qcore_rotation", "method": self.name}
+
+
+@dataclass(frozen=True)
+class SpinQuantConfig(QuaRotConfig):
+    """SpinQuant: QuaRot's rotations, with the residual rotation R1 (and the per-head R2 when ``heads``) learnt
+    by Cayley SGD on the orthogonal manifold, minimising the fake-quantized model's next-token loss (straight-
+    through gradients) over ``steps`` steps of ``batch`` calibration sequences at learning rate ``lr``;
+    initialised from QuaRot's (randomised when ``key``) Hadamard rotations."""
+
+    steps: int = 100
+    lr: float = 1.5
+    batch: int = 1
+    name: str = field(default="spinquant", init=False)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _int(self.steps, "SpinQuantConfig.steps")
+        _real(self.lr, "SpinQuantConfig.lr", 0.0, 1e3, lo_open=True)
+        _int(self.batch, "SpinQuantConfig.batch")
+
+    def to_dict(self) -> dict:
+        return {"name": "spinquant", **self._common(), "steps": self.steps, "lr": self.lr, "batch": self.batch}
+
+
+def _from_quark_rotation(d: Mapping) -> "QuaRotConfig":
+    """Quark's ``{"name": "rotation", ...}`` (or its deprecated ``"quarot"`` spelling with r1/r2 keys)."""
+    known = {"name", "r1", "r2", "r3", "r4", "rotation_size", "random_r1", "random_r2", "model_decoder_layers",
+             "online_r1_rotation", "online_config", "trainable", "train_smooth", "smooth_positions",
+             "scaling_layers", *_QUARK_ROTATION_PATHS}
+    for k in d:
+        if k not in known and k not in _IGNORED:
+            raise ValueError(f"rotation config: unknown key {k!r}; known keys: {sorted(known)}")
+    if d.get("r1", True) is not True:
+        raise ValueError(f"rotation config: r1={d.get('r1')!r}; qcore's rotations always rotate the residual "
+                         f"stream (r1=True)")
+    for k, what in (("r3", "R3 (query/key rotation for KV-cache quantization) is not implemented"),
+                    ("online_r1_rotation", "online R1 rotations are not implemented"),
+                    ("train_smooth", "trained smoothing scales (OSTQuant) are not implemented")):
+        if d.get(k):
+            raise ValueError(f"rotation config: {k}={d[k]!r}: {what}")
+    for k in ("rotation_size", "online_config"):
+        if d.get(k) is not None:
+            raise ValueError(f"rotation config: {k}={d[k]!r} is not supported (full-size rotations only)")
+    for k, v in _QUARK_ROTATION_PATHS.items():
+        if k in d and d[k] != v:
+            raise ValueError(f"rotation config: {k}={d[k]!r}; qcore's rotations use Llama's layout ({v!r})")
+    layers = d.get("model_decoder_layers") or None
+    random = bool(d.get("random_r1")) or bool(d.get("random_r2"))
+    kw = {"key": 0 if random else None, "heads": _bool(d.get("r2", False), "rotation config r2"),
+          "online": ("mlp.down_proj",) if d.get("r4", False) else (), "decoder_layers": layers}
+    return SpinQuantConfig(**kw) if d.get("trainable") else QuaRotConfig(**kw)
+
+
+AlgorithmConfig = Union[GPTQConfig, AWQConfig, SmoothQuantConfig, AutoSmoothQuantConfig, QuaRotConfig,
+                        SpinQuantConfig]
+ROTATION_CONFIGS = (QuaRotConfig, SpinQuantConfig)
 
 # name -> (class, {key in the dict: constructor argument}) ; qcore's own keys map to themselves
 _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {
@@ -227,6 +334,8 @@ _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {
     "awq": (AWQConfig, {"model_decoder_layers": "decoder_layers"}),
     "smoothquant": (SmoothQuantConfig, {"scale_clamp_min": "clamp_min", "model_decoder_layers": "decoder_layers"}),
     "autosmoothquant": (AutoSmoothQuantConfig, {"compute_scale_loss": "loss", "model_decoder_layers": "decoder_layers"}),
+    "quarot": (QuaRotConfig, {}),
+    "spinquant": (SpinQuantConfig, {}),
 }
 _ALIASES = {"smooth": "smoothquant", "smooth_quant": "smoothquant", "auto_smoothquant": "autosmoothquant"}
 ALGORITHM_NAMES = tuple(_SCHEMAS)
@@ -234,7 +343,7 @@ ALGORITHM_NAMES = tuple(_SCHEMAS)
 
 def parse_algorithm(d: Union[Mapping, AlgorithmConfig, str]) -> AlgorithmConfig:
     """One algorithm config from a dict with a ``"name"`` (qcore's or Quark's keys), a name alone, or a config."""
-    if isinstance(d, (GPTQConfig, AWQConfig, SmoothQuantConfig, AutoSmoothQuantConfig)):
+    if isinstance(d, (GPTQConfig, AWQConfig, SmoothQuantConfig, AutoSmoothQuantConfig, QuaRotConfig)):
         return d
     if isinstance(d, str):
         d = {"name": d}
@@ -244,9 +353,17 @@ def parse_algorithm(d: Union[Mapping, AlgorithmConfig, str]) -> AlgorithmConfig:
     if not isinstance(name, str):
         raise ValueError(f"algorithm config {dict(d)!r} has no 'name'")
     key = _ALIASES.get(name.lower(), name.lower())
+    if key == "rotation" or (key == "quarot" and any(k in d for k in ("r1", "r2", "r3", "r4"))):
+        return _from_quark_rotation(d)
+    if key == "qcore_rotation":
+        method = d.get("method")
+        if method not in ("quarot", "spinquant"):
+            raise ValueError(f"qcore_rotation config: method must be 'quarot' or 'spinquant', got {method!r}")
+        d = {**{k: v for k, v in d.items() if k != "method"}, "name": method}
+        key = method
     if key not in _SCHEMAS:
         raise ValueError(f"algorithm {name!r} is not available; known: {list(ALGORITHM_NAMES)} (Quark's 'smooth' "
-                         f"is smoothquant; rotations arrive with issue 11)")
+                         f"is smoothquant, Quark's 'rotation' is quarot or, trainable, spinquant)")
     cls, renames = _SCHEMAS[key]
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     kwargs: dict[str, Any] = {}
@@ -265,7 +382,13 @@ def parse_algorithm(d: Union[Mapping, AlgorithmConfig, str]) -> AlgorithmConfig:
 
 
 def parse_algorithms(items) -> tuple:
-    """A tuple of algorithm configs from a list (or a comma-separated string of names, as ``--algo``)."""
+    """A tuple of algorithm configs from a list (or a comma-separated string of names, as ``--algo``). A rotation
+    (quarot, spinquant) acts on the whole float model: at most one, and it comes first."""
     if isinstance(items, str):
         items = [s.strip() for s in items.split(",") if s.strip()]
-    return tuple(parse_algorithm(a) for a in items)
+    out = tuple(parse_algorithm(a) for a in items)
+    rot = [i for i, a in enumerate(out) if isinstance(a, QuaRotConfig)]
+    if len(rot) > 1 or (rot and rot[0] != 0):
+        raise ValueError(f"algorithms {[a.name for a in out]}: a rotation (quarot / spinquant) must come first, "
+                         f"and only one")
+    return out

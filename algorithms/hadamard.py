@@ -35,7 +35,7 @@ import numpy as np
 
 from qcore._backend import is_torch
 
-__all__ = ["hadamard", "hadamard_factors", "is_constructible", "rotation", "fwht"]
+__all__ = ["hadamard", "hadamard_factors", "is_constructible", "rotation", "random_signs", "fwht"]
 
 
 def _check_n(n, name="n") -> int:
@@ -268,9 +268,16 @@ def rotation(n: int, *, key: Optional[int] = None) -> np.ndarray:
             r[at:at + b, at:at + b] = hadamard(b).astype(np.float64) / math.sqrt(b)
             at += b
     if key is not None:
-        signs = np.where(np.random.default_rng(int(key)).random(n) < 0.5, -1.0, 1.0)
-        r = r * signs[None, :]
+        r = r * random_signs(n, key=key)[None, :]
     return r
+
+
+def random_signs(n: int, *, key: int) -> np.ndarray:
+    """The ``+-1`` float64 vector of length ``n`` that ``rotation(n, key=key)`` multiplies its columns by."""
+    n = _check_n(n)
+    if isinstance(key, bool) or not isinstance(key, numbers.Integral):
+        raise TypeError(f"key must be an int seed, got {key!r}")
+    return np.where(np.random.default_rng(int(key)).random(n) < 0.5, -1.0, 1.0)
 
 
 def fwht(x: Any, *, axis: int = -1) -> Any:

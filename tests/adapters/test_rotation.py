@@ -2,6 +2,8 @@
 
 import copy
 
+import numpy as np
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -58,3 +60,96 @@ def test_unsupported_models_are_refused_before_any_change():
         rotate_model(m)
     for k, v in m.state_dict().items():
         assert torch.equal(v.nan_to_num(), before[k].nan_to_num()), k
+
+
+@pytest.mark.parametrize("key", [None, 3])
+@pytest.mark.parametrize("hidden, heads, kv, inter", [(64, 4, 2, 96), (72, 9, 3, 92)])  # 92: dense fallback
+def test_online_rotations_keep_the_function_and_rotate_the_inputs(hidden, heads, kv, inter, key):
+    from qcore.adapters.rotation import input_rotations
+    m = _llama(hidden, heads, kv, inter, False)
+    x = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    seen = {}
+    lin = m.model.layers[1].mlp.down_proj
+    h0 = lin.register_forward_pre_hook(lambda mod, a: seen.__setitem__("plain", a[0].detach().clone()))
+    with torch.no_grad():
+        ref = m(x).logits
+    h0.remove()
+    r = rotate_model(copy.deepcopy(m), key=key)
+    rot = input_rotations(r)
+    assert sorted(rot) == sorted(f"model.layers.{i}.{n}" for i in range(2) for n in ("mlp.down_proj",
+                                                                                      "self_attn.o_proj"))
+    lin = r.model.layers[1].mlp.down_proj
+    lin.register_forward_pre_hook(lambda mod, a: seen.__setitem__("rotated", a[0].detach().clone()))
+    with torch.no_grad():
+        out = r(x).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    q = rot["model.layers.1.mlp.down_proj"].matrix().float()
+    torch.testing.assert_close(q @ q.T, torch.eye(inter), atol=1e-6, rtol=0)
+    torch.testing.assert_close(seen["rotated"], seen["plain"] @ q, rtol=1e-4, atol=1e-5)
+    # survives deepcopy and quantize_model's wrapping (the wrapper shares the hooks)
+    from qcore.adapters import preset, quantize_model
+    r2 = copy.deepcopy(r)
+    assert len(input_rotations(r2)) == 4
+    q8 = quantize_model(r2, preset("int8"), [x], progress=False)
+    assert len(input_rotations(q8)) == 4
+    with torch.no_grad():
+        torch.testing.assert_close(q8(x).logits, ref, rtol=0.1, atol=0.1)
+    with pytest.raises(ValueError, match="already rotated"):
+        rotate_model(r)
+    with pytest.raises(ValueError, match="online must be"):
+        rotate_model(copy.deepcopy(m), online=("mlp.up_proj",))
+
+
+def _batches(n=3, seq=16):
+    return [torch.randint(0, 96, (1, seq), generator=torch.Generator().manual_seed(10 + i)) for i in range(n)]
+
+
+def test_quarot_through_quantize_model():
+    from qcore.adapters import preset, quantize_model
+    from qcore.adapters.rotation import input_rotations
+    m = _llama(64, 4, 2, 128, True)
+    x = _batches(1)[0]
+    with torch.no_grad():
+        ref = m(x).logits
+    q = quantize_model(copy.deepcopy(m), preset("w_int8_a_int8_per_token_dynamic").replace(algorithms=({"name": "quarot"},)),
+                       progress=False)  # no data needed: QuaRot is data-free, dynamic activations
+    assert len(input_rotations(q)) == 4
+    assert [a["name"] for a in q.qcore_config.algorithms] == ["quarot"]
+    with torch.no_grad():
+        torch.testing.assert_close(q(x).logits, ref, rtol=0.05, atol=0.05)
+    # QuaRot then GPTQ: the Hessians are taken from the rotated inputs (the hooks run before GPTQ's)
+    g = quantize_model(copy.deepcopy(m), preset("w_mxfp4_a_mxfp4").replace(
+        algorithms=({"name": "quarot"}, {"name": "gptq"})), _batches(), progress=False)
+    assert len(input_rotations(g)) == 4
+    with pytest.raises(ValueError, match="need calibration data"):
+        quantize_model(copy.deepcopy(m), preset("w_mxfp4_a_mxfp4").replace(algorithms=({"name": "spinquant"},)),
+                       progress=False)
+
+
+def test_spinquant_learns_an_orthogonal_rotation_and_keeps_the_float_function():
+    from qcore.adapters import plan_model, preset
+    from qcore.adapters.rotation import apply_rotation, rotate_model
+    from qcore.algorithms.config import SpinQuantConfig
+    from qcore.algorithms.orthogonal import orthogonality_error
+    m = _llama(64, 4, 2, 128, False)
+    x = _batches(1)[0]
+    with torch.no_grad():
+        ref = m(x).logits
+    cfg = preset("w_int4_a_int4_per_token_dynamic", group_size=32)
+    plans = plan_model(m, cfg)
+    s = apply_rotation(copy.deepcopy(m), SpinQuantConfig(steps=6, lr=0.5), plans=plans, data=_batches(),
+                       progress=False)
+    losses = s._qcore_spinquant_losses
+    assert len(losses) == 6 and all(np.isfinite(losses))
+    with torch.no_grad():
+        torch.testing.assert_close(s(x).logits, ref, rtol=1e-4, atol=1e-4)
+    # the learnt R1, read back from the embedding (emb_rotated = emb @ R1): orthogonal, and not QuaRot's
+    e0 = m.model.embed_tokens.weight.detach().double()
+    r1 = torch.linalg.lstsq(e0, s.model.embed_tokens.weight.detach().double()).solution
+    assert orthogonality_error(r1) < 1e-4
+    h = rotate_model(copy.deepcopy(m))
+    assert not torch.allclose(s.model.embed_tokens.weight, h.model.embed_tokens.weight, atol=1e-4)
+    with pytest.raises(ValueError, match="already rotated"):
+        apply_rotation(s, SpinQuantConfig(steps=1), plans=plans, data=_batches())
+    with pytest.raises(ValueError, match="non-empty list"):
+        apply_rotation(copy.deepcopy(m), SpinQuantConfig(steps=1), plans=plans, data=[])

@@ -44,7 +44,7 @@ def test_names_list_as_the_command_line_gives_it():
 
 
 @pytest.mark.parametrize("bad, err, match", [
-    ({"name": "quarot"}, ValueError, "'quarot' is not available; known"),
+    ({"name": "qronos"}, ValueError, "'qronos' is not available; known"),
     ({"alpha": 0.5}, ValueError, "has no 'name'"),
     ({"name": "gptq", "dampp": 0.1}, ValueError, "unknown key 'dampp'"),
     ({"name": "gptq", "damp": -0.1}, ValueError, "GPTQConfig.damp"),
@@ -59,3 +59,34 @@ def test_names_list_as_the_command_line_gives_it():
 def test_bad_configs_name_the_problem(bad, err, match):
     with pytest.raises(err, match=match):
         parse_algorithm(bad)
+
+
+def test_rotation_configs_qcore_and_quark_spellings():
+    from qcore.algorithms.config import QuaRotConfig, SpinQuantConfig
+    q = parse_algorithm("quarot")
+    assert q == QuaRotConfig() and q.online == ("mlp.down_proj", "self_attn.o_proj") and q.heads
+    s = parse_algorithm({"name": "spinquant", "steps": 5, "online": ["self_attn.o_proj", "mlp.down_proj"], "key": 2})
+    assert isinstance(s, SpinQuantConfig) and s.online == ("mlp.down_proj", "self_attn.o_proj")
+    for c in (q, s, QuaRotConfig(online=(), heads=False)):
+        assert parse_algorithm(c.to_dict()) == c
+        assert parse_algorithm(c.to_quark()) == c  # the exported spelling reads back
+        assert c.to_quark()["name"] == "qcore_rotation"  # not Quark's "rotation": Quark must not load it
+    # Quark's RotationConfig: r2 -> heads, r4 -> online down_proj, trainable -> SpinQuant, random -> a key
+    r = parse_algorithm({"name": "rotation", "r1": True, "r2": True, "r3": False, "r4": True, "random_r1": True,
+                         "trainable": True, "model_decoder_layers": "model.layers", "scaling_layers": {}})
+    assert isinstance(r, SpinQuantConfig) and r.online == ("mlp.down_proj",) and r.key == 0
+    assert parse_algorithm({"name": "quarot", "r1": True, "r2": False}) == QuaRotConfig(heads=False, online=())
+    for bad, msg in (({"r3": True}, "R3"), ({"online_r1_rotation": True}, "online R1"),
+                     ({"rotation_size": 32}, "full-size"), ({"r1": False}, "r1=True"),
+                     ({"mlp": "feed_forward"}, "Llama's layout"), ({"bogus": 1}, "unknown key")):
+        with pytest.raises(ValueError, match=msg):
+            parse_algorithm({"name": "rotation", **bad})
+    with pytest.raises(ValueError, match="online must name"):
+        QuaRotConfig(online=("mlp.up_proj",))
+    with pytest.raises(ValueError, match="lr must be"):
+        SpinQuantConfig(lr=0)
+    with pytest.raises(ValueError, match="must come first"):
+        parse_algorithms(["gptq", "quarot"])
+    with pytest.raises(ValueError, match="must come first"):
+        parse_algorithms(["quarot", "spinquant"])
+    assert [a.name for a in parse_algorithms("quarot,gptq")] == ["quarot", "gptq"]

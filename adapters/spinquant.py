@@ -1,0 +1,144 @@
+"""SpinQuant (Liu et al. 2024): learn the residual rotation R1 and the per-head rotations R2 of QuaRot
+(``qcore.adapters.rotation``) by Cayley SGD on the orthogonal group, minimising the next-token loss of the
+fake-quantized model.
+
+``spinquant(model, plans, data, algo, *, progress=False)`` (reached through ``quantize_model`` with the algorithm
+``{"name": "spinquant"}``, or ``apply_rotation``):
+
+1. the norms are folded and the head untied as in ``rotate_model``; the online Hadamard hooks (``algo.online``)
+   are installed; R1 starts at QuaRot's ``rotation(hidden, key=key)``, each layer's R2 at ``rotation(head_dim,
+   key=key + 1)``;
+2. each step takes ``algo.batch`` calibration sequences (cycling through ``data``), computes the rotated weights
+   from the float weights (``rotated_weights``, float32), fake-quantizes every planned weight with its spec
+   (round to nearest, straight-through gradient) and every planned Linear's input with its spec (dynamic
+   scales, even where the config calibrates static ones: the rotation is trained for the format, the scales
+   are calibrated after), and back-propagates the causal-LM loss to R1 and R2 only;
+3. ``qcore.algorithms.orthogonal.cayley_step`` moves each rotation along its Riemannian gradient (in float64), so
+   it stays orthogonal;
+4. the learnt rotations are fused into the weights (float64 arithmetic), as ``rotate_model`` does.
+
+The float model computes the same function afterwards (every rotation is orthogonal); only its quantization
+changes. Cost per step: one forward and backward of the model with fake quantization (SmolLM2-135M, one
+512-token sequence: a few seconds on 2 CPU cores). Output quantization and the KV cache are not modelled.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+import qcore
+from qcore.algorithms.hadamard import rotation
+from qcore.algorithms.orthogonal import cayley_step
+
+from .modules import _act_granularity, _with_granularity
+from .rotation import _check, _fold_and_untie, _online_hooks, _times_online, _write, rotated_weights
+
+__all__ = ["spinquant"]
+
+_log = logging.getLogger("qcore.adapters")
+
+
+def _ids(batch, i: int) -> torch.Tensor:
+    if isinstance(batch, torch.Tensor):
+        ids = batch
+    elif isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
+        ids = batch["input_ids"]
+    else:
+        raise ValueError(f"spinquant: calibration batch {i} must be a token-id tensor or a dict with 'input_ids', "
+                         f"got {type(batch).__name__}")
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64) or ids.shape[1] < 2:
+        raise ValueError(f"spinquant: calibration batch {i} must hold token ids [batch, seq >= 2], got "
+                         f"{tuple(ids.shape)} {ids.dtype}")
+    return ids
+
+
+def _specs(model: nn.Module, plans: Sequence) -> tuple[dict, dict]:
+    from .sequential import _weight_spec
+    wspecs, aspecs = {}, {}
+    for p in plans:
+        m = model.get_submodule(p.name)
+        if not isinstance(m, nn.Linear):
+            continue
+        if p.config.weight is not None:
+            wspecs[f"{p.name}.weight"] = _weight_spec(m, p, p.name)
+        if p.config.input is not None:
+            spec = p.config.input.spec
+            aspecs[p.name] = _with_granularity(spec, _act_granularity(spec.granularity, False))
+    return wspecs, aspecs
+
+
+def _act_hook(spec):
+    def hook(mod, args):
+        x = args[0]
+        y = qcore.fake_quantize(x.reshape(-1, x.shape[-1]).float(), spec).reshape(x.shape).to(x.dtype)
+        return (y,) + tuple(args[1:])
+    return hook
+
+
+def spinquant(model: nn.Module, plans: Sequence, data: Optional[Sequence], algo, *, progress: bool = False
+              ) -> nn.Module:
+    """Learn and fuse SpinQuant's rotations into ``model`` in place (module docstring); returns it."""
+    from .quantizer import _progress
+    emb, norm, head, layers, hd = _check(model)
+    if not data:
+        raise ValueError("spinquant trains its rotations on calibration data: pass a non-empty list of token-id "
+                         "batches as data=")
+    batches = [_ids(b, i) for i, b in enumerate(data)]
+    wspecs, aspecs = _specs(model, plans)
+    if not wspecs and not aspecs:
+        raise ValueError("spinquant: the config quantizes none of the model's Linears; nothing to train for")
+    dev = emb.weight.device
+    key = algo.key
+    r1 = torch.from_numpy(rotation(emb.weight.shape[1], key=key)).to(dev)
+    r2 = [torch.from_numpy(rotation(hd, key=None if key is None else key + 1)).to(dev)
+          for _ in layers] if algo.heads else None
+    _fold_and_untie(model, emb, norm, head, layers)
+    qs = _online_hooks(model, layers, algo.online, key)
+    hooks = [model.get_submodule(n).register_forward_pre_hook(_act_hook(s)) for n, s in aspecs.items()]
+    was_training = model.training
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    model.eval()
+    t0 = time.perf_counter()
+    losses = []
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for step in _progress(range(algo.steps), total=algo.steps, desc="spinquant", enabled=progress):
+            ids = torch.cat([batches[(step * algo.batch + j) % len(batches)] for j in range(algo.batch)]).to(dev)
+            r1v = r1.float().requires_grad_()
+            r2v = [r.float().requires_grad_() for r in r2] if r2 is not None else None
+            vals = _times_online(model, rotated_weights(model, r1v, r2v, dtype=torch.float32), qs, torch.float32)
+            for k, spec in wspecs.items():
+                w = vals.get(k)
+                if w is None:
+                    w = model.get_parameter(k).float()
+                vals[k] = qcore.fake_quantize(w, spec)
+            out = functional_call(model, vals, (ids,), {"labels": ids, "use_cache": False})
+            loss = out.loss
+            if not torch.isfinite(loss):
+                raise ValueError(f"spinquant: the loss is {float(loss)} at step {step}; lower lr ({algo.lr})")
+            loss.backward()
+            losses.append(float(loss.detach()))
+            r1 = cayley_step(r1, r1v.grad.double(), lr=algo.lr)
+            if r2 is not None:
+                r2 = [cayley_step(r, g.grad.double(), lr=algo.lr) for r, g in zip(r2, r2v)]
+    finally:
+        for h in hooks:
+            h.remove()
+        for n, p in model.named_parameters():
+            p.requires_grad_(flags.get(n, True))
+        model.train(was_training)
+    with torch.no_grad():
+        _write(model, _times_online(model, rotated_weights(model, r1, r2), qs))
+    model._qcore_spinquant_losses = losses  # the training curve (first, last: logged)
+    _log.info("spinquant: %d steps in %.1f s, loss %.4f -> %.4f", algo.steps, time.perf_counter() - t0,
+              losses[0], losses[-1])
+    return model
