@@ -213,8 +213,25 @@ def _plan_tensors(model: nn.Module, pack_method: str = "reorder") -> tuple[list[
     return records, layouts
 
 
+def _online_rotations(model: nn.Module, config: ModelConfig) -> bool:
+    """Whether the model carries online rotations; ValueError if they are not what its config's rotation says
+    (a loader re-installs them from the config)."""
+    from qcore.algorithms.config import ROTATION_CONFIGS, parse_algorithms
+    from .rotation import input_rotations, online_plan
+    have = {n: (h.size, h.key) for n, h in input_rotations(model).items()}
+    rot = [a for a in parse_algorithms(config.algorithms) if isinstance(a, ROTATION_CONFIGS)]
+    want = {n: (h.size, h.key) for n, h in online_plan(model, rot[0]).items()} if rot else {}
+    if have != want:
+        raise ValueError(f"export: the model's online rotations ({len(have)} modules, e.g. "
+                         f"{next(iter(have), None)!r}) are not the ones its config's algorithms give ({len(want)}, "
+                         f"e.g. {next(iter(want), None)!r}); rotate through quantize_model's algorithms (quarot, "
+                         f"spinquant) so that the checkpoint can re-install them")
+    return bool(have)
+
+
 def _quantization_config(model: nn.Module, config: ModelConfig, layouts: dict[str, str], pack_method: str) -> dict:
-    quark_ok = all(v != "qcore" for v in layouts.values())
+    # online rotations: Quark's and vLLM's loaders would not apply qcore's transforms; quant_method "qcore"
+    quark_ok = all(v != "qcore" for v in layouts.values()) and not _online_rotations(model, config)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     model_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype,
                                                                                                       "float32")

@@ -208,6 +208,11 @@ def _make_classes():
                 _set_module(model, name, _build(sh, self.pack_method, dtype))
             self._shells = {}
             model.qcore_config = checkpoint_config(self.quantization_config.raw)
+            from qcore.algorithms.config import ROTATION_CONFIGS, parse_algorithms
+            rot = [a for a in parse_algorithms(model.qcore_config.algorithms) if isinstance(a, ROTATION_CONFIGS)]
+            if rot:  # the online transforms of the rotated weights (QuaRot / SpinQuant), from the config
+                from .rotation import install_online
+                install_online(model, rot[0])
             return model
 
         def is_serializable(self):

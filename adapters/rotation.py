@@ -40,7 +40,7 @@ from torch import nn
 from qcore.algorithms.hadamard import fwht, is_constructible, random_signs, rotation
 
 __all__ = ["rotate_model", "apply_rotation", "check_rotation", "rotated_weights", "InputRotation",
-           "input_rotations", "ONLINE"]
+           "input_rotations", "online_plan", "install_online", "ONLINE"]
 
 ONLINE = ("mlp.down_proj", "self_attn.o_proj")
 
@@ -221,18 +221,39 @@ def _write(model: nn.Module, values: dict) -> None:
         _set(model.get_parameter(k), v)
 
 
-def _online_hooks(model, layers, online: Sequence[str], key: Optional[int]) -> dict:
+def online_plan(model: nn.Module, algo) -> dict:
+    """``{module name: InputRotation}`` that ``rotate_model`` / ``apply_rotation`` install for the rotation config
+    ``algo`` (``online``, ``key``) on ``model`` (what a checkpoint's config says to re-install on loading)."""
+    path = "model.layers"
+    layers = _get(model, path)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{algo.name}: the model has no {path!r} list of decoder layers")
+    out = {}
+    for li, layer in enumerate(layers):
+        for i, name in enumerate(algo.online):
+            lin = _get(layer, name)
+            if lin is None or not hasattr(lin, "in_features"):
+                raise ValueError(f"{algo.name}: {path}.{li}.{name} is not a Linear")
+            out[f"{path}.{li}.{name}"] = InputRotation(lin.in_features,
+                                                       key=None if algo.key is None else algo.key + 2 + i)
+    return out
+
+
+def install_online(model: nn.Module, algo) -> dict:
+    """Register ``online_plan(model, algo)``'s hooks on a model whose weights already hold the rotations (a
+    reloaded checkpoint); returns the plan."""
+    plan = online_plan(model, algo)
+    for name, h in plan.items():
+        model.get_submodule(name).register_forward_pre_hook(h)
+    return plan
+
+
+def _online_hooks(model, online: Sequence[str], key: Optional[int]) -> dict:
     """Register the online ``InputRotation`` hooks; ``{weight parameter name: Q}`` whose columns must be
     multiplied by ``Q`` (``W @ Q``) for the model to compute the same function."""
-    names = {id(m): n for n, m in model.named_modules()}
-    out = {}
-    for layer in layers:
-        for i, name in enumerate(online):
-            lin = layer.get_submodule(name)
-            h = InputRotation(lin.in_features, key=None if key is None else key + 2 + i)
-            lin.register_forward_pre_hook(h)
-            out[f"{names[id(lin)]}.weight"] = h.matrix().to(lin.weight.device)
-    return out
+    from types import SimpleNamespace
+    plan = install_online(model, SimpleNamespace(online=tuple(online), key=key, name="rotate_model"))
+    return {f"{n}.weight": h.matrix().to(model.get_submodule(n).weight.device) for n, h in plan.items()}
 
 
 def _times_online(model, values: dict, qs: dict, dtype=torch.float64) -> dict:
@@ -264,7 +285,7 @@ def rotate_model(model: nn.Module, *, key: Optional[int] = None, heads: bool = T
     r2 = torch.from_numpy(rotation(hd, key=None if key is None else key + 1)).to(dev)
     _fold_and_untie(model, emb, norm, head, layers)
     values = rotated_weights(model, r1, [r2] * len(layers) if heads else None)
-    _write(model, _times_online(model, values, _online_hooks(model, layers, online, key)))
+    _write(model, _times_online(model, values, _online_hooks(model, online, key)))
     return model
 
 

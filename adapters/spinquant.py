@@ -101,7 +101,7 @@ def spinquant(model: nn.Module, plans: Sequence, data: Optional[Sequence], algo,
     r2 = [torch.from_numpy(rotation(hd, key=None if key is None else key + 1)).to(dev)
           for _ in layers] if algo.heads else None
     _fold_and_untie(model, emb, norm, head, layers)
-    qs = _online_hooks(model, layers, algo.online, key)
+    qs = _online_hooks(model, algo.online, key)
     hooks = [model.get_submodule(n).register_forward_pre_hook(_act_hook(s)) for n, s in aspecs.items()]
     was_training = model.training
     flags = {n: p.requires_grad for n, p in model.named_parameters()}

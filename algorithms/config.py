@@ -265,10 +265,17 @@ class QuaRotConfig:
         return {"name": self.name, **self._common()}
 
     def to_quark(self) -> dict:
-        """qcore's own entry, named ``"qcore_rotation"``: Quark's loader would apply *its* Hadamard matrices to the
-        online layers (not the ones the weights were rotated with) and compute a wrong model silently, so an
-        exported rotation is spelt so that Quark refuses it; qcore reads it back (the fused weights and the
-        ``input_rotation`` tensors of the online layers are in the checkpoint)."""
+        """With online transforms: qcore's own entry, named ``"qcore_rotation"`` (Quark's loader would apply *its*
+        Hadamard matrices to the online layers, not the ones the weights were rotated with, and compute a wrong
+        model silently; it refuses this name, and such checkpoints say ``quant_method: "qcore"``); qcore
+        re-installs the online transforms from it on loading. Without: Quark's offline ``rotation`` entry
+        (r1, r2; the rotations live in the weights, nothing happens at run time), read back as a QuaRot config
+        with the same ``heads`` (``key`` becomes 0 or None: the weights already hold it)."""
+        if not self.online:  # fused into the weights only: Quark's offline R1/R2 spelling loads as it is
+            return {"name": "rotation", "r1": True, "r2": self.heads, "r3": False, "r4": False,
+                    "rotation_size": None, "random_r1": self.key is not None, "random_r2": self.key is not None,
+                    "trainable": False, "model_decoder_layers": self.decoder_layers or "model.layers",
+                    "scaling_layers": {}, **_QUARK_ROTATION_PATHS}
         return {**self.to_dict(), "name": "qcore_rotation", "method": self.name}
 
 
@@ -317,6 +324,8 @@ def _from_quark_rotation(d: Mapping) -> "QuaRotConfig":
         if k in d and d[k] != v:
             raise ValueError(f"rotation config: {k}={d[k]!r}; qcore's rotations use Llama's layout ({v!r})")
     layers = d.get("model_decoder_layers") or None
+    if layers == "model.layers":  # the only layout rotations support; None means the same
+        layers = None
     random = bool(d.get("random_r1")) or bool(d.get("random_r2"))
     kw = {"key": 0 if random else None, "heads": _bool(d.get("r2", False), "rotation config r2"),
           "online": ("mlp.down_proj",) if d.get("r4", False) else (), "decoder_layers": layers}

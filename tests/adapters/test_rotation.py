@@ -153,3 +153,36 @@ def test_spinquant_learns_an_orthogonal_rotation_and_keeps_the_float_function():
         apply_rotation(s, SpinQuantConfig(steps=1), plans=plans, data=_batches())
     with pytest.raises(ValueError, match="non-empty list"):
         apply_rotation(copy.deepcopy(m), SpinQuantConfig(steps=1), plans=plans, data=[])
+
+
+@pytest.mark.parametrize("online", [("mlp.down_proj", "self_attn.o_proj"), ()])
+def test_rotated_checkpoints_export_and_reload(online, tmp_path):
+    import json
+
+    import qcore.adapters as A
+    from qcore.adapters.rotation import input_rotations
+    m = _llama(64, 4, 2, 128, True)
+    x = _batches(1)[0]
+    algo = {"name": "quarot", "key": 4, "online": list(online)}
+    q = A.quantize_model(m, A.preset("w_mxfp4_a_mxfp4").replace(algorithms=(algo,)), progress=False)
+    A.freeze(q)
+    A.export_hf(q, tmp_path / "ckpt")
+    qc = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
+    # online transforms: Quark's / vLLM's loaders would not apply them, so the checkpoint is a qcore one
+    assert qc["quant_method"] == ("qcore" if online else "quark")
+    back = A.from_pretrained(tmp_path / "ckpt")
+    assert {n: (h.size, h.key) for n, h in input_rotations(back).items()} == \
+        {n: (h.size, h.key) for n, h in input_rotations(q).items()}
+    assert len(input_rotations(back)) == 2 * len(online)
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, q(x).logits, rtol=0, atol=1e-5)
+
+
+def test_export_refuses_rotations_the_config_does_not_describe(tmp_path):
+    import qcore.adapters as A
+    from qcore.adapters.rotation import rotate_model
+    m = rotate_model(_llama(64, 4, 2, 128, False))  # hooks, but the quantization config names no rotation
+    q = A.quantize_model(m, A.preset("w_mxfp4_a_mxfp4"), progress=False)
+    with pytest.raises(ValueError, match="online rotations"):
+        A.export_hf(q, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()

@@ -67,14 +67,16 @@ def test_rotation_configs_qcore_and_quark_spellings():
     assert q == QuaRotConfig() and q.online == ("mlp.down_proj", "self_attn.o_proj") and q.heads
     s = parse_algorithm({"name": "spinquant", "steps": 5, "online": ["self_attn.o_proj", "mlp.down_proj"], "key": 2})
     assert isinstance(s, SpinQuantConfig) and s.online == ("mlp.down_proj", "self_attn.o_proj")
-    for c in (q, s, QuaRotConfig(online=(), heads=False)):
+    for c in (q, s, QuaRotConfig(online=("mlp.down_proj",), heads=False)):
         assert parse_algorithm(c.to_dict()) == c
         assert parse_algorithm(c.to_quark()) == c  # the exported spelling reads back
         assert c.to_quark()["name"] == "qcore_rotation"  # not Quark's "rotation": Quark must not load it
+    fused = QuaRotConfig(online=(), heads=False)  # all in the weights: Quark's offline spelling
+    assert fused.to_quark()["name"] == "rotation" and parse_algorithm(fused.to_quark()) == fused
     # Quark's RotationConfig: r2 -> heads, r4 -> online down_proj, trainable -> SpinQuant, random -> a key
     r = parse_algorithm({"name": "rotation", "r1": True, "r2": True, "r3": False, "r4": True, "random_r1": True,
                          "trainable": True, "model_decoder_layers": "model.layers", "scaling_layers": {}})
-    assert isinstance(r, SpinQuantConfig) and r.online == ("mlp.down_proj",) and r.key == 0
+    assert isinstance(r, SpinQuantConfig) and r.online == ("mlp.down_proj",) and r.key == 0 and r.decoder_layers is None
     assert parse_algorithm({"name": "quarot", "r1": True, "r2": False}) == QuaRotConfig(heads=False, online=())
     for bad, msg in (({"r3": True}, "R3"), ({"online_r1_rotation": True}, "online R1"),
                      ({"rotation_size": 32}, "full-size"), ({"r1": False}, "r1=True"),
