@@ -173,7 +173,16 @@ def quantize_command(args) -> int:
     if args.algo:
         from qcore.algorithms.config import parse_algorithms
         try:
-            algos = parse_algorithms(",".join(args.algo))
+            items: list = []
+            for a in args.algo:
+                if a.lstrip().startswith("{"):
+                    try:
+                        items.append(json.loads(a))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{a!r} is not a JSON object: {e}") from None
+                else:
+                    items.extend(s.strip() for s in a.split(",") if s.strip())
+            algos = parse_algorithms(items)
         except (ValueError, TypeError) as e:
             raise CommandError(f"--algo {','.join(args.algo)}: {e}") from None
     if args.export and not args.output:

@@ -195,8 +195,10 @@ def _add_quantize(sub) -> None:
     q.add_argument("--exclude", action="append", default=None, metavar="NAME",
                    help="module name or pattern left in float (repeatable; replaces the default: the output head)")
     q.add_argument("--algo", action="append", default=None, metavar="NAMES",
-                   help="algorithms to run before rounding, in order, comma-separated or repeated: gptq, awq, "
-                   "smoothquant, autosmoothquant (e.g. --algo smoothquant,gptq); they use the calibration windows")
+                   help="algorithms to run before rounding, in order, comma-separated or repeated: quarot or "
+                   "spinquant (first), gptq, awq, smoothquant, autosmoothquant (e.g. --algo quarot,gptq); an entry "
+                   "may be a JSON object with settings, e.g. --algo '{\"name\": \"spinquant\", \"steps\": 50}'; "
+                   "they use the calibration windows")
     q.add_argument("--calib-samples", type=_count, default=32, help="calibration windows (default 32)")
     q.add_argument("--output", default=None, metavar="DIR", help="write the quantized checkpoint here (with --export; "
                    "default format hf); the directory must not exist or be empty unless --overwrite")

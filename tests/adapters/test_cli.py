@@ -206,3 +206,19 @@ def test_plot_writes_a_png_of_the_per_layer_sqnr(llama_dir, tmp_path, capsys):
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
     assert not list(tmp_path.glob("*.partial"))
+
+
+def test_rotation_algorithms_from_the_command_line(lm_dir, tmp_path, capsys):
+    out, rep = tmp_path / "ckpt", tmp_path / "r.json"
+    argv = ["quantize", "--model", str(lm_dir), "--scheme", "w_mxfp4_a_mxfp4", "--algo",
+            '{"name": "spinquant", "steps": 2, "lr": 0.5}', "--algo", "gptq", "--calib-samples", "2", "--seq-len",
+            "32", "--eval", "none", "--output", str(out), "--export", "hf", "--report", str(rep), "--no-progress"]
+    code = main(argv)
+    o = capsys.readouterr()
+    assert code == 0, o.err
+    assert json.loads(rep.read_text())["algorithms"] == ["spinquant", "gptq"]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "qcore" and qc["algo_config"][0]["name"] == "qcore_rotation"
+    assert qc["algo_config"][0]["method"] == "spinquant" and qc["algo_config"][0]["steps"] == 2
+    assert main(["quantize", "--model", str(lm_dir), "--algo", "{bad json"]) == 2
+    assert "is not a JSON object" in capsys.readouterr().err
