@@ -87,11 +87,11 @@ def _preset(name: str, calib: CalibrationData, *, algorithms: tuple = (), **kw) 
 
     config = preset(name, **kw).replace(algorithms=tuple(algorithms))
 
-    scaling = any(a["name"] in ("awq", "smoothquant", "autosmoothquant") for a in algorithms)
+    scaling = any(a["name"] in ("awq", "smoothquant", "autosmoothquant", "quarot", "spinquant") for a in algorithms)
 
     def run(model):
         if getattr(model.config, "model_type", "") == "bert" and scaling:
-            return None  # AWQ / SmoothQuant have no built-in scaling map for BERT layers
+            return None  # AWQ / SmoothQuant have no built-in scaling map for BERT layers; rotations need RMSNorm
         if getattr(model.config, "model_type", "") == "bert":
             tok = calib.minilm_tokenizer
             s = list(calib.sentences)
@@ -151,6 +151,13 @@ def algorithm_configs(calib: CalibrationData) -> dict[str, Quantize]:
                                                                  algorithms=({"name": "autosmoothquant"},)),
         "int4 weight-only g32 sym RTN": _preset("int4_wo_32", calib),
         "int4 weight-only g32 sym + GPTQ": _preset("int4_wo_32", calib, algorithms=gptq),
+        # rotations (issue 11): W+A MXFP4 and W4A4 int (int4 g64 weights, int4 per-token dynamic activations)
+        **{f"{label} {name}": _preset(scheme, calib, group_size=gs, algorithms=algos)
+           for label, scheme, gs in (("W MXFP4 / A MXFP4 (even)", "w_mxfp4_a_mxfp4", None),
+                                     ("W4A4 int g64 / per-token", "w_int4_a_int4_per_token_dynamic", 64))
+           for name, algos in (("RTN", ()), ("+ GPTQ", gptq), ("+ QuaRot", ({"name": "quarot"},)),
+                               ("+ QuaRot + GPTQ", ({"name": "quarot"},) + gptq),
+                               ("+ SpinQuant(40) + GPTQ", ({"name": "spinquant", "steps": 40},) + gptq))},
     }
 
 

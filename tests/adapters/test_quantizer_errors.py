@@ -148,8 +148,14 @@ def test_already_quantized_and_unknown_algorithms():
     quantize_model(m, ModelConfig(LayerConfig(weight="int8")), progress=False)
     with pytest.raises(ValueError, match="already holds qcore quantized modules"):
         quantize_model(m, ModelConfig(LayerConfig(weight="int8")), progress=False)
-    with pytest.raises(ValueError, match="algorithm 'quarot' is not available; known: .*gptq"):
-        quantize_model(_net(), ModelConfig(LayerConfig(weight="int8"), algorithms=[{"name": "quarot"}]), progress=False)
+    with pytest.raises(ValueError, match="algorithm 'qronos' is not available; known: .*gptq"):
+        quantize_model(_net(), ModelConfig(LayerConfig(weight="int8"), algorithms=[{"name": "qronos"}]), progress=False)
+    net = _net()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(ValueError, match="Net is not a Llama-like causal LM"):  # checked before any change
+        quantize_model(net, ModelConfig(LayerConfig(weight="int8"), algorithms=[{"name": "quarot"}]), progress=False)
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+    assert not getattr(net, "_qcore_partial", False)
     with pytest.raises(ValueError, match="need calibration data"):
         quantize_model(_net(), ModelConfig(LayerConfig(weight="int8"), algorithms=[{"name": "gptq"}]), progress=False)
     with pytest.raises(TypeError, match="config must be a ModelConfig"):
