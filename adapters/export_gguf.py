@@ -48,7 +48,7 @@ from qcore.dtypes import IntDType
 
 from .modules import _QuantMixin
 
-__all__ = ["export_gguf", "GGUFExportInfo", "TensorReport"]
+__all__ = ["export_gguf", "export_gguf_dir", "GGUFExportInfo", "TensorReport", "GGUF_FILE"]
 
 
 @dataclass(frozen=True)
@@ -219,8 +219,9 @@ def _tokenizer_fields(tokenizer: Any, vocab_size: int, pre: str) -> list[tuple[s
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
     out = [("tokenizer.ggml.model", "gpt2", V.STRING, None), ("tokenizer.ggml.pre", pre, V.STRING, None),
            ("tokenizer.ggml.tokens", tokens, V.ARRAY, V.STRING),
-           ("tokenizer.ggml.token_type", types, V.ARRAY, V.INT32),
-           ("tokenizer.ggml.merges", merges, V.ARRAY, V.STRING)]
+           ("tokenizer.ggml.token_type", types, V.ARRAY, V.INT32)]
+    if merges:  # GGUF has no empty arrays (llama.cpp's BPE loader needs merges; transformers' does not)
+        out.append(("tokenizer.ggml.merges", merges, V.ARRAY, V.STRING))
     for key, attr in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unknown", "unk_token_id"),
                       ("padding", "pad_token_id")):
         v = getattr(tokenizer, attr, None)
@@ -248,12 +249,12 @@ def _plan(model: nn.Module, cfg: dict, strict: bool) -> tuple[list, list[TensorR
     emb = sd.get("model.embed_tokens.weight")
     for k, t in sd.items():
         if k in owned:
-            mod = owned[k]
-            if mod in done or not k.endswith(".weight"):
-                if k.endswith(".bias"):
-                    raise ValueError(f"export_gguf: {k!r}: llama.cpp's Llama graph has no biases")
+            mod = owned[k]  # frozen modules hold weight_packed / weight_scale / ... instead of weight
+            if mod in done:
                 continue
             done.add(mod)
+            if getattr(mods[mod], "bias", None) is not None:
+                raise ValueError(f"export_gguf: {mod}.bias: llama.cpp's Llama graph has no biases")
             data, kind, rep = _encode_quantized(mod, mods[mod], strict)
             reports.append(rep)
             name = rep.gguf_name
@@ -273,6 +274,9 @@ def _plan(model: nn.Module, cfg: dict, strict: bool) -> tuple[list, list[TensorR
         if ".attn_q." in name or ".attn_k." in name:
             data = G.permute_qk(data, n_head if ".attn_q." in name else n_kv)
         tensors.append((name, np.ascontiguousarray(data), kind))
+    if len(done) != len(mods):
+        raise ValueError(f"export_gguf: quantized modules without tensors in the state dict: "
+                         f"{sorted(set(mods) - done)[:3]}")
     return tensors, reports
 
 
@@ -342,3 +346,30 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
         raise
     return GGUFExportInfo(str(path), path.stat().st_size, {n: k for n, _, k in tensors}, tuple(reports),
                           tuple(dropped))
+
+
+GGUF_FILE = "model.gguf"
+
+
+def export_gguf_dir(model: nn.Module, directory: Union[str, os.PathLike], *, overwrite: bool = False,
+                    **kwargs: Any) -> GGUFExportInfo:
+    """``export_gguf`` into ``directory/model.gguf``, the directory written atomically like ``export_hf``'s (a
+    staging sibling renamed into place; an existing non-empty directory needs ``overwrite=True``). ``kwargs``
+    go to ``export_gguf``."""
+    import shutil
+    from qcore._fsutil import replace_dir, staging_dir
+    from .export import check_destination
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
+    directory = pathlib.Path(directory)
+    check_destination(directory, overwrite)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = staging_dir(directory)
+    try:
+        info = export_gguf(model, tmp / GGUF_FILE, **kwargs)
+        replace_dir(tmp, directory, recheck=lambda: check_destination(directory, overwrite))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    path = directory / GGUF_FILE
+    return GGUFExportInfo(str(path), path.stat().st_size, info.types, info.quantized, info.dropped)

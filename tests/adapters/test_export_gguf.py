@@ -201,3 +201,15 @@ def test_llama_cpp_loads_and_logits_match(zoo, tmp_path, kind):
     assert got.shape == ref.shape
     assert np.abs(got - ref).max() <= 0.02 * np.abs(ref).max()
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "MXFP4"])
+def test_frozen_model_exports_the_same_file(zoo, tmp_path, kind):
+    from qcore.adapters import freeze
+    m = _quantized(zoo, SPECS[kind]())
+    a = export_gguf(m, tmp_path / "a.gguf")
+    freeze(m)
+    b = export_gguf(m, tmp_path / "b.gguf")
+    assert len(b.quantized) == 14 and b.lossless
+    assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
+    assert a.types == b.types
