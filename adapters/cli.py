@@ -13,7 +13,7 @@ import resource
 import shlex
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -35,6 +35,18 @@ def _dtype(name: str) -> torch.dtype:
     if name not in table:
         raise CommandError(f"--dtype must be one of {sorted(table)}, got {name!r}")
     return table[name]
+
+
+class _GGUFDirInfo(NamedTuple):
+    directory: str
+    quant_method: str
+    bytes_on_disk: int
+
+
+def _quantizes_activations(config) -> bool:
+    layers = [config.layer, *config.by_type.values(), *config.by_name.values()]
+    return config.kv_cache is not None or any(lc is not None and (lc.input is not None or lc.output is not None)
+                                              for lc in layers)
 
 
 def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str):
@@ -201,6 +213,10 @@ def quantize_command(args) -> int:
             raise CommandError(f"--max-shard-size: {e}") from None
     if args.plot:
         _require_matplotlib()  # before any work
+    if args.export == "gguf" and not getattr(args, "drop_activations", False) and _quantizes_activations(
+            build_config(args)[0]):
+        raise CommandError("--export gguf: the scheme quantizes activations, which GGUF cannot hold (llama.cpp "
+                           "quantizes activations its own way); use a weight-only scheme or pass --drop-activations")
     dtype = _dtype(args.dtype)
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     config, scheme = build_config(args)
@@ -245,7 +261,17 @@ def quantize_command(args) -> int:
     freeze(model)
     size_after = model_bytes(model)
     export_info = None
-    if out_dir is not None:
+    gguf_info = None
+    if out_dir is not None and args.export == "gguf":
+        from .export_gguf import export_gguf_dir
+        t_export = time.perf_counter()
+        gguf_tok = M.smollm2_path() if args.model is None else (
+            pathlib.Path(args.model) if str(args.model).endswith(".gguf") else tok)
+        gguf_info = export_gguf_dir(model, out_dir, tokenizer=gguf_tok, overwrite=args.overwrite,
+                                    drop_activations=getattr(args, "drop_activations", False))
+        export_info = _GGUFDirInfo(str(out_dir), "gguf", gguf_info.bytes_on_disk)
+        export_s = time.perf_counter() - t_export
+    elif out_dir is not None:
         from .export import export_hf
         t_export = time.perf_counter()
         export_info = export_hf(model, out_dir, config=config, tokenizer=tok, overwrite=args.overwrite,
@@ -264,7 +290,12 @@ def quantize_command(args) -> int:
         "bytes_on_disk": None if export_info is None else export_info.bytes_on_disk,
         "output_dir": None if export_info is None else export_info.directory,
         "export_format": None if export_info is None else (args.export or "hf"),
-        "quant_method": None if export_info is None else export_info.quant_method, "per_layer_sqnr_db": sqnr, "qcore_version": qcore.__version__,
+        "quant_method": None if export_info is None else export_info.quant_method,
+        "gguf_lossless": None if gguf_info is None else gguf_info.lossless,
+        "gguf_inexact": None if gguf_info is None else [
+            {"tensor": r.name, "type": r.gguf_type, "how": r.how, "max_abs_diff": r.max_abs_diff}
+            for r in gguf_info.inexact],
+        "gguf_dropped": None if gguf_info is None else list(gguf_info.dropped), "per_layer_sqnr_db": sqnr, "qcore_version": qcore.__version__,
         "command": "qcore " + " ".join(shlex.quote(a) for a in (args.argv or [])),
     }
     rows = [("model", desc), ("scheme", scheme), ("layers quantized", str(n_layers))]
@@ -278,6 +309,11 @@ def quantize_command(args) -> int:
     if export_info is not None:
         rows += [("checkpoint", f"{export_info.directory} ({export_info.bytes_on_disk / 2**20:.1f} MiB on disk, "
                                 f"quant_method {export_info.quant_method!r}, {export_s:.1f} s)")]
+    if gguf_info is not None:
+        worst_g = max((r.max_abs_diff for r in gguf_info.inexact), default=0.0)
+        rows += [("gguf", "lossless (every quantized weight code for code)" if gguf_info.lossless else
+                  f"{len(gguf_info.inexact)} of {len(gguf_info.quantized)} quantized weights not lossless (max abs "
+                  f"difference {worst_g:.3g}; see the report's gguf_inexact)")]
     rows += [("worst layers (weight SQNR)", ", ".join(f"{n} {v:.1f} dB" for n, v in worst))]
     print("\nqcore quantize: done\n" + _table(rows))
     if args.report:

@@ -202,8 +202,11 @@ def _add_quantize(sub) -> None:
     q.add_argument("--calib-samples", type=_count, default=32, help="calibration windows (default 32)")
     q.add_argument("--output", default=None, metavar="DIR", help="write the quantized checkpoint here (with --export; "
                    "default format hf); the directory must not exist or be empty unless --overwrite")
-    q.add_argument("--export", choices=["hf"], default=None, help="checkpoint format: hf = AMD Quark's HF layout "
-                   "(config.json + safetensors; vLLM, transformers + amd-quark and qcore load it)")
+    q.add_argument("--export", choices=["hf", "gguf"], default=None, help="checkpoint format: hf = AMD Quark's HF "
+                   "layout (config.json + safetensors; vLLM, transformers + amd-quark and qcore load it); gguf = "
+                   "DIR/model.gguf for llama.cpp (Llama models; Q4_0/Q4_1/Q8_0/MXFP4; see docs/export.md)")
+    q.add_argument("--drop-activations", action="store_true", help="with --export gguf: write a model whose "
+                   "activations are quantized without that quantization (GGUF has none); else refused")
     q.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --output directory")
     q.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest safetensors shard (default 5GB)")
     q.add_argument("--eval", choices=["ppl", "none"], default="ppl", help="evaluation before and after (default ppl)")

@@ -222,3 +222,26 @@ def test_rotation_algorithms_from_the_command_line(lm_dir, tmp_path, capsys):
     assert qc["algo_config"][0]["method"] == "spinquant" and qc["algo_config"][0]["steps"] == 2
     assert main(["quantize", "--model", str(lm_dir), "--algo", "{bad json"]) == 2
     assert "is not a JSON object" in capsys.readouterr().err
+
+
+def test_export_gguf(lm_dir, tmp_path, capsys):
+    """--export gguf writes DIR/model.gguf (tokenizer converted) that transformers loads with the in-memory
+    model's weights; uint4_wo_32 has float32 scales, so the report names the small inexact differences."""
+    gguf = pytest.importorskip("gguf")
+    out, rep = tmp_path / "g", tmp_path / "r.json"
+    code = main(["quantize", "--model", str(lm_dir), "--scheme", "int4_wo_32", "--eval", "none", "--export", "gguf",
+                 "--output", str(out), "--report", str(rep), "--no-progress"])
+    o = capsys.readouterr()
+    assert code == 0, o.err
+    assert sorted(p.name for p in out.iterdir()) == ["model.gguf"]
+    r = json.loads(rep.read_text())
+    assert r["export_format"] == "gguf" and r["gguf_lossless"] is False and len(r["gguf_inexact"]) == 14
+    assert all(0 < t["max_abs_diff"] < 1e-3 and t["type"] == "Q4_0" for t in r["gguf_inexact"])
+    assert "not lossless" in o.out
+    rd = gguf.GGUFReader(out / "model.gguf")
+    assert len(rd.fields["tokenizer.ggml.tokens"].contents()) == 256
+    # activation quantization: refused before any work unless --drop-activations
+    assert main(["quantize", "--model", str(lm_dir), "--scheme", "int8", "--eval", "none", "--export", "gguf",
+                 "--output", str(tmp_path / "h"), "--no-progress"]) == 2
+    assert "--drop-activations" in capsys.readouterr().err
+    assert not (tmp_path / "h").exists()

@@ -1,0 +1,375 @@
+"""Export a quantized Llama-family model as one GGUF file (llama.cpp's format): ``export_gguf``.
+
+Each quantized weight whose qcore grid is a GGUF block type (``qcore.formats.gguf.gguf_type``: int4 symmetric ->
+Q4_0, uint4 / int4 asymmetric -> Q4_1, int8 symmetric -> Q8_0, MXFP4 -> MXFP4 (type 39); groups of a multiple
+of 32 along the input axis, per channel or per tensor) is written code for code. It is **lossless** when ggml's
+dequantization of the written blocks equals the in-memory dequantized weight (float16-exact scales; for
+asymmetric Q4_1 also a float16-exact ``scale * zero_point``), which is checked for every tensor. Weights no GGUF
+type holds (groups of 16, int2, fp8, NVFP4, MX6, ...) are re-quantized from the in-memory dequantized weight
+with ggml's reference quantizer of the nearest type (4-bit ints -> Q4_0 / Q4_1, 8-bit ints -> Q8_0, fp4 ->
+MXFP4), or written as float (F16 where the values are float16, else F32) when no block type is near; their
+distance from the in-memory model is reported. ``strict=True`` refuses anything not lossless instead
+(ValueError naming the tensor).
+
+Float tensors: norms F32 (as llama.cpp expects), other float matrices F16 if the model holds float16, else F32.
+``attn_q`` / ``attn_k`` rows are permuted to llama.cpp's rotary order (``formats.gguf.permute_qk``). A tied
+output head is not written (llama.cpp and transformers reuse ``token_embd``).
+
+**Activation quantization is not part of GGUF** (llama.cpp quantizes activations its own way inside its
+kernels). A model with quantized inputs or outputs (static or dynamic, incl. a KV cache) is refused unless
+``drop_activations=True``; then the weights are written and ``GGUFExportInfo.dropped`` names each dropped role.
+Online rotations (QuaRot / SpinQuant hooks) are refused: llama.cpp's Llama graph cannot run them.
+
+Tokenizer (llama.cpp needs one): ``tokenizer=`` a transformers BPE (byte-level, GPT-2 style) tokenizer, converted
+to ``tokenizer.ggml.*`` (model ``gpt2``, pre-tokenizer ``tokenizer_pre``), or the path of a GGUF file whose
+``tokenizer.*`` fields are copied verbatim (e.g. the file the model was loaded from).
+
+Guarantees: no pickle; the write is atomic (a hidden temporary sibling file renamed into place with
+``os.replace``) and deterministic (the same model gives a byte-identical file); validation names the offending
+tensor before anything is written. The GGUF writer (gguf-py) holds the encoded tensors in memory until the
+file is written (the quantized size of the model, not the float size).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+from torch import nn
+
+from qcore.formats import gguf as G
+from qcore.dtypes import IntDType
+
+from .modules import _QuantMixin
+
+__all__ = ["export_gguf", "export_gguf_dir", "GGUFExportInfo", "TensorReport", "GGUF_FILE"]
+
+
+@dataclass(frozen=True)
+class TensorReport:
+    """One quantized weight in the GGUF file: its GGUF type, whether it is lossless, and the max abs difference
+    between ggml's dequantization of it and the in-memory dequantized weight."""
+
+    name: str
+    gguf_name: str
+    gguf_type: str
+    exact: bool
+    max_abs_diff: float
+    how: str  # "codes" (written code for code), "requantized" (ggml's quantizer), "float"
+
+
+@dataclass(frozen=True)
+class GGUFExportInfo:
+    path: str
+    bytes_on_disk: int
+    types: dict = field(default_factory=dict)  # gguf tensor name -> type name
+    quantized: tuple = ()  # TensorReport per quantized weight
+    dropped: tuple = ()  # "module (role)" of activation quantization not written
+
+    @property
+    def lossless(self) -> bool:
+        return all(r.exact for r in self.quantized)
+
+    @property
+    def inexact(self) -> tuple:
+        return tuple(r for r in self.quantized if not r.exact)
+
+
+_LLAMA_TYPES = ("llama",)
+
+
+def _in_memory_weight(m: _QuantMixin) -> np.ndarray:
+    with torch.no_grad():
+        w = m._w() if hasattr(m, "_w") else m._param("weight")
+        return m._canon(w).detach().float().cpu().numpy()
+
+
+def _nearest_type(spec) -> Optional[str]:
+    el = spec.dtype
+    if isinstance(el, IntDType) and el.bits == 4:
+        return "Q4_0" if el.signed and spec.symmetric else "Q4_1"
+    if isinstance(el, IntDType) and el.bits == 8:
+        return "Q8_0"
+    if el.name == "float4_e2m1fn":
+        return "MXFP4"
+    return None
+
+
+def _float_array(w: np.ndarray) -> tuple[np.ndarray, str]:
+    h = w.astype(np.float16)
+    if np.array_equal(h.astype(np.float32), w):
+        return h, "F16"
+    return np.ascontiguousarray(w, np.float32), "F32"
+
+
+def _encode_quantized(name: str, m: _QuantMixin, strict: bool) -> tuple[np.ndarray, str, TensorReport]:
+    from .export import weight_parts
+    spec = m._qspecs["weight"]
+    parts, shape = weight_parts(m)
+    ref = _in_memory_weight(m)
+    if ref.shape != tuple(shape):
+        raise ValueError(f"export_gguf: {name!r} has a weight of shape {list(ref.shape)}; GGUF holds 2-D matrices")
+    kind = G.gguf_type(spec, shape)
+    if kind is not None:
+        data = G.encode(parts, spec, kind=kind)
+        how = "codes"
+    else:
+        kind = _nearest_type(spec) if shape[1] % G.BLOCK == 0 else None
+        if kind is not None:
+            data, how = G.quantize_float(ref, kind), "requantized"
+        else:
+            data, kind = _float_array(ref)
+            how = "float"
+    if how == "float":
+        exact = bool(np.array_equal(data.astype(np.float32), ref))
+        diff = float(np.max(np.abs(data.astype(np.float64) - ref), initial=0.0))
+    else:
+        exact, diff = G.is_exact(data, kind, ref)
+    gname = G.hf_to_gguf_name(f"{name}.weight")
+    rep = TensorReport(f"{name}.weight", gname, kind, exact, diff, how)
+    if strict and not exact:
+        why = {"codes": "its scales (or Q4_1 offsets) are not float16", "float": "",
+               "requantized": f"no GGUF type has its grid ({spec.name or spec.dtype.name}, {spec.granularity})"}[how]
+        raise ValueError(f"export_gguf(strict=True): {name}.weight is not lossless as {kind} ({why}; max abs "
+                         f"difference {diff:.3g}); quantize with float16 scales and a GGUF grid, or pass "
+                         f"strict=False to accept the difference")
+    return data, kind, rep
+
+
+def _check_model(model: nn.Module, drop_activations: bool) -> tuple[dict, list[str]]:
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "to_dict"):
+        raise TypeError("export_gguf: the model has no transformers config (model.config)")
+    d = cfg.to_dict()
+    if d.get("model_type") not in _LLAMA_TYPES:
+        raise ValueError(f"export_gguf: model_type {d.get('model_type')!r} is not supported; qcore writes GGUF for "
+                         f"the Llama family ({list(_LLAMA_TYPES)})")
+    from .rotation import input_rotations
+    rot = input_rotations(model)
+    if rot:
+        raise ValueError(f"export_gguf: the model carries online rotations (e.g. before {next(iter(rot))!r}); "
+                         f"llama.cpp's Llama graph cannot apply them")
+    dropped = []
+    for n, m in model.named_modules():
+        if not isinstance(m, _QuantMixin):
+            continue
+        roles = [r for r in m._qspecs if r != "weight"]
+        if "weight" not in m._qspecs:
+            raise ValueError(f"export_gguf: {n!r} quantizes {roles} but not its weight; GGUF has no activation "
+                             f"quantization")
+        for r in roles:
+            if r == "bias":
+                raise ValueError(f"export_gguf: {n!r} has a quantized bias; llama.cpp's Llama graph has no biases")
+            if not drop_activations:
+                raise ValueError(f"export_gguf: {n!r} quantizes its {r} activations, which GGUF cannot hold "
+                                 f"(llama.cpp quantizes activations its own way); pass drop_activations=True to "
+                                 f"write the weights only")
+            dropped.append(f"{n} ({r})")
+    return d, dropped
+
+
+def _tokenizer_fields(tokenizer: Any, vocab_size: int, pre: str) -> list[tuple[str, Any, Any, Any]]:
+    """``[(key, value, GGUFValueType, sub type)]`` of the tokenizer metadata."""
+    import gguf
+    V = gguf.GGUFValueType
+    if isinstance(tokenizer, (str, os.PathLike)):
+        r = gguf.GGUFReader(tokenizer)
+        out = []
+        for k, f in r.fields.items():
+            if not k.startswith("tokenizer."):
+                continue
+            sub = f.types[1] if f.types[0] == V.ARRAY else None
+            out.append((k, f.contents(), f.types[0], sub))
+        toks = [v for k, v, *_ in out if k == "tokenizer.ggml.tokens"]
+        if not toks or len(toks[0]) != vocab_size:
+            raise ValueError(f"export_gguf: the tokenizer of {str(tokenizer)!r} has "
+                             f"{len(toks[0]) if toks else 0} tokens, the model's vocab_size is {vocab_size}")
+        return out
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise TypeError(f"export_gguf: tokenizer must be a transformers fast tokenizer or the path of a GGUF file, "
+                        f"got {type(tokenizer).__name__}")
+    spec = json.loads(backend.to_str())
+    if spec.get("model", {}).get("type") != "BPE":
+        raise ValueError(f"export_gguf: only BPE tokenizers are converted (this one is "
+                         f"{spec.get('model', {}).get('type')!r}); pass tokenizer= the path of a GGUF file with it")
+    vocab = tokenizer.get_vocab()
+    if max(vocab.values()) >= vocab_size:
+        raise ValueError(f"export_gguf: the tokenizer has ids up to {max(vocab.values())}, the model's vocab_size "
+                         f"is {vocab_size}")
+    special = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+    added = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    by_id = {i: t for t, i in vocab.items()}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        t = by_id.get(i)
+        if t is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(int(gguf.TokenType.UNUSED))
+        else:
+            tokens.append(t)
+            types.append(int(gguf.TokenType.CONTROL if t in special else gguf.TokenType.USER_DEFINED if t in added
+                             else gguf.TokenType.NORMAL))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
+    out = [("tokenizer.ggml.model", "gpt2", V.STRING, None), ("tokenizer.ggml.pre", pre, V.STRING, None),
+           ("tokenizer.ggml.tokens", tokens, V.ARRAY, V.STRING),
+           ("tokenizer.ggml.token_type", types, V.ARRAY, V.INT32)]
+    if merges:  # GGUF has no empty arrays (llama.cpp's BPE loader needs merges; transformers' does not)
+        out.append(("tokenizer.ggml.merges", merges, V.ARRAY, V.STRING))
+    for key, attr in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unknown", "unk_token_id"),
+                      ("padding", "pad_token_id")):
+        v = getattr(tokenizer, attr, None)
+        if v is not None:
+            out.append((f"tokenizer.ggml.{key}_token_id", int(v), V.UINT32, None))
+    out.append(("tokenizer.ggml.add_bos_token", bool(getattr(tokenizer, "add_bos_token", False)), V.BOOL, None))
+    tmpl = getattr(tokenizer, "chat_template", None)
+    if isinstance(tmpl, str):
+        out.append(("tokenizer.chat_template", tmpl, V.STRING, None))
+    return out
+
+
+def _plan(model: nn.Module, cfg: dict, strict: bool) -> tuple[list, list[TensorReport]]:
+    """``[(gguf name, array, type name)]`` in state-dict order, and the reports of the quantized weights."""
+    n_head = int(cfg["num_attention_heads"])
+    n_kv = int(cfg.get("num_key_value_heads") or n_head)
+    mods = {n: m for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
+    owned = {}
+    for n, m in mods.items():
+        for k in m.state_dict():
+            if "." not in k:
+                owned[f"{n}.{k}"] = n
+    tensors, reports, done = [], [], set()
+    sd = model.state_dict(keep_vars=True)
+    emb = sd.get("model.embed_tokens.weight")
+    for k, t in sd.items():
+        if k in owned:
+            mod = owned[k]  # frozen modules hold weight_packed / weight_scale / ... instead of weight
+            if mod in done:
+                continue
+            done.add(mod)
+            if getattr(mods[mod], "bias", None) is not None:
+                raise ValueError(f"export_gguf: {mod}.bias: llama.cpp's Llama graph has no biases")
+            data, kind, rep = _encode_quantized(mod, mods[mod], strict)
+            reports.append(rep)
+            name = rep.gguf_name
+        else:
+            name = G.hf_to_gguf_name(k)
+            if name is None:
+                raise ValueError(f"export_gguf: the model's tensor {k!r} has no place in GGUF's Llama layout")
+            if name == "output.weight" and emb is not None and t is emb:
+                continue  # tied output head: llama.cpp uses token_embd
+            a = t.detach().float().cpu().numpy()
+            if a.ndim == 1 or t.dtype != torch.float16:
+                data, kind = np.ascontiguousarray(a, np.float32), "F32"
+            else:
+                data, kind = a.astype(np.float16), "F16"
+        if name is None:
+            raise ValueError(f"export_gguf: the quantized module {k!r} has no place in GGUF's Llama layout")
+        if ".attn_q." in name or ".attn_k." in name:
+            data = G.permute_qk(data, n_head if ".attn_q." in name else n_kv)
+        tensors.append((name, np.ascontiguousarray(data), kind))
+    if len(done) != len(mods):
+        raise ValueError(f"export_gguf: quantized modules without tensors in the state dict: "
+                         f"{sorted(set(mods) - done)[:3]}")
+    return tensors, reports
+
+
+def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: Any = None,
+                tokenizer_pre: str = "default", strict: bool = False, drop_activations: bool = False,
+                overwrite: bool = False, name: Optional[str] = None) -> GGUFExportInfo:
+    """Write ``model`` (a transformers Llama quantized with ``quantize_model``, frozen or not) to the GGUF file
+    ``path``. See the module docstring for what is written and when it is lossless.
+
+    tokenizer: a transformers BPE fast tokenizer, or the path of a GGUF file to copy ``tokenizer.*`` from
+        (llama.cpp needs a tokenizer; transformers' GGUF model loader does not).
+    tokenizer_pre: llama.cpp's pre-tokenizer name for a converted tokenizer (``"default"``, ``"smollm"``,
+        ``"llama-bpe"``, ...).
+    strict: refuse (ValueError naming the tensor) any quantized weight that is not lossless.
+    drop_activations: write a model with activation quantization, without it (else ValueError).
+    overwrite: replace an existing file (else FileExistsError, before any work).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for k, v in (("strict", strict), ("drop_activations", drop_activations), ("overwrite", overwrite)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{k} must be a bool, got {v!r}")
+    if not isinstance(tokenizer_pre, str) or not tokenizer_pre:
+        raise TypeError(f"tokenizer_pre must be a non-empty str, got {tokenizer_pre!r}")
+    path = pathlib.Path(path)
+    if path.suffix != ".gguf":
+        raise ValueError(f"path must name a .gguf file, got {str(path)!r}")
+    if path.exists() and (path.is_dir() or not overwrite):
+        raise FileExistsError(f"{str(path)!r} exists; pass overwrite=True to replace it" if not path.is_dir()
+                              else f"{str(path)!r} is a directory")
+    if not any(isinstance(m, _QuantMixin) for m in model.modules()):
+        raise ValueError("export_gguf: the model has no qcore quantized modules; run quantize_model first")
+    cfg, dropped = _check_model(model, drop_activations)
+    meta = G.llama_metadata(cfg)
+    tok = None if tokenizer is None else _tokenizer_fields(tokenizer, int(cfg["vocab_size"]), tokenizer_pre)
+    tensors, reports = _plan(model, cfg, strict)
+
+    import gguf
+    V = gguf.GGUFValueType
+    kinds = {"u32": V.UINT32, "f32": V.FLOAT32, "str": V.STRING}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{secrets.token_hex(4)}"
+    try:
+        w = gguf.GGUFWriter(tmp, arch="llama")
+        w.add_name(name or str(cfg.get("_name_or_path") or "qcore model") or "qcore model")
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        for k, (v, kind) in meta.items():
+            w.add_key_value(k, v, kinds[kind])
+        for k, v, vt, sub in tok or []:
+            w.add_key_value(k, v, vt, sub_type=sub)
+        for gname, data, kind in tensors:
+            if kind in G.TYPE_BYTES:
+                w.add_tensor(gname, data, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+            else:
+                w.add_tensor(gname, data)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        if path.exists() and not overwrite:  # appeared while we computed
+            raise FileExistsError(f"{str(path)!r} exists; pass overwrite=True to replace it")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return GGUFExportInfo(str(path), path.stat().st_size, {n: k for n, _, k in tensors}, tuple(reports),
+                          tuple(dropped))
+
+
+GGUF_FILE = "model.gguf"
+
+
+def export_gguf_dir(model: nn.Module, directory: Union[str, os.PathLike], *, overwrite: bool = False,
+                    **kwargs: Any) -> GGUFExportInfo:
+    """``export_gguf`` into ``directory/model.gguf``, the directory written atomically like ``export_hf``'s (a
+    staging sibling renamed into place; an existing non-empty directory needs ``overwrite=True``). ``kwargs``
+    go to ``export_gguf``."""
+    import shutil
+    from qcore._fsutil import replace_dir, staging_dir
+    from .export import check_destination
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
+    directory = pathlib.Path(directory)
+    check_destination(directory, overwrite)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = staging_dir(directory)
+    try:
+        info = export_gguf(model, tmp / GGUF_FILE, **kwargs)
+        replace_dir(tmp, directory, recheck=lambda: check_destination(directory, overwrite))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    path = directory / GGUF_FILE
+    return GGUFExportInfo(str(path), path.stat().st_size, info.types, info.quantized, info.dropped)

@@ -1,0 +1,418 @@
+"""GGUF (llama.cpp's file format): the block types qcore writes and reads, and the Llama schema. Pure numpy.
+
+Block types (ggml's ``block_q4_0`` ... in ``ggml-common.h``; gguf-py 0.19 ``gguf.quants``). Each row of a tensor
+(the input axis of a Linear weight) is cut into blocks of 32 consecutive elements; a tensor is stored as
+``uint8 [rows, cols / 32 * block_bytes]``. 4-bit nibbles: byte ``j`` of a block holds element ``j`` in its low
+nibble and element ``j + 16`` in its high nibble.
+
+======== ==== ===================================== ========================================
+type     id   block bytes                           value of element ``i``
+======== ==== ===================================== ========================================
+Q4_0     2    ``d`` fp16, ``qs[16]``                ``d * (q_i - 8)``, ``q_i`` in [0, 15]
+Q4_1     3    ``d`` fp16, ``m`` fp16, ``qs[16]``    ``d * q_i + m``
+Q8_0     8    ``d`` fp16, ``int8 q[32]``            ``d * q_i``
+MXFP4    39   ``e`` uint8 (E8M0), ``qs[16]``        ``2**(e - 127) * e2m1(q_i)`` (OCP E2M1 codes)
+======== ==== ===================================== ========================================
+
+**When a qcore grid is exactly a GGUF type** (``gguf_type``; ``is_exact`` checks the values): the weight is a
+2-D ``[out, in]`` matrix with ``in % 32 == 0``; its scales are constant over each block of 32 along the input
+axis (per tensor, per output channel, or groups of a multiple of 32 along the input axis); no sub-block shifts,
+unit exponent or two-level scale; and
+
+- int4 symmetric (codes -8..7) -> Q4_0 with ``d = scale``;
+- uint4 (symmetric or not) and int4 asymmetric -> Q4_1 with ``d = scale``, ``m = -scale * zero_point`` (codes
+  and zero point shifted by 8 for int4);
+- int8 symmetric (codes -128..127) -> Q8_0 with ``d = scale``;
+- fp4 e2m1 with E8M0 scales in groups of 32 (MXFP4) -> MXFP4 with ``e`` the scale's E8M0 byte (never 255);
+
+and, for the fp16 types, every ``d`` and ``m`` is exactly a float16: a qcore ``scale_dtype`` of float16 (or
+float32 scales that happen to be float16) makes ``d`` exact, and Q4_0 / Q8_0 / symmetric uint4 are then exact.
+Asymmetric Q4_1 is exact only where ``scale * zero_point`` also fits float16's 11 significant bits (float16
+scales times a 4-bit zero point need up to 15): otherwise ``m`` is rounded to float16 and the value moves by at
+most half a float16 ulp of ``m``. Then ggml's dequantization (``dequantize``, bit for bit gguf-py's) gives the
+same float32 values as ``qcore.dequantize`` (``-0`` and ``+0`` compare equal: MXFP4's code 8 is ``+0``), which is
+what ``is_exact`` verifies. Scales that are not float16 are rounded to float16 (nearest even) by ``encode``: the
+codes are kept, the values move by at most half a float16 ulp of the scale times the code.
+
+Import (``decode``) is code for code where qcore can hold the blocks: positive ``d`` (ggml's own Q4_0
+quantizer writes ``d = x[argmax |x|] / -8``, negative for a positive extreme, and ``d = 0`` for zero blocks, both
+refused), Q4_1 offsets ``m = -d * k`` with an integer ``k`` (ggml's ``m = min`` generally is not), E8M0 bytes
+other than 255.
+
+``encode`` / ``decode`` convert qcore parts (``quark_layout.WeightParts``: codes in the canonical layout and
+scales of ``spec.scale_shape``) to and from block bytes; ``quantize_float`` is ggml's reference quantizer (for
+weights no GGUF type holds exactly); ``dequantize`` is ggml's dequantizer.
+
+The Llama schema: ``hf_to_gguf_name`` (tensor names), ``permute_qk`` / ``unpermute_qk`` (llama.cpp's row
+order of ``attn_q`` / ``attn_k``: rotary pairs interleaved instead of split in halves), ``llama_metadata``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import numpy as np
+
+from qcore import PerChannel, PerGroup, PerTensor, QuantSpec
+from qcore.dtypes import IntDType
+
+from .quark_layout import WeightParts
+from .safetensors_io import CorruptCheckpointError
+
+__all__ = ["BLOCK", "TYPES", "TYPE_BYTES", "gguf_type", "block_scales", "encode", "decode", "dequantize",
+           "quantize_float", "is_exact", "hf_to_gguf_name", "gguf_to_hf_name", "permute_qk", "unpermute_qk",
+           "llama_metadata", "CorruptCheckpointError"]
+
+BLOCK = 32
+# type name -> (ggml type id, bytes per block of 32)
+TYPES = {"F32": (0, None), "F16": (1, None), "Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34), "BF16": (30, None),
+         "MXFP4": (39, 17)}
+TYPE_BYTES = {k: v[1] for k, v in TYPES.items() if v[1] is not None}
+_BY_ID = {v[0]: k for k, v in TYPES.items()}
+
+# OCP E2M1 code -> value, times 2 (ggml's kvalues_mxfp4)
+_E2M1_X2 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def type_name(type_id: int) -> str:
+    if type_id not in _BY_ID:
+        raise ValueError(f"GGUF tensor type {type_id} is not one qcore reads; expected one of "
+                         f"{ {v[0]: k for k, v in TYPES.items()} }")
+    return _BY_ID[type_id]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# which type holds a spec
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _blocks_constant(spec: QuantSpec, shape: tuple) -> bool:
+    g = spec.granularity
+    if isinstance(g, PerTensor):
+        return True
+    if isinstance(g, PerChannel):
+        return g.axis in (0, -2)
+    if isinstance(g, PerGroup):
+        return g.axis in (1, -1) and g.size % BLOCK == 0
+    return False
+
+
+def gguf_type(spec: QuantSpec, shape: tuple) -> Optional[str]:
+    """The GGUF block type a weight of canonical ``shape`` quantized by ``spec`` maps to code for code (``Q4_0``,
+    ``Q4_1``, ``Q8_0``, ``MXFP4``), or None when no GGUF type has its grid. Scales must still be float16-exact
+    for the fp16 types (``is_exact``)."""
+    if len(shape) != 2 or shape[1] % BLOCK or not _blocks_constant(spec, shape):
+        return None
+    if spec.subblock_shift_bits or spec.unit_exponent or spec.two_level:
+        return None
+    el = spec.dtype
+    if isinstance(el, IntDType):
+        if el.bits == 4 and el.signed and spec.symmetric:
+            return "Q4_0"
+        if el.bits == 4:
+            return "Q4_1"
+        if el.bits == 8 and el.signed and spec.symmetric:
+            return "Q8_0"
+        return None
+    if (el.name == "float4_e2m1fn" and spec.scale_dtype.name == "float8_e8m0fnu" and isinstance(spec.granularity,
+                                                                                                 PerGroup)
+            and spec.granularity.size == BLOCK):
+        return "MXFP4"
+    return None
+
+
+def block_scales(a: np.ndarray, spec: QuantSpec, shape: tuple) -> np.ndarray:
+    """qcore scales (or zero points) of ``spec.scale_shape(shape)`` as one value per block: ``[rows, cols/32]``."""
+    rows, cols = shape
+    nb = cols // BLOCK
+    a = np.asarray(a, np.float32)
+    g = spec.granularity
+    if isinstance(g, PerGroup):
+        return np.ascontiguousarray(np.repeat(a.reshape(rows, -1), g.size // BLOCK, axis=1)[:, :nb])
+    if isinstance(g, PerChannel):
+        return np.ascontiguousarray(np.broadcast_to(a.reshape(rows, 1), (rows, nb)))
+    return np.full((rows, nb), a.reshape(-1)[0], np.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# block codecs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """uint8 [n, 32] values 0..15 -> [n, 16]: byte j = q[j] | q[j + 16] << 4."""
+    return (q[:, :16] | (q[:, 16:] << np.uint8(4))).astype(np.uint8)
+
+
+def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
+    return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)
+
+
+def _f16_bytes(d: np.ndarray) -> np.ndarray:
+    return np.asarray(d, np.float32).astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def encode(parts: WeightParts, spec: QuantSpec, *, kind: str) -> np.ndarray:
+    """qcore parts of a 2-D weight -> ``uint8 [rows, cols/32 * bytes]`` blocks of ``kind`` (see ``gguf_type``).
+    float32 scales that are not float16 are rounded to float16 (nearest even); ``is_exact`` says whether the
+    result equals the qcore weight."""
+    codes = np.asarray(parts.codes)
+    rows, cols = shape = codes.shape
+    if kind not in TYPE_BYTES:
+        raise ValueError(f"kind must be one of {sorted(TYPE_BYTES)}, got {kind!r}")
+    if gguf_type(spec, shape) != kind:
+        raise ValueError(f"a weight of shape {list(shape)} quantized as {spec.name or spec.dtype.name} "
+                         f"({spec.granularity}) is not a {kind} grid (gguf_type gives {gguf_type(spec, shape)})")
+    n = rows * cols // BLOCK
+    c = codes.reshape(n, BLOCK).astype(np.int32)
+    s = block_scales(parts.scales, spec, shape).reshape(n)
+    if kind == "Q4_0":
+        return np.concatenate([_f16_bytes(s), _pack_nibbles((c + 8).astype(np.uint8))], axis=1).reshape(rows, -1)
+    if kind == "Q4_1":
+        off = 8 if spec.dtype.signed else 0
+        z = (np.zeros(n, np.float32) if parts.zero_points is None
+             else block_scales(parts.zero_points, spec, shape).reshape(n))
+        m = -(s.astype(np.float64) * (z.astype(np.float64) + off))  # exact: both have few bits
+        return np.concatenate([_f16_bytes(s), _f16_bytes(m.astype(np.float32)), _pack_nibbles((c + off).astype(
+            np.uint8))], axis=1).reshape(rows, -1)
+    if kind == "Q8_0":
+        return np.concatenate([_f16_bytes(s), c.astype(np.int8).view(np.uint8)], axis=1).reshape(rows, -1)
+    # MXFP4: the E8M0 byte of a power-of-two float32 scale
+    bits = s.view(np.uint32)
+    e = (bits >> np.uint32(23)) & np.uint32(0xFF)
+    mant = bits & np.uint32(0x7FFFFF)
+    ok = ((e != 0) & (e != 255) & (mant == 0)) | (bits == np.uint32(0x00400000))  # 2**-127: subnormal, byte 0
+    if not bool(np.all(ok)):
+        bad = s[~ok][0]
+        raise ValueError(f"MXFP4 scales must be powers of two in [2**-127, 2**127] (E8M0), got {bad!r}")
+    return np.concatenate([e.astype(np.uint8).reshape(-1, 1), _pack_nibbles(c.astype(np.uint8))],
+                          axis=1).reshape(rows, -1)
+
+
+def _blocks(data: np.ndarray, kind: str, shape: tuple, where: str) -> np.ndarray:
+    rows, cols = shape
+    if cols % BLOCK:
+        raise CorruptCheckpointError(f"{where}: {cols} columns is not a multiple of the {kind} block of {BLOCK}")
+    nbytes = rows * cols // BLOCK * TYPE_BYTES[kind]
+    data = np.asarray(data)
+    if data.dtype != np.uint8 or data.size != nbytes:
+        raise CorruptCheckpointError(f"{where}: {kind} data of {data.size} {data.dtype} values, expected "
+                                     f"{nbytes} uint8 for shape {list(shape)}")
+    return data.reshape(-1, TYPE_BYTES[kind])
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32).reshape(-1)
+
+
+def dequantize(data: np.ndarray, kind: str, shape: tuple, *, where: str = "tensor") -> np.ndarray:
+    """ggml's dequantization of ``kind`` blocks to float32 ``shape`` (bit for bit ``gguf.quants.dequantize``)."""
+    b = _blocks(data, kind, shape, where)
+    n = b.shape[0]
+    if kind == "Q4_0":
+        d = _f16(b[:, :2]).reshape(n, 1)
+        q = _unpack_nibbles(b[:, 2:]).astype(np.int8) - np.int8(8)
+        out = d * q.astype(np.float32)
+    elif kind == "Q4_1":
+        d, m = _f16(b[:, :2]).reshape(n, 1), _f16(b[:, 2:4]).reshape(n, 1)
+        out = d * _unpack_nibbles(b[:, 4:]).astype(np.float32) + m
+    elif kind == "Q8_0":
+        out = _f16(b[:, :2]).reshape(n, 1) * np.ascontiguousarray(b[:, 2:]).view(np.int8).astype(np.float32)
+    elif kind == "MXFP4":
+        e = b[:, :1].astype(np.uint32)
+        half = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23)).view(np.float32)
+        out = half * _E2M1_X2[_unpack_nibbles(b[:, 1:])].astype(np.float32)
+    else:
+        raise ValueError(f"kind must be one of {sorted(TYPE_BYTES)}, got {kind!r}")
+    return out.reshape(shape)
+
+
+def decode(data: np.ndarray, kind: str, spec: QuantSpec, shape: tuple, *, where: str = "tensor") -> WeightParts:
+    """``kind`` blocks -> qcore parts for ``spec`` (a ``PerGroup(32)`` spec whose ``gguf_type`` is ``kind``):
+    codes in the canonical layout, float32 scales (and zero points) of ``spec.scale_shape(shape)``.
+    CorruptCheckpointError (naming ``where``) for scales that are not finite and positive, an E8M0 byte 255, or
+    a Q4_1 offset that is not ``-d * k`` for an integer code ``k`` (qcore's zero points are integer codes)."""
+    rows, cols = shape
+    g = spec.granularity
+    if gguf_type(spec, shape) != kind or not (isinstance(g, PerGroup) and g.size == BLOCK):
+        raise ValueError(f"decode {where}: spec {spec.name or spec.dtype.name} ({g}) is not the group-32 spec of "
+                         f"{kind}")
+    b = _blocks(data, kind, shape, where)
+    n = b.shape[0]
+    nb = cols // BLOCK
+    zp = None
+    if kind == "MXFP4":
+        e = b[:, 0].astype(np.uint32)
+        if bool((e == 255).any()):
+            raise CorruptCheckpointError(f"{where}: an MXFP4 block holds the E8M0 NaN byte 255")
+        scales = np.where(e == 0, np.uint32(0x00400000), e << np.uint32(23)).view(np.float32)
+        codes = _unpack_nibbles(b[:, 1:])
+    else:
+        scales = _f16(b[:, :2])
+        if kind == "Q8_0":
+            codes = np.ascontiguousarray(b[:, 2:]).view(np.int8)
+        elif kind == "Q4_0":
+            codes = _unpack_nibbles(b[:, 2:]).astype(np.int8) - np.int8(8)
+        else:
+            m = _f16(b[:, 2:4])
+            off = 8 if spec.dtype.signed else 0
+            with np.errstate(divide="ignore", invalid="ignore"):
+                k = -m.astype(np.float64) / scales.astype(np.float64)
+            if not bool(np.all(np.isfinite(k) & (k == np.round(k)) & (k >= 0) & (k <= 15))):
+                raise CorruptCheckpointError(f"{where}: Q4_1 offsets m that are not -d * k for an integer code k in "
+                                             f"[0, 15]; qcore's integer zero points cannot hold them exactly")
+            zp = (k - off).astype(np.float32).reshape(rows, nb)
+            codes = (_unpack_nibbles(b[:, 4:]).astype(np.int16) - off).astype(np.int8 if off else np.uint8)
+    if not bool(np.all(np.isfinite(scales) & (scales > 0))):
+        raise CorruptCheckpointError(f"{where}: {kind} block scales that are not finite and positive")
+    return WeightParts(codes=np.ascontiguousarray(codes.reshape(shape)), scales=scales.reshape(rows, nb).copy(),
+                       zero_points=zp)
+
+
+def is_exact(data: np.ndarray, kind: str, reference: np.ndarray) -> tuple[bool, float]:
+    """(whether ggml's dequantization of ``data`` equals ``reference`` (float32, -0 == +0), max abs difference)."""
+    ref = np.asarray(reference, np.float32)
+    got = dequantize(data, kind, ref.shape)
+    diff = float(np.max(np.abs(got.astype(np.float64) - ref.astype(np.float64)), initial=0.0))
+    return bool(np.array_equal(got, ref)), diff
+
+
+def _roundf(x: np.ndarray) -> np.ndarray:
+    """C roundf (ties away from zero), as ggml."""
+    return np.sign(x) * np.floor(np.abs(x) + np.float32(0.5))
+
+
+def quantize_float(x: np.ndarray, kind: str) -> np.ndarray:
+    """ggml's reference quantizer (``quantize_row_*_ref``, as gguf-py 0.19 ``gguf.quants.quantize``) of a float32
+    ``[rows, cols]`` matrix to ``kind`` blocks ``uint8 [rows, cols/32 * bytes]``."""
+    x = np.asarray(x, np.float32)
+    rows, cols = x.shape
+    if cols % BLOCK:
+        raise ValueError(f"quantize_float: {cols} columns is not a multiple of {BLOCK}")
+    b = x.reshape(-1, BLOCK)
+    n = b.shape[0]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if kind == "Q4_0":
+            imax = np.abs(b).argmax(axis=-1)[:, None]
+            d = np.take_along_axis(b, imax, axis=-1) / np.float32(-8)
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+            q = np.trunc(b * inv + np.float32(8.5)).astype(np.uint8).clip(0, 15)
+            out = np.concatenate([_f16_bytes(d), _pack_nibbles(q)], axis=1)
+        elif kind == "Q4_1":
+            hi, lo = b.max(axis=-1, keepdims=True), b.min(axis=-1, keepdims=True)
+            d = (hi - lo) / np.float32(15)
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+            q = np.trunc((b - lo) * inv + np.float32(0.5)).astype(np.uint8).clip(0, 15)
+            out = np.concatenate([_f16_bytes(d), _f16_bytes(lo), _pack_nibbles(q)], axis=1)
+        elif kind == "Q8_0":
+            d = np.abs(b).max(axis=1, keepdims=True) / np.float32(127)
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+            q = _roundf(b * inv).astype(np.int8).view(np.uint8)
+            out = np.concatenate([_f16_bytes(d), q], axis=1)
+        elif kind == "MXFP4":
+            amax = np.abs(b).max(axis=-1, keepdims=True)
+            e = np.where(amax > 0, np.floor(np.log2(amax)) - 2 + 127, 0).astype(np.uint8)
+            eu = e.astype(np.uint32)
+            half = np.where(eu < 2, np.uint32(0x00200000) << eu, (eu - np.uint32(1)) << np.uint32(23)).view(np.float32)
+            err = np.abs(half.reshape(n, 1, 1) * _E2M1_X2.astype(np.float32).reshape(1, 1, 16) - b.reshape(n, BLOCK, 1))
+            q = np.argmin(err, axis=-1).astype(np.uint8)
+            out = np.concatenate([e, _pack_nibbles(q)], axis=1)
+        else:
+            raise ValueError(f"kind must be one of {sorted(TYPE_BYTES)}, got {kind!r}")
+    return out.reshape(rows, -1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Llama schema
+# ---------------------------------------------------------------------------------------------------------------
+
+_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_LAYER_BACK = {v: k for k, v in _LAYER.items()}
+_TOP_BACK = {v: k for k, v in _TOP.items()}
+
+
+def hf_to_gguf_name(name: str) -> Optional[str]:
+    """``model.layers.3.self_attn.q_proj.weight`` -> ``blk.3.attn_q.weight``; None for a name llama.cpp's Llama
+    graph has no tensor for (e.g. rotary ``inv_freq`` buffers)."""
+    base, _, suffix = name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    if base in _TOP:
+        return f"{_TOP[base]}.{suffix}"
+    mt = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
+    if mt and mt.group(2) in _LAYER:
+        return f"blk.{int(mt.group(1))}.{_LAYER[mt.group(2)]}.{suffix}"
+    return None
+
+
+def gguf_to_hf_name(name: str) -> Optional[str]:
+    base, _, suffix = name.rpartition(".")
+    if base in _TOP_BACK:
+        return f"{_TOP_BACK[base]}.{suffix}"
+    mt = re.fullmatch(r"blk\.(\d+)\.(.+)", base)
+    if mt and mt.group(2) in _LAYER_BACK:
+        return f"model.layers.{int(mt.group(1))}.{_LAYER_BACK[mt.group(2)]}.{suffix}"
+    return None
+
+
+def permute_qk(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's row order of ``attn_q`` (``n_head`` heads) / ``attn_k`` (``n_head_kv``): within each head,
+    the rows of the two rotary halves are interleaved (convert_hf_to_gguf's ``permute``). Works on any array whose
+    first axis is the output rows (floats, block bytes, per-row scales)."""
+    r = rows.shape[0]
+    if r % (2 * n_head):
+        raise ValueError(f"permute_qk: {r} rows do not split into {n_head} heads of two rotary halves")
+    return np.ascontiguousarray(rows.reshape(n_head, 2, r // n_head // 2, *rows.shape[1:]).swapaxes(1, 2)
+                                .reshape(rows.shape))
+
+
+def unpermute_qk(rows: np.ndarray, n_head: int) -> np.ndarray:
+    r = rows.shape[0]
+    if r % (2 * n_head):
+        raise ValueError(f"unpermute_qk: {r} rows do not split into {n_head} heads of two rotary halves")
+    return np.ascontiguousarray(rows.reshape(n_head, r // n_head // 2, 2, *rows.shape[1:]).swapaxes(1, 2)
+                                .reshape(rows.shape))
+
+
+def llama_metadata(cfg: dict) -> dict:
+    """``{gguf key: (value, kind)}`` of the Llama hyperparameters llama.cpp reads, from a transformers
+    ``LlamaConfig.to_dict()``; kind is ``u32``, ``f32`` or ``str``. ValueError naming the setting llama.cpp's
+    Llama graph cannot run (rope scaling other than none/linear, attention or MLP biases)."""
+    def need(k):
+        if cfg.get(k) is None:
+            raise ValueError(f"the model config has no {k!r}, which GGUF's Llama metadata needs")
+        return cfg[k]
+    n_head = int(need("num_attention_heads"))
+    hidden = int(need("hidden_size"))
+    head_dim = int(cfg.get("head_dim") or hidden // n_head)
+    for k in ("attention_bias", "mlp_bias"):
+        if cfg.get(k):
+            raise ValueError(f"the model config sets {k}=True; GGUF's Llama graph in llama.cpp has no such biases")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # transformers 5 / 4 spelling
+    rtype = rope.get("rope_type", rope.get("type", "default"))
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if rtype not in ("default", "linear"):
+        raise ValueError(f"rope scaling {rope!r} is not written to GGUF by qcore (only plain and linear rope)")
+    out = {
+        "llama.context_length": (int(need("max_position_embeddings")), "u32"),
+        "llama.embedding_length": (hidden, "u32"),
+        "llama.block_count": (int(need("num_hidden_layers")), "u32"),
+        "llama.feed_forward_length": (int(need("intermediate_size")), "u32"),
+        "llama.attention.head_count": (n_head, "u32"),
+        "llama.attention.head_count_kv": (int(cfg.get("num_key_value_heads") or n_head), "u32"),
+        "llama.rope.dimension_count": (head_dim, "u32"),
+        "llama.rope.freq_base": (float(theta), "f32"),
+        "llama.attention.layer_norm_rms_epsilon": (float(need("rms_norm_eps")), "f32"),
+        "llama.vocab_size": (int(need("vocab_size")), "u32"),
+    }
+    if head_dim != hidden // n_head:
+        out["llama.attention.key_length"] = (head_dim, "u32")
+        out["llama.attention.value_length"] = (head_dim, "u32")
+    if rtype == "linear":
+        out["llama.rope.scaling.type"] = ("linear", "str")
+        out["llama.rope.scaling.factor"] = (float(rope["factor"]), "f32")
+    return out
