@@ -391,7 +391,8 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
                 from .sequential import check_algorithms
                 check_algorithms(model, plans, algos)
             try:
-                apply_rotation(model, rot[0], plans=plans, data=data, progress=progress)
+                apply_rotation(model, rot[0], plans=plans, data=data, progress=progress,
+                               gptq_follows=any(a.name == "gptq" for a in algos))
             except BaseException:
                 model._qcore_partial = True  # some weights may already be rotated
                 raise

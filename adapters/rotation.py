@@ -300,13 +300,15 @@ def check_rotation(model: nn.Module, algo) -> None:
 
 
 def apply_rotation(model: nn.Module, algo, *, plans: Sequence = (), data: Optional[Sequence] = None,
-                   progress: bool = False) -> nn.Module:
+                   progress: bool = False, gptq_follows: bool = False) -> nn.Module:
     """Run a ``QuaRotConfig`` or ``SpinQuantConfig`` (``qcore.algorithms.config``) on the float ``model`` in place:
     QuaRot's Hadamard rotations, or SpinQuant's learnt ones (``qcore.adapters.spinquant``, which needs ``plans``,
-    the quantizer's plan of the model, and calibration ``data``)."""
+    the quantizer's plan of the model, and calibration ``data``; ``gptq_follows`` decides SpinQuant's
+    ``train_weights=None``)."""
     from qcore.algorithms.config import SpinQuantConfig
     check_rotation(model, algo)
     if isinstance(algo, SpinQuantConfig):
         from .spinquant import spinquant
-        return spinquant(model, plans, data, algo, progress=progress)
+        return spinquant(model, plans, data, algo, progress=progress,
+                         train_weights=(not gptq_follows) if algo.train_weights is None else algo.train_weights)
     return rotate_model(model, key=algo.key, heads=algo.heads, online=algo.online)

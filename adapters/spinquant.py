@@ -10,7 +10,8 @@ fake-quantized model.
    key=key + 1)``;
 2. each step takes ``algo.batch`` calibration sequences (cycling through ``data``), computes the rotated weights
    from the float weights (``rotated_weights``, float32), fake-quantizes every planned weight with its spec
-   (round to nearest, straight-through gradient) and every planned Linear's input with its spec (dynamic
+   (round to nearest, straight-through gradient; only when ``train_weights``: not when GPTQ rounds the
+   weights afterwards, by default) and every planned Linear's input with its spec (dynamic
    scales, even where the config calibrates static ones: the rotation is trained for the format, the scales
    are calibrated after), and back-propagates the causal-LM loss to R1 and R2 only;
 3. ``qcore.algorithms.orthogonal.cayley_step`` moves each rotation along its Riemannian gradient (in float64), so
@@ -83,8 +84,8 @@ def _act_hook(spec):
     return hook
 
 
-def spinquant(model: nn.Module, plans: Sequence, data: Optional[Sequence], algo, *, progress: bool = False
-              ) -> nn.Module:
+def spinquant(model: nn.Module, plans: Sequence, data: Optional[Sequence], algo, *, progress: bool = False,
+              train_weights: bool = True) -> nn.Module:
     """Learn and fuse SpinQuant's rotations into ``model`` in place (module docstring); returns it."""
     from .quantizer import _progress
     emb, norm, head, layers, hd = _check(model)
@@ -93,6 +94,8 @@ def spinquant(model: nn.Module, plans: Sequence, data: Optional[Sequence], algo,
                          "batches as data=")
     batches = [_ids(b, i) for i, b in enumerate(data)]
     wspecs, aspecs = _specs(model, plans)
+    if not train_weights:
+        wspecs = {}
     if not wspecs and not aspecs:
         raise ValueError("spinquant: the config quantizes none of the model's Linears; nothing to train for")
     dev = emb.weight.device

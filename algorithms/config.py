@@ -14,7 +14,7 @@
   ``compute_scale_loss`` ("MSE"/"MAE"), ``scaling_layers``, ``model_decoder_layers``.
 
 - ``QuaRotConfig(key=None, heads=True, online=("mlp.down_proj", "self_attn.o_proj"), decoder_layers=None)`` and
-  ``SpinQuantConfig(..., steps=100, lr=1.5, batch=1)``; Quark's ``{"name": "rotation", r1, r2, r4, random_r1,
+  ``SpinQuantConfig(..., steps=100, lr=1.5, batch=1, train_weights=None)``; Quark's ``{"name": "rotation", r1, r2, r4, random_r1,
   trainable, ...}`` (r3, online R1, block-sized rotations and trained smoothing are refused).
 
 Unknown keys are refused (naming the key and the known ones), except Quark bookkeeping keys that change nothing
@@ -284,11 +284,14 @@ class SpinQuantConfig(QuaRotConfig):
     """SpinQuant: QuaRot's rotations, with the residual rotation R1 (and the per-head R2 when ``heads``) learnt
     by Cayley SGD on the orthogonal manifold, minimising the fake-quantized model's next-token loss (straight-
     through gradients) over ``steps`` steps of ``batch`` calibration sequences at learning rate ``lr``;
-    initialised from QuaRot's (randomised when ``key``) Hadamard rotations."""
+    initialised from QuaRot's (randomised when ``key``) Hadamard rotations. ``train_weights``: whether the
+    weights are fake-quantized while training (None: yes, unless GPTQ runs afterwards; as in the SpinQuant
+    paper, rotations for GPTQ are learnt with quantized activations only, since GPTQ rounds the weights)."""
 
     steps: int = 100
     lr: float = 1.5
     batch: int = 1
+    train_weights: Optional[bool] = None
     name: str = field(default="spinquant", init=False)
 
     def __post_init__(self):
@@ -296,9 +299,12 @@ class SpinQuantConfig(QuaRotConfig):
         _int(self.steps, "SpinQuantConfig.steps")
         _real(self.lr, "SpinQuantConfig.lr", 0.0, 1e3, lo_open=True)
         _int(self.batch, "SpinQuantConfig.batch")
+        if self.train_weights is not None:
+            _bool(self.train_weights, "SpinQuantConfig.train_weights")
 
     def to_dict(self) -> dict:
-        return {"name": "spinquant", **self._common(), "steps": self.steps, "lr": self.lr, "batch": self.batch}
+        return {"name": "spinquant", **self._common(), "steps": self.steps, "lr": self.lr, "batch": self.batch,
+                "train_weights": self.train_weights}
 
 
 def _from_quark_rotation(d: Mapping) -> "QuaRotConfig":

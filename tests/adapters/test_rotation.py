@@ -186,3 +186,26 @@ def test_export_refuses_rotations_the_config_does_not_describe(tmp_path):
     with pytest.raises(ValueError, match="online rotations"):
         A.export_hf(q, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_spinquant_trains_without_weight_quantization_when_gptq_follows(monkeypatch):
+    import qcore.adapters.spinquant as S
+    from qcore.adapters import preset, quantize_model
+    seen = []
+    real = S.spinquant
+
+    def spy(*a, **kw):
+        seen.append(kw["train_weights"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(S, "spinquant", spy)
+    m = _llama(64, 4, 2, 128, False)
+    for algos, want in ((({"name": "spinquant", "steps": 1},), True),
+                        (({"name": "spinquant", "steps": 1}, {"name": "gptq"}), False),
+                        (({"name": "spinquant", "steps": 1, "train_weights": True}, {"name": "gptq"}), True)):
+        quantize_model(copy.deepcopy(m), preset("w_mxfp4_a_mxfp4").replace(algorithms=algos), _batches(),
+                       progress=False)
+        assert seen[-1] is want
+    with pytest.raises(ValueError, match="nothing to train for"):  # weight-only scheme, weights not trained
+        quantize_model(copy.deepcopy(m), preset("mxfp4_weight_only").replace(
+            algorithms=({"name": "spinquant", "steps": 1}, {"name": "gptq"})), _batches(), progress=False)
