@@ -365,11 +365,8 @@ def schemes_command(args) -> int:
                 g = "per-token" if s.granularity.axis % 2 == 0 else "per-feature"
             mode = "" if role == "weight" else (" dynamic" if tc.dynamic else " static")
             parts.append(f"{role[0].upper()} {s.name or s.dtype.name} {g}{mode}")
-        w = c.layer.weight.spec
-        bits = w.dtype.bits
-        size = getattr(w.granularity, "size", None)
-        extra = (w.scale_dtype.bits + (0 if w.symmetric else w.dtype.bits)) / size if size else 0.0
-        print(f"{name:42s} {'; '.join(parts):60s} {bits + extra:.2f} bits/weight")
+        bits = c.layer.weight.spec.bits_per_element()  # per-tensor / per-channel scales: shape-dependent, left out
+        print(f"{name:42s} {'; '.join(parts):60s} {bits:.2f} bits/weight")
     return 0
 
 
