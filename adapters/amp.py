@@ -438,7 +438,6 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
         jobs = [(u, s) for u in units for s in table if table[s] is not None]
         loss: dict = {}
         for unit, s in _progress(jobs, total=len(jobs), desc="layer sensitivity", enabled=progress):
-            lc = table[s]
             where = [runner.layer_of(n) for n in unit]
             k = None if None in where else min(where)  # outside the decoder layers: full forwards
             stop = None if k is None else max(where)
