@@ -2,7 +2,7 @@
 against uniform MXFP4 and uniform fp8, under the project's perplexity protocol.
 
     python bench/bench_amp.py [--targets 4.5,5,5.5,6] [--sens-windows 2] [--calib 32] [--threads 2]
-        [--sensitivity bench/AMP_sensitivity.json] [--remeasure] [--json bench/AMP.json]
+        [--sensitivity bench/AMP_sensitivity.json] [--remeasure] [--no-uniform] [--algo gptq] [--json bench/AMP.json]
 
 1. Sensitivity (``qcore.adapters.amp.layer_sensitivity``, ``Metric.KL``): schemes ``w_mxfp4_a_mxfp4`` (MXFP4
    weights, dynamic MXFP4 activations, Quark's 'even' E8M0 rule) and ``w_fp8_a_fp8`` (fp8 e4m3 weights and static
@@ -15,6 +15,9 @@ against uniform MXFP4 and uniform fp8, under the project's perplexity protocol.
    stay float), scales included (``QuantSpec.bits_per_element``).
 3. Uniform ``w_mxfp4_a_mxfp4`` and ``w_fp8_a_fp8`` with the same calibration (anchors: Quark 0.13 44.914 and
    14.345).
+
+``--algo gptq`` runs GPTQ (on the calibration windows) before rounding in every row, AMP rows included (each
+layer with its own scheme); the sensitivities stay those of round-to-nearest.
 
 Prints one JSON line per result and writes them to ``--json``. Nothing is asserted.
 """
@@ -54,11 +57,13 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sensitivity", default=str(ROOT / "bench" / "AMP_sensitivity.json"))
     ap.add_argument("--remeasure", action="store_true")
-    ap.add_argument("--no-uniform", action="store_true")
+    ap.add_argument("--no-uniform", action="store_true", help="skip the uniform MXFP4 / fp8 rows")
+    ap.add_argument("--algo", default="", help="algorithms before rounding for every row, e.g. gptq")
     ap.add_argument("--json", default=str(ROOT / "bench" / "AMP.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     targets = [float(t) for t in args.targets.split(",") if t]
+    algos = tuple({"name": a} for a in args.algo.split(",") if a)
 
     model, tok = load_smollm2()
     ids = E.protocol_token_ids(tok)
@@ -82,6 +87,9 @@ def main(argv=None) -> int:
               "seconds": round(dt, 1), "threads": args.threads})
 
     def evaluate(name, config, extra):
+        if algos:
+            config = config.replace(algorithms=algos)
+            name += " + " + args.algo
         m = copy.deepcopy(model)
         t0 = time.perf_counter()
         A.quantize_model(m, config, calib, progress=False)
