@@ -103,6 +103,30 @@ def _require_matplotlib() -> None:
         raise CommandError("--plot needs matplotlib (pip install matplotlib)")
 
 
+def _amp_args(args) -> Optional[list]:
+    """``--amp`` schemes (checked before any work), or None without ``--amp``."""
+    amp = getattr(args, "amp", None)
+    if amp is None:
+        if getattr(args, "target_bits", None) is not None or getattr(args, "max_loss", None) is not None:
+            raise CommandError("--target-bits / --max-loss apply to --amp (layerwise mixed precision)")
+        return None
+    if args.scheme is not None or args.group_size is not None:
+        raise CommandError("--amp chooses the scheme of every layer: give --amp or --scheme / --group-size, not both")
+    if (args.target_bits is None) == (args.max_loss is None):
+        raise CommandError("--amp needs exactly one of --target-bits and --max-loss")
+    names = [n.strip() for n in amp.split(",") if n.strip()]
+    for n in names:
+        if n != "float" and n not in PRESETS:
+            import difflib
+            close = difflib.get_close_matches(n.lower(), PRESETS, n=3)
+            raise CommandError(f"--amp: {n!r} is not a preset" + (f"; did you mean {', '.join(close)}?" if close
+                               else "") + " (qcore schemes lists them; 'float' leaves a layer as it is)")
+    if len(set(names)) != len(names) or not any(n != "float" for n in names):
+        raise CommandError(f"--amp {amp}: expected distinct preset names, at least one of them quantizing")
+    args.scheme = next(n for n in names if n != "float")  # build_config: --kv-cache-dtype, --exclude, checks
+    return names
+
+
 def build_config(args) -> tuple[ModelConfig, str]:
     """The ``ModelConfig`` of ``--scheme`` (a preset name or a JSON file: a qcore config or a Quark
     ``quantization_config``) with ``--group-size``, ``--kv-cache-dtype`` and ``--exclude`` applied."""
@@ -213,6 +237,10 @@ def quantize_command(args) -> int:
             raise CommandError(f"--max-shard-size: {e}") from None
     if args.plot:
         _require_matplotlib()  # before any work
+    amp_schemes = _amp_args(args)
+    if args.export == "gguf" and amp_schemes:
+        raise CommandError("--export gguf with --amp: the AMP schemes quantize activations, which GGUF cannot "
+                           "hold; export AMP models with --export hf")
     if args.export == "gguf" and not getattr(args, "drop_activations", False) and _quantizes_activations(
             build_config(args)[0]):
         raise CommandError("--export gguf: the scheme quantizes activations, which GGUF cannot hold (llama.cpp "
@@ -220,6 +248,9 @@ def quantize_command(args) -> int:
     dtype = _dtype(args.dtype)
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     config, scheme = build_config(args)
+    if amp_schemes is not None:
+        scheme = f"amp {','.join(amp_schemes)} " + (f"at {args.target_bits} bits/weight" if args.max_loss is None
+                                                    else f"within a summed KL of {args.max_loss}")
     if algos:
         config = config.replace(algorithms=tuple(a.to_dict() for a in algos))
     progress = not args.no_progress
@@ -241,7 +272,6 @@ def quantize_command(args) -> int:
 
     ppl_base = E.perplexity(model, tok, token_ids=ids, seq_len=args.seq_len, windows=windows,
                             progress=progress) if needs_eval else None
-    sqnr = _layer_sqnr(model, plans)
     calib = None
     if ids is not None:
         start = max(n_windows, E.CALIBRATION_START_WINDOW if text is None else n_windows)
@@ -251,6 +281,16 @@ def quantize_command(args) -> int:
             calib = E.calibration_batches(None, token_ids=ids, n=n, seq_len=args.seq_len, start_window=start) \
                 if args.seq_len == E.SEQ_LEN and text is None else \
                 [ids[i * args.seq_len:(i + 1) * args.seq_len].reshape(1, -1) for i in range(start, start + n)]
+    if amp_schemes is not None:
+        if not calib:
+            raise CommandError("--amp measures per-layer sensitivities on calibration windows: the text has none "
+                               "left after the evaluation windows (or the model has no tokenizer)")
+        from .amp import amp_config
+        config = amp_config(model, amp_schemes, calib[:args.amp_samples], target_bits=args.target_bits,
+                            max_loss=args.max_loss, exclude=config.exclude, progress=progress).replace(
+            kv_cache=config.kv_cache, algorithms=config.algorithms)
+        plans = plan_model(model, config)
+    sqnr = _layer_sqnr(model, plans)
     size_before = model_bytes(model)
     t0 = time.perf_counter()
     quantize_model(model, config, calib, progress=progress)
@@ -410,11 +450,8 @@ def schemes_command(args) -> int:
                 g = "per-token" if s.granularity.axis % 2 == 0 else "per-feature"
             mode = "" if role == "weight" else (" dynamic" if tc.dynamic else " static")
             parts.append(f"{role[0].upper()} {s.name or s.dtype.name} {g}{mode}")
-        w = c.layer.weight.spec
-        bits = w.dtype.bits
-        size = getattr(w.granularity, "size", None)
-        extra = (w.scale_dtype.bits + (0 if w.symmetric else w.dtype.bits)) / size if size else 0.0
-        print(f"{name:42s} {'; '.join(parts):60s} {bits + extra:.2f} bits/weight")
+        bits = c.layer.weight.spec.bits_per_element()  # per-tensor / per-channel scales: shape-dependent, left out
+        print(f"{name:42s} {'; '.join(parts):60s} {bits:.2f} bits/weight")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 Depends on qcore only: ``metrics`` (perplexity math, MSE, SQNR, cosine), ``gptq`` (Hessian statistics, GPTQ),
 ``awq`` (AWQ scale and clipping search), ``smoothquant`` (SmoothQuant scales, AutoSmoothQuant), ``hadamard``
-(Hadamard matrices of many orders, the fast transform, orthogonal rotations of every size), ``config`` (their
+(Hadamard matrices of many orders, the fast transform, orthogonal rotations of every size), ``mixed_precision``
+(one scheme per layer within a bit or loss budget, from measured sensitivities), ``config`` (their
 settings, qcore's and Quark's ``algo_config`` keys). Bound to models one decoder layer at a time by
 ``qcore.adapters.sequential``; scales are folded into models by ``qcore.adapters.scaling``."""

@@ -200,6 +200,15 @@ def _add_quantize(sub) -> None:
                    "may be a JSON object with settings, e.g. --algo '{\"name\": \"spinquant\", \"steps\": 50}'; "
                    "they use the calibration windows")
     q.add_argument("--calib-samples", type=_count, default=32, help="calibration windows (default 32)")
+    q.add_argument("--amp", default=None, metavar="SCHEMES",
+                   help="layerwise mixed precision instead of --scheme: comma-separated presets (and 'float') to "
+                   "choose from per layer, e.g. w_mxfp4_a_mxfp4,w_fp8_a_fp8; needs --target-bits or --max-loss")
+    q.add_argument("--target-bits", type=float, default=None, metavar="BITS",
+                   help="--amp: the least loss within this average of bits per weight (scales included)")
+    q.add_argument("--max-loss", type=float, default=None, metavar="KL",
+                   help="--amp: the fewest bits within this summed sensitivity (mean KL to the float model)")
+    q.add_argument("--amp-samples", type=_count, default=2,
+                   help="--amp: calibration windows the per-layer sensitivities are measured on (default 2)")
     q.add_argument("--output", default=None, metavar="DIR", help="write the quantized checkpoint here (with --export; "
                    "default format hf); the directory must not exist or be empty unless --overwrite")
     q.add_argument("--export", choices=["hf", "gguf"], default=None, help="checkpoint format: hf = AMD Quark's HF "

@@ -25,8 +25,8 @@ from ._elements import _check_given_scale, _check_param, _elements, _int_clip  #
 from ._microexp import dequant_microexp_blocks, quantize_microexp_blocks
 from .cast import cast, decode, encode
 from .dtypes import BlockDType, FloatDType, IntDType, ScaleMode, TensorScale, get_dtype
-from .granularity import (Granularity, PerChannel, PerGroup, PerTensor, as_int, check_granularity, from_blocks,
-                          scales_to_blocked, to_blocks)
+from .granularity import (Granularity, PerBlock, PerChannel, PerGroup, PerTensor, as_int, check_granularity,
+                          from_blocks, scales_to_blocked, to_blocks)
 from .granularity import scale_shape as _scale_shape
 from .rounding import RoundingMode, check_mode, pow2
 from .scales import (_round_scale, asymmetric_scale, inverse_pow2_scales, pow2_scale_exponent, scale_exponent_range,
@@ -163,6 +163,35 @@ class QuantSpec:
     def two_level(self) -> bool:
         """True when block scales sit under a per-tensor scale (``tensor_scale_mode`` is not NONE)."""
         return self.tensor_scale_mode is not TensorScale.NONE
+
+    def bits_per_element(self, shape=None) -> float:
+        """Storage bits per element of a tensor quantized with this spec: the element bits, plus shared
+        microexponent bits (``subblock_shift_bits / subblock_size``), plus the scales (``scale_dtype`` bits, and
+        the zero point in ``dtype`` bits when asymmetric) amortised over the elements sharing them, plus a
+        two-level spec's float32 per-tensor scale. MXFP4: ``4 + 8/32 = 4.25``; NVFP4: ``4 + 8/16`` (+ ``32/numel``).
+
+        shape: the tensor's shape. Without it, per-group and per-block scales are amortised over their groups
+        and blocks, but per-tensor and per-channel scales (and a two-level tensor scale), whose share depends on
+        the shape, are left out (fp8 per tensor: 8.0). With it the figure is exact for that shape.
+        """
+        bits = float(self.dtype.bits) + self.subblock_shift_bits / self.subblock_size
+        per_scale = self.scale_dtype.bits + (0 if self.symmetric else self.dtype.bits)
+        g = self.granularity
+        if shape is None:
+            if isinstance(g, PerGroup):
+                bits += per_scale / g.size
+            elif isinstance(g, PerBlock):
+                bits += per_scale / math.prod(g.shape)
+            return bits
+        shape = tuple(as_int(s) for s in shape)
+        if not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
+            raise ValueError(f"bits_per_element: shape must be a non-empty tuple of positive ints, got {shape!r}")
+        numel = math.prod(shape)
+        n_scales = math.prod(self.scale_shape(shape))
+        bits += per_scale * n_scales / numel
+        if self.two_level:
+            bits += 32 / numel
+        return bits
 
 
 def _check_two_level_spec(spec: QuantSpec):

@@ -75,6 +75,24 @@ def test_every_flag_end_to_end_then_inspect_and_eval_the_checkpoint(lm_dir, tmp_
     assert abs(ppl - r["ppl"]) < 1e-3 * r["ppl"]
 
 
+def test_amp_quantizes_exports_and_reloads(lm_dir, tmp_path, capsys):
+    text, out, rep = lm_dir.parent / "text.txt", tmp_path / "amp", tmp_path / "r.json"
+    assert main(["quantize", "--model", str(lm_dir), "--amp", "w_mxfp4_a_mxfp4,w_fp8_a_fp8", "--target-bits", "6",
+                 "--calib-samples", "3", "--seq-len", "64", "--eval-text", str(text), "--output", str(out),
+                 "--report", str(rep), "--no-progress"]) == 0
+    o = capsys.readouterr()
+    r = json.loads(rep.read_text())
+    assert r["scheme"] == "amp w_mxfp4_a_mxfp4,w_fp8_a_fp8 at 6.0 bits/weight" and "amp w_mxfp4" in o.out
+    lqc = json.loads((out / "config.json").read_text())["quantization_config"]["layer_quant_config"]
+    dtypes = [v["weight"]["dtype"] for v in lqc.values()]
+    assert len(lqc) == 14 and set(dtypes) == {"fp4", "fp8_e4m3"}
+    fp4 = sum(d == "fp4" for d in dtypes)
+    assert 2 <= fp4 <= 12  # a real mix (6 bits: about 40 % of the weights in fp8)
+    assert main(["eval", "--model", str(out), "--eval-text", str(text), "--seq-len", "64", "--no-progress"]) == 0
+    ppl = float(capsys.readouterr().out.split("perplexity")[1].split()[0])
+    assert abs(ppl - r["ppl"]) < 1e-3 * r["ppl"]
+
+
 def test_existing_output_is_refused_before_any_work(lm_dir, tmp_path, capsys):
     (tmp_path / "o").mkdir()
     (tmp_path / "o" / "x").write_text("keep")
@@ -154,6 +172,10 @@ def test_quantize_a_model_directory_writes_the_report(llama_dir, tmp_path, capsy
     (["--scheme", "fp8", "--group-size", "64"], "'fp8' has no per-group or block role"),
     (["--scheme", "/nonexistent/c.json"], "--scheme /nonexistent/c.json: no such file"),
     (["--dtype", "float64"], "--dtype must be one of"),
+    (["--amp", "w_mxfp4_a_mxfp4,w_fp9", "--target-bits", "5"], "--amp: 'w_fp9' is not a preset"),
+    (["--amp", "w_mxfp4_a_mxfp4,w_fp8_a_fp8"], "--amp needs exactly one of --target-bits and --max-loss"),
+    (["--amp", "fp8", "--scheme", "fp8", "--target-bits", "5"], "give --amp or --scheme"),
+    (["--target-bits", "5"], "--target-bits / --max-loss apply to --amp"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(argv, message, capsys):
     assert main(["quantize", *argv]) == 2

@@ -1,0 +1,516 @@
+"""Layerwise mixed precision (AMP): measure each layer's sensitivity to each scheme, pick one scheme per layer.
+
+    from qcore.adapters.amp import amp_config
+    config = amp_config(model, ["w_mxfp4_a_mxfp4", "w_fp8_a_fp8"], batches, target_bits=5.0)
+    quantize_model(model, config, calibration_batches)   # then export_hf: Quark's layer_quant_config
+
+``layer_sensitivity(model, schemes, batches)`` quantizes one *unit* at a time with one scheme, every other layer
+left in float, and measures the loss change on ``batches`` (``Metric``):
+
+- ``Metric.KL`` (default): the mean over output positions of ``KL(float model || model with the unit
+  quantized)`` of the softmax over the last axis of the logits. Never negative and paired position by position,
+  so a few batches rank the layers reliably; any model whose output is logits (``.logits``, a tensor, or the
+  first item of a tuple).
+- ``Metric.NLL``: the change of the mean next-token negative log-likelihood (causal LMs; batches of
+  ``input_ids``): the loss the perplexity protocol measures; noisier (it can be negative).
+
+A unit is one quantizable layer, or the layers that must share a scheme: by default those vLLM fuses into one
+GEMM (``q_proj``/``k_proj``/``v_proj`` into ``qkv_proj``, ``gate_proj``/``up_proj`` into ``gate_up_proj``; its
+Quark loader refuses shards with different schemes), measured together. ``tie=()`` measures every layer alone.
+
+Schemes: a list of preset names (``qcore.adapters.presets``; the preset's global layer config, weights and
+activations as the preset says: ``w_mxfp4_a_mxfp4`` is MXFP4 weights and dynamic MXFP4 activations,
+``w_fp8_a_fp8`` fp8 weights and static fp8 activations), or a dict ``{name: LayerConfig or preset name}``. An
+empty ``LayerConfig()`` (or None) is "leave in float": sensitivity 0, bits = the weight dtype's (16 for a
+bfloat16 model). Bits per weight of a scheme come from ``QuantSpec.bits_per_element(weight shape)``: the
+element bits plus scale bits amortised over the layer (MXFP4 4.25; fp8 per tensor 8 + 32/numel).
+
+Cost: the float model runs once over ``batches``; the inputs of every decoder layer are kept (``layers x
+tokens x hidden`` floats) and, for ``Metric.KL``, the float log-probabilities (``tokens x vocab`` float32: 100 MB
+per 512-token window of a 49k vocabulary). Each (unit, scheme) then runs only from the unit's decoder layer to
+the output (the earlier layers are skipped, their outputs replayed), plus, for schemes with static activation
+scales, one calibration pass through that decoder layer alone: about ``units x schemes / 2`` forwards of the
+whole model. Without identifiable decoder layers (no ``nn.ModuleList`` of identical blocks) every measurement is
+a full forward. The model is left as it was (wrappers are removed, weights never written).
+
+``amp_config(model, schemes, batches, target_bits=... | max_loss=...)`` measures (or takes ``sensitivity=``),
+runs ``qcore.algorithms.mixed_precision.search`` and returns a ``ModelConfig`` whose ``by_name`` names every
+layer of every unit with its chosen scheme (exact names; ``export_hf`` writes them as Quark's
+``layer_quant_config``, which vLLM's Quark loader reads per layer), the global layer config being the scheme that
+holds the most weights. The search adds the units' sensitivities (additive model): check the measured quality of
+the result (``bench/AMP.md``).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from qcore.algorithms.mixed_precision import DEFAULT_RESOLUTION, MixedPrecision, search
+
+from .config import LayerConfig, ModelConfig
+from .modules import _norm_weight_granularity, _QuantMixin, _with_granularity, wrap
+from .quantizer import _call, _check_batch, _describe, _device_of, _progress, _set_module, _to, plan_model
+
+__all__ = ["Metric", "Sensitivity", "layer_sensitivity", "amp_config", "config_from_choice", "DEFAULT_TIE", "FLOAT"]
+
+#: sibling layers vLLM fuses into one GEMM (its Quark loader needs one scheme for all shards)
+DEFAULT_TIE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+#: the scheme name that leaves a layer in float when ``schemes`` is a list
+FLOAT = "float"
+
+
+class Metric(enum.Enum):
+    """What ``layer_sensitivity`` measures (module docstring)."""
+
+    KL = "kl"
+    NLL = "nll"
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    """Measured sensitivities: a value (``layer_sensitivity``'s result).
+
+    units: tuples of layer names that take one scheme together.
+    schemes: scheme names, in the order given.
+    loss: ``loss[i][j]``: the loss change of unit ``i`` under scheme ``j`` (``metric``), all else in float.
+    weights: number of weights of each unit.
+    bits: ``bits[i][j]``: bits per weight of unit ``i`` under scheme ``j`` (averaged over its layers).
+    metric: the ``Metric``.
+    base: the float model's loss on the batches (mean NLL for ``Metric.NLL``; 0.0 for ``Metric.KL``).
+    """
+
+    units: tuple
+    schemes: tuple
+    loss: tuple
+    weights: tuple
+    bits: tuple
+    metric: Metric
+    base: float
+
+    @staticmethod
+    def label(unit: tuple) -> str:
+        """The search's name of a unit: its layer names joined by ``+``."""
+        return "+".join(unit)
+
+    def tables(self) -> tuple[dict, dict, dict]:
+        """``(sensitivity, weights, bits)`` as ``qcore.algorithms.mixed_precision.search`` takes them."""
+        sens, w, b = {}, {}, {}
+        for unit, losses, n, bits in zip(self.units, self.loss, self.weights, self.bits):
+            k = self.label(unit)
+            sens[k] = dict(zip(self.schemes, losses))
+            w[k] = n
+            b[k] = dict(zip(self.schemes, bits))
+        return sens, w, b
+
+    def search(self, *, target_bits: Optional[float] = None, max_loss: Optional[float] = None,
+               resolution: int = DEFAULT_RESOLUTION) -> MixedPrecision:
+        """``qcore.algorithms.mixed_precision.search`` over these sensitivities (its choice names units by
+        ``label``)."""
+        sens, w, b = self.tables()
+        return search(sens, w, b, target_bits=target_bits, max_loss=max_loss, resolution=resolution)
+
+    def to_dict(self) -> dict:
+        """JSON-able (``from_dict`` inverts it)."""
+        return {"units": [list(u) for u in self.units], "schemes": list(self.schemes),
+                "loss": [list(x) for x in self.loss], "weights": list(self.weights),
+                "bits": [list(x) for x in self.bits], "metric": self.metric.value, "base": self.base}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Sensitivity":
+        try:
+            return cls(tuple(tuple(u) for u in d["units"]), tuple(d["schemes"]),
+                       tuple(tuple(float(v) for v in x) for x in d["loss"]), tuple(int(n) for n in d["weights"]),
+                       tuple(tuple(float(v) for v in x) for x in d["bits"]), Metric(d["metric"]), float(d["base"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"Sensitivity.from_dict: {e!r}; expected the keys of Sensitivity.to_dict()") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# arguments
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _schemes_arg(schemes: Any) -> dict[str, Optional[LayerConfig]]:
+    from .presets import PRESETS, preset
+
+    def one(name, v):
+        if v is None or (isinstance(v, LayerConfig) and v.empty):
+            return None
+        if isinstance(v, LayerConfig):
+            return v
+        if isinstance(v, str):
+            if v == FLOAT:
+                return None
+            if v not in PRESETS:
+                preset(v)  # raises the preset error with suggestions
+            return preset(v).layer
+        raise TypeError(f"schemes[{name!r}] must be a LayerConfig, a preset name or None, got {type(v).__name__}")
+
+    if isinstance(schemes, Mapping):
+        items = list(schemes.items())
+    elif isinstance(schemes, Sequence) and not isinstance(schemes, str):
+        for s in schemes:
+            if not isinstance(s, str):
+                raise TypeError(f"schemes as a list takes preset names (or {FLOAT!r}); got {s!r}; pass a dict "
+                                f"{{name: LayerConfig}} for other configs")
+        items = [(s, s) for s in schemes]
+    else:
+        raise TypeError(f"schemes must be a list of preset names or a dict {{name: LayerConfig}}, got "
+                        f"{type(schemes).__name__}")
+    if len(items) < 1:
+        raise ValueError(f"schemes: got {schemes!r}; expected at least one scheme")
+    out = {}
+    for name, v in items:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"schemes: got the name {name!r}; expected non-empty str names")
+        if name in out:
+            raise ValueError(f"schemes: {name!r} is given twice")
+        out[name] = one(name, v)
+    return out
+
+
+def _units(names: list[str], tie) -> list[tuple]:
+    if isinstance(tie, (str, bytes)) or not all(
+            isinstance(g, (tuple, list)) and g and all(isinstance(x, str) and x for x in g) for g in tie):
+        raise ValueError(f"tie: got {tie!r}; expected a tuple of tuples of sibling module names, e.g. "
+                         f"{DEFAULT_TIE!r}")
+    present = set(names)
+    done: set = set()
+    units = []
+    for n in names:
+        if n in done:
+            continue
+        parent, _, leaf = n.rpartition(".")
+        group = next((g for g in tie if leaf in g), None)
+        if group is None:
+            unit = (n,)
+        else:
+            unit = tuple(m for m in ((parent + "." if parent else "") + x for x in group) if m in present)
+        done.update(unit)
+        units.append(unit)
+    return units
+
+
+def _batches_arg(model, batches) -> list:
+    if isinstance(batches, (torch.Tensor, Mapping)) or not isinstance(batches, Sequence) or not batches:
+        raise TypeError(f"batches must be a non-empty list of batches (tensors, dicts or tuples), got "
+                        f"{type(batches).__name__}")
+    device = _device_of(model)
+    for i, b in enumerate(batches):
+        _check_batch(model, b, i)
+    return [_to(b, device) for b in batches]
+
+
+def _logits(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    lg = getattr(out, "logits", None)
+    if isinstance(lg, torch.Tensor):
+        return lg
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TypeError(f"the model's output ({type(out).__name__}) has no logits: layer_sensitivity needs a model "
+                    f"returning logits (a tensor, .logits, or a tuple starting with them)")
+
+
+def _input_ids(batch) -> torch.Tensor:
+    ids = batch if isinstance(batch, torch.Tensor) else batch.get("input_ids") if isinstance(batch, Mapping) \
+        else batch[0]
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point:
+        raise ValueError(f"Metric.NLL needs batches of input_ids [batch, sequence] (a causal LM); got "
+                         f"{_describe(batch)}")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# running from one decoder layer on
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Skip(nn.Module):
+    """Stands for a decoder layer before the one measured: returns its hidden-state input unchanged (in the
+    layer's output structure); the measured layer's inputs are replaced by the kept ones anyway."""
+
+    def __init__(self, tuple_out: bool):
+        super().__init__()
+        self.tuple_out = tuple_out
+
+    def forward(self, *args, **kwargs):
+        h = args[0] if args else kwargs.get("hidden_states")
+        return (h,) if self.tuple_out else h
+
+
+class _Runner:
+    """The float model's per-layer inputs and outputs over the batches, and forwards from layer ``k`` on."""
+
+    def __init__(self, model, batches, metric, progress):
+        from .sequential import find_decoder_layers
+        self.model, self.batches, self.metric = model, batches, metric
+        try:
+            self.path, self.layers = find_decoder_layers(model)
+        except ValueError:
+            self.path, self.layers = None, None
+        n_layers = len(self.layers) if self.layers is not None else 0
+        self.inputs: list[list] = [[] for _ in range(n_layers)]  # [layer][batch] -> (args, kwargs)
+        self.tuple_out = False
+        hooks = []
+
+        def keep(i):
+            def pre(mod, args, kwargs):
+                kw = dict(kwargs)
+                for k in ("past_key_value", "past_key_values", "layer_past"):
+                    if k in kw:
+                        kw[k] = None
+                if "use_cache" in kw:
+                    kw["use_cache"] = False
+                self.inputs[i].append((tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), kw))
+            return pre
+
+        def out_type(mod, args, out):
+            self.tuple_out = isinstance(out, (tuple, list))
+
+        for i in range(n_layers):
+            hooks.append(self.layers[i].register_forward_pre_hook(keep(i), with_kwargs=True))
+        if n_layers:
+            hooks.append(self.layers[0].register_forward_hook(out_type))
+        self.ref: list = []
+        nll = []
+        try:
+            with torch.no_grad():
+                for b in _progress(batches, total=len(batches), desc="float model", enabled=progress):
+                    lg = _logits(_call(model, b)).float()
+                    if metric is Metric.KL:
+                        self.ref.append(torch.log_softmax(lg, dim=-1))
+                    else:
+                        nll.append(self._nll(lg, b))
+        finally:
+            for h in hooks:
+                h.remove()
+        self.base = float(sum(s for s, _ in nll) / sum(n for _, n in nll)) if nll else 0.0
+
+    @staticmethod
+    def _nll(lg, batch):
+        ids = _input_ids(batch)
+        loss = torch.nn.functional.cross_entropy(lg[:, :-1].reshape(-1, lg.shape[-1]), ids[:, 1:].reshape(-1),
+                                                 reduction="sum")
+        return float(loss), ids[:, 1:].numel()
+
+    def layer_of(self, name: str) -> Optional[int]:
+        """The index of the decoder layer holding module ``name`` (None: outside the decoder layers)."""
+        if self.layers is None or not name.startswith(self.path + "."):
+            return None
+        return int(name[len(self.path) + 1:].split(".")[0])
+
+    def _run(self, k: Optional[int], *, stop: Optional[int] = None):
+        """Forward every batch from decoder layer ``k`` on (None: the whole model), through layer ``stop`` only
+        if given; yields each batch's logits (float32) when not stopping."""
+        if k is None or (k == 0 and stop is None):
+            with torch.no_grad():
+                for b in self.batches:
+                    yield _logits(_call(self.model, b)).float()
+            return
+        saved = [self.layers[j] for j in range(k)]
+        cur = {"i": 0}
+
+        def pre(mod, args, kwargs):
+            a, kw = self.inputs[k][cur["i"]]
+            return a, dict(kw)
+
+        def halt(mod, args, out):
+            raise _Stop
+
+        hooks = [self.layers[k].register_forward_pre_hook(pre, with_kwargs=True)]
+        if stop is not None:
+            hooks.append(self.layers[stop].register_forward_hook(halt))
+        try:
+            for j in range(k):
+                self.layers[j] = _Skip(self.tuple_out)
+            with torch.no_grad():
+                for i, b in enumerate(self.batches):
+                    cur["i"] = i
+                    try:
+                        out = _call(self.model, b)
+                    except _Stop:
+                        continue
+                    yield _logits(out).float()
+        finally:
+            for h in hooks:
+                h.remove()
+            for j in range(k):
+                self.layers[j] = saved[j]
+
+    def calibrate(self, k: Optional[int], stop: Optional[int], wrappers: list) -> None:
+        mods = [w for w in wrappers if isinstance(w, _QuantMixin) and w.static_roles()]
+        if not mods:
+            return
+        for m in mods:
+            m.start_calibration()
+        try:
+            for _ in self._run(k, stop=stop):
+                pass
+            for m in mods:
+                m.finish_calibration()
+        except BaseException:
+            for m in mods:
+                m.abort_calibration()
+            raise
+
+    def measure(self, k: Optional[int]) -> float:
+        total, count = 0.0, 0
+        for i, lg in enumerate(self._run(k)):
+            if self.metric is Metric.KL:
+                ref = self.ref[i]
+                logq = torch.log_softmax(lg, dim=-1)
+                kl = (ref.exp() * (ref - logq)).sum(-1)
+                total += float(kl.double().sum())
+                count += kl.numel()
+            else:
+                s, n = self._nll(lg, self.batches[i])
+                total += s
+                count += n
+        return total / count - self.base
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# public functions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metric: Metric = Metric.KL,
+                      exclude: Optional[tuple] = None, tie: tuple = DEFAULT_TIE, progress: bool = True) -> Sensitivity:
+    """The loss change of ``model`` on ``batches`` when one unit of layers alone is quantized with one scheme,
+    for every unit and scheme (module docstring: metrics, units, schemes, cost).
+
+    exclude: module names/patterns never quantized (default: the model's output head, as ``ModelConfig``).
+    The layers measured are those every non-float scheme quantizes under ``ModelConfig(scheme, exclude=exclude)``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(metric, Metric):
+        raise TypeError(f"metric must be a qcore.adapters.amp.Metric, got {metric!r}")
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be a bool, got {progress!r}")
+    table = _schemes_arg(schemes)
+    quantized = {n: lc for n, lc in table.items() if lc is not None}
+    plans: dict[str, dict] = {}
+    for n, lc in quantized.items():
+        try:
+            plans[n] = {p.name: p for p in plan_model(model, ModelConfig(lc, exclude=exclude))}
+        except ValueError as e:
+            raise ValueError(f"schemes[{n!r}]: {e}") from None
+    if not plans:
+        raise ValueError(f"schemes: got {list(table)}; expected at least one that quantizes (not only float)")
+    mods = dict(model.named_modules())
+    names = [n for n in mods if all(n in p for p in plans.values())]
+    if not names:
+        raise ValueError("the schemes quantize no common layer of the model")
+    units = _units(names, tie)
+    batches = _batches_arg(model, batches)
+
+    def weight_bits(name: str, scheme: str) -> float:
+        w = mods[name].weight
+        lc = table[scheme]
+        if lc is None or lc.weight is None:  # left in float
+            return float(w.element_size() * 8)
+        p = plans[scheme][name]
+        g = _norm_weight_granularity(p.config.weight.spec.granularity, p.type, name, w.dim(), tuple(w.shape))
+        return _with_granularity(p.config.weight.spec, g).bits_per_element(tuple(w.shape))
+
+    was_training = model.training
+    model.eval()
+    cfg = getattr(model, "config", None)
+    old_cache = getattr(cfg, "use_cache", None)
+    try:
+        if old_cache is not None:
+            cfg.use_cache = False
+        runner = _Runner(model, batches, metric, progress)
+        jobs = [(u, s) for u in units for s in table if table[s] is not None]
+        loss: dict = {}
+        for unit, s in _progress(jobs, total=len(jobs), desc="layer sensitivity", enabled=progress):
+            where = [runner.layer_of(n) for n in unit]
+            k = None if None in where else min(where)  # outside the decoder layers: full forwards
+            stop = None if k is None else max(where)
+            originals = [(n, mods[n]) for n in unit]
+            wrappers = [(n, wrap(mods[n], plans[s][n].config, name=n)) for n in unit]
+            try:
+                for n, w in wrappers:
+                    _set_module(model, n, w)
+                runner.calibrate(k, stop, [w for _, w in wrappers])
+                loss[(unit, s)] = runner.measure(k)
+            finally:
+                for n, m in originals:
+                    _set_module(model, n, m)
+    finally:
+        model.train(was_training)
+        if old_cache is not None:
+            cfg.use_cache = old_cache
+
+    out_loss, out_w, out_bits = [], [], []
+    for unit in units:
+        counts = [mods[n].weight.numel() for n in unit]
+        out_w.append(sum(counts))
+        out_loss.append(tuple(0.0 if table[s] is None else loss[(unit, s)] for s in table))
+        out_bits.append(tuple(sum(c * weight_bits(n, s) for n, c in zip(unit, counts)) / sum(counts)
+                              for s in table))
+    return Sensitivity(tuple(units), tuple(table), tuple(out_loss), tuple(out_w), tuple(out_bits), metric,
+                       runner.base)
+
+
+def _pattern(name: str) -> str:
+    return "re:" + re.escape(name) if any(c in name for c in "*?[]") or name.startswith("re:") else name
+
+
+def amp_config(model: nn.Module, schemes: Any, batches: Optional[Sequence] = None, *,
+               target_bits: Optional[float] = None, max_loss: Optional[float] = None,
+               sensitivity: Optional[Sensitivity] = None, metric: Metric = Metric.KL, exclude: Optional[tuple] = None,
+               tie: tuple = DEFAULT_TIE, resolution: int = DEFAULT_RESOLUTION, progress: bool = True) -> ModelConfig:
+    """A ``ModelConfig`` with one scheme per layer: the least summed sensitivity within ``target_bits`` average
+    bits per weight (over the measured layers), or the fewest bits within a summed sensitivity of ``max_loss``
+    (give one). ``sensitivity``: a ``layer_sensitivity`` result for these ``schemes`` (then ``batches`` is not
+    needed; e.g. to try several targets from one measurement). The config's ``by_name`` names every measured
+    layer (module docstring); its ``exclude`` is ``exclude``."""
+    if (target_bits is None) == (max_loss is None):
+        raise ValueError(f"give exactly one of target_bits and max_loss; got target_bits={target_bits!r}, "
+                         f"max_loss={max_loss!r}")
+    table = _schemes_arg(schemes)
+    if sensitivity is None:
+        if batches is None:
+            raise ValueError("amp_config: pass batches (to measure the sensitivities) or sensitivity=")
+        sensitivity = layer_sensitivity(model, schemes, batches, metric=metric, exclude=exclude, tie=tie,
+                                         progress=progress)
+    elif not isinstance(sensitivity, Sensitivity):
+        raise TypeError(f"sensitivity must be a Sensitivity (layer_sensitivity's result), got "
+                        f"{type(sensitivity).__name__}")
+    elif tuple(table) != sensitivity.schemes:
+        raise ValueError(f"sensitivity: measured for schemes {list(sensitivity.schemes)}; expected the schemes "
+                         f"given here, {list(table)}")
+    result = sensitivity.search(target_bits=target_bits, max_loss=max_loss, resolution=resolution)
+    return config_from_choice(sensitivity, table, result, exclude=exclude)
+
+
+def config_from_choice(sensitivity: Sensitivity, schemes: Any, result: MixedPrecision, *,
+                       exclude: Optional[tuple] = None) -> ModelConfig:
+    """The ``ModelConfig`` of a search result over ``sensitivity``'s units (what ``amp_config`` returns)."""
+    table = _schemes_arg(schemes)
+    chosen = result.as_dict()
+    by_name: dict = {}
+    for unit in sensitivity.units:
+        label = Sensitivity.label(unit)
+        if label not in chosen:
+            raise ValueError(f"result: no choice for unit {label!r}; expected a search over this sensitivity")
+        for n in unit:
+            by_name[_pattern(n)] = table[chosen[label]]
+    top = max(result.scheme_weights, key=lambda kv: kv[1])[0]
+    return ModelConfig(table[top] or LayerConfig(), by_name=by_name, exclude=exclude)
+
