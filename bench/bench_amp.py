@@ -2,7 +2,7 @@
 against uniform MXFP4 and uniform fp8, under the project's perplexity protocol.
 
     python bench/bench_amp.py [--targets 4.5,5,5.5,6] [--sens-windows 2] [--calib 32] [--threads 2]
-        [--sensitivity bench/AMP_sensitivity.json] [--remeasure] [--no-uniform] [--algo gptq] [--json bench/AMP.json]
+        [--sensitivity bench/AMP_sensitivity.json] [--remeasure] [--no-uniform] [--algo gptq] [--rotation quarot] [--json bench/AMP.json]
 
 1. Sensitivity (``qcore.adapters.amp.layer_sensitivity``, ``Metric.KL``): schemes ``w_mxfp4_a_mxfp4`` (MXFP4
    weights, dynamic MXFP4 activations, Quark's 'even' E8M0 rule) and ``w_fp8_a_fp8`` (fp8 e4m3 weights and static
@@ -15,6 +15,9 @@ against uniform MXFP4 and uniform fp8, under the project's perplexity protocol.
    stay float), scales included (``QuantSpec.bits_per_element``).
 3. Uniform ``w_mxfp4_a_mxfp4`` and ``w_fp8_a_fp8`` with the same calibration (anchors: Quark 0.13 44.914 and
    14.345).
+
+``--rotation quarot`` rotates the float model first (QuaRot with its online transforms), so that the
+sensitivities and every row are those of the rotated model.
 
 ``--algo gptq`` runs GPTQ (on the calibration windows) before rounding in every row, AMP rows included (each
 layer with its own scheme); the sensitivities stay those of round-to-nearest.
@@ -60,12 +63,18 @@ def main(argv=None) -> int:
     ap.add_argument("--no-uniform", action="store_true", help="skip the uniform MXFP4 / fp8 rows")
     ap.add_argument("--algo", default="", help="algorithms before rounding for every row, e.g. gptq")
     ap.add_argument("--json", default=str(ROOT / "bench" / "AMP.json"))
+    ap.add_argument("--rotation", choices=("none", "quarot"), default="none",
+                    help="rotate the float model first (QuaRot, qcore.adapters.rotation); sensitivities and every row "
+                    "are then of the rotated model (use another --sensitivity file)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     targets = [float(t) for t in args.targets.split(",") if t]
     algos = tuple({"name": a} for a in args.algo.split(",") if a)
 
     model, tok = load_smollm2()
+    if args.rotation == "quarot":
+        from qcore.adapters.rotation import rotate_model
+        rotate_model(model)
     ids = E.protocol_token_ids(tok)
     calib = E.calibration_batches(None, token_ids=ids, n=args.calib)
     results = []
