@@ -13,7 +13,7 @@
 - ``AutoSmoothQuantConfig(loss=SmoothLoss.MSE, n_tokens=4096, scaling_layers=(), decoder_layers=None)``; Quark keys
   ``compute_scale_loss`` ("MSE"/"MAE"), ``scaling_layers``, ``model_decoder_layers``.
 
-- ``QuaRotConfig(key=None, heads=True, online=("mlp.down_proj", "self_attn.o_proj"), decoder_layers=None)`` and
+- ``QuaRotConfig(key=0, heads=True, online=("mlp.down_proj", "self_attn.o_proj"), decoder_layers=None)`` and
   ``SpinQuantConfig(..., steps=100, lr=1.5, batch=1, train_weights=None)``; Quark's ``{"name": "rotation", r1, r2, r4, random_r1,
   trainable, ...}`` (r3, online R1, block-sized rotations and trained smoothing are refused).
 
@@ -241,10 +241,11 @@ def _online(v, name) -> tuple:
 class QuaRotConfig:
     """QuaRot: norms folded, Hadamard rotations fused into the weights (residual stream R1; per attention head R2
     when ``heads``), online Hadamard transforms before the Linears in ``online`` (``"mlp.down_proj"``: QuaRot's
-    R4; ``"self_attn.o_proj"``: across heads). ``key``: random signs (randomised Hadamard; None: plain). Runs
+    R4; ``"self_attn.o_proj"``: across heads). ``key``: random signs (randomised Hadamard, QuaRot's default and
+    better than the plain one on SmolLM2, bench/ROTATIONS.md; None: plain Hadamard). Runs
     on the whole float model before the other algorithms (``qcore.adapters.rotation``)."""
 
-    key: Optional[int] = None
+    key: Optional[int] = 0
     heads: bool = True
     online: tuple = _ONLINE
     decoder_layers: Optional[str] = None

@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rotation", choices=("none", "quarot", "spinquant"), default="quarot")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--lr", type=float, default=1.5)
+    ap.add_argument("--key", type=int, default=None, help="random Hadamard signs (QuaRot's randomised Hadamard)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-gptq", action="store_true")
     ap.add_argument("--no-rtn", action="store_true")
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     extra: dict = {}
     if a.rotation != "none":
-        algo = QuaRotConfig() if a.rotation == "quarot" else SpinQuantConfig(steps=a.steps, lr=a.lr,
+        algo = QuaRotConfig(key=a.key) if a.rotation == "quarot" else SpinQuantConfig(key=a.key, steps=a.steps, lr=a.lr,
                                                                                   train_weights=a.train_weights == "yes")
         apply_rotation(model, algo, plans=plan_model(model, cfg), data=calib)
         extra = {"rotation": algo.to_dict(), "rotation_s": round(time.perf_counter() - t, 1)}

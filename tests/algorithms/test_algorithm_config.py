@@ -77,7 +77,7 @@ def test_rotation_configs_qcore_and_quark_spellings():
     r = parse_algorithm({"name": "rotation", "r1": True, "r2": True, "r3": False, "r4": True, "random_r1": True,
                          "trainable": True, "model_decoder_layers": "model.layers", "scaling_layers": {}})
     assert isinstance(r, SpinQuantConfig) and r.online == ("mlp.down_proj",) and r.key == 0 and r.decoder_layers is None
-    assert parse_algorithm({"name": "quarot", "r1": True, "r2": False}) == QuaRotConfig(heads=False, online=())
+    assert parse_algorithm({"name": "quarot", "r1": True, "r2": False}) == QuaRotConfig(key=None, heads=False, online=())
     for bad, msg in (({"r3": True}, "R3"), ({"online_r1_rotation": True}, "online R1"),
                      ({"rotation_size": 32}, "full-size"), ({"r1": False}, "r1=True"),
                      ({"mlp": "feed_forward"}, "Llama's layout"), ({"bogus": 1}, "unknown key")):
