@@ -338,9 +338,10 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         with the same model and config.
 
     All or nothing: on any error the original modules are put back and the weights are untouched. With
-    algorithms (``config.algorithms``: GPTQ, AWQ, SmoothQuant, AutoSmoothQuant; ``qcore.adapters.sequential``)
-    every check still runs first, then the algorithms rewrite the decoder layers one at a time; an error after
-    that point leaves the model marked as partly rewritten (quantizing it again is refused; reload it).
+    algorithms (``config.algorithms``: a rotation first, QuaRot or SpinQuant, on the whole float model,
+    ``qcore.adapters.rotation``; then GPTQ, AWQ, SmoothQuant, AutoSmoothQuant, ``qcore.adapters.sequential``)
+    every check still runs first, then the algorithms rewrite the weights; an error after that point leaves the
+    model marked as partly rewritten (quantizing it again is refused; reload it).
     """
     if not isinstance(qat, bool):
         raise TypeError(f"qat must be a bool, got {qat!r}")
