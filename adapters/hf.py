@@ -210,7 +210,14 @@ def _make_classes():
             model.qcore_config = checkpoint_config(self.quantization_config.raw)
             from qcore.algorithms.config import ROTATION_CONFIGS, parse_algorithms
             rot = [a for a in parse_algorithms(model.qcore_config.algorithms) if isinstance(a, ROTATION_CONFIGS)]
-            if rot:  # the online transforms of the rotated weights (QuaRot / SpinQuant), from the config
+            if rot and rot[0].online:  # the online transforms of the rotated weights (QuaRot / SpinQuant)
+                own = any(isinstance(a, dict) and a.get("name") in ("qcore_rotation", "quarot", "spinquant")
+                          for a in model.qcore_config.algorithms)
+                if not own:
+                    raise CorruptCheckpointError(
+                        f"quantization_config.algo_config: Quark's rotation with online transforms "
+                        f"({list(rot[0].online)}) uses Quark's own Hadamard tables, which qcore does not reproduce; "
+                        f"load this checkpoint with amd-quark")
                 from .rotation import install_online
                 install_online(model, rot[0])
             return model

@@ -1,7 +1,7 @@
 """QuaRot's fused rotations for Llama-like transformers models (issue 11, first part): the float model computes the
 same function, its weights and activations are spread by orthogonal (Hadamard) rotations before quantization.
 
-``rotate_model(model, *, key=None, heads=True)`` in place, in float64 arithmetic cast back to each weight's dtype:
+``rotate_model(model, *, key=0, heads=True, online=ONLINE)`` in place, in float64 arithmetic cast back to each weight's dtype:
 
 1. every RMSNorm's weight is folded into the Linears that read its output (``input_layernorm`` -> q, k, v;
    ``post_attention_layernorm`` -> gate, up; the final norm -> ``lm_head``), and set to ones; tied input and
@@ -10,7 +10,8 @@ same function, its weights and activations are spread by orthogonal (Hadamard) r
    embedding rows and the input columns of q, k, v, gate, up, lm_head are multiplied by ``R1``; the output rows
    of o_proj and down_proj by ``R1^T``. RMSNorm with unit weight commutes with an orthogonal rotation, so the
    model's outputs are unchanged up to float rounding;
-3. ``heads``: each attention head's values are rotated by ``R2 = rotation(head_dim, key=key)``: the rows of
+3. ``heads``: each attention head's values are rotated by ``R2 = rotation(head_dim, key=key + 1)`` (``key``
+   None: plain Hadamard everywhere): the rows of
    ``v_proj`` per key-value head by ``R2^T``, the columns of ``o_proj`` per query head by ``R2`` (grouped-query
    attention included: every query head reading a key-value head sees the same rotation).
 
@@ -18,7 +19,8 @@ same function, its weights and activations are spread by orthogonal (Hadamard) r
    layer: the input of ``mlp.down_proj`` (after the SiLU gate, QuaRot's R4) and of ``self_attn.o_proj`` (after
    attention; a full transform of the ``heads * head_dim`` features, which mixes across heads as QuaRot's
    online head Hadamard does). The Linear's weight columns are multiplied by ``Q`` and an ``InputRotation``
-   forward pre-hook multiplies its input by ``Q`` (``Q = diag(s) H^T / sqrt(n)``, applied with the fast
+   forward pre-hook multiplies its input by ``Q`` (``Q = diag(s) H^T / sqrt(n)`` with the signs of
+   ``key + 2 + i`` for the i-th entry of ``ONLINE``, applied with the fast
    transform ``fwht``; a dense product for sizes with no construction, whose ``Q`` is ``rotation(n).T``). The
    pre-hook stays on the module when ``quantize_model`` wraps it (the wrapper shares its hooks), so the
    quantizer sees the rotated input: activation quantization and GPTQ's Hessians both act on rotated values.
@@ -132,6 +134,13 @@ class InputRotation:
                 self._dense = self.matrix()
             y = x.to(ct) @ self._dense.to(device=x.device, dtype=ct)
         return y.to(x.dtype)
+
+
+def remove_online(model: nn.Module) -> None:
+    """Remove every ``InputRotation`` hook (undoing ``_online_hooks`` when the weights were not rotated)."""
+    for m in model.modules():
+        for k in [k for k, h in m._forward_pre_hooks.items() if isinstance(h, InputRotation)]:
+            del m._forward_pre_hooks[k]
 
 
 def input_rotations(model: nn.Module) -> dict:
@@ -268,11 +277,11 @@ def _times_online(model, values: dict, qs: dict, dtype=torch.float64) -> dict:
 def _check_online(online) -> tuple:
     if isinstance(online, str) or not all(o in ONLINE for o in online):
         raise ValueError(f"online must be a subset of {list(ONLINE)}, got {online!r}")
-    return tuple(online)
+    return tuple(o for o in ONLINE if o in online)  # canonical order: the keys (key + 2 + i) follow it
 
 
 @torch.no_grad()
-def rotate_model(model: nn.Module, *, key: Optional[int] = None, heads: bool = True,
+def rotate_model(model: nn.Module, *, key: Optional[int] = 0, heads: bool = True,
                  online: Sequence[str] = ONLINE) -> nn.Module:
     """Fold norms and fuse QuaRot's rotations into ``model`` in place (module docstring); returns it."""
     online = _check_online(online)

@@ -38,7 +38,8 @@ from qcore.algorithms.hadamard import rotation
 from qcore.algorithms.orthogonal import cayley_step
 
 from .modules import _act_granularity, _with_granularity
-from .rotation import _check, _fold_and_untie, _online_hooks, _times_online, _write, rotated_weights
+from .rotation import (_check, _fold_and_untie, _online_hooks, _times_online, _write, remove_online,
+                       rotated_weights)
 
 __all__ = ["spinquant"]
 
@@ -133,6 +134,11 @@ def spinquant(model: nn.Module, plans: Sequence, data: Optional[Sequence], algo,
             r1 = cayley_step(r1, r1v.grad.double(), lr=algo.lr)
             if r2 is not None:
                 r2 = [cayley_step(r, g.grad.double(), lr=algo.lr) for r, g in zip(r2, r2v)]
+    except BaseException:
+        # the weights do not hold the online Q yet: without its hooks the (norm-folded) model computes the
+        # original function again
+        remove_online(model)
+        raise
     finally:
         for h in hooks:
             h.remove()

@@ -274,7 +274,7 @@ class QuaRotConfig:
         with the same ``heads`` (``key`` becomes 0 or None: the weights already hold it)."""
         if not self.online:  # fused into the weights only: Quark's offline R1/R2 spelling loads as it is
             return {"name": "rotation", "r1": True, "r2": self.heads, "r3": False, "r4": False,
-                    "rotation_size": None, "random_r1": self.key is not None, "random_r2": self.key is not None,
+                    "rotation_size": None, "random_r1": self.key is not None, "random_r2": self.key is not None and self.heads,
                     "trainable": False, "model_decoder_layers": self.decoder_layers or "model.layers",
                     "scaling_layers": {}, **_QUARK_ROTATION_PATHS}
         return {**self.to_dict(), "name": "qcore_rotation", "method": self.name}

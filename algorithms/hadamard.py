@@ -6,7 +6,8 @@ other than 1 and 2 are multiples of 4 (and every multiple of 4 is conjectured to
 - Sylvester: ``H_{2n} = [[H_n, H_n], [H_n, -H_n]]`` (orders ``2^k``);
 - Paley I: for a prime power ``q = 3 (mod 4)``, order ``q + 1``;
 - Paley II: for a prime power ``q = 1 (mod 4)``, order ``2 (q + 1)``;
-- Kronecker products ``H_a (x) H_b`` of the above.
+- Kronecker products ``H_m (x) S_{2^k}`` of one of the above with a Sylvester matrix (two Paley factors are
+  not combined: e.g. 1904 = 28 x 68 gets the fallback).
 
 ``hadamard(n)`` returns one (int8 +-1 entries, rows in a fixed, documented order) or raises ValueError when no
 construction above reaches ``n`` (``hadamard_factors(n)`` says which, without building). Orders the constructions

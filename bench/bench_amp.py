@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     model, tok = load_smollm2()
     if args.rotation == "quarot":
         from qcore.adapters.rotation import rotate_model
-        rotate_model(model)
+        rotate_model(model, key=None)  # the plain Hadamard (what bench/AMP.md reports)
     ids = E.protocol_token_ids(tok)
     calib = E.calibration_batches(None, token_ids=ids, n=args.calib)
     results = []

@@ -41,13 +41,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rotation", choices=("none", "quarot", "spinquant"), default="quarot")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--lr", type=float, default=1.5)
-    ap.add_argument("--key", type=int, default=None, help="random Hadamard signs (QuaRot's randomised Hadamard)")
+    ap.add_argument("--key", default="0", help="random Hadamard signs (QuaRot's randomised Hadamard; the library's "
+                    "default 0), or 'none' for the plain Hadamard")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-gptq", action="store_true")
     ap.add_argument("--no-rtn", action="store_true")
     ap.add_argument("--train-weights", choices=("yes", "no"), default="yes",
                     help="SpinQuant: fake-quantize the weights while training (no: activations only, for GPTQ)")
     a = ap.parse_args(argv)
+    a.key = None if a.key.lower() == "none" else int(a.key)
     torch.set_num_threads(a.threads)
     model, tok = load_smollm2()
     ids = E.protocol_token_ids(tok)

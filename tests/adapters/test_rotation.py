@@ -209,3 +209,53 @@ def test_spinquant_trains_without_weight_quantization_when_gptq_follows(monkeypa
     with pytest.raises(ValueError, match="nothing to train for"):  # weight-only scheme, weights not trained
         quantize_model(copy.deepcopy(m), preset("mxfp4_weight_only").replace(
             algorithms=({"name": "spinquant", "steps": 1}, {"name": "gptq"})), _batches(), progress=False)
+
+
+def test_a_failed_spinquant_leaves_the_float_function(monkeypatch):
+    import qcore.adapters.spinquant as S
+    from qcore.adapters import plan_model, preset
+    from qcore.adapters.rotation import apply_rotation, input_rotations
+    from qcore.algorithms.config import SpinQuantConfig
+    m = _llama(64, 4, 2, 128, False)
+    x = _batches(1)[0]
+    with torch.no_grad():
+        ref = m(x).logits
+
+    def boom(*a, **kw):
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(S, "cayley_step", boom)
+    cfg = preset("w_mxfp4_a_mxfp4")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        apply_rotation(m, SpinQuantConfig(steps=2), plans=plan_model(m, cfg), data=_batches())
+    assert not input_rotations(m)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x).logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_online_order_does_not_change_the_keys():
+    from qcore.adapters.rotation import input_rotations, online_plan
+    from qcore.algorithms.config import QuaRotConfig
+    m = rotate_model(_llama(64, 4, 2, 128, False), key=0, online=("self_attn.o_proj", "mlp.down_proj"))
+    want = online_plan(m, QuaRotConfig(key=0, online=("self_attn.o_proj", "mlp.down_proj")))
+    assert {n: (h.size, h.key) for n, h in input_rotations(m).items()} == {n: (h.size, h.key) for n, h in want.items()}
+
+
+def test_quark_online_rotations_are_refused_on_reload(tmp_path):
+    import json
+
+    import qcore.adapters as A
+    m = _llama(64, 4, 2, 128, False)
+    q = A.quantize_model(m, A.preset("w_mxfp4_a_mxfp4").replace(algorithms=({"name": "quarot", "online": []},)),
+                         progress=False)
+    A.export_hf(q, tmp_path / "ckpt")
+    cfg_path = tmp_path / "ckpt" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "quark" and qc["algo_config"][0]["name"] == "rotation"
+    A.from_pretrained(tmp_path / "ckpt")  # fused only: loads
+    qc["algo_config"][0]["r4"] = True  # Quark's online R4: its own Hadamard tables
+    qc.pop("qcore", None)
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="Quark's own Hadamard tables"):
+        A.from_pretrained(tmp_path / "ckpt")
