@@ -255,7 +255,7 @@ class _Runner:
     """The float model's per-layer inputs and outputs over the batches, and forwards from layer ``k`` on."""
 
     def __init__(self, model, batches, metric, progress):
-        from .sequential import find_decoder_layers
+        from .sequential import _replay_call, find_decoder_layers
         self.model, self.batches, self.metric = model, batches, metric
         try:
             self.path, self.layers = find_decoder_layers(model)
@@ -268,13 +268,7 @@ class _Runner:
 
         def keep(i):
             def pre(mod, args, kwargs):
-                kw = dict(kwargs)
-                for k in ("past_key_value", "past_key_values", "layer_past"):
-                    if k in kw:
-                        kw[k] = None
-                if "use_cache" in kw:
-                    kw["use_cache"] = False
-                self.inputs[i].append((tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), kw))
+                self.inputs[i].append(_replay_call(args, kwargs))
             return pre
 
         def out_type(mod, args, out):

@@ -99,6 +99,17 @@ class _Inputs:
         return len(self.args)
 
 
+def _replay_call(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A decoder layer's call ``(args, kwargs)`` as kept for replaying it: tensors detached, no KV cache."""
+    kw = dict(kwargs)
+    for k in ("past_key_value", "past_key_values", "layer_past"):
+        if k in kw:
+            kw[k] = None
+    if "use_cache" in kw:
+        kw["use_cache"] = False
+    return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), kw
+
+
 def _capture(model: nn.Module, layer0: nn.Module, batches: Sequence, device, progress: bool) -> _Inputs:
     from .quantizer import _call, _check_batch, _describe, _progress, _to
 
@@ -106,13 +117,8 @@ def _capture(model: nn.Module, layer0: nn.Module, batches: Sequence, device, pro
     kwargs_l: list = []
 
     def pre(mod, args, kwargs):
-        args_l.append(tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
-        kw = dict(kwargs)
-        for k in ("past_key_value", "past_key_values", "layer_past"):
-            if k in kw:
-                kw[k] = None
-        if "use_cache" in kw:
-            kw["use_cache"] = False
+        a, kw = _replay_call(args, kwargs)
+        args_l.append(a)
         kwargs_l.append(kw)
         raise _Stop
 
