@@ -30,7 +30,7 @@ from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile
 
 from .config import ModelConfig
 from .export import _TORCH_ST, _np
-from .modules import QUANT_CLASSES, _FROZEN
+from .modules import QUANT_CLASSES
 from .quantizer import _set_module, plan_model
 
 __all__ = ["from_pretrained", "load_quark", "register_with_transformers", "CorruptCheckpointError"]
@@ -108,22 +108,8 @@ def _build(sh: _Shell, pack_method: str, dtype: torch.dtype) -> nn.Module:
     spec = q._qspecs["weight"]
     parts = L.decode_weight(arrays, spec, shape, layout=sh.layout, pack_method=pack_method, where=where)
     device = params["weight"].device
-    codes = torch.from_numpy(np.ascontiguousarray(parts.codes))
-    el = spec.dtype
+    q.load_frozen(parts, shape=shape, dtype=dtype, device=device)
     with torch.no_grad():
-        del q._parameters["weight"]
-        q.register_buffer("weight_packed", qcore.packing.pack(codes, el, axis=-1).to(device))
-        scales = torch.from_numpy(parts.scales)
-        q._buffers["weight_scale"] = (scales if spec.scale_dtype.name == "float32"
-                                      else torch.as_tensor(qcore.encode(scales, spec.scale_dtype))).to(device)
-        if parts.zero_points is not None:
-            zp = torch.from_numpy(parts.zero_points)
-            q._buffers["weight_zero_point"] = (zp.to(torch.int8 if el.signed else torch.uint8) if el.bits <= 8
-                                               else zp.to(torch.int32)).to(device)
-        if parts.shifts is not None:
-            q.register_buffer("weight_subblock_shifts", torch.from_numpy(parts.shifts).to(torch.uint8).to(device))
-        if parts.tensor_scale is not None:
-            q._buffers["weight_tensor_scale"] = torch.from_numpy(parts.tensor_scale).float().to(device)
         if "bias" in q._parameters and q._parameters["bias"] is not None:
             q._parameters["bias"] = sh.bias
             q._qspecs.pop("bias", None)  # exported as the fake-quantized floats it computes with
@@ -137,8 +123,6 @@ def _build(sh: _Shell, pack_method: str, dtype: torch.dtype) -> nn.Module:
                     z = a["zero_point"] if a["zero_point"] is not None else np.zeros(a["scale"].shape, np.float32)
                     q._buffers[f"{role}_zero_point"] = torch.from_numpy(z).reshape(q._static_shape(role)).to(device)
             q._calibrated.add(role)
-    q._frozen_meta = {"shape": shape, "dtype": dtype}
-    q._qmode = _FROZEN
     left = [n for n, t in list(q.named_parameters()) + list(q.named_buffers()) if t is not None and t.is_meta]
     if left:
         raise RuntimeError(f"{where}: {left} stayed unloaded (a qcore bug; please report it)")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -576,6 +577,44 @@ class _QuantMixin:
             self.register_buffer("weight_subblock_shifts", q.subblock_shifts.to(torch.uint8))
         self._frozen_meta = meta
         self._qmode = _FROZEN
+
+    def load_frozen(self, parts, *, shape: tuple, dtype: torch.dtype, device: Any = None) -> None:
+        """Make this module frozen from a weight's qcore parts (``qcore.formats.quark_layout.WeightParts``:
+        codes, float32 scales, zero points, shifts, tensor scale of the canonical ``shape``), as importers of
+        checkpoints (Quark HF, GGUF, compressed-tensors) build modules without a float round trip. The float
+        weight parameter (if any) is dropped; ``dtype`` is the dtype the forward dequantizes to."""
+        if "weight" not in self._qspecs:
+            raise ValueError(f"load_frozen {self.qname!r}: the module has no weight quantization spec")
+        spec = self._qspecs["weight"]
+        el = spec.dtype
+        if tuple(parts.codes.shape) != tuple(shape):
+            raise ValueError(f"load_frozen {self.qname!r}: codes of shape {list(parts.codes.shape)}, expected "
+                             f"{list(shape)}")
+        if device is None:
+            w = self._parameters.get("weight")
+            device = w.device if w is not None and not w.is_meta else torch.device("cpu")
+        codes = torch.from_numpy(np.ascontiguousarray(parts.codes))
+        with torch.no_grad():
+            self._parameters.pop("weight", None)
+            self._buffers.pop("weight_packed", None)
+            self.register_buffer("weight_packed", qcore.packing.pack(codes, el, axis=-1).to(device))
+            scales = torch.from_numpy(np.ascontiguousarray(parts.scales, np.float32))
+            self._buffers["weight_scale"] = (scales if spec.scale_dtype.name == "float32"
+                                             else torch.as_tensor(qcore.encode(scales, spec.scale_dtype))).to(device)
+            if parts.zero_points is not None:
+                zp = torch.from_numpy(np.ascontiguousarray(parts.zero_points))
+                self._buffers["weight_zero_point"] = (zp.to(torch.int8 if el.signed else torch.uint8) if el.bits <= 8
+                                                      else zp.to(torch.int32)).to(device)
+            if parts.shifts is not None:
+                self._buffers.pop("weight_subblock_shifts", None)
+                self.register_buffer("weight_subblock_shifts",
+                                     torch.from_numpy(np.ascontiguousarray(parts.shifts)).to(torch.uint8).to(device))
+            if parts.tensor_scale is not None:
+                self._buffers["weight_tensor_scale"] = torch.from_numpy(
+                    np.asarray(parts.tensor_scale, np.float32)).to(device)
+        self._frozen_meta = {"shape": tuple(shape), "dtype": dtype}
+        self._qmode = _FROZEN
+        self.__dict__.pop("_dequantized", None)
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         """``module.to(dtype/device)``, ``.half()``, ...: scale buffers move device but stay float32 (casting them
