@@ -445,7 +445,8 @@ def _check_decoder(model: nn.Module) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _traced(model: nn.Module, inputs: tuple, ctx: _Ctx, input_names, output_names, dynamic_axes) -> tuple:
+def _traced(model: nn.Module, inputs: tuple, kwargs: Optional[dict], ctx: _Ctx, input_names, output_names,
+            dynamic_axes) -> tuple:
     onnx = __import__("onnx")
     mods = [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantMixin)]
     table: list = []  # index -> (kind, name, module, role)
@@ -454,13 +455,21 @@ def _traced(model: nn.Module, inputs: tuple, ctx: _Ctx, input_names, output_name
         @staticmethod
         def forward(ctx_, x, idx: int):  # type: ignore[override]
             kind, name, m, role = table[idx]
-            if kind == "act":
-                return m._qact(x, role)
-            return x.clone()
+            if kind != "act":
+                return x.clone()
+            state = torch._C._get_tracing_state()  # qcore's arithmetic is replaced by the marker: not traced
+            torch._C._set_tracing_state(None)
+            try:
+                with torch.no_grad():
+                    return m._qact(x.detach(), role).detach()
+            finally:
+                torch._C._set_tracing_state(state)
 
         @staticmethod
         def symbolic(g, x, idx: int):
-            return g.op("qcore::Mark", x, idx_i=idx)
+            y = g.op("qcore::Mark", x, idx_i=idx)
+            y.setType(x.type())
+            return y
 
     def mark(x, kind, name, m, role):
         table.append((kind, name, m, role))
@@ -502,17 +511,23 @@ def _traced(model: nn.Module, inputs: tuple, ctx: _Ctx, input_names, output_name
 
     for n, m in mods:
         m.forward = types.MethodType(make_forward(n, m), m)
+    keys = None if kwargs is None else list(kwargs)
+    wrapper = _Call(model, keys)
+    args = tuple(inputs) if kwargs is None else tuple(kwargs.values())
     buf = io.BytesIO()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            torch.onnx.export(model, inputs, buf, dynamo=False, opset_version=20, do_constant_folding=False,
-                              autograd_inlining=False, custom_opsets={"qcore": 1}, input_names=input_names,
-                              output_names=output_names, dynamic_axes=dynamic_axes)
+            with torch.no_grad():
+                torch.onnx.export(wrapper, args, buf, dynamo=False, opset_version=20, do_constant_folding=False,
+                                  autograd_inlining=False, custom_opsets={"qcore": 1}, input_names=input_names,
+                                  output_names=output_names, dynamic_axes=dynamic_axes)
+        # the wrapper's parameter prefix off the initializer names
+        src = onnx.load_from_string(buf.getvalue())
+        _strip_prefix(src.graph, "m.")
     finally:
         for _, m in mods:
             m.__dict__.pop("forward", None)
-    src = onnx.load_from_string(buf.getvalue())
     gr = src.graph
     g = ctx.g
     for coll in (gr.node, gr.initializer, gr.input, gr.output):
@@ -563,6 +578,33 @@ def _traced(model: nn.Module, inputs: tuple, ctx: _Ctx, input_names, output_name
     return src, [i.name for i in gr.input], [o.name for o in gr.output]
 
 
+class _Call(nn.Module):
+    """What the tracer calls: positional tensors -> the model (positionally, or by ``keys``) -> a tuple of tensors."""
+
+    def __init__(self, model: nn.Module, keys: Optional[list]):
+        super().__init__()
+        self.m = model
+        self.keys = keys
+
+    def forward(self, *args):
+        out = self.m(*args) if self.keys is None else self.m(**dict(zip(self.keys, args)))
+        if hasattr(out, "to_tuple"):
+            out = out.to_tuple()
+        return out
+
+
+def _strip_prefix(gr: Any, prefix: str) -> None:
+    ren = {t.name: t.name[len(prefix):] for t in gr.initializer if t.name.startswith(prefix)}
+    taken = {t.name for t in gr.initializer} | {i.name for i in gr.input} | {n2 for nd in gr.node for n2 in nd.output}
+    ren = {a: b for a, b in ren.items() if b not in taken}
+    for t in gr.initializer:
+        t.name = ren.get(t.name, t.name)
+    for nd in gr.node:
+        for i, v in enumerate(nd.input):
+            if v in ren:
+                nd.input[i] = ren[v]
+
+
 def _uncanon_nodes(g: "X.Graph", name: str, m: _QuantMixin, w: str, out: str) -> None:
     """The module layout of a ConvTranspose2d weight from its canonical [out, in/groups, k, k] tensor."""
     groups = m.groups
@@ -582,7 +624,7 @@ def _uncanon_nodes(g: "X.Graph", name: str, m: _QuantMixin, w: str, out: str) ->
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def export_onnx(model: nn.Module, path: Union[str, os.PathLike], *, inputs: Optional[Sequence[Any]] = None,
+def export_onnx(model: nn.Module, path: Union[str, os.PathLike], *, inputs: Union[Sequence[Any], dict, None] = None,
                 input_names: Optional[Sequence[str]] = None, output_names: Optional[Sequence[str]] = None,
                 dynamic_axes: Optional[dict] = None, weight_format: Union[WeightFormat, str] = WeightFormat.QDQ,
                 accuracy_level: int = 0, unsupported: Union[Unsupported, str] = Unsupported.ERROR,
@@ -642,8 +684,12 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], *, inputs: Opti
         if wf is WeightFormat.MATMULNBITS:
             raise ValueError("export_onnx: weight_format='matmulnbits' applies to the decoder graph; traced models "
                              "are written in QDQ form")
-        inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
-        onnx_model, names_in, names_out = _traced(model, inputs, ctx, input_names, output_names, dynamic_axes)
+        kwargs = None
+        if isinstance(inputs, dict):
+            inputs, kwargs = (), dict(inputs)
+        else:
+            inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
+        onnx_model, names_in, names_out = _traced(model, inputs, kwargs, ctx, input_names, output_names, dynamic_axes)
         kind = "traced"
     if ctx.warned:
         warnings.warn(f"export_onnx: {len(ctx.warned)} weight(s) onnxruntime cannot dequantize are written as "

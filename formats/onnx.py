@@ -387,10 +387,15 @@ def activation_qdq(graph: Graph, name: str, x: str, spec: QuantSpec, scale: np.n
     s = s.reshape(()) if per_tensor else s.reshape(-1)
     zp = np.zeros(s.shape, np.float32) if zero_point is None else np.asarray(zero_point, np.float32).reshape(s.shape)
     el = spec.dtype
-    zt = (np.zeros(s.shape, np.uint8) if isinstance(el, FloatDType) else _zp_array(zp, spec))
     si = graph.init(f"{name}_scale", s)
-    zi = graph.init_tensor(f"{name}_zero_point", lambda n: _code_tensor(n, zt, spec))
     attrs = {} if per_tensor else {"axis": int(axis)}
+    if isinstance(el, FloatDType):
+        # float8: the type as output_dtype and no zero point. With a float8 zero point input onnxruntime 1.32's
+        # ReluQuantFusion wrongly drops a Relu before the QuantizeLinear (it reads the zero point as uint8 0).
+        q = graph.node("QuantizeLinear", [x, si], f"{name}_QuantizeLinear", output_dtype=onnx_type(spec), **attrs)
+        return graph.node("DequantizeLinear", [q, si], f"{name}_DequantizeLinear", **attrs)
+    zt = _zp_array(zp, spec)
+    zi = graph.init_tensor(f"{name}_zero_point", lambda n: _code_tensor(n, zt, spec))
     q = graph.node("QuantizeLinear", [x, si, zi], f"{name}_QuantizeLinear", **attrs)
     return graph.node("DequantizeLinear", [q, si, zi], f"{name}_DequantizeLinear", **attrs)
 
