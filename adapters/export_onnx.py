@@ -50,7 +50,8 @@ from qcore.formats import onnx as X
 
 from .modules import QuantConvTranspose2d, QuantEmbedding, QuantEmbeddingBag, QuantLinear, _QuantMixin
 
-__all__ = ["export_onnx", "WeightFormat", "Unsupported", "ONNXExportInfo", "TensorReport", "DECODER_TYPES"]
+__all__ = ["export_onnx", "WeightFormat", "Unsupported", "ONNXExportInfo", "TensorReport", "DECODER_TYPES",
+           "decoder_logits"]
 
 DECODER_TYPES = ("llama",)
 
@@ -406,8 +407,8 @@ class _Decoder:
         x = self.rmsnorm("model.norm", base.norm, x)
         head = model.lm_head
         tied = getattr(head, "weight", None) is not None and getattr(emb, "weight", None) is head.weight
-        if tied and tied_out is not None and not isinstance(head, _QuantMixin):
-            wt = g.node("Transpose", [tied_out], "lm_head_Transpose", perm=[1, 0])
+        if tied and not isinstance(head, _QuantMixin):  # the embedding table once (float or dequantized)
+            wt = g.node("Transpose", [tied_out or table], "lm_head_Transpose", perm=[1, 0])
             logits = g.node("MatMul", [x, wt], "lm_head_MatMul", outputs=[g.reserve("logits")])
         else:
             y = self.linear("lm_head", head, x)
@@ -699,3 +700,18 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], *, inputs: Unio
     size = X.save_model(onnx_model, path, overwrite=overwrite)
     return ONNXExportInfo(str(path), size, kind, tuple(names_in), tuple(names_out), tuple(ctx.reports),
                           tuple(ctx.acts))
+
+
+def decoder_logits(session: Any, input_ids: Any, *, attention_mask: Any = None) -> np.ndarray:
+    """Logits ``[batch, seq, vocab]`` (numpy float32) of an exported decoder graph run by the onnxruntime
+    ``session`` on ``input_ids`` (numpy or torch int64 ``[batch, seq]``) with an empty KV cache."""
+    ids = np.asarray(input_ids.cpu() if hasattr(input_ids, "cpu") else input_ids, np.int64)
+    if ids.ndim != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got shape {list(ids.shape)}")
+    b, s = ids.shape
+    mask = np.ones((b, s), np.int64) if attention_mask is None else np.asarray(attention_mask, np.int64)
+    feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": np.tile(np.arange(s, dtype=np.int64), (b, 1))}
+    for i in session.get_inputs():
+        if i.name.startswith("past_key_values."):
+            feeds[i.name] = np.zeros((b, int(i.shape[1]), 0, int(i.shape[3])), np.float32)
+    return session.run(["logits"], feeds)[0]

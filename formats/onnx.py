@@ -431,6 +431,9 @@ def dynamic_qdq(graph: Graph, name: str, x: str, spec: QuantSpec) -> str:
     y = graph.node("Round", [y], f"{name}_Round")
     y = graph.node("Clip", [y, graph.const(f"{name}_qmin", np.float32(qmin)),
                             graph.const(f"{name}_qmax", np.float32(qmax))], f"{name}_Clip")
+    # the codes as integers and back: -0 becomes +0 as in qcore (an Add of 0 would be optimized away)
+    y = graph.node("Cast", [graph.node("Cast", [y], f"{name}_Codes", to=_onnx().TensorProto.INT32)],
+                   f"{name}_CodesFloat", to=_onnx().TensorProto.FLOAT)
     return graph.node("Mul", [y, s], f"{name}_Dequantized")
 
 
