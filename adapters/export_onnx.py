@@ -407,9 +407,16 @@ class _Decoder:
         x = self.rmsnorm("model.norm", base.norm, x)
         head = model.lm_head
         tied = getattr(head, "weight", None) is not None and getattr(emb, "weight", None) is head.weight
-        if tied and not isinstance(head, _QuantMixin):  # the embedding table once (float or dequantized)
+        same = (not isinstance(head, _QuantMixin) or "weight" not in head._qspecs or tied_out is not None
+                and head._qspecs["weight"] == emb._qspecs["weight"] and getattr(head, "bias", None) is None)
+        if tied and same:  # the embedding table once (float or dequantized), as the tied head's weight
+            if isinstance(head, _QuantMixin):
+                x = ctx.act("lm_head", head, "input", x, axis=-1)
             wt = g.node("Transpose", [tied_out or table], "lm_head_Transpose", perm=[1, 0])
-            logits = g.node("MatMul", [x, wt], "lm_head_MatMul", outputs=[g.reserve("logits")])
+            y = g.node("MatMul", [x, wt], "lm_head_MatMul")
+            if isinstance(head, _QuantMixin):
+                y = ctx.act("lm_head", head, "output", y, axis=-1)
+            logits = g.node("Identity", [y], "logits_Identity", outputs=[g.reserve("logits")])
         else:
             y = self.linear("lm_head", head, x)
             logits = g.node("Identity", [y], "logits_Identity", outputs=[g.reserve("logits")])
