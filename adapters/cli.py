@@ -246,6 +246,8 @@ def quantize_command(args) -> int:
         raise CommandError("--export gguf: the scheme quantizes activations, which GGUF cannot hold (llama.cpp "
                            "quantizes activations its own way); use a weight-only scheme or pass --drop-activations")
     dtype = _dtype(args.dtype)
+    if args.export == "onnx" and dtype != torch.float32:
+        raise CommandError(f"--export onnx computes in float32; --dtype {args.dtype} models are not exported")
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     config, scheme = build_config(args)
     if amp_schemes is not None:
@@ -310,6 +312,14 @@ def quantize_command(args) -> int:
         gguf_info = export_gguf_dir(model, out_dir, tokenizer=gguf_tok, overwrite=args.overwrite,
                                     drop_activations=getattr(args, "drop_activations", False))
         export_info = _GGUFDirInfo(str(out_dir), "gguf", gguf_info.bytes_on_disk)
+        export_s = time.perf_counter() - t_export
+    elif out_dir is not None and args.export == "onnx":
+        from .export_onnx import export_onnx_dir
+        t_export = time.perf_counter()
+        onnx_info = export_onnx_dir(model, out_dir, tokenizer=tok, overwrite=args.overwrite,
+                                    weight_format=getattr(args, "onnx_weights", "qdq"),
+                                    unsupported=getattr(args, "onnx_unsupported", "error"))
+        export_info = _GGUFDirInfo(str(out_dir), "onnx", onnx_info.bytes_on_disk)
         export_s = time.perf_counter() - t_export
     elif out_dir is not None:
         from .export import export_hf

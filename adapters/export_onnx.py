@@ -51,7 +51,7 @@ from qcore.formats import onnx as X
 from .modules import QuantConvTranspose2d, QuantEmbedding, QuantEmbeddingBag, QuantLinear, _QuantMixin
 
 __all__ = ["export_onnx", "WeightFormat", "Unsupported", "ONNXExportInfo", "TensorReport", "DECODER_TYPES",
-           "decoder_logits"]
+           "decoder_logits", "export_onnx_dir", "ONNX_FILE"]
 
 DECODER_TYPES = ("llama",)
 
@@ -722,3 +722,33 @@ def decoder_logits(session: Any, input_ids: Any, *, attention_mask: Any = None) 
         if i.name.startswith("past_key_values."):
             feeds[i.name] = np.zeros((b, int(i.shape[1]), 0, int(i.shape[3])), np.float32)
     return session.run(["logits"], feeds)[0]
+
+
+ONNX_FILE = "model.onnx"
+
+
+def export_onnx_dir(model: nn.Module, directory: Union[str, os.PathLike], *, tokenizer: Any = None,
+                    overwrite: bool = False, **kwargs: Any) -> ONNXExportInfo:
+    """``export_onnx`` into ``directory/model.onnx`` (with the tokenizer's files when ``tokenizer`` is given), the
+    directory written atomically like ``export_hf``'s (a staging sibling renamed into place; an existing non-empty
+    directory needs ``overwrite=True``). ``kwargs`` go to ``export_onnx``."""
+    import shutil
+    from qcore._fsutil import replace_dir, staging_dir
+    from .export import check_destination
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
+    directory = pathlib.Path(directory)
+    check_destination(directory, overwrite)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = staging_dir(directory)
+    try:
+        info = export_onnx(model, tmp / ONNX_FILE, **kwargs)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        replace_dir(tmp, directory, recheck=lambda: check_destination(directory, overwrite))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    path = directory / ONNX_FILE
+    return ONNXExportInfo(str(path), path.stat().st_size, info.graph, info.inputs, info.outputs, info.quantized,
+                          info.activations)

@@ -211,9 +211,15 @@ def _add_quantize(sub) -> None:
                    help="--amp: calibration windows the per-layer sensitivities are measured on (default 2)")
     q.add_argument("--output", default=None, metavar="DIR", help="write the quantized checkpoint here (with --export; "
                    "default format hf); the directory must not exist or be empty unless --overwrite")
-    q.add_argument("--export", choices=["hf", "gguf"], default=None, help="checkpoint format: hf = AMD Quark's HF "
-                   "layout (config.json + safetensors; vLLM, transformers + amd-quark and qcore load it); gguf = "
-                   "DIR/model.gguf for llama.cpp (Llama models; Q4_0/Q4_1/Q8_0/MXFP4; see docs/export.md)")
+    q.add_argument("--export", choices=["hf", "gguf", "onnx"], default=None, help="checkpoint format: hf = AMD "
+                   "Quark's HF layout (config.json + safetensors; vLLM, transformers + amd-quark and qcore load it); "
+                   "gguf = DIR/model.gguf for llama.cpp (Llama models; Q4_0/Q4_1/Q8_0/MXFP4; see docs/export.md); "
+                   "onnx = DIR/model.onnx for onnxruntime (Llama models, KV cache; see docs/onnx.md)")
+    q.add_argument("--onnx-weights", choices=["qdq", "matmulnbits"], default="qdq", help="with --export onnx: "
+                   "quantized weights as DequantizeLinear (qdq, default) or 4-bit MatMulNBits where it fits")
+    q.add_argument("--onnx-unsupported", choices=["error", "dequantize"], default="error", help="with --export "
+                   "onnx: weights onnxruntime cannot dequantize (fp4, MX6/MX9, NVFP4) are refused (error, default) "
+                   "or written as dequantized float32 with a warning")
     q.add_argument("--drop-activations", action="store_true", help="with --export gguf: write a model whose "
                    "activations are quantized without that quantization (GGUF has none); else refused")
     q.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --output directory")

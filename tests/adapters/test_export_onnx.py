@@ -322,3 +322,35 @@ def test_smollm2_onnx_perplexity_within_one_percent(smollm2, protocol_ids, tmp_p
     ort_ppl = float(np.exp(nll / n))
     ours = E.perplexity(model, smollm2[1], token_ids=protocol_ids, windows=range(2), progress=False)
     assert abs(ort_ppl / ours - 1) < 0.01, (ort_ppl, ours)
+
+
+@pytest.mark.onnx_client
+def test_cli_export_onnx(tmp_path, capsys):
+    """qcore quantize --export onnx writes DIR/model.onnx and the tokenizer; onnxruntime's logits match the model
+    reloaded and quantized the same way; unsupported schemes are refused with the tensor's name, nothing written."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from qcore.cli import main
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    d = tmp_path / "lm"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(d)
+    out = tmp_path / "o"
+    code = main(["quantize", "--model", str(d), "--scheme", "uint4_wo_32", "--eval", "none", "--export", "onnx",
+                 "--onnx-weights", "matmulnbits", "--output", str(out), "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    assert "model.onnx" in {p.name for p in out.iterdir()} and (out / "tokenizer.json").exists()
+    m = transformers.LlamaForCausalLM.from_pretrained(d).eval()
+    qa.quantize_model(m, "uint4_wo_32", None, progress=False)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = m(ids).logits.numpy()
+    assert np.abs(decoder_logits(_session(out / "model.onnx"), ids) - ref).max() <= 1e-5
+    assert main(["quantize", "--model", str(d), "--scheme", "mxfp4_weight_only", "--eval", "none", "--export",
+                 "onnx", "--output", str(tmp_path / "x"), "--no-progress"]) != 0
+    assert "q_proj.weight" in capsys.readouterr().err and not (tmp_path / "x").exists()
