@@ -144,6 +144,9 @@ class _Ctx:
         from .export import weight_parts
         spec = m._qspecs["weight"]
         ref = _in_memory_weight(m)
+        if not m.quant_enabled:  # quantization switched off: the module computes with its float weight
+            return self.g.init(f"{name}.weight", ref) if output is None else self.g.node(
+                "Identity", [self.g.init(f"{name}.weight", ref)], f"{name}_weight", outputs=[output])
         reason = X.unsupported_reason(spec)
         if reason is None:
             parts, shape = weight_parts(m)
@@ -259,7 +262,7 @@ class _Decoder:
         if m.bias is not None:
             with torch.no_grad():
                 bias = self.g.init((f"{name}.bias"), _np32(m._param("bias")))
-        if "weight" not in m._qspecs:
+        if "weight" not in m._qspecs or not m.quant_enabled:
             y = g.node("MatMul", [x, self.float_param(f"{name}.weight.T", m.weight, transpose=True)], f"{name}_MatMul")
         else:
             spec = m._qspecs["weight"]
@@ -374,8 +377,8 @@ class _Decoder:
                                       self.c(f"{nm}_e1", [self.hd], np.int64), self.c(f"{nm}_a1", [-1], np.int64)],
                             f"{nm}_x2")
                 rh = g.node("Concat", [g.node("Neg", [x2], f"{nm}_Neg"), x1], f"{nm}_RotHalf", axis=-1)
-                return g.node("Add", [g.node("Mul", [t, cos], f"{nm}_MulCos"), g.node("Mul", [rh, sin], f"{nm}_MulSin")],
-                              f"{nm}_Rope")
+                mc = g.node("Mul", [t, cos], f"{nm}_MulCos")
+                return g.node("Add", [mc, g.node("Mul", [rh, sin], f"{nm}_MulSin")], f"{nm}_Rope")
 
             q = rope(q, f"{p}_q")
             k = rope(k, f"{p}_k")
@@ -544,8 +547,6 @@ def _traced(model: nn.Module, inputs: tuple, kwargs: Optional[dict], ctx: _Ctx, 
     for nd in gr.node:
         g._names.update(nd.output)
         g._names.add(nd.name)
-    inits = {t.name: t for t in gr.initializer}
-    consts_nodes = {nd.output[0]: nd for nd in gr.node if nd.op_type == "Constant"}
     dropped_inputs: set = set()
     out_nodes: list = []
     for nd in gr.node:
@@ -576,7 +577,6 @@ def _traced(model: nn.Module, inputs: tuple, kwargs: Optional[dict], ctx: _Ctx, 
     gr.node.extend(out_nodes)
     del gr.initializer[:]
     gr.initializer.extend(keep + g.initializers)
-    _ = consts_nodes, inits
     del src.opset_import[:]
     src.opset_import.extend([onnx.helper.make_opsetid("", X.OPSET)] +
                             [onnx.helper.make_opsetid(d, 1) for d in sorted(g.domains)])
@@ -682,7 +682,7 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], *, inputs: Unio
     if decoder:
         _check_decoder(model)
         names_in, names_out = _Decoder(model, ctx).build()
-        onnx_model = ctx.g.model("qcore_decoder", doc=f"qcore export of {getattr(cfg, '_name_or_path', '') or 'a model'}")
+        onnx_model = ctx.g.model("qcore_decoder", doc=f"qcore export of a {cfg.model_type} model")
         kind = "decoder"
     else:
         if inputs is None:

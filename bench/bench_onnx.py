@@ -43,7 +43,6 @@ def main(argv=None) -> dict:
     p.add_argument("--default-session", action="store_true", help="also run onnxruntime's default session")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    import numpy as np
     import torch
     torch.set_num_threads(a.threads)
     import qcore.adapters as A

@@ -6,7 +6,7 @@ import re
 import pytest
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
-FILES = ["adapters.md", "algorithms.md", "rotations.md", "gguf.md"]
+FILES = ["adapters.md", "algorithms.md", "rotations.md", "gguf.md", "onnx.md"]
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -16,6 +16,8 @@ def test_doc_examples_run(name):
     assert blocks, f"{name} has no python example"
     if any("import torch" in b for b in blocks):
         pytest.importorskip("torch")
+    if any("onnxruntime" in b or "ort_session" in b for b in blocks):
+        pytest.importorskip("onnxruntime")
     ns: dict = {}
     for block in blocks:
         exec(compile(block, name, "exec"), ns)

@@ -25,7 +25,8 @@ transformers = pytest.importorskip("transformers")
 
 import qcore.adapters as qa  # noqa: E402
 from qcore.adapters.config import LayerConfig, ModelConfig  # noqa: E402
-from qcore.adapters.export_onnx import ONNXExportInfo, Unsupported, WeightFormat, decoder_logits, export_onnx  # noqa: E402
+from qcore.adapters.export_onnx import (ONNXExportInfo, Unsupported, WeightFormat, decoder_logits,  # noqa: E402
+                                        export_onnx)
 from qcore.formats import onnx as X  # noqa: E402
 
 

@@ -116,7 +116,8 @@ def test_unsupported_specs_are_named(fmt, word):
 
 def test_activation_refusals_say_why():
     assert "narrow" in X.activation_reason(qcore.make_spec("int8", narrow_range=True), dynamic=False)
-    assert "rounds" in X.activation_reason(qcore.make_spec("int8", rounding=qcore.RoundingMode.STOCHASTIC), dynamic=False)
+    stochastic = qcore.make_spec("int8", rounding=qcore.RoundingMode.STOCHASTIC)
+    assert "rounds" in X.activation_reason(stochastic, dynamic=False)
     assert "fp8" in X.activation_reason(qcore.make_spec("float8_e4m3fn"), dynamic=True)
     assert "per-token" in X.activation_reason(qcore.make_spec("int8", granularity=PerGroup(32, axis=1)), dynamic=True)
     assert X.activation_reason(qcore.make_spec("int8", granularity=PerChannel(0)), dynamic=True) is None
