@@ -192,6 +192,9 @@ def test_cnn_traced_matches_torch(zoo, tmp_path, preset):
     g = onnx.load(tmp_path / "m.onnx")
     assert not [n for n in g.graph.node if n.domain == "qcore"] and g.opset_import[0].version == X.OPSET
     assert not [t for t in g.graph.initializer if t.name.endswith("weight")]  # no float copies of the weights
+    export_onnx(m, tmp_path / "again.onnx", inputs=(x,), input_names=["x"], output_names=["y"],
+                dynamic_axes={"x": {0: "batch"}})
+    assert (tmp_path / "again.onnx").read_bytes() == (tmp_path / "m.onnx").read_bytes()  # deterministic
     x2 = torch.cat([x, zoo.image_batches(1, seed=4)[0]])  # a batch size the tracer did not see
     with torch.no_grad():
         ref = m(x2).numpy()
