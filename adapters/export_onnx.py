@@ -22,9 +22,9 @@ cannot run (fp4, fp6, MX micro-exponents, NVFP4, ...) raise ValueError naming th
 report says so. Biases, norms and every other tensor are float32 as in the model.
 
 Activations: static scales -> QuantizeLinear + DequantizeLinear (round half to even, as qcore); dynamic
-symmetric integer per-tensor / per-token scales -> composed from standard ops with qcore's arithmetic; other
-activation quantizers (fp8 or asymmetric dynamic, per-group, narrow-range static, stochastic rounding) are
-refused, naming the module.
+symmetric integer / fp8 per-tensor / per-token scales -> composed from standard ops with qcore's arithmetic;
+other activation quantizers (asymmetric or per-group dynamic, E8M0 block scales, narrow-range static,
+stochastic rounding) are refused, naming the module.
 
 Guarantees: no pickle; everything is validated (and the tensors encoded) before anything is written; the write
 is atomic (a hidden temporary sibling renamed into place) and deterministic (the same model gives a byte-identical

@@ -20,9 +20,10 @@ What maps to what (opset ``OPSET`` = 21, IR version ``IR_VERSION`` = 10: what on
   activations (exact weights); onnxruntime's 4 quantizes activations to int8 (about 1e-2 relative error).
 - **Activations** (``activation_qdq``): static scales -> ``QuantizeLinear`` + ``DequantizeLinear`` (round half
   to even, saturating: qcore's static fake quantization for int8 / uint8 / int4 / uint4 / fp8, per tensor or
-  per feature); ``dynamic_qdq``: dynamic symmetric integer scales per tensor or per token composed from
+  per feature); ``dynamic_qdq``: dynamic symmetric integer / fp8 scales per tensor or per token composed from
   ReduceMax / Div / Round / Clip / Mul with qcore's rule (``amax / ((qmax - qmin) / 2)``, ``amax / qmax`` when
-  unsigned or narrow; scale 1 where amax is 0).
+  unsigned or narrow; fp8 ``amax / max_finite`` and a saturating ``Cast`` to the fp8 type and back; scale 1 where
+  amax is 0).
 - **Not runnable in onnxruntime** (``unsupported_reason`` says why, and the exporter refuses with the tensor's
   name or writes the dequantized float weight when asked): fp4 / fp6 elements (ONNX's FLOAT4E2M1 has no
   DequantizeLinear kernel in onnxruntime 1.32), MX micro-exponent formats (MX9 / MX6 / MX4 / BFP16),
@@ -112,9 +113,9 @@ def activation_reason(spec: QuantSpec, *, dynamic: bool) -> Optional[str]:
         return f"{_spec_name(spec)}: activations with a unit exponent are not written"
     g = spec.granularity
     if dynamic:
-        if not isinstance(spec.dtype, IntDType) or not spec.symmetric:
-            return (f"dynamic {_spec_name(spec)}: only symmetric integer dynamic activations are composed from ONNX "
-                    f"ops (fp8 and asymmetric dynamic scales are not)")
+        if not spec.symmetric:
+            return (f"dynamic {_spec_name(spec)}: asymmetric dynamic scales (min/max per call) are not composed "
+                    f"from ONNX ops; only symmetric ones")
         if not isinstance(g, (PerTensor, PerChannel)) or (isinstance(g, PerChannel) and g.axis != 0):
             return f"dynamic {_spec_name(spec)} with {g!r}: only per-tensor and per-token dynamic scales are written"
         return None
@@ -401,17 +402,23 @@ def activation_qdq(graph: Graph, name: str, x: str, spec: QuantSpec, scale: np.n
 
 
 def dynamic_qdq(graph: Graph, name: str, x: str, spec: QuantSpec) -> str:
-    """Dynamic symmetric integer fake quantization of ``x`` (per tensor, or per token: one scale per position of
-    the last axis' rows), composed from standard ops with qcore's arithmetic: ``amax = max |x|``, ``scale = amax /
-    div`` (float32 division; ``div`` = ``(qmax - qmin) / 2``, or ``qmax`` when unsigned or narrow), 1 where amax is
-    0, ``clip(round(x / scale), qmin, qmax) * scale``. Non-finite blocks are not given qcore's NaN rule."""
+    """Dynamic symmetric fake quantization of ``x`` (per tensor, or per token: one scale per row of the last
+    axis), composed from standard ops with qcore's arithmetic: ``amax = max |x|``, ``scale = amax / div`` (float32
+    division; integers: ``div`` = ``(qmax - qmin) / 2``, or ``qmax`` when unsigned or narrow; fp8: the largest
+    finite value), 1 where amax is 0 (float32's smallest subnormal where the quotient underflows), then integers:
+    ``clip(round(x / scale), qmin, qmax) * scale``; fp8: ``Cast(Cast(x / scale, fp8, saturate), float) * scale``.
+    Non-finite blocks are not given qcore's NaN rule."""
     r = activation_reason(spec, dynamic=True)
     if r:
         raise ValueError(f"ONNX export: {name}: {r}")
+    T = _onnx().TensorProto
     el = spec.dtype
-    qmin = -el.max if (spec.narrow_range and el.signed) else el.min
-    qmax = el.max
-    div = float(qmax) if (spec.narrow_range or not el.signed) else (qmax - qmin) / 2.0
+    if isinstance(el, FloatDType):
+        div = float(el.max_finite)
+    else:
+        qmin = -el.max if (spec.narrow_range and el.signed) else el.min
+        qmax = el.max
+        div = float(qmax) if (spec.narrow_range or not el.signed) else (qmax - qmin) / 2.0
     per_token = isinstance(spec.granularity, PerChannel)
     a = graph.node("Abs", [x], f"{name}_Abs")
     if per_token:
@@ -428,12 +435,15 @@ def dynamic_qdq(graph: Graph, name: str, x: str, spec: QuantSpec) -> str:
     s = graph.node("Where", [s0, tiny, s], f"{name}_Underflow")
     s = graph.node("Where", [is0, one, s], f"{name}_Scale")
     y = graph.node("Div", [x, s], f"{name}_Scaled")
+    if isinstance(el, FloatDType):  # round to the fp8 grid (nearest even, saturating) and back
+        y = graph.node("Cast", [graph.node("Cast", [y], f"{name}_Codes", to=onnx_type(spec), saturate=1)],
+                       f"{name}_CodesFloat", to=T.FLOAT)
+        return graph.node("Mul", [y, s], f"{name}_Dequantized")
     y = graph.node("Round", [y], f"{name}_Round")
     y = graph.node("Clip", [y, graph.const(f"{name}_qmin", np.float32(qmin)),
                             graph.const(f"{name}_qmax", np.float32(qmax))], f"{name}_Clip")
     # the codes as integers and back: -0 becomes +0 as in qcore (an Add of 0 would be optimized away)
-    y = graph.node("Cast", [graph.node("Cast", [y], f"{name}_Codes", to=_onnx().TensorProto.INT32)],
-                   f"{name}_CodesFloat", to=_onnx().TensorProto.FLOAT)
+    y = graph.node("Cast", [graph.node("Cast", [y], f"{name}_Codes", to=T.INT32)], f"{name}_CodesFloat", to=T.FLOAT)
     return graph.node("Mul", [y, s], f"{name}_Dequantized")
 
 

@@ -6,7 +6,8 @@ Tolerances (measured with onnxruntime 1.32, ``qcore.formats.onnx.ort_session(exa
 - weight-only and static-activation schemes: max abs logit difference 1e-7 .. 5e-7 (float32 accumulation order,
   RMSNorm's 1/sqrt vs rsqrt); asserted 1e-5 absolute (the logits are about 0.6 at most);
 - dynamic activations: the quantizer is bit for bit qcore's (tests/formats/test_onnx.py) but a float32 difference
-  upstream can move an activation across a rounding boundary: int8 per-token measured 1.5e-4, asserted 2e-3;
+  upstream can move an activation across a rounding boundary: int8 per-token measured up to 9e-4 (5 batches),
+  fp8 per-token 1.5e-7; asserted 2e-3;
 - cached decoding (prefill + one token at a time) against the full-sequence ONNX run: measured 2e-7, asserted 1e-5.
 """
 
@@ -52,6 +53,7 @@ DECODER = {
     "w_fp8_a_fp8_static": lambda: "fp8",
     "uint4_kv_fp8": lambda: qa.preset("uint4_wo_64", kv_cache="fp8"),
     "w_int8_a_int8_dynamic_token": lambda: "w_int8_a_int8_per_token_dynamic",
+    "ptpc_fp8_dynamic_token": lambda: "ptpc_fp8",
 }
 
 
@@ -203,7 +205,7 @@ def test_cnn_traced_matches_torch(zoo, tmp_path, preset):
 
 
 BERT = ["w_int8_per_channel_sym", "int4_wo_32", "w_int8_a_int8_per_tensor_sym", "fp8",
-        "w_int8_a_int8_per_token_dynamic"]
+        "w_int8_a_int8_per_token_dynamic", "ptpc_fp8"]
 
 
 @pytest.mark.onnx_client
@@ -219,7 +221,7 @@ def test_bert_traced_matches_torch(zoo, tmp_path, preset):
     with torch.no_grad():
         ref = m(ids2).last_hidden_state.numpy()
     got = _session(tmp_path / "m.onnx").run(None, {"input_ids": ids2.numpy()})[0]
-    tol = 2e-3 if "dynamic" in preset else 1e-5
+    tol = 2e-3 if "dynamic" in preset or preset == "ptpc_fp8" else 1e-5
     assert np.abs(got - ref).max() <= tol
 
 
@@ -244,8 +246,8 @@ def test_unsupported_weights_named_before_anything_is_written(zoo, tmp_path):
 
 
 def test_unsupported_activation_named(zoo, tmp_path):
-    m = _quantized_llama(zoo, "ptpc_fp8")
-    with pytest.raises(ValueError, match=r"q_proj \(input\).*dynamic"):
+    m = _quantized_llama(zoo, "w_mxfp8_a_mxfp8")
+    with pytest.raises(ValueError, match=r"q_proj \(input\).*dynamic power-of-two"):
         export_onnx(m, tmp_path / "m.onnx")
     assert list(tmp_path.iterdir()) == []
 

@@ -118,7 +118,8 @@ def test_activation_refusals_say_why():
     assert "narrow" in X.activation_reason(qcore.make_spec("int8", narrow_range=True), dynamic=False)
     stochastic = qcore.make_spec("int8", rounding=qcore.RoundingMode.STOCHASTIC)
     assert "rounds" in X.activation_reason(stochastic, dynamic=False)
-    assert "fp8" in X.activation_reason(qcore.make_spec("float8_e4m3fn"), dynamic=True)
+    assert "asymmetric" in X.activation_reason(qcore.make_spec("uint8"), dynamic=True)
+    assert X.activation_reason(qcore.make_spec("float8_e4m3fn", granularity=PerChannel(0)), dynamic=True) is None
     assert "per-token" in X.activation_reason(qcore.make_spec("int8", granularity=PerGroup(32, axis=1)), dynamic=True)
     assert X.activation_reason(qcore.make_spec("int8", granularity=PerChannel(0)), dynamic=True) is None
     assert X.activation_reason(qcore.make_spec("uint8"), dynamic=False) is None
@@ -168,11 +169,11 @@ def test_static_activation_qdq_is_qcore_fake_quantize(kind):
 
 
 @pytest.mark.onnx_client
-@pytest.mark.parametrize("fmt", ["int8", "int4", "uint8"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "uint8", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz"])
 @pytest.mark.parametrize("gran", ["tensor", "token"])
 def test_dynamic_activation_is_qcore_fake_quantize(fmt, gran):
-    """The composed dynamic quantization (ReduceMax, Div, Round, Clip, Mul) = qcore's dynamic fake_quantize bit
-    for bit, an all-zero token included (scale 1)."""
+    """The composed dynamic quantization (ReduceMax, Div, Round, Clip, Mul; fp8: Cast to fp8 and back) = qcore's
+    dynamic fake_quantize bit for bit, an all-zero token included (scale 1)."""
     ort = _ort()
     spec = qcore.make_spec(fmt, granularity=PerTensor() if gran == "tensor" else PerChannel(0), symmetric=True)
     rng = np.random.default_rng(7)
