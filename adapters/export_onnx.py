@@ -161,8 +161,8 @@ class _Ctx:
             self.warned.append(f"{name}.weight")
             self.reports.append(TensorReport(f"{name}.weight", "dequantized", "FLOAT", True, 0.0))
             if output is None:
-                return self.g.init((f"{name}.weight"), ref)
-            self.g.node("Identity", [self.g.init((f"{name}.weight"), ref)], f"{name}_weight",
+                return self.g.init(f"{name}.weight", ref)
+            self.g.node("Identity", [self.g.init(f"{name}.weight", ref)], f"{name}_weight",
                         outputs=[output])
             return output
         diff = float(np.max(np.abs(vals.astype(np.float64) - ref), initial=0.0))
@@ -215,7 +215,7 @@ def _check_module(name: str, m: _QuantMixin, ctx: _Ctx) -> None:
             if tc.calibrated and role not in m._calibrated:
                 raise ValueError(f"export_onnx: {name} ({role}): static scales are not calibrated; run "
                                  f"quantize_model with calibration data first")
-    if "weight" in m._qspecs and ctx.unsupported is Unsupported.ERROR:
+    if "weight" in m._qspecs and m.quant_enabled and ctx.unsupported is Unsupported.ERROR:
         r = X.unsupported_reason(m._qspecs["weight"])
         if r:
             raise ValueError(f"export_onnx: {name}.weight: {r}; onnxruntime cannot run it. Pass "
@@ -245,7 +245,7 @@ class _Decoder:
         key = (id(p), transpose)
         if key not in self.floats:
             a = _np32(p)
-            self.floats[key] = self.g.init((name), np.ascontiguousarray(a.T if transpose else a))
+            self.floats[key] = self.g.init(name, np.ascontiguousarray(a.T if transpose else a))
         return self.floats[key]
 
     def linear(self, name: str, m: nn.Linear, x: str) -> str:
@@ -261,7 +261,7 @@ class _Decoder:
         bias = None
         if m.bias is not None:
             with torch.no_grad():
-                bias = self.g.init((f"{name}.bias"), _np32(m._param("bias")))
+                bias = self.g.init(f"{name}.bias", _np32(m._param("bias")))
         if "weight" not in m._qspecs or not m.quant_enabled:
             y = g.node("MatMul", [x, self.float_param(f"{name}.weight.T", m.weight, transpose=True)], f"{name}_MatMul")
         else:
