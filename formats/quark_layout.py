@@ -111,7 +111,34 @@ def _int_dtype(el) -> str:
 
 
 def _scale_code_dtype(spec: QuantSpec) -> str:
-    return "F32" if spec.scale_dtype.name == "float32" else "U8"
+    """Scales in qcore's layout: float32 as F32, float16 / bfloat16 as F16 / BF16 (their values), 8-bit scale
+    formats (E8M0, E4M3, E5M3, ...) as their U8 codes."""
+    name = spec.scale_dtype.name
+    return {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(name, "U8")
+
+
+def _encode_scales(sc: np.ndarray, spec: QuantSpec) -> np.ndarray:
+    kind = _scale_code_dtype(spec)
+    if kind == "F32":
+        return np.asarray(sc, np.float32)
+    codes = np.asarray(qcore.encode(np.asarray(sc, np.float32), spec.scale_dtype))
+    if kind == "F16":
+        return codes.astype(np.uint16).view(np.float16)
+    if kind == "BF16":
+        return codes.astype(np.uint16).view(np.int16)
+    return codes.astype(np.uint8)
+
+
+def _decode_scales(sc: np.ndarray, spec: QuantSpec) -> np.ndarray:
+    kind = _scale_code_dtype(spec)
+    sc = np.asarray(sc)
+    if kind == "F32":
+        return sc.astype(np.float32)
+    if kind in ("F16", "BF16"):
+        if sc.dtype.itemsize != 2:
+            raise ValueError(f"weight_scale: {kind} scales need 2-byte values, got {sc.dtype}")
+        return np.asarray(qcore.decode(sc.view(np.uint16).astype(np.int32), spec.scale_dtype), np.float32)
+    return np.asarray(qcore.decode(sc.view(np.uint8), spec.scale_dtype), np.float32)
 
 
 def expected_weight(spec: QuantSpec, shape: tuple, *, layout: str) -> dict[str, tuple[str, tuple]]:
@@ -202,9 +229,7 @@ def encode_weight(parts: WeightParts, spec: QuantSpec, *, layout: str, pack_meth
     elif layout == "qcore":
         out = {"weight": np.asarray(qcore.packing.pack(codes.reshape(-1, shape[-1]), el, axis=-1)).reshape(-1)
                .view(np.uint8)}
-        sc = np.asarray(parts.scales, np.float32)
-        out["weight_scale"] = sc if spec.scale_dtype.name == "float32" else \
-            np.asarray(qcore.encode(sc, spec.scale_dtype)).astype(np.uint8)
+        out["weight_scale"] = _encode_scales(parts.scales, spec)
         if not spec.symmetric:
             out["weight_zero_point"] = np.asarray(parts.zero_points, np.float32)
         if spec.subblock_shift_bits:
@@ -269,9 +294,7 @@ def decode_weight(arrays: Mapping[str, np.ndarray], spec: QuantSpec, shape: tupl
         row_bytes = flat.size // max(1, math.prod(shape[:-1]))
         packed = flat.reshape(math.prod(shape[:-1]), row_bytes)
         codes = np.asarray(qcore.packing.unpack(packed, el, axis=-1, length=shape[-1])).reshape(shape)
-        sc = np.asarray(arrays["weight_scale"])
-        scales = sc.astype(np.float32) if spec.scale_dtype.name == "float32" else \
-            np.asarray(qcore.decode(sc.view(np.uint8), spec.scale_dtype), np.float32)
+        scales = _decode_scales(arrays["weight_scale"], spec)
         if not spec.symmetric:
             zp = np.asarray(arrays["weight_zero_point"], np.float32)
         if spec.subblock_shift_bits:
