@@ -192,18 +192,18 @@ def _make_classes():
                 _set_module(model, name, _build(sh, self.pack_method, dtype))
             self._shells = {}
             model.qcore_config = checkpoint_config(self.quantization_config.raw)
-            from qcore.algorithms.config import ROTATION_CONFIGS, parse_algorithms
-            rot = [a for a in parse_algorithms(model.qcore_config.algorithms) if isinstance(a, ROTATION_CONFIGS)]
-            if rot and rot[0].online:  # the online transforms of the rotated weights (QuaRot / SpinQuant)
+            from qcore.algorithms.config import parse_algorithms, split_rotation
+            rot, _ = split_rotation(parse_algorithms(model.qcore_config.algorithms))
+            if rot is not None and rot.online:  # the online transforms of the rotated weights (QuaRot / SpinQuant)
                 own = any(isinstance(a, dict) and a.get("name") in ("qcore_rotation", "quarot", "spinquant")
                           for a in model.qcore_config.algorithms)
                 if not own:
                     raise CorruptCheckpointError(
                         f"quantization_config.algo_config: Quark's rotation with online transforms "
-                        f"({list(rot[0].online)}) uses Quark's own Hadamard tables, which qcore does not reproduce; "
+                        f"({list(rot.online)}) uses Quark's own Hadamard tables, which qcore does not reproduce; "
                         f"load this checkpoint with amd-quark")
                 from .rotation import install_online
-                install_online(model, rot[0])
+                install_online(model, rot)
             return model
 
         def is_serializable(self):
