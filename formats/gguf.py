@@ -34,10 +34,15 @@ same float32 values as ``qcore.dequantize`` (``-0`` and ``+0`` compare equal: MX
 what ``is_exact`` verifies. Scales that are not float16 are rounded to float16 (nearest even) by ``encode``: the
 codes are kept, the values move by at most half a float16 ulp of the scale times the code.
 
-Import (``decode``) is code for code where qcore can hold the blocks: positive ``d`` (ggml's own Q4_0
-quantizer writes ``d = x[argmax |x|] / -8``, negative for a positive extreme, and ``d = 0`` for zero blocks, both
-refused), Q4_1 offsets ``m = -d * k`` with an integer ``k`` (ggml's ``m = min`` generally is not), E8M0 bytes
-other than 255.
+Import: ``decode`` reads blocks into a given qcore spec where it holds them (positive ``d``, Q4_1 offsets
+``m = -d * k`` with an integer ``k``, E8M0 bytes other than 255). ``import_blocks`` finds the qcore spec of a
+whole tensor whatever wrote it (``import_spec``; one spec per tensor, groups of 32): ggml's own Q4_0 quantizer
+writes ``d = x[argmax |x|] / -8``, negative for a positive extreme, which is exact as uint4 with zero points
+8 (``d > 0``) and 7 (``d < 0``, codes ``15 - q``); ``d = 0`` blocks get scale 1 and zero codes (exact in
+value, not in bytes). Q4_1 written by ggml (``m = min``, generally not ``-d`` times an integer) has no qcore
+grid: ``import_blocks`` says so and ``adapters.import_gguf`` imports such a tensor as its float
+dequantization. On export, a 4-bit asymmetric grid whose zero points are all 7 or 8 is written as Q4_0
+(``q4_0_holds``), so ggml's Q4_0 files go back byte for byte.
 
 ``encode`` / ``decode`` convert qcore parts (``quark_layout.WeightParts``: codes in the canonical layout and
 scales of ``spec.scale_shape``) to and from block bytes; ``quantize_float`` is ggml's reference quantizer (for
@@ -62,7 +67,7 @@ from .quark_layout import WeightParts
 from .safetensors_io import CorruptCheckpointError
 
 __all__ = ["BLOCK", "TYPES", "TYPE_BYTES", "gguf_type", "block_scales", "encode", "decode", "import_blocks",
-           "import_spec", "dequantize",
+           "import_spec", "q4_0_holds", "dequantize",
            "quantize_float", "is_exact", "hf_to_gguf_name", "gguf_to_hf_name", "permute_qk", "unpermute_qk",
            "llama_metadata", "CorruptCheckpointError"]
 
@@ -124,6 +129,17 @@ def gguf_type(spec: QuantSpec, shape: tuple) -> Optional[str]:
     return None
 
 
+def q4_0_holds(parts: WeightParts, spec: QuantSpec, shape: tuple) -> bool:
+    """Whether an asymmetric 4-bit weight (a Q4_1 grid by ``gguf_type``) is also a Q4_0 grid: every zero point
+    is 8 or 7 (int4: 0 or -1), as in ggml's own Q4_0 files imported by ``import_blocks`` (``d * (q - 8)`` with
+    ``d < 0`` is ``|d| * ((15 - q) - 7)``). Q4_0 stores no offset, so it is exact wherever the scales are
+    float16, where Q4_1's ``m = -7 * d`` may need more bits."""
+    if gguf_type(spec, shape) != "Q4_1" or spec.symmetric or parts.zero_points is None:
+        return False
+    z = np.asarray(parts.zero_points, np.float32) + (8 if spec.dtype.signed else 0)
+    return bool(np.all((z == 7) | (z == 8)))
+
+
 def block_scales(a: np.ndarray, spec: QuantSpec, shape: tuple) -> np.ndarray:
     """qcore scales (or zero points) of ``spec.scale_shape(shape)`` as one value per block: ``[rows, cols/32]``."""
     rows, cols = shape
@@ -163,12 +179,21 @@ def encode(parts: WeightParts, spec: QuantSpec, *, kind: str) -> np.ndarray:
     rows, cols = shape = codes.shape
     if kind not in TYPE_BYTES:
         raise ValueError(f"kind must be one of {sorted(TYPE_BYTES)}, got {kind!r}")
-    if gguf_type(spec, shape) != kind:
+    q40 = kind == "Q4_0" and q4_0_holds(parts, spec, shape)
+    if gguf_type(spec, shape) != kind and not q40:
         raise ValueError(f"a weight of shape {list(shape)} quantized as {spec.name or spec.dtype.name} "
                          f"({spec.granularity}) is not a {kind} grid (gguf_type gives {gguf_type(spec, shape)})")
     n = rows * cols // BLOCK
     c = codes.reshape(n, BLOCK).astype(np.int32)
     s = block_scales(parts.scales, spec, shape).reshape(n)
+    if q40 and not spec.symmetric:  # zero point 8: d = s, q = c; zero point 7: d = -s, q = 15 - c
+        off = 8 if spec.dtype.signed else 0
+        z = block_scales(parts.zero_points, spec, shape).reshape(n) + off
+        c = c + off
+        flip = z == 7
+        c = np.where(flip[:, None], 15 - c, c)
+        s = np.where(flip, -s, s).astype(np.float32)
+        return np.concatenate([_f16_bytes(s), _pack_nibbles(c.astype(np.uint8))], axis=1).reshape(rows, -1)
     if kind == "Q4_0":
         return np.concatenate([_f16_bytes(s), _pack_nibbles((c + 8).astype(np.uint8))], axis=1).reshape(rows, -1)
     if kind == "Q4_1":
