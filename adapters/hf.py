@@ -186,7 +186,9 @@ def _make_classes():
             return model
 
         def _process_model_after_weight_loading(self, model, **kwargs):
+            shell = {id(p) for sh in self._shells.values() for p in sh.parameters(recurse=False)}
             dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and not p.is_meta
+                          and id(p) not in shell  # checkpoint tensors (e.g. float16 scales), not the model's
                           and p.dtype in (torch.float32, torch.bfloat16, torch.float16)), torch.float32)
             for name, sh in self._shells.items():
                 _set_module(model, name, _build(sh, self.pack_method, dtype))
