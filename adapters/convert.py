@@ -161,6 +161,17 @@ def load_quantized(src: Union[str, pathlib.Path], *, dtype: Optional[torch.dtype
     return model, _tokenizer(p, fmt), fmt
 
 
+def _spec_desc(spec) -> str:
+    """``uint4 asym group 64 (float32 scales)``-style description of a weight spec."""
+    from qcore import PerChannel, PerGroup, PerTensor
+    g = spec.granularity
+    gran = (f"group {g.size}" if isinstance(g, PerGroup) else "per-channel" if isinstance(g, PerChannel)
+            else "per-tensor" if isinstance(g, PerTensor) else type(g).__name__)
+    el = spec.name or spec.dtype.name
+    asym = "" if spec.symmetric else " asym"
+    return f"{el}{asym} {gran} ({spec.scale_dtype.name} scales)"
+
+
 def _effective(model: nn.Module) -> dict:
     """name -> (kind, tensor, description) for every parameter of the model as it computes: a quantized weight
     dequantized, static activation scales, every float parameter."""
@@ -172,7 +183,7 @@ def _effective(model: nn.Module) -> dict:
             if spec is not None:
                 with torch.no_grad():
                     w = m._w() if m.frozen else m._param("weight")
-                out[pre + "weight"] = ("weight", w.detach(), spec.name or spec.dtype.name)
+                out[pre + "weight"] = ("weight", w.detach(), _spec_desc(spec))
             for role in ("input", "output"):
                 rs = m._qspecs.get(role)
                 tc = getattr(m.qconfig, role, None)
@@ -234,6 +245,25 @@ def _size(p: pathlib.Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
+def _gguf_name(path: pathlib.Path) -> Optional[str]:
+    """The ``general.name`` of a GGUF file (kept by a GGUF -> GGUF conversion), or None."""
+    import gguf
+    f = gguf.GGUFReader(str(path)).fields.get("general.name")
+    if f is None or not f.data:
+        return None
+    return bytes(f.parts[f.data[0]]).decode("utf-8", errors="replace")
+
+
+def _import_changes(model: nn.Module) -> list:
+    """Block-quantized source tensors the importer could not hold as codes (GGUF Q4_1 with float offsets, other
+    block types with ``dequantize_other``): their values are kept, their grid is not."""
+    rep = getattr(model, "qcore_gguf_report", None)
+    if rep is None:
+        return []
+    return [TensorChange(r.name, "dequantized", r.gguf_type, "float (no qcore grid: " + (r.reason or "?") + ")",
+                         float(r.max_abs_diff)) for r in rep.dequantized]
+
+
 def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src_fmt: str, dst: pathlib.Path, to: str, *,
             overwrite: bool, tokenizer_pre: str) -> tuple:
     """Write ``model`` in format ``to`` at ``dst``; ``(path written, notes, exporter report or None)``."""
@@ -248,6 +278,8 @@ def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src_fmt: str, ds
         # GGUF source: its tokenizer.* fields are copied verbatim; else the transformers tokenizer is converted
         gtok = str(src_path) if src_fmt == "gguf" else tok
         kw = dict(tokenizer=gtok, tokenizer_pre=tokenizer_pre, drop_activations=True, overwrite=overwrite)
+        if src_fmt == "gguf":
+            kw["name"] = _gguf_name(src_path)
         info = export_gguf(model, dst, **kw) if dst.suffix == ".gguf" else export_gguf_dir(model, dst, **kw)
         if gtok is None:
             notes.append("no tokenizer in the source: the GGUF file has none (llama.cpp needs one)")
@@ -263,13 +295,28 @@ def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src_fmt: str, ds
 
 def _reload(path: pathlib.Path, to: str, dtype: torch.dtype) -> nn.Module:
     if to == "gguf":
+        import warnings
         from .import_gguf import from_gguf
-        return from_gguf(path, dtype=dtype)
+        with warnings.catch_warnings():  # the tensors it warns about are compared and reported here
+            warnings.simplefilter("ignore", UserWarning)
+            return from_gguf(path, dtype=dtype)
     if to == "hf":
         from .hf import from_pretrained
         return from_pretrained(path, dtype=dtype)
     from .import_ct import load_compressed_tensors
     return load_compressed_tensors(path, dtype=dtype)
+
+
+def _describe(changes: list, info: Any) -> list:
+    """Destination descriptions from the exporter's per-tensor report where it has one (GGUF: the block type and
+    whether it was written code for code or re-quantized)."""
+    reports = {r.name: r for r in getattr(info, "quantized", ()) if hasattr(r, "gguf_type")}
+    out = []
+    for c in changes:
+        r = reports.get(c.name)
+        out.append(c if r is None else TensorChange(c.name, c.what, c.source, f"{r.gguf_type} ({r.how})",
+                                                    c.max_abs_diff))
+    return out
 
 
 def _onnx_changes(info: Any) -> list:
@@ -321,6 +368,11 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
     if src_fmt == "gguf" and src_p.is_dir():
         src_p = _gguf_in_dir(src_p)
     nq = sum(1 for m in model.modules() if isinstance(m, _QuantMixin) and "weight" in m._qspecs)
+    imported = _import_changes(model)
+    if nq == 0:
+        raise ValueError(f"src {str(src_p)!r}: no weight could be loaded onto a qcore grid"
+                         + (f" ({len(imported)} block-quantized tensors have none, e.g. {imported[0].name!r}: "
+                            f"{imported[0].destination})" if imported else "") + "; nothing quantized to convert")
     load_dtype = _model_dtype(model)
 
     # write into a private staging place first: strict refusals and failed checks leave dst untouched
@@ -331,12 +383,12 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
         written, notes, info = _export(model, tok, src_p, src_fmt, staged, to, overwrite=False,
                                        tokenizer_pre=tokenizer_pre)
         if to == "onnx":
-            changes, how = _onnx_changes(info), "exporter"
+            changes, how = imported + _onnx_changes(info), "exporter"
         elif verify:
             back = _reload(written, to, load_dtype)
-            changes, how = compare_models(model, back), "reload"
+            changes, how = imported + _describe(compare_models(model, back), info), "reload"
         else:
-            changes, how = [], "none"
+            changes, how = imported, "none"
         if strict and changes:
             names = ", ".join(f"{c.name} ({c.source} -> {c.destination})" for c in changes[:8])
             raise ValueError(f"convert to {to}: not lossless, {len(changes)} tensors change: {names}"

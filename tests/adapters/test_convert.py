@@ -122,3 +122,54 @@ def test_cli_convert(tmp_path, capsys):
     assert rc == 2 and "exists" in capsys.readouterr().err
     rc = main(["convert", str(tmp_path / "nope"), str(tmp_path / "o2"), "--to", "gguf"])
     assert rc == 2 and "does not exist" in capsys.readouterr().err
+
+
+def _q4_0_exact():
+    return qcore.make_spec("int4", granularity=qcore.PerGroup(32, axis=-1), scale_dtype="float16")
+
+
+def test_hf_to_gguf_to_hf_to_gguf_is_lossless_and_byte_identical(tmp_path):
+    m = _hf_checkpoint(tmp_path / "hf", _q4_0_exact())
+    a = convert(tmp_path / "hf", tmp_path / "a.gguf", to="gguf")
+    assert a.lossless and a.verified_by == "reload" and a.quantized == 14 and a.destination.endswith("a.gguf")
+    back = A.from_gguf(tmp_path / "a.gguf")
+    assert torch.equal(_logits(back), _logits(m))
+    b = convert(tmp_path / "a.gguf", tmp_path / "hf2", to="hf")
+    assert b.source_format == "gguf" and b.lossless
+    c = convert(tmp_path / "hf2", tmp_path / "c", to="gguf")  # a directory: c/model.gguf
+    assert c.lossless and c.destination.endswith("model.gguf")
+    d = convert(tmp_path / "a.gguf", tmp_path / "d.gguf", to="gguf")
+    assert d.lossless
+    assert (tmp_path / "d.gguf").read_bytes() == (tmp_path / "a.gguf").read_bytes()  # name and tokenizer kept
+
+
+def test_inexact_conversion_names_the_tensors_and_strict_refuses(tmp_path):
+    _hf_checkpoint(tmp_path / "hf", "uint4_wo_64")  # groups of 64 with float32 scales: no GGUF type holds them
+    with pytest.raises(ValueError, match=r"not lossless, 14 tensors change: model\.layers\.0\..*dst was not written"):
+        convert(tmp_path / "hf", tmp_path / "s.gguf", to="gguf", strict=True)
+    assert not (tmp_path / "s.gguf").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    info = convert(tmp_path / "hf", tmp_path / "x.gguf", to="gguf")
+    assert not info.lossless and len(info.tensors) == 14
+    assert all(t.what == "weight" and 0 < t.max_abs_diff < 0.1 for t in info.tensors)
+    assert {t.name for t in info.tensors} == {f"{n}.weight" for n in A.quantized_modules(
+        A.from_pretrained(tmp_path / "hf"))}
+
+
+def test_activation_quantization_gguf_cannot_hold_is_reported(tmp_path):
+    _hf_checkpoint(tmp_path / "hf", "w_int8_a_int8_per_token_dynamic")
+    info = convert(tmp_path / "hf", tmp_path / "x.gguf", to="gguf")
+    dropped = [t for t in info.tensors if t.what == "activation"]
+    assert len(dropped) == 14 and all(t.destination == "absent" for t in dropped)
+    assert "dropped" in json.dumps(info.to_dict()) or all(c["max_abs_diff"] is None for c in info.to_dict()["changed"]
+                                                          if c["what"] == "activation")
+
+
+def test_cli_convert_gguf_strict(tmp_path, capsys):
+    from qcore.cli import main
+    _hf_checkpoint(tmp_path / "hf", "uint4_wo_64")
+    rc = main(["convert", str(tmp_path / "hf"), str(tmp_path / "o.gguf"), "--to", "gguf", "--strict"])
+    assert rc == 2 and "not lossless" in capsys.readouterr().err and not (tmp_path / "o.gguf").exists()
+    rc = main(["convert", str(tmp_path / "hf"), str(tmp_path / "o.gguf"), "--to", "gguf"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "14 tensors changed" in out and "model.layers.0.mlp.down_proj.weight" in out
