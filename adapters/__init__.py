@@ -16,6 +16,7 @@ from .presets import PRESETS, preset, preset_names
 from .quantizer import calibrate, freeze, model_bytes, plan_model, quantize_model, quantized_modules
 from .export import ExportInfo, export_hf
 from .hf import CorruptCheckpointError, from_pretrained, load_quark, register_with_transformers
+from .import_gguf import GGUFImportReport, from_gguf
 from .distributed import Distributed
 from .streaming import quantize_checkpoint
 
@@ -27,5 +28,6 @@ __all__ = [
     "QuantLinear", "QuantConv2d", "QuantConvTranspose2d", "QuantEmbedding", "QuantEmbeddingBag", "wrap",
     "CalibrationError", "quantize_model", "plan_model", "calibrate", "freeze", "model_bytes", "quantized_modules",
     "export_hf", "ExportInfo", "from_pretrained", "load_quark", "CorruptCheckpointError", "register_with_transformers",
+    "from_gguf", "GGUFImportReport",
     "Distributed", "quantize_checkpoint",
 ]

@@ -465,10 +465,41 @@ def schemes_command(args) -> int:
     return 0
 
 
+def convert_command(args) -> int:
+    """``qcore convert SRC DST --to FORMAT``: ``qcore.adapters.convert.convert`` plus a printed report."""
+    from .convert import convert
+    t0 = time.perf_counter()
+    dtype = None if args.dtype is None else _dtype(args.dtype)
+    if args.report:
+        rp = pathlib.Path(args.report)
+        if rp.exists() and rp.is_dir():
+            raise CommandError(f"--report {args.report}: is a directory")
+    info = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, strict=args.strict, dtype=dtype,
+                   tokenizer_pre=args.tokenizer_pre, verify=not args.no_verify)
+    verdict = ("not verified (--no-verify)" if info.verified_by == "none" else
+               ("lossless" if info.lossless else f"{len(info.tensors)} tensors changed")
+               + f" (checked by {'loading dst back' if info.verified_by == 'reload' else 'the exporter'})")
+    rows = [("source", f"{info.source} ({info.source_format}, {info.quantized} quantized weights)"),
+            ("destination", f"{info.destination} ({info.to}, {info.bytes_on_disk / 2**20:.2f} MiB)"),
+            ("result", verdict)]
+    rows += [("note", n) for n in info.notes]
+    for t in info.tensors[:20]:
+        diff = "dropped" if t.max_abs_diff != t.max_abs_diff else f"max |diff| {t.max_abs_diff:.3g}"
+        rows.append((f"  {t.name}", f"{t.what}: {t.source} -> {t.destination}, {diff}"))
+    if len(info.tensors) > 20:
+        rows.append(("  ...", f"{len(info.tensors) - 20} more (--report FILE.json lists all)"))
+    rows.append(("time", f"{time.perf_counter() - t0:.1f} s"))
+    print(_table(rows))
+    if args.report:
+        pathlib.Path(args.report).write_text(json.dumps(info.to_dict(), indent=1) + "\n")
+    return 0
+
+
 def run(args) -> int:
     """Entry from ``qcore/cli.py``: one-line errors (``--debug``: the traceback) and exit code 2."""
     try:
-        return {"quantize": quantize_command, "eval": eval_command, "schemes": schemes_command}[args.command](args)
+        return {"quantize": quantize_command, "eval": eval_command, "schemes": schemes_command,
+                "convert": convert_command}[args.command](args)
     except KeyboardInterrupt:
         print(f"qcore {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -216,11 +216,11 @@ def _plan_tensors(model: nn.Module, pack_method: str = "reorder") -> tuple[list[
 def _online_rotations(model: nn.Module, config: ModelConfig) -> bool:
     """Whether the model carries online rotations; ValueError if they are not what its config's rotation says
     (a loader re-installs them from the config)."""
-    from qcore.algorithms.config import ROTATION_CONFIGS, parse_algorithms
+    from qcore.algorithms.config import parse_algorithms, split_rotation
     from .rotation import input_rotations, online_plan
     have = {n: (h.size, h.key) for n, h in input_rotations(model).items()}
-    rot = [a for a in parse_algorithms(config.algorithms) if isinstance(a, ROTATION_CONFIGS)]
-    want = {n: (h.size, h.key) for n, h in online_plan(model, rot[0]).items()} if rot else {}
+    rot, _ = split_rotation(parse_algorithms(config.algorithms))
+    want = {n: (h.size, h.key) for n, h in online_plan(model, rot).items()} if rot is not None else {}
     if have != want:
         raise ValueError(f"export: the model's online rotations ({len(have)} modules, e.g. "
                          f"{next(iter(have), None)!r}) are not the ones its config's algorithms give ({len(want)}, "

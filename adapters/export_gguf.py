@@ -1,8 +1,9 @@
 """Export a quantized Llama-family model as one GGUF file (llama.cpp's format): ``export_gguf``.
 
 Each quantized weight whose qcore grid is a GGUF block type (``qcore.formats.gguf.gguf_type``: int4 symmetric ->
-Q4_0, uint4 / int4 asymmetric -> Q4_1, int8 symmetric -> Q8_0, MXFP4 -> MXFP4 (type 39); groups of a multiple
-of 32 along the input axis, per channel or per tensor) is written code for code. It is **lossless** when ggml's
+Q4_0, uint4 / int4 asymmetric -> Q4_1 (Q4_0 when every zero point is 7 or 8, ``gguf.q4_0_holds``: what ggml's
+Q4_0 files import as), int8 symmetric -> Q8_0, MXFP4 -> MXFP4 (type 39); groups of a multiple of 32 along the
+input axis, per channel or per tensor) is written code for code. It is **lossless** when ggml's
 dequantization of the written blocks equals the in-memory dequantized weight (float16-exact scales; for
 asymmetric Q4_1 also a float16-exact ``scale * zero_point``), which is checked for every tensor. Weights no GGUF
 type holds (groups of 16, int2, fp8, NVFP4, MX6, ...) are re-quantized from the in-memory dequantized weight
@@ -116,6 +117,8 @@ def _encode_quantized(name: str, m: _QuantMixin, strict: bool) -> tuple[np.ndarr
     if ref.shape != tuple(shape):
         raise ValueError(f"export_gguf: {name!r} has a weight of shape {list(ref.shape)}; GGUF holds 2-D matrices")
     kind = G.gguf_type(spec, shape)
+    if kind == "Q4_1" and G.q4_0_holds(parts, spec, shape):
+        kind = "Q4_0"  # zero points 7 / 8 only (e.g. ggml's Q4_0 imported): no offset to round
     if kind is not None:
         data = G.encode(parts, spec, kind=kind)
         how = "codes"

@@ -186,24 +186,26 @@ def _make_classes():
             return model
 
         def _process_model_after_weight_loading(self, model, **kwargs):
+            shell = {id(p) for sh in self._shells.values() for p in sh.parameters(recurse=False)}
             dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and not p.is_meta
+                          and id(p) not in shell  # checkpoint tensors (e.g. float16 scales), not the model's
                           and p.dtype in (torch.float32, torch.bfloat16, torch.float16)), torch.float32)
             for name, sh in self._shells.items():
                 _set_module(model, name, _build(sh, self.pack_method, dtype))
             self._shells = {}
             model.qcore_config = checkpoint_config(self.quantization_config.raw)
-            from qcore.algorithms.config import ROTATION_CONFIGS, parse_algorithms
-            rot = [a for a in parse_algorithms(model.qcore_config.algorithms) if isinstance(a, ROTATION_CONFIGS)]
-            if rot and rot[0].online:  # the online transforms of the rotated weights (QuaRot / SpinQuant)
+            from qcore.algorithms.config import parse_algorithms, split_rotation
+            rot, _ = split_rotation(parse_algorithms(model.qcore_config.algorithms))
+            if rot is not None and rot.online:  # the online transforms of the rotated weights (QuaRot / SpinQuant)
                 own = any(isinstance(a, dict) and a.get("name") in ("qcore_rotation", "quarot", "spinquant")
                           for a in model.qcore_config.algorithms)
                 if not own:
                     raise CorruptCheckpointError(
                         f"quantization_config.algo_config: Quark's rotation with online transforms "
-                        f"({list(rot[0].online)}) uses Quark's own Hadamard tables, which qcore does not reproduce; "
+                        f"({list(rot.online)}) uses Quark's own Hadamard tables, which qcore does not reproduce; "
                         f"load this checkpoint with amd-quark")
                 from .rotation import install_online
-                install_online(model, rot[0])
+                install_online(model, rot)
             return model
 
         def is_serializable(self):

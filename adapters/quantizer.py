@@ -374,25 +374,24 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     pinned: dict = {}
     algos = config_algorithms(config)
     if algos:
-        from qcore.algorithms.config import ROTATION_CONFIGS, SpinQuantConfig
-        rot = [a for a in algos if isinstance(a, ROTATION_CONFIGS)]
-        algos = tuple(a for a in algos if not isinstance(a, ROTATION_CONFIGS))
+        from qcore.algorithms.config import SpinQuantConfig, split_rotation
+        rot, algos = split_rotation(algos)
         if qat:
             raise ValueError("qat=True keeps float master weights; the algorithms write quantized weights (use "
                              "qat=False with algorithms)")
-        needs = [a.name for a in algos] + [a.name for a in rot if isinstance(a, SpinQuantConfig)]
+        needs = [a.name for a in algos] + ([rot.name] if isinstance(rot, SpinQuantConfig) else [])
         if data is None and needs:
             raise ValueError(f"the algorithms {needs} need calibration data; pass calibration batches as data=")
         if data is not None:
             data = list(data)  # read more than once: by the algorithms and by calibration
-        if rot:
+        if rot is not None:
             from .rotation import apply_rotation, check_rotation
-            check_rotation(model, rot[0])
+            check_rotation(model, rot)
             if algos:
                 from .sequential import check_algorithms
                 check_algorithms(model, plans, algos)
             try:
-                apply_rotation(model, rot[0], plans=plans, data=data, progress=progress,
+                apply_rotation(model, rot, plans=plans, data=data, progress=progress,
                                gptq_follows=any(a.name == "gptq" for a in algos))
             except BaseException:
                 model._qcore_partial = True  # some weights may already be rotated

@@ -28,12 +28,12 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from .smoothquant import SmoothLoss
 
 __all__ = ["GPTQConfig", "AWQConfig", "SmoothQuantConfig", "AutoSmoothQuantConfig", "QuaRotConfig",
-           "SpinQuantConfig", "ROTATION_CONFIGS", "AlgorithmConfig",
+           "SpinQuantConfig", "ROTATION_CONFIGS", "split_rotation", "AlgorithmConfig",
            "parse_algorithm", "parse_algorithms", "ALGORITHM_NAMES"]
 
 # Quark keys that carry no setting qcore uses (device placement, Quark-internal switches)
@@ -342,6 +342,13 @@ def _from_quark_rotation(d: Mapping) -> "QuaRotConfig":
 AlgorithmConfig = Union[GPTQConfig, AWQConfig, SmoothQuantConfig, AutoSmoothQuantConfig, QuaRotConfig,
                         SpinQuantConfig]
 ROTATION_CONFIGS = (QuaRotConfig, SpinQuantConfig)
+
+
+def split_rotation(algorithms: Sequence) -> tuple:
+    """``(rotation or None, the other algorithms)`` of a parsed algorithm tuple (``parse_algorithms`` puts a
+    rotation first and allows one)."""
+    rot = [a for a in algorithms if isinstance(a, ROTATION_CONFIGS)]
+    return (rot[0] if rot else None), tuple(a for a in algorithms if not isinstance(a, ROTATION_CONFIGS))
 
 # name -> (class, {key in the dict: constructor argument}) ; qcore's own keys map to themselves
 _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {

@@ -34,10 +34,15 @@ same float32 values as ``qcore.dequantize`` (``-0`` and ``+0`` compare equal: MX
 what ``is_exact`` verifies. Scales that are not float16 are rounded to float16 (nearest even) by ``encode``: the
 codes are kept, the values move by at most half a float16 ulp of the scale times the code.
 
-Import (``decode``) is code for code where qcore can hold the blocks: positive ``d`` (ggml's own Q4_0
-quantizer writes ``d = x[argmax |x|] / -8``, negative for a positive extreme, and ``d = 0`` for zero blocks, both
-refused), Q4_1 offsets ``m = -d * k`` with an integer ``k`` (ggml's ``m = min`` generally is not), E8M0 bytes
-other than 255.
+Import: ``decode`` reads blocks into a given qcore spec where it holds them (positive ``d``, Q4_1 offsets
+``m = -d * k`` with an integer ``k``, E8M0 bytes other than 255). ``import_blocks`` finds the qcore spec of a
+whole tensor whatever wrote it (``import_spec``; one spec per tensor, groups of 32): ggml's own Q4_0 quantizer
+writes ``d = x[argmax |x|] / -8``, negative for a positive extreme, which is exact as uint4 with zero points
+8 (``d > 0``) and 7 (``d < 0``, codes ``15 - q``); ``d = 0`` blocks get scale 1 and zero codes (exact in
+value, not in bytes). Q4_1 written by ggml (``m = min``, generally not ``-d`` times an integer) has no qcore
+grid: ``import_blocks`` says so and ``adapters.import_gguf`` imports such a tensor as its float
+dequantization. On export, a 4-bit asymmetric grid whose zero points are all 7 or 8 is written as Q4_0
+(``q4_0_holds``), so ggml's Q4_0 files go back byte for byte.
 
 ``encode`` / ``decode`` convert qcore parts (``quark_layout.WeightParts``: codes in the canonical layout and
 scales of ``spec.scale_shape``) to and from block bytes; ``quantize_float`` is ggml's reference quantizer (for
@@ -54,13 +59,15 @@ from typing import Optional
 
 import numpy as np
 
+import qcore
 from qcore import PerChannel, PerGroup, PerTensor, QuantSpec
 from qcore.dtypes import IntDType
 
 from .quark_layout import WeightParts
 from .safetensors_io import CorruptCheckpointError
 
-__all__ = ["BLOCK", "TYPES", "TYPE_BYTES", "gguf_type", "block_scales", "encode", "decode", "dequantize",
+__all__ = ["BLOCK", "TYPES", "TYPE_BYTES", "gguf_type", "block_scales", "encode", "decode", "import_blocks",
+           "import_spec", "q4_0_holds", "dequantize",
            "quantize_float", "is_exact", "hf_to_gguf_name", "gguf_to_hf_name", "permute_qk", "unpermute_qk",
            "llama_metadata", "CorruptCheckpointError"]
 
@@ -122,6 +129,17 @@ def gguf_type(spec: QuantSpec, shape: tuple) -> Optional[str]:
     return None
 
 
+def q4_0_holds(parts: WeightParts, spec: QuantSpec, shape: tuple) -> bool:
+    """Whether an asymmetric 4-bit weight (a Q4_1 grid by ``gguf_type``) is also a Q4_0 grid: every zero point
+    is 8 or 7 (int4: 0 or -1), as in ggml's own Q4_0 files imported by ``import_blocks`` (``d * (q - 8)`` with
+    ``d < 0`` is ``|d| * ((15 - q) - 7)``). Q4_0 stores no offset, so it is exact wherever the scales are
+    float16, where Q4_1's ``m = -7 * d`` may need more bits."""
+    if gguf_type(spec, shape) != "Q4_1" or spec.symmetric or parts.zero_points is None:
+        return False
+    z = np.asarray(parts.zero_points, np.float32) + (8 if spec.dtype.signed else 0)
+    return bool(np.all((z == 7) | (z == 8)))
+
+
 def block_scales(a: np.ndarray, spec: QuantSpec, shape: tuple) -> np.ndarray:
     """qcore scales (or zero points) of ``spec.scale_shape(shape)`` as one value per block: ``[rows, cols/32]``."""
     rows, cols = shape
@@ -161,12 +179,21 @@ def encode(parts: WeightParts, spec: QuantSpec, *, kind: str) -> np.ndarray:
     rows, cols = shape = codes.shape
     if kind not in TYPE_BYTES:
         raise ValueError(f"kind must be one of {sorted(TYPE_BYTES)}, got {kind!r}")
-    if gguf_type(spec, shape) != kind:
+    q40 = kind == "Q4_0" and q4_0_holds(parts, spec, shape)
+    if gguf_type(spec, shape) != kind and not q40:
         raise ValueError(f"a weight of shape {list(shape)} quantized as {spec.name or spec.dtype.name} "
                          f"({spec.granularity}) is not a {kind} grid (gguf_type gives {gguf_type(spec, shape)})")
     n = rows * cols // BLOCK
     c = codes.reshape(n, BLOCK).astype(np.int32)
     s = block_scales(parts.scales, spec, shape).reshape(n)
+    if q40 and not spec.symmetric:  # zero point 8: d = s, q = c; zero point 7: d = -s, q = 15 - c
+        off = 8 if spec.dtype.signed else 0
+        z = block_scales(parts.zero_points, spec, shape).reshape(n) + off
+        c = c + off
+        flip = z == 7
+        c = np.where(flip[:, None], 15 - c, c)
+        s = np.where(flip, -s, s).astype(np.float32)
+        return np.concatenate([_f16_bytes(s), _pack_nibbles(c.astype(np.uint8))], axis=1).reshape(rows, -1)
     if kind == "Q4_0":
         return np.concatenate([_f16_bytes(s), _pack_nibbles((c + 8).astype(np.uint8))], axis=1).reshape(rows, -1)
     if kind == "Q4_1":
@@ -268,6 +295,105 @@ def decode(data: np.ndarray, kind: str, spec: QuantSpec, shape: tuple, *, where:
         raise CorruptCheckpointError(f"{where}: {kind} block scales that are not finite and positive")
     return WeightParts(codes=np.ascontiguousarray(codes.reshape(shape)), scales=scales.reshape(rows, nb).copy(),
                        zero_points=zp)
+
+
+def import_spec(kind: str, *, signed: bool = True, symmetric: bool = True) -> QuantSpec:
+    """The group-32 qcore spec ``import_blocks`` gives ``kind`` blocks: Q4_0 -> int4 symmetric (``signed``) or
+    uint4 asymmetric; Q4_1 -> uint4 (``symmetric`` or not); Q8_0 -> int8 symmetric; MXFP4 -> mxfp4. Groups of 32
+    along the input axis (``PerGroup(32, axis=1)``); float16 scales (E8M0 for MXFP4)."""
+    g = PerGroup(BLOCK, 1)
+    if kind == "Q4_0":
+        return (qcore.make_spec("int4", granularity=g, scale_dtype="float16") if signed else
+                qcore.make_spec("uint4", granularity=g, scale_dtype="float16", symmetric=False))
+    if kind == "Q4_1":
+        return qcore.make_spec("uint4", granularity=g, scale_dtype="float16", symmetric=symmetric)
+    if kind == "Q8_0":
+        return qcore.make_spec("int8", granularity=g, scale_dtype="float16")
+    if kind == "MXFP4":
+        return qcore.make_spec("mxfp4", axis=1)
+    raise ValueError(f"kind must be one of {sorted(TYPE_BYTES)}, got {kind!r}")
+
+
+def import_blocks(data: np.ndarray, kind: str, shape: tuple, *, where: str = "tensor"
+                  ) -> tuple[Optional[QuantSpec], Optional[WeightParts], str]:
+    """The qcore grid of a whole tensor of ``kind`` blocks, whatever wrote them: ``(spec, parts, "")`` when one
+    qcore spec (``import_spec``, one per tensor) holds every block so that ``qcore.dequantize`` gives exactly
+    ggml's values (``dequantize``; ``-0 == +0``), else ``(None, None, reason)``. Codes and scales are read from
+    the blocks (no float round trip):
+
+    - Q8_0 ``d * q``: int8 symmetric, scale ``d``, code ``q``; a block with ``d < 0`` is stored as ``|d|`` and
+      ``-q`` (not possible for ``q = -128``: then no grid).
+    - Q4_0 ``d * (q - 8)``: with ``d >= 0`` in every block, int4 symmetric, scale ``d``, code ``q - 8``. ggml's
+      quantizer writes ``d = x[argmax |x|] / -8``, negative where the block's extreme is positive; a tensor
+      with such blocks is uint4 asymmetric: ``d > 0`` -> code ``q``, zero point 8, scale ``d``; ``d < 0`` ->
+      code ``15 - q``, zero point 7, scale ``|d|`` (``d * (q - 8) = |d| * ((15 - q) - 7)``).
+    - Q4_1 ``d * q + m``: uint4 with scale ``|d|`` and integer zero point ``k = -m / d`` (code ``q``; for
+      ``d < 0`` code ``15 - q`` and zero point ``15 - k``) where every block's ``k`` is an integer in
+      [0, 15] (what qcore's exporter writes); symmetric when every ``k`` is 0. ggml's quantizer writes
+      ``m = min(x)``, generally not such a multiple: then no grid (qcore's zero points are integer codes).
+    - MXFP4: the E8M0 byte is the scale, the nibbles the E2M1 codes (exact always).
+    - A block with ``d = 0`` (all values 0, or ``m`` for Q4_1) gets scale 1 and codes of value 0 (Q4_1 with
+      ``m != 0``: scale ``|m|`` and code minus zero point ``sign(m)``): exact in value, not byte for byte.
+
+    CorruptCheckpointError (naming ``where``) for NaN / Inf ``d`` or ``m`` and the E8M0 NaN byte 255."""
+    rows, cols = shape
+    b = _blocks(data, kind, shape, where)
+    n = b.shape[0]
+    nb = cols // BLOCK
+
+    def done(spec, codes, scales, zp=None):
+        return spec, WeightParts(codes=np.ascontiguousarray(codes.reshape(shape)),
+                                 scales=np.ascontiguousarray(scales, np.float32).reshape(rows, nb),
+                                 zero_points=None if zp is None else
+                                 np.ascontiguousarray(zp, np.float32).reshape(rows, nb)), ""
+
+    if kind == "MXFP4":
+        spec = import_spec(kind)
+        parts = decode(data, kind, spec, shape, where=where)
+        return spec, parts, ""
+    d = _f16(b[:, :2])
+    if not bool(np.all(np.isfinite(d))):
+        raise CorruptCheckpointError(f"{where}: {kind} block scales d that are NaN or Inf")
+    pos, neg, zero = d > 0, d < 0, d == 0
+    scale = np.where(zero, np.float32(1), np.abs(d)).astype(np.float32)
+    if kind == "Q8_0":
+        q = np.ascontiguousarray(b[:, 2:]).view(np.int8).astype(np.int16)
+        if bool(np.any(neg[:, None] & (q == -128))):
+            return None, None, "Q8_0 blocks with a negative scale d and code -128 (int8 cannot negate it)"
+        c = np.where(zero[:, None], 0, np.where(neg[:, None], -q, q)).astype(np.int8)
+        return done(import_spec(kind), c, scale)
+    if kind == "Q4_0":
+        q = _unpack_nibbles(b[:, 2:]).astype(np.int16)
+        if not bool(neg.any()):
+            return done(import_spec(kind), np.where(zero[:, None], 0, q - 8).astype(np.int8), scale)
+        c = np.where(zero[:, None], 8, np.where(neg[:, None], 15 - q, q)).astype(np.uint8)
+        zp = np.where(neg, np.float32(7), np.float32(8))
+        return done(import_spec(kind, signed=False), c, scale, zp)
+    if kind != "Q4_1":
+        raise ValueError(f"kind must be one of {sorted(TYPE_BYTES)}, got {kind!r}")
+    m = _f16(b[:, 2:4])
+    if not bool(np.all(np.isfinite(m))):
+        raise CorruptCheckpointError(f"{where}: Q4_1 block offsets m that are NaN or Inf")
+    q = _unpack_nibbles(b[:, 4:]).astype(np.int16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        k = np.where(zero, 0.0, -m.astype(np.float64) / np.where(zero, 1.0, d.astype(np.float64)))
+    with np.errstate(invalid="ignore"):
+        ok = zero | ((k == np.round(k)) & (k >= 0) & (k <= 15) & (-(d.astype(np.float64) * k) == m))
+    if not bool(ok.all()):
+        i = int(np.argmin(ok))
+        return None, None, (f"Q4_1 offsets m that are not -d * k for an integer zero point k in [0, 15] "
+                            f"({int((~ok).sum())} of {n} blocks, e.g. d={float(d[i])!r}, m={float(m[i])!r}; "
+                            f"ggml's quantizer writes m = min)")
+    k = k.astype(np.int16)
+    zp = np.where(neg, 15 - k, k)
+    c = np.where(neg[:, None], 15 - q, q)
+    # d = 0: every value is m; scale |m| with code - zero point = sign(m) (or scale 1, code = zero point for m = 0)
+    mz = zero & (m != 0)
+    scale = np.where(mz, np.abs(m), scale).astype(np.float32)
+    zp = np.where(zero, np.where(m < 0, 1, 0), zp)
+    c = np.where(zero[:, None], np.where(m > 0, 1, 0)[:, None], c)
+    sym = not bool(zp.any())
+    return done(import_spec(kind, symmetric=sym), c.astype(np.uint8), scale, None if sym else zp)
 
 
 def is_exact(data: np.ndarray, kind: str, reference: np.ndarray) -> tuple[bool, float]:

@@ -29,7 +29,8 @@ weight format (MX9/MX6/MX4, BFP16, MXINT8, int2, int3, groups that do not divide
 weights, scales in other formats). ``weight`` is the 1-D ``U8`` byte string of ``qcore.packing.pack(codes,
 dtype, axis=-1)`` of the canonical codes (its shape matches no float weight, so a loader that does not know the
 method fails on the shape instead of reading codes as floats); ``weight_scale`` holds the scales in qcore's scale
-shape, as ``F32`` values (``scale_dtype`` float32) or ``U8`` scale codes (8-bit scale formats);
+shape, as their values (``F32``, ``F16``, ``BF16`` for ``scale_dtype`` float32, float16, bfloat16) or ``U8``
+scale codes (8-bit scale formats);
 ``weight_zero_point`` ``F32`` zero points (codes); ``weight_shifts`` ``U8`` sub-block shifts; ``weight_scale_2``
 the per-tensor scale.
 
@@ -111,7 +112,40 @@ def _int_dtype(el) -> str:
 
 
 def _scale_code_dtype(spec: QuantSpec) -> str:
-    return "F32" if spec.scale_dtype.name == "float32" else "U8"
+    """qcore layout: float32 / float16 / bfloat16 scales as their values (F32 / F16 / BF16), 8-bit scale
+    formats as their U8 codes."""
+    sd = spec.scale_dtype
+    if sd.name in _SCALE_ST:
+        return _SCALE_ST[sd.name]
+    if sd.bits == 8:
+        return "U8"
+    raise ValueError(f"scale_dtype {sd.name} has no safetensors storage in qcore's layout (float32, float16, "
+                     f"bfloat16 or an 8-bit format)")
+
+
+_SCALE_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+def _encode_scales(sc: np.ndarray, spec: QuantSpec) -> np.ndarray:
+    """float32 scale values -> the qcore layout's stored array (see ``_scale_code_dtype``)."""
+    name = spec.scale_dtype.name
+    if name == "float32":
+        return sc
+    if name == "float16":
+        return sc.astype(np.float16)  # float16 values (QTensor scales of a float16 spec): exact
+    codes = np.asarray(qcore.encode(sc, spec.scale_dtype))
+    return codes.astype(np.uint16 if name == "bfloat16" else np.uint8)
+
+
+def _decode_scales(sc: np.ndarray, spec: QuantSpec) -> np.ndarray:
+    name = spec.scale_dtype.name
+    if name == "float32":
+        return sc.astype(np.float32)
+    if name == "float16":
+        return sc.view(np.float16).astype(np.float32) if sc.dtype != np.float16 else sc.astype(np.float32)
+    if name == "bfloat16":  # the bits (torch's bfloat16 is read as int16 / uint16)
+        return (np.ascontiguousarray(sc).view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return np.asarray(qcore.decode(sc.view(np.uint8), spec.scale_dtype), np.float32)
 
 
 def expected_weight(spec: QuantSpec, shape: tuple, *, layout: str) -> dict[str, tuple[str, tuple]]:
@@ -203,8 +237,7 @@ def encode_weight(parts: WeightParts, spec: QuantSpec, *, layout: str, pack_meth
         out = {"weight": np.asarray(qcore.packing.pack(codes.reshape(-1, shape[-1]), el, axis=-1)).reshape(-1)
                .view(np.uint8)}
         sc = np.asarray(parts.scales, np.float32)
-        out["weight_scale"] = sc if spec.scale_dtype.name == "float32" else \
-            np.asarray(qcore.encode(sc, spec.scale_dtype)).astype(np.uint8)
+        out["weight_scale"] = _encode_scales(sc, spec)
         if not spec.symmetric:
             out["weight_zero_point"] = np.asarray(parts.zero_points, np.float32)
         if spec.subblock_shift_bits:
@@ -270,8 +303,7 @@ def decode_weight(arrays: Mapping[str, np.ndarray], spec: QuantSpec, shape: tupl
         packed = flat.reshape(math.prod(shape[:-1]), row_bytes)
         codes = np.asarray(qcore.packing.unpack(packed, el, axis=-1, length=shape[-1])).reshape(shape)
         sc = np.asarray(arrays["weight_scale"])
-        scales = sc.astype(np.float32) if spec.scale_dtype.name == "float32" else \
-            np.asarray(qcore.decode(sc.view(np.uint8), spec.scale_dtype), np.float32)
+        scales = _decode_scales(sc, spec)
         if not spec.symmetric:
             zp = np.asarray(arrays["weight_zero_point"], np.float32)
         if spec.subblock_shift_bits:

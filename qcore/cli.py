@@ -278,6 +278,30 @@ def _add_inspect(sub) -> None:
     i.set_defaults(func=_inspect)
 
 
+def _add_convert(sub) -> None:
+    c = sub.add_parser("convert", help="convert a quantized checkpoint between formats (hf, gguf, "
+                       "compressed-tensors, onnx), lossless where both hold the grid",
+                       description="Load a quantized checkpoint (a Quark/qcore HF directory, a .gguf file or a "
+                       "compressed-tensors directory; the format is detected) into qcore's quantized modules from "
+                       "its codes and scales, write it in --to's format, load the result back and report every "
+                       "tensor whose values changed (none: lossless).")
+    c.add_argument("src", help="source checkpoint: HF directory (quark, qcore or compressed-tensors) or .gguf file")
+    c.add_argument("dst", help="destination: a directory, or a .gguf / .onnx file")
+    c.add_argument("--to", required=True, metavar="FORMAT",
+                   help="hf (AMD Quark's layout; alias quark), gguf, compressed-tensors (alias ct) or onnx")
+    c.add_argument("--strict", action="store_true", help="refuse unless lossless (dst is then left untouched)")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing dst")
+    c.add_argument("--dtype", default=None, help="float dtype to load in: float32, bfloat16 or float16 (default: "
+                   "the checkpoint's)")
+    c.add_argument("--tokenizer-pre", default="default", metavar="NAME", help="llama.cpp pre-tokenizer name when a "
+                   "transformers tokenizer is converted for GGUF (default 'default'; SmolLM2: smollm)")
+    c.add_argument("--no-verify", action="store_true", help="do not load dst back to compare (faster; then "
+                   "nothing is measured)")
+    c.add_argument("--report", default=None, metavar="FILE.json", help="write the report as JSON")
+    c.add_argument("--debug", action="store_true", help="show tracebacks")
+    c.set_defaults(func=_run_model_command)
+
+
 def _add_schemes(sub) -> None:
     s = sub.add_parser("schemes", help="list the quantization presets")
     s.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -289,6 +313,7 @@ _COMMANDS = (
     ("quantize", _add_quantize),
     ("eval", _add_eval),
     ("schemes", _add_schemes),
+    ("convert", _add_convert),
     ("inspect", _add_inspect),
     ("conformance", _add_conformance),
 )

@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import qcore  # noqa: E402
 import qcore.adapters as A  # noqa: E402
 from qcore.adapters import export as E  # noqa: E402
 from qcore.formats.inspect import inspect_checkpoint  # noqa: E402
@@ -72,6 +73,24 @@ def test_export_reload_gives_identical_logits(scheme, tmp_path):
         plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
         assert torch.equal(logits(plain), ref)
 
+
+
+@pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16"])
+def test_16_bit_scales_are_stored_whole(scale_dtype, tmp_path):
+    """qcore's layout stores float16 / bfloat16 scales as F16 / BF16 values (they were once cut to U8 codes)."""
+    from qcore import PerGroup
+    spec = qcore.make_spec("int4", granularity=PerGroup(32, axis=-1), scale_dtype=scale_dtype)
+    m = llama()
+    A.quantize_model(m, A.ModelConfig(A.LayerConfig(weight=spec)), CALIB, progress=False)
+    A.freeze(m)
+    info = A.export_hf(m, tmp_path / "ckpt")
+    assert set(info.layers.values()) == {"qcore"}
+    st = SafetensorsFile(tmp_path / "ckpt" / "model.safetensors")
+    assert st.entries["model.layers.0.mlp.up_proj.weight_scale"].dtype == {"float16": "F16", "bfloat16": "BF16"}[
+        scale_dtype]
+    back = A.from_pretrained(tmp_path / "ckpt")
+    assert torch.equal(logits(back), logits(m))
+    assert torch.equal(back.model.layers[0].mlp.up_proj.weight_scale, m.model.layers[0].mlp.up_proj.weight_scale)
 
 
 @pytest.mark.parametrize("pack_method", ["order", "reorder"])
@@ -298,3 +317,29 @@ def test_reads_quark_written_checkpoints_like_quark(name):
     assert np.abs(got - ref).max() <= 1e-5 * (ref.max() - ref.min())
     desc = inspect_checkpoint(d)
     assert desc["written_by"] == "AMD Quark 0.13" and desc["quantized_layers"] == 7
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16"])
+def test_16_bit_scales_in_qcore_layout_round_trip(scale_dtype, model_dtype, tmp_path):
+    """Groups of 32 with float16 / bfloat16 scales (the GGUF-exact grids) are stored as F16 / BF16 values (they
+    were once truncated to one byte); reload gives the same logits, also in a bfloat16 model."""
+    import qcore
+    spec = qcore.make_spec("uint4", granularity=qcore.PerGroup(32, axis=-1), scale_dtype=scale_dtype,
+                           symmetric=False)
+    m = llama(0).to(model_dtype)
+    A.quantize_model(m, A.ModelConfig(A.LayerConfig(weight=spec)), CALIB, progress=False)
+    A.freeze(m)
+    ref = logits(m)
+    info = A.export_hf(m, tmp_path / "ckpt")
+    assert set(info.layers.values()) == {"qcore"}
+    hdr = SafetensorsFile(tmp_path / "ckpt" / "model.safetensors").entries
+    assert hdr["model.layers.0.mlp.up_proj.weight_scale"].dtype == {"float16": "F16", "bfloat16": "BF16"}[scale_dtype]
+    back = A.from_pretrained(tmp_path / "ckpt")
+    if model_dtype == torch.float32:  # (a bf16 cast of the float model also casts its rotary buffer; a loaded one not)
+        assert torch.equal(logits(back), ref)
+    qs, qb = A.quantized_modules(m), A.quantized_modules(back)
+    assert set(qs) == set(qb) and len(qs) == 14
+    for name, q in qs.items():
+        assert torch.equal(q.weight_scale, qb[name].weight_scale), name
+        assert torch.equal(q._w(), qb[name]._w()) and q._w().dtype == model_dtype, name

@@ -204,3 +204,109 @@ def test_names():
     assert G.hf_to_gguf_name("model.rotary_emb.inv_freq") is None
     for n in ["blk.0.ffn_down.weight", "output.weight", "output_norm.weight", "blk.3.attn_norm.weight"]:
         assert G.hf_to_gguf_name(G.gguf_to_hf_name(n)) == n
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# import_blocks: the qcore grid of whatever wrote the blocks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _dq(spec, parts):
+    return np.asarray(qcore.dequantize(qcore.QTensor(parts.codes, parts.scales, parts.zero_points, spec)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_import_blocks_of_ggml_quantizer_exact_or_no_grid(kind):
+    x = _x(9)  # a zero block, an outlier, blocks with a positive extreme (Q4_0: negative d)
+    data = gq.quantize(x, _ggtype(kind))
+    ref = gq.dequantize(data, _ggtype(kind))
+    spec, parts, why = G.import_blocks(data, kind, x.shape, where="blk.0.ffn_up.weight")
+    if kind == "Q4_1":  # ggml's m = min: no integer zero point
+        assert spec is None and parts is None and "integer zero point" in why
+        return
+    assert why == "" and spec == G.import_spec(kind, signed=kind != "Q4_0")
+    assert spec.granularity == PerGroup(32, 1)
+    assert np.array_equal(_dq(spec, parts), ref)  # -0 == +0 (ggml's d = 0 block times a negative code)
+    if kind == "Q4_0":
+        d = data.reshape(-1, 18)[:, :2].copy().view(np.float16).ravel()
+        assert (d < 0).any() and (d > 0).any() and (d == 0).any()
+        assert set(np.unique(parts.zero_points)) == {7.0, 8.0}
+        # back to Q4_0 byte for byte, except the zero block (scale 1 instead of d = 0)
+        assert G.q4_0_holds(parts, spec, x.shape)
+        back = G.encode(parts, spec, kind="Q4_0")
+        nz = np.ones(back.shape[0] * 4, bool)
+        nz[0] = False
+        assert np.array_equal(back.reshape(-1, 18)[nz], data.reshape(-1, 18)[nz])
+
+
+def test_import_blocks_q4_0_all_positive_d_is_int4_symmetric():
+    x = -np.abs(_x(10)) - np.float32(0.01)  # negative extremes: d > 0 everywhere
+    data = gq.quantize(x, _ggtype("Q4_0"))
+    spec, parts, _ = G.import_blocks(data, "Q4_0", x.shape)
+    assert spec == G.import_spec("Q4_0") and spec.dtype.name == "int4" and parts.zero_points is None
+    assert np.array_equal(_dq(spec, parts), gq.dequantize(data, _ggtype("Q4_0")))
+    assert np.array_equal(G.encode(parts, spec, kind="Q4_0"), data)
+
+
+def _q4_1_blocks(d, m, q):
+    """Q4_1 blocks from per-block d, m (float16) and codes [n, 32]."""
+    q = np.asarray(q, np.uint8)
+    return np.concatenate([np.asarray(d, np.float16).reshape(-1, 1).view(np.uint8),
+                           np.asarray(m, np.float16).reshape(-1, 1).view(np.uint8),
+                           q[:, :16] | (q[:, 16:] << 4)], axis=1)
+
+
+def test_import_blocks_q4_1_integer_offsets_any_sign_and_zero_d():
+    rng = np.random.default_rng(11)
+    q = rng.integers(0, 16, (5, 32))
+    d = np.array([0.25, -0.125, 0.0, 0.0, 0.0], np.float16)
+    m = np.array([-0.25 * 3, 0.125 * 12, 0.5, -0.75, 0.0], np.float16)  # k = 3, 12; d = 0: m, m, 0
+    data = _q4_1_blocks(d, m, q)
+    spec, parts, why = G.import_blocks(data, "Q4_1", (1, 160))
+    assert why == "" and spec.dtype.name == "uint4" and not spec.symmetric
+    assert np.array_equal(_dq(spec, parts), G.dequantize(data, "Q4_1", (1, 160)))
+    assert parts.zero_points.ravel().tolist() == [3, 15 - 12, 0, 1, 0]
+    # all zero points 0 (what qcore writes for symmetric uint4): symmetric
+    sym = _q4_1_blocks([0.5, 0.25], [0.0, -0.0], q[:2])
+    spec, parts, _ = G.import_blocks(sym, "Q4_1", (1, 64))
+    assert spec.symmetric and parts.zero_points is None
+    ours = _q4_1_blocks([0.5, 0.25], [-0.0, -0.0], q[:2])  # qcore writes m = -(d * 0) = -0
+    assert np.array_equal(G.encode(parts, spec, kind="Q4_1"), ours.reshape(1, -1))
+    # a k outside [0, 15] or not an integer: no grid
+    for mm in (-0.25 * 16, -0.25 * 2.5):
+        s, p, why = G.import_blocks(_q4_1_blocks([0.25], [mm], q[:1]), "Q4_1", (1, 32))
+        assert s is None and "integer zero point k in [0, 15]" in why
+
+
+def test_import_blocks_q8_0_negative_d():
+    q = np.random.default_rng(12).integers(-127, 128, (2, 32)).astype(np.int8)
+    d = np.array([-0.5, 0.25], np.float16)
+    data = np.concatenate([d.reshape(-1, 1).view(np.uint8), q.view(np.uint8)], axis=1)
+    spec, parts, _ = G.import_blocks(data, "Q8_0", (1, 64))
+    assert np.array_equal(_dq(spec, parts), G.dequantize(data, "Q8_0", (1, 64)))
+    q[0, 3] = -128  # |d| * 128 is not an int8 code
+    data = np.concatenate([d.reshape(-1, 1).view(np.uint8), q.view(np.uint8)], axis=1)
+    spec, parts, why = G.import_blocks(data, "Q8_0", (1, 64))
+    assert spec is None and "-128" in why
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_import_blocks_refuses_nan_scales(kind):
+    data = gq.quantize(_x(13, (2, 64)), _ggtype(kind)).copy()
+    data[1, :2] = np.array([np.nan], np.float16).view(np.uint8)
+    with pytest.raises(CorruptCheckpointError, match=f"blk.3.attn_v.weight: {kind} block scales d that are NaN"):
+        G.import_blocks(data, kind, (2, 64), where="blk.3.attn_v.weight")
+
+
+def test_q4_0_holds_only_zero_points_7_and_8():
+    spec = qcore.make_spec("uint4", granularity=PerGroup(32, axis=-1), scale_dtype="float16", symmetric=False)
+    x = _x(14)
+    q = qcore.quantize(x, spec)
+    assert not G.q4_0_holds(_parts(q), spec, x.shape)  # zero points from min/max: many values
+    zp = np.where(np.arange(np.asarray(q.scales).size).reshape(np.asarray(q.scales).shape) % 2, 7, 8)
+    q2 = qcore.quantize(x, spec, scale=np.asarray(q.scales), zero_point=zp.astype(np.float32))
+    assert G.q4_0_holds(_parts(q2), spec, x.shape)
+    data = G.encode(_parts(q2), spec, kind="Q4_0")
+    assert G.is_exact(data, "Q4_0", np.asarray(qcore.dequantize(q2)))[0]
+    with pytest.raises(ValueError, match="not a Q4_0 grid"):
+        G.encode(_parts(q), spec, kind="Q4_0")

@@ -1,0 +1,415 @@
+"""Convert a quantized checkpoint between formats: ``convert(src, dst, to=...)`` and ``qcore convert``.
+
+Formats (``FORMATS``):
+
+- ``"hf"``: AMD Quark's HF layout (``export_hf`` / ``from_pretrained``; ``quant_method`` ``"quark"``, or
+  ``"qcore"`` for grids Quark has no layout for);
+- ``"gguf"``: one GGUF file for llama.cpp (``export_gguf`` / ``from_gguf``); ``dst`` is a ``.gguf`` file or a
+  directory (then ``dst/model.gguf``);
+- ``"compressed-tensors"``: the layout llm-compressor writes and vLLM reads (``export_compressed_tensors`` /
+  ``load_compressed_tensors``);
+- ``"onnx"`` (destination only): an ONNX model for onnxruntime (``export_onnx``).
+
+The source format is detected: a ``.gguf`` file (or a directory holding exactly one) is GGUF; a directory with
+``config.json`` is read by its ``quantization_config.quant_method`` (``quark`` / ``qcore`` -> hf,
+``compressed-tensors``). The source is loaded into qcore's frozen quantized modules **without a float round
+trip** (codes and scales as stored), then written by the destination's exporter from those codes.
+
+**What changed is measured, not assumed.** After writing, the destination is loaded back with qcore's own
+importer (every format but ONNX) and each tensor of the model is compared with the source: a quantized weight by
+its dequantized values, every other parameter by value, and each module's activation quantization (spec and
+static scales). ``ConvertInfo.tensors`` has one ``TensorChange`` per tensor that is not bit-identical (weights
+re-quantized onto another grid, scales rounded to another dtype, activation quantization the destination cannot
+hold) with its max abs difference, and ``lossless`` says whether there is none. For ONNX the exporter's own
+per-tensor report is used. ``strict=True`` refuses a conversion that is not lossless before the destination is
+replaced (the destination is left as it was).
+
+Writes are atomic (each exporter stages and renames into place) and deterministic; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+from torch import nn
+
+from .modules import _QuantMixin
+
+__all__ = ["convert", "ConvertInfo", "TensorChange", "FORMATS", "detect_format", "load_quantized",
+           "compare_models"]
+
+FORMATS = ("hf", "gguf", "compressed-tensors", "onnx")
+_SOURCES = ("hf", "gguf", "compressed-tensors")
+_ALIASES = {"quark": "hf", "ct": "compressed-tensors", "compressed_tensors": "compressed-tensors"}
+
+
+@dataclass(frozen=True)
+class TensorChange:
+    """One tensor (HF name) whose values differ between the source and the destination."""
+
+    name: str
+    what: str  # "weight" (quantized weight, dequantized values), "tensor" (float parameter), "activation"
+    source: str  # how the source holds it (qcore spec name / dtype)
+    destination: str  # how the destination holds it
+    max_abs_diff: float  # nan for a dropped activation quantization
+
+
+@dataclass(frozen=True)
+class ConvertInfo:
+    """What ``convert`` did: formats, paths, size and the tensors that changed (empty: lossless)."""
+
+    source: str
+    source_format: str
+    destination: str
+    to: str
+    bytes_on_disk: int
+    quantized: int  # quantized weights in the source
+    tensors: tuple = ()  # TensorChange per changed tensor
+    verified_by: str = "reload"  # "reload" (destination loaded back and compared) or "exporter" (ONNX)
+    notes: tuple = ()
+
+    @property
+    def lossless(self) -> bool:
+        return not self.tensors
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "source_format": self.source_format, "destination": self.destination,
+                "to": self.to, "bytes_on_disk": self.bytes_on_disk, "quantized_weights": self.quantized,
+                "lossless": self.lossless, "verified_by": self.verified_by, "notes": list(self.notes),
+                "changed": [{"name": t.name, "what": t.what, "source": t.source, "destination": t.destination,
+                             "max_abs_diff": None if np.isnan(t.max_abs_diff) else t.max_abs_diff}
+                            for t in self.tensors]}
+
+
+def _norm_format(fmt: Any, what: str, allowed: tuple) -> str:
+    if not isinstance(fmt, str):
+        raise TypeError(f"{what} must be a str, one of {list(allowed)}, got {fmt!r}")
+    f = _ALIASES.get(fmt.lower(), fmt.lower())
+    if f not in allowed:
+        raise ValueError(f"{what} must be one of {list(allowed)}, got {fmt!r}")
+    return f
+
+
+def _gguf_in_dir(p: pathlib.Path) -> Optional[pathlib.Path]:
+    files = sorted(p.glob("*.gguf"))
+    if len(files) > 1:
+        raise ValueError(f"src {str(p)!r} holds several GGUF files ({[f.name for f in files]}); name one")
+    return files[0] if files else None
+
+
+def detect_format(path: Union[str, pathlib.Path]) -> str:
+    """The checkpoint format of ``path`` (one of hf, gguf, compressed-tensors); ValueError when it is none."""
+    p = pathlib.Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"src {str(p)!r} does not exist")
+    if p.is_file():
+        if p.suffix == ".gguf":
+            return "gguf"
+        raise ValueError(f"src {str(p)!r} is a file but not a .gguf file; give a .gguf file or an HF checkpoint "
+                         f"directory")
+    cfg = p / "config.json"
+    if not cfg.is_file():
+        if _gguf_in_dir(p) is not None:
+            return "gguf"
+        raise ValueError(f"src {str(p)!r} has no config.json and no .gguf file: not a checkpoint")
+    qc = json.loads(cfg.read_text()).get("quantization_config") or {}
+    method = qc.get("quant_method")
+    if method in ("quark", "qcore"):
+        return "hf"
+    if method == "compressed-tensors":
+        return "compressed-tensors"
+    if not qc:
+        raise ValueError(f"src {str(p)!r} is not quantized (config.json has no quantization_config); quantize it "
+                         f"with qcore quantize first")
+    raise ValueError(f"src {str(p)!r}: quant_method {method!r} is not one qcore reads (quark, qcore, "
+                     f"compressed-tensors)")
+
+
+def _tokenizer(p: pathlib.Path, fmt: str) -> Any:
+    from transformers import AutoTokenizer
+    try:
+        if fmt == "gguf":
+            return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True)
+        return AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def load_quantized(src: Union[str, pathlib.Path], *, dtype: Optional[torch.dtype] = None) -> tuple:
+    """``(model, tokenizer, format)``: a quantized checkpoint of any source format loaded into qcore's frozen
+    modules (the tokenizer is None when the checkpoint has none)."""
+    p = pathlib.Path(src)
+    fmt = detect_format(p)
+    if fmt == "gguf":
+        from .import_gguf import from_gguf
+        if p.is_dir():
+            p = _gguf_in_dir(p)
+        model = from_gguf(p, dtype=dtype)
+    elif fmt == "hf":
+        from .hf import from_pretrained
+        model = from_pretrained(p, dtype=dtype)
+    else:
+        from .import_ct import load_compressed_tensors
+        model = load_compressed_tensors(p, dtype=dtype)
+    return model, _tokenizer(p, fmt), fmt
+
+
+def _spec_desc(spec) -> str:
+    """``uint4 asym group 64 (float32 scales)``-style description of a weight spec."""
+    from qcore import PerChannel, PerGroup, PerTensor
+    g = spec.granularity
+    gran = (f"group {g.size}" if isinstance(g, PerGroup) else "per-channel" if isinstance(g, PerChannel)
+            else "per-tensor" if isinstance(g, PerTensor) else type(g).__name__)
+    el = spec.name or spec.dtype.name
+    asym = "" if spec.symmetric else " asym"
+    return f"{el}{asym} {gran} ({spec.scale_dtype.name} scales)"
+
+
+def _effective(model: nn.Module) -> dict:
+    """name -> (kind, tensor, description) for every parameter of the model as it computes: a quantized weight
+    dequantized, static activation scales, every float parameter."""
+    out: dict[str, tuple] = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        pre = f"{mname}." if mname else ""
+        if isinstance(m, _QuantMixin):
+            spec = m._qspecs.get("weight")
+            if spec is not None:
+                with torch.no_grad():
+                    w = m._w() if m.frozen else m._param("weight")
+                out[pre + "weight"] = ("weight", w.detach(), _spec_desc(spec))
+            for role in ("input", "output"):
+                rs = m._qspecs.get(role)
+                tc = getattr(m.qconfig, role, None)
+                if rs is None or tc is None:
+                    continue
+                desc = f"{rs.name or rs.dtype.name} {'dynamic' if tc.dynamic else 'static'}"
+                sc = m._buffers.get(f"{role}_scale")
+                out[f"{pre}{role}_quant"] = ("activation", None if tc.dynamic or sc is None else sc.detach(), desc)
+        for n, t in m._parameters.items():
+            if t is None or (isinstance(m, _QuantMixin) and n == "weight"):
+                continue
+            out[pre + n] = ("tensor", t.detach(), str(t.dtype).replace("torch.", ""))
+    return out
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> Optional[float]:
+    """None when bit-identical in value (float32), else the max abs difference (inf for a shape change)."""
+    if tuple(a.shape) != tuple(b.shape):
+        return float("inf")
+    a32, b32 = a.float().cpu(), b.float().cpu()
+    if torch.equal(a32, b32):
+        return None
+    d = (a32 - b32).abs()
+    return float(torch.nan_to_num(d, nan=float("inf")).max())
+
+
+def compare_models(source: nn.Module, destination: nn.Module) -> list:
+    """``TensorChange`` for each tensor of ``source`` whose value differs in ``destination`` (see the module
+    docstring); tensors only in one of them are reported too (``max_abs_diff`` inf)."""
+    a, b = _effective(source), _effective(destination)
+    changes = []
+    for name in sorted(set(a) | set(b)):
+        if name not in b:
+            kind, _, desc = a[name]
+            changes.append(TensorChange(name, kind, desc, "absent", float("nan") if kind == "activation"
+                                        else float("inf")))
+            continue
+        if name not in a:
+            kind, _, desc = b[name]
+            changes.append(TensorChange(name, kind, "absent", desc, float("nan") if kind == "activation"
+                                        else float("inf")))
+            continue
+        (ka, ta, da), (kb, tb, db) = a[name], b[name]
+        if ka == "activation":
+            if da != db or (ta is None) != (tb is None):
+                changes.append(TensorChange(name, ka, da, db, float("nan")))
+            elif ta is not None and _diff(ta, tb) is not None:
+                changes.append(TensorChange(name, ka, da, db, _diff(ta, tb)))
+            continue
+        d = _diff(ta, tb)
+        if d is not None:
+            changes.append(TensorChange(name, ka, da, db, d))
+    return changes
+
+
+def _size(p: pathlib.Path) -> int:
+    if p.is_file():
+        return p.stat().st_size
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def _gguf_name(path: pathlib.Path) -> Optional[str]:
+    """The ``general.name`` of a GGUF file (kept by a GGUF -> GGUF conversion), or None."""
+    import gguf
+    f = gguf.GGUFReader(str(path)).fields.get("general.name")
+    if f is None or not f.data:
+        return None
+    return bytes(f.parts[f.data[0]]).decode("utf-8", errors="replace")
+
+
+def _import_changes(model: nn.Module) -> list:
+    """Block-quantized source tensors the importer could not hold as codes (GGUF Q4_1 with float offsets, other
+    block types with ``dequantize_other``): their values are kept, their grid is not."""
+    rep = getattr(model, "qcore_gguf_report", None)
+    if rep is None:
+        return []
+    return [TensorChange(r.name, "dequantized", r.gguf_type, "float (no qcore grid: " + (r.reason or "?") + ")",
+                         float(r.max_abs_diff)) for r in rep.dequantized]
+
+
+def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src_fmt: str, dst: pathlib.Path, to: str, *,
+            overwrite: bool, tokenizer_pre: str) -> tuple:
+    """Write ``model`` in format ``to`` at ``dst``; ``(path written, notes, exporter report or None)``."""
+    notes: list[str] = []
+    if to == "hf":
+        from .export import export_hf
+        info = export_hf(model, dst, tokenizer=tok, overwrite=overwrite)
+        notes.append(f"quant_method {info.quant_method!r}")
+        return dst, notes, None
+    if to == "gguf":
+        from .export_gguf import export_gguf, export_gguf_dir
+        # GGUF source: its tokenizer.* fields are copied verbatim; else the transformers tokenizer is converted
+        gtok = str(src_path) if src_fmt == "gguf" else tok
+        kw = dict(tokenizer=gtok, tokenizer_pre=tokenizer_pre, drop_activations=True, overwrite=overwrite)
+        if src_fmt == "gguf":
+            kw["name"] = _gguf_name(src_path)
+        info = export_gguf(model, dst, **kw) if dst.suffix == ".gguf" else export_gguf_dir(model, dst, **kw)
+        if gtok is None:
+            notes.append("no tokenizer in the source: the GGUF file has none (llama.cpp needs one)")
+        return pathlib.Path(info.path), notes, info
+    if to == "compressed-tensors":
+        from .export_ct import export_compressed_tensors
+        info = export_compressed_tensors(model, dst, tokenizer=tok, overwrite=overwrite)
+        return dst, notes, info
+    from .export_onnx import export_onnx
+    info = export_onnx(model, dst, overwrite=overwrite)
+    return pathlib.Path(getattr(info, "path", dst)), notes, info
+
+
+def _reload(path: pathlib.Path, to: str, dtype: torch.dtype) -> nn.Module:
+    if to == "gguf":
+        import warnings
+        from .import_gguf import from_gguf
+        with warnings.catch_warnings():  # the tensors it warns about are compared and reported here
+            warnings.simplefilter("ignore", UserWarning)
+            return from_gguf(path, dtype=dtype)
+    if to == "hf":
+        from .hf import from_pretrained
+        return from_pretrained(path, dtype=dtype)
+    from .import_ct import load_compressed_tensors
+    return load_compressed_tensors(path, dtype=dtype)
+
+
+def _describe(changes: list, info: Any) -> list:
+    """Destination descriptions from the exporter's per-tensor report where it has one (GGUF: the block type and
+    whether it was written code for code or re-quantized)."""
+    reports = {r.name: r for r in getattr(info, "quantized", ()) if hasattr(r, "gguf_type")}
+    out = []
+    for c in changes:
+        r = reports.get(c.name)
+        out.append(c if r is None else TensorChange(c.name, c.what, c.source, f"{r.gguf_type} ({r.how})",
+                                                    c.max_abs_diff))
+    return out
+
+
+def _onnx_changes(info: Any) -> list:
+    out = []
+    for r in getattr(info, "tensors", ()) or getattr(info, "quantized", ()):
+        if not getattr(r, "exact", True):
+            out.append(TensorChange(getattr(r, "name", "?"), "weight", getattr(r, "source", "?"),
+                                    getattr(r, "how", getattr(r, "onnx_type", "?")),
+                                    float(getattr(r, "max_abs_diff", float("nan")))))
+    return out
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    for m in model.modules():
+        if isinstance(m, _QuantMixin) and m.frozen:
+            return m._frozen_meta["dtype"]
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to: str, overwrite: bool = False,
+            strict: bool = False, dtype: Optional[torch.dtype] = None, tokenizer_pre: str = "default",
+            verify: bool = True) -> ConvertInfo:
+    """Convert the quantized checkpoint ``src`` into format ``to`` at ``dst`` (see the module docstring).
+
+    to: one of ``FORMATS`` (aliases: ``quark`` = hf, ``ct`` = compressed-tensors).
+    overwrite: replace an existing ``dst`` (else FileExistsError, before any work).
+    strict: refuse (ValueError listing the changed tensors) a conversion that is not lossless; ``dst`` is left as
+        it was.
+    dtype: the float dtype the model is loaded in (default: the checkpoint's).
+    tokenizer_pre: llama.cpp's pre-tokenizer name when a transformers tokenizer is converted for GGUF.
+    verify: load the destination back and compare every tensor (default; ONNX: the exporter's report).
+    """
+    to = _norm_format(to, "to", FORMATS)
+    for k, v in (("overwrite", overwrite), ("strict", strict), ("verify", verify)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{k} must be a bool, got {v!r}")
+    if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype!r}")
+    src_p, dst_p = pathlib.Path(src), pathlib.Path(dst)
+    src_fmt = detect_format(src_p)
+    if src_p.resolve() == dst_p.resolve():
+        raise ValueError(f"dst {str(dst_p)!r} is the source; write the conversion elsewhere")
+    if dst_p.exists() and not overwrite and (dst_p.is_file() or any(dst_p.iterdir())):
+        raise FileExistsError(f"dst {str(dst_p)!r} exists; pass overwrite=True (--overwrite) to replace it")
+    if to == "gguf" and dst_p.exists() and dst_p.is_dir() and dst_p.suffix == ".gguf":
+        raise ValueError(f"dst {str(dst_p)!r} is a directory named like a GGUF file")
+
+    model, tok, _ = load_quantized(src_p, dtype=dtype)
+    if src_fmt == "gguf" and src_p.is_dir():
+        src_p = _gguf_in_dir(src_p)
+    nq = sum(1 for m in model.modules() if isinstance(m, _QuantMixin) and "weight" in m._qspecs)
+    imported = _import_changes(model)
+    if nq == 0:
+        raise ValueError(f"src {str(src_p)!r}: no weight could be loaded onto a qcore grid"
+                         + (f" ({len(imported)} block-quantized tensors have none, e.g. {imported[0].name!r}: "
+                            f"{imported[0].destination})" if imported else "") + "; nothing quantized to convert")
+    load_dtype = _model_dtype(model)
+
+    # write into a private staging place first: strict refusals and failed checks leave dst untouched
+    dst_p.parent.mkdir(parents=True, exist_ok=True)
+    stage_root = pathlib.Path(tempfile.mkdtemp(prefix=".qcore-convert-", dir=dst_p.parent))
+    try:
+        staged = stage_root / dst_p.name
+        written, notes, info = _export(model, tok, src_p, src_fmt, staged, to, overwrite=False,
+                                       tokenizer_pre=tokenizer_pre)
+        if to == "onnx":
+            changes, how = imported + _onnx_changes(info), "exporter"
+        elif verify:
+            back = _reload(written, to, load_dtype)
+            changes, how = imported + _describe(compare_models(model, back), info), "reload"
+        else:
+            changes, how = imported, "none"
+        if strict and changes:
+            names = ", ".join(f"{c.name} ({c.source} -> {c.destination})" for c in changes[:8])
+            raise ValueError(f"convert to {to}: not lossless, {len(changes)} tensors change: {names}"
+                             f"{' ...' if len(changes) > 8 else ''}; dst was not written")
+        if dst_p.exists():
+            if not overwrite:
+                raise FileExistsError(f"dst {str(dst_p)!r} appeared while converting; pass overwrite=True")
+            if dst_p.is_dir():
+                old = dst_p.parent / f".{dst_p.name}.old-{stage_root.name}"
+                dst_p.rename(old)
+                try:
+                    staged.rename(dst_p)
+                except BaseException:
+                    old.rename(dst_p)
+                    raise
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                staged.replace(dst_p)
+        else:
+            staged.rename(dst_p)
+        final = dst_p / written.relative_to(staged) if written != staged else dst_p
+    finally:
+        shutil.rmtree(stage_root, ignore_errors=True)
+    return ConvertInfo(str(src_p), src_fmt, str(final), to, _size(dst_p), nq, tuple(changes), how, tuple(notes))
