@@ -288,9 +288,10 @@ def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src_fmt: str, ds
         from .export_ct import export_compressed_tensors
         info = export_compressed_tensors(model, dst, tokenizer=tok, overwrite=overwrite)
         return dst, notes, info
-    from .export_onnx import export_onnx
-    info = export_onnx(model, dst, overwrite=overwrite)
-    return pathlib.Path(getattr(info, "path", dst)), notes, info
+    from .export_onnx import export_onnx, export_onnx_dir
+    info = (export_onnx(model, dst, overwrite=overwrite) if dst.suffix == ".onnx"
+            else export_onnx_dir(model, dst, tokenizer=tok, overwrite=overwrite))
+    return pathlib.Path(info.path), notes, info
 
 
 def _reload(path: pathlib.Path, to: str, dtype: torch.dtype) -> nn.Module:
@@ -319,14 +320,15 @@ def _describe(changes: list, info: Any) -> list:
     return out
 
 
-def _onnx_changes(info: Any) -> list:
-    out = []
-    for r in getattr(info, "tensors", ()) or getattr(info, "quantized", ()):
-        if not getattr(r, "exact", True):
-            out.append(TensorChange(getattr(r, "name", "?"), "weight", getattr(r, "source", "?"),
-                                    getattr(r, "how", getattr(r, "onnx_type", "?")),
-                                    float(getattr(r, "max_abs_diff", float("nan")))))
-    return out
+def _onnx_changes(info: Any, model: nn.Module) -> list:
+    """The ONNX exporter's report: weights written dequantized (formats onnxruntime cannot run) or not exactly."""
+    mods = dict(model.named_modules())
+
+    def desc(name: str) -> str:
+        m = mods.get(name[:-len(".weight")] if name.endswith(".weight") else name)
+        return _spec_desc(m._qspecs["weight"]) if isinstance(m, _QuantMixin) and "weight" in m._qspecs else "?"
+    return [TensorChange(r.name, "weight", desc(r.name), f"{r.onnx_type} ({r.how})", float(r.max_abs_diff))
+            for r in info.quantized if not r.exact or r.how == "dequantized"]
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:
@@ -364,7 +366,10 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
     if to == "gguf" and dst_p.exists() and dst_p.is_dir() and dst_p.suffix == ".gguf":
         raise ValueError(f"dst {str(dst_p)!r} is a directory named like a GGUF file")
 
-    model, tok, _ = load_quantized(src_p, dtype=dtype)
+    if to == "onnx" and dtype not in (None, torch.float32):
+        raise ValueError(f"dtype {dtype}: ONNX exports are float32 models (onnxruntime's quantized ops need "
+                         f"float32 activations)")
+    model, tok, _ = load_quantized(src_p, dtype=torch.float32 if to == "onnx" else dtype)
     if src_fmt == "gguf" and src_p.is_dir():
         src_p = _gguf_in_dir(src_p)
     nq = sum(1 for m in model.modules() if isinstance(m, _QuantMixin) and "weight" in m._qspecs)
@@ -383,7 +388,7 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
         written, notes, info = _export(model, tok, src_p, src_fmt, staged, to, overwrite=False,
                                        tokenizer_pre=tokenizer_pre)
         if to == "onnx":
-            changes, how = imported + _onnx_changes(info), "exporter"
+            changes, how = imported + _onnx_changes(info, model), "exporter"
         elif verify:
             back = _reload(written, to, load_dtype)
             changes, how = imported + _describe(compare_models(model, back), info), "reload"

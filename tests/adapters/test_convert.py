@@ -3,6 +3,8 @@ back (lossless where both formats hold the grid, each changed tensor named other
 the destination untouched, the errors and the command line."""
 
 import json
+
+import numpy as np
 import pathlib
 
 import pytest
@@ -173,3 +175,18 @@ def test_cli_convert_gguf_strict(tmp_path, capsys):
     rc = main(["convert", str(tmp_path / "hf"), str(tmp_path / "o.gguf"), "--to", "gguf"])
     out = capsys.readouterr().out
     assert rc == 0 and "14 tensors changed" in out and "model.layers.0.mlp.down_proj.weight" in out
+
+
+def test_convert_to_onnx_runs_in_onnxruntime(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    from qcore.adapters.export_onnx import decoder_logits
+    from qcore.formats.onnx import ort_session
+    m = _hf_checkpoint(tmp_path / "hf", "uint4_wo_64")
+    info = convert(tmp_path / "hf", tmp_path / "o", to="onnx")
+    assert info.lossless and info.verified_by == "exporter" and info.destination.endswith("model.onnx")
+    got = decoder_logits(ort_session(info.destination), IDS.numpy())
+    assert np.allclose(got, _logits(m).numpy(), atol=1e-5)
+    _hf_checkpoint(tmp_path / "mx", "mxfp4")  # fp4 has no onnxruntime kernel: refused, naming the tensor
+    with pytest.raises(ValueError, match=r"model\.layers\.0\."):
+        convert(tmp_path / "mx", tmp_path / "mx.onnx", to="onnx")
+    assert not (tmp_path / "mx.onnx").exists()
