@@ -448,6 +448,14 @@ def _w4_tile(w_ptr, s_ptr, zp_ptr, rn, k0, N, K, PK, NGK, G: tl.constexpr, FMT: 
 
 
 @triton.jit
+def _round_bf16(w):
+    """float32 -> the nearest bfloat16 value (ties to even), as float32; NaN stays NaN."""
+    b = w.to(tl.int32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return tl.where(w != w, w, r.to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _w4_dequant_kernel(w_ptr, s_ptr, zp_ptr, out_ptr, N, K, PK, NGK, G: tl.constexpr, FMT: tl.constexpr,
                        HAS_ZP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """The matmul's weight tiles written out (float32 [N, K]): tests check them against qcore.dequantize."""
@@ -461,7 +469,8 @@ def _w4_dequant_kernel(w_ptr, s_ptr, zp_ptr, out_ptr, N, K, PK, NGK, G: tl.const
 @triton.jit
 def _w4_matmul_kernel(x_ptr, w_ptr, s_ptr, zp_ptr, b_ptr, y_ptr, M, N, K, PK, NGK, sxm, sym,
                       G: tl.constexpr, FMT: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                      EMULATE: tl.constexpr, X_BF16: tl.constexpr):
     """y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with W dequantized tile by tile (``_w4_tile``), cast to x's dtype
     (as the core path's ``dequantize(...).to(dtype)``) and multiplied with float32 accumulation."""
     pid_m = tl.program_id(0)
@@ -473,13 +482,23 @@ def _w4_matmul_kernel(x_ptr, w_ptr, s_ptr, zp_ptr, b_ptr, y_ptr, M, N, K, PK, NG
         rk = k0 + tl.arange(0, BK)
         xm = (rm < M)[:, None] & (rk < K)[None, :]
         x = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + rk[None, :], mask=xm, other=0.0)
-        w = _w4_tile(w_ptr, s_ptr, zp_ptr, rn, k0, N, K, PK, NGK, G, FMT, HAS_ZP, BK).to(x.dtype)
-        if IEEE:
+        w = _w4_tile(w_ptr, s_ptr, zp_ptr, rn, k0, N, K, PK, NGK, G, FMT, HAS_ZP, BK)
+        if EMULATE:
+            # the CPU interpreter (its bfloat16 cast truncates and its bfloat16 dot is wrong): the same numbers,
+            # the weight rounded to x's dtype by integer arithmetic, multiplied in float32
+            if X_BF16:
+                w = _round_bf16(w)
+            else:
+                w = w.to(x.dtype).to(tl.float32)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+        elif IEEE:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
-            acc += tl.dot(x, tl.trans(w))
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    if EMULATE and X_BF16:
+        acc = _round_bf16(acc)  # the interpreter's float32 -> bfloat16 store truncates
     ym = (rm < M)[:, None] & (rn < N)[None, :]
     tl.store(y_ptr + rm[:, None].to(tl.int64) * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=ym)
 

@@ -342,7 +342,8 @@ def linear_w4(x, packed, scales, zero_points=None, bias=None, *, spec, k):
     with _quiet(x):
         K._w4_matmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
             x2, w, s, zp, b, y, M, N, k, PK, ngk, x2.stride(0), y.stride(0), G=G, FMT=FMT, HAS_ZP=has_zp,
-            HAS_BIAS=bias is not None, BM=BM, BN=BN, BK=BK, IEEE=x.dtype == torch.float32)
+            HAS_BIAS=bias is not None, BM=BM, BN=BN, BK=BK, IEEE=x.dtype == torch.float32, EMULATE=_interp(x),
+            X_BF16=x.dtype == torch.bfloat16)
     return y.reshape(*lead, N)
 
 
