@@ -20,6 +20,7 @@ core. docs/kernels.md is the guide.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from typing import Any, Optional
@@ -30,6 +31,7 @@ __all__ = ["available", "supports", "why_not", "fake_quantize", "quantize", "deq
 ENV = "QCORE_TRITON"
 
 
+@functools.lru_cache(maxsize=1)
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
