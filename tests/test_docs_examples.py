@@ -6,7 +6,7 @@ import re
 import pytest
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
-FILES = ["adapters.md", "algorithms.md", "rotations.md", "gguf.md"]
+FILES = ["adapters.md", "algorithms.md", "rotations.md", "gguf.md", "kernels.md"]
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -16,6 +16,8 @@ def test_doc_examples_run(name):
     assert blocks, f"{name} has no python example"
     if any("import torch" in b for b in blocks):
         pytest.importorskip("torch")
+    if any("qcore.adapters.triton" in b for b in blocks):
+        pytest.importorskip("triton")  # kernels.md: Triton's CPU interpreter when there is no GPU
     ns: dict = {}
     for block in blocks:
         exec(compile(block, name, "exec"), ns)
