@@ -503,6 +503,36 @@ def _w4_matmul_kernel(x_ptr, w_ptr, s_ptr, zp_ptr, b_ptr, y_ptr, M, N, K, PK, NG
     tl.store(y_ptr + rm[:, None].to(tl.int64) * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=ym)
 
 
+@triton.jit
+def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, zp_ptr, part_ptr, M, N, K, PK, NGK, sxm, KCHUNK,
+                    G: tl.constexpr, FMT: tl.constexpr, HAS_ZP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    X_BF16: tl.constexpr, X_F16: tl.constexpr):
+    """Small batches (decode): one activation row per program, BN outputs, a K range of KCHUNK (split-K; the
+    float32 partial sums go to ``part[split, m, n]`` and are added in order by the host). Each weight tile is
+    dequantized exactly, rounded to x's dtype (bfloat16 by integer arithmetic, round half to even), multiplied
+    by x (exact in float32: two 8- or 11-bit significands) and summed in float32."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    m = tl.program_id(2)
+    rn = pid_n * BN + tl.arange(0, BN)
+    acc = tl.full((BN,), 0.0, tl.float32)
+    k_start = split * KCHUNK
+    for kk in range(0, KCHUNK, BK):
+        k0 = k_start + kk
+        rk = k0 + tl.arange(0, BK)
+        xv = tl.load(x_ptr + m.to(tl.int64) * sxm + rk, mask=rk < K, other=0.0).to(tl.float32)
+        w = _w4_tile(w_ptr, s_ptr, zp_ptr, rn, k0, N, K, PK, NGK, G, FMT, HAS_ZP, BK)
+        if X_BF16:
+            w = _round_bf16(w)
+        elif X_F16:
+            w = w.to(tl.float16).to(tl.float32)
+        acc += tl.reduce(xv[None, :] * w, 1, _fsum)
+    tl.store(part_ptr + (split.to(tl.int64) * M + m) * N + rn, acc, mask=rn < N)
+
+
+_fsum = tl.standard._sum_combine  # tl.sum's combine (see _imax)
+
+
 # -- the fast Walsh-Hadamard transform ---------------------------------------------------------------------------
 
 

@@ -335,6 +335,8 @@ def linear_w4(x, packed, scales, zero_points=None, bias=None, *, spec, k):
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y.reshape(*lead, N)
+    if M <= _GEMV_MAX_M:
+        return _gemv_w4(x2, w, s, zp, bias, N, k, PK, ngk, G, FMT, has_zp).reshape(*lead, N)
     BM = 16
     BN = 32 if _interp(x) else 64
     BK = 64 if _interp(x) else 128
@@ -345,6 +347,40 @@ def linear_w4(x, packed, scales, zero_points=None, bias=None, *, spec, k):
             HAS_BIAS=bias is not None, BM=BM, BN=BN, BK=BK, IEEE=x.dtype == torch.float32, EMULATE=_interp(x),
             X_BF16=x.dtype == torch.bfloat16)
     return y.reshape(*lead, N)
+
+
+_GEMV_MAX_M = 4
+
+
+def _gemv_w4(x2, w, s, zp, bias, N, k, PK, ngk, G, FMT, has_zp):
+    """Batch <= _GEMV_MAX_M: split-K GEMV (enough programs to fill a GPU at batch 1); float32 partials summed in
+    split order, bias added in float32, one rounding to x's dtype."""
+    M = x2.shape[0]
+    BN, BK = (32, 64) if _interp(x2) else (64, 128)
+    n_blocks = triton.cdiv(N, BN)
+    k_blocks = triton.cdiv(k, BK)
+    target = 8 if _interp(x2) else 4 * _sm_count(x2.device)
+    split = max(1, min(k_blocks, target // max(1, n_blocks * M)))
+    kchunk = triton.cdiv(k_blocks, split) * BK
+    split = triton.cdiv(k, kchunk)
+    part = torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
+    with _quiet(x2):
+        K._w4_gemv_kernel[(n_blocks, split, M)](x2, w, s, zp, part, M, N, k, PK, ngk, x2.stride(0), kchunk, G=G,
+                                                FMT=FMT, HAS_ZP=has_zp, BN=BN, BK=BK,
+                                                X_BF16=x2.dtype == torch.bfloat16, X_F16=x2.dtype == torch.float16)
+    acc = part[0]
+    for i in range(1, split):
+        acc = acc + part[i]
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(x2.dtype)
+
+
+def _sm_count(device) -> int:
+    try:
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    except Exception:  # pragma: no cover - no device properties: a generic guess
+        return 100
 
 
 # -- FWHT ------------------------------------------------------------------------------------------------------------
