@@ -33,7 +33,10 @@ ENV = "QCORE_TRITON"
 
 @functools.lru_cache(maxsize=1)
 def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a broken or blocked installation
+        return False
 
 
 def _interpreter_on() -> bool:

@@ -89,6 +89,23 @@ def test_forced_kernels_give_the_core_outputs(scheme, fused, dtype, monkeypatch)
         assert torch.equal(model(x), fq_core)
 
 
+@pytest.mark.parametrize("size,key", [(64, None), (48, 3)])
+def test_online_rotation_uses_the_fwht_kernel(size, key, monkeypatch):
+    from qcore.adapters.rotation import InputRotation
+
+    calls = []
+    real = launch.fwht
+    monkeypatch.setattr(launch, "fwht", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    rot = InputRotation(size, key=key)
+    x = torch.randn(2, 5, size).to(torch.bfloat16)
+    monkeypatch.setenv("QCORE_TRITON", "0")
+    core = rot.apply(x)
+    monkeypatch.setenv("QCORE_TRITON", "1")
+    with torch.no_grad():
+        assert torch.equal(rot.apply(x), core)
+    assert calls == [1]
+
+
 def test_gradients_keep_the_core_path(monkeypatch):
     model = _model(torch.float32)
     monkeypatch.setenv("QCORE_TRITON", "0")

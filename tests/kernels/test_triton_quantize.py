@@ -123,6 +123,15 @@ def test_fp8_computed_scales_per_tensor_and_per_channel(fmt, device):
     assert_matches_oracle(qt.fake_quantize(T(x3, device), fmt, axis=1), x3, fmt, op=Op.FAKE_QUANTIZE, axis=1)
 
 
+@pytest.mark.parametrize("fmt,group", [("float8_e4m3fn", 128), ("float8_e4m3fnuz", 32), ("float8_e5m2", 48)])
+def test_fp8_per_group_matches_core(fmt, group, device):
+    spec = qcore.make_spec(fmt, granularity=PerGroup(group, -1))
+    kinds = probes_by_kind(spec)
+    x = np.concatenate(list(kinds.values()))
+    assert_matches_oracle(qt.fake_quantize(T(x, device), spec), x, spec, op=Op.FAKE_QUANTIZE, kinds=kinds)
+    assert_matches_oracle(qt.quantize(T(x, device), spec), x, spec, op=Op.QUANTIZE, kinds=kinds)
+
+
 def test_bfloat16_and_float16_inputs_are_exact(device):
     x = probes_by_kind("mxfp4")["random"]
     for dt in (torch.bfloat16, torch.float16):
