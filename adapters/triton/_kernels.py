@@ -537,6 +537,17 @@ _fsum = tl.standard._sum_combine  # tl.sum's combine (see _imax)
 
 
 @triton.jit
+def _butterfly(y, MP: tl.constexpr, K2: tl.constexpr, HH: tl.constexpr):
+    """One butterfly stage on [MP, K2]: pairs (i, i + HH) inside blocks of 2 * HH -> (a + b, a - b)."""
+    t = tl.reshape(y, [MP, K2 // (2 * HH), 2, HH])
+    t = tl.permute(t, [0, 1, 3, 2])
+    a, b = tl.split(t)
+    t = tl.join(a + b, a - b)
+    t = tl.permute(t, [0, 1, 3, 2])
+    return tl.reshape(t, [MP, K2])
+
+
+@triton.jit
 def _fwht_kernel(x_ptr, h_ptr, out_ptr, rdiv, MD: tl.constexpr, MP: tl.constexpr, K2: tl.constexpr,
                  LOGK2: tl.constexpr):
     """One row of n = MD * K2 per program: butterflies over the 2**k factor (the highest index bit first, as
@@ -550,13 +561,7 @@ def _fwht_kernel(x_ptr, h_ptr, out_ptr, rdiv, MD: tl.constexpr, MP: tl.constexpr
     offs = i[:, None] * K2 + j[None, :]
     y = tl.load(x_ptr + row * n + offs, mask=m2, other=0.0).to(tl.float32)
     for st in tl.static_range(LOGK2):
-        hh: tl.constexpr = K2 >> (st + 1)
-        t = tl.reshape(y, [MP, K2 // (2 * hh), 2, hh])
-        t = tl.permute(t, [0, 1, 3, 2])
-        a, b = tl.split(t)
-        t = tl.join(a + b, a - b)
-        t = tl.permute(t, [0, 1, 3, 2])
-        y = tl.reshape(t, [MP, K2])
+        y = _butterfly(y, MP, K2, K2 >> (st + 1))
     if MD > 1:
         tl.store(out_ptr + row * n + offs, y, mask=m2)
         tl.debug_barrier()

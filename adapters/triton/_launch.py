@@ -41,6 +41,12 @@ def _quiet(x):
     return np.errstate(all="ignore") if _interp(x) else contextlib.nullcontext()
 
 
+def _opts(x) -> dict:
+    """Compile options on a GPU: no floating-point contraction (Triton 3.9 still fuses a * b + c into an FMA by
+    default; the kernels' float operations must be the core's separately rounded ones)."""
+    return {} if _interp(x) else {"enable_fp_fusion": False}
+
+
 def _as_input(x, what="x") -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what} must be a torch tensor for the Triton kernels, got {type(x).__name__}")
@@ -113,7 +119,7 @@ def _run(x, spec, *, scale=None, zero_point=None, tensor_scale=None, want_val=Tr
         K._group_quant_kernel[(triton.cdiv(total, NG),)](
             x, val, codes, packed, s, sc, zp, ts, total, ngc, C, PB, G=G, BLOCK=BLOCK, NG=NG, **scale_consts(spec),
             **ec, WRITE_VAL=want_val, WRITE_CODE=want_codes, PACK=pack, WRITE_SCALE=True,
-            CODE_SIGNED=int_code_signed(spec))
+            CODE_SIGNED=int_code_signed(spec), **_opts(x))
         scales = s.reshape(sshape)
         zps = None if spec.symmetric else zp.reshape(sshape)
         return _Run(val if want_val else None, codes if want_codes else None, packed if pack else None, scales,
@@ -133,7 +139,7 @@ def _run(x, spec, *, scale=None, zero_point=None, tensor_scale=None, want_val=Tr
         sc = torch.empty(Kc, dtype=torch.int32, device=dev)
         K._stats_scale_kernel[(triton.cdiv(Kc, 1024),)](amax, lo, hi, g if g is not None else s, s, mul, dq, zp, sc, Kc,
                                                         **scale_consts(spec), QMIN=ec["QMIN"], QMAX=ec["QMAX"],
-                                                        BLOCK=1024)
+                                                        BLOCK=1024, **_opts(x))
         layout, P1, P2, G = 0, Kc, B, 1
         scales = s.reshape(sshape)
         zps = None if spec.symmetric else zp.reshape(sshape)
@@ -163,7 +169,7 @@ def _run(x, spec, *, scale=None, zero_point=None, tensor_scale=None, want_val=Tr
     BLOCK = sz["ELEM"]
     K._elem_quant_kernel[(triton.cdiv(n, BLOCK),)](
         x, val, codes, s, mul, dq, zp, n, P1, P2, LAYOUT=layout, G=G, USE_MUL=bool(spec.pow2_scale), **ec,
-        WRITE_VAL=want_val, WRITE_CODE=want_codes, CODE_SIGNED=int_code_signed(spec), BLOCK=BLOCK)
+        WRITE_VAL=want_val, WRITE_CODE=want_codes, CODE_SIGNED=int_code_signed(spec), BLOCK=BLOCK, **_opts(x))
     return _Run(val if want_val else None, codes if want_codes else None, None, scales, scode, zps, g)
 
 
@@ -269,7 +275,7 @@ def dequantize(q: QTensor) -> torch.Tensor:
     BLOCK = _sizes(codes)["ELEM"]
     with _quiet(codes):
         K._dequant_kernel[(triton.cdiv(n, BLOCK),)](codes.contiguous(), s, dq, zpt, out, n, P1, P2, LAYOUT=layout, G=G,
-                                                    BLOCK=BLOCK, **decode_consts(spec))
+                                                    BLOCK=BLOCK, **decode_consts(spec), **_opts(codes))
     return out
 
 
@@ -317,7 +323,7 @@ def dequantize_w4(packed, scales, zero_points=None, *, spec, k):
     BN, BK = 32, 64
     with _quiet(w):
         K._w4_dequant_kernel[(triton.cdiv(N, BN), triton.cdiv(k, BK))](w, s, zp, out, N, k, PK, ngk, G=G, FMT=FMT,
-                                                                      HAS_ZP=has_zp, BN=BN, BK=BK)
+                                                                      HAS_ZP=has_zp, BN=BN, BK=BK, **_opts(w))
     return out
 
 
@@ -345,7 +351,7 @@ def linear_w4(x, packed, scales, zero_points=None, bias=None, *, spec, k):
         K._w4_matmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
             x2, w, s, zp, b, y, M, N, k, PK, ngk, x2.stride(0), y.stride(0), G=G, FMT=FMT, HAS_ZP=has_zp,
             HAS_BIAS=bias is not None, BM=BM, BN=BN, BK=BK, IEEE=x.dtype == torch.float32, EMULATE=_interp(x),
-            X_BF16=x.dtype == torch.bfloat16)
+            X_BF16=x.dtype == torch.bfloat16, **_opts(x))
     return y.reshape(*lead, N)
 
 
@@ -367,7 +373,8 @@ def _gemv_w4(x2, w, s, zp, bias, N, k, PK, ngk, G, FMT, has_zp):
     with _quiet(x2):
         K._w4_gemv_kernel[(n_blocks, split, M)](x2, w, s, zp, part, M, N, k, PK, ngk, x2.stride(0), kchunk, G=G,
                                                 FMT=FMT, HAS_ZP=has_zp, BN=BN, BK=BK,
-                                                X_BF16=x2.dtype == torch.bfloat16, X_F16=x2.dtype == torch.float16)
+                                                X_BF16=x2.dtype == torch.bfloat16, X_F16=x2.dtype == torch.float16,
+                                                **_opts(x2))
     acc = part[0]
     for i in range(1, split):
         acc = acc + part[i]
@@ -406,5 +413,6 @@ def fwht(x, *, axis: int = -1):
         h = torch.as_tensor(_dense(m).astype(np.int32), device=y.device).contiguous()
         rdiv = float(np.float32(math.sqrt(n)))
         with _quiet(y):
-            K._fwht_kernel[(rows,)](y, h, out, rdiv, MD=m, MP=_next_pow2(m), K2=k2, LOGK2=k2.bit_length() - 1)
+            K._fwht_kernel[(rows,)](y, h, out, rdiv, MD=m, MP=_next_pow2(m), K2=k2, LOGK2=k2.bit_length() - 1,
+                                    **_opts(y))
     return torch.movedim(out, -1, axis)
