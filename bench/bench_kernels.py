@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     bw = 2 * src.nbytes / t
     res["bandwidth_GBps"] = bw / 1e9
     print(f"\nmemory bandwidth (copy of {src.nbytes / 2**30:.2f} GiB float32): {bw / 1e9:.1f} GB/s")
-    del src, dst
+    src = dst = None  # free the GiB
 
     # 2. quantization throughput
     print(f"\nquantization of a {size}x{size} tensor (fraction = bytes moved / time / bandwidth; target >= 0.80)")
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
             scales = qw.scale_codes if spec.pow2_scale else qw.scales
             zp = None if qw.zero_points is None else qw.zero_points.to(torch.uint8)
             wb = qcore.dequantize(qw).to(torch.bfloat16)
-            del w, qw
+            w = qw = None
             x = torch.randn(1, K, generator=g).to(dev).to(torch.bfloat16)
             y = kernels.linear_w4(x, packed, scales, zp, spec=spec, k=K)
             ref = F.linear(x.float(), wb.float())
@@ -173,7 +173,6 @@ def main(argv=None) -> int:
             mm.append({"weight": fmt, "N": N, "K": K, "bf16_us": tb * 1e6, "kernel_us": tk * 1e6,
                        "speedup": tb / tk, "max_rel_err": err})
             print(f"{fmt:<16}{f'{N}x{K}':>14}{tb * 1e6:>10.1f}{tk * 1e6:>11.1f}{tb / tk:>9.2f}{err:>13.2e}")
-            del packed, scales, zp, wb
     res["matmul_batch1"] = mm
 
     print("\ntargets")

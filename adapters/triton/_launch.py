@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -79,8 +79,22 @@ def _tensor_scale(x: torch.Tensor, spec, given) -> Optional[torch.Tensor]:
         return given.reshape(()).float()
     if spec.tensor_scale_mode.name == "ONE":
         return torch.ones((), dtype=torch.float32, device=x.device)
-    amax = x.abs().amax().float()
+    lo, hi = _min_max(x.reshape(1, 1, -1))
+    amax = torch.maximum(-lo, hi).reshape(())
     return tensor_scale_from_amax(amax, spec, ops(amax), amax)
+
+
+def _min_max(xv: torch.Tensor):
+    """Per-channel (min, max) of an (A, K, B) view over axes 0 and 2, float32 (K,): one pass without a |x|
+    temporary where the layout allows (per tensor, per row, per column); NaN propagates."""
+    A, Kc, B = xv.shape
+    if A == 1:
+        lo, hi = torch.aminmax(xv.reshape(Kc, B), dim=1)
+    elif B == 1:
+        lo, hi = torch.aminmax(xv.reshape(A, Kc), dim=0)
+    else:
+        lo, hi = xv.amin(dim=(0, 2)), xv.amax(dim=(0, 2))
+    return lo.float(), hi.float()
 
 
 def _run(x, spec, *, scale=None, zero_point=None, tensor_scale=None, want_val=True, want_codes=False, pack=0):
@@ -127,13 +141,9 @@ def _run(x, spec, *, scale=None, zero_point=None, tensor_scale=None, want_val=Tr
     # scales known before the element pass: given, or from per-tensor / per-channel statistics
     if scale is None:
         A, Kc, B = channel_layout(spec, shape)
-        xv = x.reshape(A, Kc, B)
-        amax = xv.abs().amax(dim=(0, 2)).float().contiguous()
-        if spec.symmetric:
-            lo = hi = amax
-        else:
-            lo = xv.amin(dim=(0, 2)).float().contiguous()
-            hi = xv.amax(dim=(0, 2)).float().contiguous()
+        lo, hi = _min_max(x.reshape(A, Kc, B))
+        amax = torch.maximum(-lo, hi).contiguous()  # max |x| exactly (NaN propagates)
+        lo, hi = lo.contiguous(), hi.contiguous()
         s = torch.empty(Kc, dtype=f32, device=dev)
         mul, dq, zp = torch.empty_like(s), torch.empty_like(s), torch.empty_like(s)
         sc = torch.empty(Kc, dtype=torch.int32, device=dev)

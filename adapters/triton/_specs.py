@@ -9,7 +9,7 @@ from typing import Any, Optional
 import numpy as np
 
 from qcore import PerChannel, PerGroup, PerTensor, QuantSpec
-from qcore.dtypes import FloatDType, IntDType, ScaleMode, Specials, get_dtype
+from qcore.dtypes import FloatDType, IntDType, ScaleMode, Specials
 from qcore.quantize import make_spec
 from qcore.rounding import RoundingMode
 from qcore.scales import scale_exponent_range
@@ -170,6 +170,3 @@ def int_code_signed(spec: QuantSpec) -> bool:
     d = spec.dtype
     return isinstance(d, IntDType) and d.signed
 
-
-def get(name):  # convenience for tests
-    return get_dtype(name)

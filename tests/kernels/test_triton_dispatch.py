@@ -6,8 +6,6 @@ import copy
 
 import pytest
 
-import qcore
-
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
