@@ -497,20 +497,29 @@ def _w4_matmul_kernel(x_ptr, w_ptr, s_ptr, zp_ptr, b_ptr, y_ptr, M, N, K, PK, NG
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    if EMULATE and X_BF16:
-        acc = _round_bf16(acc)  # the interpreter's float32 -> bfloat16 store truncates
     ym = (rm < M)[:, None] & (rn < N)[None, :]
-    tl.store(y_ptr + rm[:, None].to(tl.int64) * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=ym)
+    _store_out(y_ptr, rm[:, None].to(tl.int64) * sym + rn[None, :], acc, ym, EMULATE, X_BF16)
 
 
 @triton.jit
-def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, zp_ptr, part_ptr, M, N, K, PK, NGK, sxm, KCHUNK,
-                    G: tl.constexpr, FMT: tl.constexpr, HAS_ZP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    X_BF16: tl.constexpr, X_F16: tl.constexpr):
-    """Small batches (decode): one activation row per program, BN outputs, a K range of KCHUNK (split-K; the
-    float32 partial sums go to ``part[split, m, n]`` and are added in order by the host). Each weight tile is
-    dequantized exactly, rounded to x's dtype (bfloat16 by integer arithmetic, round half to even), multiplied
-    by x (exact in float32: two 8- or 11-bit significands) and summed in float32."""
+def _store_out(y_ptr, offs, acc, mask, EMULATE: tl.constexpr, X_BF16: tl.constexpr):
+    """Store float32 ``acc`` in y's dtype, rounded to nearest even (the interpreter's bfloat16 store truncates:
+    there the rounding is done by integer arithmetic first)."""
+    if EMULATE and X_BF16:
+        acc = _round_bf16(acc)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, zp_ptr, b_ptr, part_ptr, y_ptr, M, N, K, PK, NGK, sxm, KCHUNK,
+                    G: tl.constexpr, FMT: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    DIRECT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, X_BF16: tl.constexpr,
+                    X_F16: tl.constexpr, EMULATE: tl.constexpr):
+    """Small batches (decode): one activation row per program, BN outputs, a K range of KCHUNK. Each weight tile
+    is dequantized exactly, rounded to x's dtype (bfloat16 by integer arithmetic, round half to even),
+    multiplied by x (exact in float32: two 8- or 11-bit significands) and summed in float32. DIRECT (one K
+    range): bias added and y written here, one launch; else split-K: float32 partials ``part[split, m, n]``,
+    summed in split order by ``_splitk_sum_kernel``."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     m = tl.program_id(2)
@@ -527,7 +536,26 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, zp_ptr, part_ptr, M, N, K, PK, NGK, sxm
         elif X_F16:
             w = w.to(tl.float16).to(tl.float32)
         acc += tl.reduce(xv[None, :] * w, 1, _fsum)
-    tl.store(part_ptr + (split.to(tl.int64) * M + m) * N + rn, acc, mask=rn < N)
+    if DIRECT:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        _store_out(y_ptr, m.to(tl.int64) * N + rn, acc, rn < N, EMULATE, X_BF16)
+    else:
+        tl.store(part_ptr + (split.to(tl.int64) * M + m) * N + rn, acc, mask=rn < N)
+
+
+@triton.jit
+def _splitk_sum_kernel(part_ptr, b_ptr, y_ptr, S, MN, N, HAS_BIAS: tl.constexpr, EMULATE: tl.constexpr,
+                       X_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """y = (part[0] + part[1] + ... + part[S-1]) + bias, in that order, float32, one rounding to y's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    msk = offs < MN
+    acc = tl.load(part_ptr + offs, mask=msk, other=0.0)
+    for sp in range(1, S):
+        acc += tl.load(part_ptr + sp * MN + offs, mask=msk, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=msk, other=0.0).to(tl.float32)
+    _store_out(y_ptr, offs, acc, msk, EMULATE, X_BF16)
 
 
 _fsum = tl.standard._sum_combine  # tl.sum's combine (see _imax)

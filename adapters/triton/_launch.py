@@ -369,28 +369,32 @@ _GEMV_MAX_M = 4
 
 
 def _gemv_w4(x2, w, s, zp, bias, N, k, PK, ngk, G, FMT, has_zp):
-    """Batch <= _GEMV_MAX_M: split-K GEMV (enough programs to fill a GPU at batch 1); float32 partials summed in
-    split order, bias added in float32, one rounding to x's dtype."""
+    """Batch <= _GEMV_MAX_M: a GEMV over (N / BN) x splits x M programs, enough to fill a GPU at batch 1. One
+    launch when one K range suffices; else split-K float32 partials and a second launch that sums them in order,
+    adds the bias in float32 and rounds once to x's dtype."""
     M = x2.shape[0]
-    BN, BK = (32, 64) if _interp(x2) else (64, 128)
+    interp = _interp(x2)
+    BN, BK = (32, 64) if interp else (32, 128)
     n_blocks = triton.cdiv(N, BN)
     k_blocks = triton.cdiv(k, BK)
-    target = 8 if _interp(x2) else 4 * _sm_count(x2.device)
-    split = max(1, min(k_blocks, target // max(1, n_blocks * M)))
+    target = 4 if interp else 2 * _sm_count(x2.device)
+    split = max(1, min(k_blocks, -(-target // max(1, n_blocks * M))))
     kchunk = triton.cdiv(k_blocks, split) * BK
     split = triton.cdiv(k, kchunk)
-    part = torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
+    y = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
+    part = torch.empty((split, M, N), dtype=torch.float32, device=x2.device) if split > 1 else y
+    b = bias if bias is not None else y
+    flags = dict(X_BF16=x2.dtype == torch.bfloat16, EMULATE=interp)
     with _quiet(x2):
-        K._w4_gemv_kernel[(n_blocks, split, M)](x2, w, s, zp, part, M, N, k, PK, ngk, x2.stride(0), kchunk, G=G,
-                                                FMT=FMT, HAS_ZP=has_zp, BN=BN, BK=BK,
-                                                X_BF16=x2.dtype == torch.bfloat16, X_F16=x2.dtype == torch.float16,
-                                                **_opts(x2))
-    acc = part[0]
-    for i in range(1, split):
-        acc = acc + part[i]
-    if bias is not None:
-        acc = acc + bias.float()
-    return acc.to(x2.dtype)
+        K._w4_gemv_kernel[(n_blocks, split, M)](x2, w, s, zp, b, part, y, M, N, k, PK, ngk, x2.stride(0), kchunk,
+                                                G=G, FMT=FMT, HAS_ZP=has_zp, HAS_BIAS=bias is not None,
+                                                DIRECT=split == 1, BN=BN, BK=BK, X_F16=x2.dtype == torch.float16,
+                                                **flags, **_opts(x2))
+        if split > 1:
+            K._splitk_sum_kernel[(triton.cdiv(M * N, 1024),)](part, b, y, split, M * N, N,
+                                                              HAS_BIAS=bias is not None, BLOCK=1024, **flags,
+                                                              **_opts(x2))
+    return y
 
 
 def _sm_count(device) -> int:

@@ -65,10 +65,14 @@ def main(targets):
         build(K._w4_matmul_kernel, dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", zp_ptr="*i32", b_ptr="*bf16",
                                         y_ptr="*bf16", M="i32", N="i32", K="i32", PK="i32", NGK="i32",
                                         sxm="i32", sym="i32"), c, target, False)
-        c = dict(G=128, FMT=1, HAS_ZP=True, BN=64, BK=128, X_BF16=True, X_F16=False)
-        build(K._w4_gemv_kernel, dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*fp32", zp_ptr="*i32", part_ptr="*fp32",
-                                      M="i32", N="i32", K="i32", PK="i32", NGK="i32", sxm="i32", KCHUNK="i32"),
-              c, target, False)
+        for direct in (True, False):
+            c = dict(G=128, FMT=1, HAS_ZP=True, HAS_BIAS=True, DIRECT=direct, BN=32, BK=128, X_BF16=True,
+                     X_F16=False, EMULATE=False)
+            build(K._w4_gemv_kernel, dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*fp32", zp_ptr="*i32", b_ptr="*bf16",
+                                          part_ptr="*fp32", y_ptr="*bf16", M="i32", N="i32", K="i32", PK="i32",
+                                          NGK="i32", sxm="i32", KCHUNK="i32"), c, target, False)
+        build(K._splitk_sum_kernel, dict(part_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16", S="i32", MN="i32", N="i32"),
+              dict(HAS_BIAS=True, EMULATE=False, X_BF16=True, BLOCK=1024), target, True)
         build(K._w4_dequant_kernel, dict(w_ptr="*u8", s_ptr="*fp32", zp_ptr="*i32", out_ptr="*fp32", N="i32",
                                          K="i32", PK="i32", NGK="i32"),
               dict(G=32, FMT=1, HAS_ZP=True, BN=32, BK=64), target, True)

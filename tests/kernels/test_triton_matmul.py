@@ -52,25 +52,25 @@ def test_weight_tiles_equal_the_core_dequantize(name, device):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("name", ["int4_g32", "uint4_g64", "mxfp4"])
-@pytest.mark.parametrize("m", [1, 5])
-def test_product_within_tolerance_of_torch(name, dtype, m, device):
+@pytest.mark.parametrize("lead", [(1,), (3, 1), (3, 5)])  # M = 1: split-K GEMV; 3: one-launch GEMV; 15: tl.dot
+def test_product_within_tolerance_of_torch(name, dtype, lead, device):
     spec = SPECS[name]
     g = torch.Generator().manual_seed(0)
     n, k = 40, 136  # ragged: 136 = 4 * 32 + 8, not a multiple of 64, odd tile counts
     w = torch.randn(n, k, generator=g)
-    x = torch.randn(3, m, k, generator=g).to(dtype)
+    x = torch.randn(*lead, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g).to(dtype)
     q, packed, scales, zp = _frozen(w, spec)
     wd = qcore.dequantize(q).to(dtype)
     ref = torch.nn.functional.linear(x.float(), wd.float(), bias.float())
     d = lambda t: None if t is None else t.to(device)  # noqa: E731
     y = qt.linear_w4(d(x), d(packed), d(scales), d(zp), d(bias), spec=spec, k=k).cpu()
-    assert y.dtype == dtype and y.shape == (3, m, n)
+    assert y.dtype == dtype and y.shape == (*lead, n)
     bound = 1e-5 * (x.float().abs() @ wd.float().abs().T + bias.float().abs()) + ref.abs() * _eps(dtype)
     err = (y.float() - ref).abs()
     assert bool((err <= bound).all()), float((err - bound).max())
     # a wrong weight (one code off) is caught by the same check
-    if m == 5 and dtype == torch.float32:
+    if dtype == torch.float32:
         bad = packed.clone()
         bad[0, 0] ^= 0x1
         yb = qt.linear_w4(d(x), d(bad), d(scales), d(zp), d(bias), spec=spec, k=k).cpu()
