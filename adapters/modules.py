@@ -485,7 +485,7 @@ class _QuantMixin:
         spec = self._qspecs[role]
         v = self._act_view(x)
         if not tc.calibrated:
-            y = qcore.fake_quantize(v, spec)
+            y = _fake_quantize(v, spec)
         elif self._observers is not None:
             self._observers[role].update(v)
             return x
@@ -493,14 +493,14 @@ class _QuantMixin:
             ts = self._buffers[f"{role}_tensor_scale"]
             if role not in self._calibrated:
                 raise RuntimeError(self._uncalibrated(role))
-            y = qcore.fake_quantize(v, spec, tensor_scale=ts)
+            y = _fake_quantize(v, spec, tensor_scale=ts)
         else:
             s = self._buffers[f"{role}_scale"]
             if role not in self._calibrated:
                 raise RuntimeError(self._uncalibrated(role))
             zp = self._buffers.get(f"{role}_zero_point")
-            y = qcore.fake_quantize(v, spec, scale=self._scale_view(s, v),
-                                    zero_point=None if zp is None else self._scale_view(zp, v))
+            y = _fake_quantize(v, spec, scale=self._scale_view(s, v),
+                               zero_point=None if zp is None else self._scale_view(zp, v))
         return y.reshape(x.shape).to(x.dtype)
 
     def _uncalibrated(self, role: str) -> str:
@@ -647,7 +647,26 @@ class _QuantMixin:
                           scales=scales.float(), zero_points=None if zp is None else zp.float(), spec=spec,
                           subblock_shifts=None if shifts is None else shifts.to(torch.int32),
                           tensor_scale=ts)
-        return self._uncanon(qcore.dequantize(q)).to(meta["dtype"])
+        return self._uncanon(_dequantize(q)).to(meta["dtype"])
+
+    def _frozen_linear(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """``F.linear(x, self._w(), bias)`` by the fused Triton dequantize-matmul when the weight is frozen int4/uint4
+        per group or MXFP4 and x is on a GPU with Triton (``qcore.adapters.triton.available``); None otherwise (the
+        caller dequantizes). No autograd graph: None when x requires grad."""
+        if self._qmode != _FROZEN or (x.requires_grad and torch.is_grad_enabled()):
+            return None
+        from . import triton as kernels
+
+        spec = self._qspecs["weight"]
+        meta = self._frozen_meta
+        if not kernels.available(x) or x.dtype != meta["dtype"] or len(meta["shape"]) != 2 \
+                or kernels.w4_format(spec) is None:
+            return None
+        bias = self._param("bias")
+        if bias is not None and bias.requires_grad and torch.is_grad_enabled():
+            return None
+        return kernels.linear_w4(x, self.weight_packed, self.weight_scale, self._buffers.get("weight_zero_point"),
+                                 None if bias is None else bias.detach(), spec=spec, k=meta["shape"][1])
 
     def _w(self) -> torch.Tensor:
         if self._qmode == _FROZEN:
@@ -678,6 +697,26 @@ class _Kept(NamedTuple):
     tensor_scale: Any
 
 
+def _fake_quantize(x: torch.Tensor, spec: QuantSpec, **kw) -> torch.Tensor:
+    """``qcore.fake_quantize(x, spec, **kw)``, computed by its Triton twin (same bits) when x is on a GPU with
+    Triton (``qcore.adapters.triton.available``), the spec is covered and no gradient is needed."""
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        from . import triton as kernels
+
+        if kernels.available(x) and kernels.supports(spec, ndim=x.dim(), given_scale=kw.get("scale") is not None):
+            return kernels.fake_quantize(x, spec, **kw)
+    return qcore.fake_quantize(x, spec, **kw)
+
+
+def _dequantize(q) -> torch.Tensor:
+    """``qcore.dequantize(q)``, by its Triton twin (same bits) when the codes are on a GPU with Triton."""
+    from . import triton as kernels
+
+    if kernels.available(q.codes) and kernels.supports(q.spec, ndim=q.codes.dim()):
+        return kernels.dequantize(q)
+    return qcore.dequantize(q)
+
+
 def _ste(x: torch.Tensor, fq: torch.Tensor) -> torch.Tensor:
     """``fq`` in the forward, identity gradient to ``x`` in the backward."""
     return x + (fq.to(x.dtype) - x).detach()
@@ -696,7 +735,9 @@ class QuantLinear(_QuantMixin, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self._qact(x, "input")
-        y = F.linear(x, self._w(), self._param("bias"))
+        y = self._frozen_linear(x)  # the fused kernel on a GPU (frozen int4 / MXFP4 weights), else None
+        if y is None:
+            y = F.linear(x, self._w(), self._param("bias"))
         return self._qact(y, "output")
 
 

@@ -126,14 +126,25 @@ class InputRotation:
             if self.key is not None:
                 if self._signs is None:
                     self._signs = torch.from_numpy(random_signs(self.size, key=self.key))
-                y = fwht(x.to(ct) * self._signs.to(device=x.device, dtype=ct))
+                y = _fwht(x.to(ct) * self._signs.to(device=x.device, dtype=ct))
             else:
-                y = fwht(x.to(ct))
+                y = _fwht(x.to(ct))
         else:
             if self._dense is None:
                 self._dense = self.matrix()
             y = x.to(ct) @ self._dense.to(device=x.device, dtype=ct)
         return y.to(x.dtype)
+
+
+def _fwht(x: torch.Tensor) -> torch.Tensor:
+    """``fwht(x)``, by its Triton twin (same bits) for float32 tensors on a GPU with Triton
+    (``qcore.adapters.triton.available``) when no gradient is needed."""
+    if x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled()):
+        from . import triton as kernels
+
+        if kernels.available(x):
+            return kernels.fwht(x)
+    return fwht(x)
 
 
 def remove_online(model: nn.Module) -> None:

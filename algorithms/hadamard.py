@@ -22,7 +22,10 @@ transforms. With ``key`` (an int seed), the result is ``R @ diag(signs)`` with r
 
 ``fwht(x, *, axis=-1)``: ``x @ hadamard(n).T / sqrt(n)`` along ``axis`` for ``n = m * 2^k`` with a
 constructible ``m``, in ``O(n log n + n m)``: butterflies on the ``2^k`` factor, a dense ``m x m`` product for
-the rest. numpy arrays and torch tensors (any device) through the same code; float32 or float64 results.
+the rest (summed over its columns in order, then one correctly rounded division by ``sqrt(n)`` rounded to the
+result's dtype: a defined float order, bit-identical between numpy and torch on any device, and the twin of the
+Triton kernel ``qcore.adapters.triton.fwht``). numpy arrays and torch tensors (any device) through the same code;
+float32 or float64 results.
 """
 
 from __future__ import annotations
@@ -303,12 +306,12 @@ def fwht(x: Any, *, axis: int = -1) -> Any:
         f64 = x.dtype == torch.float64
         y = torch.movedim(x.to(torch.float64 if f64 else torch.float32), axis, -1).contiguous()
         hm = torch.as_tensor(_dense(m), dtype=y.dtype, device=y.device)
-        stack, einsum, moveaxis = torch.stack, torch.einsum, torch.movedim
+        stack, moveaxis = torch.stack, torch.movedim
     else:
         dt = np.float64 if x.dtype == np.float64 else np.float32
         y = np.ascontiguousarray(np.moveaxis(x.astype(dt), axis, -1))
         hm = _dense(m).astype(dt)
-        stack, einsum, moveaxis = np.stack, np.einsum, np.moveaxis
+        stack, moveaxis = np.stack, np.moveaxis
     lead = y.shape[:-1]
     y = y.reshape(-1, m, k2)
     h = k2
@@ -319,6 +322,15 @@ def fwht(x: Any, *, axis: int = -1) -> Any:
         h //= 2
     y = y.reshape(-1, m, k2)
     if m > 1:
-        y = einsum("ij,bjk->bik", hm, y)
-    y = (y / math.sqrt(n)).reshape(*lead, n)
+        # the dense factor summed over j in order (a defined float order, which the Triton kernel's twin follows;
+        # entries are +-1, so each product is exact)
+        acc = hm[None, :, 0:1] * y[:, 0:1, :]
+        for j in range(1, m):
+            acc = acc + hm[None, :, j:j + 1] * y[:, j:j + 1, :]
+        y = acc
+    # a correctly rounded division by fl(sqrt(n)) (a device tensor as divisor: torch on CUDA turns a division by a
+    # Python scalar into a multiplication by its reciprocal)
+    root = np.asarray(math.sqrt(n), dtype=y.dtype if not torch_in else (np.float64 if f64 else np.float32))
+    div = torch.as_tensor(root, device=y.device) if torch_in else root
+    y = (y / div).reshape(*lead, n)
     return moveaxis(y, -1, axis)

@@ -6,7 +6,7 @@ import re
 import pytest
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
-FILES = ["adapters.md", "algorithms.md", "rotations.md", "gguf.md", "onnx.md"]
+FILES = ["adapters.md", "algorithms.md", "rotations.md", "gguf.md", "onnx.md", "kernels.md", "convert.md"]
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -18,6 +18,8 @@ def test_doc_examples_run(name):
         pytest.importorskip("torch")
     if any("onnxruntime" in b or "ort_session" in b for b in blocks):
         pytest.importorskip("onnxruntime")
+    if any("qcore.adapters.triton" in b for b in blocks):
+        pytest.importorskip("triton")  # kernels.md: Triton's CPU interpreter when there is no GPU
     ns: dict = {}
     for block in blocks:
         exec(compile(block, name, "exec"), ns)
