@@ -189,10 +189,11 @@ class CTArgs:
         if ao is not None:
             if not isinstance(ao, str) or ao.lower() not in ("weight", "static", "group", "dynamic"):
                 raise _err("QuantizationArgs.actorder", ao, "null, 'weight' or 'static'")
-            ao = {"static": "weight", "dynamic": "group"}.get(ao.lower(), ao.lower())
+            ao = ao.lower()  # kept as spelled ("static" is compressed-tensors' alias of "weight")
         object.__setattr__(self, "actorder", ao)
         object.__setattr__(self, "scale_dtype", _torch_dtype_name(self.scale_dtype, "QuantizationArgs.scale_dtype"))
-        object.__setattr__(self, "zp_dtype", _torch_dtype_name(self.zp_dtype, "QuantizationArgs.zp_dtype"))
+        zp = _torch_dtype_name(self.zp_dtype, "QuantizationArgs.zp_dtype")
+        object.__setattr__(self, "zp_dtype", None if self.symmetric else zp)  # as compressed-tensors serializes it
         if self.observer is not None and not isinstance(self.observer, str):
             raise _err("QuantizationArgs.observer", self.observer, "a string or null")
         if not isinstance(self.observer_kwargs, Mapping):
@@ -412,7 +413,7 @@ def args_to_spec(args: CTArgs, *, role: str, where: str = "QuantizationArgs") ->
     if args.dynamic == "local" or st in (Strategy.TENSOR_GROUP, Strategy.ATTN_HEAD):
         raise ValueError(f"{where}: strategy {st.value!r} (dynamic {args.dynamic!r}) has no qcore mapping here "
                          f"(NVFP4 and attention-head scales are not converted)")
-    if args.actorder == "group":
+    if args.actorder in ("group", "dynamic"):
         raise ValueError(f"{where}: actorder 'group' (g_idx reordering) is not supported; 'weight' is")
     if role == _WEIGHT and args.dynamic:
         raise ValueError(f"{where}: dynamic weights are not supported")
