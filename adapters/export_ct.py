@@ -595,7 +595,7 @@ def load_compressed_tensors(directory: Union[str, os.PathLike], *, dtype: Option
                 codes, scales, zp = CT.decode_weight(arrays, spec, shape, fmt=fmt, dtypes=dts, where=where)
             except ValueError as e:
                 raise CorruptCheckpointError(str(e)) from None
-            q.load_frozen(WeightParts(codes=codes, scales=scales, zero_points=zp), shape=shape, dtype=dtype,
+            q.load_frozen(WeightParts(codes=np.array(codes), scales=scales, zero_points=zp), shape=shape, dtype=dtype,
                           device=torch.device("cpu"))
             if "bias" in q._parameters and q._parameters["bias"] is not None:
                 q._parameters["bias"].copy_(reader.torch(f"{p.name}.bias").to(dtype))
