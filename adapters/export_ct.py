@@ -80,6 +80,10 @@ class CTExportInfo:
     notes: tuple = ()
 
     @property
+    def quant_method(self) -> str:
+        return CT.QUANT_METHOD
+
+    @property
     def inexact(self) -> list:
         """Names of the tensors whose stored values differ from qcore's."""
         return [n for n, r in self.tensors.items() if not r.exact]

@@ -211,9 +211,11 @@ def _add_quantize(sub) -> None:
                    help="--amp: calibration windows the per-layer sensitivities are measured on (default 2)")
     q.add_argument("--output", default=None, metavar="DIR", help="write the quantized checkpoint here (with --export; "
                    "default format hf); the directory must not exist or be empty unless --overwrite")
-    q.add_argument("--export", choices=["hf", "gguf"], default=None, help="checkpoint format: hf = AMD Quark's HF "
-                   "layout (config.json + safetensors; vLLM, transformers + amd-quark and qcore load it); gguf = "
-                   "DIR/model.gguf for llama.cpp (Llama models; Q4_0/Q4_1/Q8_0/MXFP4; see docs/export.md)")
+    q.add_argument("--export", choices=["hf", "gguf", "compressed-tensors"], default=None, help="checkpoint format: "
+                   "hf = AMD Quark's HF layout (config.json + safetensors; vLLM, transformers + amd-quark and qcore "
+                   "load it); gguf = DIR/model.gguf for llama.cpp (Llama models; Q4_0/Q4_1/Q8_0/MXFP4; see "
+                   "docs/export.md); compressed-tensors = llm-compressor's layout (vLLM, transformers + "
+                   "compressed-tensors; see docs/compressed_tensors.md)")
     q.add_argument("--drop-activations", action="store_true", help="with --export gguf: write a model whose "
                    "activations are quantized without that quantization (GGUF has none); else refused")
     q.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --output directory")

@@ -383,3 +383,22 @@ def test_scale_values_validated(exports, tmp_path):
     write_file(a / "model.safetensors", [TensorRecord(n, t, s, lambda b=b: b) for n, t, s, b in data])
     with pytest.raises(CorruptCheckpointError, match=f"'{key}' holds -1.0"):
         load_compressed_tensors(a)
+
+
+def test_cli_export_compressed_tensors(tmp_path, capsys):
+    from qcore.cli import main
+    src = tmp_path / "float"
+    _llama().save_pretrained(src)
+    out, rep = tmp_path / "ct", tmp_path / "r.json"
+    code = main(["quantize", "--model", str(src), "--scheme", "int4_wo_32", "--eval", "none", "--export",
+                 "compressed-tensors", "--output", str(out), "--report", str(rep), "--no-progress"])
+    o = capsys.readouterr()
+    assert code == 0, o.err
+    r = json.loads(rep.read_text())
+    assert r["export_format"] == "compressed-tensors" and r["quant_method"] == "compressed-tensors"
+    assert r["ct_lossless"] is True and r["ct_inexact"] == []
+    assert "pack-quantized" in o.out
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "pack-quantized" and qc["ignore"] == ["lm_head"]
+    back = load_compressed_tensors(out)
+    assert back.model.layers[0].mlp.down_proj.frozen
