@@ -6,7 +6,7 @@ import re
 import pytest
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
-FILES = ["adapters.md", "algorithms.md", "rotations.md", "gguf.md"]
+FILES = ["adapters.md", "algorithms.md", "rotations.md", "gguf.md", "compressed_tensors.md"]
 
 
 @pytest.mark.parametrize("name", FILES)

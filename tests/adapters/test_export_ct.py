@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import qcore
-from qcore import PerChannel, PerGroup, PerTensor
+from qcore import PerBlock, PerChannel, PerGroup
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,9 +51,26 @@ SCHEMES = {  # name: (config, wide model, weight-only, KV cache)
     "fp8_channel_dynamic_token": (lambda: preset("ptpc_fp8"), False, False, False),
     "fp8_channel_static_kv": (_fp8_channel_static_kv, False, False, True),
     "mxfp4_weight_only": (lambda: preset("mxfp4_weight_only"), False, True, False),
+    "fp8_block_dynamic": (lambda: ModelConfig(LayerConfig(
+        weight=qcore.make_spec("float8_e4m3fn", granularity=PerBlock((32, 32), axes=(0, 1))),
+        input=TensorConfig("float8_e4m3fn", dynamic=True))), False, False, False),
+    "fp8_weight_only": (lambda: ModelConfig(LayerConfig(weight=qcore.make_spec("float8_e4m3fn",
+                                                                               granularity=PerChannel(0)))),
+                        False, True, False),
+    "w8a8_uint8_static_asym": (lambda: ModelConfig(LayerConfig(
+        weight=qcore.make_spec("int8", granularity=PerChannel(0)), input=qcore.make_spec("uint8"))),
+        False, False, False),
+    "w8a16_asym_channel": (lambda: ModelConfig(LayerConfig(weight=qcore.make_spec("uint8",
+                                                                                  granularity=PerChannel(0)))),
+                           False, True, False),
 }
 
-FORMATS = {"w4a16": "pack-quantized", "w8a8": "int-quantized", "fp8": "float-quantized", "mxfp4": "mxfp4-pack-quantized"}
+FORMATS = {"w4a16": "pack-quantized", "w8a8": "int-quantized", "fp8": "float-quantized",
+           "mxfp4": "mxfp4-pack-quantized", "fp8_weight_only": "naive-quantized", "w8a16": "pack-quantized"}
+
+
+def _format(name):
+    return FORMATS.get(name) or FORMATS.get("_".join(name.split("_")[:3])) or FORMATS[name.split("_")[0]]
 
 _CALIB = [torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(i)) for i in range(3)]
 _IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(99))
@@ -104,7 +121,7 @@ def _ct_load(d, weight_only, dtype=torch.float32):
 def test_transformers_compressed_tensors_loads_export(exports, name):
     m, ref, d, info = exports[name]
     _, _, weight_only, kv = SCHEMES[name]
-    assert info.format == FORMATS[name.split("_")[0]] and info.lossless
+    assert info.format == _format(name) and info.lossless
     got = _logits(_ct_load(d, weight_only))
     if kv:  # keys quantized after RoPE by compressed-tensors, before RoPE by qcore
         assert float((got - ref).abs().max()) <= 0.03 * float(ref.abs().max())
