@@ -40,7 +40,7 @@ from qcore.formats.quark_layout import WeightParts
 from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile, TensorRecord
 
 from .config import KVCacheConfig, LayerConfig, ModelConfig, TensorConfig
-from .export import (QCORE_FORMAT_VERSION, _TORCH_ST, _check_config_describes, _np, _online_rotations, _record,
+from .export import (QCORE_FORMAT_VERSION, _TORCH_ST, _check_config_describes, _online_rotations, _record,
                      _tensor_record, check_destination, parse_size, weight_parts, write_metadata, write_shards)
 from .modules import QUANT_CLASSES, QuantLinear, _QuantMixin
 
@@ -548,8 +548,9 @@ def load_compressed_tensors(directory: Union[str, os.PathLike], *, dtype: Option
         if have is None or CT.args_to_spec(have, role="weight")[0].dtype.bits != spec.dtype.bits or \
                 (want.type, want.strategy, want.group_size, want.block_structure) != \
                 (have.type, have.strategy, have.group_size, have.block_structure):
+            theirs = None if have is None else have.to_dict()
             raise CorruptCheckpointError(f"{where}: the qcore config's weight spec ({want.to_dict()}) is not the "
-                                         f"compressed-tensors group {g!r}'s ({None if have is None else have.to_dict()})")
+                                         f"compressed-tensors group {g!r}'s ({theirs})")
         shape = (m.out_features, m.in_features)
         exp = CT.expected_weight(spec, shape, fmt=fmt, scale_dtype="F32", where=where)
         dts = {}

@@ -37,9 +37,7 @@ shift).
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
