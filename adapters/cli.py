@@ -68,7 +68,7 @@ def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str):
         if not (p / "config.json").is_file():
             raise CommandError(f"--model {spec}: a directory without config.json is not an HF model directory")
         qc = json.loads((p / "config.json").read_text()).get("quantization_config") or {}
-        if qc.get("quant_method") in ("quark", "qcore"):  # a quantized checkpoint (ours or Quark's): qcore loads it
+        if qc.get("quant_method") in ("quark", "qcore", "compressed-tensors"):  # a quantized checkpoint: qcore loads it
             from .hf import from_pretrained
             model = from_pretrained(p, dtype=dtype)
         else:

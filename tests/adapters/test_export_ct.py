@@ -419,3 +419,14 @@ def test_cli_export_compressed_tensors(tmp_path, capsys):
     assert qc["format"] == "pack-quantized" and qc["ignore"] == ["lm_head"]
     back = load_compressed_tensors(out)
     assert back.model.layers[0].mlp.down_proj.frozen
+
+
+def test_from_pretrained_and_cli_models_route_compressed_tensors(exports):
+    from qcore.adapters import from_pretrained
+    from qcore.adapters.cli import load_model
+    m, ref, d, _ = exports["w4a16_sym_g32"]
+    assert torch.equal(_logits(from_pretrained(d)), ref)
+    with pytest.raises(TypeError, match="device_map"):
+        from_pretrained(d, device_map="cpu")
+    model, tok, desc = load_model(str(d), dtype=torch.float32, device="cpu")  # qcore eval / quantize --model DIR
+    assert torch.equal(_logits(model), ref) and model.model.layers[0].mlp.up_proj.frozen
