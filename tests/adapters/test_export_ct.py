@@ -430,3 +430,18 @@ def test_from_pretrained_and_cli_models_route_compressed_tensors(exports):
         from_pretrained(d, device_map="cpu")
     model, tok, desc = load_model(str(d), dtype=torch.float32, device="cpu")  # qcore eval / quantize --model DIR
     assert torch.equal(_logits(model), ref) and model.model.layers[0].mlp.up_proj.frozen
+
+
+def test_inspect_compressed_tensors(exports, capsys):
+    from qcore.cli import main
+    from qcore.formats.inspect import inspect_checkpoint
+    _, _, d, _ = exports["w4a16_asym_g32"]
+    info = inspect_checkpoint(d)
+    assert info["quant_method"] == "compressed-tensors" and info["written_by"].startswith("qcore")
+    assert info["layers_per_layout"] == {"pack-quantized": 14} and info["group_size"] == 32
+    assert info["weight_format"] == "int4 asymmetric" and info["exclude"] == ["lm_head"]
+    assert info["bits_per_weight"] == pytest.approx(4 + 32 / 32 + 4 / 32, abs=0.01)  # codes, f32 scales, 4-bit zps
+    kv = inspect_checkpoint(exports["fp8_tensor_static_kv"][2])
+    assert kv["kv_cache"] == ["k_scale", "v_scale"] and kv["activations"] == "float8 tensor static"
+    assert main(["inspect", str(d)]) == 0
+    assert "pack-quantized: 14" in capsys.readouterr().out
