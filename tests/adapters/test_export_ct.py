@@ -272,6 +272,9 @@ def test_importer_loads_compressed_tensors_checkpoints(exports, name, tmp_path):
         a, b = back.get_submodule(p), m.get_submodule(p)
         assert a._qspecs["weight"] == b._qspecs["weight"]
     assert derived.exclude == ("lm_head",)
+    from qcore.adapters import export_hf, from_pretrained
+    export_hf(back, tmp_path / "quark")  # the derived config describes the model: Quark's layout writes it again
+    assert torch.equal(_logits(from_pretrained(tmp_path / "quark")), ref)
 
 
 def test_imported_model_exports_again(exports, tmp_path):
