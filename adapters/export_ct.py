@@ -523,7 +523,9 @@ def load_compressed_tensors(directory: Union[str, os.PathLike], *, dtype: Option
             dtype = getattr(torch, dtype)
     if dtype not in _MODEL_DTYPES:
         raise ValueError(f"load_compressed_tensors: dtype {dtype} is not float32, bfloat16 or float16")
-    model = AutoModelForCausalLM.from_config(hf, dtype=dtype).eval()
+    from accelerate import init_empty_weights
+    with init_empty_weights(include_buffers=False):  # parameters on meta (each is assigned from the checkpoint)
+        model = AutoModelForCausalLM.from_config(hf, dtype=dtype).eval()
     own = ctc.qcore if isinstance(ctc.qcore, dict) and "config" in ctc.qcore else None
     config = ModelConfig.from_dict(own["config"]) if own is not None else config_from_ct(model, ctc)
     from .quantizer import _set_module, plan_model
@@ -579,19 +581,19 @@ def load_compressed_tensors(directory: Union[str, os.PathLike], *, dtype: Option
             reader.check(f"{p.name}.bias", _FLOAT_ST, (m.out_features,), where)
         todo.append((p, q, spec, shape, fmt, dts, acts))
     owned = {f"{p.name}.{k}" for p, *_ in todo for k in ("weight", "bias")}
-    sd = model.state_dict()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = set()
-    for k, t in sd.items():
+    for k, t in model.state_dict(keep_vars=True).items():
         if k in owned:
             continue
         if k not in reader.entries:
-            if _is_tied(model, k):
-                tied.add(k)
+            if getattr(hf, "tie_word_embeddings", False) and head is not None and t is head.weight:
+                tied.add(k)  # the output head shares the input embedding (written once)
                 continue
             raise CorruptCheckpointError(f"tensor {k!r} of the model is missing from the checkpoint")
         reader.check(k, _FLOAT_ST if t.is_floating_point() else (_TORCH_ST[t.dtype],), tuple(t.shape),
                      f"tensor {k!r}")
-    # 2. values, module by module
+    # 2. values, module by module (parameters were created on the meta device: every one is assigned here)
     with torch.no_grad():
         for p, q, spec, shape, fmt, dts, acts in todo:
             where = f"layer {p.name!r}"
@@ -602,8 +604,8 @@ def load_compressed_tensors(directory: Union[str, os.PathLike], *, dtype: Option
                 raise CorruptCheckpointError(str(e)) from None
             q.load_frozen(WeightParts(codes=np.array(codes), scales=scales, zero_points=zp), shape=shape, dtype=dtype,
                           device=torch.device("cpu"))
-            if "bias" in q._parameters and q._parameters["bias"] is not None:
-                q._parameters["bias"].copy_(reader.torch(f"{p.name}.bias").to(dtype))
+            if q._parameters.get("bias") is not None:
+                q._parameters["bias"] = nn.Parameter(reader.torch(f"{p.name}.bias").to(dtype), requires_grad=False)
             for role, (key, zkey) in acts.items():
                 s = CT.scale_from_dtype(reader.array(key), reader.entries[key][1].dtype).reshape(())
                 if not np.isfinite(s) or not s > 0:
@@ -619,16 +621,26 @@ def load_compressed_tensors(directory: Union[str, os.PathLike], *, dtype: Option
                     q._buffers[f"{role}_zero_point"] = torch.full(q._static_shape(role), z)
                 q._calibrated.add(role)
             _set_module(model, p.name, q)
-        for k, t in model.state_dict(keep_vars=True).items():
-            if k in owned or k in tied or k.rsplit(".", 1)[-1] in ("weight_packed", "weight_scale",
-                                                                   "weight_zero_point", "input_scale",
-                                                                   "output_scale", "input_zero_point",
-                                                                   "output_zero_point"):
+        quantized = {p.name for p, *_ in todo}
+        for name, mod in model.named_modules():
+            if name in quantized:
                 continue
-            if k in reader.entries:
-                t.copy_(reader.torch(k).to(t.dtype) if t.is_floating_point() else reader.torch(k))
+            for leaf, t in list(mod._parameters.items()):
+                k = f"{name}.{leaf}" if name else leaf
+                if t is not None and k in reader.entries:
+                    v = reader.torch(k)
+                    mod._parameters[leaf] = nn.Parameter(v.to(t.dtype) if t.is_floating_point() else v,
+                                                         requires_grad=t.requires_grad)
+            for leaf, t in list(mod._buffers.items()):
+                k = f"{name}.{leaf}" if name else leaf
+                if t is not None and k in reader.entries and leaf not in mod._non_persistent_buffers_set:
+                    v = reader.torch(k)
+                    mod._buffers[leaf] = v.to(t.dtype) if t.is_floating_point() else v
     if tied:
         model.tie_weights()
+    left_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left_meta:
+        raise CorruptCheckpointError(f"tensors {left_meta[:5]} were not loaded from the checkpoint")
     left = sorted(set(reader.entries) - reader.used)
     if left:
         raise CorruptCheckpointError(f"the checkpoint holds tensors the config does not explain: {left[:5]}"
@@ -637,11 +649,3 @@ def load_compressed_tensors(directory: Union[str, os.PathLike], *, dtype: Option
     if device is not None:
         model.to(device)
     return model.eval()
-
-
-def _is_tied(model: nn.Module, key: str) -> bool:
-    """Whether the state-dict entry ``key`` shares its storage with another entry (a tied output head)."""
-    sd = model.state_dict(keep_vars=True)
-    t = sd[key]
-    return any(k != key and v is not None and v.data_ptr() == t.data_ptr() and v.shape == t.shape
-               for k, v in sd.items())

@@ -448,3 +448,19 @@ def test_inspect_compressed_tensors(exports, capsys):
     assert kv["kv_cache"] == ["k_scale", "v_scale"] and kv["activations"] == "float8 tensor static"
     assert main(["inspect", str(d)]) == 0
     assert "pack-quantized: 14" in capsys.readouterr().out
+
+
+def test_tied_embeddings_round_trip(tmp_path):
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    m.tie_weights()
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    quantize_model(m, preset("int4_wo_32"), None, progress=False)
+    export_compressed_tensors(m, tmp_path / "t")
+    names = _tensors(tmp_path / "t")
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names  # written once
+    back = load_compressed_tensors(tmp_path / "t")
+    assert back.lm_head.weight is back.model.embed_tokens.weight
+    assert torch.equal(_logits(back), _logits(m))
