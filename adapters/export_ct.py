@@ -132,11 +132,14 @@ def _diff(want: np.ndarray, got: np.ndarray) -> tuple[bool, float]:
     return exact, 0.0 if exact else float(np.max(np.abs(want - got)))
 
 
-def _scale_report(kind: str, st: str, s: np.ndarray, shape: tuple) -> TensorReport:
+def _scale_report(kind: str, st: str, s: np.ndarray, shape: tuple, name: str) -> TensorReport:
     back = CT.scale_from_dtype(CT.scale_to_dtype(s, st), st)
-    exact, d = _diff(s, back)
     if not np.all(np.isfinite(back)) or not np.all(back > 0):
-        exact, d = False, float("inf")
+        bad = np.asarray(s, np.float32).reshape(-1)[~(np.isfinite(back) & (back > 0)).reshape(-1)][0]
+        raise ValueError(f"export_compressed_tensors: tensor {name!r}: scale {float(bad)!r} is "
+                         f"{'0' if np.isfinite(back).all() else 'Inf'} in the model dtype ({st}); compressed-"
+                         f"tensors stores scales in the model dtype (use a float32 or bfloat16 model)")
+    exact, d = _diff(s, back)
     return TensorReport(kind, st, tuple(shape), exact, d)
 
 
@@ -253,7 +256,7 @@ def _records(model: nn.Module, layers: list, st: str, report: dict) -> list[Tens
         for suffix, (dt, shp) in exp.items():
             records.append(_record(prefix + suffix, dt, lambda s=suffix, enc=enc: enc()[s][1], shp))
             if suffix == "weight_scale" and dt != "U8":
-                report[prefix + suffix] = _scale_report("scale", dt, scales, shp)
+                report[prefix + suffix] = _scale_report("scale", dt, scales, shp, prefix + suffix)
             else:
                 kind = {"weight_zero_point": "zero_point", "weight_shape": "shape", "weight_scale": "scale"}.get(
                     suffix, "codes")
@@ -266,12 +269,12 @@ def _records(model: nn.Module, layers: list, st: str, report: dict) -> list[Tens
             if role == "output" and lay.kv:
                 parent = lay.name.rsplit(".", 1)[0]
                 key = f"{parent}.{lay.kv}_scale"
-                rep = _scale_report("kv_scale", st, s, (1,))
+                rep = _scale_report("kv_scale", st, s, (1,), key)
                 report[key] = rep
                 kv_recs.append(_record(key, st, lambda s=s: CT.scale_to_dtype(s, st), (1,)))
                 continue
             key = f"{prefix}{role}_scale"
-            report[key] = _scale_report("activation_scale", st, s, (1,))
+            report[key] = _scale_report("activation_scale", st, s, (1,), key)
             records.append(_record(key, st, lambda s=s: CT.scale_to_dtype(s, st), (1,)))
             zp = m._buffers.get(f"{role}_zero_point")
             if zp is not None:

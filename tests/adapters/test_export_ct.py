@@ -464,3 +464,14 @@ def test_tied_embeddings_round_trip(tmp_path):
     back = load_compressed_tensors(tmp_path / "t")
     assert back.lm_head.weight is back.model.embed_tokens.weight
     assert torch.equal(_logits(back), _logits(m))
+
+
+def test_float16_scale_underflow_refused(tmp_path):
+    m = _llama().half()
+    with torch.no_grad():  # float16's smallest subnormal: the float32 scale 6e-8 / 7.5 is 0 in float16
+        w = m.model.layers[1].mlp.down_proj.weight
+        w.copy_(torch.sign(torch.randn(w.shape)) * 2.0 ** -24)
+    quantize_model(m, preset("int4_wo_32"), None, progress=False)
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.1\.mlp\.down_proj\.weight_scale': scale .* is 0"):
+        export_compressed_tensors(m, tmp_path / "h")
+    assert not (tmp_path / "h").exists()
