@@ -177,6 +177,11 @@ def _plan(model: nn.Module, config: ModelConfig) -> tuple[list[_Layer], dict, li
             continue
         where = f"layer {name!r}"
         if "weight" not in m._qspecs:
+            kv = _kv_role(name, m, config)
+            if kv and m.qconfig.input is None and m.qconfig.bias is None:  # KV cache only: a float (ignored)
+                floats.append(name)  # Linear whose attention module holds the k / v scale
+                layers.append(_Layer(name, m, None, tuple(m.weight.shape), None, None, kv))
+                continue
             raise ValueError(f"export: {where} quantizes no weight; compressed-tensors stores quantized weights")
         if m.qconfig.bias is not None:
             raise ValueError(f"export: {where} quantizes its bias; compressed-tensors has no bias quantization")
@@ -240,8 +245,11 @@ def _records(model: nn.Module, layers: list, st: str, report: dict) -> list[Tens
     kv_recs: list[TensorRecord] = []
     for lay in layers:
         m, prefix = lay.m, lay.name + "."
-        owned.update(prefix + k for k in m.state_dict().keys() if "." not in k)
-        exp = CT.expected_weight(lay.spec, lay.shape, fmt=lay.fmt, scale_dtype=st, where=f"layer {lay.name!r}")
+        float_weight = lay.spec is None  # a KV-cache-only projection: weight and bias written as floats below
+        owned.update(prefix + k for k in m.state_dict().keys() if "." not in k and not (
+            float_weight and k in ("weight", "bias")))
+        exp = {} if float_weight else CT.expected_weight(lay.spec, lay.shape, fmt=lay.fmt, scale_dtype=st,
+                                                         where=f"layer {lay.name!r}")
 
         def enc(lay=lay):
             if cache.get("layer") is not lay:  # one layer's encoded tensors at a time (written together)
@@ -252,7 +260,7 @@ def _records(model: nn.Module, layers: list, st: str, report: dict) -> list[Tens
                 cache["layer"] = lay
             return cache["enc"]
 
-        scales = _scales_of(m)
+        scales = None if float_weight else _scales_of(m)
         for suffix, (dt, shp) in exp.items():
             records.append(_record(prefix + suffix, dt, lambda s=suffix, enc=enc: enc()[s][1], shp))
             if suffix == "weight_scale" and dt != "U8":
@@ -284,7 +292,7 @@ def _records(model: nn.Module, layers: list, st: str, report: dict) -> list[Tens
                 report[f"{prefix}{role}_zero_point"] = TensorReport("zero_point", "I8", (1,), True)
                 records.append(_record(f"{prefix}{role}_zero_point", "I8", lambda z=z: z, (1,)))
         bias = m._parameters.get("bias")
-        if bias is not None:
+        if bias is not None and not float_weight:
             records.append(_tensor_record(prefix + "bias", bias.detach()))
     records.extend(kv_recs)
     seen: set = set()
@@ -383,7 +391,8 @@ def export_compressed_tensors(model: nn.Module, directory: Union[str, os.PathLik
         raise
     files = tuple(sorted(p.name for p in directory.iterdir()))
     size = sum((directory / f).stat().st_size for f in files)
-    return CTExportInfo(str(directory), ctc.format, files, size, {lay.name: lay.fmt.value for lay in layers},
+    return CTExportInfo(str(directory), ctc.format, files, size, {lay.name: lay.fmt.value for lay in layers
+                                                                  if lay.fmt is not None},
                         report, not bad, tuple(notes))
 
 
@@ -541,6 +550,19 @@ def load_compressed_tensors(directory: Union[str, os.PathLike], *, dtype: Option
         m = model.get_submodule(p.name)
         if type(m) is not nn.Linear:
             raise CorruptCheckpointError(f"{where}: a {type(m).__name__}; compressed-tensors stores Linear layers")
+        if p.config.weight is None:  # KV cache only: a float projection whose attention holds the k / v scale
+            q = QUANT_CLASSES[nn.Linear].from_module(m, p.config, name=p.name)
+            kv = _kv_role(p.name, q, config)
+            if not kv or p.config.input is not None or p.config.bias is not None:
+                raise CorruptCheckpointError(f"{where}: the config quantizes no weight here, and compressed-tensors "
+                                             f"has nothing but KV-cache scales for such a layer")
+            dts = {"weight": reader.check(f"{p.name}.weight", _FLOAT_ST, (m.out_features, m.in_features), where)}
+            if m.bias is not None:
+                reader.check(f"{p.name}.bias", _FLOAT_ST, (m.out_features,), where)
+            key = f"{p.name.rsplit('.', 1)[0]}.{kv}_scale"
+            reader.check(key, _FLOAT_ST, None, where)
+            todo.append((p, q, None, None, None, dts, {"output": (key, None)}))
+            continue
         if p.name not in which:
             raise CorruptCheckpointError(f"{where}: quantized by the qcore config but matched by no config group "
                                          f"of the compressed-tensors config")
@@ -600,13 +622,17 @@ def load_compressed_tensors(directory: Union[str, os.PathLike], *, dtype: Option
     with torch.no_grad():
         for p, q, spec, shape, fmt, dts, acts in todo:
             where = f"layer {p.name!r}"
-            arrays = {s: reader.array(f"{p.name}.{s}") for s in dts}
-            try:
-                codes, scales, zp = CT.decode_weight(arrays, spec, shape, fmt=fmt, dtypes=dts, where=where)
-            except ValueError as e:
-                raise CorruptCheckpointError(str(e)) from None
-            q.load_frozen(WeightParts(codes=np.array(codes), scales=scales, zero_points=zp), shape=shape, dtype=dtype,
-                          device=torch.device("cpu"))
+            if spec is None:
+                q._parameters["weight"] = nn.Parameter(reader.torch(f"{p.name}.weight").to(dtype),
+                                                       requires_grad=False)
+            else:
+                arrays = {s: reader.array(f"{p.name}.{s}") for s in dts}
+                try:
+                    codes, scales, zp = CT.decode_weight(arrays, spec, shape, fmt=fmt, dtypes=dts, where=where)
+                except ValueError as e:
+                    raise CorruptCheckpointError(str(e)) from None
+                q.load_frozen(WeightParts(codes=np.array(codes), scales=scales, zero_points=zp), shape=shape,
+                              dtype=dtype, device=torch.device("cpu"))
             if q._parameters.get("bias") is not None:
                 q._parameters["bias"] = nn.Parameter(reader.torch(f"{p.name}.bias").to(dtype), requires_grad=False)
             for role, (key, zkey) in acts.items():

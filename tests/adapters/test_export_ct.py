@@ -185,12 +185,13 @@ def _their_checkpoint(m, qdict, d):
         if not isinstance(q, QuantLinear):
             continue
         t = f.get_submodule(name)
-        spec = q._qspecs["weight"]
-        shift = 0 if not isinstance(spec.dtype, qcore.dtypes.IntDType) or spec.dtype.signed else \
-            1 << (spec.dtype.bits - 1)
-        t.weight_scale.data.copy_(q.weight_scale.reshape(t.weight_scale.shape))
-        if not spec.symmetric:
-            t.weight_zero_point.data.copy_((q.weight_zero_point - shift).reshape(t.weight_zero_point.shape))
+        spec = q._qspecs.get("weight")
+        if spec is not None:
+            shift = 0 if not isinstance(spec.dtype, qcore.dtypes.IntDType) or spec.dtype.signed else \
+                1 << (spec.dtype.bits - 1)
+            t.weight_scale.data.copy_(q.weight_scale.reshape(t.weight_scale.shape))
+            if not spec.symmetric:
+                t.weight_zero_point.data.copy_((q.weight_zero_point - shift).reshape(t.weight_zero_point.shape))
         for role in q.static_roles():
             s = q._buffers[f"{role}_scale"].reshape(1)
             if role == "output":
@@ -475,3 +476,25 @@ def test_float16_scale_underflow_refused(tmp_path):
     with pytest.raises(ValueError, match=r"tensor 'model\.layers\.1\.mlp\.down_proj\.weight_scale': scale .* is 0"):
         export_compressed_tensors(m, tmp_path / "h")
     assert not (tmp_path / "h").exists()
+
+
+@pytest.mark.ct_client
+def test_kv_cache_on_float_attention(tmp_path):
+    """Attention left in float but its KV cache quantized: k_proj / v_proj are float Linears in ``ignore`` and
+    the attention modules hold k_scale / v_scale."""
+    m = _llama()
+    cfg = preset("int4_wo_32", kv_cache="fp8", exclude=("lm_head", "*self_attn*"))
+    quantize_model(m, cfg, _CALIB, progress=False)
+    info = export_compressed_tensors(m, tmp_path / "kv")
+    qc = json.loads((tmp_path / "kv" / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.self_attn.k_proj" in qc["ignore"] and qc["kv_cache_scheme"]["type"] == "float"
+    assert "model.layers.0.self_attn.k_scale" in info.tensors and "model.layers.0.self_attn.k_proj" not in info.layers
+    ref = _logits(m)
+    back = load_compressed_tensors(tmp_path / "kv")
+    assert torch.equal(_logits(back), ref) and back.qcore_config == m.qcore_config
+    got = _logits(_ct_load(tmp_path / "kv", False))
+    assert float((got - ref).abs().max()) <= 0.03 * float(ref.abs().max())
+    theirs = _their_checkpoint(m, qc, tmp_path / "theirs")
+    back = load_compressed_tensors(theirs)  # derived config: KV on the ignored projections
+    assert torch.equal(_logits(back), ref)
+    assert back.qcore_config.kv_cache is not None and "model.layers.1.self_attn.v_proj" in back.qcore_config.exclude
