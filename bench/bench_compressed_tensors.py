@@ -32,7 +32,8 @@ def main(argv=None) -> int:
     import copy
     import transformers
     from qcore.adapters import evaluate as E, freeze, preset, quantize_model
-    from qcore.adapters.export_ct import export_compressed_tensors, load_compressed_tensors
+    from qcore.adapters.export_ct import export_compressed_tensors
+    from qcore.adapters.import_ct import load_compressed_tensors
     from qcore.adapters.models import load_smollm2
 
     base, tok = load_smollm2()

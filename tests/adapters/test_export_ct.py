@@ -21,7 +21,8 @@ transformers = pytest.importorskip("transformers")
 
 from qcore.adapters import freeze, quantize_model  # noqa: E402
 from qcore.adapters.config import KVCacheConfig, LayerConfig, ModelConfig, TensorConfig  # noqa: E402
-from qcore.adapters.export_ct import export_compressed_tensors, load_compressed_tensors  # noqa: E402
+from qcore.adapters.export_ct import export_compressed_tensors  # noqa: E402
+from qcore.adapters.import_ct import load_compressed_tensors  # noqa: E402
 from qcore.adapters.presets import preset  # noqa: E402
 from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile  # noqa: E402
 
