@@ -68,7 +68,7 @@ def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str):
         if not (p / "config.json").is_file():
             raise CommandError(f"--model {spec}: a directory without config.json is not an HF model directory")
         qc = json.loads((p / "config.json").read_text()).get("quantization_config") or {}
-        if qc.get("quant_method") in ("quark", "qcore"):  # a quantized checkpoint (ours or Quark's): qcore loads it
+        if qc.get("quant_method") in ("quark", "qcore", "compressed-tensors"):  # a quantized checkpoint: qcore loads it
             from .hf import from_pretrained
             model = from_pretrained(p, dtype=dtype)
         else:
@@ -304,6 +304,7 @@ def quantize_command(args) -> int:
     size_after = model_bytes(model)
     export_info = None
     gguf_info = None
+    ct_info = None
     if out_dir is not None and args.export == "gguf":
         from .export_gguf import export_gguf_dir
         t_export = time.perf_counter()
@@ -320,6 +321,13 @@ def quantize_command(args) -> int:
                                     weight_format=getattr(args, "onnx_weights", "qdq"),
                                     unsupported=getattr(args, "onnx_unsupported", "error"))
         export_info = _GGUFDirInfo(str(out_dir), "onnx", onnx_info.bytes_on_disk)
+        export_s = time.perf_counter() - t_export
+    elif out_dir is not None and args.export == "compressed-tensors":
+        from .export_ct import export_compressed_tensors
+        t_export = time.perf_counter()
+        export_info = ct_info = export_compressed_tensors(model, out_dir, config=config, tokenizer=tok,
+                                                          overwrite=args.overwrite,
+                                                          max_shard_size=args.max_shard_size, progress=progress)
         export_s = time.perf_counter() - t_export
     elif out_dir is not None:
         from .export import export_hf
@@ -345,7 +353,11 @@ def quantize_command(args) -> int:
         "gguf_inexact": None if gguf_info is None else [
             {"tensor": r.name, "type": r.gguf_type, "how": r.how, "max_abs_diff": r.max_abs_diff}
             for r in gguf_info.inexact],
-        "gguf_dropped": None if gguf_info is None else list(gguf_info.dropped), "per_layer_sqnr_db": sqnr, "qcore_version": qcore.__version__,
+        "gguf_dropped": None if gguf_info is None else list(gguf_info.dropped),
+        "ct_lossless": None if ct_info is None else ct_info.lossless,
+        "ct_inexact": None if ct_info is None else [
+            {"tensor": n, "dtype": ct_info.tensors[n].dtype, "max_abs_diff": ct_info.tensors[n].max_abs_diff}
+            for n in ct_info.inexact], "per_layer_sqnr_db": sqnr, "qcore_version": qcore.__version__,
         "command": "qcore " + " ".join(shlex.quote(a) for a in (args.argv or [])),
     }
     rows = [("model", desc), ("scheme", scheme), ("layers quantized", str(n_layers))]
@@ -364,6 +376,10 @@ def quantize_command(args) -> int:
         rows += [("gguf", "lossless (every quantized weight code for code)" if gguf_info.lossless else
                   f"{len(gguf_info.inexact)} of {len(gguf_info.quantized)} quantized weights not lossless (max abs "
                   f"difference {worst_g:.3g}; see the report's gguf_inexact)")]
+    if ct_info is not None:
+        rows += [("compressed-tensors", f"format {ct_info.format!r}, " + (
+            "lossless (every tensor exact)" if ct_info.lossless else f"{len(ct_info.inexact)} tensor(s) not exact in "
+            f"the model dtype (see the report's ct_inexact)"))]
     rows += [("worst layers (weight SQNR)", ", ".join(f"{n} {v:.1f} dB" for n, v in worst))]
     print("\nqcore quantize: done\n" + _table(rows))
     if args.report:

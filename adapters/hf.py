@@ -248,9 +248,10 @@ def __getattr__(name):
 
 
 def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_map: Any = None, **kwargs):
-    """Load a quantized checkpoint (``quant_method`` ``"quark"`` or ``"qcore"``) from a local directory into
-    qcore's frozen modules. ``dtype`` is the float dtype of the rest of the model (default: the checkpoint's).
-    Extra keyword arguments go to ``AutoModelForCausalLM.from_pretrained``."""
+    """Load a quantized checkpoint (``quant_method`` ``"quark"`` or ``"qcore"``; ``"compressed-tensors"`` goes to
+    ``qcore.adapters.import_ct.load_compressed_tensors``) from a local directory into qcore's frozen modules.
+    ``dtype`` is the float dtype of the rest of the model (default: the checkpoint's). Extra keyword arguments go
+    to ``AutoModelForCausalLM.from_pretrained``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     register_with_transformers()
@@ -258,6 +259,13 @@ def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_ma
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"{str(d)!r} is not a checkpoint directory (no config.json)")
     raw = json.loads((d / "config.json").read_text()).get("quantization_config")
+    if isinstance(raw, dict) and raw.get("quant_method") == "compressed-tensors":
+        if device_map is not None or kwargs:
+            extra = sorted(kwargs) + (["device_map"] if device_map is not None else [])
+            raise TypeError(f"from_pretrained: a compressed-tensors checkpoint loads through "
+                            f"qcore.adapters.import_ct.load_compressed_tensors, which takes dtype only; got {extra}")
+        from .import_ct import load_compressed_tensors
+        return load_compressed_tensors(d, dtype=dtype)
     if not isinstance(raw, dict) or raw.get("quant_method") not in ("quark", "qcore"):
         got = None if not isinstance(raw, dict) else raw.get("quant_method")
         raise ValueError(f"{str(d)!r}: quantization_config.quant_method is {got!r}; qcore loads 'quark' and 'qcore' "

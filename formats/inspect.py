@@ -84,6 +84,8 @@ def inspect_checkpoint(directory: Union[str, pathlib.Path]) -> dict:
         raise FileNotFoundError(f"{str(d)!r} has no config.json (not an HF checkpoint directory)")
     cfg = json.loads((d / "config.json").read_text())
     qc = cfg.get("quantization_config") or {}
+    if qc.get("quant_method") == "compressed-tensors":
+        return _inspect_ct(d, cfg, qc)
     own = qc.get("qcore") if isinstance(qc.get("qcore"), dict) else {}
     layouts = own.get("layouts") or {}
     entries: dict[str, Any] = {}
@@ -159,3 +161,68 @@ def format_report(info: dict) -> str:
             ("size on disk", f"{info['bytes_on_disk'] / 2**20:.2f} MiB")]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(w)}  {v}" for k, v in rows)
+
+
+_CT_TENSORS = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx")
+
+
+def _inspect_ct(d: pathlib.Path, cfg: dict, qc: dict) -> dict:
+    """``inspect_checkpoint`` of a compressed-tensors checkpoint (``qcore.formats.compressed_tensors``)."""
+    import re
+
+    from .compressed_tensors import CTConfig, CTFormat
+
+    ct = CTConfig.from_dict(qc)
+    files = checkpoint_files(d)
+    entries: dict[str, Any] = {}
+    for f in files:
+        entries.update(SafetensorsFile(f).entries)
+    layers = sorted(k.rsplit(".", 1)[0] for k in entries if k.endswith(".weight_scale"))
+
+    def group_of(name: str) -> str:
+        named = [g for g, s in ct.config_groups.items() if any(
+            t == name or (t.startswith("re:") and re.match(t[3:], name)) for t in s.targets)]
+        return (named or list(ct.config_groups))[0]
+
+    per_format: Counter = Counter()
+    q_bytes = q_weights = 0
+    for name in layers:
+        g = group_of(name)
+        fmt = ct.scheme_format(g)
+        bits = ct.config_groups[g].weights.num_bits if ct.config_groups[g].weights is not None else 8
+        per_format[fmt.value] += 1
+        w = entries.get(f"{name}.weight_packed") or entries.get(f"{name}.weight")
+        if w is None:
+            raise CorruptCheckpointError(f"layer {name!r}: no {name}.weight_packed or {name}.weight tensor")
+        n = math.prod(w.shape)
+        q_weights += (n * 32 // bits if fmt is CTFormat.PACK_QUANTIZED else
+                      n * 2 if fmt is CTFormat.MXFP4_PACK_QUANTIZED else n)
+        q_bytes += sum(entries[f"{name}.{s}"].end - entries[f"{name}.{s}"].begin for s in _CT_TENSORS
+                       if f"{name}.{s}" in entries)
+    first = next(iter(ct.config_groups.values()))
+    w0, a0 = first.weights, first.input_activations
+    own = ct.qcore if isinstance(ct.qcore, dict) else {}
+    total = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+    return {
+        "directory": str(d),
+        "architecture": (cfg.get("architectures") or [cfg.get("model_type")])[0],
+        "quant_method": "compressed-tensors",
+        "written_by": f"qcore {own.get('qcore_version')}" if own else f"compressed-tensors {ct.version}",
+        "weight_format": None if w0 is None else f"{w0.type.value}{w0.num_bits}" + (
+            "" if w0.symmetric else " asymmetric"),
+        "weight_qscheme": None if w0 is None else w0.strategy.value,
+        "group_size": None if w0 is None or not w0.group_size or w0.group_size < 0 else w0.group_size,
+        "activations": None if a0 is None else (f"{a0.type.value}{a0.num_bits} {a0.strategy.value} "
+                                                f"{'dynamic' if a0.dynamic else 'static'}"),
+        "kv_cache": ["k_scale", "v_scale"] if ct.kv_cache_scheme is not None else [],
+        "exclude": list(ct.ignore),
+        "pack_method": None,
+        "quantized_layers": len(layers),
+        "layers_per_layout": dict(sorted(per_format.items())),
+        "bits_per_weight": round(8 * q_bytes / q_weights, 3) if q_weights else None,
+        "tensors": len(entries),
+        "tensor_dtypes": dict(sorted(Counter(e.dtype for e in entries.values()).items())),
+        "files": sorted(f.name for f in d.iterdir() if f.is_file()),
+        "safetensors_files": len(files),
+        "bytes_on_disk": total,
+    }

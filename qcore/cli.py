@@ -211,10 +211,11 @@ def _add_quantize(sub) -> None:
                    help="--amp: calibration windows the per-layer sensitivities are measured on (default 2)")
     q.add_argument("--output", default=None, metavar="DIR", help="write the quantized checkpoint here (with --export; "
                    "default format hf); the directory must not exist or be empty unless --overwrite")
-    q.add_argument("--export", choices=["hf", "gguf", "onnx"], default=None, help="checkpoint format: hf = AMD "
+    q.add_argument("--export", choices=["hf", "gguf", "onnx", "compressed-tensors"], default=None, help="checkpoint format: hf = AMD "
                    "Quark's HF layout (config.json + safetensors; vLLM, transformers + amd-quark and qcore load it); "
                    "gguf = DIR/model.gguf for llama.cpp (Llama models; Q4_0/Q4_1/Q8_0/MXFP4; see docs/export.md); "
-                   "onnx = DIR/model.onnx for onnxruntime (Llama models, KV cache; see docs/onnx.md)")
+                   "onnx = DIR/model.onnx for onnxruntime (Llama models, KV cache; see docs/onnx.md); compressed-tensors "
+                   "= llm-compressor's layout (vLLM, transformers + compressed-tensors; see docs/compressed_tensors.md)")
     q.add_argument("--onnx-weights", choices=["qdq", "matmulnbits"], default="qdq", help="with --export onnx: "
                    "quantized weights as DequantizeLinear (qdq, default) or 4-bit MatMulNBits where it fits")
     q.add_argument("--onnx-unsupported", choices=["error", "dequantize"], default="error", help="with --export "

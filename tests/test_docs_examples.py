@@ -6,7 +6,8 @@ import re
 import pytest
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
-FILES = ["adapters.md", "algorithms.md", "rotations.md", "gguf.md", "onnx.md", "kernels.md", "convert.md"]
+FILES = ["adapters.md", "algorithms.md", "rotations.md", "gguf.md", "onnx.md", "kernels.md", "convert.md",
+         "compressed_tensors.md"]
 
 
 @pytest.mark.parametrize("name", FILES)
