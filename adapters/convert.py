@@ -287,6 +287,8 @@ def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src_fmt: str, ds
     if to == "compressed-tensors":
         from .export_ct import export_compressed_tensors
         info = export_compressed_tensors(model, dst, tokenizer=tok, overwrite=overwrite)
+        notes.append(f"format {info.format!r}")
+        notes.extend(info.notes)  # where compressed-tensors' loaders compute differently (e.g. KV after RoPE)
         return dst, notes, info
     from .export_onnx import export_onnx, export_onnx_dir
     info = (export_onnx(model, dst, overwrite=overwrite) if dst.suffix == ".onnx"

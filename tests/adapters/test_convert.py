@@ -190,3 +190,27 @@ def test_convert_to_onnx_runs_in_onnxruntime(tmp_path):
     with pytest.raises(ValueError, match=r"model\.layers\.0\."):
         convert(tmp_path / "mx", tmp_path / "mx.onnx", to="onnx")
     assert not (tmp_path / "mx.onnx").exists()
+
+
+@pytest.mark.parametrize("scheme", ["uint4_wo_64", "w_int8_a_int8_per_token_dynamic", "fp8"])
+def test_hf_compressed_tensors_round_trip_is_lossless(scheme, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    m = _hf_checkpoint(tmp_path / "hf", scheme)
+    a = convert(tmp_path / "hf", tmp_path / "ct", to="ct")
+    assert a.to == "compressed-tensors" and a.lossless and a.verified_by == "reload", a.tensors
+    assert json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]["quant_method"] == \
+        "compressed-tensors"
+    b = convert(tmp_path / "ct", tmp_path / "hf2", to="hf")
+    assert b.source_format == "compressed-tensors" and b.lossless
+    assert torch.equal(_logits(A.from_pretrained(tmp_path / "hf2")), _logits(m))
+
+
+def test_kv_cache_conversion_to_compressed_tensors_says_where_loaders_differ(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    m = _llama()
+    A.quantize_model(m, A.preset("fp8", kv_cache="fp8"), [IDS[:, :12], IDS[:, 12:]], progress=False)
+    A.freeze(m)
+    A.export_hf(m, tmp_path / "hf", tokenizer=tiny_tokenizer())
+    info = convert(tmp_path / "hf", tmp_path / "ct", to="compressed-tensors")
+    assert info.lossless  # qcore's own importer reads the same scales back
+    assert any("RoPE" in n for n in info.notes)
