@@ -400,6 +400,8 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
             names = ", ".join(f"{c.name} ({c.source} -> {c.destination})" for c in changes[:8])
             raise ValueError(f"convert to {to}: not lossless, {len(changes)} tensors change: {names}"
                              f"{' ...' if len(changes) > 8 else ''}; dst was not written")
+        if dst_p.is_dir() and not any(dst_p.iterdir()):
+            dst_p.rmdir()  # an empty directory is no content to protect
         if dst_p.exists():
             if not overwrite:
                 raise FileExistsError(f"dst {str(dst_p)!r} appeared while converting; pass overwrite=True")

@@ -106,6 +106,8 @@ def test_destination_rules(tmp_path):
         convert(tmp_path / "hf", tmp_path / "o", to="safetensors")
     with pytest.raises(TypeError, match="strict must be a bool"):
         convert(tmp_path / "hf", tmp_path / "o", to="hf", strict="yes")
+    (tmp_path / "empty").mkdir()
+    assert convert(tmp_path / "hf", tmp_path / "empty", to="hf").lossless  # an empty directory needs no overwrite
     info = convert(tmp_path / "hf", tmp_path / "taken", to="hf", overwrite=True)
     assert info.lossless and not (tmp_path / "taken" / "f").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
