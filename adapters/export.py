@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -32,7 +31,7 @@ import torch
 from torch import nn
 
 import qcore
-from qcore._fsutil import replace_dir, staging_dir
+from qcore._fsutil import staged_dir
 from qcore.formats import quark_layout as L
 from qcore.formats.safetensors_io import TensorRecord, write_file
 
@@ -317,18 +316,22 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
     records, layouts = _plan_tensors(model, pack_method)
     qdict = _quantization_config(model, config, layouts, pack_method)
 
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = staging_dir(directory)
-    try:
+    write_checkpoint(directory, model, hf_config, qdict, records, tokenizer=tokenizer, overwrite=overwrite,
+                     max_bytes=max_bytes, progress=progress)
+    return _info(directory, qdict, layouts)
+
+
+def write_checkpoint(directory: pathlib.Path, model: nn.Module, hf_config: Any, qdict: dict,
+                     records: list[TensorRecord], *, tokenizer: Any, overwrite: bool, max_bytes: int,
+                     progress: bool) -> None:
+    """An HF checkpoint directory (config with ``qdict`` as its ``quantization_config``, generation config,
+    tokenizer, safetensors shards of ``records``), written atomically: staged beside ``directory``, renamed into
+    place (shared by ``export_hf`` and ``export_compressed_tensors``)."""
+    with staged_dir(directory, recheck=lambda: check_destination(directory, overwrite)) as tmp:
         write_metadata(tmp, hf_config, qdict, type(model).__name__, getattr(model, "generation_config", None))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         write_shards(tmp, records, max_bytes, progress=progress)
-        replace_dir(tmp, directory, recheck=lambda: check_destination(directory, overwrite))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return _info(directory, qdict, layouts)
 
 
 def _info(directory: pathlib.Path, qdict: dict, layouts: dict) -> ExportInfo:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import shutil
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -32,13 +31,12 @@ import torch
 from torch import nn
 
 import qcore
-from qcore._fsutil import replace_dir, staging_dir
 from qcore.formats import compressed_tensors as CT
 from qcore.formats.safetensors_io import TensorRecord
 
 from .config import ModelConfig
 from .export import (QCORE_FORMAT_VERSION, _check_config_describes, _online_rotations, _record,
-                     _tensor_record, check_destination, parse_size, weight_parts, write_metadata, write_shards)
+                     _tensor_record, check_destination, parse_size, weight_parts, write_checkpoint)
 from .modules import QuantLinear, _QuantMixin
 
 __all__ = ["export_compressed_tensors", "CTExportInfo", "TensorReport", "ct_quantization_config"]
@@ -374,17 +372,8 @@ def export_compressed_tensors(model: nn.Module, directory: Union[str, os.PathLik
                 notes.append(_NOTES["mx_dynamic"])
     qdict = ctc.to_dict()
 
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = staging_dir(directory)
-    try:
-        write_metadata(tmp, hf_config, qdict, type(model).__name__, getattr(model, "generation_config", None))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        write_shards(tmp, records, max_bytes, progress=progress)
-        replace_dir(tmp, directory, recheck=lambda: check_destination(directory, overwrite))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    write_checkpoint(directory, model, hf_config, qdict, records, tokenizer=tokenizer, overwrite=overwrite,
+                     max_bytes=max_bytes, progress=progress)
     files = tuple(sorted(p.name for p in directory.iterdir()))
     size = sum((directory / f).stat().st_size for f in files)
     return CTExportInfo(str(directory), ctc.format, files, size, {lay.name: lay.fmt.value for lay in layers

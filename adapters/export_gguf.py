@@ -33,6 +33,7 @@ file is written (the quantized size of the model, not the float size).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -359,20 +360,13 @@ def export_gguf_dir(model: nn.Module, directory: Union[str, os.PathLike], *, ove
     """``export_gguf`` into ``directory/model.gguf``, the directory written atomically like ``export_hf``'s (a
     staging sibling renamed into place; an existing non-empty directory needs ``overwrite=True``). ``kwargs``
     go to ``export_gguf``."""
-    import shutil
-    from qcore._fsutil import replace_dir, staging_dir
+    from qcore._fsutil import staged_dir
     from .export import check_destination
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
     directory = pathlib.Path(directory)
     check_destination(directory, overwrite)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = staging_dir(directory)
-    try:
+    with staged_dir(directory, recheck=lambda: check_destination(directory, overwrite)) as tmp:
         info = export_gguf(model, tmp / GGUF_FILE, **kwargs)
-        replace_dir(tmp, directory, recheck=lambda: check_destination(directory, overwrite))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     path = directory / GGUF_FILE
-    return GGUFExportInfo(str(path), path.stat().st_size, info.types, info.quantized, info.dropped)
+    return dataclasses.replace(info, path=str(path), bytes_on_disk=path.stat().st_size)

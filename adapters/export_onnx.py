@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import enum
 import io
+import dataclasses
 import os
 import pathlib
 import types
@@ -732,23 +733,15 @@ def export_onnx_dir(model: nn.Module, directory: Union[str, os.PathLike], *, tok
     """``export_onnx`` into ``directory/model.onnx`` (with the tokenizer's files when ``tokenizer`` is given), the
     directory written atomically like ``export_hf``'s (a staging sibling renamed into place; an existing non-empty
     directory needs ``overwrite=True``). ``kwargs`` go to ``export_onnx``."""
-    import shutil
-    from qcore._fsutil import replace_dir, staging_dir
+    from qcore._fsutil import staged_dir
     from .export import check_destination
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
     directory = pathlib.Path(directory)
     check_destination(directory, overwrite)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = staging_dir(directory)
-    try:
+    with staged_dir(directory, recheck=lambda: check_destination(directory, overwrite)) as tmp:
         info = export_onnx(model, tmp / ONNX_FILE, **kwargs)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        replace_dir(tmp, directory, recheck=lambda: check_destination(directory, overwrite))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     path = directory / ONNX_FILE
-    return ONNXExportInfo(str(path), path.stat().st_size, info.graph, info.inputs, info.outputs, info.quantized,
-                          info.activations)
+    return dataclasses.replace(info, path=str(path), bytes_on_disk=path.stat().st_size)

@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 
 def staging_dir(target: Path) -> Path:
@@ -41,3 +42,18 @@ def replace_dir(new: Path, target: Path, *, recheck: Callable[[], None]) -> None
         os.rename(old, target)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_dir(target: Path, *, recheck: Callable[[], None]) -> Iterator[Path]:
+    """``with staged_dir(target, recheck=...) as tmp:`` write into ``tmp`` (a ``staging_dir`` sibling); on a normal
+    exit it replaces ``target`` (``replace_dir``), on any error (Ctrl-C included) it is deleted and ``target`` is
+    left as it was."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = staging_dir(target)
+    try:
+        yield tmp
+        replace_dir(tmp, target, recheck=recheck)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
