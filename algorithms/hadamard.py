@@ -39,7 +39,7 @@ import numpy as np
 
 from qcore._backend import is_torch
 
-__all__ = ["hadamard", "hadamard_factors", "is_constructible", "rotation", "random_signs", "fwht"]
+__all__ = ["hadamard", "hadamard_factors", "is_constructible", "rotation", "random_signs", "fwht", "fwht_plan"]
 
 
 def _check_n(n, name="n") -> int:
@@ -284,6 +284,21 @@ def random_signs(n: int, *, key: int) -> np.ndarray:
     return np.where(np.random.default_rng(int(key)).random(n) < 0.5, -1.0, 1.0)
 
 
+def fwht_plan(shape: tuple, axis: Any) -> tuple[int, int]:
+    """``(m, 2**k)`` with ``shape[axis] == m * 2**k`` for a transform along ``axis`` (``m`` a known Hadamard order);
+    TypeError / ValueError for a bad axis or a size with no construction (``fwht`` and the Triton kernel)."""
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+        raise TypeError(f"axis must be an int, got {axis!r}")
+    nd = len(shape)
+    if not -nd <= axis < nd:
+        raise ValueError(f"axis {axis} is out of range for x of shape {tuple(shape)}")
+    n = int(shape[axis])
+    f = hadamard_factors(n)
+    if f is None:
+        raise ValueError(_no_hadamard(n))
+    return f[0], f[1]
+
+
 def fwht(x: Any, *, axis: int = -1) -> Any:
     """``x`` times ``hadamard(n).T / sqrt(n)`` along ``axis`` (``n = x.shape[axis]``), fast (module docstring).
     numpy or torch; float64 inputs stay float64, others compute in float32. ValueError when ``n`` has no
@@ -291,16 +306,8 @@ def fwht(x: Any, *, axis: int = -1) -> Any:
     torch_in = is_torch(x)
     if not torch_in:
         x = np.asarray(x)
-    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
-        raise TypeError(f"axis must be an int, got {axis!r}")
-    nd = x.ndim
-    if not -nd <= axis < nd:
-        raise ValueError(f"axis {axis} is out of range for x of shape {tuple(x.shape)}")
+    m, k2 = fwht_plan(tuple(x.shape), axis)
     n = int(x.shape[axis])
-    f = hadamard_factors(n)
-    if f is None:
-        raise ValueError(_no_hadamard(n))
-    m, k2, _ = f
     if torch_in:
         import torch
         f64 = x.dtype == torch.float64

@@ -408,18 +408,11 @@ def _sm_count(device) -> int:
 
 
 def fwht(x, *, axis: int = -1):
-    from qcore.algorithms.hadamard import _dense, _no_hadamard, hadamard_factors
+    from qcore.algorithms.hadamard import _dense, fwht_plan
 
     x = _as_input(x)
-    if isinstance(axis, bool) or not isinstance(axis, int):
-        raise TypeError(f"axis must be an int, got {axis!r}")
-    if not -x.dim() <= axis < x.dim():
-        raise ValueError(f"axis {axis} is out of range for x of shape {tuple(x.shape)}")
+    m, k2 = fwht_plan(tuple(x.shape), axis)
     n = int(x.shape[axis])
-    f = hadamard_factors(n)
-    if f is None:
-        raise ValueError(_no_hadamard(n))
-    m, k2, _ = f
     y = torch.movedim(x, axis, -1).contiguous()
     rows = y.numel() // n if n else 0
     out = torch.empty(y.shape, dtype=torch.float32, device=y.device)
