@@ -32,13 +32,14 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
-import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 from torch import nn
+
+from qcore._fsutil import replace_dir, staging_dir
 
 from .modules import _QuantMixin
 
@@ -226,7 +227,7 @@ def compare_models(source: nn.Module, destination: nn.Module) -> list:
             changes.append(TensorChange(name, kind, "absent", desc, float("nan") if kind == "activation"
                                         else float("inf")))
             continue
-        (ka, ta, da), (kb, tb, db) = a[name], b[name]
+        (ka, ta, da), (_, tb, db) = a[name], b[name]
         if ka == "activation":
             if da != db or (ta is None) != (tb is None):
                 changes.append(TensorChange(name, ka, da, db, float("nan")))
@@ -333,6 +334,12 @@ def _onnx_changes(info: Any, model: nn.Module) -> list:
             for r in info.quantized if not r.exact or r.how == "dequantized"]
 
 
+def _check_dst(dst: pathlib.Path, overwrite: bool) -> None:
+    """An existing file or non-empty directory at ``dst`` needs ``overwrite`` (an empty directory does not)."""
+    if dst.exists() and not overwrite and (not dst.is_dir() or any(dst.iterdir())):
+        raise FileExistsError(f"dst {str(dst)!r} exists; pass overwrite=True (--overwrite) to replace it")
+
+
 def _model_dtype(model: nn.Module) -> torch.dtype:
     for m in model.modules():
         if isinstance(m, _QuantMixin) and m.frozen:
@@ -363,8 +370,7 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
     src_fmt = detect_format(src_p)
     if src_p.resolve() == dst_p.resolve():
         raise ValueError(f"dst {str(dst_p)!r} is the source; write the conversion elsewhere")
-    if dst_p.exists() and not overwrite and (dst_p.is_file() or any(dst_p.iterdir())):
-        raise FileExistsError(f"dst {str(dst_p)!r} exists; pass overwrite=True (--overwrite) to replace it")
+    _check_dst(dst_p, overwrite)
     if to == "gguf" and dst_p.exists() and dst_p.is_dir() and dst_p.suffix == ".gguf":
         raise ValueError(f"dst {str(dst_p)!r} is a directory named like a GGUF file")
 
@@ -384,7 +390,7 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
 
     # write into a private staging place first: strict refusals and failed checks leave dst untouched
     dst_p.parent.mkdir(parents=True, exist_ok=True)
-    stage_root = pathlib.Path(tempfile.mkdtemp(prefix=".qcore-convert-", dir=dst_p.parent))
+    stage_root = staging_dir(dst_p)
     try:
         staged = stage_root / dst_p.name
         written, notes, info = _export(model, tok, src_p, src_fmt, staged, to, overwrite=False,
@@ -400,24 +406,7 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
             names = ", ".join(f"{c.name} ({c.source} -> {c.destination})" for c in changes[:8])
             raise ValueError(f"convert to {to}: not lossless, {len(changes)} tensors change: {names}"
                              f"{' ...' if len(changes) > 8 else ''}; dst was not written")
-        if dst_p.is_dir() and not any(dst_p.iterdir()):
-            dst_p.rmdir()  # an empty directory is no content to protect
-        if dst_p.exists():
-            if not overwrite:
-                raise FileExistsError(f"dst {str(dst_p)!r} appeared while converting; pass overwrite=True")
-            if dst_p.is_dir():
-                old = dst_p.parent / f".{dst_p.name}.old-{stage_root.name}"
-                dst_p.rename(old)
-                try:
-                    staged.rename(dst_p)
-                except BaseException:
-                    old.rename(dst_p)
-                    raise
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                staged.replace(dst_p)
-        else:
-            staged.rename(dst_p)
+        replace_dir(staged, dst_p, recheck=lambda: _check_dst(dst_p, overwrite))
         final = dst_p / written.relative_to(staged) if written != staged else dst_p
     finally:
         shutil.rmtree(stage_root, ignore_errors=True)
