@@ -16,6 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "bench_fake_quantize.py"
 
 
+@pytest.mark.slow
 def test_bench_script_runs_prints_tables_and_writes_json(tmp_path):
     pytest.importorskip("torch")
     out = tmp_path / "bench.json"

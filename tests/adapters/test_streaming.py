@@ -107,6 +107,7 @@ def test_tied_weights_bfloat16_and_pack_method(tie, dtype, pack, tmp_path):
         assert torch.equal(back(BATCHES[1]).logits, ref(BATCHES[1]).logits)
 
 
+@pytest.mark.slow
 def test_peak_memory_is_a_fraction_of_the_weights(tmp_path):
     """A synthetic Llama (hidden 256, 56 layers: about 100 MB of float32 weights) is quantized, uint4 g64
     round-to-nearest and GPTQ, each in its own process (both at once), holding at most a third of its weights:

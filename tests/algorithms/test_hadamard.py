@@ -85,6 +85,7 @@ def test_factors_and_errors():
         fwht(np.zeros(92))
 
 
+@pytest.mark.slow
 def test_every_size_up_to_16384_gets_an_orthogonal_rotation():
     """Every multiple of 4 up to 16384 either has a construction (a Kronecker product of a dense Hadamard
     factor and a Sylvester one: the dense factors up to order 1024 are checked here in full; the fast transform

@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 SCRIPT = pathlib.Path(__file__).resolve().parent / "aot_compile.py"
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_gpu_targets():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "0")

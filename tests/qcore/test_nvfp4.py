@@ -326,6 +326,7 @@ def test_static_tensor_scale_reproduces_the_dynamic_result():
         assert same_bits(dequantize(other), dequantize(q))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [{}, ONE, dict(tensor_scale=0.37), dict(scale_dtype="float8_e5m3")])
 def test_numpy_equals_torch_and_compiled(kw):
     torch = torch_or_skip()

@@ -240,6 +240,7 @@ def test_torch_bit_identical_and_dequantize_equals_fake_quantize(fmt, kw):
     assert np.array_equal(ya.view(np.uint32), fake_quantize(torch.from_numpy(x), fmt, **kw).numpy().view(np.uint32))
 
 
+@pytest.mark.slow
 def test_compiled_path_bit_identical():
     torch = pytest.importorskip("torch")
     x = torch.from_numpy(_data((16, 128), seed=8))

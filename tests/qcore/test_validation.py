@@ -442,6 +442,7 @@ def test_rceil_matches_torchao():
         assert np.array_equal(got[~log_rounds], ref[~log_rounds])
 
 
+@pytest.mark.slow
 def test_rceil_torch_and_compiled_equal_numpy():
     torch = pytest.importorskip("torch")
     amax = _rceil_amaxes(448.0)
@@ -490,8 +491,9 @@ def test_quantspec_integer_fields_are_validated():
 
 
 @pytest.mark.parametrize("fmt,kw,compile", [
-    ("mxfp4", {}, False), ("mxfp4", {}, True),
-    ("int4", {"granularity": PerGroup(32)}, False), ("int4", {"granularity": PerGroup(32)}, True),
+    ("mxfp4", {}, False), pytest.param("mxfp4", {}, True, marks=pytest.mark.slow),
+    ("int4", {"granularity": PerGroup(32)}, False),
+    pytest.param("int4", {"granularity": PerGroup(32)}, True, marks=pytest.mark.slow),
     ("uint8", {}, False), ("mx6", {}, False),
     ("float8_e4m3fn", {"rounding": RoundingMode.STOCHASTIC, "key": 3}, False),
 ])
@@ -588,6 +590,7 @@ def test_microexp_and_elements_do_not_import_quantize():
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_compiled_bad_call_raises_before_compiling_and_keeps_compilation():
     torch = pytest.importorskip("torch")
     from qcore import _compiled

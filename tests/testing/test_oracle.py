@@ -81,6 +81,7 @@ def test_block_ops_pass_on_qcore_torch(fmt):
     assert_matches_oracle(qcore.quantize(t, fmt), t, fmt, op=Op.QUANTIZE, kinds=kinds)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["mxfp4", make_spec("int4", granularity=PerGroup(32))])
 def test_compiled_torch_path_passes(fmt):
     # The two specs tests/qcore/test_quantize.py also compiles (in one session they share the compiled code).
