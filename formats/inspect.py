@@ -11,7 +11,7 @@ from typing import Any, Union
 
 from qcore import get_dtype
 
-from .safetensors_io import CorruptCheckpointError, SafetensorsFile
+from .safetensors_io import CorruptCheckpointError, SafetensorsFile, index_shards
 
 __all__ = ["inspect_checkpoint", "format_report", "checkpoint_files"]
 
@@ -34,15 +34,7 @@ def checkpoint_files(d: Union[str, pathlib.Path]) -> list[pathlib.Path]:
     d = pathlib.Path(d)
     idx = d / "model.safetensors.index.json"
     if idx.is_file():
-        try:
-            wm = json.loads(idx.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CorruptCheckpointError(f"{idx}: not a safetensors index ({e})") from None
-        names = sorted(set(wm.values()))
-        missing = [n for n in names if not (d / n).is_file()]
-        if missing:
-            raise CorruptCheckpointError(f"{idx}: shards {missing} are missing")
-        return [d / n for n in names]
+        return index_shards(d, idx)
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise CorruptCheckpointError(f"{d}: no .safetensors files")

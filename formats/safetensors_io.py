@@ -25,7 +25,8 @@ import struct
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
-__all__ = ["DTYPE_BYTES", "TensorRecord", "SafetensorsFile", "CorruptCheckpointError", "write_file", "header_bytes"]
+__all__ = ["DTYPE_BYTES", "TensorRecord", "SafetensorsFile", "CorruptCheckpointError", "write_file", "header_bytes",
+           "read_json", "index_shards"]
 
 # bytes per element of each safetensors dtype name
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
@@ -36,6 +37,57 @@ _MAX_HEADER = 100_000_000  # the reference implementation's limit
 
 class CorruptCheckpointError(ValueError):
     """A checkpoint file that is not a valid safetensors file, or whose tensors do not match what is expected."""
+
+
+def read_json(path: Union[str, os.PathLike], *, what: str = "") -> object:
+    """The JSON value of the file ``path``; ``CorruptCheckpointError`` naming the file (and ``what`` it is) when it
+    is not UTF-8 JSON, or nests deeper than the parser's recursion limit (instead of ``RecursionError``)."""
+    p = pathlib.Path(path)
+    label = f"{str(p)!r}{f' ({what})' if what else ''}"
+    try:
+        text = p.read_bytes().decode("utf-8")
+        return json.loads(text)
+    except UnicodeDecodeError as e:
+        raise CorruptCheckpointError(f"{label}: not UTF-8 text ({e})") from None
+    except json.JSONDecodeError as e:
+        raise CorruptCheckpointError(f"{label}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise CorruptCheckpointError(f"{label}: the JSON nests too deeply to read") from None
+
+
+def read_json_object(path: Union[str, os.PathLike], *, what: str = "") -> dict:
+    """``read_json`` of a file that must hold a JSON object (``config.json``, an index)."""
+    d = read_json(path, what=what)
+    if not isinstance(d, dict):
+        raise CorruptCheckpointError(f"{str(path)!r}{f' ({what})' if what else ''}: expected a JSON object, got "
+                                     f"{type(d).__name__}")
+    return d
+
+
+def index_shards(directory: Union[str, os.PathLike], index: Union[str, os.PathLike, None] = None) -> list:
+    """The shard files a safetensors index (``model.safetensors.index.json``) names, sorted, each checked: a
+    ``weight_map`` of tensor names to relative file names inside ``directory`` (no absolute path, no ``..``),
+    every one an existing file."""
+    d = pathlib.Path(directory)
+    idx = pathlib.Path(index) if index is not None else d / "model.safetensors.index.json"
+    head = read_json_object(idx, what="safetensors index")
+    wm = head.get("weight_map")
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise CorruptCheckpointError(f"{str(idx)!r}: weight_map must map tensor names to file names, got "
+                                     f"{type(wm).__name__}")
+    out = []
+    for name in sorted(set(wm.values())):
+        pp = pathlib.PurePath(name)
+        f = d / name
+        if (not name or pp.is_absolute() or pathlib.PureWindowsPath(name).is_absolute() or ".." in pp.parts
+                or "\\" in name):
+            key = next(k for k, v in wm.items() if v == name)
+            raise CorruptCheckpointError(f"{str(idx)!r}: tensor {key!r} names the file {name!r}, which is not a file "
+                                         f"directly inside the checkpoint directory")
+        if not f.is_file():
+            raise CorruptCheckpointError(f"{str(idx)!r}: shard {name!r} is missing")
+        out.append(f)
+    return out
 
 
 @dataclass(frozen=True)
