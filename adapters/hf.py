@@ -59,6 +59,8 @@ def checkpoint_config(raw: dict) -> ModelConfig:
     own = raw.get("qcore")
     check_format_version(own, "quantization_config")
     if isinstance(own, dict) and "config" in own:
+        if raw.get("source_method", raw.get("quant_method")) == "quark":  # what Quark and vLLM read: valid too
+            ModelConfig.from_quark({**{k: v for k, v in raw.items() if k not in _OWN_KEYS}, "quant_method": "quark"})
         return ModelConfig.from_dict(own["config"])
     if raw.get("source_method", raw.get("quant_method")) not in ("quark", "qcore"):
         raise ValueError(f"quantization_config: quant_method {raw.get('quant_method')!r} is not 'quark' or 'qcore'")
@@ -80,9 +82,15 @@ def hf_config(d: pathlib.Path):
     """transformers' ``AutoConfig`` of the checkpoint directory ``d``; a config.json transformers cannot read is a
     ``CorruptCheckpointError`` naming the file, not transformers' traceback."""
     from transformers import AutoConfig
+    bad: tuple = (ValueError, TypeError, KeyError, AttributeError, OSError, IndexError)
+    try:  # transformers 5 validates config fields with huggingface_hub's strict dataclasses
+        from huggingface_hub.errors import StrictDataclassError
+        bad += (StrictDataclassError,)
+    except ImportError:
+        pass
     try:
         return AutoConfig.from_pretrained(d, local_files_only=True)
-    except (ValueError, TypeError, KeyError, AttributeError, OSError, IndexError) as e:
+    except bad as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CorruptCheckpointError(f"{str(d / 'config.json')!r}: transformers cannot build the model config from "
                                      f"it ({msg})") from None

@@ -253,6 +253,7 @@ def from_gguf(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = N
     p = _check_args(path, dtype, strict, dequantize_other)
     dtype = dtype or torch.float32
     import gguf
+    G.check_file(p)  # counts, types, data ranges: before gguf-py maps the file
     reader = gguf.GGUFReader(p)
     arch = reader.fields.get("general.architecture")
     arch = arch.contents() if arch is not None else None

@@ -41,7 +41,6 @@ decoder layers that take the same keyword arguments (mask, position embeddings) 
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import pathlib
@@ -55,7 +54,7 @@ from torch import nn
 
 from qcore._fsutil import replace_dir, staging_dir
 from qcore.formats import quark_layout as L
-from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile, TensorRecord
+from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile, TensorRecord, index_shards
 
 from .config import ModelConfig, TensorConfig
 from .export import (ExportInfo, _info, _plan_tensors, _quantization_config, check_destination, parse_size,
@@ -85,10 +84,7 @@ class _Source:
     def __init__(self, directory: pathlib.Path):
         index = directory / "model.safetensors.index.json"
         if index.is_file():
-            try:
-                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (KeyError, TypeError, ValueError) as e:
-                raise CorruptCheckpointError(f"{str(index)!r} is not a safetensors index ({e})") from None
+            files = [f.name for f in index_shards(directory, index)]
         elif (directory / "model.safetensors").is_file():
             files = ["model.safetensors"]
         else:

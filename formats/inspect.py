@@ -3,7 +3,6 @@ headers (every file is validated: a truncated or corrupted file is an error), ne
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 from collections import Counter
@@ -11,7 +10,7 @@ from typing import Any, Union
 
 from qcore import get_dtype
 
-from .safetensors_io import CorruptCheckpointError, SafetensorsFile, index_shards
+from .safetensors_io import CorruptCheckpointError, SafetensorsFile, index_shards, read_json_object
 
 __all__ = ["inspect_checkpoint", "format_report", "checkpoint_files"]
 
@@ -74,7 +73,7 @@ def inspect_checkpoint(directory: Union[str, pathlib.Path]) -> dict:
         raise FileNotFoundError(f"{str(d)!r} is not a directory")
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"{str(d)!r} has no config.json (not an HF checkpoint directory)")
-    cfg = json.loads((d / "config.json").read_text())
+    cfg = read_json_object(d / "config.json", what="the model config")
     qc = cfg.get("quantization_config") or {}
     if qc.get("quant_method") == "compressed-tensors":
         return _inspect_ct(d, cfg, qc)
