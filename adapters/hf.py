@@ -361,7 +361,7 @@ def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_ma
     try:
         checkpoint_config(raw)  # the quantization config, checked before any file is read
     except (ValueError, TypeError) as e:
-        raise type(e)(f"{str(d / 'config.json')!r}: {e}") from None
+        raise CorruptCheckpointError(f"{str(d / 'config.json')!r}: {e}") from None
     from qcore.formats.inspect import checkpoint_files
     for f in checkpoint_files(d):  # headers first: a truncated or corrupted file fails here, naming the tensor
         SafetensorsFile(f)

@@ -160,7 +160,7 @@ def load_compressed_tensors(directory: Union[str, os.PathLike], *, dtype: Option
         check_format_version(raw.get("qcore"), "quantization_config")
         ctc = CT.CTConfig.from_dict(raw)
     except (ValueError, TypeError) as e:
-        raise type(e)(f"{str(d / 'config.json')!r}: {e}") from None
+        raise CorruptCheckpointError(f"{str(d / 'config.json')!r}: {e}") from None
     reader = _Reader(d)
     hf = hf_config(d)
     if hasattr(hf, "quantization_config"):

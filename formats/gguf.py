@@ -688,16 +688,21 @@ def check_file(path) -> tuple:
                                              f"of the alignment {alignment}")
             spans.append((name, tid, dims, off, off + n // blk * nb))
         start = -(-c.pos // alignment) * alignment
-    out, end_prev, prev = [], 0, None
+    for name, tid, dims, b, e in spans:
+        if start + e > size:
+            raise CorruptCheckpointError(f"{where}: the data of tensor {name!r} runs to byte {start + e}, past the "
+                                         f"end of the file ({size} bytes): the file is truncated or corrupted")
+    end_prev, prev = 0, None
     for name, tid, dims, b, e in sorted(spans, key=lambda s: (s[3], s[4])):
         if b < end_prev:
             raise CorruptCheckpointError(f"{where}: the data of tensor {name!r} (bytes {start + b}..{start + e}) "
                                          f"overlaps tensor {prev!r}'s")
-        if start + e > size:
-            raise CorruptCheckpointError(f"{where}: the data of tensor {name!r} runs to byte {start + e}, past the "
-                                         f"end of the file ({size} bytes): the file is truncated or corrupted")
+        if b - end_prev >= alignment:  # writers pad each tensor to the alignment, no more
+            raise CorruptCheckpointError(f"{where}: {b - end_prev} unaccounted bytes before tensor {name!r}"
+                                         f"{f' (after {prev!r})' if prev else ''}: a tensor's type or shape does not "
+                                         f"match its data")
         end_prev, prev = e, name
-    order = {s[0]: i for i, s in enumerate(spans)}
-    for name, tid, dims, b, e in sorted(spans, key=lambda s: order[s[0]]):
-        out.append(TensorSpan(name, tid, dims, start + b, start + e))
-    return tuple(out)
+    if size - (start + end_prev) >= alignment and spans:
+        raise CorruptCheckpointError(f"{where}: {size - start - end_prev} unexpected bytes after the last tensor "
+                                     f"{prev!r}: a tensor's type or shape does not match its data")
+    return tuple(TensorSpan(name, tid, dims, start + b, start + e) for name, tid, dims, b, e in spans)
