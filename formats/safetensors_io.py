@@ -39,20 +39,41 @@ class CorruptCheckpointError(ValueError):
     """A checkpoint file that is not a valid safetensors file, or whose tensors do not match what is expected."""
 
 
+MAX_JSON_DEPTH = 64  # configs nest a few levels; deeper ones would only make later readers recurse
+
+
+def _json_depth(value: object) -> int:
+    """How deeply ``value`` (parsed JSON) nests, without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, dict):
+            v = list(v.values())
+        if isinstance(v, list):
+            deepest = max(deepest, d)
+            todo.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
+    return deepest
+
+
 def read_json(path: Union[str, os.PathLike], *, what: str = "") -> object:
     """The JSON value of the file ``path``; ``CorruptCheckpointError`` naming the file (and ``what`` it is) when it
-    is not UTF-8 JSON, or nests deeper than the parser's recursion limit (instead of ``RecursionError``)."""
+    is not UTF-8 JSON, or nests more than ``MAX_JSON_DEPTH`` levels (instead of a ``RecursionError`` here or in
+    whatever reads it next)."""
     p = pathlib.Path(path)
     label = f"{str(p)!r}{f' ({what})' if what else ''}"
     try:
         text = p.read_bytes().decode("utf-8")
-        return json.loads(text)
+        value = json.loads(text)
+        if _json_depth(value) > MAX_JSON_DEPTH:
+            raise RecursionError
+        return value
     except UnicodeDecodeError as e:
         raise CorruptCheckpointError(f"{label}: not UTF-8 text ({e})") from None
     except json.JSONDecodeError as e:
         raise CorruptCheckpointError(f"{label}: not valid JSON ({e})") from None
     except RecursionError:
-        raise CorruptCheckpointError(f"{label}: the JSON nests too deeply to read") from None
+        raise CorruptCheckpointError(f"{label}: the JSON nests too deeply to read (more than {MAX_JSON_DEPTH} "
+                                     f"levels)") from None
 
 
 def read_json_object(path: Union[str, os.PathLike], *, what: str = "") -> dict:

@@ -153,7 +153,8 @@ def _truncate(n):
     return edit
 
 
-DEEP = '{"quantization_config": ' + "[" * 100_000 + "]" * 100_000 + "}"
+DEEP = '{"quantization_config": ' + "[" * 100_000 + "]" * 100_000 + "}"  # past json's recursion limit
+DEEPISH = '{"quantization_config": {"algo_config": ' + "[" * 900 + "]" * 900 + "}}"  # parses; would recurse later
 
 # the families every safetensors loader shares: (id, checkpoint, edit, what the error must name)
 COMMON = [
@@ -182,6 +183,7 @@ COMMON = [
     ("truncated", _truncate(100), r"model\.safetensors.*truncated.*tensor"),
     ("truncated-header", _truncate(-20), r"model\.safetensors.*header length"),
     ("config-deep", _text(DEEP), r"config\.json.*nests too deeply"),
+    ("config-deepish", _text(DEEPISH), r"config\.json.*nests too deeply"),
     ("config-not-json", _text('{"quantization_config": '), r"config\.json.*not valid JSON"),
     ("config-list", _text("[1, 2]"), r"config\.json.*expected a JSON object, got list"),
     ("config-bad-field", _config(lambda c: c.__setitem__("num_hidden_layers", "two")),
