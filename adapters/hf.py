@@ -373,7 +373,10 @@ def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_ma
     if device_map is not None:
         kw["device_map"] = device_map
     kw.update(kwargs)
-    return AutoModelForCausalLM.from_pretrained(d, **kw).eval()
+    try:
+        return AutoModelForCausalLM.from_pretrained(d, **kw).eval()
+    except CorruptCheckpointError as e:  # raised by check_tensors / _build: name the checkpoint too
+        raise CorruptCheckpointError.naming(d, e) from None
 
 
 load_quark = from_pretrained

@@ -147,10 +147,16 @@ def load_compressed_tensors(directory: Union[str, os.PathLike], *, dtype: Option
     model goes after loading (default CPU). Every tensor's name, dtype and shape is checked against the config
     before any weight is read; values too (scales finite and positive, codes and zero points in range); errors
     name the tensor."""
-    from transformers import AutoModelForCausalLM
-
-    from .hf import check_format_version, hf_config, read_config
     d = pathlib.Path(directory)
+    try:
+        return _load(d, dtype, device)
+    except CorruptCheckpointError as e:  # every refusal names the checkpoint
+        raise CorruptCheckpointError.naming(d, e) from None
+
+
+def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+    from .hf import check_format_version, hf_config, read_config
     _, raw = read_config(d)
     if not isinstance(raw, dict) or raw.get("quant_method") != CT.QUANT_METHOD:
         got = raw.get("quant_method") if isinstance(raw, dict) else None

@@ -38,6 +38,12 @@ _MAX_HEADER = 100_000_000  # the reference implementation's limit
 class CorruptCheckpointError(ValueError):
     """A checkpoint file that is not a valid safetensors file, or whose tensors do not match what is expected."""
 
+    @classmethod
+    def naming(cls, path, e: "CorruptCheckpointError") -> "CorruptCheckpointError":
+        """``e`` with the checkpoint ``path`` in front when its message does not name it already."""
+        msg = str(e)
+        return e if str(path) in msg else cls(f"{str(path)!r}: {msg}")
+
 
 MAX_JSON_DEPTH = 64  # configs nest a few levels; deeper ones would only make later readers recurse
 
