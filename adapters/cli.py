@@ -57,12 +57,6 @@ def load_float_model(p: pathlib.Path, *, dtype: torch.dtype):
     from qcore.formats.inspect import checkpoint_files
     from qcore.formats.safetensors_io import SafetensorsFile
     from .hf import hf_config
-    if not (p / "model.safetensors.index.json").is_file() and not any(p.glob("*.safetensors")):
-        pickles = sorted(f.name for f in p.iterdir() if f.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"))
-        raise CommandError(f"--model {p}: no .safetensors weights"
-                           f"{f' (only pickled ones: {pickles[:3]})' if pickles else ''}; qcore loads safetensors "
-                           f"only, never unpickling a file (convert them with transformers' save_pretrained, "
-                           f"whose default is safetensors)")
     for f in checkpoint_files(p):  # a truncated or corrupted file fails here, naming the file and the tensor
         SafetensorsFile(f)
     config = hf_config(p)

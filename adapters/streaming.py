@@ -44,6 +44,7 @@ import copy
 import logging
 import os
 import pathlib
+import re
 import shutil
 import time
 from collections.abc import Iterable, Mapping
@@ -54,7 +55,7 @@ from torch import nn
 
 from qcore._fsutil import replace_dir, staging_dir
 from qcore.formats import quark_layout as L
-from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile, TensorRecord, index_shards
+from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile, TensorRecord, index_shards, no_safetensors
 
 from .config import ModelConfig, TensorConfig
 from .export import (ExportInfo, _info, _plan_tensors, _quantization_config, check_destination, parse_size,
@@ -88,8 +89,7 @@ class _Source:
         elif (directory / "model.safetensors").is_file():
             files = ["model.safetensors"]
         else:
-            raise FileNotFoundError(f"{str(directory)!r} has no model.safetensors nor model.safetensors.index.json "
-                                    f"(qcore reads safetensors checkpoints only)")
+            raise no_safetensors(directory)
         self.where: dict[str, SafetensorsFile] = {}
         for f in files:
             st = SafetensorsFile(directory / f)
@@ -157,6 +157,16 @@ def _check_source(model: nn.Module, source: _Source) -> None:
         if shape != tuple(t.shape):
             raise CorruptCheckpointError(f"tensor {k!r} has shape {list(shape)} in the checkpoint; the model's "
                                          f"config gives {list(t.shape)}")
+    # a tensor the model does not have: refused, except those transformers itself ignores on load (the
+    # model's _keys_to_ignore_on_load_unexpected, non-persistent buffers such as older files' rotary inv_freq)
+    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+    transient = {f"{n}.{b}" if n else b for n, m in model.named_modules() for b in m._non_persistent_buffers_set}
+    extra = sorted(k for k in source.where if k not in sd and k not in transient
+                   and not any(p.search(k) for p in ignore))
+    if extra:
+        raise CorruptCheckpointError(f"tensor {extra[0]!r} in {source.where[extra[0]].path.name} is not a tensor of "
+                                     f"the model its config.json describes"
+                                     f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}")
 
 
 def _meta_keys(module: nn.Module) -> list[str]:
@@ -250,9 +260,11 @@ def _hidden_of(args, kwargs):
 
 def _skeleton(src: pathlib.Path, dtype: Optional[torch.dtype]):
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
-    hf_config = AutoConfig.from_pretrained(src, local_files_only=True)
+    from .hf import hf_config as read_hf_config, read_config
+    read_config(src)  # malformed or too deeply nested JSON: one error naming the file
+    hf_config = read_hf_config(src)
     if getattr(hf_config, "quantization_config", None) is not None:
         raise ValueError(f"{str(src)!r} is already a quantized checkpoint (its config.json has a "
                          f"quantization_config); quantize_checkpoint takes a float checkpoint")

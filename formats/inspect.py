@@ -10,7 +10,7 @@ from typing import Any, Union
 
 from qcore import get_dtype
 
-from .safetensors_io import CorruptCheckpointError, SafetensorsFile, index_shards, read_json_object
+from .safetensors_io import CorruptCheckpointError, SafetensorsFile, index_shards, no_safetensors, read_json_object
 
 __all__ = ["inspect_checkpoint", "format_report", "checkpoint_files"]
 
@@ -36,7 +36,7 @@ def checkpoint_files(d: Union[str, pathlib.Path]) -> list[pathlib.Path]:
         return index_shards(d, idx)
     files = sorted(d.glob("*.safetensors"))
     if not files:
-        raise CorruptCheckpointError(f"{d}: no .safetensors files")
+        raise no_safetensors(d)
     return files
 
 

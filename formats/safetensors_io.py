@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 __all__ = ["DTYPE_BYTES", "TensorRecord", "SafetensorsFile", "CorruptCheckpointError", "write_file", "header_bytes",
-           "read_json", "index_shards"]
+           "read_json", "read_json_object", "index_shards", "no_safetensors"]
 
 # bytes per element of each safetensors dtype name
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
@@ -89,6 +89,18 @@ def read_json_object(path: Union[str, os.PathLike], *, what: str = "") -> dict:
         raise CorruptCheckpointError(f"{str(path)!r}{f' ({what})' if what else ''}: expected a JSON object, got "
                                      f"{type(d).__name__}")
     return d
+
+
+def no_safetensors(directory: Union[str, os.PathLike]) -> CorruptCheckpointError:
+    """The error for a checkpoint directory without safetensors weights (naming the pickled files it holds
+    instead: qcore never unpickles a file)."""
+    d = pathlib.Path(directory)
+    pickles = sorted(f.name for f in d.iterdir() if f.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl")) \
+        if d.is_dir() else []
+    return CorruptCheckpointError(f"{str(d)!r} has no .safetensors weights"
+                                  f"{f' (only pickled ones: {pickles[:3]})' if pickles else ''}; qcore reads "
+                                  f"safetensors only and never unpickles a file (transformers' save_pretrained "
+                                  f"writes safetensors by default)")
 
 
 def index_shards(directory: Union[str, os.PathLike], index: Union[str, os.PathLike, None] = None) -> list:

@@ -11,6 +11,7 @@ tensor or field, and for the CLI exit code 2, one error line, no traceback, noth
 """
 
 import json
+import re
 import shutil
 import struct
 
@@ -459,8 +460,8 @@ def _cli(capsys, argv):
 FLOAT = [
     ("pickles-only", lambda d: (d / "model.safetensors").unlink() or torch.save({}, d / "pytorch_model.bin"),
      r"no \.safetensors weights \(only pickled ones: \['pytorch_model\.bin'\]\)"),
-    ("removed", _pop("model.norm.weight"), r"'model\.norm\.weight' is missing"),
-    ("extra", _add("model.extra"), r"'model\.extra' is not a tensor"),
+    ("removed", _pop("model.norm.weight"), r"'model\.norm\.weight'.*(is missing|needs)"),
+    ("extra", _add("model.extra"), r"'model\.extra'.* is not a tensor"),
     ("truncated", _truncate(100), r"truncated"),
     ("deep-config", _text(DEEP), r"nests too deeply"),
 ]
@@ -474,7 +475,33 @@ def test_float_model_folders_are_checked(float_dir, tmp_path, capsys, name, edit
     code, err, lines = _cli(capsys, ["quantize", "--model", str(d), "--scheme", "int8", "--eval", "none",
                                      "--output", str(tmp_path / "out")])
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    assert __import__("re").search(match, lines[0]), lines[0]
+    assert re.search(match, lines[0]), lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name, edit, match", FLOAT, ids=_ids(FLOAT))
+def test_quantize_checkpoint_reads_float_folders_the_same_way(float_dir, zoo, tmp_path, name, edit, match):
+    """The streaming quantizer (``qcore quantize --streaming``) reads float folders with the same checks."""
+    d = tmp_path / "f"
+    shutil.copytree(float_dir, d)
+    edit(d)
+    with pytest.raises(ValueError, match=match):
+        A.quantize_checkpoint(d, tmp_path / "out", A.preset("int8"), zoo.token_batches(1, seed=1), progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+GGUF_CLI = [c for c in GGUF if c[0] in ("truncated", "overlap", "huge-tensor-count", "huge-string", "bad-magic")]
+
+
+@pytest.mark.parametrize("name, edit, match", GGUF_CLI, ids=_ids(GGUF_CLI))
+def test_float_load_of_a_gguf_file_is_checked(ckpts, tmp_path, capsys, name, edit, match):
+    """``qcore quantize/eval --model X.gguf`` (transformers' float GGUF load) checks the file first."""
+    f = _copy(ckpts, "m.gguf", tmp_path)
+    edit(f)
+    code, err, lines = _cli(capsys, ["quantize", "--model", str(f), "--scheme", "int8", "--eval", "none",
+                                     "--output", str(tmp_path / "out")])
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert re.search(match, lines[0]), lines[0]
     assert not (tmp_path / "out").exists()
 
 
@@ -493,5 +520,5 @@ def test_convert_cli_exits_2_with_one_line(ckpts, tmp_path, capsys, src, name, e
     dst = tmp_path / "out"
     code, err, lines = _cli(capsys, ["convert", str(s), str(dst), "--to", "hf" if src == "m.gguf" else "gguf"])
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    assert __import__("re").search(match, lines[0]), lines[0]
+    assert re.search(match, lines[0]), lines[0]
     assert not dst.exists() and not (tmp_path / "out.gguf").exists()
