@@ -122,6 +122,17 @@ class _Shell(nn.Module):
 _FLOAT_ST = ("F32", "F16", "BF16")
 
 
+def unexpected_keys(model: nn.Module, names) -> list:
+    """The ``names`` (checkpoint tensors) that are not tensors of ``model``, sorted, leaving out those transformers
+    itself ignores on load: the model's ``_keys_to_ignore_on_load_unexpected`` and its non-persistent buffers
+    (older files store the rotary ``inv_freq``)."""
+    import re
+    state = model.state_dict(keep_vars=True)
+    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+    transient = {f"{n}.{b}" if n else b for n, m in model.named_modules() for b in m._non_persistent_buffers_set}
+    return sorted(k for k in names if k not in state and k not in transient and not any(p.search(k) for p in ignore))
+
+
 def check_tensors(files: list, model: nn.Module, shells: dict[str, _Shell]) -> None:
     """The whole checkpoint against the model its config builds, from the safetensors headers (before any weight
     is read): every quantized module's tensors (names, dtypes, shapes of its layout), every other parameter and
@@ -178,7 +189,7 @@ def check_tensors(files: list, model: nn.Module, shells: dict[str, _Shell]) -> N
             if not ok or tuple(e.shape) != tuple(t.shape):
                 raise CorruptCheckpointError(f"tensor {k!r} is {e.dtype} {list(e.shape)} in {pathlib.Path(f).name}; "
                                              f"the model needs {want} {list(t.shape)}")
-    extra = sorted(set(entries) - set(state))
+    extra = unexpected_keys(model, entries)
     if extra:
         raise CorruptCheckpointError(f"tensor {extra[0]!r} in {pathlib.Path(entries[extra[0]][1]).name} is not a "
                                      f"tensor of the model its config describes"

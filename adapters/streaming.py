@@ -44,7 +44,6 @@ import copy
 import logging
 import os
 import pathlib
-import re
 import shutil
 import time
 from collections.abc import Iterable, Mapping
@@ -55,7 +54,8 @@ from torch import nn
 
 from qcore._fsutil import replace_dir, staging_dir
 from qcore.formats import quark_layout as L
-from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile, TensorRecord, index_shards, no_safetensors
+from qcore.formats.safetensors_io import (CorruptCheckpointError, SafetensorsFile, TensorRecord, index_shards,
+                                         no_safetensors)
 
 from .config import ModelConfig, TensorConfig
 from .export import (ExportInfo, _info, _plan_tensors, _quantization_config, check_destination, parse_size,
@@ -157,12 +157,8 @@ def _check_source(model: nn.Module, source: _Source) -> None:
         if shape != tuple(t.shape):
             raise CorruptCheckpointError(f"tensor {k!r} has shape {list(shape)} in the checkpoint; the model's "
                                          f"config gives {list(t.shape)}")
-    # a tensor the model does not have: refused, except those transformers itself ignores on load (the
-    # model's _keys_to_ignore_on_load_unexpected, non-persistent buffers such as older files' rotary inv_freq)
-    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
-    transient = {f"{n}.{b}" if n else b for n, m in model.named_modules() for b in m._non_persistent_buffers_set}
-    extra = sorted(k for k in source.where if k not in sd and k not in transient
-                   and not any(p.search(k) for p in ignore))
+    from .hf import unexpected_keys
+    extra = unexpected_keys(model, source.where)  # what transformers itself ignores on load is let through
     if extra:
         raise CorruptCheckpointError(f"tensor {extra[0]!r} in {source.where[extra[0]].path.name} is not a tensor of "
                                      f"the model its config.json describes"

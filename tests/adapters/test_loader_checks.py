@@ -247,6 +247,13 @@ def test_the_unchanged_exports_load(ckpts):
     from_gguf(ckpts / "m.gguf")
 
 
+def test_what_transformers_ignores_is_not_an_unexplained_tensor(ckpts, tmp_path):
+    """A non-persistent buffer stored anyway (older files hold the rotary inv_freq) loads, as in transformers."""
+    d = _copy(ckpts, "hf_sym", tmp_path)
+    _tensors(lambda sd: sd.__setitem__("model.rotary_emb.inv_freq", torch.ones(8)))(d)
+    A.from_pretrained(d)
+
+
 def test_tied_output_head_may_be_absent_but_not_the_embedding(zoo, tmp_path):
     """A tied lm_head is written once (as the embedding): loading fills it from the embedding; without the
     embedding nothing fills either, and that is refused."""
