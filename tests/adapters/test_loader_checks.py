@@ -196,7 +196,7 @@ HF = COMMON + [
     ("sym-input-zero-point", _set(P + "input_zero_point", -1), r"q_proj.*input_zero_point.*nonzero.*symmetric"),
     ("zero-point-removed", _pop(P + "weight_zero_point"), r"q_proj\.weight_zero_point' is missing"),
     ("quark-config-list", _qconfig(("global_quant_config",), [1]), r"global_quant_config"),
-    ("qcore-config-bad", _qconfig(("qcore", "config"), {"layer": 3}), r"config\.json"),
+    ("qcore-config-bad", _qconfig(("qcore", "config"), {"layer": 3}), r"config\.json.*layer config: got 3"),
 ]
 
 HF_ASYM = [
