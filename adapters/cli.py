@@ -49,6 +49,36 @@ def _quantizes_activations(config) -> bool:
                                               for lc in layers)
 
 
+def load_float_model(p: pathlib.Path, *, dtype: torch.dtype):
+    """A float HF model directory, from safetensors only (a folder of pickles is refused, not unpickled), every
+    parameter and buffer loaded from the file (a missing, extra or misshapen tensor is refused, naming it: nothing
+    is left to random initialisation)."""
+    from transformers import AutoModelForCausalLM
+    from qcore.formats.inspect import checkpoint_files
+    from qcore.formats.safetensors_io import SafetensorsFile
+    from .hf import hf_config
+    for f in checkpoint_files(p):  # a truncated or corrupted file fails here, naming the file and the tensor
+        SafetensorsFile(f)
+    config = hf_config(p)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(p, config=config, dtype=dtype, local_files_only=True,
+                                                           use_safetensors=True, output_loading_info=True)
+    except RuntimeError as e:
+        if "ignore_mismatched_sizes" not in str(e):
+            raise
+        raise CommandError(f"--model {p}: a tensor of the checkpoint has a shape config.json does not give it "
+                           f"(transformers' load report above names it)") from None
+    for what, keys in (("is missing from the checkpoint (it would be left to random initialisation)",
+                        info.get("missing_keys")),
+                       ("is not a tensor of the model config.json describes", info.get("unexpected_keys")),
+                       ("has the wrong shape", info.get("mismatched_keys"))):
+        keys = sorted(k if isinstance(k, str) else k[0] for k in (keys or ()))
+        if keys:
+            raise CommandError(f"--model {p}: tensor {keys[0]!r} {what}"
+                               f"{f' (and {len(keys) - 1} more)' if len(keys) > 1 else ''}")
+    return model
+
+
 def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str):
     """``(model, tokenizer, description)`` for ``--model``: None (the embedded SmolLM2), a ``.gguf`` file, an HF
     model directory, or a hub id (which needs a network)."""
@@ -60,6 +90,8 @@ def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str):
     if p.suffix == ".gguf":
         if not p.is_file():
             raise CommandError(f"--model {spec}: no such GGUF file")
+        from qcore.formats.gguf import check_file
+        check_file(p)  # a truncated or corrupted file: one line naming the tensor, before transformers reads it
         tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=dtype, local_files_only=True)
         M._make_plain(model)
@@ -67,12 +99,13 @@ def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str):
     if p.exists():
         if not (p / "config.json").is_file():
             raise CommandError(f"--model {spec}: a directory without config.json is not an HF model directory")
-        qc = json.loads((p / "config.json").read_text()).get("quantization_config") or {}
-        if qc.get("quant_method") in ("quark", "qcore", "compressed-tensors"):  # a quantized checkpoint: qcore loads it
+        from qcore.formats.safetensors_io import read_json_object
+        qc = read_json_object(p / "config.json", what="the model config").get("quantization_config") or {}
+        if isinstance(qc, dict) and qc.get("quant_method") in ("quark", "qcore", "compressed-tensors"):  # quantized
             from .hf import from_pretrained
             model = from_pretrained(p, dtype=dtype)
         else:
-            model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True)
+            model = load_float_model(p, dtype=dtype)
         try:
             tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
         except (OSError, ValueError):

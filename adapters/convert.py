@@ -29,7 +29,6 @@ Writes are atomic (each exporter stages and renames into place) and deterministi
 
 from __future__ import annotations
 
-import json
 import pathlib
 import shutil
 from dataclasses import dataclass
@@ -120,7 +119,11 @@ def detect_format(path: Union[str, pathlib.Path]) -> str:
         if _gguf_in_dir(p) is not None:
             return "gguf"
         raise ValueError(f"src {str(p)!r} has no config.json and no .gguf file: not a checkpoint")
-    qc = json.loads(cfg.read_text()).get("quantization_config") or {}
+    from qcore.formats.safetensors_io import read_json_object
+    qc = read_json_object(cfg, what="the model config").get("quantization_config") or {}
+    if not isinstance(qc, dict):
+        raise ValueError(f"src {str(p)!r}: config.json's quantization_config must be a JSON object, got "
+                         f"{type(qc).__name__}")
     method = qc.get("quant_method")
     if method in ("quark", "qcore"):
         return "hf"
@@ -249,6 +252,8 @@ def _size(p: pathlib.Path) -> int:
 def _gguf_name(path: pathlib.Path) -> Optional[str]:
     """The ``general.name`` of a GGUF file (kept by a GGUF -> GGUF conversion), or None."""
     import gguf
+    from qcore.formats.gguf import check_file
+    check_file(path)
     f = gguf.GGUFReader(str(path)).fields.get("general.name")
     if f is None or not f.data:
         return None

@@ -183,6 +183,8 @@ def _tokenizer_fields(tokenizer: Any, vocab_size: int, pre: str) -> list[tuple[s
     import gguf
     V = gguf.GGUFValueType
     if isinstance(tokenizer, (str, os.PathLike)):
+        from qcore.formats.gguf import check_file
+        check_file(tokenizer)
         r = gguf.GGUFReader(tokenizer)
         out = []
         for k, f in r.fields.items():

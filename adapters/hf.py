@@ -16,7 +16,6 @@ e8m0 NaN codes, zero points in range); errors name the tensor and the layer.
 
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Any, Optional
 
@@ -26,7 +25,7 @@ from torch import nn
 
 import qcore
 from qcore.formats import quark_layout as L
-from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile
+from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile, read_json_object
 
 from .config import ModelConfig
 from .export import _TORCH_ST, _np
@@ -39,16 +38,62 @@ _ST_TORCH = {st: t for t, st in _TORCH_ST.items()}  # safetensors dtype name -> 
 _OWN_KEYS = ("quant_method", "qcore", "source_method")
 
 
+def check_format_version(own: Any, where: str) -> None:
+    """Refuse a qcore block (``quantization_config["qcore"]``) written by a newer qcore: its ``format_version``
+    must be an int no greater than this reader's ``QCORE_FORMAT_VERSION``."""
+    from .export import QCORE_FORMAT_VERSION
+    if not isinstance(own, dict) or "format_version" not in own:
+        return
+    v = own["format_version"]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise CorruptCheckpointError(f"{where}.qcore.format_version must be a positive int, got {v!r}")
+    if v > QCORE_FORMAT_VERSION:
+        raise CorruptCheckpointError(f"{where}.qcore.format_version is {v}; this qcore ({qcore.__version__}) reads "
+                                     f"format versions up to {QCORE_FORMAT_VERSION}: upgrade qcore to load it")
+
+
 def checkpoint_config(raw: dict) -> ModelConfig:
     """The ``ModelConfig`` of a checkpoint's ``quantization_config``: qcore's own when present, else Quark's."""
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(f"quantization_config must be a JSON object, got {type(raw).__name__}")
     own = raw.get("qcore")
+    check_format_version(own, "quantization_config")
     if isinstance(own, dict) and "config" in own:
+        if raw.get("source_method", raw.get("quant_method")) == "quark":  # what Quark and vLLM read: valid too
+            ModelConfig.from_quark({**{k: v for k, v in raw.items() if k not in _OWN_KEYS}, "quant_method": "quark"})
         return ModelConfig.from_dict(own["config"])
     if raw.get("source_method", raw.get("quant_method")) not in ("quark", "qcore"):
         raise ValueError(f"quantization_config: quant_method {raw.get('quant_method')!r} is not 'quark' or 'qcore'")
     d = {k: v for k, v in raw.items() if k not in _OWN_KEYS}
     d["quant_method"] = "quark"
     return ModelConfig.from_quark(d)
+
+
+def read_config(d: pathlib.Path) -> tuple:
+    """``(config.json as a dict, its quantization_config)`` of the checkpoint directory ``d``, read safely (a
+    malformed or too deeply nested file is a ``CorruptCheckpointError`` naming it)."""
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"{str(d)!r} is not a checkpoint directory (no config.json)")
+    cfg = read_json_object(d / "config.json", what="the model config")
+    return cfg, cfg.get("quantization_config")
+
+
+def hf_config(d: pathlib.Path):
+    """transformers' ``AutoConfig`` of the checkpoint directory ``d``; a config.json transformers cannot read is a
+    ``CorruptCheckpointError`` naming the file, not transformers' traceback."""
+    from transformers import AutoConfig
+    bad: tuple = (ValueError, TypeError, KeyError, AttributeError, OSError, IndexError)
+    try:  # transformers 5 validates config fields with huggingface_hub's strict dataclasses
+        from huggingface_hub.errors import StrictDataclassError
+        bad += (StrictDataclassError,)
+    except ImportError:
+        pass
+    try:
+        return AutoConfig.from_pretrained(d, local_files_only=True)
+    except bad as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CorruptCheckpointError(f"{str(d / 'config.json')!r}: transformers cannot build the model config from "
+                                     f"it ({msg})") from None
 
 
 class _Shell(nn.Module):
@@ -74,13 +119,35 @@ class _Shell(nn.Module):
             self.bias = m.bias
 
 
-def _check_headers(files: list, shells: dict[str, _Shell]) -> None:
-    """Names, dtypes and shapes of every quantized module's tensors against the safetensors headers."""
-    entries = {}
+_FLOAT_ST = ("F32", "F16", "BF16")
+
+
+def unexpected_keys(model: nn.Module, names) -> list:
+    """The ``names`` (checkpoint tensors) that are not tensors of ``model``, sorted, leaving out those transformers
+    itself ignores on load: the model's ``_keys_to_ignore_on_load_unexpected`` and its non-persistent buffers
+    (older files store the rotary ``inv_freq``)."""
+    import re
+    state = model.state_dict(keep_vars=True)
+    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+    transient = {f"{n}.{b}" if n else b for n, m in model.named_modules() for b in m._non_persistent_buffers_set}
+    return sorted(k for k in names if k not in state and k not in transient and not any(p.search(k) for p in ignore))
+
+
+def check_tensors(files: list, model: nn.Module, shells: dict[str, _Shell]) -> None:
+    """The whole checkpoint against the model its config builds, from the safetensors headers (before any weight
+    is read): every quantized module's tensors (names, dtypes, shapes of its layout), every other parameter and
+    persistent buffer of the model present with its shape (float ones stored in one float dtype, the one the
+    checkpoint's other float tensors use), and no tensor the config does not explain. A tensor the model needs
+    and the file lacks would otherwise be left to random initialisation. Raises ``CorruptCheckpointError``
+    naming the tensor (and its file)."""
+    entries: dict = {}
     for f in files:
-        if str(f).endswith(".safetensors"):
-            st = SafetensorsFile(f)
-            entries.update({k: (e, f) for k, e in st.entries.items()})
+        st = SafetensorsFile(f)
+        for k, e in st.entries.items():
+            if k in entries:
+                raise CorruptCheckpointError(f"tensor {k!r} is stored twice ({pathlib.Path(entries[k][1]).name} and "
+                                             f"{pathlib.Path(f).name})")
+            entries[k] = (e, f)
     if not entries:
         raise CorruptCheckpointError("the checkpoint has no safetensors files (qcore never loads pickled weights)")
     for name, sh in shells.items():
@@ -94,6 +161,39 @@ def _check_headers(files: list, shells: dict[str, _Shell]) -> None:
                 raise CorruptCheckpointError(f"layer {name!r}: tensor {key!r} is {e.dtype} {list(e.shape)} in "
                                              f"{pathlib.Path(f).name}; the config ({sh.layout!r} layout) needs {dt} "
                                              f"{list(shape)}")
+    quantized = {f"{n}.{s}" for n, sh in shells.items() for s in sh.expected}
+    state = model.state_dict(keep_vars=True)
+    groups: dict[int, list] = {}  # tied tensors (one object under several names) are stored once
+    for k, t in state.items():
+        if k not in quantized:
+            groups.setdefault(id(t), []).append((k, t))
+    floats = [entries[k][0].dtype for keys in groups.values() for k, t in keys
+              if k in entries and t.is_floating_point()]
+    want_float = max(set(floats), key=floats.count) if floats else None  # the checkpoint's float dtype
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})  # transformers' tied name -> its source
+    for keys in groups.values():
+        present = [(k, t) for k, t in keys if k in entries]
+        if not present and all(tied.get(k) in entries for k, _ in keys):
+            continue  # tied to a stored tensor (e.g. lm_head.weight to the token embedding): written once
+        if not present:
+            raise CorruptCheckpointError(f"tensor {keys[0][0]!r} of the model is missing from the checkpoint "
+                                         f"(it would be left to random initialisation)")
+        for k, t in present:
+            e, f = entries[k]
+            if t.is_floating_point():
+                ok = e.dtype in _FLOAT_ST and e.dtype == want_float
+                want = f"{want_float} (the checkpoint's float dtype)"
+            else:
+                want = _TORCH_ST.get(t.dtype, str(t.dtype))
+                ok = e.dtype == want
+            if not ok or tuple(e.shape) != tuple(t.shape):
+                raise CorruptCheckpointError(f"tensor {k!r} is {e.dtype} {list(e.shape)} in {pathlib.Path(f).name}; "
+                                             f"the model needs {want} {list(t.shape)}")
+    extra = unexpected_keys(model, entries)
+    if extra:
+        raise CorruptCheckpointError(f"tensor {extra[0]!r} in {pathlib.Path(entries[extra[0]][1]).name} is not a "
+                                     f"tensor of the model its config describes"
+                                     f"{f' (and {len(extra) - 1} more: {extra[1:4]})' if len(extra) > 1 else ''}")
 
 
 def _build(sh: _Shell, pack_method: str, dtype: torch.dtype) -> nn.Module:
@@ -181,8 +281,9 @@ def _make_classes():
                                                  f"quant_method 'qcore')")
                 _set_module(model, p.name, sh)
                 self._shells[p.name] = sh
-            if checkpoint_files:
-                _check_headers(list(checkpoint_files), self._shells)
+            if not checkpoint_files:
+                raise CorruptCheckpointError("transformers found no checkpoint files to load")
+            check_tensors(list(checkpoint_files), model, self._shells)
             return model
 
         def _process_model_after_weight_loading(self, model, **kwargs):
@@ -252,13 +353,11 @@ def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_ma
     ``qcore.adapters.import_ct.load_compressed_tensors``) from a local directory into qcore's frozen modules.
     ``dtype`` is the float dtype of the rest of the model (default: the checkpoint's). Extra keyword arguments go
     to ``AutoModelForCausalLM.from_pretrained``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     register_with_transformers()
     d = pathlib.Path(directory)
-    if not (d / "config.json").is_file():
-        raise FileNotFoundError(f"{str(d)!r} is not a checkpoint directory (no config.json)")
-    raw = json.loads((d / "config.json").read_text()).get("quantization_config")
+    _, raw = read_config(d)
     if isinstance(raw, dict) and raw.get("quant_method") == "compressed-tensors":
         if device_map is not None or kwargs:
             extra = sorted(kwargs) + (["device_map"] if device_map is not None else [])
@@ -270,10 +369,14 @@ def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_ma
         got = None if not isinstance(raw, dict) else raw.get("quant_method")
         raise ValueError(f"{str(d)!r}: quantization_config.quant_method is {got!r}; qcore loads 'quark' and 'qcore' "
                          f"checkpoints (a float model loads with AutoModelForCausalLM.from_pretrained)")
+    try:
+        checkpoint_config(raw)  # the quantization config, checked before any file is read
+    except (ValueError, TypeError) as e:
+        raise CorruptCheckpointError(f"{str(d / 'config.json')!r}: {e}") from None
     from qcore.formats.inspect import checkpoint_files
     for f in checkpoint_files(d):  # headers first: a truncated or corrupted file fails here, naming the tensor
         SafetensorsFile(f)
-    config = AutoConfig.from_pretrained(d, local_files_only=True)
+    config = hf_config(d)
     config.quantization_config = dict(raw, quant_method="qcore", source_method=raw["quant_method"])
     kw = dict(config=config, local_files_only=True, use_safetensors=True)
     if dtype is not None:
@@ -281,7 +384,10 @@ def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_ma
     if device_map is not None:
         kw["device_map"] = device_map
     kw.update(kwargs)
-    return AutoModelForCausalLM.from_pretrained(d, **kw).eval()
+    try:
+        return AutoModelForCausalLM.from_pretrained(d, **kw).eval()
+    except CorruptCheckpointError as e:  # raised by check_tensors / _build: name the checkpoint too
+        raise CorruptCheckpointError.naming(d, e) from None
 
 
 load_quark = from_pretrained

@@ -12,7 +12,6 @@ errors name the tensor. The schema and codecs are ``qcore.formats.compressed_ten
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
@@ -148,19 +147,28 @@ def load_compressed_tensors(directory: Union[str, os.PathLike], *, dtype: Option
     model goes after loading (default CPU). Every tensor's name, dtype and shape is checked against the config
     before any weight is read; values too (scales finite and positive, codes and zero points in range); errors
     name the tensor."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     d = pathlib.Path(directory)
-    if not (d / "config.json").is_file():
-        raise FileNotFoundError(f"{str(d)!r} is not a checkpoint directory (no config.json)")
-    raw = json.loads((d / "config.json").read_text()).get("quantization_config")
+    try:
+        return _load(d, dtype, device)
+    except CorruptCheckpointError as e:  # every refusal names the checkpoint
+        raise CorruptCheckpointError.naming(d, e) from None
+
+
+def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+    from .hf import check_format_version, hf_config, read_config
+    _, raw = read_config(d)
     if not isinstance(raw, dict) or raw.get("quant_method") != CT.QUANT_METHOD:
         got = raw.get("quant_method") if isinstance(raw, dict) else None
         raise ValueError(f"{str(d)!r}: quantization_config.quant_method is {got!r}; expected "
                          f"{CT.QUANT_METHOD!r} (qcore.adapters.from_pretrained loads 'quark' and 'qcore')")
-    ctc = CT.CTConfig.from_dict(raw)
+    try:
+        check_format_version(raw.get("qcore"), "quantization_config")
+        ctc = CT.CTConfig.from_dict(raw)
+    except (ValueError, TypeError) as e:
+        raise CorruptCheckpointError(f"{str(d / 'config.json')!r}: {e}") from None
     reader = _Reader(d)
-    hf = AutoConfig.from_pretrained(d, local_files_only=True)
+    hf = hf_config(d)
     if hasattr(hf, "quantization_config"):
         del hf.quantization_config
     if dtype is None:
@@ -252,6 +260,18 @@ def load_compressed_tensors(directory: Union[str, os.PathLike], *, dtype: Option
             raise CorruptCheckpointError(f"tensor {k!r} of the model is missing from the checkpoint")
         reader.check(k, _FLOAT_ST if t.is_floating_point() else (_TORCH_ST[t.dtype],), tuple(t.shape),
                      f"tensor {k!r}")
+    # the model's float tensors (norms, embeddings, biases, float Linears) all in the checkpoint's one float dtype
+    qweights = {f"{p.name}.weight" for p, q, spec, *_ in todo if spec is not None}
+    floats = {k: reader.entries[k][1].dtype for k, t in model.state_dict(keep_vars=True).items()
+              if t.is_floating_point() and k in reader.entries and k not in qweights}
+    if floats:
+        kinds = list(floats.values())
+        want = max(set(kinds), key=kinds.count)
+        odd = sorted(k for k, v in floats.items() if v != want)
+        if odd:
+            raise CorruptCheckpointError(f"tensor {odd[0]!r} is {floats[odd[0]]} in "
+                                         f"{reader.entries[odd[0]][0].path.name}; the checkpoint's other float "
+                                         f"tensors are {want}")
     # 2. values, module by module (parameters were created on the meta device: every one is assigned here)
     with torch.no_grad():
         for p, q, spec, shape, fmt, dts, acts in todo:
@@ -306,8 +326,9 @@ def load_compressed_tensors(directory: Union[str, os.PathLike], *, dtype: Option
         raise CorruptCheckpointError(f"tensors {left_meta[:5]} were not loaded from the checkpoint")
     left = sorted(set(reader.entries) - reader.used)
     if left:
-        raise CorruptCheckpointError(f"the checkpoint holds tensors the config does not explain: {left[:5]}"
-                                     f"{' ...' if len(left) > 5 else ''}")
+        more = f" (and {len(left) - 1} more: {left[1:4]})" if len(left) > 1 else ""
+        raise CorruptCheckpointError(f"tensor {left[0]!r} in {reader.entries[left[0]][0].path.name} is not a tensor "
+                                     f"the config explains{more}")
     model.qcore_config = config
     if device is not None:
         model.to(device)

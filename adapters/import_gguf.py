@@ -251,8 +251,15 @@ def from_gguf(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = N
     The tokenizer loads with ``transformers.AutoTokenizer.from_pretrained(dir, gguf_file=name)``.
     """
     p = _check_args(path, dtype, strict, dequantize_other)
-    dtype = dtype or torch.float32
+    try:
+        return _load(p, dtype or torch.float32, strict, dequantize_other)
+    except CorruptCheckpointError as e:  # every refusal names the file
+        raise CorruptCheckpointError.naming(p, e) from None
+
+
+def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: bool) -> nn.Module:
     import gguf
+    G.check_file(p)  # counts, types, data ranges: before gguf-py maps the file
     reader = gguf.GGUFReader(p)
     arch = reader.fields.get("general.architecture")
     arch = arch.contents() if arch is not None else None
@@ -327,5 +334,5 @@ def from_gguf(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = N
         warnings.warn(f"from_gguf: {len(float_blocks)} block-quantized tensor(s) have no exact qcore grid and are "
                       f"imported as float weights holding ggml's dequantization (model.qcore_gguf_report."
                       f"dequantized says why): {', '.join(float_blocks[:5])}{', ...' if len(float_blocks) > 5 else ''}",
-                      stacklevel=2)
+                      stacklevel=3)
     return model.eval()

@@ -41,7 +41,6 @@ decoder layers that take the same keyword arguments (mask, position embeddings) 
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import pathlib
@@ -55,7 +54,8 @@ from torch import nn
 
 from qcore._fsutil import replace_dir, staging_dir
 from qcore.formats import quark_layout as L
-from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile, TensorRecord
+from qcore.formats.safetensors_io import (CorruptCheckpointError, SafetensorsFile, TensorRecord, index_shards,
+                                         no_safetensors)
 
 from .config import ModelConfig, TensorConfig
 from .export import (ExportInfo, _info, _plan_tensors, _quantization_config, check_destination, parse_size,
@@ -85,15 +85,11 @@ class _Source:
     def __init__(self, directory: pathlib.Path):
         index = directory / "model.safetensors.index.json"
         if index.is_file():
-            try:
-                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (KeyError, TypeError, ValueError) as e:
-                raise CorruptCheckpointError(f"{str(index)!r} is not a safetensors index ({e})") from None
+            files = [f.name for f in index_shards(directory, index)]
         elif (directory / "model.safetensors").is_file():
             files = ["model.safetensors"]
         else:
-            raise FileNotFoundError(f"{str(directory)!r} has no model.safetensors nor model.safetensors.index.json "
-                                    f"(qcore reads safetensors checkpoints only)")
+            raise no_safetensors(directory)
         self.where: dict[str, SafetensorsFile] = {}
         for f in files:
             st = SafetensorsFile(directory / f)
@@ -161,6 +157,12 @@ def _check_source(model: nn.Module, source: _Source) -> None:
         if shape != tuple(t.shape):
             raise CorruptCheckpointError(f"tensor {k!r} has shape {list(shape)} in the checkpoint; the model's "
                                          f"config gives {list(t.shape)}")
+    from .hf import unexpected_keys
+    extra = unexpected_keys(model, source.where)  # what transformers itself ignores on load is let through
+    if extra:
+        raise CorruptCheckpointError(f"tensor {extra[0]!r} in {source.where[extra[0]].path.name} is not a tensor of "
+                                     f"the model its config.json describes"
+                                     f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}")
 
 
 def _meta_keys(module: nn.Module) -> list[str]:
@@ -254,9 +256,11 @@ def _hidden_of(args, kwargs):
 
 def _skeleton(src: pathlib.Path, dtype: Optional[torch.dtype]):
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
-    hf_config = AutoConfig.from_pretrained(src, local_files_only=True)
+    from .hf import hf_config as read_hf_config, read_config
+    read_config(src)  # malformed or too deeply nested JSON: one error naming the file
+    hf_config = read_hf_config(src)
     if getattr(hf_config, "quantization_config", None) is not None:
         raise ValueError(f"{str(src)!r} is already a quantized checkpoint (its config.json has a "
                          f"quantization_config); quantize_checkpoint takes a float checkpoint")

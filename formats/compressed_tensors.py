@@ -860,5 +860,5 @@ def decode_weight(arrays: Mapping, spec: QuantSpec, shape: tuple, *, fmt: CTForm
     scales = np.asarray(scales, np.float32)
     if not np.all(np.isfinite(scales)) or not np.all(scales > 0):
         bad = scales[~(np.isfinite(scales) & (scales > 0))].reshape(-1)[0]
-        raise ValueError(f"{where}: tensor 'weight_scale' holds {bad!r}; scales must be finite and positive")
+        raise ValueError(f"{where}: tensor 'weight_scale' holds {float(bad)!r}; scales must be finite and positive")
     return codes, scales.reshape(qshape), zp

@@ -55,6 +55,7 @@ order of ``attn_q`` / ``attn_k``: rotary pairs interleaved instead of split in h
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -69,7 +70,7 @@ from .safetensors_io import CorruptCheckpointError
 __all__ = ["BLOCK", "TYPES", "TYPE_BYTES", "gguf_type", "block_scales", "encode", "decode", "import_blocks",
            "import_spec", "q4_0_holds", "dequantize",
            "quantize_float", "is_exact", "hf_to_gguf_name", "gguf_to_hf_name", "permute_qk", "unpermute_qk",
-           "llama_metadata", "CorruptCheckpointError"]
+           "llama_metadata", "CorruptCheckpointError", "check_file", "TensorSpan", "GGML_SIZES"]
 
 BLOCK = 32
 # type name -> (ggml type id, bytes per block of 32)
@@ -542,3 +543,166 @@ def llama_metadata(cfg: dict) -> dict:
         out["llama.rope.scaling.type"] = ("linear", "str")
         out["llama.rope.scaling.factor"] = (float(rope["factor"]), "f32")
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the file's structure, checked before a reader (gguf-py's GGUFReader memory-maps the whole file) touches it
+# ---------------------------------------------------------------------------------------------------------------
+
+# every ggml type id -> (elements per block, bytes per block) (ggml.c's type_traits; gguf-py's GGML_QUANT_SIZES)
+GGML_SIZES = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 40),
+              10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
+              16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110),
+              22: (256, 82), 23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8),
+              29: (256, 56), 30: (1, 2), 34: (256, 54), 35: (256, 66), 39: (32, 17), 40: (64, 36), 41: (128, 18)}
+# GGUF metadata value types -> fixed byte size (8 = string, 9 = array)
+_KV_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads of a file's header (every count checked against the bytes left)."""
+
+    def __init__(self, f, size: int, where: str):
+        self.f, self.size, self.where, self.pos = f, size, where, 0
+
+    def take(self, n: int, what: str) -> bytes:
+        if n < 0 or n > self.size - self.pos:
+            raise CorruptCheckpointError(f"{self.where}: {what} needs {n} bytes at offset {self.pos}, but the file "
+                                         f"has {self.size - self.pos} left (a truncated or corrupted header)")
+        b = self.f.read(n)
+        if len(b) != n:
+            raise CorruptCheckpointError(f"{self.where}: the file shrank while its header was read")
+        self.pos += n
+        return b
+
+    def u32(self, what: str) -> int:
+        return int.from_bytes(self.take(4, what), "little")
+
+    def u64(self, what: str) -> int:
+        return int.from_bytes(self.take(8, what), "little")
+
+    def count(self, what: str, min_bytes: int) -> int:
+        """A uint64 count of items each at least ``min_bytes`` long: refused when the rest of the file could not
+        hold that many (before anything is allocated for them)."""
+        n = self.u64(what)
+        if n * max(1, min_bytes) > self.size - self.pos:
+            raise CorruptCheckpointError(f"{self.where}: {what} is {n}, more than the {self.size - self.pos} bytes "
+                                         f"left in the file can hold")
+        return n
+
+    def string(self, what: str) -> bytes:
+        return self.take(self.count(f"the length of {what}", 1), what)
+
+    def skip_value(self, vtype: int, what: str, depth: int = 0) -> Optional[int]:
+        """Skip one metadata value; returns its integer value for scalar integer types (else None)."""
+        if vtype in _KV_SIZES:
+            b = self.take(_KV_SIZES[vtype], what)
+            return int.from_bytes(b, "little", signed=vtype in (1, 3, 5, 11)) if vtype not in (6, 7, 12) else None
+        if vtype == 8:
+            self.string(what)
+            return None
+        if vtype == 9:
+            if depth > 0:
+                raise CorruptCheckpointError(f"{self.where}: {what} is an array of arrays nested deeper than GGUF "
+                                             f"readers accept")
+            etype = self.u32(f"the element type of {what}")
+            if etype not in _KV_SIZES and etype not in (8, 9):
+                raise CorruptCheckpointError(f"{self.where}: {what} has unknown element type {etype}")
+            n = self.count(f"the length of array {what}", _KV_SIZES.get(etype, 8 if etype == 8 else 12))
+            if etype in _KV_SIZES:
+                self.take(n * _KV_SIZES[etype], what)
+            else:
+                for i in range(n):
+                    self.skip_value(etype, f"{what}[{i}]", depth + 1)
+            return None
+        raise CorruptCheckpointError(f"{self.where}: {what} has unknown value type {vtype}")
+
+
+@dataclass(frozen=True)
+class TensorSpan:
+    """One tensor of a checked GGUF file: ``dims`` in ggml's order, the type id, its byte range in the file."""
+
+    name: str
+    type_id: int
+    dims: tuple
+    begin: int
+    end: int
+
+
+def check_file(path) -> tuple:
+    """Check a GGUF file's structure before any reader maps it, and return its tensors (``TensorSpan``, in the
+    file's order): the magic and version; every count (metadata entries, tensors, array and string lengths) no
+    larger than the rest of the file could hold (checked before anything is allocated for it); known value and
+    tensor types, at most 4 dimensions; each tensor's byte range aligned, inside the file and overlapping no
+    other; no name given twice. ``CorruptCheckpointError`` (a ``ValueError``) naming the file and the tensor or
+    field, so a truncated download fails here, naming the tensor it cuts."""
+    import os
+    import pathlib
+    p = pathlib.Path(path)
+    where = str(p)
+    size = os.path.getsize(p)
+    with open(p, "rb") as f:
+        c = _Cursor(f, size, where)
+        if c.take(4, "the magic") != b"GGUF":
+            raise CorruptCheckpointError(f"{where}: not a GGUF file (no GGUF magic)")
+        version = c.u32("the version")
+        if version not in (2, 3):
+            raise CorruptCheckpointError(f"{where}: GGUF version {version}; GGUF readers read versions 2 and 3")
+        n_tensors = c.count("the tensor count", 4 + 8 + 4 + 8 + 8)  # name length, >= 1 dim, type, offset
+        n_kv = c.count("the metadata entry count", 8 + 4 + 1)
+        alignment = 32
+        for i in range(n_kv):
+            key = c.string(f"metadata key {i}").decode("utf-8", "replace")
+            vtype = c.u32(f"the type of metadata {key!r}")
+            v = c.skip_value(vtype, f"metadata {key!r}")
+            if key == "general.alignment":
+                if vtype != 4 or v is None or v <= 0 or v & (v - 1):
+                    raise CorruptCheckpointError(f"{where}: metadata 'general.alignment' must be a uint32 power of "
+                                                 f"two, got type {vtype} value {v!r}")
+                alignment = v
+        spans, seen = [], set()
+        for i in range(n_tensors):
+            name = c.string(f"the name of tensor {i}").decode("utf-8", "replace")
+            if name in seen:
+                raise CorruptCheckpointError(f"{where}: tensor {name!r} appears twice")
+            seen.add(name)
+            nd = c.u32(f"the dimension count of tensor {name!r}")
+            if not 1 <= nd <= _MAX_DIMS:
+                raise CorruptCheckpointError(f"{where}: tensor {name!r} has {nd} dimensions; GGUF allows 1 to "
+                                             f"{_MAX_DIMS}")
+            dims = tuple(c.u64(f"a dimension of tensor {name!r}") for _ in range(nd))
+            tid = c.u32(f"the type of tensor {name!r}")
+            if tid not in GGML_SIZES:
+                raise CorruptCheckpointError(f"{where}: tensor {name!r} has unknown ggml type {tid}")
+            off = c.u64(f"the data offset of tensor {name!r}")
+            blk, nb = GGML_SIZES[tid]
+            n = 1
+            for dd in dims:
+                n *= dd
+            if dims[0] % blk:
+                raise CorruptCheckpointError(f"{where}: tensor {name!r} has {dims[0]} elements per row, not a "
+                                             f"multiple of its type's block of {blk}")
+            if off % alignment:
+                raise CorruptCheckpointError(f"{where}: tensor {name!r} starts at data offset {off}, not a multiple "
+                                             f"of the alignment {alignment}")
+            spans.append((name, tid, dims, off, off + n // blk * nb))
+        start = -(-c.pos // alignment) * alignment
+    for name, tid, dims, b, e in spans:
+        if start + e > size:
+            raise CorruptCheckpointError(f"{where}: the data of tensor {name!r} runs to byte {start + e}, past the "
+                                         f"end of the file ({size} bytes): the file is truncated or corrupted")
+    end_prev, prev = 0, None
+    for name, tid, dims, b, e in sorted(spans, key=lambda s: (s[3], s[4])):
+        if b < end_prev:
+            raise CorruptCheckpointError(f"{where}: the data of tensor {name!r} (bytes {start + b}..{start + e}) "
+                                         f"overlaps tensor {prev!r}'s")
+        if b - end_prev >= alignment:  # writers pad each tensor to the alignment, no more
+            raise CorruptCheckpointError(f"{where}: {b - end_prev} unaccounted bytes before tensor {name!r}"
+                                         f"{f' (after {prev!r})' if prev else ''}: a tensor's type or shape does not "
+                                         f"match its data")
+        end_prev, prev = e, name
+    if size - (start + end_prev) >= alignment and spans:
+        raise CorruptCheckpointError(f"{where}: {size - start - end_prev} unexpected bytes after the last tensor "
+                                     f"{prev!r}: a tensor's type or shape does not match its data")
+    return tuple(TensorSpan(name, tid, dims, start + b, start + e) for name, tid, dims, b, e in spans)

@@ -3,7 +3,6 @@ headers (every file is validated: a truncated or corrupted file is an error), ne
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 from collections import Counter
@@ -11,7 +10,7 @@ from typing import Any, Union
 
 from qcore import get_dtype
 
-from .safetensors_io import CorruptCheckpointError, SafetensorsFile
+from .safetensors_io import CorruptCheckpointError, SafetensorsFile, index_shards, no_safetensors, read_json_object
 
 __all__ = ["inspect_checkpoint", "format_report", "checkpoint_files"]
 
@@ -34,18 +33,10 @@ def checkpoint_files(d: Union[str, pathlib.Path]) -> list[pathlib.Path]:
     d = pathlib.Path(d)
     idx = d / "model.safetensors.index.json"
     if idx.is_file():
-        try:
-            wm = json.loads(idx.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CorruptCheckpointError(f"{idx}: not a safetensors index ({e})") from None
-        names = sorted(set(wm.values()))
-        missing = [n for n in names if not (d / n).is_file()]
-        if missing:
-            raise CorruptCheckpointError(f"{idx}: shards {missing} are missing")
-        return [d / n for n in names]
+        return index_shards(d, idx)
     files = sorted(d.glob("*.safetensors"))
     if not files:
-        raise CorruptCheckpointError(f"{d}: no .safetensors files")
+        raise no_safetensors(d)
     return files
 
 
@@ -82,7 +73,7 @@ def inspect_checkpoint(directory: Union[str, pathlib.Path]) -> dict:
         raise FileNotFoundError(f"{str(d)!r} is not a directory")
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"{str(d)!r} has no config.json (not an HF checkpoint directory)")
-    cfg = json.loads((d / "config.json").read_text())
+    cfg = read_json_object(d / "config.json", what="the model config")
     qc = cfg.get("quantization_config") or {}
     if qc.get("quant_method") == "compressed-tensors":
         return _inspect_ct(d, cfg, qc)

@@ -259,6 +259,29 @@ def _fail(where: str, msg: str):
     raise CorruptCheckpointError(f"{where}: {msg}")
 
 
+def check_zero_points(zp: Optional[np.ndarray], spec: QuantSpec, *, name: str, where: str) -> Optional[np.ndarray]:
+    """The zero points to use for ``spec`` from the stored ``zp`` (float32 codes, or None when none is stored),
+    checked: a symmetric spec's stored zero points are all 0 (returns None); an asymmetric spec's are finite
+    integers in the element's code range. ``CorruptCheckpointError`` naming ``where`` and the tensor ``name``."""
+    if zp is None:
+        return None
+    zp = np.asarray(zp, np.float32)
+    if spec.symmetric:
+        if bool(np.any(zp != 0)):
+            bad = zp[zp != 0]
+            _fail(where, f"{name} holds {bad.size} nonzero values (e.g. {bad.flat[0]}) but the config's "
+                         f"{spec.name or spec.dtype.name} spec is symmetric (zero points 0)")
+        return None
+    lo, hi = float(spec.qmin), float(spec.qmax)
+    with np.errstate(invalid="ignore"):
+        ok = np.isfinite(zp) & (zp >= lo) & (zp <= hi) & (zp == np.round(zp))
+    if not bool(np.all(ok)):
+        bad = zp[~ok]
+        _fail(where, f"{name} holds {bad.size} values that are not integers in the code range [{lo:g}, {hi:g}] "
+                     f"of {spec.dtype.name} (e.g. {bad.flat[0]})")
+    return zp
+
+
 def decode_weight(arrays: Mapping[str, np.ndarray], spec: QuantSpec, shape: tuple, *, layout: str,
                   pack_method: str = "reorder", where: str = "weight") -> WeightParts:
     """The inverse of ``encode_weight``: ``arrays`` maps each suffix of ``expected_weight`` to a numpy array
@@ -273,7 +296,7 @@ def decode_weight(arrays: Mapping[str, np.ndarray], spec: QuantSpec, shape: tupl
     if layout in ("int8", "fp8"):
         codes = np.asarray(arrays["weight"]).view(_code_np(el))
         scales = np.asarray(arrays["weight_scale"], np.float32).reshape(sshape)
-        if layout == "int8" and not spec.symmetric:
+        if layout == "int8":
             zp = np.asarray(arrays["weight_zero_point"]).astype(np.float32).reshape(sshape)
     elif layout == "int4_channel":
         codes = qcore.packing.unpack_int4_int32(np.asarray(arrays["weight"]), order=order, axis=-1,
@@ -281,14 +304,14 @@ def decode_weight(arrays: Mapping[str, np.ndarray], spec: QuantSpec, shape: tupl
         scales = np.asarray(arrays["weight_scale"], np.float32).reshape(sshape)
         z = qcore.packing.unpack_int4_int32(np.asarray(arrays["weight_zero_point"]), order=order, axis=-1,
                                             length=shape[0], signed=signed)
-        zp = None if spec.symmetric else z.astype(np.float32).reshape(sshape)
+        zp = z.astype(np.float32).reshape(sshape)
     elif layout == "int4_group":
         codes = np.ascontiguousarray(qcore.packing.unpack_int4_int32(
             np.asarray(arrays["weight"]), order=order, axis=-1, length=shape[0], signed=signed).T)
         scales = np.ascontiguousarray(np.asarray(arrays["weight_scale"], np.float32).T).reshape(sshape)
         z = qcore.packing.unpack_int4_int32(np.asarray(arrays["weight_zero_point"]), order=order, axis=-1,
                                             length=shape[0], signed=signed)
-        zp = None if spec.symmetric else np.ascontiguousarray(z.T).astype(np.float32).reshape(sshape)
+        zp = np.ascontiguousarray(z.T).astype(np.float32).reshape(sshape)
     elif layout in ("mx", "nvfp4"):
         codes = qcore.packing.unpack(np.asarray(arrays["weight"]), el, axis=-1, length=shape[1])
         sc = np.asarray(arrays["weight_scale"]).view(np.uint8).reshape(sshape)
@@ -319,10 +342,7 @@ def decode_weight(arrays: Mapping[str, np.ndarray], spec: QuantSpec, shape: tupl
         _fail(where, f"weight_scale holds {bad.size} values that are not finite and positive (e.g. {bad.flat[0]})")
     if ts is not None and not (np.isfinite(ts) and ts > 0):
         _fail(where, f"weight_scale_2 is {float(ts)}, expected a finite positive float")
-    if zp is not None:
-        lo, hi = (-(2 ** (el.bits - 1)), 2 ** (el.bits - 1) - 1) if signed else (0, 2 ** el.bits - 1)
-        if not bool(np.all((zp >= lo) & (zp <= hi) & (zp == np.round(zp)))):
-            _fail(where, f"weight_zero_point holds values outside the integer code range [{lo}, {hi}]")
+    zp = check_zero_points(zp, spec, name="weight_zero_point", where=where)
     if isinstance(el, FloatDType) and el.bits == 8 and not el.name.startswith("float8_e5m2"):
         nan = np.asarray(qcore.decode(np.asarray(codes, np.uint8), el))
         if not bool(np.all(np.isfinite(nan))):
@@ -380,6 +400,7 @@ def decode_activation(arrays: Mapping[str, np.ndarray], role: str, spec: QuantSp
     if not bool(np.all(np.isfinite(s) & (s > 0))):
         _fail(where, f"{role}_scale holds values that are not finite and positive")
     z = arrays.get(f"{role}_zero_point")
-    zp = None if spec.symmetric or z is None else np.asarray(z).astype(np.float32)
+    zp = check_zero_points(None if z is None else np.asarray(z).astype(np.float32).reshape(s.shape), spec,
+                           name=f"{role}_zero_point", where=where)
     return {"scale": s, "zero_point": zp, "tensor_scale": None}
 

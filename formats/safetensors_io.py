@@ -25,7 +25,8 @@ import struct
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
-__all__ = ["DTYPE_BYTES", "TensorRecord", "SafetensorsFile", "CorruptCheckpointError", "write_file", "header_bytes"]
+__all__ = ["DTYPE_BYTES", "TensorRecord", "SafetensorsFile", "CorruptCheckpointError", "write_file", "header_bytes",
+           "read_json", "read_json_object", "index_shards", "no_safetensors"]
 
 # bytes per element of each safetensors dtype name
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
@@ -36,6 +37,96 @@ _MAX_HEADER = 100_000_000  # the reference implementation's limit
 
 class CorruptCheckpointError(ValueError):
     """A checkpoint file that is not a valid safetensors file, or whose tensors do not match what is expected."""
+
+    @classmethod
+    def naming(cls, path, e: "CorruptCheckpointError") -> "CorruptCheckpointError":
+        """``e`` with the checkpoint ``path`` in front when its message does not name it already."""
+        msg = str(e)
+        return e if str(path) in msg else cls(f"{str(path)!r}: {msg}")
+
+
+MAX_JSON_DEPTH = 64  # configs nest a few levels; deeper ones would only make later readers recurse
+
+
+def _json_depth(value: object) -> int:
+    """How deeply ``value`` (parsed JSON) nests, without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, dict):
+            v = list(v.values())
+        if isinstance(v, list):
+            deepest = max(deepest, d)
+            todo.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
+    return deepest
+
+
+def read_json(path: Union[str, os.PathLike], *, what: str = "") -> object:
+    """The JSON value of the file ``path``; ``CorruptCheckpointError`` naming the file (and ``what`` it is) when it
+    is not UTF-8 JSON, or nests more than ``MAX_JSON_DEPTH`` levels (instead of a ``RecursionError`` here or in
+    whatever reads it next)."""
+    p = pathlib.Path(path)
+    label = f"{str(p)!r}{f' ({what})' if what else ''}"
+    try:
+        text = p.read_bytes().decode("utf-8")
+        value = json.loads(text)
+        if _json_depth(value) > MAX_JSON_DEPTH:
+            raise RecursionError
+        return value
+    except UnicodeDecodeError as e:
+        raise CorruptCheckpointError(f"{label}: not UTF-8 text ({e})") from None
+    except json.JSONDecodeError as e:
+        raise CorruptCheckpointError(f"{label}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise CorruptCheckpointError(f"{label}: the JSON nests too deeply to read (more than {MAX_JSON_DEPTH} "
+                                     f"levels)") from None
+
+
+def read_json_object(path: Union[str, os.PathLike], *, what: str = "") -> dict:
+    """``read_json`` of a file that must hold a JSON object (``config.json``, an index)."""
+    d = read_json(path, what=what)
+    if not isinstance(d, dict):
+        raise CorruptCheckpointError(f"{str(path)!r}{f' ({what})' if what else ''}: expected a JSON object, got "
+                                     f"{type(d).__name__}")
+    return d
+
+
+def no_safetensors(directory: Union[str, os.PathLike]) -> CorruptCheckpointError:
+    """The error for a checkpoint directory without safetensors weights (naming the pickled files it holds
+    instead: qcore never unpickles a file)."""
+    d = pathlib.Path(directory)
+    pickles = sorted(f.name for f in d.iterdir() if f.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl")) \
+        if d.is_dir() else []
+    return CorruptCheckpointError(f"{str(d)!r} has no .safetensors weights"
+                                  f"{f' (only pickled ones: {pickles[:3]})' if pickles else ''}; qcore reads "
+                                  f"safetensors only and never unpickles a file (transformers' save_pretrained "
+                                  f"writes safetensors by default)")
+
+
+def index_shards(directory: Union[str, os.PathLike], index: Union[str, os.PathLike, None] = None) -> list:
+    """The shard files a safetensors index (``model.safetensors.index.json``) names, sorted, each checked: a
+    ``weight_map`` of tensor names to relative file names inside ``directory`` (no absolute path, no ``..``),
+    every one an existing file."""
+    d = pathlib.Path(directory)
+    idx = pathlib.Path(index) if index is not None else d / "model.safetensors.index.json"
+    head = read_json_object(idx, what="safetensors index")
+    wm = head.get("weight_map")
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise CorruptCheckpointError(f"{str(idx)!r}: weight_map must map tensor names to file names, got "
+                                     f"{type(wm).__name__}")
+    out = []
+    for name in sorted(set(wm.values())):
+        pp = pathlib.PurePath(name)
+        f = d / name
+        if (not name or pp.is_absolute() or pathlib.PureWindowsPath(name).is_absolute() or ".." in pp.parts
+                or "\\" in name):
+            key = next(k for k, v in wm.items() if v == name)
+            raise CorruptCheckpointError(f"{str(idx)!r}: tensor {key!r} names the file {name!r}, which is not a file "
+                                         f"directly inside the checkpoint directory")
+        if not f.is_file():
+            raise CorruptCheckpointError(f"{str(idx)!r}: shard {name!r} is missing")
+        out.append(f)
+    return out
 
 
 @dataclass(frozen=True)
