@@ -14,6 +14,9 @@ The rule (docs authors: read this before adding a command to docs/):
   suite runs it on a tiny stand-in with the same flags: a random 2-layer Llama with a byte-level tokenizer, adding
   ``--model TINY --eval-text TEXT --seq-len 32 --calib-samples 2 --no-progress`` for whichever of these the command
   does not set. ``test_doc_commands_on_the_real_model`` (marker ``real_model``) runs those blocks exactly as written.
+- A comment line ``#   text`` (``#`` and at least two spaces) after a command is what that command prints: the
+  command must print such a line (whitespace-normalised; a duration such as ``4.0 s`` matches any duration). Not
+  checked where the stand-in replaces the real model (its numbers differ). ``# text`` (one space) is a note.
 - An HTML comment on the line before a block marks a block that is not run this way:
     ``<!-- not-run: REASON -->``            illustrative (a usage synopsis, placeholders): never run;
     ``<!-- run-by: tests/F.py::TEST -->``    run by that test (checked here: the test exists and its file names
@@ -40,6 +43,7 @@ DOCS = ROOT / "docs"
 LINKED = ("examples", "tests", "bench", "docs")
 MARK = re.compile(r"<!--\s*(not-run|run-by|setup):\s*(.*?)\s*-->")
 ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=\S*$")
+OUTPUT = "#> "  # prefix of an expected-output line in _lines' result
 TINY_FLAGS = {"--model": None, "--eval-text": None, "--seq-len": "32", "--calib-samples": "2", "--no-progress": ""}
 
 
@@ -76,6 +80,9 @@ def _lines(body: str) -> list[str]:
     joined = re.sub(r"\s*\\\n\s*", " ", body)
     out = []
     for ln in joined.splitlines():
+        if re.match(r"\s*#  ", ln) and out:  # "#   text" after a command: what it prints
+            out.append(OUTPUT + re.sub(r"^\s*#\s*", "", ln).rstrip())
+            continue
         ln = ln.strip()
         if not ln or ln.startswith("#"):
             continue
@@ -92,6 +99,16 @@ def _drop_comment(line: str) -> str:
     return line
 
 
+def _check_output(expected: str, printed: str, line: str) -> None:
+    """``expected`` (whitespace-normalised; a duration ``4.0 s`` matches any) is one of the lines ``printed``."""
+    norm = lambda t: " ".join(t.split())  # noqa: E731
+    parts = re.split(r"\d+(?:\.\d+)? s\b", norm(expected))
+    pattern = r"\d+(?:\.\d+)? s\b".join(re.escape(x) for x in parts)
+    got = [norm(x) for x in printed.splitlines()]
+    assert any(re.fullmatch(pattern, g) for g in got), (
+        f"{line!r} does not print {expected!r} as the docs say; it printed:\n{printed[-3000:]}")
+
+
 def _split(line: str) -> tuple[dict, list[str]]:
     words = shlex.split(line, comments=True)
     env = {}
@@ -102,6 +119,8 @@ def _split(line: str) -> tuple[dict, list[str]]:
 
 
 def _is_command(line: str) -> bool:
+    if line.startswith(OUTPUT):
+        return False
     _, words = _split(line)
     return bool(words) and words[0] in ("qcore", "python")
 
@@ -113,6 +132,14 @@ def _qcore_argv(words: list[str]):
     if words[:3] == ["python", "-m", "qcore"]:
         return words[3:]
     return None
+
+
+def _argv_of(line: str):
+    """The qcore argv of a shell line, or None (another program, or an expected-output line)."""
+    if line.startswith(OUTPUT):
+        return None
+    words = _split(line)[1]
+    return _qcore_argv(words) if words else None
 
 
 def _uses_real_model(argv) -> bool:
@@ -204,11 +231,18 @@ def _workdir(tmp_path: pathlib.Path) -> pathlib.Path:
 def _run_block(lines, cwd, monkeypatch, capsys, *, stand_in=None):
     from qcore.cli import main
     monkeypatch.chdir(cwd)
+    last, printed, stood_in = None, "", False
     for line in lines:
+        if line.startswith(OUTPUT):
+            if not stood_in:  # the stand-in prints other numbers than the docs' model
+                _check_output(line[len(OUTPUT):], printed, last)
+            continue
+        last, stood_in = line, False
         env, words = _split(line)
         argv = _qcore_argv(words)
         if argv is not None:
             if stand_in is not None and _uses_real_model(argv):
+                stood_in = True
                 model, text = stand_in
                 extra = {**TINY_FLAGS, "--model": str(model), "--eval-text": str(text)}
                 for flag, value in extra.items():
@@ -219,6 +253,7 @@ def _run_block(lines, cwd, monkeypatch, capsys, *, stand_in=None):
                     m.setenv(k, v)
                 code = main(argv)
             out = capsys.readouterr()
+            printed = out.out
             assert code == 0, f"{line!r} (run as qcore {' '.join(argv)}) exited {code}: {out.err[-2000:]}"
             continue
         if words[0] not in ("python", "cmp") and shutil.which(words[0]) is None and not words[0].startswith("./"):
@@ -228,6 +263,7 @@ def _run_block(lines, cwd, monkeypatch, capsys, *, stand_in=None):
         r = subprocess.run(["bash", "-c", script], cwd=cwd, env=shell_env, capture_output=True, text=True,
                            timeout=600)
         assert r.returncode == 0, f"{line!r} exited {r.returncode}: {r.stdout[-2000:]}{r.stderr[-2000:]}"
+        printed = r.stdout
 
 
 def _check_run_by(value: str, lines: list[str]) -> None:
@@ -237,6 +273,8 @@ def _check_run_by(value: str, lines: list[str]) -> None:
     src = f.read_text()
     assert re.search(rf"^def {re.escape(test)}\(", src, re.M), f"{path} has no test {test!r}"
     for line in lines:
+        if line.startswith(OUTPUT):
+            continue
         _, words = _split(line)
         for w in words:
             if "/" in w and not w.startswith("-") and pathlib.Path(w).suffix:
@@ -251,9 +289,8 @@ def test_doc_commands_run(doc, line, kind, value, lines, tmp_path, monkeypatch, 
     if kind == "run-by":
         _check_run_by(value, lines)
         return
-    needs_model = any(_uses_real_model(_qcore_argv(_split(ln)[1])) for ln in lines)
-    if any(_qcore_argv(_split(ln)[1]) and _qcore_argv(_split(ln)[1])[:1] in (["quantize"], ["eval"], ["convert"])
-           for ln in lines):
+    needs_model = any(_uses_real_model(_argv_of(ln)) for ln in lines)
+    if any((_argv_of(ln) or [""])[0] in ("quantize", "eval", "convert") for ln in lines):
         pytest.importorskip("torch")
         pytest.importorskip("transformers")
     cwd = _workdir(tmp_path)
@@ -266,7 +303,7 @@ def test_doc_commands_run(doc, line, kind, value, lines, tmp_path, monkeypatch, 
 
 
 REAL = [p for p in BLOCKS if p.values[2] in (None, "setup")
-        and any(_uses_real_model(_qcore_argv(_split(ln)[1])) for ln in p.values[4])]
+        and any(_uses_real_model(_argv_of(ln)) for ln in p.values[4])]
 
 
 @pytest.mark.real_model
@@ -289,7 +326,7 @@ def test_the_rule_finds_the_commands():
     blocks = [(prev, _lines(body)) for _, prev, body in _blocks(text)]
     assert blocks == [("<!-- not-run: a synopsis -->", ["qcore x [--y]"]),
                       ("text", ["qcore convert a b --to hf", "cmp a b"]),
-                      ("", ["FOO=1 python -m qcore schemes"]),
+                      ("", ["FOO=1 python -m qcore schemes", "#> out"]),
                       ("", ["output only"])]
     assert _split("FOO=1 python -m qcore schemes") == ({"FOO": "1"}, ["python", "-m", "qcore", "schemes"])
     assert _uses_real_model(["quantize", "--scheme", "int8"]) and not _uses_real_model(["eval", "--model", "d"])
