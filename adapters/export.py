@@ -24,14 +24,14 @@ import json
 import os
 import pathlib
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import numpy as np
 import torch
 from torch import nn
 
 import qcore
-from qcore._fsutil import staged_dir
+from qcore._fsutil import check_not_source, model_sources, staged_dir
 from qcore.formats import quark_layout as L
 from qcore.formats.safetensors_io import TensorRecord, write_file
 
@@ -273,7 +273,10 @@ def _shards(records: list[TensorRecord], max_bytes: int) -> list[list[TensorReco
     return shards
 
 
-def check_destination(directory: pathlib.Path, overwrite: bool) -> None:
+def check_destination(directory: pathlib.Path, overwrite: bool, sources: Iterable = ()) -> None:
+    """Before any work: ``directory`` is none of ``sources`` (nor contains, nor lies inside one:
+    ``qcore._fsutil.check_not_source``, with overwrite or not) and is absent, empty, or ``overwrite`` is given."""
+    check_not_source(directory, sources, what="export directory")
     if directory.exists() and not directory.is_dir():
         raise FileExistsError(f"export directory {str(directory)!r} exists and is not a directory")
     if directory.is_dir() and any(directory.iterdir()) and not overwrite:
@@ -310,7 +313,7 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
         raise TypeError("export_hf: the model has no transformers config (model.config); only transformers models "
                         "can be written as HF checkpoints")
     directory = pathlib.Path(directory)
-    check_destination(directory, overwrite)
+    check_destination(directory, overwrite, model_sources(model))
     _check_config_describes(model, config)
 
     records, layouts = _plan_tensors(model, pack_method)
@@ -327,7 +330,7 @@ def write_checkpoint(directory: pathlib.Path, model: nn.Module, hf_config: Any, 
     """An HF checkpoint directory (config with ``qdict`` as its ``quantization_config``, generation config,
     tokenizer, safetensors shards of ``records``), written atomically: staged beside ``directory``, renamed into
     place (shared by ``export_hf`` and ``export_compressed_tensors``)."""
-    with staged_dir(directory, recheck=lambda: check_destination(directory, overwrite)) as tmp:
+    with staged_dir(directory, recheck=lambda: check_destination(directory, overwrite, model_sources(model))) as tmp:
         write_metadata(tmp, hf_config, qdict, type(model).__name__, getattr(model, "generation_config", None))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

@@ -37,6 +37,7 @@ from qcore.formats.safetensors_io import TensorRecord
 from .config import ModelConfig
 from .export import (QCORE_FORMAT_VERSION, _check_config_describes, _online_rotations, _record,
                      _tensor_record, check_destination, parse_size, weight_parts, write_checkpoint)
+from qcore._fsutil import model_sources
 from .modules import QuantLinear, _QuantMixin
 
 __all__ = ["export_compressed_tensors", "CTExportInfo", "TensorReport", "ct_quantization_config"]
@@ -347,7 +348,7 @@ def export_compressed_tensors(model: nn.Module, directory: Union[str, os.PathLik
         raise ValueError(f"export_compressed_tensors: model dtype {dtype} is not float32, bfloat16 or float16")
     st = CT.SCALE_DTYPES[_MODEL_DTYPES[dtype]]
     directory = pathlib.Path(directory)
-    check_destination(directory, overwrite)
+    check_destination(directory, overwrite, model_sources(model))
     _check_config_describes(model, config)
     if _online_rotations(model, config):
         raise ValueError("export_compressed_tensors: the model carries online rotations (QuaRot / SpinQuant "

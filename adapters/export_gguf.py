@@ -37,7 +37,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import secrets
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -47,6 +46,7 @@ from torch import nn
 
 from qcore.formats import gguf as G
 from qcore.dtypes import IntDType
+from qcore._fsutil import check_not_source, model_sources, staged_dir, staged_file
 
 from .modules import _QuantMixin
 
@@ -308,9 +308,8 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
     path = pathlib.Path(path)
     if path.suffix != ".gguf":
         raise ValueError(f"path must name a .gguf file, got {str(path)!r}")
-    if path.exists() and (path.is_dir() or not overwrite):
-        raise FileExistsError(f"{str(path)!r} exists; pass overwrite=True to replace it" if not path.is_dir()
-                              else f"{str(path)!r} is a directory")
+    _check_file_destination(path, overwrite, model_sources(model) + ([str(tokenizer)] if isinstance(
+        tokenizer, (str, os.PathLike)) else []))
     if not any(isinstance(m, _QuantMixin) for m in model.modules()):
         raise ValueError("export_gguf: the model has no qcore quantized modules; run quantize_model first")
     cfg, dropped = _check_model(model, drop_activations)
@@ -321,11 +320,9 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
     import gguf
     V = gguf.GGUFValueType
     kinds = {"u32": V.UINT32, "f32": V.FLOAT32, "str": V.STRING}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{secrets.token_hex(4)}"
-    try:
+    with staged_file(path, recheck=lambda: _check_file_destination(path, overwrite, ())) as tmp:
         w = gguf.GGUFWriter(tmp, arch="llama")
-        w.add_name(name or str(cfg.get("_name_or_path") or "qcore model") or "qcore model")
+        w.add_name(name or _published_name(cfg))
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         for k, (v, kind) in meta.items():
             w.add_key_value(k, v, kinds[kind])
@@ -342,12 +339,6 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
         w.close()
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        if path.exists() and not overwrite:  # appeared while we computed
-            raise FileExistsError(f"{str(path)!r} exists; pass overwrite=True to replace it")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return GGUFExportInfo(str(path), path.stat().st_size, {n: k for n, _, k in tensors}, tuple(reports),
                           tuple(dropped))
 
@@ -355,18 +346,37 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
 GGUF_FILE = "model.gguf"
 
 
+def _published_name(cfg: dict) -> str:
+    """``general.name`` when none is given: the model's hub id, never a local path (an export is the same bytes
+    wherever the model was loaded from)."""
+    n = str(cfg.get("_name_or_path") or "")
+    if not n or os.path.isabs(n) or os.path.exists(n) or n.startswith(("." + os.sep, ".." + os.sep, "~")):
+        return "qcore model"
+    return n
+
+
+def _check_file_destination(path: pathlib.Path, overwrite: bool, sources) -> None:
+    """Before any work: ``path`` is not a source (``qcore._fsutil.check_not_source``), not a directory, and new
+    unless ``overwrite``."""
+    check_not_source(path, sources, what="path")
+    if path.exists() and (path.is_dir() or not overwrite):
+        raise FileExistsError(f"{str(path)!r} exists; pass overwrite=True to replace it" if not path.is_dir()
+                              else f"{str(path)!r} is a directory")
+
+
 def export_gguf_dir(model: nn.Module, directory: Union[str, os.PathLike], *, overwrite: bool = False,
                     **kwargs: Any) -> GGUFExportInfo:
     """``export_gguf`` into ``directory/model.gguf``, the directory written atomically like ``export_hf``'s (a
     staging sibling renamed into place; an existing non-empty directory needs ``overwrite=True``). ``kwargs``
     go to ``export_gguf``."""
-    from qcore._fsutil import staged_dir
     from .export import check_destination
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
     directory = pathlib.Path(directory)
-    check_destination(directory, overwrite)
-    with staged_dir(directory, recheck=lambda: check_destination(directory, overwrite)) as tmp:
+    tok = kwargs.get("tokenizer")
+    sources = model_sources(model) + ([str(tok)] if isinstance(tok, (str, os.PathLike)) else [])
+    check_destination(directory, overwrite, sources)
+    with staged_dir(directory, recheck=lambda: check_destination(directory, overwrite, sources)) as tmp:
         info = export_gguf(model, tmp / GGUF_FILE, **kwargs)
     path = directory / GGUF_FILE
     return dataclasses.replace(info, path=str(path), bytes_on_disk=path.stat().st_size)

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from qcore.formats import onnx as X
+from qcore._fsutil import check_not_source, model_sources
 
 from .modules import QuantConvTranspose2d, QuantEmbedding, QuantEmbeddingBag, QuantLinear, _QuantMixin
 
@@ -660,9 +661,7 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], *, inputs: Unio
     path = pathlib.Path(path)
     if path.suffix != ".onnx":
         raise ValueError(f"path must name a .onnx file, got {str(path)!r}")
-    if path.exists() and (path.is_dir() or not overwrite):
-        raise FileExistsError(f"{str(path)!r} exists; pass overwrite=True to replace it" if not path.is_dir()
-                              else f"{str(path)!r} is a directory")
+    _check_file_destination(path, overwrite, model_sources(model))
     mods = [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantMixin)]
     if not mods:
         raise ValueError("export_onnx: the model has no qcore quantized modules; run quantize_model first")
@@ -703,8 +702,6 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], *, inputs: Unio
     if ctx.warned:
         warnings.warn(f"export_onnx: {len(ctx.warned)} weight(s) onnxruntime cannot dequantize are written as "
                       f"dequantized float32 (e.g. {ctx.warned[0]}); see ONNXExportInfo.dequantized", stacklevel=2)
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"{str(path)!r} exists; pass overwrite=True to replace it")
     size = X.save_model(onnx_model, path, overwrite=overwrite)
     return ONNXExportInfo(str(path), size, kind, tuple(names_in), tuple(names_out), tuple(ctx.reports),
                           tuple(ctx.acts))
@@ -728,18 +725,27 @@ def decoder_logits(session: Any, input_ids: Any, *, attention_mask: Any = None) 
 ONNX_FILE = "model.onnx"
 
 
+def _check_file_destination(path: pathlib.Path, overwrite: bool, sources) -> None:
+    """Before any work: ``path`` is not a source (``qcore._fsutil.check_not_source``), not a directory, and new
+    unless ``overwrite``."""
+    check_not_source(path, sources, what="path")
+    if path.exists() and (path.is_dir() or not overwrite):
+        raise FileExistsError(f"{str(path)!r} exists; pass overwrite=True to replace it" if not path.is_dir()
+                              else f"{str(path)!r} is a directory")
+
+
 def export_onnx_dir(model: nn.Module, directory: Union[str, os.PathLike], *, tokenizer: Any = None,
                     overwrite: bool = False, **kwargs: Any) -> ONNXExportInfo:
     """``export_onnx`` into ``directory/model.onnx`` (with the tokenizer's files when ``tokenizer`` is given), the
     directory written atomically like ``export_hf``'s (a staging sibling renamed into place; an existing non-empty
     directory needs ``overwrite=True``). ``kwargs`` go to ``export_onnx``."""
-    from qcore._fsutil import staged_dir
     from .export import check_destination
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
     directory = pathlib.Path(directory)
-    check_destination(directory, overwrite)
-    with staged_dir(directory, recheck=lambda: check_destination(directory, overwrite)) as tmp:
+    sources = model_sources(model)
+    check_destination(directory, overwrite, sources)
+    with staged_dir(directory, recheck=lambda: check_destination(directory, overwrite, sources)) as tmp:
         info = export_onnx(model, tmp / ONNX_FILE, **kwargs)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
