@@ -198,6 +198,91 @@ def plot_sqnr(sqnr: dict[str, float], path: str, *, title: str) -> None:
     os.replace(tmp, path)  # no half-written file on failure
 
 
+def _check_writable_file(flag: str, path: str) -> None:
+    """``--report`` / ``--plot``: a file that can be created or replaced (refused before any work)."""
+    p = pathlib.Path(path)
+    if p.is_dir():
+        raise CommandError(f"{flag} {path}: is a directory; give a file name")
+    parent = p.parent if str(p.parent) else pathlib.Path(".")
+    if not parent.is_dir():
+        raise CommandError(f"{flag} {path}: the directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise CommandError(f"{flag} {path}: not writable")
+
+
+def _check_device(spec: str) -> None:
+    """``--device``: a device torch can use here (refused before any work)."""
+    try:
+        d = torch.device(spec)
+    except (RuntimeError, TypeError, ValueError):
+        raise CommandError(f"--device {spec}: not a torch device (expected e.g. cpu, cuda, cuda:0, mps)") from None
+    if d.type == "cpu":
+        return
+    if d.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise CommandError(f"--device {spec}: no CUDA GPU is available here (use --device cpu)")
+        if d.index is not None and d.index >= n:
+            raise CommandError(f"--device {spec}: there are {n} CUDA device(s) (cuda:0 .. cuda:{n - 1})")
+        return
+    if d.type == "mps":
+        if not (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
+            raise CommandError(f"--device {spec}: MPS is not available here (use --device cpu)")
+        return
+    raise CommandError(f"--device {spec}: qcore runs on cpu, cuda or mps devices")
+
+
+def _check_outputs(args) -> None:
+    """Before any work: ``--output`` is not (and neither contains nor lies inside) ``--model``; ``--report`` and
+    ``--plot`` can be written; ``--device`` exists here."""
+    from qcore._fsutil import check_not_source
+    if args.output:
+        try:
+            src = args.model if args.model is not None else str(M.smollm2_path())
+        except (ImportError, FileNotFoundError):
+            src = None  # loading the model says what is missing
+        if src is not None and not os.path.exists(src):
+            src = None  # a hub id
+        try:
+            check_not_source(args.output, [src], what="--output")
+        except ValueError as e:
+            raise CommandError(str(e)) from None
+    for flag, path in (("--report", args.report), ("--plot", args.plot)):
+        if path:
+            _check_writable_file(flag, path)
+    _check_device(args.device)
+
+
+def _check_model_fits(args, model, config) -> None:
+    """After loading, before any evaluation: ``--seq-len`` within the model's context (refused: windows past
+    ``max_position_embeddings`` measure a model outside what it was trained for), and the export format can take
+    this model and config (the exporter's own up-front check: ``check_hf``, ``check_gguf``, ``check_onnx``,
+    ``check_ct``)."""
+    ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(ctx, int) and args.seq_len > ctx:
+        raise CommandError(f"--seq-len {args.seq_len}: past the model's context (max_position_embeddings {ctx}); "
+                           f"use --seq-len {ctx} or less")
+    if not args.output:
+        return
+    fmt = args.export or "hf"
+    try:
+        if fmt == "gguf":
+            from .export_gguf import check_gguf
+            check_gguf(model, config, drop_activations=getattr(args, "drop_activations", False))
+        elif fmt == "onnx":
+            from .export_onnx import check_onnx
+            check_onnx(model, config, weight_format=getattr(args, "onnx_weights", "qdq"),
+                       unsupported=getattr(args, "onnx_unsupported", "error"))
+        elif fmt == "compressed-tensors":
+            from .export_ct import check_ct
+            check_ct(model, config)
+        else:
+            from .export import check_hf
+            check_hf(model, config)
+    except (ValueError, TypeError) as e:
+        raise CommandError(f"--export {fmt}: {e}") from None
+
+
 def _table(rows: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
@@ -224,6 +309,7 @@ def quantize_command(args) -> int:
     if args.export and not args.output:
         raise CommandError(f"--export {args.export} needs --output DIR (where to write the checkpoint)")
     out_dir = pathlib.Path(args.output) if args.output else None
+    _check_outputs(args)  # before any work: the model is never written over, --report / --plot / --device usable
     if out_dir is not None:  # before any work: an existing checkpoint is never replaced by accident
         from .export import check_destination, parse_size
         try:
@@ -258,6 +344,7 @@ def quantize_command(args) -> int:
     progress = not args.no_progress
     model, tok, desc = load_model(args.model, dtype=dtype, device=args.device)
     plans = plan_model(model, config)  # all config errors before any evaluation
+    _check_model_fits(args, model, config)  # the export and --seq-len, still before any evaluation
 
     text = _eval_text(args)
     needs_eval = args.eval == "ppl"

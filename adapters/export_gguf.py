@@ -48,9 +48,10 @@ from qcore.formats import gguf as G
 from qcore.dtypes import IntDType
 from qcore._fsutil import check_not_source, model_sources, staged_dir, staged_file
 
+from .config import ModelConfig
 from .modules import _QuantMixin
 
-__all__ = ["export_gguf", "export_gguf_dir", "GGUFExportInfo", "TensorReport", "GGUF_FILE"]
+__all__ = ["export_gguf", "export_gguf_dir", "check_gguf", "GGUFExportInfo", "TensorReport", "GGUF_FILE"]
 
 
 @dataclass(frozen=True)
@@ -146,14 +147,55 @@ def _encode_quantized(name: str, m: _QuantMixin, strict: bool) -> tuple[np.ndarr
     return data, kind, rep
 
 
-def _check_model(model: nn.Module, drop_activations: bool) -> tuple[dict, list[str]]:
+def _arch_problem(model: nn.Module) -> Optional[str]:
     cfg = getattr(model, "config", None)
     if cfg is None or not hasattr(cfg, "to_dict"):
-        raise TypeError("export_gguf: the model has no transformers config (model.config)")
-    d = cfg.to_dict()
-    if d.get("model_type") not in _LLAMA_TYPES:
-        raise ValueError(f"export_gguf: model_type {d.get('model_type')!r} is not supported; qcore writes GGUF for "
-                         f"the Llama family ({list(_LLAMA_TYPES)})")
+        return "the model has no transformers config (model.config)"
+    mt = getattr(cfg, "model_type", None)
+    if mt not in _LLAMA_TYPES:
+        return f"model_type {mt!r} is not supported; qcore writes GGUF for the Llama family ({list(_LLAMA_TYPES)})"
+    return None
+
+
+def _unit_problem(name: str, roles: list, drop_activations: bool) -> Optional[str]:
+    """Why a module quantizing ``roles`` cannot be written to GGUF (None: it can; activations dropped if asked)."""
+    acts = [r for r in roles if r != "weight"]
+    if "weight" not in roles:
+        return f"{name!r} quantizes {acts} but not its weight; GGUF has no activation quantization"
+    if "bias" in acts:
+        return f"{name!r} has a quantized bias; llama.cpp's Llama graph has no biases"
+    if acts and not drop_activations:
+        return (f"{name!r} quantizes its {acts[0]} activations, which GGUF cannot hold (llama.cpp quantizes "
+                f"activations its own way); pass drop_activations=True to write the weights only")
+    return None
+
+
+def check_gguf(model: nn.Module, config: Optional[ModelConfig] = None, *, drop_activations: bool = False) -> None:
+    """Before any work: ValueError if ``export_gguf`` would refuse ``model`` quantized with ``config`` (default
+    ``model.qcore_config``) for reasons the architecture and the config already decide (``qcore quantize
+    --export gguf`` calls it before the baseline evaluation; ``export_gguf`` itself too)."""
+    from .export import export_units, will_rotate_online
+    why = _arch_problem(model)
+    if why:
+        raise ValueError(f"export_gguf: {why}")
+    config = config if config is not None else getattr(model, "qcore_config", None)
+    if not isinstance(config, ModelConfig):
+        return  # export_gguf reads the modules themselves
+    if will_rotate_online(model, config):
+        raise ValueError("export_gguf: the model carries online rotations; llama.cpp's Llama graph cannot apply "
+                         "them")
+    for u in export_units(model, config):
+        why = _unit_problem(u.name, [r for r in ("weight", "input", "output", "bias")
+                                     if getattr(u.config, r) is not None], drop_activations)
+        if why:
+            raise ValueError(f"export_gguf: {why}")
+
+
+def _check_model(model: nn.Module, drop_activations: bool) -> tuple[dict, list[str]]:
+    why = _arch_problem(model)
+    if why:
+        raise (TypeError if "no transformers config" in why else ValueError)(f"export_gguf: {why}")
+    d = model.config.to_dict()
     from .rotation import input_rotations
     rot = input_rotations(model)
     if rot:
@@ -163,18 +205,10 @@ def _check_model(model: nn.Module, drop_activations: bool) -> tuple[dict, list[s
     for n, m in model.named_modules():
         if not isinstance(m, _QuantMixin):
             continue
-        roles = [r for r in m._qspecs if r != "weight"]
-        if "weight" not in m._qspecs:
-            raise ValueError(f"export_gguf: {n!r} quantizes {roles} but not its weight; GGUF has no activation "
-                             f"quantization")
-        for r in roles:
-            if r == "bias":
-                raise ValueError(f"export_gguf: {n!r} has a quantized bias; llama.cpp's Llama graph has no biases")
-            if not drop_activations:
-                raise ValueError(f"export_gguf: {n!r} quantizes its {r} activations, which GGUF cannot hold "
-                                 f"(llama.cpp quantizes activations its own way); pass drop_activations=True to "
-                                 f"write the weights only")
-            dropped.append(f"{n} ({r})")
+        why = _unit_problem(n, list(m._qspecs), drop_activations)
+        if why:
+            raise ValueError(f"export_gguf: {why}")
+        dropped += [f"{n} ({r})" for r in m._qspecs if r != "weight"]
     return d, dropped
 
 
