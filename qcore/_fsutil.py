@@ -74,17 +74,22 @@ def _shown(p: PathLike) -> str:
 
 
 def model_sources(model: object) -> list[str]:
-    """The local paths a loaded model came from, as its loaders record them (transformers' ``name_or_path`` /
-    ``config._name_or_path`` when it is an existing local path, ``from_gguf``'s report path, qcore's
-    ``qcore_source``): what an in-memory export must not write over."""
+    """The local paths a loaded model came from, as its loaders record them: qcore's ``qcore_source``,
+    ``from_gguf``'s file (``qcore_gguf_report.path``), else transformers' ``name_or_path`` /
+    ``config._name_or_path`` when it is a model directory here (one holding ``config.json``: transformers records
+    a GGUF file's folder there, which is not the source). What an in-memory export must not write over."""
     out: list[str] = []
     cfg = getattr(model, "config", None)
     rep = getattr(model, "qcore_gguf_report", None)
-    for p in (getattr(model, "qcore_source", None), getattr(model, "name_or_path", None),
-              getattr(cfg, "_name_or_path", None), getattr(rep, "path", None)):
-        if isinstance(p, (str, os.PathLike)) and os.fspath(p) and os.path.exists(os.fspath(p)) \
-                and os.fspath(p) not in out:
-            out.append(os.fspath(p))
+    cands = [getattr(model, "qcore_source", None), getattr(rep, "path", None)]
+    if rep is None:
+        cands += [getattr(model, "name_or_path", None), getattr(cfg, "_name_or_path", None)]
+    for p in cands:
+        if not isinstance(p, (str, os.PathLike)) or not os.fspath(p) or os.fspath(p) in out:
+            continue
+        p = os.fspath(p)
+        if os.path.isfile(p) or os.path.isfile(os.path.join(p, "config.json")):
+            out.append(p)
     return out
 
 
