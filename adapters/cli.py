@@ -253,17 +253,23 @@ def _check_outputs(args) -> None:
     _check_device(args.device)
 
 
-def _check_model_fits(args, model, config) -> None:
-    """After loading, before any evaluation: ``--seq-len`` within the model's context (refused: windows past
-    ``max_position_embeddings`` measure a model outside what it was trained for), and the export format can take
-    this model and config (the exporter's own up-front check: ``check_hf``, ``check_gguf``, ``check_onnx``,
-    ``check_ct``)."""
+def _check_model_fits(args, model, config, plans) -> None:
+    """After loading, before any evaluation: the export format can take this model and config (the exporter's
+    own up-front check: ``check_hf``, ``check_gguf``, ``check_onnx``, ``check_ct``), and ``--seq-len`` is within
+    the model's context where windows are used (evaluation, calibration): refused, since windows past
+    ``max_position_embeddings`` measure a model outside what it was trained for."""
+    if args.output:
+        _check_export(args, model, config)
     ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(ctx, int) and args.seq_len > ctx:
+    uses_windows = args.eval == "ppl" or getattr(args, "amp", None) is not None or bool(config.algorithms) or \
+        config.kv_cache is not None or any(getattr(p.config, r) is not None and getattr(p.config, r).calibrated
+                                           for p in plans for r in ("input", "output"))
+    if isinstance(ctx, int) and args.seq_len > ctx and uses_windows:
         raise CommandError(f"--seq-len {args.seq_len}: past the model's context (max_position_embeddings {ctx}); "
                            f"use --seq-len {ctx} or less")
-    if not args.output:
-        return
+
+
+def _check_export(args, model, config) -> None:
     fmt = args.export or "hf"
     try:
         if fmt == "gguf":
@@ -344,7 +350,7 @@ def quantize_command(args) -> int:
     progress = not args.no_progress
     model, tok, desc = load_model(args.model, dtype=dtype, device=args.device)
     plans = plan_model(model, config)  # all config errors before any evaluation
-    _check_model_fits(args, model, config)  # the export and --seq-len, still before any evaluation
+    _check_model_fits(args, model, config, plans)  # the export and --seq-len, still before any evaluation
 
     text = _eval_text(args)
     needs_eval = args.eval == "ppl"
