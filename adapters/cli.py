@@ -350,7 +350,6 @@ def quantize_command(args) -> int:
     progress = not args.no_progress
     model, tok, desc = load_model(args.model, dtype=dtype, device=args.device)
     plans = plan_model(model, config)  # all config errors before any evaluation
-    _check_model_fits(args, model, config, plans)  # the export and --seq-len, still before any evaluation
 
     text = _eval_text(args)
     needs_eval = args.eval == "ppl"
@@ -358,6 +357,7 @@ def quantize_command(args) -> int:
                           for r in ("input", "output")) or config.kv_cache is not None) and tok is None:
         raise CommandError(f"--model {args.model}: no tokenizer found next to the model; evaluation and calibration "
                            f"need one (use --eval none with a weight-only or dynamic --scheme)")
+    _check_model_fits(args, model, config, plans)  # the export and --seq-len, still before any evaluation
     ids = E.protocol_token_ids(tok, text=text) if tok is not None else None
     if ids is not None and needs_eval and ids.numel() < 2 * args.seq_len:
         raise CommandError(f"the evaluation text has {ids.numel()} tokens; --seq-len {args.seq_len} needs at least "

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from qcore.formats import onnx as X
-from qcore._fsutil import check_not_source, model_sources
+from qcore._fsutil import check_not_source, model_sources, staged_dir
 
 from .modules import QuantConvTranspose2d, QuantEmbedding, QuantEmbeddingBag, QuantLinear, _QuantMixin
 
