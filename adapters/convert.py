@@ -353,7 +353,8 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
     """Convert the quantized checkpoint ``src`` into format ``to`` at ``dst`` (see the module docstring).
 
     to: one of ``FORMATS`` (aliases: ``quark`` = hf, ``ct`` = compressed-tensors).
-    overwrite: replace an existing ``dst`` (else FileExistsError, before any work).
+    overwrite: replace an existing ``dst`` (else FileExistsError, before any work). A ``dst`` that is, contains or
+        lies inside ``src`` is refused either way (ValueError naming both, before anything is read).
     strict: refuse (ValueError listing the changed tensors) a conversion that is not lossless; ``dst`` is left as
         it was.
     dtype: the float dtype the model is loaded in (default: the checkpoint's).

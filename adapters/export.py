@@ -356,7 +356,9 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
 
     config: the model's ``ModelConfig`` (default: the one ``quantize_model`` used, ``model.qcore_config``).
     tokenizer: saved alongside (``save_pretrained``) so the directory is a complete model.
-    overwrite: replace an existing non-empty ``directory`` (else ``FileExistsError``, before any work).
+    overwrite: replace an existing non-empty ``directory`` (else ``FileExistsError``, before any work). A directory
+        that is, contains or lies inside where the model was loaded from is refused either way (ValueError; docs/
+        export.md, "What writers guarantee").
     max_shard_size: largest shard in bytes (int) or ``"5GB"``-style; several shards get an index file.
     pack_method: int4 nibble order, ``"reorder"`` (Quark's default) or ``"order"``.
     """

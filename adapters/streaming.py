@@ -290,7 +290,8 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
     data: calibration batches (token ids, as for ``quantize_model``); needed for algorithms and static scales.
     dtype: the float dtype to compute in (default: the checkpoint's, as ``from_pretrained`` picks it).
     device: where each layer and the activations live while it is processed (e.g. ``"cuda"``).
-    max_shard_size, pack_method, overwrite, progress: as for ``export_hf``.
+    max_shard_size, pack_method, overwrite, progress: as for ``export_hf`` (a ``dst_dir`` that is, contains or
+        lies inside ``src_dir`` is refused, with overwrite or not).
     """
     src, dst = pathlib.Path(src_dir), pathlib.Path(dst_dir)
     check_not_source(dst, [src], what="dst_dir")  # with overwrite or not: replacing the source would delete it
