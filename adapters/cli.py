@@ -236,20 +236,20 @@ def _check_outputs(args) -> None:
     """Before any work: ``--output`` is not (and neither contains nor lies inside) ``--model``; ``--report`` and
     ``--plot`` can be written; ``--device`` exists here."""
     from qcore._fsutil import check_not_source
-    if args.output:
-        try:
-            src = args.model if args.model is not None else str(M.smollm2_path())
-        except (ImportError, FileNotFoundError):
-            src = None  # loading the model says what is missing
-        if src is not None and not os.path.exists(src):
-            src = None  # a hub id
-        try:
-            check_not_source(args.output, [src], what="--output")
-        except ValueError as e:
-            raise CommandError(str(e)) from None
-    for flag, path in (("--report", args.report), ("--plot", args.plot)):
+    try:
+        src = args.model if args.model is not None else str(M.smollm2_path())
+    except (ImportError, FileNotFoundError):
+        src = None  # loading the model says what is missing
+    if src is not None and not os.path.exists(src):
+        src = None  # a hub id
+    for flag, path in (("--output", args.output), ("--report", args.report), ("--plot", args.plot)):
         if path:
-            _check_writable_file(flag, path)
+            try:
+                check_not_source(path, [src], what=flag)
+            except ValueError as e:
+                raise CommandError(str(e)) from None
+            if flag != "--output":
+                _check_writable_file(flag, path)
     _check_device(args.device)
 
 

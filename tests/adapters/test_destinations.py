@@ -410,6 +410,16 @@ def test_bad_paths_devices_and_lengths_are_refused_before_any_work(flag, value, 
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flag", ["--report", "--plot"])
+def test_report_and_plot_never_write_into_the_model(flag, model_dirs, capsys, no_work, monkeypatch):
+    monkeypatch.setattr(C, "load_model", lambda *a, **k: pytest.fail("the model was loaded before refusing"))
+    before = _tree(model_dirs)
+    for target in (model_dirs / "llama" / "config.json", model_dirs / "llama" / "r.out"):
+        _refused(["quantize", "--model", str(model_dirs / "llama"), flag, str(target)], capsys, flag,
+                 "lies inside the source")
+    assert _tree(model_dirs) == before
+
+
 def test_unwritable_report_is_refused(model_dirs, tmp_path, capsys, no_work):
     if os.geteuid() == 0:
         pytest.skip("root writes everywhere")
