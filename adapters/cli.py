@@ -260,12 +260,19 @@ def _check_model_fits(args, model, config, plans) -> None:
     ``max_position_embeddings`` measure a model outside what it was trained for."""
     if args.output:
         _check_export(args, model, config)
-    ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     uses_windows = args.eval == "ppl" or getattr(args, "amp", None) is not None or bool(config.algorithms) or \
         config.kv_cache is not None or any(getattr(p.config, r) is not None and getattr(p.config, r).calibrated
                                            for p in plans for r in ("input", "output"))
-    if isinstance(ctx, int) and args.seq_len > ctx and uses_windows:
-        raise CommandError(f"--seq-len {args.seq_len}: past the model's context (max_position_embeddings {ctx}); "
+    if uses_windows:
+        _check_seq_len(args.seq_len, model)
+
+
+def _check_seq_len(seq_len: int, model) -> None:
+    """``--seq-len`` past the model's ``max_position_embeddings`` is refused: those windows would measure the model
+    outside the context it was trained for (``qcore quantize`` and ``qcore eval``, before any evaluation)."""
+    ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(ctx, int) and seq_len > ctx:
+        raise CommandError(f"--seq-len {seq_len}: past the model's context (max_position_embeddings {ctx}); "
                            f"use --seq-len {ctx} or less")
 
 
@@ -526,10 +533,13 @@ def eval_command(args) -> int:
         except ValueError as e:
             msg = str(e)
             raise CommandError("--" + msg if msg.startswith("tasks:") else msg) from e  # "--tasks: ..." 
+    _check_device(args.device)
     model, tok, desc = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
     if tok is None:
         raise CommandError(f"--model {args.model}: no tokenizer found next to the model; "
                            f"{'perplexity' if ppl else 'lm-evaluation-harness tasks'} need{'s' if ppl else ''} one")
+    if ppl:
+        _check_seq_len(args.seq_len, model)
     for m in quantized_modules(model).values():  # a quantized checkpoint: dequantize each weight once, not per call
         m.keep_dequantized = True
     rows = [("model", desc)]
@@ -580,9 +590,16 @@ def convert_command(args) -> int:
     t0 = time.perf_counter()
     dtype = None if args.dtype is None else _dtype(args.dtype)
     if args.report:
+        from qcore._fsutil import check_not_source, overlap
         rp = pathlib.Path(args.report)
         if rp.exists() and rp.is_dir():
             raise CommandError(f"--report {args.report}: is a directory")
+        try:
+            check_not_source(rp, [args.src], what="--report")
+        except ValueError as e:
+            raise CommandError(str(e)) from None
+        if overlap(rp.parent, args.dst) not in ("is", "lies inside"):  # a folder the conversion creates is fine
+            _check_writable_file("--report", args.report)
     info = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, strict=args.strict, dtype=dtype,
                    tokenizer_pre=args.tokenizer_pre, verify=not args.no_verify)
     verdict = ("not verified (--no-verify)" if info.verified_by == "none" else

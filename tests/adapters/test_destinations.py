@@ -420,6 +420,23 @@ def test_report_and_plot_never_write_into_the_model(flag, model_dirs, capsys, no
     assert _tree(model_dirs) == before
 
 
+def test_eval_and_convert_refuse_before_any_work(model_dirs, world, tmp_path, capsys, no_work, monkeypatch):
+    code = main(["eval", "--model", str(model_dirs / "llama"), "--seq-len", "100", "--no-progress"])
+    assert code == 2 and "max_position_embeddings 64" in capsys.readouterr().err
+    monkeypatch.setattr(C, "load_model", lambda *a, **k: pytest.fail("the model was loaded before refusing"))
+    code = main(["eval", "--model", str(model_dirs / "llama"), "--device", "nope"])
+    assert code == 2 and "--device nope" in capsys.readouterr().err
+    import qcore.adapters.convert as CV
+    monkeypatch.setattr(CV, "load_quantized", lambda *a, **k: pytest.fail("the source was loaded before refusing"))
+    before = _tree(world.root)
+    for report, needle in ((tmp_path / "no" / "r.json", "does not exist"),
+                           (world.src / "r.json", "lies inside the source")):
+        code = main(["convert", str(world.src), str(tmp_path / "out"), "--to", "gguf", "--report", str(report)])
+        err = capsys.readouterr().err
+        assert code == 2 and needle in err and err.count("\n") == 1, err
+    assert _tree(world.root) == before and not (tmp_path / "out").exists()
+
+
 def test_unwritable_report_is_refused(model_dirs, tmp_path, capsys, no_work):
     if os.geteuid() == 0:
         pytest.skip("root writes everywhere")
