@@ -212,24 +212,11 @@ def _check_writable_file(flag: str, path: str) -> None:
 
 def _check_device(spec: str) -> None:
     """``--device``: a device torch can use here (refused before any work)."""
+    from ._device import check_device
     try:
-        d = torch.device(spec)
-    except (RuntimeError, TypeError, ValueError):
-        raise CommandError(f"--device {spec}: not a torch device (expected e.g. cpu, cuda, cuda:0, mps)") from None
-    if d.type == "cpu":
-        return
-    if d.type == "cuda":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0:
-            raise CommandError(f"--device {spec}: no CUDA GPU is available here (use --device cpu)")
-        if d.index is not None and d.index >= n:
-            raise CommandError(f"--device {spec}: there are {n} CUDA device(s) (cuda:0 .. cuda:{n - 1})")
-        return
-    if d.type == "mps":
-        if not (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
-            raise CommandError(f"--device {spec}: MPS is not available here (use --device cpu)")
-        return
-    raise CommandError(f"--device {spec}: qcore runs on cpu, cuda or mps devices")
+        check_device(spec, what="--device")
+    except ValueError as e:
+        raise CommandError(str(e)) from None
 
 
 def _check_outputs(args) -> None:

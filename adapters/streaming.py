@@ -304,10 +304,8 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
             raise TypeError(f"{name} must be a bool, got {v!r}")
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from None
+    from ._device import check_device
+    device = check_device(device, what="device")
     max_bytes = parse_size(max_shard_size)
     cfg = _as_config(config)
     if data is not None:

@@ -437,6 +437,16 @@ def test_eval_and_convert_refuse_before_any_work(model_dirs, world, tmp_path, ca
     assert _tree(world.root) == before and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("device,needle", [("foo", "not a torch device"), ("xla", "cpu, cuda or mps"),
+                                           ("cuda:9", "CUDA")])
+def test_quantize_checkpoint_refuses_a_missing_device_before_reading(world, tmp_path, device, needle, monkeypatch):
+    import qcore.adapters.streaming as S
+    monkeypatch.setattr(S, "_Source", lambda *a, **k: pytest.fail("the source was read before refusing"))
+    with pytest.raises(ValueError, match=needle):
+        quantize_checkpoint(world.flt, tmp_path / "out", "uint4_wo_64", device=device, progress=False)
+    assert os.listdir(tmp_path) == []
+
+
 def test_unwritable_report_is_refused(model_dirs, tmp_path, capsys, no_work):
     if os.geteuid() == 0:
         pytest.skip("root writes everywhere")
