@@ -55,8 +55,9 @@ def check_not_source(dst: PathLike, sources: Iterable[Optional[PathLike]], *, wh
             continue
         how = overlap(dst, src)
         if how is not None:
-            raise ValueError(f"{what} {_shown(dst)} {how} the source {_shown(src)}; writing there would replace "
-                             f"the source: choose a destination outside it")
+            raise ValueError(f"{what} {_shown(dst)} {how} the source {_shown(src)}; writing there would "
+                             f"{'change' if how == 'lies inside' else 'replace'} the source: choose a destination "
+                             f"outside it")
     try:
         cwd = real_path(os.getcwd())
     except OSError:  # the current directory was deleted
