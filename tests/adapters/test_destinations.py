@@ -27,8 +27,27 @@ from qcore.adapters.import_gguf import from_gguf  # noqa: E402
 from qcore.adapters.streaming import quantize_checkpoint  # noqa: E402
 from qcore.cli import main  # noqa: E402
 
-from conftest import tiny_llama, tiny_opt, tiny_qwen2  # noqa: E402
 from test_export_gguf import tiny_tokenizer  # noqa: E402
+
+
+def _tiny(cls_name, cfg_name, seed=0, **kw):  # as conftest's factories (which another conftest.py may shadow)
+    cfg = getattr(transformers, cfg_name)(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          max_position_embeddings=64, **kw)
+    torch.manual_seed(seed)
+    return getattr(transformers, cls_name)(cfg).eval()
+
+
+def tiny_llama(seed=0):
+    return _tiny("LlamaForCausalLM", "LlamaConfig", seed, intermediate_size=128, num_key_value_heads=2)
+
+
+def tiny_opt(seed=0):
+    return _tiny("OPTForCausalLM", "OPTConfig", seed, ffn_dim=128, word_embed_proj_dim=64, dropout=0.0,
+                 attention_dropout=0.0)
+
+
+def tiny_qwen2(seed=0):
+    return _tiny("Qwen2ForCausalLM", "Qwen2Config", seed, intermediate_size=128, num_key_value_heads=2)
 
 IDS = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(3))
 
