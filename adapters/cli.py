@@ -231,6 +231,91 @@ def plot_sqnr(sqnr: dict[str, float], path: str, *, title: str) -> None:
     os.replace(tmp, path)  # no half-written file on failure
 
 
+def _check_writable_file(flag: str, path: str) -> None:
+    """``--report`` / ``--plot``: a file that can be created or replaced (refused before any work)."""
+    p = pathlib.Path(path)
+    if p.is_dir():
+        raise CommandError(f"{flag} {path}: is a directory; give a file name")
+    parent = p.parent if str(p.parent) else pathlib.Path(".")
+    if not parent.is_dir():
+        raise CommandError(f"{flag} {path}: the directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise CommandError(f"{flag} {path}: not writable")
+
+
+def _check_device(spec: str) -> None:
+    """``--device``: a device torch can use here (refused before any work)."""
+    from ._device import check_device
+    try:
+        check_device(spec, what="--device")
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+
+
+def _check_outputs(args) -> None:
+    """Before any work: ``--output`` is not (and neither contains nor lies inside) ``--model``; ``--report`` and
+    ``--plot`` can be written; ``--device`` exists here."""
+    from qcore._fsutil import check_not_source
+    try:
+        src = args.model if args.model is not None else str(M.smollm2_path())
+    except (ImportError, FileNotFoundError):
+        src = None  # loading the model says what is missing
+    if src is not None and not os.path.exists(src):
+        src = None  # a hub id
+    for flag, path in (("--output", args.output), ("--report", args.report), ("--plot", args.plot)):
+        if path:
+            try:
+                check_not_source(path, [src], what=flag)
+            except ValueError as e:
+                raise CommandError(str(e)) from None
+            if flag != "--output":
+                _check_writable_file(flag, path)
+    _check_device(args.device)
+
+
+def _check_model_fits(args, model, config, plans) -> None:
+    """After loading, before any evaluation: the export format can take this model and config (the exporter's
+    own up-front check: ``check_hf``, ``check_gguf``, ``check_onnx``, ``check_ct``), and ``--seq-len`` is within
+    the model's context where windows are used (evaluation, calibration): refused, since windows past
+    ``max_position_embeddings`` measure a model outside what it was trained for."""
+    if args.output:
+        _check_export(args, model, config)
+    uses_windows = args.eval == "ppl" or getattr(args, "amp", None) is not None or bool(config.algorithms) or \
+        config.kv_cache is not None or any(getattr(p.config, r) is not None and getattr(p.config, r).calibrated
+                                           for p in plans for r in ("input", "output"))
+    if uses_windows:
+        _check_seq_len(args.seq_len, model)
+
+
+def _check_seq_len(seq_len: int, model) -> None:
+    """``--seq-len`` past the model's ``max_position_embeddings`` is refused: those windows would measure the model
+    outside the context it was trained for (``qcore quantize`` and ``qcore eval``, before any evaluation)."""
+    ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(ctx, int) and seq_len > ctx:
+        raise CommandError(f"--seq-len {seq_len}: past the model's context (max_position_embeddings {ctx}); "
+                           f"use --seq-len {ctx} or less")
+
+
+def _check_export(args, model, config) -> None:
+    fmt = args.export or "hf"
+    try:
+        if fmt == "gguf":
+            from .export_gguf import check_gguf
+            check_gguf(model, config, drop_activations=getattr(args, "drop_activations", False))
+        elif fmt == "onnx":
+            from .export_onnx import check_onnx
+            check_onnx(model, config, weight_format=getattr(args, "onnx_weights", "qdq"),
+                       unsupported=getattr(args, "onnx_unsupported", "error"))
+        elif fmt == "compressed-tensors":
+            from .export_ct import check_ct
+            check_ct(model, config)
+        else:
+            from .export import check_hf
+            check_hf(model, config)
+    except (ValueError, TypeError) as e:
+        raise CommandError(f"--export {fmt}: {e}") from None
+
+
 def _table(rows: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
@@ -257,6 +342,7 @@ def quantize_command(args) -> int:
     if args.export and not args.output:
         raise CommandError(f"--export {args.export} needs --output DIR (where to write the checkpoint)")
     out_dir = pathlib.Path(args.output) if args.output else None
+    _check_outputs(args)  # before any work: the model is never written over, --report / --plot / --device usable
     if out_dir is not None:  # before any work: an existing checkpoint is never replaced by accident
         from .export import check_destination, parse_size
         try:
@@ -298,6 +384,7 @@ def quantize_command(args) -> int:
                           for r in ("input", "output")) or config.kv_cache is not None) and tok is None:
         raise CommandError(f"--model {args.model}: no tokenizer found next to the model; evaluation and calibration "
                            f"need one (use --eval none with a weight-only or dynamic --scheme)")
+    _check_model_fits(args, model, config, plans)  # the export and --seq-len, still before any evaluation
     ids = E.protocol_token_ids(tok, text=text) if tok is not None else None
     if ids is not None and needs_eval and ids.numel() < 2 * args.seq_len:
         raise CommandError(f"the evaluation text has {ids.numel()} tokens; --seq-len {args.seq_len} needs at least "
@@ -466,10 +553,13 @@ def eval_command(args) -> int:
         except ValueError as e:
             msg = str(e)
             raise CommandError("--" + msg if msg.startswith("tasks:") else msg) from e  # "--tasks: ..." 
+    _check_device(args.device)
     model, tok, desc = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
     if tok is None:
         raise CommandError(f"--model {args.model}: no tokenizer found next to the model; "
                            f"{'perplexity' if ppl else 'lm-evaluation-harness tasks'} need{'s' if ppl else ''} one")
+    if ppl:
+        _check_seq_len(args.seq_len, model)
     for m in quantized_modules(model).values():  # a quantized checkpoint: dequantize each weight once, not per call
         m.keep_dequantized = True
     rows = [("model", desc)]
@@ -520,9 +610,16 @@ def convert_command(args) -> int:
     t0 = time.perf_counter()
     dtype = None if args.dtype is None else _dtype(args.dtype)
     if args.report:
+        from qcore._fsutil import check_not_source, overlap
         rp = pathlib.Path(args.report)
         if rp.exists() and rp.is_dir():
             raise CommandError(f"--report {args.report}: is a directory")
+        try:
+            check_not_source(rp, [args.src], what="--report")
+        except ValueError as e:
+            raise CommandError(str(e)) from None
+        if overlap(rp.parent, args.dst) not in ("is", "lies inside"):  # a folder the conversion creates is fine
+            _check_writable_file("--report", args.report)
     info = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, strict=args.strict, dtype=dtype,
                    tokenizer_pre=args.tokenizer_pre, verify=not args.no_verify)
     verdict = ("not verified (--no-verify)" if info.verified_by == "none" else

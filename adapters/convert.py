@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from qcore._fsutil import replace_dir, staging_dir
+from qcore._fsutil import check_not_source, staged_path
 
 from .modules import _QuantMixin
 
@@ -358,7 +358,8 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
     """Convert the quantized checkpoint ``src`` into format ``to`` at ``dst`` (see the module docstring).
 
     to: one of ``FORMATS`` (aliases: ``quark`` = hf, ``ct`` = compressed-tensors).
-    overwrite: replace an existing ``dst`` (else FileExistsError, before any work).
+    overwrite: replace an existing ``dst`` (else FileExistsError, before any work). A ``dst`` that is, contains or
+        lies inside ``src`` is refused either way (ValueError naming both, before anything is read).
     strict: refuse (ValueError listing the changed tensors) a conversion that is not lossless; ``dst`` is left as
         it was.
     dtype: the float dtype the model is loaded in (default: the checkpoint's).
@@ -372,9 +373,8 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
     if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype!r}")
     src_p, dst_p = pathlib.Path(src), pathlib.Path(dst)
+    check_not_source(dst_p, [src_p], what="dst")  # with overwrite or not: replacing the source would delete it
     src_fmt = detect_format(src_p)
-    if src_p.resolve() == dst_p.resolve():
-        raise ValueError(f"dst {str(dst_p)!r} is the source; write the conversion elsewhere")
     _check_dst(dst_p, overwrite)
     if to == "gguf" and dst_p.exists() and dst_p.is_dir() and dst_p.suffix == ".gguf":
         raise ValueError(f"dst {str(dst_p)!r} is a directory named like a GGUF file")
@@ -394,10 +394,7 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
     load_dtype = _model_dtype(model)
 
     # write into a private staging place first: strict refusals and failed checks leave dst untouched
-    dst_p.parent.mkdir(parents=True, exist_ok=True)
-    stage_root = staging_dir(dst_p)
-    try:
-        staged = stage_root / dst_p.name
+    with staged_path(dst_p, recheck=lambda: _check_dst(dst_p, overwrite)) as staged:
         written, notes, info = _export(model, tok, src_p, src_fmt, staged, to, overwrite=False,
                                        tokenizer_pre=tokenizer_pre)
         if to == "onnx":
@@ -411,8 +408,5 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
             names = ", ".join(f"{c.name} ({c.source} -> {c.destination})" for c in changes[:8])
             raise ValueError(f"convert to {to}: not lossless, {len(changes)} tensors change: {names}"
                              f"{' ...' if len(changes) > 8 else ''}; dst was not written")
-        replace_dir(staged, dst_p, recheck=lambda: _check_dst(dst_p, overwrite))
-        final = dst_p / written.relative_to(staged) if written != staged else dst_p
-    finally:
-        shutil.rmtree(stage_root, ignore_errors=True)
+    final = dst_p / written.relative_to(staged) if written != staged else dst_p
     return ConvertInfo(str(src_p), src_fmt, str(final), to, _size(dst_p), nq, tuple(changes), how, tuple(notes))

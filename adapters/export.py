@@ -24,14 +24,14 @@ import json
 import os
 import pathlib
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Iterable, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
 from torch import nn
 
 import qcore
-from qcore._fsutil import staged_dir
+from qcore._fsutil import check_not_source, model_sources, staged_dir
 from qcore.formats import quark_layout as L
 from qcore.formats.safetensors_io import TensorRecord, write_file
 
@@ -228,20 +228,85 @@ def _online_rotations(model: nn.Module, config: ModelConfig) -> bool:
     return bool(have)
 
 
-def _quantization_config(model: nn.Module, config: ModelConfig, layouts: dict[str, str], pack_method: str) -> dict:
-    # online rotations: Quark's and vLLM's loaders would not apply qcore's transforms; quant_method "qcore"
-    quark_ok = all(v != "qcore" for v in layouts.values()) and not _online_rotations(model, config)
+class ExportUnit(NamedTuple):
+    """One module an exporter writes quantized: its name, float module type name (``"Linear"``, ...), weight shape
+    in the canonical ``[out, in, *kernel]`` layout, and ``LayerConfig``."""
+    name: str
+    type: str
+    shape: tuple
+    config: Any
+
+
+def export_units(model: nn.Module, config: ModelConfig) -> list[ExportUnit]:
+    """The quantized modules of ``model`` as they are, or, for a model not quantized yet, as ``quantize_model``
+    would make them from ``config`` (``plan_model``): what the exporters' up-front checks (``check_hf``,
+    ``check_gguf``, ``check_onnx``, ``check_ct``) look at, before any evaluation or quantization."""
+    mods = [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantMixin)]
+    if mods:
+        return [ExportUnit(n, type(m).__bases__[1].__name__, canonical_shape(m), m.qconfig) for n, m in mods]
+    from .quantizer import plan_model
+    out = []
+    for p in plan_model(model, config):
+        w = getattr(model.get_submodule(p.name), "weight", None)
+        shape = tuple(w.shape) if w is not None else ()
+        if p.type == "ConvTranspose2d" and len(shape) >= 2:
+            shape = (shape[1], shape[0], *shape[2:])
+        out.append(ExportUnit(p.name, p.type, shape, p.config))
+    return out
+
+
+def will_rotate_online(model: nn.Module, config: ModelConfig) -> bool:
+    """Whether the model carries (or, quantized with ``config``, will carry) online rotations."""
+    from .rotation import input_rotations
+    if input_rotations(model):
+        return True
+    from qcore.algorithms.config import parse_algorithms, split_rotation
+    rot, _ = split_rotation(parse_algorithms(config.algorithms))
+    if rot is None:
+        return False
+    from .rotation import online_plan
+    return bool(online_plan(model, rot))
+
+
+def _model_dtype_name(model: nn.Module) -> str:
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    model_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype,
-                                                                                                      "float32")
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
+
+
+def _quark_part(config: ModelConfig, model_dtype: str, quark_ok: bool) -> dict:
+    """Quark's spelling of ``config`` (``{}`` where it has none and the checkpoint is written as ``"qcore"``);
+    ValueError where Quark's layout is used but the config has no Quark spelling (e.g. MX E8M0 scales in a
+    float16 model)."""
     try:
-        q = config.to_quark(model_dtype=model_dtype)
-        q["export"]["pack_method"] = pack_method
+        return config.to_quark(model_dtype=model_dtype)
     except (ValueError, TypeError) as e:
         if quark_ok:
             raise ValueError(f"export: the config has no Quark spelling ({e}); Quark's loaders could not read the "
                              f"checkpoint") from None
-        q = {}
+        return {}
+
+
+def check_hf(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
+    """Before any work: ValueError if ``export_hf`` would refuse ``model`` quantized with ``config`` (default
+    ``model.qcore_config``), for reasons the config and the float model already decide (``qcore quantize
+    --output`` calls it before the baseline evaluation; ``export_hf`` itself too)."""
+    config = config if config is not None else getattr(model, "qcore_config", None)
+    if not isinstance(config, ModelConfig):
+        raise ValueError("export_hf: the model carries no qcore config (quantize it with qcore.adapters."
+                         "quantize_model, or pass config=)")
+    units = [u for u in export_units(model, config) if u.config.weight is not None]
+    layouts = [L.weight_layout(u.config.weight.spec, u.shape, module="Linear" if u.type == "Linear" else "other")
+               for u in units]
+    quark_ok = all(v != "qcore" for v in layouts) and not will_rotate_online(model, config)
+    _quark_part(config, _model_dtype_name(model), quark_ok)
+
+
+def _quantization_config(model: nn.Module, config: ModelConfig, layouts: dict[str, str], pack_method: str) -> dict:
+    # online rotations: Quark's and vLLM's loaders would not apply qcore's transforms; quant_method "qcore"
+    quark_ok = all(v != "qcore" for v in layouts.values()) and not _online_rotations(model, config)
+    q = _quark_part(config, _model_dtype_name(model), quark_ok)
+    if q:
+        q["export"]["pack_method"] = pack_method
     q["quant_method"] = "quark" if quark_ok else "qcore"
     q["qcore"] = {"format_version": QCORE_FORMAT_VERSION, "qcore_version": qcore.__version__,
                   "config": config.to_dict(), "layouts": dict(sorted(layouts.items()))}
@@ -273,7 +338,10 @@ def _shards(records: list[TensorRecord], max_bytes: int) -> list[list[TensorReco
     return shards
 
 
-def check_destination(directory: pathlib.Path, overwrite: bool) -> None:
+def check_destination(directory: pathlib.Path, overwrite: bool, sources: Iterable = ()) -> None:
+    """Before any work: ``directory`` is none of ``sources`` (nor contains, nor lies inside one:
+    ``qcore._fsutil.check_not_source``, with overwrite or not) and is absent, empty, or ``overwrite`` is given."""
+    check_not_source(directory, sources, what="export directory")
     if directory.exists() and not directory.is_dir():
         raise FileExistsError(f"export directory {str(directory)!r} exists and is not a directory")
     if directory.is_dir() and any(directory.iterdir()) and not overwrite:
@@ -288,7 +356,9 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
 
     config: the model's ``ModelConfig`` (default: the one ``quantize_model`` used, ``model.qcore_config``).
     tokenizer: saved alongside (``save_pretrained``) so the directory is a complete model.
-    overwrite: replace an existing non-empty ``directory`` (else ``FileExistsError``, before any work).
+    overwrite: replace an existing non-empty ``directory`` (else ``FileExistsError``, before any work). A directory
+        that is, contains or lies inside where the model was loaded from is refused either way (ValueError; docs/
+        export.md, "What writers guarantee").
     max_shard_size: largest shard in bytes (int) or ``"5GB"``-style; several shards get an index file.
     pack_method: int4 nibble order, ``"reorder"`` (Quark's default) or ``"order"``.
     """
@@ -310,8 +380,9 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
         raise TypeError("export_hf: the model has no transformers config (model.config); only transformers models "
                         "can be written as HF checkpoints")
     directory = pathlib.Path(directory)
-    check_destination(directory, overwrite)
+    check_destination(directory, overwrite, model_sources(model))
     _check_config_describes(model, config)
+    check_hf(model, config)
 
     records, layouts = _plan_tensors(model, pack_method)
     qdict = _quantization_config(model, config, layouts, pack_method)
@@ -327,7 +398,7 @@ def write_checkpoint(directory: pathlib.Path, model: nn.Module, hf_config: Any, 
     """An HF checkpoint directory (config with ``qdict`` as its ``quantization_config``, generation config,
     tokenizer, safetensors shards of ``records``), written atomically: staged beside ``directory``, renamed into
     place (shared by ``export_hf`` and ``export_compressed_tensors``)."""
-    with staged_dir(directory, recheck=lambda: check_destination(directory, overwrite)) as tmp:
+    with staged_dir(directory, recheck=lambda: check_destination(directory, overwrite, model_sources(model))) as tmp:
         write_metadata(tmp, hf_config, qdict, type(model).__name__, getattr(model, "generation_config", None))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -340,9 +411,24 @@ def _info(directory: pathlib.Path, qdict: dict, layouts: dict) -> ExportInfo:
     return ExportInfo(str(directory), qdict["quant_method"], files, size, layouts)
 
 
+def publishable(d: Any) -> Any:
+    """``d`` (a config dict) without local paths: ``_name_or_path`` and every other string that is an absolute
+    path are dropped, so that the same model exports the same bytes wherever it was loaded from."""
+    if isinstance(d, dict):
+        return {k: publishable(v) for k, v in d.items()
+                if k != "_name_or_path" and not (isinstance(v, str) and _is_local_path(v))}
+    if isinstance(d, (list, tuple)):
+        return type(d)(publishable(v) for v in d if not (isinstance(v, str) and _is_local_path(v)))
+    return d
+
+
+def _is_local_path(v: str) -> bool:
+    return os.path.isabs(v) or v.startswith(("~" + os.sep, "." + os.sep, ".." + os.sep))
+
+
 def write_metadata(tmp: pathlib.Path, hf_config: Any, qdict: dict, architecture: str, generation_config: Any) -> None:
     """``config.json`` (the model's config with ``quantization_config``) and ``generation_config.json``."""
-    cfg = hf_config.to_dict()
+    cfg = publishable(hf_config.to_dict())
     cfg["quantization_config"] = qdict
     cfg["architectures"] = [architecture]  # as save_pretrained writes it (vLLM picks the class by it)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import types
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -37,9 +38,10 @@ from qcore.formats.safetensors_io import TensorRecord
 from .config import ModelConfig
 from .export import (QCORE_FORMAT_VERSION, _check_config_describes, _online_rotations, _record,
                      _tensor_record, check_destination, parse_size, weight_parts, write_checkpoint)
+from qcore._fsutil import model_sources
 from .modules import QuantLinear, _QuantMixin
 
-__all__ = ["export_compressed_tensors", "CTExportInfo", "TensorReport", "ct_quantization_config"]
+__all__ = ["export_compressed_tensors", "check_ct", "CTExportInfo", "TensorReport", "ct_quantization_config"]
 
 _MODEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _DTYPE_TORCH = {v: k for k, v in _MODEL_DTYPES.items()}
@@ -155,6 +157,44 @@ def _act_args(m: _QuantMixin, role: str, where: str) -> Optional[CT.CTArgs]:
     return CT.spec_to_args(m._qspecs[role], role=role, dynamic=tc.dynamic, where=f"{where} {role}")
 
 
+def _unit_check(name: str, type_name: str, lc: Any, config: ModelConfig) -> None:
+    """What compressed-tensors cannot store about one quantized module (its float type and ``LayerConfig``): the one
+    rule for ``export_compressed_tensors`` and ``check_ct``."""
+    if type_name != "Linear":
+        raise ValueError(f"export: {name!r} is a quantized {type_name}; compressed-tensors stores quantized Linear "
+                         f"layers only (exclude it from the config)")
+    where = f"layer {name!r}"
+    if lc.weight is None:
+        kv = _kv_role(name, types.SimpleNamespace(qconfig=lc), config)
+        if not (kv and lc.input is None and lc.bias is None):
+            raise ValueError(f"export: {where} quantizes no weight; compressed-tensors stores quantized weights")
+    if lc.bias is not None:
+        raise ValueError(f"export: {where} quantizes its bias; compressed-tensors has no bias quantization")
+
+
+def check_ct(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
+    """Before any work: ValueError if ``export_compressed_tensors`` would refuse ``model`` quantized with ``config``
+    (default ``model.qcore_config``) for reasons the model and the config already decide (the model dtype, module
+    types, bias or weightless quantization, online rotations; ``qcore quantize --export compressed-tensors`` calls
+    it before the baseline evaluation)."""
+    from .export import export_units, will_rotate_online
+    dtype = _model_dtype(model)
+    if dtype not in _MODEL_DTYPES:
+        raise ValueError(f"export_compressed_tensors: model dtype {dtype} is not float32, bfloat16 or float16")
+    config = config if config is not None else getattr(model, "qcore_config", None)
+    if not isinstance(config, ModelConfig):
+        return
+    if will_rotate_online(model, config):
+        raise ValueError(_ROTATION_REFUSAL)
+    for u in export_units(model, config):
+        _unit_check(u.name, u.type, u.config, config)
+
+
+_ROTATION_REFUSAL = ("export_compressed_tensors: the model carries online rotations (QuaRot / SpinQuant "
+                     "InputRotation hooks), which compressed-tensors' loaders would not apply; fuse-only "
+                     "rotations export fine")
+
+
 def _plan(model: nn.Module, config: ModelConfig) -> tuple[list[_Layer], dict, list]:
     """Quantized layers (validated), config groups (name -> CTScheme without targets) and the float Linears."""
     layers: list[_Layer] = []
@@ -162,23 +202,18 @@ def _plan(model: nn.Module, config: ModelConfig) -> tuple[list[_Layer], dict, li
     groups: dict[str, dict] = {}
     floats: list[str] = []
     for name, m in model.named_modules():
-        if isinstance(m, _QuantMixin) and not isinstance(m, QuantLinear):
-            raise ValueError(f"export: {name!r} is a quantized {type(m).__bases__[1].__name__}; compressed-tensors "
-                             f"stores quantized Linear layers only (exclude it from the config)")
+        if isinstance(m, _QuantMixin):
+            _unit_check(name, type(m).__bases__[1].__name__, m.qconfig, config)
         if not isinstance(m, QuantLinear):
             if type(m) is nn.Linear:
                 floats.append(name)
             continue
         where = f"layer {name!r}"
-        if "weight" not in m._qspecs:
-            kv = _kv_role(name, m, config)
-            if kv and m.qconfig.input is None and m.qconfig.bias is None:  # KV cache only: a float (ignored)
-                floats.append(name)  # Linear whose attention module holds the k / v scale
-                layers.append(_Layer(name, m, None, tuple(m.weight.shape), None, None, kv))
-                continue
-            raise ValueError(f"export: {where} quantizes no weight; compressed-tensors stores quantized weights")
-        if m.qconfig.bias is not None:
-            raise ValueError(f"export: {where} quantizes its bias; compressed-tensors has no bias quantization")
+        if "weight" not in m._qspecs:  # KV cache only (_unit_check): a float Linear whose attention module
+            kv = _kv_role(name, m, config)  # holds the k / v scale
+            floats.append(name)
+            layers.append(_Layer(name, m, None, tuple(m.weight.shape), None, None, kv))
+            continue
         spec = m._qspecs["weight"]
         w = CT.spec_to_args(spec, role="weight", where=f"{where} weight")
         inp = _act_args(m, "input", where)
@@ -343,16 +378,13 @@ def export_compressed_tensors(model: nn.Module, directory: Union[str, os.PathLik
     if hf_config is None or not hasattr(hf_config, "to_dict"):
         raise TypeError("export_compressed_tensors: the model has no transformers config (model.config)")
     dtype = _model_dtype(model)
-    if dtype not in _MODEL_DTYPES:
-        raise ValueError(f"export_compressed_tensors: model dtype {dtype} is not float32, bfloat16 or float16")
+    check_ct(model, config)
     st = CT.SCALE_DTYPES[_MODEL_DTYPES[dtype]]
     directory = pathlib.Path(directory)
-    check_destination(directory, overwrite)
+    check_destination(directory, overwrite, model_sources(model))
     _check_config_describes(model, config)
     if _online_rotations(model, config):
-        raise ValueError("export_compressed_tensors: the model carries online rotations (QuaRot / SpinQuant "
-                         "InputRotation hooks), which compressed-tensors' loaders would not apply; fuse-only "
-                         "rotations export fine")
+        raise ValueError(_ROTATION_REFUSAL)
     layers, groups, floats = _plan(model, config)
     ctc = _ct_config(layers, groups, floats, config)
     report: dict[str, TensorReport] = {}

@@ -37,7 +37,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import secrets
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -47,10 +46,12 @@ from torch import nn
 
 from qcore.formats import gguf as G
 from qcore.dtypes import IntDType
+from qcore._fsutil import check_not_source, model_sources, staged_dir, staged_file
 
+from .config import ModelConfig
 from .modules import _QuantMixin
 
-__all__ = ["export_gguf", "export_gguf_dir", "GGUFExportInfo", "TensorReport", "GGUF_FILE"]
+__all__ = ["export_gguf", "export_gguf_dir", "check_gguf", "GGUFExportInfo", "TensorReport", "GGUF_FILE"]
 
 
 @dataclass(frozen=True)
@@ -146,14 +147,55 @@ def _encode_quantized(name: str, m: _QuantMixin, strict: bool) -> tuple[np.ndarr
     return data, kind, rep
 
 
-def _check_model(model: nn.Module, drop_activations: bool) -> tuple[dict, list[str]]:
+def _arch_problem(model: nn.Module) -> Optional[str]:
     cfg = getattr(model, "config", None)
     if cfg is None or not hasattr(cfg, "to_dict"):
-        raise TypeError("export_gguf: the model has no transformers config (model.config)")
-    d = cfg.to_dict()
-    if d.get("model_type") not in _LLAMA_TYPES:
-        raise ValueError(f"export_gguf: model_type {d.get('model_type')!r} is not supported; qcore writes GGUF for "
-                         f"the Llama family ({list(_LLAMA_TYPES)})")
+        return "the model has no transformers config (model.config)"
+    mt = getattr(cfg, "model_type", None)
+    if mt not in _LLAMA_TYPES:
+        return f"model_type {mt!r} is not supported; qcore writes GGUF for the Llama family ({list(_LLAMA_TYPES)})"
+    return None
+
+
+def _unit_problem(name: str, roles: list, drop_activations: bool) -> Optional[str]:
+    """Why a module quantizing ``roles`` cannot be written to GGUF (None: it can; activations dropped if asked)."""
+    acts = [r for r in roles if r != "weight"]
+    if "weight" not in roles:
+        return f"{name!r} quantizes {acts} but not its weight; GGUF has no activation quantization"
+    if "bias" in acts:
+        return f"{name!r} has a quantized bias; llama.cpp's Llama graph has no biases"
+    if acts and not drop_activations:
+        return (f"{name!r} quantizes its {acts[0]} activations, which GGUF cannot hold (llama.cpp quantizes "
+                f"activations its own way); pass drop_activations=True to write the weights only")
+    return None
+
+
+def check_gguf(model: nn.Module, config: Optional[ModelConfig] = None, *, drop_activations: bool = False) -> None:
+    """Before any work: ValueError if ``export_gguf`` would refuse ``model`` quantized with ``config`` (default
+    ``model.qcore_config``) for reasons the architecture and the config already decide (``qcore quantize
+    --export gguf`` calls it before the baseline evaluation; ``export_gguf`` itself too)."""
+    from .export import export_units, will_rotate_online
+    why = _arch_problem(model)
+    if why:
+        raise ValueError(f"export_gguf: {why}")
+    config = config if config is not None else getattr(model, "qcore_config", None)
+    if not isinstance(config, ModelConfig):
+        return  # export_gguf reads the modules themselves
+    if will_rotate_online(model, config):
+        raise ValueError("export_gguf: the model carries online rotations; llama.cpp's Llama graph cannot apply "
+                         "them")
+    for u in export_units(model, config):
+        why = _unit_problem(u.name, [r for r in ("weight", "input", "output", "bias")
+                                     if getattr(u.config, r) is not None], drop_activations)
+        if why:
+            raise ValueError(f"export_gguf: {why}")
+
+
+def _check_model(model: nn.Module, drop_activations: bool) -> tuple[dict, list[str]]:
+    why = _arch_problem(model)
+    if why:
+        raise (TypeError if "no transformers config" in why else ValueError)(f"export_gguf: {why}")
+    d = model.config.to_dict()
     from .rotation import input_rotations
     rot = input_rotations(model)
     if rot:
@@ -163,18 +205,10 @@ def _check_model(model: nn.Module, drop_activations: bool) -> tuple[dict, list[s
     for n, m in model.named_modules():
         if not isinstance(m, _QuantMixin):
             continue
-        roles = [r for r in m._qspecs if r != "weight"]
-        if "weight" not in m._qspecs:
-            raise ValueError(f"export_gguf: {n!r} quantizes {roles} but not its weight; GGUF has no activation "
-                             f"quantization")
-        for r in roles:
-            if r == "bias":
-                raise ValueError(f"export_gguf: {n!r} has a quantized bias; llama.cpp's Llama graph has no biases")
-            if not drop_activations:
-                raise ValueError(f"export_gguf: {n!r} quantizes its {r} activations, which GGUF cannot hold "
-                                 f"(llama.cpp quantizes activations its own way); pass drop_activations=True to "
-                                 f"write the weights only")
-            dropped.append(f"{n} ({r})")
+        why = _unit_problem(n, list(m._qspecs), drop_activations)
+        if why:
+            raise ValueError(f"export_gguf: {why}")
+        dropped += [f"{n} ({r})" for r in m._qspecs if r != "weight"]
     return d, dropped
 
 
@@ -310,9 +344,8 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
     path = pathlib.Path(path)
     if path.suffix != ".gguf":
         raise ValueError(f"path must name a .gguf file, got {str(path)!r}")
-    if path.exists() and (path.is_dir() or not overwrite):
-        raise FileExistsError(f"{str(path)!r} exists; pass overwrite=True to replace it" if not path.is_dir()
-                              else f"{str(path)!r} is a directory")
+    _check_file_destination(path, overwrite, model_sources(model) + ([str(tokenizer)] if isinstance(
+        tokenizer, (str, os.PathLike)) else []))
     if not any(isinstance(m, _QuantMixin) for m in model.modules()):
         raise ValueError("export_gguf: the model has no qcore quantized modules; run quantize_model first")
     cfg, dropped = _check_model(model, drop_activations)
@@ -323,11 +356,9 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
     import gguf
     V = gguf.GGUFValueType
     kinds = {"u32": V.UINT32, "f32": V.FLOAT32, "str": V.STRING}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{secrets.token_hex(4)}"
-    try:
+    with staged_file(path, recheck=lambda: _check_file_destination(path, overwrite, ())) as tmp:
         w = gguf.GGUFWriter(tmp, arch="llama")
-        w.add_name(name or str(cfg.get("_name_or_path") or "qcore model") or "qcore model")
+        w.add_name(name or _published_name(cfg))
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         for k, (v, kind) in meta.items():
             w.add_key_value(k, v, kinds[kind])
@@ -344,12 +375,6 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
         w.close()
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        if path.exists() and not overwrite:  # appeared while we computed
-            raise FileExistsError(f"{str(path)!r} exists; pass overwrite=True to replace it")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return GGUFExportInfo(str(path), path.stat().st_size, {n: k for n, _, k in tensors}, tuple(reports),
                           tuple(dropped))
 
@@ -357,18 +382,37 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
 GGUF_FILE = "model.gguf"
 
 
+def _published_name(cfg: dict) -> str:
+    """``general.name`` when none is given: the model's hub id, never a local path (an export is the same bytes
+    wherever the model was loaded from)."""
+    n = str(cfg.get("_name_or_path") or "")
+    if not n or os.path.isabs(n) or os.path.exists(n) or n.startswith(("." + os.sep, ".." + os.sep, "~")):
+        return "qcore model"
+    return n
+
+
+def _check_file_destination(path: pathlib.Path, overwrite: bool, sources) -> None:
+    """Before any work: ``path`` is not a source (``qcore._fsutil.check_not_source``), not a directory, and new
+    unless ``overwrite``."""
+    check_not_source(path, sources, what="path")
+    if path.exists() and (path.is_dir() or not overwrite):
+        raise FileExistsError(f"{str(path)!r} exists; pass overwrite=True to replace it" if not path.is_dir()
+                              else f"{str(path)!r} is a directory")
+
+
 def export_gguf_dir(model: nn.Module, directory: Union[str, os.PathLike], *, overwrite: bool = False,
                     **kwargs: Any) -> GGUFExportInfo:
     """``export_gguf`` into ``directory/model.gguf``, the directory written atomically like ``export_hf``'s (a
     staging sibling renamed into place; an existing non-empty directory needs ``overwrite=True``). ``kwargs``
     go to ``export_gguf``."""
-    from qcore._fsutil import staged_dir
     from .export import check_destination
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
     directory = pathlib.Path(directory)
-    check_destination(directory, overwrite)
-    with staged_dir(directory, recheck=lambda: check_destination(directory, overwrite)) as tmp:
+    tok = kwargs.get("tokenizer")
+    sources = model_sources(model) + ([str(tok)] if isinstance(tok, (str, os.PathLike)) else [])
+    check_destination(directory, overwrite, sources)
+    with staged_dir(directory, recheck=lambda: check_destination(directory, overwrite, sources)) as tmp:
         info = export_gguf(model, tmp / GGUF_FILE, **kwargs)
     path = directory / GGUF_FILE
     return dataclasses.replace(info, path=str(path), bytes_on_disk=path.stat().st_size)

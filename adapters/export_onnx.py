@@ -48,11 +48,12 @@ import torch
 from torch import nn
 
 from qcore.formats import onnx as X
+from qcore._fsutil import check_not_source, model_sources, staged_dir
 
 from .modules import QuantConvTranspose2d, QuantEmbedding, QuantEmbeddingBag, QuantLinear, _QuantMixin
 
 __all__ = ["export_onnx", "WeightFormat", "Unsupported", "ONNXExportInfo", "TensorReport", "DECODER_TYPES",
-           "decoder_logits", "export_onnx_dir", "ONNX_FILE"]
+           "decoder_logits", "export_onnx_dir", "ONNX_FILE", "check_onnx"]
 
 DECODER_TYPES = ("llama",)
 
@@ -206,21 +207,81 @@ class _Ctx:
 
 def _check_module(name: str, m: _QuantMixin, ctx: _Ctx) -> None:
     """Validate ``m``'s activation roles before any work (weights are checked when encoded, still before writing)."""
+    if not m.quant_enabled:
+        return
+    _check_roles(name, m.qconfig, ctx.unsupported)
     for role in ("input", "output"):
-        if role in m._qspecs and m.quant_enabled:
-            tc = getattr(m.qconfig, role)
-            spec = m._qspecs[role]
-            r = X.activation_reason(spec, dynamic=not tc.calibrated)
+        tc = getattr(m.qconfig, role)
+        if role in m._qspecs and tc.calibrated and role not in m._calibrated:
+            raise ValueError(f"export_onnx: {name} ({role}): static scales are not calibrated; run "
+                             f"quantize_model with calibration data first")
+
+
+def _check_roles(name: str, lc: Any, unsupported: Unsupported) -> None:
+    """The formats of one module's ``LayerConfig`` that onnxruntime cannot run (the one rule for ``export_onnx``
+    and ``check_onnx``)."""
+    for role in ("input", "output"):
+        tc = getattr(lc, role)
+        if tc is not None:
+            r = X.activation_reason(tc.spec, dynamic=not tc.calibrated)
             if r:
                 raise ValueError(f"export_onnx: {name} ({role}): {r}")
-            if tc.calibrated and role not in m._calibrated:
-                raise ValueError(f"export_onnx: {name} ({role}): static scales are not calibrated; run "
-                                 f"quantize_model with calibration data first")
-    if "weight" in m._qspecs and m.quant_enabled and ctx.unsupported is Unsupported.ERROR:
-        r = X.unsupported_reason(m._qspecs["weight"])
+    if lc.weight is not None and unsupported is Unsupported.ERROR:
+        r = X.unsupported_reason(lc.weight.spec)
         if r:
             raise ValueError(f"export_onnx: {name}.weight: {r}; onnxruntime cannot run it. Pass "
                              f"unsupported='dequantize' to write the dequantized float32 weight instead")
+
+
+def _check_float32(model: nn.Module) -> None:
+    bad = [n for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
+    bad += [n for n, b in model.named_buffers() if b.is_floating_point() and b.dtype not in (torch.float32,)
+            and not n.endswith(("_scale", "_zero_point"))]
+    for n, m in model.named_modules():
+        if isinstance(m, _QuantMixin) and m.frozen and m._frozen_meta["dtype"] != torch.float32:
+            bad.append(f"{n}.weight")
+    if bad:
+        raise ValueError(f"export_onnx: the ONNX graph computes in float32; {bad[0]!r} is not float32 "
+                         f"(convert with model.float() first)")
+
+
+def _check_graph_kind(model: nn.Module, inputs: Any, wf: WeightFormat) -> bool:
+    """True for the decoder graph, False for the traced one; ValueError where neither applies."""
+    cfg = getattr(model, "config", None)
+    if inputs is None and cfg is not None and getattr(cfg, "model_type", None) in DECODER_TYPES:
+        return True
+    if inputs is None:
+        raise ValueError(f"export_onnx: inputs= (example inputs for torch's tracer) is needed for a "
+                         f"{type(model).__name__} (model_type {getattr(cfg, 'model_type', None)!r}); the "
+                         f"decoder graph is built for {list(DECODER_TYPES)}")
+    if wf is WeightFormat.MATMULNBITS:
+        raise ValueError("export_onnx: weight_format='matmulnbits' applies to the decoder graph; traced models "
+                         "are written in QDQ form")
+    return False
+
+
+def check_onnx(model: nn.Module, config: Optional[Any] = None, *, inputs: Any = None,
+               weight_format: Union[WeightFormat, str] = WeightFormat.QDQ,
+               unsupported: Union[Unsupported, str] = Unsupported.ERROR) -> None:
+    """Before any work: ValueError if ``export_onnx`` would refuse ``model`` quantized with ``config`` (default
+    ``model.qcore_config``) for reasons the model and the config already decide: not float32, no graph for its
+    architecture without ``inputs``, formats onnxruntime cannot run (``qcore quantize --export onnx`` calls it
+    before the baseline evaluation; ``export_onnx`` runs the same checks)."""
+    from .config import ModelConfig
+    from .export import export_units, will_rotate_online
+    wf = _enum(WeightFormat, weight_format, "weight_format")
+    un = _enum(Unsupported, unsupported, "unsupported")
+    _check_float32(model)
+    if _check_graph_kind(model, inputs, wf):
+        _check_decoder(model)
+    config = config if config is not None else getattr(model, "qcore_config", None)
+    if not isinstance(config, ModelConfig):
+        return
+    if inputs is None and will_rotate_online(model, config):
+        raise ValueError("export_onnx: the model carries online rotations; the ONNX decoder graph does not "
+                         "apply them")
+    for u in export_units(model, config):
+        _check_roles(u.name, u.config, un)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -660,39 +721,22 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], *, inputs: Unio
     path = pathlib.Path(path)
     if path.suffix != ".onnx":
         raise ValueError(f"path must name a .onnx file, got {str(path)!r}")
-    if path.exists() and (path.is_dir() or not overwrite):
-        raise FileExistsError(f"{str(path)!r} exists; pass overwrite=True to replace it" if not path.is_dir()
-                              else f"{str(path)!r} is a directory")
+    _check_file_destination(path, overwrite, model_sources(model))
     mods = [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantMixin)]
     if not mods:
         raise ValueError("export_onnx: the model has no qcore quantized modules; run quantize_model first")
-    bad = [n for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
-    bad += [n for n, b in model.named_buffers() if b.is_floating_point() and b.dtype not in (torch.float32,)
-            and not n.endswith(("_scale", "_zero_point"))]
-    for n, m in mods:
-        if m.frozen and m._frozen_meta["dtype"] != torch.float32:
-            bad.append(f"{n}.weight")
-    if bad:
-        raise ValueError(f"export_onnx: the ONNX graph computes in float32; {bad[0]!r} is not float32 "
-                         f"(convert with model.float() first)")
+    _check_float32(model)
     ctx = _Ctx(X.Graph(), wf, un, accuracy_level)
     for n, m in mods:
         _check_module(n, m, ctx)
     cfg = getattr(model, "config", None)
-    decoder = inputs is None and cfg is not None and getattr(cfg, "model_type", None) in DECODER_TYPES
+    decoder = _check_graph_kind(model, inputs, wf)
     if decoder:
         _check_decoder(model)
         names_in, names_out = _Decoder(model, ctx).build()
         onnx_model = ctx.g.model("qcore_decoder", doc=f"qcore export of a {cfg.model_type} model")
         kind = "decoder"
     else:
-        if inputs is None:
-            raise ValueError(f"export_onnx: inputs= (example inputs for torch's tracer) is needed for a "
-                             f"{type(model).__name__} (model_type {getattr(cfg, 'model_type', None)!r}); the "
-                             f"decoder graph is built for {list(DECODER_TYPES)}")
-        if wf is WeightFormat.MATMULNBITS:
-            raise ValueError("export_onnx: weight_format='matmulnbits' applies to the decoder graph; traced models "
-                             "are written in QDQ form")
         kwargs = None
         if isinstance(inputs, dict):
             inputs, kwargs = (), dict(inputs)
@@ -703,8 +747,6 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], *, inputs: Unio
     if ctx.warned:
         warnings.warn(f"export_onnx: {len(ctx.warned)} weight(s) onnxruntime cannot dequantize are written as "
                       f"dequantized float32 (e.g. {ctx.warned[0]}); see ONNXExportInfo.dequantized", stacklevel=2)
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"{str(path)!r} exists; pass overwrite=True to replace it")
     size = X.save_model(onnx_model, path, overwrite=overwrite)
     return ONNXExportInfo(str(path), size, kind, tuple(names_in), tuple(names_out), tuple(ctx.reports),
                           tuple(ctx.acts))
@@ -728,18 +770,27 @@ def decoder_logits(session: Any, input_ids: Any, *, attention_mask: Any = None) 
 ONNX_FILE = "model.onnx"
 
 
+def _check_file_destination(path: pathlib.Path, overwrite: bool, sources) -> None:
+    """Before any work: ``path`` is not a source (``qcore._fsutil.check_not_source``), not a directory, and new
+    unless ``overwrite``."""
+    check_not_source(path, sources, what="path")
+    if path.exists() and (path.is_dir() or not overwrite):
+        raise FileExistsError(f"{str(path)!r} exists; pass overwrite=True to replace it" if not path.is_dir()
+                              else f"{str(path)!r} is a directory")
+
+
 def export_onnx_dir(model: nn.Module, directory: Union[str, os.PathLike], *, tokenizer: Any = None,
                     overwrite: bool = False, **kwargs: Any) -> ONNXExportInfo:
     """``export_onnx`` into ``directory/model.onnx`` (with the tokenizer's files when ``tokenizer`` is given), the
     directory written atomically like ``export_hf``'s (a staging sibling renamed into place; an existing non-empty
     directory needs ``overwrite=True``). ``kwargs`` go to ``export_onnx``."""
-    from qcore._fsutil import staged_dir
     from .export import check_destination
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
     directory = pathlib.Path(directory)
-    check_destination(directory, overwrite)
-    with staged_dir(directory, recheck=lambda: check_destination(directory, overwrite)) as tmp:
+    sources = model_sources(model)
+    check_destination(directory, overwrite, sources)
+    with staged_dir(directory, recheck=lambda: check_destination(directory, overwrite, sources)) as tmp:
         info = export_onnx(model, tmp / ONNX_FILE, **kwargs)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

@@ -52,7 +52,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from qcore._fsutil import replace_dir, staging_dir
+from qcore._fsutil import check_not_source, staged_dir
 from qcore.formats import quark_layout as L
 from qcore.formats.safetensors_io import (CorruptCheckpointError, SafetensorsFile, TensorRecord, index_shards,
                                          no_safetensors)
@@ -294,9 +294,11 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
     data: calibration batches (token ids, as for ``quantize_model``); needed for algorithms and static scales.
     dtype: the float dtype to compute in (default: the checkpoint's, as ``from_pretrained`` picks it).
     device: where each layer and the activations live while it is processed (e.g. ``"cuda"``).
-    max_shard_size, pack_method, overwrite, progress: as for ``export_hf``.
+    max_shard_size, pack_method, overwrite, progress: as for ``export_hf`` (a ``dst_dir`` that is, contains or
+        lies inside ``src_dir`` is refused, with overwrite or not).
     """
     src, dst = pathlib.Path(src_dir), pathlib.Path(dst_dir)
+    check_not_source(dst, [src], what="dst_dir")  # with overwrite or not: replacing the source would delete it
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"src_dir {str(src)!r} is not a model directory (no config.json)")
     if pack_method not in L.PACK_METHODS:
@@ -306,10 +308,8 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
             raise TypeError(f"{name} must be a bool, got {v!r}")
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from None
+    from ._device import check_device
+    device = check_device(device, what="device")
     max_bytes = parse_size(max_shard_size)
     cfg = _as_config(config)
     if data is not None:
@@ -317,7 +317,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
             raise TypeError(f"data must be an iterable of batches (a list or a DataLoader), got "
                             f"{type(data).__name__}; wrap a single batch in a list: [batch]")
         data = list(data)
-    check_destination(dst, overwrite)
+    check_destination(dst, overwrite, [src])
     source = _Source(src)
 
     model, dtype, gen = _skeleton(src, dtype)
@@ -360,36 +360,34 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
             _set_tensor(model, name, b.to(device))
 
     t0 = time.perf_counter()
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = staging_dir(dst)
-    spill = _Spill(tmp / ".qcore-layers.spill")
+    spill = None
     try:
-        with torch.no_grad():
-            records, layouts = _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static,
-                                    data, source, dtype, device, spill, pack_method, progress)
-        # export_hf's order: the quantized modules' tensors in module order, then the other tensors in
-        # state-dict order (stable sort: each module keeps its own tensor order)
-        qnames = {p.name for p in plans}
+        with staged_dir(dst, recheck=lambda: check_destination(dst, overwrite, [src])) as tmp:
+            spill = _Spill(tmp / ".qcore-layers.spill")
+            with torch.no_grad():
+                records, layouts = _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static,
+                                        data, source, dtype, device, spill, pack_method, progress)
+            # export_hf's order: the quantized modules' tensors in module order, then the other tensors in
+            # state-dict order (stable sort: each module keeps its own tensor order)
+            qnames = {p.name for p in plans}
 
-        def key(r):
-            owner = r.name.rpartition(".")[0]
-            if owner in qnames:
-                return (0, module_order[owner])
-            return (1, state_order[r.name])
-        records.sort(key=key)
-        qdict = _quantization_config(model, cfg, layouts, pack_method)
-        write_metadata(tmp, model.config, qdict, type(model).__name__, gen)
-        for f in _TOKENIZER_FILES:
-            if (src / f).is_file():
-                shutil.copyfile(src / f, tmp / f)
-        spill.close()
-        write_shards(tmp, records, max_bytes, progress=progress)
-        os.remove(spill.path)
-        replace_dir(tmp, dst, recheck=lambda: check_destination(dst, overwrite))
-    except BaseException:
-        spill.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            def key(r):
+                owner = r.name.rpartition(".")[0]
+                if owner in qnames:
+                    return (0, module_order[owner])
+                return (1, state_order[r.name])
+            records.sort(key=key)
+            qdict = _quantization_config(model, cfg, layouts, pack_method)
+            write_metadata(tmp, model.config, qdict, type(model).__name__, gen)
+            for f in _TOKENIZER_FILES:
+                if (src / f).is_file():
+                    shutil.copyfile(src / f, tmp / f)
+            spill.close()
+            write_shards(tmp, records, max_bytes, progress=progress)
+            os.remove(spill.path)
+    finally:
+        if spill is not None:
+            spill.close()
     _log.info("quantize_checkpoint: %d layers in %.1f s", len(layers), time.perf_counter() - t0)
     return _info(dst, qdict, layouts)
 

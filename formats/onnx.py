@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import secrets
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -45,6 +44,7 @@ import numpy as np
 from qcore import PerBlock, PerChannel, PerGroup, PerTensor, QuantSpec
 from qcore.dtypes import FloatDType, IntDType
 from qcore.rounding import RoundingMode
+from qcore._fsutil import staged_file
 
 __all__ = ["OPSET", "IR_VERSION", "MS_DOMAIN", "ONNX_TYPES", "MATMULNBITS_BLOCKS", "unsupported_reason",
            "activation_reason", "onnx_type", "Graph", "weight_qdq", "weight_onnx_values", "matmulnbits_block",
@@ -453,7 +453,8 @@ def dynamic_qdq(graph: Graph, name: str, x: str, spec: QuantSpec) -> str:
 
 
 def save_model(model: Any, path: "os.PathLike[str] | str", *, overwrite: bool = False, check: bool = True) -> int:
-    """Write ``model`` to ``path`` atomically (temporary sibling + ``os.replace``) and deterministically; returns
+    """Write ``model`` to ``path`` atomically (``qcore._fsutil.staged_file``: staged beside, renamed into place; a
+    symlink stays a link to the new file) and deterministically; returns
     the number of bytes. ``check`` runs ``onnx.checker`` first (nothing is written if it fails)."""
     onnx = _onnx()
     path = pathlib.Path(path)
@@ -462,19 +463,19 @@ def save_model(model: Any, path: "os.PathLike[str] | str", *, overwrite: bool = 
     data = model.SerializeToString(deterministic=True)
     if len(data) > MAX_PROTO_BYTES:  # pragma: no cover - large models
         raise ValueError(f"the ONNX model is {len(data)} bytes, over protobuf's 2 GB limit")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{secrets.token_hex(4)}"
-    try:
+
+    def recheck() -> None:  # the file may have appeared while we serialized
+        if path.is_dir():
+            raise FileExistsError(f"{str(path)!r} is a directory")
+        if not overwrite:
+            raise FileExistsError(f"{str(path)!r} exists; pass overwrite=True to replace it")
+    if path.exists():
+        recheck()
+    with staged_file(path, recheck=recheck) as tmp:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        if path.exists() and not overwrite:
-            raise FileExistsError(f"{str(path)!r} exists; pass overwrite=True to replace it")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return len(data)
 
 

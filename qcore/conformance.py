@@ -67,7 +67,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -80,7 +79,7 @@ from .dtypes import DTYPES, BlockDType, FloatDType, IntDType, ScaleMode, Special
 from .quantize import dequantize, fake_quantize, make_spec, quantize
 from .rounding import RoundingMode
 from . import packing
-from ._fsutil import replace_dir, staging_dir
+from ._fsutil import check_not_source, staged_dir
 
 __all__ = [
     "ELEMENT_MODES",
@@ -591,8 +590,8 @@ def export(directory: Union[str, os.PathLike], formats: Union[FormatLike, Sequen
     _check_target(directory, overwrite)
 
     safetensors_ok = importlib.util.find_spec("safetensors") is not None
-    tmp = staging_dir(directory)
-    try:
+    check_not_source(directory, (), what="directory")  # not the current directory (nor one that contains it)
+    with staged_dir(directory, recheck=lambda: _check_target(directory, overwrite)) as tmp:
         cases = []
         for d, m in plan:
             op = "quantize" if isinstance(d, BlockDType) else "cast"
@@ -606,10 +605,6 @@ def export(directory: Union[str, os.PathLike], formats: Union[FormatLike, Sequen
         )
         (tmp / "manifest.json").write_text(json.dumps(data, indent=1) + "\n")
         (tmp / "manifest.tsv").write_text(_tsv(cases, __version__))
-        replace_dir(tmp, directory, recheck=lambda: _check_target(directory, overwrite))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return Manifest(directory, data)
 
 
