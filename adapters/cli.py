@@ -127,20 +127,41 @@ def _amp_args(args) -> Optional[list]:
     return names
 
 
+def _read_scheme_file(scheme: str) -> ModelConfig:
+    """The ``ModelConfig`` of a ``--scheme`` JSON file (a qcore config, a Quark ``quantization_config`` or an HF
+    ``config.json`` holding one); every problem is a ``CommandError`` naming the file."""
+    path = pathlib.Path(scheme)
+    if not path.is_file():
+        raise CommandError(f"--scheme {scheme}: no such file")
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CommandError(f"--scheme {scheme}: not JSON ({e})") from None
+    except RecursionError:
+        raise CommandError(f"--scheme {scheme}: the JSON is nested too deeply to be a config") from None
+    if not isinstance(d, dict):
+        raise CommandError(f"--scheme {scheme}: expected a JSON object (a qcore ModelConfig or a Quark "
+                           f"quantization_config), got a JSON {type(d).__name__}")
+    d = d.get("quantization_config", d)
+    if not isinstance(d, dict):
+        raise CommandError(f"--scheme {scheme}: quantization_config must be a JSON object, got a JSON "
+                           f"{type(d).__name__}")
+    try:
+        config = ModelConfig.from_quark(d) if d.get("quant_method") == "quark" else ModelConfig.from_dict(d)
+        if config.algorithms:  # known names and settings, before any model loads
+            from qcore.algorithms.config import parse_algorithms
+            parse_algorithms(config.algorithms)
+    except (ValueError, TypeError) as e:
+        raise CommandError(f"--scheme {scheme}: {e}") from None
+    return config
+
+
 def build_config(args) -> tuple[ModelConfig, str]:
     """The ``ModelConfig`` of ``--scheme`` (a preset name or a JSON file: a qcore config or a Quark
     ``quantization_config``) with ``--group-size``, ``--kv-cache-dtype`` and ``--exclude`` applied."""
     scheme = args.scheme or DEFAULT_SCHEME
     if scheme.endswith(".json") or os.path.sep in scheme:
-        path = pathlib.Path(scheme)
-        if not path.is_file():
-            raise CommandError(f"--scheme {scheme}: no such file")
-        try:
-            d = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise CommandError(f"--scheme {scheme}: not JSON ({e})") from None
-        d = d.get("quantization_config", d)
-        config = ModelConfig.from_quark(d) if d.get("quant_method") == "quark" else ModelConfig.from_dict(d)
+        config = _read_scheme_file(scheme)
         if args.group_size is not None:
             raise CommandError("--group-size applies to a preset --scheme, not to a JSON config (set it there)")
         if args.kv_cache_dtype:
@@ -152,10 +173,37 @@ def build_config(args) -> tuple[ModelConfig, str]:
             close = difflib.get_close_matches(scheme.lower(), PRESETS, n=3)
             raise CommandError(f"--scheme {scheme!r} is not a preset" + (f"; did you mean {', '.join(close)}?" if close
                                else "") + " (qcore schemes lists them; a .json file is read as a config)")
-        config = preset(scheme, group_size=args.group_size, kv_cache=args.kv_cache_dtype)
+        try:
+            config = preset(scheme, group_size=args.group_size, kv_cache=args.kv_cache_dtype)
+        except (ValueError, TypeError) as e:
+            if args.group_size is None:
+                raise
+            raise CommandError(f"--group-size {args.group_size}: {e}") from None
     if args.exclude:
-        config = config.replace(exclude=tuple(args.exclude))
+        try:
+            config = config.replace(exclude=tuple(args.exclude))
+        except (ValueError, TypeError) as e:
+            raise CommandError(f"--exclude: {e}") from None
     return config, scheme
+
+
+def _needs_calibration(config: ModelConfig) -> list[str]:
+    """What in ``config`` reads calibration windows: static activation scales, the KV cache, the algorithms
+    (all but QuaRot); empty when nothing does."""
+    need = []
+    layers = [("--scheme", config.layer), *((f"by_type {k}", v) for k, v in config.by_type.items()),
+              *((f"by_name {k!r}", v) for k, v in config.by_name.items())]
+    for where, lc in layers:
+        for role in ("input", "output"):
+            tc = None if lc is None else getattr(lc, role)
+            if tc is not None and tc.calibrated:
+                need.append(f"static {role} scales ({where})")
+    if config.kv_cache is not None:
+        need.append("KV-cache scales")
+    if config.algorithms:
+        from qcore.algorithms.config import QuaRotConfig, parse_algorithms
+        need += [f"algorithm {a.name}" for a in parse_algorithms(config.algorithms) if not isinstance(a, QuaRotConfig)]
+    return need
 
 
 def _layer_sqnr(model, plans) -> dict[str, float]:
@@ -216,6 +264,8 @@ def quantize_command(args) -> int:
                         items.append(json.loads(a))
                     except json.JSONDecodeError as e:
                         raise ValueError(f"{a!r} is not a JSON object: {e}") from None
+                    except RecursionError:
+                        raise ValueError("the JSON object is nested too deeply") from None
                 else:
                     items.extend(s.strip() for s in a.split(",") if s.strip())
             algos = parse_algorithms(items)
@@ -224,17 +274,18 @@ def quantize_command(args) -> int:
     if args.export and not args.output:
         raise CommandError(f"--export {args.export} needs --output DIR (where to write the checkpoint)")
     out_dir = pathlib.Path(args.output) if args.output else None
+    from .export import parse_size
+    try:
+        parse_size(args.max_shard_size)
+    except (ValueError, TypeError) as e:
+        raise CommandError(f"--max-shard-size {args.max_shard_size}: {e}") from None
     if out_dir is not None:  # before any work: an existing checkpoint is never replaced by accident
-        from .export import check_destination, parse_size
+        from .export import check_destination
         try:
             check_destination(out_dir, args.overwrite)
         except FileExistsError:
             raise CommandError(f"--output {args.output}: " + ("exists and is not a directory" if not out_dir.is_dir()
                                else "the directory exists and is not empty; pass --overwrite to replace it")) from None
-        try:
-            parse_size(args.max_shard_size)
-        except ValueError as e:
-            raise CommandError(f"--max-shard-size: {e}") from None
     if args.plot:
         _require_matplotlib()  # before any work
     amp_schemes = _amp_args(args)
@@ -255,6 +306,13 @@ def quantize_command(args) -> int:
                                                     else f"within a summed KL of {args.max_loss}")
     if algos:
         config = config.replace(algorithms=tuple(a.to_dict() for a in algos))
+    needs = _needs_calibration(config) + (["--amp's layer sensitivities"] if amp_schemes is not None else [])
+    if needs and args.calib_samples == 0:
+        raise CommandError(f"--calib-samples 0: {', '.join(needs)} need calibration windows; give --calib-samples "
+                           f"1 or more")
+    if amp_schemes is not None and args.amp_samples == 0:
+        raise CommandError("--amp-samples 0: --amp measures each layer's sensitivity on calibration windows; give "
+                           "--amp-samples 1 or more")
     progress = not args.no_progress
     model, tok, desc = load_model(args.model, dtype=dtype, device=args.device)
     plans = plan_model(model, config)  # all config errors before any evaluation
@@ -375,11 +433,13 @@ def quantize_command(args) -> int:
         worst_g = max((r.max_abs_diff for r in gguf_info.inexact), default=0.0)
         rows += [("gguf", "lossless (every quantized weight code for code)" if gguf_info.lossless else
                   f"{len(gguf_info.inexact)} of {len(gguf_info.quantized)} quantized weights not lossless (max abs "
-                  f"difference {worst_g:.3g}; see the report's gguf_inexact)")]
+                  f"difference {worst_g:.3g}; " + ("the report's gguf_inexact lists them)" if args.report else
+                                                     "--report FILE.json lists them)"))]
     if ct_info is not None:
         rows += [("compressed-tensors", f"format {ct_info.format!r}, " + (
             "lossless (every tensor exact)" if ct_info.lossless else f"{len(ct_info.inexact)} tensor(s) not exact in "
-            f"the model dtype (see the report's ct_inexact)"))]
+            f"the model dtype (" + ("the report's ct_inexact lists them)" if args.report else
+                                       "--report FILE.json lists them)")))]
     rows += [("worst layers (weight SQNR)", ", ".join(f"{n} {v:.1f} dB" for n, v in worst))]
     print("\nqcore quantize: done\n" + _table(rows))
     if args.report:
@@ -483,8 +543,12 @@ def schemes_command(args) -> int:
 
 def convert_command(args) -> int:
     """``qcore convert SRC DST --to FORMAT``: ``qcore.adapters.convert.convert`` plus a printed report."""
-    from .convert import convert
+    from .convert import FORMATS, _norm_format, convert
     t0 = time.perf_counter()
+    try:
+        _norm_format(args.to, "--to", FORMATS)
+    except (ValueError, TypeError) as e:
+        raise CommandError(f"{e} (aliases: quark = hf, ct = compressed-tensors)") from None
     dtype = None if args.dtype is None else _dtype(args.dtype)
     if args.report:
         rp = pathlib.Path(args.report)
@@ -519,9 +583,11 @@ def run(args) -> int:
     except KeyboardInterrupt:
         print(f"qcore {args.command}: interrupted", file=sys.stderr)
         return 130
-    except (CommandError, ValueError, TypeError, OSError, ModuleNotFoundError) as e:
+    except (CommandError, ValueError, TypeError, OSError, ModuleNotFoundError, RecursionError) as e:
         if getattr(args, "debug", False):
             raise
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        msg = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, RecursionError):
+            msg = f"input nested too deeply ({msg})"
         print(f"qcore {args.command}: error: {msg}", file=sys.stderr)
         return 2

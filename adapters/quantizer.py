@@ -269,6 +269,18 @@ def _check_batch(model: nn.Module, batch: Any, i: int) -> None:
     if ids is not None and (ids.dtype.is_floating_point or ids.dim() != 2):
         raise ValueError(f"calibration batch {i}: input_ids of {_describe(ids)}; this transformers model expects "
                          f"integer token ids of shape [batch, sequence]")
+    tensors = [batch] if isinstance(batch, torch.Tensor) else list(batch.values()) if isinstance(batch, Mapping) \
+        else list(batch)
+    if not tensors or any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in tensors):
+        raise ValueError(f"calibration batch {i} is empty ({_describe(batch)}); every batch needs at least one "
+                         f"sample (drop it from the calibration data)")
+
+
+def _check_batches(model: nn.Module, data: Any) -> None:
+    """Every batch of a list / tuple of calibration batches checked before any work (``_check_batch``)."""
+    if isinstance(data, (list, tuple)):
+        for i, batch in enumerate(data):
+            _check_batch(model, batch, i)
 
 
 def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distributed: Any = None) -> int:
@@ -361,6 +373,7 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     if data is not None and (isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable)):
         raise TypeError(f"data must be an iterable of batches (a list or a DataLoader), got {type(data).__name__}; "
                         f"wrap a single batch in a list: [batch]")
+    _check_batches(model, data)
     if distributed is not None:
         from .distributed import Distributed, fingerprint
         if not isinstance(distributed, Distributed):
@@ -384,6 +397,7 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
             raise ValueError(f"the algorithms {needs} need calibration data; pass calibration batches as data=")
         if data is not None:
             data = list(data)  # read more than once: by the algorithms and by calibration
+            _check_batches(model, data)
         if rot is not None:
             from .rotation import apply_rotation, check_rotation
             check_rotation(model, rot)
