@@ -374,6 +374,8 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         raise TypeError(f"data must be an iterable of batches (a list or a DataLoader), got {type(data).__name__}; "
                         f"wrap a single batch in a list: [batch]")
     _check_batches(model, data)
+    if static and isinstance(data, (list, tuple)) and not data:
+        raise ValueError("calibration data is empty; static activation scales need at least one batch")
     if distributed is not None:
         from .distributed import Distributed, fingerprint
         if not isinstance(distributed, Distributed):
