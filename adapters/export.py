@@ -21,6 +21,7 @@ most ``max_shard_size`` bytes with an index file, so peak memory does not grow w
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 from dataclasses import dataclass, field
@@ -74,7 +75,7 @@ def parse_size(size: Union[int, str]) -> int:
                 v = float(s[:-len(u)])
             except ValueError:
                 break
-            if v > 0:
+            if math.isfinite(v) and v * f >= 1:  # at least one byte: '0.0000001B', 'infGB', 'nanMB' are not sizes
                 return int(v * f)
             break
     else:

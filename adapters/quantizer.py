@@ -171,8 +171,7 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
                       f"/ nn.Conv2d do): {', '.join(skipped[:5])}{', ...' if len(skipped) > 5 else ''}",
                       stacklevel=3)
     if not plans:
-        raise ValueError("the config quantizes no module of this model (everything excluded or unmatched); "
-                         f"quantizable modules: {[n for n, m in mods.items() if _tname(m) is not None][:10]}")
+        raise _nothing_planned(mods)
     _check_ties(model, mods, plans)
     return plans
 
@@ -183,6 +182,33 @@ class _FloatView:
     def __init__(self, m):
         self.weight = m._parameters.get("weight", m._buffers.get("weight_packed"))
         self._base = type(m).__bases__[1]
+
+
+def _nothing_planned(mods: dict) -> ValueError:
+    """The error for a config that quantizes no module: what the model has, and why none of it is quantized."""
+    supported = [c.__name__ for c in QUANT_CLASSES]
+    quantizable = [n for n, m in mods.items() if n and _tname(m) is not None]
+    other: dict[str, int] = {}  # modules with a weight matrix of a type qcore does not wrap
+    for n, m in mods.items():
+        w = getattr(m, "weight", None)
+        if n and _tname(m) is None and isinstance(w, torch.Tensor) and w.dim() >= 2 and \
+                not any(isinstance(m, c) for c in QUANT_CLASSES):
+            other[type(m).__name__] = other.get(type(m).__name__, 0) + 1
+    msg = "the config quantizes no module of this model"
+    if other:
+        kinds = ", ".join(f"{k} ({v})" for k, v in other.items())
+        msg += (f": its weight matrices are in modules of type(s) {kinds}, which qcore does not quantize "
+                f"(supported module types: {', '.join(supported)})")
+        if "Conv1D" in other:
+            msg += ("; transformers' Conv1D (GPT-2's attention and MLP projections, a Linear with its weight stored "
+                    "[in, out]) is not a supported module type")
+        msg += "; "
+    else:
+        msg += " (everything excluded or unmatched); "
+    msg += (f"the supported modules it has: {quantizable[:10]}{' ...' if len(quantizable) > 10 else ''} (excluded, "
+            f"unmatched, or embeddings, which only by_type / by_name quantize)" if quantizable
+            else "it has no module of a supported type")
+    return ValueError(msg)
 
 
 def _tname(m) -> Optional[str]:
