@@ -316,6 +316,10 @@ def quantize_command(args) -> int:
     progress = not args.no_progress
     model, tok, desc = load_model(args.model, dtype=dtype, device=args.device)
     plans = plan_model(model, config)  # all config errors before any evaluation
+    weightless = [p.name for p in plans if p.config.weight is None]
+    if out_dir is not None and weightless and (args.export or "hf") != "onnx":  # before any evaluation
+        from .export import weightless_error
+        raise CommandError(weightless_error(f"--export {args.export or 'hf'}", weightless))
 
     text = _eval_text(args)
     needs_eval = args.eval == "ppl"

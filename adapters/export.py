@@ -282,6 +282,15 @@ def check_destination(directory: pathlib.Path, overwrite: bool) -> None:
                               f"(--overwrite) to replace it")
 
 
+def weightless_error(what: str, names: list) -> str:
+    """The refusal of a checkpoint writer whose format stores quantized weights, for modules that quantize only
+    their activations or KV-cache outputs (a KV-cache-only or activation-only config)."""
+    return (f"{what}: {len(names)} module(s) quantize activations or KV-cache outputs but not their weight (e.g. "
+            f"{names[0]!r}); this checkpoint format stores quantized weights with their activation scales, so a "
+            f"KV-cache-only or activation-only config is not exported: quantize the weights too (e.g. the ptpc_fp8 "
+            f"preset with an fp8 KV cache), or export ONNX, which holds activation-only quantization")
+
+
 def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: Optional[ModelConfig] = None,
               tokenizer: Any = None, overwrite: bool = False, max_shard_size: Union[int, str] = "5GB",
               pack_method: str = "reorder", progress: bool = False) -> ExportInfo:
@@ -306,6 +315,9 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
                          "quantize_model, or pass config=)")
     if not any(isinstance(m, _QuantMixin) for m in model.modules()):
         raise ValueError("export_hf: the model has no qcore quantized modules; run quantize_model first")
+    weightless = [n for n, m in model.named_modules() if isinstance(m, _QuantMixin) and "weight" not in m._qspecs]
+    if weightless:  # before any work: the layouts are the weights' (a KV-cache-only / activation-only config)
+        raise ValueError(weightless_error("export_hf", weightless))
     hf_config = getattr(model, "config", None)
     if hf_config is None or not hasattr(hf_config, "to_dict"):
         raise TypeError("export_hf: the model has no transformers config (model.config); only transformers models "
