@@ -6,6 +6,7 @@ run the commands and are imported only when a model command runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -47,6 +48,21 @@ def _quantizes_activations(config) -> bool:
     layers = [config.layer, *config.by_type.values(), *config.by_name.values()]
     return config.kv_cache is not None or any(lc is not None and (lc.input is not None or lc.output is not None)
                                               for lc in layers)
+
+
+@contextlib.contextmanager
+def _loading_bars(enabled: bool):
+    """transformers' own progress bars ("Loading weights") off within the block when ``--no-progress`` asks for
+    none; put back after it."""
+    from transformers.utils import logging as tlog
+    was = tlog.is_progress_bar_enabled()
+    if not enabled and was:
+        tlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if not enabled and was:
+            tlog.enable_progress_bar()
 
 
 def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str):
@@ -314,7 +330,8 @@ def quantize_command(args) -> int:
         raise CommandError("--amp-samples 0: --amp measures each layer's sensitivity on calibration windows; give "
                            "--amp-samples 1 or more")
     progress = not args.no_progress
-    model, tok, desc = load_model(args.model, dtype=dtype, device=args.device)
+    with _loading_bars(progress):
+        model, tok, desc = load_model(args.model, dtype=dtype, device=args.device)
     plans = plan_model(model, config)  # all config errors before any evaluation
     weightless = [p.name for p in plans if p.config.weight is None]
     if out_dir is not None and weightless and (args.export or "hf") != "onnx":  # before any evaluation
@@ -497,7 +514,8 @@ def eval_command(args) -> int:
         except ValueError as e:
             msg = str(e)
             raise CommandError("--" + msg if msg.startswith("tasks:") else msg) from e  # "--tasks: ..." 
-    model, tok, desc = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
+    with _loading_bars(not args.no_progress):
+        model, tok, desc = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
     if tok is None:
         raise CommandError(f"--model {args.model}: no tokenizer found next to the model; "
                            f"{'perplexity' if ppl else 'lm-evaluation-harness tasks'} need{'s' if ppl else ''} one")
