@@ -139,6 +139,11 @@ def _amp_args(args) -> Optional[list]:
                                else "") + " (qcore schemes lists them; 'float' leaves a layer as it is)")
     if len(set(names)) != len(names) or not any(n != "float" for n in names):
         raise CommandError(f"--amp {amp}: expected distinct preset names, at least one of them quantizing")
+    if args.target_bits is not None:  # a lower bound: per-tensor / per-channel scales add a little on top
+        fewest = min((preset(n).layer.weight.spec.bits_per_element(), n) for n in names if n != "float")
+        if args.target_bits < fewest[0]:
+            raise CommandError(f"--target-bits {args.target_bits}: below the fewest bits per weight any --amp scheme "
+                               f"stores ({fewest[0]:.2f}, {fewest[1]}); no choice of schemes reaches it")
     args.scheme = next(n for n in names if n != "float")  # build_config: --kv-cache-dtype, --exclude, checks
     return names
 
@@ -284,11 +289,19 @@ def quantize_command(args) -> int:
                         raise ValueError("the JSON object is nested too deeply") from None
                 else:
                     items.extend(s.strip() for s in a.split(",") if s.strip())
+            if not items:
+                raise ValueError("no algorithm named (e.g. --algo gptq)")
             algos = parse_algorithms(items)
         except (ValueError, TypeError) as e:
             raise CommandError(f"--algo {','.join(args.algo)}: {e}") from None
     if args.export and not args.output:
         raise CommandError(f"--export {args.export} needs --output DIR (where to write the checkpoint)")
+    for flag, value, default, export in (("--onnx-weights", args.onnx_weights, "qdq", "onnx"),
+                                         ("--onnx-unsupported", args.onnx_unsupported, "error", "onnx"),
+                                         ("--drop-activations", args.drop_activations, False, "gguf")):
+        if value != default and args.export != export:  # a flag that would change nothing is a mistake
+            raise CommandError(f"{flag} applies to --export {export}" + ("" if args.export is None else
+                                                                         f", not --export {args.export}"))
     out_dir = pathlib.Path(args.output) if args.output else None
     from .export import parse_size
     try:
@@ -329,6 +342,7 @@ def quantize_command(args) -> int:
     if amp_schemes is not None and args.amp_samples == 0:
         raise CommandError("--amp-samples 0: --amp measures each layer's sensitivity on calibration windows; give "
                            "--amp-samples 1 or more")
+    text = _eval_text(args)  # a missing --eval-text file, before the model loads
     progress = not args.no_progress
     with _loading_bars(progress):
         model, tok, desc = load_model(args.model, dtype=dtype, device=args.device)
@@ -338,7 +352,6 @@ def quantize_command(args) -> int:
         from .export import weightless_error
         raise CommandError(weightless_error(f"--export {args.export or 'hf'}", weightless))
 
-    text = _eval_text(args)
     needs_eval = args.eval == "ppl"
     if (needs_eval or any(getattr(config.layer, r) is not None and getattr(config.layer, r).calibrated
                           for r in ("input", "output")) or config.kv_cache is not None) and tok is None:
