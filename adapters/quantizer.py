@@ -295,6 +295,11 @@ def _check_batch(model: nn.Module, batch: Any, i: int) -> None:
     if ids is not None and (ids.dtype.is_floating_point or ids.dim() != 2):
         raise ValueError(f"calibration batch {i}: input_ids of {_describe(ids)}; this transformers model expects "
                          f"integer token ids of shape [batch, sequence]")
+    emb = model.get_input_embeddings() if ids is not None and hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(emb, "num_embeddings", None)
+    if vocab is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise ValueError(f"calibration batch {i}: token id {bad} is outside the model's vocabulary [0, {vocab})")
     tensors = [batch] if isinstance(batch, torch.Tensor) else list(batch.values()) if isinstance(batch, Mapping) \
         else list(batch)
     if not tensors or any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in tensors):
@@ -383,6 +388,8 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     """
     if not isinstance(qat, bool):
         raise TypeError(f"qat must be a bool, got {qat!r}")
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be a bool, got {progress!r}")
     config = _as_config(config)
     plans = plan_model(model, config)
     meta = [n for n, t in model.named_parameters() if t.is_meta]

@@ -394,6 +394,20 @@ def test_empty_calibration_batches_are_blamed_by_index_before_any_work(bad, what
     assert not any(type(m).__name__.startswith("Quant") for m in model.modules())
 
 
+@pytest.mark.parametrize("bad, message", [
+    (torch.full((1, 8), 10**6), "token id 1000000 is outside the model's vocabulary [0, 128)"),
+    (torch.full((1, 8), -1), "token id -1 is outside"),
+    (torch.rand(1, 8), "integer token ids"),
+    (None, "calibration batch 1 is a NoneType"),
+])
+def test_bad_calibration_batches_are_blamed_by_index(bad, message):
+    model = tiny_llama()
+    with pytest.raises((ValueError, TypeError)) as e:
+        quantize_model(model, "w_int8_a_int8_per_tensor_sym", [token_batches(1, seed=0)[0], bad], progress=False)
+    assert "calibration batch 1" in str(e.value) and message in str(e.value)
+    assert not any(type(m).__name__.startswith("Quant") for m in model.modules())
+
+
 def test_no_calibration_batches_for_static_scales():
     model = tiny_llama()
     with pytest.raises(ValueError, match="calibration data is empty"):
