@@ -88,6 +88,13 @@ def _count(text: str) -> int:
 def _conformance_export(args) -> int:
     from . import conformance
 
+    for flag, check, value in (("--formats", conformance._normalize_formats, args.formats),
+                               ("--modes", conformance._normalize_modes, args.modes)):
+        try:  # each flag's own error names it, before anything is written
+            check(value)
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            raise ValueError(f"{flag}: {msg[len('formats: '):] if msg.startswith('formats: ') else msg}") from None
     try:
         m = conformance.export(args.directory, args.formats, modes=args.modes, key=args.key,
                                overwrite=args.overwrite)

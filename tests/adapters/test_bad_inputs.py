@@ -162,8 +162,8 @@ BAD_CLI = [
     (["inspect", "src.json"], "'src.json'", "is not a directory"),
     (["inspect"], "directory", "required"),
     # conformance
-    (["conformance", "export", "vec", "--formats", "nope"], "formats", "unknown format 'nope'"),
-    (["conformance", "export", "vec", "--formats", "mxfp4", "--modes", "bogus"], "mode", "unknown mode"),
+    (["conformance", "export", "vec", "--formats", "nope"], "--formats", "unknown format 'nope'"),
+    (["conformance", "export", "vec", "--formats", "mxfp4", "--modes", "bogus"], "--modes", "unknown mode"),
     (["conformance", "export", "vec", "--formats", "mxfp4", "--key", "-1"], "--key", "non-negative"),
     (["conformance", "export", "vec"], "--formats", "required"),
     (["conformance", "check", "missing", "--outputs", "adir"], "missing'", "no manifest.json"),
