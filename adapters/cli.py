@@ -296,10 +296,9 @@ def quantize_command(args) -> int:
             raise CommandError(f"--algo {','.join(args.algo)}: {e}") from None
     if args.export and not args.output:
         raise CommandError(f"--export {args.export} needs --output DIR (where to write the checkpoint)")
-    for flag, value, default, export in (("--onnx-weights", args.onnx_weights, "qdq", "onnx"),
-                                         ("--onnx-unsupported", args.onnx_unsupported, "error", "onnx"),
-                                         ("--drop-activations", args.drop_activations, False, "gguf")):
-        if value != default and args.export != export:  # a flag that would change nothing is a mistake
+    for flag, default, export in (("--onnx-weights", "qdq", "onnx"), ("--onnx-unsupported", "error", "onnx"),
+                                  ("--drop-activations", False, "gguf")):
+        if getattr(args, flag[2:].replace("-", "_"), default) != default and args.export != export:  # a flag that would change nothing is a mistake
             raise CommandError(f"{flag} applies to --export {export}" + ("" if args.export is None else
                                                                          f", not --export {args.export}"))
     out_dir = pathlib.Path(args.output) if args.output else None

@@ -295,7 +295,10 @@ def _check_batch(model: nn.Module, batch: Any, i: int) -> None:
     if ids is not None and (ids.dtype.is_floating_point or ids.dim() != 2):
         raise ValueError(f"calibration batch {i}: input_ids of {_describe(ids)}; this transformers model expects "
                          f"integer token ids of shape [batch, sequence]")
-    emb = model.get_input_embeddings() if ids is not None and hasattr(model, "get_input_embeddings") else None
+    try:
+        emb = model.get_input_embeddings() if ids is not None and hasattr(model, "get_input_embeddings") else None
+    except (NotImplementedError, AttributeError):  # a model that does not say: its forward will
+        emb = None
     vocab = getattr(emb, "num_embeddings", None)
     if vocab is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
