@@ -5,7 +5,8 @@ parser and sets ``func`` (a function of the parsed arguments returning the exit 
 1 the check found mismatches (or missing outputs), 2 usage errors (bad arguments, unknown formats, a mode that
 fits none of the formats, a directory that would be overwritten), 141 (128 + SIGPIPE) when the reader of
 stdout went away (``qcore conformance check ... | head``): like a standard Unix tool, the command then stops
-quietly, without a traceback. Error messages name command-line flags, not Python arguments. Only numpy is
+quietly, without a traceback. Error messages name command-line flags, not Python arguments, and are one line on
+stderr (a usage error points at ``--help`` instead of printing the usage block; ``--debug`` shows the traceback). Only numpy is
 imported: torch and qcore.adapters stay out of these commands. The model commands (``qcore quantize``,
 ``qcore eval``, ``qcore schemes``) have their parsers here and run in ``qcore.adapters.cli``, imported only when they run.
 
