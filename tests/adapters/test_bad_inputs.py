@@ -372,6 +372,17 @@ def test_from_quark_refuses_malformed_configs(d, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("where", ["top", "weight"])
+def test_from_quark_refuses_deeply_nested_extra_fields(where):
+    d = copy.deepcopy(GOOD_QUARK)
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    (d if where == "top" else d["global_quant_config"]["weight"])["extra"] = deep
+    with pytest.raises(ValueError, match="nested too deeply"):
+        ModelConfig.from_quark(d)
+
+
 def test_compressed_tensors_targets_with_bad_regexes_are_refused():
     from qcore.formats.compressed_tensors import CTScheme
     with pytest.raises(ValueError, match=r"QuantizationScheme.targets: bad regular expression 're:\['"):
