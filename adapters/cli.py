@@ -298,7 +298,8 @@ def quantize_command(args) -> int:
         raise CommandError(f"--export {args.export} needs --output DIR (where to write the checkpoint)")
     for flag, default, export in (("--onnx-weights", "qdq", "onnx"), ("--onnx-unsupported", "error", "onnx"),
                                   ("--drop-activations", False, "gguf")):
-        if getattr(args, flag[2:].replace("-", "_"), default) != default and args.export != export:  # a flag that would change nothing is a mistake
+        # a flag that would change nothing is a mistake
+        if getattr(args, flag[2:].replace("-", "_"), default) != default and args.export != export:
             raise CommandError(f"{flag} applies to --export {export}" + ("" if args.export is None else
                                                                          f", not --export {args.export}"))
     out_dir = pathlib.Path(args.output) if args.output else None
