@@ -26,7 +26,6 @@ transformers = pytest.importorskip("transformers")
 from qcore.adapters import ModelConfig, preset, quantize_model  # noqa: E402
 from qcore.cli import main  # noqa: E402
 
-from conftest import tiny_llama, token_batches  # noqa: E402
 
 DEEP = "[" * 100_000 + "]" * 100_000  # json.loads: RecursionError
 GOOD = preset("w_uint4_per_group_asym").to_dict()
@@ -396,12 +395,12 @@ def test_compressed_tensors_targets_with_bad_regexes_are_refused():
     ((), "tuple()"),
 ])
 @pytest.mark.parametrize("scheme", ["w_int8_a_int8_per_tensor_sym", "gptq"])
-def test_empty_calibration_batches_are_blamed_by_index_before_any_work(bad, what, scheme):
-    model = tiny_llama()
+def test_empty_calibration_batches_are_blamed_by_index_before_any_work(bad, what, scheme, zoo):
+    model = zoo.tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     config = preset("w_int8_per_channel_sym").replace(algorithms=({"name": "gptq"},)) if scheme == "gptq" \
         else preset(scheme)
-    good = token_batches(3, seed=0)
+    good = zoo.token_batches(3, seed=0)
     with pytest.raises(ValueError, match=rf"calibration batch 2 is empty \({__import__('re').escape(what)}"):
         quantize_model(model, config, [good[0], good[1], bad, good[2]], progress=False)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -414,25 +413,26 @@ def test_empty_calibration_batches_are_blamed_by_index_before_any_work(bad, what
     (torch.rand(1, 8), "integer token ids"),
     (None, "calibration batch 1 is a NoneType"),
 ])
-def test_bad_calibration_batches_are_blamed_by_index(bad, message):
-    model = tiny_llama()
+def test_bad_calibration_batches_are_blamed_by_index(bad, message, zoo):
+    model = zoo.tiny_llama()
     with pytest.raises((ValueError, TypeError)) as e:
-        quantize_model(model, "w_int8_a_int8_per_tensor_sym", [token_batches(1, seed=0)[0], bad], progress=False)
+        quantize_model(model, "w_int8_a_int8_per_tensor_sym", [zoo.token_batches(1, seed=0)[0], bad],
+                       progress=False)
     assert "calibration batch 1" in str(e.value) and message in str(e.value)
     assert not any(type(m).__name__.startswith("Quant") for m in model.modules())
 
 
-def test_no_calibration_batches_for_static_scales():
-    model = tiny_llama()
+def test_no_calibration_batches_for_static_scales(zoo):
+    model = zoo.tiny_llama()
     with pytest.raises(ValueError, match="calibration data is empty"):
         quantize_model(model, "w_int8_a_int8_per_tensor_sym", [], progress=False)
 
 
 @pytest.mark.parametrize("config", [ModelConfig.from_json(KV_ONLY), ModelConfig.from_json(ACT_ONLY)],
                          ids=["kv_only", "act_only"])
-def test_export_hf_refuses_weightless_configs_before_writing(config, tmp_path):
+def test_export_hf_refuses_weightless_configs_before_writing(config, tmp_path, zoo):
     from qcore.adapters import export_hf
-    model = quantize_model(tiny_llama(), config, token_batches(1, seed=0), progress=False)
+    model = quantize_model(zoo.tiny_llama(), config, zoo.token_batches(1, seed=0), progress=False)
     with pytest.raises(ValueError, match="KV-cache-only or activation-only config is not exported"):
         export_hf(model, tmp_path / "out", config=config)
     assert list(tmp_path.iterdir()) == []
