@@ -353,8 +353,7 @@ def quantize_command(args) -> int:
         raise CommandError(weightless_error(f"--export {args.export or 'hf'}", weightless))
 
     needs_eval = args.eval == "ppl"
-    if (needs_eval or any(getattr(config.layer, r) is not None and getattr(config.layer, r).calibrated
-                          for r in ("input", "output")) or config.kv_cache is not None) and tok is None:
+    if (needs_eval or needs) and tok is None:
         raise CommandError(f"--model {args.model}: no tokenizer found next to the model; evaluation and calibration "
                            f"need one (use --eval none with a weight-only or dynamic --scheme)")
     ids = E.protocol_token_ids(tok, text=text) if tok is not None else None
@@ -363,12 +362,16 @@ def quantize_command(args) -> int:
                            f"{2 * args.seq_len}")
     n_windows = min(len(E.EVAL_WINDOWS), ids.numel() // args.seq_len) if ids is not None else 0
     windows = range(0, n_windows)
+    start = max(n_windows, E.CALIBRATION_START_WINDOW if text is None else n_windows)
+    if needs and ids is not None and ids.numel() // args.seq_len - start <= 0:  # before any evaluation
+        raise CommandError(f"{', '.join(needs)} need calibration windows, and the text ({ids.numel()} tokens) has "
+                           f"none left after its {start} evaluation windows of --seq-len {args.seq_len}; give a "
+                           f"longer --eval-text or a shorter --seq-len")
 
     ppl_base = E.perplexity(model, tok, token_ids=ids, seq_len=args.seq_len, windows=windows,
                             progress=progress) if needs_eval else None
     calib = None
     if ids is not None:
-        start = max(n_windows, E.CALIBRATION_START_WINDOW if text is None else n_windows)
         avail = ids.numel() // args.seq_len - start
         n = min(args.calib_samples, avail)
         if n > 0:

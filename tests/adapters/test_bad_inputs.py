@@ -248,6 +248,10 @@ BAD_WITH_MODEL = [
     (["--scheme", "act_only.json", "--output", "out", "--export", "compressed-tensors"],
      "--export compressed-tensors", "not their weight"),
     (["--exclude", "no_such_module"], "ModelConfig.exclude entry", "matches no module"),
+    (["--scheme", "w_fp8_a_fp8", "--eval-text", "short.txt", "--seq-len", "32"], "--seq-len 32",
+     "static input scales (--scheme) need calibration windows"),
+    (["--algo", "gptq", "--scheme", "uint4_wo_32", "--eval-text", "short.txt", "--seq-len", "32", "--eval", "none"],
+     "--eval-text", "algorithm gptq need calibration windows"),
 ]
 
 
@@ -255,6 +259,7 @@ BAD_WITH_MODEL = [
 def test_bad_command_line_known_from_the_model(argv, flag, message, lm_dir, workdir, capsys, monkeypatch):
     (workdir / "kv_only.json").write_text(KV_ONLY)
     (workdir / "act_only.json").write_text(ACT_ONLY)
+    (workdir / "short.txt").write_text("a short text of a hundred bytes, which leaves no calibration window " * 1)
     from qcore.adapters import evaluate
     monkeypatch.setattr(evaluate, "perplexity", lambda *a, **k: pytest.fail("evaluated before refusing"))
     before = _listing(workdir)
