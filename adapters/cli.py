@@ -6,6 +6,7 @@ run the commands and are imported only when a model command runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -77,6 +78,21 @@ def load_float_model(p: pathlib.Path, *, dtype: torch.dtype):
             raise CommandError(f"--model {p}: tensor {keys[0]!r} {what}"
                                f"{f' (and {len(keys) - 1} more)' if len(keys) > 1 else ''}")
     return model
+
+
+@contextlib.contextmanager
+def _loading_bars(enabled: bool):
+    """transformers' own progress bars ("Loading weights") off within the block when ``--no-progress`` asks for
+    none; put back after it."""
+    from transformers.utils import logging as tlog
+    was = tlog.is_progress_bar_enabled()
+    if not enabled and was:
+        tlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if not enabled and was:
+            tlog.enable_progress_bar()
 
 
 def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str):
@@ -156,8 +172,42 @@ def _amp_args(args) -> Optional[list]:
                                else "") + " (qcore schemes lists them; 'float' leaves a layer as it is)")
     if len(set(names)) != len(names) or not any(n != "float" for n in names):
         raise CommandError(f"--amp {amp}: expected distinct preset names, at least one of them quantizing")
+    if args.target_bits is not None:  # a lower bound: per-tensor / per-channel scales add a little on top
+        fewest = min((preset(n).layer.weight.spec.bits_per_element(), n) for n in names if n != "float")
+        if args.target_bits < fewest[0]:
+            raise CommandError(f"--target-bits {args.target_bits}: below the fewest bits per weight any --amp scheme "
+                               f"stores ({fewest[0]:.2f}, {fewest[1]}); no choice of schemes reaches it")
     args.scheme = next(n for n in names if n != "float")  # build_config: --kv-cache-dtype, --exclude, checks
     return names
+
+
+def _read_scheme_file(scheme: str) -> ModelConfig:
+    """The ``ModelConfig`` of a ``--scheme`` JSON file (a qcore config, a Quark ``quantization_config`` or an HF
+    ``config.json`` holding one); every problem is a ``CommandError`` naming the file."""
+    path = pathlib.Path(scheme)
+    if not path.is_file():
+        raise CommandError(f"--scheme {scheme}: no such file")
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CommandError(f"--scheme {scheme}: not JSON ({e})") from None
+    except RecursionError:
+        raise CommandError(f"--scheme {scheme}: the JSON is nested too deeply to be a config") from None
+    if not isinstance(d, dict):
+        raise CommandError(f"--scheme {scheme}: expected a JSON object (a qcore ModelConfig or a Quark "
+                           f"quantization_config), got a JSON {type(d).__name__}")
+    d = d.get("quantization_config", d)
+    if not isinstance(d, dict):
+        raise CommandError(f"--scheme {scheme}: quantization_config must be a JSON object, got a JSON "
+                           f"{type(d).__name__}")
+    try:
+        config = ModelConfig.from_quark(d) if d.get("quant_method") == "quark" else ModelConfig.from_dict(d)
+        if config.algorithms:  # known names and settings, before any model loads
+            from qcore.algorithms.config import parse_algorithms
+            parse_algorithms(config.algorithms)
+    except (ValueError, TypeError) as e:
+        raise CommandError(f"--scheme {scheme}: {e}") from None
+    return config
 
 
 def build_config(args) -> tuple[ModelConfig, str]:
@@ -165,15 +215,7 @@ def build_config(args) -> tuple[ModelConfig, str]:
     ``quantization_config``) with ``--group-size``, ``--kv-cache-dtype`` and ``--exclude`` applied."""
     scheme = args.scheme or DEFAULT_SCHEME
     if scheme.endswith(".json") or os.path.sep in scheme:
-        path = pathlib.Path(scheme)
-        if not path.is_file():
-            raise CommandError(f"--scheme {scheme}: no such file")
-        try:
-            d = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise CommandError(f"--scheme {scheme}: not JSON ({e})") from None
-        d = d.get("quantization_config", d)
-        config = ModelConfig.from_quark(d) if d.get("quant_method") == "quark" else ModelConfig.from_dict(d)
+        config = _read_scheme_file(scheme)
         if args.group_size is not None:
             raise CommandError("--group-size applies to a preset --scheme, not to a JSON config (set it there)")
         if args.kv_cache_dtype:
@@ -185,10 +227,37 @@ def build_config(args) -> tuple[ModelConfig, str]:
             close = difflib.get_close_matches(scheme.lower(), PRESETS, n=3)
             raise CommandError(f"--scheme {scheme!r} is not a preset" + (f"; did you mean {', '.join(close)}?" if close
                                else "") + " (qcore schemes lists them; a .json file is read as a config)")
-        config = preset(scheme, group_size=args.group_size, kv_cache=args.kv_cache_dtype)
+        try:
+            config = preset(scheme, group_size=args.group_size, kv_cache=args.kv_cache_dtype)
+        except (ValueError, TypeError) as e:
+            if args.group_size is None:
+                raise
+            raise CommandError(f"--group-size {args.group_size}: {e}") from None
     if args.exclude:
-        config = config.replace(exclude=tuple(args.exclude))
+        try:
+            config = config.replace(exclude=tuple(args.exclude))
+        except (ValueError, TypeError) as e:
+            raise CommandError(f"--exclude: {e}") from None
     return config, scheme
+
+
+def _needs_calibration(config: ModelConfig) -> list[str]:
+    """What in ``config`` reads calibration windows: static activation scales, the KV cache, the algorithms
+    (all but QuaRot); empty when nothing does."""
+    need = []
+    layers = [("--scheme", config.layer), *((f"by_type {k}", v) for k, v in config.by_type.items()),
+              *((f"by_name {k!r}", v) for k, v in config.by_name.items())]
+    for where, lc in layers:
+        for role in ("input", "output"):
+            tc = None if lc is None else getattr(lc, role)
+            if tc is not None and tc.calibrated:
+                need.append(f"static {role} scales ({where})")
+    if config.kv_cache is not None:
+        need.append("KV-cache scales")
+    if config.algorithms:
+        from qcore.algorithms.config import QuaRotConfig, parse_algorithms
+        need += [f"algorithm {a.name}" for a in parse_algorithms(config.algorithms) if not isinstance(a, QuaRotConfig)]
+    return need
 
 
 def _layer_sqnr(model, plans) -> dict[str, float]:
@@ -334,26 +403,37 @@ def quantize_command(args) -> int:
                         items.append(json.loads(a))
                     except json.JSONDecodeError as e:
                         raise ValueError(f"{a!r} is not a JSON object: {e}") from None
+                    except RecursionError:
+                        raise ValueError("the JSON object is nested too deeply") from None
                 else:
                     items.extend(s.strip() for s in a.split(",") if s.strip())
+            if not items:
+                raise ValueError("no algorithm named (e.g. --algo gptq)")
             algos = parse_algorithms(items)
         except (ValueError, TypeError) as e:
             raise CommandError(f"--algo {','.join(args.algo)}: {e}") from None
     if args.export and not args.output:
         raise CommandError(f"--export {args.export} needs --output DIR (where to write the checkpoint)")
+    for flag, default, export in (("--onnx-weights", "qdq", "onnx"), ("--onnx-unsupported", "error", "onnx"),
+                                  ("--drop-activations", False, "gguf")):
+        # a flag that would change nothing is a mistake
+        if getattr(args, flag[2:].replace("-", "_"), default) != default and args.export != export:
+            raise CommandError(f"{flag} applies to --export {export}" + ("" if args.export is None else
+                                                                         f", not --export {args.export}"))
     out_dir = pathlib.Path(args.output) if args.output else None
     _check_outputs(args)  # before any work: the model is never written over, --report / --plot / --device usable
+    from .export import parse_size
+    try:
+        parse_size(args.max_shard_size)
+    except (ValueError, TypeError) as e:
+        raise CommandError(f"--max-shard-size {args.max_shard_size}: {e}") from None
     if out_dir is not None:  # before any work: an existing checkpoint is never replaced by accident
-        from .export import check_destination, parse_size
+        from .export import check_destination
         try:
             check_destination(out_dir, args.overwrite)
         except FileExistsError:
             raise CommandError(f"--output {args.output}: " + ("exists and is not a directory" if not out_dir.is_dir()
                                else "the directory exists and is not empty; pass --overwrite to replace it")) from None
-        try:
-            parse_size(args.max_shard_size)
-        except ValueError as e:
-            raise CommandError(f"--max-shard-size: {e}") from None
     if args.plot:
         _require_matplotlib()  # before any work
     amp_schemes = _amp_args(args)
@@ -374,14 +454,25 @@ def quantize_command(args) -> int:
                                                     else f"within a summed KL of {args.max_loss}")
     if algos:
         config = config.replace(algorithms=tuple(a.to_dict() for a in algos))
+    needs = _needs_calibration(config) + (["--amp's layer sensitivities"] if amp_schemes is not None else [])
+    if needs and args.calib_samples == 0:
+        raise CommandError(f"--calib-samples 0: {', '.join(needs)} need calibration windows; give --calib-samples "
+                           f"1 or more")
+    if amp_schemes is not None and args.amp_samples == 0:
+        raise CommandError("--amp-samples 0: --amp measures each layer's sensitivity on calibration windows; give "
+                           "--amp-samples 1 or more")
+    text = _eval_text(args)  # a missing --eval-text file, before the model loads
     progress = not args.no_progress
-    model, tok, desc = load_model(args.model, dtype=dtype, device=args.device)
+    with _loading_bars(progress):
+        model, tok, desc = load_model(args.model, dtype=dtype, device=args.device)
     plans = plan_model(model, config)  # all config errors before any evaluation
+    weightless = [p.name for p in plans if p.config.weight is None]
+    if out_dir is not None and weightless and (args.export or "hf") != "onnx":  # before any evaluation
+        from .export import weightless_error
+        raise CommandError(weightless_error(f"--export {args.export or 'hf'}", weightless))
 
-    text = _eval_text(args)
     needs_eval = args.eval == "ppl"
-    if (needs_eval or any(getattr(config.layer, r) is not None and getattr(config.layer, r).calibrated
-                          for r in ("input", "output")) or config.kv_cache is not None) and tok is None:
+    if (needs_eval or needs) and tok is None:
         raise CommandError(f"--model {args.model}: no tokenizer found next to the model; evaluation and calibration "
                            f"need one (use --eval none with a weight-only or dynamic --scheme)")
     _check_model_fits(args, model, config, plans)  # the export and --seq-len, still before any evaluation
@@ -391,12 +482,16 @@ def quantize_command(args) -> int:
                            f"{2 * args.seq_len}")
     n_windows = min(len(E.EVAL_WINDOWS), ids.numel() // args.seq_len) if ids is not None else 0
     windows = range(0, n_windows)
+    start = max(n_windows, E.CALIBRATION_START_WINDOW if text is None else n_windows)
+    if needs and ids is not None and ids.numel() // args.seq_len - start <= 0:  # before any evaluation
+        raise CommandError(f"{', '.join(needs)} need calibration windows, and the text ({ids.numel()} tokens) has "
+                           f"none left after its {start} evaluation windows of --seq-len {args.seq_len}; give a "
+                           f"longer --eval-text or a shorter --seq-len")
 
     ppl_base = E.perplexity(model, tok, token_ids=ids, seq_len=args.seq_len, windows=windows,
                             progress=progress) if needs_eval else None
     calib = None
     if ids is not None:
-        start = max(n_windows, E.CALIBRATION_START_WINDOW if text is None else n_windows)
         avail = ids.numel() // args.seq_len - start
         n = min(args.calib_samples, avail)
         if n > 0:
@@ -495,11 +590,13 @@ def quantize_command(args) -> int:
         worst_g = max((r.max_abs_diff for r in gguf_info.inexact), default=0.0)
         rows += [("gguf", "lossless (every quantized weight code for code)" if gguf_info.lossless else
                   f"{len(gguf_info.inexact)} of {len(gguf_info.quantized)} quantized weights not lossless (max abs "
-                  f"difference {worst_g:.3g}; see the report's gguf_inexact)")]
+                  f"difference {worst_g:.3g}; " + ("the report's gguf_inexact lists them)" if args.report else
+                                                     "--report FILE.json lists them)"))]
     if ct_info is not None:
         rows += [("compressed-tensors", f"format {ct_info.format!r}, " + (
             "lossless (every tensor exact)" if ct_info.lossless else f"{len(ct_info.inexact)} tensor(s) not exact in "
-            f"the model dtype (see the report's ct_inexact)"))]
+            f"the model dtype (" + ("the report's ct_inexact lists them)" if args.report else
+                                       "--report FILE.json lists them)")))]
     rows += [("worst layers (weight SQNR)", ", ".join(f"{n} {v:.1f} dB" for n, v in worst))]
     print("\nqcore quantize: done\n" + _table(rows))
     if args.report:
@@ -554,7 +651,8 @@ def eval_command(args) -> int:
             msg = str(e)
             raise CommandError("--" + msg if msg.startswith("tasks:") else msg) from e  # "--tasks: ..." 
     _check_device(args.device)
-    model, tok, desc = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
+    with _loading_bars(not args.no_progress):
+        model, tok, desc = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
     if tok is None:
         raise CommandError(f"--model {args.model}: no tokenizer found next to the model; "
                            f"{'perplexity' if ppl else 'lm-evaluation-harness tasks'} need{'s' if ppl else ''} one")
@@ -606,8 +704,12 @@ def schemes_command(args) -> int:
 
 def convert_command(args) -> int:
     """``qcore convert SRC DST --to FORMAT``: ``qcore.adapters.convert.convert`` plus a printed report."""
-    from .convert import convert
+    from .convert import FORMATS, _norm_format, convert
     t0 = time.perf_counter()
+    try:
+        _norm_format(args.to, "--to", FORMATS)
+    except (ValueError, TypeError) as e:
+        raise CommandError(f"{e} (aliases: quark = hf, ct = compressed-tensors)") from None
     dtype = None if args.dtype is None else _dtype(args.dtype)
     if args.report:
         from qcore._fsutil import check_not_source, overlap
@@ -649,9 +751,11 @@ def run(args) -> int:
     except KeyboardInterrupt:
         print(f"qcore {args.command}: interrupted", file=sys.stderr)
         return 130
-    except (CommandError, ValueError, TypeError, OSError, ModuleNotFoundError) as e:
+    except (CommandError, ValueError, TypeError, OSError, ModuleNotFoundError, RecursionError) as e:
         if getattr(args, "debug", False):
             raise
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        msg = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, RecursionError):
+            msg = f"input nested too deeply ({msg})"
         print(f"qcore {args.command}: error: {msg}", file=sys.stderr)
         return 2

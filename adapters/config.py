@@ -34,7 +34,7 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import qcore
 from qcore import PerBlock, PerChannel, PerGroup, PerTensor, QuantSpec, RoundingMode, ScaleMode, TensorScale
@@ -47,6 +47,12 @@ ROLES = ("weight", "input", "output", "bias")
 MODULE_TYPES = ("Linear", "Conv2d", "ConvTranspose2d", "Embedding", "EmbeddingBag")
 COMPUTE_TYPES = ("Linear", "Conv2d", "ConvTranspose2d")
 DEFAULT_EXCLUDE = None  # sentinel meaning: the model's output head (see ModelConfig.exclude)
+#: the largest group / block extent a config takes: a group spans at most one row of one layer, and a group longer
+#: than its row is padded to its full size in memory, so 10**12 would ask for terabytes (per-channel scales are
+#: ``PerChannel``)
+MAX_GROUP_SIZE = 2**16
+#: weights are [out_features, in_features, *kernel] (at most 4-D): their axes lie in [-4, 3]
+_WEIGHT_NDIM = 4
 
 
 def _err(what: str, value: Any, expected: str) -> ValueError:
@@ -94,8 +100,8 @@ class MSE:
     p: float = 2.0
 
     def __post_init__(self):
-        if isinstance(self.grid, bool) or not isinstance(self.grid, int) or self.grid < 1:
-            raise _err("MSE.grid", self.grid, "a positive int")
+        if isinstance(self.grid, bool) or not isinstance(self.grid, int) or not 1 <= self.grid <= 10**6:
+            raise _err("MSE.grid", self.grid, "a positive int, at most 10**6 (each point is one fake-quantize pass)")
         if isinstance(self.lo, bool) or not isinstance(self.lo, (int, float)) or not 0 < self.lo <= 1:
             raise _err("MSE.lo", self.lo, "a number in (0, 1]")
         if isinstance(self.p, bool) or not isinstance(self.p, (int, float)) or not self.p > 0:
@@ -145,7 +151,10 @@ def _g_from_dict(d) -> Any:
     if cls is None:
         raise _err("granularity.kind", kind, "'per_tensor', 'per_channel', 'per_group' or 'per_block'")
     if cls is PerBlock:
-        args["shape"] = tuple(args.get("shape", ()))
+        for k in ("shape", "axes"):
+            if k in args and args[k] is not None and not isinstance(args[k], (list, tuple)):
+                raise _err(f"granularity.{k}", args[k], "a list of ints")
+        args["shape"] = tuple(args.get("shape") or ())
         if args.get("axes") is not None:
             args["axes"] = tuple(args["axes"])
     try:
@@ -240,6 +249,12 @@ class TensorConfig:
             raise ValueError("TensorConfig: shared-microexponent specs (mx9/mx6/mx4) take MinMax() only")
         if self.spec.two_level and not isinstance(self.observer, MinMax):
             raise ValueError("TensorConfig: two-level (NVFP4) specs take MinMax() only")
+        g = self.spec.granularity
+        sizes = (g.size,) if isinstance(g, PerGroup) else tuple(g.shape) if isinstance(g, PerBlock) else ()
+        if any(n > MAX_GROUP_SIZE for n in sizes):
+            raise ValueError(f"TensorConfig.spec: group / block size {max(sizes)} ({g!r}) is larger than qcore takes "
+                             f"({MAX_GROUP_SIZE}); a group spans at most one row of a layer (per-channel scales: "
+                             f"PerChannel)")
 
     @property
     def calibrated(self) -> bool:
@@ -288,6 +303,12 @@ def _check_activation(tc: TensorConfig, role: str):
 
 
 def _check_weight(tc: TensorConfig, role: str):
+    g = tc.spec.granularity
+    axes = (g.axis,) if isinstance(g, (PerChannel, PerGroup)) else tuple(g.axes or ()) if isinstance(g, PerBlock) \
+        else ()
+    if any(not -_WEIGHT_NDIM <= a < _WEIGHT_NDIM for a in axes):
+        raise ValueError(f"LayerConfig.{role}: {g!r} names an axis outside [-{_WEIGHT_NDIM}, {_WEIGHT_NDIM - 1}] "
+                         f"(weights are [out_features, in_features, *kernel])")
     if tc.spec.tensor_scale_mode is TensorScale.GIVEN:
         raise ValueError(f"LayerConfig.{role}: a two-level {role} spec takes its tensor scale from the {role} "
                          f"itself: tensor_scale_mode AMAX (or ONE), not GIVEN")
@@ -361,9 +382,10 @@ class KVCacheConfig:
         if not isinstance(self.spec.granularity, PerTensor):
             raise ValueError(f"KVCacheConfig.spec: the KV cache takes per-tensor scales (what vLLM reads); got "
                              f"{self.spec.granularity!r}")
-        if isinstance(self.targets, str) or not all(isinstance(t, str) for t in self.targets) or not self.targets:
+        if isinstance(self.targets, (str, Mapping)) or not isinstance(self.targets, Iterable) or not self.targets:
             raise _err("KVCacheConfig.targets", self.targets, "a non-empty tuple of name patterns")
-        object.__setattr__(self, "targets", tuple(self.targets))
+        object.__setattr__(self, "targets", tuple(check_pattern(t, "KVCacheConfig.targets entry")
+                                                  for t in self.targets))
         TensorConfig(self.spec, observer=self.observer)  # validates the observer against the spec
 
     @property
@@ -377,9 +399,12 @@ class KVCacheConfig:
     def from_dict(cls, d: Mapping) -> "KVCacheConfig":
         if not isinstance(d, Mapping) or "spec" not in d:
             raise _err("kv_cache", d, "a dict with 'spec', 'observer', 'targets'")
+        unknown = sorted(set(d) - {"spec", "observer", "targets"})
+        if unknown:
+            raise ValueError(f"kv_cache: unknown field(s) {unknown}; expected 'spec', 'observer', 'targets'")
         t = d.get("targets", ("*k_proj", "*v_proj"))
         return cls(spec_from_dict(d["spec"]), observer=observer_from_dict(d.get("observer", {"kind": "minmax"})),
-                   targets=t if isinstance(t, str) else tuple(t))
+                   targets=tuple(t) if isinstance(t, list) else t)
 
 
 def _type_name(t: Any) -> str:
@@ -448,12 +473,14 @@ class ModelConfig:
         object.__setattr__(self, "by_type", _FrozenDict(bt))
         object.__setattr__(self, "by_name", _FrozenDict(bn))
         if self.exclude is not None:
-            if isinstance(self.exclude, str):
-                raise _err("ModelConfig.exclude", self.exclude, "a list of names/patterns (not one string)")
+            if isinstance(self.exclude, (str, Mapping)) or not isinstance(self.exclude, Iterable):
+                raise _err("ModelConfig.exclude", self.exclude, "a list of names/patterns (or None: the output head)")
             object.__setattr__(self, "exclude", tuple(check_pattern(p, "ModelConfig.exclude entry")
                                                       for p in self.exclude))
         if self.kv_cache is not None and not isinstance(self.kv_cache, KVCacheConfig):
             raise TypeError(f"ModelConfig.kv_cache must be a KVCacheConfig or None, got {type(self.kv_cache).__name__}")
+        if isinstance(self.algorithms, (str, Mapping)) or not isinstance(self.algorithms, Iterable):
+            raise _err("ModelConfig.algorithms", self.algorithms, "a list of dicts with a 'name'")
         algos = tuple(self.algorithms)
         for a in algos:
             if not isinstance(a, Mapping) or not isinstance(a.get("name"), str):
@@ -478,15 +505,24 @@ class ModelConfig:
         unknown = sorted(set(d) - keys)
         if unknown:
             raise ValueError(f"model config: unknown field(s) {unknown}; expected {sorted(keys)}")
+        for k, want, types in (("by_type", "an object {module type: layer config}", Mapping),
+                               ("by_name", "an object {name pattern: layer config}", Mapping),
+                               ("exclude", "a list of names/patterns", (list, tuple)),
+                               ("algorithms", "a list of objects with a 'name'", (list, tuple))):
+            if d.get(k) is not None and not isinstance(d[k], types):
+                raise _err(f"model config field {k!r}", d[k], want)
         lc = lambda v: None if v is None else LayerConfig.from_dict(v)  # noqa: E731
-        return cls(
-            layer=lc(d.get("layer")) or LayerConfig(),
-            by_type={k: lc(v) for k, v in (d.get("by_type") or {}).items()},
-            by_name={k: lc(v) for k, v in (d.get("by_name") or {}).items()},
-            exclude=d.get("exclude") if isinstance(d.get("exclude"), (str, type(None))) else tuple(d["exclude"]),
-            kv_cache=None if d.get("kv_cache") is None else KVCacheConfig.from_dict(d["kv_cache"]),
-            algorithms=tuple(d.get("algorithms") or ()),
-        )
+        try:
+            return cls(
+                layer=lc(d.get("layer")) or LayerConfig(),
+                by_type={k: lc(v) for k, v in (d.get("by_type") or {}).items()},
+                by_name={k: lc(v) for k, v in (d.get("by_name") or {}).items()},
+                exclude=None if d.get("exclude") is None else tuple(d["exclude"]),
+                kv_cache=None if d.get("kv_cache") is None else KVCacheConfig.from_dict(d["kv_cache"]),
+                algorithms=tuple(d.get("algorithms") or ()),
+            )
+        except RecursionError:
+            raise ValueError("model config: nested too deeply (an algorithm's settings?)") from None
 
     @classmethod
     def from_quark(cls, quantization_config: Mapping, *, model_dtype: str = "float32") -> "ModelConfig":
@@ -504,7 +540,14 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, s: str) -> "ModelConfig":
-        return cls.from_dict(json.loads(s))
+        """The config of a ``to_json`` string; malformed JSON is a ``ValueError`` (``json.JSONDecodeError``)."""
+        if not isinstance(s, (str, bytes, bytearray)):
+            raise TypeError(f"ModelConfig.from_json takes a JSON string, got {type(s).__name__}")
+        try:
+            d = json.loads(s)
+        except RecursionError:
+            raise ValueError("ModelConfig.from_json: the JSON is nested too deeply to be a config") from None
+        return cls.from_dict(d)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

@@ -30,7 +30,6 @@ Writes are atomic (each exporter stages and renames into place) and deterministi
 from __future__ import annotations
 
 import pathlib
-import shutil
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 

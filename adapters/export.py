@@ -21,6 +21,7 @@ most ``max_shard_size`` bytes with an index file, so peak memory does not grow w
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 from dataclasses import dataclass, field
@@ -74,7 +75,7 @@ def parse_size(size: Union[int, str]) -> int:
                 v = float(s[:-len(u)])
             except ValueError:
                 break
-            if v > 0:
+            if math.isfinite(v) and v * f >= 1:  # at least one byte: '0.0000001B', 'infGB', 'nanMB' are not sizes
                 return int(v * f)
             break
     else:
@@ -349,6 +350,15 @@ def check_destination(directory: pathlib.Path, overwrite: bool, sources: Iterabl
                               f"(--overwrite) to replace it")
 
 
+def weightless_error(what: str, names: list) -> str:
+    """The refusal of a checkpoint writer whose format stores quantized weights, for modules that quantize only
+    their activations or KV-cache outputs (a KV-cache-only or activation-only config)."""
+    return (f"{what}: {len(names)} module(s) quantize activations or KV-cache outputs but not their weight (e.g. "
+            f"{names[0]!r}); this checkpoint format stores quantized weights with their activation scales, so a "
+            f"KV-cache-only or activation-only config is not exported: quantize the weights too (e.g. the ptpc_fp8 "
+            f"preset with an fp8 KV cache), or export ONNX, which holds activation-only quantization")
+
+
 def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: Optional[ModelConfig] = None,
               tokenizer: Any = None, overwrite: bool = False, max_shard_size: Union[int, str] = "5GB",
               pack_method: str = "reorder", progress: bool = False) -> ExportInfo:
@@ -375,6 +385,9 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
                          "quantize_model, or pass config=)")
     if not any(isinstance(m, _QuantMixin) for m in model.modules()):
         raise ValueError("export_hf: the model has no qcore quantized modules; run quantize_model first")
+    weightless = [n for n, m in model.named_modules() if isinstance(m, _QuantMixin) and "weight" not in m._qspecs]
+    if weightless:  # before any work: the layouts are the weights' (a KV-cache-only / activation-only config)
+        raise ValueError(weightless_error("export_hf", weightless))
     hf_config = getattr(model, "config", None)
     if hf_config is None or not hasattr(hf_config, "to_dict"):
         raise TypeError("export_hf: the model has no transformers config (model.config); only transformers models "

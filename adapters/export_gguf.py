@@ -238,7 +238,8 @@ def _tokenizer_fields(tokenizer: Any, vocab_size: int, pre: str) -> list[tuple[s
     spec = json.loads(backend.to_str())
     if spec.get("model", {}).get("type") != "BPE":
         raise ValueError(f"export_gguf: only BPE tokenizers are converted (this one is "
-                         f"{spec.get('model', {}).get('type')!r}); pass tokenizer= the path of a GGUF file with it")
+                         f"{spec.get('model', {}).get('type')!r}); give the path of a GGUF file that has it instead "
+                         f"(Python: tokenizer=; qcore quantize --export gguf copies the tokenizer of a .gguf --model)")
     vocab = tokenizer.get_vocab()
     if max(vocab.values()) >= vocab_size:
         raise ValueError(f"export_gguf: the tokenizer has ids up to {max(vocab.values())}, the model's vocab_size "

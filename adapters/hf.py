@@ -16,6 +16,8 @@ e8m0 NaN codes, zero points in range); errors name the tensor and the layer.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import pathlib
 from typing import Any, Optional
 
@@ -321,13 +323,34 @@ def _make_classes():
 
 _registered: dict = {}
 
+#: loggers of optional libraries that print on import: torchao's "Failed to load ... _C_mxfp8 ... .so" (its CUDA
+#: extensions, missing on CPU-only machines) and torch's pytree "register_constant() on Enum subclasses is
+#: deprecated" (torchao registering its enums); neither concerns qcore, and they would print on every command
+_NOISY_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def quiet_optional_imports():
+    """Within the block, the loggers in ``_NOISY_IMPORT_LOGGERS`` show errors only (their levels are put back
+    after it; nothing global changes, and later messages of those libraries show as usual)."""
+    loggers = [logging.getLogger(n) for n in _NOISY_IMPORT_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
 
 def register_with_transformers() -> bool:
     """Register quant_method ``"qcore"`` with transformers (idempotent); False when transformers is absent."""
     if "config" in _registered:
         return True
     try:
-        from transformers.quantizers import auto
+        with quiet_optional_imports():  # transformers.quantizers imports torchao when it is installed
+            from transformers.quantizers import auto
     except ImportError:
         return False
     cfg_cls, q_cls = _make_classes()

@@ -186,8 +186,9 @@ def _plan(reader, model: nn.Module, cfg, strict: bool, dequantize_other: bool) -
         if kind not in _FLOAT_TYPES and kind not in G.TYPE_BYTES:
             if strict or not dequantize_other:
                 raise ValueError(f"from_gguf: tensor {t.name!r} is {kind}, which no qcore grid holds; qcore imports "
-                                 f"Q4_0, Q4_1, Q8_0, MXFP4 and F32/F16/BF16 (pass dequantize_other=True to import "
-                                 f"it as its float32 dequantization)")
+                                 f"Q4_0, Q4_1, Q8_0, MXFP4 and F32/F16/BF16 (from Python, from_gguf(..., "
+                                 f"dequantize_other=True) imports it as its float32 dequantization; qcore convert "
+                                 f"has no such option)")
         elif kind in G.TYPE_BYTES and (leaf != "weight" or len(shape) != 2):
             raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} ({hf}) is {kind}; qcore imports block types "
                                          f"for 2-D weights only")

@@ -171,8 +171,7 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
                       f"/ nn.Conv2d do): {', '.join(skipped[:5])}{', ...' if len(skipped) > 5 else ''}",
                       stacklevel=3)
     if not plans:
-        raise ValueError("the config quantizes no module of this model (everything excluded or unmatched); "
-                         f"quantizable modules: {[n for n, m in mods.items() if _tname(m) is not None][:10]}")
+        raise _nothing_planned(mods)
     _check_ties(model, mods, plans)
     return plans
 
@@ -183,6 +182,33 @@ class _FloatView:
     def __init__(self, m):
         self.weight = m._parameters.get("weight", m._buffers.get("weight_packed"))
         self._base = type(m).__bases__[1]
+
+
+def _nothing_planned(mods: dict) -> ValueError:
+    """The error for a config that quantizes no module: what the model has, and why none of it is quantized."""
+    supported = [c.__name__ for c in QUANT_CLASSES]
+    quantizable = [n for n, m in mods.items() if n and _tname(m) is not None]
+    other: dict[str, int] = {}  # modules with a weight matrix of a type qcore does not wrap
+    for n, m in mods.items():
+        w = getattr(m, "weight", None)
+        if n and _tname(m) is None and isinstance(w, torch.Tensor) and w.dim() >= 2 and \
+                not any(isinstance(m, c) for c in QUANT_CLASSES):
+            other[type(m).__name__] = other.get(type(m).__name__, 0) + 1
+    msg = "the config quantizes no module of this model"
+    if other:
+        kinds = ", ".join(f"{k} ({v})" for k, v in other.items())
+        msg += (f": its weight matrices are in modules of type(s) {kinds}, which qcore does not quantize "
+                f"(supported module types: {', '.join(supported)})")
+        if "Conv1D" in other:
+            msg += ("; transformers' Conv1D (GPT-2's attention and MLP projections, a Linear with its weight stored "
+                    "[in, out]) is not a supported module type")
+        msg += "; "
+    else:
+        msg += " (everything excluded or unmatched); "
+    msg += (f"the supported modules it has: {quantizable[:10]}{' ...' if len(quantizable) > 10 else ''} (excluded, "
+            f"unmatched, or embeddings, which only by_type / by_name quantize)" if quantizable
+            else "it has no module of a supported type")
+    return ValueError(msg)
 
 
 def _tname(m) -> Optional[str]:
@@ -269,6 +295,26 @@ def _check_batch(model: nn.Module, batch: Any, i: int) -> None:
     if ids is not None and (ids.dtype.is_floating_point or ids.dim() != 2):
         raise ValueError(f"calibration batch {i}: input_ids of {_describe(ids)}; this transformers model expects "
                          f"integer token ids of shape [batch, sequence]")
+    try:
+        emb = model.get_input_embeddings() if ids is not None and hasattr(model, "get_input_embeddings") else None
+    except (NotImplementedError, AttributeError):  # a model that does not say: its forward will
+        emb = None
+    vocab = getattr(emb, "num_embeddings", None)
+    if vocab is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise ValueError(f"calibration batch {i}: token id {bad} is outside the model's vocabulary [0, {vocab})")
+    tensors = [batch] if isinstance(batch, torch.Tensor) else list(batch.values()) if isinstance(batch, Mapping) \
+        else list(batch)
+    if not tensors or any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in tensors):
+        raise ValueError(f"calibration batch {i} is empty ({_describe(batch)}); every batch needs at least one "
+                         f"sample (drop it from the calibration data)")
+
+
+def _check_batches(model: nn.Module, data: Any) -> None:
+    """Every batch of a list / tuple of calibration batches checked before any work (``_check_batch``)."""
+    if isinstance(data, (list, tuple)):
+        for i, batch in enumerate(data):
+            _check_batch(model, batch, i)
 
 
 def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distributed: Any = None) -> int:
@@ -345,6 +391,8 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     """
     if not isinstance(qat, bool):
         raise TypeError(f"qat must be a bool, got {qat!r}")
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be a bool, got {progress!r}")
     config = _as_config(config)
     plans = plan_model(model, config)
     meta = [n for n, t in model.named_parameters() if t.is_meta]
@@ -361,6 +409,9 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     if data is not None and (isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable)):
         raise TypeError(f"data must be an iterable of batches (a list or a DataLoader), got {type(data).__name__}; "
                         f"wrap a single batch in a list: [batch]")
+    _check_batches(model, data)
+    if static and isinstance(data, (list, tuple)) and not data:
+        raise ValueError("calibration data is empty; static activation scales need at least one batch")
     if distributed is not None:
         from .distributed import Distributed, fingerprint
         if not isinstance(distributed, Distributed):
@@ -384,6 +435,7 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
             raise ValueError(f"the algorithms {needs} need calibration data; pass calibration batches as data=")
         if data is not None:
             data = list(data)  # read more than once: by the algorithms and by calibration
+            _check_batches(model, data)
         if rot is not None:
             from .rotation import apply_rotation, check_rotation
             check_rotation(model, rot)

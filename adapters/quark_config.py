@@ -88,7 +88,10 @@ def config_from_quark(d: Any, *, model_dtype: str = "float32") -> ModelConfig:
     """The ``ModelConfig`` of a Quark ``quantization_config`` (a dict, or a ``QuarkConfig``).
 
     model_dtype: the model's dtype, which Quark's ``scale_type: "float"`` refers to."""
-    qc = d if isinstance(d, QuarkConfig) else QuarkConfig.from_dict(d)
+    try:
+        qc = d if isinstance(d, QuarkConfig) else QuarkConfig.from_dict(d)
+    except RecursionError:  # unknown keys are kept (Quark adds fields); one nested without end is not a config
+        raise ValueError("quantization_config: nested too deeply to be a Quark config") from None
     if qc.softmax_quant_spec is not None:
         raise ValueError("quantization_config.softmax_quant_spec: qcore does not quantize attention softmax outputs")
     if qc.kv_cache_post_rope:

@@ -76,8 +76,9 @@ def _check(model) -> tuple:
     for n, m in model.named_modules():
         if n.endswith("norm") and not type(m).__name__.endswith("RMSNorm"):
             raise ValueError(f"rotate_model: {n} is a {type(m).__name__}; only RMSNorm commutes with rotations")
-        if type(m).__name__.startswith("Gemma"):
-            raise ValueError(f"rotate_model: {n} is {type(m).__name__} (1 + w form): not supported")
+        if type(m).__name__.startswith("Gemma") and "Norm" in type(m).__name__:
+            raise ValueError(f"rotate_model: {n} is a {type(m).__name__}, which scales by (1 + weight): folding it "
+                             f"into the next layers is not supported (only Llama-style RMSNorm, x * weight)")
         if n.endswith("norm") and getattr(m, "bias", None) is not None:
             raise ValueError(f"rotate_model: {n} has a bias")
     for i, layer in enumerate(layers):

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["ScalingGroup", "scaling_groups", "fold_scales", "check_fold"]
+__all__ = ["ScalingGroup", "NoScalingMap", "scaling_groups", "fold_scales", "check_fold"]
 
 # RMSNorm classes computing normalize(x) * (1 + weight) (Quark 0.13's UNIT_OFFSET_NORM_CLASSES).
 _UNIT_OFFSET_NORMS = frozenset({
@@ -194,6 +194,15 @@ def _from_entries(layer: nn.Module, entries: Any) -> list:
     return groups
 
 
+class NoScalingMap(ValueError):
+    """``scaling_groups`` found no built-in map for a layer: ``what`` says which layer; ``hint`` how to give one
+    (the algorithms replace it with their own spelling: the ``scaling_layers`` setting)."""
+
+    def __init__(self, what: str, hint: str):
+        super().__init__(f"{what}; {hint}")
+        self.what, self.hint = what, hint
+
+
 def scaling_groups(layer: nn.Module, *, model_type: Optional[str] = None,
                    quark_entries: Optional[Iterable[Any]] = None) -> list:
     """The scaling groups of one decoder layer (module docstring), in Quark's order.
@@ -215,9 +224,9 @@ def scaling_groups(layer: nn.Module, *, model_type: Optional[str] = None,
         if groups is not None:
             return groups
     what = f"model_type {model_type!r}, " if model_type else ""
-    raise ValueError(f"no built-in scaling map for {what}layer type {type(layer).__name__} (built in: Llama-like and "
-                     "pre-norm OPT decoder layers); pass quark_entries= (Quark's scaling_layers: dicts with "
-                     "prev_op, layers, inp, module2inspect)")
+    raise NoScalingMap(f"no built-in scaling map for {what}layer type {type(layer).__name__} (built in: Llama-like "
+                       "and pre-norm OPT decoder layers)", "pass quark_entries= (Quark's scaling_layers: dicts with "
+                       "prev_op, layers, inp, module2inspect)")
 
 
 # ---------------------------------------------------------------------------------------------------------------

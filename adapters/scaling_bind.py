@@ -30,7 +30,7 @@ from qcore.algorithms.config import AutoSmoothQuantConfig, AWQConfig, SmoothQuan
 from qcore.algorithms.smoothquant import auto_smoothquant, smoothquant_scales, weight_absmax
 
 from .modules import _act_granularity, _with_granularity
-from .scaling import ScalingGroup, check_fold, fold_scales, scaling_groups
+from .scaling import NoScalingMap, ScalingGroup, check_fold, fold_scales, scaling_groups
 from .sequential import _forward_layer, _weight_spec
 
 __all__ = ["check_scaling", "apply_scaling"]
@@ -47,6 +47,11 @@ def _entries(algo) -> Optional[list]:
 def _groups(layer: nn.Module, algo, prefix: str) -> list[ScalingGroup]:
     try:
         return scaling_groups(layer, quark_entries=_entries(algo))
+    except NoScalingMap as e:  # the algorithm's own setting, in Python and on the command line
+        raise ValueError(f"{algo.name}: decoder layer {prefix!r}: {e.what}; give the algorithm Quark's "
+                         f"scaling_layers (dicts with prev_op, layers, inp, module2inspect): in Python "
+                         f"{type(algo).__name__}(scaling_layers=[...]), on the command line --algo "
+                         f"'{{\"name\": \"{algo.name}\", \"scaling_layers\": [...]}}'") from None
     except (ValueError, TypeError) as e:
         raise type(e)(f"{algo.name}: decoder layer {prefix!r}: {e}") from None
 

@@ -38,6 +38,7 @@ shift).
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -240,6 +241,16 @@ class CTArgs:
 _ROLE_KEYS = ("weights", "input_activations", "output_activations")
 
 
+def _check_re(pattern: str, where: str) -> str:
+    """``pattern`` itself, after checking that a ``re:`` pattern compiles (``ValueError`` naming it otherwise)."""
+    if pattern.startswith("re:"):
+        try:
+            re.compile(pattern[3:])
+        except re.error as e:
+            raise ValueError(f"{where}: bad regular expression {pattern!r}: {e}") from None
+    return pattern
+
+
 @dataclass(frozen=True)
 class CTScheme:
     """One config group (compressed-tensors' ``QuantizationScheme``)."""
@@ -255,7 +266,7 @@ class CTScheme:
         if isinstance(t, str) or not isinstance(t, (list, tuple)) or not t or not all(isinstance(x, str) and x
                                                                                         for x in t):
             raise _err("QuantizationScheme.targets", t, "a non-empty list of names, class names or 're:' patterns")
-        object.__setattr__(self, "targets", tuple(t))
+        object.__setattr__(self, "targets", tuple(_check_re(x, "QuantizationScheme.targets") for x in t))
         for r in _ROLE_KEYS:
             v = getattr(self, r)
             if v is not None and not isinstance(v, CTArgs):
@@ -318,7 +329,7 @@ class CTConfig:
                 _check_format(s.format, f"quantization_config.config_groups.{name}.format")
         if isinstance(self.ignore, str) or not all(isinstance(x, str) and x for x in self.ignore):
             raise _err("quantization_config.ignore", self.ignore, "a list of module names or 're:' patterns")
-        object.__setattr__(self, "ignore", tuple(self.ignore))
+        object.__setattr__(self, "ignore", tuple(_check_re(x, "quantization_config.ignore") for x in self.ignore))
         if self.kv_cache_scheme is not None and not isinstance(self.kv_cache_scheme, CTArgs):
             raise TypeError("quantization_config.kv_cache_scheme must be CTArgs or None")
         if self.quantization_status != "compressed":

@@ -5,7 +5,8 @@ parser and sets ``func`` (a function of the parsed arguments returning the exit 
 1 the check found mismatches (or missing outputs), 2 usage errors (bad arguments, unknown formats, a mode that
 fits none of the formats, a directory that would be overwritten), 141 (128 + SIGPIPE) when the reader of
 stdout went away (``qcore conformance check ... | head``): like a standard Unix tool, the command then stops
-quietly, without a traceback. Error messages name command-line flags, not Python arguments. Only numpy is
+quietly, without a traceback. Error messages name command-line flags, not Python arguments, and are one line on
+stderr (a usage error points at ``--help`` instead of printing the usage block; ``--debug`` shows the traceback). Only numpy is
 imported: torch and qcore.adapters stay out of these commands. The model commands (``qcore quantize``,
 ``qcore eval``, ``qcore schemes``) have their parsers here and run in ``qcore.adapters.cli``, imported only when they run.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Optional, Sequence
@@ -34,10 +36,11 @@ class _UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but usage errors raise instead of exiting (main turns them into exit code 2)."""
+    """argparse, but usage errors raise instead of exiting (main turns them into exit code 2 and one line on
+    stderr, which points at ``--help`` instead of printing the usage block)."""
 
     def error(self, message):
-        raise _UsageError(f"{self.prog}: error: {message}\n{self.format_usage().rstrip()}")
+        raise _UsageError(f"{self.prog}: error: {' '.join(message.split())} (see: {self.prog} --help)")
 
 
 def _csv(text: str) -> list:
@@ -45,6 +48,26 @@ def _csv(text: str) -> list:
     if not items:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of names, got {text!r}")
     return items
+
+
+def _number(text: str, *, positive: bool) -> float:
+    """A finite float (argparse type): positive, or non-negative when ``positive`` is False."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        raise argparse.ArgumentTypeError(f"must be a {'positive' if positive else 'non-negative'} finite number, "
+                                         f"got {text!r}")
+    return v
+
+
+def _positive_number(text: str) -> float:
+    return _number(text, positive=True)
+
+
+def _nonnegative_number(text: str) -> float:
+    return _number(text, positive=False)
 
 
 def _count(text: str) -> int:
@@ -66,6 +89,13 @@ def _count(text: str) -> int:
 def _conformance_export(args) -> int:
     from . import conformance
 
+    for flag, check, value in (("--formats", conformance._normalize_formats, args.formats),
+                               ("--modes", conformance._normalize_modes, args.modes)):
+        try:  # each flag's own error names it, before anything is written
+            check(value)
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            raise ValueError(f"{flag}: {msg[len('formats: '):] if msg.startswith('formats: ') else msg}") from None
     try:
         m = conformance.export(args.directory, args.formats, modes=args.modes, key=args.key,
                                overwrite=args.overwrite)
@@ -100,6 +130,11 @@ def _conformance_modes(args) -> int:
     from .dtypes import DTYPES, BlockDType
 
     names = args.formats or [n for n, d in DTYPES.items() if isinstance(d, BlockDType)]
+    for n in names:  # before printing anything: an unknown name is a usage error naming the flag
+        try:
+            conformance.default_modes(n)
+        except (KeyError, ValueError, TypeError) as e:
+            raise ValueError(f"--formats: {e}") from None
     print("element formats (op cast):", ", ".join(conformance.ELEMENT_MODES))
     print("block formats (op quantize):", ", ".join(conformance.BLOCK_MODES))
     print("two-level block formats (op quantize):", ", ".join(conformance.TWO_LEVEL_MODES))
@@ -203,9 +238,9 @@ def _add_quantize(sub) -> None:
     q.add_argument("--amp", default=None, metavar="SCHEMES",
                    help="layerwise mixed precision instead of --scheme: comma-separated presets (and 'float') to "
                    "choose from per layer, e.g. w_mxfp4_a_mxfp4,w_fp8_a_fp8; needs --target-bits or --max-loss")
-    q.add_argument("--target-bits", type=float, default=None, metavar="BITS",
+    q.add_argument("--target-bits", type=_positive_number, default=None, metavar="BITS",
                    help="--amp: the least loss within this average of bits per weight (scales included)")
-    q.add_argument("--max-loss", type=float, default=None, metavar="KL",
+    q.add_argument("--max-loss", type=_nonnegative_number, default=None, metavar="KL",
                    help="--amp: the fewest bits within this summed sensitivity (mean KL to the float model)")
     q.add_argument("--amp-samples", type=_count, default=2,
                    help="--amp: calibration windows the per-layer sensitivities are measured on (default 2)")
@@ -351,11 +386,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_BROKEN_PIPE
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OSError, RecursionError) as e:
         if getattr(args, "debug", False):
             raise
         where = " ".join(filter(None, [args.command, getattr(args, "conformance_command", None)]))
-        print(f"qcore {where}: error: {e}", file=sys.stderr)
+        msg = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the message holds
+        if isinstance(e, RecursionError):
+            msg = f"input nested too deeply ({msg})"
+        print(f"qcore {where}: error: {msg}", file=sys.stderr)
         return EXIT_USAGE
 
 
