@@ -466,8 +466,15 @@ def eval_command(args) -> int:
     return 0
 
 
+SCHEMES_SHAPE = (4096, 4096)  # the weight shape ``qcore schemes`` counts stored bits for
+
+
 def schemes_command(args) -> int:
-    """One line per preset: its roles and the bits per weight element (scales included)."""
+    """One line per preset: its roles and the bits per weight element an HF export stores for a 4096 x 4096
+    Linear weight (codes, scales, zero points, shared exponents; ``qcore.formats.inspect.layout_bits_per_weight``,
+    the count ``qcore inspect`` makes from a checkpoint), and the spec's own count where the layout stores more
+    (Quark's int8 and int4 layouts store zero points of symmetric specs)."""
+    from qcore.formats.inspect import layout_bits_per_weight
     for name in PRESETS:
         c = preset(name)
         parts = []
@@ -481,8 +488,23 @@ def schemes_command(args) -> int:
                 g = "per-token" if s.granularity.axis % 2 == 0 else "per-feature"
             mode = "" if role == "weight" else (" dynamic" if tc.dynamic else " static")
             parts.append(f"{role[0].upper()} {s.name or s.dtype.name} {g}{mode}")
-        bits = c.layer.weight.spec.bits_per_element()  # per-tensor / per-channel scales: shape-dependent, left out
-        print(f"{name:42s} {'; '.join(parts):60s} {bits:.2f} bits/weight")
+        spec = c.layer.weight.spec
+        from .modules import _norm_weight_granularity, _with_granularity
+        spec = _with_granularity(spec, _norm_weight_granularity(spec.granularity, "Linear", name, 2, SCHEMES_SHAPE))
+        layout, bits = layout_bits_per_weight(spec, SCHEMES_SHAPE)
+        own = spec.bits_per_element(SCHEMES_SHAPE)
+        note = ""
+        if abs(own - bits) > 5e-3:
+            from qcore.formats.quark_layout import expected_weight
+            t = expected_weight(spec, SCHEMES_SHAPE, layout=layout)
+            why = []
+            if "weight_zero_point" in t:
+                why.append(("zero points of the symmetric spec" if spec.symmetric is not False else "zero points")
+                           + f" as {t['weight_zero_point'][0]}")
+            if "weight_shifts" in t:
+                why.append(f"each {spec.subblock_shift_bits}-bit shared-exponent shift in a byte")
+            note = f" (the spec needs {own:.2f}; the {layout} layout stores {' and '.join(why) or 'more'})"
+        print(f"{name:42s} {'; '.join(parts):60s} {bits:.2f} bits/weight{note}")
     return 0
 
 
