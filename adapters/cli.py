@@ -518,7 +518,8 @@ def convert_command(args) -> int:
         if rp.exists() and rp.is_dir():
             raise CommandError(f"--report {args.report}: is a directory")
     info = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, strict=args.strict, dtype=dtype,
-                   tokenizer_pre=args.tokenizer_pre, verify=not args.no_verify)
+                   tokenizer_pre=args.tokenizer_pre, verify=not args.no_verify,
+                   progress=not getattr(args, "no_progress", False))
     verdict = ("not verified (--no-verify)" if info.verified_by == "none" else
                ("lossless" if info.lossless else f"{len(info.tensors)} tensors changed")
                + f" (checked by {'loading dst back' if info.verified_by == 'reload' else 'the exporter'})")

@@ -303,6 +303,7 @@ def _add_convert(sub) -> None:
     c.add_argument("--no-verify", action="store_true", help="do not load dst back to compare (faster; then "
                    "nothing is measured)")
     c.add_argument("--report", default=None, metavar="FILE.json", help="write the report as JSON")
+    c.add_argument("--no-progress", action="store_true", help="no progress bars")
     c.add_argument("--debug", action="store_true", help="show tracebacks")
     c.set_defaults(func=_run_model_command)
 

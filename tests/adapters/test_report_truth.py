@@ -157,3 +157,17 @@ def test_block_and_kind():
     assert block_and_kind("model.layers.12.self_attn.q_proj") == (12, "q_proj")
     assert block_and_kind("model.layers.3.mlp.experts.7.down_proj") == (3, "down_proj")
     assert block_and_kind("lm_head") == (None, "lm_head")
+
+
+def test_convert_shows_progress_unless_told_not_to(lm_dir, tmp_path, capsys):
+    src = tmp_path / "src"
+    assert main(["quantize", "--model", str(lm_dir), "--scheme", "uint4_wo_32", "--eval", "none", "--output",
+                 str(src), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(src), str(tmp_path / "ct"), "--to", "ct"]) == 0
+    err = capsys.readouterr().err
+    for stage in ("convert: loading hf source", "convert: writing compressed-tensors",
+                  "convert: loading the result back to compare", "convert: moving into place"):
+        assert stage in err, stage
+    assert main(["convert", str(src), str(tmp_path / "ct2"), "--to", "ct", "--no-progress"]) == 0
+    assert "convert:" not in capsys.readouterr().err
