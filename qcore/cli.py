@@ -227,7 +227,8 @@ def _add_quantize(sub) -> None:
     q.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest safetensors shard (default 5GB)")
     q.add_argument("--eval", choices=["ppl", "none"], default="ppl", help="evaluation before and after (default ppl)")
     q.add_argument("--report", default=None, metavar="FILE.json", help="write the report as JSON")
-    q.add_argument("--plot", default=None, metavar="FILE.png", help="plot the per-layer weight SQNR (needs matplotlib)")
+    q.add_argument("--plot", default=None, metavar="FILE.png", help="plot each layer's weight SQNR and output SQNR "
+                   "on calibration by decoder block and projection, before and after --algo (needs matplotlib)")
 
 
 def _add_eval(sub) -> None:
