@@ -171,3 +171,23 @@ def test_convert_shows_progress_unless_told_not_to(lm_dir, tmp_path, capsys):
         assert stage in err, stage
     assert main(["convert", str(src), str(tmp_path / "ct2"), "--to", "ct", "--no-progress"]) == 0
     assert "convert:" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("algo", ["smoothquant", "quarot", "awq"])
+def test_after_a_transform_the_reference_is_the_transformed_float_weight(zoo, algo):
+    """Rotations and smoothing folds change the float weights: the reference is the weight rounding started from,
+    in the basis the layer computes in. A reference in the wrong basis would give an output SQNR near 0 dB."""
+    from qcore.adapters import preset, quantize_model
+    from qcore.adapters import layer_report as LR
+    model = zoo.tiny_llama()
+    original = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    data = zoo.token_batches(2, seed=1)
+    reference: dict = {}
+    quantize_model(model, preset("w_int8_a_int8_per_token_dynamic").replace(algorithms=({"name": algo},)), data,
+                   progress=False, reference=reference)
+    errors = LR.measure(model, reference, data)
+    changed = [n for n in reference if not torch.equal(reference[n], original[n])]
+    assert changed  # the transform rewrote float weights before rounding
+    for n, e in errors.items():
+        assert e.weight_sqnr_db == pytest.approx(sqnr_db(reference[n], model.get_submodule(n).weight.detach()))
+        assert e.output_sqnr_db is not None and e.output_sqnr_db > 20.0, (n, e)  # int8: ~40 dB
