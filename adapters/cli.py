@@ -170,7 +170,7 @@ def _rtn_errors(model, config, calib, *, progress: bool):
     return LR.measure(rtn, reference, calib, max_batches=LAYER_ERROR_WINDOWS, progress=progress)
 
 
-LAYER_ERROR_WINDOWS = 8  # calibration windows the per-layer output errors are measured on
+LAYER_ERROR_WINDOWS = 4  # calibration windows the per-layer output errors are measured on
 
 
 def _table(rows: list[tuple[str, str]]) -> str:

@@ -103,9 +103,10 @@ def measure(model: nn.Module, reference: dict, batches: Optional[list] = None, *
                 y = _reference_output(mod, args[0], w)
                 if y is None or y.shape != out.shape:
                     return
-                y, out = y.double(), out.detach().double()
-                sums[name][0] += float(torch.sum(y * y))
-                sums[name][1] += float(torch.sum((out - y) ** 2))
+                y = y.float()
+                d = out.detach().float() - y
+                sums[name][0] += float(torch.sum(y * y, dtype=torch.float64))  # float64 accumulation
+                sums[name][1] += float(torch.sum(d * d, dtype=torch.float64))
                 measured.add(name)
             return f
 
