@@ -172,3 +172,37 @@ def test_inspect_an_onnx_export_directory_via_the_cli(fmt, tmp_path, capsys):
     assert main(["inspect", str(d)]) == 2
     err = capsys.readouterr().err
     assert "model.onnx" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "noconfig").mkdir()
+    (tmp_path / "two").mkdir()
+    for n in ("a.onnx", "b.onnx"):
+        (tmp_path / "two" / n).write_bytes(b"")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF" + b"\xff" * 60)
+    cases = [(tmp_path / "missing", "missing"), (tmp_path / "notes.txt", "not a .gguf or .onnx file"),
+             (tmp_path / "noconfig", "no config.json"), (tmp_path / "two", "expected one .onnx file"),
+             (tmp_path / "empty.gguf", "empty.gguf"), (tmp_path / "junk.gguf", "junk.gguf")]
+    for path, message in cases:
+        assert main(["inspect", str(path)]) == 2, path
+        err = capsys.readouterr().err
+        assert err.startswith("qcore inspect: error:") and message in err, (path, err)
+        assert len(err.strip().splitlines()) == 1, err
+
+
+def test_inspect_of_a_gguf_file_imports_no_torch(tmp_path):
+    pytest.importorskip("gguf")
+    import subprocess
+    import sys
+    from qcore.adapters import preset, quantize_model
+    from qcore.adapters.export_gguf import export_gguf
+    m = tiny_llama()
+    quantize_model(m, preset("int4_wo_32"), progress=False)
+    export_gguf(m, tmp_path / "m.gguf")
+    code = ("import sys; from qcore.cli import main; assert main(['inspect', sys.argv[1]]) == 0; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.gguf")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "Q4_0 14" in r.stdout
