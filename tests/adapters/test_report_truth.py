@@ -191,3 +191,17 @@ def test_after_a_transform_the_reference_is_the_transformed_float_weight(zoo, al
     for n, e in errors.items():
         assert e.weight_sqnr_db == pytest.approx(sqnr_db(reference[n], model.get_submodule(n).weight.detach()))
         assert e.output_sqnr_db is not None and e.output_sqnr_db > 20.0, (n, e)  # int8: ~40 dB
+
+
+def test_figure_places_modules_outside_blocks_after_the_last_block():
+    pytest.importorskip("matplotlib")
+    from qcore.adapters import layer_report as LR
+    errs = {f"model.layers.{b}.self_attn.{k}": LR.LayerError(30.0 + b, None) for b in range(3) for k in ("q_proj",
+                                                                                                        "o_proj")}
+    errs["lm_head"] = LR.LayerError(25.0, None)
+    fig = LR.figure(errs, title="t")
+    (ax,) = fig.get_axes()  # no output SQNR measured: one panel
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1", "2", "lm_head"]
+    lines = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.get_lines()}
+    assert lines["q_proj"] == ([0, 1, 2], [30.0, 31.0, 32.0]) and lines["lm_head"] == ([3], [25.0])
+    assert "then: lm_head" in ax.get_xlabel()

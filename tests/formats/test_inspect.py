@@ -65,8 +65,9 @@ def test_mixed_precision_by_name_override_bits_per_layer_from_the_stored_tensors
     for n, v in info["layers"].items():
         assert v["bits_per_weight"] == pytest.approx(hand[n], abs=1e-4), n
     L = info["layers"]
-    assert L["model.layers.0.mlp.down_proj"]["format"] == "mxfp4" and L["model.layers.0.mlp.down_proj"]["layout"] == "mx"
-    assert L["model.layers.0.mlp.down_proj"]["bits_per_weight"] == pytest.approx(4.25)
+    down = L["model.layers.0.mlp.down_proj"]
+    assert down["format"] == "mxfp4" and down["layout"] == "mx"
+    assert down["bits_per_weight"] == pytest.approx(4.25)
     assert L["model.layers.1.self_attn.v_proj"]["layout"] == "qcore"
     assert L["model.layers.0.self_attn.q_proj"]["layout"] == "fp8"
     assert L["model.layers.1.mlp.up_proj"]["layout"] == "int4_group"
