@@ -260,44 +260,20 @@ def _needs_calibration(config: ModelConfig) -> list[str]:
     return need
 
 
-def _layer_sqnr(model, plans) -> dict[str, float]:
-    """SQNR (dB) of each planned module's fake-quantized weight against its float weight (nothing changes)."""
-    from qcore.algorithms.metrics import sqnr_db
-    from .modules import wrap
-    out = {}
-    for p in plans:
-        m = model.get_submodule(p.name)
-        if p.config.weight is None:
-            continue
-        w = wrap(m, p.config, name=p.name)
-        with torch.no_grad():
-            fq, _ = w._fq_param(m.weight, "weight")
-        out[p.name] = sqnr_db(m.weight.detach().float(), fq.float())
-    return out
+
+def _rtn_errors(model, config, calib, *, progress: bool):
+    """``{name: LayerError}`` of round-to-nearest by ``config`` without its algorithms, on a deep copy of the float
+    ``model`` (what the algorithms are compared with; ``qcore.adapters.layer_report``)."""
+    import copy
+
+    from . import layer_report as LR
+    rtn = copy.deepcopy(model)
+    reference: dict = {}
+    quantize_model(rtn, config.replace(algorithms=()), calib, progress=progress, reference=reference)
+    return LR.measure(rtn, reference, calib, max_batches=LAYER_ERROR_WINDOWS, progress=progress)
 
 
-def plot_sqnr(sqnr: dict[str, float], path: str, *, title: str) -> None:
-    """A PNG of the per-layer weight SQNR (dB) in model order (needs matplotlib)."""
-    _require_matplotlib()
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    names = list(sqnr)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.05 * len(names)), 3.2), dpi=120)
-    ax.plot(range(len(names)), [sqnr[n] for n in names], marker=".", linewidth=0.8)
-    ax.set_xlabel("quantized layer (model order)")
-    ax.set_ylabel("weight SQNR (dB)")
-    ax.set_title(title, fontsize=9)
-    worst = min(names, key=lambda n: sqnr[n])
-    right = names.index(worst) > len(names) / 2
-    ax.annotate(worst, (names.index(worst), sqnr[worst]), fontsize=7, xytext=(-5 if right else 5, 4),
-                textcoords="offset points", ha="right" if right else "left")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    tmp = pathlib.Path(path).with_name(pathlib.Path(path).name + ".partial")
-    fig.savefig(tmp, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)  # no half-written file on failure
+LAYER_ERROR_WINDOWS = 4  # calibration windows the per-layer output errors are measured on
 
 
 def _check_writable_file(flag: str, path: str) -> None:
@@ -383,6 +359,13 @@ def _check_export(args, model, config) -> None:
             check_hf(model, config)
     except (ValueError, TypeError) as e:
         raise CommandError(f"--export {fmt}: {e}") from None
+
+
+def _write_report(path: str, report: dict) -> None:
+    """``--report``: the JSON written beside ``path`` and renamed into place (``qcore._fsutil.staged_file``)."""
+    from qcore._fsutil import staged_file
+    with staged_file(path, recheck=lambda: None) as tmp:
+        tmp.write_text(json.dumps(report, indent=1) + "\n")
 
 
 def _table(rows: list[tuple[str, str]]) -> str:
@@ -507,11 +490,17 @@ def quantize_command(args) -> int:
                             max_loss=args.max_loss, exclude=config.exclude, progress=progress).replace(
             kv_cache=config.kv_cache, algorithms=config.algorithms)
         plans = plan_model(model, config)
-    sqnr = _layer_sqnr(model, plans)
+    # round-to-nearest on a copy first when an algorithm runs: the report shows before and after
+    rtn_errors = _rtn_errors(model, config, calib, progress=progress) if config.algorithms and (
+        args.plot or args.report) else None
     size_before = model_bytes(model)
     t0 = time.perf_counter()
-    quantize_model(model, config, calib, progress=progress)
+    reference: dict = {}
+    quantize_model(model, config, calib, progress=progress, reference=reference)
     quantize_s = time.perf_counter() - t0
+    from . import layer_report as LR
+    errors = LR.measure(model, reference, calib, max_batches=LAYER_ERROR_WINDOWS, progress=progress)
+    del reference
     ppl = E.perplexity(model, tok, token_ids=ids, seq_len=args.seq_len, windows=windows,
                        progress=progress) if needs_eval else None
     n_layers = len(quantized_modules(model))
@@ -551,7 +540,8 @@ def quantize_command(args) -> int:
                                 max_shard_size=args.max_shard_size, progress=progress)
         export_s = time.perf_counter() - t_export
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    worst = sorted(sqnr.items(), key=lambda kv: kv[1])[:5]
+    order = LR.ranked(errors)
+    by_output = any(e.output_sqnr_db is not None for e in errors.values())
 
     import qcore
     report: dict[str, Any] = {
@@ -572,7 +562,22 @@ def quantize_command(args) -> int:
         "ct_lossless": None if ct_info is None else ct_info.lossless,
         "ct_inexact": None if ct_info is None else [
             {"tensor": n, "dtype": ct_info.tensors[n].dtype, "max_abs_diff": ct_info.tensors[n].max_abs_diff}
-            for n in ct_info.inexact], "per_layer_sqnr_db": sqnr, "qcore_version": qcore.__version__,
+            for n in ct_info.inexact],
+        "per_layer_sqnr_db": {n: e.weight_sqnr_db for n, e in errors.items()},
+        "per_layer_output_sqnr_db": {n: e.output_sqnr_db for n, e in errors.items()},
+        "per_layer_rtn_sqnr_db": None if rtn_errors is None else {n: e.weight_sqnr_db for n, e in rtn_errors.items()},
+        "per_layer_rtn_output_sqnr_db": None if rtn_errors is None else {
+            n: e.output_sqnr_db for n, e in rtn_errors.items()},
+        "worst_layers": order[:5],
+        "layer_metrics": {
+            "weight": "SQNR (dB) of the committed weight against the float weight it was quantized from (the "
+                      "original; after a rotation or smoothing fold the transformed float weight)",
+            "output": "SQNR (dB) of each module's output (quantized weight and activations) against its float "
+                      "weight on the same input, over the first calibration windows",
+            "output_windows": 0 if not calib else min(len(calib), LAYER_ERROR_WINDOWS),
+            "rtn": "the same scheme by round-to-nearest without the algorithms (with --algo and --report/--plot)",
+            "ranked_by": "output SQNR" if by_output else "weight SQNR (no calibration windows)"},
+        "qcore_version": qcore.__version__,
         "command": "qcore " + " ".join(shlex.quote(a) for a in (args.argv or [])),
     }
     rows = [("model", desc), ("scheme", scheme), ("layers quantized", str(n_layers))]
@@ -597,13 +602,21 @@ def quantize_command(args) -> int:
             "lossless (every tensor exact)" if ct_info.lossless else f"{len(ct_info.inexact)} tensor(s) not exact in "
             f"the model dtype (" + ("the report's ct_inexact lists them)" if args.report else
                                        "--report FILE.json lists them)")))]
-    rows += [("worst layers (weight SQNR)", ", ".join(f"{n} {v:.1f} dB" for n, v in worst))]
+    rows += [("worst layers (output SQNR)" if by_output else "worst layers (weight SQNR)", ", ".join(
+        f"{n} {errors[n].output_sqnr_db:.1f} dB (weight {errors[n].weight_sqnr_db:.1f})"
+        if errors[n].output_sqnr_db is not None else f"{n} weight {errors[n].weight_sqnr_db:.1f} dB"
+        for n in order[:5]))]
     print("\nqcore quantize: done\n" + _table(rows))
     if args.report:
-        pathlib.Path(args.report).write_text(json.dumps(report, indent=1) + "\n")
+        _write_report(args.report, report)
         print(f"  report written to {args.report}")
     if args.plot:
-        plot_sqnr(sqnr, args.plot, title=f"{desc}: {scheme}")
+        title = f"{desc}: {scheme}" + (f" + {'+'.join(a['name'] for a in config.algorithms)}" if config.algorithms
+                                       else "")
+        if needs_eval:
+            title += f"\nperplexity {ppl_base:.3f} (float) -> {ppl:.3f}"
+        fig = LR.figure(errors, rtn_errors, title=title)
+        LR.save_plot(fig, args.plot)
         print(f"  per-layer SQNR plot written to {args.plot}")
     return 0
 
@@ -682,8 +695,15 @@ def eval_command(args) -> int:
     return 0
 
 
+SCHEMES_SHAPE = (4096, 4096)  # the weight shape ``qcore schemes`` counts stored bits for
+
+
 def schemes_command(args) -> int:
-    """One line per preset: its roles and the bits per weight element (scales included)."""
+    """One line per preset: its roles and the bits per weight element an HF export stores for a 4096 x 4096
+    Linear weight (codes, scales, zero points, shared exponents; ``qcore.formats.inspect.layout_bits_per_weight``,
+    the count ``qcore inspect`` makes from a checkpoint), and the spec's own count where the layout stores more
+    (Quark's int8 and int4 layouts store zero points of symmetric specs)."""
+    from qcore.formats.inspect import layout_bits_per_weight
     for name in PRESETS:
         c = preset(name)
         parts = []
@@ -697,8 +717,23 @@ def schemes_command(args) -> int:
                 g = "per-token" if s.granularity.axis % 2 == 0 else "per-feature"
             mode = "" if role == "weight" else (" dynamic" if tc.dynamic else " static")
             parts.append(f"{role[0].upper()} {s.name or s.dtype.name} {g}{mode}")
-        bits = c.layer.weight.spec.bits_per_element()  # per-tensor / per-channel scales: shape-dependent, left out
-        print(f"{name:42s} {'; '.join(parts):60s} {bits:.2f} bits/weight")
+        spec = c.layer.weight.spec
+        from .modules import _norm_weight_granularity, _with_granularity
+        spec = _with_granularity(spec, _norm_weight_granularity(spec.granularity, "Linear", name, 2, SCHEMES_SHAPE))
+        layout, bits = layout_bits_per_weight(spec, SCHEMES_SHAPE)
+        own = spec.bits_per_element(SCHEMES_SHAPE)
+        note = ""
+        if abs(own - bits) > 5e-3:
+            from qcore.formats.quark_layout import expected_weight
+            t = expected_weight(spec, SCHEMES_SHAPE, layout=layout)
+            why = []
+            if "weight_zero_point" in t:
+                why.append(("zero points of the symmetric spec" if spec.symmetric is not False else "zero points")
+                           + f" as {t['weight_zero_point'][0]}")
+            if "weight_shifts" in t:
+                why.append(f"each {spec.subblock_shift_bits}-bit shared-exponent shift in a byte")
+            note = f" (the spec needs {own:.2f}; the {layout} layout stores {' and '.join(why) or 'more'})"
+        print(f"{name:42s} {'; '.join(parts):60s} {bits:.2f} bits/weight{note}")
     return 0
 
 
@@ -723,7 +758,8 @@ def convert_command(args) -> int:
         if overlap(rp.parent, args.dst) not in ("is", "lies inside"):  # a folder the conversion creates is fine
             _check_writable_file("--report", args.report)
     info = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, strict=args.strict, dtype=dtype,
-                   tokenizer_pre=args.tokenizer_pre, verify=not args.no_verify)
+                   tokenizer_pre=args.tokenizer_pre, verify=not args.no_verify,
+                   progress=not getattr(args, "no_progress", False))
     verdict = ("not verified (--no-verify)" if info.verified_by == "none" else
                ("lossless" if info.lossless else f"{len(info.tensors)} tensors changed")
                + f" (checked by {'loading dst back' if info.verified_by == 'reload' else 'the exporter'})")
@@ -739,7 +775,7 @@ def convert_command(args) -> int:
     rows.append(("time", f"{time.perf_counter() - t0:.1f} s"))
     print(_table(rows))
     if args.report:
-        pathlib.Path(args.report).write_text(json.dumps(info.to_dict(), indent=1) + "\n")
+        _write_report(args.report, info.to_dict())
     return 0
 
 

@@ -270,12 +270,12 @@ def _import_changes(model: nn.Module) -> list:
 
 
 def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src_fmt: str, dst: pathlib.Path, to: str, *,
-            overwrite: bool, tokenizer_pre: str) -> tuple:
+            overwrite: bool, tokenizer_pre: str, progress: bool = False) -> tuple:
     """Write ``model`` in format ``to`` at ``dst``; ``(path written, notes, exporter report or None)``."""
     notes: list[str] = []
     if to == "hf":
         from .export import export_hf
-        info = export_hf(model, dst, tokenizer=tok, overwrite=overwrite)
+        info = export_hf(model, dst, tokenizer=tok, overwrite=overwrite, progress=progress)
         notes.append(f"quant_method {info.quant_method!r}")
         return dst, notes, None
     if to == "gguf":
@@ -291,7 +291,7 @@ def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src_fmt: str, ds
         return pathlib.Path(info.path), notes, info
     if to == "compressed-tensors":
         from .export_ct import export_compressed_tensors
-        info = export_compressed_tensors(model, dst, tokenizer=tok, overwrite=overwrite)
+        info = export_compressed_tensors(model, dst, tokenizer=tok, overwrite=overwrite, progress=progress)
         notes.append(f"format {info.format!r}")
         notes.extend(info.notes)  # where compressed-tensors' loaders compute differently (e.g. KV after RoPE)
         return dst, notes, info
@@ -299,6 +299,29 @@ def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src_fmt: str, ds
     info = (export_onnx(model, dst, overwrite=overwrite) if dst.suffix == ".onnx"
             else export_onnx_dir(model, dst, tokenizer=tok, overwrite=overwrite))
     return pathlib.Path(info.path), notes, info
+
+
+class _Stages:
+    """A tqdm bar over the stages of ``convert`` (nothing when disabled)."""
+
+    def __init__(self, total: int, *, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=total, desc="convert", leave=False)
+        self.started = False
+
+    def next(self, desc: str) -> None:
+        if self.bar is None:
+            return
+        if self.started:
+            self.bar.update(1)
+        self.started = True
+        self.bar.set_description(desc)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _reload(path: pathlib.Path, to: str, dtype: torch.dtype) -> nn.Module:
@@ -353,7 +376,7 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
 
 def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to: str, overwrite: bool = False,
             strict: bool = False, dtype: Optional[torch.dtype] = None, tokenizer_pre: str = "default",
-            verify: bool = True) -> ConvertInfo:
+            verify: bool = True, progress: bool = False) -> ConvertInfo:
     """Convert the quantized checkpoint ``src`` into format ``to`` at ``dst`` (see the module docstring).
 
     to: one of ``FORMATS`` (aliases: ``quark`` = hf, ``ct`` = compressed-tensors).
@@ -364,9 +387,12 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
     dtype: the float dtype the model is loaded in (default: the checkpoint's).
     tokenizer_pre: llama.cpp's pre-tokenizer name when a transformers tokenizer is converted for GGUF.
     verify: load the destination back and compare every tensor (default; ONNX: the exporter's report).
+    progress: show progress bars (one over the stages: load, write, load back and compare, move into place; the
+        exporters' bars over tensors / shards where they have them). ``qcore convert`` shows them unless
+        ``--no-progress``.
     """
     to = _norm_format(to, "to", FORMATS)
-    for k, v in (("overwrite", overwrite), ("strict", strict), ("verify", verify)):
+    for k, v in (("overwrite", overwrite), ("strict", strict), ("verify", verify), ("progress", progress)):
         if not isinstance(v, bool):
             raise TypeError(f"{k} must be a bool, got {v!r}")
     if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -381,31 +407,44 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
     if to == "onnx" and dtype not in (None, torch.float32):
         raise ValueError(f"dtype {dtype}: ONNX exports are float32 models (onnxruntime's quantized ops need "
                          f"float32 activations)")
-    model, tok, _ = load_quantized(src_p, dtype=torch.float32 if to == "onnx" else dtype)
+    stages = _Stages(3 + (verify and to != "onnx"), enabled=progress)
+    stages.next(f"convert: loading {src_fmt} source")
+    try:
+        model, tok, _ = load_quantized(src_p, dtype=torch.float32 if to == "onnx" else dtype)
+    except BaseException:
+        stages.close()
+        raise
     if src_fmt == "gguf" and src_p.is_dir():
         src_p = _gguf_in_dir(src_p)
     nq = sum(1 for m in model.modules() if isinstance(m, _QuantMixin) and "weight" in m._qspecs)
     imported = _import_changes(model)
     if nq == 0:
+        stages.close()
         raise ValueError(f"src {str(src_p)!r}: no weight could be loaded onto a qcore grid"
                          + (f" ({len(imported)} block-quantized tensors have none, e.g. {imported[0].name!r}: "
                             f"{imported[0].destination})" if imported else "") + "; nothing quantized to convert")
     load_dtype = _model_dtype(model)
 
     # write into a private staging place first: strict refusals and failed checks leave dst untouched
-    with staged_path(dst_p, recheck=lambda: _check_dst(dst_p, overwrite)) as staged:
-        written, notes, info = _export(model, tok, src_p, src_fmt, staged, to, overwrite=False,
-                                       tokenizer_pre=tokenizer_pre)
-        if to == "onnx":
-            changes, how = imported + _onnx_changes(info, model), "exporter"
-        elif verify:
-            back = _reload(written, to, load_dtype)
-            changes, how = imported + _describe(compare_models(model, back), info), "reload"
-        else:
-            changes, how = imported, "none"
-        if strict and changes:
-            names = ", ".join(f"{c.name} ({c.source} -> {c.destination})" for c in changes[:8])
-            raise ValueError(f"convert to {to}: not lossless, {len(changes)} tensors change: {names}"
-                             f"{' ...' if len(changes) > 8 else ''}; dst was not written")
-    final = dst_p / written.relative_to(staged) if written != staged else dst_p
+    try:
+        with staged_path(dst_p, recheck=lambda: _check_dst(dst_p, overwrite)) as staged:
+            stages.next(f"convert: writing {to}")
+            written, notes, info = _export(model, tok, src_p, src_fmt, staged, to, overwrite=False,
+                                           tokenizer_pre=tokenizer_pre, progress=progress)
+            if to == "onnx":
+                changes, how = imported + _onnx_changes(info, model), "exporter"
+            elif verify:
+                stages.next("convert: loading the result back to compare")
+                back = _reload(written, to, load_dtype)
+                changes, how = imported + _describe(compare_models(model, back), info), "reload"
+            else:
+                changes, how = imported, "none"
+            if strict and changes:
+                names = ", ".join(f"{c.name} ({c.source} -> {c.destination})" for c in changes[:8])
+                raise ValueError(f"convert to {to}: not lossless, {len(changes)} tensors change: {names}"
+                                 f"{' ...' if len(changes) > 8 else ''}; dst was not written")
+            stages.next("convert: moving into place")
+        final = dst_p / written.relative_to(staged) if written != staged else dst_p
+    finally:
+        stages.close()
     return ConvertInfo(str(src_p), src_fmt, str(final), to, _size(dst_p), nq, tuple(changes), how, tuple(notes))

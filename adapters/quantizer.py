@@ -370,7 +370,8 @@ def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distri
 
 
 def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], data: Optional[Iterable] = None, *,
-                   qat: bool = False, progress: bool = True, distributed: Any = None) -> nn.Module:
+                   qat: bool = False, progress: bool = True, distributed: Any = None,
+                   reference: Optional[dict] = None) -> nn.Module:
     """Quantize ``model`` in place per ``config`` (a ``ModelConfig``, a preset name or a config dict) and return it.
 
     data: calibration batches (see ``calibrate``); needed when the config has static activation scales.
@@ -382,6 +383,10 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         (GPTQ's Hessians) and the static activation observers are reduced over the ranks, and every rank ends
         with the same quantized model (see ``qcore.adapters.distributed``). Every rank calls ``quantize_model``
         with the same model and config.
+    reference: a dict that receives ``{module name: the float weight its quantized weight was rounded from}``
+        (CPU copies: one more copy of the quantized weights; after a rotation or a smoothing fold, the transformed
+        float weight, which computes what the original did; for GPTQ the weight GPTQ started from). What
+        ``qcore.adapters.layer_report`` measures the committed weights against.
 
     All or nothing: on any error the original modules are put back and the weights are untouched. With
     algorithms (``config.algorithms``: a rotation first, QuaRot or SpinQuant, on the whole float model,
@@ -393,6 +398,9 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         raise TypeError(f"qat must be a bool, got {qat!r}")
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be a bool, got {progress!r}")
+    if reference is not None and not isinstance(reference, dict):
+        raise TypeError(f"reference must be a dict (filled with the float weights) or None, got "
+                        f"{type(reference).__name__}")
     config = _as_config(config)
     plans = plan_model(model, config)
     meta = [n for n, t in model.named_parameters() if t.is_meta]
@@ -450,7 +458,8 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
                 raise
         if algos:
             from .sequential import run_algorithms
-            pinned = run_algorithms(model, plans, algos, data, progress=progress, reduce=distributed)
+            pinned = run_algorithms(model, plans, algos, data, progress=progress, reduce=distributed,
+                                    reference=reference)
     wrappers = [(p.name, model.get_submodule(p.name), wrap(model.get_submodule(p.name), p.config, name=p.name,
                                                            qat=qat)) for p in plans]
     for name, _, new in wrappers:
@@ -473,6 +482,10 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         if pinned:
             model._qcore_partial = True  # the float modules hold the algorithms' weights now
         raise
+    if reference is not None:
+        for name, _, new in wrappers:
+            if name not in pinned and "weight" in new._qspecs:
+                reference[name] = new.weight.detach().to("cpu", copy=True)
     if not qat:
         # Past this point the model is quantized: writing the weights in place cannot be undone without a second
         # copy of them. If it is interrupted, the wrappers not yet written stay in their pending mode, which

@@ -287,7 +287,7 @@ def _concat_ok(specs: list) -> bool:
 
 
 def _gptq_group(layer, names: list[str], hess: HessianStats, lplans: dict, algo: GPTQConfig, prefix: str,
-                pinned: dict, reduce=None) -> None:
+                pinned: dict, reduce=None, reference: Optional[dict] = None) -> None:
     if reduce is not None:
         hess = reduce(hess)
     mods = [layer.get_submodule(n) for n in names]
@@ -306,21 +306,24 @@ def _gptq_group(layer, names: list[str], hess: HessianStats, lplans: dict, algo:
             part = qcore.quantize(r.weight[rows:rows + k], specs[0],
                                   scale=q.scales[rows:rows + k],
                                   zero_point=None if q.zero_points is None else q.zero_points[rows:rows + k])
-            _write(m, part, pinned, f"{prefix}.{n}")
+            _write(m, part, pinned, f"{prefix}.{n}", reference)
             rows += k
         return
     for n, m, spec, fn in zip(names, mods, specs, fns):
         r = gptq(m.weight.detach().float(), hess, spec, scale_fn=fn, **kw)
-        _write(m, r.qtensor, pinned, f"{prefix}.{n}")
+        _write(m, r.qtensor, pinned, f"{prefix}.{n}", reference)
 
 
-def _write(m: nn.Module, q, pinned: dict, name: str) -> None:
+def _write(m: nn.Module, q, pinned: dict, name: str, reference: Optional[dict] = None) -> None:
+    if reference is not None:  # the float weight GPTQ started from (after any folds), for the report
+        reference[name] = m.weight.detach().to("cpu", copy=True)
     with torch.no_grad():
         m.weight.copy_(qcore.dequantize(q).to(m.weight.dtype))
     pinned[name] = q
 
 
-def _run_gptq(layer, lplans, inputs: _Inputs, algo: GPTQConfig, prefix: str, pinned: dict, reduce=None) -> None:
+def _run_gptq(layer, lplans, inputs: _Inputs, algo: GPTQConfig, prefix: str, pinned: dict, reduce=None,
+              reference: Optional[dict] = None) -> None:
     targets = _gptq_targets(layer, lplans, algo, prefix)
     if not targets:
         return
@@ -330,7 +333,7 @@ def _run_gptq(layer, lplans, inputs: _Inputs, algo: GPTQConfig, prefix: str, pin
         with torch.no_grad():
             stats = _collect_hessians(layer, stage, inputs, stop_after=last_head)
             for group in stage:
-                _gptq_group(layer, group, stats[group[0]], lplans, algo, prefix, pinned, reduce)
+                _gptq_group(layer, group, stats[group[0]], lplans, algo, prefix, pinned, reduce, reference)
             del stats
 
 
@@ -377,12 +380,14 @@ def check_layers(layers, by_layer: list[dict], algos, path: str) -> None:
                 _gptq_targets(layer, by_layer[i], a, f"{path}.{i}")
 
 
-def run_layer(layer: nn.Module, lplans: dict, inputs: _Inputs, algos, prefix: str, pinned: dict, reduce=None) -> None:
+def run_layer(layer: nn.Module, lplans: dict, inputs: _Inputs, algos, prefix: str, pinned: dict, reduce=None,
+              reference: Optional[dict] = None) -> None:
     """The algorithms, in order, on one decoder layer over its kept ``inputs`` (the per-layer step of
-    ``run_algorithms``, shared with ``qcore.adapters.streaming``); GPTQ's QTensors go into ``pinned``."""
+    ``run_algorithms``, shared with ``qcore.adapters.streaming``); GPTQ's QTensors go into ``pinned``, and (when
+    ``reference`` is a dict) the float weights GPTQ started from into ``reference`` (CPU copies)."""
     for a in algos:
         if isinstance(a, GPTQConfig):
-            _run_gptq(layer, lplans, inputs, a, prefix, pinned, reduce)
+            _run_gptq(layer, lplans, inputs, a, prefix, pinned, reduce, reference)
         else:
             from .scaling_bind import apply_scaling
             apply_scaling(layer, lplans, inputs, a, prefix, reduce=reduce)
@@ -398,12 +403,14 @@ def check_algorithms(model: nn.Module, plans: list, algorithms) -> None:
 
 
 def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence, *, progress: bool = True,
-                   reduce=None) -> dict:
+                   reduce=None, reference: Optional[dict] = None) -> dict:
     """Apply ``algorithms`` (configs or dicts, in order) layer by layer; return ``{module name: QTensor}`` of
     the weights GPTQ quantized. ``plans``: ``plan_model``'s output; ``batches``: a sequence of calibration
     batches. ``reduce``: for several processes (each holding its share of the batches), a
     ``qcore.adapters.distributed.Distributed``: called on each layer's ``HessianStats`` (the sum over ranks, before
-    GPTQ), its ``sum`` / ``max`` / ``min`` reduce other statistics; every rank then computes the same weights."""
+    GPTQ), its ``sum`` / ``max`` / ``min`` reduce other statistics; every rank then computes the same weights.
+    ``reference``: a dict to receive ``{module name: float weight GPTQ started from}`` (CPU copies; the report's
+    reference weights, ``qcore.adapters.layer_report``)."""
     from .quantizer import _device_of, _progress
 
     algos = parse_algorithms(algorithms)
@@ -438,7 +445,7 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
                 layer = layers[i]
                 prefix = f"{path}.{i}"
                 current = i
-                run_layer(layer, by_layer[i], inputs, algos, prefix, pinned, reduce)
+                run_layer(layer, by_layer[i], inputs, algos, prefix, pinned, reduce, reference)
                 inputs = _forward_layer(layer, inputs, keep=True)
     except BaseException as e:
         if current is None:

@@ -6,13 +6,15 @@ from __future__ import annotations
 import math
 import pathlib
 from collections import Counter
-from typing import Any, Union
+from typing import Any, Mapping, Optional, Union
 
 from qcore import get_dtype
 
-from .safetensors_io import CorruptCheckpointError, SafetensorsFile, index_shards, no_safetensors, read_json_object
+from .safetensors_io import (DTYPE_BYTES, CorruptCheckpointError, SafetensorsFile, index_shards, no_safetensors,
+                             read_json_object)
 
-__all__ = ["inspect_checkpoint", "format_report", "checkpoint_files"]
+__all__ = ["inspect_checkpoint", "inspect_path", "format_report", "checkpoint_files", "stored_bits_per_weight",
+           "layout_bits_per_weight"]
 
 # weight elements per stored weight element, by layout and element bits (packed formats)
 _WEIGHT_SUFFIXES = ("weight", "weight_scale", "weight_zero_point", "weight_scale_2", "weight_shifts")
@@ -40,13 +42,78 @@ def checkpoint_files(d: Union[str, pathlib.Path]) -> list[pathlib.Path]:
     return files
 
 
-def _weight_count(layout: str, dtype: str, shape: tuple, el_bits: int) -> int:
-    n = math.prod(shape)
-    if layout in ("int4_channel", "int4_group") or (dtype == "I32" and layout == "?"):
+def stored_bits_per_weight(tensors: Mapping[str, tuple], n_weights: int) -> float:
+    """Bits per weight element of one layer as stored: every tensor of its weight (codes, scales, zero points,
+    MX shared shifts, the two-level tensor scale; ``{name: (safetensors dtype, shape)}``, e.g.
+    ``quark_layout.expected_weight``'s or a checkpoint header's) in bits, over ``n_weights``. The one count
+    ``qcore inspect`` (from a checkpoint's headers) and ``qcore schemes`` (from the layout an export writes) use."""
+    if isinstance(n_weights, bool) or not isinstance(n_weights, int) or n_weights < 1:
+        raise ValueError(f"n_weights must be a positive int, got {n_weights!r}")
+    bits = 0
+    for name, (dtype, shape) in tensors.items():
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"tensor {name!r}: unknown safetensors dtype {dtype!r}")
+        bits += 8 * DTYPE_BYTES[dtype] * math.prod(shape)
+    return bits / n_weights
+
+
+def layout_bits_per_weight(spec, shape: tuple, *, module: str = "Linear") -> tuple[str, float]:
+    """``(layout, bits per weight)`` of a weight of canonical ``shape`` quantized by ``spec`` as an HF export
+    stores it (``quark_layout.weight_layout`` / ``expected_weight``, counted by ``stored_bits_per_weight``)."""
+    from .quark_layout import expected_weight, weight_layout
+    layout = weight_layout(spec, tuple(shape), module=module)
+    return layout, stored_bits_per_weight(expected_weight(spec, tuple(shape), layout=layout), math.prod(shape))
+
+
+# layouts whose weight element count follows from the stored tensors alone (MX blocks of 32, NVFP4 of 16)
+def _weight_count(layout: str, entries: dict, name: str, el_bits: Optional[int]) -> Optional[int]:
+    w = entries[f"{name}.weight"]
+    n = math.prod(w.shape)
+    if layout in ("int8", "fp8"):
+        return n
+    if layout in ("int4_channel", "int4_group"):
         return n * 8
-    if layout in ("mx", "nvfp4", "qcore") or dtype == "U8":
-        return n * 8 // max(1, el_bits)
-    return n
+    sc = entries.get(f"{name}.weight_scale")
+    if layout == "mx" and sc is not None:
+        return math.prod(sc.shape) * 32
+    if layout == "nvfp4" and sc is not None:
+        return math.prod(sc.shape) * 16
+    if el_bits is None:
+        return None
+    return n * 8 * DTYPE_BYTES.get(w.dtype, 1) // el_bits  # the qcore layout: codes packed row by row
+
+
+def _match(pattern: str, name: str) -> bool:
+    import fnmatch
+    import re
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):  # the pattern may name the module or a parent (a block)
+        n = ".".join(parts[:i])
+        if (re.fullmatch(pattern[3:], n) is not None) if pattern.startswith("re:") else fnmatch.fnmatchcase(
+                n, pattern):
+            return True
+    return False
+
+
+def _qcore_weight_dtype(own_config: Any, name: str) -> Optional[str]:
+    """The weight element format of module ``name`` by qcore's own config (``quantization_config["qcore"]
+    ["config"]``, a ``ModelConfig`` dict): its ``by_name`` pattern, else the default layer (or, when the
+    ``by_type`` entries agree with it, theirs); None when it cannot be told without the module's type."""
+    if not isinstance(own_config, dict):
+        return None
+
+    def wdtype(lc):
+        w = (lc or {}).get("weight") if isinstance(lc, dict) else None
+        spec = w.get("spec") if isinstance(w, dict) else None
+        return (spec.get("name") or spec.get("dtype")) if isinstance(spec, dict) else None
+
+    for pat, lc in (own_config.get("by_name") or {}).items():
+        if _match(pat, name):
+            return wdtype(lc)
+    cands = {wdtype(own_config.get("layer"))} | {wdtype(v) for v in (own_config.get("by_type") or {}).values()}
+    cands.discard(None)
+    bits = {_element_bits(c) for c in cands}
+    return next(iter(cands)) if len(bits) == 1 else None
 
 
 def _infer_layout(entries: dict, name: str) -> str:
@@ -88,19 +155,27 @@ def inspect_checkpoint(directory: Union[str, pathlib.Path]) -> dict:
                     | set(layouts))
     gw = (qc.get("global_quant_config") or {}).get("weight")
     gw = gw[0] if isinstance(gw, list) and gw else gw
-    el = (gw or {}).get("dtype") if isinstance(gw, dict) else None
-    el_bits = _element_bits(el) if el is not None else 8
+    own_config = own.get("config")
     per_layout: Counter = Counter()
-    q_bytes = q_weights = 0
+    per_layer: dict[str, dict] = {}
     for name in layers:
         lay = layouts.get(name) or _infer_layout(entries, name)
         per_layout[lay] += 1
         w = entries.get(f"{name}.weight")
         if w is None:
             raise CorruptCheckpointError(f"layer {name!r}: no {name}.weight tensor")
-        q_weights += _weight_count(lay, w.dtype, w.shape, el_bits)
-        q_bytes += sum(entries[f"{name}.{s}"].end - entries[f"{name}.{s}"].begin for s in _WEIGHT_SUFFIXES
-                       if f"{name}.{s}" in entries)
+        fmt = _qcore_weight_dtype(own_config, name) if own_config is not None else _quark_weight_dtype(qc, name)
+        n = _weight_count(lay, entries, name, None if fmt is None else _element_bits(fmt))
+        tensors = {s: (entries[f"{name}.{s}"].dtype, tuple(entries[f"{name}.{s}"].shape)) for s in _WEIGHT_SUFFIXES
+                   if f"{name}.{s}" in entries}
+        per_layer[name] = {"layout": lay, "format": fmt, "weights": n,
+                           "bytes": sum(entries[f"{name}.{s}"].end - entries[f"{name}.{s}"].begin for s in tensors),
+                           "tensors": {s: f"{d} {list(sh)}" for s, (d, sh) in tensors.items()},
+                           "bits_per_weight": None if n is None else round(stored_bits_per_weight(tensors, n), 4)}
+    counted = [v for v in per_layer.values() if v["weights"] is not None]
+    q_weights = sum(v["weights"] for v in counted)
+    q_bytes = sum(v["bytes"] for v in counted)
+    formats = Counter(v["format"] or "?" for v in per_layer.values())
     dtypes = Counter(e.dtype for e in entries.values())
     total = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
     return {
@@ -110,6 +185,7 @@ def inspect_checkpoint(directory: Union[str, pathlib.Path]) -> dict:
         "written_by": f"qcore {own.get('qcore_version')}" if own else ("AMD Quark " + str(qc.get("version"))
                                                                        if qc.get("quant_method") == "quark" else None),
         "weight_format": (gw or {}).get("dtype") if isinstance(gw, dict) else None,
+        "layers_per_format": dict(sorted(formats.items())),
         "weight_qscheme": (gw or {}).get("qscheme") if isinstance(gw, dict) else None,
         "group_size": (gw or {}).get("group_size") if isinstance(gw, dict) else None,
         "activations": _role(qc, "input_tensors"),
@@ -119,12 +195,29 @@ def inspect_checkpoint(directory: Union[str, pathlib.Path]) -> dict:
         "quantized_layers": len(layers),
         "layers_per_layout": dict(sorted(per_layout.items())),
         "bits_per_weight": round(8 * q_bytes / q_weights, 3) if q_weights else None,
+        "layers": per_layer,
         "tensors": len(entries),
         "tensor_dtypes": dict(sorted(dtypes.items())),
         "files": sorted(f.name for f in d.iterdir() if f.is_file()),
         "safetensors_files": len(files),
         "bytes_on_disk": total,
     }
+
+
+def _quark_weight_dtype(qc: dict, name: str) -> Optional[str]:
+    """The weight dtype of module ``name`` by a Quark config: its ``layer_quant_config`` pattern, else the global
+    one (``layer_type_quant_config`` needs the module's type: None when it disagrees with the global)."""
+    def wd(spec):
+        w = (spec or {}).get("weight") if isinstance(spec, dict) else None
+        w = w[0] if isinstance(w, list) and w else w
+        return w.get("dtype") if isinstance(w, dict) else None
+
+    for pat, spec in (qc.get("layer_quant_config") or {}).items():
+        if _match(pat, name):
+            return wd(spec)
+    g = wd(qc.get("global_quant_config"))
+    types = {wd(v) for v in (qc.get("layer_type_quant_config") or {}).values()}
+    return g if not types or types == {g} else None
 
 
 def _role(qc: dict, key: str):
@@ -135,21 +228,49 @@ def _role(qc: dict, key: str):
     return f"{v.get('dtype')} {v.get('qscheme')} {'dynamic' if v.get('is_dynamic') else 'static'}"
 
 
-def format_report(info: dict) -> str:
+def _bits_by_group(per_layer: dict, key: str) -> dict:
+    """Bits per weight of the layers grouped by ``key`` (their format or layout), summed over the group."""
+    acc: dict = {}
+    for v in per_layer.values():
+        if v["weights"] is None:
+            continue
+        k = v[key] or "?"
+        b, n = acc.get(k, (0, 0))
+        acc[k] = (b + v["bytes"], n + v["weights"])
+    return {k: round(8 * b / n, 3) for k, (b, n) in sorted(acc.items())}
+
+
+def format_report(info: dict, *, layers: bool = False) -> str:
+    """The text ``qcore inspect`` prints (``layers``: one row per quantized layer too)."""
+    if info.get("kind") in ("gguf", "onnx"):
+        return _format_other(info, layers=layers)
+    per_layer = info.get("layers") or {}
+    by_fmt = _bits_by_group(per_layer, "format")
     rows = [("checkpoint", info["directory"]), ("architecture", str(info["architecture"])),
             ("quant_method", f"{info['quant_method']} (written by {info['written_by']})"),
             ("weights", f"{info['weight_format']} {info['weight_qscheme']}"
-                        + (f" g{info['group_size']}" if info["group_size"] else "")),
+                        + (f" g{info['group_size']}" if info["group_size"] else "") + " (the global config)"),
             ("activations", str(info["activations"] or "float")),
             ("kv cache", ", ".join(info["kv_cache"]) or "float"),
             ("excluded", ", ".join(info["exclude"] or []) or "-"),
             ("quantized layers", f"{info['quantized_layers']} " + (
                 "(" + ", ".join(f"{k}: {v}" for k, v in info["layers_per_layout"].items()) + ")")),
-            ("bits per weight", f"{info['bits_per_weight']} (quantized layers, scales included)"),
+            ("layer formats", ", ".join(f"{k}: {v} layers, {by_fmt.get(k, '?')} bits/weight"
+                                        for k, v in (info.get("layers_per_format") or {}).items()) or "-"),
+            ("bits per weight", f"{info['bits_per_weight']} (quantized layers, each in its own format; scales, "
+                                f"zero points and shared exponents included)"),
             ("tensors", f"{info['tensors']} (" + ", ".join(f"{k} {v}" for k, v in info["tensor_dtypes"].items())
              + ")"),
             ("files", ", ".join(info["files"])),
             ("size on disk", f"{info['bytes_on_disk'] / 2**20:.2f} MiB")]
+    if layers:
+        rows += [(f"  {n}", f"{v['format'] or '?'} {v['layout']}: {v['bits_per_weight']} bits/weight "
+                            f"({v['weights']} weights, {v['bytes']} bytes: " + ", ".join(
+                                f"{k} {t}" for k, t in v["tensors"].items()) + ")") for n, v in per_layer.items()]
+    return _rows(rows)
+
+
+def _rows(rows) -> str:
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(w)}  {v}" for k, v in rows)
 
@@ -176,20 +297,30 @@ def _inspect_ct(d: pathlib.Path, cfg: dict, qc: dict) -> dict:
         return (named or list(ct.config_groups))[0]
 
     per_format: Counter = Counter()
-    q_bytes = q_weights = 0
+    formats: Counter = Counter()
+    per_layer: dict[str, dict] = {}
     for name in layers:
         g = group_of(name)
         fmt = ct.scheme_format(g)
-        bits = ct.config_groups[g].weights.num_bits if ct.config_groups[g].weights is not None else 8
+        wa = ct.config_groups[g].weights
+        bits = wa.num_bits if wa is not None else 8
         per_format[fmt.value] += 1
         w = entries.get(f"{name}.weight_packed") or entries.get(f"{name}.weight")
         if w is None:
             raise CorruptCheckpointError(f"layer {name!r}: no {name}.weight_packed or {name}.weight tensor")
         n = math.prod(w.shape)
-        q_weights += (n * 32 // bits if fmt is CTFormat.PACK_QUANTIZED else
-                      n * 2 if fmt is CTFormat.MXFP4_PACK_QUANTIZED else n)
-        q_bytes += sum(entries[f"{name}.{s}"].end - entries[f"{name}.{s}"].begin for s in _CT_TENSORS
-                       if f"{name}.{s}" in entries)
+        n = (n * 32 // bits if fmt is CTFormat.PACK_QUANTIZED else n * 2 if fmt is CTFormat.MXFP4_PACK_QUANTIZED
+             else n)
+        tensors = {s: (entries[f"{name}.{s}"].dtype, tuple(entries[f"{name}.{s}"].shape)) for s in _CT_TENSORS
+                   if f"{name}.{s}" in entries}
+        fname = None if wa is None else f"{wa.type.value}{wa.num_bits}"
+        formats[fname or "?"] += 1
+        per_layer[name] = {"layout": fmt.value, "format": fname, "weights": n,
+                           "bytes": sum(entries[f"{name}.{s}"].end - entries[f"{name}.{s}"].begin for s in tensors),
+                           "tensors": {s: f"{d} {list(sh)}" for s, (d, sh) in tensors.items()},
+                           "bits_per_weight": round(stored_bits_per_weight(tensors, n), 4)}
+    q_weights = sum(v["weights"] for v in per_layer.values())
+    q_bytes = sum(v["bytes"] for v in per_layer.values())
     first = next(iter(ct.config_groups.values()))
     w0, a0 = first.weights, first.input_activations
     own = ct.qcore if isinstance(ct.qcore, dict) else {}
@@ -211,9 +342,183 @@ def _inspect_ct(d: pathlib.Path, cfg: dict, qc: dict) -> dict:
         "quantized_layers": len(layers),
         "layers_per_layout": dict(sorted(per_format.items())),
         "bits_per_weight": round(8 * q_bytes / q_weights, 3) if q_weights else None,
+        "layers_per_format": dict(sorted(formats.items())),
+        "layers": per_layer,
         "tensors": len(entries),
         "tensor_dtypes": dict(sorted(Counter(e.dtype for e in entries.values()).items())),
         "files": sorted(f.name for f in d.iterdir() if f.is_file()),
         "safetensors_files": len(files),
         "bytes_on_disk": total,
     }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GGUF files and ONNX exports (``qcore inspect FILE.gguf`` / ``qcore inspect DIR`` holding model.onnx)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def inspect_path(path: Union[str, pathlib.Path]) -> dict:
+    """``qcore inspect PATH``: a ``.gguf`` file, an ONNX export (a ``.onnx`` file or a directory holding one and
+    no safetensors) or an HF checkpoint directory (``inspect_checkpoint``)."""
+    p = pathlib.Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return inspect_gguf(p)
+    if p.is_file() and p.suffix == ".onnx":
+        return inspect_onnx(p)
+    if p.is_dir() and not any(p.glob("*.safetensors")) and any(p.glob("*.onnx")):
+        return inspect_onnx(p)
+    if p.is_file():
+        raise ValueError(f"{str(p)!r}: not a .gguf or .onnx file, nor a checkpoint directory")
+    return inspect_checkpoint(p)
+
+
+def _layer_of(tensor: str) -> str:
+    return tensor[:-len(".weight")] if tensor.endswith(".weight") else tensor
+
+
+def inspect_gguf(path: Union[str, pathlib.Path]) -> dict:
+    """Tensor types and bits per weight of a GGUF file (the ``gguf`` package's reader; header and tensor infos
+    only). A quantized tensor's bits per weight is its block type's: bytes per block x 8 / weights per block
+    (Q4_0: 18 x 8 / 32 = 4.5), checked against the bytes the file gives the tensor."""
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{str(p)!r} is not a file")
+    try:
+        import gguf
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError("qcore inspect of a GGUF file needs the gguf package (pip install gguf)") from None
+    try:
+        r = gguf.GGUFReader(str(p))
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        raise ValueError(f"{str(p)!r}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    types: Counter = Counter()
+    per_layer: dict[str, dict] = {}
+    q_bits = q_n = 0
+    for t in r.tensors:
+        tname = gguf.GGMLQuantizationType(int(t.tensor_type)).name
+        types[tname] += 1
+        n = int(t.n_elements)
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(t.tensor_type))]
+        if n % block or n // block * size != int(t.n_bytes):
+            raise ValueError(f"{str(p)!r}: tensor {t.name!r} ({tname}, {n} elements) holds {int(t.n_bytes)} bytes; "
+                             f"its block type needs {-(-n // block) * size}")
+        bpw = 8 * size / block
+        per_layer[_layer_of(t.name)] = {"type": tname, "shape": [int(x) for x in t.shape[::-1]], "weights": n,
+                                        "bytes": int(t.n_bytes), "bits_per_weight": round(bpw, 4)}
+        if tname not in ("F32", "F16", "BF16", "F64"):
+            q_bits += 8 * int(t.n_bytes)
+            q_n += n
+    arch = r.get_field("general.architecture")
+    arch = bytes(arch.parts[arch.data[0]]).decode("utf-8", "replace") if arch is not None else None
+    return {"kind": "gguf", "path": str(p), "architecture": arch, "tensors": len(r.tensors),
+            "tensor_types": dict(sorted(types.items())),
+            "quantized_tensors": sum(v for k, v in types.items() if k not in ("F32", "F16", "BF16", "F64")),
+            "bits_per_weight": round(q_bits / q_n, 3) if q_n else None, "layers": per_layer,
+            "bytes_on_disk": p.stat().st_size}
+
+
+_ONNX_BITS = {"FLOAT": 32, "FLOAT16": 16, "BFLOAT16": 16, "DOUBLE": 64, "INT64": 64, "UINT64": 64, "INT32": 32,
+              "UINT32": 32, "INT16": 16, "UINT16": 16, "INT8": 8, "UINT8": 8, "BOOL": 8, "FLOAT8E4M3FN": 8,
+              "FLOAT8E4M3FNUZ": 8, "FLOAT8E5M2": 8, "FLOAT8E5M2FNUZ": 8, "FLOAT8E8M0": 8, "INT4": 4, "UINT4": 4,
+              "FLOAT4E2M1": 4, "INT2": 2, "UINT2": 2}
+
+
+def inspect_onnx(path: Union[str, pathlib.Path]) -> dict:
+    """Initializers of an ONNX export (``model.onnx`` in a directory, or the file): per tensor its dtype, shape
+    and quantized form; per quantized weight its bits per weight: codes + scales + zero points (packed as ONNX
+    stores them: 4-bit types two per byte), over the weight's elements. Quantized forms: ``DequantizeLinear``
+    (QDQ; per tensor, axis or block) and ``MatMulNBits`` (com.microsoft). Needs the onnx package."""
+    p = pathlib.Path(path)
+    f = p
+    if p.is_dir():
+        files = sorted(p.glob("*.onnx"))
+        if len(files) != 1:
+            raise ValueError(f"{str(p)!r}: expected one .onnx file, found {[x.name for x in files]}")
+        f = files[0]
+    try:
+        import onnx
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError("qcore inspect of an ONNX export needs the onnx package (pip install onnx)") from None
+    try:
+        model = onnx.load(str(f), load_external_data=False)
+    except Exception as e:  # onnx raises DecodeError and friends: one line naming the file
+        raise ValueError(f"{str(f)!r}: not a readable ONNX model ({type(e).__name__}: {e})") from None
+    inits = {t.name: t for t in model.graph.initializer}
+
+    def dtype(t) -> str:
+        return onnx.TensorProto.DataType.Name(t.data_type)
+
+    def nbytes(t) -> int:
+        bits = _ONNX_BITS.get(dtype(t))
+        if bits is None:
+            raise ValueError(f"{str(f)!r}: initializer {t.name!r} has dtype {dtype(t)}, which qcore inspect does "
+                             f"not size")
+        return -(-math.prod(t.dims) * bits // 8)
+
+    form: dict[str, str] = {}
+    weights: dict[str, dict] = {}
+    for node in model.graph.node:
+        ins = list(node.input)
+        if node.op_type == "DequantizeLinear" and ins and ins[0] in inits:
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            x = inits[ins[0]]
+            how = "qdq " + (f"block {attrs['block_size']}" if attrs.get("block_size") else
+                            "per tensor" if len(ins) > 1 and ins[1] in inits and not inits[ins[1]].dims else
+                            f"axis {attrs.get('axis', 1)}")
+            parts = [n for n in ins[:3] if n in inits]
+            weights[ins[0]] = {"form": how, "dtype": dtype(x), "weights": math.prod(x.dims), "parts": parts}
+        elif node.op_type == "MatMulNBits" and len(ins) > 1 and ins[1] in inits:
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            parts = [n for n in ins[1:4] if n in inits]
+            weights[ins[1]] = {"form": f"MatMulNBits {attrs.get('bits', 4)}-bit block {attrs.get('block_size')}",
+                               "dtype": dtype(inits[ins[1]]), "weights": int(attrs["K"]) * int(attrs["N"]),
+                               "parts": parts}
+        else:
+            continue
+    for w in weights.values():
+        for n in w["parts"]:
+            form[n] = w["form"]
+    per_layer = {}
+    for name, w in weights.items():
+        b = sum(nbytes(inits[n]) for n in w["parts"])
+        per_layer[name] = {"form": w["form"], "dtype": w["dtype"], "weights": w["weights"], "bytes": b,
+                           "tensors": {n: f"{dtype(inits[n])} {list(inits[n].dims)}" for n in w["parts"]},
+                           "bits_per_weight": round(8 * b / w["weights"], 4)}
+    tensors = {n: {"dtype": dtype(t), "shape": list(t.dims), "form": form.get(n, "float" if dtype(t) in (
+        "FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE") else "plain")} for n, t in inits.items()}
+    dtypes = Counter(dtype(t) for t in inits.values())
+    q_b = sum(v["bytes"] for v in per_layer.values())
+    q_n = sum(v["weights"] for v in per_layer.values())
+    d = f.parent
+    return {"kind": "onnx", "path": str(f), "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import},
+            "initializers": len(inits), "tensor_dtypes": dict(sorted(dtypes.items())),
+            "quantized_weights": len(per_layer),
+            "forms": dict(sorted(Counter(v["form"] for v in per_layer.values()).items())),
+            "bits_per_weight": round(8 * q_b / q_n, 3) if q_n else None, "layers": per_layer, "tensors": tensors,
+            "bytes_on_disk": sum(x.stat().st_size for x in d.iterdir() if x.is_file()) if p.is_dir()
+            else f.stat().st_size}
+
+
+def _format_other(info: dict, *, layers: bool) -> str:
+    if info["kind"] == "gguf":
+        rows = [("gguf file", info["path"]), ("architecture", str(info["architecture"])),
+                ("tensors", f"{info['tensors']} (" + ", ".join(f"{k} {v}" for k, v in info["tensor_types"].items())
+                 + ")"),
+                ("bits per weight", f"{info['bits_per_weight']} (quantized tensors, by their block types)"),
+                ("size on disk", f"{info['bytes_on_disk'] / 2**20:.2f} MiB")]
+        if layers:
+            rows += [(f"  {n}", f"{v['type']} {v['shape']}: {v['bits_per_weight']} bits/weight")
+                     for n, v in info["layers"].items()]
+        return _rows(rows)
+    rows = [("onnx model", info["path"]), ("opset", ", ".join(f"{k} {v}" for k, v in info["opset"].items())),
+            ("initializers", f"{info['initializers']} (" + ", ".join(f"{k} {v}" for k, v in
+                                                                     info["tensor_dtypes"].items()) + ")"),
+            ("quantized weights", f"{info['quantized_weights']} (" + ", ".join(
+                f"{k}: {v}" for k, v in info["forms"].items()) + ")"),
+            ("bits per weight", f"{info['bits_per_weight']} (quantized weights: codes, scales and zero points)"),
+            ("size on disk", f"{info['bytes_on_disk'] / 2**20:.2f} MiB")]
+    if layers:
+        rows += [(f"  {n}", f"{v['form']} {v['dtype']}: {v['bits_per_weight']} bits/weight ("
+                            + ", ".join(f"{k} {t}" for k, t in v["tensors"].items()) + ")")
+                 for n, v in info["layers"].items()]
+    return _rows(rows)

@@ -262,7 +262,8 @@ def _add_quantize(sub) -> None:
     q.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest safetensors shard (default 5GB)")
     q.add_argument("--eval", choices=["ppl", "none"], default="ppl", help="evaluation before and after (default ppl)")
     q.add_argument("--report", default=None, metavar="FILE.json", help="write the report as JSON")
-    q.add_argument("--plot", default=None, metavar="FILE.png", help="plot the per-layer weight SQNR (needs matplotlib)")
+    q.add_argument("--plot", default=None, metavar="FILE.png", help="plot each layer's weight SQNR and output SQNR "
+                   "on calibration by decoder block and projection, before and after --algo (needs matplotlib)")
 
 
 def _add_eval(sub) -> None:
@@ -292,24 +293,28 @@ def _add_eval(sub) -> None:
 def _inspect(args) -> int:
     from .formats import inspect as fi  # numpy only: works without torch
     try:
-        info = fi.inspect_checkpoint(args.directory)
-    except (OSError, ValueError) as e:
+        info = fi.inspect_path(args.directory)
+    except (OSError, ValueError, ModuleNotFoundError) as e:
         if args.debug:
             raise
         print(f"qcore inspect: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    print(json.dumps(info, indent=1) if args.json else fi.format_report(info))
+    print(json.dumps(info, indent=1) if args.json else fi.format_report(info, layers=args.layers))
     return 0
 
 
 def _add_inspect(sub) -> None:
     i = sub.add_parser("inspect", help="what an exported checkpoint holds: config, tensors, formats, bits per weight",
-                       description="Describe a quantized HF checkpoint directory (qcore or AMD Quark export): its "
-                                   "quantization config, the layers per format, tensor dtypes, size on disk and "
-                                   "bits per weight. Reads only config.json and the safetensors headers, and "
-                                   "checks that every file is complete.")
-    i.add_argument("directory", help="checkpoint directory (config.json + *.safetensors)")
-    i.add_argument("--json", action="store_true", help="print the description as JSON")
+                       description="Describe a quantized checkpoint: an HF directory (qcore, AMD Quark or "
+                                   "compressed-tensors export: its quantization config, each layer's format and "
+                                   "bits per weight, tensor dtypes, size on disk; reads only config.json and the "
+                                   "safetensors headers, and checks that every file is complete), a .gguf file "
+                                   "(tensor types, bits per weight by block type) or an ONNX export directory "
+                                   "(initializers: dtype, quantized form, bits per weight).")
+    i.add_argument("directory", metavar="PATH", help="checkpoint directory (config.json + *.safetensors), .gguf "
+                   "file, or ONNX export directory (model.onnx)")
+    i.add_argument("--layers", action="store_true", help="one row per quantized layer / tensor")
+    i.add_argument("--json", action="store_true", help="print the description as JSON (per layer included)")
     i.add_argument("--debug", action="store_true", help="show tracebacks")
     i.set_defaults(func=_inspect)
 
@@ -334,6 +339,7 @@ def _add_convert(sub) -> None:
     c.add_argument("--no-verify", action="store_true", help="do not load dst back to compare (faster; then "
                    "nothing is measured)")
     c.add_argument("--report", default=None, metavar="FILE.json", help="write the report as JSON")
+    c.add_argument("--no-progress", action="store_true", help="no progress bars")
     c.add_argument("--debug", action="store_true", help="show tracebacks")
     c.set_defaults(func=_run_model_command)
 

@@ -343,7 +343,8 @@ def no_work(monkeypatch):
         pytest.fail("evaluation or quantization ran before the refusal")
     monkeypatch.setattr(C.E, "perplexity", fail)
     monkeypatch.setattr(C, "quantize_model", fail)
-    monkeypatch.setattr(C, "_layer_sqnr", fail)
+    from qcore.adapters import layer_report
+    monkeypatch.setattr(layer_report, "measure", fail)
 
 
 def _refused(argv, capsys, *needles):
