@@ -158,8 +158,8 @@ BAD_CLI = [
     (["convert", "src.json", "out", "--to", "hf", "--report", "adir"], "--report adir", "is a directory"),
     # inspect
     (["inspect", "missing"], "'missing'", "is not a directory"),
-    (["inspect", "src.json"], "'src.json'", "is not a directory"),
-    (["inspect"], "directory", "required"),
+    (["inspect", "src.json"], "'src.json'", "not a .gguf or .onnx file, nor a checkpoint directory"),
+    (["inspect"], "PATH", "required"),
     # conformance
     (["conformance", "export", "vec", "--formats", "nope"], "--formats", "unknown format 'nope'"),
     (["conformance", "export", "vec", "--formats", "mxfp4", "--modes", "bogus"], "--modes", "unknown mode"),
