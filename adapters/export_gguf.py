@@ -46,7 +46,7 @@ from torch import nn
 
 from qcore.formats import gguf as G
 from qcore.dtypes import IntDType
-from qcore._fsutil import check_not_source, model_sources, staged_dir, staged_file
+from qcore._fsutil import check_file_destination, model_sources, staged_dir, staged_file
 
 from .config import ModelConfig
 from .modules import _QuantMixin
@@ -345,7 +345,7 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
     path = pathlib.Path(path)
     if path.suffix != ".gguf":
         raise ValueError(f"path must name a .gguf file, got {str(path)!r}")
-    _check_file_destination(path, overwrite, model_sources(model) + ([str(tokenizer)] if isinstance(
+    check_file_destination(path, overwrite, model_sources(model) + ([str(tokenizer)] if isinstance(
         tokenizer, (str, os.PathLike)) else []))
     if not any(isinstance(m, _QuantMixin) for m in model.modules()):
         raise ValueError("export_gguf: the model has no qcore quantized modules; run quantize_model first")
@@ -357,7 +357,7 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
     import gguf
     V = gguf.GGUFValueType
     kinds = {"u32": V.UINT32, "f32": V.FLOAT32, "str": V.STRING}
-    with staged_file(path, recheck=lambda: _check_file_destination(path, overwrite, ())) as tmp:
+    with staged_file(path, recheck=lambda: check_file_destination(path, overwrite, ())) as tmp:
         w = gguf.GGUFWriter(tmp, arch="llama")
         w.add_name(name or _published_name(cfg))
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -390,15 +390,6 @@ def _published_name(cfg: dict) -> str:
     if not n or os.path.isabs(n) or os.path.exists(n) or n.startswith(("." + os.sep, ".." + os.sep, "~")):
         return "qcore model"
     return n
-
-
-def _check_file_destination(path: pathlib.Path, overwrite: bool, sources) -> None:
-    """Before any work: ``path`` is not a source (``qcore._fsutil.check_not_source``), not a directory, and new
-    unless ``overwrite``."""
-    check_not_source(path, sources, what="path")
-    if path.exists() and (path.is_dir() or not overwrite):
-        raise FileExistsError(f"{str(path)!r} exists; pass overwrite=True to replace it" if not path.is_dir()
-                              else f"{str(path)!r} is a directory")
 
 
 def export_gguf_dir(model: nn.Module, directory: Union[str, os.PathLike], *, overwrite: bool = False,

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from qcore.formats import onnx as X
-from qcore._fsutil import check_not_source, model_sources, staged_dir
+from qcore._fsutil import check_file_destination, model_sources, staged_dir
 
 from .modules import QuantConvTranspose2d, QuantEmbedding, QuantEmbeddingBag, QuantLinear, _QuantMixin
 
@@ -721,7 +721,7 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], *, inputs: Unio
     path = pathlib.Path(path)
     if path.suffix != ".onnx":
         raise ValueError(f"path must name a .onnx file, got {str(path)!r}")
-    _check_file_destination(path, overwrite, model_sources(model))
+    check_file_destination(path, overwrite, model_sources(model))
     mods = [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantMixin)]
     if not mods:
         raise ValueError("export_onnx: the model has no qcore quantized modules; run quantize_model first")
@@ -768,15 +768,6 @@ def decoder_logits(session: Any, input_ids: Any, *, attention_mask: Any = None) 
 
 
 ONNX_FILE = "model.onnx"
-
-
-def _check_file_destination(path: pathlib.Path, overwrite: bool, sources) -> None:
-    """Before any work: ``path`` is not a source (``qcore._fsutil.check_not_source``), not a directory, and new
-    unless ``overwrite``."""
-    check_not_source(path, sources, what="path")
-    if path.exists() and (path.is_dir() or not overwrite):
-        raise FileExistsError(f"{str(path)!r} exists; pass overwrite=True to replace it" if not path.is_dir()
-                              else f"{str(path)!r} is a directory")
 
 
 def export_onnx_dir(model: nn.Module, directory: Union[str, os.PathLike], *, tokenizer: Any = None,

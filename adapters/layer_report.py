@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qcore.algorithms.metrics import sqnr_db
+from qcore.algorithms.metrics import sqnr_db, sqnr_db_of_sums
 
 __all__ = ["LayerError", "measure", "ranked", "block_and_kind", "figure", "save_plot"]
 
@@ -41,16 +41,6 @@ class LayerError:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _db(signal: float, noise: float) -> float:
-    if math.isnan(signal) or math.isnan(noise):
-        return math.nan
-    if noise == 0.0:
-        return math.inf
-    if signal == 0.0:
-        return -math.inf
-    return 10.0 * math.log10(signal / noise)
 
 
 def _reference_output(m: nn.Module, x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
@@ -120,7 +110,7 @@ def measure(model: nn.Module, reference: dict, batches: Optional[list] = None, *
             for h in handles:
                 h.remove()
             model.train(was_training)
-    return {n: LayerError(weight[n], _db(*sums[n]) if n in measured else None) for n in reference}
+    return {n: LayerError(weight[n], sqnr_db_of_sums(*sums[n]) if n in measured else None) for n in reference}
 
 
 def ranked(errors: dict[str, LayerError]) -> list[str]:

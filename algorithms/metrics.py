@@ -18,7 +18,7 @@ import numpy as np
 
 from qcore._backend import is_torch
 
-__all__ = ["token_windows", "perplexity_from_nll", "mse", "sqnr_db", "cosine_similarities", "mean_cosine"]
+__all__ = ["token_windows", "perplexity_from_nll", "mse", "sqnr_db", "sqnr_db_of_sums", "cosine_similarities", "mean_cosine"]
 
 
 def _as_index(value: Any, name: str, *, minimum: int) -> int:
@@ -114,8 +114,12 @@ def sqnr_db(ref: Any, x: Any) -> float:
     NaN when either input holds NaN.
     """
     r, q = _pair(ref, x)
-    signal = float(np.sum(np.square(r)))
-    noise = float(np.sum(np.square(r - q)))
+    return sqnr_db_of_sums(float(np.sum(np.square(r))), float(np.sum(np.square(r - q))))
+
+
+def sqnr_db_of_sums(signal: float, noise: float) -> float:
+    """``sqnr_db`` from the two sums of squares (``signal = sum(ref**2)``, ``noise = sum((ref - x)**2)``), for
+    callers that accumulate them over batches; the same ``inf`` / ``-inf`` / NaN rules."""
     if math.isnan(signal) or math.isnan(noise):
         return math.nan
     if noise == 0.0:

@@ -187,3 +187,13 @@ def staged_file(target: PathLike, *, recheck: Callable[[], None]) -> Iterator[Pa
         yield tmp
         if os.path.lexists(tmp) and not tmp.is_file():
             raise IsADirectoryError(f"staged_file: {str(tmp)!r} is not a file")
+
+
+def check_file_destination(path: PathLike, overwrite: bool, sources) -> None:
+    """Before any work, for a writer of one file: ``path`` is not a source (``check_not_source``), not a
+    directory, and new unless ``overwrite``."""
+    path = Path(path)
+    check_not_source(path, sources, what="path")
+    if path.exists() and (path.is_dir() or not overwrite):
+        raise FileExistsError(f"{str(path)!r} exists; pass overwrite=True to replace it" if not path.is_dir()
+                              else f"{str(path)!r} is a directory")
