@@ -523,8 +523,11 @@ def convert_command(args) -> int:
         rp = pathlib.Path(args.report)
         if rp.exists() and rp.is_dir():
             raise CommandError(f"--report {args.report}: is a directory")
+    if getattr(args, "onnx_unsupported", "error") != "error" and str(args.to).lower() != "onnx":
+        raise CommandError(f"--onnx-unsupported {args.onnx_unsupported} applies to --to onnx, not --to {args.to}")
     info = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, strict=args.strict, dtype=dtype,
-                   tokenizer_pre=args.tokenizer_pre, verify=not args.no_verify)
+                   tokenizer_pre=args.tokenizer_pre, verify=not args.no_verify,
+                   onnx_unsupported=getattr(args, "onnx_unsupported", "error"))
     verdict = ("not verified (--no-verify)" if info.verified_by == "none" else
                ("lossless" if info.lossless else f"{len(info.tensors)} tensors changed")
                + f" (checked by {'loading dst back' if info.verified_by == 'reload' else 'the exporter'})")
@@ -555,6 +558,9 @@ def run(args) -> int:
     except (CommandError, ValueError, TypeError, OSError, ModuleNotFoundError) as e:
         if getattr(args, "debug", False):
             raise
+        onnx_mod = sys.modules.get("qcore.adapters.export_onnx")
+        if onnx_mod is not None and isinstance(e, onnx_mod.UnsupportedWeightError):
+            e = e.with_option("--onnx-unsupported dequantize")  # the flag, not the Python argument
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"qcore {args.command}: error: {msg}", file=sys.stderr)
         return 2

@@ -271,7 +271,7 @@ def _import_changes(model: nn.Module) -> list:
 
 
 def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src_fmt: str, dst: pathlib.Path, to: str, *,
-            overwrite: bool, tokenizer_pre: str) -> tuple:
+            overwrite: bool, tokenizer_pre: str, onnx_unsupported: str = "error") -> tuple:
     """Write ``model`` in format ``to`` at ``dst``; ``(path written, notes, exporter report or None)``."""
     notes: list[str] = []
     if to == "hf":
@@ -296,9 +296,16 @@ def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src_fmt: str, ds
         notes.append(f"format {info.format!r}")
         notes.extend(info.notes)  # where compressed-tensors' loaders compute differently (e.g. KV after RoPE)
         return dst, notes, info
-    from .export_onnx import export_onnx, export_onnx_dir
-    info = (export_onnx(model, dst, overwrite=overwrite) if dst.suffix == ".onnx"
-            else export_onnx_dir(model, dst, tokenizer=tok, overwrite=overwrite))
+    from .export_onnx import UnsupportedWeightError, export_onnx, export_onnx_dir
+    import warnings
+    try:
+        with warnings.catch_warnings():  # weights written dequantized are reported as changed tensors
+            warnings.simplefilter("ignore", UserWarning)
+            info = (export_onnx(model, dst, overwrite=overwrite, unsupported=onnx_unsupported)
+                    if dst.suffix == ".onnx" else
+                    export_onnx_dir(model, dst, tokenizer=tok, overwrite=overwrite, unsupported=onnx_unsupported))
+    except UnsupportedWeightError as e:  # name convert's own argument (the command line names its flag)
+        raise e.with_option("onnx_unsupported='dequantize'") from None
     return pathlib.Path(info.path), notes, info
 
 
@@ -354,7 +361,7 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
 
 def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to: str, overwrite: bool = False,
             strict: bool = False, dtype: Optional[torch.dtype] = None, tokenizer_pre: str = "default",
-            verify: bool = True) -> ConvertInfo:
+            verify: bool = True, onnx_unsupported: str = "error") -> ConvertInfo:
     """Convert the quantized checkpoint ``src`` into format ``to`` at ``dst`` (see the module docstring).
 
     to: one of ``FORMATS`` (aliases: ``quark`` = hf, ``ct`` = compressed-tensors).
@@ -364,11 +371,20 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
     dtype: the float dtype the model is loaded in (default: the checkpoint's).
     tokenizer_pre: llama.cpp's pre-tokenizer name when a transformers tokenizer is converted for GGUF.
     verify: load the destination back and compare every tensor (default; ONNX: the exporter's report).
+    onnx_unsupported: ``to="onnx"``: weights onnxruntime cannot dequantize (fp4, MX6/MX9, NVFP4) are refused
+        (``"error"``, default) or written as dequantized float32 (``"dequantize"``; each one is reported as a
+        changed tensor, so ``strict`` refuses it).
     """
     to = _norm_format(to, "to", FORMATS)
     for k, v in (("overwrite", overwrite), ("strict", strict), ("verify", verify)):
         if not isinstance(v, bool):
             raise TypeError(f"{k} must be a bool, got {v!r}")
+    if not isinstance(onnx_unsupported, str):
+        raise TypeError(f"onnx_unsupported must be 'error' or 'dequantize', got {onnx_unsupported!r}")
+    if onnx_unsupported not in ("error", "dequantize"):
+        raise ValueError(f"onnx_unsupported must be 'error' or 'dequantize', got {onnx_unsupported!r}")
+    if onnx_unsupported != "error" and to != "onnx":
+        raise ValueError(f"onnx_unsupported={onnx_unsupported!r} applies to to='onnx', not to={to!r}")
     if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype!r}")
     src_p, dst_p = pathlib.Path(src), pathlib.Path(dst)
@@ -399,7 +415,7 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
     try:
         staged = stage_root / dst_p.name
         written, notes, info = _export(model, tok, src_p, src_fmt, staged, to, overwrite=False,
-                                       tokenizer_pre=tokenizer_pre)
+                                       tokenizer_pre=tokenizer_pre, onnx_unsupported=onnx_unsupported)
         if to == "onnx":
             changes, how = imported + _onnx_changes(info, model), "exporter"
         elif verify:
