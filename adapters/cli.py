@@ -531,6 +531,8 @@ def convert_command(args) -> int:
     verdict = ("not verified (--no-verify)" if info.verified_by == "none" else
                ("lossless" if info.lossless else f"{len(info.tensors)} tensors changed")
                + f" (checked by {'loading dst back' if info.verified_by == 'reload' else 'the exporter'})")
+    if any(n.startswith("tokenizer dropped") for n in info.notes):
+        verdict += "; tokenizer dropped (see the note)"
     rows = [("source", f"{info.source} ({info.source_format}, {info.quantized} quantized weights)"),
             ("destination", f"{info.destination} ({info.to}, {info.bytes_on_disk / 2**20:.2f} MiB)"),
             ("result", verdict)]

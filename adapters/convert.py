@@ -136,20 +136,51 @@ def detect_format(path: Union[str, pathlib.Path]) -> str:
                      f"compressed-tensors)")
 
 
-def _tokenizer(p: pathlib.Path, fmt: str) -> Any:
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                       "merges.txt", "spiece.model")
+
+
+def _held_tokenizer(p: pathlib.Path, fmt: str) -> Optional[str]:
+    """A description of the tokenizer the source holds, or None when it holds none."""
+    if fmt == "gguf":
+        import gguf
+        try:
+            fields = gguf.GGUFReader(p).fields
+        except (OSError, ValueError):
+            return None
+        tokens = fields.get("tokenizer.ggml.tokens")
+        n = len(tokens.data) if tokens is not None else 0
+        if n == 0:
+            return None
+        kind = fields.get("tokenizer.ggml.model")
+        kind = kind.contents() if kind is not None else "no tokenizer.ggml.model"
+        merges = fields.get("tokenizer.ggml.merges")
+        n_merges = len(merges.data) if merges is not None else 0
+        return f"{kind!r}, {n} tokens, {n_merges} merges"
+    files = [f for f in _HF_TOKENIZER_FILES if (p / f).is_file()]
+    return f"files {files}" if files else None
+
+
+def _tokenizer(p: pathlib.Path, fmt: str) -> tuple:
+    """``(tokenizer or None, why the source's tokenizer could not be loaded or None)``: a source without a
+    tokenizer gives ``(None, None)``; one transformers cannot load is never dropped silently."""
     from transformers import AutoTokenizer
     try:
         if fmt == "gguf":
-            return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True)
-        return AutoTokenizer.from_pretrained(p, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+            return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True), None
+        return AutoTokenizer.from_pretrained(p, local_files_only=True), None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        held = _held_tokenizer(p, fmt)
+        if held is None:
+            return None, None
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if fmt == "gguf" and ", 0 merges" in held and isinstance(e, KeyError):
+            why = f"its GGUF reader needs merges (or scores) to build a BPE tokenizer ({why})"
+        return None, f"tokenizer dropped: transformers cannot load the source's tokenizer ({held}): {why}"
 
 
-def load_quantized(src: Union[str, pathlib.Path], *, dtype: Optional[torch.dtype] = None) -> tuple:
-    """``(model, tokenizer, format)``: a quantized checkpoint of any source format loaded into qcore's frozen
-    modules (the tokenizer is None when the checkpoint has none)."""
-    p = pathlib.Path(src)
+def _load_quantized(p: pathlib.Path, *, dtype: Optional[torch.dtype]) -> tuple:
+    """``(model, tokenizer, format, why the source's tokenizer was dropped or None)``."""
     fmt = detect_format(p)
     if fmt == "gguf":
         from .import_gguf import from_gguf
@@ -162,7 +193,19 @@ def load_quantized(src: Union[str, pathlib.Path], *, dtype: Optional[torch.dtype
     else:
         from .import_ct import load_compressed_tensors
         model = load_compressed_tensors(p, dtype=dtype)
-    return model, _tokenizer(p, fmt), fmt
+    tok, dropped = _tokenizer(p, fmt)
+    return model, tok, fmt, dropped
+
+
+def load_quantized(src: Union[str, pathlib.Path], *, dtype: Optional[torch.dtype] = None) -> tuple:
+    """``(model, tokenizer, format)``: a quantized checkpoint of any source format loaded into qcore's frozen
+    modules (the tokenizer is None when the checkpoint has none; a UserWarning says why when the checkpoint
+    holds one transformers cannot load)."""
+    model, tok, fmt, dropped = _load_quantized(pathlib.Path(src), dtype=dtype)
+    if dropped:
+        import warnings
+        warnings.warn(f"load_quantized: {dropped}", UserWarning, stacklevel=2)
+    return model, tok, fmt
 
 
 def _spec_desc(spec) -> str:
@@ -398,9 +441,16 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
     if to == "onnx" and dtype not in (None, torch.float32):
         raise ValueError(f"dtype {dtype}: ONNX exports are float32 models (onnxruntime's quantized ops need "
                          f"float32 activations)")
-    model, tok, _ = load_quantized(src_p, dtype=torch.float32 if to == "onnx" else dtype)
+    model, tok, _, tok_dropped = _load_quantized(src_p, dtype=torch.float32 if to == "onnx" else dtype)
     if src_fmt == "gguf" and src_p.is_dir():
         src_p = _gguf_in_dir(src_p)
+    # a GGUF destination of a GGUF source copies the tokenizer fields verbatim; an .onnx file holds none
+    if tok_dropped and not (to == "gguf" and src_fmt == "gguf") and not (to == "onnx" and dst_p.suffix == ".onnx"):
+        if strict:
+            raise ValueError(f"convert to {to}: not lossless: {tok_dropped}; dst was not written")
+        tok_note = tok_dropped
+    else:
+        tok_note = None
     nq = sum(1 for m in model.modules() if isinstance(m, _QuantMixin) and "weight" in m._qspecs)
     imported = _import_changes(model)
     if nq == 0:
@@ -416,6 +466,8 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
         staged = stage_root / dst_p.name
         written, notes, info = _export(model, tok, src_p, src_fmt, staged, to, overwrite=False,
                                        tokenizer_pre=tokenizer_pre, onnx_unsupported=onnx_unsupported)
+        if tok_note:
+            notes.insert(0, tok_note)
         if to == "onnx":
             changes, how = imported + _onnx_changes(info, model), "exporter"
         elif verify:
