@@ -350,9 +350,16 @@ def quantize_command(args) -> int:
     elif out_dir is not None and args.export == "onnx":
         from .export_onnx import export_onnx_dir
         t_export = time.perf_counter()
-        onnx_info = export_onnx_dir(model, out_dir, tokenizer=tok, overwrite=args.overwrite,
-                                    weight_format=getattr(args, "onnx_weights", "qdq"),
-                                    unsupported=getattr(args, "onnx_unsupported", "error"))
+        import warnings
+        with warnings.catch_warnings():  # its warning names ONNXExportInfo; the line below names the flag
+            warnings.simplefilter("ignore", UserWarning)
+            onnx_info = export_onnx_dir(model, out_dir, tokenizer=tok, overwrite=args.overwrite,
+                                        weight_format=getattr(args, "onnx_weights", "qdq"),
+                                        unsupported=getattr(args, "onnx_unsupported", "error"))
+        if onnx_info.dequantized:
+            print(f"qcore quantize: --onnx-unsupported dequantize: {len(onnx_info.dequantized)} weight(s) "
+                  f"onnxruntime cannot dequantize are written as dequantized float32 (e.g. "
+                  f"{onnx_info.dequantized[0]})", file=sys.stderr)
         export_info = _GGUFDirInfo(str(out_dir), "onnx", onnx_info.bytes_on_disk)
         export_s = time.perf_counter() - t_export
     elif out_dir is not None and args.export == "compressed-tensors":

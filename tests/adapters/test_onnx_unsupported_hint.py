@@ -99,3 +99,6 @@ def test_qcore_quantize_names_the_flag(dirs, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
     assert main(argv + ["--onnx-unsupported", "dequantize"]) == 0
     assert (tmp_path / "o" / "model.onnx").is_file()
+    err = capsys.readouterr().err  # the fallback is said in the command line's terms, not ONNXExportInfo's
+    assert ("qcore quantize: --onnx-unsupported dequantize: 14 weight(s) onnxruntime cannot dequantize are written "
+            f"as dequantized float32 (e.g. {TENSOR})") in err and "ONNXExportInfo" not in err
