@@ -521,9 +521,16 @@ def quantize_command(args) -> int:
     elif out_dir is not None and args.export == "onnx":
         from .export_onnx import export_onnx_dir
         t_export = time.perf_counter()
-        onnx_info = export_onnx_dir(model, out_dir, tokenizer=tok, overwrite=args.overwrite,
-                                    weight_format=getattr(args, "onnx_weights", "qdq"),
-                                    unsupported=getattr(args, "onnx_unsupported", "error"))
+        import warnings
+        with warnings.catch_warnings():  # its warning names ONNXExportInfo; the line below names the flag
+            warnings.simplefilter("ignore", UserWarning)
+            onnx_info = export_onnx_dir(model, out_dir, tokenizer=tok, overwrite=args.overwrite,
+                                        weight_format=getattr(args, "onnx_weights", "qdq"),
+                                        unsupported=getattr(args, "onnx_unsupported", "error"))
+        if onnx_info.dequantized:
+            print(f"qcore quantize: --onnx-unsupported dequantize: {len(onnx_info.dequantized)} weight(s) "
+                  f"onnxruntime cannot dequantize are written as dequantized float32 (e.g. "
+                  f"{onnx_info.dequantized[0]})", file=sys.stderr)
         export_info = _GGUFDirInfo(str(out_dir), "onnx", onnx_info.bytes_on_disk)
         export_s = time.perf_counter() - t_export
     elif out_dir is not None and args.export == "compressed-tensors":
@@ -757,12 +764,17 @@ def convert_command(args) -> int:
             raise CommandError(str(e)) from None
         if overlap(rp.parent, args.dst) not in ("is", "lies inside"):  # a folder the conversion creates is fine
             _check_writable_file("--report", args.report)
+    if getattr(args, "onnx_unsupported", "error") != "error" and str(args.to).lower() != "onnx":
+        raise CommandError(f"--onnx-unsupported {args.onnx_unsupported} applies to --to onnx, not --to {args.to}")
     info = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, strict=args.strict, dtype=dtype,
                    tokenizer_pre=args.tokenizer_pre, verify=not args.no_verify,
-                   progress=not getattr(args, "no_progress", False))
+                   progress=not getattr(args, "no_progress", False),
+                   onnx_unsupported=getattr(args, "onnx_unsupported", "error"))
     verdict = ("not verified (--no-verify)" if info.verified_by == "none" else
                ("lossless" if info.lossless else f"{len(info.tensors)} tensors changed")
                + f" (checked by {'loading dst back' if info.verified_by == 'reload' else 'the exporter'})")
+    if any(n.startswith("tokenizer dropped") for n in info.notes):
+        verdict += "; tokenizer dropped (see the note)"
     rows = [("source", f"{info.source} ({info.source_format}, {info.quantized} quantized weights)"),
             ("destination", f"{info.destination} ({info.to}, {info.bytes_on_disk / 2**20:.2f} MiB)"),
             ("result", verdict)]
@@ -790,6 +802,9 @@ def run(args) -> int:
     except (CommandError, ValueError, TypeError, OSError, ModuleNotFoundError, RecursionError) as e:
         if getattr(args, "debug", False):
             raise
+        onnx_mod = sys.modules.get("qcore.adapters.export_onnx")
+        if onnx_mod is not None and isinstance(e, onnx_mod.UnsupportedWeightError):
+            e = e.with_option("--onnx-unsupported dequantize")  # the flag, not the Python argument
         msg = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
         if isinstance(e, RecursionError):
             msg = f"input nested too deeply ({msg})"

@@ -135,20 +135,51 @@ def detect_format(path: Union[str, pathlib.Path]) -> str:
                      f"compressed-tensors)")
 
 
-def _tokenizer(p: pathlib.Path, fmt: str) -> Any:
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                       "merges.txt", "spiece.model")
+
+
+def _held_tokenizer(p: pathlib.Path, fmt: str) -> Optional[str]:
+    """A description of the tokenizer the source holds, or None when it holds none."""
+    if fmt == "gguf":
+        import gguf
+        try:
+            fields = gguf.GGUFReader(p).fields
+        except (OSError, ValueError):
+            return None
+        tokens = fields.get("tokenizer.ggml.tokens")
+        n = len(tokens.data) if tokens is not None else 0
+        if n == 0:
+            return None
+        kind = fields.get("tokenizer.ggml.model")
+        kind = kind.contents() if kind is not None else "no tokenizer.ggml.model"
+        merges = fields.get("tokenizer.ggml.merges")
+        n_merges = len(merges.data) if merges is not None else 0
+        return f"{kind!r}, {n} tokens, {n_merges} merges"
+    files = [f for f in _HF_TOKENIZER_FILES if (p / f).is_file()]
+    return f"files {files}" if files else None
+
+
+def _tokenizer(p: pathlib.Path, fmt: str) -> tuple:
+    """``(tokenizer or None, why the source's tokenizer could not be loaded or None)``: a source without a
+    tokenizer gives ``(None, None)``; one transformers cannot load is never dropped silently."""
     from transformers import AutoTokenizer
     try:
         if fmt == "gguf":
-            return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True)
-        return AutoTokenizer.from_pretrained(p, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+            return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True), None
+        return AutoTokenizer.from_pretrained(p, local_files_only=True), None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        held = _held_tokenizer(p, fmt)
+        if held is None:
+            return None, None
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if fmt == "gguf" and ", 0 merges" in held and isinstance(e, KeyError):
+            why = f"its GGUF reader needs merges (or scores) to build a BPE tokenizer ({why})"
+        return None, f"tokenizer dropped: transformers cannot load the source's tokenizer ({held}): {why}"
 
 
-def load_quantized(src: Union[str, pathlib.Path], *, dtype: Optional[torch.dtype] = None) -> tuple:
-    """``(model, tokenizer, format)``: a quantized checkpoint of any source format loaded into qcore's frozen
-    modules (the tokenizer is None when the checkpoint has none)."""
-    p = pathlib.Path(src)
+def _load_quantized(p: pathlib.Path, *, dtype: Optional[torch.dtype]) -> tuple:
+    """``(model, tokenizer, format, why the source's tokenizer was dropped or None)``."""
     fmt = detect_format(p)
     if fmt == "gguf":
         from .import_gguf import from_gguf
@@ -161,7 +192,19 @@ def load_quantized(src: Union[str, pathlib.Path], *, dtype: Optional[torch.dtype
     else:
         from .import_ct import load_compressed_tensors
         model = load_compressed_tensors(p, dtype=dtype)
-    return model, _tokenizer(p, fmt), fmt
+    tok, dropped = _tokenizer(p, fmt)
+    return model, tok, fmt, dropped
+
+
+def load_quantized(src: Union[str, pathlib.Path], *, dtype: Optional[torch.dtype] = None) -> tuple:
+    """``(model, tokenizer, format)``: a quantized checkpoint of any source format loaded into qcore's frozen
+    modules (the tokenizer is None when the checkpoint has none; a UserWarning says why when the checkpoint
+    holds one transformers cannot load)."""
+    model, tok, fmt, dropped = _load_quantized(pathlib.Path(src), dtype=dtype)
+    if dropped:
+        import warnings
+        warnings.warn(f"load_quantized: {dropped}", UserWarning, stacklevel=2)
+    return model, tok, fmt
 
 
 def _spec_desc(spec) -> str:
@@ -270,7 +313,7 @@ def _import_changes(model: nn.Module) -> list:
 
 
 def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src_fmt: str, dst: pathlib.Path, to: str, *,
-            overwrite: bool, tokenizer_pre: str, progress: bool = False) -> tuple:
+            overwrite: bool, tokenizer_pre: str, progress: bool = False, onnx_unsupported: str = "error") -> tuple:
     """Write ``model`` in format ``to`` at ``dst``; ``(path written, notes, exporter report or None)``."""
     notes: list[str] = []
     if to == "hf":
@@ -295,9 +338,16 @@ def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src_fmt: str, ds
         notes.append(f"format {info.format!r}")
         notes.extend(info.notes)  # where compressed-tensors' loaders compute differently (e.g. KV after RoPE)
         return dst, notes, info
-    from .export_onnx import export_onnx, export_onnx_dir
-    info = (export_onnx(model, dst, overwrite=overwrite) if dst.suffix == ".onnx"
-            else export_onnx_dir(model, dst, tokenizer=tok, overwrite=overwrite))
+    from .export_onnx import UnsupportedWeightError, export_onnx, export_onnx_dir
+    import warnings
+    try:
+        with warnings.catch_warnings():  # weights written dequantized are reported as changed tensors
+            warnings.simplefilter("ignore", UserWarning)
+            info = (export_onnx(model, dst, overwrite=overwrite, unsupported=onnx_unsupported)
+                    if dst.suffix == ".onnx" else
+                    export_onnx_dir(model, dst, tokenizer=tok, overwrite=overwrite, unsupported=onnx_unsupported))
+    except UnsupportedWeightError as e:  # name convert's own argument (the command line names its flag)
+        raise e.with_option("onnx_unsupported='dequantize'") from None
     return pathlib.Path(info.path), notes, info
 
 
@@ -376,7 +426,7 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
 
 def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to: str, overwrite: bool = False,
             strict: bool = False, dtype: Optional[torch.dtype] = None, tokenizer_pre: str = "default",
-            verify: bool = True, progress: bool = False) -> ConvertInfo:
+            verify: bool = True, progress: bool = False, onnx_unsupported: str = "error") -> ConvertInfo:
     """Convert the quantized checkpoint ``src`` into format ``to`` at ``dst`` (see the module docstring).
 
     to: one of ``FORMATS`` (aliases: ``quark`` = hf, ``ct`` = compressed-tensors).
@@ -390,11 +440,20 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
     progress: show progress bars (one over the stages: load, write, load back and compare, move into place; the
         exporters' bars over tensors / shards where they have them). ``qcore convert`` shows them unless
         ``--no-progress``.
+    onnx_unsupported: ``to="onnx"``: weights onnxruntime cannot dequantize (fp4, MX6/MX9, NVFP4) are refused
+        (``"error"``, default) or written as dequantized float32 (``"dequantize"``; each one is reported as a
+        changed tensor, so ``strict`` refuses it).
     """
     to = _norm_format(to, "to", FORMATS)
     for k, v in (("overwrite", overwrite), ("strict", strict), ("verify", verify), ("progress", progress)):
         if not isinstance(v, bool):
             raise TypeError(f"{k} must be a bool, got {v!r}")
+    if not isinstance(onnx_unsupported, str):
+        raise TypeError(f"onnx_unsupported must be 'error' or 'dequantize', got {onnx_unsupported!r}")
+    if onnx_unsupported not in ("error", "dequantize"):
+        raise ValueError(f"onnx_unsupported must be 'error' or 'dequantize', got {onnx_unsupported!r}")
+    if onnx_unsupported != "error" and to != "onnx":
+        raise ValueError(f"onnx_unsupported={onnx_unsupported!r} applies to to='onnx', not to={to!r}")
     if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype!r}")
     src_p, dst_p = pathlib.Path(src), pathlib.Path(dst)
@@ -410,12 +469,19 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
     stages = _Stages(3 + (verify and to != "onnx"), enabled=progress)
     stages.next(f"convert: loading {src_fmt} source")
     try:
-        model, tok, _ = load_quantized(src_p, dtype=torch.float32 if to == "onnx" else dtype)
+        model, tok, _, tok_dropped = _load_quantized(src_p, dtype=torch.float32 if to == "onnx" else dtype)
     except BaseException:
         stages.close()
         raise
     if src_fmt == "gguf" and src_p.is_dir():
         src_p = _gguf_in_dir(src_p)
+    # a GGUF destination of a GGUF source copies the tokenizer fields verbatim; an .onnx file holds none
+    if tok_dropped and not (to == "gguf" and src_fmt == "gguf") and not (to == "onnx" and dst_p.suffix == ".onnx"):
+        if strict:
+            raise ValueError(f"convert to {to}: not lossless: {tok_dropped}; dst was not written")
+        tok_note = tok_dropped
+    else:
+        tok_note = None
     nq = sum(1 for m in model.modules() if isinstance(m, _QuantMixin) and "weight" in m._qspecs)
     imported = _import_changes(model)
     if nq == 0:
@@ -430,7 +496,10 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
         with staged_path(dst_p, recheck=lambda: _check_dst(dst_p, overwrite)) as staged:
             stages.next(f"convert: writing {to}")
             written, notes, info = _export(model, tok, src_p, src_fmt, staged, to, overwrite=False,
-                                           tokenizer_pre=tokenizer_pre, progress=progress)
+                                           tokenizer_pre=tokenizer_pre, progress=progress,
+                                           onnx_unsupported=onnx_unsupported)
+            if tok_note:
+                notes.insert(0, tok_note)
             if to == "onnx":
                 changes, how = imported + _onnx_changes(info, model), "exporter"
             elif verify:

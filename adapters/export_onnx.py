@@ -53,7 +53,7 @@ from qcore._fsutil import check_file_destination, model_sources, staged_dir
 from .modules import QuantConvTranspose2d, QuantEmbedding, QuantEmbeddingBag, QuantLinear, _QuantMixin
 
 __all__ = ["export_onnx", "WeightFormat", "Unsupported", "ONNXExportInfo", "TensorReport", "DECODER_TYPES",
-           "decoder_logits", "export_onnx_dir", "ONNX_FILE", "check_onnx"]
+           "decoder_logits", "export_onnx_dir", "ONNX_FILE", "check_onnx", "UnsupportedWeightError"]
 
 DECODER_TYPES = ("llama",)
 
@@ -103,6 +103,23 @@ class ONNXExportInfo:
     @property
     def dequantized(self) -> tuple:
         return tuple(r.name for r in self.quantized if r.how == "dequantized")
+
+
+class UnsupportedWeightError(ValueError):
+    """A quantized weight onnxruntime cannot dequantize, refused under ``Unsupported.ERROR``. ``option`` is what
+    the caller types to write it dequantized instead: the exporter names its own argument; ``convert`` and the
+    command line re-raise with theirs (``with_option``), so the one message names what works where it is read."""
+
+    def __init__(self, tensor: str, reason: str, option: str = "unsupported='dequantize'"):
+        super().__init__(tensor, reason, option)
+        self.tensor, self.reason, self.option = tensor, reason, option
+
+    def __str__(self) -> str:
+        return (f"export_onnx: {self.tensor}: {self.reason}; onnxruntime cannot run it. Pass {self.option} to "
+                f"write the dequantized float32 weight instead")
+
+    def with_option(self, option: str) -> "UnsupportedWeightError":
+        return UnsupportedWeightError(self.tensor, self.reason, option)
 
 
 def _enum(cls, v, arg):
@@ -158,8 +175,7 @@ class _Ctx:
                 reason = str(e)
         if reason is not None:
             if self.unsupported is Unsupported.ERROR:
-                raise ValueError(f"export_onnx: {name}.weight: {reason}; onnxruntime cannot run it. Pass "
-                                 f"unsupported='dequantize' to write the dequantized float32 weight instead")
+                raise UnsupportedWeightError(f"{name}.weight", reason)
             self.warned.append(f"{name}.weight")
             self.reports.append(TensorReport(f"{name}.weight", "dequantized", "FLOAT", True, 0.0))
             if output is None:
@@ -229,8 +245,7 @@ def _check_roles(name: str, lc: Any, unsupported: Unsupported) -> None:
     if lc.weight is not None and unsupported is Unsupported.ERROR:
         r = X.unsupported_reason(lc.weight.spec)
         if r:
-            raise ValueError(f"export_onnx: {name}.weight: {r}; onnxruntime cannot run it. Pass "
-                             f"unsupported='dequantize' to write the dequantized float32 weight instead")
+            raise UnsupportedWeightError(f"{name}.weight", r)
 
 
 def _check_float32(model: nn.Module) -> None:

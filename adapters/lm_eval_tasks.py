@@ -133,6 +133,33 @@ def _logger_level(name: str, level: int) -> Iterator[None]:
         logger.setLevel(before)
 
 
+@contextlib.contextmanager
+def _quiet_git_hash() -> Iterator[None]:
+    """``simple_evaluate`` records ``git describe --always`` of the working directory, run with the terminal's
+    stderr: outside a git checkout git prints "fatal: not a git repository". The same lookup (and lm-eval's own
+    fallback) with git's stderr discarded; the value is lm-eval's bookkeeping, which qcore does not report."""
+    import subprocess
+    import lm_eval.evaluator as ev
+    if not hasattr(ev, "get_git_commit_hash"):
+        yield
+        return
+    before = ev.get_git_commit_hash
+
+    def quiet() -> Optional[str]:
+        try:
+            return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL,
+                                           stdin=subprocess.DEVNULL).strip().decode()
+        except (subprocess.CalledProcessError, OSError):
+            from lm_eval.loggers.utils import get_commit_from_path
+            return get_commit_from_path(os.getcwd())
+
+    ev.get_git_commit_hash = quiet
+    try:
+        yield
+    finally:
+        ev.get_git_commit_hash = before
+
+
 _TQDM_MODULES = ("lm_eval.api.task", "lm_eval.api.model", "lm_eval.models.huggingface")
 
 
@@ -294,7 +321,7 @@ def run_tasks(model, tokenizer, tasks, *, limit: Optional[int] = None, batch_siz
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    with _progress_bars(progress):
+    with _progress_bars(progress), _quiet_git_hash():
         # HFLM warns that a model object (not a hub id) ignores its loading arguments: expected here
         with _logger_level("lm_eval.models.huggingface", logging.ERROR):
             lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)

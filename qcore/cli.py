@@ -338,6 +338,9 @@ def _add_convert(sub) -> None:
                    "transformers tokenizer is converted for GGUF (default 'default'; SmolLM2: smollm)")
     c.add_argument("--no-verify", action="store_true", help="do not load dst back to compare (faster; then "
                    "nothing is measured)")
+    c.add_argument("--onnx-unsupported", choices=["error", "dequantize"], default="error", help="with --to onnx: "
+                   "weights onnxruntime cannot dequantize (fp4, MX6/MX9, NVFP4) are refused (error, default) or "
+                   "written as dequantized float32 and reported as changed tensors (dequantize)")
     c.add_argument("--report", default=None, metavar="FILE.json", help="write the report as JSON")
     c.add_argument("--no-progress", action="store_true", help="no progress bars")
     c.add_argument("--debug", action="store_true", help="show tracebacks")
