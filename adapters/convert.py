@@ -467,32 +467,29 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
         raise ValueError(f"dtype {dtype}: ONNX exports are float32 models (onnxruntime's quantized ops need "
                          f"float32 activations)")
     stages = _Stages(3 + (verify and to != "onnx"), enabled=progress)
-    stages.next(f"convert: loading {src_fmt} source")
-    try:
+    try:  # the bar is closed before any message: an error starts on its own line
+        stages.next(f"convert: loading {src_fmt} source")
         model, tok, _, tok_dropped = _load_quantized(src_p, dtype=torch.float32 if to == "onnx" else dtype)
-    except BaseException:
-        stages.close()
-        raise
-    if src_fmt == "gguf" and src_p.is_dir():
-        src_p = _gguf_in_dir(src_p)
-    # a GGUF destination of a GGUF source copies the tokenizer fields verbatim; an .onnx file holds none
-    if tok_dropped and not (to == "gguf" and src_fmt == "gguf") and not (to == "onnx" and dst_p.suffix == ".onnx"):
-        if strict:
-            raise ValueError(f"convert to {to}: not lossless: {tok_dropped}; dst was not written")
-        tok_note = tok_dropped
-    else:
-        tok_note = None
-    nq = sum(1 for m in model.modules() if isinstance(m, _QuantMixin) and "weight" in m._qspecs)
-    imported = _import_changes(model)
-    if nq == 0:
-        stages.close()
-        raise ValueError(f"src {str(src_p)!r}: no weight could be loaded onto a qcore grid"
-                         + (f" ({len(imported)} block-quantized tensors have none, e.g. {imported[0].name!r}: "
-                            f"{imported[0].destination})" if imported else "") + "; nothing quantized to convert")
-    load_dtype = _model_dtype(model)
+        if src_fmt == "gguf" and src_p.is_dir():
+            src_p = _gguf_in_dir(src_p)
+        # a GGUF destination of a GGUF source copies the tokenizer fields verbatim; an .onnx file holds none
+        carried = (to == "gguf" and src_fmt == "gguf") or (to == "onnx" and dst_p.suffix == ".onnx")
+        if tok_dropped and not carried:
+            if strict:
+                raise ValueError(f"convert to {to}: not lossless: {tok_dropped}; dst was not written")
+            tok_note = tok_dropped
+        else:
+            tok_note = None
+        nq = sum(1 for m in model.modules() if isinstance(m, _QuantMixin) and "weight" in m._qspecs)
+        imported = _import_changes(model)
+        if nq == 0:
+            raise ValueError(f"src {str(src_p)!r}: no weight could be loaded onto a qcore grid"
+                             + (f" ({len(imported)} block-quantized tensors have none, e.g. "
+                                f"{imported[0].name!r}: {imported[0].destination})" if imported else "")
+                             + "; nothing quantized to convert")
+        load_dtype = _model_dtype(model)
 
-    # write into a private staging place first: strict refusals and failed checks leave dst untouched
-    try:
+        # write into a private staging place first: strict refusals and failed checks leave dst untouched
         with staged_path(dst_p, recheck=lambda: _check_dst(dst_p, overwrite)) as staged:
             stages.next(f"convert: writing {to}")
             written, notes, info = _export(model, tok, src_p, src_fmt, staged, to, overwrite=False,

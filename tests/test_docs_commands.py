@@ -169,7 +169,9 @@ def _byte_tokenizer():
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab["\u0120t"] = len(vocab)  # one merge (" t"): a GGUF file of it carries a tokenizer transformers can load
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("\u0120", "t")]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
@@ -203,7 +205,7 @@ def stand_in(tmp_path_factory):
     """The tiny stand-in for the embedded SmolLM2: (model directory, evaluation text file)."""
     pytest.importorskip("transformers")
     d = tmp_path_factory.mktemp("stand_in")
-    model = _tiny_llama(d / "tiny-llama", vocab=256, positions=128, tokenizer=_byte_tokenizer())
+    model = _tiny_llama(d / "tiny-llama", vocab=257, positions=128, tokenizer=_byte_tokenizer())
     import pydoc_data.topics
     text = d / "text.txt"
     text.write_text(" ".join(pydoc_data.topics.topics.values())[:6000])
