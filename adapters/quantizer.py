@@ -270,7 +270,7 @@ def _kept_float(w: FloatWeight, config: ModelConfig, exclude: list) -> bool:
 
 
 def _exclude_pattern(weights: list[FloatWeight]) -> str:
-    """One ``re:`` pattern naming exactly these parameters, whatever layer they are in:
+    r"""One ``re:`` pattern naming exactly these parameters, whatever layer they are in:
     ``re:.*\.experts\.(down_proj|gate_up_proj)``, ``re:.*\.(c_attn|c_fc|c_proj)\.weight``."""
     tails: dict[str, set] = {}
     for w in weights:
@@ -400,7 +400,7 @@ def _nothing_planned(mods: dict) -> ValueError:
                 f"(supported module types: {', '.join(supported)})")
         if "Conv1D" in other:
             msg += ("; transformers' Conv1D (GPT-2's attention and MLP projections, a Linear with its weight stored "
-                    "[in, out]) is not a supported module type")
+                    f"[in, out]) is not a supported module type yet ({ISSUE})")
         msg += "; "
     else:
         msg += " (everything excluded or unmatched); "
