@@ -200,8 +200,9 @@ class FusedQKV(nn.Module):
 
 def test_fused_parameters_held_on_a_custom_module_are_refused_too():
     model = FusedQKV()
-    with pytest.raises(ValueError, match=r"1 weight\(s\) \(qkv_proj \[48, 16\]\) are a weight matrix held directly"):
+    with pytest.raises(ValueError, match=r"1 weight\(s\) \(qkv_proj \[48, 16\]\) are a weight matrix held directly") as e:
         quantize_model(model, "uint4_wo_64", progress=False)
+    assert _suggested_exclude(str(e.value)) == ["re:qkv_proj"]  # a parameter of the root module: named as it is
     quantize_model(model, preset("uint4_wo_64").replace(exclude=("qkv_proj",)), progress=False)
     assert unquantized_weights(model) == [] and list(quantized_modules(model)) == ["out"]
 
@@ -234,3 +235,14 @@ def test_cli_refuses_then_quantizes_with_the_exclusion_it_names(moe_dir, tmp_pat
 def test_config_round_trip_keeps_the_exclusion():
     cfg = preset("uint4_wo_64").replace(exclude=("lm_head", EXPERTS))
     assert ModelConfig.from_json(cfg.to_json()).exclude == ("lm_head", EXPERTS)
+
+
+def test_multihead_attention_fused_in_projection_is_refused():
+    model = nn.Sequential(nn.Linear(16, 16))
+    model.add_module("attn", nn.MultiheadAttention(16, 2))
+    with pytest.raises(ValueError, match=r"attn.in_proj_weight \[48, 16\]\) are the fused q/k/v projection"), \
+            pytest.warns(UserWarning, match="attn.out_proj"):
+        plan_model(model, "uint4_wo_64")
+    with pytest.warns(UserWarning, match="attn.out_proj"):  # a Linear subclass the attention reads directly
+        plans = plan_model(model, preset("uint4_wo_64").replace(exclude=("attn.in_proj_weight",)))
+    assert [p.name for p in plans] == ["0"]
