@@ -224,8 +224,8 @@ def _why_odd(m: nn.Module, local: str, t: torch.Tensor) -> Optional[str]:
     low = tname.lower()
     if "router" in low or "norm" in low or "embed" in low or "embed" in local.lower():
         return None  # routers stay float (as in vLLM, llm-compressor, Quark); norms; embeddings (by_type only)
-    if "expert" in low and t.dim() >= 3:
-        return _WHY_EXPERTS
+    if "expert" in low:  # all experts of a layer in one tensor: (experts, out, in), or stacked 2-D (DBRX)
+        return _WHY_EXPERTS if t.dim() >= 3 else _WHY_EXPERTS.replace("3-D fused", "fused (stacked 2-D)")
     if tname == "Conv1D" and local == "weight":
         return _WHY_CONV1D
     if isinstance(m, nn.MultiheadAttention):
@@ -234,7 +234,8 @@ def _why_odd(m: nn.Module, local: str, t: torch.Tensor) -> Optional[str]:
     if isinstance(m, (nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose3d, nn.Bilinear, nn.RNNBase)):
         return (f"a {tname} weight: not a module type qcore quantizes (supported: "
                 f"{', '.join(c.__name__ for c in QUANT_CLASSES)})")
-    if local == "weight" or local.endswith(("_weight", "proj")) or "qkv" in local.lower():
+    if local == "weight" or local.endswith(("_weight", "proj")) or "qkv" in local.lower() or \
+            re.fullmatch(r"[wv]\d+", local):
         return (f"a weight matrix held directly by a {tname} module (fused projections such as qkv or gate_up, "
                 f"or a custom layer): qcore quantizes Linear, Conv2d, ConvTranspose2d and embedding modules only "
                 f"({ISSUE})")
