@@ -94,7 +94,7 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
     ``ValueError``/``TypeError`` for patterns matching nothing, configs that cannot apply, tied weights shared
     with a module treated differently, an already quantized model, and weight matrices qcore cannot quantize
     yet that no exclusion names (fused 3-D MoE expert tensors, transformers' ``Conv1D``, ...: see
-    ``unsupported_weights``); changes nothing.
+    ``unquantized_weights``); changes nothing.
 
     ``exclude`` / ``by_name`` patterns match module names (a pattern naming a module covers everything in it) and,
     for the weights qcore cannot quantize, their parameter names too (``model.layers.0.mlp.experts.down_proj``).
