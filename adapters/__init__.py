@@ -13,7 +13,8 @@ from .config import (MSE, KVCacheConfig, LayerConfig, MinMax, ModelConfig, Perce
 from .modules import (CalibrationError, QuantConv2d, QuantConvTranspose2d, QuantEmbedding, QuantEmbeddingBag,
                       QuantLinear, wrap)
 from .presets import PRESETS, preset, preset_names
-from .quantizer import calibrate, freeze, model_bytes, plan_model, quantize_model, quantized_modules
+from .quantizer import (FloatWeight, calibrate, excluded_weights, freeze, model_bytes, plan_model, quantize_model,
+                        quantized_modules, unquantized_weights)
 from .export import ExportInfo, export_hf
 from .hf import CorruptCheckpointError, from_pretrained, load_quark, register_with_transformers
 from .import_gguf import GGUFImportReport, from_gguf
@@ -27,6 +28,7 @@ __all__ = [
     "spec_to_dict", "spec_from_dict", "PRESETS", "preset", "preset_names",
     "QuantLinear", "QuantConv2d", "QuantConvTranspose2d", "QuantEmbedding", "QuantEmbeddingBag", "wrap",
     "CalibrationError", "quantize_model", "plan_model", "calibrate", "freeze", "model_bytes", "quantized_modules",
+    "unquantized_weights", "excluded_weights", "FloatWeight",
     "export_hf", "ExportInfo", "from_pretrained", "load_quark", "CorruptCheckpointError", "register_with_transformers",
     "from_gguf", "GGUFImportReport",
     "Distributed", "quantize_checkpoint",

@@ -22,7 +22,7 @@ from . import evaluate as E
 from . import models as M
 from .config import ModelConfig
 from .presets import PRESETS, preset
-from .quantizer import freeze, model_bytes, plan_model, quantize_model, quantized_modules
+from .quantizer import excluded_weights, freeze, model_bytes, plan_model, quantize_model, quantized_modules
 
 DEFAULT_SCHEME = "ptpc_fp8"  # fp8 weights per channel, fp8 activations per token: ppl 14.49 vs 14.01 on SmolLM2
 
@@ -498,6 +498,7 @@ def quantize_command(args) -> int:
     reference: dict = {}
     quantize_model(model, config, calib, progress=progress, reference=reference)
     quantize_s = time.perf_counter() - t0
+    kept = excluded_weights(model, config)  # what stays float by an exclusion: in the summary and the report
     from . import layer_report as LR
     errors = LR.measure(model, reference, calib, max_batches=LAYER_ERROR_WINDOWS, progress=progress)
     del reference
@@ -553,6 +554,7 @@ def quantize_command(args) -> int:
     import qcore
     report: dict[str, Any] = {
         "model": desc, "scheme": scheme, "config": config.to_dict(), "algorithms": [a["name"] for a in config.algorithms], "layers_quantized": n_layers,
+        "kept_float": [{"weight": w.name, "shape": list(w.shape), "why": w.why} for w in kept],
         "ppl_baseline": ppl_base, "ppl": ppl, "eval_windows": n_windows, "seq_len": args.seq_len,
         "eval_text": args.eval_text or "pydoc protocol (anchors.md)", "calibration_samples": 0 if calib is None
         else len(calib), "quantize_seconds": quantize_s, "total_seconds": time.perf_counter() - t_start,
@@ -588,6 +590,10 @@ def quantize_command(args) -> int:
         "command": "qcore " + " ".join(shlex.quote(a) for a in (args.argv or [])),
     }
     rows = [("model", desc), ("scheme", scheme), ("layers quantized", str(n_layers))]
+    if kept:
+        rows += [("kept float (excluded)", f"{len(kept)} weight(s): {', '.join(w.name for w in kept[:3])}"
+                  + ("" if len(kept) <= 3 else ", ... (" + ("the report's kept_float lists them)" if args.report
+                                                            else "--report FILE.json lists them)")))]
     if needs_eval:
         rows += [("perplexity", f"{ppl_base:.3f} -> {ppl:.3f}  ({n_windows} windows of {args.seq_len} tokens)")]
     rows += [("quantize time", f"{quantize_s:.1f} s" + (f" (calibration: {len(calib)} x {args.seq_len} tokens)"

@@ -271,7 +271,7 @@ def _make_classes():
                 raise CorruptCheckpointError(f"quantization_config.export.pack_method {self.pack_method!r} is not "
                                              f"one of {sorted(L.PACK_METHODS)}")
             stated = (raw.get("qcore") or {}).get("layouts") if isinstance(raw.get("qcore"), dict) else None
-            for p in plan_model(model, config):
+            for p in plan_model(model, config, _check_float=False):  # a saved config, as it was saved
                 sh = _Shell(p.name, model.get_submodule(p.name), p.config)
                 layout = sh.layout
                 if stated is not None and stated.get(p.name, layout) != layout:

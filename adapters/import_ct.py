@@ -183,7 +183,7 @@ def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Modu
     own = ctc.qcore if isinstance(ctc.qcore, dict) and "config" in ctc.qcore else None
     config = ModelConfig.from_dict(own["config"]) if own is not None else config_from_ct(model, ctc)
     from .quantizer import _set_module, plan_model
-    plans = plan_model(model, config)
+    plans = plan_model(model, config, _check_float=False)  # a saved config, as it was saved
     which = _module_groups(model, ctc)
     # 1. every quantized tensor's name, dtype and shape, before anything is read
     todo = []

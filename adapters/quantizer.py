@@ -24,7 +24,8 @@ from .modules import QUANT_CLASSES, CalibrationError, _QuantMixin, is_quantized_
 
 _log = logging.getLogger("qcore.adapters")
 
-__all__ = ["quantize_model", "plan_model", "calibrate", "freeze", "model_bytes", "quantized_modules", "LayerPlan"]
+__all__ = ["quantize_model", "plan_model", "calibrate", "freeze", "model_bytes", "quantized_modules", "LayerPlan",
+           "FloatWeight", "unquantized_weights", "excluded_weights"]
 
 
 @dataclass(frozen=True)
@@ -87,11 +88,17 @@ def _as_config(config: Any) -> ModelConfig:
     raise TypeError(f"config must be a ModelConfig, a preset name or a config dict, got {type(config).__name__}")
 
 
-def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _quantized_ok: bool = False
-               ) -> list[LayerPlan]:
+def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _quantized_ok: bool = False,
+               _check_float: bool = True) -> list[LayerPlan]:
     """Resolve ``config`` on ``model``: the modules that will be quantized and their configs. Pure: raises
     ``ValueError``/``TypeError`` for patterns matching nothing, configs that cannot apply, tied weights shared
-    with a module treated differently, an already quantized model; changes nothing."""
+    with a module treated differently, an already quantized model, and weight matrices qcore cannot quantize
+    yet that no exclusion names (fused 3-D MoE expert tensors, transformers' ``Conv1D``, ...: see
+    ``unquantized_weights``); changes nothing.
+
+    ``exclude`` / ``by_name`` patterns match module names (a pattern naming a module covers everything in it) and,
+    for the weights qcore cannot quantize, their parameter names too (``model.layers.0.mlp.experts.down_proj``).
+    (``_check_float=False``: the checkpoint loaders, which resolve a saved config on a float skeleton.)"""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     config = _as_config(config)
@@ -111,11 +118,13 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
         raise ValueError("an algorithm run on this model failed half-way and left some layers rewritten; reload "
                          "the model and quantize it again")
     exclude = _output_head(model) if config.exclude is None else list(config.exclude)
+    odd = _odd_weights(mods)  # weight matrices of kinds qcore cannot quantize: excluded by name or refused below
+    targets = names + [w.name for w in odd]  # exclude / by_name may name those parameters
     for p in ([] if config.exclude is None else exclude):
-        if not any(_match(p, n) for n in names):
+        if not any(_match(p, n) for n in targets):
             raise _no_match_error("ModelConfig.exclude entry", p, names)
     for p in config.by_name:
-        if not any(_match(p, n) for n in names):
+        if not any(_match(p, n) for n in targets):
             raise _no_match_error("ModelConfig.by_name pattern", p, names)
     kv_targets = config.kv_cache.targets if config.kv_cache is not None else ()
     for p in kv_targets:
@@ -172,8 +181,199 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
                       stacklevel=3)
     if not plans:
         raise _nothing_planned(mods)
+    if _check_float and not _quantized_ok:
+        left = [w for w in odd if not _kept_float(w, config, exclude)]
+        if left:
+            raise _unsupported_error(left, config, exclude)
     _check_ties(model, mods, plans)
     return plans
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# weights qcore cannot quantize yet: found before any work, kept float only by an explicit exclusion
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FloatWeight:
+    """A weight matrix left in float: its parameter name, the module holding it (name and type), its shape and
+    why (``unquantized_weights``, ``excluded_weights``)."""
+
+    name: str
+    module: str
+    type: str
+    shape: tuple
+    why: str
+
+
+ISSUE = "issue 22"  # where full support for these weights is tracked
+_WHY_EXPERTS = f"3-D fused MoE expert weights: qcore cannot quantize them yet ({ISSUE})"
+_WHY_CONV1D = (f"transformers' Conv1D (GPT-2-style projections, a Linear whose weight is stored [in, out]): qcore "
+               f"cannot quantize it yet ({ISSUE})")
+
+
+def _why_odd(m: nn.Module, local: str, t: torch.Tensor) -> Optional[str]:
+    """Why parameter ``local`` of module ``m`` is a weight matrix qcore would be expected to quantize but cannot;
+    None for what is float by design (norms, biases, embeddings, routers, 1-D tensors) or is a supported module's
+    (those are planned, excluded or warned about by ``plan_model``)."""
+    if not t.is_floating_point() or t.dim() < 2 or "bias" in local.lower():
+        return None
+    if isinstance(m, (_QuantMixin, _FloatView)) or any(isinstance(m, c) for c in QUANT_CLASSES):
+        return None
+    tname = type(m).__name__
+    low = tname.lower()
+    if "router" in low or "norm" in low or "embed" in low or "embed" in local.lower():
+        return None  # routers stay float (as in vLLM, llm-compressor, Quark); norms; embeddings (by_type only)
+    if "expert" in low:  # all experts of a layer in one tensor: (experts, out, in), or stacked 2-D (DBRX)
+        return _WHY_EXPERTS if t.dim() >= 3 else _WHY_EXPERTS.replace("3-D fused", "fused (stacked 2-D)")
+    if tname == "Conv1D" and local == "weight":
+        return _WHY_CONV1D
+    if isinstance(m, nn.MultiheadAttention):
+        return (f"the fused q/k/v projection weight of torch.nn.MultiheadAttention: qcore cannot quantize it yet "
+                f"({ISSUE})")
+    if isinstance(m, (nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose3d, nn.Bilinear, nn.RNNBase)):
+        return (f"a {tname} weight: not a module type qcore quantizes (supported: "
+                f"{', '.join(c.__name__ for c in QUANT_CLASSES)})")
+    if local == "weight" or local.endswith(("_weight", "proj")) or "qkv" in local.lower() or \
+            re.fullmatch(r"[wv]\d+", local):
+        return (f"a weight matrix held directly by a {tname} module (fused projections such as qkv or gate_up, "
+                f"or a custom layer): qcore quantizes Linear, Conv2d, ConvTranspose2d and embedding modules only "
+                f"({ISSUE})")
+    return None
+
+
+def _odd_weights(mods: Mapping[str, Any]) -> list[FloatWeight]:
+    """Every weight matrix of ``mods`` that qcore would be expected to quantize but cannot (``_why_odd``); a tensor
+    shared by several modules once."""
+    out, seen = [], set()
+    for mname, m in mods.items():
+        params = getattr(m, "_parameters", None) or {}
+        for local, t in params.items():
+            if t is None or id(t) in seen:
+                continue
+            why = _why_odd(m, local, t)
+            if why is not None:
+                seen.add(id(t))
+                out.append(FloatWeight(f"{mname}.{local}" if mname else local, mname, type(m).__name__,
+                                       tuple(t.shape), why))
+    return out
+
+
+def _kept_float(w: FloatWeight, config: ModelConfig, exclude: list) -> bool:
+    """Whether an exclusion (``exclude``, or a ``by_name`` pattern set to None) names ``w``: its module (or one of
+    the module's parents), or the parameter itself."""
+    def hit(p):
+        return (bool(w.module) and _match_tree(p, w.module)) or _match(p, w.name)
+    if any(hit(p) for p in exclude):
+        return True
+    named = next((p for p in config.by_name if hit(p)), None)
+    return named is not None and config.by_name[named] is None
+
+
+def _exclude_pattern(weights: list[FloatWeight]) -> str:
+    r"""One ``re:`` pattern naming exactly these parameters, whatever layer they are in:
+    ``re:.*\.experts\.(down_proj|gate_up_proj)``, ``re:.*\.(c_attn|c_fc|c_proj)\.weight``."""
+    tails: dict[str, set] = {}
+    for w in weights:
+        tails.setdefault(w.module.rpartition(".")[2], set()).add(w.name.rpartition(".")[2])
+    params = {frozenset(v) for v in tails.values()}
+    if len(params) == 1:  # the same parameter names in every owner (one owner, or GPT-2's c_attn / c_fc / c_proj)
+        body = _alt(tails) + r"\." + _alt(next(iter(params)))
+    else:
+        body = "(" + "|".join(sorted(re.escape(o) + r"\." + re.escape(x) for o, xs in tails.items() for x in xs)) + ")"
+    pattern = (r".*\." if all("." in w.module for w in weights) else r"(.*\.)?") + body
+    if not all(w.module and re.fullmatch(pattern, w.name) for w in weights):  # parameters of the root module
+        pattern = _alt(w.name for w in weights)
+    return "re:" + pattern
+
+
+def _alt(items) -> str:
+    """A regular expression matching exactly one of ``items`` (escaped)."""
+    esc = sorted(re.escape(i) for i in set(items))
+    return esc[0] if len(esc) == 1 else "(" + "|".join(esc) + ")"
+
+
+def _unsupported_error(left: list[FloatWeight], config: ModelConfig, exclude: list) -> ValueError:
+    """The refusal for weights qcore cannot quantize that no exclusion names: which (first few and how many),
+    why, and the exclusion that keeps them float knowingly."""
+    whys: dict[str, list[FloatWeight]] = {}
+    for w in left:
+        whys.setdefault(w.why, []).append(w)
+    parts = []
+    for why, ws in whys.items():
+        shown = ", ".join(f"{w.name} {list(w.shape)}" for w in ws[:3])
+        parts.append(f"{len(ws)} weight(s) ({shown}{', ...' if len(ws) > 3 else ''}) are {why}")
+    pattern = _exclude_pattern(left)
+    keep = list(exclude) + [pattern]
+    cli = " ".join(f"--exclude {_shell(p)}" for p in keep)
+    default = " (the first entries keep what the config already excludes: an explicit exclude replaces the "
+    default += "default, the output head)" if config.exclude is None and exclude else ")"
+    return ValueError(f"the model has weight matrices qcore would leave in float, silently half-quantizing it: "
+                      f"{'; '.join(parts)}. Nothing was changed. To quantize the rest and keep these in float "
+                      f"knowingly, exclude them: exclude={keep!r} (Python: config.replace(exclude=...)), or on the "
+                      f"command line {cli}{default}")
+
+
+def _shell(s: str) -> str:
+    import shlex
+    return shlex.quote(s)
+
+
+def _walk_config(model: nn.Module, config: Any) -> tuple[ModelConfig, dict, list]:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if config is None:
+        config = getattr(model, "qcore_config", None)
+        if config is None:
+            raise ValueError("config: the model was not quantized by quantize_model (it has no qcore_config); "
+                             "pass the config it was quantized with")
+    config = _as_config(config)
+    mods = dict(model.named_modules())
+    exclude = _output_head(model) if config.exclude is None else list(config.exclude)
+    return config, mods, exclude
+
+
+def unquantized_weights(model: nn.Module, config: Union[ModelConfig, str, Mapping, None] = None
+                        ) -> list[FloatWeight]:
+    """Every weight of ``model`` that ``config`` (default: the config ``quantize_model`` used,
+    ``model.qcore_config``) should have quantized but that is still float and is not excluded: a module the plan
+    quantizes whose weight is not quantized, and a weight matrix of a kind qcore cannot quantize yet (fused
+    3-D MoE experts, transformers' Conv1D, ...) that no exclusion names. Empty after a successful
+    ``quantize_model``; the proof that a model is not half-done. Embeddings (quantized only through
+    ``by_type`` / ``by_name``), norms, biases and MoE routers are float by design and never listed."""
+    config, mods, exclude = _walk_config(model, config)
+    out = []
+    for p in plan_model(model, config, _quantized_ok=True, _check_float=False):
+        if p.config.weight is None:
+            continue
+        m = mods[p.name]
+        if not (is_quantized_module(m) and "weight" in m._qspecs):
+            w = getattr(m, "weight", None)
+            out.append(FloatWeight(f"{p.name}.weight", p.name, type(m).__name__,
+                                   tuple(w.shape) if isinstance(w, torch.Tensor) else (),
+                                   f"the config quantizes this {p.type}'s weight, and it is float"))
+    out += [w for w in _odd_weights(mods) if not _kept_float(w, config, exclude)]
+    return out
+
+
+def excluded_weights(model: nn.Module, config: Union[ModelConfig, str, Mapping, None] = None
+                     ) -> list[FloatWeight]:
+    """The weight matrices ``config`` (default: ``model.qcore_config``) keeps float by an exclusion (``exclude``,
+    by default the output head, or a ``by_name`` pattern set to None): the excluded modules of a type qcore
+    quantizes and the weights of kinds it cannot quantize yet, each with why. What the ``qcore quantize``
+    summary and report list as kept float."""
+    config, mods, exclude = _walk_config(model, config)
+    out = []
+    for name, m in mods.items():
+        if not name or _tname(m) is None or _tname(m) not in COMPUTE_TYPES:
+            continue
+        named = next((p for p in config.by_name if _match_tree(p, name)), None)
+        if any(_match_tree(p, name) for p in exclude) or (named is not None and config.by_name[named] is None):
+            w = getattr(m, "weight", None)
+            out.append(FloatWeight(f"{name}.weight", name, type(m).__name__,
+                                   tuple(w.shape) if isinstance(w, torch.Tensor) else (), "excluded by the config"))
+    out += [w for w in _odd_weights(mods) if _kept_float(w, config, exclude)]
+    return out
 
 
 class _FloatView:
@@ -201,7 +401,7 @@ def _nothing_planned(mods: dict) -> ValueError:
                 f"(supported module types: {', '.join(supported)})")
         if "Conv1D" in other:
             msg += ("; transformers' Conv1D (GPT-2's attention and MLP projections, a Linear with its weight stored "
-                    "[in, out]) is not a supported module type")
+                    f"[in, out]) is not a supported module type yet ({ISSUE})")
         msg += "; "
     else:
         msg += " (everything excluded or unmatched); "

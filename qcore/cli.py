@@ -228,7 +228,8 @@ def _add_quantize(sub) -> None:
     q.add_argument("--group-size", type=_positive, default=None, help="group / block size of the preset")
     q.add_argument("--kv-cache-dtype", choices=["fp8"], default=None, help="quantize the KV cache (fp8 e4m3)")
     q.add_argument("--exclude", action="append", default=None, metavar="NAME",
-                   help="module name or pattern left in float (repeatable; replaces the default: the output head)")
+                   help="module name or pattern left in float, or a weight qcore cannot quantize yet (fused MoE "
+                   "experts, Conv1D: docs/adapters.md) (repeatable; replaces the default: the output head)")
     q.add_argument("--algo", action="append", default=None, metavar="NAMES",
                    help="algorithms to run before rounding, in order, comma-separated or repeated: quarot or "
                    "spinquant (first), gptq, awq, smoothquant, autosmoothquant (e.g. --algo quarot,gptq); an entry "
