@@ -358,6 +358,9 @@ def _check_export(args, model, config) -> None:
             from .export import check_hf
             check_hf(model, config)
     except (ValueError, TypeError) as e:
+        from .export_onnx import UnsupportedWeightError
+        if isinstance(e, UnsupportedWeightError):
+            e = e.with_option("--onnx-unsupported dequantize")  # the flag, not the Python argument
         raise CommandError(f"--export {fmt}: {e}") from None
 
 

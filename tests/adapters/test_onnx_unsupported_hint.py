@@ -94,7 +94,7 @@ def test_qcore_quantize_names_the_flag(dirs, tmp_path, capsys):
             "--no-progress", "--export", "onnx", "--output", str(tmp_path / "o")]
     assert main(argv) == 2
     line = _one_line(capsys.readouterr().err)
-    assert line.startswith(f"qcore quantize: error: export_onnx: {TENSOR}: ")
+    assert line.startswith(f"qcore quantize: error: --export onnx: export_onnx: {TENSOR}: ")  # before any work
     assert "Pass --onnx-unsupported dequantize to write" in line and "unsupported='" not in line
     assert not (tmp_path / "o").exists()
     assert main(argv + ["--onnx-unsupported", "dequantize"]) == 0
