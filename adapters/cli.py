@@ -299,22 +299,32 @@ def _check_device(spec: str) -> None:
 
 def _check_outputs(args) -> None:
     """Before any work: ``--output`` is not (and neither contains nor lies inside) ``--model``; ``--report`` and
-    ``--plot`` can be written; ``--device`` exists here."""
-    from qcore._fsutil import check_not_source
+    ``--plot`` can be written; none of them is, contains or lies inside a file the command reads (``--model``,
+    ``--eval-text``, a ``--scheme`` file) or another of them; ``--device`` exists here."""
+    from qcore._fsutil import check_not_source, overlap
     try:
         src = args.model if args.model is not None else str(M.smollm2_path())
     except (ImportError, FileNotFoundError):
         src = None  # loading the model says what is missing
     if src is not None and not os.path.exists(src):
         src = None  # a hub id
+    scheme = getattr(args, "scheme", None)  # the files the command reads are sources too
+    sources = [src, getattr(args, "eval_text", None), scheme if scheme and os.path.isfile(scheme) else None]
+    written: list[tuple[str, str]] = []
     for flag, path in (("--output", args.output), ("--report", args.report), ("--plot", args.plot)):
         if path:
             try:
-                check_not_source(path, [src], what=flag)
+                check_not_source(path, sources, what=flag)
             except ValueError as e:
                 raise CommandError(str(e)) from None
+            for other, opath in written:  # --report / --plot: neither the checkpoint nor each other
+                how = overlap(path, opath)
+                if how is not None:
+                    raise CommandError(f"{flag} {path!r} {how} {other} {opath!r}; the one would overwrite the "
+                                       f"other: choose another path")
             if flag != "--output":
                 _check_writable_file(flag, path)
+            written.append((flag, path))
     _check_device(args.device)
 
 
@@ -755,6 +765,10 @@ def convert_command(args) -> int:
             check_not_source(rp, [args.src], what="--report")
         except ValueError as e:
             raise CommandError(str(e)) from None
+        how = overlap(rp, args.dst)
+        if how in ("is", "contains"):  # the report would replace the converted checkpoint
+            raise CommandError(f"--report {args.report!r} {how} dst {args.dst!r}; the report would replace the "
+                               f"converted checkpoint: choose another path")
         if overlap(rp.parent, args.dst) not in ("is", "lies inside"):  # a folder the conversion creates is fine
             _check_writable_file("--report", args.report)
     info = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, strict=args.strict, dtype=dtype,

@@ -137,6 +137,11 @@ BAD_CLI = [
     (Q + ["--output", "src.json"], "--output src.json", "not a directory"),
     (Q + ["--model", "adir"], "--model adir", "without config.json"),
     (Q + ["--frobnicate"], "unrecognized arguments: --frobnicate", ""),
+    # quantize: --report / --plot over a file the command reads, the checkpoint, or each other
+    (Q + ["--eval-text", "src.json", "--plot", "src.json"], "--plot 'src.json' is the source 'src.json'", ""),
+    (Q + ["--scheme", "src.json", "--report", "src.json"], "--report 'src.json' is the source 'src.json'", ""),
+    (Q + ["--plot", "report.json"], "--plot 'report.json' is --report 'report.json'", "overwrite the other"),
+    (Q + ["--output", "out", "--report", "out"], "--report 'out' is --output 'out'", "overwrite the other"),
     # eval
     (["eval", "--limit", "0"], "--limit", "positive"),
     (["eval", "--limit", "3"], "--limit 3", "give --tasks too"),
@@ -156,6 +161,8 @@ BAD_CLI = [
     (["convert", "src.json", "out", "--to", "hf", "--dtype", "float8"], "--dtype", "must be one of"),
     (["convert", "src.json", "out"], "--to", "required"),
     (["convert", "src.json", "out", "--to", "hf", "--report", "adir"], "--report adir", "is a directory"),
+    (["convert", "src.json", "out", "--to", "hf", "--report", "out"], "--report 'out' is dst 'out'", "replace"),
+    (["convert", "src.json", "r.json/m", "--to", "hf", "--report", "r.json"], "--report 'r.json' contains dst", ""),
     # inspect
     (["inspect", "missing"], "'missing'", "is not a directory"),
     (["inspect", "src.json"], "'src.json'", "not a .gguf or .onnx file, nor a checkpoint directory"),
