@@ -317,13 +317,13 @@ def _check_outputs(args) -> None:
                 check_not_source(path, sources, what=flag)
             except ValueError as e:
                 raise CommandError(str(e)) from None
+            if flag != "--output":
+                _check_writable_file(flag, path)
             for other, opath in written:  # --report / --plot: neither the checkpoint nor each other
                 how = overlap(path, opath)
                 if how is not None:
                     raise CommandError(f"{flag} {path!r} {how} {other} {opath!r}; the one would overwrite the "
                                        f"other: choose another path")
-            if flag != "--output":
-                _check_writable_file(flag, path)
             written.append((flag, path))
     _check_device(args.device)
 

@@ -188,6 +188,8 @@ def check_ct(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
         raise ValueError(_ROTATION_REFUSAL)
     for u in export_units(model, config):
         _unit_check(u.name, u.type, u.config, config)
+        if u.config.weight is not None:  # whole groups of a 2-D weight, before any evaluation or quantization
+            CT.check_shape(u.config.weight.spec, u.shape, f"layer {u.name!r}")
 
 
 _ROTATION_REFUSAL = ("export_compressed_tensors: the model carries online rotations (QuaRot / SpinQuant "

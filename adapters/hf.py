@@ -61,14 +61,31 @@ def checkpoint_config(raw: dict) -> ModelConfig:
     own = raw.get("qcore")
     check_format_version(own, "quantization_config")
     if isinstance(own, dict) and "config" in own:
-        if raw.get("source_method", raw.get("quant_method")) == "quark":  # what Quark and vLLM read: valid too
-            ModelConfig.from_quark({**{k: v for k, v in raw.items() if k not in _OWN_KEYS}, "quant_method": "quark"})
-        return ModelConfig.from_dict(own["config"])
+        mine = ModelConfig.from_dict(own["config"])
+        if raw.get("source_method", raw.get("quant_method")) == "quark":  # what Quark and vLLM read: valid too,
+            theirs = ModelConfig.from_quark({**{k: v for k, v in raw.items() if k not in _OWN_KEYS},  # and the same
+                                             "quant_method": "quark"})
+            where = _first_difference(theirs.to_quark(), mine.to_quark())
+            if where is not None:
+                raise CorruptCheckpointError(f"quantization_config.{where} disagrees with the qcore block's config: "
+                                             f"Quark and vLLM would load another model than qcore")
+        return mine
     if raw.get("source_method", raw.get("quant_method")) not in ("quark", "qcore"):
         raise ValueError(f"quantization_config: quant_method {raw.get('quant_method')!r} is not 'quark' or 'qcore'")
     d = {k: v for k, v in raw.items() if k not in _OWN_KEYS}
     d["quant_method"] = "quark"
     return ModelConfig.from_quark(d)
+
+
+def _first_difference(a: Any, b: Any, path: str = "") -> Optional[str]:
+    """The dotted path of the first place two JSON-like values differ, or None when they are equal."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in list(a) + [k for k in b if k not in a]:
+            where = _first_difference(a.get(k), b.get(k), f"{path}.{k}" if path else str(k))
+            if where is not None:
+                return where
+        return None
+    return None if a == b else (path or "(root)")
 
 
 def read_config(d: pathlib.Path) -> tuple:

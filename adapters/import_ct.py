@@ -215,8 +215,8 @@ def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Modu
         want = CT.spec_to_args(spec, role="weight", where=f"{where} weight")
         have = ctc.config_groups[g].weights
         if have is None or CT.args_to_spec(have, role="weight")[0].dtype.bits != spec.dtype.bits or \
-                (want.type, want.strategy, want.group_size, want.block_structure) != \
-                (have.type, have.strategy, have.group_size, have.block_structure):
+                (want.type, want.strategy, want.group_size, want.block_structure, want.symmetric) != \
+                (have.type, have.strategy, have.group_size, have.block_structure, have.symmetric):
             theirs = None if have is None else have.to_dict()
             raise CorruptCheckpointError(f"{where}: the qcore config's weight spec ({want.to_dict()}) is not the "
                                          f"compressed-tensors group {g!r}'s ({theirs})")

@@ -255,6 +255,8 @@ BAD_WITH_MODEL = [
     (["--scheme", "act_only.json", "--output", "out", "--export", "compressed-tensors"],
      "--export compressed-tensors", "not their weight"),
     (["--exclude", "no_such_module"], "ModelConfig.exclude entry", "matches no module"),
+    (["--scheme", "w_int4_per_group_sym", "--output", "out", "--export", "compressed-tensors"],
+     "--export compressed-tensors", "groups of 128 do not divide the 64 input features"),
     (["--scheme", "w_fp8_a_fp8", "--eval-text", "short.txt", "--seq-len", "32"], "--seq-len 32",
      "static input scales (--scheme) need calibration windows"),
     (["--algo", "gptq", "--scheme", "uint4_wo_32", "--eval-text", "short.txt", "--seq-len", "32", "--eval", "none"],
@@ -262,7 +264,8 @@ BAD_WITH_MODEL = [
 ]
 
 
-@pytest.mark.parametrize("argv, flag, message", BAD_WITH_MODEL, ids=[r[0][1] for r in BAD_WITH_MODEL])
+@pytest.mark.parametrize("argv, flag, message", BAD_WITH_MODEL,
+                         ids=[f"{i}-{r[0][1]}" for i, r in enumerate(BAD_WITH_MODEL)])
 def test_bad_command_line_known_from_the_model(argv, flag, message, lm_dir, workdir, capsys, monkeypatch):
     (workdir / "kv_only.json").write_text(KV_ONLY)
     (workdir / "act_only.json").write_text(ACT_ONLY)

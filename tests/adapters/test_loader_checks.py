@@ -197,6 +197,8 @@ HF = COMMON + [
     ("zero-point-removed", _pop(P + "weight_zero_point"), r"q_proj\.weight_zero_point' is missing"),
     ("quark-config-list", _qconfig(("global_quant_config",), [1]), r"global_quant_config"),
     ("qcore-config-bad", _qconfig(("qcore", "config"), {"layer": 3}), r"config\.json.*layer config: got 3"),
+    ("quark-fields-disagree", _qconfig(("exclude",), ["lm_head", P[:-1]]),
+     r"quantization_config\.exclude disagrees with the qcore block's config"),
 ]
 
 HF_ASYM = [
@@ -215,6 +217,8 @@ CT = [c for c in COMMON if c[0] not in ("scale-retyped",)] + [
                                                                 torch.ones(1, dtype=torch.int8))),
      r"q_proj\.weight_zero_point' in model\.safetensors is not a tensor"),
     ("ct-config-groups", _qconfig(("config_groups",), [1]), r"config\.json.*config_groups"),
+    ("ct-symmetric-flipped", _qconfig(("config_groups", "group_0", "weights", "symmetric"), False),
+     r"q_proj.*the qcore config's weight spec .* is not the compressed-tensors group 'group_0'"),
 ]
 
 
