@@ -95,6 +95,9 @@ def _loading_bars(enabled: bool):
             tlog.enable_progress_bar()
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # a tokenizer's vocabulary
+
+
 def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str):
     """``(model, tokenizer, description)`` for ``--model``: None (the embedded SmolLM2), a ``.gguf`` file, an HF
     model directory, or a hub id (which needs a network)."""
@@ -124,7 +127,12 @@ def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str):
             model = load_float_model(p, dtype=dtype)
         try:
             tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
-        except (OSError, ValueError):
+        except Exception as e:  # the tokenizers library raises its own Exception for a malformed tokenizer.json
+            files = [f for f in _TOKENIZER_FILES if (p / f).exists()]
+            if files:  # there is one, and it is broken: say so (not "no tokenizer found")
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise CommandError(f"--model {spec}: its tokenizer ({', '.join(files)}) cannot be read: {first}"
+                                   ) from None
             tok = None
         return model.eval().to(device), tok, str(p)
     try:
@@ -143,7 +151,13 @@ def _eval_text(args) -> Optional[str]:
     p = pathlib.Path(args.eval_text)
     if not p.is_file():
         raise CommandError(f"--eval-text {args.eval_text}: no such file")
-    return p.read_text()
+    try:
+        text = p.read_text()
+    except UnicodeDecodeError as e:
+        raise CommandError(f"--eval-text {args.eval_text}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not text.strip():
+        raise CommandError(f"--eval-text {args.eval_text}: the file holds no text")
+    return text
 
 
 def _require_matplotlib() -> None:
@@ -499,7 +513,15 @@ def quantize_command(args) -> int:
         config = amp_config(model, amp_schemes, calib[:args.amp_samples], target_bits=args.target_bits,
                             max_loss=args.max_loss, exclude=config.exclude, progress=progress).replace(
             kv_cache=config.kv_cache, algorithms=config.algorithms)
-        plans = plan_model(model, config)
+        try:
+            plans = plan_model(model, config)
+        except ValueError as e:
+            if "quantizes no module" not in str(e):
+                raise
+            raise CommandError(f"--amp chose 'float' for every layer (" + (
+                f"--target-bits {args.target_bits} leaves room for it" if args.max_loss is None else
+                f"--max-loss {args.max_loss}") + "): nothing to quantize; give fewer bits, or leave 'float' out of "
+                f"--amp") from None
     # round-to-nearest on a copy first when an algorithm runs: the report shows before and after
     rtn_errors = _rtn_errors(model, config, calib, progress=progress) if config.algorithms and (
         args.plot or args.report) else None

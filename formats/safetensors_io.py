@@ -210,8 +210,10 @@ class SafetensorsFile:
 
     def __init__(self, path: Union[str, os.PathLike]):
         self.path = pathlib.Path(path)
-        size = self.path.stat().st_size
         where = str(self.path)
+        if self.path.is_dir():
+            raise CorruptCheckpointError(f"{where}: a directory, not a safetensors file")
+        size = self.path.stat().st_size
         with open(self.path, "rb") as f:
             first = f.read(8)
             if len(first) < 8:

@@ -142,6 +142,9 @@ BAD_CLI = [
     (Q + ["--scheme", "src.json", "--report", "src.json"], "--report 'src.json' is the source 'src.json'", ""),
     (Q + ["--plot", "report.json"], "--plot 'report.json' is --report 'report.json'", "overwrite the other"),
     (Q + ["--output", "out", "--report", "out"], "--report 'out' is --output 'out'", "overwrite the other"),
+    (Q + ["--output", "src.json/out"], "--output 'src.json/out'", "is a file, not a directory"),
+    (Q + ["--eval-text", "empty.json"], "--eval-text empty.json", "holds no text"),
+    (Q + ["--eval-text", "binary.txt"], "--eval-text binary.txt", "not UTF-8 text"),
     # eval
     (["eval", "--limit", "0"], "--limit", "positive"),
     (["eval", "--limit", "3"], "--limit 3", "give --tasks too"),
@@ -152,6 +155,7 @@ BAD_CLI = [
     (["eval", "--dtype", "int8"], "--dtype", "must be one of"),
     (["eval", "--no-ppl"], "--no-ppl", "nothing to evaluate"),
     (["eval", "--tasks", ","], "--tasks", "comma-separated"),
+    (["eval", "--eval-text", "empty.json"], "--eval-text empty.json", "holds no text"),
     # schemes
     (["schemes", "--all"], "unrecognized arguments: --all", ""),
     (["schemes", "extra"], "unrecognized arguments: extra", ""),
@@ -163,6 +167,7 @@ BAD_CLI = [
     (["convert", "src.json", "out", "--to", "hf", "--report", "adir"], "--report adir", "is a directory"),
     (["convert", "src.json", "out", "--to", "hf", "--report", "out"], "--report 'out' is dst 'out'", "replace"),
     (["convert", "src.json", "r.json/m", "--to", "hf", "--report", "r.json"], "--report 'r.json' contains dst", ""),
+    (["convert", "src.json", "deep.json/m", "--to", "hf"], "dst 'deep.json/m'", "is a file, not a directory"),
     # inspect
     (["inspect", "missing"], "'missing'", "is not a directory"),
     (["inspect", "src.json"], "'src.json'", "not a .gguf or .onnx file, nor a checkpoint directory"),
@@ -189,6 +194,7 @@ def workdir(tmp_path, monkeypatch):
         (tmp_path / name).write_text(text)
     (tmp_path / "adir").mkdir()
     (tmp_path / "src.json").write_text("{}")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00\x80" * 8)
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -255,6 +261,9 @@ BAD_WITH_MODEL = [
     (["--scheme", "act_only.json", "--output", "out", "--export", "compressed-tensors"],
      "--export compressed-tensors", "not their weight"),
     (["--exclude", "no_such_module"], "ModelConfig.exclude entry", "matches no module"),
+    (["--amp", "w_mxfp4_a_mxfp4,float", "--target-bits", "100", "--seq-len", "32", "--amp-samples", "1",
+      "--calib-samples", "1", "--eval", "none", "--eval-text", "long.txt"], "--amp chose 'float' for every layer",
+     "nothing to quantize"),
     (["--scheme", "w_int4_per_group_sym", "--output", "out", "--export", "compressed-tensors"],
      "--export compressed-tensors", "groups of 128 do not divide the 64 input features"),
     (["--scheme", "w_fp8_a_fp8", "--eval-text", "short.txt", "--seq-len", "32"], "--seq-len 32",
@@ -269,6 +278,7 @@ BAD_WITH_MODEL = [
 def test_bad_command_line_known_from_the_model(argv, flag, message, lm_dir, workdir, capsys, monkeypatch):
     (workdir / "kv_only.json").write_text(KV_ONLY)
     (workdir / "act_only.json").write_text(ACT_ONLY)
+    (workdir / "long.txt").write_text("a text long enough for a few calibration windows of 32 tokens. " * 40)
     (workdir / "short.txt").write_text("a short text of a hundred bytes, which leaves no calibration window " * 1)
     from qcore.adapters import evaluate
     monkeypatch.setattr(evaluate, "perplexity", lambda *a, **k: pytest.fail("evaluated before refusing"))

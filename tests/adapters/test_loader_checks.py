@@ -475,10 +475,15 @@ FLOAT = [
     ("extra", _add("model.extra"), r"'model\.extra'.* is not a tensor"),
     ("truncated", _truncate(100), r"truncated"),
     ("deep-config", _text(DEEP), r"nests too deeply"),
+    ("safetensors-is-a-folder", lambda d: (d / "model.safetensors").unlink() or (d / "model.safetensors").mkdir(),
+     r"model\.safetensors: a directory, not a safetensors file|has no \.safetensors weights"),
 ]
+# what the command line also reads from a float folder (quantize_checkpoint takes no tokenizer)
+FLOAT_CLI = FLOAT + [("tokenizer-malformed", lambda d: (d / "tokenizer.json").write_text("{"),
+                      r"--model .*: its tokenizer \(tokenizer\.json\) cannot be read")]
 
 
-@pytest.mark.parametrize("name, edit, match", FLOAT, ids=_ids(FLOAT))
+@pytest.mark.parametrize("name, edit, match", FLOAT_CLI, ids=_ids(FLOAT_CLI))
 def test_float_model_folders_are_checked(float_dir, tmp_path, capsys, name, edit, match):
     d = tmp_path / "f"
     shutil.copytree(float_dir, d)
