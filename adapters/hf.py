@@ -65,7 +65,14 @@ def checkpoint_config(raw: dict) -> ModelConfig:
         if raw.get("source_method", raw.get("quant_method")) == "quark":  # what Quark and vLLM read: valid too,
             theirs = ModelConfig.from_quark({**{k: v for k, v in raw.items() if k not in _OWN_KEYS},  # and the same
                                              "quant_method": "quark"})
-            where = _first_difference(theirs.to_quark(), mine.to_quark())
+            # Quark's scale_type follows the model dtype the export wrote them in: equal for one of them
+            wheres = []
+            for dt in ("float32", "bfloat16", "float16"):
+                try:
+                    wheres.append(_first_difference(theirs.to_quark(model_dtype=dt), mine.to_quark(model_dtype=dt)))
+                except ValueError:  # a config this dtype cannot spell (E8M0 scales in float16)
+                    continue
+            where = None if not wheres or None in wheres else wheres[0]
             if where is not None:
                 raise CorruptCheckpointError(f"quantization_config.{where} disagrees with the qcore block's config: "
                                              f"Quark and vLLM would load another model than qcore")
