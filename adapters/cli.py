@@ -215,7 +215,20 @@ def _read_scheme_file(scheme: str) -> ModelConfig:
         raise CommandError(f"--scheme {scheme}: quantization_config must be a JSON object, got a JSON "
                            f"{type(d).__name__}")
     try:
-        config = ModelConfig.from_quark(d) if d.get("quant_method") == "quark" else ModelConfig.from_dict(d)
+        method = d.get("quant_method")
+        if method in ("quark", "qcore"):  # a qcore export's quantization_config: its qcore block, else Quark's
+            from .hf import checkpoint_config
+            config = checkpoint_config(d)
+        elif method == "compressed-tensors":
+            own = d.get("qcore")
+            if not (isinstance(own, dict) and isinstance(own.get("config"), dict)):
+                raise ValueError("a compressed-tensors quantization_config without a qcore block names its layers "
+                                 "by module class, which only its model resolves; give a qcore or Quark config")
+            from .hf import check_format_version
+            check_format_version(own, "quantization_config")
+            config = ModelConfig.from_dict(own["config"])
+        else:
+            config = ModelConfig.from_dict(d)
         if config.algorithms:  # known names and settings, before any model loads
             from qcore.algorithms.config import parse_algorithms
             parse_algorithms(config.algorithms)

@@ -78,6 +78,10 @@ SCHEME_FILES = {
     "quark_exclude_int.json": (json.dumps(_sub(GOOD_QUARK, ("exclude",), 5)), "exclude"),
     "quark_exclude_regex.json": (json.dumps(_sub(GOOD_QUARK, ("exclude",), ["re:["])), "bad regular expression"),
     "quark_algo_str.json": (json.dumps(_sub(GOOD_QUARK, ("algo_config",), ["gptq"])), "algo_config"),
+    "ct_without_qcore.json": (json.dumps({"quant_method": "compressed-tensors", "config_groups": {}}),
+                              "a compressed-tensors quantization_config without a qcore block"),
+    "qcore_block_newer.json": (json.dumps({"quant_method": "qcore", "qcore": {"format_version": 99, "config": GOOD}}),
+                               "format_version is 99"),
 }
 
 Q = ["quantize", "--no-progress"]
@@ -172,6 +176,8 @@ BAD_CLI = [
     (["inspect", "missing"], "'missing'", "is not a directory"),
     (["inspect", "src.json"], "'src.json'", "not a .gguf or .onnx file, nor a checkpoint directory"),
     (["inspect"], "PATH", "required"),
+    (["inspect", "qc_list"], "qc_list/config.json", "quantization_config must be a JSON object, got list"),
+    (["inspect", "gqc_str"], "gqc_str/config.json", "a quantization_config field is not what the format expects"),
     # conformance
     (["conformance", "export", "vec", "--formats", "nope"], "--formats", "unknown format 'nope'"),
     (["conformance", "export", "vec", "--formats", "mxfp4", "--modes", "bogus"], "--modes", "unknown mode"),
@@ -195,6 +201,10 @@ def workdir(tmp_path, monkeypatch):
     (tmp_path / "adir").mkdir()
     (tmp_path / "src.json").write_text("{}")
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00\x80" * 8)
+    for name, qc in (("qc_list", [1]), ("gqc_str", {"quant_method": "quark", "global_quant_config": "x"})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"quantization_config": qc}))
+        (tmp_path / name / "model.safetensors").write_bytes(b"\x02\0\0\0\0\0\0\0{}")
     monkeypatch.chdir(tmp_path)
     return tmp_path
 

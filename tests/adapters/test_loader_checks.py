@@ -519,6 +519,8 @@ def test_float_load_of_a_gguf_file_is_checked(ckpts, tmp_path, capsys, name, edi
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert re.search(match, lines[0]), lines[0]
     assert not (tmp_path / "out").exists()
+    code, err, lines = _cli(capsys, ["inspect", str(f)])  # qcore inspect reads it through the same check
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err and re.search(match, lines[0]), err
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
