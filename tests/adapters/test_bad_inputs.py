@@ -543,3 +543,15 @@ def test_the_quiet_import_scope_puts_the_levels_back():
     with quiet_optional_imports():
         assert all(lg.level == logging.ERROR for lg in loggers)
     assert [lg.level for lg in loggers] == levels
+
+
+def test_scheme_file_may_be_a_qcore_exports_quantization_config(tmp_path):
+    """``--scheme`` reads the quantization_config qcore writes (quant_method 'qcore' or 'compressed-tensors' with
+    a qcore block; a whole config.json too), not only qcore's own dict and Quark's."""
+    from qcore.adapters.cli import _read_scheme_file
+    for i, qc in enumerate(({"quant_method": "qcore", "qcore": {"format_version": 1, "config": GOOD}},
+                            {"quant_method": "compressed-tensors", "qcore": {"format_version": 1, "config": GOOD}},
+                            {"quant_method": "quark", **GOOD_QUARK, "qcore": {"format_version": 1, "config": GOOD}})):
+        f = tmp_path / f"{i}.json"
+        f.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "quantization_config": qc}))
+        assert _read_scheme_file(str(f)).to_dict() == ModelConfig.from_dict(GOOD).to_dict()
