@@ -244,6 +244,9 @@ def _plan(model: nn.Module, config: ModelConfig) -> tuple[list[_Layer], dict, li
 def ct_quantization_config(model: nn.Module, config: Optional[ModelConfig] = None) -> dict:
     """The ``quantization_config`` dict ``export_compressed_tensors`` writes for ``model`` (no tensors
     converted)."""
+    if config is not None and not isinstance(config, ModelConfig):
+        raise TypeError(f"ct_quantization_config: config must be a ModelConfig (ModelConfig.from_dict reads a dict), "
+                        f"got {type(config).__name__}")
     config = config if config is not None else getattr(model, "qcore_config", None)
     if not isinstance(config, ModelConfig):
         raise ValueError("ct_quantization_config: the model carries no qcore config (pass config=)")
@@ -369,6 +372,9 @@ def export_compressed_tensors(model: nn.Module, directory: Union[str, os.PathLik
         if not isinstance(v, bool):
             raise TypeError(f"{k} must be a bool, got {v!r}")
     max_bytes = parse_size(max_shard_size)
+    if config is not None and not isinstance(config, ModelConfig):
+        raise TypeError(f"export_compressed_tensors: config must be a ModelConfig (ModelConfig.from_dict reads a "
+                        f"dict), got {type(config).__name__}")
     config = config if config is not None else getattr(model, "qcore_config", None)
     if not isinstance(config, ModelConfig):
         raise ValueError("export_compressed_tensors: the model carries no qcore config (quantize it with "

@@ -473,6 +473,18 @@ def test_export_hf_refuses_weightless_configs_before_writing(config, tmp_path, z
     assert list(tmp_path.iterdir()) == []
 
 
+def test_exporters_name_a_config_that_is_not_a_model_config(tmp_path, zoo):
+    """``config=`` given as a dict (what ``to_dict`` writes) is a TypeError naming ``config``, not "the model
+    carries no qcore config (... or pass config=)"."""
+    from qcore.adapters import export_hf
+    from qcore.adapters.export_ct import export_compressed_tensors
+    model = quantize_model(zoo.tiny_llama(), "int8", zoo.token_batches(1, seed=0), progress=False)
+    for export in (export_hf, export_compressed_tensors):
+        with pytest.raises(TypeError, match=f"{export.__name__}: config must be a ModelConfig.*got dict"):
+            export(model, tmp_path / "out", config=GOOD)
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # messages that say what is true
 # ---------------------------------------------------------------------------------------------------------------
