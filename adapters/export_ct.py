@@ -188,8 +188,23 @@ def check_ct(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
         raise ValueError(_ROTATION_REFUSAL)
     for u in export_units(model, config):
         _unit_check(u.name, u.type, u.config, config)
-        if u.config.weight is not None:  # whole groups of a 2-D weight, before any evaluation or quantization
-            CT.check_shape(u.config.weight.spec, u.shape, f"layer {u.name!r}")
+        if u.config.weight is None:
+            continue
+        # what _plan checks of each layer, from the config's specs: formats compressed-tensors spells, static
+        # activation scales per tensor, a format that holds the weight, whole groups of a 2-D weight
+        where, lc = f"layer {u.name!r}", u.config
+        w = CT.spec_to_args(lc.weight.spec, role="weight", where=f"{where} weight")
+        args = {}
+        kv = _kv_role(u.name, types.SimpleNamespace(qconfig=lc), config)
+        for role in ("input",) if kv else ("input", "output"):
+            tc = getattr(lc, role)
+            args[role] = None if tc is None else CT.spec_to_args(tc.spec, role=role, dynamic=tc.dynamic,
+                                                                 where=f"{where} {role}")
+            if args[role] is not None and not args[role].dynamic and args[role].strategy is not CT.Strategy.TENSOR:
+                raise ValueError(f"export: {where} {role}: static activation scales must be per tensor in "
+                                 f"compressed-tensors")
+        CT.expected_weight(lc.weight.spec, u.shape, fmt=CT.infer_format(w, args["input"]), scale_dtype="F32",
+                           where=where)
 
 
 _ROTATION_REFUSAL = ("export_compressed_tensors: the model carries online rotations (QuaRot / SpinQuant "

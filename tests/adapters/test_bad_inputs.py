@@ -276,6 +276,8 @@ BAD_WITH_MODEL = [
      "nothing to quantize"),
     (["--scheme", "w_int4_per_group_sym", "--output", "out", "--export", "compressed-tensors"],
      "--export compressed-tensors", "groups of 128 do not divide the 64 input features"),
+    *[(["--scheme", sch, "--output", "out", "--export", "compressed-tensors"], "--export compressed-tensors",
+       f"weight ({sch}): ") for sch in ("nvfp4", "mx6", "bfp16")],
     (["--scheme", "w_fp8_a_fp8", "--eval-text", "short.txt", "--seq-len", "32"], "--seq-len 32",
      "static input scales (--scheme) need calibration windows"),
     (["--algo", "gptq", "--scheme", "uint4_wo_32", "--eval-text", "short.txt", "--seq-len", "32", "--eval", "none"],
