@@ -806,9 +806,10 @@ def convert_command(args) -> int:
                                f"converted checkpoint: choose another path")
         if overlap(rp.parent, args.dst) not in ("is", "lies inside"):  # a folder the conversion creates is fine
             _check_writable_file("--report", args.report)
-    info = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, strict=args.strict, dtype=dtype,
-                   tokenizer_pre=args.tokenizer_pre, verify=not args.no_verify,
-                   progress=not getattr(args, "no_progress", False))
+    progress = not getattr(args, "no_progress", False)
+    with _loading_bars(progress):  # --no-progress: transformers' "Loading weights" bars too
+        info = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, strict=args.strict, dtype=dtype,
+                       tokenizer_pre=args.tokenizer_pre, verify=not args.no_verify, progress=progress)
     verdict = ("not verified (--no-verify)" if info.verified_by == "none" else
                ("lossless" if info.lossless else f"{len(info.tensors)} tensors changed")
                + f" (checked by {'loading dst back' if info.verified_by == 'reload' else 'the exporter'})")

@@ -251,6 +251,13 @@ def test_the_unchanged_exports_load(ckpts):
     from_gguf(ckpts / "m.gguf")
 
 
+def test_the_unchanged_exports_convert_quietly(ckpts, tmp_path, capsys):
+    """The CLI readers pass the sound exports too, and --no-progress silences transformers' loading bars."""
+    for src, to in (("hf_sym", "gguf"), ("ct", "hf")):
+        assert main(["convert", str(ckpts / src), str(tmp_path / src), "--to", to, "--no-progress"]) == 0
+        assert "Loading weights" not in capsys.readouterr().err
+
+
 def test_what_transformers_ignores_is_not_an_unexplained_tensor(ckpts, tmp_path):
     """A non-persistent buffer stored anyway (older files hold the rotary inv_freq) loads, as in transformers."""
     d = _copy(ckpts, "hf_sym", tmp_path)
