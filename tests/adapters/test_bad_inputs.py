@@ -185,6 +185,9 @@ BAD_CLI = [
     (["conformance", "export", "vec"], "--formats", "required"),
     (["conformance", "check", "missing", "--outputs", "adir"], "missing'", "no manifest.json"),
     (["conformance", "check", "adir", "--outputs", "adir", "--ulps", "-1"], "--ulps", "non-negative"),
+    (["conformance", "check", "vec_list", "--outputs", "adir"], "manifest.json", "expected a JSON object, got list"),
+    (["conformance", "check", "vec_cases", "--outputs", "adir"], "manifest.json", "cases must be a list of objects"),
+    (["conformance", "check", "vec_escape", "--outputs", "adir"], "manifest.json", "cases[0].name must be a directory"),
     (["conformance", "check", "adir", "--outputs", "adir", "--max-examples", "x"], "--max-examples", "invalid int"),
     (["conformance", "modes", "--formats", "nope"], "--formats", "unknown dtype 'nope'"),
     (["conformance", "modes", "--formats", ","], "--formats", "comma-separated"),
@@ -201,6 +204,12 @@ def workdir(tmp_path, monkeypatch):
     (tmp_path / "adir").mkdir()
     (tmp_path / "src.json").write_text("{}")
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00\x80" * 8)
+    from qcore.conformance import SCHEMA
+    for name, manifest in (("vec_list", [1]), ("vec_cases", {"schema": SCHEMA, "formats": ["mxfp4"], "cases": "x"}),
+                           ("vec_escape", {"schema": SCHEMA, "formats": ["mxfp4"], "cases": [
+                               {"name": "../x", "format": "mxfp4", "op": "cast", "mode": "m", "files": []}]})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps(manifest))
     for name, qc in (("qc_list", [1]), ("gqc_str", {"quant_method": "quark", "global_quant_config": "x"})):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps({"quantization_config": qc}))
