@@ -909,7 +909,8 @@ def check(vectors_dir: Union[str, os.PathLike], outputs_dir: Union[str, os.PathL
     manifest = load_manifest(vectors_dir)
     outputs = Path(os.fspath(outputs_dir)).absolute()
     if not outputs.is_dir():
-        raise ValueError(f"outputs directory {str(outputs)!r} does not exist")
+        raise ValueError(f"outputs directory {str(outputs)!r} " + ("is a file, not a directory" if outputs.exists()
+                                                                   else "does not exist"))
     selected = manifest.cases
     if formats is not None:
         names = [d.name for d in _normalize_formats(formats)]

@@ -185,6 +185,7 @@ BAD_CLI = [
     (["conformance", "export", "vec"], "--formats", "required"),
     (["conformance", "check", "missing", "--outputs", "adir"], "missing'", "no manifest.json"),
     (["conformance", "check", "adir", "--outputs", "adir", "--ulps", "-1"], "--ulps", "non-negative"),
+    (["conformance", "check", "vec_empty", "--outputs", "src.json"], "src.json", "is a file, not a directory"),
     (["conformance", "check", "vec_list", "--outputs", "adir"], "manifest.json", "expected a JSON object, got list"),
     (["conformance", "check", "vec_cases", "--outputs", "adir"], "manifest.json", "cases must be a list of objects"),
     (["conformance", "check", "vec_escape", "--outputs", "adir"], "manifest.json", "cases[0].name must be a directory"),
@@ -205,7 +206,8 @@ def workdir(tmp_path, monkeypatch):
     (tmp_path / "src.json").write_text("{}")
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00\x80" * 8)
     from qcore.conformance import SCHEMA
-    for name, manifest in (("vec_list", [1]), ("vec_cases", {"schema": SCHEMA, "formats": ["mxfp4"], "cases": "x"}),
+    for name, manifest in (("vec_list", [1]), ("vec_empty", {"schema": SCHEMA, "formats": ["mxfp4"], "cases": []}),
+                           ("vec_cases", {"schema": SCHEMA, "formats": ["mxfp4"], "cases": "x"}),
                            ("vec_escape", {"schema": SCHEMA, "formats": ["mxfp4"], "cases": [
                                {"name": "../x", "format": "mxfp4", "op": "cast", "mode": "m", "files": []}]})):
         (tmp_path / name).mkdir()
