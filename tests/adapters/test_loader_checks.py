@@ -145,6 +145,21 @@ def _index(target):
     return edit
 
 
+def _index_with(fn):
+    """A model.safetensors.index.json naming model.safetensors for every tensor, then edited by ``fn(head, d)``."""
+    def edit(d):
+        keys = list(safetensors_torch.load_file(d / "model.safetensors"))
+        head = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in keys}}
+        fn(head, d)
+        (d / "model.safetensors.index.json").write_text(json.dumps(head))
+    return edit
+
+
+def _other_shard(head, d):  # the index puts model.norm.weight in a shard that holds something else
+    safetensors_torch.save_file({"x": torch.zeros(2)}, d / "model-2.safetensors")
+    head["weight_map"]["model.norm.weight"] = "model-2.safetensors"
+
+
 def _truncate(n):
     """Cut ``n`` bytes off the end of model.safetensors (a negative ``n``: keep ``-n`` bytes)."""
     def edit(d):
@@ -181,6 +196,13 @@ COMMON = [
     ("index-parent", _index("../model.safetensors"), r"names the file '\.\./model\.safetensors'"),
     ("index-absolute", _index("/etc/passwd"), r"names the file '/etc/passwd'"),
     ("index-missing-shard", _index("model-00002.safetensors"), r"shard 'model-00002\.safetensors' is missing"),
+    ("index-wrong-shard", _index_with(_other_shard),
+     r"index puts tensor 'model\.norm\.weight' in 'model-2\.safetensors', which does not hold it"),
+    ("index-unknown-tensor", _index_with(lambda h, d: h["weight_map"].__setitem__("model.extra", "model.safetensors")),
+     r"index puts tensor 'model\.extra' in 'model\.safetensors', which does not hold it"),
+    ("index-metadata", _index_with(lambda h, d: h.__setitem__("metadata", "x")), r"metadata must be a JSON object"),
+    ("index-file-int", _index_with(lambda h, d: h["weight_map"].__setitem__("model.norm.weight", 5)),
+     r"weight_map\['model\.norm\.weight'\] must be a file name, got 5"),
     ("truncated", _truncate(100), r"model\.safetensors.*truncated.*tensor"),
     ("truncated-header", _truncate(-20), r"model\.safetensors.*header length"),
     ("config-deep", _text(DEEP), r"config\.json.*nests too deeply"),
