@@ -484,6 +484,12 @@ def test_export_hf_refuses_weightless_configs_before_writing(config, tmp_path, z
     with pytest.raises(ValueError, match="KV-cache-only or activation-only config is not exported"):
         export_hf(model, tmp_path / "out", config=config)
     assert list(tmp_path.iterdir()) == []
+    from qcore.adapters import quantize_checkpoint  # the streaming writer stores the same layout (was KeyError)
+    zoo.tiny_llama().save_pretrained(tmp_path / "float")
+    with pytest.raises(ValueError, match="quantize_checkpoint: .*KV-cache-only or activation-only config"):
+        quantize_checkpoint(tmp_path / "float", tmp_path / "out", config, zoo.token_batches(1, seed=0),
+                            progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["float"]
 
 
 def test_exporters_name_a_config_that_is_not_a_model_config(tmp_path, zoo):
