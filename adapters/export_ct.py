@@ -186,7 +186,11 @@ def check_ct(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
         return
     if will_rotate_online(model, config):
         raise ValueError(_ROTATION_REFUSAL)
-    for u in export_units(model, config):
+    units = export_units(model, config)
+    if units and all(u.config.weight is None for u in units):  # KV-cache-only or activation-only: no group
+        from .export import weightless_error
+        raise ValueError(weightless_error("export_compressed_tensors", [u.name for u in units]))
+    for u in units:
         _unit_check(u.name, u.type, u.config, config)
         if u.config.weight is None:
             continue
