@@ -441,6 +441,8 @@ def quantize_command(args) -> int:
             raise CommandError(f"{flag} applies to --export {export}" + ("" if args.export is None else
                                                                          f", not --export {args.export}"))
     out_dir = pathlib.Path(args.output) if args.output else None
+    if args.eval == "ppl" and args.seq_len < 2:
+        raise CommandError(f"--seq-len {args.seq_len}: perplexity needs windows of 2 tokens or more (or --eval none)")
     _check_outputs(args)  # before any work: the model is never written over, --report / --plot / --device usable
     from .export import parse_size
     try:
@@ -698,6 +700,8 @@ def eval_command(args) -> int:
     if args.eval_text and not ppl:
         raise CommandError(f"--eval-text {args.eval_text} with --no-ppl: the text is read only for perplexity")
     text = _eval_text(args) if ppl else None
+    if ppl and args.seq_len < 2:
+        raise CommandError(f"--seq-len {args.seq_len}: perplexity needs windows of 2 tokens or more")
     if args.tasks:  # lm_eval present, tasks known and their documents read: all before the model loads
         from . import lm_eval_tasks as LT
         try:
