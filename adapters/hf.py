@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import pathlib
 from typing import Any, Optional
 
@@ -402,6 +403,9 @@ def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_ma
     to ``AutoModelForCausalLM.from_pretrained``."""
     from transformers import AutoModelForCausalLM
 
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"from_pretrained: directory must be a str or os.PathLike, got {type(directory).__name__}")
+    _check_device_map(device_map)
     register_with_transformers()
     d = pathlib.Path(directory)
     _, raw = read_config(d)
@@ -435,6 +439,20 @@ def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_ma
         return AutoModelForCausalLM.from_pretrained(d, **kw).eval()
     except CorruptCheckpointError as e:  # raised by check_tensors / _build: name the checkpoint too
         raise CorruptCheckpointError.naming(d, e) from None
+
+
+def _check_device_map(device_map: Any) -> None:
+    """A ``device_map`` naming devices (a device, an index, or a dict of them) names ones this machine has
+    (``ValueError`` before any file is read); accelerate's strategies ("auto", ...) are left to it."""
+    from ._device import check_device
+    values = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
+    for v in values:
+        if isinstance(v, bool) or v is None or v in ("auto", "balanced", "balanced_low_0", "sequential", "disk"):
+            continue
+        if isinstance(v, int):
+            v = f"cuda:{v}"
+        if isinstance(v, (str, torch.device)):
+            check_device(v, what="device_map")
 
 
 load_quark = from_pretrained

@@ -273,6 +273,21 @@ def test_the_unchanged_exports_load(ckpts):
     from_gguf(ckpts / "m.gguf")
 
 
+BAD_ARGS = [  # from_pretrained's arguments, refused before any file is read
+    (dict(directory=None), TypeError, r"directory must be a str or os\.PathLike, got NoneType"),
+    (dict(device_map="cuda:99"), ValueError, r"device_map cuda:99: "),
+    (dict(device_map={"": 99}), ValueError, r"device_map cuda:99: "),
+    (dict(device_map="tpu"), ValueError, r"device_map tpu: not a torch device"),
+]
+
+
+@pytest.mark.parametrize("kw, exc, match", BAD_ARGS, ids=[str(i) for i in range(len(BAD_ARGS))])
+def test_from_pretrained_refuses_bad_arguments(ckpts, kw, exc, match):
+    kw = {"directory": ckpts / "hf_sym", **kw}
+    with pytest.raises(exc, match=match):
+        A.from_pretrained(kw.pop("directory"), **kw)
+
+
 def test_the_unchanged_exports_convert_quietly(ckpts, tmp_path, capsys):
     """The CLI readers pass the sound exports too, and --no-progress silences transformers' loading bars."""
     for src, to in (("hf_sym", "gguf"), ("ct", "hf")):
