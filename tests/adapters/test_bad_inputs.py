@@ -123,6 +123,7 @@ BAD_CLI = [
     (Q + ["--algo", "{" * 100_000], "--algo", "JSON"),
     (Q + ["--algo", '{"name": "gptq", "colour": 1}'], "--algo", "colour"),
     (Q + ["--algo", "gptq,quarot"], "--algo", "must come first"),
+    (Q + ["--algo", '{"name": "awq", "scaling_layers": 5}'], "--algo", "AWQConfig.scaling_layers must be a list"),
     (Q + ["--export", "hf"], "--export hf", "needs --output"),
     (Q + ["--export", "zip", "--output", "out"], "--export", "invalid choice"),
     (Q + ["--export", "gguf", "--output", "out", "--scheme", "w_fp8_a_fp8"], "--export gguf", "activations"),
