@@ -39,6 +39,8 @@ __all__ = ["from_pretrained", "load_quark", "register_with_transformers", "Corru
 
 _ST_TORCH = {st: t for t, st in _TORCH_ST.items()}  # safetensors dtype name -> torch dtype
 _OWN_KEYS = ("quant_method", "qcore", "source_method")
+_QUARK_KEYS = ("global_quant_config", "layer_quant_config", "layer_type_quant_config", "kv_cache_quant_config",
+               "exclude", "algo_config")
 
 
 def check_format_version(own: Any, where: str) -> None:
@@ -60,10 +62,13 @@ def checkpoint_config(raw: dict) -> ModelConfig:
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"quantization_config must be a JSON object, got {type(raw).__name__}")
     own = raw.get("qcore")
+    if own is not None and not isinstance(own, dict):
+        raise CorruptCheckpointError(f"quantization_config.qcore must be a JSON object, got {own!r}"[:300])
     check_format_version(own, "quantization_config")
     if isinstance(own, dict) and "config" in own:
         mine = ModelConfig.from_dict(own["config"])
-        if raw.get("source_method", raw.get("quant_method")) == "quark":  # what Quark and vLLM read: valid too,
+        quark = raw.get("source_method", raw.get("quant_method")) == "quark"
+        if quark or any(k in raw for k in _QUARK_KEYS):  # what Quark and vLLM read (or a reader of Quark's fields
             theirs = ModelConfig.from_quark({**{k: v for k, v in raw.items() if k not in _OWN_KEYS},  # and the same
                                              "quant_method": "quark"})
             # Quark's scale_type follows the model dtype the export wrote them in: equal for one of them
@@ -73,7 +78,14 @@ def checkpoint_config(raw: dict) -> ModelConfig:
                     wheres.append(_first_difference(theirs.to_quark(model_dtype=dt), mine.to_quark(model_dtype=dt)))
                 except ValueError:  # a config this dtype cannot spell (E8M0 scales in float16)
                     continue
-            where = None if not wheres or None in wheres else wheres[0]
+            if not wheres:  # no model dtype spells the qcore block's config in Quark's terms (where a "qcore"
+                if not quark:  # checkpoint then writes no Quark fields)
+                    raise CorruptCheckpointError("quantization_config: Quark fields beside a qcore block whose "
+                                                 "config has no Quark spelling")
+                raise CorruptCheckpointError("quantization_config: quant_method 'quark', but the qcore block's "
+                                             "config has no Quark spelling: Quark and vLLM would load another model "
+                                             "than qcore")
+            where = None if None in wheres else wheres[0]
             if where is not None:
                 raise CorruptCheckpointError(f"quantization_config.{where} disagrees with the qcore block's config: "
                                              f"Quark and vLLM would load another model than qcore")
@@ -291,11 +303,18 @@ def _make_classes():
         def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
             raw = self.quantization_config.raw
             config = checkpoint_config(raw)
-            self.pack_method = (raw.get("export") or {}).get("pack_method", "reorder")
-            if self.pack_method not in L.PACK_METHODS:
+            export = raw.get("export") or {}
+            if not isinstance(export, dict):
+                raise CorruptCheckpointError(f"quantization_config.export must be a JSON object, got {export!r}"[:300])
+            self.pack_method = export.get("pack_method", "reorder")
+            if not isinstance(self.pack_method, str) or self.pack_method not in L.PACK_METHODS:
                 raise CorruptCheckpointError(f"quantization_config.export.pack_method {self.pack_method!r} is not "
                                              f"one of {sorted(L.PACK_METHODS)}")
             stated = (raw.get("qcore") or {}).get("layouts") if isinstance(raw.get("qcore"), dict) else None
+            if stated is not None and not (isinstance(stated, dict) and all(isinstance(v, str)
+                                                                              for v in stated.values())):
+                raise CorruptCheckpointError(f"quantization_config.qcore.layouts must map layer names to layout "
+                                             f"names, got {stated!r}"[:300])
             for p in plan_model(model, config):
                 sh = _Shell(p.name, model.get_submodule(p.name), p.config)
                 layout = sh.layout

@@ -221,6 +221,9 @@ HF = COMMON + [
     ("qcore-config-bad", _qconfig(("qcore", "config"), {"layer": 3}), r"config\.json.*layer config: got 3"),
     ("quark-fields-disagree", _qconfig(("exclude",), ["lm_head", P[:-1]]),
      r"quantization_config\.exclude disagrees with the qcore block's config"),
+    ("qcore-block-not-object", _qconfig(("qcore",), 5), r"quantization_config\.qcore must be a JSON object"),
+    ("layouts-not-object", _qconfig(("qcore", "layouts"), 5), r"quantization_config\.qcore\.layouts must map"),
+    ("export-not-object", _qconfig(("export",), 5), r"export: QuarkExport\.from_dict: expected a dict, got int"),
 ]
 
 HF_ASYM = [
