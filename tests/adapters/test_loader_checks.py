@@ -587,3 +587,24 @@ def test_convert_cli_exits_2_with_one_line(ckpts, tmp_path, capsys, src, name, e
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert re.search(match, lines[0]), lines[0]
     assert not dst.exists() and not (tmp_path / "out.gguf").exists()
+
+
+def test_micro_exponent_shifts_are_never_stored_in_quarks_mx_layout(zoo, tmp_path):
+    """An MXFP4 spec with shared micro-exponent shifts is written in qcore's layout, shifts included, and loads back
+    exactly (Quark's mx layout has no tensor for them: the export was refused); a checkpoint whose config gains
+    shifts while its tensors stay in the mx layout is refused at load (it loaded, then failed at the first
+    forward)."""
+    d = A.preset("mxfp4_weight_only").to_dict()
+    d["layer"]["weight"]["spec"].update(subblock_shift_bits=1, subblock_size=2)
+    m = _quantized(zoo, ModelConfig.from_dict(d))
+    ids = zoo.token_batches(1, seed=2)[0]
+    info = A.export_hf(m, tmp_path / "shifts")
+    assert set(info.layers.values()) == {"qcore"}
+    with torch.no_grad():
+        assert torch.equal(A.from_pretrained(tmp_path / "shifts")(ids).logits, m(ids).logits)
+    A.export_hf(_quantized(zoo, "mxfp4_weight_only"), tmp_path / "mx")
+    c = json.loads((tmp_path / "mx" / "config.json").read_text())
+    c["quantization_config"]["qcore"]["config"]["layer"]["weight"]["spec"]["subblock_shift_bits"] = 1
+    (tmp_path / "mx" / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match=r"layout 'mx', its config gives 'qcore'|no Quark spelling"):
+        A.from_pretrained(tmp_path / "mx")
