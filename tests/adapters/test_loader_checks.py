@@ -242,6 +242,8 @@ CT = [c for c in COMMON if c[0] not in ("scale-retyped",)] + [
                                                                 torch.ones(1, dtype=torch.int8))),
      r"q_proj\.weight_zero_point' in model\.safetensors is not a tensor"),
     ("ct-config-groups", _qconfig(("config_groups",), [1]), r"config\.json.*config_groups"),
+    ("pow2-scales-claimed", _qconfig(("qcore", "config", "layer", "weight", "spec", "pow2_scale"), True),
+     r"q_proj'?: QTensor\.scales: this spec uses power-of-two scales"),
     ("ct-symmetric-flipped", _qconfig(("config_groups", "group_0", "weights", "symmetric"), False),
      r"q_proj.*the qcore config's weight spec .* is not the compressed-tensors group 'group_0'"),
 ]
