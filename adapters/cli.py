@@ -95,6 +95,9 @@ def _loading_bars(enabled: bool):
             tlog.enable_progress_bar()
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # a tokenizer's vocabulary
+
+
 def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str):
     """``(model, tokenizer, description)`` for ``--model``: None (the embedded SmolLM2), a ``.gguf`` file, an HF
     model directory, or a hub id (which needs a network)."""
@@ -124,7 +127,12 @@ def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str):
             model = load_float_model(p, dtype=dtype)
         try:
             tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
-        except (OSError, ValueError):
+        except Exception as e:  # the tokenizers library raises its own Exception for a malformed tokenizer.json
+            files = [f for f in _TOKENIZER_FILES if (p / f).exists()]
+            if files:  # there is one, and it is broken: say so (not "no tokenizer found")
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise CommandError(f"--model {spec}: its tokenizer ({', '.join(files)}) cannot be read: {first}"
+                                   ) from None
             tok = None
         return model.eval().to(device), tok, str(p)
     try:
@@ -143,7 +151,13 @@ def _eval_text(args) -> Optional[str]:
     p = pathlib.Path(args.eval_text)
     if not p.is_file():
         raise CommandError(f"--eval-text {args.eval_text}: no such file")
-    return p.read_text()
+    try:
+        text = p.read_text()
+    except UnicodeDecodeError as e:
+        raise CommandError(f"--eval-text {args.eval_text}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not text.strip():
+        raise CommandError(f"--eval-text {args.eval_text}: the file holds no text")
+    return text
 
 
 def _require_matplotlib() -> None:
@@ -201,7 +215,20 @@ def _read_scheme_file(scheme: str) -> ModelConfig:
         raise CommandError(f"--scheme {scheme}: quantization_config must be a JSON object, got a JSON "
                            f"{type(d).__name__}")
     try:
-        config = ModelConfig.from_quark(d) if d.get("quant_method") == "quark" else ModelConfig.from_dict(d)
+        method = d.get("quant_method")
+        if method in ("quark", "qcore"):  # a qcore export's quantization_config: its qcore block, else Quark's
+            from .hf import checkpoint_config
+            config = checkpoint_config(d)
+        elif method == "compressed-tensors":
+            own = d.get("qcore")
+            if not (isinstance(own, dict) and isinstance(own.get("config"), dict)):
+                raise ValueError("a compressed-tensors quantization_config without a qcore block names its layers "
+                                 "by module class, which only its model resolves; give a qcore or Quark config")
+            from .hf import check_format_version
+            check_format_version(own, "quantization_config")
+            config = ModelConfig.from_dict(own["config"])
+        else:
+            config = ModelConfig.from_dict(d)
         if config.algorithms:  # known names and settings, before any model loads
             from qcore.algorithms.config import parse_algorithms
             parse_algorithms(config.algorithms)
@@ -299,22 +326,32 @@ def _check_device(spec: str) -> None:
 
 def _check_outputs(args) -> None:
     """Before any work: ``--output`` is not (and neither contains nor lies inside) ``--model``; ``--report`` and
-    ``--plot`` can be written; ``--device`` exists here."""
-    from qcore._fsutil import check_not_source
+    ``--plot`` can be written; none of them is, contains or lies inside a file the command reads (``--model``,
+    ``--eval-text``, a ``--scheme`` file) or another of them; ``--device`` exists here."""
+    from qcore._fsutil import check_not_source, overlap
     try:
         src = args.model if args.model is not None else str(M.smollm2_path())
     except (ImportError, FileNotFoundError):
         src = None  # loading the model says what is missing
     if src is not None and not os.path.exists(src):
         src = None  # a hub id
+    scheme = getattr(args, "scheme", None)  # the files the command reads are sources too
+    sources = [src, getattr(args, "eval_text", None), scheme if scheme and os.path.isfile(scheme) else None]
+    written: list[tuple[str, str]] = []
     for flag, path in (("--output", args.output), ("--report", args.report), ("--plot", args.plot)):
         if path:
             try:
-                check_not_source(path, [src], what=flag)
+                check_not_source(path, sources, what=flag)
             except ValueError as e:
                 raise CommandError(str(e)) from None
             if flag != "--output":
                 _check_writable_file(flag, path)
+            for other, opath in written:  # --report / --plot: neither the checkpoint nor each other
+                how = overlap(path, opath)
+                if how is not None:
+                    raise CommandError(f"{flag} {path!r} {how} {other} {opath!r}; the one would overwrite the "
+                                       f"other: choose another path")
+            written.append((flag, path))
     _check_device(args.device)
 
 
@@ -407,6 +444,8 @@ def quantize_command(args) -> int:
             raise CommandError(f"{flag} applies to --export {export}" + ("" if args.export is None else
                                                                          f", not --export {args.export}"))
     out_dir = pathlib.Path(args.output) if args.output else None
+    if args.eval == "ppl" and args.seq_len < 2:
+        raise CommandError(f"--seq-len {args.seq_len}: perplexity needs windows of 2 tokens or more (or --eval none)")
     _check_outputs(args)  # before any work: the model is never written over, --report / --plot / --device usable
     from .export import parse_size
     try:
@@ -492,7 +531,15 @@ def quantize_command(args) -> int:
         config = amp_config(model, amp_schemes, calib[:args.amp_samples], target_bits=args.target_bits,
                             max_loss=args.max_loss, exclude=config.exclude, progress=progress).replace(
             kv_cache=config.kv_cache, algorithms=config.algorithms)
-        plans = plan_model(model, config)
+        try:
+            plans = plan_model(model, config)
+        except ValueError as e:
+            if "quantizes no module" not in str(e):
+                raise
+            raise CommandError("--amp chose 'float' for every layer (" + (
+                f"--target-bits {args.target_bits} leaves room for it" if args.max_loss is None else
+                f"--max-loss {args.max_loss}") + "): nothing to quantize; give fewer bits, or leave 'float' out of "
+                "--amp") from None
     # round-to-nearest on a copy first when an algorithm runs: the report shows before and after
     rtn_errors = _rtn_errors(model, config, calib, progress=progress) if config.algorithms and (
         args.plot or args.report) else None
@@ -669,6 +716,8 @@ def eval_command(args) -> int:
     if args.eval_text and not ppl:
         raise CommandError(f"--eval-text {args.eval_text} with --no-ppl: the text is read only for perplexity")
     text = _eval_text(args) if ppl else None
+    if ppl and args.seq_len < 2:
+        raise CommandError(f"--seq-len {args.seq_len}: perplexity needs windows of 2 tokens or more")
     if args.tasks:  # lm_eval present, tasks known and their documents read: all before the model loads
         from . import lm_eval_tasks as LT
         try:
@@ -771,14 +820,19 @@ def convert_command(args) -> int:
             check_not_source(rp, [args.src], what="--report")
         except ValueError as e:
             raise CommandError(str(e)) from None
+        how = overlap(rp, args.dst)
+        if how in ("is", "contains"):  # the report would replace the converted checkpoint
+            raise CommandError(f"--report {args.report!r} {how} dst {args.dst!r}; the report would replace the "
+                               f"converted checkpoint: choose another path")
         if overlap(rp.parent, args.dst) not in ("is", "lies inside"):  # a folder the conversion creates is fine
             _check_writable_file("--report", args.report)
     if getattr(args, "onnx_unsupported", "error") != "error" and str(args.to).lower() != "onnx":
         raise CommandError(f"--onnx-unsupported {args.onnx_unsupported} applies to --to onnx, not --to {args.to}")
-    info = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, strict=args.strict, dtype=dtype,
-                   tokenizer_pre=args.tokenizer_pre, verify=not args.no_verify,
-                   progress=not getattr(args, "no_progress", False),
-                   onnx_unsupported=getattr(args, "onnx_unsupported", "error"))
+    progress = not getattr(args, "no_progress", False)
+    with _loading_bars(progress):  # --no-progress: transformers' "Loading weights" bars too
+        info = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, strict=args.strict, dtype=dtype,
+                       tokenizer_pre=args.tokenizer_pre, verify=not args.no_verify, progress=progress,
+                       onnx_unsupported=getattr(args, "onnx_unsupported", "error"))
     verdict = ("not verified (--no-verify)" if info.verified_by == "none" else
                ("lossless" if info.lossless else f"{len(info.tensors)} tensors changed")
                + f" (checked by {'loading dst back' if info.verified_by == 'reload' else 'the exporter'})")

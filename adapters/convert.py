@@ -29,6 +29,7 @@ Writes are atomic (each exporter stages and renames into place) and deterministi
 
 from __future__ import annotations
 
+import os
 import pathlib
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -456,6 +457,9 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
         raise ValueError(f"onnx_unsupported={onnx_unsupported!r} applies to to='onnx', not to={to!r}")
     if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype!r}")
+    for k, v in (("src", src), ("dst", dst)):
+        if not isinstance(v, (str, os.PathLike)) or not os.fspath(v):
+            raise TypeError(f"{k} must be a non-empty path (str or os.PathLike), got {v!r}")
     src_p, dst_p = pathlib.Path(src), pathlib.Path(dst)
     check_not_source(dst_p, [src_p], what="dst")  # with overwrite or not: replacing the source would delete it
     src_fmt = detect_format(src_p)

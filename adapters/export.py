@@ -291,6 +291,9 @@ def check_hf(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
     """Before any work: ValueError if ``export_hf`` would refuse ``model`` quantized with ``config`` (default
     ``model.qcore_config``), for reasons the config and the float model already decide (``qcore quantize
     --output`` calls it before the baseline evaluation; ``export_hf`` itself too)."""
+    if config is not None and not isinstance(config, ModelConfig):
+        raise TypeError(f"export_hf: config must be a ModelConfig (ModelConfig.from_dict reads a dict), "
+                        f"got {type(config).__name__}")
     config = config if config is not None else getattr(model, "qcore_config", None)
     if not isinstance(config, ModelConfig):
         raise ValueError("export_hf: the model carries no qcore config (quantize it with qcore.adapters."
@@ -379,6 +382,9 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
     max_bytes = parse_size(max_shard_size)
+    if config is not None and not isinstance(config, ModelConfig):
+        raise TypeError(f"export_hf: config must be a ModelConfig (ModelConfig.from_dict reads a dict), "
+                        f"got {type(config).__name__}")
     config = config if config is not None else getattr(model, "qcore_config", None)
     if not isinstance(config, ModelConfig):
         raise ValueError("export_hf: the model carries no qcore config (quantize it with qcore.adapters."

@@ -186,8 +186,29 @@ def check_ct(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
         return
     if will_rotate_online(model, config):
         raise ValueError(_ROTATION_REFUSAL)
-    for u in export_units(model, config):
+    units = export_units(model, config)
+    if units and all(u.config.weight is None for u in units):  # KV-cache-only or activation-only: no group
+        from .export import weightless_error
+        raise ValueError(weightless_error("export_compressed_tensors", [u.name for u in units]))
+    for u in units:
         _unit_check(u.name, u.type, u.config, config)
+        if u.config.weight is None:
+            continue
+        # what _plan checks of each layer, from the config's specs: formats compressed-tensors spells, static
+        # activation scales per tensor, a format that holds the weight, whole groups of a 2-D weight
+        where, lc = f"layer {u.name!r}", u.config
+        w = CT.spec_to_args(lc.weight.spec, role="weight", where=f"{where} weight")
+        args = {}
+        kv = _kv_role(u.name, types.SimpleNamespace(qconfig=lc), config)
+        for role in ("input",) if kv else ("input", "output"):
+            tc = getattr(lc, role)
+            args[role] = None if tc is None else CT.spec_to_args(tc.spec, role=role, dynamic=tc.dynamic,
+                                                                 where=f"{where} {role}")
+            if args[role] is not None and not args[role].dynamic and args[role].strategy is not CT.Strategy.TENSOR:
+                raise ValueError(f"export: {where} {role}: static activation scales must be per tensor in "
+                                 f"compressed-tensors")
+        CT.expected_weight(lc.weight.spec, u.shape, fmt=CT.infer_format(w, args["input"]), scale_dtype="F32",
+                           where=where)
 
 
 _ROTATION_REFUSAL = ("export_compressed_tensors: the model carries online rotations (QuaRot / SpinQuant "
@@ -242,6 +263,9 @@ def _plan(model: nn.Module, config: ModelConfig) -> tuple[list[_Layer], dict, li
 def ct_quantization_config(model: nn.Module, config: Optional[ModelConfig] = None) -> dict:
     """The ``quantization_config`` dict ``export_compressed_tensors`` writes for ``model`` (no tensors
     converted)."""
+    if config is not None and not isinstance(config, ModelConfig):
+        raise TypeError(f"ct_quantization_config: config must be a ModelConfig (ModelConfig.from_dict reads a dict), "
+                        f"got {type(config).__name__}")
     config = config if config is not None else getattr(model, "qcore_config", None)
     if not isinstance(config, ModelConfig):
         raise ValueError("ct_quantization_config: the model carries no qcore config (pass config=)")
@@ -367,6 +391,9 @@ def export_compressed_tensors(model: nn.Module, directory: Union[str, os.PathLik
         if not isinstance(v, bool):
             raise TypeError(f"{k} must be a bool, got {v!r}")
     max_bytes = parse_size(max_shard_size)
+    if config is not None and not isinstance(config, ModelConfig):
+        raise TypeError(f"export_compressed_tensors: config must be a ModelConfig (ModelConfig.from_dict reads a "
+                        f"dict), got {type(config).__name__}")
     config = config if config is not None else getattr(model, "qcore_config", None)
     if not isinstance(config, ModelConfig):
         raise ValueError("export_compressed_tensors: the model carries no qcore config (quantize it with "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import pathlib
 from typing import Any, Optional
 
@@ -38,6 +39,8 @@ __all__ = ["from_pretrained", "load_quark", "register_with_transformers", "Corru
 
 _ST_TORCH = {st: t for t, st in _TORCH_ST.items()}  # safetensors dtype name -> torch dtype
 _OWN_KEYS = ("quant_method", "qcore", "source_method")
+_QUARK_KEYS = ("global_quant_config", "layer_quant_config", "layer_type_quant_config", "kv_cache_quant_config",
+               "exclude", "algo_config")
 
 
 def check_format_version(own: Any, where: str) -> None:
@@ -59,16 +62,50 @@ def checkpoint_config(raw: dict) -> ModelConfig:
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"quantization_config must be a JSON object, got {type(raw).__name__}")
     own = raw.get("qcore")
+    if own is not None and not isinstance(own, dict):
+        raise CorruptCheckpointError(f"quantization_config.qcore must be a JSON object, got {own!r}"[:300])
     check_format_version(own, "quantization_config")
     if isinstance(own, dict) and "config" in own:
-        if raw.get("source_method", raw.get("quant_method")) == "quark":  # what Quark and vLLM read: valid too
-            ModelConfig.from_quark({**{k: v for k, v in raw.items() if k not in _OWN_KEYS}, "quant_method": "quark"})
-        return ModelConfig.from_dict(own["config"])
+        mine = ModelConfig.from_dict(own["config"])
+        quark = raw.get("source_method", raw.get("quant_method")) == "quark"
+        if quark or any(k in raw for k in _QUARK_KEYS):  # what Quark and vLLM read (or a reader of Quark's fields
+            theirs = ModelConfig.from_quark({**{k: v for k, v in raw.items() if k not in _OWN_KEYS},  # and the same
+                                             "quant_method": "quark"})
+            # Quark's scale_type follows the model dtype the export wrote them in: equal for one of them
+            wheres = []
+            for dt in ("float32", "bfloat16", "float16"):
+                try:
+                    wheres.append(_first_difference(theirs.to_quark(model_dtype=dt), mine.to_quark(model_dtype=dt)))
+                except ValueError:  # a config this dtype cannot spell (E8M0 scales in float16)
+                    continue
+            if not wheres:  # no model dtype spells the qcore block's config in Quark's terms (where a "qcore"
+                if not quark:  # checkpoint then writes no Quark fields)
+                    raise CorruptCheckpointError("quantization_config: Quark fields beside a qcore block whose "
+                                                 "config has no Quark spelling")
+                raise CorruptCheckpointError("quantization_config: quant_method 'quark', but the qcore block's "
+                                             "config has no Quark spelling: Quark and vLLM would load another model "
+                                             "than qcore")
+            where = None if None in wheres else wheres[0]
+            if where is not None:
+                raise CorruptCheckpointError(f"quantization_config.{where} disagrees with the qcore block's config: "
+                                             f"Quark and vLLM would load another model than qcore")
+        return mine
     if raw.get("source_method", raw.get("quant_method")) not in ("quark", "qcore"):
         raise ValueError(f"quantization_config: quant_method {raw.get('quant_method')!r} is not 'quark' or 'qcore'")
     d = {k: v for k, v in raw.items() if k not in _OWN_KEYS}
     d["quant_method"] = "quark"
     return ModelConfig.from_quark(d)
+
+
+def _first_difference(a: Any, b: Any, path: str = "") -> Optional[str]:
+    """The dotted path of the first place two JSON-like values differ, or None when they are equal."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in list(a) + [k for k in b if k not in a]:
+            where = _first_difference(a.get(k), b.get(k), f"{path}.{k}" if path else str(k))
+            if where is not None:
+                return where
+        return None
+    return None if a == b else (path or "(root)")
 
 
 def read_config(d: pathlib.Path) -> tuple:
@@ -266,11 +303,18 @@ def _make_classes():
         def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
             raw = self.quantization_config.raw
             config = checkpoint_config(raw)
-            self.pack_method = (raw.get("export") or {}).get("pack_method", "reorder")
-            if self.pack_method not in L.PACK_METHODS:
+            export = raw.get("export") or {}
+            if not isinstance(export, dict):
+                raise CorruptCheckpointError(f"quantization_config.export must be a JSON object, got {export!r}"[:300])
+            self.pack_method = export.get("pack_method", "reorder")
+            if not isinstance(self.pack_method, str) or self.pack_method not in L.PACK_METHODS:
                 raise CorruptCheckpointError(f"quantization_config.export.pack_method {self.pack_method!r} is not "
                                              f"one of {sorted(L.PACK_METHODS)}")
             stated = (raw.get("qcore") or {}).get("layouts") if isinstance(raw.get("qcore"), dict) else None
+            if stated is not None and not (isinstance(stated, dict) and all(isinstance(v, str)
+                                                                              for v in stated.values())):
+                raise CorruptCheckpointError(f"quantization_config.qcore.layouts must map layer names to layout "
+                                             f"names, got {stated!r}"[:300])
             for p in plan_model(model, config, _check_float=False):  # a saved config, as it was saved
                 sh = _Shell(p.name, model.get_submodule(p.name), p.config)
                 layout = sh.layout
@@ -378,6 +422,9 @@ def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_ma
     to ``AutoModelForCausalLM.from_pretrained``."""
     from transformers import AutoModelForCausalLM
 
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"from_pretrained: directory must be a str or os.PathLike, got {type(directory).__name__}")
+    _check_device_map(device_map)
     register_with_transformers()
     d = pathlib.Path(directory)
     _, raw = read_config(d)
@@ -411,6 +458,20 @@ def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_ma
         return AutoModelForCausalLM.from_pretrained(d, **kw).eval()
     except CorruptCheckpointError as e:  # raised by check_tensors / _build: name the checkpoint too
         raise CorruptCheckpointError.naming(d, e) from None
+
+
+def _check_device_map(device_map: Any) -> None:
+    """A ``device_map`` naming devices (a device, an index, or a dict of them) names ones this machine has
+    (``ValueError`` before any file is read); accelerate's strategies ("auto", ...) are left to it."""
+    from ._device import check_device
+    values = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
+    for v in values:
+        if isinstance(v, bool) or v is None or v in ("auto", "balanced", "balanced_low_0", "sequential", "disk"):
+            continue
+        if isinstance(v, int):
+            v = f"cuda:{v}"
+        if isinstance(v, (str, torch.device)):
+            check_device(v, what="device_map")
 
 
 load_quark = from_pretrained

@@ -180,11 +180,19 @@ def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Modu
     from accelerate import init_empty_weights
     with init_empty_weights(include_buffers=False):  # parameters on meta (each is assigned from the checkpoint)
         model = AutoModelForCausalLM.from_config(hf, dtype=dtype).eval()
+    if raw.get("qcore") is not None and not isinstance(raw.get("qcore"), dict):
+        raise CorruptCheckpointError(f"{str(d / 'config.json')!r}: quantization_config.qcore must be a JSON object, "
+                                     f"got {raw.get('qcore')!r}"[:300])
     own = ctc.qcore if isinstance(ctc.qcore, dict) and "config" in ctc.qcore else None
     config = ModelConfig.from_dict(own["config"]) if own is not None else config_from_ct(model, ctc)
     from .quantizer import _set_module, plan_model
     plans = plan_model(model, config, _check_float=False)  # a saved config, as it was saved
     which = _module_groups(model, ctc)
+    float_here = sorted(set(which) - {p.name for p in plans if p.config.weight is not None})
+    if float_here:  # compressed-tensors' loaders would quantize what qcore's config leaves float
+        raise CorruptCheckpointError(f"layer {float_here[0]!r}: matched by the compressed-tensors group "
+                                     f"{which[float_here[0]]!r} but its weight is float in the qcore config"
+                                     + (f" (and {len(float_here) - 1} more)" if len(float_here) > 1 else ""))
     # 1. every quantized tensor's name, dtype and shape, before anything is read
     todo = []
     for p in plans:
@@ -215,8 +223,8 @@ def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Modu
         want = CT.spec_to_args(spec, role="weight", where=f"{where} weight")
         have = ctc.config_groups[g].weights
         if have is None or CT.args_to_spec(have, role="weight")[0].dtype.bits != spec.dtype.bits or \
-                (want.type, want.strategy, want.group_size, want.block_structure) != \
-                (have.type, have.strategy, have.group_size, have.block_structure):
+                (want.type, want.strategy, want.group_size, want.block_structure, want.symmetric) != \
+                (have.type, have.strategy, have.group_size, have.block_structure, have.symmetric):
             theirs = None if have is None else have.to_dict()
             raise CorruptCheckpointError(f"{where}: the qcore config's weight spec ({want.to_dict()}) is not the "
                                          f"compressed-tensors group {g!r}'s ({theirs})")

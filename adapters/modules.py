@@ -615,6 +615,11 @@ class _QuantMixin:
         self._frozen_meta = {"shape": tuple(shape), "dtype": dtype}
         self._qmode = _FROZEN
         self.__dict__.pop("_dequantized", None)
+        from qcore.quantize import _check_qtensor
+        try:  # the parts against the spec, as the first forward would check them (pow2 scales, shifts, ...)
+            _check_qtensor(self._frozen_qtensor())
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"load_frozen {self.qname!r}: {e}") from None
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         """``module.to(dtype/device)``, ``.half()``, ...: scale buffers move device but stay float32 (casting them
@@ -635,6 +640,9 @@ class _QuantMixin:
         return out
 
     def _frozen_weight(self) -> torch.Tensor:
+        return self._uncanon(_dequantize(self._frozen_qtensor())).to(self._frozen_meta["dtype"])
+
+    def _frozen_qtensor(self) -> "qcore.QTensor":
         spec = self._qspecs["weight"]
         meta = self._frozen_meta
         codes = qcore.packing.unpack(self.weight_packed, spec.dtype, axis=-1, length=meta["shape"][-1])
@@ -643,11 +651,10 @@ class _QuantMixin:
         zp = self._buffers.get("weight_zero_point")
         shifts = self._buffers.get("weight_subblock_shifts")
         ts = self._buffers.get("weight_tensor_scale")
-        q = qcore.QTensor(codes=codes.to(torch.uint8 if isinstance(spec.dtype, FloatDType) else codes.dtype),
-                          scales=scales.float(), zero_points=None if zp is None else zp.float(), spec=spec,
-                          subblock_shifts=None if shifts is None else shifts.to(torch.int32),
-                          tensor_scale=ts)
-        return self._uncanon(_dequantize(q)).to(meta["dtype"])
+        return qcore.QTensor(codes=codes.to(torch.uint8 if isinstance(spec.dtype, FloatDType) else codes.dtype),
+                             scales=scales.float(), zero_points=None if zp is None else zp.float(), spec=spec,
+                             subblock_shifts=None if shifts is None else shifts.to(torch.int32),
+                             tensor_scale=ts)
 
     def _frozen_linear(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """``F.linear(x, self._w(), bias)`` by the fused Triton dequantize-matmul when the weight is frozen int4/uint4

@@ -322,6 +322,10 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
 
     model, dtype, gen = _skeleton(src, dtype)
     plans = plan_model(model, cfg)
+    weightless = [p.name for p in plans if p.config.weight is None]
+    if weightless:  # the checkpoint stores quantized weights with their scales (as export_hf, which refuses too)
+        from .export import weightless_error
+        raise ValueError(weightless_error("quantize_checkpoint", weightless))
     static = [p for p in plans for r in ("input", "output")
               if isinstance(getattr(p.config, r), TensorConfig) and getattr(p.config, r).calibrated]
     algos = config_algorithms(cfg)

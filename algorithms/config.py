@@ -80,7 +80,7 @@ def _layers_path(v, name):
 def _scaling_layers(v, name) -> tuple:
     if v is None:
         return ()
-    if isinstance(v, (str, Mapping)):
+    if isinstance(v, (str, Mapping)) or not isinstance(v, (list, tuple)):
         raise TypeError(f"{name} must be a list of dicts with prev_op, layers, inp, got {v!r}")
     out = []
     for e in v:

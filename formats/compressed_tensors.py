@@ -723,7 +723,19 @@ def _shift(spec: QuantSpec) -> int:
     return 0 if d.signed else 1 << (d.bits - 1)
 
 
+def check_shape(spec: QuantSpec, shape: tuple, where: str) -> None:
+    """ValueError unless compressed-tensors can store a weight of ``shape`` (canonical ``[out, in]``) quantized with
+    ``spec``: 2-D, whole groups (what the format does not change; ``export_compressed_tensors``'s up-front check)."""
+    if len(shape) != 2:
+        raise ValueError(f"{where}: weight of shape {list(shape)}; compressed-tensors stores 2-D [out, in] weights")
+    g = spec.granularity
+    if isinstance(g, PerGroup) and shape[1] % g.size:
+        raise ValueError(f"{where}: groups of {g.size} do not divide the {shape[1]} input features (compressed-"
+                         f"tensors needs whole groups)")
+
+
 def _check_layout(spec: QuantSpec, shape: tuple, fmt: CTFormat, where: str) -> None:
+    check_shape(spec, shape, where)
     if len(shape) != 2:
         raise ValueError(f"{where}: weight of shape {list(shape)}; compressed-tensors stores 2-D [out, in] weights")
     g = spec.granularity

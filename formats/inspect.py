@@ -142,6 +142,9 @@ def inspect_checkpoint(directory: Union[str, pathlib.Path]) -> dict:
         raise FileNotFoundError(f"{str(d)!r} has no config.json (not an HF checkpoint directory)")
     cfg = read_json_object(d / "config.json", what="the model config")
     qc = cfg.get("quantization_config") or {}
+    if not isinstance(qc, dict):
+        raise ValueError(f"{str(d / 'config.json')!r}: quantization_config must be a JSON object, got "
+                         f"{type(qc).__name__}")
     if qc.get("quant_method") == "compressed-tensors":
         return _inspect_ct(d, cfg, qc)
     own = qc.get("qcore") if isinstance(qc.get("qcore"), dict) else {}
@@ -369,7 +372,11 @@ def inspect_path(path: Union[str, pathlib.Path]) -> dict:
         return inspect_onnx(p)
     if p.is_file():
         raise ValueError(f"{str(p)!r}: not a .gguf or .onnx file, nor a checkpoint directory")
-    return inspect_checkpoint(p)
+    try:
+        return inspect_checkpoint(p)
+    except (AttributeError, TypeError, KeyError, IndexError) as e:  # a config field of an unexpected type
+        raise ValueError(f"{str(p / 'config.json')!r}: a quantization_config field is not what the format "
+                         f"expects ({type(e).__name__}: {e})") from None
 
 
 def _layer_of(tensor: str) -> str:
@@ -387,6 +394,8 @@ def inspect_gguf(path: Union[str, pathlib.Path]) -> dict:
         import gguf
     except ModuleNotFoundError:
         raise ModuleNotFoundError("qcore inspect of a GGUF file needs the gguf package (pip install gguf)") from None
+    from .gguf import check_file
+    check_file(p)  # a truncated or corrupted file: the error names the file and the tensor
     try:
         r = gguf.GGUFReader(str(p))
     except (ValueError, OSError, IndexError, KeyError) as e:

@@ -99,10 +99,12 @@ def weight_layout(spec: QuantSpec, shape: tuple, *, module: str = "Linear") -> s
         if isinstance(g, PerGroup) and g.axis % 2 == 1 and n_in % g.size == 0:
             return "int4_group"
     if (el.name in _MX_ELEMENTS and isinstance(g, PerGroup) and g.axis % 2 == 1 and g.size == 32 and n_in % 32 == 0
-            and spec.scale_dtype.name == "float8_e8m0fnu" and not spec.two_level and spec.symmetric is not False):
+            and spec.scale_dtype.name == "float8_e8m0fnu" and not spec.two_level and spec.symmetric is not False
+            and spec.subblock_shift_bits == 0):  # shared micro-exponent shifts: no tensor of Quark's holds them
         return "mx"
     if (el.name == "float4_e2m1fn" and isinstance(g, PerGroup) and g.axis % 2 == 1 and g.size == 16
-            and n_in % 16 == 0 and spec.scale_dtype.name == "float8_e4m3fn" and spec.two_level):
+            and n_in % 16 == 0 and spec.scale_dtype.name == "float8_e4m3fn" and spec.two_level
+            and spec.subblock_shift_bits == 0):
         return "nvfp4"
     return "qcore"
 

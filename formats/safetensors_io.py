@@ -111,9 +111,15 @@ def index_shards(directory: Union[str, os.PathLike], index: Union[str, os.PathLi
     idx = pathlib.Path(index) if index is not None else d / "model.safetensors.index.json"
     head = read_json_object(idx, what="safetensors index")
     wm = head.get("weight_map")
-    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+    if not isinstance(wm, dict) or not wm:
         raise CorruptCheckpointError(f"{str(idx)!r}: weight_map must map tensor names to file names, got "
-                                     f"{type(wm).__name__}")
+                                     f"{wm!r}"[:300])
+    for k, v in wm.items():
+        if not isinstance(v, str):
+            raise CorruptCheckpointError(f"{str(idx)!r}: weight_map[{k!r}] must be a file name, got {v!r}"[:300])
+    if not isinstance(head.get("metadata", {}), dict):
+        raise CorruptCheckpointError(f"{str(idx)!r}: metadata must be a JSON object, got "
+                                     f"{type(head['metadata']).__name__}")
     out = []
     for name in sorted(set(wm.values())):
         pp = pathlib.PurePath(name)
@@ -126,6 +132,11 @@ def index_shards(directory: Union[str, os.PathLike], index: Union[str, os.PathLi
         if not f.is_file():
             raise CorruptCheckpointError(f"{str(idx)!r}: shard {name!r} is missing")
         out.append(f)
+    held = {name: SafetensorsFile(d / name).entries for name in sorted(set(wm.values()))}
+    for k, v in wm.items():  # the index says where each tensor is: it must be there
+        if k not in held[v]:
+            raise CorruptCheckpointError(f"{str(idx)!r}: the index puts tensor {k!r} in {v!r}, which does not "
+                                         f"hold it")
     return out
 
 
@@ -210,8 +221,10 @@ class SafetensorsFile:
 
     def __init__(self, path: Union[str, os.PathLike]):
         self.path = pathlib.Path(path)
-        size = self.path.stat().st_size
         where = str(self.path)
+        if self.path.is_dir():
+            raise CorruptCheckpointError(f"{where}: a directory, not a safetensors file")
+        size = self.path.stat().st_size
         with open(self.path, "rb") as f:
             first = f.read(8)
             if len(first) < 8:

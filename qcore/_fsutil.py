@@ -49,7 +49,8 @@ def overlap(dst: PathLike, src: PathLike) -> Optional[str]:
 def check_not_source(dst: PathLike, sources: Iterable[Optional[PathLike]], *, what: str = "dst") -> None:
     """``ValueError`` (naming ``what`` and both paths) when ``dst`` is, contains or lies inside one of ``sources``
     (None entries are skipped), or is or contains the current working directory: writing there would replace or
-    delete the source. Call it before any work, with overwrite or not."""
+    delete the source; also when an existing folder above ``dst`` is a file. Call it before any work, with
+    overwrite or not."""
     for src in sources:
         if src is None or not os.fspath(src):
             continue
@@ -58,6 +59,11 @@ def check_not_source(dst: PathLike, sources: Iterable[Optional[PathLike]], *, wh
             raise ValueError(f"{what} {_shown(dst)} {how} the source {_shown(src)}; writing there would "
                              f"{'change' if how == 'lies inside' else 'replace'} the source: choose a destination "
                              f"outside it")
+    for parent in real_path(dst).parents:  # a file where a folder would have to be created: refused up front
+        if os.path.lexists(parent):
+            if not parent.is_dir():
+                raise ValueError(f"{what} {_shown(dst)}: {str(parent)!r} is a file, not a directory")
+            break
     try:
         cwd = real_path(os.getcwd())
     except OSError:  # the current directory was deleted

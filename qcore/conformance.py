@@ -616,11 +616,52 @@ def load_manifest(directory: Union[str, os.PathLike]) -> Manifest:
         raise ValueError(f"{str(directory)!r} is not a conformance vectors directory (no manifest.json)")
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{str(path)!r} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{str(path)!r}: the JSON nests too deeply to be a manifest") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{str(path)!r}: expected a JSON object, got {type(data).__name__}")
     if data.get("schema") != SCHEMA:
         raise ValueError(f"{str(path)!r} has schema {data.get('schema')!r}; this qcore reads {SCHEMA!r}")
+    _check_manifest(data, str(path))
     return Manifest(directory, data)
+
+
+def _check_manifest(data: dict, where: str) -> None:
+    """The fields ``check`` reads, of the types ``export`` writes: a ValueError naming the first one that is not
+    (a file name must stay inside the vectors directory)."""
+    def bad(field: str, got: Any, want: str) -> ValueError:
+        return ValueError(f"{where!r}: {field} must be {want}, got {got!r}"[:400])
+
+    def inside(name: Any) -> bool:
+        return isinstance(name, str) and bool(name) and not os.path.isabs(name) and \
+            ".." not in Path(name).parts and "\\" not in name
+
+    if not isinstance(data.get("formats"), list) or not all(isinstance(f, str) for f in data["formats"]):
+        raise bad("formats", data.get("formats"), "a list of format names")
+    cases = data.get("cases")
+    if not isinstance(cases, list):
+        raise bad("cases", cases, "a list of objects")
+    for i, c in enumerate(cases):
+        if not isinstance(c, dict):
+            raise bad(f"cases[{i}]", c, "an object")
+        for k in ("format", "op", "mode"):
+            if not isinstance(c.get(k), str):
+                raise bad(f"cases[{i}].{k}", c.get(k), "a string")
+        if not inside(c.get("name")) or "/" in c["name"]:
+            raise bad(f"cases[{i}].name", c.get("name"), "a directory name inside the vectors directory")
+        files = c.get("files")
+        if not isinstance(files, list) or not files or not all(isinstance(f, dict) for f in files):
+            raise bad(f"cases[{i}].files", files, "a non-empty list of objects")
+        for j, f in enumerate(files):
+            if not isinstance(f.get("role"), str):
+                raise bad(f"cases[{i}].files[{j}].role", f.get("role"), "a string")
+            for k in ("npy", "bin"):
+                if not inside(f.get(k)):
+                    raise bad(f"cases[{i}].files[{j}].{k}", f.get(k), "a file name inside the vectors directory")
+            if not isinstance(f.get("sha256"), dict):
+                raise bad(f"cases[{i}].files[{j}].sha256", f.get("sha256"), "an object")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -868,7 +909,8 @@ def check(vectors_dir: Union[str, os.PathLike], outputs_dir: Union[str, os.PathL
     manifest = load_manifest(vectors_dir)
     outputs = Path(os.fspath(outputs_dir)).absolute()
     if not outputs.is_dir():
-        raise ValueError(f"outputs directory {str(outputs)!r} does not exist")
+        raise ValueError(f"outputs directory {str(outputs)!r} " + ("is a file, not a directory" if outputs.exists()
+                                                                   else "does not exist"))
     selected = manifest.cases
     if formats is not None:
         names = [d.name for d in _normalize_formats(formats)]

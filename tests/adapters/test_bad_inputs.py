@@ -78,6 +78,10 @@ SCHEME_FILES = {
     "quark_exclude_int.json": (json.dumps(_sub(GOOD_QUARK, ("exclude",), 5)), "exclude"),
     "quark_exclude_regex.json": (json.dumps(_sub(GOOD_QUARK, ("exclude",), ["re:["])), "bad regular expression"),
     "quark_algo_str.json": (json.dumps(_sub(GOOD_QUARK, ("algo_config",), ["gptq"])), "algo_config"),
+    "ct_without_qcore.json": (json.dumps({"quant_method": "compressed-tensors", "config_groups": {}}),
+                              "a compressed-tensors quantization_config without a qcore block"),
+    "qcore_block_newer.json": (json.dumps({"quant_method": "qcore", "qcore": {"format_version": 99, "config": GOOD}}),
+                               "format_version is 99"),
 }
 
 Q = ["quantize", "--no-progress"]
@@ -119,11 +123,13 @@ BAD_CLI = [
     (Q + ["--algo", "{" * 100_000], "--algo", "JSON"),
     (Q + ["--algo", '{"name": "gptq", "colour": 1}'], "--algo", "colour"),
     (Q + ["--algo", "gptq,quarot"], "--algo", "must come first"),
+    (Q + ["--algo", '{"name": "awq", "scaling_layers": 5}'], "--algo", "AWQConfig.scaling_layers must be a list"),
     (Q + ["--export", "hf"], "--export hf", "needs --output"),
     (Q + ["--export", "zip", "--output", "out"], "--export", "invalid choice"),
     (Q + ["--export", "gguf", "--output", "out", "--scheme", "w_fp8_a_fp8"], "--export gguf", "activations"),
     (Q + ["--dtype", "float64"], "--dtype", "must be one of"),
     (Q + ["--seq-len", "0"], "--seq-len", "positive"),
+    (Q + ["--seq-len", "1"], "--seq-len 1", "windows of 2 tokens or more"),
     (Q + ["--eval", "bleu"], "--eval", "invalid choice"),
     (Q + ["--kv-cache-dtype", "int8"], "--kv-cache-dtype", "invalid choice"),
     (Q + ["--target-bits", "4"], "--target-bits", "apply to --amp"),
@@ -137,16 +143,26 @@ BAD_CLI = [
     (Q + ["--output", "src.json"], "--output src.json", "not a directory"),
     (Q + ["--model", "adir"], "--model adir", "without config.json"),
     (Q + ["--frobnicate"], "unrecognized arguments: --frobnicate", ""),
+    # quantize: --report / --plot over a file the command reads, the checkpoint, or each other
+    (Q + ["--eval-text", "src.json", "--plot", "src.json"], "--plot 'src.json' is the source 'src.json'", ""),
+    (Q + ["--scheme", "src.json", "--report", "src.json"], "--report 'src.json' is the source 'src.json'", ""),
+    (Q + ["--plot", "report.json"], "--plot 'report.json' is --report 'report.json'", "overwrite the other"),
+    (Q + ["--output", "out", "--report", "out"], "--report 'out' is --output 'out'", "overwrite the other"),
+    (Q + ["--output", "src.json/out"], "--output 'src.json/out'", "is a file, not a directory"),
+    (Q + ["--eval-text", "empty.json"], "--eval-text empty.json", "holds no text"),
+    (Q + ["--eval-text", "binary.txt"], "--eval-text binary.txt", "not UTF-8 text"),
     # eval
     (["eval", "--limit", "0"], "--limit", "positive"),
     (["eval", "--limit", "3"], "--limit 3", "give --tasks too"),
     (["eval", "--num-fewshot", "-1"], "--num-fewshot", "non-negative"),
     (["eval", "--batch-size", "0"], "--batch-size", "positive"),
     (["eval", "--seq-len", "x"], "--seq-len", "invalid int"),
+    (["eval", "--seq-len", "1"], "--seq-len 1", "windows of 2 tokens or more"),
     (["eval", "--eval-text", "missing.txt"], "--eval-text missing.txt", "no such file"),
     (["eval", "--dtype", "int8"], "--dtype", "must be one of"),
     (["eval", "--no-ppl"], "--no-ppl", "nothing to evaluate"),
     (["eval", "--tasks", ","], "--tasks", "comma-separated"),
+    (["eval", "--eval-text", "empty.json"], "--eval-text empty.json", "holds no text"),
     # schemes
     (["schemes", "--all"], "unrecognized arguments: --all", ""),
     (["schemes", "extra"], "unrecognized arguments: extra", ""),
@@ -156,10 +172,15 @@ BAD_CLI = [
     (["convert", "src.json", "out", "--to", "hf", "--dtype", "float8"], "--dtype", "must be one of"),
     (["convert", "src.json", "out"], "--to", "required"),
     (["convert", "src.json", "out", "--to", "hf", "--report", "adir"], "--report adir", "is a directory"),
+    (["convert", "src.json", "out", "--to", "hf", "--report", "out"], "--report 'out' is dst 'out'", "replace"),
+    (["convert", "src.json", "r.json/m", "--to", "hf", "--report", "r.json"], "--report 'r.json' contains dst", ""),
+    (["convert", "src.json", "deep.json/m", "--to", "hf"], "dst 'deep.json/m'", "is a file, not a directory"),
     # inspect
     (["inspect", "missing"], "'missing'", "is not a directory"),
     (["inspect", "src.json"], "'src.json'", "not a .gguf or .onnx file, nor a checkpoint directory"),
     (["inspect"], "PATH", "required"),
+    (["inspect", "qc_list"], "qc_list/config.json", "quantization_config must be a JSON object, got list"),
+    (["inspect", "gqc_str"], "gqc_str/config.json", "a quantization_config field is not what the format expects"),
     # conformance
     (["conformance", "export", "vec", "--formats", "nope"], "--formats", "unknown format 'nope'"),
     (["conformance", "export", "vec", "--formats", "mxfp4", "--modes", "bogus"], "--modes", "unknown mode"),
@@ -167,6 +188,10 @@ BAD_CLI = [
     (["conformance", "export", "vec"], "--formats", "required"),
     (["conformance", "check", "missing", "--outputs", "adir"], "missing'", "no manifest.json"),
     (["conformance", "check", "adir", "--outputs", "adir", "--ulps", "-1"], "--ulps", "non-negative"),
+    (["conformance", "check", "vec_empty", "--outputs", "src.json"], "src.json", "is a file, not a directory"),
+    (["conformance", "check", "vec_list", "--outputs", "adir"], "manifest.json", "expected a JSON object, got list"),
+    (["conformance", "check", "vec_cases", "--outputs", "adir"], "manifest.json", "cases must be a list of objects"),
+    (["conformance", "check", "vec_escape", "--outputs", "adir"], "manifest.json", "cases[0].name must be a directory"),
     (["conformance", "check", "adir", "--outputs", "adir", "--max-examples", "x"], "--max-examples", "invalid int"),
     (["conformance", "modes", "--formats", "nope"], "--formats", "unknown dtype 'nope'"),
     (["conformance", "modes", "--formats", ","], "--formats", "comma-separated"),
@@ -182,6 +207,18 @@ def workdir(tmp_path, monkeypatch):
         (tmp_path / name).write_text(text)
     (tmp_path / "adir").mkdir()
     (tmp_path / "src.json").write_text("{}")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00\x80" * 8)
+    from qcore.conformance import SCHEMA
+    for name, manifest in (("vec_list", [1]), ("vec_empty", {"schema": SCHEMA, "formats": ["mxfp4"], "cases": []}),
+                           ("vec_cases", {"schema": SCHEMA, "formats": ["mxfp4"], "cases": "x"}),
+                           ("vec_escape", {"schema": SCHEMA, "formats": ["mxfp4"], "cases": [
+                               {"name": "../x", "format": "mxfp4", "op": "cast", "mode": "m", "files": []}]})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps(manifest))
+    for name, qc in (("qc_list", [1]), ("gqc_str", {"quant_method": "quark", "global_quant_config": "x"})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"quantization_config": qc}))
+        (tmp_path / name / "model.safetensors").write_bytes(b"\x02\0\0\0\0\0\0\0{}")
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -248,6 +285,13 @@ BAD_WITH_MODEL = [
     (["--scheme", "act_only.json", "--output", "out", "--export", "compressed-tensors"],
      "--export compressed-tensors", "not their weight"),
     (["--exclude", "no_such_module"], "ModelConfig.exclude entry", "matches no module"),
+    (["--amp", "w_mxfp4_a_mxfp4,float", "--target-bits", "100", "--seq-len", "32", "--amp-samples", "1",
+      "--calib-samples", "1", "--eval", "none", "--eval-text", "long.txt"], "--amp chose 'float' for every layer",
+     "nothing to quantize"),
+    (["--scheme", "w_int4_per_group_sym", "--output", "out", "--export", "compressed-tensors"],
+     "--export compressed-tensors", "groups of 128 do not divide the 64 input features"),
+    *[(["--scheme", sch, "--output", "out", "--export", "compressed-tensors"], "--export compressed-tensors",
+       f"weight ({sch}): ") for sch in ("nvfp4", "mx6", "bfp16")],
     (["--scheme", "w_fp8_a_fp8", "--eval-text", "short.txt", "--seq-len", "32"], "--seq-len 32",
      "static input scales (--scheme) need calibration windows"),
     (["--algo", "gptq", "--scheme", "uint4_wo_32", "--eval-text", "short.txt", "--seq-len", "32", "--eval", "none"],
@@ -255,10 +299,12 @@ BAD_WITH_MODEL = [
 ]
 
 
-@pytest.mark.parametrize("argv, flag, message", BAD_WITH_MODEL, ids=[r[0][1] for r in BAD_WITH_MODEL])
+@pytest.mark.parametrize("argv, flag, message", BAD_WITH_MODEL,
+                         ids=[f"{i}-{r[0][1]}" for i, r in enumerate(BAD_WITH_MODEL)])
 def test_bad_command_line_known_from_the_model(argv, flag, message, lm_dir, workdir, capsys, monkeypatch):
     (workdir / "kv_only.json").write_text(KV_ONLY)
     (workdir / "act_only.json").write_text(ACT_ONLY)
+    (workdir / "long.txt").write_text("a text long enough for a few calibration windows of 32 tokens. " * 40)
     (workdir / "short.txt").write_text("a short text of a hundred bytes, which leaves no calibration window " * 1)
     from qcore.adapters import evaluate
     monkeypatch.setattr(evaluate, "perplexity", lambda *a, **k: pytest.fail("evaluated before refusing"))
@@ -438,8 +484,28 @@ def test_no_calibration_batches_for_static_scales(zoo):
 def test_export_hf_refuses_weightless_configs_before_writing(config, tmp_path, zoo):
     from qcore.adapters import export_hf
     model = quantize_model(zoo.tiny_llama(), config, zoo.token_batches(1, seed=0), progress=False)
-    with pytest.raises(ValueError, match="KV-cache-only or activation-only config is not exported"):
-        export_hf(model, tmp_path / "out", config=config)
+    from qcore.adapters.export_ct import export_compressed_tensors
+    for export in (export_hf, export_compressed_tensors):  # compressed-tensors said 'config_groups: got {}'
+        with pytest.raises(ValueError, match=f"{export.__name__}: .*KV-cache-only or activation-only config is not"):
+            export(model, tmp_path / "out", config=config)
+    assert list(tmp_path.iterdir()) == []
+    from qcore.adapters import quantize_checkpoint  # the streaming writer stores the same layout (was KeyError)
+    zoo.tiny_llama().save_pretrained(tmp_path / "float")
+    with pytest.raises(ValueError, match="quantize_checkpoint: .*KV-cache-only or activation-only config"):
+        quantize_checkpoint(tmp_path / "float", tmp_path / "out", config, zoo.token_batches(1, seed=0),
+                            progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["float"]
+
+
+def test_exporters_name_a_config_that_is_not_a_model_config(tmp_path, zoo):
+    """``config=`` given as a dict (what ``to_dict`` writes) is a TypeError naming ``config``, not "the model
+    carries no qcore config (... or pass config=)"."""
+    from qcore.adapters import export_hf
+    from qcore.adapters.export_ct import export_compressed_tensors
+    model = quantize_model(zoo.tiny_llama(), "int8", zoo.token_batches(1, seed=0), progress=False)
+    for export in (export_hf, export_compressed_tensors):
+        with pytest.raises(TypeError, match=f"{export.__name__}: config must be a ModelConfig.*got dict"):
+            export(model, tmp_path / "out", config=GOOD)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -513,3 +579,15 @@ def test_the_quiet_import_scope_puts_the_levels_back():
     with quiet_optional_imports():
         assert all(lg.level == logging.ERROR for lg in loggers)
     assert [lg.level for lg in loggers] == levels
+
+
+def test_scheme_file_may_be_a_qcore_exports_quantization_config(tmp_path):
+    """``--scheme`` reads the quantization_config qcore writes (quant_method 'qcore' or 'compressed-tensors' with
+    a qcore block; a whole config.json too), not only qcore's own dict and Quark's."""
+    from qcore.adapters.cli import _read_scheme_file
+    for i, qc in enumerate(({"quant_method": "qcore", "qcore": {"format_version": 1, "config": GOOD}},
+                            {"quant_method": "compressed-tensors", "qcore": {"format_version": 1, "config": GOOD}},
+                            {"quant_method": "quark", **GOOD_QUARK, "qcore": {"format_version": 1, "config": GOOD}})):
+        f = tmp_path / f"{i}.json"
+        f.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "quantization_config": qc}))
+        assert _read_scheme_file(str(f)).to_dict() == ModelConfig.from_dict(GOOD).to_dict()

@@ -106,6 +106,12 @@ def test_destination_rules(tmp_path):
         convert(tmp_path / "hf", tmp_path / "o", to="safetensors")
     with pytest.raises(TypeError, match="strict must be a bool"):
         convert(tmp_path / "hf", tmp_path / "o", to="hf", strict="yes")
+    with pytest.raises(TypeError, match="src must be a non-empty path"):
+        convert(None, tmp_path / "o", to="hf")
+    with pytest.raises(TypeError, match="dst must be a non-empty path"):
+        convert(tmp_path / "hf", "", to="hf")
+    with pytest.raises(ValueError, match="dst .*: .* is a file, not a directory"):  # below a file
+        convert(tmp_path / "hf", tmp_path / "taken" / "f" / "o", to="hf")
     (tmp_path / "empty").mkdir()
     assert convert(tmp_path / "hf", tmp_path / "empty", to="hf").lossless  # an empty directory needs no overwrite
     info = convert(tmp_path / "hf", tmp_path / "taken", to="hf", overwrite=True)

@@ -145,6 +145,21 @@ def _index(target):
     return edit
 
 
+def _index_with(fn):
+    """A model.safetensors.index.json naming model.safetensors for every tensor, then edited by ``fn(head, d)``."""
+    def edit(d):
+        keys = list(safetensors_torch.load_file(d / "model.safetensors"))
+        head = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in keys}}
+        fn(head, d)
+        (d / "model.safetensors.index.json").write_text(json.dumps(head))
+    return edit
+
+
+def _other_shard(head, d):  # the index puts model.norm.weight in a shard that holds something else
+    safetensors_torch.save_file({"x": torch.zeros(2)}, d / "model-2.safetensors")
+    head["weight_map"]["model.norm.weight"] = "model-2.safetensors"
+
+
 def _truncate(n):
     """Cut ``n`` bytes off the end of model.safetensors (a negative ``n``: keep ``-n`` bytes)."""
     def edit(d):
@@ -181,6 +196,13 @@ COMMON = [
     ("index-parent", _index("../model.safetensors"), r"names the file '\.\./model\.safetensors'"),
     ("index-absolute", _index("/etc/passwd"), r"names the file '/etc/passwd'"),
     ("index-missing-shard", _index("model-00002.safetensors"), r"shard 'model-00002\.safetensors' is missing"),
+    ("index-wrong-shard", _index_with(_other_shard),
+     r"index puts tensor 'model\.norm\.weight' in 'model-2\.safetensors', which does not hold it"),
+    ("index-unknown-tensor", _index_with(lambda h, d: h["weight_map"].__setitem__("model.extra", "model.safetensors")),
+     r"index puts tensor 'model\.extra' in 'model\.safetensors', which does not hold it"),
+    ("index-metadata", _index_with(lambda h, d: h.__setitem__("metadata", "x")), r"metadata must be a JSON object"),
+    ("index-file-int", _index_with(lambda h, d: h["weight_map"].__setitem__("model.norm.weight", 5)),
+     r"weight_map\['model\.norm\.weight'\] must be a file name, got 5"),
     ("truncated", _truncate(100), r"model\.safetensors.*truncated.*tensor"),
     ("truncated-header", _truncate(-20), r"model\.safetensors.*header length"),
     ("config-deep", _text(DEEP), r"config\.json.*nests too deeply"),
@@ -197,6 +219,11 @@ HF = COMMON + [
     ("zero-point-removed", _pop(P + "weight_zero_point"), r"q_proj\.weight_zero_point' is missing"),
     ("quark-config-list", _qconfig(("global_quant_config",), [1]), r"global_quant_config"),
     ("qcore-config-bad", _qconfig(("qcore", "config"), {"layer": 3}), r"config\.json.*layer config: got 3"),
+    ("quark-fields-disagree", _qconfig(("exclude",), ["lm_head", P[:-1]]),
+     r"quantization_config\.exclude disagrees with the qcore block's config"),
+    ("qcore-block-not-object", _qconfig(("qcore",), 5), r"quantization_config\.qcore must be a JSON object"),
+    ("layouts-not-object", _qconfig(("qcore", "layouts"), 5), r"quantization_config\.qcore\.layouts must map"),
+    ("export-not-object", _qconfig(("export",), 5), r"export: QuarkExport\.from_dict: expected a dict, got int"),
 ]
 
 HF_ASYM = [
@@ -215,6 +242,13 @@ CT = [c for c in COMMON if c[0] not in ("scale-retyped",)] + [
                                                                 torch.ones(1, dtype=torch.int8))),
      r"q_proj\.weight_zero_point' in model\.safetensors is not a tensor"),
     ("ct-config-groups", _qconfig(("config_groups",), [1]), r"config\.json.*config_groups"),
+    ("pow2-scales-claimed", _qconfig(("qcore", "config", "layer", "weight", "spec", "pow2_scale"), True),
+     r"q_proj'?: QTensor\.scales: this spec uses power-of-two scales"),
+    ("ct-ignore-dropped", _qconfig(("ignore",), []),
+     r"layer 'lm_head': matched by the compressed-tensors group 'group_0' but its weight is float"),
+    ("ct-qcore-not-object", _qconfig(("qcore",), 5), r"quantization_config\.qcore must be a JSON object"),
+    ("ct-symmetric-flipped", _qconfig(("config_groups", "group_0", "weights", "symmetric"), False),
+     r"q_proj.*the qcore config's weight spec .* is not the compressed-tensors group 'group_0'"),
 ]
 
 
@@ -245,6 +279,28 @@ def test_the_unchanged_exports_load(ckpts):
     A.from_pretrained(ckpts / "hf_asym")
     load_compressed_tensors(ckpts / "ct")
     from_gguf(ckpts / "m.gguf")
+
+
+BAD_ARGS = [  # from_pretrained's arguments, refused before any file is read
+    (dict(directory=None), TypeError, r"directory must be a str or os\.PathLike, got NoneType"),
+    (dict(device_map="cuda:99"), ValueError, r"device_map cuda:99: "),
+    (dict(device_map={"": 99}), ValueError, r"device_map cuda:99: "),
+    (dict(device_map="tpu"), ValueError, r"device_map tpu: not a torch device"),
+]
+
+
+@pytest.mark.parametrize("kw, exc, match", BAD_ARGS, ids=[str(i) for i in range(len(BAD_ARGS))])
+def test_from_pretrained_refuses_bad_arguments(ckpts, kw, exc, match):
+    kw = {"directory": ckpts / "hf_sym", **kw}
+    with pytest.raises(exc, match=match):
+        A.from_pretrained(kw.pop("directory"), **kw)
+
+
+def test_the_unchanged_exports_convert_quietly(ckpts, tmp_path, capsys):
+    """The CLI readers pass the sound exports too, and --no-progress silences transformers' loading bars."""
+    for src, to in (("hf_sym", "gguf"), ("ct", "hf")):
+        assert main(["convert", str(ckpts / src), str(tmp_path / src), "--to", to, "--no-progress"]) == 0
+        assert "Loading weights" not in capsys.readouterr().err
 
 
 def test_what_transformers_ignores_is_not_an_unexplained_tensor(ckpts, tmp_path):
@@ -471,10 +527,15 @@ FLOAT = [
     ("extra", _add("model.extra"), r"'model\.extra'.* is not a tensor"),
     ("truncated", _truncate(100), r"truncated"),
     ("deep-config", _text(DEEP), r"nests too deeply"),
+    ("safetensors-is-a-folder", lambda d: (d / "model.safetensors").unlink() or (d / "model.safetensors").mkdir(),
+     r"model\.safetensors: a directory, not a safetensors file|has no \.safetensors weights"),
 ]
+# what the command line also reads from a float folder (quantize_checkpoint takes no tokenizer)
+FLOAT_CLI = FLOAT + [("tokenizer-malformed", lambda d: (d / "tokenizer.json").write_text("{"),
+                      r"--model .*: its tokenizer \(tokenizer\.json\) cannot be read")]
 
 
-@pytest.mark.parametrize("name, edit, match", FLOAT, ids=_ids(FLOAT))
+@pytest.mark.parametrize("name, edit, match", FLOAT_CLI, ids=_ids(FLOAT_CLI))
 def test_float_model_folders_are_checked(float_dir, tmp_path, capsys, name, edit, match):
     d = tmp_path / "f"
     shutil.copytree(float_dir, d)
@@ -510,6 +571,8 @@ def test_float_load_of_a_gguf_file_is_checked(ckpts, tmp_path, capsys, name, edi
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert re.search(match, lines[0]), lines[0]
     assert not (tmp_path / "out").exists()
+    code, err, lines = _cli(capsys, ["inspect", str(f)])  # qcore inspect reads it through the same check
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err and re.search(match, lines[0]), err
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
@@ -529,3 +592,24 @@ def test_convert_cli_exits_2_with_one_line(ckpts, tmp_path, capsys, src, name, e
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert re.search(match, lines[0]), lines[0]
     assert not dst.exists() and not (tmp_path / "out.gguf").exists()
+
+
+def test_micro_exponent_shifts_are_never_stored_in_quarks_mx_layout(zoo, tmp_path):
+    """An MXFP4 spec with shared micro-exponent shifts is written in qcore's layout, shifts included, and loads back
+    exactly (Quark's mx layout has no tensor for them: the export was refused); a checkpoint whose config gains
+    shifts while its tensors stay in the mx layout is refused at load (it loaded, then failed at the first
+    forward)."""
+    d = A.preset("mxfp4_weight_only").to_dict()
+    d["layer"]["weight"]["spec"].update(subblock_shift_bits=1, subblock_size=2)
+    m = _quantized(zoo, ModelConfig.from_dict(d))
+    ids = zoo.token_batches(1, seed=2)[0]
+    info = A.export_hf(m, tmp_path / "shifts")
+    assert set(info.layers.values()) == {"qcore"}
+    with torch.no_grad():
+        assert torch.equal(A.from_pretrained(tmp_path / "shifts")(ids).logits, m(ids).logits)
+    A.export_hf(_quantized(zoo, "mxfp4_weight_only"), tmp_path / "mx")
+    c = json.loads((tmp_path / "mx" / "config.json").read_text())
+    c["quantization_config"]["qcore"]["config"]["layer"]["weight"]["spec"]["subblock_shift_bits"] = 1
+    (tmp_path / "mx" / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match=r"layout 'mx', its config gives 'qcore'|no Quark spelling"):
+        A.from_pretrained(tmp_path / "mx")
