@@ -162,6 +162,28 @@ def _one_torch_thread(request):
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory):
+    """A tiny random Llama saved with a byte-level tokenizer (one token per byte, 256 tokens), and ``text.txt``
+    beside it (6000 characters to calibrate and evaluate on): every ``qcore quantize`` flag works on it."""
+    import pydoc_data.topics
+    import torch
+    transformers = _transformers()
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("tiny_lm")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(d)
+    (d.parent / "text.txt").write_text(" ".join(pydoc_data.topics.topics.values())[:6000])
+    return d
+
+
 @pytest.fixture(scope="session")
 def zoo():
     """The factories and helpers of this file, as one namespace."""

@@ -259,23 +259,6 @@ def test_bad_command_line(argv, flag, message, workdir, capsys):
     assert not (workdir / "report.json").exists() and not (workdir / "out").exists()
 
 
-@pytest.fixture(scope="module")
-def lm_dir(tmp_path_factory):
-    """A tiny random Llama with a byte-level tokenizer (as in test_cli.py)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("tiny_lm")
-    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(d)
-    return d
-
-
 KV_ONLY = json.dumps({"layer": None, "kv_cache": {"spec": {"dtype": "float8_e4m3fn"}}})
 ACT_ONLY = json.dumps({"layer": {"input": {"spec": {"dtype": "float8_e4m3fn"}}}})
 

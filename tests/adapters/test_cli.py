@@ -21,25 +21,6 @@ def llama_dir(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module")
-def lm_dir(tmp_path_factory):
-    """A tiny random Llama with a byte-level tokenizer (one token per byte, 256 tokens): every flag works on it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("tiny_lm")
-    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(d)
-    import pydoc_data.topics
-    (d.parent / "text.txt").write_text(" ".join(pydoc_data.topics.topics.values())[:6000])
-    return d
-
-
 def test_every_flag_end_to_end_then_inspect_and_eval_the_checkpoint(lm_dir, tmp_path, capsys):
     text, out, rep, png = lm_dir.parent / "text.txt", tmp_path / "ckpt", tmp_path / "r.json", tmp_path / "p.png"
     (out).mkdir()

@@ -13,25 +13,6 @@ from qcore.algorithms.metrics import sqnr_db  # noqa: E402
 from qcore.cli import main  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def lm_dir(tmp_path_factory):
-    """A tiny random Llama with a byte-level tokenizer and a text to calibrate on."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("tiny_lm")
-    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(d)
-    import pydoc_data.topics
-    (d.parent / "text.txt").write_text(" ".join(pydoc_data.topics.topics.values())[:6000])
-    return d
-
-
 def _quantize(lm_dir, tmp_path, name, *extra):
     rep = tmp_path / f"{name}.json"
     argv = ["quantize", "--model", str(lm_dir), "--eval", "none", "--eval-text", str(lm_dir.parent / "text.txt"),
