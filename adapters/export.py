@@ -287,17 +287,24 @@ def _quark_part(config: ModelConfig, model_dtype: str, quark_ok: bool) -> dict:
         return {}
 
 
+def model_config(model: nn.Module, config: Optional[ModelConfig], *, who: str) -> ModelConfig:
+    """The ``ModelConfig`` an exporter writes: ``config``, or the model's own ``qcore_config`` (set by
+    ``quantize_model`` and the loaders); TypeError / ValueError naming ``who`` otherwise."""
+    if config is not None and not isinstance(config, ModelConfig):
+        raise TypeError(f"{who}: config must be a ModelConfig (ModelConfig.from_dict reads a dict), "
+                        f"got {type(config).__name__}")
+    config = config if config is not None else getattr(model, "qcore_config", None)
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"{who}: the model carries no qcore config (quantize it with "
+                         f"qcore.adapters.quantize_model, or pass config=)")
+    return config
+
+
 def check_hf(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
     """Before any work: ValueError if ``export_hf`` would refuse ``model`` quantized with ``config`` (default
     ``model.qcore_config``), for reasons the config and the float model already decide (``qcore quantize
     --output`` calls it before the baseline evaluation; ``export_hf`` itself too)."""
-    if config is not None and not isinstance(config, ModelConfig):
-        raise TypeError(f"export_hf: config must be a ModelConfig (ModelConfig.from_dict reads a dict), "
-                        f"got {type(config).__name__}")
-    config = config if config is not None else getattr(model, "qcore_config", None)
-    if not isinstance(config, ModelConfig):
-        raise ValueError("export_hf: the model carries no qcore config (quantize it with qcore.adapters."
-                         "quantize_model, or pass config=)")
+    config = model_config(model, config, who="export_hf")
     units = [u for u in export_units(model, config) if u.config.weight is not None]
     layouts = [L.weight_layout(u.config.weight.spec, u.shape, module="Linear" if u.type == "Linear" else "other")
                for u in units]
@@ -382,13 +389,7 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
     max_bytes = parse_size(max_shard_size)
-    if config is not None and not isinstance(config, ModelConfig):
-        raise TypeError(f"export_hf: config must be a ModelConfig (ModelConfig.from_dict reads a dict), "
-                        f"got {type(config).__name__}")
-    config = config if config is not None else getattr(model, "qcore_config", None)
-    if not isinstance(config, ModelConfig):
-        raise ValueError("export_hf: the model carries no qcore config (quantize it with qcore.adapters."
-                         "quantize_model, or pass config=)")
+    config = model_config(model, config, who="export_hf")
     if not any(isinstance(m, _QuantMixin) for m in model.modules()):
         raise ValueError("export_hf: the model has no qcore quantized modules; run quantize_model first")
     weightless = [n for n, m in model.named_modules() if isinstance(m, _QuantMixin) and "weight" not in m._qspecs]

@@ -37,7 +37,8 @@ from qcore.formats.safetensors_io import TensorRecord
 
 from .config import ModelConfig
 from .export import (QCORE_FORMAT_VERSION, _check_config_describes, _online_rotations, _record,
-                     _tensor_record, check_destination, parse_size, weight_parts, write_checkpoint)
+                     _tensor_record, check_destination, model_config, parse_size, weight_parts,
+                     write_checkpoint)
 from qcore._fsutil import model_sources
 from .modules import QuantLinear, _QuantMixin
 
@@ -263,12 +264,7 @@ def _plan(model: nn.Module, config: ModelConfig) -> tuple[list[_Layer], dict, li
 def ct_quantization_config(model: nn.Module, config: Optional[ModelConfig] = None) -> dict:
     """The ``quantization_config`` dict ``export_compressed_tensors`` writes for ``model`` (no tensors
     converted)."""
-    if config is not None and not isinstance(config, ModelConfig):
-        raise TypeError(f"ct_quantization_config: config must be a ModelConfig (ModelConfig.from_dict reads a dict), "
-                        f"got {type(config).__name__}")
-    config = config if config is not None else getattr(model, "qcore_config", None)
-    if not isinstance(config, ModelConfig):
-        raise ValueError("ct_quantization_config: the model carries no qcore config (pass config=)")
+    config = model_config(model, config, who="ct_quantization_config")
     layers, groups, floats = _plan(model, config)
     return _ct_config(layers, groups, floats, config).to_dict()
 
@@ -391,13 +387,7 @@ def export_compressed_tensors(model: nn.Module, directory: Union[str, os.PathLik
         if not isinstance(v, bool):
             raise TypeError(f"{k} must be a bool, got {v!r}")
     max_bytes = parse_size(max_shard_size)
-    if config is not None and not isinstance(config, ModelConfig):
-        raise TypeError(f"export_compressed_tensors: config must be a ModelConfig (ModelConfig.from_dict reads a "
-                        f"dict), got {type(config).__name__}")
-    config = config if config is not None else getattr(model, "qcore_config", None)
-    if not isinstance(config, ModelConfig):
-        raise ValueError("export_compressed_tensors: the model carries no qcore config (quantize it with "
-                         "qcore.adapters.quantize_model, or pass config=)")
+    config = model_config(model, config, who="export_compressed_tensors")
     if not any(isinstance(m, _QuantMixin) for m in model.modules()):
         raise ValueError("export_compressed_tensors: the model has no qcore quantized modules; run quantize_model "
                          "first")

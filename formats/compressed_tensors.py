@@ -736,12 +736,6 @@ def check_shape(spec: QuantSpec, shape: tuple, where: str) -> None:
 
 def _check_layout(spec: QuantSpec, shape: tuple, fmt: CTFormat, where: str) -> None:
     check_shape(spec, shape, where)
-    if len(shape) != 2:
-        raise ValueError(f"{where}: weight of shape {list(shape)}; compressed-tensors stores 2-D [out, in] weights")
-    g = spec.granularity
-    if isinstance(g, PerGroup) and shape[1] % g.size:
-        raise ValueError(f"{where}: groups of {g.size} do not divide the {shape[1]} input features (compressed-"
-                         f"tensors needs whole groups)")
     d = spec.dtype
     want = {CTFormat.PACK_QUANTIZED: isinstance(d, IntDType), CTFormat.INT_QUANTIZED: isinstance(d, IntDType),
             CTFormat.FLOAT_QUANTIZED: d.name == "float8_e4m3fn", CTFormat.NAIVE_QUANTIZED: d.name == "float8_e4m3fn",
