@@ -216,7 +216,13 @@ def _setup_lm_eval_model(cwd: pathlib.Path) -> None:
     """docs/adapters.md's ``path/to/model_dir``: test_lm_eval.py's seed-0 tiny Llama with a character tokenizer."""
     if importlib.util.find_spec("lm_eval") is None:
         pytest.skip("lm_eval is not installed (pip install lm-eval): docs/adapters.md's qcore eval --tasks not run")
-    _tiny_llama(cwd / "path" / "to" / "model_dir", vocab=128, positions=256, tokenizer=_char_tokenizer())
+    # built in a new interpreter, as the command runs: the same seed gave other weights after other tests had run
+    code = ("import importlib.util, pathlib, sys; s = importlib.util.spec_from_file_location('d', sys.argv[1]); "
+            "d = importlib.util.module_from_spec(s); s.loader.exec_module(d); "
+            "d._tiny_llama(pathlib.Path(sys.argv[2]), vocab=128, positions=256, tokenizer=d._char_tokenizer())")
+    r = subprocess.run([sys.executable, "-c", code, __file__, str(cwd / "path" / "to" / "model_dir")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 SETUPS = {"lm_eval_model": _setup_lm_eval_model}
