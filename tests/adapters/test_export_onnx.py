@@ -331,21 +331,11 @@ def test_smollm2_onnx_perplexity_within_one_percent(smollm2, protocol_ids, tmp_p
 
 
 @pytest.mark.onnx_client
-def test_cli_export_onnx(tmp_path, capsys):
+def test_cli_export_onnx(lm_dir, tmp_path, capsys):
     """qcore quantize --export onnx writes DIR/model.onnx and the tokenizer; onnxruntime's logits match the model
     reloaded and quantized the same way; unsupported schemes are refused with the tensor's name, nothing written."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from qcore.cli import main
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    d = tmp_path / "lm"
-    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(d)
+    d = lm_dir  # tests/adapters/conftest.py: a tiny random Llama with a byte-level tokenizer
     out = tmp_path / "o"
     code = main(["quantize", "--model", str(d), "--scheme", "uint4_wo_32", "--eval", "none", "--export", "onnx",
                  "--onnx-weights", "matmulnbits", "--output", str(out), "--no-progress"])
