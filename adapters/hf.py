@@ -419,9 +419,7 @@ def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_ma
     """Load a quantized checkpoint (``quant_method`` ``"quark"`` or ``"qcore"``; ``"compressed-tensors"`` goes to
     ``qcore.adapters.import_ct.load_compressed_tensors``) from a local directory into qcore's frozen modules.
     ``dtype`` is the float dtype of the rest of the model (default: the checkpoint's). Extra keyword arguments go
-    to ``AutoModelForCausalLM.from_pretrained``."""
-    from transformers import AutoModelForCausalLM
-
+    to the model class's ``from_pretrained`` (``model_class``)."""
     if not isinstance(directory, (str, os.PathLike)):
         raise TypeError(f"from_pretrained: directory must be a str or os.PathLike, got {type(directory).__name__}")
     _check_device_map(device_map)
@@ -455,9 +453,21 @@ def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_ma
         kw["device_map"] = device_map
     kw.update(kwargs)
     try:
-        return AutoModelForCausalLM.from_pretrained(d, **kw).eval()
+        return model_class(config).from_pretrained(d, **kw).eval()
     except CorruptCheckpointError as e:  # raised by check_tensors / _build: name the checkpoint too
         raise CorruptCheckpointError.naming(d, e) from None
+
+
+def model_class(config: Any):
+    """The transformers class a checkpoint's ``config`` was saved from: the first of ``config.architectures`` that
+    transformers has (a ``BertModel`` checkpoint loads as a ``BertModel``, not as the causal LM
+    ``AutoModelForCausalLM`` would build), else ``AutoModelForCausalLM``."""
+    import transformers
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if isinstance(cls, type) and hasattr(cls, "from_pretrained"):
+            return cls
+    return transformers.AutoModelForCausalLM
 
 
 def _check_device_map(device_map: Any) -> None:

@@ -155,8 +155,7 @@ def load_compressed_tensors(directory: Union[str, os.PathLike], *, dtype: Option
 
 
 def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-    from .hf import check_format_version, hf_config, read_config
+    from .hf import check_format_version, hf_config, model_class, read_config
     _, raw = read_config(d)
     if not isinstance(raw, dict) or raw.get("quant_method") != CT.QUANT_METHOD:
         got = raw.get("quant_method") if isinstance(raw, dict) else None
@@ -179,7 +178,9 @@ def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Modu
         raise ValueError(f"load_compressed_tensors: dtype {dtype} is not float32, bfloat16 or float16")
     from accelerate import init_empty_weights
     with init_empty_weights(include_buffers=False):  # parameters on meta (each is assigned from the checkpoint)
-        model = AutoModelForCausalLM.from_config(hf, dtype=dtype).eval()
+        cls = model_class(hf)
+        model = (cls.from_config(hf, dtype=dtype) if hasattr(cls, "from_config") else cls._from_config(hf, dtype=dtype))
+        model = model.eval()
     if raw.get("qcore") is not None and not isinstance(raw.get("qcore"), dict):
         raise CorruptCheckpointError(f"{str(d / 'config.json')!r}: quantization_config.qcore must be a JSON object, "
                                      f"got {raw.get('qcore')!r}"[:300])

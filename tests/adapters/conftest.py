@@ -69,7 +69,50 @@ def tiny_bert(seed: int = 0):
     return t.BertModel(cfg).eval()
 
 
-FAMILIES = {"llama": tiny_llama, "opt": tiny_opt, "qwen2": tiny_qwen2, "bert": tiny_bert}
+# The other families of issue 22, as data: model_type -> (config class, its arguments, model class). Sizes as the
+# models above (hidden 64, 2 layers, 4 heads, vocab 128); MoE models with 4 experts, top-2; token ids of the
+# specials inside the tiny vocabulary.
+_SPECIALS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_DECODER = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=64, **_SPECIALS)
+TINY_SPECS = {
+    "mistral": ("MistralConfig", dict(_DECODER, intermediate_size=128, num_key_value_heads=2), "MistralForCausalLM"),
+    "qwen3": ("Qwen3Config", dict(_DECODER, intermediate_size=128, num_key_value_heads=2, head_dim=16),
+              "Qwen3ForCausalLM"),
+    "gemma": ("GemmaConfig", dict(_DECODER, intermediate_size=128, num_key_value_heads=2, head_dim=16),
+              "GemmaForCausalLM"),
+    "gemma2": ("Gemma2Config", dict(_DECODER, intermediate_size=128, num_key_value_heads=2, head_dim=16),
+               "Gemma2ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", dict(_DECODER, intermediate_size=128, num_key_value_heads=2, head_dim=16),
+                    "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", dict(_DECODER, intermediate_size=128, num_key_value_heads=2), "Phi3ForCausalLM"),
+    "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64,
+                                bos_token_id=1, eos_token_id=2), "GPT2LMHeadModel"),
+    "gpt_neox": ("GPTNeoXConfig", dict(_DECODER, intermediate_size=128), "GPTNeoXForCausalLM"),
+    "mixtral": ("MixtralConfig", dict(_DECODER, intermediate_size=128, num_key_value_heads=2, num_local_experts=4,
+                                      num_experts_per_tok=2), "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(_DECODER, intermediate_size=128, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64, num_key_value_heads=2, num_experts=4,
+                                         num_experts_per_tok=2), "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_DECODER, intermediate_size=128, moe_intermediate_size=32,
+                                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, head_dim=16),
+                  "Qwen3MoeForCausalLM"),
+}
+
+
+def tiny_family(name: str, seed: int = 0):
+    """The tiny random model of a family of ``TINY_SPECS`` (or of ``FAMILIES``), in eval mode."""
+    if name in _BUILT_IN:
+        return _BUILT_IN[name](seed)
+    t = _transformers()
+    cfg_cls, kwargs, model_cls = TINY_SPECS[name]
+    cfg = getattr(t, cfg_cls)(**kwargs)
+    torch.manual_seed(seed)
+    return getattr(t, model_cls)(cfg).eval()
+
+
+_BUILT_IN = {"llama": tiny_llama, "opt": tiny_opt, "qwen2": tiny_qwen2, "bert": tiny_bert}
+FAMILIES = dict(_BUILT_IN, **{k: (lambda seed=0, k=k: tiny_family(k, seed)) for k in TINY_SPECS})
 
 
 def token_batches(n: int, *, seed: int, batch: int = 2, seq: int = SEQ, vocab: int = VOCAB) -> list:
@@ -189,15 +232,15 @@ def zoo():
     """The factories and helpers of this file, as one namespace."""
     return types.SimpleNamespace(
         VOCAB=VOCAB, HIDDEN=HIDDEN, SEQ=SEQ, FAMILIES=FAMILIES, tiny_llama=tiny_llama, tiny_opt=tiny_opt,
-        tiny_qwen2=tiny_qwen2, tiny_bert=tiny_bert, token_batches=token_batches, model_output=model_output,
+        tiny_qwen2=tiny_qwen2, tiny_bert=tiny_bert, tiny_family=tiny_family, token_batches=token_batches, model_output=model_output,
         SmallCNN=SmallCNN, small_cnn=small_cnn, image_batches=image_batches, BagModel=BagModel, bag_model=bag_model,
         bag_inputs=bag_inputs, EmbModel=EmbModel, emb_model=emb_model)
 
 
 @pytest.fixture(scope="session")
 def family_model():
-    """``family_model(name)``: the seed-0 tiny model of a family (llama, opt, qwen2, bert), built once per
-    session; deepcopy it before quantizing."""
+    """``family_model(name)``: the seed-0 tiny model of a family (``FAMILIES``: llama, opt, qwen2, bert and the
+    families of ``TINY_SPECS``), built once per session; deepcopy it before quantizing."""
     cache: dict = {}
 
     def get(name):
