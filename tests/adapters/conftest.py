@@ -97,6 +97,26 @@ TINY_SPECS = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(_DECODER, intermediate_size=128, moe_intermediate_size=32,
                                          num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, head_dim=16),
                   "Qwen3MoeForCausalLM"),
+    # vision-language models: the language tower is what qcore quantizes (the vision tower is excluded by default)
+    "llava": ("LlavaConfig", dict(text_config=dict(_DECODER, model_type="llama", intermediate_size=128,
+                                                   num_key_value_heads=2),
+                                  vision_config=dict(model_type="clip_vision_model", hidden_size=32,
+                                                     intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                                     image_size=16, patch_size=8),
+                                  image_token_id=3), "LlavaForConditionalGeneration"),
+    "gemma3": ("Gemma3Config", dict(text_config=dict(_DECODER, model_type="gemma3_text", intermediate_size=128,
+                                                     num_key_value_heads=2, head_dim=16),
+                                    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                       num_attention_heads=2, image_size=16, patch_size=8),
+                                    mm_tokens_per_image=4, image_token_index=3, boi_token_index=4, eoi_token_index=5),
+               "Gemma3ForConditionalGeneration"),
+    "qwen2_vl": ("Qwen2VLConfig", dict(text_config=dict(_DECODER, model_type="qwen2_vl_text", intermediate_size=128,
+                                                        num_key_value_heads=2,
+                                                        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+                                       vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2,
+                                                          patch_size=4, spatial_merge_size=2, temporal_patch_size=2),
+                                       image_token_id=3, video_token_id=4, vision_start_token_id=5),
+                 "Qwen2VLForConditionalGeneration"),
 }
 
 

@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 from qcore.adapters import (excluded_weights, preset, quantize_model, unquantized_weights)  # noqa: E402
 
 FAMILY_NAMES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2", "gpt_neox",
-                "opt", "bert", "mixtral", "qwen2_moe", "qwen3_moe"]
+                "opt", "bert", "mixtral", "qwen2_moe", "qwen3_moe", "llava", "gemma3", "qwen2_vl"]
 # One preset of each kind: weight-only int groups, static int8 activations (calibrated), dynamic per-token int8,
 # fp8, MX (shared-exponent blocks), NVFP4.
 CORE_PRESETS = ["uint4_wo_64", "w_int8_a_int8_per_tensor_sym", "w_int8_a_int8_per_token_dynamic", "fp8", "mxfp4",

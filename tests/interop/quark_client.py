@@ -227,7 +227,14 @@ def cmd_logits(args) -> int:
     torch = _torch()
     for model_dir, name in zip(args.model, names):
         t1 = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        except Exception as e:  # --keep-going: one record naming the failure, then the next model
+            if not args.keep_going:
+                raise
+            emit({"cmd": "logits", "model": str(model_dir), "name": name,
+                  "error": f"{type(e).__name__}: {e}"[:2000], "seconds": round(time.perf_counter() - t1, 2)})
+            continue
         qc = getattr(model.config, "quantization_config", None)
         if qc is not None and not isinstance(qc, dict):
             qc = qc.to_dict()
@@ -258,6 +265,8 @@ def main(argv=None) -> int:
     lo.add_argument("model", nargs="+", help="model directories")
     lo.add_argument("--ids", required=True, help="token ids, .npy int [n, seq]")
     lo.add_argument("--out", required=True, help="a .npy file (one model) or a directory: OUT/<basename>.npy")
+    lo.add_argument("--keep-going", action="store_true",
+                    help="a model that fails to load gets a record with 'error' instead of ending the run")
     args = ap.parse_args(argv)
     if args.cmd == "export" and (args.eval_ids is None) != (args.eval_out is None):
         ap.error("--eval-ids and --eval-out go together")
