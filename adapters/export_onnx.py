@@ -2,7 +2,8 @@
 
 Two graph sources:
 
-- **Decoder LLMs** (transformers Llama family: ``model_type`` ``llama``; SmolLM2 is one): the graph is built
+- **Decoder LLMs** (transformers Llama-like families: ``model_type`` ``llama`` (SmolLM2 is one), ``mistral``,
+  ``qwen2``, ``qwen3``: biases, Qwen3's per-head q/k norms and sliding-window layers included): the graph is built
   directly from the model's config with standard ONNX ops (as onnxruntime-genai's builder does), with a KV cache.
   Inputs ``input_ids`` int64 ``[batch, seq]``, ``attention_mask`` int64 ``[batch, past + seq]``, ``position_ids``
   int64 ``[batch, seq]``, ``past_key_values.{i}.key`` / ``.value`` float32 ``[batch, kv_heads, past, head_dim]``
@@ -55,7 +56,7 @@ from .modules import QuantConvTranspose2d, QuantEmbedding, QuantEmbeddingBag, Qu
 __all__ = ["export_onnx", "WeightFormat", "Unsupported", "ONNXExportInfo", "TensorReport", "DECODER_TYPES",
            "decoder_logits", "export_onnx_dir", "ONNX_FILE", "check_onnx", "UnsupportedWeightError"]
 
-DECODER_TYPES = ("llama",)
+DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # Llama-like decoders (Qwen3: q/k norms; sliding windows)
 
 
 class WeightFormat(enum.Enum):
@@ -361,6 +362,16 @@ class _Decoder:
             y = g.node("Add", [y, bias], f"{name}_Add")
         return ctx.act(name, m, "output", y, axis=-1)
 
+    def window(self, i: int) -> Optional[int]:
+        """The sliding window of layer ``i`` (keys ``j > i - window`` only), or None for full attention."""
+        cfg = self.cfg
+        w = getattr(cfg, "sliding_window", None)
+        types_ = getattr(cfg, "layer_types", None)
+        if w is None or (types_ is not None and types_[i] != "sliding_attention") or \
+                (types_ is None and cfg.model_type != "mistral"):
+            return None
+        return int(w)
+
     def rmsnorm(self, name: str, m: nn.Module, x: str) -> str:
         g = self.g
         eps = float(getattr(m, "variance_epsilon", getattr(m, "eps", self.eps)))
@@ -429,6 +440,13 @@ class _Decoder:
         pad = g.node("Cast", ["attention_mask"], "mask_Bool", to=T.BOOL)
         pad = g.node("Unsqueeze", [pad, self.c("ax123", [1, 2, 3], np.int64)], "mask_U")
         allowed = g.node("And", [causal, pad], "mask_And")
+        windows = {}  # sliding-window layers (Mistral, Qwen2/3 "sliding_attention"): also j > i - window
+        for w in sorted({w for w in (self.window(i) for i in range(nl)) if w is not None}):
+            dist = g.node("Sub", [g.node("Unsqueeze", [qi, self.c(f"w{w}_axm1", [-1], np.int64)], f"w{w}_qU"),
+                                  g.node("Unsqueeze", [kj, self.c(f"w{w}_ax0", [0], np.int64)], f"w{w}_kU")],
+                          f"w{w}_Dist")
+            near = g.node("Less", [dist, self.c(f"w{w}_size", w, np.int64)], f"w{w}_Near")
+            windows[w] = g.node("And", [allowed, near], f"w{w}_mask_And")
         neg = self.c("mask_min", np.float32(np.finfo(np.float32).min))
         scale = self.c("attn_scale", np.float32(getattr(base.layers[0].self_attn, "scaling", self.hd ** -0.5)))
         rep = self.nh // self.nkv
@@ -445,6 +463,9 @@ class _Decoder:
 
             q = heads(self.linear(f"{p}.self_attn.q_proj", att.q_proj, hsn), self.nh, f"{p}_q")
             k = heads(self.linear(f"{p}.self_attn.k_proj", att.k_proj, hsn), self.nkv, f"{p}_k")
+            if getattr(att, "q_norm", None) is not None:  # Qwen3: RMSNorm over each head's features
+                q = self.rmsnorm(f"{p}.self_attn.q_norm", att.q_norm, q)
+                k = self.rmsnorm(f"{p}.self_attn.k_norm", att.k_norm, k)
             v = heads(self.linear(f"{p}.self_attn.v_proj", att.v_proj, hsn), self.nkv, f"{p}_v")
 
             def rope(t, nm):
@@ -469,7 +490,8 @@ class _Decoder:
             v5 = g.node("Unsqueeze", [vall, self.c(f"{p}_v5a", [2], np.int64)], f"{p}_v5")
             kt = g.node("Transpose", [k5], f"{p}_KT", perm=[0, 1, 2, 4, 3])
             s = g.node("Mul", [g.node("MatMul", [q5, kt], f"{p}_QK"), scale], f"{p}_Scores")
-            s = g.node("Where", [allowed, s, neg], f"{p}_Masked")
+            w = self.window(i)
+            s = g.node("Where", [allowed if w is None else windows[w], s, neg], f"{p}_Masked")
             pr = g.node("Softmax", [s], f"{p}_Softmax", axis=-1)
             a = g.node("MatMul", [pr, v5], f"{p}_AV")  # [b, nkv, rep, s, hd]
             a = g.node("Reshape", [a, self.c(f"{p}_a4", [0, self.nh, -1, self.hd], np.int64)], f"{p}_a4")

@@ -350,3 +350,44 @@ def test_cli_export_onnx(lm_dir, tmp_path, capsys):
     assert main(["quantize", "--model", str(d), "--scheme", "mxfp4_weight_only", "--eval", "none", "--export",
                  "onnx", "--output", str(tmp_path / "x"), "--no-progress"]) != 0
     assert "q_proj.weight" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+# Llama-like decoders beyond Llama: Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorms), Mistral; sliding-window
+# layers (window 4 < the 12 tokens) as transformers builds them: every layer for Mistral, the layers after
+# max_window_layers for Qwen2/3 with use_sliding_window.
+WINDOWED = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=4)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1,
+                                                       head_dim=16)),
+}
+
+
+@pytest.mark.onnx_client
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_decoder_llama_like_families_with_sliding_windows(family, zoo, tmp_path):
+    import transformers
+    cfg_cls, model_cls, extra = WINDOWED[family]
+    cfg = getattr(transformers, cfg_cls)(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         bos_token_id=1, eos_token_id=2, pad_token_id=0, **extra)
+    torch.manual_seed(0)
+    m = getattr(transformers, model_cls)(cfg).eval()
+    qa.quantize_model(m, "uint4_wo_32", None, progress=False)
+    info = export_onnx(m, tmp_path / "m.onnx")
+    assert info.graph == "decoder"
+    sess = _session(tmp_path / "m.onnx")
+    ids = zoo.token_batches(1, seed=3, seq=12)[0]
+    mask = np.ones(ids.shape, np.int64)
+    mask[1, :3] = 0  # left padding in the second row
+    with torch.no_grad():
+        ref = m(ids, attention_mask=torch.from_numpy(mask)).logits.numpy()
+    got = decoder_logits(sess, ids.numpy(), attention_mask=mask)
+    assert np.abs(got - ref)[0].max() <= 1e-5 and np.abs(got - ref)[1, 3:].max() <= 1e-5
+    # cached decoding: the first 9 tokens, then 3 more with the cache (keys past the window drop out)
+    with torch.no_grad():
+        full = m(ids[:1]).logits.numpy()
+    first = sess.run(None, _feeds(ids[:1, :9].numpy(), n_layers=2))
+    past = first[1:]
+    nxt = sess.run(None, _feeds(ids[:1, 9:].numpy(), past=past, start=9, n_layers=2))
+    assert np.abs(nxt[0] - full[:, 9:]).max() <= 1e-5
