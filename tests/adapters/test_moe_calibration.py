@@ -11,6 +11,7 @@ the bound asserted is 1e-5 of the largest logit.
 
 import copy
 import json
+import re
 import warnings
 
 import pytest
@@ -400,3 +401,35 @@ def test_blocks_that_do_not_fit_the_layout_are_refused(mode, msg):
         if mode != "logits":
             model.blk(torch.randn(5, 8))
     assert _hooks(model) == before and moe.coverage().all_experts is False
+
+
+def test_quantize_command_reports_the_coverage(lm_dir, tmp_path, capsys):
+    import shutil
+
+    from qcore.cli import main
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(_config("mixtral", 6, 2)).eval()
+    m.resize_token_embeddings(256)
+    with torch.no_grad():
+        for layer in m.model.layers:  # experts 4 and 5 never routed (see _starved_mixtral)
+            v, u = torch.randn(32), torch.randn(32)
+            layer.mlp.gate.weight.copy_(torch.stack([v, -v, u, -u, torch.zeros(32), torch.zeros(32)]))
+    d = tmp_path / "mixtral"
+    m.save_pretrained(d)
+    for f in lm_dir.iterdir():
+        if "token" in f.name:
+            shutil.copy(f, d / f.name)
+    rep = tmp_path / "r.json"
+    with pytest.warns(UserWarning, match="4 expert"):
+        code = main(["quantize", "--model", str(d), "--scheme", "w_int8_a_int8_per_tensor_sym", "--exclude", "lm_head",
+                     "--exclude", r"re:.*\.experts\.(down_proj|gate_up_proj)", "--eval", "none", "--eval-text",
+                     str(lm_dir.parent / "text.txt"), "--calib-samples", "2", "--seq-len", "16", "--report", str(rep),
+                     "--no-progress"])
+    o = capsys.readouterr()
+    assert code == 0, o.err
+    assert re.search(r"MoE experts never routed\s+4 \(calibrated on all tokens; the report's moe_coverage", o.out)
+    r = json.loads(rep.read_text())["moe_coverage"]
+    assert r["all_experts"] and r["blocks"]["model.layers.1.mlp"]["tokens"] == 32
+    assert [(u["block"], u["expert"], u["routed"]) for u in r["under_calibrated"]] == [
+        ("model.layers.0.mlp", 4, 0), ("model.layers.0.mlp", 5, 0), ("model.layers.1.mlp", 4, 0),
+        ("model.layers.1.mlp", 5, 0)]
