@@ -181,8 +181,8 @@ def _widen(index: torch.Tensor, weights: torch.Tensor, e: int) -> tuple[torch.Te
     """``(T, E)`` index and weights: the routed experts first (as routed), then the others in order, weight 0."""
     t, k = index.shape
     rest = torch.ones(t, e, dtype=torch.bool, device=index.device)
-    rest.scatter_(1, index, False)
-    others = torch.arange(e, device=index.device).expand(t, e)[rest].view(t, e - k)
+    rest.scatter_(1, index.long(), False)
+    others = torch.arange(e, device=index.device, dtype=index.dtype).expand(t, e)[rest].view(t, e - k)
     full_w = torch.cat([weights, weights.new_zeros(t, e - k)], dim=1)
     return torch.cat([index, others], dim=1), full_w
 

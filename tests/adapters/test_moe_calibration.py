@@ -359,6 +359,8 @@ class _Gate(nn.Module):
             i = torch.zeros_like(i)
         if self.mode == "outside":
             i = i + self.num_experts
+        if self.mode == "int32":
+            i = i.int()
         return logits, w, i
 
 
@@ -433,3 +435,19 @@ def test_quantize_command_reports_the_coverage(lm_dir, tmp_path, capsys):
     assert [(u["block"], u["expert"], u["routed"]) for u in r["under_calibrated"]] == [
         ("model.layers.0.mlp", 4, 0), ("model.layers.0.mlp", 5, 0), ("model.layers.1.mlp", 4, 0),
         ("model.layers.1.mlp", 5, 0)]
+
+
+def test_an_int32_router_index_keeps_its_dtype():
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.blk = _Block("int32")
+    got = []
+    model.blk.experts.register_forward_pre_hook(lambda mod, args: got.append(args[1]))
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        ref = model.blk(x)
+        with moe_calibration(model, warn=False) as moe:
+            out = model.blk(x)
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()  # more rows per product: GEMM rounding
+    assert got[0].dtype == got[1].dtype == torch.int32 and got[1].shape == (5, 4)
+    assert sum(moe.coverage().blocks[0].routed) == 10
