@@ -348,7 +348,8 @@ def moe_calibration(model: nn.Module, *, all_experts: bool = True, min_tokens: i
         u = cov.under
         if u:
             few = "no calibration token" if min_tokens == 1 else f"fewer than {min_tokens} calibration tokens"
-            warnings.warn(f"MoE calibration: {len(u)} expert(s) were routed {few}: " + ", ".join(f"{n} expert {e} ({r})" for n, e, r in u[:10])
+            warnings.warn(f"MoE calibration: {len(u)} expert(s) were routed {few}: "
+                          + ", ".join(f"{n} expert {e} ({r})" for n, e, r in u[:10])
                           + (", ..." if len(u) > 10 else "") + (
                               " (all-expert routing gave them every token, but their statistics come from tokens "
                               "the router does not send them)" if all_experts else
