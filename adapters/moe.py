@@ -23,8 +23,8 @@ output when the experts module sums in expert order (transformers' eager experts
 The structural knowledge (which child is the router, which the experts) is one small table, ``MOE_LAYOUTS``;
 the architecture records (``qcore.adapters.families``) may replace it. A block is a module with a router child
 returning ``(logits, top-k weights, top-k index)`` and an experts child called as ``experts(hidden, top-k index,
-top-k weights)`` (transformers 5: Mixtral, Qwen2-MoE (its shared expert untouched), Qwen3-MoE, OLMoE, DeepSeek and
-most others); the experts module's class does not matter (a qcore quantized experts module works the same).
+top-k weights)`` (transformers 5: Mixtral, Qwen2-MoE (its shared expert untouched), Qwen3-MoE, OLMoE, DeepSeek-V3,
+PhiMoE, GraniteMoE, gpt-oss, tested); the experts module's class does not matter (a qcore quantized experts module works the same).
 The first call of each block checks that the widened index reaches its experts module, and refuses otherwise.
 
 Caveat: an unrouted expert's output is multiplied by 0; an expert overflowing to Inf on a token it was not routed
@@ -61,23 +61,29 @@ class MoELayout:
         block's tokens (T, hidden).
     experts: the block's child the block calls as ``experts(hidden, top-k index, top-k weights)``.
     num_experts: attributes of the router giving E, tried in order (else the rows of its 2-D ``weight``).
+    top_k: the router's attribute giving k: a child without it (a plain ``nn.Linear`` gate returning logits
+        only, or its qcore wrapper) is not a router.
     """
     router: str
     experts: str
     num_experts: tuple[str, ...] = ("num_experts", "n_routed_experts")
+    top_k: str = "top_k"
 
 
-#: The MoE layouts recognised: transformers 5's sparse MoE blocks (``gate`` + ``experts``).
-MOE_LAYOUTS: tuple[MoELayout, ...] = (MoELayout(router="gate", experts="experts"),)
+#: The MoE layouts recognised: transformers 5's sparse MoE blocks: ``gate`` + ``experts`` (Mixtral, Qwen2-MoE,
+#: Qwen3-MoE, OLMoE, DeepSeek-V3, ...) and ``router`` + ``experts`` (PhiMoE, GraniteMoE, gpt-oss, ...).
+MOE_LAYOUTS: tuple[MoELayout, ...] = (MoELayout(router="gate", experts="experts"),
+                                      MoELayout(router="router", experts="experts"))
 
 
 @dataclass(frozen=True)
 class MoEBlock:
-    """One MoE block of a model: its module name, the router's and experts' child names, and E."""
+    """One MoE block of a model: its module name, the router's and experts' child names, E and k."""
     name: str
     router: str
     experts: str
     num_experts: int
+    top_k: int
 
 
 def _num_experts(router: nn.Module, layout: MoELayout) -> Optional[int]:
@@ -93,7 +99,7 @@ def _num_experts(router: nn.Module, layout: MoELayout) -> Optional[int]:
 
 def find_moe_blocks(model: nn.Module, *, layouts: tuple[MoELayout, ...] = MOE_LAYOUTS) -> list[MoEBlock]:
     """The MoE blocks of ``model`` (in module order): the modules with a router child and an experts child as
-    one of ``layouts`` says. A plain ``nn.Linear`` router (a router returning logits only) is not one."""
+    one of ``layouts`` says (the router with an int ``top_k``: a plain ``nn.Linear`` gate is not one)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch nn.Module, got {type(model).__name__}")
     if not isinstance(layouts, tuple) or not all(isinstance(x, MoELayout) for x in layouts):
@@ -103,11 +109,11 @@ def find_moe_blocks(model: nn.Module, *, layouts: tuple[MoELayout, ...] = MOE_LA
         for lay in layouts:
             router = m._modules.get(lay.router)
             experts = m._modules.get(lay.experts)
-            if router is None or experts is None or isinstance(router, nn.Linear):
+            if router is None or experts is None:
                 continue
-            e = _num_experts(router, lay)
-            if e is not None:
-                found.append(MoEBlock(name, lay.router, lay.experts, e))
+            e, k = _num_experts(router, lay), getattr(router, lay.top_k, None)
+            if e is not None and isinstance(k, int) and not isinstance(k, bool) and 0 < k <= e:
+                found.append(MoEBlock(name, lay.router, lay.experts, e, k))
                 break
     return found
 

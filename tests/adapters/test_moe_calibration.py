@@ -93,6 +93,53 @@ def test_logits_are_the_routed_ones(models, family, impl):
     assert torch.equal(after, ref)  # back to the routed computation
 
 
+OTHER = {  # the other layouts of MOE_LAYOUTS and other routers (sigmoid + groups, sparsemixer, biased)
+    "olmoe": lambda c: transformers.OlmoeConfig(intermediate_size=32, num_experts=8, num_experts_per_tok=2, **c),
+    "deepseek_v3": lambda c: transformers.DeepseekV3Config(
+        intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, **{**c, "num_key_value_heads": 4}),
+    "phimoe": lambda c: transformers.PhimoeConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                                  **c),
+    "granitemoe": lambda c: transformers.GraniteMoeConfig(intermediate_size=32, num_local_experts=4,
+                                                          num_experts_per_tok=2, **c),
+    "gpt_oss": lambda c: transformers.GptOssConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                                   head_dim=8, **c),
+}
+
+
+@pytest.mark.parametrize("family", list(OTHER))
+def test_other_transformers_moe_families(family):
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = transformers.AutoModelForCausalLM.from_config(OTHER[family](common)).eval()
+    blocks = find_moe_blocks(m)
+    assert len(blocks) == 2 and blocks[0].router == ("router" if family in ("phimoe", "granitemoe", "gpt_oss")
+                                                     else "gate")
+    x = _ids(12)
+    for impl in ("batched_mm", "eager"):
+        m.set_experts_implementation(impl)
+        widths = []
+        h = m.get_submodule(blocks[0].name).experts.register_forward_pre_hook(
+            lambda mod, args: widths.append(args[1].shape[1]))
+        try:
+            with torch.no_grad():
+                ref = m(x).logits
+                with moe_calibration(m, min_tokens=0) as moe:
+                    got = m(x).logits
+        finally:
+            h.remove()
+        assert widths == [blocks[0].top_k, blocks[0].num_experts]
+        assert sum(moe.coverage().blocks[0].routed) == x.numel() * blocks[0].top_k
+        if impl == "batched_mm":
+            assert torch.equal(got, ref)
+        else:
+            assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_expert_gets_every_token_and_counts_match_the_router(models, family):
     m = models[family]
@@ -100,7 +147,7 @@ def test_every_expert_gets_every_token_and_counts_match_the_router(models, famil
     seen, gate_in = [], {}
     blocks = find_moe_blocks(m)
     assert [b.name for b in blocks] == ["model.layers.0.mlp", "model.layers.1.mlp"]
-    assert all(b.num_experts == e and (b.router, b.experts) == ("gate", "experts") for b in blocks)
+    assert all(b.num_experts == e and b.top_k == k and (b.router, b.experts) == ("gate", "experts") for b in blocks)
     hs = []
     for b in blocks:
         blk = m.get_submodule(b.name)
@@ -341,7 +388,7 @@ def test_bad_arguments_of_the_callers_and_nesting(models):
             with moe.counting("no"):
                 pass
     assert _hooks(m) == before
-    assert MOE_LAYOUTS == (MoELayout("gate", "experts"),)
+    assert MOE_LAYOUTS == (MoELayout("gate", "experts"), MoELayout("router", "experts"))
 
 
 class _Gate(nn.Module):
