@@ -636,6 +636,8 @@ def quantize_command(args) -> int:
             "output_windows": 0 if not calib else min(len(calib), LAYER_ERROR_WINDOWS),
             "rtn": "the same scheme by round-to-nearest without the algorithms (with --algo and --report/--plot)",
             "ranked_by": "output SQNR" if by_output else "weight SQNR (no calibration windows)"},
+        "moe_coverage": None if getattr(model, "qcore_moe_coverage", None) is None else
+        model.qcore_moe_coverage.to_dict(),  # tokens routed per expert (qcore.adapters.moe); static calibration only
         "qcore_version": qcore.__version__,
         "command": "qcore " + " ".join(shlex.quote(a) for a in (args.argv or [])),
     }
@@ -644,6 +646,9 @@ def quantize_command(args) -> int:
         rows += [("kept float (excluded)", f"{len(kept)} weight(s): {', '.join(w.name for w in kept[:3])}"
                   + ("" if len(kept) <= 3 else ", ... (" + ("the report's kept_float lists them)" if args.report
                                                             else "--report FILE.json lists them)")))]
+    if getattr(model, "qcore_moe_coverage", None) is not None and model.qcore_moe_coverage.under:
+        rows += [("MoE experts never routed", f"{len(model.qcore_moe_coverage.under)} (calibrated on all tokens; "
+                  + ("the report's moe_coverage lists them)" if args.report else "--report FILE.json lists them)"))]
     if needs_eval:
         rows += [("perplexity", f"{ppl_base:.3f} -> {ppl:.3f}  ({n_windows} windows of {args.seq_len} tokens)")]
     rows += [("quantize time", f"{quantize_s:.1f} s" + (f" (calibration: {len(calib)} x {args.seq_len} tokens)"

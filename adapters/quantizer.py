@@ -517,7 +517,8 @@ def _check_batches(model: nn.Module, data: Any) -> None:
             _check_batch(model, batch, i)
 
 
-def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distributed: Any = None) -> int:
+def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distributed: Any = None,
+              moe_all_experts: bool = True) -> int:
     """Run ``data`` through ``model`` under ``no_grad`` and set the static activation scales of its quantized
     modules from their observers (statistics only; activations are never kept). Returns the number of batches.
 
@@ -525,7 +526,14 @@ def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distri
     moved to the model's device. On any error the observers are dropped and the scales are left as they were.
     distributed: a ``qcore.adapters.distributed.Distributed``: ``data`` is this rank's share; the observers are
     combined over the ranks before the scales are set (every rank gets the same scales).
+    moe_all_experts: every MoE block sends every token to every expert while calibrating (its output stays the
+        routed one), so every expert's observers see tokens; the tokens routed to each expert are counted into
+        ``model.qcore_moe_coverage`` (an ``ExpertCoverage``; this rank's share) and experts routed none are
+        warned about (``qcore.adapters.moe``). False: the router's top-k only (an unrouted expert's observers
+        see nothing, and calibration refuses).
     """
+    if not isinstance(moe_all_experts, bool):
+        raise TypeError(f"moe_all_experts must be a bool, got {moe_all_experts!r}")
     if isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable):
         raise TypeError(f"calibration data must be an iterable of batches (a list or a DataLoader), got "
                         f"{type(data).__name__}; wrap a single batch in a list: [batch]")
@@ -543,7 +551,8 @@ def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distri
             total = len(data)  # type: ignore[arg-type]
         except TypeError:  # a DataLoader over an IterableDataset, a generator
             total = None
-        with torch.no_grad():
+        from .moe import moe_calibration
+        with torch.no_grad(), moe_calibration(model, all_experts=moe_all_experts) as moe:
             for i, batch in enumerate(_progress(data, total=total, desc="calibrating", enabled=progress)):
                 _check_batch(model, batch, i)
                 try:
@@ -560,6 +569,8 @@ def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distri
             distributed.reduce_observers([o for m in mods for _, o in sorted(m._observers.items())])
         for m in mods:
             m.finish_calibration()
+        if moe.blocks:
+            model.qcore_moe_coverage = moe.coverage()
     except BaseException:
         for m in mods:
             m.abort_calibration()
@@ -571,7 +582,7 @@ def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distri
 
 def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], data: Optional[Iterable] = None, *,
                    qat: bool = False, progress: bool = True, distributed: Any = None,
-                   reference: Optional[dict] = None) -> nn.Module:
+                   reference: Optional[dict] = None, moe_all_experts: bool = True) -> nn.Module:
     """Quantize ``model`` in place per ``config`` (a ``ModelConfig``, a preset name or a config dict) and return it.
 
     data: calibration batches (see ``calibrate``); needed when the config has static activation scales.
@@ -587,6 +598,8 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         (CPU copies: one more copy of the quantized weights; after a rotation or a smoothing fold, the transformed
         float weight, which computes what the original did; for GPTQ the weight GPTQ started from). What
         ``qcore.adapters.layer_report`` measures the committed weights against.
+    moe_all_experts: MoE blocks send every token to every expert during the algorithms' passes and calibration
+        (outputs unchanged: the routed top-k only), so every expert gets statistics; see ``calibrate``.
 
     All or nothing: on any error the original modules are put back and the weights are untouched. With
     algorithms (``config.algorithms``: a rotation first, QuaRot or SpinQuant, on the whole float model,
@@ -598,6 +611,8 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         raise TypeError(f"qat must be a bool, got {qat!r}")
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be a bool, got {progress!r}")
+    if not isinstance(moe_all_experts, bool):
+        raise TypeError(f"moe_all_experts must be a bool, got {moe_all_experts!r}")
     if reference is not None and not isinstance(reference, dict):
         raise TypeError(f"reference must be a dict (filled with the float weights) or None, got "
                         f"{type(reference).__name__}")
@@ -657,9 +672,12 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
                 model._qcore_partial = True  # some weights may already be rotated
                 raise
         if algos:
+            from .moe import moe_calibration
             from .sequential import run_algorithms
-            pinned = run_algorithms(model, plans, algos, data, progress=progress, reduce=distributed,
-                                    reference=reference)
+            # layers run several times per batch there: counted by calibrate's single pass only
+            with moe_calibration(model, all_experts=moe_all_experts, warn=False) as moe, moe.counting(False):
+                pinned = run_algorithms(model, plans, algos, data, progress=progress, reduce=distributed,
+                                        reference=reference)
     wrappers = [(p.name, model.get_submodule(p.name), wrap(model.get_submodule(p.name), p.config, name=p.name,
                                                            qat=qat)) for p in plans]
     for name, _, new in wrappers:
@@ -669,7 +687,7 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
             new.commit(weight=pinned[name])
     try:
         if static:
-            calibrate(model, data, progress=progress, distributed=distributed)
+            calibrate(model, data, progress=progress, distributed=distributed, moe_all_experts=moe_all_experts)
         if qat:  # the scale buffers of the master weights, from the start
             with torch.no_grad():
                 for _, _, new in wrappers:
