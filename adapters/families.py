@@ -251,7 +251,7 @@ class Family:
     def norm_names(self) -> tuple:
         """Every norm of one layer: attn_norm, mlp_norm, output_norms, qk_norms."""
         first = () if self.attn_norm is None else (self.attn_norm,)
-        return tuple(dict.fromkeys((*first, self.mlp_norm, *self.output_norms, *self.qk_norms)))
+        return (*first, self.mlp_norm, *self.output_norms, *self.qk_norms)
 
     def projection_names(self) -> tuple:
         """The projections of one layer (attention, then MLP; experts are not projections)."""
@@ -310,7 +310,8 @@ _MOE_NOTE = ("the experts' fused 3-D weights (and the router) are not scaled: on
              "built in")
 _MOE = dict(_LLAMA, mlp_in=(), mlp_out=None, act="mlp.experts.act_fn", scaling=_ATTN_SCALING, scaling_note=_MOE_NOTE,
             rotation="its experts are fused 3-D parameters (mlp.experts.gate_up_proj / down_proj) that the "
-                     "rotations do not transform yet, and the online down_proj transform sits inside them")
+                     "rotations do not transform yet, and the online down_proj transform sits inside them",
+            fused_units=(("q_proj", "k_proj", "v_proj"),))
 _SANDWICH_ROT = ("its sandwich norms (post_attention_layernorm, post_feedforward_layernorm) scale the block "
                  "outputs per channel before the residual add, which does not commute with the residual rotation")
 _LAYERNORM_ROT = ("its norms are LayerNorms (mean subtraction and bias), which do not commute with the residual "
@@ -386,7 +387,8 @@ FAMILIES: tuple = (
            gguf_arch="bert", rotation="it is a post-norm encoder; " + _LAYERNORM_ROT),
     _moe("mixtral", "Mixtral", Experts("mlp.experts", "mlp.gate", "num_local_experts"), gguf_arch="llama"),
     _moe("qwen2_moe", "Qwen2-MoE", Experts("mlp.experts", "mlp.gate", "num_experts", shared="mlp.shared_expert",
-                                           shared_gate="mlp.shared_expert_gate"), gguf_arch="qwen2moe"),
+                                           shared_gate="mlp.shared_expert_gate"), gguf_arch="qwen2moe",
+         fused_units=DEFAULT_FUSED),
     _moe("qwen3_moe", "Qwen3-MoE", Experts("mlp.experts", "mlp.gate", "num_experts"), gguf_arch="qwen3moe",
          qk_norms=("self_attn.q_norm", "self_attn.k_norm")),
 )

@@ -125,11 +125,9 @@ def _get(layer: nn.Module, name: str) -> Optional[nn.Module]:
 
 
 def _fits(layer: nn.Module, fam) -> bool:
-    """Whether ``layer`` has the structure of ``fam``'s record: every projection an nn.Linear (the folds' type),
-    every named module present, and exactly the record's norms (a norm the record does not know, e.g. Gemma2's
-    sandwich norms seen from a Llama record, changes what a fold means)."""
-    if fam.linear != "linear" or not all(isinstance(_get(layer, n), nn.Linear) for n in fam.projection_names()):
-        return False
+    """Whether ``layer`` has the structure of ``fam``'s record: every named module present, and exactly the
+    record's norms (a norm the record does not know, e.g. Gemma2's sandwich norms seen from a Llama record,
+    changes what a fold means)."""
     if not all(_get(layer, n) is not None for n in fam.layer_names()):
         return False
     norms = {n for n, m in layer.named_modules() if n and _is_norm(m)}
@@ -147,7 +145,9 @@ def _rule_applies(layer: nn.Module, fam, rule) -> bool:
 
 def _family_groups(layer: nn.Module, fam) -> Optional[list]:
     """The groups of ``fam``'s record that apply to ``layer`` (None: the record has none for it)."""
-    if not fam.scaling:
+    if not fam.scaling or fam.linear != "linear":
+        return None
+    if not all(isinstance(_get(layer, n), nn.Linear) for n in fam.projection_names()):
         return None
     if fam.scaling_requires is not None and getattr(layer, fam.scaling_requires, None) is not True:
         return None
