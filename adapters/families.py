@@ -31,7 +31,8 @@ from typing import Any, Optional
 from .scaling import ScalingGroup
 
 __all__ = ["Family", "Experts", "ScalingRule", "UnknownFamily", "Located", "FAMILIES", "BY_MODEL_TYPE",
-           "family_of", "locate", "decoder_layers_path", "fused_units", "DEFAULT_FUSED", "NORM_KINDS", "LINEAR_KINDS", "QKV_LAYOUTS"]
+           "family_of", "locate", "decoder_layers_path", "fused_units", "DEFAULT_FUSED", "register", "unregister",
+           "NORM_KINDS", "LINEAR_KINDS", "QKV_LAYOUTS"]
 
 #: how a norm's weight scales: ``rms`` x * w (no bias), ``rms_unit_offset`` x * (1 + w) (Gemma), ``layernorm``
 #: (x - mean) / std * w + b.
@@ -381,7 +382,8 @@ FAMILIES: tuple = (
            attn_in=("attention.self.query", "attention.self.key", "attention.self.value"),
            attn_out="attention.output.dense", mlp_in=("intermediate.dense",), mlp_out="output.dense",
            act="intermediate.intermediate_act_fn", attn_norm=None, mlp_norm="attention.output.LayerNorm",
-           output_norms=("output.LayerNorm",), norm="layernorm", causal=False, fused_units=(("query", "key", "value"),),
+           output_norms=("output.LayerNorm",), norm="layernorm", causal=False,
+           fused_units=(("query", "key", "value"),),
            scaling_note="BERT is post-norm: each LayerNorm's output also feeds the residual, so no norm can take "
                         "the scales",
            gguf_arch="bert", rotation="it is a post-norm encoder; " + _LAYERNORM_ROT),
@@ -502,3 +504,30 @@ def fused_units(model: Any) -> tuple:
         return family_of(model).fused_units
     except UnknownFamily:
         return DEFAULT_FUSED
+
+
+def register(family: Family, *, replace: bool = False) -> Family:
+    """Add ``family`` to the table for this process (``FAMILIES``, ``BY_MODEL_TYPE``); returns it. ValueError if
+    its ``model_type`` has a record already, unless ``replace``. (A record for everyone belongs in ``FAMILIES``
+    itself, with a tiny model in tests/adapters/test_families.py.)"""
+    global FAMILIES
+    if not isinstance(family, Family):
+        raise TypeError(f"family must be a qcore.adapters.families.Family, got {type(family).__name__}")
+    if not isinstance(replace, bool):
+        raise TypeError(f"replace must be a bool, got {replace!r}")
+    if family.model_type in BY_MODEL_TYPE and not replace:
+        raise ValueError(f"register: model_type {family.model_type!r} has a record already (the "
+                         f"{BY_MODEL_TYPE[family.model_type].name} record); pass replace=True to replace it")
+    BY_MODEL_TYPE[family.model_type] = family
+    FAMILIES = tuple(BY_MODEL_TYPE.values())
+    return family
+
+
+def unregister(model_type: str) -> Family:
+    """Remove the record of ``model_type`` from the table for this process; returns it (ValueError if none)."""
+    global FAMILIES
+    if model_type not in BY_MODEL_TYPE:
+        raise ValueError(f"unregister: no record for model_type {model_type!r}; the table has {sorted(BY_MODEL_TYPE)}")
+    fam = BY_MODEL_TYPE.pop(model_type)
+    FAMILIES = tuple(BY_MODEL_TYPE.values())
+    return fam

@@ -333,3 +333,19 @@ def test_sub_records_validate_their_fields():
     with pytest.raises(ValueError, match="ScalingRule.absent"):
         ScalingRule(LLAMA.scaling[0].group, absent="self_attn.v_norm")
     assert isinstance(dataclasses.replace(LLAMA, model_type="my_llama"), Family)
+
+
+def test_the_docs_table_matches_the_records():
+    import pathlib
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "adapters.md").read_text()
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]]
+            for ln in text.split("## Architecture records", 1)[1].splitlines() if ln.startswith("| ") and "(`" in ln and not ln.startswith("| family")}
+    assert len(rows) == len(CONFIGS)
+    for mt in CONFIGS:
+        fam = BY_MODEL_TYPE[mt]
+        layers, norms, groups, rot, moe, _, gguf = rows[f"{fam.name} (`{mt}`)"]
+        assert layers == f"`{fam.backbone}.{fam.layers}`"
+        assert rot.startswith("yes" if not fam.rotation else "no:")
+        assert (moe == "-") == (fam.experts is None)
+        assert gguf == (fam.gguf_arch or "-")
+        assert groups.startswith("none") == (not fam.scaling)
