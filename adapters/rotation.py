@@ -26,9 +26,12 @@ same function, its weights and activations are spread by orthogonal (Hadamard) r
    quantizer sees the rotated input: activation quantization and GPTQ's Hessians both act on rotated values.
    ``input_rotations(model)`` lists them.
 
-Supported: layers with ``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``, ``input_layernorm``,
-``post_attention_layernorm`` (RMSNorm without bias, not Gemma's ``1 + w`` form) and a model with
-``model.embed_tokens``, ``model.norm``, ``lm_head``. Everything is checked before any weight changes (ValueError).
+Supported: the families whose architecture record (``qcore.adapters.families``) allows rotations (Llama,
+Mistral, Qwen2, Qwen3 with its q/k norms, Phi-3 with its fused ``qkv_proj`` / ``gate_up_proj``): the record names
+the norms folded, the projections rotated on their inputs (``attn_in``, ``mlp_in``, the head) and outputs
+(``attn_out``, ``mlp_out``), and where the online transforms go (``ONLINE``'s entries mean the MLP's and
+attention's output projections). Every other family is refused by name with its record's reason; a family not in
+the table, naming the record to add. Everything is checked before any weight changes (ValueError).
 """
 
 from __future__ import annotations

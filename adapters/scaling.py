@@ -9,25 +9,27 @@ arithmetic the layer computes the same function, and only quantization sees the 
   of an entry of Quark's ``scaling_layers`` (``ScalingGroup.from_quark(entry)`` reads one; ``module2inspect``:
   the module whose output Quark measures, ``""`` = the whole layer, None = the single Linear; ``inp``: the module
   whose input is the group's sample).
-- ``scaling_groups(layer, model_type=, quark_entries=)``: the groups of one decoder layer. Built in (detected
-  from the layer's structure):
+- ``scaling_groups(layer, model_type=, quark_entries=)``: the groups of one decoder layer, from the architecture
+  records (``qcore.adapters.families``: each family's ``scaling`` rules, with the flags saying when a group
+  applies). With a ``model_type`` in the table, that record; otherwise the first record whose structure the
+  layer has (every module it names present, and exactly its norms). E.g.:
 
-  * Llama-like layers (Llama, Mistral, Qwen2/3, SmolLM2, and any layer with ``self_attn.{q,k,v,o}_proj``,
-    ``mlp.{gate,up,down}_proj``, ``input_layernorm`` and ``post_attention_layernorm``): ``input_layernorm ->
-    q,k,v``; ``v_proj -> o_proj`` only without grouped-query attention (``v_proj.out_features ==
-    o_proj.in_features``); ``post_attention_layernorm -> gate,up``; ``up_proj -> down_proj``. A layer that also
-    has ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` (Gemma2/3 "sandwich" norms, where
-    ``post_attention_layernorm`` normalises the attention *output*) is not Llama-like; a ``self_attn.v_norm``
-    drops ``v_proj -> o_proj``.
+  * Llama-like layers (Llama, Mistral, Qwen2/3, Gemma, SmolLM2): ``input_layernorm -> q,k,v``; ``v_proj ->
+    o_proj`` only without grouped-query attention (``v_proj.out_features == o_proj.in_features``) and without a
+    ``self_attn.v_norm``; ``post_attention_layernorm -> gate,up``; ``up_proj -> down_proj``. Gemma2/3 (whose
+    ``post_attention_layernorm`` normalises the attention *output*): the MLP's group reads
+    ``pre_feedforward_layernorm``. Phi-3, GPT-NeoX: the norms into the fused projections. MoE families: the
+    attention groups only.
   * OPT (pre-norm, ``do_layer_norm_before=True``): ``self_attn_layer_norm -> q,k,v``; ``v_proj -> out_proj``
     (same size rule); ``final_layer_norm -> fc1``; ``fc1 -> fc2`` only when the activation is ReLU (``relu(x /
     s) = relu(x) / s`` for ``s > 0``; not true for GELU).
 
-  Anything else raises ValueError naming the layer type and asking for ``quark_entries`` (Quark's
-  ``scaling_layers``). Given ``quark_entries``, every named module must exist (ValueError otherwise), and a
-  Linear -> Linear entry whose sizes do not match (Quark's ``v_proj -> o_proj`` under grouped-query attention,
-  which Quark handles by a max over the query heads sharing a KV head) is left out, with a warning, rather
-  than folded wrongly.
+  Anything else (GPT-2's Conv1D, BERT's post-norm, a family not in the table) raises ``NoScalingMap`` (a
+  ValueError) naming the layer type, the record's reason and the record to add, and asking for
+  ``quark_entries`` (Quark's ``scaling_layers``). Given ``quark_entries``, every named module must exist
+  (ValueError otherwise), and a Linear -> Linear entry whose sizes do not match (Quark's ``v_proj -> o_proj``
+  under grouped-query attention, which Quark handles by a max over the query heads sharing a KV head) is left
+  out, with a warning, rather than folded wrongly.
 - ``fold_scales(layer, group, s)``: in place, all checks before any change; float64 arithmetic, cast back to
   each parameter's dtype (so the float model changes only by that rounding). Foldable producers: a norm with a
   per-channel weight (``nn.LayerNorm``, ``nn.RMSNorm``, any module whose class name ends in ``RMSNorm`` /

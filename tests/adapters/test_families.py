@@ -187,6 +187,19 @@ def test_scaling_groups_fold_with_the_logits_unchanged(mt):
     same(new, ref)
 
 
+@pytest.mark.parametrize("mt", ["phi3", "gpt_neox"])
+def test_smoothquant_runs_on_the_groups_of_fused_projections(mt):
+    """quantize_model's SmoothQuant takes the record's groups (the norms into fused qkv / gate_up projections)."""
+    from qcore.adapters import preset, quantize_model
+    m = build(mt).float()
+    fam = family_of(m)
+    norm0 = m.get_submodule(f"{locate(m).layers}.0.{fam.attn_norm}").weight.detach().clone()
+    ref = out(m)
+    quantize_model(m, preset("int8").replace(algorithms=({"name": "smoothquant"},)), [IDS], progress=False)
+    assert not torch.equal(m.get_submodule(f"{locate(m).layers}.0.{fam.attn_norm}").weight, norm0)  # folded
+    assert float((out(m) - ref).norm() / ref.norm()) < 0.05
+
+
 def test_conditional_scaling_rules():
     # grouped-query attention drops v -> o; without it (kv heads = heads) it is there
     gqa = scaling_groups(build("mistral").model.layers[0])
