@@ -329,10 +329,7 @@ FAMILIES: tuple = (
     Family("mistral", "Mistral", gguf_arch="llama", **_LLAMA),
     Family("qwen2", "Qwen2", gguf_arch="qwen2", **_LLAMA),
     Family("qwen3", "Qwen3", gguf_arch="qwen3", **dict(_LLAMA, qk_norms=("self_attn.q_norm", "self_attn.k_norm"))),
-    Family("gemma", "Gemma", gguf_arch="gemma", **dict(
-        _LLAMA, norm="rms_unit_offset",
-        rotation="its RMSNorms scale by (1 + weight) (Gemma's unit offset); folding them into the next layers is "
-                 "not supported (only Llama-style RMSNorm, x * weight)")),
+    Family("gemma", "Gemma", gguf_arch="gemma", **dict(_LLAMA, norm="rms_unit_offset")),
     Family("gemma2", "Gemma2", gguf_arch="gemma2", **dict(
         _LLAMA, norm="rms_unit_offset", mlp_norm="pre_feedforward_layernorm", scaling=_SANDWICH_SCALING,
         output_norms=("post_attention_layernorm", "post_feedforward_layernorm"), rotation=_SANDWICH_ROT)),

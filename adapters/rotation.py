@@ -4,8 +4,9 @@ same function, its weights and activations are spread by orthogonal (Hadamard) r
 ``rotate_model(model, *, key=0, heads=True, online=ONLINE)`` in place, in float64 arithmetic cast back to each weight's dtype:
 
 1. every RMSNorm's weight is folded into the Linears that read its output (``input_layernorm`` -> q, k, v;
-   ``post_attention_layernorm`` -> gate, up; the final norm -> ``lm_head``), and set to ones; tied input and
-   output embeddings are untied first (``config.tie_word_embeddings`` becomes False);
+   ``post_attention_layernorm`` -> gate, up; the final norm -> ``lm_head``), and set to ones (zeros for a
+   ``1 + w`` norm); tied input and output embeddings are untied first (``config.tie_word_embeddings`` becomes
+   False);
 2. the residual stream is rotated by ``R1 = rotation(hidden, key=key)`` (``qcore.algorithms.hadamard``): the
    embedding rows and the input columns of q, k, v, gate, up, lm_head are multiplied by ``R1``; the output rows
    of o_proj and down_proj by ``R1^T``. RMSNorm with unit weight commutes with an orthogonal rotation, so the
@@ -27,7 +28,8 @@ same function, its weights and activations are spread by orthogonal (Hadamard) r
    ``input_rotations(model)`` lists them.
 
 Supported: the families whose architecture record (``qcore.adapters.families``) allows rotations (Llama,
-Mistral, Qwen2, Qwen3 with its q/k norms, Phi-3 with its fused ``qkv_proj`` / ``gate_up_proj``): the record names
+Mistral, Qwen2, Qwen3 with its q/k norms, Gemma, whose ``x * (1 + w)`` norms fold ``1 + w`` and keep ``w = 0``,
+Phi-3 with its fused ``qkv_proj`` / ``gate_up_proj``): the record names
 the norms folded, the projections rotated on their inputs (``attn_in``, ``mlp_in``, the head) and outputs
 (``attn_out``, ``mlp_out``), and where the online transforms go (``ONLINE``'s entries mean the MLP's and
 attention's output projections). Every other family is refused by name with its record's reason; a family not in

@@ -227,7 +227,8 @@ def test_rotation_keeps_the_float_function(mt):
     rotate_model(m)
     fam = family_of(m)
     layer = m.get_submodule(locate(m).layers)[0]
-    assert torch.equal(layer.get_submodule(fam.attn_norm).weight, torch.ones(HIDDEN, dtype=torch.float64))
+    unit = 0.0 if fam.norm == "rms_unit_offset" else 1.0  # the folded norm scales by 1: w = 1, or 1 + w with w = 0
+    assert torch.equal(layer.get_submodule(fam.attn_norm).weight, torch.full((HIDDEN,), unit, dtype=torch.float64))
     same(out(m), ref)
     m2 = build(mt)
     rotate_model(m2, key=None, heads=False, online=())
