@@ -296,6 +296,14 @@ def test_an_unknown_family_refuses_naming_the_record_to_add():
 def test_fused_units_come_from_the_record():
     assert fused_units(build("phi3")) == () and fused_units(build("llama")) == DEFAULT_FUSED
     assert fused_units(build("bert")) == (("query", "key", "value"),)
+    from qcore.adapters.amp import layer_sensitivity
+    torch.manual_seed(0)
+    bert = transformers.BertForMaskedLM(CONFIGS["bert"](transformers)).eval()
+    sens = layer_sensitivity(bert, ["int8"], [IDS], progress=False)  # tie=None: the record's (not DEFAULT_TIE's)
+    p = "bert.encoder.layer.0."
+    assert (p + "attention.self.query", p + "attention.self.key", p + "attention.self.value") in sens.units
+    assert (p + "intermediate.dense",) in sens.units
+    assert all(len(u) == 1 for u in layer_sensitivity(bert, ["int8"], [IDS], tie=DEFAULT_FUSED, progress=False).units)
 
 
 LLAMA = BY_MODEL_TYPE["llama"]
