@@ -146,6 +146,7 @@ class Family:
     - ``fused_units``: sibling leaf names vLLM fuses into one GEMM (AMP measures and assigns them together).
     - ``experts``: the MoE block (``Experts``), or None.
     - ``gguf_arch``: llama.cpp's architecture name (``general.architecture``), or None.
+    - ``causal``: a decoder (False: an encoder such as BERT).
     """
 
     model_type: str
@@ -189,6 +190,8 @@ class Family:
             if getattr(self, f) is not None:
                 _check_name(getattr(self, f), f"Family.{f}")
         object.__setattr__(self, "attn_in", _check_names(self.attn_in, "Family.attn_in"))
+        if self.experts is not None and not isinstance(self.experts, Experts):
+            raise ValueError(f"Family.experts must be an Experts record or None, got {self.experts!r}")
         if self.experts is None:
             object.__setattr__(self, "mlp_in", _check_names(self.mlp_in, "Family.mlp_in"))
             _check_name(self.mlp_out, "Family.mlp_out")
@@ -241,8 +244,6 @@ class Family:
                 for g in fu):
             raise ValueError(f"Family.fused_units must be a tuple of tuples of (at least two) leaf module names, "
                              f"got {fu!r}")
-        if self.experts is not None and not isinstance(self.experts, Experts):
-            raise ValueError(f"Family.experts must be an Experts record or None, got {self.experts!r}")
         if self.gguf_arch is not None and not (isinstance(self.gguf_arch, str) and self.gguf_arch):
             raise ValueError(f"Family.gguf_arch must be llama.cpp's architecture name or None, got {self.gguf_arch!r}")
         if not isinstance(self.causal, bool):
