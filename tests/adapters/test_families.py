@@ -235,6 +235,23 @@ def test_rotation_keeps_the_float_function(mt):
     same(out(m2), ref)
 
 
+@pytest.mark.parametrize("mt", [x for x in ROTATES if x != "llama"])
+def test_quarot_exports_and_reloads_with_its_online_hooks(mt, tmp_path):
+    """QuaRot through quantize_model, then export_hf + from_pretrained: the online transforms are re-installed
+    where the record says (online_plan), and the reloaded model gives the same logits."""
+    from qcore.adapters import export_hf, from_pretrained, preset, quantize_model
+    from qcore.adapters.rotation import input_rotations
+    m = build(mt).float()
+    quantize_model(m, preset("w_int8_per_channel_sym").replace(algorithms=({"name": "quarot"},)), [IDS],
+                   progress=False)
+    fam, path = family_of(m), locate(m).layers
+    assert set(input_rotations(m)) == {f"{path}.{i}.{n}" for i in range(2) for n in (fam.mlp_out, fam.attn_out)}
+    export_hf(m, tmp_path / "q")
+    back = from_pretrained(tmp_path / "q")
+    assert set(input_rotations(back)) == set(input_rotations(m))
+    assert torch.equal(out(back), out(m))
+
+
 def test_rotation_unties_tied_embeddings_of_a_supported_family():
     cfg = transformers.Qwen3Config(**_DEC, head_dim=HD, tie_word_embeddings=True)
     torch.manual_seed(0)
