@@ -16,7 +16,9 @@ left in float, and measures the loss change on ``batches`` (``Metric``):
 
 A unit is one quantizable layer, or the layers that must share a scheme: by default those vLLM fuses into one
 GEMM (``q_proj``/``k_proj``/``v_proj`` into ``qkv_proj``, ``gate_proj``/``up_proj`` into ``gate_up_proj``; its
-Quark loader refuses shards with different schemes), measured together. ``tie=()`` measures every layer alone.
+Quark loader refuses shards with different schemes), measured together: ``tie=None`` takes them from the model's
+architecture record (``Family.fused_units``; ``DEFAULT_TIE`` when its family has none). ``tie=()`` measures every
+layer alone.
 
 Schemes: a list of preset names (``qcore.adapters.presets``; the preset's global layer config, weights and
 activations as the preset says: ``w_mxfp4_a_mxfp4`` is MXFP4 weights and dynamic MXFP4 activations,
@@ -60,8 +62,9 @@ from .quantizer import _call, _check_batch, _describe, _device_of, _progress, _s
 
 __all__ = ["Metric", "Sensitivity", "layer_sensitivity", "amp_config", "config_from_choice", "DEFAULT_TIE", "FLOAT"]
 
-#: sibling layers vLLM fuses into one GEMM (its Quark loader needs one scheme for all shards)
-DEFAULT_TIE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+#: sibling layers vLLM fuses into one GEMM (its Quark loader needs one scheme for all shards), for a model whose
+#: family has no architecture record; with a record, its ``fused_units`` (``qcore.adapters.families``)
+from .families import DEFAULT_FUSED as DEFAULT_TIE  # noqa: E402
 #: the scheme name that leaves a layer in float when ``schemes`` is a list
 FLOAT = "float"
 
@@ -382,7 +385,8 @@ class _Runner:
 
 
 def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metric: Metric = Metric.KL,
-                      exclude: Optional[tuple] = None, tie: tuple = DEFAULT_TIE, progress: bool = True) -> Sensitivity:
+                      exclude: Optional[tuple] = None, tie: Optional[tuple] = None,
+                      progress: bool = True) -> Sensitivity:
     """The loss change of ``model`` on ``batches`` when one unit of layers alone is quantized with one scheme,
     for every unit and scheme (module docstring: metrics, units, schemes, cost).
 
@@ -409,6 +413,9 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
     names = [n for n in mods if all(n in p for p in plans.values())]
     if not names:
         raise ValueError("the schemes quantize no common layer of the model")
+    if tie is None:
+        from .families import fused_units
+        tie = fused_units(model)
     units = _units(names, tie)
     batches = _batches_arg(model, batches)
 
@@ -468,7 +475,8 @@ def _pattern(name: str) -> str:
 def amp_config(model: nn.Module, schemes: Any, batches: Optional[Sequence] = None, *,
                target_bits: Optional[float] = None, max_loss: Optional[float] = None,
                sensitivity: Optional[Sensitivity] = None, metric: Metric = Metric.KL, exclude: Optional[tuple] = None,
-               tie: tuple = DEFAULT_TIE, resolution: int = DEFAULT_RESOLUTION, progress: bool = True) -> ModelConfig:
+               tie: Optional[tuple] = None, resolution: int = DEFAULT_RESOLUTION,
+               progress: bool = True) -> ModelConfig:
     """A ``ModelConfig`` with one scheme per layer: the least summed sensitivity within ``target_bits`` average
     bits per weight (over the measured layers), or the fewest bits within a summed sensitivity of ``max_loss``
     (give one). ``sensitivity``: a ``layer_sensitivity`` result for these ``schemes`` (then ``batches`` is not

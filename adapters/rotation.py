@@ -4,8 +4,9 @@ same function, its weights and activations are spread by orthogonal (Hadamard) r
 ``rotate_model(model, *, key=0, heads=True, online=ONLINE)`` in place, in float64 arithmetic cast back to each weight's dtype:
 
 1. every RMSNorm's weight is folded into the Linears that read its output (``input_layernorm`` -> q, k, v;
-   ``post_attention_layernorm`` -> gate, up; the final norm -> ``lm_head``), and set to ones; tied input and
-   output embeddings are untied first (``config.tie_word_embeddings`` becomes False);
+   ``post_attention_layernorm`` -> gate, up; the final norm -> ``lm_head``), and set to ones (zeros for a
+   ``1 + w`` norm); tied input and output embeddings are untied first (``config.tie_word_embeddings`` becomes
+   False);
 2. the residual stream is rotated by ``R1 = rotation(hidden, key=key)`` (``qcore.algorithms.hadamard``): the
    embedding rows and the input columns of q, k, v, gate, up, lm_head are multiplied by ``R1``; the output rows
    of o_proj and down_proj by ``R1^T``. RMSNorm with unit weight commutes with an orthogonal rotation, so the
@@ -26,9 +27,13 @@ same function, its weights and activations are spread by orthogonal (Hadamard) r
    quantizer sees the rotated input: activation quantization and GPTQ's Hessians both act on rotated values.
    ``input_rotations(model)`` lists them.
 
-Supported: layers with ``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``, ``input_layernorm``,
-``post_attention_layernorm`` (RMSNorm without bias, not Gemma's ``1 + w`` form) and a model with
-``model.embed_tokens``, ``model.norm``, ``lm_head``. Everything is checked before any weight changes (ValueError).
+Supported: the families whose architecture record (``qcore.adapters.families``) allows rotations (Llama,
+Mistral, Qwen2, Qwen3 with its q/k norms, Gemma, whose ``x * (1 + w)`` norms fold ``1 + w`` and keep ``w = 0``,
+Phi-3 with its fused ``qkv_proj`` / ``gate_up_proj``): the record names
+the norms folded, the projections rotated on their inputs (``attn_in``, ``mlp_in``, the head) and outputs
+(``attn_out``, ``mlp_out``), and where the online transforms go (``ONLINE``'s entries mean the MLP's and
+attention's output projections). Every other family is refused by name with its record's reason; a family not in
+the table, naming the record to add. Everything is checked before any weight changes (ValueError).
 """
 
 from __future__ import annotations
@@ -41,14 +46,12 @@ from torch import nn
 
 from qcore.algorithms.hadamard import fwht, is_constructible, random_signs, rotation
 
+from .families import family_of
+
 __all__ = ["rotate_model", "apply_rotation", "check_rotation", "rotated_weights", "InputRotation",
            "input_rotations", "online_plan", "install_online", "ONLINE"]
 
 ONLINE = ("mlp.down_proj", "self_attn.o_proj")
-
-_LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-          "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
-
 
 def _get(m, name):
     try:
@@ -57,37 +60,80 @@ def _get(m, name):
         return None
 
 
+def _located(model):
+    """The architecture record of ``model`` and where it sits (``qcore.adapters.families.locate``); ValueError
+    before any work when the family is unknown or its record says rotations do not support it."""
+    from .families import UnknownFamily, locate
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"rotate_model: model must be a torch.nn.Module, got {type(model).__name__}")
+    try:
+        loc = locate(model, what="rotate_model")
+    except UnknownFamily as e:
+        raise ValueError(f"rotate_model: {type(model).__name__} is not a Llama-like causal LM of a known family; "
+                         f"{str(e).split(': ', 1)[1]}") from None
+    fam = loc.family
+    if fam.rotation:
+        detail = ""
+        if fam.norm != "rms":
+            n = f"{loc.layers}.0.{fam.attn_norm or fam.mlp_norm}"
+            m = _get(model, n)
+            if m is not None:
+                detail = f"{n} is a {type(m).__name__}; "
+        raise ValueError(f"rotate_model: {type(model).__name__} (model_type {fam.model_type!r}, the {fam.name} "
+                         f"record) is not a Llama-like causal LM QuaRot/SpinQuant can rotate: {detail}{fam.rotation}")
+    return loc
+
+
+def _text_config(model):
+    from .families import _text_config as tc
+    return tc(model.config)
+
+
 def _check(model) -> tuple:
-    inner = getattr(model, "model", None)
-    emb, norm, head = _get(model, "model.embed_tokens"), _get(model, "model.norm"), getattr(model, "lm_head", None)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(emb, nn.Embedding) or norm is None or not isinstance(head, nn.Linear) or \
-            not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"rotate_model: {type(model).__name__} is not a Llama-like causal LM (model.embed_tokens, "
-                         f"model.layers, model.norm, lm_head)")
+    loc = _located(model)
+    fam = loc.family
+    emb, norm, head = _get(model, loc.embed), _get(model, loc.final_norm or ""), _get(model, loc.lm_head or "")
+    layers = _get(model, loc.layers)
+    if not isinstance(emb, nn.Embedding) or loc.final_norm is None or norm is None or \
+            not isinstance(head, nn.Linear) or not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"rotate_model: {type(model).__name__} is not a Llama-like causal LM ({loc.embed}, "
+                         f"{loc.layers}, {loc.final_norm}, {loc.lm_head} as the {fam.name} record says)")
+    norms = (fam.attn_norm, fam.mlp_norm)
     for i, layer in enumerate(layers):
-        for n in _LAYER:
+        for n in fam.projection_names() + norms:
             m = _get(layer, n)
             if m is None:
-                raise ValueError(f"rotate_model: layer {i} ({type(layer).__name__}) has no {n}")
-            if n.endswith("_proj") and type(m) is not nn.Linear:
-                raise ValueError(f"rotate_model: model.layers.{i}.{n} is a {type(m).__name__}; rotate the float "
+                raise ValueError(f"rotate_model: layer {i} ({type(layer).__name__}) has no {n} (the {fam.name} "
+                                 f"record names it)")
+            if n not in norms and type(m) is not nn.Linear:
+                raise ValueError(f"rotate_model: {loc.layers}.{i}.{n} is a {type(m).__name__}; rotate the float "
                                  f"model before quantizing it")
-    for n, m in model.named_modules():
-        if n.endswith("norm") and not type(m).__name__.endswith("RMSNorm"):
+    for n, m in [(f"{loc.layers}.{i}.{x}", _get(layer, x)) for i, layer in enumerate(layers) for x in norms] + \
+            [(loc.final_norm, norm)]:
+        if not type(m).__name__.endswith("RMSNorm"):
             raise ValueError(f"rotate_model: {n} is a {type(m).__name__}; only RMSNorm commutes with rotations")
-        if type(m).__name__.startswith("Gemma") and "Norm" in type(m).__name__:
-            raise ValueError(f"rotate_model: {n} is a {type(m).__name__}, which scales by (1 + weight): folding it "
-                             f"into the next layers is not supported (only Llama-style RMSNorm, x * weight)")
-        if n.endswith("norm") and getattr(m, "bias", None) is not None:
+        if getattr(m, "bias", None) is not None:
             raise ValueError(f"rotate_model: {n} has a bias")
+        w = getattr(m, "weight", None)
+        if not isinstance(w, torch.Tensor) or w.shape != (emb.weight.shape[1],):
+            raise ValueError(f"rotate_model: {n} has no per-channel weight of {emb.weight.shape[1]} values")
     for i, layer in enumerate(layers):
-        for n in ("self_attn.o_proj", "mlp.down_proj"):
+        for n in (fam.attn_out, fam.mlp_out):
             if _get(layer, n).bias is not None:
-                raise ValueError(f"rotate_model: model.layers.{i}.{n} has a bias (not supported yet)")
-    cfg = model.config
+                raise ValueError(f"rotate_model: {loc.layers}.{i}.{n} has a bias (not supported yet)")
+    cfg = _text_config(model)
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return emb, norm, head, layers, int(hd)
+
+
+def _v_rows(model, fam, hd: int) -> slice:
+    """The rows of ``attn_in``'s value projection: all of v_proj, or v's slice of a fused (concat) qkv."""
+    if len(fam.attn_in) == 3:
+        return slice(None)
+    cfg = _text_config(model)
+    nh = int(cfg.num_attention_heads)
+    kv = int(getattr(cfg, "num_key_value_heads", None) or nh)
+    return slice((nh + kv) * hd, (nh + 2 * kv) * hd)
 
 
 class InputRotation:
@@ -175,21 +221,24 @@ def _w(p):
 
 
 def _fold_and_untie(model, emb, norm, head, layers) -> None:
-    """Fold every RMSNorm's weight into the Linears reading it (then ones); untie the output head."""
+    """Fold every norm's weight into the Linears reading it (then the weight that makes the norm the identity
+    scale: ones, or zeros for a unit-offset ``x * (1 + w)`` norm); untie the output head."""
+    fam = family_of(model)
     if head.weight is emb.weight:  # untie: the head gets the final norm folded in, the embedding does not
         head.weight = nn.Parameter(head.weight.detach().clone())
-        model.config.tie_word_embeddings = False
+        for cfg in {id(c): c for c in (model.config, _text_config(model))}.values():
+            cfg.tie_word_embeddings = False
+    c = 1.0 if fam.norm == "rms_unit_offset" else 0.0
 
     def fold(norm_mod, readers):
-        g = _w(norm_mod.weight)
+        g = _w(norm_mod.weight) + c
         for lin in readers:
             _set(lin.weight, _w(lin.weight) * g[None, :])
-        _set(norm_mod.weight, torch.ones_like(g))
+        _set(norm_mod.weight, torch.full_like(g, 1.0 - c))
 
     for layer in layers:
-        a, m = layer.self_attn, layer.mlp
-        fold(layer.input_layernorm, (a.q_proj, a.k_proj, a.v_proj))
-        fold(layer.post_attention_layernorm, (m.gate_proj, m.up_proj))
+        fold(layer.get_submodule(fam.attn_norm), [layer.get_submodule(n) for n in fam.attn_in])
+        fold(layer.get_submodule(fam.mlp_norm), [layer.get_submodule(n) for n in fam.mlp_in])
     fold(norm, (head,))
 
 
@@ -198,8 +247,14 @@ def rotated_weights(model: nn.Module, r1: Optional[torch.Tensor], r2: Optional[S
     """``{parameter name: rotated value}`` for the weights the rotations ``r1`` (``[hidden, hidden]``, residual
     stream) and ``r2`` (one ``[head_dim, head_dim]`` per layer, values per head) change, computed from the
     model's current (norm-folded, untied) weights in ``dtype``; differentiable in ``r1`` and ``r2`` (SpinQuant
-    trains through it). None skips a rotation. The model is not changed."""
+    trains through it). None skips a rotation. The model is not changed. Which weights: the family's record
+    (``qcore.adapters.families``): R1 on the input columns of ``attn_in``, ``mlp_in`` and the head and on the
+    embedding rows, R1^T on the output rows of ``attn_out`` and ``mlp_out``; R2 on the value rows of
+    ``attn_in`` and the per-head input columns of ``attn_out``."""
     emb, norm, head, layers, hd = _check(model)
+    fam = family_of(model)
+    vrows = _v_rows(model, fam, hd)
+    vname = fam.attn_in[2] if len(fam.attn_in) == 3 else fam.attn_in[0]
     names = {id(m): n for n, m in model.named_modules()}
     out: dict = {}
 
@@ -213,24 +268,28 @@ def rotated_weights(model: nn.Module, r1: Optional[torch.Tensor], r2: Optional[S
             w, k = cur(mod)
             out[k] = w @ r1
         for layer in layers:
-            a, m = layer.self_attn, layer.mlp
-            for lin in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj):
-                w, k = cur(lin)
+            for n in fam.attn_in + fam.mlp_in:
+                w, k = cur(layer.get_submodule(n))
                 out[k] = w @ r1
-            for lin in (a.o_proj, m.down_proj):
-                w, k = cur(lin)
+            for n in (fam.attn_out, fam.mlp_out):
+                w, k = cur(layer.get_submodule(n))
                 out[k] = r1.T @ w
     if r2 is not None:
         for layer, r in zip(layers, r2):
-            a = layer.self_attn
+            vmod, omod = layer.get_submodule(vname), layer.get_submodule(fam.attn_out)
             r = r.to(dtype)
-            v, kv_ = cur(a.v_proj)
-            kv = v.shape[0] // hd
-            out[kv_] = (r.T @ v.reshape(kv, hd, -1)).reshape(kv * hd, -1)
-            if a.v_proj.bias is not None:
-                b, kb = cur(a.v_proj, "bias")
-                out[kb] = (r.T @ b.reshape(kv, hd, 1)).reshape(-1)
-            o, ko = cur(a.o_proj)
+            for what in ("weight", "bias"):
+                if getattr(vmod, what, None) is None:
+                    continue
+                full, key = cur(vmod, what)
+                v = full[vrows]
+                kv = v.shape[0] // hd
+                rv = (r.T @ v.reshape(kv, hd, -1)).reshape(v.shape)
+                if vrows == slice(None):
+                    out[key] = rv
+                else:
+                    out[key] = torch.cat([full[:vrows.start], rv, full[vrows.stop:]])
+            o, ko = cur(omod)
             nh = o.shape[1] // hd
             out[ko] = (o.reshape(-1, nh, hd) @ r).reshape(o.shape[0], nh * hd)
     return out
@@ -242,16 +301,23 @@ def _write(model: nn.Module, values: dict) -> None:
         _set(model.get_parameter(k), v)
 
 
+def _online_names(fam, online) -> list:
+    """The record's module for each canonical ``ONLINE`` entry (``mlp.down_proj``: the MLP's output projection,
+    ``self_attn.o_proj``: attention's)."""
+    where = {"mlp.down_proj": fam.mlp_out, "self_attn.o_proj": fam.attn_out}
+    return [where.get(o, o) for o in online]
+
+
 def online_plan(model: nn.Module, algo) -> dict:
     """``{module name: InputRotation}`` that ``rotate_model`` / ``apply_rotation`` install for the rotation config
     ``algo`` (``online``, ``key``) on ``model`` (what a checkpoint's config says to re-install on loading)."""
-    path = "model.layers"
+    from .families import locate
+    loc = locate(model, what=algo.name)
+    path = loc.layers
     layers = _get(model, path)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{algo.name}: the model has no {path!r} list of decoder layers")
     out = {}
     for li, layer in enumerate(layers):
-        for i, name in enumerate(algo.online):
+        for i, name in enumerate(_online_names(loc.family, algo.online)):
             lin = _get(layer, name)
             if lin is None or not hasattr(lin, "in_features"):
                 raise ValueError(f"{algo.name}: {path}.{li}.{name} is not a Linear")
@@ -315,9 +381,10 @@ def check_rotation(model: nn.Module, algo) -> None:
     _check(model)
     if input_rotations(model):
         raise ValueError("the model is already rotated (it has online InputRotation hooks); reload it")
-    if algo.decoder_layers not in (None, "model.layers"):
-        raise ValueError(f"{algo.name}: decoder_layers={algo.decoder_layers!r}; rotations support Llama's "
-                         f"'model.layers'")
+    path = _located(model).layers
+    if algo.decoder_layers not in (None, path):
+        raise ValueError(f"{algo.name}: decoder_layers={algo.decoder_layers!r}; the model's architecture record "
+                         f"puts its decoder layers at {path!r}")
 
 
 def apply_rotation(model: nn.Module, algo, *, plans: Sequence = (), data: Optional[Sequence] = None,

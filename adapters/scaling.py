@@ -9,25 +9,27 @@ arithmetic the layer computes the same function, and only quantization sees the 
   of an entry of Quark's ``scaling_layers`` (``ScalingGroup.from_quark(entry)`` reads one; ``module2inspect``:
   the module whose output Quark measures, ``""`` = the whole layer, None = the single Linear; ``inp``: the module
   whose input is the group's sample).
-- ``scaling_groups(layer, model_type=, quark_entries=)``: the groups of one decoder layer. Built in (detected
-  from the layer's structure):
+- ``scaling_groups(layer, model_type=, quark_entries=)``: the groups of one decoder layer, from the architecture
+  records (``qcore.adapters.families``: each family's ``scaling`` rules, with the flags saying when a group
+  applies). With a ``model_type`` in the table, that record; otherwise the first record whose structure the
+  layer has (every module it names present, and exactly its norms). E.g.:
 
-  * Llama-like layers (Llama, Mistral, Qwen2/3, SmolLM2, and any layer with ``self_attn.{q,k,v,o}_proj``,
-    ``mlp.{gate,up,down}_proj``, ``input_layernorm`` and ``post_attention_layernorm``): ``input_layernorm ->
-    q,k,v``; ``v_proj -> o_proj`` only without grouped-query attention (``v_proj.out_features ==
-    o_proj.in_features``); ``post_attention_layernorm -> gate,up``; ``up_proj -> down_proj``. A layer that also
-    has ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` (Gemma2/3 "sandwich" norms, where
-    ``post_attention_layernorm`` normalises the attention *output*) is not Llama-like; a ``self_attn.v_norm``
-    drops ``v_proj -> o_proj``.
+  * Llama-like layers (Llama, Mistral, Qwen2/3, Gemma, SmolLM2): ``input_layernorm -> q,k,v``; ``v_proj ->
+    o_proj`` only without grouped-query attention (``v_proj.out_features == o_proj.in_features``) and without a
+    ``self_attn.v_norm``; ``post_attention_layernorm -> gate,up``; ``up_proj -> down_proj``. Gemma2/3 (whose
+    ``post_attention_layernorm`` normalises the attention *output*): the MLP's group reads
+    ``pre_feedforward_layernorm``. Phi-3, GPT-NeoX: the norms into the fused projections. MoE families: the
+    attention groups only.
   * OPT (pre-norm, ``do_layer_norm_before=True``): ``self_attn_layer_norm -> q,k,v``; ``v_proj -> out_proj``
     (same size rule); ``final_layer_norm -> fc1``; ``fc1 -> fc2`` only when the activation is ReLU (``relu(x /
     s) = relu(x) / s`` for ``s > 0``; not true for GELU).
 
-  Anything else raises ValueError naming the layer type and asking for ``quark_entries`` (Quark's
-  ``scaling_layers``). Given ``quark_entries``, every named module must exist (ValueError otherwise), and a
-  Linear -> Linear entry whose sizes do not match (Quark's ``v_proj -> o_proj`` under grouped-query attention,
-  which Quark handles by a max over the query heads sharing a KV head) is left out, with a warning, rather
-  than folded wrongly.
+  Anything else (GPT-2's Conv1D, BERT's post-norm, a family not in the table) raises ``NoScalingMap`` (a
+  ValueError) naming the layer type, the record's reason and the record to add, and asking for
+  ``quark_entries`` (Quark's ``scaling_layers``). Given ``quark_entries``, every named module must exist
+  (ValueError otherwise), and a Linear -> Linear entry whose sizes do not match (Quark's ``v_proj -> o_proj``
+  under grouped-query attention, which Quark handles by a max over the query heads sharing a KV head) is left
+  out, with a warning, rather than folded wrongly.
 - ``fold_scales(layer, group, s)``: in place, all checks before any change; float64 arithmetic, cast back to
   each parameter's dtype (so the float model changes only by that rounding). Foldable producers: a norm with a
   per-channel weight (``nn.LayerNorm``, ``nn.RMSNorm``, any module whose class name ends in ``RMSNorm`` /
@@ -57,8 +59,6 @@ _UNIT_OFFSET_NORMS = frozenset({
     "GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "RecurrentGemmaRMSNorm", "VaultGemmaRMSNorm",
     "T5GemmaRMSNorm", "T5Gemma2RMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "MuseGlimmerTextCenteredRMSNorm",
 })
-# model_type -> built-in structure (config.model_type of transformers models).
-_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "opt": "opt"}
 _QUARK_KEYS = {"prev_op", "layers", "inp", "module2inspect", "has_kwargs"}
 
 
@@ -126,47 +126,34 @@ def _get(layer: nn.Module, name: str) -> Optional[nn.Module]:
         return None
 
 
-def _linears(layer: nn.Module, names: Iterable[str]) -> bool:
-    return all(isinstance(_get(layer, n), nn.Linear) for n in names)
+def _fits(layer: nn.Module, fam) -> bool:
+    """Whether ``layer`` has the structure of ``fam``'s record: every named module present, and exactly the
+    record's norms (a norm the record does not know, e.g. Gemma2's sandwich norms seen from a Llama record,
+    changes what a fold means)."""
+    if not all(_get(layer, n) is not None for n in fam.layer_names()):
+        return False
+    norms = {n for n, m in layer.named_modules() if n and _is_norm(m)}
+    return norms == set(fam.norm_names())
 
 
-def _sizes_match(layer: nn.Module, prev: str, nxt: str) -> bool:
-    return _get(layer, prev).out_features == _get(layer, nxt).in_features
+def _rule_applies(layer: nn.Module, fam, rule) -> bool:
+    g = rule.group
+    if rule.sizes_match and any(_get(layer, g.prev_op).out_features != _get(layer, n).in_features for n in g.layers):
+        return False
+    if rule.relu and type(_get(layer, fam.act)) is not nn.ReLU:
+        return False
+    return not any(_get(layer, n) is not None for n in rule.absent)
 
 
-def _llama_groups(layer: nn.Module) -> Optional[list]:
-    attn = [f"self_attn.{p}_proj" for p in "qkvo"]
-    mlp = [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
-    norms = ("input_layernorm", "post_attention_layernorm")
-    if not (_linears(layer, attn + mlp) and all(_get(layer, n) is not None for n in norms)):
+def _family_groups(layer: nn.Module, fam) -> Optional[list]:
+    """The groups of ``fam``'s record that apply to ``layer`` (None: the record has none for it)."""
+    if not fam.scaling or fam.linear != "linear":
         return None
-    if _get(layer, "pre_feedforward_layernorm") is not None or _get(layer, "post_feedforward_layernorm") is not None:
+    if not all(isinstance(_get(layer, n), nn.Linear) for n in fam.projection_names()):
         return None
-    groups = [ScalingGroup("input_layernorm", tuple(attn[:3]), "self_attn.q_proj", "self_attn")]
-    if _sizes_match(layer, "self_attn.v_proj", "self_attn.o_proj") and _get(layer, "self_attn.v_norm") is None:
-        groups.append(ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"))
-    groups.append(ScalingGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp.gate_proj", "mlp"))
-    groups.append(ScalingGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"))
-    return groups
-
-
-def _opt_groups(layer: nn.Module) -> Optional[list]:
-    attn = [f"self_attn.{p}_proj" for p in ("q", "k", "v", "out")]
-    if not (_linears(layer, attn + ["fc1", "fc2"]) and isinstance(_get(layer, "self_attn_layer_norm"), nn.LayerNorm)
-            and isinstance(_get(layer, "final_layer_norm"), nn.LayerNorm)):
+    if fam.scaling_requires is not None and getattr(layer, fam.scaling_requires, None) is not True:
         return None
-    if getattr(layer, "do_layer_norm_before", None) is not True:
-        return None  # post-norm OPT (opt-350m): the norms act on the block outputs
-    groups = [ScalingGroup("self_attn_layer_norm", tuple(attn[:3]), "self_attn.q_proj", "self_attn")]
-    if _sizes_match(layer, "self_attn.v_proj", "self_attn.out_proj"):
-        groups.append(ScalingGroup("self_attn.v_proj", ("self_attn.out_proj",), "self_attn.out_proj"))
-    groups.append(ScalingGroup("final_layer_norm", ("fc1",), "fc1"))
-    if type(getattr(layer, "activation_fn", None)) is nn.ReLU:
-        groups.append(ScalingGroup("fc1", ("fc2",), "fc2"))
-    return groups
-
-
-_DETECTORS = {"llama": _llama_groups, "opt": _opt_groups}
+    return [r.group for r in fam.scaling if _rule_applies(layer, fam, r)]
 
 
 def _from_entries(layer: nn.Module, entries: Any) -> list:
@@ -208,8 +195,9 @@ def scaling_groups(layer: nn.Module, *, model_type: Optional[str] = None,
     """The scaling groups of one decoder layer (module docstring), in Quark's order.
 
     ``quark_entries``: Quark's ``scaling_layers`` (list of dicts, or ScalingGroups) to use instead of the built-in
-    map. ``model_type`` (``config.model_type``): with a built-in family (llama, mistral, qwen2, qwen3, opt) only
-    that family's structure is accepted; otherwise every built-in structure is tried.
+    map. Otherwise the groups come from the architecture records (``qcore.adapters.families``): with a
+    ``model_type`` in the table, that family's record (the layer must have its structure); without one, the
+    first record whose structure the layer has (records naming more modules first).
     """
     if not isinstance(layer, nn.Module):
         raise TypeError(f"layer must be a torch.nn.Module (one decoder layer), got {type(layer).__name__}")
@@ -217,16 +205,24 @@ def scaling_groups(layer: nn.Module, *, model_type: Optional[str] = None,
         raise TypeError(f"model_type must be a str or None, got {model_type!r}")
     if quark_entries is not None:
         return _from_entries(layer, quark_entries)
-    family = _FAMILIES.get(model_type.lower()) if model_type else None
-    names = [family] if family else list(_DETECTORS)
-    for f in names:
-        groups = _DETECTORS[f](layer)
-        if groups is not None:
-            return groups
+    from .families import BY_MODEL_TYPE, FAMILIES
+
+    fam = BY_MODEL_TYPE.get(model_type.lower()) if model_type else None
+    cands = [fam] if fam else sorted(FAMILIES, key=lambda f: -len(f.layer_names()))
+    notes = []
+    for f in cands:
+        if _fits(layer, f):
+            groups = _family_groups(layer, f)
+            if groups is not None:
+                return groups
+            notes.append(f"the {f.name} record has none: {f.scaling_note}")
     what = f"model_type {model_type!r}, " if model_type else ""
-    raise NoScalingMap(f"no built-in scaling map for {what}layer type {type(layer).__name__} (built in: Llama-like "
-                       "and pre-norm OPT decoder layers)", "pass quark_entries= (Quark's scaling_layers: dicts with "
-                       "prev_op, layers, inp, module2inspect)")
+    why = f" ({'; '.join(notes)})" if notes else ""
+    known = sorted(x.model_type for x in FAMILIES if x.scaling)
+    raise NoScalingMap(f"no built-in scaling map for {what}layer type {type(layer).__name__}{why}; the architecture "
+                       f"records with scaling groups: {known} (a new family: add a Family record with scaling= to "
+                       "qcore.adapters.families.FAMILIES, docs/adapters.md 'Architecture records')",
+                       "pass quark_entries= (Quark's scaling_layers: dicts with prev_op, layers, inp, module2inspect)")
 
 
 # ---------------------------------------------------------------------------------------------------------------

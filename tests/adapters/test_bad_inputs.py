@@ -509,14 +509,14 @@ def test_gpt2_conv1d_is_named_as_unsupported():
 
 
 def test_quarot_refusal_names_the_gemma_norm():
-    cfg = transformers.GemmaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   max_position_embeddings=64)
-    model = transformers.GemmaForCausalLM(cfg).eval()
+    cfg = transformers.Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=64)
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
     with pytest.raises(ValueError) as e:
         quantize_model(model, preset("w_int8_per_channel_sym").replace(algorithms=({"name": "quarot"},)),
                        progress=False)
-    assert "model.layers.0.input_layernorm is a GemmaRMSNorm" in str(e.value)
+    assert "model.layers.0.input_layernorm is a Gemma2RMSNorm" in str(e.value) and "sandwich norms" in str(e.value)
     assert ":  " not in str(e.value)  # no blank module name
 
 

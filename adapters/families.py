@@ -1,0 +1,531 @@
+"""Architecture knowledge as data: one frozen ``Family`` record per transformers model family, keyed by the
+config's ``model_type`` (for a vision-language model: its text config, the language tower).
+
+The algorithms read the record instead of knowing structure themselves: AWQ/SmoothQuant take their scaling groups
+from ``Family.scaling`` (``qcore.adapters.scaling.scaling_groups``), QuaRot/SpinQuant their norm folds and the
+names rotated on inputs / outputs from the attention and MLP names (``qcore.adapters.rotation``), AMP its fused
+units from ``Family.fused_units`` (``qcore.adapters.amp``).
+
+- ``family_of(model_or_config)``: the record of a model, a config or a ``model_type`` string; ``UnknownFamily``
+  (a ValueError) naming the model type, the model class and the record to add (docs/adapters.md, "Architecture
+  records") when the table has none.
+- ``locate(model)``: the record plus the prefix where its backbone sits in this model (``"model"`` in a
+  ``LlamaForCausalLM``, ``""`` in a bare ``LlamaModel``, ``"model.language_model"`` in a vision-language model),
+  with the resolved dotted paths of the decoder layers, embedding, final norm and output head.
+- ``decoder_layers_path(model)``: the dotted path of the decoder layers from the table (None when the model's
+  family is not in it).
+- ``FAMILIES``: the table, a tuple of records; ``BY_MODEL_TYPE``: the same, keyed by ``model_type``.
+
+Names in a record are module names relative to one decoder layer, except ``backbone`` (relative to the model),
+``layers``, ``embed``, ``final_norm`` (relative to the backbone) and ``lm_head`` (relative to the model). Every
+name in the table was read off a tiny random model built from the family's transformers 5 config
+(tests/adapters/test_families.py checks them all).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .scaling import ScalingGroup
+
+__all__ = ["Family", "Experts", "ScalingRule", "UnknownFamily", "Located", "FAMILIES", "BY_MODEL_TYPE",
+           "family_of", "locate", "decoder_layers_path", "fused_units", "DEFAULT_FUSED", "register", "unregister",
+           "NORM_KINDS", "LINEAR_KINDS", "QKV_LAYOUTS"]
+
+#: how a norm's weight scales: ``rms`` x * w (no bias), ``rms_unit_offset`` x * (1 + w) (Gemma), ``layernorm``
+#: (x - mean) / std * w + b.
+NORM_KINDS = ("rms", "rms_unit_offset", "layernorm")
+#: the projections' module type: ``linear`` torch.nn.Linear (weight [out, in]); ``conv1d`` transformers' Conv1D
+#: (weight [in, out], GPT-2).
+LINEAR_KINDS = ("linear", "conv1d")
+#: rows of a fused q/k/v projection: ``concat`` [q heads | k heads | v heads] (Phi-3, GPT-2); ``per_head``
+#: [q, k, v] interleaved per head (GPT-NeoX).
+QKV_LAYOUTS = ("concat", "per_head")
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
+_DOCS = "docs/adapters.md, section 'Architecture records'"
+
+
+def _check_name(v: Any, what: str, *, empty_ok: bool = False) -> None:
+    if not isinstance(v, str):
+        raise ValueError(f"{what} must be a module name (str), got {v!r}")
+    if v == "" and empty_ok:
+        return
+    if not _NAME.match(v):
+        raise ValueError(f"{what} must be a dotted module name, got {v!r}")
+
+
+def _check_names(v: Any, what: str, *, empty_ok: bool = False) -> tuple:
+    if isinstance(v, str) or not isinstance(v, (tuple, list)):
+        raise ValueError(f"{what} must be a tuple of module names, got {v!r}")
+    if not v and not empty_ok:
+        raise ValueError(f"{what} must name at least one module, got {v!r}")
+    for i, x in enumerate(v):
+        _check_name(x, f"{what}[{i}]")
+    if len(set(v)) != len(v):
+        raise ValueError(f"{what} must be distinct, got {v!r}")
+    return tuple(v)
+
+
+@dataclass(frozen=True)
+class ScalingRule:
+    """A scaling group of a family and when it applies (data flags for the conditional folds):
+    ``sizes_match``: only when the producing Linear's ``out_features`` equals every reader's ``in_features``
+    (``v_proj -> o_proj`` without grouped-query attention); ``relu``: only when the family's activation module
+    (``Family.act``) is ``nn.ReLU`` (``fc1 -> fc2``: ``relu(x / s) = relu(x) / s`` for ``s > 0``, not for GELU);
+    ``absent``: only when the layer has none of these modules (``self_attn.v_norm`` normalises v_proj's output,
+    so a scale on it would not pass through)."""
+
+    group: ScalingGroup
+    sizes_match: bool = False
+    relu: bool = False
+    absent: tuple = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.group, ScalingGroup):
+            raise ValueError(f"ScalingRule.group must be a ScalingGroup, got {self.group!r}")
+        for f in ("sizes_match", "relu"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"ScalingRule.{f} must be a bool, got {getattr(self, f)!r}")
+        object.__setattr__(self, "absent", _check_names(self.absent, "ScalingRule.absent", empty_ok=True))
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts block (names relative to one decoder layer). ``path``: the experts module;
+    ``gate_up`` / ``down``: its fused 3-D parameters (transformers 5: ``gate_up_proj`` [E, 2I, H], ``down_proj``
+    [E, H, I]); ``router``: the router Linear-like module (weight [E, H]); ``shared`` / ``shared_gate``: a
+    shared expert MLP and its gate (Qwen2-MoE); ``count``: the config attribute giving E."""
+
+    path: str
+    router: str
+    count: str
+    gate_up: str = "gate_up_proj"
+    down: str = "down_proj"
+    shared: Optional[str] = None
+    shared_gate: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        for f in ("path", "router", "gate_up", "down"):
+            _check_name(getattr(self, f), f"Experts.{f}")
+        if not isinstance(self.count, str) or not self.count.isidentifier():
+            raise ValueError(f"Experts.count must be a config attribute name, got {self.count!r}")
+        for f in ("shared", "shared_gate"):
+            if getattr(self, f) is not None:
+                _check_name(getattr(self, f), f"Experts.{f}")
+
+
+#: the fused units of a model whose family has no record (and of the Llama-like records): q/k/v into qkv_proj,
+#: gate/up into gate_up_proj (vLLM)
+DEFAULT_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+@dataclass(frozen=True)
+class Family:
+    """What qcore knows about one model family (module docstring). Fields:
+
+    - ``model_type``: the transformers ``config.model_type`` (the key); ``name``: how people call it.
+    - ``backbone``: the module holding layers/embedding/final norm in the usual head model (``"model"`` in
+      ``LlamaForCausalLM``); ``layers``, ``embed``, ``final_norm`` relative to it; ``lm_head`` relative to the
+      model (None: an encoder without one).
+    - per layer: ``attn_in`` the projections reading the attention input (q, k, v, or one fused qkv);
+      ``attn_out`` the output projection; ``mlp_in`` (gate, up / fused gate_up / fc1), ``mlp_out`` (down / fc2);
+      ``qkv_layout`` the row layout when ``attn_in`` is one fused module (``QKV_LAYOUTS``); ``act`` the
+      activation module; ``attn_norm`` / ``mlp_norm`` the norms whose outputs ``attn_in`` / ``mlp_in`` read
+      (``attn_norm`` None: post-norm, the previous layer's output norm feeds the attention);
+      with ``experts``, ``mlp_in`` is () and ``mlp_out`` None;
+      ``output_norms`` norms on the block outputs (Gemma2/3's sandwich norms; BERT's post-norms);
+      ``qk_norms`` per-head norms of q and k (Qwen3, Gemma3); ``norm`` how every norm scales
+      (``NORM_KINDS``); ``linear`` the projections' module type (``LINEAR_KINDS``).
+    - ``scaling``: AWQ/SmoothQuant's scaling groups (``ScalingRule``), in Quark's order; ``scaling_requires``: a
+      layer attribute that must be True for them to apply (OPT's ``do_layer_norm_before``: pre-norm only);
+      ``scaling_note``: what is left out and why (also the refusal when ``scaling`` is empty).
+    - ``rotation``: "" when QuaRot/SpinQuant support the family; otherwise the reason they refuse it.
+    - ``fused_units``: sibling leaf names vLLM fuses into one GEMM (AMP measures and assigns them together).
+    - ``experts``: the MoE block (``Experts``), or None.
+    - ``gguf_arch``: llama.cpp's architecture name (``general.architecture``), or None.
+    - ``causal``: a decoder (False: an encoder such as BERT).
+    """
+
+    model_type: str
+    name: str
+    backbone: str
+    layers: str
+    embed: str
+    final_norm: Optional[str]
+    lm_head: Optional[str]
+    attn_in: tuple
+    attn_out: str
+    mlp_in: tuple
+    mlp_out: Optional[str]
+    act: str
+    attn_norm: Optional[str]
+    mlp_norm: str
+    norm: str
+    linear: str = "linear"
+    qkv_layout: Optional[str] = None
+    output_norms: tuple = ()
+    qk_norms: tuple = ()
+    scaling: tuple = ()
+    scaling_requires: Optional[str] = None
+    scaling_note: str = ""
+    rotation: str = ""
+    fused_units: tuple = DEFAULT_FUSED
+    experts: Optional[Experts] = None
+    gguf_arch: Optional[str] = None
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_type, str) or not re.match(r"^[a-z0-9_]+$", self.model_type):
+            raise ValueError(f"Family.model_type must be a transformers model_type (lowercase letters, digits, _), "
+                             f"got {self.model_type!r}")
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Family.name must be a non-empty str, got {self.name!r}")
+        _check_name(self.backbone, "Family.backbone", empty_ok=True)
+        for f in ("layers", "embed", "attn_out", "act", "mlp_norm"):
+            _check_name(getattr(self, f), f"Family.{f}")
+        for f in ("final_norm", "lm_head", "attn_norm"):
+            if getattr(self, f) is not None:
+                _check_name(getattr(self, f), f"Family.{f}")
+        object.__setattr__(self, "attn_in", _check_names(self.attn_in, "Family.attn_in"))
+        if self.experts is not None and not isinstance(self.experts, Experts):
+            raise ValueError(f"Family.experts must be an Experts record or None, got {self.experts!r}")
+        if self.experts is None:
+            object.__setattr__(self, "mlp_in", _check_names(self.mlp_in, "Family.mlp_in"))
+            _check_name(self.mlp_out, "Family.mlp_out")
+        elif self.mlp_in != () or self.mlp_out is not None:
+            raise ValueError(f"Family {self.model_type!r}: with experts, mlp_in must be () and mlp_out None (the MLP "
+                             f"is the experts block), got {self.mlp_in!r}, {self.mlp_out!r}")
+        for f in ("output_norms", "qk_norms"):
+            object.__setattr__(self, f, _check_names(getattr(self, f), f"Family.{f}", empty_ok=True))
+        if self.norm not in NORM_KINDS:
+            raise ValueError(f"Family.norm must be one of {NORM_KINDS}, got {self.norm!r}")
+        if self.linear not in LINEAR_KINDS:
+            raise ValueError(f"Family.linear must be one of {LINEAR_KINDS}, got {self.linear!r}")
+        if len(self.attn_in) == 1:
+            if self.qkv_layout not in QKV_LAYOUTS:
+                raise ValueError(f"Family.qkv_layout must be one of {QKV_LAYOUTS} when attn_in is one fused "
+                                 f"projection ({self.attn_in[0]!r}), got {self.qkv_layout!r}")
+        elif len(self.attn_in) == 3:
+            if self.qkv_layout is not None:
+                raise ValueError(f"Family.qkv_layout must be None with separate q, k, v projections, got "
+                                 f"{self.qkv_layout!r}")
+        else:
+            raise ValueError(f"Family.attn_in must name q, k, v or one fused qkv projection, got {self.attn_in!r}")
+        if self.experts is None and len(self.mlp_in) not in (1, 2):
+            raise ValueError(f"Family.mlp_in must name gate and up, or one fused gate_up / fc1, got {self.mlp_in!r}")
+        names = self.layer_names()
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"Family {self.model_type!r}: the layer names {dup} are given twice")
+        if not isinstance(self.scaling, tuple) or not all(isinstance(r, ScalingRule) for r in self.scaling):
+            raise ValueError(f"Family.scaling must be a tuple of ScalingRule, got {self.scaling!r}")
+        known = set(names)
+        for i, r in enumerate(self.scaling):
+            g = r.group
+            for n in (g.prev_op, *g.layers, g.inp):
+                if n not in known:
+                    raise ValueError(f"Family {self.model_type!r}: scaling[{i}] names {n!r}, which is none of the "
+                                     f"record's layer names {sorted(known)}")
+        if self.scaling_requires is not None and not (isinstance(self.scaling_requires, str)
+                                                      and self.scaling_requires.isidentifier()):
+            raise ValueError(f"Family.scaling_requires must be a layer attribute name or None, got "
+                             f"{self.scaling_requires!r}")
+        for f in ("scaling_note", "rotation"):
+            if not isinstance(getattr(self, f), str):
+                raise ValueError(f"Family.{f} must be a str, got {getattr(self, f)!r}")
+        if not self.scaling and not self.scaling_note:
+            raise ValueError(f"Family {self.model_type!r}: scaling is empty; scaling_note must say why")
+        fu = self.fused_units
+        if not isinstance(fu, tuple) or not all(
+                isinstance(g, tuple) and len(g) >= 2 and all(isinstance(x, str) and x.isidentifier() for x in g)
+                for g in fu):
+            raise ValueError(f"Family.fused_units must be a tuple of tuples of (at least two) leaf module names, "
+                             f"got {fu!r}")
+        if self.gguf_arch is not None and not (isinstance(self.gguf_arch, str) and self.gguf_arch):
+            raise ValueError(f"Family.gguf_arch must be llama.cpp's architecture name or None, got {self.gguf_arch!r}")
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"Family.causal must be a bool, got {self.causal!r}")
+
+    # derived views (no per-family code: each reads the fields above)
+    def norm_names(self) -> tuple:
+        """Every norm of one layer: attn_norm, mlp_norm, output_norms, qk_norms."""
+        first = () if self.attn_norm is None else (self.attn_norm,)
+        return (*first, self.mlp_norm, *self.output_norms, *self.qk_norms)
+
+    def projection_names(self) -> tuple:
+        """The projections of one layer (attention, then MLP; experts are not projections)."""
+        return (*self.attn_in, self.attn_out, *self.mlp_in, *((self.mlp_out,) if self.mlp_out else ()))
+
+    def layer_names(self) -> list:
+        """Every module name of one layer the record gives (projections, norms, act, MoE modules)."""
+        out = [*self.projection_names(), *self.norm_names(), self.act]
+        e = self.experts
+        if e is not None:
+            out += [e.path, e.router] + [n for n in (e.shared, e.shared_gate) if n is not None]
+        return out
+
+
+class UnknownFamily(ValueError):
+    """``family_of`` found no record: ``model_type`` (None when the model has no transformers config) and
+    ``cls`` (the model's class name)."""
+
+    def __init__(self, model_type: Optional[str], cls: Optional[str], what: str = ""):
+        self.model_type, self.cls = model_type, cls
+        mt = f"model_type {model_type!r}" if model_type else "no transformers config (no config.model_type)"
+        of = f" ({cls})" if cls else ""
+        need = f"a Family record with model_type={model_type!r}" if model_type else "a Family record"
+        super().__init__(f"{what}{': ' if what else ''}no architecture record for {mt}{of}; qcore knows "
+                         f"{sorted(BY_MODEL_TYPE)}. Add {need} to qcore.adapters.families.FAMILIES (see {_DOCS})")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the table
+# ---------------------------------------------------------------------------------------------------------------
+
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+
+
+def _sg(prev, layers, inp=None, m2i=None):
+    return ScalingGroup(prev, tuple(layers), inp or layers[0], m2i)
+
+
+_ATTN_SCALING = (
+    ScalingRule(_sg("input_layernorm", _QKV, m2i="self_attn")),
+    ScalingRule(_sg("self_attn.v_proj", ("self_attn.o_proj",)), sizes_match=True, absent=("self_attn.v_norm",)),
+)
+_LLAMA_SCALING = _ATTN_SCALING + (
+    ScalingRule(_sg("post_attention_layernorm", _GATE_UP, m2i="mlp")),
+    ScalingRule(_sg("mlp.up_proj", ("mlp.down_proj",))),
+)
+_SANDWICH_SCALING = _ATTN_SCALING + (
+    ScalingRule(_sg("pre_feedforward_layernorm", _GATE_UP, m2i="mlp")),
+    ScalingRule(_sg("mlp.up_proj", ("mlp.down_proj",))),
+)
+_LLAMA = dict(backbone="model", layers="layers", embed="embed_tokens", final_norm="norm", lm_head="lm_head",
+              attn_in=_QKV, attn_out="self_attn.o_proj", mlp_in=_GATE_UP, mlp_out="mlp.down_proj", act="mlp.act_fn",
+              attn_norm="input_layernorm", mlp_norm="post_attention_layernorm", norm="rms", scaling=_LLAMA_SCALING)
+_MOE_NOTE = ("the experts' fused 3-D weights (and the router) are not scaled: only the attention groups are "
+             "built in")
+_MOE = dict(_LLAMA, mlp_in=(), mlp_out=None, act="mlp.experts.act_fn", scaling=_ATTN_SCALING, scaling_note=_MOE_NOTE,
+            rotation="its experts are fused 3-D parameters (mlp.experts.gate_up_proj / down_proj) that the "
+                     "rotations do not transform yet, and the online down_proj transform sits inside them",
+            fused_units=(("q_proj", "k_proj", "v_proj"),))
+_SANDWICH_ROT = ("its sandwich norms (post_attention_layernorm, post_feedforward_layernorm) scale the block "
+                 "outputs per channel before the residual add, which does not commute with the residual rotation")
+_LAYERNORM_ROT = ("its norms are LayerNorms (mean subtraction and bias), which do not commute with the residual "
+                  "rotation; QuaRot needs RMSNorm")
+
+
+def _moe(model_type, name, experts, **kw):
+    # MoE layers: attention as Llama; the MLP is the experts block (no per-layer mlp_in / mlp_out Linear)
+    return Family(model_type, name, experts=experts, **dict(_MOE, **kw))
+
+
+FAMILIES: tuple = (
+    Family("llama", "Llama", gguf_arch="llama", **_LLAMA),
+    Family("mistral", "Mistral", gguf_arch="llama", **_LLAMA),
+    Family("qwen2", "Qwen2", gguf_arch="qwen2", **_LLAMA),
+    Family("qwen3", "Qwen3", gguf_arch="qwen3", **dict(_LLAMA, qk_norms=("self_attn.q_norm", "self_attn.k_norm"))),
+    Family("gemma", "Gemma", gguf_arch="gemma", **dict(_LLAMA, norm="rms_unit_offset")),
+    Family("gemma2", "Gemma2", gguf_arch="gemma2", **dict(
+        _LLAMA, norm="rms_unit_offset", mlp_norm="pre_feedforward_layernorm", scaling=_SANDWICH_SCALING,
+        output_norms=("post_attention_layernorm", "post_feedforward_layernorm"), rotation=_SANDWICH_ROT)),
+    Family("gemma3_text", "Gemma3", gguf_arch="gemma3", **dict(
+        _LLAMA, norm="rms_unit_offset", mlp_norm="pre_feedforward_layernorm", scaling=_SANDWICH_SCALING,
+        output_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
+        qk_norms=("self_attn.q_norm", "self_attn.k_norm"), rotation=_SANDWICH_ROT)),
+    Family("phi3", "Phi-3", gguf_arch="phi3", **dict(
+        _LLAMA, attn_in=("self_attn.qkv_proj",), qkv_layout="concat", mlp_in=("mlp.gate_up_proj",),
+        act="mlp.activation_fn", fused_units=(),
+        scaling=(ScalingRule(_sg("input_layernorm", ("self_attn.qkv_proj",), m2i="self_attn")),
+                 ScalingRule(_sg("post_attention_layernorm", ("mlp.gate_up_proj",), m2i="mlp"))),
+        scaling_note="v -> o and up -> down are not folded: v and up are row slices of the fused qkv_proj and "
+                     "gate_up_proj")),
+    Family("gpt2", "GPT-2", gguf_arch="gpt2", backbone="transformer", layers="h", embed="wte", final_norm="ln_f",
+           lm_head="lm_head", attn_in=("attn.c_attn",), qkv_layout="concat", attn_out="attn.c_proj",
+           mlp_in=("mlp.c_fc",), mlp_out="mlp.c_proj", act="mlp.act", attn_norm="ln_1", mlp_norm="ln_2",
+           norm="layernorm", linear="conv1d", fused_units=(),
+           scaling_note="GPT-2's projections are transformers Conv1D modules (weight [in, out]), which the folds "
+                        "do not handle yet",
+           rotation=_LAYERNORM_ROT),
+    Family("gpt_neox", "GPT-NeoX", gguf_arch="gptneox", backbone="gpt_neox", layers="layers", embed="embed_in",
+           final_norm="final_layer_norm", lm_head="lm_head", attn_in=("attention.query_key_value",),
+           qkv_layout="per_head", attn_out="attention.dense", mlp_in=("mlp.dense_h_to_4h",),
+           mlp_out="mlp.dense_4h_to_h", act="mlp.act", attn_norm="input_layernorm",
+           mlp_norm="post_attention_layernorm", norm="layernorm", fused_units=(),
+           scaling=(ScalingRule(_sg("input_layernorm", ("attention.query_key_value",), m2i="attention")),
+                    ScalingRule(_sg("post_attention_layernorm", ("mlp.dense_h_to_4h",), m2i="mlp"))),
+           scaling_note="v -> dense is not folded (v is interleaved in the fused query_key_value); the MLP's GELU "
+                        "stops dense_h_to_4h -> dense_4h_to_h",
+           rotation=_LAYERNORM_ROT),
+    Family("opt", "OPT", backbone="model.decoder", layers="layers", embed="embed_tokens",
+           final_norm="final_layer_norm", lm_head="lm_head",
+           attn_in=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), attn_out="self_attn.out_proj",
+           mlp_in=("fc1",), mlp_out="fc2", act="activation_fn", attn_norm="self_attn_layer_norm",
+           mlp_norm="final_layer_norm", norm="layernorm", fused_units=(("q_proj", "k_proj", "v_proj"),),
+           scaling=(ScalingRule(_sg("self_attn_layer_norm", ("self_attn.q_proj", "self_attn.k_proj",
+                                                              "self_attn.v_proj"), m2i="self_attn")),
+                    ScalingRule(_sg("self_attn.v_proj", ("self_attn.out_proj",)), sizes_match=True),
+                    ScalingRule(_sg("final_layer_norm", ("fc1",))),
+                    ScalingRule(_sg("fc1", ("fc2",)), relu=True)),
+           scaling_requires="do_layer_norm_before",
+           scaling_note="post-norm OPT (do_layer_norm_before=False, opt-350m): the norms act on the block outputs",
+           rotation=_LAYERNORM_ROT),
+    Family("bert", "BERT", backbone="bert", layers="encoder.layer", embed="embeddings.word_embeddings",
+           final_norm=None, lm_head=None,
+           attn_in=("attention.self.query", "attention.self.key", "attention.self.value"),
+           attn_out="attention.output.dense", mlp_in=("intermediate.dense",), mlp_out="output.dense",
+           act="intermediate.intermediate_act_fn", attn_norm=None, mlp_norm="attention.output.LayerNorm",
+           output_norms=("output.LayerNorm",), norm="layernorm", causal=False,
+           fused_units=(("query", "key", "value"),),
+           scaling_note="BERT is post-norm: each LayerNorm's output also feeds the residual, so no norm can take "
+                        "the scales",
+           gguf_arch="bert", rotation="it is a post-norm encoder; " + _LAYERNORM_ROT),
+    _moe("mixtral", "Mixtral", Experts("mlp.experts", "mlp.gate", "num_local_experts"), gguf_arch="llama"),
+    _moe("qwen2_moe", "Qwen2-MoE", Experts("mlp.experts", "mlp.gate", "num_experts", shared="mlp.shared_expert",
+                                           shared_gate="mlp.shared_expert_gate"), gguf_arch="qwen2moe",
+         fused_units=DEFAULT_FUSED),
+    _moe("qwen3_moe", "Qwen3-MoE", Experts("mlp.experts", "mlp.gate", "num_experts"), gguf_arch="qwen3moe",
+         qk_norms=("self_attn.q_norm", "self_attn.k_norm")),
+)
+
+BY_MODEL_TYPE: dict = {f.model_type: f for f in FAMILIES}
+if len(BY_MODEL_TYPE) != len(FAMILIES):  # pragma: no cover - a table edit giving one model_type twice
+    raise ValueError("qcore.adapters.families.FAMILIES gives a model_type twice")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# lookup
+# ---------------------------------------------------------------------------------------------------------------
+
+# where the language tower of a vision-language model sits (transformers 5 conventions), tried after the record's
+# own backbone and the bare model
+_TOWERS = ("model.language_model", "language_model.model", "language_model")
+
+
+def _text_config(cfg: Any) -> Any:
+    get = getattr(cfg, "get_text_config", None)
+    if callable(get):
+        try:
+            t = get()
+        except Exception:  # noqa: BLE001 - a config class without a text config
+            t = None
+        if t is not None and isinstance(getattr(t, "model_type", None), str):
+            return t
+    return cfg
+
+
+def _model_type(obj: Any) -> tuple:
+    """``(model_type or None, class name or None)`` of a model, config or model_type string."""
+    if isinstance(obj, str):
+        return obj, None
+    cfg = getattr(obj, "config", None) if not hasattr(obj, "model_type") else obj
+    cls = type(obj).__name__
+    if cfg is None or not isinstance(getattr(cfg, "model_type", None), str):
+        return None, cls
+    return _text_config(cfg).model_type or None, cls
+
+
+def family_of(obj: Any, *, what: str = "") -> Family:
+    """The record of ``obj``: a model (its ``config``), a transformers config, or a ``model_type`` str. For a
+    vision-language model, the record of its text config (the language tower). ``UnknownFamily`` (ValueError)
+    naming the model type, the class and the record to add when the table has none; ``what`` prefixes it (the
+    pass that needs the record)."""
+    mt, cls = _model_type(obj)
+    fam = BY_MODEL_TYPE.get(mt) if mt else None
+    if fam is None:
+        raise UnknownFamily(mt, cls, what)
+    return fam
+
+
+@dataclass(frozen=True)
+class Located:
+    """A family's record and where its backbone sits in one model (``prefix``), with the resolved paths."""
+
+    family: Family
+    prefix: str
+    layers: str = field(init=False)
+    embed: str = field(init=False)
+    final_norm: Optional[str] = field(init=False)
+    lm_head: Optional[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        j = (lambda n: f"{self.prefix}.{n}" if self.prefix else n)
+        f = self.family
+        object.__setattr__(self, "layers", j(f.layers))
+        object.__setattr__(self, "embed", j(f.embed))
+        object.__setattr__(self, "final_norm", None if f.final_norm is None else j(f.final_norm))
+        object.__setattr__(self, "lm_head", f.lm_head)
+
+
+def _get(model: Any, name: str) -> Any:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def locate(model: Any, *, what: str = "") -> Located:
+    """``family_of(model)`` and the prefix of its backbone in ``model``: the record's ``backbone``, the bare
+    backbone (``""``) or a vision-language model's language tower, whichever holds the record's ``layers`` as a
+    ModuleList. ValueError naming the paths tried when none does."""
+    from torch import nn
+
+    fam = family_of(model, what=what)
+    tried = []
+    for prefix in dict.fromkeys((fam.backbone, "", *_TOWERS)):
+        path = f"{prefix}.{fam.layers}" if prefix else fam.layers
+        tried.append(path)
+        if isinstance(_get(model, path), nn.ModuleList):
+            return Located(fam, prefix)
+    raise ValueError(f"{what}{': ' if what else ''}{type(model).__name__} (model_type {fam.model_type!r}) has no "
+                     f"decoder layers where the {fam.name} record says (tried {tried}); fix the record's backbone "
+                     f"/ layers (see {_DOCS})")
+
+
+def decoder_layers_path(model: Any) -> Optional[str]:
+    """The dotted path of ``model``'s decoder layers from the table, or None when its family is not in the table
+    or the layers are not where the record says (callers fall back to their own search)."""
+    try:
+        return locate(model).layers
+    except ValueError:
+        return None
+
+
+def fused_units(model: Any) -> tuple:
+    """AMP's default units: the record's ``fused_units``, or ``DEFAULT_FUSED`` for a model without a record."""
+    try:
+        return family_of(model).fused_units
+    except UnknownFamily:
+        return DEFAULT_FUSED
+
+
+def register(family: Family, *, replace: bool = False) -> Family:
+    """Add ``family`` to the table for this process (``FAMILIES``, ``BY_MODEL_TYPE``); returns it. ValueError if
+    its ``model_type`` has a record already, unless ``replace``. (A record for everyone belongs in ``FAMILIES``
+    itself, with a tiny model in tests/adapters/test_families.py.)"""
+    global FAMILIES
+    if not isinstance(family, Family):
+        raise TypeError(f"family must be a qcore.adapters.families.Family, got {type(family).__name__}")
+    if not isinstance(replace, bool):
+        raise TypeError(f"replace must be a bool, got {replace!r}")
+    if family.model_type in BY_MODEL_TYPE and not replace:
+        raise ValueError(f"register: model_type {family.model_type!r} has a record already (the "
+                         f"{BY_MODEL_TYPE[family.model_type].name} record); pass replace=True to replace it")
+    BY_MODEL_TYPE[family.model_type] = family
+    FAMILIES = tuple(BY_MODEL_TYPE.values())
+    return family
+
+
+def unregister(model_type: str) -> Family:
+    """Remove the record of ``model_type`` from the table for this process; returns it (ValueError if none)."""
+    global FAMILIES
+    if model_type not in BY_MODEL_TYPE:
+        raise ValueError(f"unregister: no record for model_type {model_type!r}; the table has {sorted(BY_MODEL_TYPE)}")
+    fam = BY_MODEL_TYPE.pop(model_type)
+    FAMILIES = tuple(BY_MODEL_TYPE.values())
+    return fam

@@ -1,0 +1,390 @@
+"""The architecture records (qcore.adapters.families) against tiny random models of every family in the table,
+built offline from their transformers configs: every name a record gives exists with the expected type and
+shape relations; the scaling groups fold random positive scales with the logits unchanged; the rotation keeps
+the float function of every family whose record supports it and refuses the others by name before any change;
+an unknown family refuses naming the record to add; records validate their fields.
+"""
+
+import copy
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from torch import nn  # noqa: E402
+
+from qcore.adapters.families import (BY_MODEL_TYPE, DEFAULT_FUSED, FAMILIES, Experts, Family,  # noqa: E402
+                                     ScalingRule, UnknownFamily, decoder_layers_path, family_of, fused_units,
+                                     locate)
+from qcore.adapters.rotation import rotate_model  # noqa: E402
+from qcore.adapters.scaling import (_UNIT_OFFSET_NORMS, NoScalingMap, ScalingGroup, fold_scales,  # noqa: E402
+                                    scaling_groups)
+
+VOCAB, HIDDEN, HEADS, KV, HD = 128, 32, 4, 2, 8
+_DEC = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=HEADS, num_key_value_heads=KV, max_position_embeddings=64)
+
+CONFIGS = {
+    "llama": lambda t: t.LlamaConfig(**_DEC),
+    "mistral": lambda t: t.MistralConfig(**_DEC),
+    "qwen2": lambda t: t.Qwen2Config(**_DEC),
+    "qwen3": lambda t: t.Qwen3Config(**_DEC, head_dim=HD),
+    "gemma": lambda t: t.GemmaConfig(**_DEC, head_dim=HD),
+    "gemma2": lambda t: t.Gemma2Config(**_DEC, head_dim=HD),
+    "gemma3_text": lambda t: t.Gemma3TextConfig(**_DEC, head_dim=HD),
+    "phi3": lambda t: t.Phi3Config(**_DEC, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "gpt2": lambda t: t.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=HEADS, n_positions=64,
+                                   bos_token_id=1, eos_token_id=2),
+    "gpt_neox": lambda t: t.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64,
+                                          num_hidden_layers=2, num_attention_heads=HEADS,
+                                          max_position_embeddings=64),
+    "opt": lambda t: t.OPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, ffn_dim=64, num_hidden_layers=2,
+                                 num_attention_heads=HEADS, word_embed_proj_dim=HIDDEN, max_position_embeddings=64),
+    "bert": lambda t: t.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=HEADS, max_position_embeddings=64),
+    "mixtral": lambda t: t.MixtralConfig(**_DEC, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": lambda t: t.Qwen2MoeConfig(**_DEC, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                            shared_expert_intermediate_size=32),
+    "qwen3_moe": lambda t: t.Qwen3MoeConfig(**_DEC, head_dim=HD, num_experts=4, num_experts_per_tok=2,
+                                            moe_intermediate_size=16),
+}
+ROTATES = [f.model_type for f in FAMILIES if not f.rotation]
+REFUSES = [f.model_type for f in FAMILIES if f.rotation]
+SCALES = [f.model_type for f in FAMILIES if f.scaling]
+IDS = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+_CACHE: dict = {}
+
+
+def build(mt: str):
+    """A fresh float64 tiny model of family ``mt`` (built once, deep-copied)."""
+    if mt not in _CACHE:
+        cfg = CONFIGS[mt](transformers)
+        torch.manual_seed(0)
+        auto = transformers.AutoModel if mt == "bert" else transformers.AutoModelForCausalLM
+        kw = {"experts_implementation": "eager"} if BY_MODEL_TYPE[mt].experts else {}  # grouped_mm: no float64
+        m = auto.from_config(cfg, **kw).eval().double()
+        with torch.no_grad():  # non-trivial norm weights, so a fold that forgets them shows
+            for n, p in m.named_parameters():
+                if p.ndim == 1 and ("norm" in n.lower() or "ln_" in n):
+                    p.add_(torch.rand(p.shape, generator=torch.Generator().manual_seed(1), dtype=p.dtype) * 0.5)
+        _CACHE[mt] = m
+    return copy.deepcopy(_CACHE[mt])
+
+
+def out(m) -> torch.Tensor:
+    with torch.no_grad():
+        o = m(IDS)
+    return o.logits if hasattr(o, "logits") else o.last_hidden_state
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal up to float32 rounding: the models run in float64, but the transformers RMSNorms compute in float32
+    whatever the dtype (a wrong fold or rotation is off by the logits' own size)."""
+    assert a.shape == b.shape
+    err = float((a - b).norm() / b.norm())
+    assert err < 1e-5, err
+
+
+def test_the_table_covers_the_families_of_the_issue():
+    assert set(CONFIGS) == set(BY_MODEL_TYPE)
+    assert ROTATES and REFUSES and SCALES
+
+
+@pytest.mark.parametrize("mt", list(CONFIGS))
+def test_every_name_of_the_record_exists_with_its_shape(mt):
+    m = build(mt)
+    fam = family_of(m)
+    assert fam is BY_MODEL_TYPE[mt] and family_of(m.config) is fam and family_of(mt) is fam
+    loc = locate(m)
+    assert decoder_layers_path(m) == loc.layers
+    layers = m.get_submodule(loc.layers)
+    assert isinstance(layers, nn.ModuleList) and len(layers) == 2
+    emb = m.get_submodule(loc.embed)
+    assert isinstance(emb, nn.Embedding) and tuple(emb.weight.shape) == (VOCAB, HIDDEN)
+    if fam.final_norm is not None:
+        assert tuple(m.get_submodule(loc.final_norm).weight.shape) == (HIDDEN,)
+    if fam.lm_head is not None:
+        head = m.get_submodule(loc.lm_head)
+        assert isinstance(head, nn.Linear) and (head.in_features, head.out_features) == (HIDDEN, VOCAB)
+    cfg = m.config
+    hd = getattr(cfg, "head_dim", None) or HIDDEN // HEADS
+    nh, kv = HEADS, getattr(cfg, "num_key_value_heads", None) or HEADS
+
+    def io(mod):  # (in, out) of a Linear or a transformers Conv1D (weight [in, out])
+        if fam.linear == "conv1d":
+            assert type(mod).__name__ == "Conv1D"
+            return tuple(mod.weight.shape)
+        assert type(mod) is nn.Linear
+        return mod.in_features, mod.out_features
+
+    for layer in layers:
+        for n in fam.layer_names():
+            layer.get_submodule(n)  # AttributeError names the missing module
+        ins = [io(layer.get_submodule(n)) for n in fam.attn_in]
+        assert all(i == HIDDEN for i, _ in ins)
+        assert sum(o for _, o in ins) == (nh + 2 * kv) * hd
+        assert io(layer.get_submodule(fam.attn_out)) == (nh * hd, HIDDEN)
+        for n in fam.mlp_in:
+            assert io(layer.get_submodule(n))[0] == HIDDEN
+        if fam.mlp_out is not None:
+            inter = io(layer.get_submodule(fam.mlp_out))[0]
+            assert io(layer.get_submodule(fam.mlp_out))[1] == HIDDEN
+            assert sum(io(layer.get_submodule(n))[1] for n in fam.mlp_in) == inter * len(fam.mlp_in) or \
+                io(layer.get_submodule(fam.mlp_in[0]))[1] == 2 * inter  # gate, up / fc1 / fused gate_up
+        for n in fam.norm_names():
+            norm = layer.get_submodule(n)
+            want = HIDDEN if n not in fam.qk_norms else hd
+            assert tuple(norm.weight.shape) == (want,), n
+            kind = ("layernorm" if isinstance(norm, nn.LayerNorm) else
+                    "rms_unit_offset" if type(norm).__name__ in _UNIT_OFFSET_NORMS else
+                    "rms" if type(norm).__name__.endswith("RMSNorm") else type(norm).__name__)
+            assert kind == fam.norm, (n, type(norm).__name__)
+        all_norms = {n for n, x in layer.named_modules() if type(x).__name__.endswith(("RMSNorm", "LayerNorm"))}
+        assert all_norms == set(fam.norm_names())
+        leaves = {n.rpartition(".")[2] for n, _ in layer.named_modules()}
+        for unit in fam.fused_units:
+            assert set(unit) <= leaves, unit
+        e = fam.experts
+        if e is not None:
+            experts = layer.get_submodule(e.path)
+            n_exp = getattr(cfg, e.count)
+            gu, dn = getattr(experts, e.gate_up), getattr(experts, e.down)
+            assert gu.ndim == 3 and gu.shape[0] == n_exp and gu.shape[2] == HIDDEN
+            assert tuple(dn.shape) == (n_exp, HIDDEN, gu.shape[1] // 2)
+            assert tuple(layer.get_submodule(e.router).weight.shape) == (n_exp, HIDDEN)
+        else:
+            assert fam.mlp_in and fam.mlp_out
+
+
+@pytest.mark.parametrize("mt", [f.model_type for f in FAMILIES if f.gguf_arch])
+def test_gguf_architecture_names_are_llama_cpps(mt):
+    gguf = pytest.importorskip("gguf")
+    assert BY_MODEL_TYPE[mt].gguf_arch in set(gguf.MODEL_ARCH_NAMES.values())
+
+
+@pytest.mark.parametrize("mt", SCALES)
+def test_scaling_groups_fold_with_the_logits_unchanged(mt):
+    m = build(mt)
+    fam = family_of(m)
+    ref = out(m)
+    layers = m.get_submodule(locate(m).layers)
+    first = layers[0].get_submodule(fam.scaling[0].group.layers[0])
+    before = first.weight.detach().clone()
+    g = torch.Generator().manual_seed(2)
+    n_groups = 0
+    for layer in layers:
+        groups = scaling_groups(layer, model_type=mt)
+        assert groups == scaling_groups(layer)  # the structure alone finds the same groups
+        assert groups and all(isinstance(x, ScalingGroup) for x in groups)
+        n_groups += len(groups)
+        for grp in groups:
+            n = layer.get_submodule(grp.layers[0]).in_features
+            fold_scales(layer, grp, torch.rand(n, generator=g, dtype=torch.float64) * 3 + 0.25)
+    assert n_groups >= len(layers)
+    new = out(m)
+    assert not torch.equal(first.weight, before)  # the folds changed the weights, not the function
+    same(new, ref)
+
+
+@pytest.mark.parametrize("mt", ["phi3", "gpt_neox"])
+def test_smoothquant_runs_on_the_groups_of_fused_projections(mt):
+    """quantize_model's SmoothQuant takes the record's groups (the norms into fused qkv / gate_up projections)."""
+    from qcore.adapters import preset, quantize_model
+    m = build(mt).float()
+    fam = family_of(m)
+    norm0 = m.get_submodule(f"{locate(m).layers}.0.{fam.attn_norm}").weight.detach().clone()
+    ref = out(m)
+    quantize_model(m, preset("int8").replace(algorithms=({"name": "smoothquant"},)), [IDS], progress=False)
+    assert not torch.equal(m.get_submodule(f"{locate(m).layers}.0.{fam.attn_norm}").weight, norm0)  # folded
+    assert float((out(m) - ref).norm() / ref.norm()) < 0.05
+
+
+def test_conditional_scaling_rules():
+    # grouped-query attention drops v -> o; without it (kv heads = heads) it is there
+    gqa = scaling_groups(build("mistral").model.layers[0])
+    mha_cfg = transformers.MistralConfig(**dict(_DEC, num_key_value_heads=HEADS))
+    mha = scaling_groups(transformers.MistralForCausalLM(mha_cfg).model.layers[0])
+    assert [x.prev_op for x in mha] == ["input_layernorm", "self_attn.v_proj", "post_attention_layernorm",
+                                        "mlp.up_proj"]
+    assert [x.prev_op for x in gqa] == ["input_layernorm", "post_attention_layernorm", "mlp.up_proj"]
+    # Gemma2's sandwich: the MLP reads pre_feedforward_layernorm, not post_attention_layernorm
+    g2 = scaling_groups(build("gemma2").model.layers[0])
+    assert "post_attention_layernorm" not in [x.prev_op for x in g2]
+    assert ("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")) in [(x.prev_op, x.layers) for x in g2]
+    # families without groups refuse naming their record's reason and the record to add
+    for mt, why in (("gpt2", "Conv1D"), ("bert", "post-norm")):
+        m = build(mt)
+        with pytest.raises(NoScalingMap, match=why) as e:
+            scaling_groups(m.get_submodule(locate(m).layers)[0])
+        assert "Family record" in str(e.value) and "quark_entries" in str(e.value)
+
+
+@pytest.mark.parametrize("mt", ROTATES)
+def test_rotation_keeps_the_float_function(mt):
+    m = build(mt)
+    ref = out(m)
+    rotate_model(m)
+    fam = family_of(m)
+    layer = m.get_submodule(locate(m).layers)[0]
+    unit = 0.0 if fam.norm == "rms_unit_offset" else 1.0  # the folded norm scales by 1: w = 1, or 1 + w with w = 0
+    assert torch.equal(layer.get_submodule(fam.attn_norm).weight, torch.full((HIDDEN,), unit, dtype=torch.float64))
+    same(out(m), ref)
+    m2 = build(mt)
+    rotate_model(m2, key=None, heads=False, online=())
+    same(out(m2), ref)
+
+
+@pytest.mark.parametrize("mt", [x for x in ROTATES if x != "llama"])
+def test_quarot_exports_and_reloads_with_its_online_hooks(mt, tmp_path):
+    """QuaRot through quantize_model, then export_hf + from_pretrained: the online transforms are re-installed
+    where the record says (online_plan), and the reloaded model gives the same logits."""
+    from qcore.adapters import export_hf, from_pretrained, preset, quantize_model
+    from qcore.adapters.rotation import input_rotations
+    m = build(mt).float()
+    quantize_model(m, preset("w_int8_per_channel_sym").replace(algorithms=({"name": "quarot"},)), [IDS],
+                   progress=False)
+    fam, path = family_of(m), locate(m).layers
+    assert set(input_rotations(m)) == {f"{path}.{i}.{n}" for i in range(2) for n in (fam.mlp_out, fam.attn_out)}
+    export_hf(m, tmp_path / "q")
+    back = from_pretrained(tmp_path / "q")
+    assert set(input_rotations(back)) == set(input_rotations(m))
+    assert torch.equal(out(back), out(m))
+
+
+def test_rotation_unties_tied_embeddings_of_a_supported_family():
+    cfg = transformers.Qwen3Config(**_DEC, head_dim=HD, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    m = transformers.Qwen3ForCausalLM(cfg).eval().double()
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    ref = out(m)
+    rotate_model(m)
+    assert m.lm_head.weight is not m.model.embed_tokens.weight and not m.config.tie_word_embeddings
+    same(out(m), ref)
+
+
+@pytest.mark.parametrize("mt", REFUSES)
+def test_rotation_refuses_by_family_before_any_change(mt):
+    m = build(mt)
+    fam = family_of(m)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(ValueError) as e:
+        rotate_model(m)
+    msg = str(e.value)
+    assert f"model_type {mt!r}" in msg and fam.name in msg and fam.rotation in msg
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_vision_language_model_is_its_language_tower():
+    cfg = transformers.Gemma3Config(
+        text_config=dict(_DEC, head_dim=HD),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                           image_size=28, patch_size=14), mm_tokens_per_image=4)
+    m = transformers.Gemma3ForConditionalGeneration(cfg)
+    assert family_of(m) is BY_MODEL_TYPE["gemma3_text"]
+    loc = locate(m)
+    assert loc.prefix == "model.language_model" and decoder_layers_path(m) == "model.language_model.layers"
+    assert type(m.get_submodule(loc.embed)).__name__ == "Gemma3TextScaledWordEmbedding"
+    assert type(m.get_submodule(loc.final_norm)).__name__ == "Gemma3RMSNorm"
+
+
+class _Custom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(2)])
+
+
+def test_an_unknown_family_refuses_naming_the_record_to_add():
+    with pytest.raises(UnknownFamily, match=r"_Custom.*Add a Family record.*Architecture records"):
+        family_of(_Custom())
+    assert decoder_layers_path(_Custom()) is None and fused_units(_Custom()) == DEFAULT_FUSED
+    cfg = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4)
+    with pytest.raises(UnknownFamily) as e:
+        family_of(cfg)
+    assert e.value.model_type == "falcon" and "model_type='falcon'" in str(e.value)
+    assert isinstance(e.value, ValueError)
+    with pytest.raises(ValueError, match=r"rotate_model: _Custom .*Add a Family record"):
+        rotate_model(_Custom())
+    with pytest.raises(NoScalingMap, match="add a Family record"):
+        scaling_groups(_Custom().layers[0])
+
+
+def test_fused_units_come_from_the_record():
+    assert fused_units(build("phi3")) == () and fused_units(build("llama")) == DEFAULT_FUSED
+    assert fused_units(build("bert")) == (("query", "key", "value"),)
+    from qcore.adapters.amp import layer_sensitivity
+    torch.manual_seed(0)
+    bert = transformers.BertForMaskedLM(CONFIGS["bert"](transformers)).eval()
+    sens = layer_sensitivity(bert, ["int8"], [IDS], progress=False)  # tie=None: the record's (not DEFAULT_TIE's)
+    p = "bert.encoder.layer.0."
+    assert (p + "attention.self.query", p + "attention.self.key", p + "attention.self.value") in sens.units
+    assert (p + "intermediate.dense",) in sens.units
+    assert all(len(u) == 1 for u in layer_sensitivity(bert, ["int8"], [IDS], tie=DEFAULT_FUSED, progress=False).units)
+
+
+LLAMA = BY_MODEL_TYPE["llama"]
+BAD = [
+    (dict(model_type="Llama"), "model_type"),
+    (dict(model_type=""), "model_type"),
+    (dict(name=""), "name"),
+    (dict(layers=""), "Family.layers"),
+    (dict(layers=3), "Family.layers"),
+    (dict(embed="model..x"), "Family.embed"),
+    (dict(attn_in="self_attn.q_proj"), "Family.attn_in"),
+    (dict(attn_in=("a", "b")), "Family.attn_in"),
+    (dict(attn_in=("self_attn.qkv",)), "qkv_layout"),
+    (dict(qkv_layout="concat"), "qkv_layout"),
+    (dict(mlp_in=()), "Family.mlp_in"),
+    (dict(mlp_in=("a", "b", "c")), "Family.mlp_in"),
+    (dict(norm="rmsnorm"), "Family.norm"),
+    (dict(linear="conv2d"), "Family.linear"),
+    (dict(mlp_norm="input_layernorm"), "given twice"),
+    (dict(scaling=[LLAMA.scaling[0]]), "Family.scaling"),
+    (dict(scaling=(ScalingRule(ScalingGroup("ln", ("self_attn.q_proj",), "self_attn.q_proj")),)), "names 'ln'"),
+    (dict(scaling=(), scaling_note=""), "scaling_note"),
+    (dict(scaling_requires="not a name"), "scaling_requires"),
+    (dict(rotation=None), "Family.rotation"),
+    (dict(fused_units=(("q_proj",),)), "fused_units"),
+    (dict(fused_units=("q_proj", "k_proj")), "fused_units"),
+    (dict(experts="mlp.experts"), "Family.experts must be an Experts"),
+    (dict(experts=Experts("mlp.experts", "mlp.gate", "num_local_experts")), "with experts"),
+    (dict(gguf_arch=""), "gguf_arch"),
+    (dict(causal="yes"), "causal"),
+]
+
+
+@pytest.mark.parametrize("kw,match", BAD, ids=[next(iter(k)) for k, _ in BAD])
+def test_records_validate_their_fields(kw, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(LLAMA, **kw)
+
+
+def test_sub_records_validate_their_fields():
+    with pytest.raises(ValueError, match="Experts.count"):
+        Experts("mlp.experts", "mlp.gate", "num experts")
+    with pytest.raises(ValueError, match="Experts.path"):
+        Experts("", "mlp.gate", "num_experts")
+    with pytest.raises(ValueError, match="ScalingRule.group"):
+        ScalingRule({"prev_op": "a"})
+    with pytest.raises(ValueError, match="ScalingRule.relu"):
+        ScalingRule(LLAMA.scaling[0].group, relu=1)
+    with pytest.raises(ValueError, match="ScalingRule.absent"):
+        ScalingRule(LLAMA.scaling[0].group, absent="self_attn.v_norm")
+    assert isinstance(dataclasses.replace(LLAMA, model_type="my_llama"), Family)
+
+
+def test_the_docs_table_matches_the_records():
+    import pathlib
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "adapters.md").read_text()
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]]
+            for ln in text.split("## Architecture records", 1)[1].splitlines() if ln.startswith("| ") and "(`" in ln and not ln.startswith("| family")}
+    assert len(rows) == len(CONFIGS)
+    for mt in CONFIGS:
+        fam = BY_MODEL_TYPE[mt]
+        layers, norms, groups, rot, moe, _, gguf = rows[f"{fam.name} (`{mt}`)"]
+        assert layers == f"`{fam.backbone}.{fam.layers}`"
+        assert rot.startswith("yes" if not fam.rotation else "no:")
+        assert (moe == "-") == (fam.experts is None)
+        assert gguf == (fam.gguf_arch or "-")
+        assert groups.startswith("none") == (not fam.scaling)
