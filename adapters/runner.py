@@ -254,8 +254,10 @@ class LayerRunner:
 
     def capture(self, batches: Sequence, *, desc: str = "capturing layer inputs") -> LayerInputs:
         """The first decoder layer's inputs for every batch (``capture``)."""
-        if isinstance(batches, (torch.Tensor, str)) or not isinstance(batches, Sequence) or len(batches) == 0:
-            raise ValueError(f"batches: got {type(batches).__name__}; expected a non-empty list of batches")
+        if isinstance(batches, (torch.Tensor, str)) or not isinstance(batches, Sequence):
+            raise TypeError(f"batches: got {type(batches).__name__}; expected a non-empty list of batches")
+        if len(batches) == 0:
+            raise ValueError(f"batches: got {batches!r}; expected a non-empty list of batches")
         self._need_layers("capture")
         return capture(self.model, self.layers[0], batches, device=self.device, progress=self.progress, desc=desc)
 
