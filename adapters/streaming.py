@@ -16,7 +16,7 @@ float64 Hessian per distinct input).
 How: the transformers model is built from ``config.json`` with its parameters on the meta device (no memory;
 ``accelerate.init_empty_weights``); the weights outside the decoder layers are read from the safetensors files
 (plain reads, no memory map: the page cache is not part of the process); the calibration batches run to the
-first decoder layer, whose inputs are kept; then for each layer in turn:
+first decoder layer, whose inputs are kept; then for each layer in turn (a pass of ``qcore.adapters.runner``):
 
 1. its weights are read into a copy of the (meta) layer;
 2. the algorithms run on it (``qcore.adapters.sequential.run_layer``, the step ``run_algorithms`` runs) and
