@@ -111,14 +111,18 @@ def hidden_of(out):
 
 
 def forward_layer(layer: nn.Module, inputs: LayerInputs, *, keep: bool) -> Optional[LayerInputs]:
-    """Run ``layer`` over every batch of ``inputs`` (a ``Stop`` raised by a hook ends that batch's call); with
-    ``keep`` return the next layer's ``LayerInputs`` (the same keyword arguments, the output's hidden states)."""
+    """Run ``layer`` over every batch of ``inputs`` (a ``Stop`` raised by a hook ends that batch's call; with
+    ``keep`` it is an error); with ``keep`` return the next layer's ``LayerInputs`` (the same keyword arguments,
+    the output's hidden states)."""
     nxt_args = []
     tuple_out = None
-    for args, kwargs in zip(inputs.args, inputs.kwargs):
+    for b, (args, kwargs) in enumerate(zip(inputs.args, inputs.kwargs)):
         try:
             out = layer(*args, **kwargs)
         except Stop:
+            if keep:  # the next layer's inputs would silently miss this batch
+                raise RuntimeError(f"a hook stopped the replay of batch {b} through the layer; a pass must remove "
+                                   f"its hooks before the runner replays the layer") from None
             continue
         if keep:
             tuple_out = isinstance(out, (tuple, list))

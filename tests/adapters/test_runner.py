@@ -191,6 +191,17 @@ def test_an_abort_in_a_pass_leaves_no_hooks_and_marks_the_model_partial(zoo):
         runner.run(step, inputs, rewrites=True, what="['p']")
     assert model._qcore_partial is True and _hooks_left(model) == 0
 
+    # a pass that leaves a Stop hook behind: the replay refuses (the next layer would miss batches)
+    leaky = zoo.tiny_llama()
+    r1 = LayerRunner(leaky, progress=False)
+
+    def leaves_hook(i, layer, inputs):
+        layer.mlp.register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(Stop()))
+
+    with pytest.raises(AlgorithmError, match="a hook stopped the replay of batch 0"):
+        r1.run(leaves_hook, r1.capture(data), rewrites=True)
+    assert leaky._qcore_partial is True
+
     fresh = zoo.tiny_llama()
     r2 = LayerRunner(fresh, progress=False)
     with pytest.raises(KeyError, match="nope"):  # nothing rewritten: the error as it was, the model unmarked
