@@ -58,7 +58,7 @@ from qcore.algorithms.mixed_precision import DEFAULT_RESOLUTION, MixedPrecision,
 
 from .config import LayerConfig, ModelConfig
 from .modules import _norm_weight_granularity, _QuantMixin, _with_granularity, wrap
-from .quantizer import _call, _check_batch, _describe, _device_of, _progress, _set_module, _to, plan_model
+from .quantizer import _check_batch, _describe, _device_of, _progress, _set_module, _to, plan_model
 
 __all__ = ["Metric", "Sensitivity", "layer_sensitivity", "amp_config", "config_from_choice", "DEFAULT_TIE", "FLOAT"]
 
@@ -237,63 +237,25 @@ def _input_ids(batch) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class _Stop(Exception):
-    pass
-
-
-class _Skip(nn.Module):
-    """Stands for a decoder layer before the one measured: returns its hidden-state input unchanged (in the
-    layer's output structure); the measured layer's inputs are replaced by the kept ones anyway."""
-
-    def __init__(self, tuple_out: bool):
-        super().__init__()
-        self.tuple_out = tuple_out
-
-    def forward(self, *args, **kwargs):
-        h = args[0] if args else kwargs.get("hidden_states")
-        return (h,) if self.tuple_out else h
-
-
-class _Runner:
-    """The float model's per-layer inputs and outputs over the batches, and forwards from layer ``k`` on."""
+class _Probe:
+    """The float model's reference (log-probabilities or NLL) and its per-layer inputs over the batches
+    (``qcore.adapters.runner.LayerRunner.record``); forwards from decoder layer ``k`` on (``run_from``)."""
 
     def __init__(self, model, batches, metric, progress):
-        from .sequential import _replay_call, find_decoder_layers
+        from .runner import LayerRunner
         self.model, self.batches, self.metric = model, batches, metric
-        try:
-            self.path, self.layers = find_decoder_layers(model)
-        except ValueError:
-            self.path, self.layers = None, None
-        n_layers = len(self.layers) if self.layers is not None else 0
-        self.inputs: list[list] = [[] for _ in range(n_layers)]  # [layer][batch] -> (args, kwargs)
-        self.tuple_out = False
-        hooks = []
-
-        def keep(i):
-            def pre(mod, args, kwargs):
-                self.inputs[i].append(_replay_call(args, kwargs))
-            return pre
-
-        def out_type(mod, args, out):
-            self.tuple_out = isinstance(out, (tuple, list))
-
-        for i in range(n_layers):
-            hooks.append(self.layers[i].register_forward_pre_hook(keep(i), with_kwargs=True))
-        if n_layers:
-            hooks.append(self.layers[0].register_forward_hook(out_type))
+        self.runner = LayerRunner(model, required=False, progress=progress)
         self.ref: list = []
         nll = []
-        try:
-            with torch.no_grad():
-                for b in _progress(batches, total=len(batches), desc="float model", enabled=progress):
-                    lg = _logits(_call(model, b)).float()
-                    if metric is Metric.KL:
-                        self.ref.append(torch.log_softmax(lg, dim=-1))
-                    else:
-                        nll.append(self._nll(lg, b))
-        finally:
-            for h in hooks:
-                h.remove()
+
+        def each(i, out):
+            lg = _logits(out).float()
+            if metric is Metric.KL:
+                self.ref.append(torch.log_softmax(lg, dim=-1))
+            else:
+                nll.append(self._nll(lg, batches[i]))
+
+        self.inputs = self.runner.record(batches, each=each, desc="float model")  # [layer] -> LayerInputs
         self.base = float(sum(s for s, _ in nll) / sum(n for _, n in nll)) if nll else 0.0
 
     @staticmethod
@@ -305,47 +267,14 @@ class _Runner:
 
     def layer_of(self, name: str) -> Optional[int]:
         """The index of the decoder layer holding module ``name`` (None: outside the decoder layers)."""
-        if self.layers is None or not name.startswith(self.path + "."):
-            return None
-        return int(name[len(self.path) + 1:].split(".")[0])
+        return self.runner.layer_of(name)
 
     def _run(self, k: Optional[int], *, stop: Optional[int] = None):
-        """Forward every batch from decoder layer ``k`` on (None: the whole model), through layer ``stop`` only
-        if given; yields each batch's logits (float32) when not stopping."""
-        if k is None or (k == 0 and stop is None):
-            with torch.no_grad():
-                for b in self.batches:
-                    yield _logits(_call(self.model, b)).float()
-            return
-        saved = [self.layers[j] for j in range(k)]
-        cur = {"i": 0}
-
-        def pre(mod, args, kwargs):
-            a, kw = self.inputs[k][cur["i"]]
-            return a, dict(kw)
-
-        def halt(mod, args, out):
-            raise _Stop
-
-        hooks = [self.layers[k].register_forward_pre_hook(pre, with_kwargs=True)]
-        if stop is not None:
-            hooks.append(self.layers[stop].register_forward_hook(halt))
-        try:
-            for j in range(k):
-                self.layers[j] = _Skip(self.tuple_out)
-            with torch.no_grad():
-                for i, b in enumerate(self.batches):
-                    cur["i"] = i
-                    try:
-                        out = _call(self.model, b)
-                    except _Stop:
-                        continue
-                    yield _logits(out).float()
-        finally:
-            for h in hooks:
-                h.remove()
-            for j in range(k):
-                self.layers[j] = saved[j]
+        """Each batch's logits (float32) from decoder layer ``k`` on (None: the whole model); through layer
+        ``stop`` only if given (nothing yielded)."""
+        inputs = None if k is None else self.inputs[k]
+        for out in self.runner.run_from(k, self.batches, inputs=inputs, stop=stop):
+            yield _logits(out).float()
 
     def calibrate(self, k: Optional[int], stop: Optional[int], wrappers: list) -> None:
         mods = [w for w in wrappers if isinstance(w, _QuantMixin) and w.static_roles()]
@@ -435,7 +364,7 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
     try:
         if old_cache is not None:
             cfg.use_cache = False
-        runner = _Runner(model, batches, metric, progress)
+        runner = _Probe(model, batches, metric, progress)
         jobs = [(u, s) for u in units for s in table if table[s] is not None]
         loss: dict = {}
         for unit, s in _progress(jobs, total=len(jobs), desc="layer sensitivity", enabled=progress):

@@ -30,8 +30,9 @@ from qcore.algorithms.config import AutoSmoothQuantConfig, AWQConfig, SmoothQuan
 from qcore.algorithms.smoothquant import auto_smoothquant, smoothquant_scales, weight_absmax
 
 from .modules import _act_granularity, _with_granularity
+from .runner import forward_layer
 from .scaling import NoScalingMap, ScalingGroup, check_fold, fold_scales, scaling_groups
-from .sequential import _forward_layer, _weight_spec
+from .sequential import _weight_spec
 
 __all__ = ["check_scaling", "apply_scaling"]
 
@@ -130,7 +131,7 @@ def apply_scaling(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, *, 
             recs[inp] = _Recorder(stride, want)
             hooks.append(layer.get_submodule(inp).register_forward_pre_hook(recs[inp]))
     try:
-        _forward_layer(layer, inputs, keep=False)
+        forward_layer(layer, inputs, keep=False)
     finally:
         for h in hooks:
             h.remove()

@@ -2,7 +2,7 @@
 time, in bounded memory.
 
 ``run_algorithms(model, plans, algorithms, batches)`` (called by ``quantize_model`` when the config lists
-algorithms):
+algorithms) is a pass of the layer runner (``qcore.adapters.runner``):
 
 1. the decoder layers are found (``decoder_layers`` of the algorithm config, e.g. ``"model.layers"``, or the
    model's longest ``nn.ModuleList`` of identical blocks);
@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -45,127 +44,14 @@ from qcore.stats import RunningStats
 
 from .config import MinMax, Percentile
 from .modules import _norm_weight_granularity, _with_granularity
+from .runner import AlgorithmError, LayerInputs, LayerRunner, Stop, find_decoder_layers, forward_layer
 
 _log = logging.getLogger("qcore.adapters")
 
 __all__ = ["run_algorithms", "find_decoder_layers", "AlgorithmError"]
 
 
-class AlgorithmError(RuntimeError):
-    """An algorithm failed after some decoder layers were already rewritten (the model must be reloaded)."""
-
-
-class _Stop(Exception):
-    pass
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# layers and their inputs
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def find_decoder_layers(model: nn.Module, path: Optional[str] = None) -> tuple[str, nn.ModuleList]:
-    """``(dotted path, ModuleList)`` of the model's decoder layers: ``path`` if given, else the longest
-    ``nn.ModuleList`` whose children are all of one type (ties: the one holding the most parameters)."""
-    if path is not None:
-        try:
-            m = model.get_submodule(path)
-        except AttributeError:
-            lists = [n for n, x in model.named_modules() if isinstance(x, nn.ModuleList)]
-            raise ValueError(f"decoder_layers {path!r} is not a module of the model; its ModuleLists: {lists[:5]}") from None
-        if not isinstance(m, nn.ModuleList) or len(m) == 0:
-            raise ValueError(f"decoder_layers {path!r} is a {type(m).__name__}, not a non-empty nn.ModuleList")
-        return path, m
-    best = None
-    for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(c) for c in m}) == 1:
-            key = (len(m), sum(p.numel() for p in m.parameters()))
-            if best is None or key > best[0]:
-                best = (key, name, m)
-    if best is None:
-        raise ValueError("could not find the model's decoder layers (no nn.ModuleList of identical blocks); give "
-                         "decoder_layers='model.layers' (Quark: model_decoder_layers) in the algorithm config")
-    return best[1], best[2]
-
-
-@dataclass
-class _Inputs:
-    """One layer's inputs, per batch: positional args and keyword args of the layer call."""
-
-    args: list
-    kwargs: list
-
-    def __len__(self):
-        return len(self.args)
-
-
-def _replay_call(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A decoder layer's call ``(args, kwargs)`` as kept for replaying it: tensors detached, no KV cache."""
-    kw = dict(kwargs)
-    for k in ("past_key_value", "past_key_values", "layer_past"):
-        if k in kw:
-            kw[k] = None
-    if "use_cache" in kw:
-        kw["use_cache"] = False
-    return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), kw
-
-
-def _capture(model: nn.Module, layer0: nn.Module, batches: Sequence, device, progress: bool) -> _Inputs:
-    from .quantizer import _call, _check_batch, _describe, _progress, _to
-
-    args_l: list = []
-    kwargs_l: list = []
-
-    def pre(mod, args, kwargs):
-        a, kw = _replay_call(args, kwargs)
-        args_l.append(a)
-        kwargs_l.append(kw)
-        raise _Stop
-
-    h = layer0.register_forward_pre_hook(pre, with_kwargs=True)
-    cfg = getattr(model, "config", None)
-    old_cache = getattr(cfg, "use_cache", None)
-    try:
-        if old_cache is not None:
-            cfg.use_cache = False
-        for i, batch in enumerate(_progress(batches, total=len(batches), desc="capturing layer inputs",
-                                                  enabled=progress)):
-            _check_batch(model, batch, i)
-            try:
-                _call(model, _to(batch, device))
-            except _Stop:
-                continue
-            except (RuntimeError, ValueError, TypeError, IndexError) as e:
-                raise ValueError(f"calibration batch {i} ({_describe(batch)}) does not fit the model: "
-                                 f"{type(e).__name__}: {e}") from e
-            raise ValueError(f"calibration batch {i}: the model's forward never reached its first decoder layer")
-    finally:
-        h.remove()
-        if old_cache is not None:
-            cfg.use_cache = old_cache
-    return _Inputs(args_l, kwargs_l)
-
-
-def _hidden(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def _forward_layer(layer: nn.Module, inputs: _Inputs, *, keep: bool):
-    """Run ``layer`` over every batch of ``inputs``; with ``keep`` return the next layer's ``_Inputs``."""
-    nxt_args = []
-    for args, kwargs in zip(inputs.args, inputs.kwargs):
-        try:
-            out = layer(*args, **kwargs)
-        except _Stop:
-            continue
-        if keep:
-            h = _hidden(out)
-            if args:
-                nxt_args.append((h,) + tuple(args[1:]))
-            else:
-                nxt_args.append(args)
-                kwargs["hidden_states"] = h
-    return _Inputs(nxt_args, inputs.kwargs) if keep else None
+# layers and their inputs: qcore.adapters.runner (find_decoder_layers and AlgorithmError stay importable here)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -222,7 +108,7 @@ def _gptq_targets(layer: nn.Module, lplans: dict, algo: GPTQConfig, prefix: str)
     return out
 
 
-def _stages(layer: nn.Module, targets: list[str], inputs: _Inputs, true_sequential: bool) -> list[list[list[str]]]:
+def _stages(layer: nn.Module, targets: list[str], inputs: LayerInputs, true_sequential: bool) -> list[list[list[str]]]:
     """Targets grouped by shared input (the same tensor object) in call order; with ``true_sequential`` each
     input group is its own stage, else one stage holds every group."""
     order: list[str] = []
@@ -238,7 +124,7 @@ def _stages(layer: nn.Module, targets: list[str], inputs: _Inputs, true_sequenti
     hs = [layer.get_submodule(n).register_forward_pre_hook(hook(n)) for n in targets]
     try:
         with torch.no_grad():
-            _forward_layer(layer, _Inputs(inputs.args[:1], inputs.kwargs[:1]), keep=False)
+            forward_layer(layer, LayerInputs(inputs.args[:1], inputs.kwargs[:1]), keep=False)
     finally:
         for h in hs:
             h.remove()
@@ -255,7 +141,7 @@ def _stages(layer: nn.Module, targets: list[str], inputs: _Inputs, true_sequenti
     return [[g] for g in groups] if true_sequential else [groups]
 
 
-def _collect_hessians(layer, groups: list[list[str]], inputs: _Inputs, stop_after: Optional[str]):
+def _collect_hessians(layer, groups: list[list[str]], inputs: LayerInputs, stop_after: Optional[str]):
     stats: dict[str, HessianStats] = {}
     heads = [g[0] for g in groups]
 
@@ -265,12 +151,12 @@ def _collect_hessians(layer, groups: list[list[str]], inputs: _Inputs, stop_afte
             st = stats.get(name) or HessianStats.empty(x.shape[-1], like=x)
             stats[name] = update_hessian(st, x)
             if name == stop_after:
-                raise _Stop
+                raise Stop
         return f
 
     hs = [layer.get_submodule(n).register_forward_pre_hook(hook(n)) for n in heads]
     try:
-        _forward_layer(layer, inputs, keep=False)
+        forward_layer(layer, inputs, keep=False)
     finally:
         for h in hs:
             h.remove()
@@ -322,7 +208,7 @@ def _write(m: nn.Module, q, pinned: dict, name: str, reference: Optional[dict] =
     pinned[name] = q
 
 
-def _run_gptq(layer, lplans, inputs: _Inputs, algo: GPTQConfig, prefix: str, pinned: dict, reduce=None,
+def _run_gptq(layer, lplans, inputs: LayerInputs, algo: GPTQConfig, prefix: str, pinned: dict, reduce=None,
               reference: Optional[dict] = None) -> None:
     targets = _gptq_targets(layer, lplans, algo, prefix)
     if not targets:
@@ -380,7 +266,7 @@ def check_layers(layers, by_layer: list[dict], algos, path: str) -> None:
                 _gptq_targets(layer, by_layer[i], a, f"{path}.{i}")
 
 
-def run_layer(layer: nn.Module, lplans: dict, inputs: _Inputs, algos, prefix: str, pinned: dict, reduce=None,
+def run_layer(layer: nn.Module, lplans: dict, inputs: LayerInputs, algos, prefix: str, pinned: dict, reduce=None,
               reference: Optional[dict] = None) -> None:
     """The algorithms, in order, on one decoder layer over its kept ``inputs`` (the per-layer step of
     ``run_algorithms``, shared with ``qcore.adapters.streaming``); GPTQ's QTensors go into ``pinned``, and (when
@@ -411,8 +297,6 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
     GPTQ), its ``sum`` / ``max`` / ``min`` reduce other statistics; every rank then computes the same weights.
     ``reference``: a dict to receive ``{module name: float weight GPTQ started from}`` (CPU copies; the report's
     reference weights, ``qcore.adapters.layer_report``)."""
-    from .quantizer import _device_of, _progress
-
     algos = parse_algorithms(algorithms)
     if not algos:
         return {}
@@ -431,32 +315,20 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
     path, layers, by_layer = layer_plans(model, plans, algos)
     check_layers(layers, by_layer, algos, path)
 
-    device = _device_of(model)
+    runner = LayerRunner(model, path=path, layers=layers, progress=progress)
     was_training = model.training
     model.eval()
     pinned: dict = {}
-    current: Optional[int] = None
     t0 = time.perf_counter()
+
+    def step(i, layer, inputs):
+        run_layer(layer, by_layer[i], inputs, algos, f"{path}.{i}", pinned, reduce, reference)
+
     try:
         with torch.no_grad():
-            inputs = _capture(model, layers[0], batches, device, progress)
-            for i in _progress(range(len(layers)), total=len(layers), desc="algorithms, layer by layer",
-                               enabled=progress):
-                layer = layers[i]
-                prefix = f"{path}.{i}"
-                current = i
-                run_layer(layer, by_layer[i], inputs, algos, prefix, pinned, reduce, reference)
-                inputs = _forward_layer(layer, inputs, keep=True)
-    except BaseException as e:
-        if current is None:
-            raise
-        model._qcore_partial = True  # quantize_model refuses a half-rewritten model
-        msg = (f"while running {[a.name for a in algos]} on decoder layer {current} of {path!r}; layers "
-               f"0..{current} may already be rewritten: reload the model before quantizing it again")
-        if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: keep their type
-            _log.warning("interrupted %s", msg)
-            raise
-        raise AlgorithmError(f"{type(e).__name__}: {e} ({msg})") from e
+            inputs = runner.capture(batches)
+            runner.run(step, inputs, desc="algorithms, layer by layer", rewrites=True,
+                       what=f"{[a.name for a in algos]}")
     finally:
         model.train(was_training)
     _log.info("algorithms %s on %d layers in %.1f s", [a.name for a in algos], len(layers), time.perf_counter() - t0)

@@ -16,7 +16,7 @@ float64 Hessian per distinct input).
 How: the transformers model is built from ``config.json`` with its parameters on the meta device (no memory;
 ``accelerate.init_empty_weights``); the weights outside the decoder layers are read from the safetensors files
 (plain reads, no memory map: the page cache is not part of the process); the calibration batches run to the
-first decoder layer, whose inputs are kept; then for each layer in turn:
+first decoder layer, whose inputs are kept; then for each layer in turn (a pass of ``qcore.adapters.runner``):
 
 1. its weights are read into a copy of the (meta) layer;
 2. the algorithms run on it (``qcore.adapters.sequential.run_layer``, the step ``run_algorithms`` runs) and
@@ -62,7 +62,8 @@ from .export import (ExportInfo, _info, _plan_tensors, _quantization_config, che
                      write_metadata, write_shards)
 from .hf import _ST_TORCH
 from .modules import wrap
-from .quantizer import _as_config, _progress, _set_module, _to, config_algorithms, plan_model
+from .quantizer import _as_config, _set_module, config_algorithms, plan_model
+from .runner import LayerRunner, Spill, find_decoder_layers, forward_layer
 
 _log = logging.getLogger("qcore.adapters")
 
@@ -169,69 +170,6 @@ def _meta_keys(module: nn.Module) -> list[str]:
     return [k for k, t in module.state_dict(keep_vars=True).items() if t is not None and t.is_meta]
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# spilled records: a layer's encoded tensors, written out before the layer is dropped
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class _Spill:
-    """Append-only file of encoded tensors; ``add`` writes a record's bytes now and returns a record that reads
-    them back when the shards are written."""
-
-    def __init__(self, path: pathlib.Path):
-        self.path = path
-        self.f = open(path, "wb")
-        self.pos = 0
-
-    def add(self, r: TensorRecord, name: str) -> TensorRecord:
-        data = r.produce()
-        if len(data) != r.nbytes:
-            raise ValueError(f"tensor {r.name!r}: produced {len(data)} bytes, expected {r.nbytes}")
-        self.f.write(data)
-        off, self.pos = self.pos, self.pos + len(data)
-        path, n = self.path, len(data)
-
-        def produce(path=path, off=off, n=n) -> bytes:
-            with open(path, "rb") as f:
-                f.seek(off)
-                return f.read(n)
-        return TensorRecord(name, r.dtype, r.shape, produce)
-
-    def close(self) -> None:
-        if not self.f.closed:
-            self.f.flush()
-            self.f.close()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the tail: modules after the decoder layers, calibrated from the kept final hidden states
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class _Replay(nn.Module):
-    """Stands for the first decoder layer: returns the kept output of the last layer for each batch in turn."""
-
-    def __init__(self, outs: list, as_tuple: bool):
-        super().__init__()
-        self.outs, self.as_tuple, self.i = outs, as_tuple, 0
-
-    def forward(self, hidden_states=None, *args, **kwargs):
-        h = self.outs[self.i]
-        self.i += 1
-        return (h,) if self.as_tuple else h
-
-
-class _Pass(nn.Module):
-    """Stands for the other decoder layers: passes the hidden states through."""
-
-    def __init__(self, as_tuple: bool):
-        super().__init__()
-        self.as_tuple = as_tuple
-
-    def forward(self, hidden_states=None, *args, **kwargs):
-        return (hidden_states,) if self.as_tuple else hidden_states
-
-
 def _release_memory() -> None:
     """Hand the memory freed with a layer back to the OS. glibc's malloc serves blocks of the sizes it has seen
     freed from its heap afterwards (its mmap threshold grows), and a fragmented heap keeps them resident: without
@@ -243,10 +181,6 @@ def _release_memory() -> None:
         trim = None
     if trim is not None:
         trim(0)
-
-
-def _hidden_of(args, kwargs):
-    return args[0] if args else kwargs["hidden_states"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -336,7 +270,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
     if (static or algos) and not data:
         what = "the algorithms" if algos else "static activation scales"
         raise ValueError(f"{what} need calibration data; pass a non-empty list of batches as data=")
-    from .sequential import check_layers, find_decoder_layers, layer_plans
+    from .sequential import check_layers, layer_plans
     if algos:
         path, layers, by_layer = layer_plans(model, plans, algos)
         check_layers(layers, by_layer, algos, path)
@@ -367,7 +301,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
     spill = None
     try:
         with staged_dir(dst, recheck=lambda: check_destination(dst, overwrite, [src])) as tmp:
-            spill = _Spill(tmp / ".qcore-layers.spill")
+            spill = Spill(tmp / ".qcore-layers.spill")
             with torch.no_grad():
                 records, layouts = _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static,
                                         data, source, dtype, device, spill, pack_method, progress)
@@ -398,11 +332,12 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
 
 def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static, data, source, dtype, device,
          spill, pack_method, progress):
-    from .sequential import _capture, _forward_layer, run_layer
+    from .sequential import run_layer
 
+    runner = LayerRunner(model, path=path, layers=layers, device=device, progress=progress)
     # streams of layer inputs: the algorithms' (float modules outside the layers, as run_algorithms sees them)
     # and the calibration's (quantized weights, static roles observed, as calibrate sees them)
-    alg_in = _capture(model, layers[0], data, device, progress) if algos else None
+    alg_in = runner.capture(data) if algos else None
     outer = []
     for p in outer_plans:
         w = wrap(model.get_submodule(p.name), p.config, name=p.name)
@@ -414,7 +349,7 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
         for w in outer:
             if w.static_roles():
                 w.start_calibration()
-        cal_in = _capture(model, layers[0], data, device, progress)
+        cal_in = runner.capture(data)
         for w in outer:
             if w._observers:
                 if all(o.n > 0 for o in w._observers.values()):
@@ -424,11 +359,11 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
                     tail.append(w)
     records: list[TensorRecord] = []
     layouts: dict[str, str] = {}
-    as_tuple: list = []
     n = len(layers)
-    for i in _progress(range(n), total=n, desc="quantizing layer by layer", enabled=progress):
+    streams = {"alg": alg_in, "cal": cal_in}
+
+    def step(i, meta_layer, _):
         prefix = f"{path}.{i}"
-        meta_layer = layers[i]
         work = copy.deepcopy(meta_layer)
         _load(work, prefix + ".", _meta_keys(work), source, dtype, device)
         for name, b in list(work.named_buffers()):
@@ -438,8 +373,8 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
         try:
             pinned: dict = {}
             if algos:
-                run_layer(work, by_layer[i], alg_in, algos, prefix, pinned, None)
-                alg_in = _forward_layer(work, alg_in, keep=True) if i + 1 < n else None
+                run_layer(work, by_layer[i], streams["alg"], algos, prefix, pinned, None)
+                streams["alg"] = forward_layer(work, streams["alg"], keep=True) if i + 1 < n else None
             mine = [p for p in plans if layer_of.get(p.name) == i]
             wrappers = []
             for p in mine:
@@ -452,15 +387,12 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
                 obs = [w for w in wrappers if w.static_roles()]
                 for w in obs:
                     w.start_calibration()
-                h = work.register_forward_hook(lambda m, a, o: as_tuple.append(isinstance(o, (tuple, list))))
                 try:
-                    cal_in = _forward_layer(work, cal_in, keep=True)
+                    streams["cal"] = forward_layer(work, streams["cal"], keep=True)
                 except BaseException:
                     for w in obs:
                         w.abort_calibration()
                     raise
-                finally:
-                    h.remove()
                 for w in obs:
                     w.finish_calibration()
             for w in wrappers:
@@ -473,8 +405,10 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
             layers[i] = meta_layer
             del work
         _release_memory()
+
+    runner.run(step, desc="quantizing layer by layer", replay=False)
     if tail:
-        _calibrate_tail(model, layers, tail, cal_in, data, device, bool(as_tuple and as_tuple[-1]), progress)
+        _calibrate_tail(runner, tail, streams["cal"], data)
     for w in outer:
         w.commit()
     # the tensors outside the layers (read from the live modules when the shards are written)
@@ -490,26 +424,17 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
     return records, layouts
 
 
-def _calibrate_tail(model, layers, tail, cal_in, data, device, as_tuple: bool, progress: bool) -> None:
+def _calibrate_tail(runner: LayerRunner, tail: list, finals, data) -> None:
     """Static scales of the modules after the decoder layers: the model runs with its layers replaced by the
-    kept final hidden states."""
-    from .quantizer import _call
-
-    finals = [_hidden_of(a, k) for a, k in zip(cal_in.args, cal_in.kwargs)]
-    saved = list(layers)
-    for j in range(len(layers)):
-        layers[j] = _Replay(finals, as_tuple) if j == 0 else _Pass(as_tuple)
+    kept final hidden states (``LayerRunner.run_from`` past the last layer)."""
     for w in tail:
         w.start_calibration()
     try:
-        for batch in _progress(data, total=len(data), desc="calibrating the output modules", enabled=progress):
-            _call(model, _to(batch, device))
+        for _ in runner.run_from(len(runner), data, inputs=finals, move=True, desc="calibrating the output modules"):
+            pass
         for w in tail:
             w.finish_calibration()
     except BaseException:
         for w in tail:
             w.abort_calibration()
         raise
-    finally:
-        for j, m in enumerate(saved):
-            layers[j] = m

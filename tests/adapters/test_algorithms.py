@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 import qcore  # noqa: E402
 from qcore.adapters import ModelConfig, export_hf, from_pretrained, preset, quantize_model  # noqa: E402
 from qcore.adapters import sequential  # noqa: E402
+from qcore.adapters.runner import capture  # noqa: E402
 from qcore.adapters.sequential import AlgorithmError, find_decoder_layers  # noqa: E402
 
 
@@ -78,7 +79,7 @@ def test_the_first_layer_inputs_hold_the_attention_kwargs(setup):
     model, data, _, _ = setup
     path, layers = find_decoder_layers(model)
     assert path == "model.layers" and len(layers) == 2
-    inputs = sequential._capture(model, layers[0], data[:2], torch.device("cpu"), False)
+    inputs = capture(model, layers[0], data[:2], device=torch.device("cpu"), progress=False)
     assert len(inputs) == 2 and inputs.args[0][0].shape == (2, 32, 64)
     assert "position_embeddings" in inputs.kwargs[0] and inputs.kwargs[0].get("past_key_values") is None
 
