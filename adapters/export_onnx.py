@@ -638,7 +638,7 @@ def _traced(model: nn.Module, inputs: tuple, kwargs: Optional[dict], ctx: _Ctx, 
             else:
                 ctx.weight(name, m, output=nd.output[0])
         else:
-            axis = 1 if m._conv else -1
+            axis = m.activation_axis
             y = ctx.act(name, m, role, nd.input[0], axis=axis)
             g.node("Identity", [y], f"{name}_{role}_out", outputs=[nd.output[0]])
         out_nodes.extend(g.nodes[start:])

@@ -385,7 +385,7 @@ class _QuantMixin:
         if role not in self._qspecs or not self.quant_enabled or p is None:
             return p
         mode = self._qmode
-        if mode == _INPLACE:
+        if mode == _INPLACE or (mode == _FROZEN and role == "bias"):  # a frozen module's bias stays quantized in place
             ver = self._wver if role == "weight" else self._bver
             if ver != (p._version, p.data_ptr()):
                 self._inplace_quantize(role)
@@ -411,9 +411,9 @@ class _QuantMixin:
         for role in ("input", "output"):  # static scales loaded from a checkpoint count as calibrated
             if any(f"{prefix}{role}_{k}" in state_dict for k in ("scale", "tensor_scale")):
                 self._calibrated.add(role)
-        if self._qmode != _INPLACE:
+        if self._qmode not in (_INPLACE, _FROZEN):
             return
-        for role in ("weight", "bias"):
+        for role in ("weight", "bias") if self._qmode == _INPLACE else ("bias",):
             if role in self._qspecs and prefix + role in state_dict and f"{prefix}{role}_scale" in state_dict:
                 self._adopt_loaded(role)
 
@@ -711,6 +711,11 @@ class _QuantMixin:
         return type(self).__bases__[1]
 
     @property
+    def activation_axis(self) -> int:
+        """The features axis of the activations: 1 for convolutions (``[N, C, *spatial]``), -1 otherwise."""
+        return 1 if self._conv else -1
+
+    @property
     def weight_shape(self) -> tuple:
         """The weight's shape in the canonical ``[out, in, *kernel]`` layout, frozen or not."""
         if self.frozen:
@@ -731,6 +736,8 @@ class _QuantMixin:
             raise ValueError(f"effective: role must be 'weight' or 'bias', got {role!r}")
         if canonical and role != "weight":
             raise ValueError("effective: canonical=True applies to role 'weight' only (a bias has one axis)")
+        if role == "bias" and getattr(self, "bias", None) is None:  # embeddings have no bias attribute
+            return None
         with torch.no_grad():
             t = self._w() if role == "weight" else self._param("bias")
         if t is None:

@@ -380,7 +380,7 @@ class _FloatView:
     """Stands for a quantized module in ``plan_model(..., _quantized_ok=True)``: its float type and its weight."""
 
     def __init__(self, m):
-        self.weight = m._parameters.get("weight", m._buffers.get("weight_packed"))
+        self.weight = m._parameters.get("weight", getattr(m, "weight_packed", None))
         self._base = m.float_type
 
 
