@@ -579,6 +579,9 @@ class _QuantMixin:
             self.register_buffer("weight_subblock_shifts", q.subblock_shifts.to(torch.uint8))
         self._frozen_meta = meta
         self._qmode = _FROZEN
+        if "bias" in self._qspecs:
+            with torch.no_grad():
+                self._param("bias")  # a quantized bias (qat: still the float master) is fake-quantized in place, once
 
     def load_frozen(self, parts, *, shape: tuple, dtype: torch.dtype, device: Any = None) -> None:
         """Make this module frozen from a weight's qcore parts (``qcore.formats.quark_layout.WeightParts``:

@@ -247,3 +247,16 @@ def test_activation_axis():
     assert wrap(nn.Embedding(4, 2), LayerConfig(weight="int8"), name="b").activation_axis == -1
     assert wrap(nn.Conv2d(4, 2, 1), LayerConfig(weight="int8"), name="c").activation_axis == 1
     assert wrap(nn.ConvTranspose2d(4, 2, 1), LayerConfig(weight="int8"), name="d").activation_axis == 1
+
+
+def test_freeze_after_qat_quantizes_the_bias_once():
+    torch.manual_seed(4)
+    fm, x = nn.Linear(16, 6), torch.randn(3, 16)
+    q = wrap(fm, LayerConfig(weight="int8", bias="int8"), name="fc", qat=True)
+    with torch.no_grad():
+        y, b = q(x), q.effective("bias").clone()
+    assert not torch.equal(b, fm.bias)  # the master stays float under qat
+    q.freeze()
+    assert torch.equal(q.bias.detach(), b) and torch.equal(q.effective("bias"), b)
+    with torch.no_grad():
+        assert torch.equal(q(x), y)
