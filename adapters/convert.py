@@ -226,18 +226,18 @@ def _effective(model: nn.Module) -> dict:
     for mname, m in model.named_modules(remove_duplicate=False):
         pre = f"{mname}." if mname else ""
         if isinstance(m, _QuantMixin):
-            spec = m._qspecs.get("weight")
+            spec = m.specs.get("weight")
             if spec is not None:
                 with torch.no_grad():
-                    w = m._w() if m.frozen else m._param("weight")
+                    w = m.effective("weight")
                 out[pre + "weight"] = ("weight", w.detach(), _spec_desc(spec))
             for role in ("input", "output"):
-                rs = m._qspecs.get(role)
+                rs = m.specs.get(role)
                 tc = getattr(m.qconfig, role, None)
                 if rs is None or tc is None:
                     continue
                 desc = f"{rs.name or rs.dtype.name} {'dynamic' if tc.dynamic else 'static'}"
-                sc = m._buffers.get(f"{role}_scale")
+                sc = m.scales(role).scale
                 out[f"{pre}{role}_quant"] = ("activation", None if tc.dynamic or sc is None else sc.detach(), desc)
         for n, t in m._parameters.items():
             if t is None or (isinstance(m, _QuantMixin) and n == "weight"):
@@ -407,7 +407,7 @@ def _onnx_changes(info: Any, model: nn.Module) -> list:
 
     def desc(name: str) -> str:
         m = mods.get(name[:-len(".weight")] if name.endswith(".weight") else name)
-        return _spec_desc(m._qspecs["weight"]) if isinstance(m, _QuantMixin) and "weight" in m._qspecs else "?"
+        return _spec_desc(m.specs["weight"]) if isinstance(m, _QuantMixin) and "weight" in m.specs else "?"
     return [TensorChange(r.name, "weight", desc(r.name), f"{r.onnx_type} ({r.how})", float(r.max_abs_diff))
             for r in info.quantized if not r.exact or r.how == "dequantized"]
 
@@ -421,7 +421,7 @@ def _check_dst(dst: pathlib.Path, overwrite: bool) -> None:
 def _model_dtype(model: nn.Module) -> torch.dtype:
     for m in model.modules():
         if isinstance(m, _QuantMixin) and m.frozen:
-            return m._frozen_meta["dtype"]
+            return m.weight_dtype
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
@@ -484,7 +484,7 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
             tok_note = tok_dropped
         else:
             tok_note = None
-        nq = sum(1 for m in model.modules() if isinstance(m, _QuantMixin) and "weight" in m._qspecs)
+        nq = sum(1 for m in model.modules() if isinstance(m, _QuantMixin) and "weight" in m.specs)
         imported = _import_changes(model)
         if nq == 0:
             raise ValueError(f"src {str(src_p)!r}: no weight could be loaded onto a qcore grid"

@@ -95,21 +95,19 @@ def weight_parts(m: _QuantMixin) -> tuple[L.WeightParts, tuple]:
     """The qcore parts of a quantized module's weight (canonical layout) and the canonical shape; frozen or not
     (a fake-quantized weight is quantized again with its own scales, exactly as ``freeze`` does, nothing
     changes)."""
-    spec = m._qspecs["weight"]
+    spec = m.specs["weight"]
     if m.frozen:
-        meta = m._frozen_meta
-        codes = qcore.packing.unpack(m.weight_packed.cpu(), spec.dtype, axis=-1, length=meta["shape"][-1])
+        shape = m.weight_shape
+        codes = qcore.packing.unpack(m.weight_packed.cpu(), spec.dtype, axis=-1, length=shape[-1])
         sc = m.weight_scale.cpu()
         scales = sc.float() if sc.dtype == torch.float32 else qcore.decode(sc, spec.scale_dtype)
-        zp = m._buffers.get("weight_zero_point")
-        sh = m._buffers.get("weight_subblock_shifts")
-        ts = m._buffers.get("weight_tensor_scale")
+        stored = m.scales("weight")
+        zp, sh, ts = stored.zero_point, stored.subblock_shifts, stored.tensor_scale
         return L.WeightParts(codes=_np(codes), scales=_np(scales.float()),
                              zero_points=None if zp is None else _np(zp.float()), shifts=None if sh is None else _np(sh),
-                             tensor_scale=None if ts is None else _np(ts.float())), tuple(meta["shape"])
-    with torch.no_grad():
-        w = m._param("weight").detach()
-    wc = m._canon(w).float().cpu()
+                             tensor_scale=None if ts is None else _np(ts.float())), shape
+    w = m.effective("weight", canonical=True)
+    wc = w.float().cpu()
     kw: dict[str, Any] = {"scale": m.weight_scale.cpu()}
     if not spec.symmetric:
         kw["zero_point"] = m.weight_zero_point.cpu()
@@ -127,26 +125,26 @@ def weight_parts(m: _QuantMixin) -> tuple[L.WeightParts, tuple]:
 
 def canonical_shape(m: _QuantMixin) -> tuple:
     """The shape of a quantized module's weight in the canonical ``[out, in, *kernel]`` layout, frozen or not."""
-    return tuple(m._frozen_meta["shape"]) if m.frozen else tuple(m._canon(m.weight).shape)
+    return m.weight_shape
 
 
 def module_layout(m: _QuantMixin) -> str:
-    return L.weight_layout(m._qspecs["weight"], canonical_shape(m), module="Linear" if type(m) is QuantLinear
+    return L.weight_layout(m.specs["weight"], canonical_shape(m), module="Linear" if type(m) is QuantLinear
                            else "other")
 
 
 def _activation_records(m: _QuantMixin, layout: str) -> dict:
     out = {}
     for role in m.static_roles():
-        if role not in m._calibrated:
+        if not m.is_calibrated(role):
             raise ValueError(f"export {m.qname!r}: static {role} scales are not calibrated; run quantize_model "
                              f"with calibration data before exporting")
-        spec = m._qspecs[role]
-        b = m._buffers
+        spec = m.specs[role]
+        b = m.scales(role)
         out.update(L.activation_tensors(
-            role, spec, scale=None if spec.two_level else _np(b[f"{role}_scale"].float()),
-            zero_point=None if f"{role}_zero_point" not in b else _np(b[f"{role}_zero_point"].float()),
-            tensor_scale=_np(b[f"{role}_tensor_scale"].float()) if spec.two_level else None, layout=layout))
+            role, spec, scale=None if spec.two_level else _np(b.scale.float()),
+            zero_point=None if b.zero_point is None else _np(b.zero_point.float()),
+            tensor_scale=_np(b.tensor_scale.float()) if spec.two_level else None, layout=layout))
     return out
 
 
@@ -165,7 +163,7 @@ def module_records(name: str, m: _QuantMixin, layout: str, cache: dict, pack_met
     """One quantized module's tensors in the checkpoint (weight codes and scales in ``layout``, calibrated
     activation scales, bias), as lazy records; ``cache`` holds one module's encoded weight at a time."""
     prefix = f"{name}."
-    spec = m._qspecs["weight"]
+    spec = m.specs["weight"]
     records: list[TensorRecord] = []
     for suffix, (dt, shp) in L.expected_weight(spec, canonical_shape(m), layout=layout).items():
         def arr(m=m, suffix=suffix, layout=layout, spec=spec):
@@ -179,9 +177,8 @@ def module_records(name: str, m: _QuantMixin, layout: str, cache: dict, pack_met
         records.append(_record(prefix + n, dt, lambda a=a: a, a.shape))
     bias = m._parameters.get("bias")
     if bias is not None:
-        if "bias" in m._qspecs:  # the fake-quantized bias the model computes with, as floats
-            with torch.no_grad():
-                records.append(_tensor_record(prefix + "bias", m._param("bias").detach()))
+        if "bias" in m.specs:  # the fake-quantized bias the model computes with, as floats
+            records.append(_tensor_record(prefix + "bias", m.effective("bias")))
         else:
             records.append(_tensor_record(prefix + "bias", bias))
     return records
@@ -244,7 +241,7 @@ def export_units(model: nn.Module, config: ModelConfig) -> list[ExportUnit]:
     ``check_gguf``, ``check_onnx``, ``check_ct``) look at, before any evaluation or quantization."""
     mods = [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantMixin)]
     if mods:
-        return [ExportUnit(n, type(m).__bases__[1].__name__, canonical_shape(m), m.qconfig) for n, m in mods]
+        return [ExportUnit(n, m.float_type.__name__, canonical_shape(m), m.qconfig) for n, m in mods]
     from .quantizer import plan_model
     out = []
     for p in plan_model(model, config):
@@ -392,7 +389,7 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
     config = model_config(model, config, who="export_hf")
     if not any(isinstance(m, _QuantMixin) for m in model.modules()):
         raise ValueError("export_hf: the model has no qcore quantized modules; run quantize_model first")
-    weightless = [n for n, m in model.named_modules() if isinstance(m, _QuantMixin) and "weight" not in m._qspecs]
+    weightless = [n for n, m in model.named_modules() if isinstance(m, _QuantMixin) and "weight" not in m.specs]
     if weightless:  # before any work: the layouts are the weights' (a KV-cache-only / activation-only config)
         raise ValueError(weightless_error("export_hf", weightless))
     hf_config = getattr(model, "config", None)

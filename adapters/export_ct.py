@@ -112,8 +112,8 @@ def _kv_role(name: str, m: _QuantMixin, config: ModelConfig) -> Optional[str]:
 
 def _scales_of(m: _QuantMixin) -> np.ndarray:
     """The float32 weight scales of a quantized module (without touching its codes when it can)."""
-    spec = m._qspecs["weight"]
-    sc = m._buffers.get("weight_scale")
+    spec = m.specs["weight"]
+    sc = m.scales("weight").scale
     if sc is not None and not sc.is_meta:
         v = sc.detach().cpu()
         v = v.float() if v.dtype == torch.float32 else torch.as_tensor(qcore.decode(v, spec.scale_dtype)).float()
@@ -155,7 +155,7 @@ def _act_args(m: _QuantMixin, role: str, where: str) -> Optional[CT.CTArgs]:
     tc = getattr(m.qconfig, role)
     if tc is None:
         return None
-    return CT.spec_to_args(m._qspecs[role], role=role, dynamic=tc.dynamic, where=f"{where} {role}")
+    return CT.spec_to_args(m.specs[role], role=role, dynamic=tc.dynamic, where=f"{where} {role}")
 
 
 def _unit_check(name: str, type_name: str, lc: Any, config: ModelConfig) -> None:
@@ -225,18 +225,18 @@ def _plan(model: nn.Module, config: ModelConfig) -> tuple[list[_Layer], dict, li
     floats: list[str] = []
     for name, m in model.named_modules():
         if isinstance(m, _QuantMixin):
-            _unit_check(name, type(m).__bases__[1].__name__, m.qconfig, config)
+            _unit_check(name, m.float_type.__name__, m.qconfig, config)
         if not isinstance(m, QuantLinear):
             if type(m) is nn.Linear:
                 floats.append(name)
             continue
         where = f"layer {name!r}"
-        if "weight" not in m._qspecs:  # KV cache only (_unit_check): a float Linear whose attention module
+        if "weight" not in m.specs:  # KV cache only (_unit_check): a float Linear whose attention module
             kv = _kv_role(name, m, config)  # holds the k / v scale
             floats.append(name)
             layers.append(_Layer(name, m, None, tuple(m.weight.shape), None, None, kv))
             continue
-        spec = m._qspecs["weight"]
+        spec = m.specs["weight"]
         w = CT.spec_to_args(spec, role="weight", where=f"{where} weight")
         inp = _act_args(m, "input", where)
         kv = _kv_role(name, m, config)
@@ -319,10 +319,10 @@ def _records(model: nn.Module, layers: list, st: str, report: dict) -> list[Tens
                     suffix, "codes")
                 report[prefix + suffix] = TensorReport(kind, dt, tuple(shp), True)
         for role in m.static_roles():
-            if role not in m._calibrated:
+            if not m.is_calibrated(role):
                 raise ValueError(f"export: layer {lay.name!r}: static {role} scales are not calibrated; run "
                                  f"quantize_model with calibration data before exporting")
-            s = m._buffers[f"{role}_scale"].detach().float().cpu().numpy().reshape(1)
+            s = m.scales(role).scale.detach().float().cpu().numpy().reshape(1)
             if role == "output" and lay.kv:
                 parent = lay.name.rsplit(".", 1)[0]
                 key = f"{parent}.{lay.kv}_scale"
@@ -333,9 +333,9 @@ def _records(model: nn.Module, layers: list, st: str, report: dict) -> list[Tens
             key = f"{prefix}{role}_scale"
             report[key] = _scale_report("activation_scale", st, s, (1,), key)
             records.append(_record(key, st, lambda s=s: CT.scale_to_dtype(s, st), (1,)))
-            zp = m._buffers.get(f"{role}_zero_point")
+            zp = m.scales(role).zero_point
             if zp is not None:
-                spec = m._qspecs[role]
+                spec = m.specs[role]
                 k = 0 if spec.dtype.signed else 1 << (spec.dtype.bits - 1)
                 z = (zp.detach().float().cpu().numpy().reshape(1).astype(np.int64) - k).astype(np.int8)
                 report[f"{prefix}{role}_zero_point"] = TensorReport("zero_point", "I8", (1,), True)

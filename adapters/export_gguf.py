@@ -88,9 +88,7 @@ _LLAMA_TYPES = ("llama",)
 
 
 def _in_memory_weight(m: _QuantMixin) -> np.ndarray:
-    with torch.no_grad():
-        w = m._w() if hasattr(m, "_w") else m._param("weight")
-        return m._canon(w).detach().float().cpu().numpy()
+    return m.effective("weight", canonical=True).float().cpu().numpy()
 
 
 def _nearest_type(spec) -> Optional[str]:
@@ -113,7 +111,7 @@ def _float_array(w: np.ndarray) -> tuple[np.ndarray, str]:
 
 def _encode_quantized(name: str, m: _QuantMixin, strict: bool) -> tuple[np.ndarray, str, TensorReport]:
     from .export import weight_parts
-    spec = m._qspecs["weight"]
+    spec = m.specs["weight"]
     parts, shape = weight_parts(m)
     ref = _in_memory_weight(m)
     if ref.shape != tuple(shape):
@@ -205,10 +203,10 @@ def _check_model(model: nn.Module, drop_activations: bool) -> tuple[dict, list[s
     for n, m in model.named_modules():
         if not isinstance(m, _QuantMixin):
             continue
-        why = _unit_problem(n, list(m._qspecs), drop_activations)
+        why = _unit_problem(n, list(m.specs), drop_activations)
         if why:
             raise ValueError(f"export_gguf: {why}")
-        dropped += [f"{n} ({r})" for r in m._qspecs if r != "weight"]
+        dropped += [f"{n} ({r})" for r in m.specs if r != "weight"]
     return d, dropped
 
 

@@ -140,9 +140,7 @@ def _np32(t: torch.Tensor) -> np.ndarray:
 
 
 def _in_memory_weight(m: _QuantMixin) -> np.ndarray:
-    with torch.no_grad():
-        w = m._w() if hasattr(m, "_w") else m._param("weight")
-        return np.ascontiguousarray(m._canon(w).detach().float().cpu().numpy())
+    return np.ascontiguousarray(m.effective("weight", canonical=True).float().cpu().numpy())
 
 
 class _Ctx:
@@ -162,7 +160,7 @@ class _Ctx:
     def weight(self, name: str, m: _QuantMixin, *, output: Optional[str] = None) -> str:
         """The float32 canonical weight of quantized module ``m`` (DequantizeLinear, or the dequantized floats)."""
         from .export import weight_parts
-        spec = m._qspecs["weight"]
+        spec = m.specs["weight"]
         ref = _in_memory_weight(m)
         if not m.quant_enabled:  # quantization switched off: the module computes with its float weight
             return self.g.init(f"{name}.weight", ref) if output is None else self.g.node(
@@ -195,9 +193,9 @@ class _Ctx:
     # -- activations --------------------------------------------------------------------------------------
 
     def act(self, name: str, m: _QuantMixin, role: str, x: str, *, axis: int) -> str:
-        if role not in m._qspecs or not m.quant_enabled:
+        if role not in m.specs or not m.quant_enabled:
             return x
-        spec = m._qspecs[role]
+        spec = m.specs[role]
         tc = getattr(m.qconfig, role)
         where = f"{name} ({role})"
         if not tc.calibrated:
@@ -212,12 +210,12 @@ class _Ctx:
             raise ValueError(f"export_onnx: {where}: {r}")
         if spec.two_level:
             raise ValueError(f"export_onnx: {where}: two-level activation scales have no ONNX operator")
-        if role not in m._calibrated:
+        if not m.is_calibrated(role):
             raise ValueError(f"export_onnx: {where}: static scales are not calibrated; run quantize_model with "
                              f"calibration data first")
-        b = m._buffers
-        s = _np32(b[f"{role}_scale"])
-        zp = b.get(f"{role}_zero_point")
+        b = m.scales(role)
+        s = _np32(b.scale)
+        zp = b.zero_point
         self.acts.append(f"{where}: static {spec.name or spec.dtype.name} QDQ")
         return X.activation_qdq(self.g, f"{name}_{role}", x, spec, s, None if zp is None else _np32(zp), axis=axis)
 
@@ -229,7 +227,7 @@ def _check_module(name: str, m: _QuantMixin, ctx: _Ctx) -> None:
     _check_roles(name, m.qconfig, ctx.unsupported)
     for role in ("input", "output"):
         tc = getattr(m.qconfig, role)
-        if role in m._qspecs and tc.calibrated and role not in m._calibrated:
+        if role in m.specs and tc.calibrated and not m.is_calibrated(role):
             raise ValueError(f"export_onnx: {name} ({role}): static scales are not calibrated; run "
                              f"quantize_model with calibration data first")
 
@@ -254,7 +252,7 @@ def _check_float32(model: nn.Module) -> None:
     bad += [n for n, b in model.named_buffers() if b.is_floating_point() and b.dtype not in (torch.float32,)
             and not n.endswith(("_scale", "_zero_point"))]
     for n, m in model.named_modules():
-        if isinstance(m, _QuantMixin) and m.frozen and m._frozen_meta["dtype"] != torch.float32:
+        if isinstance(m, _QuantMixin) and m.frozen and m.weight_dtype != torch.float32:
             bad.append(f"{n}.weight")
     if bad:
         raise ValueError(f"export_onnx: the ONNX graph computes in float32; {bad[0]!r} is not float32 "
@@ -338,12 +336,11 @@ class _Decoder:
         x = ctx.act(name, m, "input", x, axis=-1)
         bias = None
         if m.bias is not None:
-            with torch.no_grad():
-                bias = self.g.init(f"{name}.bias", _np32(m._param("bias")))
-        if "weight" not in m._qspecs or not m.quant_enabled:
+            bias = self.g.init(f"{name}.bias", _np32(m.effective("bias")))
+        if "weight" not in m.specs or not m.quant_enabled:
             y = g.node("MatMul", [x, self.float_param(f"{name}.weight.T", m.weight, transpose=True)], f"{name}_MatMul")
         else:
-            spec = m._qspecs["weight"]
+            spec = m.specs["weight"]
             from .export import canonical_shape, weight_parts
             shape = canonical_shape(m)
             if (ctx.weight_format is WeightFormat.MATMULNBITS and X.matmulnbits_block(spec, shape) is not None):
@@ -402,7 +399,7 @@ class _Decoder:
         base = model.model
         # embeddings
         emb = base.embed_tokens
-        if isinstance(emb, _QuantMixin) and "weight" in emb._qspecs:
+        if isinstance(emb, _QuantMixin) and "weight" in emb.specs:
             table = ctx.weight("model.embed_tokens", emb)
             tied_out = table
         else:
@@ -509,8 +506,8 @@ class _Decoder:
         x = self.rmsnorm("model.norm", base.norm, x)
         head = model.lm_head
         tied = getattr(head, "weight", None) is not None and getattr(emb, "weight", None) is head.weight
-        same = (not isinstance(head, _QuantMixin) or "weight" not in head._qspecs or tied_out is not None
-                and head._qspecs["weight"] == emb._qspecs["weight"] and getattr(head, "bias", None) is None)
+        same = (not isinstance(head, _QuantMixin) or "weight" not in head.specs or tied_out is not None
+                and head.specs["weight"] == emb.specs["weight"] and getattr(head, "bias", None) is None)
         if tied and same:  # the embedding table once (float or dequantized), as the tied head's weight
             if isinstance(head, _QuantMixin):
                 x = ctx.act("lm_head", head, "input", x, axis=-1)
@@ -571,7 +568,7 @@ def _traced(model: nn.Module, inputs: tuple, kwargs: Optional[dict], ctx: _Ctx, 
             torch._C._set_tracing_state(None)
             try:
                 with torch.no_grad():
-                    return m._qact(x.detach(), role).detach()
+                    return m.fake_quantize_activation(x.detach(), role).detach()
             finally:
                 torch._C._set_tracing_state(state)
 
@@ -588,8 +585,8 @@ def _traced(model: nn.Module, inputs: tuple, kwargs: Optional[dict], ctx: _Ctx, 
     consts: dict = {}
     with torch.no_grad():
         for n, m in mods:
-            w = m._w() if "weight" in m._qspecs else m.weight
-            b = m._param("bias") if getattr(m, "bias", None) is not None else None
+            w = m.effective("weight") if "weight" in m.specs else m.weight
+            b = m.effective("bias") if getattr(m, "bias", None) is not None else None
             consts[n] = (w.detach().clone(), None if b is None else b.detach().clone())
 
     def make_forward(n, m):
@@ -597,14 +594,14 @@ def _traced(model: nn.Module, inputs: tuple, kwargs: Optional[dict], ctx: _Ctx, 
         F = torch.nn.functional
 
         def fwd(self, *args, **kwargs):
-            wq = mark(w, "weight", n, m, "weight") if "weight" in m._qspecs else w
+            wq = mark(w, "weight", n, m, "weight") if "weight" in m.specs else w
             if isinstance(m, QuantEmbedding):
                 y = F.embedding(args[0], wq, m.padding_idx, m.max_norm, m.norm_type, m.scale_grad_by_freq, m.sparse)
             elif isinstance(m, QuantEmbeddingBag):
                 raise ValueError(f"export_onnx: {n}: EmbeddingBag is not exported to ONNX")
             else:
                 x = args[0]
-                if "input" in m._qspecs and m.quant_enabled:
+                if "input" in m.specs and m.quant_enabled:
                     x = mark(x, "act", n, m, "input")
                 if isinstance(m, QuantLinear):
                     y = F.linear(x, wq, b)
@@ -614,7 +611,7 @@ def _traced(model: nn.Module, inputs: tuple, kwargs: Optional[dict], ctx: _Ctx, 
                     y = F.conv_transpose2d(x, wq, b, m.stride, m.padding, op, m.groups, m.dilation)
                 else:
                     y = m._conv_forward(x, wq, b)
-            if "output" in m._qspecs and m.quant_enabled:
+            if "output" in m.specs and m.quant_enabled:
                 y = mark(y, "act", n, m, "output")
             return y
         return fwd
@@ -663,7 +660,7 @@ def _traced(model: nn.Module, inputs: tuple, kwargs: Optional[dict], ctx: _Ctx, 
             else:
                 ctx.weight(name, m, output=nd.output[0])
         else:
-            axis = 1 if m._conv else -1
+            axis = m.activation_axis
             y = ctx.act(name, m, role, nd.input[0], axis=axis)
             g.node("Identity", [y], f"{name}_{role}_out", outputs=[nd.output[0]])
         out_nodes.extend(g.nodes[start:])

@@ -22,7 +22,6 @@ import os
 import pathlib
 from typing import Any, Optional
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -143,12 +142,12 @@ class _Shell(nn.Module):
         super().__init__()
         q = QUANT_CLASSES[type(m)].from_module(m, config, name=name)  # on meta: planned here, filled in _build
         object.__setattr__(self, "_wrapper", q)  # not a submodule: its float weight is not in the checkpoint
-        spec = q._qspecs["weight"]
-        self.shape = tuple(q._canon(m.weight).shape)
+        spec = q.specs["weight"]
+        self.shape = q.weight_shape
         self.layout = L.weight_layout(spec, self.shape, module="Linear" if isinstance(m, nn.Linear) else "other")
         self.expected = dict(L.expected_weight(spec, self.shape, layout=self.layout))
         for role in q.static_roles():
-            self.expected.update(L.expected_activation(role, q._qspecs[role], q._static_shape(role),
+            self.expected.update(L.expected_activation(role, q.specs[role], q.static_scale_shape(role),
                                                        layout=self.layout))
         self.qname = name
         for n, (dt, shape) in self.expected.items():
@@ -244,24 +243,19 @@ def _build(sh: _Shell, pack_method: str, dtype: torch.dtype) -> nn.Module:
         raise CorruptCheckpointError(f"{where}: tensors {missing} were not loaded from the checkpoint")
     arrays = {n: _np(params[n]) for n in sh.expected}
     q, shape = sh._wrapper, sh.shape
-    spec = q._qspecs["weight"]
+    spec = q.specs["weight"]
     parts = L.decode_weight(arrays, spec, shape, layout=sh.layout, pack_method=pack_method, where=where)
     device = params["weight"].device
     q.load_frozen(parts, shape=shape, dtype=dtype, device=device)
     with torch.no_grad():
         if "bias" in q._parameters and q._parameters["bias"] is not None:
-            q._parameters["bias"] = sh.bias
-            q._qspecs.pop("bias", None)  # exported as the fake-quantized floats it computes with
+            q.load_bias(sh.bias)  # exported as the fake-quantized floats it computes with
         for role in q.static_roles():
-            a = L.decode_activation(arrays, role, q._qspecs[role], where=where)
+            a = L.decode_activation(arrays, role, q.specs[role], where=where)
             if a["tensor_scale"] is not None:
-                q._buffers[f"{role}_tensor_scale"] = torch.from_numpy(a["tensor_scale"]).to(device)
+                q.load_static_scales(role, tensor_scale=a["tensor_scale"], device=device)
             else:
-                q._buffers[f"{role}_scale"] = torch.from_numpy(a["scale"]).reshape(q._static_shape(role)).to(device)
-                if f"{role}_zero_point" in q._buffers:
-                    z = a["zero_point"] if a["zero_point"] is not None else np.zeros(a["scale"].shape, np.float32)
-                    q._buffers[f"{role}_zero_point"] = torch.from_numpy(z).reshape(q._static_shape(role)).to(device)
-            q._calibrated.add(role)
+                q.load_static_scales(role, scale=a["scale"], zero_point=a["zero_point"], device=device)
     left = [n for n, t in list(q.named_parameters()) + list(q.named_buffers()) if t is not None and t.is_meta]
     if left:
         raise RuntimeError(f"{where}: {left} stayed unloaded (a qcore bug; please report it)")

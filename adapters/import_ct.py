@@ -220,7 +220,7 @@ def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Modu
         g = which[p.name]
         fmt = ctc.scheme_format(g)
         q = QUANT_CLASSES[nn.Linear].from_module(m, p.config, name=p.name)
-        spec = q._qspecs["weight"]
+        spec = q.specs["weight"]
         want = CT.spec_to_args(spec, role="weight", where=f"{where} weight")
         have = ctc.config_groups[g].weights
         if have is None or CT.args_to_spec(have, role="weight")[0].dtype.bits != spec.dtype.bits or \
@@ -250,9 +250,9 @@ def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Modu
                 raise CorruptCheckpointError(f"{where}: tensor {key!r} has shape {list(reader.entries[key][1].shape)}; "
                                              f"qcore loads per-tensor static scales")
             zkey = f"{p.name}.{role}_zero_point"
-            if not q._qspecs[role].symmetric:
+            if not q.specs[role].symmetric:
                 reader.check(zkey, ("I8", "I32", "U8"), None, where)
-            acts[role] = (key, zkey if not q._qspecs[role].symmetric else None)
+            acts[role] = (key, zkey if not q.specs[role].symmetric else None)
         if m.bias is not None:
             reader.check(f"{p.name}.bias", _FLOAT_ST, (m.out_features,), where)
         todo.append((p, q, spec, shape, fmt, dts, acts))
@@ -303,15 +303,15 @@ def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Modu
                 if not np.isfinite(s) or not s > 0:
                     raise CorruptCheckpointError(f"{where}: tensor {key!r} holds {float(s)!r}; scales must be "
                                                  f"finite and positive")
-                q._buffers[f"{role}_scale"] = torch.from_numpy(np.array(s, np.float32)).reshape(q._static_shape(role))
+                z = None
                 if zkey is not None:
-                    rs = q._qspecs[role]
+                    rs = q.specs[role]
                     k = 0 if rs.dtype.signed else 1 << (rs.dtype.bits - 1)
                     z = float(reader.array(zkey).reshape(-1)[0]) + k
                     if not rs.qmin <= z <= rs.qmax:
                         raise CorruptCheckpointError(f"{where}: tensor {zkey!r} is out of range for {rs.dtype.name}")
-                    q._buffers[f"{role}_zero_point"] = torch.full(q._static_shape(role), z)
-                q._calibrated.add(role)
+                    z = torch.full(q.static_scale_shape(role), z)
+                q.load_static_scales(role, scale=np.array(s, np.float32), zero_point=z)
             _set_module(model, p.name, q)
         quantized = {p.name for p, *_ in todo}
         for name, mod in model.named_modules():

@@ -27,7 +27,9 @@ to the module's dtype once.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+import dataclasses
+from types import MappingProxyType
+from typing import Any, Mapping, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -383,7 +385,7 @@ class _QuantMixin:
         if role not in self._qspecs or not self.quant_enabled or p is None:
             return p
         mode = self._qmode
-        if mode == _INPLACE:
+        if mode == _INPLACE or (mode == _FROZEN and role == "bias"):  # a frozen module's bias stays quantized in place
             ver = self._wver if role == "weight" else self._bver
             if ver != (p._version, p.data_ptr()):
                 self._inplace_quantize(role)
@@ -409,9 +411,9 @@ class _QuantMixin:
         for role in ("input", "output"):  # static scales loaded from a checkpoint count as calibrated
             if any(f"{prefix}{role}_{k}" in state_dict for k in ("scale", "tensor_scale")):
                 self._calibrated.add(role)
-        if self._qmode != _INPLACE:
+        if self._qmode not in (_INPLACE, _FROZEN):
             return
-        for role in ("weight", "bias"):
+        for role in ("weight", "bias") if self._qmode == _INPLACE else ("bias",):
             if role in self._qspecs and prefix + role in state_dict and f"{prefix}{role}_scale" in state_dict:
                 self._adopt_loaded(role)
 
@@ -577,6 +579,9 @@ class _QuantMixin:
             self.register_buffer("weight_subblock_shifts", q.subblock_shifts.to(torch.uint8))
         self._frozen_meta = meta
         self._qmode = _FROZEN
+        if "bias" in self._qspecs:
+            with torch.no_grad():
+                self._param("bias")  # a quantized bias (qat: still the float master) is fake-quantized in place, once
 
     def load_frozen(self, parts, *, shape: tuple, dtype: torch.dtype, device: Any = None) -> None:
         """Make this module frozen from a weight's qcore parts (``qcore.formats.quark_layout.WeightParts``:
@@ -692,8 +697,164 @@ class _QuantMixin:
                           for r in ("weight", "input", "output", "bias") if r in self._qspecs)
         return f"{base}, quant=[{roles}], qmode={self._qmode}"
 
+    # -- reading a quantized module: the public API ------------------------------------------------------------
+    # Exporters, importers and algorithms read (and importers fill) a quantized module through these members
+    # only, never through its private state; wrappers added later inherit them.
+
+    @property
+    def specs(self) -> "Mapping[str, QuantSpec]":
+        """The spec of each quantized role (``"weight"``, ``"bias"``, ``"input"``, ``"output"``), read-only: a role
+        the config does not quantize is absent. Weight specs are given on the canonical ``[out, in, *kernel]`` layout,
+        activation specs on the ``[tokens, features]`` view (``[N, C, *spatial]`` for convolutions)."""
+        return MappingProxyType(self._qspecs)
+
+    @property
+    def float_type(self) -> type:
+        """The torch module class this wrapper replaces (``nn.Linear`` for ``QuantLinear``, ...)."""
+        return type(self).__bases__[1]
+
+    @property
+    def activation_axis(self) -> int:
+        """The features axis of the activations: 1 for convolutions (``[N, C, *spatial]``), -1 otherwise."""
+        return 1 if self._conv else -1
+
+    @property
+    def weight_shape(self) -> tuple:
+        """The weight's shape in the canonical ``[out, in, *kernel]`` layout, frozen or not."""
+        if self.frozen:
+            return tuple(self._frozen_meta["shape"])
+        return tuple(self._canon(self.weight).shape)
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the forward computes the weight in: a frozen module's dequantization dtype, else the weight's."""
+        return self._frozen_meta["dtype"] if self.frozen else self.weight.dtype
+
+    def effective(self, role: str, *, canonical: bool = False) -> Optional[torch.Tensor]:
+        """The ``"weight"`` or ``"bias"`` the forward computes with, detached: fake-quantized (computed at most once
+        per change of the parameter), or dequantized from the frozen codes; the float parameter when the role is not
+        quantized or ``quant_enabled`` is False (a frozen weight is dequantized either way); None for a missing
+        bias. ``canonical=True``: the weight in the canonical ``[out, in, *kernel]`` layout."""
+        if role not in ("weight", "bias"):
+            raise ValueError(f"effective: role must be 'weight' or 'bias', got {role!r}")
+        if canonical and role != "weight":
+            raise ValueError("effective: canonical=True applies to role 'weight' only (a bias has one axis)")
+        if role == "bias" and getattr(self, "bias", None) is None:  # embeddings have no bias attribute
+            return None
+        with torch.no_grad():
+            t = self._w() if role == "weight" else self._param("bias")
+        if t is None:
+            return None
+        return self._canon(t.detach()) if canonical else t.detach()
+
+    def scales(self, role: str) -> "StoredScales":
+        """The scale tensors the module stores for the quantized ``role`` (its buffers themselves, not copies).
+        Weight and bias: float32 scales while fake-quantized; after ``freeze`` the weight's scale codes
+        (``spec.scale_dtype`` decodes a dtype other than float32), integer zero points and sub-block shifts; the
+        codes are the ``weight_packed`` buffer. Activations: static scales only (a dynamic role stores none); NaN
+        until calibrated (``is_calibrated``)."""
+        if role not in self._qspecs:
+            raise ValueError(f"scales: {self.qname!r} does not quantize role {role!r}; its roles: "
+                             f"{list(self._qspecs)}")
+        b = self._buffers
+        return StoredScales(b.get(f"{role}_scale"), b.get(f"{role}_zero_point"), b.get(f"{role}_tensor_scale"),
+                            b.get(f"{role}_subblock_shifts"))
+
+    def is_calibrated(self, role: str) -> bool:
+        """Whether the static scales of activation ``role`` (``"input"`` / ``"output"``) hold values: calibrated by
+        ``quantize_model`` / ``calibrate``, or loaded (``load_state_dict``, ``load_static_scales``)."""
+        if role not in ("input", "output"):
+            raise ValueError(f"is_calibrated: role must be 'input' or 'output', got {role!r}")
+        return role in self._calibrated
+
+    def static_scale_shape(self, role: str) -> tuple:
+        """The shape of the static scale of activation ``role``: ``()`` per tensor, ``(features,)`` per feature."""
+        if role not in ("input", "output") or role not in self._qspecs:
+            raise ValueError(f"static_scale_shape: {self.qname!r} quantizes no activation role {role!r}; its "
+                             f"roles: {list(self._qspecs)}")
+        return self._static_shape(role)
+
+    @property
+    def observers(self) -> "Optional[Mapping[str, Any]]":
+        """While calibrating (between ``start_calibration`` and ``finish_calibration`` / ``abort_calibration``):
+        role -> the running statistics of that static role (``n``: the batches seen), read-only; else None."""
+        return None if self._observers is None else MappingProxyType(self._observers)
+
+    def fake_quantize_activation(self, x: torch.Tensor, role: str) -> torch.Tensor:
+        """``x`` fake-quantized as the forward does for activation ``role`` (``"input"`` / ``"output"``): dynamic
+        or calibrated static scales; ``x`` unchanged when the role is not quantized or ``quant_enabled`` is False."""
+        if role not in ("input", "output"):
+            raise ValueError(f"fake_quantize_activation: role must be 'input' or 'output', got {role!r}")
+        return self._qact(x, role)
+
+    def load_static_scales(self, role: str, *, scale: Any = None, zero_point: Any = None, tensor_scale: Any = None,
+                           device: Any = None) -> None:
+        """Set the static scales of activation ``role`` from a checkpoint (importers), as calibration would:
+        ``scale`` (reshaped to ``static_scale_shape(role)``) and, for an asymmetric spec, ``zero_point`` (None: 0);
+        for a two-level spec its per-tensor ``tensor_scale`` only. Tensors or arrays, stored as float32 (on
+        ``device`` when given). Checked before anything is stored."""
+        if role not in self.static_roles():
+            raise ValueError(f"load_static_scales: {self.qname!r} has no static {role!r} scales; its static roles: "
+                             f"{self.static_roles()}")
+        spec = self._qspecs[role]
+        new: dict[str, torch.Tensor] = {}
+        if spec.two_level:
+            if tensor_scale is None or scale is not None or zero_point is not None:
+                raise ValueError(f"load_static_scales {self.qname!r} ({role}): a two-level spec takes tensor_scale "
+                                 f"only")
+            new["tensor_scale"] = torch.as_tensor(tensor_scale, dtype=torch.float32)
+            if new["tensor_scale"].numel() != 1:
+                raise ValueError(f"load_static_scales {self.qname!r} ({role}): tensor_scale has shape "
+                                 f"{list(new['tensor_scale'].shape)}, expected one value")
+            new["tensor_scale"] = new["tensor_scale"].reshape(())
+        else:
+            if scale is None or tensor_scale is not None:
+                raise ValueError(f"load_static_scales {self.qname!r} ({role}): takes scale (and zero_point for an "
+                                 f"asymmetric spec), not tensor_scale")
+            if zero_point is not None and spec.symmetric:
+                raise ValueError(f"load_static_scales {self.qname!r} ({role}): the spec is symmetric; it takes no "
+                                 f"zero_point")
+            shape = self._static_shape(role)
+            vals = {"scale": scale}
+            if not spec.symmetric:
+                vals["zero_point"] = torch.zeros(shape) if zero_point is None else zero_point
+            for k, v in vals.items():
+                t = torch.as_tensor(v, dtype=torch.float32)
+                if t.numel() != int(np.prod(shape)):
+                    raise ValueError(f"load_static_scales {self.qname!r} ({role}): {k} has shape {list(t.shape)}, "
+                                     f"expected {list(shape)}")
+                new[k] = t.reshape(shape)
+        for k, t in new.items():
+            self._buffers[f"{role}_{k}"] = t if device is None else t.to(device)
+        self._calibrated.add(role)
+
+    def load_bias(self, bias: nn.Parameter) -> None:
+        """Give the module the bias it computes with as floats (a checkpoint stores a quantized bias as its
+        fake-quantized values): assigned as it is, never quantized again."""
+        if not isinstance(bias, nn.Parameter):
+            raise TypeError(f"load_bias {self.qname!r}: bias must be an nn.Parameter, got {type(bias).__name__}")
+        old = self._parameters.get("bias")
+        if old is None or tuple(old.shape) != tuple(bias.shape):
+            raise ValueError(f"load_bias {self.qname!r}: a bias of shape {list(bias.shape)}, but the module's bias is "
+                             f"{'absent' if old is None else list(old.shape)}")
+        self._parameters["bias"] = bias
+        self._qspecs.pop("bias", None)
+
 
 _SCALE_SUFFIXES = ("_scale", "_zero_point", "_tensor_scale", "_subblock_shifts")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StoredScales:
+    """The scale tensors a quantized module stores for one role (``_QuantMixin.scales``); None: not stored."""
+
+    scale: Optional[torch.Tensor]
+    zero_point: Optional[torch.Tensor]
+    tensor_scale: Optional[torch.Tensor]
+    subblock_shifts: Optional[torch.Tensor]
+
+
+__all__ += ["StoredScales"]
 
 
 class _Kept(NamedTuple):

@@ -347,7 +347,7 @@ def unquantized_weights(model: nn.Module, config: Union[ModelConfig, str, Mappin
         if p.config.weight is None:
             continue
         m = mods[p.name]
-        if not (is_quantized_module(m) and "weight" in m._qspecs):
+        if not (is_quantized_module(m) and "weight" in m.specs):
             w = getattr(m, "weight", None)
             out.append(FloatWeight(f"{p.name}.weight", p.name, type(m).__name__,
                                    tuple(w.shape) if isinstance(w, torch.Tensor) else (),
@@ -380,8 +380,8 @@ class _FloatView:
     """Stands for a quantized module in ``plan_model(..., _quantized_ok=True)``: its float type and its weight."""
 
     def __init__(self, m):
-        self.weight = m._parameters.get("weight", m._buffers.get("weight_packed"))
-        self._base = type(m).__bases__[1]
+        self.weight = m._parameters.get("weight", getattr(m, "weight_packed", None))
+        self._base = m.float_type
 
 
 def _nothing_planned(mods: dict) -> ValueError:
@@ -566,7 +566,7 @@ def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distri
         if n == 0:
             raise ValueError("calibration data is empty; static activation scales need at least one batch")
         if distributed is not None:
-            distributed.reduce_observers([o for m in mods for _, o in sorted(m._observers.items())])
+            distributed.reduce_observers([o for m in mods for _, o in sorted(m.observers.items())])
         for m in mods:
             m.finish_calibration()
         if moe.blocks:
@@ -692,8 +692,8 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
             with torch.no_grad():
                 for _, _, new in wrappers:
                     for role in ("weight", "bias"):
-                        if role in new._qspecs:
-                            new._param(role)
+                        if role in new.specs:
+                            new.effective(role)
     except BaseException:
         for name, old, _ in wrappers:
             _set_module(model, name, old)
@@ -702,7 +702,7 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         raise
     if reference is not None:
         for name, _, new in wrappers:
-            if name not in pinned and "weight" in new._qspecs:
+            if name not in pinned and "weight" in new.specs:
                 reference[name] = new.weight.detach().to("cpu", copy=True)
     if not qat:
         # Past this point the model is quantized: writing the weights in place cannot be undone without a second

@@ -351,8 +351,8 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
                 w.start_calibration()
         cal_in = runner.capture(data)
         for w in outer:
-            if w._observers:
-                if all(o.n > 0 for o in w._observers.values()):
+            if w.observers:
+                if all(o.n > 0 for o in w.observers.values()):
                     w.finish_calibration()  # called before the first layer: calibrated by the capture
                 else:
                     w.abort_calibration()

@@ -186,7 +186,7 @@ def _their_checkpoint(m, qdict, d):
         if not isinstance(q, QuantLinear):
             continue
         t = f.get_submodule(name)
-        spec = q._qspecs.get("weight")
+        spec = q.specs.get("weight")
         if spec is not None:
             shift = 0 if not isinstance(spec.dtype, qcore.dtypes.IntDType) or spec.dtype.signed else \
                 1 << (spec.dtype.bits - 1)
@@ -272,7 +272,7 @@ def test_importer_loads_compressed_tensors_checkpoints(exports, name, tmp_path):
     derived = back.qcore_config
     for p in ("model.layers.0.mlp.up_proj", "model.layers.1.self_attn.k_proj"):
         a, b = back.get_submodule(p), m.get_submodule(p)
-        assert a._qspecs["weight"] == b._qspecs["weight"]
+        assert a.specs["weight"] == b.specs["weight"]
     assert derived.exclude == ("lm_head",)
     from qcore.adapters import export_hf, from_pretrained
     export_hf(back, tmp_path / "quark")  # the derived config describes the model: Quark's layout writes it again

@@ -146,7 +146,7 @@ def test_asymmetric_uint4_exact_offsets_import_as_codes(zoo, tmp_path):
     b, warned = _import(tmp_path / "m.gguf")
     assert not warned and len(b.qcore_gguf_report.codes) == 14
     q = b.model.layers[0].mlp.up_proj
-    assert q._qspecs["weight"].symmetric is False and q._qspecs["weight"].dtype.name == "uint4"
+    assert q.specs["weight"].symmetric is False and q.specs["weight"].dtype.name == "uint4"
     p1, _ = weight_parts(m.model.layers[0].mlp.up_proj)
     p2, _ = weight_parts(q)
     assert np.array_equal(p1.codes, p2.codes) and np.array_equal(p1.zero_points, p2.zero_points)
@@ -183,7 +183,7 @@ def test_ggml_quantized_file_imports_as_codes(zoo, tmp_path, kind):
     rep = b.qcore_gguf_report
     assert not warned and rep.exact and len(rep.codes) == 15  # 14 + the untied output head
     assert isinstance(b.lm_head, QuantLinear) and b.lm_head.frozen
-    spec = b.model.layers[0].self_attn.q_proj._qspecs["weight"]
+    spec = b.model.layers[0].self_attn.q_proj.specs["weight"]
     if kind == "Q4_0":  # ggml writes d = x[argmax |x|] / -8: negative scales -> uint4 with zero points 7 / 8
         assert spec.dtype.name == "uint4" and not spec.symmetric
         zp = weight_parts(b.model.layers[0].self_attn.q_proj)[0].zero_points

@@ -78,7 +78,7 @@ def test_static_int8_activations_differ_only_from_a_rounding_tie(zoo, tmp_path, 
     seen = {}
     mods = dict(model.named_modules())
     hooks = [mods[n].register_forward_pre_hook(lambda m, a, n=n: seen.__setitem__(n, a[0].detach().clone()))
-             for n, m in mods.items() if isinstance(m, qa.QuantLinear) and "input" in m._qspecs]
+             for n, m in mods.items() if isinstance(m, qa.QuantLinear) and "input" in m.specs]
     with torch.no_grad():
         model(ids, use_cache=False)
     for h in hooks:
@@ -92,7 +92,7 @@ def test_static_int8_activations_differ_only_from_a_rounding_tie(zoo, tmp_path, 
         m = mods[name]
         scale = m._buffers["input_scale"]
         x_torch = seen[name]
-        codes_torch = (qcore.fake_quantize(x_torch, m._qspecs["input"], scale=scale) / scale).round().numpy()
+        codes_torch = (qcore.fake_quantize(x_torch, m.specs["input"], scale=scale) / scale).round().numpy()
         x_ort, codes_ort = res[node.input[0]], res[node.output[0]].astype(np.float32)
         bad = np.argwhere(codes_ort != codes_torch)
         flips += len(bad)

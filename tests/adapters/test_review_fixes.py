@@ -42,7 +42,7 @@ def test_qat_state_dict_has_scales_from_the_start_and_loads_into_a_fresh_qat_mod
     a(x).square().sum().backward()
     opt.step()
     a(x)  # grad-enabled forward
-    expect = qcore.quantize(a[0].weight.detach(), a[0]._qspecs["weight"]).scales
+    expect = qcore.quantize(a[0].weight.detach(), a[0].specs["weight"]).scales
     assert torch.equal(a.state_dict()["0.weight_scale"], expect)
 
 
