@@ -31,7 +31,7 @@ from typing import Any, Optional
 from .scaling import ScalingGroup
 
 __all__ = ["Family", "Experts", "ScalingRule", "UnknownFamily", "Located", "FAMILIES", "BY_MODEL_TYPE",
-           "family_of", "locate", "decoder_layers_path", "fused_units", "DEFAULT_FUSED", "register", "unregister",
+           "family_of", "family_or_none", "locate", "decoder_layers_path", "fused_units", "DEFAULT_FUSED", "attach", "ATTRIBUTE",
            "NORM_KINDS", "LINEAR_KINDS", "QKV_LAYOUTS"]
 
 #: how a norm's weight scales: ``rms`` x * w (no bias), ``rms_unit_offset`` x * (1 + w) (Gemma), ``layernorm``
@@ -432,9 +432,13 @@ def _model_type(obj: Any) -> tuple:
 
 def family_of(obj: Any, *, what: str = "") -> Family:
     """The record of ``obj``: a model (its ``config``), a transformers config, or a ``model_type`` str. For a
-    vision-language model, the record of its text config (the language tower). ``UnknownFamily`` (ValueError)
+    vision-language model, the record of its text config (the language tower). A model given a record with
+    ``attach`` has that one. ``UnknownFamily`` (ValueError)
     naming the model type, the class and the record to add when the table has none; ``what`` prefixes it (the
     pass that needs the record)."""
+    own = getattr(obj, ATTRIBUTE, None) if not isinstance(obj, str) else None
+    if isinstance(own, Family):
+        return own
     mt, cls = _model_type(obj)
     fam = BY_MODEL_TYPE.get(mt) if mt else None
     if fam is None:
@@ -473,9 +477,11 @@ def locate(model: Any, *, what: str = "") -> Located:
     """``family_of(model)`` and the prefix of its backbone in ``model``: the record's ``backbone``, the bare
     backbone (``""``) or a vision-language model's language tower, whichever holds the record's ``layers`` as a
     ModuleList. ValueError naming the paths tried when none does."""
-    from torch import nn
+    return _locate(model, family_of(model, what=what), what)
 
-    fam = family_of(model, what=what)
+
+def _locate(model: Any, fam: "Family", what: str) -> Located:
+    from torch import nn
     tried = []
     for prefix in dict.fromkeys((fam.backbone, "", *_TOWERS)):
         path = f"{prefix}.{fam.layers}" if prefix else fam.layers
@@ -496,6 +502,14 @@ def decoder_layers_path(model: Any) -> Optional[str]:
         return None
 
 
+def family_or_none(model: Any) -> Optional[Family]:
+    """``family_of(model)``, or None for a model whose family the table lacks (passes that can do without it)."""
+    try:
+        return family_of(model)
+    except UnknownFamily:
+        return None
+
+
 def fused_units(model: Any) -> tuple:
     """AMP's default units: the record's ``fused_units``, or ``DEFAULT_FUSED`` for a model without a record."""
     try:
@@ -504,28 +518,31 @@ def fused_units(model: Any) -> tuple:
         return DEFAULT_FUSED
 
 
-def register(family: Family, *, replace: bool = False) -> Family:
-    """Add ``family`` to the table for this process (``FAMILIES``, ``BY_MODEL_TYPE``); returns it. ValueError if
-    its ``model_type`` has a record already, unless ``replace``. (A record for everyone belongs in ``FAMILIES``
-    itself, with a tiny model in tests/adapters/test_families.py.)"""
-    global FAMILIES
+ATTRIBUTE = "qcore_family"  # where ``attach`` puts a user's record on one model
+
+
+def attach(model: Any, family: Family) -> Family:
+    """Give ``model`` the record ``family`` (a family the table lacks, or a replacement for one model): it is
+    stored on the model (``model.qcore_family``), so every pass reading ``family_of(model)`` uses it; nothing
+    global changes (a record for everyone belongs in ``FAMILIES``, with a tiny model in
+    tests/adapters/test_families.py). Checked before it is attached: the record's ``model_type`` is the model's,
+    its layers are where it says, and every module it names exists in every layer (ValueError naming the first
+    that does not). Returns the record."""
+    from torch import nn
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(family, Family):
         raise TypeError(f"family must be a qcore.adapters.families.Family, got {type(family).__name__}")
-    if not isinstance(replace, bool):
-        raise TypeError(f"replace must be a bool, got {replace!r}")
-    if family.model_type in BY_MODEL_TYPE and not replace:
-        raise ValueError(f"register: model_type {family.model_type!r} has a record already (the "
-                         f"{BY_MODEL_TYPE[family.model_type].name} record); pass replace=True to replace it")
-    BY_MODEL_TYPE[family.model_type] = family
-    FAMILIES = tuple(BY_MODEL_TYPE.values())
+    mt, cls = _model_type(model)
+    if mt != family.model_type:
+        raise ValueError(f"attach: the record is for model_type {family.model_type!r}, the model ({cls}) is "
+                         f"{mt!r}")
+    located = _locate(model, family, "attach")
+    layers = model.get_submodule(located.layers)
+    for i, layer in enumerate(layers):
+        for n in family.layer_names():
+            if _get(layer, n) is None:
+                raise ValueError(f"attach: the {family.name} record names {n!r}, which layer {i} "
+                                 f"({located.layers}.{i}, {type(layer).__name__}) does not have")
+    setattr(model, ATTRIBUTE, family)
     return family
-
-
-def unregister(model_type: str) -> Family:
-    """Remove the record of ``model_type`` from the table for this process; returns it (ValueError if none)."""
-    global FAMILIES
-    if model_type not in BY_MODEL_TYPE:
-        raise ValueError(f"unregister: no record for model_type {model_type!r}; the table has {sorted(BY_MODEL_TYPE)}")
-    fam = BY_MODEL_TYPE.pop(model_type)
-    FAMILIES = tuple(BY_MODEL_TYPE.values())
-    return fam

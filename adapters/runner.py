@@ -54,8 +54,10 @@ class Stop(Exception):
 
 
 def find_decoder_layers(model: nn.Module, path: Optional[str] = None) -> tuple[str, nn.ModuleList]:
-    """``(dotted path, ModuleList)`` of the model's decoder layers: ``path`` if given, else the longest
-    ``nn.ModuleList`` whose children are all of one type (ties: the one holding the most parameters)."""
+    """``(dotted path, ModuleList)`` of the model's decoder layers: ``path`` if given, else where the model's
+    architecture record (``qcore.adapters.families``) says they are (a vision-language model: its language
+    tower's), else the longest ``nn.ModuleList`` whose children are all of one type (ties: the one holding the most
+    parameters)."""
     if path is not None:
         try:
             m = model.get_submodule(path)
@@ -65,6 +67,10 @@ def find_decoder_layers(model: nn.Module, path: Optional[str] = None) -> tuple[s
         if not isinstance(m, nn.ModuleList) or len(m) == 0:
             raise ValueError(f"decoder_layers {path!r} is a {type(m).__name__}, not a non-empty nn.ModuleList")
         return path, m
+    from .families import decoder_layers_path
+    known = decoder_layers_path(model)
+    if known is not None and len(model.get_submodule(known)) > 0:
+        return known, model.get_submodule(known)
     best = None
     for name, m in model.named_modules():
         if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(c) for c in m}) == 1:

@@ -191,11 +191,13 @@ class NoScalingMap(ValueError):
 
 
 def scaling_groups(layer: nn.Module, *, model_type: Optional[str] = None,
-                   quark_entries: Optional[Iterable[Any]] = None) -> list:
+                   quark_entries: Optional[Iterable[Any]] = None, family: Any = None) -> list:
     """The scaling groups of one decoder layer (module docstring), in Quark's order.
 
     ``quark_entries``: Quark's ``scaling_layers`` (list of dicts, or ScalingGroups) to use instead of the built-in
-    map. Otherwise the groups come from the architecture records (``qcore.adapters.families``): with a
+    map. ``family``: the record of the model the layer belongs to (``families.family_of(model)``, which includes a
+    record given to that model with ``families.attach``): its groups. Otherwise the groups come from the
+    architecture records (``qcore.adapters.families``): with a
     ``model_type`` in the table, that family's record (the layer must have its structure); without one, the
     first record whose structure the layer has (records naming more modules first).
     """
@@ -207,7 +209,7 @@ def scaling_groups(layer: nn.Module, *, model_type: Optional[str] = None,
         return _from_entries(layer, quark_entries)
     from .families import BY_MODEL_TYPE, FAMILIES
 
-    fam = BY_MODEL_TYPE.get(model_type.lower()) if model_type else None
+    fam = family if family is not None else BY_MODEL_TYPE.get(model_type.lower()) if model_type else None
     cands = [fam] if fam else sorted(FAMILIES, key=lambda f: -len(f.layer_names()))
     notes = []
     for f in cands:

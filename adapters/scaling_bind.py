@@ -45,9 +45,9 @@ def _entries(algo) -> Optional[list]:
     return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in e} for e in algo.scaling_layers]
 
 
-def _groups(layer: nn.Module, algo, prefix: str) -> list[ScalingGroup]:
+def _groups(layer: nn.Module, algo, prefix: str, family=None) -> list[ScalingGroup]:
     try:
-        return scaling_groups(layer, quark_entries=_entries(algo))
+        return scaling_groups(layer, quark_entries=_entries(algo), family=family)
     except NoScalingMap as e:  # the algorithm's own setting, in Python and on the command line
         raise ValueError(f"{algo.name}: decoder layer {prefix!r}: {e.what}; give the algorithm Quark's "
                          f"scaling_layers (dicts with prev_op, layers, inp, module2inspect): in Python "
@@ -62,9 +62,10 @@ def _ispec(plan):
     return _with_granularity(tc.spec, _act_granularity(tc.spec.granularity, False))
 
 
-def check_scaling(layer: nn.Module, lplans: dict, algo, prefix: str) -> None:
-    """Everything ``apply_scaling`` needs from this layer, checked before any weight changes."""
-    groups = _groups(layer, algo, prefix)
+def check_scaling(layer: nn.Module, lplans: dict, algo, prefix: str, *, family=None) -> None:
+    """Everything ``apply_scaling`` needs from this layer, checked before any weight changes (``family``: the
+    model's architecture record, ``families.family_or_none``)."""
+    groups = _groups(layer, algo, prefix, family)
     for g in groups:
         n = layer.get_submodule(g.layers[0]).in_features
         try:
@@ -113,11 +114,11 @@ def _tokens(inputs) -> int:
     return total
 
 
-def apply_scaling(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, *, reduce=None) -> None:
+def apply_scaling(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, *, reduce=None, family=None) -> None:
     """Run ``algo`` (SmoothQuant, AutoSmoothQuant or AWQ config) on one decoder layer in place."""
     if reduce is not None and not isinstance(algo, SmoothQuantConfig):  # run_algorithms refuses these up front
         raise ValueError(f"{algo.name} does not run with distributed calibration; run it in one process")
-    groups = _groups(layer, algo, prefix)
+    groups = _groups(layer, algo, prefix, family)
     if not groups:
         return
     want = not isinstance(algo, SmoothQuantConfig)

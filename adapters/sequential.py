@@ -44,6 +44,7 @@ from qcore.stats import RunningStats
 
 from .config import MinMax, Percentile
 from .modules import _norm_weight_granularity, _with_granularity
+from .families import family_or_none
 from .runner import AlgorithmError, LayerInputs, LayerRunner, Stop, find_decoder_layers, forward_layer
 
 _log = logging.getLogger("qcore.adapters")
@@ -252,14 +253,15 @@ def layer_plans(model: nn.Module, plans: list, algos) -> tuple[str, nn.ModuleLis
     return path, layers, by_layer
 
 
-def check_layers(layers, by_layer: list[dict], algos, path: str) -> None:
-    """Every check the algorithms make on the layers before any weight changes (shapes only: meta layers too)."""
+def check_layers(layers, by_layer: list[dict], algos, path: str, *, family=None) -> None:
+    """Every check the algorithms make on the layers before any weight changes (shapes only: meta layers too);
+    ``family``: the model's architecture record (``families.family_or_none(model)``) or None."""
     scalers = [a for a in algos if not isinstance(a, GPTQConfig)]
     if scalers:
         from .scaling_bind import check_scaling
         for i, layer in enumerate(layers):
             for a in scalers:
-                check_scaling(layer, by_layer[i], a, f"{path}.{i}")
+                check_scaling(layer, by_layer[i], a, f"{path}.{i}", family=family)
     for a in algos:
         if isinstance(a, GPTQConfig):
             for i, layer in enumerate(layers):
@@ -267,7 +269,7 @@ def check_layers(layers, by_layer: list[dict], algos, path: str) -> None:
 
 
 def run_layer(layer: nn.Module, lplans: dict, inputs: LayerInputs, algos, prefix: str, pinned: dict, reduce=None,
-              reference: Optional[dict] = None) -> None:
+              reference: Optional[dict] = None, *, family=None) -> None:
     """The algorithms, in order, on one decoder layer over its kept ``inputs`` (the per-layer step of
     ``run_algorithms``, shared with ``qcore.adapters.streaming``); GPTQ's QTensors go into ``pinned``, and (when
     ``reference`` is a dict) the float weights GPTQ started from into ``reference`` (CPU copies)."""
@@ -276,7 +278,7 @@ def run_layer(layer: nn.Module, lplans: dict, inputs: LayerInputs, algos, prefix
             _run_gptq(layer, lplans, inputs, a, prefix, pinned, reduce, reference)
         else:
             from .scaling_bind import apply_scaling
-            apply_scaling(layer, lplans, inputs, a, prefix, reduce=reduce)
+            apply_scaling(layer, lplans, inputs, a, prefix, reduce=reduce, family=family)
 
 
 def check_algorithms(model: nn.Module, plans: list, algorithms) -> None:
@@ -285,7 +287,7 @@ def check_algorithms(model: nn.Module, plans: list, algorithms) -> None:
     algos = parse_algorithms(algorithms)
     if algos:
         path, layers, by_layer = layer_plans(model, plans, algos)
-        check_layers(layers, by_layer, algos, path)
+        check_layers(layers, by_layer, algos, path, family=family_or_none(model))
 
 
 def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence, *, progress: bool = True,
@@ -313,7 +315,8 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
                              f"share between ranks yet; run them in one process (gptq and smoothquant run "
                              f"distributed)")
     path, layers, by_layer = layer_plans(model, plans, algos)
-    check_layers(layers, by_layer, algos, path)
+    family = family_or_none(model)
+    check_layers(layers, by_layer, algos, path, family=family)
 
     runner = LayerRunner(model, path=path, layers=layers, progress=progress)
     was_training = model.training
@@ -322,7 +325,7 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
     t0 = time.perf_counter()
 
     def step(i, layer, inputs):
-        run_layer(layer, by_layer[i], inputs, algos, f"{path}.{i}", pinned, reduce, reference)
+        run_layer(layer, by_layer[i], inputs, algos, f"{path}.{i}", pinned, reduce, reference, family=family)
 
     try:
         with torch.no_grad():

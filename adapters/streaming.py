@@ -270,10 +270,11 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
     if (static or algos) and not data:
         what = "the algorithms" if algos else "static activation scales"
         raise ValueError(f"{what} need calibration data; pass a non-empty list of batches as data=")
+    from .families import family_or_none
     from .sequential import check_layers, layer_plans
     if algos:
         path, layers, by_layer = layer_plans(model, plans, algos)
-        check_layers(layers, by_layer, algos, path)
+        check_layers(layers, by_layer, algos, path, family=family_or_none(model))
     else:
         path, layers = find_decoder_layers(model)
         by_layer = [{} for _ in layers]
@@ -332,7 +333,9 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
 
 def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static, data, source, dtype, device,
          spill, pack_method, progress):
+    from .families import family_or_none
     from .sequential import run_layer
+    family = family_or_none(model)
 
     runner = LayerRunner(model, path=path, layers=layers, device=device, progress=progress)
     # streams of layer inputs: the algorithms' (float modules outside the layers, as run_algorithms sees them)
@@ -373,7 +376,7 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
         try:
             pinned: dict = {}
             if algos:
-                run_layer(work, by_layer[i], streams["alg"], algos, prefix, pinned, None)
+                run_layer(work, by_layer[i], streams["alg"], algos, prefix, pinned, None, family=family)
                 streams["alg"] = forward_layer(work, streams["alg"], keep=True) if i + 1 < n else None
             mine = [p for p in plans if layer_of.get(p.name) == i]
             wrappers = []

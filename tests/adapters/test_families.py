@@ -310,6 +310,28 @@ def test_an_unknown_family_refuses_naming_the_record_to_add():
         scaling_groups(_Custom().layers[0])
 
 
+def test_attach_gives_one_model_a_record_and_checks_it_first():
+    from qcore.adapters.families import attach
+    a, b = build("llama"), build("llama")
+    llama = BY_MODEL_TYPE["llama"]
+    own = dataclasses.replace(llama, name="My Llama", fused_units=(("q_proj", "k_proj"),))
+    assert attach(a, own) is own
+    assert family_of(a) is own and family_of(b) is llama  # on that model only: nothing global changed
+    assert fused_units(a) == (("q_proj", "k_proj"),) and family_of("llama") is llama
+    with pytest.raises(ValueError, match=r"model_type 'mistral'.*'llama'"):
+        attach(b, BY_MODEL_TYPE["mistral"])
+    bad = dataclasses.replace(llama, act="mlp.activation")
+    with pytest.raises(ValueError, match=r"'mlp.activation', which layer 0"):
+        attach(b, bad)
+    with pytest.raises(ValueError, match="has no decoder layers"):
+        attach(b, dataclasses.replace(llama, layers="blocks"))
+    with pytest.raises(TypeError, match="Family"):
+        attach(b, {"model_type": "llama"})
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        attach("llama", llama)
+    assert not hasattr(b, "qcore_family")  # every refusal before anything was attached
+
+
 def test_fused_units_come_from_the_record():
     assert fused_units(build("phi3")) == () and fused_units(build("llama")) == DEFAULT_FUSED
     assert fused_units(build("bert")) == (("query", "key", "value"),)
