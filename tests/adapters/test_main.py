@@ -184,3 +184,15 @@ def test_the_command_line_still_names_flags(lm_dir, capsys):
     err = capsys.readouterr().err
     assert err.strip() == "qcore quantize: error: --seq-len 1: perplexity needs windows of 2 tokens or more (or " \
                           "--eval none)"
+
+
+def test_every_flag_of_qcore_quantize_is_an_argument_of_the_function():
+    import inspect
+
+    from qcore.cli import build_parser
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["quantize"]
+    sub.parse_known_args([])  # the model commands' flags are added when the command is parsed
+    flags = {a.dest for a in sub._actions} - {"help", "debug"}  # --debug: tracebacks; Python raises anyway
+    renames = {"algo": "algorithms", "no_progress": "progress"}
+    params = set(inspect.signature(quantize_and_report).parameters)
+    assert {renames.get(f, f) for f in flags} == params - {"tokenizer", "command"}
