@@ -196,3 +196,11 @@ def test_every_flag_of_qcore_quantize_is_an_argument_of_the_function():
     renames = {"algo": "algorithms", "no_progress": "progress"}
     params = set(inspect.signature(quantize_and_report).parameters)
     assert {renames.get(f, f) for f in flags} == params - {"tokenizer", "command"}
+
+
+def test_without_torch_a_model_command_says_what_to_install(numpy_only):
+    numpy_only("import contextlib, io, sys\nsys.modules['torch'] = None  # as if torch were not installed\n"
+               "import qcore.cli\nerr = io.StringIO()\nwith contextlib.redirect_stderr(err):\n"
+               "    assert qcore.cli.main(['quantize', '--help']) == 2\n"
+               "assert err.getvalue().startswith('qcore quantize: error: this command needs torch'), err.getvalue()\n"
+               "assert \"pip install 'qcore-numerics[hf]'\" in err.getvalue()\ndel sys.modules['torch']\n")
