@@ -3,6 +3,11 @@
     from qcore.adapters import quantize_model, preset
     model = quantize_model(model, preset("w_uint4_per_group_asym", group_size=64))
 
+The main job (what ``qcore quantize`` does: load, quantize, evaluate, export, report) is one function:
+
+    from qcore.adapters import quantize_and_report
+    report = quantize_and_report("path/to/model", "uint4_wo_64", algorithms=["gptq"], output="out")
+
 Importing this package imports torch. When transformers is installed, it also registers the quantization method
 ``"qcore"`` with transformers (``transformers.quantizers.register_quantization_config`` / ``register_quantizer``),
 so ``AutoModelForCausalLM.from_pretrained`` loads qcore checkpoints; nothing else is registered anywhere.
@@ -20,6 +25,7 @@ from .hf import CorruptCheckpointError, from_pretrained, load_quark, register_wi
 from .import_gguf import GGUFImportReport, from_gguf
 from .distributed import Distributed
 from .streaming import quantize_checkpoint
+from .main import QuantizeReport, quantize_and_report
 
 register_with_transformers()  # the one registration qcore makes (documented above); a no-op without transformers
 
@@ -32,4 +38,5 @@ __all__ = [
     "export_hf", "ExportInfo", "from_pretrained", "load_quark", "CorruptCheckpointError", "register_with_transformers",
     "from_gguf", "GGUFImportReport",
     "Distributed", "quantize_checkpoint",
+    "quantize_and_report", "QuantizeReport",
 ]

