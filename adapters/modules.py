@@ -383,7 +383,7 @@ class _QuantMixin:
         if role not in self._qspecs or not self.quant_enabled or p is None:
             return p
         mode = self._qmode
-        if mode == _INPLACE:
+        if mode == _INPLACE or (mode == _FROZEN and role == "bias"):  # frozen: the bias as commit wrote it
             ver = self._wver if role == "weight" else self._bver
             if ver != (p._version, p.data_ptr()):
                 self._inplace_quantize(role)
