@@ -17,16 +17,17 @@ Granularity axes are written on a canonical layout, the same for every module ty
 - weights as ``[out_features, in_features, *kernel]``: per output channel is ``PerChannel(0)``, groups along the
   input (reduction) axis are ``PerGroup(size, axis=1)``. ``nn.ConvTranspose2d`` stores ``[in, out, kh, kw]``;
   its wrapper maps the axes, so the same config means the same thing; so does transformers' ``Conv1D`` (GPT-2's
-  projections, ``y = x @ W + b`` with ``W`` stored ``[in, out]``: quantized as the Linear holding ``W^T``). Embeddings are ``[num_embeddings, dim]``:
-  ``PerChannel(0)`` is one scale per row, ``PerGroup(size, 1)`` groups along the embedding dimension.
+  projections, ``y = x @ W + b`` with ``W`` stored ``[in, out]``: quantized as the Linear holding ``W^T``).
+  Embeddings are ``[num_embeddings, dim]``: ``PerChannel(0)`` is one scale per row, ``PerGroup(size, 1)`` groups
+  along the embedding dimension.
 - activations (input, output) as the 2-D view ``[tokens, features]``: per tensor ``PerTensor()``, per token
   ``PerChannel(0)`` (dynamic only), per feature ``PerChannel(1)``, per group / MX block along the features
   ``PerGroup(size, axis=1)``. For convolutions ``features`` are the channels (axis 1 of ``[N, C, H, W]``).
 
 Precedence for a module named ``n`` of type ``T``: ``exclude`` (left alone), then the first ``by_name`` pattern
 matching ``n`` (in insertion order), then ``by_type[T]``, then ``layer`` (which applies to ``Linear``, ``Conv2d``,
-``ConvTranspose2d`` and transformers' ``Conv1D``; embeddings are quantized only through ``by_type``/``by_name``). A ``None`` value in
-``by_name``/``by_type`` leaves the matching modules alone.
+``ConvTranspose2d`` and transformers' ``Conv1D``; embeddings are quantized only through ``by_type``/``by_name``).
+A ``None`` value in ``by_name``/``by_type`` leaves the matching modules alone.
 """
 
 from __future__ import annotations

@@ -233,8 +233,8 @@ def _why_odd(m: nn.Module, local: str, t: torch.Tensor) -> Optional[str]:
     if local == "weight" or local.endswith(("_weight", "proj")) or "qkv" in local.lower() or \
             re.fullmatch(r"[wv]\d+", local):
         return (f"a weight matrix held directly by a {tname} module (fused projections such as qkv or gate_up, "
-                f"or a custom layer): qcore quantizes Linear, Conv2d, ConvTranspose2d and embedding modules only "
-                f"({ISSUE})")
+                f"or a custom layer): qcore quantizes Linear, Conv2d, ConvTranspose2d, Conv1D and embedding modules "
+                f"only ({ISSUE})")
     return None
 
 

@@ -322,7 +322,8 @@ def test_export_hf_and_reload_give_the_same_logits(name, gpt2, tmp_path):
     freeze(model)
     assert same_bits(logits(model), q)
     export_hf(model, tmp_path / "frozen")  # frozen or not: the same bytes
-    assert (tmp_path / "frozen" / "model.safetensors").read_bytes() == (tmp_path / "out" / "model.safetensors").read_bytes()
+    assert (tmp_path / "frozen" / "model.safetensors").read_bytes() == \
+        (tmp_path / "out" / "model.safetensors").read_bytes()
 
 
 def _exporters(tmp_path):
