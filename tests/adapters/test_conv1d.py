@@ -326,6 +326,19 @@ def test_export_hf_and_reload_give_the_same_logits(name, gpt2, tmp_path):
         (tmp_path / "out" / "model.safetensors").read_bytes()
 
 
+def test_quantize_checkpoint_streams_gpt2_to_the_same_bytes(gpt2, tmp_path):
+    from qcore.adapters import quantize_checkpoint
+    gpt2.save_pretrained(tmp_path / "src")
+    cfg = preset("uint4_wo_32").replace(algorithms=({"name": "gptq"},))
+    data = batches(2, seed=4, seq=16)
+    quantize_checkpoint(tmp_path / "src", tmp_path / "streamed", cfg, data, progress=False)
+    whole = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "src").eval()
+    quantize_model(whole, cfg, data, progress=False)
+    export_hf(whole, tmp_path / "whole")
+    assert (tmp_path / "streamed" / "model.safetensors").read_bytes() == \
+        (tmp_path / "whole" / "model.safetensors").read_bytes()
+
+
 def _exporters(tmp_path):
     from qcore.adapters.export_ct import check_ct, export_compressed_tensors
     from qcore.adapters.export_gguf import check_gguf, export_gguf
