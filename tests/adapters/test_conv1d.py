@@ -256,6 +256,22 @@ def test_static_calibration_matches_the_linear_twin(gpt2):
     assert same_bits(logits(model), q)
 
 
+def test_bfloat16_freeze_and_qat(gpt2):
+    model = copy.deepcopy(gpt2).to(torch.bfloat16)
+    quantize_model(model, preset("w_mxfp4_a_mxfp4"), progress=False)
+    q = logits(model)
+    assert q.dtype == torch.bfloat16
+    freeze(model)
+    assert same_bits(logits(model), q)
+    rtn = quantize_model(copy.deepcopy(gpt2), preset("uint4_wo_32"), progress=False)
+    qat = quantize_model(copy.deepcopy(gpt2), preset("uint4_wo_32"), qat=True, progress=False)
+    out = qat(IDS).logits
+    assert same_bits(out.detach(), logits(rtn))  # the master weight's fake-quantized value in the forward
+    out.sum().backward()
+    grad = qat.transformer.h[0].attn.c_attn.weight.grad  # straight through, in Conv1D's [in, out] layout
+    assert grad.shape == (32, 96) and float(grad.abs().sum()) > 0
+
+
 def test_gptq_runs_on_conv1d_through_the_transposed_weight(gpt2):
     cfg = preset("uint4_wo_32").replace(algorithms=({"name": "gptq"},))
     data = batches(4, seed=3, seq=16)
