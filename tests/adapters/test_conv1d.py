@@ -272,6 +272,20 @@ def test_bfloat16_freeze_and_qat(gpt2):
     assert grad.shape == (32, 96) and float(grad.abs().sum()) > 0
 
 
+def test_layer_report_measures_conv1d_outputs(gpt2):
+    from qcore.adapters.layer_report import measure
+    model, twin, reference, ref_twin = copy.deepcopy(gpt2), linear_twin(gpt2), {}, {}
+    data = batches(2, seed=6)
+    quantize_model(model, preset("uint4_wo_32"), reference=reference, progress=False)
+    quantize_model(twin, preset("uint4_wo_32"), reference=ref_twin, progress=False)
+    got, want = measure(model, reference, data), measure(twin, ref_twin, data)
+    assert set(got) == set(CONV1D)
+    for n in CONV1D:  # the same numbers as for the Linear twin, output SQNR included
+        assert got[n].output_sqnr_db is not None
+        assert got[n].weight_sqnr_db == pytest.approx(want[n].weight_sqnr_db, rel=1e-9)
+        assert got[n].output_sqnr_db == pytest.approx(want[n].output_sqnr_db, rel=1e-6)
+
+
 def test_gptq_runs_on_conv1d_through_the_transposed_weight(gpt2):
     cfg = preset("uint4_wo_32").replace(algorithms=({"name": "gptq"},))
     data = batches(4, seed=3, seq=16)
