@@ -356,6 +356,21 @@ def test_export_hf_and_reload_give_the_same_logits(name, gpt2, tmp_path):
         (tmp_path / "out" / "model.safetensors").read_bytes()
 
 
+def test_by_type_conv1d_config_round_trips_through_the_checkpoint(gpt2, tmp_path):
+    cfg = preset("uint4_wo_32").replace(by_type={"Conv1D": preset("w_int8_per_channel_sym").layer},
+                                        by_name={"*.h.1.mlp.c_fc": preset("mxfp4").layer})
+    model = quantize_model(copy.deepcopy(gpt2), cfg, progress=False)
+    assert model.transformer.h[1].mlp.c_fc._qspecs["weight"].dtype.name == "float4_e2m1fn"
+    assert model.transformer.h[0].mlp.c_fc._qspecs["weight"].dtype.name == "int8"
+    q = logits(model)
+    export_hf(model, tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert list(written["layer_type_quant_config"]) == ["Conv1D"]  # Quark's spelling of by_type
+    assert ModelConfig.from_quark({**written, "quant_method": "quark"}).by_type == cfg.by_type
+    back = from_pretrained(tmp_path / "out")
+    assert back.qcore_config.to_dict() == cfg.to_dict() and same_bits(logits(back), q)
+
+
 def test_quantize_checkpoint_streams_gpt2_to_the_same_bytes(gpt2, tmp_path):
     from qcore.adapters import quantize_checkpoint
     gpt2.save_pretrained(tmp_path / "src")
