@@ -262,7 +262,8 @@ def refuse_conv1d(model: nn.Module, config: Optional[ModelConfig], who: str) -> 
     exporters and their up-front checks) has no writer for them yet (issue 22); ``export_hf`` writes them."""
     names = [n for n, m in model.named_modules()
              if isinstance(m, _QuantMixin) and type(m).__bases__[1].__name__ == "Conv1D"]
-    if not names and isinstance(config, ModelConfig) and not any(isinstance(m, _QuantMixin) for m in model.modules()):
+    if not names and isinstance(config, ModelConfig) and not any(isinstance(m, _QuantMixin) for m in model.modules()) \
+            and any(type(m).__name__ == "Conv1D" for m in model.modules()):  # models without one: not planned here
         names = [u.name for u in export_units(model, config) if u.type == "Conv1D"]
     if names:
         raise ValueError(conv1d_error(who, names))
