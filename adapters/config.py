@@ -16,16 +16,18 @@ Granularity axes are written on a canonical layout, the same for every module ty
 
 - weights as ``[out_features, in_features, *kernel]``: per output channel is ``PerChannel(0)``, groups along the
   input (reduction) axis are ``PerGroup(size, axis=1)``. ``nn.ConvTranspose2d`` stores ``[in, out, kh, kw]``;
-  its wrapper maps the axes, so the same config means the same thing. Embeddings are ``[num_embeddings, dim]``:
-  ``PerChannel(0)`` is one scale per row, ``PerGroup(size, 1)`` groups along the embedding dimension.
+  its wrapper maps the axes, so the same config means the same thing; so does transformers' ``Conv1D`` (GPT-2's
+  projections, ``y = x @ W + b`` with ``W`` stored ``[in, out]``: quantized as the Linear holding ``W^T``).
+  Embeddings are ``[num_embeddings, dim]``: ``PerChannel(0)`` is one scale per row, ``PerGroup(size, 1)`` groups
+  along the embedding dimension.
 - activations (input, output) as the 2-D view ``[tokens, features]``: per tensor ``PerTensor()``, per token
   ``PerChannel(0)`` (dynamic only), per feature ``PerChannel(1)``, per group / MX block along the features
   ``PerGroup(size, axis=1)``. For convolutions ``features`` are the channels (axis 1 of ``[N, C, H, W]``).
 
 Precedence for a module named ``n`` of type ``T``: ``exclude`` (left alone), then the first ``by_name`` pattern
-matching ``n`` (in insertion order), then ``by_type[T]``, then ``layer`` (which applies to ``Linear``, ``Conv2d``
-and ``ConvTranspose2d``; embeddings are quantized only through ``by_type``/``by_name``). A ``None`` value in
-``by_name``/``by_type`` leaves the matching modules alone.
+matching ``n`` (in insertion order), then ``by_type[T]``, then ``layer`` (which applies to ``Linear``, ``Conv2d``,
+``ConvTranspose2d`` and transformers' ``Conv1D``; embeddings are quantized only through ``by_type``/``by_name``).
+A ``None`` value in ``by_name``/``by_type`` leaves the matching modules alone.
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ __all__ = ["MinMax", "Percentile", "MSE", "Observer", "TensorConfig", "LayerConf
            "ModelConfig", "ROLES", "MODULE_TYPES", "spec_to_dict", "spec_from_dict"]
 
 ROLES = ("weight", "input", "output", "bias")
-#: module types the adapters can wrap; ``ModelConfig.layer`` applies to the first three
-MODULE_TYPES = ("Linear", "Conv2d", "ConvTranspose2d", "Embedding", "EmbeddingBag")
-COMPUTE_TYPES = ("Linear", "Conv2d", "ConvTranspose2d")
+#: module types the adapters can wrap (``Conv1D``: transformers' GPT-2 projections); ``ModelConfig.layer`` applies
+#: to ``COMPUTE_TYPES``
+MODULE_TYPES = ("Linear", "Conv2d", "ConvTranspose2d", "Embedding", "EmbeddingBag", "Conv1D")
+COMPUTE_TYPES = ("Linear", "Conv2d", "ConvTranspose2d", "Conv1D")
 DEFAULT_EXCLUDE = None  # sentinel meaning: the model's output head (see ModelConfig.exclude)
 #: the largest group / block extent a config takes: a group spans at most one row of one layer, and a group longer
 #: than its row is padded to its full size in memory, so 10**12 would ask for terabytes (per-channel scales are
@@ -436,7 +439,7 @@ def _layer_or_none(v: Any, what: str) -> Optional[LayerConfig]:
 class ModelConfig:
     """What to do to a whole model (see the module docstring for precedence and axes).
 
-    layer: the global ``LayerConfig`` (Linear, Conv2d, ConvTranspose2d).
+    layer: the global ``LayerConfig`` (Linear, Conv2d, ConvTranspose2d, transformers' Conv1D).
     by_type: ``{module type name or torch.nn class: LayerConfig or None}``.
     by_name: ``{pattern: LayerConfig or None}``; glob (``fnmatch``) or ``"re:<regex>"`` (full match).
     exclude: names/patterns left in float. ``None`` (default): the model's output head

@@ -247,10 +247,31 @@ def export_units(model: nn.Module, config: ModelConfig) -> list[ExportUnit]:
     for p in plan_model(model, config):
         w = getattr(model.get_submodule(p.name), "weight", None)
         shape = tuple(w.shape) if w is not None else ()
-        if p.type == "ConvTranspose2d" and len(shape) >= 2:
+        if p.type in ("ConvTranspose2d", "Conv1D") and len(shape) >= 2:  # stored [in, out, ...]
             shape = (shape[1], shape[0], *shape[2:])
         out.append(ExportUnit(p.name, p.type, shape, p.config))
     return out
+
+
+def refuse_conv1d(model: nn.Module, config: Optional[ModelConfig], who: str) -> None:
+    """Before any work: ValueError naming the first module that is (or, for a float model and ``config``, will be)
+    a quantized transformers ``Conv1D`` (GPT-2's projections): ``who`` (the GGUF, ONNX and compressed-tensors
+    exporters and their up-front checks) has no writer for them yet (issue 22); ``export_hf`` writes them."""
+    names = [n for n, m in model.named_modules()
+             if isinstance(m, _QuantMixin) and type(m).__bases__[1].__name__ == "Conv1D"]
+    if not names and isinstance(config, ModelConfig) and not any(isinstance(m, _QuantMixin) for m in model.modules()) \
+            and any(type(m).__name__ == "Conv1D" for m in model.modules()):  # models without one: not planned here
+        names = [u.name for u in export_units(model, config) if u.type == "Conv1D"]
+    if names:
+        raise ValueError(conv1d_error(who, names))
+
+
+def conv1d_error(who: str, names: list) -> str:
+    """The refusal of an exporter with no writer for quantized transformers ``Conv1D`` modules (``names``)."""
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    return (f"{who}: {names[0]!r}{more} is a quantized transformers Conv1D (GPT-2's attention and MLP "
+            f"projections); this format has no writer for it yet (issue 22). export_hf writes it "
+            f"(qcore.adapters.from_pretrained loads it); or exclude these modules from the config to keep them float")
 
 
 def will_rotate_online(model: nn.Module, config: ModelConfig) -> bool:

@@ -161,6 +161,9 @@ def _act_args(m: _QuantMixin, role: str, where: str) -> Optional[CT.CTArgs]:
 def _unit_check(name: str, type_name: str, lc: Any, config: ModelConfig) -> None:
     """What compressed-tensors cannot store about one quantized module (its float type and ``LayerConfig``): the one
     rule for ``export_compressed_tensors`` and ``check_ct``."""
+    if type_name == "Conv1D":
+        from .export import conv1d_error
+        raise ValueError(conv1d_error("export_compressed_tensors", [name]))
     if type_name != "Linear":
         raise ValueError(f"export: {name!r} is a quantized {type_name}; compressed-tensors stores quantized Linear "
                          f"layers only (exclude it from the config)")
@@ -178,11 +181,12 @@ def check_ct(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
     (default ``model.qcore_config``) for reasons the model and the config already decide (the model dtype, module
     types, bias or weightless quantization, online rotations; ``qcore quantize --export compressed-tensors`` calls
     it before the baseline evaluation)."""
-    from .export import export_units, will_rotate_online
+    from .export import export_units, refuse_conv1d, will_rotate_online
     dtype = _model_dtype(model)
     if dtype not in _MODEL_DTYPES:
         raise ValueError(f"export_compressed_tensors: model dtype {dtype} is not float32, bfloat16 or float16")
     config = config if config is not None else getattr(model, "qcore_config", None)
+    refuse_conv1d(model, config, "export_compressed_tensors")
     if not isinstance(config, ModelConfig):
         return
     if will_rotate_online(model, config):

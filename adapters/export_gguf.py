@@ -172,7 +172,8 @@ def check_gguf(model: nn.Module, config: Optional[ModelConfig] = None, *, drop_a
     """Before any work: ValueError if ``export_gguf`` would refuse ``model`` quantized with ``config`` (default
     ``model.qcore_config``) for reasons the architecture and the config already decide (``qcore quantize
     --export gguf`` calls it before the baseline evaluation; ``export_gguf`` itself too)."""
-    from .export import export_units, will_rotate_online
+    from .export import export_units, refuse_conv1d, will_rotate_online
+    refuse_conv1d(model, config if config is not None else getattr(model, "qcore_config", None), "export_gguf")
     why = _arch_problem(model)
     if why:
         raise ValueError(f"export_gguf: {why}")
@@ -190,6 +191,8 @@ def check_gguf(model: nn.Module, config: Optional[ModelConfig] = None, *, drop_a
 
 
 def _check_model(model: nn.Module, drop_activations: bool) -> tuple[dict, list[str]]:
+    from .export import refuse_conv1d
+    refuse_conv1d(model, None, "export_gguf")
     why = _arch_problem(model)
     if why:
         raise (TypeError if "no transformers config" in why else ValueError)(f"export_gguf: {why}")

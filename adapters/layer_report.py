@@ -13,7 +13,8 @@ codes the export writes), not predicted from a round-to-nearest pass:
   (quantized weight, quantized activations) against the reference float weight applied to the same input (the
   input the quantized model gives the module). Unlike the weight SQNR it weighs the error by the activations a
   layer sees, so it separates layers that the weight SQNR ties (per-channel fp8: every layer ~31.5 dB). Layers
-  are ranked by it, worst (lowest) first. Measured for Linear, Conv2d and Embedding modules; None for others.
+  are ranked by it, worst (lowest) first. Measured for Linear, Conv2d, Embedding and transformers' Conv1D modules;
+  None for others.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def _reference_output(m: nn.Module, x: torch.Tensor, w: torch.Tensor) -> Optiona
         return nn.Conv2d._conv_forward(m, x, w, bias)  # type: ignore[arg-type]
     if isinstance(m, nn.Embedding):
         return F.embedding(x, w, m.padding_idx, m.max_norm, m.norm_type, m.scale_grad_by_freq, m.sparse)
+    if type(m).__name__ == "QuantConv1D":  # transformers' Conv1D (GPT-2): w is stored [in, out]
+        return F.linear(x, w.t(), bias)
     return None
 
 

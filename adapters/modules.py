@@ -1,5 +1,5 @@
-"""Quantized drop-in wrappers for ``nn.Linear``, ``nn.Conv2d``, ``nn.ConvTranspose2d``, ``nn.Embedding`` and
-``nn.EmbeddingBag``.
+"""Quantized drop-in wrappers for ``nn.Linear``, ``nn.Conv2d``, ``nn.ConvTranspose2d``, ``nn.Embedding``,
+``nn.EmbeddingBag`` and transformers' ``Conv1D`` (GPT-2's projections, quantized as the Linear of ``W^T``).
 
 Each wrapper subclasses the module it replaces (``isinstance(q, nn.Linear)`` holds, ``state_dict`` keeps the
 original keys) and adds the quantization of its roles (``LayerConfig``: weight, input, output, bias):
@@ -995,9 +995,72 @@ def is_quantized_module(m: nn.Module) -> bool:
 
 def wrap(module: nn.Module, config: LayerConfig, *, name: str = "", qat: bool = False) -> nn.Module:
     """The quantized wrapper of ``module`` (exact type match: Linear, Conv2d, ConvTranspose2d, Embedding,
-    EmbeddingBag) for ``config``; ``module`` itself is not modified."""
+    EmbeddingBag, transformers' Conv1D) for ``config``; ``module`` itself is not modified."""
     cls = QUANT_CLASSES.get(type(module))
     if cls is None:
         raise TypeError(f"{name or 'module'}: cannot quantize a {type(module).__name__}; supported: "
                         f"{[c.__name__ for c in QUANT_CLASSES]}")
     return cls.from_module(module, config, name=name, qat=qat)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# transformers' Conv1D (GPT-2's c_attn, c_proj, c_fc): a Linear whose weight is stored [in, out]
+# ---------------------------------------------------------------------------------------------------------------
+
+try:
+    from transformers.pytorch_utils import Conv1D as _Conv1D
+except ImportError:  # transformers absent: no model can hold a Conv1D
+    _Conv1D = None
+
+QuantConv1D: Any = None
+
+if _Conv1D is not None:
+    class QuantConv1D(_QuantMixin, _Conv1D):  # type: ignore[no-redef]
+        """transformers' ``Conv1D`` (``y = x @ W + b``, ``W`` stored ``[in, out]``: GPT-2's ``attn.c_attn`` (fused
+        q/k/v), ``attn.c_proj``, ``mlp.c_fc``, ``mlp.c_proj``) with qcore quantization, exactly as a ``QuantLinear``
+        holding ``W^T``: the canonical weight layout is ``W^T`` ``[out, in]`` (per-channel scales per output
+        feature, groups along the input features), activations on the ``[tokens, features]`` view. The parameter
+        keeps its ``[in, out]`` layout (state_dict keys and shapes as the float model's); the scale buffers, and a
+        frozen weight's packed codes (``weight_packed``), are in the Linear ``[out, in]`` layout, so exporters and
+        importers read and build it as a Linear's (``load_frozen`` takes parts of shape ``[out, in]``)."""
+
+        def _canon(self, w):
+            return w.t()
+
+        def _uncanon(self, w):
+            return w.t()
+
+        def _features(self, role):
+            return self.nx if role == "input" else self.nf
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self._qact(x, "input")
+            shape = x.shape[:-1] + (self.nf,)
+            x2 = x.reshape(-1, x.shape[-1])
+            y = self._frozen_linear(x2)  # the fused kernel on a GPU (frozen int4 / MXFP4 codes are [out, in])
+            if y is None:
+                w = self._w()
+                w = w if w.is_contiguous() else w.contiguous()  # Conv1D's own [in, out] operand: the same bits
+                b = self._param("bias")
+                y = torch.addmm(b, x2, w) if b is not None else torch.mm(x2, w)
+            return self._qact(y.view(shape), "output")
+
+        def __repr__(self) -> str:  # Conv1D's own __repr__ would hide the quantization
+            return nn.Module.__repr__(self)
+
+        def extra_repr(self) -> str:  # type: ignore[override]
+            return f"nf={self.nf}, nx={self.nx}{_QuantMixin.extra_repr(self)}"
+
+    QUANT_CLASSES[_Conv1D] = QuantConv1D
+    __all__.append("QuantConv1D")
+
+
+def linear_weight(m: nn.Module) -> Optional[torch.Tensor]:
+    """The weight of a float Linear-like module as the Linear's ``[out, in]`` matrix: ``nn.Linear``'s parameter, or
+    the transposed view of transformers' ``Conv1D`` parameter (in-place writes to it reach the parameter); None for
+    any other module. What algorithms that treat a layer as ``x @ W^T`` (GPTQ, scale folding) read and write."""
+    if type(m) is nn.Linear:
+        return m.weight
+    if _Conv1D is not None and type(m) is _Conv1D:
+        return m.weight.t()
+    return None

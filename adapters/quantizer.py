@@ -93,7 +93,7 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
     """Resolve ``config`` on ``model``: the modules that will be quantized and their configs. Pure: raises
     ``ValueError``/``TypeError`` for patterns matching nothing, configs that cannot apply, tied weights shared
     with a module treated differently, an already quantized model, and weight matrices qcore cannot quantize
-    yet that no exclusion names (fused 3-D MoE expert tensors, transformers' ``Conv1D``, ...: see
+    yet that no exclusion names (fused 3-D MoE expert tensors, fused projections held on a module, ...: see
     ``unquantized_weights``); changes nothing.
 
     ``exclude`` / ``by_name`` patterns match module names (a pattern naming a module covers everything in it) and,
@@ -208,8 +208,6 @@ class FloatWeight:
 
 ISSUE = "issue 22"  # where full support for these weights is tracked
 _WHY_EXPERTS = f"3-D fused MoE expert weights: qcore cannot quantize them yet ({ISSUE})"
-_WHY_CONV1D = (f"transformers' Conv1D (GPT-2-style projections, a Linear whose weight is stored [in, out]): qcore "
-               f"cannot quantize it yet ({ISSUE})")
 
 
 def _why_odd(m: nn.Module, local: str, t: torch.Tensor) -> Optional[str]:
@@ -226,8 +224,6 @@ def _why_odd(m: nn.Module, local: str, t: torch.Tensor) -> Optional[str]:
         return None  # routers stay float (as in vLLM, llm-compressor, Quark); norms; embeddings (by_type only)
     if "expert" in low:  # all experts of a layer in one tensor: (experts, out, in), or stacked 2-D (DBRX)
         return _WHY_EXPERTS if t.dim() >= 3 else _WHY_EXPERTS.replace("3-D fused", "fused (stacked 2-D)")
-    if tname == "Conv1D" and local == "weight":
-        return _WHY_CONV1D
     if isinstance(m, nn.MultiheadAttention):
         return (f"the fused q/k/v projection weight of torch.nn.MultiheadAttention: qcore cannot quantize it yet "
                 f"({ISSUE})")
@@ -237,8 +233,8 @@ def _why_odd(m: nn.Module, local: str, t: torch.Tensor) -> Optional[str]:
     if local == "weight" or local.endswith(("_weight", "proj")) or "qkv" in local.lower() or \
             re.fullmatch(r"[wv]\d+", local):
         return (f"a weight matrix held directly by a {tname} module (fused projections such as qkv or gate_up, "
-                f"or a custom layer): qcore quantizes Linear, Conv2d, ConvTranspose2d and embedding modules only "
-                f"({ISSUE})")
+                f"or a custom layer): qcore quantizes Linear, Conv2d, ConvTranspose2d, Conv1D and embedding modules "
+                f"only ({ISSUE})")
     return None
 
 
@@ -338,7 +334,7 @@ def unquantized_weights(model: nn.Module, config: Union[ModelConfig, str, Mappin
     """Every weight of ``model`` that ``config`` (default: the config ``quantize_model`` used,
     ``model.qcore_config``) should have quantized but that is still float and is not excluded: a module the plan
     quantizes whose weight is not quantized, and a weight matrix of a kind qcore cannot quantize yet (fused
-    3-D MoE experts, transformers' Conv1D, ...) that no exclusion names. Empty after a successful
+    3-D MoE experts, fused projections held on a module, ...) that no exclusion names. Empty after a successful
     ``quantize_model``; the proof that a model is not half-done. Embeddings (quantized only through
     ``by_type`` / ``by_name``), norms, biases and MoE routers are float by design and never listed."""
     config, mods, exclude = _walk_config(model, config)
@@ -399,9 +395,6 @@ def _nothing_planned(mods: dict) -> ValueError:
         kinds = ", ".join(f"{k} ({v})" for k, v in other.items())
         msg += (f": its weight matrices are in modules of type(s) {kinds}, which qcore does not quantize "
                 f"(supported module types: {', '.join(supported)})")
-        if "Conv1D" in other:
-            msg += ("; transformers' Conv1D (GPT-2's attention and MLP projections, a Linear with its weight stored "
-                    f"[in, out]) is not a supported module type yet ({ISSUE})")
         msg += "; "
     else:
         msg += " (everything excluded or unmatched); "

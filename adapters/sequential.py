@@ -43,7 +43,7 @@ from qcore.algorithms.gptq import HessianStats, check_gptq_spec, gptq, update_he
 from qcore.stats import RunningStats
 
 from .config import MinMax, Percentile
-from .modules import _norm_weight_granularity, _with_granularity
+from .modules import _norm_weight_granularity, _with_granularity, linear_weight
 from .families import family_or_none
 from .runner import AlgorithmError, LayerInputs, LayerRunner, Stop, find_decoder_layers, forward_layer
 
@@ -62,7 +62,7 @@ __all__ = ["run_algorithms", "find_decoder_layers", "AlgorithmError"]
 
 def _weight_spec(module: nn.Module, plan, name: str):
     spec = plan.config.weight.spec
-    w = module.weight
+    w = linear_weight(module)  # [out, in]: nn.Linear's weight, transformers Conv1D's transposed
     g = _norm_weight_granularity(spec.granularity, "Linear", name, w.dim(), tuple(w.shape))
     return _with_granularity(spec, g)
 
@@ -98,11 +98,11 @@ def _gptq_targets(layer: nn.Module, lplans: dict, algo: GPTQConfig, prefix: str)
             if algo.modules:
                 raise ValueError(f"gptq modules: {prefix}.{n} gets no weight quantization from the config")
             continue
-        if type(m) is not nn.Linear:
-            continue  # GPTQ here covers Linear layers; other module types are quantized by round-to-nearest
+        if linear_weight(m) is None:
+            continue  # GPTQ here covers Linear (and Conv1D) layers; other module types: round-to-nearest
         spec = _weight_spec(m, plan, f"{prefix}.{n}")
         try:
-            check_gptq_spec(spec, tuple(m.weight.shape))
+            check_gptq_spec(spec, tuple(linear_weight(m).shape))
         except ValueError as e:
             raise ValueError(f"gptq: {prefix}.{n}: {e}") from None
         out.append(n)
@@ -184,11 +184,11 @@ def _gptq_group(layer, names: list[str], hess: HessianStats, lplans: dict, algo:
     if len(mods) > 1 and _concat_ok(specs) and all(f is None for f in fns):
         # rows of weights sharing an input and a per-row/per-group spec are independent under one Hessian:
         # one GPTQ run over the stacked rows equals the runs one by one
-        w = torch.cat([m.weight.detach().float() for m in mods], 0)
+        w = torch.cat([linear_weight(m).detach().float() for m in mods], 0)
         r = gptq(w, hess, specs[0], **kw)
         rows = 0
         for n, m in zip(names, mods):
-            k = m.weight.shape[0]
+            k = linear_weight(m).shape[0]
             q = r.qtensor
             part = qcore.quantize(r.weight[rows:rows + k], specs[0],
                                   scale=q.scales[rows:rows + k],
@@ -197,7 +197,7 @@ def _gptq_group(layer, names: list[str], hess: HessianStats, lplans: dict, algo:
             rows += k
         return
     for n, m, spec, fn in zip(names, mods, specs, fns):
-        r = gptq(m.weight.detach().float(), hess, spec, scale_fn=fn, **kw)
+        r = gptq(linear_weight(m).detach().float().contiguous(), hess, spec, scale_fn=fn, **kw)
         _write(m, r.qtensor, pinned, f"{prefix}.{n}", reference)
 
 
@@ -205,7 +205,7 @@ def _write(m: nn.Module, q, pinned: dict, name: str, reference: Optional[dict] =
     if reference is not None:  # the float weight GPTQ started from (after any folds), for the report
         reference[name] = m.weight.detach().to("cpu", copy=True)
     with torch.no_grad():
-        m.weight.copy_(qcore.dequantize(q).to(m.weight.dtype))
+        linear_weight(m).copy_(qcore.dequantize(q).to(m.weight.dtype))
     pinned[name] = q
 
 

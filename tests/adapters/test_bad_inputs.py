@@ -9,8 +9,9 @@ loading one fail the test); the few rows that need a model to know the answer us
 ``test_real_entry_point`` runs some rows through the installed ``python -m qcore`` in a fresh interpreter.
 
 Then the Python API (``ModelConfig.from_dict`` / ``from_json`` / ``from_quark``, ``quantize_model``'s
-calibration batches, ``export_hf`` of KV-cache-only configs) and the message fixes (GPT-2's Conv1D, the QuaRot
-refusal of Gemma's norms, the AWQ scaling-map hint, the gguf_inexact hint, no warnings from optional libraries).
+calibration batches, ``export_hf`` of KV-cache-only configs) and the message fixes (GPT-2's Conv1D, now a
+supported type, the QuaRot refusal of Gemma's norms, the AWQ scaling-map hint, the gguf_inexact hint, no
+warnings from optional libraries).
 """
 
 import copy
@@ -497,15 +498,16 @@ def test_exporters_name_a_config_that_is_not_a_model_config(tmp_path, zoo):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_gpt2_conv1d_is_named_as_unsupported():
-    cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+def test_gpt2_conv1d_is_a_supported_module_type():
+    cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+                                  eos_token_id=0)
     model = transformers.GPT2LMHeadModel(cfg).eval()
-    with pytest.raises(ValueError) as e:
-        quantize_model(model, "w_int8_per_channel_sym", progress=False)
+    with pytest.raises(ValueError) as e:  # every Conv1D left alone by the config: named among the supported
+        quantize_model(model, preset("w_int8_per_channel_sym").replace(by_type={"Conv1D": None}), progress=False)
     msg = str(e.value)
-    assert "quantizes no module" in msg and "Conv1D (8)" in msg
-    assert "transformers' Conv1D" in msg and "not a supported module type" in msg
-    assert "Linear, Conv2d, ConvTranspose2d, Embedding, EmbeddingBag" in msg
+    assert "quantizes no module" in msg and "'transformer.h.0.attn.c_attn'" in msg
+    assert "not a supported module type" not in msg and "issue 22" not in msg
+    quantize_model(model, "w_int8_per_channel_sym", progress=False)  # quantized as Linears (test_conv1d.py)
 
 
 def test_quarot_refusal_names_the_gemma_norm():

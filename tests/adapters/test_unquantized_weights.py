@@ -1,7 +1,7 @@
 """A model is never silently half-done: every weight matrix is quantized, excluded by name, or refused before work.
 
-Weights qcore cannot quantize yet (transformers 5's fused 3-D MoE expert tensors, transformers' ``Conv1D``, fused
-projections held directly on a module) are refused by ``plan_model`` before any work unless an exclusion names
+Weights qcore cannot quantize yet (transformers 5's fused 3-D MoE expert tensors, fused projections held directly
+on a module) are refused by ``plan_model`` before any work unless an exclusion names
 them; ``unquantized_weights`` walks a quantized model and lists every weight left float without being excluded.
 Tiny random models built offline (Qwen3-MoE, Mixtral, GPT-2, and the conftest families).
 """
@@ -140,21 +140,22 @@ def test_excluded_experts_freeze_export_and_reload_with_the_same_logits(tmp_path
     assert {w.name for w in excluded_weights(back)} >= {"model.layers.0.mlp.experts.gate_up_proj"}
 
 
-def test_gpt2_conv1d_refused_and_kept_float_knowingly():
+def test_gpt2_conv1d_is_quantized_and_kept_float_only_knowingly():
+    # transformers' Conv1D is quantized as a Linear (issue 22; tests/adapters/test_conv1d.py): not refused any more
     model = tiny_gpt2()
-    with pytest.raises(ValueError, match=r"Conv1D.*issue 22"):  # nothing else to quantize: the plan is empty
-        quantize_model(model, preset("uint4_wo_64"), progress=False)
+    float_attn = copy.deepcopy(model.transformer.h[1].attn.c_attn)
+    quantize_model(model, preset("uint4_wo_64"), progress=False)
+    assert len(quantized_modules(model)) == 8 and unquantized_weights(model) == []
+    model.transformer.h[1].attn.c_attn = float_attn  # a hole: one planned Conv1D back in float is found
+    assert [w.name for w in unquantized_weights(model)] == ["transformer.h.1.attn.c_attn.weight"]
     model = tiny_gpt2(tie=False)
-    with pytest.raises(ValueError) as e:  # the head is quantized, the Conv1D projections would stay float
-        quantize_model(model, preset("uint4_wo_64").replace(exclude=()), progress=False)
-    msg = str(e.value)
-    assert "8 weight(s)" in msg and "transformers' Conv1D" in msg and "transformer.h.0.attn.c_attn.weight" in msg
-    exclude = _suggested_exclude(msg)
-    assert exclude == [r"re:.*\.(c_attn|c_fc|c_proj)\.weight"]
-    quantize_model(model, preset("uint4_wo_64").replace(exclude=tuple(exclude)), progress=False)
+    with pytest.raises(ValueError, match="matches no module"):  # a module's parameter name is not an exclusion
+        plan_model(model, preset("uint4_wo_64").replace(exclude=(r"re:.*\.(c_attn|c_fc|c_proj)\.weight",)))
+    quantize_model(model, preset("uint4_wo_64").replace(exclude=(r"re:.*\.(c_attn|c_fc|c_proj)",)), progress=False)
     assert list(quantized_modules(model)) == ["lm_head"]
     assert unquantized_weights(model) == []
-    assert len([w for w in excluded_weights(model) if "Conv1D" in w.why]) == 8
+    kept = [w for w in excluded_weights(model) if w.type == "Conv1D"]
+    assert len(kept) == 8 and {w.why for w in kept} == {"excluded by the config"}
 
 
 @pytest.mark.parametrize("family", ["llama", "opt", "bert", "qwen2"])
