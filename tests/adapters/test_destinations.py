@@ -368,8 +368,8 @@ def _refused(argv, capsys, *needles):
 PREWORK = [
     ("gguf_unknown_architecture", "opt", ["--export", "gguf", "--scheme", "uint4_wo_64"], ["--export gguf",
                                                                                             "model_type 'opt'"]),
-    ("onnx_unknown_architecture", "qwen2", ["--export", "onnx", "--scheme", "uint4_wo_64"], ["--export onnx",
-                                                                                              "qwen2"]),
+    ("onnx_unknown_architecture", "opt", ["--export", "onnx", "--scheme", "uint4_wo_64"], ["--export onnx",
+                                                                                            "model_type 'opt'"]),
     ("onnx_float16", "llama", ["--export", "onnx", "--dtype", "float16"], ["float32"]),
     ("mx_e8m0_in_float16_hf", "llama", ["--scheme", "w_mxfp4_a_mxfp4", "--dtype", "float16"], ["--export hf",
                                                                                                "E8M0"]),
