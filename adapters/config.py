@@ -443,7 +443,8 @@ class ModelConfig:
     by_type: ``{module type name or torch.nn class: LayerConfig or None}``.
     by_name: ``{pattern: LayerConfig or None}``; glob (``fnmatch``) or ``"re:<regex>"`` (full match).
     exclude: names/patterns left in float. ``None`` (default): the model's output head
-        (``get_output_embeddings()`` for transformers models, nothing for other models).
+        (``get_output_embeddings()`` for transformers models, nothing for other models) and a vision-language
+        model's vision tower and projector (``qcore.adapters.quantizer.default_exclude``).
     kv_cache: ``KVCacheConfig`` or None.
     algorithms: algorithm configs to run before rounding, in order (dicts with a ``"name"``; filled in by the
         algorithm modules; an algorithm qcore does not implement yet is refused at quantize time).

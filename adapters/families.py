@@ -31,7 +31,7 @@ from typing import Any, Optional
 from .scaling import ScalingGroup
 
 __all__ = ["Family", "Experts", "ScalingRule", "UnknownFamily", "Located", "FAMILIES", "BY_MODEL_TYPE",
-           "family_of", "family_or_none", "locate", "decoder_layers_path", "fused_units", "DEFAULT_FUSED", "attach", "ATTRIBUTE",
+           "family_of", "family_or_none", "locate", "non_language_modules", "decoder_layers_path", "fused_units", "DEFAULT_FUSED", "attach", "ATTRIBUTE",
            "NORM_KINDS", "LINEAR_KINDS", "QKV_LAYOUTS"]
 
 #: how a norm's weight scales: ``rms`` x * w (no bias), ``rms_unit_offset`` x * (1 + w) (Gemma), ``layernorm``
@@ -329,6 +329,9 @@ FAMILIES: tuple = (
     Family("llama", "Llama", gguf_arch="llama", **_LLAMA),
     Family("mistral", "Mistral", gguf_arch="llama", **_LLAMA),
     Family("qwen2", "Qwen2", gguf_arch="qwen2", **_LLAMA),
+    # the language tower of Qwen2-VL (Qwen2VLForConditionalGeneration's model.language_model): Qwen2's layers with
+    # multimodal rotary positions (mrope), which act on q and k only (the residual and head rotations commute)
+    Family("qwen2_vl_text", "Qwen2-VL (language tower)", gguf_arch="qwen2vl", **_LLAMA),
     Family("qwen3", "Qwen3", gguf_arch="qwen3", **dict(_LLAMA, qk_norms=("self_attn.q_norm", "self_attn.k_norm"))),
     Family("gemma", "Gemma", gguf_arch="gemma", **dict(_LLAMA, norm="rms_unit_offset")),
     Family("gemma2", "Gemma2", gguf_arch="gemma2", **dict(
@@ -491,6 +494,23 @@ def _locate(model: Any, fam: "Family", what: str) -> Located:
     raise ValueError(f"{what}{': ' if what else ''}{type(model).__name__} (model_type {fam.model_type!r}) has no "
                      f"decoder layers where the {fam.name} record says (tried {tried}); fix the record's backbone "
                      f"/ layers (see {_DOCS})")
+
+
+def non_language_modules(model: Any) -> list:
+    """For a vision-language model (its record located at a language tower, ``_TOWERS``): the names of the
+    modules beside the tower that are not part of the language model (the vision tower, the multi-modal
+    projector: every sibling of the tower holding parameters); [] for any other model. What ``plan_model``
+    keeps float by default (calibration data is text: those modules would see none)."""
+    try:
+        loc = locate(model)
+    except ValueError:
+        return []
+    if loc.prefix not in _TOWERS:
+        return []
+    parent_name, _, tower = loc.prefix.rpartition(".")
+    parent = _get(model, parent_name) if parent_name else model
+    j = (lambda n: f"{parent_name}.{n}" if parent_name else n)
+    return [j(n) for n, m in parent.named_children() if n != tower and any(True for _ in m.parameters())]
 
 
 def decoder_layers_path(model: Any) -> Optional[str]:

@@ -77,6 +77,15 @@ def _output_head(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if m is head]
 
 
+def default_exclude(model: nn.Module) -> list[str]:
+    """What a config without ``exclude`` keeps float: the output head (transformers' ``get_output_embeddings``)
+    and, in a vision-language model, everything beside its language tower (vision tower, projector:
+    ``families.non_language_modules``; they are calibrated with text, which never reaches them). An explicit
+    ``exclude`` replaces this list."""
+    from .families import non_language_modules
+    return _output_head(model) + non_language_modules(model)
+
+
 def _as_config(config: Any) -> ModelConfig:
     if isinstance(config, ModelConfig):
         return config
@@ -117,7 +126,7 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
     if getattr(model, "_qcore_partial", False):
         raise ValueError("an algorithm run on this model failed half-way and left some layers rewritten; reload "
                          "the model and quantize it again")
-    exclude = _output_head(model) if config.exclude is None else list(config.exclude)
+    exclude = default_exclude(model) if config.exclude is None else list(config.exclude)
     odd = _odd_weights(mods)  # weight matrices of kinds qcore cannot quantize: excluded by name or refused below
     targets = names + [w.name for w in odd]  # exclude / by_name may name those parameters
     for p in ([] if config.exclude is None else exclude):
@@ -325,7 +334,7 @@ def _walk_config(model: nn.Module, config: Any) -> tuple[ModelConfig, dict, list
                              "pass the config it was quantized with")
     config = _as_config(config)
     mods = dict(model.named_modules())
-    exclude = _output_head(model) if config.exclude is None else list(config.exclude)
+    exclude = default_exclude(model) if config.exclude is None else list(config.exclude)
     return config, mods, exclude
 
 

@@ -92,6 +92,13 @@ def _text_config(model):
 def _check(model) -> tuple:
     loc = _located(model)
     fam = loc.family
+    from .families import non_language_modules
+    other = non_language_modules(model)
+    if other:  # their outputs (image features) enter the residual stream, which the rotation changes
+        raise ValueError(f"rotate_model: {type(model).__name__} (model_type {model.config.model_type!r}) is a "
+                         f"vision-language model: {other} feed the language tower's residual stream, which QuaRot / "
+                         f"SpinQuant rotate, and qcore does not rotate their outputs yet (images would be read "
+                         f"wrongly); quantize it without a rotation")
     emb, norm, head = _get(model, loc.embed), _get(model, loc.final_norm or ""), _get(model, loc.lm_head or "")
     layers = _get(model, loc.layers)
     if not isinstance(emb, nn.Embedding) or loc.final_norm is None or norm is None or \

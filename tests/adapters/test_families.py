@@ -30,6 +30,10 @@ CONFIGS = {
     "mistral": lambda t: t.MistralConfig(**_DEC),
     "qwen2": lambda t: t.Qwen2Config(**_DEC),
     "qwen3": lambda t: t.Qwen3Config(**_DEC, head_dim=HD),
+    "qwen2_vl_text": lambda t: t.Qwen2VLConfig(
+        text_config=dict(_DEC, model_type="qwen2_vl_text", rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=HIDDEN, num_heads=2, patch_size=4, spatial_merge_size=2,
+                           temporal_patch_size=2), image_token_id=3, video_token_id=4, vision_start_token_id=5),
     "gemma": lambda t: t.GemmaConfig(**_DEC, head_dim=HD),
     "gemma2": lambda t: t.Gemma2Config(**_DEC, head_dim=HD),
     "gemma3_text": lambda t: t.Gemma3TextConfig(**_DEC, head_dim=HD),
@@ -49,7 +53,8 @@ CONFIGS = {
     "qwen3_moe": lambda t: t.Qwen3MoeConfig(**_DEC, head_dim=HD, num_experts=4, num_experts_per_tok=2,
                                             moe_intermediate_size=16),
 }
-ROTATES = [f.model_type for f in FAMILIES if not f.rotation]
+VLM = ("qwen2_vl_text",)  # records of a language tower: built here as the whole vision-language model
+ROTATES = [f.model_type for f in FAMILIES if not f.rotation and f.model_type not in VLM]
 REFUSES = [f.model_type for f in FAMILIES if f.rotation]
 SCALES = [f.model_type for f in FAMILIES if f.scaling]
 IDS = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -61,7 +66,8 @@ def build(mt: str):
     if mt not in _CACHE:
         cfg = CONFIGS[mt](transformers)
         torch.manual_seed(0)
-        auto = transformers.AutoModel if mt == "bert" else transformers.AutoModelForCausalLM
+        auto = (transformers.AutoModel if mt == "bert" else transformers.AutoModelForImageTextToText
+                if mt == "qwen2_vl_text" else transformers.AutoModelForCausalLM)
         kw = {"experts_implementation": "eager"} if BY_MODEL_TYPE[mt].experts else {}  # grouped_mm: no float64
         m = auto.from_config(cfg, **kw).eval().double()
         with torch.no_grad():  # non-trivial norm weights, so a fold that forgets them shows
@@ -107,7 +113,7 @@ def test_every_name_of_the_record_exists_with_its_shape(mt):
     if fam.lm_head is not None:
         head = m.get_submodule(loc.lm_head)
         assert isinstance(head, nn.Linear) and (head.in_features, head.out_features) == (HIDDEN, VOCAB)
-    cfg = m.config
+    cfg = m.config.get_text_config()
     hd = getattr(cfg, "head_dim", None) or HIDDEN // HEADS
     nh, kv = HEADS, getattr(cfg, "num_key_value_heads", None) or HEADS
 
@@ -287,6 +293,15 @@ def test_a_vision_language_model_is_its_language_tower():
     assert loc.prefix == "model.language_model" and decoder_layers_path(m) == "model.language_model.layers"
     assert type(m.get_submodule(loc.embed)).__name__ == "Gemma3TextScaledWordEmbedding"
     assert type(m.get_submodule(loc.final_norm)).__name__ == "Gemma3RMSNorm"
+
+
+@pytest.mark.parametrize("mt", VLM)
+def test_a_vision_language_model_refuses_rotation_before_any_change(mt):
+    m = build(mt)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(ValueError, match=r"vision-language model: \['model.visual'\]"):
+        rotate_model(m)
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())
 
 
 class _Custom(nn.Module):
