@@ -328,6 +328,12 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
         raise TypeError(f"metric must be a qcore.adapters.amp.Metric, got {metric!r}")
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be a bool, got {progress!r}")
+    from .families import family_or_none
+    fam = family_or_none(model)
+    if fam is not None and not fam.causal:
+        raise TypeError(f"layer_sensitivity: {type(model).__name__} (model_type {fam.model_type!r}, the {fam.name} "
+                        f"record) is an encoder without logits; AMP measures a language model's next-token "
+                        f"distributions (give a model returning logits)")
     table = _schemes_arg(schemes)
     quantized = {n: lc for n, lc in table.items() if lc is not None}
     plans: dict[str, dict] = {}

@@ -89,7 +89,11 @@ def _same_state(model, before: dict) -> bool:
 
 
 def _names_family(msg: str, model) -> bool:
-    return model.config.model_type in msg or type(model).__name__ in msg
+    """The message names the model's family: its model_type (or its text config's), its class or its record."""
+    from qcore.adapters.families import family_or_none
+    fam = family_or_none(model)
+    names = [model.config.model_type, type(model).__name__] + ([fam.model_type, f"{fam.name} record"] if fam else [])
+    return any(n in msg for n in names)
 
 
 def test_the_families_are_the_conftest_ones(zoo):
@@ -157,6 +161,27 @@ def test_algorithm_runs_or_refuses_before_work(family, algo, family_model, zoo):
     quantize_model(model, cfg, data, progress=False)
     assert unquantized_weights(model) == []
     assert torch.isfinite(zoo.model_output(model, data[0])).all()
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_amp_runs_or_refuses_before_work(family, family_model, zoo):
+    """AMP (a scheme per layer from measured sensitivities) within 6 bits per weight, from int4 and int8."""
+    from qcore.adapters.amp import amp_config
+    want = expected(family, "amp")
+    model = copy.deepcopy(family_model(family))
+    before = _state(model)
+    data = zoo.token_batches(2, seed=1)
+    schemes = ["uint4_wo_32", "w_int8_per_channel_sym"]
+    if want == "no":
+        with pytest.raises((ValueError, TypeError)) as e:
+            amp_config(model, schemes, data, target_bits=6.0, progress=False)
+        assert _names_family(str(e.value), model) or "issue 22" in str(e.value), str(e.value)
+        assert _same_state(model, before)
+        return
+    cfg = amp_config(model, schemes, data, target_bits=6.0, progress=False)
+    assert _same_state(model, before)  # measuring changes nothing
+    quantize_model(model, cfg, data, progress=False)
+    assert unquantized_weights(model) == []
 
 
 # ---------------------------------------------------------------------------------------------------------------
