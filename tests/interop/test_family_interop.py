@@ -1,14 +1,17 @@
 """qcore's Quark-layout exports of every family of issue 22, loaded by the real client (transformers + amd-quark
 0.13, in its own venv): each tiny random model (the families of tests/adapters/conftest.py) is quantized and
-frozen by qcore and written with ``export_hf``; Quark's loader must load every file qcore writes and compute the
-same logits (within 1e-3 of the logit range, as tests/interop/test_quark_interop.py), or qcore must refuse the
-export before writing anything. One Quark process loads all of them (``quark_client.py logits --keep-going``).
+frozen by qcore and written with ``export_hf``; Quark's loader must load every file qcore writes in Quark's layout
+(``quant_method "quark"``) and compute the same logits (within 1e-3 of the logit range, as
+tests/interop/test_quark_interop.py), must refuse a file in qcore's own layout (``"qcore"``: GPT-2's Conv1D and
+fused MoE experts, which Quark's loader would misread) rather than load it, or qcore must refuse the export before
+writing anything. One Quark process loads all of them (``quark_client.py logits --keep-going``).
 """
 
 from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import pathlib
 import types
 
@@ -79,6 +82,11 @@ def test_quark_loads_qcore_export_with_same_logits(family_exports, family, schem
         assert family in msg or "issue 22" in msg, msg  # refused by name, before writing
         return
     rec = family_exports.loads[key]
+    method = json.loads((family_exports.dir / key / "config.json").read_text())["quantization_config"]["quant_method"]
+    if method == "qcore":  # qcore's own layout (GPT-2's Conv1D, fused MoE experts): Quark's loader must not take it
+        assert "error" in rec, f"{key}: a 'qcore' checkpoint loaded in transformers + amd-quark: {rec}"
+        return
+    assert method == "quark"
     assert "error" not in rec, f"{key}: the real client cannot load qcore's export: {rec['error']}"
     got = np.load(family_exports.dir / "reload" / f"{key}.npy")
     want = family_exports.want[key]
