@@ -662,7 +662,8 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
             data = list(data)  # read more than once: by the algorithms and by calibration
             _check_batches(model, data)
         if rot is not None:
-            from .rotation import apply_rotation, check_rotation
+            from .rotation import check_rotation
+            from .spinquant import apply_rotation
             check_rotation(model, rot)
             if algos:
                 from .sequential import check_algorithms

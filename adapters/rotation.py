@@ -40,7 +40,6 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -48,7 +47,7 @@ from qcore.algorithms.hadamard import fwht, is_constructible, random_signs, rota
 
 from .families import family_of
 
-__all__ = ["rotate_model", "apply_rotation", "check_rotation", "rotated_weights", "InputRotation",
+__all__ = ["rotate_model", "check_rotation", "rotated_weights", "InputRotation",
            "input_rotations", "online_plan", "install_online", "ONLINE"]
 
 ONLINE = ("mlp.down_proj", "self_attn.o_proj")
@@ -392,18 +391,3 @@ def check_rotation(model: nn.Module, algo) -> None:
     if algo.decoder_layers not in (None, path):
         raise ValueError(f"{algo.name}: decoder_layers={algo.decoder_layers!r}; the model's architecture record "
                          f"puts its decoder layers at {path!r}")
-
-
-def apply_rotation(model: nn.Module, algo, *, plans: Sequence = (), data: Optional[Sequence] = None,
-                   progress: bool = False, gptq_follows: bool = False) -> nn.Module:
-    """Run a ``QuaRotConfig`` or ``SpinQuantConfig`` (``qcore.algorithms.config``) on the float ``model`` in place:
-    QuaRot's Hadamard rotations, or SpinQuant's learnt ones (``qcore.adapters.spinquant``, which needs ``plans``,
-    the quantizer's plan of the model, and calibration ``data``; ``gptq_follows`` decides SpinQuant's
-    ``train_weights=None``)."""
-    from qcore.algorithms.config import SpinQuantConfig
-    check_rotation(model, algo)
-    if isinstance(algo, SpinQuantConfig):
-        from .spinquant import spinquant
-        return spinquant(model, plans, data, algo, progress=progress,
-                         train_weights=(not gptq_follows) if algo.train_weights is None else algo.train_weights)
-    return rotate_model(model, key=algo.key, heads=algo.heads, online=algo.online)

@@ -38,10 +38,10 @@ from qcore.algorithms.hadamard import rotation
 from qcore.algorithms.orthogonal import cayley_step
 
 from .modules import _act_granularity, _with_granularity
-from .rotation import (_check, _fold_and_untie, _online_hooks, _times_online, _write, remove_online,
-                       rotated_weights)
+from .rotation import (_check, _fold_and_untie, _online_hooks, _times_online, _write, check_rotation, remove_online,
+                       rotate_model, rotated_weights)
 
-__all__ = ["spinquant"]
+__all__ = ["spinquant", "apply_rotation"]
 
 _log = logging.getLogger("qcore.adapters")
 
@@ -151,3 +151,18 @@ def spinquant(model: nn.Module, plans: Sequence, data: Optional[Sequence], algo,
     _log.info("spinquant: %d steps in %.1f s, loss %.4f -> %.4f", algo.steps, time.perf_counter() - t0,
               losses[0], losses[-1])
     return model
+
+
+def apply_rotation(model: nn.Module, algo, *, plans: Sequence = (), data: Optional[Sequence] = None,
+                   progress: bool = False, gptq_follows: bool = False) -> nn.Module:
+    """Run a ``QuaRotConfig`` or ``SpinQuantConfig`` (``qcore.algorithms.config``) on the float ``model`` in place:
+    QuaRot's Hadamard rotations (``qcore.adapters.rotation.rotate_model``), or SpinQuant's learnt ones (``spinquant``
+    above, which needs ``plans``,
+    the quantizer's plan of the model, and calibration ``data``; ``gptq_follows`` decides SpinQuant's
+    ``train_weights=None``)."""
+    from qcore.algorithms.config import SpinQuantConfig
+    check_rotation(model, algo)
+    if isinstance(algo, SpinQuantConfig):
+        return spinquant(model, plans, data, algo, progress=progress,
+                         train_weights=(not gptq_follows) if algo.train_weights is None else algo.train_weights)
+    return rotate_model(model, key=algo.key, heads=algo.heads, online=algo.online)

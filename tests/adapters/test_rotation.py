@@ -128,7 +128,8 @@ def test_quarot_through_quantize_model():
 
 def test_spinquant_learns_an_orthogonal_rotation_and_keeps_the_float_function():
     from qcore.adapters import plan_model, preset
-    from qcore.adapters.rotation import apply_rotation, rotate_model
+    from qcore.adapters.rotation import rotate_model
+    from qcore.adapters.spinquant import apply_rotation
     from qcore.algorithms.config import SpinQuantConfig
     from qcore.algorithms.orthogonal import orthogonality_error
     m = _llama(64, 4, 2, 128, False)
@@ -214,7 +215,8 @@ def test_spinquant_trains_without_weight_quantization_when_gptq_follows(monkeypa
 def test_a_failed_spinquant_leaves_the_float_function(monkeypatch):
     import qcore.adapters.spinquant as S
     from qcore.adapters import plan_model, preset
-    from qcore.adapters.rotation import apply_rotation, input_rotations
+    from qcore.adapters.rotation import input_rotations
+    from qcore.adapters.spinquant import apply_rotation
     from qcore.algorithms.config import SpinQuantConfig
     m = _llama(64, 4, 2, 128, False)
     x = _batches(1)[0]
