@@ -330,10 +330,11 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
         raise TypeError(f"progress must be a bool, got {progress!r}")
     from .families import family_or_none
     fam = family_or_none(model)
-    if fam is not None and not fam.causal:
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if fam is not None and not fam.causal and head is None:
         raise TypeError(f"layer_sensitivity: {type(model).__name__} (model_type {fam.model_type!r}, the {fam.name} "
-                        f"record) is an encoder without logits; AMP measures a language model's next-token "
-                        f"distributions (give a model returning logits)")
+                        f"record) is an encoder without a language-model head, so it has no logits to measure "
+                        f"(give a model returning logits, e.g. BertForMaskedLM)")
     table = _schemes_arg(schemes)
     quantized = {n: lc for n, lc in table.items() if lc is not None}
     plans: dict[str, dict] = {}

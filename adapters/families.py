@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
-from .scaling import ScalingGroup
 
 __all__ = ["Family", "Experts", "ScalingRule", "UnknownFamily", "Located", "FAMILIES", "BY_MODEL_TYPE",
            "family_of", "family_or_none", "locate", "non_language_modules", "decoder_layers_path", "fused_units", "DEFAULT_FUSED", "attach", "ATTRIBUTE",
-           "NORM_KINDS", "LINEAR_KINDS", "QKV_LAYOUTS"]
+           "NORM_KINDS", "LINEAR_KINDS", "QKV_LAYOUTS", "ScalingGroup"]
 
 #: how a norm's weight scales: ``rms`` x * w (no bias), ``rms_unit_offset`` x * (1 + w) (Gemma), ``layernorm``
 #: (x - mean) / std * w + b.
@@ -67,6 +66,63 @@ def _check_names(v: Any, what: str, *, empty_ok: bool = False) -> tuple:
     if len(set(v)) != len(v):
         raise ValueError(f"{what} must be distinct, got {v!r}")
     return tuple(v)
+
+
+# Quark's scaling_layers entries (AWQ / SmoothQuant): a ScalingGroup per entry; folding them is
+# qcore.adapters.scaling's job
+_QUARK_KEYS = {"prev_op", "layers", "inp", "module2inspect", "has_kwargs"}
+
+
+def _name(v: Any, what: str, *, empty_ok: bool = False) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"{what} must be a module name (str), got {v!r}")
+    if not v and not empty_ok:
+        raise ValueError(f"{what} must be a non-empty module name")
+    return v
+
+
+@dataclass(frozen=True)
+class ScalingGroup:
+    """Linears ``layers`` reading the output of ``prev_op`` (names relative to one decoder layer); ``inp``: the
+    module whose input is the group's calibration sample; ``module2inspect``: Quark's module whose output its
+    search measures (``""``: the whole layer; None: the single Linear)."""
+
+    prev_op: str
+    layers: tuple
+    inp: str
+    module2inspect: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _name(self.prev_op, "ScalingGroup.prev_op")
+        if isinstance(self.layers, str) or not isinstance(self.layers, (list, tuple)):
+            raise TypeError(f"ScalingGroup.layers must be a sequence of module names, got {self.layers!r}")
+        layers = tuple(_name(v, f"ScalingGroup.layers[{i}]") for i, v in enumerate(self.layers))
+        if not layers:
+            raise ValueError("ScalingGroup.layers must name at least one Linear")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"ScalingGroup.layers must be distinct, got {layers!r}")
+        if self.prev_op in layers:
+            raise ValueError(f"ScalingGroup.prev_op {self.prev_op!r} is also one of its layers")
+        object.__setattr__(self, "layers", layers)
+        _name(self.inp, "ScalingGroup.inp")
+        if self.module2inspect is not None:
+            _name(self.module2inspect, "ScalingGroup.module2inspect", empty_ok=True)
+
+    @classmethod
+    def from_quark(cls, entry: Mapping[str, Any]) -> "ScalingGroup":
+        """One entry of Quark's ``scaling_layers`` (keys ``prev_op``, ``layers``, ``inp``, optional
+        ``module2inspect``; Quark's ``has_kwargs`` is accepted and ignored). Unknown keys raise ValueError."""
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"a Quark scaling_layers entry must be a dict, got {entry!r}")
+        unknown = set(entry) - _QUARK_KEYS
+        if unknown:
+            raise ValueError(f"unknown key(s) {sorted(unknown)} in Quark scaling_layers entry {dict(entry)!r}; "
+                             f"expected {sorted(_QUARK_KEYS)}")
+        missing = {"prev_op", "layers", "inp"} - set(entry)
+        if missing:
+            raise ValueError(f"Quark scaling_layers entry {dict(entry)!r} lacks {sorted(missing)}")
+        return cls(entry["prev_op"], tuple(entry["layers"]) if isinstance(entry["layers"], list) else entry["layers"],
+                   entry["inp"], entry.get("module2inspect"))
 
 
 @dataclass(frozen=True)

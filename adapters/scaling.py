@@ -45,12 +45,13 @@ the checks before it (positive finite ``s``).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
 import torch
 from torch import nn
+
+from .families import ScalingGroup  # the record type lives with the architecture records
 
 __all__ = ["ScalingGroup", "NoScalingMap", "scaling_groups", "fold_scales", "check_fold"]
 
@@ -59,61 +60,6 @@ _UNIT_OFFSET_NORMS = frozenset({
     "GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "RecurrentGemmaRMSNorm", "VaultGemmaRMSNorm",
     "T5GemmaRMSNorm", "T5Gemma2RMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "MuseGlimmerTextCenteredRMSNorm",
 })
-_QUARK_KEYS = {"prev_op", "layers", "inp", "module2inspect", "has_kwargs"}
-
-
-def _name(v: Any, what: str, *, empty_ok: bool = False) -> str:
-    if not isinstance(v, str):
-        raise TypeError(f"{what} must be a module name (str), got {v!r}")
-    if not v and not empty_ok:
-        raise ValueError(f"{what} must be a non-empty module name")
-    return v
-
-
-@dataclass(frozen=True)
-class ScalingGroup:
-    """Linears ``layers`` reading the output of ``prev_op`` (names relative to one decoder layer); ``inp``: the
-    module whose input is the group's calibration sample; ``module2inspect``: Quark's module whose output its
-    search measures (``""``: the whole layer; None: the single Linear)."""
-
-    prev_op: str
-    layers: tuple
-    inp: str
-    module2inspect: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        _name(self.prev_op, "ScalingGroup.prev_op")
-        if isinstance(self.layers, str) or not isinstance(self.layers, (list, tuple)):
-            raise TypeError(f"ScalingGroup.layers must be a sequence of module names, got {self.layers!r}")
-        layers = tuple(_name(v, f"ScalingGroup.layers[{i}]") for i, v in enumerate(self.layers))
-        if not layers:
-            raise ValueError("ScalingGroup.layers must name at least one Linear")
-        if len(set(layers)) != len(layers):
-            raise ValueError(f"ScalingGroup.layers must be distinct, got {layers!r}")
-        if self.prev_op in layers:
-            raise ValueError(f"ScalingGroup.prev_op {self.prev_op!r} is also one of its layers")
-        object.__setattr__(self, "layers", layers)
-        _name(self.inp, "ScalingGroup.inp")
-        if self.module2inspect is not None:
-            _name(self.module2inspect, "ScalingGroup.module2inspect", empty_ok=True)
-
-    @classmethod
-    def from_quark(cls, entry: Mapping[str, Any]) -> "ScalingGroup":
-        """One entry of Quark's ``scaling_layers`` (keys ``prev_op``, ``layers``, ``inp``, optional
-        ``module2inspect``; Quark's ``has_kwargs`` is accepted and ignored). Unknown keys raise ValueError."""
-        if not isinstance(entry, Mapping):
-            raise TypeError(f"a Quark scaling_layers entry must be a dict, got {entry!r}")
-        unknown = set(entry) - _QUARK_KEYS
-        if unknown:
-            raise ValueError(f"unknown key(s) {sorted(unknown)} in Quark scaling_layers entry {dict(entry)!r}; "
-                             f"expected {sorted(_QUARK_KEYS)}")
-        missing = {"prev_op", "layers", "inp"} - set(entry)
-        if missing:
-            raise ValueError(f"Quark scaling_layers entry {dict(entry)!r} lacks {sorted(missing)}")
-        return cls(entry["prev_op"], tuple(entry["layers"]) if isinstance(entry["layers"], list) else entry["layers"],
-                   entry["inp"], entry.get("module2inspect"))
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # architecture map
 # ---------------------------------------------------------------------------------------------------------------
