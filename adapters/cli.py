@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from qcore.cli import _count, _csv, _nonnegative_number, _positive, _positive_number
+from qcore._argtypes import _count, _csv, _nonnegative_number, _positive, _positive_number
 
 from . import evaluate as E
 from . import main as J
