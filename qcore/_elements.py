@@ -78,3 +78,13 @@ def _check_param(p, shape, name, o, like):
                              f"broadcasts to it)") from None
     return p
 
+
+def bump_from_extremes(s, lo, hi, spec, o):
+    """bfp16's bump decided from each block's min ``lo`` and max ``hi`` (deterministic rounding only):
+    rounding is monotone, so an element rounds past the range iff the block's max or min does."""
+    inv = pow2(o.clip(-s, -127, 127), o, s)
+    rhi = _elements(o.reshape(hi, tuple(s.shape)) * inv, spec, None, o)
+    rlo = _elements(o.reshape(lo, tuple(s.shape)) * inv, spec, None, o)
+    over = o.logical_or(rhi > np.float32(spec.qmax), rlo < np.float32(spec.qmin))
+    _, smax = scale_exponent_range(spec.scale_dtype)
+    return o.minimum(s + o.astype(over, o.int32), smax)

@@ -446,7 +446,7 @@ def _cat(parts, o, sshape):
 def params(x, spec, scale, zero_point, o, r):
     """(scales, inv or None, zero points or None) in the public scale shape, exactly as the generic path.
     Given parameters were validated (and rounded to the scale dtype) by the caller (``_prepare_params``)."""
-    from .quantize import _check_param
+    from ._elements import _check_param
 
     sshape = spec.scale_shape(tuple(x.shape))
     if scale is not None:
@@ -472,7 +472,7 @@ def params(x, spec, scale, zero_point, o, r):
 
 def _params_from_stats(amax, lo, hi, spec, o, like):
     """(scales, 2**-s or None, zero points or None) from block statistics (any shape): the generic rules."""
-    from .quantize import bump_from_extremes
+    from ._elements import bump_from_extremes
 
     zp = None
     inv = None
@@ -547,7 +547,8 @@ def iter_slabs(x, spec, scale, zero_point, o, r):
     given scales) all parameters first, then the slabs."""
     fused = scale is None and all(b is None for _, _, b in r.plan)
     if spec.two_level and not fused:
-        from .quantize import _check_param, _two_level_multipliers
+        from ._elements import _check_param
+        from ._two_level import _two_level_multipliers
 
         scales = _check_param(scale, spec.scale_shape(tuple(x.shape)), "scale", o, x)
         q_mul, dq_mul = _two_level_multipliers(scales, r.g, o)
@@ -575,7 +576,7 @@ def iter_slabs(x, spec, scale, zero_point, o, r):
         xb = r.slab_in(x, r0, r1)
         amax, lo, hi = _slab_stats(xb, r, need_minmax)
         if spec.two_level:  # the public scales are the block scales; the kernels take the two multipliers
-            from .quantize import _two_level_scales
+            from ._two_level import _two_level_scales
 
             pub, inv, sc = _two_level_scales(amax, r.g, spec, o)
             zp = None
@@ -1026,7 +1027,7 @@ def run_quantize(x, spec, scale, zero_point, o, *, tensor_scale=None):
 def _tensor_scale(x, spec, given, o, ip):
     """Two-level specs: the tensor scale g, with AMAX's tensor absmax as a slab-wise integer reduction."""
     from .dtypes import TensorScale
-    from .quantize import _f32_const, tensor_scale_from_amax
+    from ._two_level import _f32_const, tensor_scale_from_amax
 
     if given is not None:
         return given
@@ -1103,7 +1104,7 @@ def run_dequantize(q, o):
             if back is None:
                 return None
         if spec.two_level:
-            from .quantize import _two_level_multipliers
+            from ._two_level import _two_level_multipliers
 
             g = o.reshape(o.asarray(q.tensor_scale, o.float32, codes), ())
             _, scales = _two_level_multipliers(scales, g, o)  # value = element * fl(g * block scale)

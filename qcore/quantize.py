@@ -22,6 +22,9 @@ from ._typing import Array, ArrayLike, KeyLike, SpecLike
 from ._backend import is_torch, ops, to_array
 from ._compiled import compiled
 from ._elements import _check_given_scale, _check_param, _elements, _int_clip  # noqa: F401 (re-exported)
+from ._elements import bump_from_extremes  # noqa: F401 (re-exported)
+from ._two_level import (_F32_MIN_NORMAL, _f32_const, _two_level_multipliers,  # noqa: F401
+                         _two_level_scales, tensor_scale_from_amax)
 from ._microexp import dequant_microexp_blocks, quantize_microexp_blocks
 from .cast import cast, decode, encode
 from .dtypes import BlockDType, FloatDType, IntDType, ScaleMode, TensorScale, get_dtype
@@ -386,29 +389,7 @@ def _bump(xb, blocked, s, spec, key, o):
     return o.minimum(s + o.reshape(anyover, tuple(s.shape)), smax)
 
 
-def bump_from_extremes(s, lo, hi, spec, o):
-    """bfp16's bump decided from each block's min ``lo`` and max ``hi`` (deterministic rounding only):
-    rounding is monotone, so an element rounds past the range iff the block's max or min does."""
-    inv = pow2(o.clip(-s, -127, 127), o, s)
-    rhi = _elements(o.reshape(hi, tuple(s.shape)) * inv, spec, None, o)
-    rlo = _elements(o.reshape(lo, tuple(s.shape)) * inv, spec, None, o)
-    over = o.logical_or(rhi > np.float32(spec.qmax), rlo < np.float32(spec.qmin))
-    _, smax = scale_exponent_range(spec.scale_dtype)
-    return o.minimum(s + o.astype(over, o.int32), smax)
-
-
-# -- two-level scales (NVFP4) ---------------------------------------------------------------------------------
-# The arithmetic is torchao's nvfp4_quantize (bit for bit on CPU); the zero / tiny / NaN / Inf rules are qcore's
-# (docs/numerics.md, "Two-level scales"). Every division has a device tensor as divisor: torch on CUDA turns
-# "tensor / python scalar" into a multiplication by the scalar's reciprocal, which is not the same number.
-
-_F32_MAX = np.float32(np.finfo(np.float32).max)
-_F32_MIN_NORMAL = np.float32(2.0**-126)
-
-
-def _f32_const(v, o, like):
-    return o.asarray(np.float32(v), o.float32, like)
-
+# -- two-level scales (NVFP4): the rules are in qcore/_two_level.py ------------------------------------------
 
 def _tensor_scale(x, spec: QuantSpec, given, o):
     """The per-tensor float32 scale ``g`` (0-d) of a two-level spec: the validated ``given`` one, 1 (ONE), or
@@ -419,45 +400,6 @@ def _tensor_scale(x, spec: QuantSpec, given, o):
     if spec.tensor_scale_mode is TensorScale.ONE or math.prod(tuple(x.shape)) == 0:
         return _f32_const(1.0, o, x)
     return tensor_scale_from_amax(o.amax(o.reshape(o.abs(x), (-1,)), 0, keepdims=False), spec, o, x)
-
-
-def tensor_scale_from_amax(amax, spec: QuantSpec, o, like):
-    """AMAX's rule for ``g`` from the tensor's absmax (0-d float32): see ``_tensor_scale``."""
-    one = _f32_const(1.0, o, like)
-    with o.quiet():
-        g = amax / _f32_const(spec.qmax * spec.scale_dtype.max_finite, o, like)
-    g = o.where(g < _F32_MIN_NORMAL, _F32_MIN_NORMAL, g)
-    g = o.where(amax == 0, one, g)
-    return o.where(o.isfinite(amax), g, np.float32(math.nan))
-
-
-def _two_level_scales(amax, g, spec: QuantSpec, o):
-    """THE two-level rule: from block absmax ``amax`` (float32, scale shape) and tensor scale ``g`` (0-d) ->
-    ``(scales, q_mul, dq_mul)``: the public block scales (values of ``spec.scale_dtype``), the quantization
-    multiplier (codes = round(x * q_mul)) and the dequantization multiplier (value = element * dq_mul).
-
-    scale = cast_RNE(clamp(fl(fl(amax / max_element) / g), min_normal, max_finite), scale_dtype); NaN where
-    amax or g is NaN/Inf (the block is NaN). Multipliers: ``_two_level_multipliers``."""
-    sd = spec.scale_dtype
-    with o.quiet():
-        s = (amax / _f32_const(spec.qmax, o, amax)) / g
-    s = o.clip(s, np.float32(sd.min_normal), np.float32(sd.max_finite))
-    scales = cast(s, sd, saturate=True)
-    good = o.logical_and(o.isfinite(amax), o.isfinite(g))
-    scales = o.where(good, scales, np.float32(math.nan))
-    q_mul, dq_mul = _two_level_multipliers(scales, g, o)
-    return scales, q_mul, dq_mul
-
-
-def _two_level_multipliers(scales, g, o):
-    """Per-block multipliers from block scales and the tensor scale (the one rule quantize, fake_quantize and
-    dequantize share): ``q_mul = min(fl(fl(1 / g) / scale), FLT_MAX)`` (torchao's reciprocal, kept finite),
-    ``dq_mul = fl(g * scale)`` (torchao's ``per_tensor_scale * scale``)."""
-    with o.quiet():
-        q_mul = (_f32_const(1.0, o, scales) / g) / scales
-        dq_mul = g * scales
-    q_mul = o.where(q_mul > _F32_MAX, _F32_MAX, q_mul)
-    return q_mul, dq_mul
 
 
 def _quantize_two_level(x, spec: QuantSpec, scale, tensor_scale, key, o):

@@ -221,7 +221,7 @@ def _as_spec(spec: SpecLike) -> "QuantSpec":
 
 def _params(amax, lo, hi, spec, o, like):
     """QParams from block statistics, by the same rule as dynamic quantize (``qcore.quantize``)."""
-    from .quantize import bump_from_extremes
+    from ._elements import bump_from_extremes
 
     if spec.pow2_scale:
         s, bad = pow2_scale_exponent(amax, element=spec.dtype, mode=spec.scale_mode, scale_dtype=spec.scale_dtype,
