@@ -255,6 +255,32 @@ def test_export_compressed_tensors_reloads_with_same_logits(family, family_model
     assert torch.equal(zoo.model_output(back, x), want)
 
 
+@pytest.mark.ct_client
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_export_compressed_tensors_real_client(family, family_model, zoo, tmp_path):
+    """transformers with the compressed-tensors package (its own loader, dequantizing while loading) reads the
+    export and computes the same logits (bit for bit)."""
+    if expected(family, "compressed-tensors") == "no":
+        pytest.skip("refused before work (test_export_compressed_tensors_reloads_with_same_logits)")
+    pytest.importorskip("compressed_tensors")
+    import warnings
+
+    import transformers
+    from qcore.adapters.export_ct import export_compressed_tensors
+    from qcore.adapters.hf import model_class
+    model = _quantized(family, family_model, zoo)
+    x = zoo.token_batches(1, seed=3)[0]
+    want = zoo.model_output(model, x)
+    dst = tmp_path / "ct"
+    export_compressed_tensors(model, dst)
+    with warnings.catch_warnings():  # "the quantization_config from the model will be used" (and our dequantize)
+        warnings.simplefilter("ignore", UserWarning)
+        back = model_class(transformers.AutoConfig.from_pretrained(dst)).from_pretrained(
+            dst, dtype=torch.float32, local_files_only=True,
+            quantization_config=transformers.CompressedTensorsConfig(dequantize=True)).eval()
+    assert torch.equal(zoo.model_output(back, x), want)
+
+
 def _onnx_feeds(sess, ids):
     """Inputs for an exported graph: the token ids, a full attention mask, positions, empty KV caches."""
     import numpy as np
