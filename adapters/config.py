@@ -23,9 +23,9 @@ Granularity axes are written on a canonical layout, the same for every module ty
   ``PerGroup(size, axis=1)``. For convolutions ``features`` are the channels (axis 1 of ``[N, C, H, W]``).
 
 Precedence for a module named ``n`` of type ``T``: ``exclude`` (left alone), then the first ``by_name`` pattern
-matching ``n`` (in insertion order), then ``by_type[T]``, then ``layer`` (which applies to ``Linear``, ``Conv2d``
-and ``ConvTranspose2d``; embeddings are quantized only through ``by_type``/``by_name``). A ``None`` value in
-``by_name``/``by_type`` leaves the matching modules alone.
+matching ``n`` (in insertion order), then ``by_type[T]``, then ``layer`` (which applies to ``Linear``, ``Conv2d``,
+``ConvTranspose2d`` and fused MoE ``Experts``; embeddings are quantized only through ``by_type``/``by_name``). A
+``None`` value in ``by_name``/``by_type`` leaves the matching modules alone.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ __all__ = ["MinMax", "Percentile", "MSE", "Observer", "TensorConfig", "LayerConf
            "ModelConfig", "ROLES", "MODULE_TYPES", "spec_to_dict", "spec_from_dict"]
 
 ROLES = ("weight", "input", "output", "bias")
-#: module types the adapters can wrap; ``ModelConfig.layer`` applies to the first three
-MODULE_TYPES = ("Linear", "Conv2d", "ConvTranspose2d", "Embedding", "EmbeddingBag")
-COMPUTE_TYPES = ("Linear", "Conv2d", "ConvTranspose2d")
+#: module types the adapters can wrap; ``ModelConfig.layer`` applies to the compute types (``"Experts"``: fused MoE
+#: experts, every expert's slices quantized as Linear weights: ``qcore.adapters.modules.QuantExperts``)
+MODULE_TYPES = ("Linear", "Conv2d", "ConvTranspose2d", "Embedding", "EmbeddingBag", "Experts")
+COMPUTE_TYPES = ("Linear", "Conv2d", "ConvTranspose2d", "Experts")
 DEFAULT_EXCLUDE = None  # sentinel meaning: the model's output head (see ModelConfig.exclude)
 #: the largest group / block extent a config takes: a group spans at most one row of one layer, and a group longer
 #: than its row is padded to its full size in memory, so 10**12 would ask for terabytes (per-channel scales are

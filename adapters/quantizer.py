@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from .config import COMPUTE_TYPES, LayerConfig, ModelConfig, TensorConfig
-from .modules import QUANT_CLASSES, CalibrationError, _QuantMixin, is_quantized_module, wrap
+from .modules import (EXPERT_PROJS, QUANT_CLASSES, CalibrationError, QuantExperts, _QuantMixin, is_fused_experts,
+                      is_quantized_module, wrap)
 
 _log = logging.getLogger("qcore.adapters")
 
@@ -119,7 +120,9 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
                          "the model and quantize it again")
     exclude = _output_head(model) if config.exclude is None else list(config.exclude)
     odd = _odd_weights(mods)  # weight matrices of kinds qcore cannot quantize: excluded by name or refused below
-    targets = names + [w.name for w in odd]  # exclude / by_name may name those parameters
+    experts = {n: [f"{n}.{p}" for p in EXPERT_PROJS] for n, m in mods.items() if n and _tname(m) == "Experts"}
+    # exclude / by_name may name those parameters, and the fused experts' (quantized together, per module)
+    targets = names + [w.name for w in odd] + [q for ps in experts.values() for q in ps]
     for p in ([] if config.exclude is None else exclude):
         if not any(_match(p, n) for n in targets):
             raise _no_match_error("ModelConfig.exclude entry", p, names)
@@ -139,6 +142,8 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
         tname = _tname(m)
         named = next((p for p in config.by_name if _match_tree(p, name)), None)
         excluded = any(_match_tree(p, name) for p in exclude)
+        if name in experts:  # fused experts: patterns may name the module or both of its parameters
+            named, excluded = _experts_patterns(name, experts[name], config, exclude, named, excluded)
         if tname is None:
             if named is not None and config.by_name[named] is not None and not any(
                     _match_tree(named, n) and _tname(mods[n]) is not None for n in names):
@@ -189,6 +194,22 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
     return plans
 
 
+def _experts_patterns(name: str, params: list, config: ModelConfig, exclude: list, named, excluded) -> tuple:
+    """(by_name pattern, excluded) of the fused experts module ``name``: a pattern naming the module (or a parent)
+    or both its parameters applies; one naming one parameter only is refused (the experts are quantized together)."""
+    def hits(p):
+        return [q for q in params if _match(p, q)]
+    for p in list(exclude) + list(config.by_name):
+        if 0 < len(hits(p)) < len(params) and not _match_tree(p, name):
+            raise ValueError(f"pattern {p!r} names {hits(p)[0]!r} but not {[q for q in params if q not in hits(p)]}: "
+                             f"the fused MoE experts {name!r} are quantized together; name the module {name!r} "
+                             f"(or all of its parameters)")
+    excluded = excluded or any(len(hits(p)) == len(params) for p in exclude)
+    if named is None:
+        named = next((p for p in config.by_name if len(hits(p)) == len(params)), None)
+    return named, excluded
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # weights qcore cannot quantize yet: found before any work, kept float only by an explicit exclusion
 # ---------------------------------------------------------------------------------------------------------------
@@ -207,7 +228,8 @@ class FloatWeight:
 
 
 ISSUE = "issue 22"  # where full support for these weights is tracked
-_WHY_EXPERTS = f"3-D fused MoE expert weights: qcore cannot quantize them yet ({ISSUE})"
+_WHY_EXPERTS = (f"3-D fused MoE expert weights of a layout qcore does not know (it quantizes the fused experts of "
+                f"Mixtral, Qwen2-MoE and Qwen3-MoE, qcore.adapters.modules.KNOWN_EXPERTS; {ISSUE})")
 _WHY_CONV1D = (f"transformers' Conv1D (GPT-2-style projections, a Linear whose weight is stored [in, out]): qcore "
                f"cannot quantize it yet ({ISSUE})")
 
@@ -218,7 +240,8 @@ def _why_odd(m: nn.Module, local: str, t: torch.Tensor) -> Optional[str]:
     (those are planned, excluded or warned about by ``plan_model``)."""
     if not t.is_floating_point() or t.dim() < 2 or "bias" in local.lower():
         return None
-    if isinstance(m, (_QuantMixin, _FloatView)) or any(isinstance(m, c) for c in QUANT_CLASSES):
+    if isinstance(m, (_QuantMixin, _FloatView)) or any(isinstance(m, c) for c in QUANT_CLASSES) or \
+            is_fused_experts(m):  # fused experts of a known layout are planned (QuantExperts)
         return None
     tname = type(m).__name__
     low = tname.lower()
@@ -347,6 +370,11 @@ def unquantized_weights(model: nn.Module, config: Union[ModelConfig, str, Mappin
         if p.config.weight is None:
             continue
         m = mods[p.name]
+        if p.type == "Experts" and not (is_quantized_module(m) and "weight" in m._qspecs):
+            out += [FloatWeight(f"{p.name}.{q}", p.name, type(m).__name__, tuple(getattr(m, q).shape),
+                                "the config quantizes these fused MoE experts, and they are float")
+                    for q in EXPERT_PROJS]
+            continue
         if not (is_quantized_module(m) and "weight" in m._qspecs):
             w = getattr(m, "weight", None)
             out.append(FloatWeight(f"{p.name}.weight", p.name, type(m).__name__,
@@ -368,6 +396,14 @@ def excluded_weights(model: nn.Module, config: Union[ModelConfig, str, Mapping, 
         if not name or _tname(m) is None or _tname(m) not in COMPUTE_TYPES:
             continue
         named = next((p for p in config.by_name if _match_tree(p, name)), None)
+        if _tname(m) == "Experts":
+            params = [f"{name}.{p}" for p in EXPERT_PROJS]
+            named, excl = _experts_patterns(name, params, config, exclude, named,
+                                            any(_match_tree(p, name) for p in exclude))
+            if excl or (named is not None and config.by_name[named] is None):
+                out += [FloatWeight(f"{name}.{p}", name, type(m).__name__, tuple(getattr(m, p).shape),
+                                    "excluded by the config") for p in EXPERT_PROJS if isinstance(m, nn.Module)]
+            continue
         if any(_match_tree(p, name) for p in exclude) or (named is not None and config.by_name[named] is None):
             w = getattr(m, "weight", None)
             out.append(FloatWeight(f"{name}.weight", name, type(m).__name__,
@@ -382,6 +418,7 @@ class _FloatView:
     def __init__(self, m):
         self.weight = m._parameters.get("weight", m._buffers.get("weight_packed"))
         self._base = type(m).__bases__[1]
+        self._experts = isinstance(m, QuantExperts)
 
 
 def _nothing_planned(mods: dict) -> ValueError:
@@ -412,6 +449,8 @@ def _nothing_planned(mods: dict) -> ValueError:
 
 
 def _tname(m) -> Optional[str]:
+    if isinstance(m, QuantExperts) or (isinstance(m, _FloatView) and m._experts) or is_fused_experts(m):
+        return "Experts"
     t = m._base if isinstance(m, _FloatView) else type(m)
     return next((c.__name__ for c in QUANT_CLASSES if t is c), None)
 
