@@ -37,7 +37,7 @@ from qcore.formats import quark_layout as L
 from qcore.formats.safetensors_io import TensorRecord, write_file
 
 from .config import ModelConfig
-from .modules import QuantLinear, _QuantMixin
+from .modules import QuantExperts, QuantLinear, _QuantMixin
 
 __all__ = ["export_hf", "ExportInfo", "parse_size", "QCORE_FORMAT_VERSION"]
 
@@ -127,10 +127,15 @@ def weight_parts(m: _QuantMixin) -> tuple[L.WeightParts, tuple]:
 
 def canonical_shape(m: _QuantMixin) -> tuple:
     """The shape of a quantized module's weight in the canonical ``[out, in, *kernel]`` layout, frozen or not."""
+    if isinstance(m, QuantExperts):  # [E, 2I, H]: each expert's Linears are [I, H] (gate, up) and [H, I]
+        return m.expert_shape("gate_up_proj")
     return tuple(m._frozen_meta["shape"]) if m.frozen else tuple(m._canon(m.weight).shape)
 
 
 def module_layout(m: _QuantMixin) -> str:
+    if isinstance(m, QuantExperts):
+        from .experts import experts_layout
+        return experts_layout(m._qspecs["weight"], {p: m.expert_shape(p) for p in ("gate_up_proj", "down_proj")})
     return L.weight_layout(m._qspecs["weight"], canonical_shape(m), module="Linear" if type(m) is QuantLinear
                            else "other")
 
@@ -200,6 +205,10 @@ def _plan_tensors(model: nn.Module, pack_method: str = "reorder") -> tuple[list[
         prefix = f"{name}."
         keys = [prefix + k for k in m.state_dict().keys()]
         owned.update(k for k in keys if "." not in k[len(prefix):])
+        if isinstance(m, QuantExperts):  # per-expert Linears, under the family's checkpoint names
+            from .experts import experts_records
+            records.extend(experts_records(model, name, m, layouts[name], pack_method))
+            continue
         records.extend(module_records(name, m, layouts[name], cache, pack_method))
     seen: dict[tuple, str] = {}
     for k, t in model.state_dict(keep_vars=True).items():
@@ -244,11 +253,12 @@ def export_units(model: nn.Module, config: ModelConfig) -> list[ExportUnit]:
     ``check_gguf``, ``check_onnx``, ``check_ct``) look at, before any evaluation or quantization."""
     mods = [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantMixin)]
     if mods:
-        return [ExportUnit(n, type(m).__bases__[1].__name__, canonical_shape(m), m.qconfig) for n, m in mods]
+        return [ExportUnit(n, "Experts" if isinstance(m, QuantExperts) else type(m).__bases__[1].__name__,
+                           canonical_shape(m), m.qconfig) for n, m in mods]
     from .quantizer import plan_model
     out = []
     for p in plan_model(model, config):
-        w = getattr(model.get_submodule(p.name), "weight", None)
+        w = getattr(model.get_submodule(p.name), "weight" if p.type != "Experts" else "gate_up_proj", None)
         shape = tuple(w.shape) if w is not None else ()
         if p.type == "ConvTranspose2d" and len(shape) >= 2:
             shape = (shape[1], shape[0], *shape[2:])
@@ -307,9 +317,23 @@ def check_hf(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
     config = model_config(model, config, who="export_hf")
     units = [u for u in export_units(model, config) if u.config.weight is not None]
     layouts = [L.weight_layout(u.config.weight.spec, u.shape, module="Linear" if u.type == "Linear" else "other")
-               for u in units]
+               if u.type != "Experts" else _experts_unit_layout(u) for u in units]
     quark_ok = all(v != "qcore" for v in layouts) and not will_rotate_online(model, config)
     _quark_part(config, _model_dtype_name(model), quark_ok)
+
+
+def _experts_unit_layout(u: ExportUnit) -> str:
+    """The layout of a fused experts unit's per-expert Linears (ValueError where qcore cannot write them yet)."""
+    from .experts import experts_layout, split_problem
+    from .modules import _norm_weight_granularity, _with_granularity
+    e, o, i = u.shape
+    spec = u.config.weight.spec
+    spec = _with_granularity(spec, _norm_weight_granularity(spec.granularity, "experts", u.name, 2, (o, i)))
+    shapes = {"gate_up_proj": (e, o, i), "down_proj": (e, i, o // 2)}
+    problem = split_problem(spec, shapes)
+    if problem is not None:
+        raise ValueError(f"export_hf: experts {u.name!r}: {problem}; not written yet (issue 22)")
+    return experts_layout(spec, shapes)
 
 
 def _quantization_config(model: nn.Module, config: ModelConfig, layouts: dict[str, str], pack_method: str) -> dict:

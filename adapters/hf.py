@@ -191,7 +191,7 @@ def check_tensors(files: list, model: nn.Module, shells: dict[str, _Shell]) -> N
         raise CorruptCheckpointError("the checkpoint has no safetensors files (qcore never loads pickled weights)")
     for name, sh in shells.items():
         for suffix, (dt, shape) in sh.expected.items():
-            key = f"{name}.{suffix}"
+            key = getattr(sh, "disk", {}).get(suffix, f"{name}.{suffix}")  # fused experts: the family's names
             if key not in entries:
                 raise CorruptCheckpointError(f"layer {name!r}: tensor {key!r} is missing from the checkpoint "
                                              f"(layout {sh.layout!r} stores {sorted(sh.expected)})")
@@ -228,7 +228,8 @@ def check_tensors(files: list, model: nn.Module, shells: dict[str, _Shell]) -> N
             if not ok or tuple(e.shape) != tuple(t.shape):
                 raise CorruptCheckpointError(f"tensor {k!r} is {e.dtype} {list(e.shape)} in {pathlib.Path(f).name}; "
                                              f"the model needs {want} {list(t.shape)}")
-    extra = unexpected_keys(model, entries)
+    on_disk = {k for sh in shells.values() for k in getattr(sh, "disk", {}).values()}
+    extra = [k for k in unexpected_keys(model, entries) if k not in on_disk]
     if extra:
         raise CorruptCheckpointError(f"tensor {extra[0]!r} in {pathlib.Path(entries[extra[0]][1]).name} is not a "
                                      f"tensor of the model its config describes"
@@ -237,6 +238,8 @@ def check_tensors(files: list, model: nn.Module, shells: dict[str, _Shell]) -> N
 
 def _build(sh: _Shell, pack_method: str, dtype: torch.dtype) -> nn.Module:
     """The frozen qcore module of a loaded shell (validated values)."""
+    if hasattr(sh, "build"):  # fused MoE experts (qcore.adapters.experts.ExpertsShell)
+        return sh.build(pack_method, dtype)
     where = f"layer {sh.qname!r}"
     params = dict(sh.named_parameters(recurse=False))
     missing = [n for n in sh.expected if params[n].is_meta]
@@ -316,7 +319,11 @@ def _make_classes():
                 raise CorruptCheckpointError(f"quantization_config.qcore.layouts must map layer names to layout "
                                              f"names, got {stated!r}"[:300])
             for p in plan_model(model, config, _check_float=False):  # a saved config, as it was saved
-                sh = _Shell(p.name, model.get_submodule(p.name), p.config)
+                if p.type == "Experts":
+                    from .experts import ExpertsShell
+                    sh = ExpertsShell(model, p.name, model.get_submodule(p.name), p.config)
+                else:
+                    sh = _Shell(p.name, model.get_submodule(p.name), p.config)
                 layout = sh.layout
                 if stated is not None and stated.get(p.name, layout) != layout:
                     raise CorruptCheckpointError(f"layer {p.name!r}: the checkpoint says layout "
@@ -332,8 +339,12 @@ def _make_classes():
             check_tensors(list(checkpoint_files), model, self._shells)
             return model
 
+        def update_weight_conversions(self, weight_conversions, model):
+            from .experts import drop_expert_converters  # quantized fused experts load per expert, as stored
+            return super().update_weight_conversions(drop_expert_converters(weight_conversions, self._shells), model)
+
         def _process_model_after_weight_loading(self, model, **kwargs):
-            shell = {id(p) for sh in self._shells.values() for p in sh.parameters(recurse=False)}
+            shell = {id(p) for sh in self._shells.values() for p in sh.parameters()}
             dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and not p.is_meta
                           and id(p) not in shell  # checkpoint tensors (e.g. float16 scales), not the model's
                           and p.dtype in (torch.float32, torch.bfloat16, torch.float16)), torch.float32)

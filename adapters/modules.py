@@ -1126,23 +1126,24 @@ class QuantExperts(_QuantMixin):
         """Every expert's weight of ``proj`` as a ``qcore.QTensor`` of the layer's spec ([out, in]), frozen or not
         (a committed weight is quantized again with its own scales, exactly as ``freeze`` does: nothing
         changes). What ``freeze`` and the exporters read."""
+        return [self.expert_qtensor(proj, e) for e in range(self.expert_shape(proj)[0])]
+
+    def expert_qtensor(self, proj: str, e: int) -> "qcore.QTensor":
+        """Expert ``e``'s weight of ``proj`` as a ``qcore.QTensor`` (see ``expert_qtensors``)."""
         if "weight" not in self._qspecs:
             raise ValueError(f"experts {self.qname!r}: the module quantizes no weight")
         if self._qmode == _FROZEN:
-            return [self._frozen_qtensor_e(proj, e) for e in range(self.expert_shape(proj)[0])]
+            return self._frozen_qtensor_e(proj, e)
         if self._qmode == _PENDING:
             self.commit()
         with torch.no_grad():
-            w = self._proj(proj).detach()
-            out = []
-            for e in range(w.shape[0]):
-                q = qcore.quantize(w[e].float(), self._qspecs["weight"], **self._given(proj, e))
-                if not torch.equal(qcore.dequantize(q).to(w.dtype), w[e]):
-                    raise RuntimeError(f"experts {self.qname!r}: {proj} of expert {e} is not on its quantization "
-                                       f"grid (was it changed after quantize_model without a forward?); run a "
-                                       f"forward or freeze the model first")
-                out.append(q)
-        return out
+            w = self._proj(proj)[e].detach()
+            q = qcore.quantize(w.float(), self._qspecs["weight"], **self._given(proj, e))
+            if not torch.equal(qcore.dequantize(q).to(w.dtype), w):
+                raise RuntimeError(f"experts {self.qname!r}: {proj} of expert {e} is not on its quantization grid "
+                                   f"(was it changed after quantize_model without a forward?); run a forward or "
+                                   f"freeze the model first")
+        return q
 
     # -- freeze --------------------------------------------------------------------------------------------
 
