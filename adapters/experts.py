@@ -60,9 +60,9 @@ def check_no_experts(model: nn.Module, config: Any = None, *, who: str) -> None:
     names = _experts_named(model, config)
     if names:
         raise ValueError(f"{who}: the model's fused MoE experts are quantized ({len(names)} module(s), e.g. tensor "
-                         f"{names[0]}.gate_up_proj); this format does not write quantized fused experts yet "
-                         f"({ISSUE}). Export with export_hf (Quark's layout, per-expert tensors), or keep the experts "
-                         f"float: exclude=[..., 're:.*\\.experts']")
+                         f"{names[0]}.gate_up_proj); {who} does not handle quantized fused experts yet "
+                         f"({ISSUE}). Quantize in memory and export with export_hf (Quark's layout, per-expert "
+                         f"tensors), or keep the experts float: exclude=[..., 're:.*\\.experts']")
 
 
 def check_experts_algorithms(plans: list, algos) -> None:
