@@ -65,12 +65,13 @@ def check_no_experts(model: nn.Module, config: Any = None, *, who: str) -> None:
                          f"tensors), or keep the experts float: exclude=[..., 're:.*\\.experts']")
 
 
-def check_experts_algorithms(plans: list, algos) -> None:
-    """Before any work: ValueError when a layer algorithm (GPTQ, AWQ, SmoothQuant, ...) would run on a model whose
-    plan quantizes fused experts (the algorithms know Linear weights only; fused experts would be left to
-    round-to-nearest without a word). Rotations act on the float model before it and are not concerned."""
+def check_experts_algorithms(plans: list, algos, *, who: Optional[str] = None) -> None:
+    """Before any work: ValueError when a layer algorithm (GPTQ, AWQ, SmoothQuant, ...; or the pass ``who``, e.g.
+    AMP's sensitivities) would run on a model whose plan quantizes fused experts (they know Linear weights only;
+    fused experts would be left to round-to-nearest without a word). Rotations act on the float model before
+    it and are not concerned."""
     from qcore.algorithms.config import ROTATION_CONFIGS
-    layer = [a.name for a in algos if not isinstance(a, ROTATION_CONFIGS)]
+    layer = [a.name for a in algos if not isinstance(a, ROTATION_CONFIGS)] + ([who] if who else [])
     experts = [p.name for p in plans if p.type == "Experts"]
     if layer and experts:
         raise ValueError(f"{', '.join(layer)}: the plan quantizes fused MoE experts ({len(experts)} module(s), e.g. "

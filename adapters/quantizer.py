@@ -723,8 +723,8 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         raise
     if reference is not None:
         for name, _, new in wrappers:
-            if name not in pinned and "weight" in new._qspecs:
-                reference[name] = new.weight.detach().to("cpu", copy=True)
+            if name not in pinned and "weight" in new._qspecs and not isinstance(new, QuantExperts):  # experts:
+                reference[name] = new.weight.detach().to("cpu", copy=True)  # not in layer_report yet (issue 22)
     if not qat:
         # Past this point the model is quantized: writing the weights in place cannot be undone without a second
         # copy of them. If it is interrupted, the wrappers not yet written stay in their pending mode, which
