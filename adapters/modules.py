@@ -836,7 +836,7 @@ def wrap(module: nn.Module, config: LayerConfig, *, name: str = "", qat: bool = 
     """The quantized wrapper of ``module`` (exact type match: Linear, Conv2d, ConvTranspose2d, Embedding,
     EmbeddingBag; or fused MoE experts of a known layout, ``QuantExperts``) for ``config``; ``module`` itself is not modified."""
     cls = QUANT_CLASSES.get(type(module))
-    if cls is None and is_fused_experts(module):  # fused MoE experts (QuantExperts)
+    if cls is None and type(module).__name__ in KNOWN_EXPERTS:  # fused MoE experts (QuantExperts; checks layout)
         return QuantExperts.from_module(module, config, name=name, qat=qat)
     if cls is None:
         raise TypeError(f"{name or 'module'}: cannot quantize a {type(module).__name__}; supported: "

@@ -199,12 +199,17 @@ def _experts_patterns(name: str, params: list, config: ModelConfig, exclude: lis
     or both its parameters applies; one naming one parameter only is refused (the experts are quantized together)."""
     def hits(p):
         return [q for q in params if _match(p, q)]
-    for p in list(exclude) + list(config.by_name):
+
+    def refuse(what, got):
+        return ValueError(f"{what} names {got} but not {[q for q in params if q not in got]}: the fused MoE experts "
+                          f"{name!r} are quantized together; name the module {name!r} (or all of its parameters)")
+    for p in config.by_name:
         if 0 < len(hits(p)) < len(params) and not _match_tree(p, name):
-            raise ValueError(f"pattern {p!r} names {hits(p)[0]!r} but not {[q for q in params if q not in hits(p)]}: "
-                             f"the fused MoE experts {name!r} are quantized together; name the module {name!r} "
-                             f"(or all of its parameters)")
-    excluded = excluded or any(len(hits(p)) == len(params) for p in exclude)
+            raise refuse(f"ModelConfig.by_name pattern {p!r}", hits(p))
+    dropped = sorted({q for p in exclude for q in hits(p)})
+    if not excluded and 0 < len(dropped) < len(params):
+        raise refuse(f"ModelConfig.exclude {[p for p in exclude if hits(p)]}", dropped)
+    excluded = excluded or len(dropped) == len(params)
     if named is None:
         named = next((p for p in config.by_name if len(hits(p)) == len(params)), None)
     return named, excluded
