@@ -26,7 +26,7 @@ from torch import nn
 from qcore.formats import quark_layout as L
 from qcore.formats.safetensors_io import CorruptCheckpointError, TensorRecord
 
-from .modules import EXPERT_PROJS, QuantExperts, _QuantMixin
+from .modules import EXPERT_PROJS, QuantExperts, _QuantMixin, is_fused_experts
 
 __all__ = ["disk_names", "experts_layout", "experts_records", "ExpertsShell", "check_no_experts",
            "check_experts_algorithms", "drop_expert_converters"]
@@ -46,9 +46,15 @@ def _experts_named(model: nn.Module, config: Any) -> list[str]:
     names = [n for n, m in model.named_modules() if isinstance(m, QuantExperts)]
     if names or any(isinstance(m, _QuantMixin) for m in model.modules()) or config is None:
         return names
+    import warnings
+
     from .quantizer import _as_config, plan_model
+    if not any(is_fused_experts(m) for m in model.modules()):
+        return []
     try:
-        plans = plan_model(model, _as_config(config))
+        with warnings.catch_warnings():  # plan_model's own warnings are the quantizer's to give, once
+            warnings.simplefilter("ignore")
+            plans = plan_model(model, _as_config(config))
     except (ValueError, TypeError):
         return []  # the caller's own checks say what is wrong with the config
     return [p.name for p in plans if p.type == "Experts"]
