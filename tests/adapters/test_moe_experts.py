@@ -209,6 +209,34 @@ def test_freeze_export_and_reload_give_the_same_logits(family, scheme, layout, t
     assert unquantized_weights(back) == []
 
 
+def test_activation_roles_per_feature_and_output_round_trip(tmp_path):
+    from qcore import PerTensor, QuantSpec
+    from qcore.dtypes import get_dtype
+    w = preset("w_int8_per_channel_sym").layer.weight
+    int8, uint8 = get_dtype("int8"), get_dtype("uint8")
+    cases = {"input per feature": (LayerConfig(weight=w, input=TensorConfig(QuantSpec(int8, PerChannel(1)))),
+                                   {"gate_up_proj_input_scale": (4, 32), "down_proj_input_scale": (4, 32)}),
+             "output per tensor": (LayerConfig(weight=w, output=TensorConfig(QuantSpec(int8, PerTensor()))),
+                                   {"gate_up_proj_output_scale": (4,), "down_proj_output_scale": (4,)}),
+             "output per feature, asymmetric": (
+                 LayerConfig(weight=w, output=TensorConfig(QuantSpec(uint8, PerChannel(1), symmetric=False))),
+                 {"gate_up_proj_output_scale": (4, 64), "down_proj_output_zero_point": (4, 32)})}
+    for i, (lc, shapes) in enumerate(cases.values()):
+        model = tiny_qwen3_moe()
+        quantize_model(model, ModelConfig(preset("uint4_wo_32").layer, by_type={"Experts": lc}), [IDS],
+                       progress=False)
+        q = _experts(model)
+        for buf, shape in shapes.items():
+            assert tuple(getattr(q, buf).shape) == shape and torch.isfinite(getattr(q, buf)).all(), buf
+        logits = _logits(model)
+        freeze(model)
+        export_hf(model, tmp_path / f"out{i}")
+        back = from_pretrained(tmp_path / f"out{i}")
+        assert torch.equal(_logits(back), logits)
+        for buf in shapes:
+            assert torch.equal(getattr(_experts(back), buf), getattr(q, buf))
+
+
 def test_unquantized_weights_is_empty_after_every_weight_preset():
     names = [n for n, roles in PRESETS.items() if "weight" in roles]
     assert len(names) > 30
