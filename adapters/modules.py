@@ -1305,16 +1305,25 @@ class QuantExperts(_QuantMixin):
         gate, up = h.chunk(2, dim=-1)
         return self.act_fn(gate) * up
 
-    def _expert(self, x: torch.Tensor, e: int, gu: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        h = F.linear(self._qact_e(x, "gate_up_proj", "input", e), gu[e])
+    def _expert(self, x: torch.Tensor, e: int, gu, down) -> torch.Tensor:
+        h = F.linear(self._qact_e(x, "gate_up_proj", "input", e), gu(e))
         h = self._gate(self._qact_e(h, "gate_up_proj", "output", e))
-        y = F.linear(self._qact_e(h, "down_proj", "input", e), down[e])
+        y = F.linear(self._qact_e(h, "down_proj", "input", e), down(e))
         return self._qact_e(y, "down_proj", "output", e)
+
+    def _expert_weights(self, proj: str):
+        """``e -> expert e's [out, in] weight``: a frozen module dequantizes the experts that are hit only (unless
+        ``keep_dequantized``)."""
+        if self._qmode == _FROZEN and not getattr(self, "keep_dequantized", False):
+            dtype = self._frozen_meta["dtype"]
+            return lambda e: _dequantize(self._frozen_qtensor_e(proj, e)).to(dtype)
+        w = self._proj(proj)
+        return lambda e: w[e]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,  # type: ignore[override]
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         n = self.expert_shape(EXPERT_PROJS[0])[0]
-        gu, down = self._proj("gate_up_proj"), self._proj("down_proj")
+        gu, down = self._expert_weights("gate_up_proj"), self._expert_weights("down_proj")
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             mask = F.one_hot(top_k_index, num_classes=n + 1).permute(2, 1, 0)

@@ -398,3 +398,49 @@ def test_corrupted_expert_tensors_are_refused_naming_them(exported, tmp_path):
         with pytest.raises(CorruptCheckpointError, match=match):
             from_pretrained(d)
     assert torch.isfinite(_logits(from_pretrained(exported))).all()  # the good checkpoint loads
+
+
+class OtherExperts(nn.Module):
+    """Fused experts of a class qcore does not know (3-D, the same parameter names)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(4, 16, 8))
+        self.down_proj = nn.Parameter(torch.randn(4, 8, 8))
+
+
+class DbrxLikeExperts(nn.Module):
+    """DBRX-style experts: every expert's rows stacked in a 2-D parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(4 * 8, 8))
+
+
+@pytest.mark.parametrize("experts,why", [(OtherExperts, "3-D fused MoE expert weights of a layout qcore does not"),
+                                         (DbrxLikeExperts, "fused \\(stacked 2-D\\) MoE expert weights")])
+def test_experts_of_unknown_layouts_stay_refused(experts, why):
+    model = nn.Sequential(nn.Linear(8, 8))
+    model.add_module("experts", experts())
+    _refused(model, lambda: quantize_model(model, "uint4_wo_32", progress=False), f"{why}.*issue 22")
+    quantize_model(model, preset("uint4_wo_32").replace(exclude=("experts",)), progress=False)
+    assert unquantized_weights(model) == [] and list(quantized_modules(model)) == ["0"]
+
+
+def test_state_dict_round_trip_and_keep_dequantized():
+    a = tiny_qwen3_moe()
+    quantize_model(a, "int8", [IDS], progress=False)  # per-tensor int8: quantizing again would not be idempotent
+    b = tiny_qwen3_moe()
+    with torch.no_grad():
+        _experts(b).down_proj.mul_(1.5)
+    quantize_model(b, "int8", [IDS], progress=False)
+    b.load_state_dict(a.state_dict())  # the saved fake-quantized experts and scales, kept as saved
+    assert torch.equal(_logits(b), _logits(a))
+    assert torch.equal(_experts(b).down_proj_scale, _experts(a).down_proj_scale)
+    freeze(b)
+    q = _experts(b)
+    q.keep_dequantized = True  # evaluation: the experts dequantized once and kept
+    assert torch.equal(_logits(b), _logits(a)) and set(q.__dict__["_dequantized"]) == {"gate_up_proj", "down_proj"}
+    b.to(torch.bfloat16)  # scales stay float32; the frozen experts dequantize to the new dtype
+    assert q.down_proj_scale.dtype == torch.float32 and "_dequantized" not in q.__dict__
+    assert _logits(b).dtype == torch.bfloat16
