@@ -834,7 +834,8 @@ def is_quantized_module(m: nn.Module) -> bool:
 
 def wrap(module: nn.Module, config: LayerConfig, *, name: str = "", qat: bool = False) -> nn.Module:
     """The quantized wrapper of ``module`` (exact type match: Linear, Conv2d, ConvTranspose2d, Embedding,
-    EmbeddingBag; or fused MoE experts of a known layout, ``QuantExperts``) for ``config``; ``module`` itself is not modified."""
+    EmbeddingBag; or fused MoE experts of a known layout, ``QuantExperts``) for ``config``; ``module`` itself is not
+    modified."""
     cls = QUANT_CLASSES.get(type(module))
     if cls is None and type(module).__name__ in KNOWN_EXPERTS:  # fused MoE experts (QuantExperts; checks layout)
         return QuantExperts.from_module(module, config, name=name, qat=qat)

@@ -290,11 +290,12 @@ def test_bad_configs_and_models_are_refused_before_any_work():
     _refused(model, lambda: quantize_model(model, "uint4_wo_32", qat=True, progress=False),
              r"experts 'model.layers.0.mlp.experts': qat=True is not supported.*issue 22")
     # 2. a bias spec: the experts have no bias
-    bias = LayerConfig(weight=lc.weight, bias=TensorConfig(qcore.QuantSpec(qcore.dtypes.get_dtype("int8"), PerChannel(0))))
+    int8 = qcore.dtypes.get_dtype("int8")
+    bias = LayerConfig(weight=lc.weight, bias=TensorConfig(qcore.QuantSpec(int8, PerChannel(0))))
     _refused(model, lambda: quantize_model(model, ModelConfig(lc, by_type={"Experts": bias}), progress=False),
              "has no bias but the config quantizes the bias")
     # 3. a weight spec that cannot apply: per-channel scales along the input axis
-    bad = LayerConfig(weight=TensorConfig(qcore.QuantSpec(qcore.dtypes.get_dtype("int8"), PerChannel(1))))
+    bad = LayerConfig(weight=TensorConfig(qcore.QuantSpec(int8, PerChannel(1))))
     _refused(model, lambda: quantize_model(model, ModelConfig(lc, by_type={"Experts": bad}), progress=False),
              "per-channel weight scales are per output channel")
     # 4. a pattern naming one of the two fused parameters only
@@ -391,7 +392,8 @@ def test_corrupted_expert_tensors_are_refused_naming_them(exported, tmp_path):
               "different per-tensor scales"),
              (lambda t: t.__setitem__(f"{w3}.input_scale", t[f"{w3}.input_scale"] * 2), "input scales of expert 2"),
              (lambda t: t.__setitem__(f"{w1}.weight_scale", -t[f"{w1}.weight_scale"]), "experts.2.w1"),
-             (lambda t: t.__setitem__(f"{w1}.weight", t[f"{w1}.weight"][:10]), f"{w1}.weight' is I8 \\[10, 32\\] in model.safetensors")]
+             (lambda t: t.__setitem__(f"{w1}.weight", t[f"{w1}.weight"][:10]),
+              f"{w1}.weight' is I8 \\[10, 32\\] in model.safetensors")]
     for i, (change, match) in enumerate(cases):
         d = tmp_path / f"bad{i}"
         _rewrite(exported, d, change)

@@ -1,8 +1,9 @@
 """A model is never silently half-done: every weight matrix is quantized, excluded by name, or refused before work.
 
 Weights qcore cannot quantize yet (fused 3-D MoE expert tensors of a layout it does not know, transformers'
-``Conv1D``, fused projections held directly on a module) are refused by ``plan_model`` before any work unless an exclusion names
-them; ``unquantized_weights`` walks a quantized model and lists every weight left float without being excluded.
+``Conv1D``, fused projections held directly on a module) are refused by ``plan_model`` before any work unless an
+exclusion names them; ``unquantized_weights`` walks a quantized model and lists every weight left float without
+being excluded.
 Tiny random models built offline (Qwen3-MoE, Mixtral, GPT-2, and the conftest families).
 """
 
