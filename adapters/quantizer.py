@@ -94,11 +94,13 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
     """Resolve ``config`` on ``model``: the modules that will be quantized and their configs. Pure: raises
     ``ValueError``/``TypeError`` for patterns matching nothing, configs that cannot apply, tied weights shared
     with a module treated differently, an already quantized model, and weight matrices qcore cannot quantize
-    yet that no exclusion names (fused 3-D MoE expert tensors, transformers' ``Conv1D``, ...: see
-    ``unquantized_weights``); changes nothing.
+    yet that no exclusion names (fused MoE expert tensors of a layout qcore does not know, transformers'
+    ``Conv1D``, ...: see ``unquantized_weights``); changes nothing. Fused MoE experts of a known layout
+    (``qcore.adapters.modules.KNOWN_EXPERTS``) are planned as one module of type ``"Experts"``.
 
     ``exclude`` / ``by_name`` patterns match module names (a pattern naming a module covers everything in it) and,
-    for the weights qcore cannot quantize, their parameter names too (``model.layers.0.mlp.experts.down_proj``).
+    for the weights qcore cannot quantize and for fused experts, their parameter names too
+    (``model.layers.0.mlp.experts.down_proj``; fused experts are kept float only as a whole: both parameters).
     (``_check_float=False``: the checkpoint loaders, which resolve a saved config on a float skeleton.)"""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -365,8 +367,9 @@ def unquantized_weights(model: nn.Module, config: Union[ModelConfig, str, Mappin
                         ) -> list[FloatWeight]:
     """Every weight of ``model`` that ``config`` (default: the config ``quantize_model`` used,
     ``model.qcore_config``) should have quantized but that is still float and is not excluded: a module the plan
-    quantizes whose weight is not quantized, and a weight matrix of a kind qcore cannot quantize yet (fused
-    3-D MoE experts, transformers' Conv1D, ...) that no exclusion names. Empty after a successful
+    quantizes whose weight is not quantized (for fused MoE experts: both of their parameters), and a weight
+    matrix of a kind qcore cannot quantize yet (fused MoE experts of an unknown layout, transformers' Conv1D, ...)
+    that no exclusion names. Empty after a successful
     ``quantize_model``; the proof that a model is not half-done. Embeddings (quantized only through
     ``by_type`` / ``by_name``), norms, biases and MoE routers are float by design and never listed."""
     config, mods, exclude = _walk_config(model, config)
