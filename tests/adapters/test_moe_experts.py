@@ -337,6 +337,12 @@ def test_exporters_without_fused_experts_refuse_before_work(tmp_path):
         with pytest.raises(ValueError, match=want):
             fn()
     assert not any(tmp_path.iterdir())
+    from qcore.adapters import quantize_checkpoint  # streaming: refused before any layer is read
+    src = tmp_path / "src"
+    tiny_qwen3_moe().save_pretrained(src)
+    with pytest.raises(ValueError, match=r"quantize_checkpoint: .*tensor model.layers.0.mlp.experts.gate_up_proj"):
+        quantize_checkpoint(src, tmp_path / "dst", "uint4_wo_32", progress=False)
+    assert not (tmp_path / "dst").exists()
 
 
 def test_commit_and_load_frozen_refuse_bad_inputs():
