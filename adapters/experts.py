@@ -96,12 +96,16 @@ def disk_names(model: nn.Module, name: str, n_experts: int) -> dict[tuple, str]:
     ``("gate_up_proj", e, "gate")``, ``("gate_up_proj", e, "up")``, ``("down_proj", e, None)``. From
     transformers' conversion mapping of ``model`` (what ``save_pretrained`` writes); qcore's own
     ``<name>.<e>.gate_proj`` / ``up_proj`` / ``down_proj`` when it has none."""
-    own = {**{("gate_up_proj", e, h): f"{name}.{e}.{h}_proj" for e in range(n_experts) for h in _HALVES},
-           **{("down_proj", e, None): f"{name}.{e}.down_proj" for e in range(n_experts)}}
+    return _disk_names(model, name, n_experts)[0]
+
+
+def _disk_names(model: nn.Module, name: str, n_experts: int) -> tuple[dict[tuple, str], bool]:
+    """(``disk_names``, whether they are transformers' own)."""
+    own = _own_names(name, n_experts)
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:
-        return own
+        return own, False
     e_ = n_experts
     with torch.device("cpu"):  # (transformers builds models to load under a meta device context)
         probe = {f"{name}.gate_up_proj": torch.arange(e_ * 2, dtype=torch.float32).reshape(e_, 2, 1),
@@ -109,17 +113,23 @@ def disk_names(model: nn.Module, name: str, n_experts: int) -> dict[tuple, str]:
         try:
             out = revert_weight_conversion(model, dict(probe)) if hasattr(model, "config") else probe
         except Exception:  # a mapping transformers cannot revert on this probe: qcore's own names
-            return own
+            return own, False
     found: dict[tuple, str] = {}
     for k, t in out.items():
         if t.numel() != 1 or not k.endswith(".weight"):
-            return own
+            return own, False
         v = int(t.reshape(()).item())
         key = ("gate_up_proj", v // 2, _HALVES[v % 2]) if v < 2 * e_ else ("down_proj", v - 2 * e_, None)
         found[key] = k[:-len(".weight")]
     if set(found) != set(own) or len(set(found.values())) != len(found):
-        return own
-    return found
+        return own, False
+    return found, True
+
+
+def _own_names(name: str, n_experts: int) -> dict[tuple, str]:
+    """qcore's own per-expert names (a family whose checkpoints have none)."""
+    return {**{("gate_up_proj", e, h): f"{name}.{e}.{h}_proj" for e in range(n_experts) for h in _HALVES},
+            **{("down_proj", e, None): f"{name}.{e}.down_proj" for e in range(n_experts)}}
 
 
 def _rows(proj: str, half: Optional[str], out: int) -> tuple:
@@ -395,3 +405,55 @@ def drop_expert_converters(conversions: list, shells: dict) -> list:
             continue
         out.append(c)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# float (excluded) fused experts: written as the family's per-expert float Linears, as save_pretrained does
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def float_experts_split(model: nn.Module) -> dict[str, list]:
+    """``{state-dict key of a float fused experts parameter: [(checkpoint name, (proj, e, rows)), ...]}`` for the
+    float fused experts of ``model`` (known layout), when the model holds no quantized fused experts: they are
+    written per expert under the names ``save_pretrained`` writes (and transformers' own conversion merges them
+    back on load). Empty when the model has quantized fused experts (qcore's loader then reads the float ones
+    under their fused names) or when the family's checkpoints have no per-expert names."""
+    from .modules import is_fused_experts
+    if any(isinstance(m, QuantExperts) for m in model.modules()):
+        return {}
+    out: dict[str, list] = {}
+    for name, m in model.named_modules():
+        if not is_fused_experts(m):
+            continue
+        e_ = m.gate_up_proj.shape[0]
+        names, theirs = _disk_names(model, name, e_)
+        if not theirs:
+            continue  # no per-expert names in this family's checkpoints: the fused parameters as they are
+        for proj in EXPERT_PROJS:
+            o = getattr(m, proj).shape[1]
+            halves = ("gate", "up") if proj == "gate_up_proj" else (None,)
+            out[f"{name}.{proj}"] = [(names[(proj, e, h)] + ".weight", (proj, e, _rows(proj, h, o)))
+                                     for e in range(e_) for h in halves]
+    return out
+
+
+def float_experts_records(model: nn.Module, key: str, t: torch.Tensor, parts: list) -> list[TensorRecord]:
+    """The per-expert float tensors of the fused parameter ``t`` (state-dict ``key``), lazily sliced."""
+    from .export import _tensor_record
+    return [_tensor_record(disk, t.detach()[e, rows[0]:rows[1]]) for disk, (proj, e, rows) in parts]
+
+
+def check_split_experts(key: str, t: torch.Tensor, parts: list, entries: dict, want_float: Optional[str]) -> None:
+    """A float fused experts parameter (state-dict ``key``, the model's tensor ``t``) stored per expert: every
+    per-expert tensor present, in the checkpoint's float dtype, with its slice's shape (``CorruptCheckpointError``
+    naming the tensor otherwise)."""
+    import pathlib
+    for disk, (proj, e, rows) in parts:
+        if disk not in entries:
+            raise CorruptCheckpointError(f"tensor {key!r} of the model is missing from the checkpoint (neither it nor "
+                                         f"its per-expert tensors such as {disk!r} are stored)")
+        ent, f = entries[disk]
+        shape = (rows[1] - rows[0], t.shape[2])
+        if ent.dtype != want_float or tuple(ent.shape) != shape:
+            raise CorruptCheckpointError(f"tensor {disk!r} is {ent.dtype} {list(ent.shape)} in {pathlib.Path(f).name}; "
+                                         f"the model needs {want_float} (the checkpoint's float dtype) {list(shape)}")

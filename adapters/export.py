@@ -211,6 +211,8 @@ def _plan_tensors(model: nn.Module, pack_method: str = "reorder") -> tuple[list[
             continue
         records.extend(module_records(name, m, layouts[name], cache, pack_method))
     seen: dict[tuple, str] = {}
+    from .experts import float_experts_records, float_experts_split
+    split = float_experts_split(model)  # float fused experts: per expert, as the family's checkpoints hold them
     for k, t in model.state_dict(keep_vars=True).items():
         if k in owned or t is None:
             continue
@@ -218,7 +220,7 @@ def _plan_tensors(model: nn.Module, pack_method: str = "reorder") -> tuple[list[
         if t.numel() and key in seen:  # a tied weight: written once, as save_pretrained does
             continue
         seen[key] = k
-        records.append(_tensor_record(k, t.detach()))
+        records.extend(float_experts_records(model, k, t, split[k]) if k in split else [_tensor_record(k, t.detach())])
     return records, layouts
 
 

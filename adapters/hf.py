@@ -210,10 +210,15 @@ def check_tensors(files: list, model: nn.Module, shells: dict[str, _Shell]) -> N
               if k in entries and t.is_floating_point()]
     want_float = max(set(floats), key=floats.count) if floats else None  # the checkpoint's float dtype
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})  # transformers' tied name -> its source
-    for keys in groups.values():
+    from .experts import check_split_experts, float_experts_split
+    split = {k: v for k, v in float_experts_split(model).items() if k not in entries}  # float fused experts stored
+    for keys in groups.values():  # per expert (as save_pretrained writes them; transformers merges them on load)
         present = [(k, t) for k, t in keys if k in entries]
         if not present and all(tied.get(k) in entries for k, _ in keys):
             continue  # tied to a stored tensor (e.g. lm_head.weight to the token embedding): written once
+        if not present and keys[0][0] in split:
+            check_split_experts(keys[0][0], keys[0][1], split[keys[0][0]], entries, want_float)
+            continue
         if not present:
             raise CorruptCheckpointError(f"tensor {keys[0][0]!r} of the model is missing from the checkpoint "
                                          f"(it would be left to random initialisation)")
@@ -229,6 +234,7 @@ def check_tensors(files: list, model: nn.Module, shells: dict[str, _Shell]) -> N
                 raise CorruptCheckpointError(f"tensor {k!r} is {e.dtype} {list(e.shape)} in {pathlib.Path(f).name}; "
                                              f"the model needs {want} {list(t.shape)}")
     on_disk = {k for sh in shells.values() for k in getattr(sh, "disk", {}).values()}
+    on_disk |= {d for parts in split.values() for d, _ in parts}
     extra = [k for k in unexpected_keys(model, entries) if k not in on_disk]
     if extra:
         raise CorruptCheckpointError(f"tensor {extra[0]!r} in {pathlib.Path(entries[extra[0]][1]).name} is not a "

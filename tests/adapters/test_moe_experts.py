@@ -452,3 +452,30 @@ def test_state_dict_round_trip_and_keep_dequantized():
     b.to(torch.bfloat16)  # scales stay float32; the frozen experts dequantize to the new dtype
     assert q.down_proj_scale.dtype == torch.float32 and "_dequantized" not in q.__dict__
     assert _logits(b).dtype == torch.bfloat16
+
+
+def _keys(d) -> set:
+    from safetensors import safe_open
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        return {k for k in f.keys() if ".experts." in k}
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_experts_are_written_under_the_names_save_pretrained_writes(family, tmp_path):
+    model = FAMILIES[family](1)
+    model.save_pretrained(tmp_path / "float")
+    float_keys = _keys(tmp_path / "float")  # e.g. model.layers.0.block_sparse_moe.experts.3.w1.weight
+    quantized = copy.deepcopy(model)
+    quantize_model(quantized, "fp8", [IDS], progress=False)
+    export_hf(quantized, tmp_path / "q")
+    assert {k for k in _keys(tmp_path / "q") if k.endswith(".weight")} == float_keys
+    assert {k.rpartition(".")[2] for k in _keys(tmp_path / "q")} == {"weight", "weight_scale", "input_scale"}
+    kept = copy.deepcopy(model)  # experts kept float: the float per-expert tensors, as save_pretrained writes them
+    quantize_model(kept, preset("fp8").replace(exclude=("lm_head", "re:.*\\.experts")), [IDS], progress=False)
+    export_hf(kept, tmp_path / "kept")
+    assert _keys(tmp_path / "kept") == float_keys
+    assert torch.equal(_logits(from_pretrained(tmp_path / "kept")), _logits(kept))
+    first = sorted(float_keys)[0]
+    _rewrite(tmp_path / "kept", tmp_path / "bad", lambda t: t.pop(first))
+    with pytest.raises(CorruptCheckpointError, match=f"per-expert tensors such as '{first}'"):
+        from_pretrained(tmp_path / "bad")
