@@ -320,7 +320,8 @@ def check_hf(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
     units = [u for u in export_units(model, config) if u.config.weight is not None]
     layouts = [L.weight_layout(u.config.weight.spec, u.shape, module="Linear" if u.type == "Linear" else "other")
                if u.type != "Experts" else _experts_unit_layout(u) for u in units]
-    quark_ok = all(v != "qcore" for v in layouts) and not will_rotate_online(model, config)
+    quark_ok = all(v != "qcore" for v in layouts) and not will_rotate_online(model, config) and not any(
+        u.type == "Experts" for u in units)  # quantized fused experts: quant_method "qcore" (see _quantization_config)
     _quark_part(config, _model_dtype_name(model), quark_ok)
 
 
@@ -341,6 +342,9 @@ def _experts_unit_layout(u: ExportUnit) -> str:
 def _quantization_config(model: nn.Module, config: ModelConfig, layouts: dict[str, str], pack_method: str) -> dict:
     # online rotations: Quark's and vLLM's loaders would not apply qcore's transforms; quant_method "qcore"
     quark_ok = all(v != "qcore" for v in layouts.values()) and not _online_rotations(model, config)
+    # quantized fused MoE experts: transformers' Quark integration (amd-quark 0.13) does not read them (it merges the
+    # per-expert codes into float parameters and drops their scales: checked), so qcore's loader is their reader
+    quark_ok = quark_ok and not any(isinstance(m, QuantExperts) for m in model.modules())
     q = _quark_part(config, _model_dtype_name(model), quark_ok)
     if q:
         q["export"]["pack_method"] = pack_method
