@@ -457,3 +457,25 @@ def check_split_experts(key: str, t: torch.Tensor, parts: list, entries: dict, w
         if ent.dtype != want_float or tuple(ent.shape) != shape:
             raise CorruptCheckpointError(f"tensor {disk!r} is {ent.dtype} {list(ent.shape)} in {pathlib.Path(f).name}; "
                                          f"the model needs {want_float} (the checkpoint's float dtype) {list(shape)}")
+
+
+def stored_float_experts(model: nn.Module, config, checkpoint_files) -> list[str]:
+    """The fused experts modules that ``config`` quantizes but the checkpoint stores float under their fused names
+    (AMD Quark 0.13 leaves transformers 5's fused experts float, whatever its config says): loaded float."""
+    from qcore.formats.safetensors_io import SafetensorsFile
+
+    from .quantizer import plan_model
+    names = [p.name for p in plan_model(model, config, _check_float=False) if p.type == "Experts"]
+    if not names or not checkpoint_files:
+        return []
+    keys: set = set()
+    for f in checkpoint_files:
+        keys |= set(SafetensorsFile(f).entries)
+    return [n for n in names if all(f"{n}.{p}" in keys for p in EXPERT_PROJS)]
+
+
+def exclude_float_experts(model: nn.Module, config, names: list):
+    """``config`` with the fused experts ``names`` (stored float) excluded: what the loaded model holds."""
+    from .quantizer import _output_head
+    exclude = list(config.exclude) if config.exclude is not None else _output_head(model)
+    return config.replace(exclude=tuple(exclude) + tuple(n for n in names if n not in exclude))

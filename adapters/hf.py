@@ -324,7 +324,11 @@ def _make_classes():
                                                                               for v in stated.values())):
                 raise CorruptCheckpointError(f"quantization_config.qcore.layouts must map layer names to layout "
                                              f"names, got {stated!r}"[:300])
+            from .experts import stored_float_experts
+            self._float_experts = stored_float_experts(model, config, checkpoint_files)  # Quark 0.13's MoE exports
             for p in plan_model(model, config, _check_float=False):  # a saved config, as it was saved
+                if p.name in self._float_experts:
+                    continue
                 if p.type == "Experts":
                     from .experts import ExpertsShell
                     sh = ExpertsShell(model, p.name, model.get_submodule(p.name), p.config)
@@ -358,6 +362,9 @@ def _make_classes():
                 _set_module(model, name, _build(sh, self.pack_method, dtype))
             self._shells = {}
             model.qcore_config = checkpoint_config(self.quantization_config.raw)
+            if getattr(self, "_float_experts", None):  # fused experts the checkpoint stores float: excluded, by name
+                from .experts import exclude_float_experts
+                model.qcore_config = exclude_float_experts(model, model.qcore_config, self._float_experts)
             from qcore.algorithms.config import parse_algorithms, split_rotation
             rot, _ = split_rotation(parse_algorithms(model.qcore_config.algorithms))
             if rot is not None and rot.online:  # the online transforms of the rotated weights (QuaRot / SpinQuant)

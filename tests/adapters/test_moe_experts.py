@@ -478,3 +478,24 @@ def test_experts_are_written_under_the_names_save_pretrained_writes(family, tmp_
     _rewrite(tmp_path / "kept", tmp_path / "bad", lambda t: t.pop(first))
     with pytest.raises(CorruptCheckpointError, match=f"per-expert tensors such as '{first}'"):
         from_pretrained(tmp_path / "bad")
+
+
+def test_fused_experts_a_quark_checkpoint_stores_float_load_float(tmp_path):
+    """AMD Quark 0.13 leaves transformers 5's fused experts float (fused names) whatever its config says: qcore
+    reads them float and says so (excluded in the loaded model's config)."""
+    model = tiny_mixtral(2)
+    quantize_model(model, preset("fp8").replace(exclude=("lm_head", "model.layers.1.mlp.experts")), [IDS],
+                   progress=False)
+    logits = _logits(model)
+    export_hf(model, tmp_path / "out")
+    assert "model.layers.1.mlp.experts.gate_up_proj" in _keys(tmp_path / "out")  # (mixed: float ones fused)
+    cfg_path = tmp_path / "out" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    q = cfg["quantization_config"]
+    q.pop("qcore")  # as Quark writes it: no qcore block, exclude the head only
+    q["quant_method"], q["exclude"] = "quark", ["lm_head"]
+    cfg_path.write_text(json.dumps(cfg))
+    back = from_pretrained(tmp_path / "out")
+    assert isinstance(_experts(back, 0), QuantExperts) and not isinstance(_experts(back, 1), QuantExperts)
+    assert torch.equal(_logits(back), logits)
+    assert "model.layers.1.mlp.experts" in back.qcore_config.exclude and unquantized_weights(back) == []

@@ -6,6 +6,7 @@
   Quark's loader (transformers + amd-quark) reads it with qcore's logits, bit for bit.
 - A qcore export with quantized experts says ``quant_method: "qcore"``: transformers' Quark integration does not
   read quantized fused experts (it merges the per-expert codes into float parameters and drops their scales).
+- qcore reads Quark's Mixtral export (experts float under their fused names) with Quark's loader's logits.
 """
 
 from __future__ import annotations
@@ -55,7 +56,12 @@ def test_quark_and_qcore_on_a_fused_experts_mixtral(quark_python, run_quark, tmp
     assert experts == {f"model.layers.{i}.mlp.experts.{p}": "F32" for i in (0, 1) for p in ("gate_up_proj",
                                                                                          "down_proj")}
     run = run_quark(quark_python, "logits", "--ids", tmp_path / "ids.npy", "--out", tmp_path / "logits",
-                    tmp_path / "kept", timeout=900)
-    (rec,) = run.results("logits")
-    assert rec["modules"].get("QParamsLinear") == 8  # the attention projections, quantized by Quark's loader
+                    tmp_path / "kept", tmp_path / "qx" / "fp8", timeout=900)
+    recs = {r["name"]: r for r in run.results("logits")}
+    assert recs["kept"]["modules"].get("QParamsLinear") == 8  # the attention projections, quantized by its loader
     assert np.array_equal(np.load(tmp_path / "logits" / "kept.npy"), want)
+    theirs = A.from_pretrained(tmp_path / "qx" / "fp8")
+    assert "model.layers.0.mlp.experts" in theirs.qcore_config.exclude and A.unquantized_weights(theirs) == []
+    with torch.no_grad():
+        got = theirs(ids).logits.numpy()
+    assert np.array_equal(got, np.load(tmp_path / "logits" / "fp8.npy"))
