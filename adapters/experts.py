@@ -4,14 +4,17 @@ On disk a quantized fused experts module is written as the per-expert Linear lay
 checkpoints hold, under the names ``save_pretrained`` writes for the float model (transformers' conversion
 mapping, reverted): Mixtral ``model.layers.0.block_sparse_moe.experts.3.w1`` / ``w3`` / ``w2``, Qwen2-MoE and
 Qwen3-MoE ``model.layers.0.mlp.experts.3.gate_proj`` / ``up_proj`` / ``down_proj``. Each such Linear is stored in
-Quark's layout for its spec (``weight``, ``weight_scale``, ``weight_zero_point``, ``input_scale``, ...), as AMD
-Quark writes the per-expert Linears of these models and as vLLM's Quark loader reads them: the gate and up halves
-of ``gate_up_proj`` are the ``w1`` / ``w3`` (``gate_proj`` / ``up_proj``) rows; a per-tensor (or two-level tensor)
-scale, one per expert and fused projection in qcore, is written to both halves. A model whose conversion mapping
-has no per-expert names gets qcore's own: ``<experts>.<e>.gate_proj`` / ``up_proj`` / ``down_proj``.
+Quark's layout for its spec (``weight``, ``weight_scale``, ``weight_zero_point``, ``input_scale``, ...), the
+per-expert Linear layout vLLM's fused-MoE loader maps: the gate and up halves of ``gate_up_proj`` are the ``w1`` /
+``w3`` (``gate_proj`` / ``up_proj``) rows; a per-tensor (or two-level tensor) scale, one per expert and fused
+projection in qcore, is written to both halves. A model whose conversion mapping has no per-expert names gets
+qcore's own: ``<experts>.<e>.gate_proj`` / ``up_proj`` / ``down_proj``. Such a checkpoint says ``quant_method:
+"qcore"``: transformers' Quark integration (amd-quark 0.13) does not read quantized fused experts.
 
 ``qcore.adapters.from_pretrained`` reads them back (``ExpertsShell``): the per-expert tensors are loaded as they
-are, checked, and joined into a frozen ``QuantExperts``.
+are, checked, and joined into a frozen ``QuantExperts``. Float fused experts are written per expert too (as
+``save_pretrained`` does) when no experts of the model are quantized; fused experts a checkpoint stores float under
+their fused names (AMD Quark 0.13 leaves them float) are loaded float and excluded in the loaded config.
 """
 
 from __future__ import annotations
@@ -67,8 +70,12 @@ def check_no_experts(model: nn.Module, config: Any = None, *, who: str) -> None:
     if names:
         raise ValueError(f"{who}: the model's fused MoE experts are quantized ({len(names)} module(s), e.g. tensor "
                          f"{names[0]}.gate_up_proj); {who} does not handle quantized fused experts yet "
-                         f"({ISSUE}). Quantize in memory and export with export_hf (Quark's layout, per-expert "
-                         f"tensors), or keep the experts float: exclude=[..., 're:.*\\.experts']")
+                         f"({ISSUE}). {_INSTEAD.get(who, _INSTEAD['export'])}, or keep the experts float: "
+                         f"exclude=[..., 're:.*\\.experts']")
+
+
+_INSTEAD = {"quantize_checkpoint": "Quantize the model in memory (quantize_model) and write it with export_hf",
+            "export": "Write the model with export_hf (per-expert tensors, read by qcore.adapters.from_pretrained)"}
 
 
 def check_experts_algorithms(plans: list, algos, *, who: Optional[str] = None) -> None:
