@@ -369,8 +369,7 @@ def unquantized_weights(model: nn.Module, config: Union[ModelConfig, str, Mappin
     ``model.qcore_config``) should have quantized but that is still float and is not excluded: a module the plan
     quantizes whose weight is not quantized (for fused MoE experts: both of their parameters), and a weight
     matrix of a kind qcore cannot quantize yet (fused MoE experts of an unknown layout, transformers' Conv1D, ...)
-    that no exclusion names. Empty after a successful
-    ``quantize_model``; the proof that a model is not half-done. Embeddings (quantized only through
+    that no exclusion names. Empty after a successful ``quantize_model``; the proof that a model is not half-done. Embeddings (quantized only through
     ``by_type`` / ``by_name``), norms, biases and MoE routers are float by design and never listed."""
     config, mods, exclude = _walk_config(model, config)
     out = []
@@ -410,7 +409,7 @@ def excluded_weights(model: nn.Module, config: Union[ModelConfig, str, Mapping, 
                                             any(_match_tree(p, name) for p in exclude))
             if excl or (named is not None and config.by_name[named] is None):
                 out += [FloatWeight(f"{name}.{p}", name, type(m).__name__, tuple(getattr(m, p).shape),
-                                    "excluded by the config") for p in EXPERT_PROJS if isinstance(m, nn.Module)]
+                                    "excluded by the config") for p in EXPERT_PROJS]
             continue
         if any(_match_tree(p, name) for p in exclude) or (named is not None and config.by_name[named] is None):
             w = getattr(m, "weight", None)
