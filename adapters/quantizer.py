@@ -369,8 +369,9 @@ def unquantized_weights(model: nn.Module, config: Union[ModelConfig, str, Mappin
     ``model.qcore_config``) should have quantized but that is still float and is not excluded: a module the plan
     quantizes whose weight is not quantized (for fused MoE experts: both of their parameters), and a weight
     matrix of a kind qcore cannot quantize yet (fused MoE experts of an unknown layout, transformers' Conv1D, ...)
-    that no exclusion names. Empty after a successful ``quantize_model``; the proof that a model is not half-done. Embeddings (quantized only through
-    ``by_type`` / ``by_name``), norms, biases and MoE routers are float by design and never listed."""
+    that no exclusion names. Empty after a successful ``quantize_model``; the proof that a model is not half-done.
+    Embeddings (quantized only through ``by_type`` / ``by_name``), norms, biases and MoE routers are float by
+    design and never listed."""
     config, mods, exclude = _walk_config(model, config)
     out = []
     for p in plan_model(model, config, _quantized_ok=True, _check_float=False):
