@@ -499,3 +499,16 @@ def test_fused_experts_a_quark_checkpoint_stores_float_load_float(tmp_path):
     assert isinstance(_experts(back, 0), QuantExperts) and not isinstance(_experts(back, 1), QuantExperts)
     assert torch.equal(_logits(back), logits)
     assert "model.layers.1.mlp.experts" in back.qcore_config.exclude and unquantized_weights(back) == []
+
+
+def test_bfloat16_experts_freeze_export_and_reload(tmp_path):
+    tiny_mixtral(1).save_pretrained(tmp_path / "float")
+    model = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "float", dtype=torch.bfloat16).eval()
+    quantize_model(model, "w_int8_a_int8_per_tensor_sym", [IDS], progress=False)
+    logits = _logits(model)
+    assert logits.dtype == torch.bfloat16 and _experts(model).gate_up_proj_scale.dtype == torch.float32
+    freeze(model)
+    assert torch.equal(_logits(model), logits)
+    export_hf(model, tmp_path / "out")
+    back = from_pretrained(tmp_path / "out")
+    assert _experts(back)._frozen_meta["dtype"] == torch.bfloat16 and torch.equal(_logits(back), logits)
