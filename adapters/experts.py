@@ -472,8 +472,13 @@ def stored_float_experts(model: nn.Module, config, checkpoint_files) -> list[str
     from qcore.formats.safetensors_io import SafetensorsFile
 
     from .quantizer import plan_model
-    names = [p.name for p in plan_model(model, config, _check_float=False) if p.type == "Experts"]
-    if not names or not checkpoint_files:
+    import warnings
+    if not checkpoint_files or not any(is_fused_experts(m) for m in model.modules()):
+        return []
+    with warnings.catch_warnings():  # the loader's own plan_model gives them, once
+        warnings.simplefilter("ignore")
+        names = [p.name for p in plan_model(model, config, _check_float=False) if p.type == "Experts"]
+    if not names:
         return []
     keys: set = set()
     for f in checkpoint_files:

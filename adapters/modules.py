@@ -837,7 +837,7 @@ def wrap(module: nn.Module, config: LayerConfig, *, name: str = "", qat: bool = 
     EmbeddingBag; or fused MoE experts of a known layout, ``QuantExperts``) for ``config``; ``module`` itself is not
     modified."""
     cls = QUANT_CLASSES.get(type(module))
-    if cls is None and type(module).__name__ in KNOWN_EXPERTS:  # fused MoE experts (QuantExperts; checks layout)
+    if cls is None and isinstance(module._parameters.get("gate_up_proj"), torch.Tensor):  # fused MoE experts
         return QuantExperts.from_module(module, config, name=name, qat=qat)
     if cls is None:
         raise TypeError(f"{name or 'module'}: cannot quantize a {type(module).__name__}; supported: "
@@ -853,16 +853,49 @@ def wrap(module: nn.Module, config: LayerConfig, *, name: str = "", qat: bool = 
 #: act(gate) * up into down_proj
 EXPERT_PROJS = ("gate_up_proj", "down_proj")
 #: experts classes whose eager forward is the one ``QuantExperts.forward`` computes (checked against each in the
-#: tests): route, per hit expert ``act(x @ gate.T) * (x @ up.T) @ down.T`` weighted by the router, summed
+#: tests): route, per hit expert ``act(x @ gate.T) * (x @ up.T) @ down.T`` weighted by the router, summed. Other
+#: transformers experts classes qualify when their eager forward is, token for token, ``MixtralExperts``' (and
+#: their parameters have the same layout): OLMoE, PhiMoE, GraniteMoE, DeepSeek-V2/V3, GLM-4-MoE, ... in 5.23
 KNOWN_EXPERTS = ("MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts")
+_SAME_FORWARD: dict = {}
+
+
+def _forward_source(cls: type) -> Optional[str]:
+    """The eager forward of an experts class (under transformers' ``use_experts_implementation``), as tokens."""
+    import inspect
+    import io
+    import tokenize
+    f = getattr(cls, "forward", None)
+    f = getattr(f, "__wrapped__", f)
+    try:
+        src = inspect.getsource(f)
+        toks = [t.string for t in tokenize.generate_tokens(io.StringIO(src).readline)
+                if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)]
+    except (OSError, TypeError, tokenize.TokenError, IndentationError):
+        return None
+    return " ".join(toks)
+
+
+def _same_forward(cls: type) -> bool:
+    """Whether ``cls``' eager forward is ``MixtralExperts``' (token for token; cached per class)."""
+    if cls not in _SAME_FORWARD:
+        try:
+            from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+        except ImportError:
+            return False
+        ref, mine = _forward_source(MixtralExperts), _forward_source(cls)
+        _SAME_FORWARD[cls] = ref is not None and mine == ref
+    return _SAME_FORWARD[cls]
 
 
 def experts_layout_problem(m: nn.Module) -> Optional[str]:
-    """None when ``m`` is a fused experts module ``QuantExperts`` quantizes (a known class with the layout its
-    forward reads); else why not (a module of another layout stays refused by ``plan_model``)."""
+    """None when ``m`` is a fused experts module ``QuantExperts`` quantizes (a known class, or one whose eager
+    forward is ``MixtralExperts``', with the parameter layout that forward reads); else why not (a module of
+    another layout stays refused by ``plan_model``)."""
     t = type(m).__name__
-    if t not in KNOWN_EXPERTS:
-        return f"{t} is not a fused experts layout qcore knows ({', '.join(KNOWN_EXPERTS)})"
+    if t not in KNOWN_EXPERTS and not (t.endswith("Experts") and _same_forward(type(m))):
+        return (f"{t} is not a fused experts layout qcore knows ({', '.join(KNOWN_EXPERTS)}, or an eager forward "
+                f"identical to MixtralExperts')")
     params = {k for k, v in m._parameters.items() if v is not None}
     if params != set(EXPERT_PROJS):
         return f"{t} holds parameters {sorted(params)}; the known layout is exactly {list(EXPERT_PROJS)}"
@@ -1383,4 +1416,5 @@ def _to_device(q, device) -> "qcore.QTensor":
 
 def is_fused_experts(m: nn.Module) -> bool:
     """Whether ``m`` is a fused experts module ``QuantExperts`` can quantize (float; see ``experts_layout_problem``)."""
-    return not isinstance(m, _QuantMixin) and type(m).__name__ in KNOWN_EXPERTS and experts_layout_problem(m) is None
+    return (not isinstance(m, _QuantMixin) and type(m).__name__.endswith("Experts") and isinstance(
+        m._parameters.get("gate_up_proj"), torch.Tensor) and experts_layout_problem(m) is None)

@@ -236,7 +236,8 @@ class FloatWeight:
 
 ISSUE = "issue 22"  # where full support for these weights is tracked
 _WHY_EXPERTS = (f"3-D fused MoE expert weights of a layout qcore does not know (it quantizes the fused experts of "
-                f"Mixtral, Qwen2-MoE and Qwen3-MoE, qcore.adapters.modules.KNOWN_EXPERTS; {ISSUE})")
+                f"Mixtral, Qwen2-MoE, Qwen3-MoE and of the classes whose eager forward is MixtralExperts': "
+                f"qcore.adapters.modules.experts_layout_problem; {ISSUE})")
 _WHY_CONV1D = (f"transformers' Conv1D (GPT-2-style projections, a Linear whose weight is stored [in, out]): qcore "
                f"cannot quantize it yet ({ISSUE})")
 

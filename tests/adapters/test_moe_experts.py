@@ -512,3 +512,43 @@ def test_bfloat16_experts_freeze_export_and_reload(tmp_path):
     export_hf(model, tmp_path / "out")
     back = from_pretrained(tmp_path / "out")
     assert _experts(back)._frozen_meta["dtype"] == torch.bfloat16 and torch.equal(_logits(back), logits)
+
+
+OTHERS = {  # experts classes whose eager forward is MixtralExperts' (qcore.adapters.modules.experts_layout_problem)
+    "olmoe": lambda: transformers.OlmoeConfig(vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                              num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                              num_experts_per_tok=2, eos_token_id=0, pad_token_id=0),
+    "phimoe": lambda: transformers.PhimoeConfig(vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                                num_experts_per_tok=2),
+    "granitemoe": lambda: transformers.GraniteMoeConfig(vocab_size=V, hidden_size=32, intermediate_size=32,
+                                                        num_hidden_layers=1, num_attention_heads=4,
+                                                        num_key_value_heads=2, num_local_experts=4,
+                                                        num_experts_per_tok=2),
+}
+
+
+@pytest.mark.filterwarnings("ignore:qcore.adapters. 1 module")  # PhiMoE's router subclasses Linear
+@pytest.mark.parametrize("family", sorted(OTHERS))
+def test_other_families_with_the_same_experts_forward(family, tmp_path):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(OTHERS[family]()).eval()
+    name, ex = next((n, m) for n, m in model.named_modules() if type(m).__name__.endswith("Experts"))
+    x, idx, w = torch.randn(6, 32), torch.randint(0, 4, (6, 2)), torch.rand(6, 2)
+    with torch.no_grad():
+        ex.config._experts_implementation = "eager"
+        assert torch.equal(wrap(ex, LayerConfig(), name=name)(x, idx, w), ex(x, idx, w))
+    model.save_pretrained(tmp_path / "float")
+    quantize_model(model, "w_int8_a_int8_per_tensor_sym", [IDS], progress=False)
+    assert isinstance(model.get_submodule(name), QuantExperts) and unquantized_weights(model) == []
+    logits = _logits(model)
+    freeze(model)
+    export_hf(model, tmp_path / "out")
+    back = from_pretrained(tmp_path / "out")
+    assert torch.equal(_logits(back), logits) and isinstance(back.get_submodule(name), QuantExperts)
+    written = {k for k in _keys(tmp_path / "out") if k.endswith(".weight")}
+    saved = _keys(tmp_path / "float")
+    # per expert under save_pretrained's names; GraniteMoE's checkpoints hold fused 3-D tensors (input_linear,
+    # output_linear): qcore's own per-expert names
+    assert written == (saved if saved else {f"{name}.{e}.{p}_proj.weight" for e in range(4)
+                                            for p in ("gate", "up", "down")})
