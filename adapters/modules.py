@@ -915,8 +915,9 @@ def experts_layout_problem(m: nn.Module) -> Optional[str]:
 
 class QuantExperts(_QuantMixin):
     """A fused MoE experts module (``KNOWN_EXPERTS``: transformers 5's ``MixtralExperts``, ``Qwen2MoeExperts``,
-    ``Qwen3MoeExperts``, with ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]) with every expert
-    quantized as its own Linear layers would be.
+    ``Qwen3MoeExperts``, and every experts class whose eager forward is ``MixtralExperts``'; with ``gate_up_proj``
+    [E, 2I, H] and ``down_proj`` [E, H, I]: ``experts_layout_problem``) with every expert quantized as its own
+    Linear layers would be.
 
     ``wrap`` / ``QuantExperts.from_module`` build it as a subclass of the module's own class
     (``isinstance(q, MixtralExperts)`` holds, ``state_dict`` keys stay ``gate_up_proj`` / ``down_proj`` plus the
