@@ -362,6 +362,11 @@ def _check_model_fits(args, model, config, plans) -> None:
     ``max_position_embeddings`` measure a model outside what it was trained for."""
     if args.output:
         _check_export(args, model, config)
+    if config.algorithms:  # fused MoE experts: GPTQ / AWQ / SmoothQuant refuse them by name (issue 22)
+        from qcore.algorithms.config import parse_algorithms
+
+        from .experts import check_experts_algorithms
+        check_experts_algorithms(plans, parse_algorithms(config.algorithms))
     uses_windows = args.eval == "ppl" or getattr(args, "amp", None) is not None or bool(config.algorithms) or \
         config.kv_cache is not None or any(getattr(p.config, r) is not None and getattr(p.config, r).calibrated
                                            for p in plans for r in ("input", "output"))

@@ -552,3 +552,15 @@ def test_other_families_with_the_same_experts_forward(family, tmp_path):
     # output_linear): qcore's own per-expert names
     assert written == (saved if saved else {f"{name}.{e}.{p}_proj.weight" for e in range(4)
                                             for p in ("gate", "up", "down")})
+
+
+def test_cli_refuses_layer_algorithms_on_fused_experts_before_any_evaluation(tmp_path, capsys):
+    from qcore.cli import main
+    tiny_qwen3_moe().save_pretrained(tmp_path / "moe")
+    out = tmp_path / "out"
+    args = ["quantize", "--model", str(tmp_path / "moe"), "--scheme", "uint4_wo_32", "--algo", "gptq", "--eval",
+            "none", "--no-progress", "--output", str(out)]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "gptq: the plan quantizes fused MoE experts" in err and "issue 22" in err
+    assert not out.exists()
