@@ -557,6 +557,7 @@ def test_other_families_with_the_same_experts_forward(family, tmp_path):
 def test_cli_refuses_layer_algorithms_on_fused_experts_before_any_evaluation(tmp_path, capsys):
     from qcore.cli import main
     tiny_qwen3_moe().save_pretrained(tmp_path / "moe")
+    capsys.readouterr()  # (save_pretrained's progress bar)
     out = tmp_path / "out"
     args = ["quantize", "--model", str(tmp_path / "moe"), "--scheme", "uint4_wo_32", "--algo", "gptq", "--eval",
             "none", "--no-progress", "--output", str(out)]
