@@ -345,6 +345,8 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
             raise ValueError(f"schemes[{n!r}]: {e}") from None
     if not plans:
         raise ValueError(f"schemes: got {list(table)}; expected at least one that quantizes (not only float)")
+    from .experts import check_experts_algorithms
+    check_experts_algorithms([p for pl in plans.values() for p in pl.values()], (), who="amp")  # issue 22
     mods = dict(model.named_modules())
     names = [n for n in mods if all(n in p for p in plans.values())]
     if not names:

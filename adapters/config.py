@@ -26,8 +26,8 @@ Granularity axes are written on a canonical layout, the same for every module ty
 
 Precedence for a module named ``n`` of type ``T``: ``exclude`` (left alone), then the first ``by_name`` pattern
 matching ``n`` (in insertion order), then ``by_type[T]``, then ``layer`` (which applies to ``Linear``, ``Conv2d``,
-``ConvTranspose2d`` and transformers' ``Conv1D``; embeddings are quantized only through ``by_type``/``by_name``).
-A ``None`` value in ``by_name``/``by_type`` leaves the matching modules alone.
+``ConvTranspose2d``, transformers' ``Conv1D`` and fused MoE ``Experts``; embeddings are quantized only through
+``by_type``/``by_name``). A ``None`` value in ``by_name``/``by_type`` leaves the matching modules alone.
 """
 
 from __future__ import annotations
@@ -46,10 +46,11 @@ __all__ = ["MinMax", "Percentile", "MSE", "Observer", "TensorConfig", "LayerConf
            "ModelConfig", "ROLES", "MODULE_TYPES", "spec_to_dict", "spec_from_dict"]
 
 ROLES = ("weight", "input", "output", "bias")
-#: module types the adapters can wrap (``Conv1D``: transformers' GPT-2 projections); ``ModelConfig.layer`` applies
-#: to ``COMPUTE_TYPES``
-MODULE_TYPES = ("Linear", "Conv2d", "ConvTranspose2d", "Embedding", "EmbeddingBag", "Conv1D")
-COMPUTE_TYPES = ("Linear", "Conv2d", "ConvTranspose2d", "Conv1D")
+#: module types the adapters can wrap (``Conv1D``: transformers' GPT-2 projections; ``"Experts"``: fused MoE
+#: experts, every expert's slices quantized as Linear weights: ``qcore.adapters.modules.QuantExperts``);
+#: ``ModelConfig.layer`` applies to ``COMPUTE_TYPES``
+MODULE_TYPES = ("Linear", "Conv2d", "ConvTranspose2d", "Embedding", "EmbeddingBag", "Conv1D", "Experts")
+COMPUTE_TYPES = ("Linear", "Conv2d", "ConvTranspose2d", "Conv1D", "Experts")
 DEFAULT_EXCLUDE = None  # sentinel meaning: the model's output head (see ModelConfig.exclude)
 #: the largest group / block extent a config takes: a group spans at most one row of one layer, and a group longer
 #: than its row is padded to its full size in memory, so 10**12 would ask for terabytes (per-channel scales are

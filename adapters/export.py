@@ -37,7 +37,7 @@ from qcore.formats import quark_layout as L
 from qcore.formats.safetensors_io import TensorRecord, write_file
 
 from .config import ModelConfig
-from .modules import QuantLinear, _QuantMixin
+from .modules import QuantExperts, QuantLinear, _QuantMixin
 
 __all__ = ["export_hf", "ExportInfo", "parse_size", "QCORE_FORMAT_VERSION"]
 
@@ -125,10 +125,15 @@ def weight_parts(m: _QuantMixin) -> tuple[L.WeightParts, tuple]:
 
 def canonical_shape(m: _QuantMixin) -> tuple:
     """The shape of a quantized module's weight in the canonical ``[out, in, *kernel]`` layout, frozen or not."""
+    if isinstance(m, QuantExperts):  # [E, 2I, H]: each expert's Linears are [I, H] (gate, up) and [H, I]
+        return m.expert_shape("gate_up_proj")
     return m.weight_shape
 
 
 def module_layout(m: _QuantMixin) -> str:
+    if isinstance(m, QuantExperts):
+        from .experts import experts_layout
+        return experts_layout(m.specs["weight"], {p: m.expert_shape(p) for p in ("gate_up_proj", "down_proj")})
     return L.weight_layout(m.specs["weight"], canonical_shape(m), module="Linear" if type(m) is QuantLinear
                            else "other")
 
@@ -197,8 +202,14 @@ def _plan_tensors(model: nn.Module, pack_method: str = "reorder") -> tuple[list[
         prefix = f"{name}."
         keys = [prefix + k for k in m.state_dict().keys()]
         owned.update(k for k in keys if "." not in k[len(prefix):])
+        if isinstance(m, QuantExperts):  # per-expert Linears, under the family's checkpoint names
+            from .experts import experts_records
+            records.extend(experts_records(model, name, m, layouts[name], pack_method))
+            continue
         records.extend(module_records(name, m, layouts[name], cache, pack_method))
     seen: dict[tuple, str] = {}
+    from .experts import float_experts_records, float_experts_split
+    split = float_experts_split(model)  # float fused experts: per expert, as the family's checkpoints hold them
     for k, t in model.state_dict(keep_vars=True).items():
         if k in owned or t is None:
             continue
@@ -206,7 +217,7 @@ def _plan_tensors(model: nn.Module, pack_method: str = "reorder") -> tuple[list[
         if t.numel() and key in seen:  # a tied weight: written once, as save_pretrained does
             continue
         seen[key] = k
-        records.append(_tensor_record(k, t.detach()))
+        records.extend(float_experts_records(model, k, t, split[k]) if k in split else [_tensor_record(k, t.detach())])
     return records, layouts
 
 
@@ -241,11 +252,12 @@ def export_units(model: nn.Module, config: ModelConfig) -> list[ExportUnit]:
     ``check_gguf``, ``check_onnx``, ``check_ct``) look at, before any evaluation or quantization."""
     mods = [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantMixin)]
     if mods:
-        return [ExportUnit(n, m.float_type.__name__, canonical_shape(m), m.qconfig) for n, m in mods]
+        return [ExportUnit(n, "Experts" if isinstance(m, QuantExperts) else m.float_type.__name__,
+                           canonical_shape(m), m.qconfig) for n, m in mods]
     from .quantizer import plan_model
     out = []
     for p in plan_model(model, config):
-        w = getattr(model.get_submodule(p.name), "weight", None)
+        w = getattr(model.get_submodule(p.name), "weight" if p.type != "Experts" else "gate_up_proj", None)
         shape = tuple(w.shape) if w is not None else ()
         if p.type in ("ConvTranspose2d", "Conv1D") and len(shape) >= 2:  # stored [in, out, ...]
             shape = (shape[1], shape[0], *shape[2:])
@@ -325,14 +337,32 @@ def check_hf(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
     config = model_config(model, config, who="export_hf")
     units = [u for u in export_units(model, config) if u.config.weight is not None]
     layouts = [L.weight_layout(u.config.weight.spec, u.shape, module="Linear" if u.type == "Linear" else "other")
-               for u in units]
-    quark_ok = all(v != "qcore" for v in layouts) and not will_rotate_online(model, config)
+               if u.type != "Experts" else _experts_unit_layout(u) for u in units]
+    quark_ok = all(v != "qcore" for v in layouts) and not will_rotate_online(model, config) and not any(
+        u.type == "Experts" for u in units)  # quantized fused experts: quant_method "qcore" (see _quantization_config)
     _quark_part(config, _model_dtype_name(model), quark_ok)
+
+
+def _experts_unit_layout(u: ExportUnit) -> str:
+    """The layout of a fused experts unit's per-expert Linears (ValueError where qcore cannot write them yet)."""
+    from .experts import experts_layout, split_problem
+    from .modules import _norm_weight_granularity, _with_granularity
+    e, o, i = u.shape
+    spec = u.config.weight.spec
+    spec = _with_granularity(spec, _norm_weight_granularity(spec.granularity, "experts", u.name, 2, (o, i)))
+    shapes = {"gate_up_proj": (e, o, i), "down_proj": (e, i, o // 2)}
+    problem = split_problem(spec, shapes)
+    if problem is not None:
+        raise ValueError(f"export_hf: experts {u.name!r}: {problem}; not written yet (issue 22)")
+    return experts_layout(spec, shapes)
 
 
 def _quantization_config(model: nn.Module, config: ModelConfig, layouts: dict[str, str], pack_method: str) -> dict:
     # online rotations: Quark's and vLLM's loaders would not apply qcore's transforms; quant_method "qcore"
     quark_ok = all(v != "qcore" for v in layouts.values()) and not _online_rotations(model, config)
+    # quantized fused MoE experts: transformers' Quark integration (amd-quark 0.13) does not read them (it merges the
+    # per-expert codes into float parameters and drops their scales: checked), so qcore's loader is their reader
+    quark_ok = quark_ok and not any(isinstance(m, QuantExperts) for m in model.modules())
     q = _quark_part(config, _model_dtype_name(model), quark_ok)
     if q:
         q["export"]["pack_method"] = pack_method

@@ -190,7 +190,7 @@ def check_tensors(files: list, model: nn.Module, shells: dict[str, _Shell]) -> N
         raise CorruptCheckpointError("the checkpoint has no safetensors files (qcore never loads pickled weights)")
     for name, sh in shells.items():
         for suffix, (dt, shape) in sh.expected.items():
-            key = f"{name}.{suffix}"
+            key = getattr(sh, "disk", {}).get(suffix, f"{name}.{suffix}")  # fused experts: the family's names
             if key not in entries:
                 raise CorruptCheckpointError(f"layer {name!r}: tensor {key!r} is missing from the checkpoint "
                                              f"(layout {sh.layout!r} stores {sorted(sh.expected)})")
@@ -209,10 +209,15 @@ def check_tensors(files: list, model: nn.Module, shells: dict[str, _Shell]) -> N
               if k in entries and t.is_floating_point()]
     want_float = max(set(floats), key=floats.count) if floats else None  # the checkpoint's float dtype
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})  # transformers' tied name -> its source
-    for keys in groups.values():
+    from .experts import check_split_experts, float_experts_split
+    split = {k: v for k, v in float_experts_split(model).items() if k not in entries}  # float fused experts stored
+    for keys in groups.values():  # per expert (as save_pretrained writes them; transformers merges them on load)
         present = [(k, t) for k, t in keys if k in entries]
         if not present and all(tied.get(k) in entries for k, _ in keys):
             continue  # tied to a stored tensor (e.g. lm_head.weight to the token embedding): written once
+        if not present and keys[0][0] in split:
+            check_split_experts(keys[0][0], keys[0][1], split[keys[0][0]], entries, want_float)
+            continue
         if not present:
             raise CorruptCheckpointError(f"tensor {keys[0][0]!r} of the model is missing from the checkpoint "
                                          f"(it would be left to random initialisation)")
@@ -227,7 +232,9 @@ def check_tensors(files: list, model: nn.Module, shells: dict[str, _Shell]) -> N
             if not ok or tuple(e.shape) != tuple(t.shape):
                 raise CorruptCheckpointError(f"tensor {k!r} is {e.dtype} {list(e.shape)} in {pathlib.Path(f).name}; "
                                              f"the model needs {want} {list(t.shape)}")
-    extra = unexpected_keys(model, entries)
+    on_disk = {k for sh in shells.values() for k in getattr(sh, "disk", {}).values()}
+    on_disk |= {d for parts in split.values() for d, _ in parts}
+    extra = [k for k in unexpected_keys(model, entries) if k not in on_disk]
     if extra:
         raise CorruptCheckpointError(f"tensor {extra[0]!r} in {pathlib.Path(entries[extra[0]][1]).name} is not a "
                                      f"tensor of the model its config describes"
@@ -236,6 +243,8 @@ def check_tensors(files: list, model: nn.Module, shells: dict[str, _Shell]) -> N
 
 def _build(sh: _Shell, pack_method: str, dtype: torch.dtype) -> nn.Module:
     """The frozen qcore module of a loaded shell (validated values)."""
+    if hasattr(sh, "build"):  # fused MoE experts (qcore.adapters.experts.ExpertsShell)
+        return sh.build(pack_method, dtype)
     where = f"layer {sh.qname!r}"
     params = dict(sh.named_parameters(recurse=False))
     missing = [n for n in sh.expected if params[n].is_meta]
@@ -309,8 +318,16 @@ def _make_classes():
                                                                               for v in stated.values())):
                 raise CorruptCheckpointError(f"quantization_config.qcore.layouts must map layer names to layout "
                                              f"names, got {stated!r}"[:300])
+            from .experts import stored_float_experts
+            self._float_experts = stored_float_experts(model, config, checkpoint_files)  # Quark 0.13's MoE exports
             for p in plan_model(model, config, _check_float=False):  # a saved config, as it was saved
-                sh = _Shell(p.name, model.get_submodule(p.name), p.config)
+                if p.name in self._float_experts:
+                    continue
+                if p.type == "Experts":
+                    from .experts import ExpertsShell
+                    sh = ExpertsShell(model, p.name, model.get_submodule(p.name), p.config)
+                else:
+                    sh = _Shell(p.name, model.get_submodule(p.name), p.config)
                 layout = sh.layout
                 if stated is not None and stated.get(p.name, layout) != layout:
                     raise CorruptCheckpointError(f"layer {p.name!r}: the checkpoint says layout "
@@ -326,8 +343,12 @@ def _make_classes():
             check_tensors(list(checkpoint_files), model, self._shells)
             return model
 
+        def update_weight_conversions(self, weight_conversions, model):
+            from .experts import drop_expert_converters  # quantized fused experts load per expert, as stored
+            return super().update_weight_conversions(drop_expert_converters(weight_conversions, self._shells), model)
+
         def _process_model_after_weight_loading(self, model, **kwargs):
-            shell = {id(p) for sh in self._shells.values() for p in sh.parameters(recurse=False)}
+            shell = {id(p) for sh in self._shells.values() for p in sh.parameters()}
             dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and not p.is_meta
                           and id(p) not in shell  # checkpoint tensors (e.g. float16 scales), not the model's
                           and p.dtype in (torch.float32, torch.bfloat16, torch.float16)), torch.float32)
@@ -335,6 +356,9 @@ def _make_classes():
                 _set_module(model, name, _build(sh, self.pack_method, dtype))
             self._shells = {}
             model.qcore_config = checkpoint_config(self.quantization_config.raw)
+            if getattr(self, "_float_experts", None):  # fused experts the checkpoint stores float: excluded, by name
+                from .experts import exclude_float_experts
+                model.qcore_config = exclude_float_experts(model, model.qcore_config, self._float_experts)
             from qcore.algorithms.config import parse_algorithms, split_rotation
             rot, _ = split_rotation(parse_algorithms(model.qcore_config.algorithms))
             if rot is not None and rot.online:  # the online transforms of the rotated weights (QuaRot / SpinQuant)

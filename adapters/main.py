@@ -830,6 +830,14 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
     if out_dir is not None:
         _check_export(names, export or "hf", model, config, drop_activations=o["drop_activations"],
                       onnx_weights=o["onnx_weights"], onnx_unsupported=o["onnx_unsupported"])
+    if config.algorithms:  # fused MoE experts: GPTQ / AWQ / SmoothQuant refuse them by name (issue 22)
+        from qcore.algorithms.config import parse_algorithms
+
+        from .experts import check_experts_algorithms
+        try:
+            check_experts_algorithms(plans, parse_algorithms(config.algorithms))
+        except (ValueError, TypeError) as e:
+            raise CommandError(str(e)) from None
     uses_windows = needs_eval or amp_schemes is not None or bool(config.algorithms) or \
         config.kv_cache is not None or any(getattr(p.config, r) is not None and getattr(p.config, r).calibrated
                                            for p in plans for r in ("input", "output"))

@@ -46,7 +46,7 @@ from qcore.stats import RunningStats
 from .config import LayerConfig, MinMax, Percentile, TensorConfig
 
 __all__ = ["QuantLinear", "QuantConv2d", "QuantConvTranspose2d", "QuantEmbedding", "QuantEmbeddingBag",
-           "QUANT_CLASSES", "wrap", "is_quantized_module", "CalibrationError"]
+           "QUANT_CLASSES", "wrap", "is_quantized_module", "CalibrationError", "QuantExperts"]
 
 
 class CalibrationError(ValueError):
@@ -995,8 +995,11 @@ def is_quantized_module(m: nn.Module) -> bool:
 
 def wrap(module: nn.Module, config: LayerConfig, *, name: str = "", qat: bool = False) -> nn.Module:
     """The quantized wrapper of ``module`` (exact type match: Linear, Conv2d, ConvTranspose2d, Embedding,
-    EmbeddingBag, transformers' Conv1D) for ``config``; ``module`` itself is not modified."""
+    EmbeddingBag, transformers' Conv1D; or fused MoE experts of a known layout, ``QuantExperts``) for ``config``;
+    ``module`` itself is not modified."""
     cls = QUANT_CLASSES.get(type(module))
+    if cls is None and isinstance(module._parameters.get("gate_up_proj"), torch.Tensor):  # fused MoE experts
+        return QuantExperts.from_module(module, config, name=name, qat=qat)
     if cls is None:
         raise TypeError(f"{name or 'module'}: cannot quantize a {type(module).__name__}; supported: "
                         f"{[c.__name__ for c in QUANT_CLASSES]}")
@@ -1064,3 +1067,584 @@ def linear_weight(m: nn.Module) -> Optional[torch.Tensor]:
     if _Conv1D is not None and type(m) is _Conv1D:
         return m.weight.t()
     return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fused MoE experts (transformers 5: all experts of a layer in two 3-D parameters; issue 22)
+# ---------------------------------------------------------------------------------------------------------------
+
+#: the fused projections of an experts module, [experts, out, in] each: the hidden states go into gate_up_proj,
+#: act(gate) * up into down_proj
+EXPERT_PROJS = ("gate_up_proj", "down_proj")
+#: experts classes whose eager forward is the one ``QuantExperts.forward`` computes (checked against each in the
+#: tests): route, per hit expert ``act(x @ gate.T) * (x @ up.T) @ down.T`` weighted by the router, summed. Other
+#: transformers experts classes qualify when their eager forward is, token for token, ``MixtralExperts``' (and
+#: their parameters have the same layout): OLMoE, PhiMoE, GraniteMoE, DeepSeek-V2/V3, GLM-4-MoE, ... in 5.23
+KNOWN_EXPERTS = ("MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts")
+_SAME_FORWARD: dict = {}
+
+
+def _forward_source(cls: type) -> Optional[str]:
+    """The eager forward of an experts class (under transformers' ``use_experts_implementation``), as tokens."""
+    import inspect
+    import io
+    import tokenize
+    f = getattr(cls, "forward", None)
+    f = getattr(f, "__wrapped__", f)
+    try:
+        src = inspect.getsource(f)
+        toks = [t.string for t in tokenize.generate_tokens(io.StringIO(src).readline)
+                if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)]
+    except (OSError, TypeError, tokenize.TokenError, IndentationError):
+        return None
+    return " ".join(toks)
+
+
+def _same_forward(cls: type) -> bool:
+    """Whether ``cls``' eager forward is ``MixtralExperts``' (token for token; cached per class)."""
+    if cls not in _SAME_FORWARD:
+        try:
+            from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+        except ImportError:
+            return False
+        ref, mine = _forward_source(MixtralExperts), _forward_source(cls)
+        _SAME_FORWARD[cls] = ref is not None and mine == ref
+    return _SAME_FORWARD[cls]
+
+
+def experts_layout_problem(m: nn.Module) -> Optional[str]:
+    """None when ``m`` is a fused experts module ``QuantExperts`` quantizes (a known class, or one whose eager
+    forward is ``MixtralExperts``', with the parameter layout that forward reads); else why not (a module of
+    another layout stays refused by ``plan_model``)."""
+    t = type(m).__name__
+    if t not in KNOWN_EXPERTS and not (t.endswith("Experts") and _same_forward(type(m))):
+        return (f"{t} is not a fused experts layout qcore knows ({', '.join(KNOWN_EXPERTS)}, or an eager forward "
+                f"identical to MixtralExperts')")
+    params = {k for k, v in m._parameters.items() if v is not None}
+    if params != set(EXPERT_PROJS):
+        return f"{t} holds parameters {sorted(params)}; the known layout is exactly {list(EXPERT_PROJS)}"
+    gu, d = m._parameters["gate_up_proj"], m._parameters["down_proj"]
+    if gu.dim() != 3 or d.dim() != 3 or gu.shape[1] % 2 or tuple(d.shape) != (gu.shape[0], gu.shape[2],
+                                                                           gu.shape[1] // 2):
+        return (f"{t} gate_up_proj {list(gu.shape)} / down_proj {list(d.shape)}: the known layout is [E, 2I, H] / "
+                f"[E, H, I]")
+    if getattr(m, "num_experts", None) != gu.shape[0] or not callable(getattr(m, "act_fn", None)):
+        return f"{t}: num_experts / act_fn do not match the known layout"
+    for attr, want in (("is_transposed", False), ("is_concatenated", True), ("has_bias", False),
+                       ("has_gate", True), ("has_post_expert_norm", False)):
+        if getattr(m, attr, want) != want:
+            return f"{t}: {attr}={getattr(m, attr)!r}; the known layout has {attr}={want!r}"
+    return None
+
+
+class QuantExperts(_QuantMixin):
+    """A fused MoE experts module (``KNOWN_EXPERTS``: transformers 5's ``MixtralExperts``, ``Qwen2MoeExperts``,
+    ``Qwen3MoeExperts``, and every experts class whose eager forward is ``MixtralExperts``'; with ``gate_up_proj``
+    [E, 2I, H] and ``down_proj`` [E, H, I]: ``experts_layout_problem``) with every expert quantized as its own
+    Linear layers would be.
+
+    ``wrap`` / ``QuantExperts.from_module`` build it as a subclass of the module's own class
+    (``isinstance(q, MixtralExperts)`` holds, ``state_dict`` keys stay ``gate_up_proj`` / ``down_proj`` plus the
+    scale buffers). The layer's ``LayerConfig`` applies to each expert slice ``[out, in]`` of each projection as
+    to a Linear weight: per channel is one scale per output row of each expert, per group runs along each
+    expert's ``in`` axis, and **per tensor is one scale per expert** (per projection: ``gate_up_proj`` of expert
+    ``e`` has one scale, shared by its gate and up halves); two-level formats (NVFP4) get one tensor scale per
+    expert and projection. Scale buffers are the Linear's with a leading expert axis: ``gate_up_proj_scale``
+    ``[E, *linear scale shape]``, ``..._zero_point``, ``..._tensor_scale`` ``[E]``.
+
+    Activations are quantized where each expert's Linear would see them: the routed hidden states into
+    ``gate_up_proj`` (input) and ``act(gate) * up`` into ``down_proj`` (input); the output role, when the config
+    has one, quantizes each GEMM's output. Dynamic specs take their scales per call; static ones per expert and
+    projection (buffers ``gate_up_proj_input_scale`` ``[E, *]``, ...), calibrated by
+    ``qcore.adapters.calibrate``. During calibration every expert sees every token
+    (``calibrate_all_experts``, the peers' practice: no expert is left without statistics), and the block's
+    output is that of the routed top-k only.
+
+    Life cycle as the Linear wrappers: pending (fake-quantized on the fly) -> ``commit()`` (weights written in
+    place) -> ``freeze()`` (packed per-expert codes ``gate_up_proj_packed`` [E, out, packed in] + scale codes);
+    ``load_frozen`` for importers. ``qat=True`` and ``commit(weight=...)`` (GPTQ's result) are refused: not
+    supported for fused experts yet (issue 22). The forward is the eager one whatever the model's
+    ``_experts_implementation``; with every role off it equals the original module's eager forward bit for bit.
+    """
+
+    _classes: dict = {}
+    calibrate_all_experts = True
+
+    # -- construction ---------------------------------------------------------------------------------------
+
+    @classmethod
+    def class_for(cls, base: type) -> type:
+        """The quantized class of the experts class ``base`` (made once)."""
+        q = cls._classes.get(base)
+        if q is None:
+            q = cls._classes[base] = type(f"Quant{base.__name__}", (QuantExperts, base),
+                                          {"__module__": __name__, "__doc__": QuantExperts.__doc__})
+        return q
+
+    @classmethod
+    def from_module(cls, module: nn.Module, config: LayerConfig, *, name: str = "", qat: bool = False):
+        if not isinstance(config, LayerConfig):
+            raise TypeError(f"config must be a LayerConfig, got {type(config).__name__}")
+        why = experts_layout_problem(module)
+        if why is not None:
+            raise TypeError(f"experts {name!r}: {why}")
+        if qat:
+            raise ValueError(f"experts {name!r}: qat=True is not supported for fused MoE experts yet (issue 22); "
+                             f"quantize with qat=False, or exclude the experts")
+        qcls = QuantExperts.class_for(type(module))
+        return _QuantMixin.from_module.__func__(qcls, module, config, name=name, qat=False)
+
+    @classmethod
+    def _plan(cls, module, config: LayerConfig, name: str) -> dict:
+        where = f"experts {name!r} ({type(module).__name__})"
+        if config.bias is not None:
+            raise ValueError(f"{where} has no bias but the config quantizes the bias")
+        plan: dict[str, Any] = {}
+        if config.weight is not None:
+            for p in EXPERT_PROJS:
+                w = module._parameters[p]
+                if not w.is_floating_point():
+                    raise TypeError(f"{where}: {p} dtype {w.dtype} is not floating point")
+                shape = tuple(w.shape[1:])
+                g = _norm_weight_granularity(config.weight.spec.granularity, "experts", f"{name}.{p}", 2, shape)
+                spec = _with_granularity(config.weight.spec, g)
+                try:
+                    spec.scale_shape(shape)
+                except (ValueError, TypeError) as e:
+                    raise ValueError(f"{where}: weight spec {g!r} does not fit each expert's {p} of shape "
+                                     f"{list(shape)}: {e}") from None
+                if not w.is_meta and not bool(torch.isfinite(w).all()):
+                    raise ValueError(f"{where}: {p} holds NaN or Inf; refusing to quantize it")
+                plan["weight"] = spec
+        for role in ("input", "output"):
+            tc = getattr(config, role)
+            if tc is not None:
+                plan[role] = _with_granularity(tc.spec, _act_granularity(tc.spec.granularity, False))
+        return plan
+
+    def _qinit(self, config: LayerConfig, name: str, plan: dict, qat: bool) -> None:
+        self.qconfig = config
+        self.qname = name
+        self._qspecs = plan
+        self._qmode = _PENDING
+        self._wcache = None  # {proj: (version key, fake-quantized [E, out, in])} while pending
+        self._wver: dict = {}  # proj -> weight version after the last in-place quantization
+        self._observers = None
+        self._frozen_meta = None
+        self.quant_enabled = True
+        self._calibrated = set()
+        spec = plan.get("weight")
+        for p in EXPERT_PROJS:
+            w = self._parameters[p]
+            dev, e = w.device, w.shape[0]
+            if spec is not None:
+                shape = (e, *spec.scale_shape(tuple(w.shape[1:])))
+                self.register_buffer(f"{p}_scale", torch.full(shape, float("nan"), device=dev))
+                if not spec.symmetric:
+                    self.register_buffer(f"{p}_zero_point", torch.zeros(shape, device=dev))
+                if spec.two_level:
+                    self.register_buffer(f"{p}_tensor_scale", torch.full((e,), float("nan"), device=dev))
+            for role in ("input", "output"):
+                tc = getattr(config, role)
+                if tc is None or not tc.calibrated:
+                    continue
+                if tc.spec.two_level:
+                    self.register_buffer(f"{p}_{role}_tensor_scale", torch.full((e,), float("nan"), device=dev))
+                    continue
+                shape = (e, *self._expert_static_shape(p, role))
+                self.register_buffer(f"{p}_{role}_scale", torch.full(shape, float("nan"), device=dev))
+                if not tc.spec.symmetric:
+                    self.register_buffer(f"{p}_{role}_zero_point", torch.zeros(shape, device=dev))
+
+    # -- layout --------------------------------------------------------------------------------------------
+
+    def mark_static_scales_loaded(self) -> None:
+        """The importer (``qcore.adapters.experts``) has written every static activation scale buffer of every
+        expert from a checkpoint: the roles count as calibrated (``is_calibrated``)."""
+        self._calibrated.update(self.static_roles())
+
+    def expert_shape(self, proj: str) -> tuple:
+        """``(E, out, in)`` of ``proj``, frozen or not."""
+        if self._frozen_meta is not None:
+            return tuple(self._frozen_meta["shapes"][proj])
+        return tuple(self._parameters[proj].shape)
+
+    def _expert_static_shape(self, proj: str, role: str) -> tuple:
+        """The stored static scale shape of one expert's ``proj`` for ``role``: () per tensor, (features,) per
+        feature."""
+        g = self._qspecs[role].granularity
+        if isinstance(g, PerTensor):
+            return ()
+        _, o, i = self.expert_shape(proj)
+        return (i if role == "input" else o,)
+
+    def _static_shape(self, role: str) -> tuple:  # the per-expert shape of gate_up_proj (the mixin's accessor)
+        return self._expert_static_shape("gate_up_proj", role)
+
+    # -- weights -------------------------------------------------------------------------------------------
+
+    def _quantize_slice(self, w: torch.Tensor):
+        """QTensor of one expert's [out, in] slice, as ``QuantLinear`` quantizes its weight (float32 math)."""
+        spec = self._qspecs["weight"]
+        obs = self.qconfig.weight.observer
+        x = w.detach()
+        if isinstance(obs, MinMax):
+            return qcore.quantize(x, spec)
+        if isinstance(obs, Percentile):
+            a = qcore.stats.percentile(x, spec.granularity, q=obs.q)
+            p = qcore.stats.scale_from_stats(RunningStats(spec.granularity, absmax=a, lo=-a, hi=a, count=1), spec)
+        else:
+            p = qcore.stats.mse_clip(x, spec, grid=obs.grid, lo=obs.lo, p=obs.p)
+        return qcore.quantize(x, spec, **p.kwargs())
+
+    def _fq_proj(self, w: torch.Tensor) -> tuple[torch.Tensor, list]:
+        qs = [self._quantize_slice(w[e]) for e in range(w.shape[0])]
+        fq = torch.stack([qcore.dequantize(q) for q in qs]).to(w.dtype)
+        return fq, qs
+
+    def _keep_proj(self, proj: str, qs: list) -> None:
+        for suffix, vals in (("scale", [q.scales for q in qs]), ("zero_point", [q.zero_points for q in qs]),
+                             ("tensor_scale", [q.tensor_scale for q in qs])):
+            if vals[0] is None:
+                continue
+            v = torch.stack([t.detach().to(torch.float32).reshape(vals[0].shape) for t in vals])
+            key = f"{proj}_{suffix}"
+            if key in self._buffers and self._buffers[key] is not None and self._buffers[key].shape == v.shape:
+                self._buffers[key].copy_(v.to(self._buffers[key].device))
+            else:
+                self.register_buffer(key, v.clone())
+
+    def _inplace_proj(self, proj: str) -> None:
+        p = self._parameters[proj]
+        with torch.no_grad():
+            fq, qs = self._fq_proj(p)
+            p.copy_(fq)
+            self._keep_proj(proj, qs)
+        self._wver[proj] = (p._version, p.data_ptr())
+
+    def _proj(self, proj: str) -> torch.Tensor:
+        """The [E, out, in] weight the forward uses (quantized per the module's mode)."""
+        if self._qmode == _FROZEN:
+            return self._frozen_proj(proj)
+        p = self._parameters[proj]
+        if "weight" not in self._qspecs or not self.quant_enabled:
+            return p
+        if self._qmode == _INPLACE:
+            if self._wver.get(proj) != (p._version, p.data_ptr()):
+                self._inplace_proj(proj)
+            return p
+        key = (p._version, p.data_ptr())
+        cache = self._wcache or {}
+        if cache.get(proj, (None,))[0] != key:
+            with torch.no_grad():
+                fq, _ = self._fq_proj(p)
+            cache[proj] = (key, fq)
+            self._wcache = cache
+        return cache[proj][1]
+
+    def commit(self, *, weight: Optional["qcore.QTensor"] = None) -> None:
+        """Pending -> in place: write every expert's fake-quantized weights into ``gate_up_proj`` / ``down_proj``
+        (scales kept as buffers). ``weight=`` (an algorithm's result) is refused: not supported for fused
+        experts yet (issue 22)."""
+        if weight is not None:
+            raise ValueError(f"experts {self.qname!r}: commit(weight=...) (an algorithm's quantized weight) is not "
+                             f"supported for fused MoE experts yet (issue 22)")
+        if self._qmode != _PENDING:
+            return
+        if "weight" in self._qspecs:
+            for p in EXPERT_PROJS:
+                self._inplace_proj(p)
+        self._wcache = None
+        self._qmode = _INPLACE
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        nn.Module._load_from_state_dict(self, state_dict, prefix, *args, **kwargs)
+        for role in ("input", "output"):
+            if any(f"{prefix}{p}_{role}_{k}" in state_dict for p in EXPERT_PROJS for k in ("scale", "tensor_scale")):
+                self._calibrated.add(role)
+        if self._qmode != _INPLACE or "weight" not in self._qspecs:
+            return
+        for proj in EXPERT_PROJS:  # a saved fake-quantized model: kept as saved when on the grid of its scales
+            if prefix + proj in state_dict and f"{prefix}{proj}_scale" in state_dict:
+                p = self._parameters[proj]
+                try:
+                    back = torch.stack([qcore.dequantize(qcore.quantize(p[e].detach().float(), self._qspecs["weight"],
+                                                                        **self._given(proj, e)))
+                                        for e in range(p.shape[0])])
+                except ValueError:
+                    continue
+                if torch.equal(back.to(p.dtype), p.detach()):
+                    self._wver[proj] = (p._version, p.data_ptr())
+
+    def _given(self, proj: str, e: int) -> dict:
+        spec = self._qspecs["weight"]
+        b = self._buffers
+        kw: dict[str, Any] = {"scale": b[f"{proj}_scale"][e]}
+        if not spec.symmetric:
+            kw["zero_point"] = b[f"{proj}_zero_point"][e]
+        if spec.two_level:
+            kw["tensor_scale"] = b[f"{proj}_tensor_scale"][e]
+        return kw
+
+    def expert_qtensors(self, proj: str) -> list:
+        """Every expert's weight of ``proj`` as a ``qcore.QTensor`` of the layer's spec ([out, in]), frozen or not
+        (a committed weight is quantized again with its own scales, exactly as ``freeze`` does: nothing
+        changes). What ``freeze`` and the exporters read."""
+        return [self.expert_qtensor(proj, e) for e in range(self.expert_shape(proj)[0])]
+
+    def expert_qtensor(self, proj: str, e: int) -> "qcore.QTensor":
+        """Expert ``e``'s weight of ``proj`` as a ``qcore.QTensor`` (see ``expert_qtensors``)."""
+        if "weight" not in self._qspecs:
+            raise ValueError(f"experts {self.qname!r}: the module quantizes no weight")
+        if self._qmode == _FROZEN:
+            return self._frozen_qtensor_e(proj, e)
+        if self._qmode == _PENDING:
+            self.commit()
+        with torch.no_grad():
+            w = self._proj(proj)[e].detach()
+            q = qcore.quantize(w.float(), self._qspecs["weight"], **self._given(proj, e))
+            if not torch.equal(qcore.dequantize(q).to(w.dtype), w):
+                raise RuntimeError(f"experts {self.qname!r}: {proj} of expert {e} is not on its quantization grid "
+                                   f"(was it changed after quantize_model without a forward?); run a forward or "
+                                   f"freeze the model first")
+        return q
+
+    # -- freeze --------------------------------------------------------------------------------------------
+
+    def freeze(self) -> None:
+        """Store each projection as packed per-expert codes (``gate_up_proj_packed`` [E, out, packed in]) plus
+        scale codes; the forward dequantizes them (bit-identical to the fake-quantized weights). Irreversible."""
+        if self._qmode == _FROZEN or "weight" not in self._qspecs:
+            return
+        dtype = self._parameters[EXPERT_PROJS[0]].dtype
+        qts = {p: self.expert_qtensors(p) for p in EXPERT_PROJS}  # every check before anything is dropped
+        shapes = {p: self.expert_shape(p) for p in EXPERT_PROJS}
+        with torch.no_grad():
+            for p in EXPERT_PROJS:
+                self._store_frozen(p, qts[p])
+                del self._parameters[p]
+        self._frozen_meta = {"shapes": shapes, "dtype": dtype}
+        self._qmode = _FROZEN
+        self.__dict__.pop("_dequantized", None)
+
+    def _store_frozen(self, proj: str, qs: list) -> None:
+        spec = self._qspecs["weight"]
+        dev = qs[0].codes.device
+        codes = torch.stack([q.codes for q in qs])
+        self._buffers.pop(f"{proj}_packed", None)
+        self.register_buffer(f"{proj}_packed", qcore.packing.pack(codes, spec.dtype, axis=-1).to(dev))
+        if spec.scale_dtype.name == "float32":
+            self._buffers[f"{proj}_scale"] = torch.stack([q.scales.float() for q in qs]).to(dev)
+        else:
+            self._buffers[f"{proj}_scale"] = torch.stack([torch.as_tensor(q.scale_codes) for q in qs]).to(dev)
+        if qs[0].zero_points is not None:
+            d = spec.dtype
+            zp = torch.stack([q.zero_points for q in qs])
+            self._buffers[f"{proj}_zero_point"] = (zp.to(torch.int8 if d.signed else torch.uint8) if d.bits <= 8
+                                                   else zp.to(torch.int32)).to(dev)
+        if qs[0].subblock_shifts is not None:
+            self._buffers.pop(f"{proj}_subblock_shifts", None)
+            self.register_buffer(f"{proj}_subblock_shifts",
+                                 torch.stack([q.subblock_shifts for q in qs]).to(torch.uint8).to(dev))
+        if qs[0].tensor_scale is not None:
+            self._buffers[f"{proj}_tensor_scale"] = torch.stack(
+                [torch.as_tensor(q.tensor_scale).float().reshape(()) for q in qs]).to(dev)
+
+    def load_frozen(self, parts, *, dtype: torch.dtype, device: Any = None) -> None:  # type: ignore[override]
+        """Make this module frozen from its experts' qcore parts, as importers build modules without a float round
+        trip: ``parts[proj][e]`` is the ``qcore.formats.quark_layout.WeightParts`` of expert ``e``'s ``proj``
+        slice ``[out, in]`` (canonical), for both projections. The float parameters (if any) are dropped;
+        ``dtype`` is the dtype the forward dequantizes to. Everything is checked before the module changes."""
+        if "weight" not in self._qspecs:
+            raise ValueError(f"load_frozen {self.qname!r}: the module has no weight quantization spec")
+        spec = self._qspecs["weight"]
+        if not isinstance(parts, dict) or set(parts) != set(EXPERT_PROJS):
+            raise ValueError(f"load_frozen {self.qname!r}: parts must map {list(EXPERT_PROJS)} to per-expert "
+                             f"WeightParts, got {sorted(parts) if isinstance(parts, dict) else type(parts).__name__}")
+        shapes = {p: self.expert_shape(p) for p in EXPERT_PROJS}
+        if device is None:
+            w = self._parameters.get(EXPERT_PROJS[0])
+            device = w.device if w is not None and not w.is_meta else torch.device("cpu")
+        qts: dict = {}
+        from qcore.quantize import _check_qtensor
+        for p in EXPERT_PROJS:
+            e_, o, i = shapes[p]
+            if len(parts[p]) != e_:
+                raise ValueError(f"load_frozen {self.qname!r}: {len(parts[p])} experts of {p}, expected {e_}")
+            qts[p] = []
+            for e, pt in enumerate(parts[p]):
+                if tuple(pt.codes.shape) != (o, i):
+                    raise ValueError(f"load_frozen {self.qname!r}: {p} of expert {e}: codes of shape "
+                                     f"{list(pt.codes.shape)}, expected {[o, i]}")
+                q = _qtensor_from_parts(pt, spec)
+                try:
+                    _check_qtensor(q)
+                except (ValueError, TypeError) as err:
+                    raise ValueError(f"load_frozen {self.qname!r}: {p} of expert {e}: {err}") from None
+                qts[p].append(q)
+        with torch.no_grad():
+            for p in EXPERT_PROJS:
+                self._parameters.pop(p, None)
+                self._store_frozen(p, [_to_device(q, device) for q in qts[p]])
+        self._frozen_meta = {"shapes": shapes, "dtype": dtype}
+        self._qmode = _FROZEN
+        self.__dict__.pop("_dequantized", None)
+
+    def _frozen_qtensor_e(self, proj: str, e: int) -> "qcore.QTensor":
+        spec = self._qspecs["weight"]
+        _, o, i = self._frozen_meta["shapes"][proj]
+        codes = qcore.packing.unpack(self._buffers[f"{proj}_packed"][e], spec.dtype, axis=-1, length=i)
+        sc = self._buffers[f"{proj}_scale"][e]
+        scales = sc if sc.dtype == torch.float32 else qcore.decode(sc, spec.scale_dtype)
+        zp = self._buffers.get(f"{proj}_zero_point")
+        shifts = self._buffers.get(f"{proj}_subblock_shifts")
+        ts = self._buffers.get(f"{proj}_tensor_scale")
+        return qcore.QTensor(codes=codes.to(torch.uint8 if isinstance(spec.dtype, FloatDType) else codes.dtype),
+                             scales=scales.float(), zero_points=None if zp is None else zp[e].float(), spec=spec,
+                             subblock_shifts=None if shifts is None else shifts[e].to(torch.int32),
+                             tensor_scale=None if ts is None else ts[e])
+
+    def _frozen_proj(self, proj: str) -> torch.Tensor:
+        cache = self.__dict__.get("_dequantized")
+        if cache is not None and proj in cache:
+            return cache[proj]
+        w = torch.stack([_dequantize(self._frozen_qtensor_e(proj, e))
+                         for e in range(self._frozen_meta["shapes"][proj][0])]).to(self._frozen_meta["dtype"])
+        if getattr(self, "keep_dequantized", False):
+            self.__dict__.setdefault("_dequantized", {})[proj] = w
+        return w
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        out = super()._apply(fn, recurse)
+        self.__dict__.pop("_dequantized", None)
+        return out
+
+    # -- activations ---------------------------------------------------------------------------------------
+
+    def _qact_e(self, x: torch.Tensor, proj: str, role: str, e: int) -> torch.Tensor:
+        """Fake-quantize the activation ``x`` ([tokens, features]) of expert ``e``'s ``proj`` for ``role``."""
+        if role not in self._qspecs or not self.quant_enabled or x.shape[0] == 0:
+            return x
+        tc = getattr(self.qconfig, role)
+        spec = self._qspecs[role]
+        if not tc.calibrated:
+            return _fake_quantize(x, spec).to(x.dtype)
+        if self._observers is not None:
+            self._observers[_obs_key(proj, role, e)].update(x)
+            return x
+        if role not in self._calibrated:
+            raise RuntimeError(self._uncalibrated(role))
+        if spec.two_level:
+            return _fake_quantize(x, spec, tensor_scale=self._buffers[f"{proj}_{role}_tensor_scale"][e]).to(x.dtype)
+        s = self._buffers[f"{proj}_{role}_scale"][e]
+        zp = self._buffers.get(f"{proj}_{role}_zero_point")
+        return _fake_quantize(x, spec, scale=self._scale_view(s, x),
+                              zero_point=None if zp is None else self._scale_view(zp[e], x)).to(x.dtype)
+
+    def start_calibration(self) -> None:
+        n = self.expert_shape(EXPERT_PROJS[0])[0]
+        self._observers = {_obs_key(p, r, e): _Observer(getattr(self.qconfig, r), self._qspecs[r],
+                                                        f"{self.qname!r} (expert {e} {p}, {r})")
+                           for r in self.static_roles() for p in EXPERT_PROJS for e in range(n)}
+
+    def finish_calibration(self) -> None:
+        obs, self._observers = self._observers, None
+        obs = obs or {}
+        params = {k: o.params() for k, o in obs.items()}  # every expert's statistics before any buffer changes
+        for k, (scale, zp) in params.items():
+            p, role, e = _parse_obs_key(k)
+            if self._qspecs[role].two_level:
+                self._buffers[f"{p}_{role}_tensor_scale"][e].copy_(scale.reshape(()))
+                continue
+            shape = self._expert_static_shape(p, role)
+            buf = self._buffers[f"{p}_{role}_scale"]
+            buf[e].copy_(scale.reshape(shape).to(buf.device))
+            if zp is not None:
+                self._buffers[f"{p}_{role}_zero_point"][e].copy_(zp.reshape(shape).to(buf.device))
+        self._calibrated.update(_parse_obs_key(k)[1] for k in params)
+
+    # -- forward -------------------------------------------------------------------------------------------
+
+    def _gate(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def _expert(self, x: torch.Tensor, e: int, gu, down) -> torch.Tensor:
+        h = F.linear(self._qact_e(x, "gate_up_proj", "input", e), gu(e))
+        h = self._gate(self._qact_e(h, "gate_up_proj", "output", e))
+        y = F.linear(self._qact_e(h, "down_proj", "input", e), down(e))
+        return self._qact_e(y, "down_proj", "output", e)
+
+    def _expert_weights(self, proj: str):
+        """``e -> expert e's [out, in] weight``: a frozen module dequantizes the experts that are hit only (unless
+        ``keep_dequantized``)."""
+        if self._qmode == _FROZEN and not getattr(self, "keep_dequantized", False):
+            dtype = self._frozen_meta["dtype"]
+            return lambda e: _dequantize(self._frozen_qtensor_e(proj, e)).to(dtype)
+        w = self._proj(proj)
+        return lambda e: w[e]
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,  # type: ignore[override]
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        n = self.expert_shape(EXPERT_PROJS[0])[0]
+        gu, down = self._expert_weights("gate_up_proj"), self._expert_weights("down_proj")
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            mask = F.one_hot(top_k_index, num_classes=n + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        every = self._observers is not None and self.calibrate_all_experts
+        experts = range(n) if every else [int(e[0]) for e in hit]
+        for e in experts:
+            if e == n:
+                continue
+            top_k_pos, token_idx = torch.where(mask[e])
+            if every:  # calibration: every token through every expert (statistics); the routed rows are kept
+                y = self._expert(hidden_states, e, gu, down)[token_idx]
+            else:
+                y = self._expert(hidden_states[token_idx], e, gu, down)
+            y = y * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, y.to(final.dtype))
+        return final
+
+    def extra_repr(self) -> str:  # type: ignore[override]
+        roles = ", ".join(f"{r}={self._qspecs[r].name or self._qspecs[r].dtype.name}"
+                          + ("(dyn)" if r in ("input", "output") and getattr(self.qconfig, r).dynamic else "")
+                          for r in ("weight", "input", "output") if r in self._qspecs)
+        shapes = {p: list(self.expert_shape(p)) for p in EXPERT_PROJS}
+        return f"experts={shapes}, quant=[{roles}], qmode={self._qmode}"
+
+
+def _obs_key(proj: str, role: str, e: int) -> str:
+    return f"{proj}.{role}.{e:06d}"
+
+
+def _parse_obs_key(k: str) -> tuple:
+    p, r, e = k.split(".")
+    return p, r, int(e)
+
+
+def _qtensor_from_parts(pt, spec: QuantSpec) -> "qcore.QTensor":
+    """A ``QTensor`` of ``spec`` from one weight's ``WeightParts`` (numpy: codes, float32 scales, ...)."""
+    codes = torch.from_numpy(np.ascontiguousarray(pt.codes))
+    if isinstance(spec.dtype, FloatDType):
+        codes = codes.to(torch.uint8)
+    return qcore.QTensor(codes=codes, scales=torch.from_numpy(np.ascontiguousarray(pt.scales, np.float32)),
+                         zero_points=None if pt.zero_points is None else
+                         torch.from_numpy(np.ascontiguousarray(pt.zero_points, np.float32)),
+                         spec=spec, subblock_shifts=None if pt.shifts is None else
+                         torch.from_numpy(np.ascontiguousarray(pt.shifts)).to(torch.int32),
+                         tensor_scale=None if pt.tensor_scale is None else
+                         torch.from_numpy(np.asarray(pt.tensor_scale, np.float32).reshape(())))
+
+
+def _to_device(q, device) -> "qcore.QTensor":
+    def mv(t):
+        return None if t is None else t.to(device)
+    return qcore.QTensor(codes=mv(q.codes), scales=mv(q.scales), zero_points=mv(q.zero_points), spec=q.spec,
+                         subblock_shifts=mv(q.subblock_shifts), tensor_scale=mv(q.tensor_scale))
+
+
+def is_fused_experts(m: nn.Module) -> bool:
+    """Whether ``m`` is a fused experts module ``QuantExperts`` can quantize (float; see ``experts_layout_problem``)."""
+    return (not isinstance(m, _QuantMixin) and type(m).__name__.endswith("Experts") and isinstance(
+        m._parameters.get("gate_up_proj"), torch.Tensor) and experts_layout_problem(m) is None)

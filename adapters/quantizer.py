@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from .config import COMPUTE_TYPES, LayerConfig, ModelConfig, TensorConfig
-from .modules import QUANT_CLASSES, CalibrationError, _QuantMixin, is_quantized_module, wrap
+from .modules import (EXPERT_PROJS, QUANT_CLASSES, CalibrationError, QuantExperts, _QuantMixin, is_fused_experts,
+                      is_quantized_module, wrap)
 
 _log = logging.getLogger("qcore.adapters")
 
@@ -102,11 +103,13 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
     """Resolve ``config`` on ``model``: the modules that will be quantized and their configs. Pure: raises
     ``ValueError``/``TypeError`` for patterns matching nothing, configs that cannot apply, tied weights shared
     with a module treated differently, an already quantized model, and weight matrices qcore cannot quantize
-    yet that no exclusion names (fused 3-D MoE expert tensors, fused projections held on a module, ...: see
-    ``unquantized_weights``); changes nothing.
+    yet that no exclusion names (fused MoE expert tensors of a layout qcore does not know, fused projections held
+    on a module, ...: see ``unquantized_weights``); changes nothing. Fused MoE experts of a known layout
+    (``qcore.adapters.modules.KNOWN_EXPERTS``) are planned as one module of type ``"Experts"``.
 
     ``exclude`` / ``by_name`` patterns match module names (a pattern naming a module covers everything in it) and,
-    for the weights qcore cannot quantize, their parameter names too (``model.layers.0.mlp.experts.down_proj``).
+    for the weights qcore cannot quantize and for fused experts, their parameter names too
+    (``model.layers.0.mlp.experts.down_proj``; fused experts are kept float only as a whole: both parameters).
     (``_check_float=False``: the checkpoint loaders, which resolve a saved config on a float skeleton.)"""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -128,7 +131,9 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
                          "the model and quantize it again")
     exclude = default_exclude(model) if config.exclude is None else list(config.exclude)
     odd = _odd_weights(mods)  # weight matrices of kinds qcore cannot quantize: excluded by name or refused below
-    targets = names + [w.name for w in odd]  # exclude / by_name may name those parameters
+    experts = {n: [f"{n}.{p}" for p in EXPERT_PROJS] for n, m in mods.items() if n and _tname(m) == "Experts"}
+    # exclude / by_name may name those parameters, and the fused experts' (quantized together, per module)
+    targets = names + [w.name for w in odd] + [q for ps in experts.values() for q in ps]
     for p in ([] if config.exclude is None else exclude):
         if not any(_match(p, n) for n in targets):
             raise _no_match_error("ModelConfig.exclude entry", p, names)
@@ -148,6 +153,8 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
         tname = _tname(m)
         named = next((p for p in config.by_name if _match_tree(p, name)), None)
         excluded = any(_match_tree(p, name) for p in exclude)
+        if name in experts:  # fused experts: patterns may name the module or both of its parameters
+            named, excluded = _experts_patterns(name, experts[name], config, exclude, named, excluded)
         if tname is None:
             if named is not None and config.by_name[named] is not None and not any(
                     _match_tree(named, n) and _tname(mods[n]) is not None for n in names):
@@ -198,6 +205,27 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
     return plans
 
 
+def _experts_patterns(name: str, params: list, config: ModelConfig, exclude: list, named, excluded) -> tuple:
+    """(by_name pattern, excluded) of the fused experts module ``name``: a pattern naming the module (or a parent)
+    or both its parameters applies; one naming one parameter only is refused (the experts are quantized together)."""
+    def hits(p):
+        return [q for q in params if _match(p, q)]
+
+    def refuse(what, got):
+        return ValueError(f"{what} names {got} but not {[q for q in params if q not in got]}: the fused MoE experts "
+                          f"{name!r} are quantized together; name the module {name!r} (or all of its parameters)")
+    for p in config.by_name:
+        if 0 < len(hits(p)) < len(params) and not _match_tree(p, name):
+            raise refuse(f"ModelConfig.by_name pattern {p!r}", hits(p))
+    dropped = sorted({q for p in exclude for q in hits(p)})
+    if not excluded and 0 < len(dropped) < len(params):
+        raise refuse(f"ModelConfig.exclude {[p for p in exclude if hits(p)]}", dropped)
+    excluded = excluded or len(dropped) == len(params)
+    if named is None:
+        named = next((p for p in config.by_name if len(hits(p)) == len(params)), None)
+    return named, excluded
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # weights qcore cannot quantize yet: found before any work, kept float only by an explicit exclusion
 # ---------------------------------------------------------------------------------------------------------------
@@ -216,7 +244,9 @@ class FloatWeight:
 
 
 ISSUE = "issue 22"  # where full support for these weights is tracked
-_WHY_EXPERTS = f"3-D fused MoE expert weights: qcore cannot quantize them yet ({ISSUE})"
+_WHY_EXPERTS = (f"3-D fused MoE expert weights of a layout qcore does not know (it quantizes the fused experts of "
+                f"Mixtral, Qwen2-MoE, Qwen3-MoE and of the classes whose eager forward is MixtralExperts': "
+                f"qcore.adapters.modules.experts_layout_problem; {ISSUE})")
 
 
 def _why_odd(m: nn.Module, local: str, t: torch.Tensor) -> Optional[str]:
@@ -225,7 +255,8 @@ def _why_odd(m: nn.Module, local: str, t: torch.Tensor) -> Optional[str]:
     (those are planned, excluded or warned about by ``plan_model``)."""
     if not t.is_floating_point() or t.dim() < 2 or "bias" in local.lower():
         return None
-    if isinstance(m, (_QuantMixin, _FloatView)) or any(isinstance(m, c) for c in QUANT_CLASSES):
+    if isinstance(m, (_QuantMixin, _FloatView)) or any(isinstance(m, c) for c in QUANT_CLASSES) or \
+            is_fused_experts(m):  # fused experts of a known layout are planned (QuantExperts)
         return None
     tname = type(m).__name__
     low = tname.lower()
@@ -342,16 +373,22 @@ def unquantized_weights(model: nn.Module, config: Union[ModelConfig, str, Mappin
                         ) -> list[FloatWeight]:
     """Every weight of ``model`` that ``config`` (default: the config ``quantize_model`` used,
     ``model.qcore_config``) should have quantized but that is still float and is not excluded: a module the plan
-    quantizes whose weight is not quantized, and a weight matrix of a kind qcore cannot quantize yet (fused
-    3-D MoE experts, fused projections held on a module, ...) that no exclusion names. Empty after a successful
-    ``quantize_model``; the proof that a model is not half-done. Embeddings (quantized only through
-    ``by_type`` / ``by_name``), norms, biases and MoE routers are float by design and never listed."""
+    quantizes whose weight is not quantized (for fused MoE experts: both of their parameters), and a weight
+    matrix of a kind qcore cannot quantize yet (fused MoE experts of an unknown layout, fused projections held on
+    a module, ...) that no exclusion names. Empty after a successful ``quantize_model``; the proof that a model is
+    not half-done. Embeddings (quantized only through ``by_type`` / ``by_name``), norms, biases and MoE routers are
+    float by design and never listed."""
     config, mods, exclude = _walk_config(model, config)
     out = []
     for p in plan_model(model, config, _quantized_ok=True, _check_float=False):
         if p.config.weight is None:
             continue
         m = mods[p.name]
+        if p.type == "Experts" and not (is_quantized_module(m) and "weight" in m.specs):
+            out += [FloatWeight(f"{p.name}.{q}", p.name, type(m).__name__, tuple(getattr(m, q).shape),
+                                "the config quantizes these fused MoE experts, and they are float")
+                    for q in EXPERT_PROJS]
+            continue
         if not (is_quantized_module(m) and "weight" in m.specs):
             w = getattr(m, "weight", None)
             out.append(FloatWeight(f"{p.name}.weight", p.name, type(m).__name__,
@@ -373,6 +410,14 @@ def excluded_weights(model: nn.Module, config: Union[ModelConfig, str, Mapping, 
         if not name or _tname(m) is None or _tname(m) not in COMPUTE_TYPES:
             continue
         named = next((p for p in config.by_name if _match_tree(p, name)), None)
+        if _tname(m) == "Experts":
+            params = [f"{name}.{p}" for p in EXPERT_PROJS]
+            named, excl = _experts_patterns(name, params, config, exclude, named,
+                                            any(_match_tree(p, name) for p in exclude))
+            if excl or (named is not None and config.by_name[named] is None):
+                out += [FloatWeight(f"{name}.{p}", name, type(m).__name__, tuple(getattr(m, p).shape),
+                                    "excluded by the config") for p in EXPERT_PROJS]
+            continue
         if any(_match_tree(p, name) for p in exclude) or (named is not None and config.by_name[named] is None):
             w = getattr(m, "weight", None)
             out.append(FloatWeight(f"{name}.weight", name, type(m).__name__,
@@ -387,6 +432,7 @@ class _FloatView:
     def __init__(self, m):
         self.weight = m._parameters.get("weight", getattr(m, "weight_packed", None))
         self._base = m.float_type
+        self._experts = isinstance(m, QuantExperts)
 
 
 def _nothing_planned(mods: dict) -> ValueError:
@@ -414,6 +460,8 @@ def _nothing_planned(mods: dict) -> ValueError:
 
 
 def _tname(m) -> Optional[str]:
+    if isinstance(m, QuantExperts) or (isinstance(m, _FloatView) and m._experts) or is_fused_experts(m):
+        return "Experts"
     t = m._base if isinstance(m, _FloatView) else type(m)
     return next((c.__name__ for c in QUANT_CLASSES if t is c), None)
 
@@ -705,8 +753,8 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         raise
     if reference is not None:
         for name, _, new in wrappers:
-            if name not in pinned and "weight" in new.specs:
-                reference[name] = new.weight.detach().to("cpu", copy=True)
+            if name not in pinned and "weight" in new.specs and not isinstance(new, QuantExperts):  # experts:
+                reference[name] = new.weight.detach().to("cpu", copy=True)  # not in layer_report yet (issue 22)
     if not qat:
         # Past this point the model is quantized: writing the weights in place cannot be undone without a second
         # copy of them. If it is interrupted, the wrappers not yet written stay in their pending mode, which

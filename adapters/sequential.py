@@ -240,6 +240,8 @@ def _layers_path(algos) -> Optional[str]:
 def layer_plans(model: nn.Module, plans: list, algos) -> tuple[str, nn.ModuleList, list[dict]]:
     """``(path, layers, by_layer)``: the decoder layers the algorithms act on and, per layer, ``{name relative to
     the layer: LayerPlan}`` of its quantized modules (``qcore.adapters.streaming`` shares this)."""
+    from .experts import check_experts_algorithms
+    check_experts_algorithms(plans, algos)  # fused MoE experts: refused by name, before any work (issue 22)
     path, layers = find_decoder_layers(model, _layers_path(algos))
     by_layer: list[dict] = [{} for _ in layers]
     for p in plans:

@@ -1,8 +1,8 @@
 """A model is never silently half-done: every weight matrix is quantized, excluded by name, or refused before work.
 
-Weights qcore cannot quantize yet (transformers 5's fused 3-D MoE expert tensors, fused projections held directly
-on a module) are refused by ``plan_model`` before any work unless an exclusion names
-them; ``unquantized_weights`` walks a quantized model and lists every weight left float without being excluded.
+Weights qcore cannot quantize yet (fused 3-D MoE expert tensors of a layout it does not know, fused projections
+held directly on a module) are refused by ``plan_model`` before any work unless an exclusion names them;
+``unquantized_weights`` walks a quantized model and lists every weight left float without being excluded.
 Tiny random models built offline (Qwen3-MoE, Mixtral, GPT-2, and the conftest families).
 """
 
@@ -69,15 +69,23 @@ def _state(model) -> dict:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def _unknown_layout(model):
+    """The model with its fused experts in a layout qcore does not know (transposed 3-D tensors)."""
+    for m in model.modules():
+        if type(m).__name__.endswith("Experts"):
+            m.is_transposed = True
+    return model
+
+
 @pytest.mark.parametrize("family", sorted(MOE))
-def test_fused_experts_are_refused_before_any_work(family):
-    model = MOE[family]()
+def test_fused_experts_of_an_unknown_layout_are_refused_before_any_work(family):
+    model = _unknown_layout(MOE[family]())
     before = _state(model)
     with pytest.raises(ValueError) as e:
         quantize_model(model, preset("uint4_wo_64"), progress=False)
     msg = str(e.value)
     assert "4 weight(s)" in msg and "model.layers.0.mlp.experts.gate_up_proj [4," in msg
-    assert "3-D fused MoE expert weights: qcore cannot quantize them yet (issue 22)" in msg
+    assert "3-D fused MoE expert weights of a layout qcore does not know" in msg and "issue 22" in msg
     assert "mlp.gate" not in msg  # the router stays float by design, as the peers keep it
     assert "Nothing was changed" in msg and "--exclude lm_head --exclude" in msg
     assert _suggested_exclude(msg) == ["lm_head", EXPERTS]
@@ -86,6 +94,7 @@ def test_fused_experts_are_refused_before_any_work(family):
     assert all(torch.equal(before[k], after[k]) for k in before)
     with pytest.raises(ValueError, match="issue 22"):  # plan_model is where it is found: every path refuses
         plan_model(model, "uint4_wo_64")
+    assert "model.layers.0.mlp.experts" in [p.name for p in plan_model(MOE[family](), "uint4_wo_64")]  # known
 
 
 @pytest.mark.parametrize("family", sorted(MOE))
@@ -101,7 +110,7 @@ def test_the_suggested_exclusion_quantizes_the_rest_and_keeps_experts_float(fami
     assert unquantized_weights(model) == []  # the config it was quantized with (model.qcore_config)
     kept = {w.name: w for w in excluded_weights(model)}
     assert set(kept) == {"lm_head.weight", *experts}
-    assert "3-D fused MoE" in kept["model.layers.1.mlp.experts.down_proj"].why
+    assert kept["model.layers.1.mlp.experts.down_proj"].why == "excluded by the config"
     for n, p in model.named_parameters():  # the experts are exactly as they were
         if n in experts:
             assert torch.equal(p, experts[n])
@@ -122,9 +131,10 @@ def test_exclude_names_parameters_only_of_weights_qcore_cannot_quantize():
     # a parameter name of a Linear is not an exclusion (the module name is): refused as matching nothing
     with pytest.raises(ValueError, match="matches no module"):
         plan_model(model, preset("uint4_wo_64").replace(exclude=(EXPERTS, "*.q_proj.weight")))
-    # a by_name config for the experts is refused: qcore cannot quantize them
-    with pytest.raises(ValueError, match="only modules qcore cannot quantize"):
-        plan_model(model, preset("uint4_wo_64").replace(by_name={"*.experts": preset("uint4_wo_64").layer}))
+    # a by_name config for the fused experts applies to them (qcore quantizes them, per expert)
+    lc = preset("int8").layer
+    plans = {p.name: p for p in plan_model(model, preset("uint4_wo_64").replace(by_name={"*.experts": lc}))}
+    assert plans["model.layers.0.mlp.experts"].config == lc and plans["model.layers.0.mlp.experts"].type == "Experts"
 
 
 def test_excluded_experts_freeze_export_and_reload_with_the_same_logits(tmp_path):
@@ -215,17 +225,20 @@ def moe_dir(tmp_path_factory):
     return d
 
 
-def test_cli_refuses_then_quantizes_with_the_exclusion_it_names(moe_dir, tmp_path, capsys):
+def test_cli_quantizes_fused_experts_or_keeps_them_float_by_exclusion(moe_dir, tmp_path, capsys):
     out = tmp_path / "out"
     base = ["quantize", "--model", str(moe_dir), "--scheme", "uint4_wo_64", "--eval", "none", "--no-progress"]
-    assert main([*base, "--output", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "issue 22" in err and not out.exists()
-    cli = re.search(r"on the command line (.*?) \(the first", err).group(1)
     rep = tmp_path / "r.json"
+    assert main([*base, "--output", str(out), "--report", str(rep)]) == 0  # the experts quantized too
+    capsys.readouterr()
+    r = json.loads(rep.read_text())
+    assert r["layers_quantized"] == 8 + 2 and {k["weight"] for k in r["kept_float"]} == {"lm_head.weight"}
+    assert unquantized_weights(from_pretrained(out)) == []
+    out = tmp_path / "out2"
+    cli = f"--exclude lm_head --exclude {shlex.quote(EXPERTS)}"
     assert main([*base, *shlex.split(cli), "--output", str(out), "--report", str(rep)]) == 0
     printed = capsys.readouterr().out
-    assert "kept float (excluded)" in printed and "5 weight(s): lm_head.weight" in printed
+    assert "kept float (excluded)" in printed and "5 weight(s): model.layers.0.mlp.experts.gate_up_proj" in printed
     r = json.loads(rep.read_text())
     assert r["layers_quantized"] == 8
     assert {k["weight"] for k in r["kept_float"]} == {"lm_head.weight"} | {
