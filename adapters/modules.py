@@ -1069,6 +1069,16 @@ def linear_weight(m: nn.Module) -> Optional[torch.Tensor]:
     return None
 
 
+def linear_weight_spec(module: nn.Module, plan, name: str) -> QuantSpec:
+    """The weight spec of ``plan`` (a ``LayerPlan``) on ``module``'s weight as a Linear's ``[out, in]`` matrix
+    (``linear_weight``): the granularity normalised to that layout (what GPTQ, AWQ and SpinQuant quantize);
+    ``name`` names the module in errors."""
+    spec = plan.config.weight.spec
+    w = linear_weight(module)  # [out, in]: nn.Linear's weight, transformers Conv1D's transposed
+    g = _norm_weight_granularity(spec.granularity, "Linear", name, w.dim(), tuple(w.shape))
+    return _with_granularity(spec, g)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # fused MoE experts (transformers 5: all experts of a layer in two 3-D parameters; issue 22)
 # ---------------------------------------------------------------------------------------------------------------

@@ -29,10 +29,9 @@ from qcore.algorithms.awq import awq_clip, awq_search
 from qcore.algorithms.config import AutoSmoothQuantConfig, AWQConfig, SmoothQuantConfig
 from qcore.algorithms.smoothquant import auto_smoothquant, smoothquant_scales, weight_absmax
 
-from .modules import _act_granularity, _with_granularity
+from .modules import _act_granularity, _with_granularity, linear_weight_spec
 from .runner import forward_layer
 from .scaling import NoScalingMap, ScalingGroup, check_fold, fold_scales, scaling_groups
-from .sequential import _weight_spec
 
 __all__ = ["check_scaling", "apply_scaling"]
 
@@ -147,7 +146,7 @@ def apply_scaling(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, *, 
         if isinstance(algo, SmoothQuantConfig):  # needs no weight spec: the layers may be left unquantized
             s = smoothquant_scales(rec.absmax, weight_absmax(ws), alpha=algo.alpha, clamp_min=algo.clamp_min)
         else:
-            specs = [_weight_spec(layer.get_submodule(n), lplans[n], n) for n in g.layers]
+            specs = [linear_weight_spec(layer.get_submodule(n), lplans[n], n) for n in g.layers]
             x = rec.sample()
             if isinstance(algo, AutoSmoothQuantConfig):
                 s = auto_smoothquant(x, ws, weight_spec=specs, input_spec=_ispec(lplans[g.layers[0]]),

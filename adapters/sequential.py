@@ -43,7 +43,7 @@ from qcore.algorithms.gptq import HessianStats, check_gptq_spec, gptq, update_he
 from qcore.stats import RunningStats
 
 from .config import MinMax, Percentile
-from .modules import _norm_weight_granularity, _with_granularity, linear_weight
+from .modules import linear_weight, linear_weight_spec
 from .families import family_or_none
 from .runner import AlgorithmError, LayerInputs, LayerRunner, Stop, find_decoder_layers, forward_layer
 
@@ -58,13 +58,6 @@ __all__ = ["run_algorithms", "find_decoder_layers", "AlgorithmError"]
 # ---------------------------------------------------------------------------------------------------------------
 # GPTQ
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _weight_spec(module: nn.Module, plan, name: str):
-    spec = plan.config.weight.spec
-    w = linear_weight(module)  # [out, in]: nn.Linear's weight, transformers Conv1D's transposed
-    g = _norm_weight_granularity(spec.granularity, "Linear", name, w.dim(), tuple(w.shape))
-    return _with_granularity(spec, g)
 
 
 def _scale_fn(plan, spec):
@@ -100,7 +93,7 @@ def _gptq_targets(layer: nn.Module, lplans: dict, algo: GPTQConfig, prefix: str)
             continue
         if linear_weight(m) is None:
             continue  # GPTQ here covers Linear (and Conv1D) layers; other module types: round-to-nearest
-        spec = _weight_spec(m, plan, f"{prefix}.{n}")
+        spec = linear_weight_spec(m, plan, f"{prefix}.{n}")
         try:
             check_gptq_spec(spec, tuple(linear_weight(m).shape))
         except ValueError as e:
@@ -178,7 +171,7 @@ def _gptq_group(layer, names: list[str], hess: HessianStats, lplans: dict, algo:
     if reduce is not None:
         hess = reduce(hess)
     mods = [layer.get_submodule(n) for n in names]
-    specs = [_weight_spec(m, lplans[n], f"{prefix}.{n}") for m, n in zip(mods, names)]
+    specs = [linear_weight_spec(m, lplans[n], f"{prefix}.{n}") for m, n in zip(mods, names)]
     fns = [_scale_fn(lplans[n], s) for n, s in zip(names, specs)]
     kw = dict(block_size=algo.block_size, damp=algo.damp, act_order=algo.act_order, static_groups=algo.static_groups)
     if len(mods) > 1 and _concat_ok(specs) and all(f is None for f in fns):

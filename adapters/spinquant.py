@@ -37,7 +37,7 @@ import qcore
 from qcore.algorithms.hadamard import rotation
 from qcore.algorithms.orthogonal import cayley_step
 
-from .modules import _act_granularity, _with_granularity
+from .modules import _act_granularity, _with_granularity, linear_weight_spec
 from .rotation import (_check, _fold_and_untie, _online_hooks, _times_online, _write, check_rotation, remove_online,
                        rotate_model, rotated_weights)
 
@@ -63,14 +63,13 @@ def _ids(batch, i: int) -> torch.Tensor:
 
 
 def _specs(model: nn.Module, plans: Sequence) -> tuple[dict, dict]:
-    from .sequential import _weight_spec
     wspecs, aspecs = {}, {}
     for p in plans:
         m = model.get_submodule(p.name)
         if not isinstance(m, nn.Linear):
             continue
         if p.config.weight is not None:
-            wspecs[f"{p.name}.weight"] = _weight_spec(m, p, p.name)
+            wspecs[f"{p.name}.weight"] = linear_weight_spec(m, p, p.name)
         if p.config.input is not None:
             spec = p.config.input.spec
             aspecs[p.name] = _with_granularity(spec, _act_granularity(spec.granularity, False))

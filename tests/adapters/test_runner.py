@@ -101,7 +101,8 @@ def test_a_pass_sees_the_layers_before_it_as_it_left_them(zoo):
 def test_gptq_equals_a_direct_computation_from_full_model_forwards(zoo):
     from qcore.adapters import preset
     from qcore.adapters.quantizer import plan_model
-    from qcore.adapters.sequential import _weight_spec, run_algorithms
+    from qcore.adapters.modules import linear_weight_spec
+    from qcore.adapters.sequential import run_algorithms
     from qcore.algorithms.gptq import HessianStats, gptq, update_hessian
 
     import qcore
@@ -137,7 +138,7 @@ def test_gptq_equals_a_direct_computation_from_full_model_forwards(zoo):
         for t in targets:
             name = f"model.layers.{i}.{t}"
             mod = float_model.get_submodule(name)
-            r = gptq(mod.weight.detach().float(), stats[t], _weight_spec(mod, plans[name], name), act_order=True)
+            r = gptq(mod.weight.detach().float(), stats[t], linear_weight_spec(mod, plans[name], name), act_order=True)
             assert torch.equal(qcore.dequantize(pinned[name]), qcore.dequantize(r.qtensor)), name
 
 
