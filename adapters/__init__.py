@@ -20,11 +20,11 @@ from .modules import (CalibrationError, QuantConv2d, QuantConvTranspose2d, Quant
 from .presets import PRESETS, preset, preset_names
 from .quantizer import (FloatWeight, calibrate, excluded_weights, freeze, model_bytes, plan_model, quantize_model,
                         quantized_modules, unquantized_weights)
-from .export import ExportInfo, export_hf
-from .hf import CorruptCheckpointError, from_pretrained, load_quark, register_with_transformers
-from .import_gguf import GGUFImportReport, from_gguf
+from .io.quark_hf import ExportInfo, export_hf
+from .io.quark_hf import CorruptCheckpointError, from_pretrained, load_quark, register_with_transformers
+from .io.gguf import GGUFImportReport, from_gguf
 from .distributed import Distributed
-from .streaming import quantize_checkpoint
+from .passes.streaming import quantize_checkpoint
 from .main import QuantizeReport, quantize_and_report
 
 register_with_transformers()  # the one registration qcore makes (documented above); a no-op without transformers

@@ -21,7 +21,7 @@ import torch
 
 from qcore._argtypes import _count, _csv, _nonnegative_number, _positive, _positive_number
 
-from . import evaluate as E
+from .eval import evaluate as E
 from . import main as J
 from .main import CommandError, load_float_model, load_model  # noqa: F401  (importable here as before)
 from .main import check_device as _check_device
@@ -169,7 +169,7 @@ def eval_command(args) -> int:
     if ppl and args.seq_len < 2:
         raise CommandError(f"--seq-len {args.seq_len}: perplexity needs windows of 2 tokens or more")
     if args.tasks:  # lm_eval present, tasks known and their documents read: all before the model loads
-        from . import lm_eval_tasks as LT
+        from .eval import lm_eval_tasks as LT
         try:
             LT.require_lm_eval()
             tasks = LT.load_tasks(args.tasks, num_fewshot=args.num_fewshot, progress=not args.no_progress)
@@ -253,8 +253,8 @@ def schemes_command(args) -> int:
 
 
 def convert_command(args) -> int:
-    """``qcore convert SRC DST --to FORMAT``: ``qcore.adapters.convert.convert`` plus a printed report."""
-    from .convert import FORMATS, _norm_format, convert
+    """``qcore convert SRC DST --to FORMAT``: ``qcore.adapters.io.convert.convert`` plus a printed report."""
+    from .io.convert import FORMATS, _norm_format, convert
     t0 = time.perf_counter()
     try:
         _norm_format(args.to, "--to", FORMATS)
@@ -315,7 +315,7 @@ def run(args) -> int:
     except (CommandError, ValueError, TypeError, OSError, ModuleNotFoundError, RecursionError) as e:
         if getattr(args, "debug", False):
             raise
-        onnx_mod = sys.modules.get("qcore.adapters.export_onnx")
+        onnx_mod = sys.modules.get("qcore.adapters.io.onnx")
         if onnx_mod is not None and isinstance(e, onnx_mod.UnsupportedWeightError):
             e = e.with_option("--onnx-unsupported dequantize")  # the flag, not the Python argument
         msg = str(e).splitlines()[0] if str(e).strip() else type(e).__name__

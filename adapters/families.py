@@ -2,9 +2,9 @@
 config's ``model_type`` (for a vision-language model: its text config, the language tower).
 
 The algorithms read the record instead of knowing structure themselves: AWQ/SmoothQuant take their scaling groups
-from ``Family.scaling`` (``qcore.adapters.scaling.scaling_groups``), QuaRot/SpinQuant their norm folds and the
-names rotated on inputs / outputs from the attention and MLP names (``qcore.adapters.rotation``), AMP its fused
-units from ``Family.fused_units`` (``qcore.adapters.amp``).
+from ``Family.scaling`` (``qcore.adapters.passes.scaling.scaling_groups``), QuaRot/SpinQuant their norm folds and the
+names rotated on inputs / outputs from the attention and MLP names (``qcore.adapters.passes.rotation``), AMP its fused
+units from ``Family.fused_units`` (``qcore.adapters.passes.amp``).
 
 - ``family_of(model_or_config)``: the record of a model, a config or a ``model_type`` string; ``UnknownFamily``
   (a ValueError) naming the model type, the model class and the record to add (docs/adapters.md, "Architecture
@@ -69,7 +69,7 @@ def _check_names(v: Any, what: str, *, empty_ok: bool = False) -> tuple:
 
 
 # Quark's scaling_layers entries (AWQ / SmoothQuant): a ScalingGroup per entry; folding them is
-# qcore.adapters.scaling's job
+# qcore.adapters.passes.scaling's job
 _QUARK_KEYS = {"prev_op", "layers", "inp", "module2inspect", "has_kwargs"}
 
 

@@ -27,8 +27,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from . import evaluate as E
-from . import models as M
+from .eval import evaluate as E
+from .eval import models as M
 from . import quantizer as Q
 from .config import ModelConfig
 from .presets import PRESETS, preset
@@ -92,7 +92,7 @@ class QuantizeReport:
     (with the algorithms that ran, and for ``amp`` the per-layer choice); ``kept_float`` the weights an exclusion
     left float (``FloatWeight``); ``ppl_baseline`` / ``ppl`` perplexity before and after (None with
     ``eval="none"``) on ``eval_windows`` windows of ``seq_len`` tokens; ``layer_errors`` each quantized module's
-    ``LayerError`` (weight and output SQNR, ``qcore.adapters.layer_report``), ``rtn_layer_errors`` the same by
+    ``LayerError`` (weight and output SQNR, ``qcore.adapters.eval.layer_report``), ``rtn_layer_errors`` the same by
     round-to-nearest when algorithms ran and a report or plot was asked for; sizes in bytes; the export's
     ``export_format``, ``output_dir``, ``bytes_on_disk``, ``quant_method``, ``export_seconds`` and the exporter's
     own ``export_info`` (``ExportInfo``, ``GGUFExportInfo``, ``ONNXExportInfo`` or ``CTExportInfo``);
@@ -139,7 +139,7 @@ class QuantizeReport:
     @property
     def worst_layers(self) -> list:
         """Up to five module names, worst first (``layer_report.ranked``)."""
-        from .layer_report import ranked
+        from .eval.layer_report import ranked
         return ranked(dict(self.layer_errors))[:5]
 
     @property
@@ -212,7 +212,7 @@ def load_float_model(p: pathlib.Path, *, dtype: torch.dtype, names: _Names = CLI
     from transformers import AutoModelForCausalLM
     from qcore.formats.inspect import checkpoint_files
     from qcore.formats.safetensors_io import SafetensorsFile
-    from .hf import hf_config
+    from .io.quark_hf import hf_config
     for f in checkpoint_files(p):  # a truncated or corrupted file fails here, naming the file and the tensor
         SafetensorsFile(f)
     config = hf_config(p)
@@ -274,7 +274,7 @@ def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str, names: _
         from qcore.formats.safetensors_io import read_json_object
         qc = read_json_object(p / "config.json", what="the model config").get("quantization_config") or {}
         if isinstance(qc, dict) and qc.get("quant_method") in ("quark", "qcore", "compressed-tensors"):  # quantized
-            from .hf import from_pretrained
+            from .io.quark_hf import from_pretrained
             model = from_pretrained(p, dtype=dtype)
         else:
             model = load_float_model(p, dtype=dtype, names=names)
@@ -376,14 +376,14 @@ def read_scheme_file(scheme: str, *, names: _Names = CLI) -> ModelConfig:
     try:
         method = d.get("quant_method")
         if method in ("quark", "qcore"):  # a qcore export's quantization_config: its qcore block, else Quark's
-            from .hf import checkpoint_config
+            from .io.quark_hf import checkpoint_config
             config = checkpoint_config(d)
         elif method == "compressed-tensors":
             own = d.get("qcore")
             if not (isinstance(own, dict) and isinstance(own.get("config"), dict)):
                 raise ValueError("a compressed-tensors quantization_config without a qcore block names its layers "
                                  "by module class, which only its model resolves; give a qcore or Quark config")
-            from .hf import check_format_version
+            from .io.quark_hf import check_format_version
             check_format_version(own, "quantization_config")
             config = ModelConfig.from_dict(own["config"])
         else:
@@ -525,19 +525,19 @@ def check_seq_len(seq_len: int, model, *, names: _Names = CLI) -> None:
 def _check_export(names: _Names, fmt: str, model, config, *, drop_activations, onnx_weights, onnx_unsupported):
     try:
         if fmt == "gguf":
-            from .export_gguf import check_gguf
+            from .io.gguf import check_gguf
             check_gguf(model, config, drop_activations=drop_activations)
         elif fmt == "onnx":
-            from .export_onnx import check_onnx
+            from .io.onnx import check_onnx
             check_onnx(model, config, weight_format=onnx_weights, unsupported=onnx_unsupported)
         elif fmt == "compressed-tensors":
-            from .export_ct import check_ct
+            from .io.compressed_tensors import check_ct
             check_ct(model, config)
         else:
-            from .export import check_hf
+            from .io.quark_hf import check_hf
             check_hf(model, config)
     except (ValueError, TypeError) as e:
-        from .export_onnx import UnsupportedWeightError
+        from .io.onnx import UnsupportedWeightError
         if isinstance(e, UnsupportedWeightError):
             e = e.with_option(names.arg("onnx_unsupported", "dequantize"))  # the flag or argument, not the exporter's
         raise CommandError(f"{names.arg('export', fmt)}: {e}") from None
@@ -552,10 +552,10 @@ def write_report(path: str, report: dict) -> None:
 
 def _rtn_errors(model, config, calib, *, progress: bool):
     """``{name: LayerError}`` of round-to-nearest by ``config`` without its algorithms, on a deep copy of the float
-    ``model`` (what the algorithms are compared with; ``qcore.adapters.layer_report``)."""
+    ``model`` (what the algorithms are compared with; ``qcore.adapters.eval.layer_report``)."""
     import copy
 
-    from . import layer_report as LR
+    from .eval import layer_report as LR
     rtn = copy.deepcopy(model)
     reference: dict = {}
     Q.quantize_model(rtn, config.replace(algorithms=()), calib, progress=progress, reference=reference)
@@ -756,13 +756,13 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
     device = o["device"] if o["device"] is not None or is_module else "cpu"
     _check_outputs(names, model=model_in, eval_text=o["eval_text"], scheme=o["scheme"], output=output,
                    report=o["report"], plot=o["plot"], device=device)  # the model is never written over
-    from .export import parse_size
+    from .io.quark_hf import parse_size
     try:
         parse_size(o["max_shard_size"])
     except (ValueError, TypeError) as e:
         raise CommandError(f"{names.arg('max_shard_size', o['max_shard_size'])}: {e}") from None
     if out_dir is not None:  # before any work: an existing checkpoint is never replaced by accident
-        from .export import check_destination
+        from .io.quark_hf import check_destination
         try:
             check_destination(out_dir, o["overwrite"])
         except FileExistsError:
@@ -817,7 +817,7 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
     plans = Q.plan_model(model, config)  # all config errors before any evaluation
     weightless = [p.name for p in plans if p.config.weight is None]
     if out_dir is not None and weightless and (export or "hf") != "onnx":  # before any evaluation
-        from .export import weightless_error
+        from .io.quark_hf import weightless_error
         raise CommandError(weightless_error(names.arg("export", export or "hf"), weightless))
     if (needs_eval or needs) and tok is None:
         if is_module:
@@ -833,7 +833,7 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
     if config.algorithms:  # fused MoE experts: GPTQ / AWQ / SmoothQuant refuse them by name (issue 22)
         from qcore.algorithms.config import parse_algorithms
 
-        from .experts import check_experts_algorithms
+        from .io.experts import check_experts_algorithms
         try:
             check_experts_algorithms(plans, parse_algorithms(config.algorithms))
         except (ValueError, TypeError) as e:
@@ -869,7 +869,7 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
         if not calib:
             raise CommandError(f"{names('amp')} measures per-layer sensitivities on calibration windows: the text "
                                f"has none left after the evaluation windows (or the model has no tokenizer)")
-        from .amp import amp_config
+        from .passes.amp import amp_config
         config = amp_config(model, amp_schemes, calib[:o["amp_samples"]], target_bits=o["target_bits"],
                             max_loss=o["max_loss"], exclude=config.exclude, progress=progress).replace(
             kv_cache=config.kv_cache, algorithms=config.algorithms)
@@ -891,7 +891,7 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
     Q.quantize_model(model, config, calib, progress=progress, reference=reference)
     quantize_s = time.perf_counter() - t0
     kept = Q.excluded_weights(model, config)  # what stays float by an exclusion: in the summary and the report
-    from . import layer_report as LR
+    from .eval import layer_report as LR
     errors = LR.measure(model, reference, calib, max_batches=LAYER_ERROR_WINDOWS, progress=progress)
     del reference
     ppl = E.perplexity(model, tok, token_ids=ids, seq_len=seq_len, windows=windows,
@@ -933,14 +933,14 @@ def _export(model, out_dir: pathlib.Path, fmt: str, *, config, tok, model_in, o:
     t = time.perf_counter()
     dequantized: tuple = ()
     if fmt == "gguf":
-        from .export_gguf import export_gguf_dir
+        from .io.gguf import export_gguf_dir
         gguf_tok = M.smollm2_path() if model_in is None else (
             pathlib.Path(model_in) if isinstance(model_in, str) and model_in.endswith(".gguf") else tok)
         info = export_gguf_dir(model, out_dir, tokenizer=gguf_tok, overwrite=o["overwrite"],
                                drop_activations=o["drop_activations"])
         directory, method = str(out_dir), "gguf"
     elif fmt == "onnx":
-        from .export_onnx import export_onnx_dir
+        from .io.onnx import export_onnx_dir
         import warnings
         with warnings.catch_warnings():  # its warning names ONNXExportInfo; the report lists onnx_dequantized
             warnings.simplefilter("ignore", UserWarning)
@@ -948,12 +948,12 @@ def _export(model, out_dir: pathlib.Path, fmt: str, *, config, tok, model_in, o:
                                    weight_format=o["onnx_weights"], unsupported=o["onnx_unsupported"])
         directory, method, dequantized = str(out_dir), "onnx", tuple(info.dequantized)
     elif fmt == "compressed-tensors":
-        from .export_ct import export_compressed_tensors
+        from .io.compressed_tensors import export_compressed_tensors
         info = export_compressed_tensors(model, out_dir, config=config, tokenizer=tok, overwrite=o["overwrite"],
                                          max_shard_size=o["max_shard_size"], progress=progress)
         directory, method = info.directory, info.quant_method
     else:
-        from .export import export_hf
+        from .io.quark_hf import export_hf
         info = export_hf(model, out_dir, config=config, tokenizer=tok, overwrite=o["overwrite"],
                          max_shard_size=o["max_shard_size"], progress=progress)
         directory, method = info.directory, info.quant_method

@@ -1269,7 +1269,7 @@ class QuantExperts(_QuantMixin):
     # -- layout --------------------------------------------------------------------------------------------
 
     def mark_static_scales_loaded(self) -> None:
-        """The importer (``qcore.adapters.experts``) has written every static activation scale buffer of every
+        """The importer (``qcore.adapters.io.experts``) has written every static activation scale buffer of every
         expert from a checkpoint: the roles count as calibrated (``is_calibrated``)."""
         self._calibrated.update(self.static_roles())
 

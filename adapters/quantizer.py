@@ -647,13 +647,13 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     reference: a dict that receives ``{module name: the float weight its quantized weight was rounded from}``
         (CPU copies: one more copy of the quantized weights; after a rotation or a smoothing fold, the transformed
         float weight, which computes what the original did; for GPTQ the weight GPTQ started from). What
-        ``qcore.adapters.layer_report`` measures the committed weights against.
+        ``qcore.adapters.eval.layer_report`` measures the committed weights against.
     moe_all_experts: MoE blocks send every token to every expert during the algorithms' passes and calibration
         (outputs unchanged: the routed top-k only), so every expert gets statistics; see ``calibrate``.
 
     All or nothing: on any error the original modules are put back and the weights are untouched. With
     algorithms (``config.algorithms``: a rotation first, QuaRot or SpinQuant, on the whole float model,
-    ``qcore.adapters.rotation``; then GPTQ, AWQ, SmoothQuant, AutoSmoothQuant, ``qcore.adapters.sequential``)
+    ``qcore.adapters.passes.rotation``; then GPTQ, AWQ, SmoothQuant, AutoSmoothQuant, ``qcore.adapters.passes.sequential``)
     every check still runs first, then the algorithms rewrite the weights; an error after that point leaves the
     model marked as partly rewritten (quantizing it again is refused; reload it).
     """
@@ -673,7 +673,7 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         raise ValueError(f"quantize_model: {len(meta)} parameters are on the meta device (e.g. {meta[0]!r}): offloaded "
                          f"by accelerate (a device_map with 'cpu' or 'disk' entries) or never loaded; quantize_model "
                          f"needs every weight in memory (on any devices). For a model larger than memory use "
-                         f"qcore.adapters.streaming.quantize_checkpoint")
+                         f"qcore.adapters.passes.streaming.quantize_checkpoint")
     static = [f"{p.name}.{r}" for p in plans for r in ("input", "output")
               if isinstance(getattr(p.config, r), TensorConfig) and getattr(p.config, r).calibrated]
     if static and data is None:
@@ -710,11 +710,11 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
             data = list(data)  # read more than once: by the algorithms and by calibration
             _check_batches(model, data)
         if rot is not None:
-            from .rotation import check_rotation
-            from .spinquant import apply_rotation
+            from .passes.rotation import check_rotation
+            from .passes.spinquant import apply_rotation
             check_rotation(model, rot)
             if algos:
-                from .sequential import check_algorithms
+                from .passes.sequential import check_algorithms
                 check_algorithms(model, plans, algos)
             try:
                 apply_rotation(model, rot, plans=plans, data=data, progress=progress,
@@ -724,7 +724,7 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
                 raise
         if algos:
             from .moe import moe_calibration
-            from .sequential import run_algorithms
+            from .passes.sequential import run_algorithms
             # layers run several times per batch there: counted by calibrate's single pass only
             with moe_calibration(model, all_experts=moe_all_experts, warn=False) as moe, moe.counting(False):
                 pinned = run_algorithms(model, plans, algos, data, progress=progress, reduce=distributed,

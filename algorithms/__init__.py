@@ -5,4 +5,4 @@ Depends on qcore only: ``metrics`` (perplexity math, MSE, SQNR, cosine), ``gptq`
 (Hadamard matrices of many orders, the fast transform, orthogonal rotations of every size), ``mixed_precision``
 (one scheme per layer within a bit or loss budget, from measured sensitivities), ``config`` (their
 settings, qcore's and Quark's ``algo_config`` keys). Bound to models one decoder layer at a time by
-``qcore.adapters.sequential``; scales are folded into models by ``qcore.adapters.scaling``."""
+``qcore.adapters.passes.sequential``; scales are folded into models by ``qcore.adapters.passes.scaling``."""

@@ -3,7 +3,7 @@ math over a sample of a Linear group's inputs and its weights.
 
 ``awq_search(x, weights, spec)``: for the Linears that read the same input ``x`` ([tokens, in]; e.g. q/k/v),
 find per-input-channel scales ``s`` so that quantizing ``W_i * s`` (and dividing the input by ``s``, folded into
-the op before: ``qcore.adapters.scaling.fold_scales``) loses the least. Candidates, for ``ratio = k / grid``,
+the op before: ``qcore.adapters.passes.scaling.fold_scales``) loses the least. Candidates, for ``ratio = k / grid``,
 ``k = 0 .. grid - 1`` (AutoAWQ's and Quark's grid: 0, 0.05, ..., 0.95 for ``grid=20``; ratio 1 is not tried)::
 
     m_j = mean_t |x[t, j]|                         (float64)
@@ -153,7 +153,7 @@ def awq_search(x: ArrayLike, weights: Any, spec: Any, *, grid: int = 20, gram: O
     layout (one, or one per weight). ``grid``: number of ratios ``k / grid`` (k = 0 .. grid - 1). ``gram``: None
     picks the cheaper loss evaluation (module docstring), True/False forces the Gram / direct one. ``key``: for
     stochastic-rounding specs. Returns ``AWQResult(scales, ratio, loss, losses)``: fold ``scales`` with
-    ``qcore.adapters.scaling.fold_scales`` (the previous op divided by ``s``, the Linears' columns times ``s``).
+    ``qcore.adapters.passes.scaling.fold_scales`` (the previous op divided by ``s``, the Linears' columns times ``s``).
     Deterministic; memory: one float64 chunk of ``x`` (about 64 MiB) plus, on the Gram path, the [in, in] Gram.
     """
     xa, o = u.as_float_array(x, "x", ndim=2)

@@ -243,7 +243,7 @@ class QuaRotConfig:
     when ``heads``), online Hadamard transforms before the Linears in ``online`` (``"mlp.down_proj"``: QuaRot's
     R4; ``"self_attn.o_proj"``: across heads). ``key``: random signs (randomised Hadamard, QuaRot's default and
     better than the plain one on SmolLM2, bench/ROTATIONS.md; None: plain Hadamard). Runs
-    on the whole float model before the other algorithms (``qcore.adapters.rotation``)."""
+    on the whole float model before the other algorithms (``qcore.adapters.passes.rotation``)."""
 
     key: Optional[int] = 0
     heads: bool = True

@@ -5,7 +5,7 @@ ints), computed in float64. torch is never imported here: a tensor is recognised
 (a tensor can only exist once torch is imported) and converted with its own methods.
 
 The model-facing side (running a model over the windows, pooling embeddings) lives in
-``qcore.adapters.evaluate``; this module is the arithmetic it relies on, testable without a model.
+``qcore.adapters.eval.evaluate``; this module is the arithmetic it relies on, testable without a model.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``search(sensitivity, weights, bits, target_bits=...)`` minimises the summed sensitivity (the predicted loss
 increase) subject to an average of at most ``target_bits`` bits per weight; ``search(..., max_loss=...)`` finds
 the cheapest assignment (fewest bits) whose summed sensitivity is at most ``max_loss``. Pure Python and numpy;
-the sensitivities come from anywhere (``qcore.adapters.amp.layer_sensitivity`` measures them on a torch model).
+the sensitivities come from anywhere (``qcore.adapters.passes.amp.layer_sensitivity`` measures them on a torch model).
 
 Inputs (one entry per layer, or per group of layers that must share a scheme):
 

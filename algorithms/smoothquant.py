@@ -3,7 +3,7 @@
 SmoothQuant moves quantization difficulty from activations to weights with a per-input-channel scale ``s``:
 ``y = x W^T = (x / s) (W * s)^T``. The division is folded into the op that produces ``x`` (a norm, or the
 previous Linear's output rows) and the multiplication into every Linear that reads ``x``
-(``qcore.adapters.scaling.fold_scales``), so the float model is unchanged and only the quantization sees the
+(``qcore.adapters.passes.scaling.fold_scales``), so the float model is unchanged and only the quantization sees the
 smoother ``x / s``.
 
 Functions (numpy arrays and torch tensors, CPU or GPU, through the same code; torch is never imported here):
@@ -167,7 +167,7 @@ def smoothquant_scales(act_absmax: ArrayLike, weight_absmax: ArrayLike, *, alpha
     the rows of all Linears that read ``x`` (``weight_absmax(weights)``). Both non-negative and finite, the same
     array kind (and device). ``alpha`` in [0, 1] (1 moves all difficulty to the weights); ``clamp_min > 0``.
     Channels where either statistic is 0 get ``s = 1``. Computed in float64, rounded once to float32; a scale
-    that is not a positive finite float32 raises ValueError. Fold with ``qcore.adapters.scaling.fold_scales``.
+    that is not a positive finite float32 raises ValueError. Fold with ``qcore.adapters.passes.scaling.fold_scales``.
     """
     a, o = _stat(act_absmax, "act_absmax")
     w, _ = _stat(weight_absmax, "weight_absmax")
@@ -253,7 +253,7 @@ def auto_smoothquant(x: ArrayLike, weights: Any, *, weight_spec: Any, input_spec
     stochastic-rounding specs (one key for every candidate).
 
     Returns ``SmoothResult(alpha, scales, loss, losses)``; fold ``scales`` with
-    ``qcore.adapters.scaling.fold_scales``. Deterministic. Work: per candidate one fake-quantization of ``x / s``
+    ``qcore.adapters.passes.scaling.fold_scales``. Deterministic. Work: per candidate one fake-quantization of ``x / s``
     and of each weight and float64 matmuls over token chunks.
     """
     xa, o = u.as_float_array(x, "x", ndim=2)

@@ -53,7 +53,9 @@ def _child(mode: str, threads: int) -> None:
     """Memory of: load; then (the high-water mark reset) quantize and one forward of a 512-token window.
     Prints JSON: the process peak, the resident size after load, and the peak after load (Linux /proc)."""
     torch.set_num_threads(threads)
-    from qcore.adapters import evaluate as E, models, preset, quantize_model
+    from qcore.adapters import preset, quantize_model
+    from qcore.adapters.eval import evaluate as E
+    from qcore.adapters.eval import models
     model, tok = models.load_smollm2()
     ids = E.calibration_batches(tok, n=1)[0]
     import gc
@@ -86,7 +88,9 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     import transformers
     transformers.logging.set_verbosity_error()
-    from qcore.adapters import evaluate as E, freeze, model_bytes, models, preset, quantize_model, quantized_modules
+    from qcore.adapters import freeze, model_bytes, preset, quantize_model, quantized_modules
+    from qcore.adapters.eval import evaluate as E
+    from qcore.adapters.eval import models
 
     res: dict = {"machine": f"{os.cpu_count()} CPUs, torch {torch.__version__} ({a.threads} threads), "
                             f"Python {platform.python_version()}", "load_before": os.getloadavg()}

@@ -4,14 +4,14 @@ against uniform MXFP4 and uniform fp8, under the project's perplexity protocol.
     python bench/bench_amp.py [--targets 4.5,5,5.5,6] [--sens-windows 2] [--calib 32] [--threads 2]
         [--sensitivity bench/AMP_sensitivity.json] [--remeasure] [--no-uniform] [--algo gptq] [--rotation quarot] [--json bench/AMP.json]
 
-1. Sensitivity (``qcore.adapters.amp.layer_sensitivity``, ``Metric.KL``): schemes ``w_mxfp4_a_mxfp4`` (MXFP4
+1. Sensitivity (``qcore.adapters.passes.amp.layer_sensitivity``, ``Metric.KL``): schemes ``w_mxfp4_a_mxfp4`` (MXFP4
    weights, dynamic MXFP4 activations, Quark's 'even' E8M0 rule) and ``w_fp8_a_fp8`` (fp8 e4m3 weights and static
    activations, per tensor); units as vLLM fuses them (q/k/v together, gate/up together); measured on
    ``--sens-windows`` calibration windows (20, 21, ...). Saved to ``--sensitivity`` and reused unless
    ``--remeasure`` (the search for every target comes from this one measurement).
 2. For every target: ``amp_config(..., sensitivity=..., target_bits=t)``; the model quantized with it
    (``quantize_model``, ``--calib`` calibration windows from 20, as the fp8 anchor's 32), perplexity on windows
-   0..19 (``qcore.adapters.evaluate``). Bits per weight are over the quantized Linears (lm_head and embeddings
+   0..19 (``qcore.adapters.eval.evaluate``). Bits per weight are over the quantized Linears (lm_head and embeddings
    stay float), scales included (``QuantSpec.bits_per_element``).
 3. Uniform ``w_mxfp4_a_mxfp4`` and ``w_fp8_a_fp8`` with the same calibration (anchors: Quark 0.13 44.914 and
    14.345).
@@ -45,9 +45,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import qcore.adapters as A  # noqa: E402
-from qcore.adapters import evaluate as E  # noqa: E402
-from qcore.adapters.amp import Sensitivity, amp_config, layer_sensitivity  # noqa: E402
-from qcore.adapters.models import load_smollm2  # noqa: E402
+from qcore.adapters.eval import evaluate as E  # noqa: E402
+from qcore.adapters.passes.amp import Sensitivity, amp_config, layer_sensitivity  # noqa: E402
+from qcore.adapters.eval.models import load_smollm2  # noqa: E402
 
 SCHEMES = ["w_mxfp4_a_mxfp4", "w_fp8_a_fp8"]
 
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--algo", default="", help="algorithms before rounding for every row, e.g. gptq")
     ap.add_argument("--json", default=str(ROOT / "bench" / "AMP.json"))
     ap.add_argument("--rotation", choices=("none", "quarot"), default="none",
-                    help="rotate the float model first (QuaRot, qcore.adapters.rotation); sensitivities and every row "
+                    help="rotate the float model first (QuaRot, qcore.adapters.passes.rotation); sensitivities and every row "
                     "are then of the rotated model (use another --sensitivity file)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
 
     model, tok = load_smollm2()
     if args.rotation == "quarot":
-        from qcore.adapters.rotation import rotate_model
+        from qcore.adapters.passes.rotation import rotate_model
         rotate_model(model, key=None)  # the plain Hadamard (what bench/AMP.md reports)
     ids = E.protocol_token_ids(tok)
     calib = E.calibration_batches(None, token_ids=ids, n=args.calib)

@@ -31,10 +31,11 @@ def main(argv=None) -> int:
     warnings.simplefilter("ignore")
     import copy
     import transformers
-    from qcore.adapters import evaluate as E, freeze, preset, quantize_model
-    from qcore.adapters.export_ct import export_compressed_tensors
-    from qcore.adapters.import_ct import load_compressed_tensors
-    from qcore.adapters.models import load_smollm2
+    from qcore.adapters import freeze, preset, quantize_model
+    from qcore.adapters.eval import evaluate as E
+    from qcore.adapters.io.compressed_tensors import export_compressed_tensors
+    from qcore.adapters.io.compressed_tensors import load_compressed_tensors
+    from qcore.adapters.eval.models import load_smollm2
 
     base, tok = load_smollm2()
     ids = E.protocol_token_ids(tok)

@@ -39,7 +39,7 @@ def child(task: str, scheme: str, directory: str, threads: int) -> dict:
     import torch
     torch.set_num_threads(threads)
     import qcore.adapters as A
-    from qcore.adapters import models
+    from qcore.adapters.eval import models
     from transformers import AutoModelForCausalLM
     out: dict = {"task": task}
     if task in ("export", "save"):

@@ -39,7 +39,7 @@ def llama_cpp_perplexity(path: pathlib.Path, ids, spans, threads: int) -> tuple[
     """(perplexity, seconds) of llama.cpp on the token windows ``spans`` of ``ids``."""
     import numpy as np
     import llama_cpp
-    from qcore.adapters.evaluate import perplexity_from_nll
+    from qcore.adapters.eval.evaluate import perplexity_from_nll
     seq = spans[0][1] - spans[0][0]
     llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=seq, n_batch=seq, n_threads=threads,
                           verbose=False)
@@ -74,9 +74,9 @@ def main() -> int:
     import qcore
     import qcore.adapters as A
     from qcore import PerGroup
-    from qcore.adapters import evaluate as E
-    from qcore.adapters import models
-    from qcore.adapters.export_gguf import export_gguf
+    from qcore.adapters.eval import evaluate as E
+    from qcore.adapters.eval import models
+    from qcore.adapters.io.gguf import export_gguf
 
     model, tok = models.load_smollm2()
     spec = qcore.make_spec(args.scheme, granularity=PerGroup(32, axis=-1), scale_dtype="float16")

@@ -1,5 +1,5 @@
 """ONNX export of SmolLM2-135M: perplexity and speed in onnxruntime (CPU) against the quantized torch model it
-was exported from, on the evaluation protocol (adapters/evaluate.py: 512-token windows of pydoc_data.topics).
+was exported from, on the evaluation protocol (adapters/eval/evaluate.py: 512-token windows of pydoc_data.topics).
 
     python bench/bench_onnx.py [--scheme uint4_wo_64] [--formats qdq,matmulnbits] [--windows 20] [--threads 2]
                                [--json FILE]
@@ -46,8 +46,9 @@ def main(argv=None) -> dict:
     import torch
     torch.set_num_threads(a.threads)
     import qcore.adapters as A
-    from qcore.adapters import evaluate as E, models
-    from qcore.adapters.export_onnx import decoder_logits, export_onnx
+    from qcore.adapters.eval import evaluate as E
+    from qcore.adapters.eval import models
+    from qcore.adapters.io.onnx import decoder_logits, export_onnx
     from qcore.formats.onnx import ort_session
 
     model, tok = models.load_smollm2()

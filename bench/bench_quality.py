@@ -5,9 +5,9 @@
 
 For every config (``quantize_configs`` below: name -> ``quantize(model) -> model``):
 
-- SmolLM2: a fresh deep copy of the fp32 model (loaded once from the GGUF, ``qcore.adapters.models``) is
+- SmolLM2: a fresh deep copy of the fp32 model (loaded once from the GGUF, ``qcore.adapters.eval.models``) is
   quantized (``quant s``: wall time of the call), then its perplexity is measured under the project protocol
-  (``qcore.adapters.evaluate``: pydoc text, non-overlapping 512-token windows 0..19; ``ppl s``: wall time);
+  (``qcore.adapters.eval.evaluate``: pydoc text, non-overlapping 512-token windows 0..19; ``ppl s``: wall time);
   the table shows Quark 0.13's figure for the same config where anchors.md has one.
 - MiniLM (all-MiniLM-L6-v2): the same callable on a fresh copy of the fp32 encoder; ``cos``: mean cosine of
   mean-pooled sentence embeddings of ``evaluation_sentences()`` against fp32 (1.0 = unchanged).
@@ -49,8 +49,8 @@ sys.path.insert(0, str(ROOT))  # this checkout's qcore, however the script is st
 
 import torch  # noqa: E402
 
-from qcore.adapters import evaluate as E  # noqa: E402
-from qcore.adapters import models  # noqa: E402
+from qcore.adapters.eval import evaluate as E  # noqa: E402
+from qcore.adapters.eval import models  # noqa: E402
 
 Quantize = Callable[[torch.nn.Module], "torch.nn.Module | None"]  # None: the config does not apply to that model
 

@@ -3,7 +3,7 @@
     python bench/bench_rotations.py --scheme w_mxfp4_a_mxfp4 --rotation none|quarot|spinquant
         [--group-size 64] [--steps 40] [--lr 1.5] [--threads 2] [--no-gptq] [--no-rtn]
 
-Loads SmolLM2 (``qcore.adapters.models``), applies the rotation once (``apply_rotation``; SpinQuant trains on the
+Loads SmolLM2 (``qcore.adapters.eval.models``), applies the rotation once (``apply_rotation``; SpinQuant trains on the
 protocol's calibration windows 20..51 against the scheme), then evaluates, each on a fresh copy of the rotated
 model: round-to-nearest (``quantize_model`` with the scheme) and GPTQ (``{"name": "gptq"}``, act-order, damp
 0.01, the same 32 calibration windows). This is the same computation as ``quantize_model`` with the algorithms
@@ -27,10 +27,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from qcore.adapters import evaluate as E  # noqa: E402
+from qcore.adapters.eval import evaluate as E  # noqa: E402
 from qcore.adapters import plan_model, preset, quantize_model  # noqa: E402
-from qcore.adapters.models import load_smollm2  # noqa: E402
-from qcore.adapters.rotation import apply_rotation  # noqa: E402
+from qcore.adapters.eval.models import load_smollm2  # noqa: E402
+from qcore.adapters.passes.rotation import apply_rotation  # noqa: E402
 from qcore.algorithms.config import QuaRotConfig, SpinQuantConfig  # noqa: E402
 
 

@@ -3,7 +3,7 @@
 Pure numpy: a weight's qcore parts (codes in the canonical ``[out, in, *kernel]`` layout, float32 scales of
 ``spec.scale_shape``, zero points, sub-block shifts, the per-tensor scale of two-level formats) <-> the named
 arrays a checkpoint holds for it (``weight``, ``weight_scale``, ``weight_zero_point``, ``weight_scale_2``, ...).
-The file I/O is ``formats.safetensors_io``; the binding to modules is ``qcore.adapters.export``.
+The file I/O is ``formats.safetensors_io``; the binding to modules is ``qcore.adapters.io.quark_hf``.
 
 Quark's layouts (what amd-quark 0.13's ``export_safetensors(..., weight_format="real_quantized")`` writes, checked
 byte for byte in ``tests/formats/test_quark_layout.py`` and by the interop suite):

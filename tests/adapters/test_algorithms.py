@@ -1,4 +1,4 @@
-"""Algorithms bound to models, layer by layer (qcore.adapters.sequential): GPTQ on transformers models, the
+"""Algorithms bound to models, layer by layer (qcore.adapters.passes.sequential): GPTQ on transformers models, the
 committed codes, export, failure semantics."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ transformers = pytest.importorskip("transformers")
 
 import qcore  # noqa: E402
 from qcore.adapters import ModelConfig, export_hf, from_pretrained, preset, quantize_model  # noqa: E402
-from qcore.adapters import sequential  # noqa: E402
-from qcore.adapters.runner import capture  # noqa: E402
-from qcore.adapters.sequential import AlgorithmError, find_decoder_layers  # noqa: E402
+from qcore.adapters.passes import sequential  # noqa: E402
+from qcore.adapters.passes.runner import capture  # noqa: E402
+from qcore.adapters.passes.sequential import AlgorithmError, find_decoder_layers  # noqa: E402
 
 
 def _mse(model, ref, batch):

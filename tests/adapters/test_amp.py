@@ -1,4 +1,4 @@
-"""Layerwise mixed precision (qcore.adapters.amp): sensitivities equal a direct measurement with quantize_model,
+"""Layerwise mixed precision (qcore.adapters.passes.amp): sensitivities equal a direct measurement with quantize_model,
 coarser schemes cost more, the model is left unchanged, amp_config meets its target, and the AMP export writes
 Quark's layer_quant_config and reloads with the same logits."""
 
@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import qcore.adapters as A  # noqa: E402
-from qcore.adapters.amp import (DEFAULT_TIE, Metric, Sensitivity, amp_config, config_from_choice,  # noqa: E402
+from qcore.adapters.passes.amp import (DEFAULT_TIE, Metric, Sensitivity, amp_config, config_from_choice,  # noqa: E402
                                 layer_sensitivity)
 
 MX, FP8 = "w_mxfp4_a_mxfp4", "w_fp8_a_fp8"

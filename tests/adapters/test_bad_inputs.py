@@ -227,7 +227,7 @@ def workdir(tmp_path, monkeypatch):
 @pytest.fixture(autouse=True)
 def _no_model_loads(monkeypatch):
     """Loading the embedded SmolLM2 fails the test: a bad input is refused before any model loads."""
-    from qcore.adapters import models
+    from qcore.adapters.eval import models
 
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the bad input was refused")
@@ -290,7 +290,7 @@ def test_bad_command_line_known_from_the_model(argv, flag, message, lm_dir, work
     (workdir / "act_only.json").write_text(ACT_ONLY)
     (workdir / "long.txt").write_text("a text long enough for a few calibration windows of 32 tokens. " * 40)
     (workdir / "short.txt").write_text("a short text of a hundred bytes, which leaves no calibration window " * 1)
-    from qcore.adapters import evaluate
+    from qcore.adapters.eval import evaluate
     monkeypatch.setattr(evaluate, "perplexity", lambda *a, **k: pytest.fail("evaluated before refusing"))
     before = _listing(workdir)
     assert main(Q + ["--model", str(lm_dir), *argv]) == 2
@@ -468,7 +468,7 @@ def test_no_calibration_batches_for_static_scales(zoo):
 def test_export_hf_refuses_weightless_configs_before_writing(config, tmp_path, zoo):
     from qcore.adapters import export_hf
     model = quantize_model(zoo.tiny_llama(), config, zoo.token_batches(1, seed=0), progress=False)
-    from qcore.adapters.export_ct import export_compressed_tensors
+    from qcore.adapters.io.compressed_tensors import export_compressed_tensors
     for export in (export_hf, export_compressed_tensors):  # compressed-tensors said 'config_groups: got {}'
         with pytest.raises(ValueError, match=f"{export.__name__}: .*KV-cache-only or activation-only config is not"):
             export(model, tmp_path / "out", config=config)
@@ -485,7 +485,7 @@ def test_exporters_name_a_config_that_is_not_a_model_config(tmp_path, zoo):
     """``config=`` given as a dict (what ``to_dict`` writes) is a TypeError naming ``config``, not "the model
     carries no qcore config (... or pass config=)"."""
     from qcore.adapters import export_hf
-    from qcore.adapters.export_ct import export_compressed_tensors
+    from qcore.adapters.io.compressed_tensors import export_compressed_tensors
     model = quantize_model(zoo.tiny_llama(), "int8", zoo.token_batches(1, seed=0), progress=False)
     for export in (export_hf, export_compressed_tensors):
         with pytest.raises(TypeError, match=f"{export.__name__}: config must be a ModelConfig.*got dict"):
@@ -558,7 +558,7 @@ def test_loading_the_model_commands_prints_no_warnings_from_optional_libraries(w
 
 def test_the_quiet_import_scope_puts_the_levels_back():
     import logging
-    from qcore.adapters.hf import _NOISY_IMPORT_LOGGERS, quiet_optional_imports
+    from qcore.adapters.io.quark_hf import _NOISY_IMPORT_LOGGERS, quiet_optional_imports
     loggers = [logging.getLogger(n) for n in _NOISY_IMPORT_LOGGERS]
     levels = [lg.level for lg in loggers]
     with quiet_optional_imports():

@@ -168,7 +168,7 @@ def test_quant_conv1d_checks_before_any_work():
     # an importer's parts in Conv1D's own [in, out] layout instead of the Linear one
     good = wrap(Conv1D(24, 16), lc, name="c")
     good.commit()
-    from qcore.adapters.export import weight_parts
+    from qcore.adapters.io.quark_hf import weight_parts
     parts, shape = weight_parts(good)
     assert shape == (24, 16)
     fresh = wrap(Conv1D(24, 16), lc, name="c")
@@ -273,7 +273,7 @@ def test_bfloat16_freeze_and_qat(gpt2):
 
 
 def test_layer_report_measures_conv1d_outputs(gpt2):
-    from qcore.adapters.layer_report import measure
+    from qcore.adapters.eval.layer_report import measure
     model, twin, reference, ref_twin = copy.deepcopy(gpt2), linear_twin(gpt2), {}, {}
     data = batches(2, seed=6)
     quantize_model(model, preset("uint4_wo_32"), reference=reference, progress=False)
@@ -385,9 +385,9 @@ def test_quantize_checkpoint_streams_gpt2_to_the_same_bytes(gpt2, tmp_path):
 
 
 def _exporters(tmp_path):
-    from qcore.adapters.export_ct import check_ct, export_compressed_tensors
-    from qcore.adapters.export_gguf import check_gguf, export_gguf
-    from qcore.adapters.export_onnx import check_onnx, export_onnx
+    from qcore.adapters.io.compressed_tensors import check_ct, export_compressed_tensors
+    from qcore.adapters.io.gguf import check_gguf, export_gguf
+    from qcore.adapters.io.onnx import check_onnx, export_onnx
     ids = IDS[:1]
     return {
         "gguf": (check_gguf, lambda m: export_gguf(m, tmp_path / "m.gguf")),

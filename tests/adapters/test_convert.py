@@ -1,4 +1,4 @@
-"""``qcore.adapters.convert`` / ``qcore convert``: format detection, conversions measured by loading the destination
+"""``qcore.adapters.io.convert`` / ``qcore convert``: format detection, conversions measured by loading the destination
 back (lossless where both formats hold the grid, each changed tensor named otherwise), strict refusals that leave
 the destination untouched, the errors and the command line."""
 
@@ -15,7 +15,7 @@ pytest.importorskip("gguf")
 
 import qcore  # noqa: E402
 import qcore.adapters as A  # noqa: E402
-from qcore.adapters.convert import compare_models, convert, detect_format  # noqa: E402
+from qcore.adapters.io.convert import compare_models, convert, detect_format  # noqa: E402
 
 from test_export_gguf import tiny_tokenizer  # noqa: E402
 
@@ -187,7 +187,7 @@ def test_cli_convert_gguf_strict(tmp_path, capsys):
 
 def test_convert_to_onnx_runs_in_onnxruntime(tmp_path):
     ort = pytest.importorskip("onnxruntime")
-    from qcore.adapters.export_onnx import decoder_logits
+    from qcore.adapters.io.onnx import decoder_logits
     from qcore.formats.onnx import ort_session
     m = _hf_checkpoint(tmp_path / "hf", "uint4_wo_64")
     info = convert(tmp_path / "hf", tmp_path / "o", to="onnx")

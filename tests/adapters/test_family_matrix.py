@@ -166,7 +166,7 @@ def test_algorithm_runs_or_refuses_before_work(family, algo, family_model, zoo):
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_amp_runs_or_refuses_before_work(family, family_model, zoo):
     """AMP (a scheme per layer from measured sensitivities) within 6 bits per weight, from int4 and int8."""
-    from qcore.adapters.amp import amp_config
+    from qcore.adapters.passes.amp import amp_config
     want = expected(family, "amp")
     model = copy.deepcopy(family_model(family))
     before = _state(model)
@@ -222,8 +222,8 @@ def test_export_gguf_reloads_with_same_logits(family, family_model, zoo, tmp_pat
     import qcore
     from qcore import PerGroup
     from qcore.adapters import LayerConfig, ModelConfig
-    from qcore.adapters.export_gguf import export_gguf
-    from qcore.adapters.import_gguf import from_gguf
+    from qcore.adapters.io.gguf import export_gguf
+    from qcore.adapters.io.gguf import from_gguf
     # int4 symmetric, groups of 32, float16 scales: exactly GGUF's Q4_0, so the file holds the model's own weights
     spec = qcore.make_spec("int4", granularity=PerGroup(32, axis=-1), scale_dtype="float16")
     model = _quantized(family, family_model, zoo, ModelConfig(LayerConfig(weight=spec)))
@@ -241,8 +241,8 @@ def test_export_gguf_reloads_with_same_logits(family, family_model, zoo, tmp_pat
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_export_compressed_tensors_reloads_with_same_logits(family, family_model, zoo, tmp_path):
-    from qcore.adapters.export_ct import export_compressed_tensors
-    from qcore.adapters.import_ct import load_compressed_tensors
+    from qcore.adapters.io.compressed_tensors import export_compressed_tensors
+    from qcore.adapters.io.compressed_tensors import load_compressed_tensors
     model = _quantized(family, family_model, zoo)
     dst = tmp_path / "ct"
     if expected(family, "compressed-tensors") == "no":
@@ -266,8 +266,8 @@ def test_export_compressed_tensors_real_client(family, family_model, zoo, tmp_pa
     import warnings
 
     import transformers
-    from qcore.adapters.export_ct import export_compressed_tensors
-    from qcore.adapters.hf import model_class
+    from qcore.adapters.io.compressed_tensors import export_compressed_tensors
+    from qcore.adapters.io.quark_hf import model_class
     model = _quantized(family, family_model, zoo)
     x = zoo.token_batches(1, seed=3)[0]
     want = zoo.model_output(model, x)
@@ -306,7 +306,7 @@ def test_export_onnx_runs_with_same_logits(family, family_model, zoo, tmp_path):
     """The decoder graph (with KV cache) for the Llama-like families, torch's tracer for the others (a causal LM
     traced with ``use_cache=False`` and an attention mask, as docs/onnx.md says)."""
     pytest.importorskip("onnxruntime")
-    from qcore.adapters.export_onnx import DECODER_TYPES, export_onnx
+    from qcore.adapters.io.onnx import DECODER_TYPES, export_onnx
     from qcore.formats.onnx import ort_session
     model = _quantized(family, family_model, zoo)
     dst = tmp_path / "m.onnx"

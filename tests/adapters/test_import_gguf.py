@@ -18,9 +18,9 @@ pytest.importorskip("accelerate")
 
 from qcore.adapters import export_hf, from_pretrained, quantize_model  # noqa: E402
 from qcore.adapters.config import LayerConfig, ModelConfig  # noqa: E402
-from qcore.adapters.export import weight_parts  # noqa: E402
-from qcore.adapters.export_gguf import export_gguf  # noqa: E402
-from qcore.adapters.import_gguf import from_gguf  # noqa: E402
+from qcore.adapters.io.quark_hf import weight_parts  # noqa: E402
+from qcore.adapters.io.gguf import export_gguf  # noqa: E402
+from qcore.adapters.io.gguf import from_gguf  # noqa: E402
 from qcore.adapters.modules import QuantEmbedding, QuantLinear, _QuantMixin  # noqa: E402
 
 SPECS = {
@@ -333,7 +333,7 @@ def test_smollm2_gguf_imports_with_transformers_logits(smollm2):
     """SmolLM2's shipped file is llama.cpp's Q4_1 (m = min, no qcore grid: all 210 dequantized) plus a Q8_0 token
     embedding tied to the head (dequantized); every value is held exactly, so the logits equal transformers'
     float load of the same file."""
-    from qcore.adapters.models import smollm2_path
+    from qcore.adapters.eval.models import smollm2_path
     b, warned = _import(smollm2_path())
     rep = b.qcore_gguf_report
     assert len(rep.tensors) == 272 and rep.exact

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
 
-from qcore.adapters import lm_eval_tasks as LT  # noqa: E402
+from qcore.adapters.eval import lm_eval_tasks as LT  # noqa: E402
 from qcore.cli import main  # noqa: E402
 
 pytestmark = pytest.mark.lm_eval

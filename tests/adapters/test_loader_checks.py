@@ -26,10 +26,10 @@ gguf = pytest.importorskip("gguf")
 import qcore  # noqa: E402
 import qcore.adapters as A  # noqa: E402
 from qcore.adapters.config import LayerConfig, ModelConfig, TensorConfig  # noqa: E402
-from qcore.adapters.export_ct import export_compressed_tensors  # noqa: E402
-from qcore.adapters.export_gguf import export_gguf  # noqa: E402
-from qcore.adapters.import_ct import load_compressed_tensors  # noqa: E402
-from qcore.adapters.import_gguf import from_gguf  # noqa: E402
+from qcore.adapters.io.compressed_tensors import export_compressed_tensors  # noqa: E402
+from qcore.adapters.io.gguf import export_gguf  # noqa: E402
+from qcore.adapters.io.compressed_tensors import load_compressed_tensors  # noqa: E402
+from qcore.adapters.io.gguf import from_gguf  # noqa: E402
 from qcore.cli import main  # noqa: E402
 from qcore.formats import gguf as G  # noqa: E402
 

@@ -311,7 +311,7 @@ def test_bad_configs_and_models_are_refused_before_any_work():
         _refused(model, lambda cfg=cfg: quantize_model(model, cfg, [IDS], progress=False),
                  rf"{algo}: the plan quantizes fused MoE experts .*model.layers.0.mlp.experts.*issue 22")
     # 7. AMP's sensitivities
-    from qcore.adapters.amp import layer_sensitivity
+    from qcore.adapters.passes.amp import layer_sensitivity
     _refused(model, lambda: layer_sensitivity(model, ["uint4_wo_32", "float"], [IDS], progress=False),
              "amp: the plan quantizes fused MoE experts")
     # 8. an experts module of a layout qcore does not know: wrap refuses it by name
@@ -322,9 +322,9 @@ def test_bad_configs_and_models_are_refused_before_any_work():
 
 
 def test_exporters_without_fused_experts_refuse_before_work(tmp_path):
-    from qcore.adapters.export_ct import check_ct, export_compressed_tensors
-    from qcore.adapters.export_gguf import check_gguf, export_gguf
-    from qcore.adapters.export_onnx import check_onnx, export_onnx
+    from qcore.adapters.io.compressed_tensors import check_ct, export_compressed_tensors
+    from qcore.adapters.io.gguf import check_gguf, export_gguf
+    from qcore.adapters.io.onnx import check_onnx, export_onnx
     model = tiny_mixtral(1)
     want = r"tensor model.layers.0.mlp.experts.gate_up_proj.*issue 22"
     for check in (check_gguf, check_onnx, check_ct):  # the float model and the config: before the baseline

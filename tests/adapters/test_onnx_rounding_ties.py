@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 import qcore  # noqa: E402
 import qcore.adapters as qa  # noqa: E402
-from qcore.adapters.export_onnx import export_onnx  # noqa: E402
+from qcore.adapters.io.onnx import export_onnx  # noqa: E402
 from qcore.formats import onnx as X  # noqa: E402
 
 pytestmark = pytest.mark.onnx_client

@@ -10,8 +10,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("onnx")
 
 import qcore.adapters as A  # noqa: E402
-from qcore.adapters.convert import convert  # noqa: E402
-from qcore.adapters.export_onnx import UnsupportedWeightError, export_onnx  # noqa: E402
+from qcore.adapters.io.convert import convert  # noqa: E402
+from qcore.adapters.io.onnx import UnsupportedWeightError, export_onnx  # noqa: E402
 from qcore.cli import main  # noqa: E402
 
 TENSOR = "model.layers.0.self_attn.q_proj.weight"

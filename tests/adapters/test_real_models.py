@@ -29,7 +29,7 @@ def test_smollm2_is_a_plain_float_model(smollm2):
 
 
 def test_protocol_tokens_have_no_bos(smollm2, protocol_text):
-    from qcore.adapters import evaluate as E
+    from qcore.adapters.eval import evaluate as E
     _, tokenizer = smollm2
     ids = E.protocol_token_ids(tokenizer, text=protocol_text)
     assert ids.numel() == E.SMOLLM2_TOKENS == 113_108
@@ -39,7 +39,7 @@ def test_protocol_tokens_have_no_bos(smollm2, protocol_text):
 
 
 def test_smollm2_fp32_perplexity_matches_the_protocol(smollm2, protocol_text):
-    from qcore.adapters import evaluate as E
+    from qcore.adapters.eval import evaluate as E
     model, tokenizer = smollm2
     t0 = time.perf_counter()
     ppl = E.perplexity(model, tokenizer, text=protocol_text, progress=False)
@@ -48,7 +48,7 @@ def test_smollm2_fp32_perplexity_matches_the_protocol(smollm2, protocol_text):
 
 
 def test_minilm_embeddings_self_similarity_and_padding(minilm):
-    from qcore.adapters import evaluate as E
+    from qcore.adapters.eval import evaluate as E
     model, tokenizer = minilm
     assert type(model).__name__ == "BertModel" and model.config.hidden_size == 384
     sents = E.evaluation_sentences(n=16)
@@ -74,7 +74,7 @@ def _crude_round(model, bits):
 
 
 def test_minilm_similarity_separates_mild_from_crude_rounding(minilm):
-    from qcore.adapters import evaluate as E
+    from qcore.adapters.eval import evaluate as E
     model, tokenizer = minilm
     sents = E.evaluation_sentences()
     ref = E.sentence_embeddings(model, tokenizer, sents)

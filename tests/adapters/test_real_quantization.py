@@ -1,4 +1,4 @@
-"""quantize_model on the real models, under the project's evaluation protocol (adapters/evaluate.py).
+"""quantize_model on the real models, under the project's evaluation protocol (adapters/eval/evaluate.py).
 
 Bounds a broken quantizer cannot meet (a wrong scale rule, a wrong axis, unquantized or doubly quantized
 weights, activations calibrated on the wrong tensor all move these figures by far more than the margins), and
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.real_model
 @pytest.fixture(scope="module")
 def minilm_eval(minilm):
     """MiniLM with its evaluation sentences, calibration batches (disjoint sentences) and fp32 embeddings."""
-    from qcore.adapters import evaluate as E
+    from qcore.adapters.eval import evaluate as E
     model, tok = minilm
     ev = E.evaluation_sentences()
     cal = E.calibration_sentences()
@@ -30,7 +30,7 @@ def minilm_eval(minilm):
 
 
 def _ppl(model, tok, ids):
-    from qcore.adapters import evaluate as E
+    from qcore.adapters.eval import evaluate as E
     return E.perplexity(model, tok, token_ids=ids, progress=False)
 
 
@@ -45,7 +45,7 @@ def test_smollm2_uint4_group64_rtn_matches_quark(smollm2, protocol_ids):
 
 
 def test_smollm2_fp8_static_w8a8_and_freeze(smollm2, protocol_ids):
-    from qcore.adapters import evaluate as E
+    from qcore.adapters.eval import evaluate as E
     from qcore.adapters import freeze, model_bytes, preset, quantize_model
     (model, tok), ids = smollm2, protocol_ids
     calib = E.calibration_batches(None, token_ids=ids, n=8)
@@ -69,7 +69,7 @@ def test_smollm2_fp8_static_w8a8_and_freeze(smollm2, protocol_ids):
     ("w_mxfp4_a_mxfp4", 0.85, 0.99),
 ])
 def test_minilm_embeddings_stay_close_to_fp32(minilm_eval, name, lo, hi):
-    from qcore.adapters import evaluate as E
+    from qcore.adapters.eval import evaluate as E
     from qcore.adapters import preset, quantize_model
     model, tok, ev, batches, ref = minilm_eval
     q = quantize_model(copy.deepcopy(model), preset(name), batches, progress=False)
@@ -95,7 +95,7 @@ def test_the_main_job_on_the_embedded_model(smollm2, tmp_path, capsys):
 def test_smollm2_export_reloads_with_the_same_perplexity(smollm2, protocol_ids, tmp_path, scheme, kv, layout):
     """SmolLM2-135M in int4 (uint4 g64), MXFP4 and fp8 (+ fp8 KV cache): export to Quark's layout, reload with
     qcore, identical perplexity on protocol windows (the frozen model's logits, bit for bit)."""
-    from qcore.adapters import evaluate as E
+    from qcore.adapters.eval import evaluate as E
     from qcore.adapters import export_hf, freeze, from_pretrained, preset, quantize_model
     from qcore.formats.inspect import inspect_checkpoint
     (model, tok), ids = smollm2, protocol_ids
@@ -119,7 +119,7 @@ def test_smollm2_export_reloads_with_the_same_perplexity(smollm2, protocol_ids, 
 def test_minilm_gptq_int4_group32_embeddings_closer_than_rtn(minilm_eval):
     """Issue 10: all-MiniLM-L6-v2 (original fp32 weights), GPTQ int4 g32 beats round-to-nearest on the cosine
     similarity of sentence embeddings to fp32 (bench: 0.990 vs 0.962)."""
-    from qcore.adapters import evaluate as E
+    from qcore.adapters.eval import evaluate as E
     from qcore.adapters import preset, quantize_model
     model, tok, ev, batches, ref = minilm_eval
     cos = {}
@@ -134,7 +134,7 @@ def test_minilm_gptq_int4_group32_embeddings_closer_than_rtn(minilm_eval):
 def test_smollm2_gptq_uint4_group64_recovers_most_of_the_rtn_gap(smollm2, protocol_ids):
     """Issue 10: GPTQ uint4 g64 on SmolLM2 with 8 calibration windows (the bench uses the protocol's 32: 15.46,
     Quark 0.13 15.57); round-to-nearest is 18.21, fp32 14.01."""
-    from qcore.adapters import evaluate as E
+    from qcore.adapters.eval import evaluate as E
     from qcore.adapters import preset, quantize_model
     (model, tok), ids = smollm2, protocol_ids
     calib = E.calibration_batches(None, token_ids=ids, n=8)

@@ -1,5 +1,5 @@
 """What ``qcore quantize`` shows is what it committed: per-layer SQNR after an algorithm, the output-error ranking,
-the plot (``qcore.adapters.layer_report``)."""
+the plot (``qcore.adapters.eval.layer_report``)."""
 
 import json
 import math
@@ -104,7 +104,7 @@ def test_without_calibration_text_layers_rank_by_weight_sqnr(tmp_path, lm_dir, c
 
 def test_plot_has_two_panels_by_block_and_projection_before_and_after(lm_dir, tmp_path):
     pytest.importorskip("matplotlib")
-    from qcore.adapters import layer_report as LR
+    from qcore.adapters.eval import layer_report as LR
     png = tmp_path / "p.png"
     rep = tmp_path / "r.json"
     assert main(["quantize", "--model", str(lm_dir), "--eval-text", str(lm_dir.parent / "text.txt"), "--seq-len",
@@ -134,7 +134,7 @@ def test_plot_has_two_panels_by_block_and_projection_before_and_after(lm_dir, tm
 
 
 def test_block_and_kind():
-    from qcore.adapters.layer_report import block_and_kind
+    from qcore.adapters.eval.layer_report import block_and_kind
     assert block_and_kind("model.layers.12.self_attn.q_proj") == (12, "q_proj")
     assert block_and_kind("model.layers.3.mlp.experts.7.down_proj") == (3, "down_proj")
     assert block_and_kind("lm_head") == (None, "lm_head")
@@ -159,7 +159,7 @@ def test_after_a_transform_the_reference_is_the_transformed_float_weight(zoo, al
     """Rotations and smoothing folds change the float weights: the reference is the weight rounding started from,
     in the basis the layer computes in. A reference in the wrong basis would give an output SQNR near 0 dB."""
     from qcore.adapters import preset, quantize_model
-    from qcore.adapters import layer_report as LR
+    from qcore.adapters.eval import layer_report as LR
     model = zoo.tiny_llama()
     original = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     data = zoo.token_batches(2, seed=1)
@@ -176,7 +176,7 @@ def test_after_a_transform_the_reference_is_the_transformed_float_weight(zoo, al
 
 def test_figure_places_modules_outside_blocks_after_the_last_block():
     pytest.importorskip("matplotlib")
-    from qcore.adapters import layer_report as LR
+    from qcore.adapters.eval import layer_report as LR
     errs = {f"model.layers.{b}.self_attn.{k}": LR.LayerError(30.0 + b, None) for b in range(3) for k in ("q_proj",
                                                                                                         "o_proj")}
     errs["lm_head"] = LR.LayerError(25.0, None)

@@ -1,4 +1,4 @@
-"""QuaRot's fused rotations (qcore.adapters.rotation): the rotated float model computes the same function."""
+"""QuaRot's fused rotations (qcore.adapters.passes.rotation): the rotated float model computes the same function."""
 
 import copy
 
@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from qcore.adapters.rotation import rotate_model  # noqa: E402
+from qcore.adapters.passes.rotation import rotate_model  # noqa: E402
 
 
 def _llama(hidden, heads, kv, inter, tie, seed=0):
@@ -65,7 +65,7 @@ def test_unsupported_models_are_refused_before_any_change():
 @pytest.mark.parametrize("key", [None, 3])
 @pytest.mark.parametrize("hidden, heads, kv, inter", [(64, 4, 2, 96), (72, 9, 3, 92)])  # 92: dense fallback
 def test_online_rotations_keep_the_function_and_rotate_the_inputs(hidden, heads, kv, inter, key):
-    from qcore.adapters.rotation import input_rotations
+    from qcore.adapters.passes.rotation import input_rotations
     m = _llama(hidden, heads, kv, inter, False)
     x = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
     seen = {}
@@ -106,7 +106,7 @@ def _batches(n=3, seq=16):
 
 def test_quarot_through_quantize_model():
     from qcore.adapters import preset, quantize_model
-    from qcore.adapters.rotation import input_rotations
+    from qcore.adapters.passes.rotation import input_rotations
     m = _llama(64, 4, 2, 128, True)
     x = _batches(1)[0]
     with torch.no_grad():
@@ -128,8 +128,8 @@ def test_quarot_through_quantize_model():
 
 def test_spinquant_learns_an_orthogonal_rotation_and_keeps_the_float_function():
     from qcore.adapters import plan_model, preset
-    from qcore.adapters.rotation import rotate_model
-    from qcore.adapters.spinquant import apply_rotation
+    from qcore.adapters.passes.rotation import rotate_model
+    from qcore.adapters.passes.spinquant import apply_rotation
     from qcore.algorithms.config import SpinQuantConfig
     from qcore.algorithms.orthogonal import orthogonality_error
     m = _llama(64, 4, 2, 128, False)
@@ -161,7 +161,7 @@ def test_rotated_checkpoints_export_and_reload(online, tmp_path):
     import json
 
     import qcore.adapters as A
-    from qcore.adapters.rotation import input_rotations
+    from qcore.adapters.passes.rotation import input_rotations
     m = _llama(64, 4, 2, 128, True)
     x = _batches(1)[0]
     algo = {"name": "quarot", "key": 4, "online": list(online)}
@@ -181,7 +181,7 @@ def test_rotated_checkpoints_export_and_reload(online, tmp_path):
 
 def test_export_refuses_rotations_the_config_does_not_describe(tmp_path):
     import qcore.adapters as A
-    from qcore.adapters.rotation import rotate_model
+    from qcore.adapters.passes.rotation import rotate_model
     m = rotate_model(_llama(64, 4, 2, 128, False))  # hooks, but the quantization config names no rotation
     q = A.quantize_model(m, A.preset("w_mxfp4_a_mxfp4"), progress=False)
     with pytest.raises(ValueError, match="online rotations"):
@@ -190,7 +190,7 @@ def test_export_refuses_rotations_the_config_does_not_describe(tmp_path):
 
 
 def test_spinquant_trains_without_weight_quantization_when_gptq_follows(monkeypatch):
-    import qcore.adapters.spinquant as S
+    import qcore.adapters.passes.spinquant as S
     from qcore.adapters import preset, quantize_model
     seen = []
     real = S.spinquant
@@ -213,10 +213,10 @@ def test_spinquant_trains_without_weight_quantization_when_gptq_follows(monkeypa
 
 
 def test_a_failed_spinquant_leaves_the_float_function(monkeypatch):
-    import qcore.adapters.spinquant as S
+    import qcore.adapters.passes.spinquant as S
     from qcore.adapters import plan_model, preset
-    from qcore.adapters.rotation import input_rotations
-    from qcore.adapters.spinquant import apply_rotation
+    from qcore.adapters.passes.rotation import input_rotations
+    from qcore.adapters.passes.spinquant import apply_rotation
     from qcore.algorithms.config import SpinQuantConfig
     m = _llama(64, 4, 2, 128, False)
     x = _batches(1)[0]
@@ -236,7 +236,7 @@ def test_a_failed_spinquant_leaves_the_float_function(monkeypatch):
 
 
 def test_online_order_does_not_change_the_keys():
-    from qcore.adapters.rotation import input_rotations, online_plan
+    from qcore.adapters.passes.rotation import input_rotations, online_plan
     from qcore.algorithms.config import QuaRotConfig
     m = rotate_model(_llama(64, 4, 2, 128, False), key=0, online=("self_attn.o_proj", "mlp.down_proj"))
     want = online_plan(m, QuaRotConfig(key=0, online=("self_attn.o_proj", "mlp.down_proj")))

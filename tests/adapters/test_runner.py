@@ -1,4 +1,4 @@
-"""The layer runner (qcore.adapters.runner): capture and replay reproduce the full model layer by layer (Llama,
+"""The layer runner (qcore.adapters.passes.runner): capture and replay reproduce the full model layer by layer (Llama,
 OPT, Mixtral MoE), a pass sees the layers before it as they were left, GPTQ and AMP results equal a direct
 computation from full-model forwards, one abort path (no hooks left, the model marked partial), progress bars,
 bad arguments refused before any work."""
@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from qcore.adapters.runner import (AlgorithmError, LayerInputs, LayerRunner, Stop,  # noqa: E402
+from qcore.adapters.passes.runner import (AlgorithmError, LayerInputs, LayerRunner, Stop,  # noqa: E402
                                    find_decoder_layers, forward_layer, hidden_of)
 
 
@@ -102,7 +102,7 @@ def test_gptq_equals_a_direct_computation_from_full_model_forwards(zoo):
     from qcore.adapters import preset
     from qcore.adapters.quantizer import plan_model
     from qcore.adapters.modules import linear_weight_spec
-    from qcore.adapters.sequential import run_algorithms
+    from qcore.adapters.passes.sequential import run_algorithms
     from qcore.algorithms.gptq import HessianStats, gptq, update_hessian
 
     import qcore
@@ -144,7 +144,7 @@ def test_gptq_equals_a_direct_computation_from_full_model_forwards(zoo):
 
 def test_amp_sensitivity_equals_a_direct_full_forward(zoo):
     from qcore.adapters import ModelConfig, preset
-    from qcore.adapters.amp import layer_sensitivity
+    from qcore.adapters.passes.amp import layer_sensitivity
     from qcore.adapters.modules import wrap
     from qcore.adapters.quantizer import _set_module, plan_model
 
@@ -308,6 +308,6 @@ def test_bad_arguments_are_refused_before_any_work(zoo):
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     # the old import names still work
-    from qcore.adapters import sequential
+    from qcore.adapters.passes import sequential
     assert sequential.find_decoder_layers is find_decoder_layers and sequential.AlgorithmError is AlgorithmError
     assert LayerRunner(torch.nn.Linear(2, 2), required=False).layers is None

@@ -1,4 +1,4 @@
-"""qcore.adapters.scaling: the built-in scaling map, Quark's scaling_layers, and folds that leave the float
+"""qcore.adapters.passes.scaling: the built-in scaling map, Quark's scaling_layers, and folds that leave the float
 model's outputs unchanged (Llama with and without grouped-query attention, Qwen2, OPT, unit-offset norms)."""
 
 import copy
@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from torch import nn  # noqa: E402
 
-from qcore.adapters.scaling import ScalingGroup, fold_scales, scaling_groups  # noqa: E402
+from qcore.adapters.passes.scaling import ScalingGroup, fold_scales, scaling_groups  # noqa: E402
 
 LLAMA_QUARK = [  # Quark 0.13's AWQ_MAP["llama"].scaling_layers
     {"prev_op": "input_layernorm", "layers": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],

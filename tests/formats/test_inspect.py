@@ -130,7 +130,7 @@ def test_stored_bits_per_weight_checks_its_arguments():
 def test_inspect_a_gguf_file_via_the_cli(tmp_path, capsys):
     pytest.importorskip("gguf")
     from qcore.adapters import preset, quantize_model
-    from qcore.adapters.export_gguf import export_gguf
+    from qcore.adapters.io.gguf import export_gguf
     m = tiny_llama()
     quantize_model(m, preset("int4_wo_32"), progress=False)
     path = tmp_path / "m.gguf"
@@ -155,7 +155,7 @@ def test_inspect_a_gguf_file_via_the_cli(tmp_path, capsys):
 def test_inspect_an_onnx_export_directory_via_the_cli(fmt, tmp_path, capsys):
     pytest.importorskip("onnx")
     from qcore.adapters import preset, quantize_model
-    from qcore.adapters.export_onnx import export_onnx_dir
+    from qcore.adapters.io.onnx import export_onnx_dir
     m = tiny_llama()
     quantize_model(m, preset("uint4_wo_32"), progress=False)
     d = tmp_path / "onnx"
@@ -198,7 +198,7 @@ def test_inspect_of_a_gguf_file_imports_no_torch(tmp_path):
     import subprocess
     import sys
     from qcore.adapters import preset, quantize_model
-    from qcore.adapters.export_gguf import export_gguf
+    from qcore.adapters.io.gguf import export_gguf
     m = tiny_llama()
     quantize_model(m, preset("int4_wo_32"), progress=False)
     export_gguf(m, tmp_path / "m.gguf")

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 def test_quark_reads_a_qcore_amp_export(quark_python, run_quark, tiny_llama_dir, calib_ids, eval_ids, tmp_path):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import qcore.adapters as A
-    from qcore.adapters.amp import amp_config
+    from qcore.adapters.passes.amp import amp_config
 
     torch.set_num_threads(2)
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()

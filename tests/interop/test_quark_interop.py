@@ -55,7 +55,7 @@ def _export(A, model, name, out, calib, eval_ids):
 def smol_float_dir(tmp_path_factory):
     """SmolLM2-135M-Instruct as a plain float HF directory (what Quark quantizes), or skip when not installed."""
     A = _qcore()
-    from qcore.adapters import models
+    from qcore.adapters.eval import models
     try:
         model, tok = models.load_smollm2()
     except (ImportError, FileNotFoundError, ModuleNotFoundError) as e:

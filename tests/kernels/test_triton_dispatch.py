@@ -89,7 +89,7 @@ def test_forced_kernels_give_the_core_outputs(scheme, fused, dtype, monkeypatch)
 
 @pytest.mark.parametrize("size,key", [(64, None), (48, 3)])
 def test_online_rotation_uses_the_fwht_kernel(size, key, monkeypatch):
-    from qcore.adapters.rotation import InputRotation
+    from qcore.adapters.passes.rotation import InputRotation
 
     calls = []
     real = launch.fwht

@@ -1,5 +1,5 @@
 """SpinQuant (Liu et al. 2024): learn the residual rotation R1 and the per-head rotations R2 of QuaRot
-(``qcore.adapters.rotation``) by Cayley SGD on the orthogonal group, minimising the next-token loss of the
+(``qcore.adapters.passes.rotation``) by Cayley SGD on the orthogonal group, minimising the next-token loss of the
 fake-quantized model.
 
 ``spinquant(model, plans, data, algo, *, progress=False)`` (reached through ``quantize_model`` with the algorithm
@@ -37,7 +37,7 @@ import qcore
 from qcore.algorithms.hadamard import rotation
 from qcore.algorithms.orthogonal import cayley_step
 
-from .modules import _act_granularity, _with_granularity, linear_weight_spec
+from ..modules import _act_granularity, _with_granularity, linear_weight_spec
 from .rotation import (_check, _fold_and_untie, _online_hooks, _times_online, _write, check_rotation, remove_online,
                        rotate_model, rotated_weights)
 
@@ -87,7 +87,7 @@ def _act_hook(spec):
 def spinquant(model: nn.Module, plans: Sequence, data: Optional[Sequence], algo, *, progress: bool = False,
               train_weights: bool = True) -> nn.Module:
     """Learn and fuse SpinQuant's rotations into ``model`` in place (module docstring); returns it."""
-    from .quantizer import _progress
+    from ..quantizer import _progress
     emb, norm, head, layers, hd = _check(model)
     if not data:
         raise ValueError("spinquant trains its rotations on calibration data: pass a non-empty list of token-id "
@@ -155,7 +155,7 @@ def spinquant(model: nn.Module, plans: Sequence, data: Optional[Sequence], algo,
 def apply_rotation(model: nn.Module, algo, *, plans: Sequence = (), data: Optional[Sequence] = None,
                    progress: bool = False, gptq_follows: bool = False) -> nn.Module:
     """Run a ``QuaRotConfig`` or ``SpinQuantConfig`` (``qcore.algorithms.config``) on the float ``model`` in place:
-    QuaRot's Hadamard rotations (``qcore.adapters.rotation.rotate_model``), or SpinQuant's learnt ones (``spinquant``
+    QuaRot's Hadamard rotations (``qcore.adapters.passes.rotation.rotate_model``), or SpinQuant's learnt ones (``spinquant``
     above, which needs ``plans``,
     the quantizer's plan of the model, and calibration ``data``; ``gptq_follows`` decides SpinQuant's
     ``train_weights=None``)."""

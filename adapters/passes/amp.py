@@ -1,6 +1,6 @@
 """Layerwise mixed precision (AMP): measure each layer's sensitivity to each scheme, pick one scheme per layer.
 
-    from qcore.adapters.amp import amp_config
+    from qcore.adapters.passes.amp import amp_config
     config = amp_config(model, ["w_mxfp4_a_mxfp4", "w_fp8_a_fp8"], batches, target_bits=5.0)
     quantize_model(model, config, calibration_batches)   # then export_hf: Quark's layer_quant_config
 
@@ -56,15 +56,15 @@ from torch import nn
 
 from qcore.algorithms.mixed_precision import DEFAULT_RESOLUTION, MixedPrecision, search
 
-from .config import LayerConfig, ModelConfig
-from .modules import _norm_weight_granularity, _QuantMixin, _with_granularity, wrap
-from .quantizer import _check_batch, _describe, _device_of, _progress, _set_module, _to, plan_model
+from ..config import LayerConfig, ModelConfig
+from ..modules import _norm_weight_granularity, _QuantMixin, _with_granularity, wrap
+from ..quantizer import _check_batch, _describe, _device_of, _progress, _set_module, _to, plan_model
 
 __all__ = ["Metric", "Sensitivity", "layer_sensitivity", "amp_config", "config_from_choice", "DEFAULT_TIE", "FLOAT"]
 
 #: sibling layers vLLM fuses into one GEMM (its Quark loader needs one scheme for all shards), for a model whose
 #: family has no architecture record; with a record, its ``fused_units`` (``qcore.adapters.families``)
-from .families import DEFAULT_FUSED as DEFAULT_TIE  # noqa: E402
+from ..families import DEFAULT_FUSED as DEFAULT_TIE  # noqa: E402
 #: the scheme name that leaves a layer in float when ``schemes`` is a list
 FLOAT = "float"
 
@@ -141,7 +141,7 @@ class Sensitivity:
 
 
 def _schemes_arg(schemes: Any) -> dict[str, Optional[LayerConfig]]:
-    from .presets import PRESETS, preset
+    from ..presets import PRESETS, preset
 
     def one(name, v):
         if v is None or (isinstance(v, LayerConfig) and v.empty):
@@ -239,7 +239,7 @@ def _input_ids(batch) -> torch.Tensor:
 
 class _Probe:
     """The float model's reference (log-probabilities or NLL) and its per-layer inputs over the batches
-    (``qcore.adapters.runner.LayerRunner.record``); forwards from decoder layer ``k`` on (``run_from``)."""
+    (``qcore.adapters.passes.runner.LayerRunner.record``); forwards from decoder layer ``k`` on (``run_from``)."""
 
     def __init__(self, model, batches, metric, progress):
         from .runner import LayerRunner
@@ -325,10 +325,10 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(metric, Metric):
-        raise TypeError(f"metric must be a qcore.adapters.amp.Metric, got {metric!r}")
+        raise TypeError(f"metric must be a qcore.adapters.passes.amp.Metric, got {metric!r}")
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be a bool, got {progress!r}")
-    from .families import family_or_none
+    from ..families import family_or_none
     fam = family_or_none(model)
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     if fam is not None and not fam.causal and head is None:
@@ -345,14 +345,14 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
             raise ValueError(f"schemes[{n!r}]: {e}") from None
     if not plans:
         raise ValueError(f"schemes: got {list(table)}; expected at least one that quantizes (not only float)")
-    from .experts import check_experts_algorithms
+    from ..io.experts import check_experts_algorithms
     check_experts_algorithms([p for pl in plans.values() for p in pl.values()], (), who="amp")  # issue 22
     mods = dict(model.named_modules())
     names = [n for n in mods if all(n in p for p in plans.values())]
     if not names:
         raise ValueError("the schemes quantize no common layer of the model")
     if tie is None:
-        from .families import fused_units
+        from ..families import fused_units
         tie = fused_units(model)
     units = _units(names, tie)
     batches = _batches_arg(model, batches)

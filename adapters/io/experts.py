@@ -29,7 +29,7 @@ from torch import nn
 from qcore.formats import quark_layout as L
 from qcore.formats.safetensors_io import CorruptCheckpointError, TensorRecord
 
-from .modules import EXPERT_PROJS, QuantExperts, _QuantMixin, is_fused_experts
+from ..modules import EXPERT_PROJS, QuantExperts, _QuantMixin, is_fused_experts
 
 __all__ = ["disk_names", "experts_layout", "experts_records", "ExpertsShell", "check_no_experts",
            "check_experts_algorithms", "drop_expert_converters"]
@@ -51,7 +51,7 @@ def _experts_named(model: nn.Module, config: Any) -> list[str]:
         return names
     import warnings
 
-    from .quantizer import _as_config, plan_model
+    from ..quantizer import _as_config, plan_model
     if not any(is_fused_experts(m) for m in model.modules()):
         return []
     try:
@@ -216,7 +216,7 @@ def experts_records(model: nn.Module, name: str, m: QuantExperts, layout: str, p
     """The tensors of a quantized fused experts module in the checkpoint: per expert, its gate / up / down Linears
     (weight codes and scales in ``layout``, calibrated activation scales), as lazy records (one expert's encoded
     tensors at a time)."""
-    from .export import _record
+    from .quark_hf import _record
     spec = m.specs["weight"]
     problem = split_problem(spec, {p: m.expert_shape(p) for p in EXPERT_PROJS})
     if problem is not None:
@@ -248,7 +248,7 @@ def experts_records(model: nn.Module, name: str, m: QuantExperts, layout: str, p
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# loading (qcore.adapters.hf)
+# loading (qcore.adapters.io.quark_hf)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -261,7 +261,7 @@ class ExpertsShell(nn.Module):
 
     def __init__(self, model: nn.Module, name: str, m: nn.Module, config):
         super().__init__()
-        from .hf import _ST_TORCH
+        from .quark_hf import _ST_TORCH
         q = QuantExperts.from_module(m, config, name=name)  # planned here (on meta), filled by build()
         object.__setattr__(self, "_wrapper", q)
         if "weight" not in q.specs:
@@ -311,7 +311,7 @@ class ExpertsShell(nn.Module):
         device = next(iter(params.values())).device
         halves: dict = {}
         acts: dict = {}
-        from .export import _np
+        from .quark_hf import _np
         for rel, proj, e, half, rows, out, shape in self.linears:
             arrays = {k[len(rel) + 1:]: _np(params[k]) for k in self.expected if k.startswith(rel + ".")}
             lw = f"{where} ({self.disk[rel + '.weight']})"
@@ -425,7 +425,7 @@ def float_experts_split(model: nn.Module) -> dict[str, list]:
     written per expert under the names ``save_pretrained`` writes (and transformers' own conversion merges them
     back on load). Empty when the model has quantized fused experts (qcore's loader then reads the float ones
     under their fused names) or when the family's checkpoints have no per-expert names."""
-    from .modules import is_fused_experts
+    from ..modules import is_fused_experts
     if any(isinstance(m, QuantExperts) for m in model.modules()):
         return {}
     out: dict[str, list] = {}
@@ -446,7 +446,7 @@ def float_experts_split(model: nn.Module) -> dict[str, list]:
 
 def float_experts_records(model: nn.Module, key: str, t: torch.Tensor, parts: list) -> list[TensorRecord]:
     """The per-expert float tensors of the fused parameter ``t`` (state-dict ``key``), lazily sliced."""
-    from .export import _tensor_record
+    from .quark_hf import _tensor_record
     return [_tensor_record(disk, t.detach()[e, rows[0]:rows[1]]) for disk, (proj, e, rows) in parts]
 
 
@@ -471,7 +471,7 @@ def stored_float_experts(model: nn.Module, config, checkpoint_files) -> list[str
     (AMD Quark 0.13 leaves transformers 5's fused experts float, whatever its config says): loaded float."""
     from qcore.formats.safetensors_io import SafetensorsFile
 
-    from .quantizer import plan_model
+    from ..quantizer import plan_model
     import warnings
     if not checkpoint_files or not any(is_fused_experts(m) for m in model.modules()):
         return []
@@ -488,6 +488,6 @@ def stored_float_experts(model: nn.Module, config, checkpoint_files) -> list[str
 
 def exclude_float_experts(model: nn.Module, config, names: list):
     """``config`` with the fused experts ``names`` (stored float) excluded: what the loaded model holds."""
-    from .quantizer import _output_head
+    from ..quantizer import _output_head
     exclude = list(config.exclude) if config.exclude is not None else _output_head(model)
     return config.replace(exclude=tuple(exclude) + tuple(n for n in names if n not in exclude))

@@ -1,6 +1,6 @@
-"""AWQ, SmoothQuant and AutoSmoothQuant bound to one decoder layer (called by ``qcore.adapters.sequential``).
+"""AWQ, SmoothQuant and AutoSmoothQuant bound to one decoder layer (called by ``qcore.adapters.passes.sequential``).
 
-For each layer: the scaling groups (``qcore.adapters.scaling.scaling_groups``: detected, or Quark's
+For each layer: the scaling groups (``qcore.adapters.passes.scaling.scaling_groups``: detected, or Quark's
 ``scaling_layers``) are resolved; one forward of the layer over its kept inputs records, for each group's input,
 the per-channel max |x| over every token and an evenly spaced sample of ``n_tokens`` token rows (AWQ,
 AutoSmoothQuant; with distributed calibration, SmoothQuant's max |x| is the max over ranks, and the searching
@@ -29,7 +29,7 @@ from qcore.algorithms.awq import awq_clip, awq_search
 from qcore.algorithms.config import AutoSmoothQuantConfig, AWQConfig, SmoothQuantConfig
 from qcore.algorithms.smoothquant import auto_smoothquant, smoothquant_scales, weight_absmax
 
-from .modules import _act_granularity, _with_granularity, linear_weight_spec
+from ..modules import _act_granularity, _with_granularity, linear_weight_spec
 from .runner import forward_layer
 from .scaling import NoScalingMap, ScalingGroup, check_fold, fold_scales, scaling_groups
 

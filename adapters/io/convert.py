@@ -40,7 +40,7 @@ from torch import nn
 
 from qcore._fsutil import check_not_source, staged_path
 
-from .modules import _QuantMixin
+from ..modules import _QuantMixin
 
 __all__ = ["convert", "ConvertInfo", "TensorChange", "FORMATS", "detect_format", "load_quantized",
            "compare_models"]
@@ -183,15 +183,15 @@ def _load_quantized(p: pathlib.Path, *, dtype: Optional[torch.dtype]) -> tuple:
     """``(model, tokenizer, format, why the source's tokenizer was dropped or None)``."""
     fmt = detect_format(p)
     if fmt == "gguf":
-        from .import_gguf import from_gguf
+        from .gguf import from_gguf
         if p.is_dir():
             p = _gguf_in_dir(p)
         model = from_gguf(p, dtype=dtype)
     elif fmt == "hf":
-        from .hf import from_pretrained
+        from .quark_hf import from_pretrained
         model = from_pretrained(p, dtype=dtype)
     else:
-        from .import_ct import load_compressed_tensors
+        from .compressed_tensors import load_compressed_tensors
         model = load_compressed_tensors(p, dtype=dtype)
     tok, dropped = _tokenizer(p, fmt)
     return model, tok, fmt, dropped
@@ -318,12 +318,12 @@ def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src_fmt: str, ds
     """Write ``model`` in format ``to`` at ``dst``; ``(path written, notes, exporter report or None)``."""
     notes: list[str] = []
     if to == "hf":
-        from .export import export_hf
+        from .quark_hf import export_hf
         info = export_hf(model, dst, tokenizer=tok, overwrite=overwrite, progress=progress)
         notes.append(f"quant_method {info.quant_method!r}")
         return dst, notes, None
     if to == "gguf":
-        from .export_gguf import export_gguf, export_gguf_dir
+        from .gguf import export_gguf, export_gguf_dir
         # GGUF source: its tokenizer.* fields are copied verbatim; else the transformers tokenizer is converted
         gtok = str(src_path) if src_fmt == "gguf" else tok
         kw = dict(tokenizer=gtok, tokenizer_pre=tokenizer_pre, drop_activations=True, overwrite=overwrite)
@@ -334,12 +334,12 @@ def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src_fmt: str, ds
             notes.append("no tokenizer in the source: the GGUF file has none (llama.cpp needs one)")
         return pathlib.Path(info.path), notes, info
     if to == "compressed-tensors":
-        from .export_ct import export_compressed_tensors
+        from .compressed_tensors import export_compressed_tensors
         info = export_compressed_tensors(model, dst, tokenizer=tok, overwrite=overwrite, progress=progress)
         notes.append(f"format {info.format!r}")
         notes.extend(info.notes)  # where compressed-tensors' loaders compute differently (e.g. KV after RoPE)
         return dst, notes, info
-    from .export_onnx import UnsupportedWeightError, export_onnx, export_onnx_dir
+    from .onnx import UnsupportedWeightError, export_onnx, export_onnx_dir
     import warnings
     try:
         with warnings.catch_warnings():  # weights written dequantized are reported as changed tensors
@@ -378,14 +378,14 @@ class _Stages:
 def _reload(path: pathlib.Path, to: str, dtype: torch.dtype) -> nn.Module:
     if to == "gguf":
         import warnings
-        from .import_gguf import from_gguf
+        from .gguf import from_gguf
         with warnings.catch_warnings():  # the tensors it warns about are compared and reported here
             warnings.simplefilter("ignore", UserWarning)
             return from_gguf(path, dtype=dtype)
     if to == "hf":
-        from .hf import from_pretrained
+        from .quark_hf import from_pretrained
         return from_pretrained(path, dtype=dtype)
-    from .import_ct import load_compressed_tensors
+    from .compressed_tensors import load_compressed_tensors
     return load_compressed_tensors(path, dtype=dtype)
 
 

@@ -16,15 +16,15 @@ float64 Hessian per distinct input).
 How: the transformers model is built from ``config.json`` with its parameters on the meta device (no memory;
 ``accelerate.init_empty_weights``); the weights outside the decoder layers are read from the safetensors files
 (plain reads, no memory map: the page cache is not part of the process); the calibration batches run to the
-first decoder layer, whose inputs are kept; then for each layer in turn (a pass of ``qcore.adapters.runner``):
+first decoder layer, whose inputs are kept; then for each layer in turn (a pass of ``qcore.adapters.passes.runner``):
 
 1. its weights are read into a copy of the (meta) layer;
-2. the algorithms run on it (``qcore.adapters.sequential.run_layer``, the step ``run_algorithms`` runs) and
+2. the algorithms run on it (``qcore.adapters.passes.sequential.run_layer``, the step ``run_algorithms`` runs) and
    the layer's outputs become the next layer's inputs;
 3. its modules are wrapped and their weights written (GPTQ's QTensors as they are, round-to-nearest for the
    others); static activation scales are calibrated from this layer's inputs in the calibration stream (the
    inputs ``calibrate`` would give it: the earlier layers quantized, static activations unquantized);
-4. its tensors are encoded in the checkpoint layout (``qcore.adapters.export.module_records``) and appended
+4. its tensors are encoded in the checkpoint layout (``qcore.adapters.io.quark_hf.module_records``) and appended
    to a spill file in the staging directory; the layer is dropped (back to meta).
 
 Modules outside the layers are quantized by round-to-nearest; static scales of modules after the layers (an
@@ -57,12 +57,12 @@ from qcore.formats import quark_layout as L
 from qcore.formats.safetensors_io import (CorruptCheckpointError, SafetensorsFile, TensorRecord, index_shards,
                                          no_safetensors)
 
-from .config import ModelConfig, TensorConfig
-from .export import (ExportInfo, _info, _plan_tensors, _quantization_config, check_destination, parse_size,
+from ..config import ModelConfig, TensorConfig
+from ..io.quark_hf import (ExportInfo, _info, _plan_tensors, _quantization_config, check_destination, parse_size,
                      write_metadata, write_shards)
-from .hf import _ST_TORCH
-from .modules import wrap
-from .quantizer import _as_config, _set_module, config_algorithms, plan_model
+from ..io.quark_hf import _ST_TORCH
+from ..modules import wrap
+from ..quantizer import _as_config, _set_module, config_algorithms, plan_model
 from .runner import LayerRunner, Spill, find_decoder_layers, forward_layer
 
 _log = logging.getLogger("qcore.adapters")
@@ -158,7 +158,7 @@ def _check_source(model: nn.Module, source: _Source) -> None:
         if shape != tuple(t.shape):
             raise CorruptCheckpointError(f"tensor {k!r} has shape {list(shape)} in the checkpoint; the model's "
                                          f"config gives {list(t.shape)}")
-    from .hf import unexpected_keys
+    from ..io.quark_hf import unexpected_keys
     extra = unexpected_keys(model, source.where)  # what transformers itself ignores on load is let through
     if extra:
         raise CorruptCheckpointError(f"tensor {extra[0]!r} in {source.where[extra[0]].path.name} is not a tensor of "
@@ -192,7 +192,7 @@ def _skeleton(src: pathlib.Path, dtype: Optional[torch.dtype]):
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from .hf import hf_config as read_hf_config, read_config
+    from ..io.quark_hf import hf_config as read_hf_config, read_config
     read_config(src)  # malformed or too deeply nested JSON: one error naming the file
     hf_config = read_hf_config(src)
     if getattr(hf_config, "quantization_config", None) is not None:
@@ -242,7 +242,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
             raise TypeError(f"{name} must be a bool, got {v!r}")
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-    from ._device import check_device
+    from .._device import check_device
     device = check_device(device, what="device")
     max_bytes = parse_size(max_shard_size)
     cfg = _as_config(config)
@@ -256,11 +256,11 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
 
     model, dtype, gen = _skeleton(src, dtype)
     plans = plan_model(model, cfg)
-    from .experts import check_no_experts
+    from ..io.experts import check_no_experts
     check_no_experts(model, cfg, who="quantize_checkpoint")  # fused MoE experts: not streamed yet (issue 22)
     weightless = [p.name for p in plans if p.config.weight is None]
     if weightless:  # the checkpoint stores quantized weights with their scales (as export_hf, which refuses too)
-        from .export import weightless_error
+        from ..io.quark_hf import weightless_error
         raise ValueError(weightless_error("quantize_checkpoint", weightless))
     static = [p for p in plans for r in ("input", "output")
               if isinstance(getattr(p.config, r), TensorConfig) and getattr(p.config, r).calibrated]
@@ -272,7 +272,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
     if (static or algos) and not data:
         what = "the algorithms" if algos else "static activation scales"
         raise ValueError(f"{what} need calibration data; pass a non-empty list of batches as data=")
-    from .families import family_or_none
+    from ..families import family_or_none
     from .sequential import check_layers, layer_plans
     if algos:
         path, layers, by_layer = layer_plans(model, plans, algos)
@@ -335,7 +335,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
 
 def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static, data, source, dtype, device,
          spill, pack_method, progress):
-    from .families import family_or_none
+    from ..families import family_or_none
     from .sequential import run_layer
     family = family_or_none(model)
 

@@ -45,7 +45,7 @@ from torch import nn
 
 from qcore.algorithms.hadamard import fwht, is_constructible, random_signs, rotation
 
-from .families import family_of
+from ..families import family_of
 
 __all__ = ["rotate_model", "check_rotation", "rotated_weights", "InputRotation",
            "input_rotations", "online_plan", "install_online", "ONLINE"]
@@ -62,7 +62,7 @@ def _get(m, name):
 def _located(model):
     """The architecture record of ``model`` and where it sits (``qcore.adapters.families.locate``); ValueError
     before any work when the family is unknown or its record says rotations do not support it."""
-    from .families import UnknownFamily, locate
+    from ..families import UnknownFamily, locate
     if not isinstance(model, nn.Module):
         raise TypeError(f"rotate_model: model must be a torch.nn.Module, got {type(model).__name__}")
     try:
@@ -84,14 +84,14 @@ def _located(model):
 
 
 def _text_config(model):
-    from .families import _text_config as tc
+    from ..families import _text_config as tc
     return tc(model.config)
 
 
 def _check(model) -> tuple:
     loc = _located(model)
     fam = loc.family
-    from .families import non_language_modules
+    from ..families import non_language_modules
     other = non_language_modules(model)
     if other:  # their outputs (image features) enter the residual stream, which the rotation changes
         raise ValueError(f"rotate_model: {type(model).__name__} (model_type {model.config.model_type!r}) is a "
@@ -193,7 +193,7 @@ def _fwht(x: torch.Tensor) -> torch.Tensor:
     """``fwht(x)``, by its Triton twin (same bits) for float32 tensors on a GPU with Triton
     (``qcore.adapters.triton.available``) when no gradient is needed."""
     if x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled()):
-        from . import triton as kernels
+        from .. import triton as kernels
 
         if kernels.available(x):
             return kernels.fwht(x)
@@ -317,7 +317,7 @@ def _online_names(fam, online) -> list:
 def online_plan(model: nn.Module, algo) -> dict:
     """``{module name: InputRotation}`` that ``rotate_model`` / ``apply_rotation`` install for the rotation config
     ``algo`` (``online``, ``key``) on ``model`` (what a checkpoint's config says to re-install on loading)."""
-    from .families import locate
+    from ..families import locate
     loc = locate(model, what=algo.name)
     path = loc.layers
     layers = _get(model, path)

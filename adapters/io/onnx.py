@@ -51,7 +51,7 @@ from torch import nn
 from qcore.formats import onnx as X
 from qcore._fsutil import check_file_destination, model_sources, staged_dir
 
-from .modules import QuantConvTranspose2d, QuantEmbedding, QuantEmbeddingBag, QuantLinear, _QuantMixin
+from ..modules import QuantConvTranspose2d, QuantEmbedding, QuantEmbeddingBag, QuantLinear, _QuantMixin
 
 __all__ = ["export_onnx", "WeightFormat", "Unsupported", "ONNXExportInfo", "TensorReport", "DECODER_TYPES",
            "decoder_logits", "export_onnx_dir", "ONNX_FILE", "check_onnx", "UnsupportedWeightError"]
@@ -159,7 +159,7 @@ class _Ctx:
 
     def weight(self, name: str, m: _QuantMixin, *, output: Optional[str] = None) -> str:
         """The float32 canonical weight of quantized module ``m`` (DequantizeLinear, or the dequantized floats)."""
-        from .export import weight_parts
+        from .quark_hf import weight_parts
         spec = m.specs["weight"]
         ref = _in_memory_weight(m)
         if not m.quant_enabled:  # quantization switched off: the module computes with its float weight
@@ -281,9 +281,9 @@ def check_onnx(model: nn.Module, config: Optional[Any] = None, *, inputs: Any = 
     ``model.qcore_config``) for reasons the model and the config already decide: not float32, no graph for its
     architecture without ``inputs``, formats onnxruntime cannot run (``qcore quantize --export onnx`` calls it
     before the baseline evaluation; ``export_onnx`` runs the same checks)."""
-    from .config import ModelConfig
+    from ..config import ModelConfig
     from .experts import check_no_experts
-    from .export import export_units, refuse_conv1d, will_rotate_online
+    from .quark_hf import export_units, refuse_conv1d, will_rotate_online
     wf = _enum(WeightFormat, weight_format, "weight_format")
     un = _enum(Unsupported, unsupported, "unsupported")
     refuse_conv1d(model, config if config is not None else getattr(model, "qcore_config", None), "export_onnx")
@@ -345,7 +345,7 @@ class _Decoder:
             y = g.node("MatMul", [x, self.float_param(f"{name}.weight.T", m.weight, transpose=True)], f"{name}_MatMul")
         else:
             spec = m.specs["weight"]
-            from .export import canonical_shape, weight_parts
+            from .quark_hf import canonical_shape, weight_parts
             shape = canonical_shape(m)
             if (ctx.weight_format is WeightFormat.MATMULNBITS and X.matmulnbits_block(spec, shape) is not None):
                 parts, _ = weight_parts(m)
@@ -533,7 +533,7 @@ class _Decoder:
 
 def _check_decoder(model: nn.Module) -> None:
     cfg = model.config
-    from .rotation import input_rotations
+    from ..passes.rotation import input_rotations
     rot = input_rotations(model)
     if rot:
         raise ValueError(f"export_onnx: the model carries online rotations (e.g. before {next(iter(rot))!r}); the "
@@ -764,7 +764,7 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], *, inputs: Unio
     if not mods:
         raise ValueError("export_onnx: the model has no qcore quantized modules; run quantize_model first")
     from .experts import check_no_experts
-    from .export import refuse_conv1d
+    from .quark_hf import refuse_conv1d
     refuse_conv1d(model, None, "export_onnx")
     check_no_experts(model, who="export_onnx")  # fused MoE experts: not written yet (issue 22)
     _check_float32(model)
@@ -817,7 +817,7 @@ def export_onnx_dir(model: nn.Module, directory: Union[str, os.PathLike], *, tok
     """``export_onnx`` into ``directory/model.onnx`` (with the tokenizer's files when ``tokenizer`` is given), the
     directory written atomically like ``export_hf``'s (a staging sibling renamed into place; an existing non-empty
     directory needs ``overwrite=True``). ``kwargs`` go to ``export_onnx``."""
-    from .export import check_destination
+    from .quark_hf import check_destination
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
     directory = pathlib.Path(directory)

@@ -105,7 +105,7 @@ def load_smollm2(*, dtype: torch.dtype = torch.float32, attn_implementation: str
 def load_minilm(*, dtype: torch.dtype = torch.float32):
     """``(model, tokenizer)``: all-MiniLM-L6-v2 (``BertModel``, no pooling head) and its tokenizer from the
     package's local folder, weights in ``dtype``, eval mode. Sentence embeddings are the attention-mask weighted
-    mean of ``last_hidden_state`` (``qcore.adapters.evaluate.sentence_embeddings``)."""
+    mean of ``last_hidden_state`` (``qcore.adapters.eval.evaluate.sentence_embeddings``)."""
     _check_dtype(dtype)
     path = minilm_path()
     from transformers import AutoModel, AutoTokenizer

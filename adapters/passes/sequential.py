@@ -2,7 +2,7 @@
 time, in bounded memory.
 
 ``run_algorithms(model, plans, algorithms, batches)`` (called by ``quantize_model`` when the config lists
-algorithms) is a pass of the layer runner (``qcore.adapters.runner``):
+algorithms) is a pass of the layer runner (``qcore.adapters.passes.runner``):
 
 1. the decoder layers are found (``decoder_layers`` of the algorithm config, e.g. ``"model.layers"``, or the
    model's longest ``nn.ModuleList`` of identical blocks);
@@ -42,9 +42,9 @@ from qcore.algorithms.config import (AutoSmoothQuantConfig, AWQConfig, GPTQConfi
 from qcore.algorithms.gptq import HessianStats, check_gptq_spec, gptq, update_hessian
 from qcore.stats import RunningStats
 
-from .config import MinMax, Percentile
-from .modules import linear_weight, linear_weight_spec
-from .families import family_or_none
+from ..config import MinMax, Percentile
+from ..modules import linear_weight, linear_weight_spec
+from ..families import family_or_none
 from .runner import AlgorithmError, LayerInputs, LayerRunner, Stop, find_decoder_layers, forward_layer
 
 _log = logging.getLogger("qcore.adapters")
@@ -52,7 +52,7 @@ _log = logging.getLogger("qcore.adapters")
 __all__ = ["run_algorithms", "find_decoder_layers", "AlgorithmError"]
 
 
-# layers and their inputs: qcore.adapters.runner (find_decoder_layers and AlgorithmError stay importable here)
+# layers and their inputs: qcore.adapters.passes.runner (find_decoder_layers and AlgorithmError stay importable here)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -232,8 +232,8 @@ def _layers_path(algos) -> Optional[str]:
 
 def layer_plans(model: nn.Module, plans: list, algos) -> tuple[str, nn.ModuleList, list[dict]]:
     """``(path, layers, by_layer)``: the decoder layers the algorithms act on and, per layer, ``{name relative to
-    the layer: LayerPlan}`` of its quantized modules (``qcore.adapters.streaming`` shares this)."""
-    from .experts import check_experts_algorithms
+    the layer: LayerPlan}`` of its quantized modules (``qcore.adapters.passes.streaming`` shares this)."""
+    from ..io.experts import check_experts_algorithms
     check_experts_algorithms(plans, algos)  # fused MoE experts: refused by name, before any work (issue 22)
     path, layers = find_decoder_layers(model, _layers_path(algos))
     by_layer: list[dict] = [{} for _ in layers]
@@ -266,7 +266,7 @@ def check_layers(layers, by_layer: list[dict], algos, path: str, *, family=None)
 def run_layer(layer: nn.Module, lplans: dict, inputs: LayerInputs, algos, prefix: str, pinned: dict, reduce=None,
               reference: Optional[dict] = None, *, family=None) -> None:
     """The algorithms, in order, on one decoder layer over its kept ``inputs`` (the per-layer step of
-    ``run_algorithms``, shared with ``qcore.adapters.streaming``); GPTQ's QTensors go into ``pinned``, and (when
+    ``run_algorithms``, shared with ``qcore.adapters.passes.streaming``); GPTQ's QTensors go into ``pinned``, and (when
     ``reference`` is a dict) the float weights GPTQ started from into ``reference`` (CPU copies)."""
     for a in algos:
         if isinstance(a, GPTQConfig):
@@ -293,14 +293,14 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
     ``qcore.adapters.distributed.Distributed``: called on each layer's ``HessianStats`` (the sum over ranks, before
     GPTQ), its ``sum`` / ``max`` / ``min`` reduce other statistics; every rank then computes the same weights.
     ``reference``: a dict to receive ``{module name: float weight GPTQ started from}`` (CPU copies; the report's
-    reference weights, ``qcore.adapters.layer_report``)."""
+    reference weights, ``qcore.adapters.eval.layer_report``)."""
     algos = parse_algorithms(algorithms)
     if not algos:
         return {}
     from qcore.algorithms.config import ROTATION_CONFIGS
     if any(isinstance(a, ROTATION_CONFIGS) for a in algos):
         raise ValueError("run_algorithms: rotations (quarot, spinquant) act on the whole model; run them through "
-                         "quantize_model or qcore.adapters.rotation.apply_rotation")
+                         "quantize_model or qcore.adapters.passes.rotation.apply_rotation")
     if not isinstance(batches, Sequence) or len(batches) == 0:
         raise ValueError("the algorithms need calibration data: pass a non-empty list of batches as data=")
     if reduce is not None:

@@ -1,0 +1,1025 @@
+"""Export a quantized model as an HF checkpoint in AMD Quark's layout (``export_hf``), and read such checkpoints.
+
+``export_hf(model, directory)`` writes ``config.json`` (the model's config with Quark's ``quantization_config``),
+``generation_config.json``, the tokenizer (when given) and the weights as safetensors: each quantized layer's
+real low-bit codes and scales in Quark's tensor names, dtypes, shapes and packing (``qcore.formats.quark_layout``),
+every other tensor as it is in the model. vLLM's Quark loader and transformers with amd-quark read it
+(``quant_method: "quark"``).
+
+Formats Quark has no tensor layout for (MX9/MX6/MX4, BFP16, MXINT8, int2/int3, groups that do not divide the
+row, quantized conv and embedding weights, ...) are written in qcore's extension of the layout and the checkpoint
+says ``quant_method: "qcore"``: vLLM refuses it, and transformers without qcore refuses most of it (the packed
+codes do not fit the float weights) but skips an unknown ``quant_method`` with only a warning, so int8 / fp8
+codes stored in the float weight's shape would load as float weights (tests/interop/test_family_interop.py keeps
+this visible); ``import qcore.adapters`` registers the method, and
+``qcore.adapters.from_pretrained`` (or ``AutoModelForCausalLM.from_pretrained`` after ``import qcore.adapters``)
+loads it. Either kind also carries qcore's own config (``quantization_config["qcore"]``).
+
+Guarantees: safetensors only (never pickle); the export is atomic (written into a temporary sibling directory
+renamed into place at the end: an error or Ctrl-C leaves the destination as it was) and deterministic (the same
+model and config give byte-identical files); tensors are converted and written one at a time, in shards of at
+most ``max_shard_size`` bytes with an index file, so peak memory does not grow with the model.
+
+Loading quantized checkpoints into qcore's modules through transformers (no amd-quark needed).
+
+- ``from_pretrained(directory)`` loads a checkpoint written by ``export_hf`` or by AMD Quark itself
+  (``quant_method`` ``"quark"`` or ``"qcore"``): the model's quantized Linears become frozen qcore modules
+  (packed codes + scales, dequantized in the forward), with logits identical to the in-memory frozen model.
+  ``load_quark`` is the same function, named for Quark-written checkpoints.
+- ``import qcore.adapters`` registers the quantization method ``"qcore"`` with transformers' public plug-in API
+  (``register_quantization_config`` / ``register_quantizer``), so ``AutoModelForCausalLM.from_pretrained(d)``
+  loads checkpoints whose ``quant_method`` is ``"qcore"`` too. ``"quark"`` stays transformers' own (it needs
+  amd-quark): qcore never replaces it; ``from_pretrained`` here routes a Quark checkpoint to qcore explicitly.
+
+Loading checks every tensor against the config before any weight is read: names, dtypes and shapes (from the
+safetensors headers; a truncated or corrupted file fails here), then the values (scales finite and positive,
+e8m0 NaN codes, zero points in range); errors name the tensor and the layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable, NamedTuple, Optional, Union
+
+import numpy as np
+import torch
+from torch import nn
+
+import qcore
+from qcore._fsutil import check_not_source, model_sources, staged_dir
+from qcore.formats import quark_layout as L
+from qcore.formats.safetensors_io import (TensorRecord, write_file, CorruptCheckpointError, SafetensorsFile,
+                                          read_json_object)
+
+from ..config import ModelConfig
+from ..modules import QuantExperts, QuantLinear, _QuantMixin, QUANT_CLASSES
+from ..quantizer import _set_module, plan_model
+
+__all__ = ['export_hf', 'ExportInfo', 'parse_size', 'QCORE_FORMAT_VERSION', 'from_pretrained', 'load_quark',
+           'register_with_transformers', 'CorruptCheckpointError']
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# export (formerly export.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+QCORE_FORMAT_VERSION = 1
+
+_TORCH_ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+             torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+             torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+@dataclass(frozen=True)
+class ExportInfo:
+    """What ``export_hf`` wrote."""
+
+    directory: str
+    quant_method: str
+    files: tuple
+    bytes_on_disk: int
+    layers: dict = field(default_factory=dict)  # module name -> layout
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """``5GB``, ``500MB``, ``2GiB``, ``1000000`` -> bytes (decimal units as transformers reads them)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size <= 0:
+            raise ValueError(f"max_shard_size must be positive, got {size}")
+        return size
+    if not isinstance(size, str):
+        raise TypeError(f"max_shard_size must be an int or a string like '5GB', got {type(size).__name__}")
+    s = size.strip().upper()
+    units = [("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)]
+    for u, f in units:
+        if s.endswith(u):
+            try:
+                v = float(s[:-len(u)])
+            except ValueError:
+                break
+            if math.isfinite(v) and v * f >= 1:  # at least one byte: '0.0000001B', 'infGB', 'nanMB' are not sizes
+                return int(v * f)
+            break
+    else:
+        if s.isdigit() and int(s) > 0:
+            return int(s)
+    raise ValueError(f"max_shard_size {size!r} is not a size; expected e.g. '5GB', '500MB', '2GiB' or a byte count")
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu().contiguous()
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16):
+        return t.view(torch.uint8 if t.element_size() == 1 else torch.int16).numpy()
+    return t.numpy()
+
+
+def weight_parts(m: _QuantMixin) -> tuple[L.WeightParts, tuple]:
+    """The qcore parts of a quantized module's weight (canonical layout) and the canonical shape; frozen or not
+    (a fake-quantized weight is quantized again with its own scales, exactly as ``freeze`` does, nothing
+    changes)."""
+    spec = m.specs["weight"]
+    if m.frozen:
+        shape = m.weight_shape
+        codes = qcore.packing.unpack(m.weight_packed.cpu(), spec.dtype, axis=-1, length=shape[-1])
+        sc = m.weight_scale.cpu()
+        scales = sc.float() if sc.dtype == torch.float32 else qcore.decode(sc, spec.scale_dtype)
+        stored = m.scales("weight")
+        zp, sh, ts = stored.zero_point, stored.subblock_shifts, stored.tensor_scale
+        return L.WeightParts(codes=_np(codes), scales=_np(scales.float()),
+                             zero_points=None if zp is None else _np(zp.float()), shifts=None if sh is None else _np(sh),
+                             tensor_scale=None if ts is None else _np(ts.float())), shape
+    w = m.effective("weight", canonical=True)
+    wc = w.float().cpu()
+    kw: dict[str, Any] = {"scale": m.weight_scale.cpu()}
+    if not spec.symmetric:
+        kw["zero_point"] = m.weight_zero_point.cpu()
+    if spec.two_level:
+        kw["tensor_scale"] = m.weight_tensor_scale.cpu()
+    q = qcore.quantize(wc, spec, **kw)
+    back = qcore.dequantize(q).to(w.dtype)
+    if not torch.equal(back, wc.to(w.dtype)):
+        raise RuntimeError(f"export {m.qname!r}: the weight is not on its quantization grid (was it changed after "
+                           f"quantize_model without a forward?); run a forward or freeze the model first")
+    return L.WeightParts(codes=_np(q.codes), scales=_np(q.scales), zero_points=None if q.zero_points is None
+                         else _np(q.zero_points), shifts=None if q.subblock_shifts is None else _np(q.subblock_shifts),
+                         tensor_scale=None if q.tensor_scale is None else _np(q.tensor_scale)), tuple(wc.shape)
+
+
+def canonical_shape(m: _QuantMixin) -> tuple:
+    """The shape of a quantized module's weight in the canonical ``[out, in, *kernel]`` layout, frozen or not."""
+    if isinstance(m, QuantExperts):  # [E, 2I, H]: each expert's Linears are [I, H] (gate, up) and [H, I]
+        return m.expert_shape("gate_up_proj")
+    return m.weight_shape
+
+
+def module_layout(m: _QuantMixin) -> str:
+    if isinstance(m, QuantExperts):
+        from .experts import experts_layout
+        return experts_layout(m.specs["weight"], {p: m.expert_shape(p) for p in ("gate_up_proj", "down_proj")})
+    return L.weight_layout(m.specs["weight"], canonical_shape(m), module="Linear" if type(m) is QuantLinear
+                           else "other")
+
+
+def _activation_records(m: _QuantMixin, layout: str) -> dict:
+    out = {}
+    for role in m.static_roles():
+        if not m.is_calibrated(role):
+            raise ValueError(f"export {m.qname!r}: static {role} scales are not calibrated; run quantize_model "
+                             f"with calibration data before exporting")
+        spec = m.specs[role]
+        b = m.scales(role)
+        out.update(L.activation_tensors(
+            role, spec, scale=None if spec.two_level else _np(b.scale.float()),
+            zero_point=None if b.zero_point is None else _np(b.zero_point.float()),
+            tensor_scale=_np(b.tensor_scale.float()) if spec.two_level else None, layout=layout))
+    return out
+
+
+def _record(name: str, dtype: str, arr_fn, shape: tuple) -> TensorRecord:
+    return TensorRecord(name, dtype, tuple(int(d) for d in shape), lambda: np.ascontiguousarray(arr_fn()).tobytes())
+
+
+def _tensor_record(name: str, t: torch.Tensor) -> TensorRecord:
+    if t.dtype not in _TORCH_ST:
+        raise TypeError(f"export: tensor {name!r} has dtype {t.dtype}, which safetensors cannot hold")
+    return _record(name, _TORCH_ST[t.dtype], lambda: _np(t), tuple(t.shape))
+
+
+def module_records(name: str, m: _QuantMixin, layout: str, cache: dict, pack_method: str = "reorder"
+                   ) -> list[TensorRecord]:
+    """One quantized module's tensors in the checkpoint (weight codes and scales in ``layout``, calibrated
+    activation scales, bias), as lazy records; ``cache`` holds one module's encoded weight at a time."""
+    prefix = f"{name}."
+    spec = m.specs["weight"]
+    records: list[TensorRecord] = []
+    for suffix, (dt, shp) in L.expected_weight(spec, canonical_shape(m), layout=layout).items():
+        def arr(m=m, suffix=suffix, layout=layout, spec=spec):
+            if cache.get("module") is not m:  # one module's encoded tensors at a time (written together)
+                cache.clear()
+                cache["enc"] = L.encode_weight(weight_parts(m)[0], spec, layout=layout, pack_method=pack_method)
+                cache["module"] = m
+            return cache["enc"][suffix][1]
+        records.append(_record(prefix + suffix, dt, arr, shp))
+    for n, (dt, a) in _activation_records(m, layout).items():
+        records.append(_record(prefix + n, dt, lambda a=a: a, a.shape))
+    bias = m._parameters.get("bias")
+    if bias is not None:
+        if "bias" in m.specs:  # the fake-quantized bias the model computes with, as floats
+            records.append(_tensor_record(prefix + "bias", m.effective("bias")))
+        else:
+            records.append(_tensor_record(prefix + "bias", bias))
+    return records
+
+
+def _plan_tensors(model: nn.Module, pack_method: str = "reorder") -> tuple[list[TensorRecord], dict[str, str]]:
+    """Every tensor to write, as lazy records (nothing converted yet), and the layout of each quantized module.
+    Order (it decides the shards): the quantized modules' tensors in module order, then every other tensor of
+    the state dict in its order (a tied weight once)."""
+    mods = {n: m for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
+    layouts = {n: module_layout(m) for n, m in mods.items()}
+    records: list[TensorRecord] = []
+    owned: set[str] = set()
+    cache: dict = {}
+    for name, m in mods.items():
+        prefix = f"{name}."
+        keys = [prefix + k for k in m.state_dict().keys()]
+        owned.update(k for k in keys if "." not in k[len(prefix):])
+        if isinstance(m, QuantExperts):  # per-expert Linears, under the family's checkpoint names
+            from .experts import experts_records
+            records.extend(experts_records(model, name, m, layouts[name], pack_method))
+            continue
+        records.extend(module_records(name, m, layouts[name], cache, pack_method))
+    seen: dict[tuple, str] = {}
+    from .experts import float_experts_records, float_experts_split
+    split = float_experts_split(model)  # float fused experts: per expert, as the family's checkpoints hold them
+    for k, t in model.state_dict(keep_vars=True).items():
+        if k in owned or t is None:
+            continue
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if t.numel() and key in seen:  # a tied weight: written once, as save_pretrained does
+            continue
+        seen[key] = k
+        records.extend(float_experts_records(model, k, t, split[k]) if k in split else [_tensor_record(k, t.detach())])
+    return records, layouts
+
+
+def _online_rotations(model: nn.Module, config: ModelConfig) -> bool:
+    """Whether the model carries online rotations; ValueError if they are not what its config's rotation says
+    (a loader re-installs them from the config)."""
+    from qcore.algorithms.config import parse_algorithms, split_rotation
+    from ..passes.rotation import input_rotations, online_plan
+    have = {n: (h.size, h.key) for n, h in input_rotations(model).items()}
+    rot, _ = split_rotation(parse_algorithms(config.algorithms))
+    want = {n: (h.size, h.key) for n, h in online_plan(model, rot).items()} if rot is not None else {}
+    if have != want:
+        raise ValueError(f"export: the model's online rotations ({len(have)} modules, e.g. "
+                         f"{next(iter(have), None)!r}) are not the ones its config's algorithms give ({len(want)}, "
+                         f"e.g. {next(iter(want), None)!r}); rotate through quantize_model's algorithms (quarot, "
+                         f"spinquant) so that the checkpoint can re-install them")
+    return bool(have)
+
+
+class ExportUnit(NamedTuple):
+    """One module an exporter writes quantized: its name, float module type name (``"Linear"``, ...), weight shape
+    in the canonical ``[out, in, *kernel]`` layout, and ``LayerConfig``."""
+    name: str
+    type: str
+    shape: tuple
+    config: Any
+
+
+def export_units(model: nn.Module, config: ModelConfig) -> list[ExportUnit]:
+    """The quantized modules of ``model`` as they are, or, for a model not quantized yet, as ``quantize_model``
+    would make them from ``config`` (``plan_model``): what the exporters' up-front checks (``check_hf``,
+    ``check_gguf``, ``check_onnx``, ``check_ct``) look at, before any evaluation or quantization."""
+    mods = [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantMixin)]
+    if mods:
+        return [ExportUnit(n, "Experts" if isinstance(m, QuantExperts) else m.float_type.__name__,
+                           canonical_shape(m), m.qconfig) for n, m in mods]
+    from ..quantizer import plan_model
+    out = []
+    for p in plan_model(model, config):
+        w = getattr(model.get_submodule(p.name), "weight" if p.type != "Experts" else "gate_up_proj", None)
+        shape = tuple(w.shape) if w is not None else ()
+        if p.type in ("ConvTranspose2d", "Conv1D") and len(shape) >= 2:  # stored [in, out, ...]
+            shape = (shape[1], shape[0], *shape[2:])
+        out.append(ExportUnit(p.name, p.type, shape, p.config))
+    return out
+
+
+def refuse_conv1d(model: nn.Module, config: Optional[ModelConfig], who: str) -> None:
+    """Before any work: ValueError naming the first module that is (or, for a float model and ``config``, will be)
+    a quantized transformers ``Conv1D`` (GPT-2's projections): ``who`` (the GGUF, ONNX and compressed-tensors
+    exporters and their up-front checks) has no writer for them yet (issue 22); ``export_hf`` writes them."""
+    names = [n for n, m in model.named_modules()
+             if isinstance(m, _QuantMixin) and type(m).__bases__[1].__name__ == "Conv1D"]
+    if not names and isinstance(config, ModelConfig) and not any(isinstance(m, _QuantMixin) for m in model.modules()) \
+            and any(type(m).__name__ == "Conv1D" for m in model.modules()):  # models without one: not planned here
+        names = [u.name for u in export_units(model, config) if u.type == "Conv1D"]
+    if names:
+        raise ValueError(conv1d_error(who, names))
+
+
+def conv1d_error(who: str, names: list) -> str:
+    """The refusal of an exporter with no writer for quantized transformers ``Conv1D`` modules (``names``)."""
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    return (f"{who}: {names[0]!r}{more} is a quantized transformers Conv1D (GPT-2's attention and MLP "
+            f"projections); this format has no writer for it yet (issue 22). export_hf writes it "
+            f"(qcore.adapters.from_pretrained loads it); or exclude these modules from the config to keep them float")
+
+
+def will_rotate_online(model: nn.Module, config: ModelConfig) -> bool:
+    """Whether the model carries (or, quantized with ``config``, will carry) online rotations."""
+    from ..passes.rotation import input_rotations
+    if input_rotations(model):
+        return True
+    from qcore.algorithms.config import parse_algorithms, split_rotation
+    rot, _ = split_rotation(parse_algorithms(config.algorithms))
+    if rot is None:
+        return False
+    from ..passes.rotation import online_plan
+    return bool(online_plan(model, rot))
+
+
+def _model_dtype_name(model: nn.Module) -> str:
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
+
+
+def _quark_part(config: ModelConfig, model_dtype: str, quark_ok: bool) -> dict:
+    """Quark's spelling of ``config`` (``{}`` where it has none and the checkpoint is written as ``"qcore"``);
+    ValueError where Quark's layout is used but the config has no Quark spelling (e.g. MX E8M0 scales in a
+    float16 model)."""
+    try:
+        return config.to_quark(model_dtype=model_dtype)
+    except (ValueError, TypeError) as e:
+        if quark_ok:
+            raise ValueError(f"export: the config has no Quark spelling ({e}); Quark's loaders could not read the "
+                             f"checkpoint") from None
+        return {}
+
+
+def model_config(model: nn.Module, config: Optional[ModelConfig], *, who: str) -> ModelConfig:
+    """The ``ModelConfig`` an exporter writes: ``config``, or the model's own ``qcore_config`` (set by
+    ``quantize_model`` and the loaders); TypeError / ValueError naming ``who`` otherwise."""
+    if config is not None and not isinstance(config, ModelConfig):
+        raise TypeError(f"{who}: config must be a ModelConfig (ModelConfig.from_dict reads a dict), "
+                        f"got {type(config).__name__}")
+    config = config if config is not None else getattr(model, "qcore_config", None)
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"{who}: the model carries no qcore config (quantize it with "
+                         f"qcore.adapters.quantize_model, or pass config=)")
+    return config
+
+
+def check_hf(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
+    """Before any work: ValueError if ``export_hf`` would refuse ``model`` quantized with ``config`` (default
+    ``model.qcore_config``), for reasons the config and the float model already decide (``qcore quantize
+    --output`` calls it before the baseline evaluation; ``export_hf`` itself too)."""
+    config = model_config(model, config, who="export_hf")
+    units = [u for u in export_units(model, config) if u.config.weight is not None]
+    layouts = [L.weight_layout(u.config.weight.spec, u.shape, module="Linear" if u.type == "Linear" else "other")
+               if u.type != "Experts" else _experts_unit_layout(u) for u in units]
+    quark_ok = all(v != "qcore" for v in layouts) and not will_rotate_online(model, config) and not any(
+        u.type == "Experts" for u in units)  # quantized fused experts: quant_method "qcore" (see _quantization_config)
+    _quark_part(config, _model_dtype_name(model), quark_ok)
+
+
+def _experts_unit_layout(u: ExportUnit) -> str:
+    """The layout of a fused experts unit's per-expert Linears (ValueError where qcore cannot write them yet)."""
+    from .experts import experts_layout, split_problem
+    from ..modules import _norm_weight_granularity, _with_granularity
+    e, o, i = u.shape
+    spec = u.config.weight.spec
+    spec = _with_granularity(spec, _norm_weight_granularity(spec.granularity, "experts", u.name, 2, (o, i)))
+    shapes = {"gate_up_proj": (e, o, i), "down_proj": (e, i, o // 2)}
+    problem = split_problem(spec, shapes)
+    if problem is not None:
+        raise ValueError(f"export_hf: experts {u.name!r}: {problem}; not written yet (issue 22)")
+    return experts_layout(spec, shapes)
+
+
+def _quantization_config(model: nn.Module, config: ModelConfig, layouts: dict[str, str], pack_method: str) -> dict:
+    # online rotations: Quark's and vLLM's loaders would not apply qcore's transforms; quant_method "qcore"
+    quark_ok = all(v != "qcore" for v in layouts.values()) and not _online_rotations(model, config)
+    # quantized fused MoE experts: transformers' Quark integration (amd-quark 0.13) does not read them (it merges the
+    # per-expert codes into float parameters and drops their scales: checked), so qcore's loader is their reader
+    quark_ok = quark_ok and not any(isinstance(m, QuantExperts) for m in model.modules())
+    q = _quark_part(config, _model_dtype_name(model), quark_ok)
+    if q:
+        q["export"]["pack_method"] = pack_method
+    q["quant_method"] = "quark" if quark_ok else "qcore"
+    q["qcore"] = {"format_version": QCORE_FORMAT_VERSION, "qcore_version": qcore.__version__,
+                  "config": config.to_dict(), "layouts": dict(sorted(layouts.items()))}
+    return q
+
+
+def _check_config_describes(model: nn.Module, config: ModelConfig) -> None:
+    """The config written must give exactly the model's quantized modules (a loader rebuilds them from it)."""
+    from ..quantizer import plan_model
+    want = {p.name: p.config for p in plan_model(model, config, _quantized_ok=True)}
+    have = {n: m.qconfig for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
+    for name in sorted(set(want) | set(have)):
+        if want.get(name) != have.get(name):
+            got = "float" if name not in have else "quantized"
+            raise ValueError(f"export: config does not describe the model: {name!r} is {got} in the model but the "
+                             f"config gives {'float' if name not in want else repr(want[name])}; pass the config "
+                             f"the model was quantized with")
+
+
+def _shards(records: list[TensorRecord], max_bytes: int) -> list[list[TensorRecord]]:
+    shards: list[list[TensorRecord]] = [[]]
+    size = 0
+    for r in records:
+        if shards[-1] and size + r.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(r)
+        size += r.nbytes
+    return shards
+
+
+def check_destination(directory: pathlib.Path, overwrite: bool, sources: Iterable = ()) -> None:
+    """Before any work: ``directory`` is none of ``sources`` (nor contains, nor lies inside one:
+    ``qcore._fsutil.check_not_source``, with overwrite or not) and is absent, empty, or ``overwrite`` is given."""
+    check_not_source(directory, sources, what="export directory")
+    if directory.exists() and not directory.is_dir():
+        raise FileExistsError(f"export directory {str(directory)!r} exists and is not a directory")
+    if directory.is_dir() and any(directory.iterdir()) and not overwrite:
+        raise FileExistsError(f"export directory {str(directory)!r} exists and is not empty; pass overwrite=True "
+                              f"(--overwrite) to replace it")
+
+
+def weightless_error(what: str, names: list) -> str:
+    """The refusal of a checkpoint writer whose format stores quantized weights, for modules that quantize only
+    their activations or KV-cache outputs (a KV-cache-only or activation-only config)."""
+    return (f"{what}: {len(names)} module(s) quantize activations or KV-cache outputs but not their weight (e.g. "
+            f"{names[0]!r}); this checkpoint format stores quantized weights with their activation scales, so a "
+            f"KV-cache-only or activation-only config is not exported: quantize the weights too (e.g. the ptpc_fp8 "
+            f"preset with an fp8 KV cache), or export ONNX, which holds activation-only quantization")
+
+
+def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: Optional[ModelConfig] = None,
+              tokenizer: Any = None, overwrite: bool = False, max_shard_size: Union[int, str] = "5GB",
+              pack_method: str = "reorder", progress: bool = False) -> ExportInfo:
+    """Write ``model`` (quantized with ``quantize_model``; frozen or not) as an HF checkpoint in Quark's layout.
+
+    config: the model's ``ModelConfig`` (default: the one ``quantize_model`` used, ``model.qcore_config``).
+    tokenizer: saved alongside (``save_pretrained``) so the directory is a complete model.
+    overwrite: replace an existing non-empty ``directory`` (else ``FileExistsError``, before any work). A directory
+        that is, contains or lies inside where the model was loaded from is refused either way (ValueError; docs/
+        export.md, "What writers guarantee").
+    max_shard_size: largest shard in bytes (int) or ``"5GB"``-style; several shards get an index file.
+    pack_method: int4 nibble order, ``"reorder"`` (Quark's default) or ``"order"``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if pack_method not in L.PACK_METHODS:
+        raise ValueError(f"pack_method must be one of {sorted(L.PACK_METHODS)}, got {pack_method!r}")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
+    max_bytes = parse_size(max_shard_size)
+    config = model_config(model, config, who="export_hf")
+    if not any(isinstance(m, _QuantMixin) for m in model.modules()):
+        raise ValueError("export_hf: the model has no qcore quantized modules; run quantize_model first")
+    weightless = [n for n, m in model.named_modules() if isinstance(m, _QuantMixin) and "weight" not in m.specs]
+    if weightless:  # before any work: the layouts are the weights' (a KV-cache-only / activation-only config)
+        raise ValueError(weightless_error("export_hf", weightless))
+    hf_config = getattr(model, "config", None)
+    if hf_config is None or not hasattr(hf_config, "to_dict"):
+        raise TypeError("export_hf: the model has no transformers config (model.config); only transformers models "
+                        "can be written as HF checkpoints")
+    directory = pathlib.Path(directory)
+    check_destination(directory, overwrite, model_sources(model))
+    _check_config_describes(model, config)
+    check_hf(model, config)
+
+    records, layouts = _plan_tensors(model, pack_method)
+    qdict = _quantization_config(model, config, layouts, pack_method)
+
+    write_checkpoint(directory, model, hf_config, qdict, records, tokenizer=tokenizer, overwrite=overwrite,
+                     max_bytes=max_bytes, progress=progress)
+    return _info(directory, qdict, layouts)
+
+
+def write_checkpoint(directory: pathlib.Path, model: nn.Module, hf_config: Any, qdict: dict,
+                     records: list[TensorRecord], *, tokenizer: Any, overwrite: bool, max_bytes: int,
+                     progress: bool) -> None:
+    """An HF checkpoint directory (config with ``qdict`` as its ``quantization_config``, generation config,
+    tokenizer, safetensors shards of ``records``), written atomically: staged beside ``directory``, renamed into
+    place (shared by ``export_hf`` and ``export_compressed_tensors``)."""
+    with staged_dir(directory, recheck=lambda: check_destination(directory, overwrite, model_sources(model))) as tmp:
+        write_metadata(tmp, hf_config, qdict, type(model).__name__, getattr(model, "generation_config", None))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        write_shards(tmp, records, max_bytes, progress=progress)
+
+
+def _info(directory: pathlib.Path, qdict: dict, layouts: dict) -> ExportInfo:
+    files = tuple(sorted(p.name for p in directory.iterdir()))
+    size = sum((directory / f).stat().st_size for f in files)
+    return ExportInfo(str(directory), qdict["quant_method"], files, size, layouts)
+
+
+def publishable(d: Any) -> Any:
+    """``d`` (a config dict) without local paths: ``_name_or_path`` and every other string that is an absolute
+    path are dropped, so that the same model exports the same bytes wherever it was loaded from."""
+    if isinstance(d, dict):
+        return {k: publishable(v) for k, v in d.items()
+                if k != "_name_or_path" and not (isinstance(v, str) and _is_local_path(v))}
+    if isinstance(d, (list, tuple)):
+        return type(d)(publishable(v) for v in d if not (isinstance(v, str) and _is_local_path(v)))
+    return d
+
+
+def _is_local_path(v: str) -> bool:
+    return os.path.isabs(v) or v.startswith(("~" + os.sep, "." + os.sep, ".." + os.sep))
+
+
+def write_metadata(tmp: pathlib.Path, hf_config: Any, qdict: dict, architecture: str, generation_config: Any) -> None:
+    """``config.json`` (the model's config with ``quantization_config``) and ``generation_config.json``."""
+    cfg = publishable(hf_config.to_dict())
+    cfg["quantization_config"] = qdict
+    cfg["architectures"] = [architecture]  # as save_pretrained writes it (vLLM picks the class by it)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if generation_config is not None:
+        (tmp / "generation_config.json").write_text(generation_config.to_json_string(use_diff=True))
+
+
+def write_shards(tmp: pathlib.Path, records: list[TensorRecord], max_bytes: int, *, progress: bool = False) -> int:
+    """The records as safetensors shards of at most ``max_bytes`` (in order), with an index file when there are
+    several; returns the bytes of tensor data written."""
+    shards = _shards(records, max_bytes)
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    total = 0
+    it = list(zip(names, shards))
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(it, desc="exporting", unit="shard", leave=False)
+    for fname, shard in it:
+        write_file(tmp / fname, shard, metadata={"format": "pt"})
+        total += sum(r.nbytes for r in shard)
+    if n > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": dict(sorted((r.name, f) for f, s in zip(names, shards) for r in s))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# import (formerly hf.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+_ST_TORCH = {st: t for t, st in _TORCH_ST.items()}  # safetensors dtype name -> torch dtype
+_OWN_KEYS = ("quant_method", "qcore", "source_method")
+_QUARK_KEYS = ("global_quant_config", "layer_quant_config", "layer_type_quant_config", "kv_cache_quant_config",
+               "exclude", "algo_config")
+
+
+def check_format_version(own: Any, where: str) -> None:
+    """Refuse a qcore block (``quantization_config["qcore"]``) written by a newer qcore: its ``format_version``
+    must be an int no greater than this reader's ``QCORE_FORMAT_VERSION``."""
+    if not isinstance(own, dict) or "format_version" not in own:
+        return
+    v = own["format_version"]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise CorruptCheckpointError(f"{where}.qcore.format_version must be a positive int, got {v!r}")
+    if v > QCORE_FORMAT_VERSION:
+        raise CorruptCheckpointError(f"{where}.qcore.format_version is {v}; this qcore ({qcore.__version__}) reads "
+                                     f"format versions up to {QCORE_FORMAT_VERSION}: upgrade qcore to load it")
+
+
+def checkpoint_config(raw: dict) -> ModelConfig:
+    """The ``ModelConfig`` of a checkpoint's ``quantization_config``: qcore's own when present, else Quark's."""
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(f"quantization_config must be a JSON object, got {type(raw).__name__}")
+    own = raw.get("qcore")
+    if own is not None and not isinstance(own, dict):
+        raise CorruptCheckpointError(f"quantization_config.qcore must be a JSON object, got {own!r}"[:300])
+    check_format_version(own, "quantization_config")
+    if isinstance(own, dict) and "config" in own:
+        mine = ModelConfig.from_dict(own["config"])
+        quark = raw.get("source_method", raw.get("quant_method")) == "quark"
+        if quark or any(k in raw for k in _QUARK_KEYS):  # what Quark and vLLM read (or a reader of Quark's fields
+            theirs = ModelConfig.from_quark({**{k: v for k, v in raw.items() if k not in _OWN_KEYS},  # and the same
+                                             "quant_method": "quark"})
+            # Quark's scale_type follows the model dtype the export wrote them in: equal for one of them
+            wheres = []
+            for dt in ("float32", "bfloat16", "float16"):
+                try:
+                    wheres.append(_first_difference(theirs.to_quark(model_dtype=dt), mine.to_quark(model_dtype=dt)))
+                except ValueError:  # a config this dtype cannot spell (E8M0 scales in float16)
+                    continue
+            if not wheres:  # no model dtype spells the qcore block's config in Quark's terms (where a "qcore"
+                if not quark:  # checkpoint then writes no Quark fields)
+                    raise CorruptCheckpointError("quantization_config: Quark fields beside a qcore block whose "
+                                                 "config has no Quark spelling")
+                raise CorruptCheckpointError("quantization_config: quant_method 'quark', but the qcore block's "
+                                             "config has no Quark spelling: Quark and vLLM would load another model "
+                                             "than qcore")
+            where = None if None in wheres else wheres[0]
+            if where is not None:
+                raise CorruptCheckpointError(f"quantization_config.{where} disagrees with the qcore block's config: "
+                                             f"Quark and vLLM would load another model than qcore")
+        return mine
+    if raw.get("source_method", raw.get("quant_method")) not in ("quark", "qcore"):
+        raise ValueError(f"quantization_config: quant_method {raw.get('quant_method')!r} is not 'quark' or 'qcore'")
+    d = {k: v for k, v in raw.items() if k not in _OWN_KEYS}
+    d["quant_method"] = "quark"
+    return ModelConfig.from_quark(d)
+
+
+def _first_difference(a: Any, b: Any, path: str = "") -> Optional[str]:
+    """The dotted path of the first place two JSON-like values differ, or None when they are equal."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in list(a) + [k for k in b if k not in a]:
+            where = _first_difference(a.get(k), b.get(k), f"{path}.{k}" if path else str(k))
+            if where is not None:
+                return where
+        return None
+    return None if a == b else (path or "(root)")
+
+
+def read_config(d: pathlib.Path) -> tuple:
+    """``(config.json as a dict, its quantization_config)`` of the checkpoint directory ``d``, read safely (a
+    malformed or too deeply nested file is a ``CorruptCheckpointError`` naming it)."""
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"{str(d)!r} is not a checkpoint directory (no config.json)")
+    cfg = read_json_object(d / "config.json", what="the model config")
+    return cfg, cfg.get("quantization_config")
+
+
+def hf_config(d: pathlib.Path):
+    """transformers' ``AutoConfig`` of the checkpoint directory ``d``; a config.json transformers cannot read is a
+    ``CorruptCheckpointError`` naming the file, not transformers' traceback."""
+    from transformers import AutoConfig
+    bad: tuple = (ValueError, TypeError, KeyError, AttributeError, OSError, IndexError)
+    try:  # transformers 5 validates config fields with huggingface_hub's strict dataclasses
+        from huggingface_hub.errors import StrictDataclassError
+        bad += (StrictDataclassError,)
+    except ImportError:
+        pass
+    try:
+        return AutoConfig.from_pretrained(d, local_files_only=True)
+    except bad as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CorruptCheckpointError(f"{str(d / 'config.json')!r}: transformers cannot build the model config from "
+                                     f"it ({msg})") from None
+
+
+class _Shell(nn.Module):
+    """Placeholder for one quantized module while transformers loads the checkpoint: parameters named, shaped and
+    typed as the checkpoint stores them (on meta until loaded)."""
+
+    def __init__(self, name: str, m: nn.Module, config):
+        super().__init__()
+        q = QUANT_CLASSES[type(m)].from_module(m, config, name=name)  # on meta: planned here, filled in _build
+        object.__setattr__(self, "_wrapper", q)  # not a submodule: its float weight is not in the checkpoint
+        spec = q.specs["weight"]
+        self.shape = q.weight_shape
+        self.layout = L.weight_layout(spec, self.shape, module="Linear" if isinstance(m, nn.Linear) else "other")
+        self.expected = dict(L.expected_weight(spec, self.shape, layout=self.layout))
+        for role in q.static_roles():
+            self.expected.update(L.expected_activation(role, q.specs[role], q.static_scale_shape(role),
+                                                       layout=self.layout))
+        self.qname = name
+        for n, (dt, shape) in self.expected.items():
+            self.register_parameter(n, nn.Parameter(torch.empty(shape, dtype=_ST_TORCH[dt], device="meta"),
+                                                    requires_grad=False))
+        if getattr(m, "bias", None) is not None:
+            self.bias = m.bias
+
+
+_FLOAT_ST = ("F32", "F16", "BF16")
+
+
+def unexpected_keys(model: nn.Module, names) -> list:
+    """The ``names`` (checkpoint tensors) that are not tensors of ``model``, sorted, leaving out those transformers
+    itself ignores on load: the model's ``_keys_to_ignore_on_load_unexpected`` and its non-persistent buffers
+    (older files store the rotary ``inv_freq``)."""
+    import re
+    state = model.state_dict(keep_vars=True)
+    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+    transient = {f"{n}.{b}" if n else b for n, m in model.named_modules() for b in m._non_persistent_buffers_set}
+    return sorted(k for k in names if k not in state and k not in transient and not any(p.search(k) for p in ignore))
+
+
+def check_tensors(files: list, model: nn.Module, shells: dict[str, _Shell]) -> None:
+    """The whole checkpoint against the model its config builds, from the safetensors headers (before any weight
+    is read): every quantized module's tensors (names, dtypes, shapes of its layout), every other parameter and
+    persistent buffer of the model present with its shape (float ones stored in one float dtype, the one the
+    checkpoint's other float tensors use), and no tensor the config does not explain. A tensor the model needs
+    and the file lacks would otherwise be left to random initialisation. Raises ``CorruptCheckpointError``
+    naming the tensor (and its file)."""
+    entries: dict = {}
+    for f in files:
+        st = SafetensorsFile(f)
+        for k, e in st.entries.items():
+            if k in entries:
+                raise CorruptCheckpointError(f"tensor {k!r} is stored twice ({pathlib.Path(entries[k][1]).name} and "
+                                             f"{pathlib.Path(f).name})")
+            entries[k] = (e, f)
+    if not entries:
+        raise CorruptCheckpointError("the checkpoint has no safetensors files (qcore never loads pickled weights)")
+    for name, sh in shells.items():
+        for suffix, (dt, shape) in sh.expected.items():
+            key = getattr(sh, "disk", {}).get(suffix, f"{name}.{suffix}")  # fused experts: the family's names
+            if key not in entries:
+                raise CorruptCheckpointError(f"layer {name!r}: tensor {key!r} is missing from the checkpoint "
+                                             f"(layout {sh.layout!r} stores {sorted(sh.expected)})")
+            e, f = entries[key]
+            if e.dtype != dt or tuple(e.shape) != tuple(shape):
+                raise CorruptCheckpointError(f"layer {name!r}: tensor {key!r} is {e.dtype} {list(e.shape)} in "
+                                             f"{pathlib.Path(f).name}; the config ({sh.layout!r} layout) needs {dt} "
+                                             f"{list(shape)}")
+    quantized = {f"{n}.{s}" for n, sh in shells.items() for s in sh.expected}
+    state = model.state_dict(keep_vars=True)
+    groups: dict[int, list] = {}  # tied tensors (one object under several names) are stored once
+    for k, t in state.items():
+        if k not in quantized:
+            groups.setdefault(id(t), []).append((k, t))
+    floats = [entries[k][0].dtype for keys in groups.values() for k, t in keys
+              if k in entries and t.is_floating_point()]
+    want_float = max(set(floats), key=floats.count) if floats else None  # the checkpoint's float dtype
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})  # transformers' tied name -> its source
+    from .experts import check_split_experts, float_experts_split
+    split = {k: v for k, v in float_experts_split(model).items() if k not in entries}  # float fused experts stored
+    for keys in groups.values():  # per expert (as save_pretrained writes them; transformers merges them on load)
+        present = [(k, t) for k, t in keys if k in entries]
+        if not present and all(tied.get(k) in entries for k, _ in keys):
+            continue  # tied to a stored tensor (e.g. lm_head.weight to the token embedding): written once
+        if not present and keys[0][0] in split:
+            check_split_experts(keys[0][0], keys[0][1], split[keys[0][0]], entries, want_float)
+            continue
+        if not present:
+            raise CorruptCheckpointError(f"tensor {keys[0][0]!r} of the model is missing from the checkpoint "
+                                         f"(it would be left to random initialisation)")
+        for k, t in present:
+            e, f = entries[k]
+            if t.is_floating_point():
+                ok = e.dtype in _FLOAT_ST and e.dtype == want_float
+                want = f"{want_float} (the checkpoint's float dtype)"
+            else:
+                want = _TORCH_ST.get(t.dtype, str(t.dtype))
+                ok = e.dtype == want
+            if not ok or tuple(e.shape) != tuple(t.shape):
+                raise CorruptCheckpointError(f"tensor {k!r} is {e.dtype} {list(e.shape)} in {pathlib.Path(f).name}; "
+                                             f"the model needs {want} {list(t.shape)}")
+    on_disk = {k for sh in shells.values() for k in getattr(sh, "disk", {}).values()}
+    on_disk |= {d for parts in split.values() for d, _ in parts}
+    extra = [k for k in unexpected_keys(model, entries) if k not in on_disk]
+    if extra:
+        raise CorruptCheckpointError(f"tensor {extra[0]!r} in {pathlib.Path(entries[extra[0]][1]).name} is not a "
+                                     f"tensor of the model its config describes"
+                                     f"{f' (and {len(extra) - 1} more: {extra[1:4]})' if len(extra) > 1 else ''}")
+
+
+def _build(sh: _Shell, pack_method: str, dtype: torch.dtype) -> nn.Module:
+    """The frozen qcore module of a loaded shell (validated values)."""
+    if hasattr(sh, "build"):  # fused MoE experts (qcore.adapters.io.experts.ExpertsShell)
+        return sh.build(pack_method, dtype)
+    where = f"layer {sh.qname!r}"
+    params = dict(sh.named_parameters(recurse=False))
+    missing = [n for n in sh.expected if params[n].is_meta]
+    if missing:
+        raise CorruptCheckpointError(f"{where}: tensors {missing} were not loaded from the checkpoint")
+    arrays = {n: _np(params[n]) for n in sh.expected}
+    q, shape = sh._wrapper, sh.shape
+    spec = q.specs["weight"]
+    parts = L.decode_weight(arrays, spec, shape, layout=sh.layout, pack_method=pack_method, where=where)
+    device = params["weight"].device
+    q.load_frozen(parts, shape=shape, dtype=dtype, device=device)
+    with torch.no_grad():
+        if "bias" in q._parameters and q._parameters["bias"] is not None:
+            q.load_bias(sh.bias)  # exported as the fake-quantized floats it computes with
+        for role in q.static_roles():
+            a = L.decode_activation(arrays, role, q.specs[role], where=where)
+            if a["tensor_scale"] is not None:
+                q.load_static_scales(role, tensor_scale=a["tensor_scale"], device=device)
+            else:
+                q.load_static_scales(role, scale=a["scale"], zero_point=a["zero_point"], device=device)
+    left = [n for n, t in list(q.named_parameters()) + list(q.named_buffers()) if t is not None and t.is_meta]
+    if left:
+        raise RuntimeError(f"{where}: {left} stayed unloaded (a qcore bug; please report it)")
+    return q
+
+
+def _make_classes():
+    from transformers.quantizers import HfQuantizer
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+
+    class QcoreHfConfig(QuantizationConfigMixin):
+        """transformers' view of a qcore / Quark ``quantization_config`` (the dict is kept as it is)."""
+
+        def __init__(self, **kwargs):
+            self.raw = dict(kwargs)
+            self.quant_method = "qcore"
+
+        def to_dict(self) -> dict:
+            d = dict(self.raw)
+            d["quant_method"] = d.pop("source_method", d.get("quant_method", "qcore"))
+            return d
+
+        def to_diff_dict(self) -> dict:
+            return self.to_dict()
+
+    class QcoreHfQuantizer(HfQuantizer):
+        """Swaps the planned modules for checkpoint-shaped placeholders before loading, and for frozen qcore
+        modules after."""
+
+        requires_calibration = True
+
+        def __init__(self, quantization_config, **kwargs):
+            super().__init__(quantization_config, **kwargs)
+            self._shells: dict[str, _Shell] = {}
+
+        def validate_environment(self, *args, **kwargs):
+            return None
+
+        def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+            raw = self.quantization_config.raw
+            config = checkpoint_config(raw)
+            export = raw.get("export") or {}
+            if not isinstance(export, dict):
+                raise CorruptCheckpointError(f"quantization_config.export must be a JSON object, got {export!r}"[:300])
+            self.pack_method = export.get("pack_method", "reorder")
+            if not isinstance(self.pack_method, str) or self.pack_method not in L.PACK_METHODS:
+                raise CorruptCheckpointError(f"quantization_config.export.pack_method {self.pack_method!r} is not "
+                                             f"one of {sorted(L.PACK_METHODS)}")
+            stated = (raw.get("qcore") or {}).get("layouts") if isinstance(raw.get("qcore"), dict) else None
+            if stated is not None and not (isinstance(stated, dict) and all(isinstance(v, str)
+                                                                              for v in stated.values())):
+                raise CorruptCheckpointError(f"quantization_config.qcore.layouts must map layer names to layout "
+                                             f"names, got {stated!r}"[:300])
+            from .experts import stored_float_experts
+            self._float_experts = stored_float_experts(model, config, checkpoint_files)  # Quark 0.13's MoE exports
+            for p in plan_model(model, config, _check_float=False):  # a saved config, as it was saved
+                if p.name in self._float_experts:
+                    continue
+                if p.type == "Experts":
+                    from .experts import ExpertsShell
+                    sh = ExpertsShell(model, p.name, model.get_submodule(p.name), p.config)
+                else:
+                    sh = _Shell(p.name, model.get_submodule(p.name), p.config)
+                layout = sh.layout
+                if stated is not None and stated.get(p.name, layout) != layout:
+                    raise CorruptCheckpointError(f"layer {p.name!r}: the checkpoint says layout "
+                                                 f"{stated[p.name]!r}, its config gives {layout!r}")
+                if layout == "qcore" and raw.get("source_method", raw.get("quant_method")) == "quark":
+                    raise CorruptCheckpointError(f"layer {p.name!r}: quant_method 'quark' but the config's format "
+                                                 f"has no Quark tensor layout (a qcore extension checkpoint says "
+                                                 f"quant_method 'qcore')")
+                _set_module(model, p.name, sh)
+                self._shells[p.name] = sh
+            if not checkpoint_files:
+                raise CorruptCheckpointError("transformers found no checkpoint files to load")
+            check_tensors(list(checkpoint_files), model, self._shells)
+            return model
+
+        def update_weight_conversions(self, weight_conversions, model):
+            from .experts import drop_expert_converters  # quantized fused experts load per expert, as stored
+            return super().update_weight_conversions(drop_expert_converters(weight_conversions, self._shells), model)
+
+        def _process_model_after_weight_loading(self, model, **kwargs):
+            shell = {id(p) for sh in self._shells.values() for p in sh.parameters()}
+            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and not p.is_meta
+                          and id(p) not in shell  # checkpoint tensors (e.g. float16 scales), not the model's
+                          and p.dtype in (torch.float32, torch.bfloat16, torch.float16)), torch.float32)
+            for name, sh in self._shells.items():
+                _set_module(model, name, _build(sh, self.pack_method, dtype))
+            self._shells = {}
+            model.qcore_config = checkpoint_config(self.quantization_config.raw)
+            if getattr(self, "_float_experts", None):  # fused experts the checkpoint stores float: excluded, by name
+                from .experts import exclude_float_experts
+                model.qcore_config = exclude_float_experts(model, model.qcore_config, self._float_experts)
+            from qcore.algorithms.config import parse_algorithms, split_rotation
+            rot, _ = split_rotation(parse_algorithms(model.qcore_config.algorithms))
+            if rot is not None and rot.online:  # the online transforms of the rotated weights (QuaRot / SpinQuant)
+                own = any(isinstance(a, dict) and a.get("name") in ("qcore_rotation", "quarot", "spinquant")
+                          for a in model.qcore_config.algorithms)
+                if not own:
+                    raise CorruptCheckpointError(
+                        f"quantization_config.algo_config: Quark's rotation with online transforms "
+                        f"({list(rot.online)}) uses Quark's own Hadamard tables, which qcore does not reproduce; "
+                        f"load this checkpoint with amd-quark")
+                from ..passes.rotation import install_online
+                install_online(model, rot)
+            return model
+
+        def is_serializable(self):
+            return False
+
+        @property
+        def is_trainable(self):
+            return False
+
+    return QcoreHfConfig, QcoreHfQuantizer
+
+
+_registered: dict = {}
+
+#: loggers of optional libraries that print on import: torchao's "Failed to load ... _C_mxfp8 ... .so" (its CUDA
+#: extensions, missing on CPU-only machines) and torch's pytree "register_constant() on Enum subclasses is
+#: deprecated" (torchao registering its enums); neither concerns qcore, and they would print on every command
+_NOISY_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def quiet_optional_imports():
+    """Within the block, the loggers in ``_NOISY_IMPORT_LOGGERS`` show errors only (their levels are put back
+    after it; nothing global changes, and later messages of those libraries show as usual)."""
+    loggers = [logging.getLogger(n) for n in _NOISY_IMPORT_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
+def register_with_transformers() -> bool:
+    """Register quant_method ``"qcore"`` with transformers (idempotent); False when transformers is absent."""
+    if "config" in _registered:
+        return True
+    try:
+        with quiet_optional_imports():  # transformers.quantizers imports torchao when it is installed
+            from transformers.quantizers import auto
+    except ImportError:
+        return False
+    cfg_cls, q_cls = _make_classes()
+    if "qcore" in auto.AUTO_QUANTIZATION_CONFIG_MAPPING:  # registered by an earlier import (e.g. a reload)
+        cfg_cls = auto.AUTO_QUANTIZATION_CONFIG_MAPPING["qcore"]
+    else:
+        auto.register_quantization_config("qcore")(cfg_cls)
+    if "qcore" not in auto.AUTO_QUANTIZER_MAPPING:
+        auto.register_quantizer("qcore")(q_cls)
+    _registered["config"] = cfg_cls
+    return True
+
+
+def __getattr__(name):
+    if name == "QcoreHfConfig":
+        register_with_transformers()
+        return _registered["config"]
+    raise AttributeError(name)
+
+
+def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_map: Any = None, **kwargs):
+    """Load a quantized checkpoint (``quant_method`` ``"quark"`` or ``"qcore"``; ``"compressed-tensors"`` goes to
+    ``qcore.adapters.io.compressed_tensors.load_compressed_tensors``) from a local directory into qcore's frozen modules.
+    ``dtype`` is the float dtype of the rest of the model (default: the checkpoint's). Extra keyword arguments go
+    to the model class's ``from_pretrained`` (``model_class``)."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"from_pretrained: directory must be a str or os.PathLike, got {type(directory).__name__}")
+    _check_device_map(device_map)
+    register_with_transformers()
+    d = pathlib.Path(directory)
+    _, raw = read_config(d)
+    if isinstance(raw, dict) and raw.get("quant_method") == "compressed-tensors":
+        if device_map is not None or kwargs:
+            extra = sorted(kwargs) + (["device_map"] if device_map is not None else [])
+            raise TypeError(f"from_pretrained: a compressed-tensors checkpoint loads through "
+                            f"qcore.adapters.io.compressed_tensors.load_compressed_tensors, which takes dtype only; got {extra}")
+        from .compressed_tensors import load_compressed_tensors
+        return load_compressed_tensors(d, dtype=dtype)
+    if not isinstance(raw, dict) or raw.get("quant_method") not in ("quark", "qcore"):
+        got = None if not isinstance(raw, dict) else raw.get("quant_method")
+        raise ValueError(f"{str(d)!r}: quantization_config.quant_method is {got!r}; qcore loads 'quark' and 'qcore' "
+                         f"checkpoints (a float model loads with AutoModelForCausalLM.from_pretrained)")
+    try:
+        checkpoint_config(raw)  # the quantization config, checked before any file is read
+    except (ValueError, TypeError) as e:
+        raise CorruptCheckpointError(f"{str(d / 'config.json')!r}: {e}") from None
+    from qcore.formats.inspect import checkpoint_files
+    for f in checkpoint_files(d):  # headers first: a truncated or corrupted file fails here, naming the tensor
+        SafetensorsFile(f)
+    config = hf_config(d)
+    config.quantization_config = dict(raw, quant_method="qcore", source_method=raw["quant_method"])
+    kw = dict(config=config, local_files_only=True, use_safetensors=True)
+    if dtype is not None:
+        kw["dtype"] = dtype
+    if device_map is not None:
+        kw["device_map"] = device_map
+    kw.update(kwargs)
+    try:
+        return model_class(config).from_pretrained(d, **kw).eval()
+    except CorruptCheckpointError as e:  # raised by check_tensors / _build: name the checkpoint too
+        raise CorruptCheckpointError.naming(d, e) from None
+
+
+def model_class(config: Any):
+    """The transformers class a checkpoint's ``config`` was saved from: the first of ``config.architectures`` that
+    transformers has (a ``BertModel`` checkpoint loads as a ``BertModel``, not as the causal LM
+    ``AutoModelForCausalLM`` would build), else ``AutoModelForCausalLM``."""
+    import transformers
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if isinstance(cls, type) and hasattr(cls, "from_pretrained"):
+            return cls
+    return transformers.AutoModelForCausalLM
+
+
+def _check_device_map(device_map: Any) -> None:
+    """A ``device_map`` naming devices (a device, an index, or a dict of them) names ones this machine has
+    (``ValueError`` before any file is read); accelerate's strategies ("auto", ...) are left to it."""
+    from .._device import check_device
+    values = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
+    for v in values:
+        if isinstance(v, bool) or v is None or v in ("auto", "balanced", "balanced_low_0", "sequential", "disk"):
+            continue
+        if isinstance(v, int):
+            v = f"cuda:{v}"
+        if isinstance(v, (str, torch.device)):
+            check_device(v, what="device_map")
+
+
+load_quark = from_pretrained
