@@ -21,7 +21,8 @@ from .presets import PRESETS, preset, preset_names
 from .quantizer import (FloatWeight, calibrate, excluded_weights, freeze, model_bytes, plan_model, quantize_model,
                         quantized_modules, unquantized_weights)
 from .io.quark_hf import ExportInfo, export_hf
-from .io.quark_hf import CorruptCheckpointError, from_pretrained, load_quark, register_with_transformers
+from .io import from_pretrained
+from .io.quark_hf import CorruptCheckpointError, load_quark, register_with_transformers
 from .io.gguf import GGUFImportReport, from_gguf
 from .distributed import Distributed
 from .passes.streaming import quantize_checkpoint

@@ -274,7 +274,7 @@ def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str, names: _
         from qcore.formats.safetensors_io import read_json_object
         qc = read_json_object(p / "config.json", what="the model config").get("quantization_config") or {}
         if isinstance(qc, dict) and qc.get("quant_method") in ("quark", "qcore", "compressed-tensors"):  # quantized
-            from .io.quark_hf import from_pretrained
+            from .io import from_pretrained
             model = from_pretrained(p, dtype=dtype)
         else:
             model = load_float_model(p, dtype=dtype, names=names)
@@ -833,7 +833,7 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
     if config.algorithms:  # fused MoE experts: GPTQ / AWQ / SmoothQuant refuse them by name (issue 22)
         from qcore.algorithms.config import parse_algorithms
 
-        from .io.experts import check_experts_algorithms
+        from .passes.sequential import check_experts_algorithms
         try:
             check_experts_algorithms(plans, parse_algorithms(config.algorithms))
         except (ValueError, TypeError) as e:

@@ -63,7 +63,8 @@ def measure(model: nn.Module, reference: dict, batches: Optional[list] = None, *
     """``{module name: LayerError}`` of every module of ``reference`` (``quantize_model(..., reference=)``'s
     dict) in ``model`` (quantized, committed; not yet frozen). ``batches``: calibration batches (the first
     ``max_batches`` are run through the model); None or empty: output SQNRs are None."""
-    from ..quantizer import _call, _device_of, _progress, _to, quantized_modules
+    from .._batches import _call, _device_of, _progress, _to
+    from ..quantizer import quantized_modules
 
     if not isinstance(reference, dict):
         raise TypeError(f"reference must be a dict of float weights, got {type(reference).__name__}")

@@ -50,8 +50,9 @@ from qcore.formats.quark_layout import WeightParts
 from qcore.formats.safetensors_io import TensorRecord, CorruptCheckpointError, SafetensorsFile
 
 from ..config import ModelConfig, KVCacheConfig, LayerConfig, TensorConfig
-from .quark_hf import (QCORE_FORMAT_VERSION, _check_config_describes, _online_rotations, _record, _tensor_record,
-                     check_destination, model_config, parse_size, weight_parts, write_checkpoint, _TORCH_ST)
+from ._records import _TORCH_ST, _record, _tensor_record
+from .quark_hf import (QCORE_FORMAT_VERSION, _check_config_describes, _online_rotations, check_destination,
+                       model_config, parse_size, weight_parts, write_checkpoint)
 from ..modules import QuantLinear, _QuantMixin, QUANT_CLASSES
 
 __all__ = ['export_compressed_tensors', 'check_ct', 'CTExportInfo', 'TensorReport', 'ct_quantization_config',
@@ -611,7 +612,8 @@ def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Modu
                                      f"got {raw.get('qcore')!r}"[:300])
     own = ctc.qcore if isinstance(ctc.qcore, dict) and "config" in ctc.qcore else None
     config = ModelConfig.from_dict(own["config"]) if own is not None else config_from_ct(model, ctc)
-    from ..quantizer import _set_module, plan_model
+    from .._batches import _set_module
+    from ..quantizer import plan_model
     plans = plan_model(model, config, _check_float=False)  # a saved config, as it was saved
     which = _module_groups(model, ctc)
     float_here = sorted(set(which) - {p.name for p in plans if p.config.weight is not None})

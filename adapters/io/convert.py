@@ -188,7 +188,7 @@ def _load_quantized(p: pathlib.Path, *, dtype: Optional[torch.dtype]) -> tuple:
             p = _gguf_in_dir(p)
         model = from_gguf(p, dtype=dtype)
     elif fmt == "hf":
-        from .quark_hf import from_pretrained
+        from . import from_pretrained
         model = from_pretrained(p, dtype=dtype)
     else:
         from .compressed_tensors import load_compressed_tensors
@@ -383,7 +383,7 @@ def _reload(path: pathlib.Path, to: str, dtype: torch.dtype) -> nn.Module:
             warnings.simplefilter("ignore", UserWarning)
             return from_gguf(path, dtype=dtype)
     if to == "hf":
-        from .quark_hf import from_pretrained
+        from . import from_pretrained
         return from_pretrained(path, dtype=dtype)
     from .compressed_tensors import load_compressed_tensors
     return load_compressed_tensors(path, dtype=dtype)

@@ -32,7 +32,7 @@ from qcore.formats.safetensors_io import CorruptCheckpointError, TensorRecord
 from ..modules import EXPERT_PROJS, QuantExperts, _QuantMixin, is_fused_experts
 
 __all__ = ["disk_names", "experts_layout", "experts_records", "ExpertsShell", "check_no_experts",
-           "check_experts_algorithms", "drop_expert_converters"]
+           "drop_expert_converters"]
 
 ISSUE = "issue 22"
 _HALVES = ("gate", "up")
@@ -76,21 +76,6 @@ def check_no_experts(model: nn.Module, config: Any = None, *, who: str) -> None:
 
 _INSTEAD = {"quantize_checkpoint": "Quantize the model in memory (quantize_model) and write it with export_hf",
             "export": "Write the model with export_hf (per-expert tensors, read by qcore.adapters.from_pretrained)"}
-
-
-def check_experts_algorithms(plans: list, algos, *, who: Optional[str] = None) -> None:
-    """Before any work: ValueError when a layer algorithm (GPTQ, AWQ, SmoothQuant, ...; or the pass ``who``, e.g.
-    AMP's sensitivities) would run on a model whose plan quantizes fused experts (they know Linear weights only;
-    fused experts would be left to round-to-nearest without a word). Rotations act on the float model before
-    it and are not concerned."""
-    from qcore.algorithms.config import ROTATION_CONFIGS
-    layer = [a.name for a in algos if not isinstance(a, ROTATION_CONFIGS)] + ([who] if who else [])
-    experts = [p.name for p in plans if p.type == "Experts"]
-    if layer and experts:
-        raise ValueError(f"{', '.join(layer)}: the plan quantizes fused MoE experts ({len(experts)} module(s), e.g. "
-                         f"{experts[0]!r}: tensors {experts[0]}.gate_up_proj / down_proj), which these algorithms "
-                         f"do not handle yet ({ISSUE}); quantize without them (round-to-nearest), or keep the experts "
-                         f"float: exclude=[..., 're:.*\\.experts']")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -216,7 +201,7 @@ def experts_records(model: nn.Module, name: str, m: QuantExperts, layout: str, p
     """The tensors of a quantized fused experts module in the checkpoint: per expert, its gate / up / down Linears
     (weight codes and scales in ``layout``, calibrated activation scales), as lazy records (one expert's encoded
     tensors at a time)."""
-    from .quark_hf import _record
+    from ._records import _record
     spec = m.specs["weight"]
     problem = split_problem(spec, {p: m.expert_shape(p) for p in EXPERT_PROJS})
     if problem is not None:
@@ -261,7 +246,7 @@ class ExpertsShell(nn.Module):
 
     def __init__(self, model: nn.Module, name: str, m: nn.Module, config):
         super().__init__()
-        from .quark_hf import _ST_TORCH
+        from ._records import _ST_TORCH
         q = QuantExperts.from_module(m, config, name=name)  # planned here (on meta), filled by build()
         object.__setattr__(self, "_wrapper", q)
         if "weight" not in q.specs:
@@ -311,7 +296,7 @@ class ExpertsShell(nn.Module):
         device = next(iter(params.values())).device
         halves: dict = {}
         acts: dict = {}
-        from .quark_hf import _np
+        from ._records import _np
         for rel, proj, e, half, rows, out, shape in self.linears:
             arrays = {k[len(rel) + 1:]: _np(params[k]) for k in self.expected if k.startswith(rel + ".")}
             lw = f"{where} ({self.disk[rel + '.weight']})"
@@ -446,7 +431,7 @@ def float_experts_split(model: nn.Module) -> dict[str, list]:
 
 def float_experts_records(model: nn.Module, key: str, t: torch.Tensor, parts: list) -> list[TensorRecord]:
     """The per-expert float tensors of the fused parameter ``t`` (state-dict ``key``), lazily sliced."""
-    from .quark_hf import _tensor_record
+    from ._records import _tensor_record
     return [_tensor_record(disk, t.detach()[e, rows[0]:rows[1]]) for disk, (proj, e, rows) in parts]
 
 
@@ -488,6 +473,6 @@ def stored_float_experts(model: nn.Module, config, checkpoint_files) -> list[str
 
 def exclude_float_experts(model: nn.Module, config, names: list):
     """``config`` with the fused experts ``names`` (stored float) excluded: what the loaded model holds."""
-    from ..quantizer import _output_head
-    exclude = list(config.exclude) if config.exclude is not None else _output_head(model)
+    from ..quantizer import default_exclude
+    exclude = list(config.exclude) if config.exclude is not None else default_exclude(model)
     return config.replace(exclude=tuple(exclude) + tuple(n for n in names if n not in exclude))

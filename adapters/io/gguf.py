@@ -81,7 +81,7 @@ from qcore.formats.safetensors_io import CorruptCheckpointError
 
 from ..config import ModelConfig, LayerConfig, TensorConfig
 from ..modules import _QuantMixin, QUANT_CLASSES
-from ..quantizer import _set_module
+from .._batches import _set_module
 
 __all__ = ['export_gguf', 'export_gguf_dir', 'check_gguf', 'GGUFExportInfo', 'TensorReport', 'GGUF_FILE',
            'from_gguf', 'GGUFImportReport', 'ImportedTensor']

@@ -47,7 +47,6 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple, Optional, Union
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -57,9 +56,11 @@ from qcore.formats import quark_layout as L
 from qcore.formats.safetensors_io import (TensorRecord, write_file, CorruptCheckpointError, SafetensorsFile,
                                           read_json_object)
 
+from ._records import _ST_TORCH, _TORCH_ST, _np, _record, _tensor_record  # noqa: F401 (shared by the writers)
 from ..config import ModelConfig
 from ..modules import QuantExperts, QuantLinear, _QuantMixin, QUANT_CLASSES
-from ..quantizer import _set_module, plan_model
+from .._batches import _set_module
+from ..quantizer import plan_model
 
 __all__ = ['export_hf', 'ExportInfo', 'parse_size', 'QCORE_FORMAT_VERSION', 'from_pretrained', 'load_quark',
            'register_with_transformers', 'CorruptCheckpointError']
@@ -70,11 +71,6 @@ __all__ = ['export_hf', 'ExportInfo', 'parse_size', 'QCORE_FORMAT_VERSION', 'fro
 # ---------------------------------------------------------------------------------------------------------------
 
 QCORE_FORMAT_VERSION = 1
-
-_TORCH_ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-             torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
-             torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
-
 
 @dataclass(frozen=True)
 class ExportInfo:
@@ -110,13 +106,6 @@ def parse_size(size: Union[int, str]) -> int:
         if s.isdigit() and int(s) > 0:
             return int(s)
     raise ValueError(f"max_shard_size {size!r} is not a size; expected e.g. '5GB', '500MB', '2GiB' or a byte count")
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().cpu().contiguous()
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16):
-        return t.view(torch.uint8 if t.element_size() == 1 else torch.int16).numpy()
-    return t.numpy()
 
 
 def weight_parts(m: _QuantMixin) -> tuple[L.WeightParts, tuple]:
@@ -179,16 +168,6 @@ def _activation_records(m: _QuantMixin, layout: str) -> dict:
             zero_point=None if b.zero_point is None else _np(b.zero_point.float()),
             tensor_scale=_np(b.tensor_scale.float()) if spec.two_level else None, layout=layout))
     return out
-
-
-def _record(name: str, dtype: str, arr_fn, shape: tuple) -> TensorRecord:
-    return TensorRecord(name, dtype, tuple(int(d) for d in shape), lambda: np.ascontiguousarray(arr_fn()).tobytes())
-
-
-def _tensor_record(name: str, t: torch.Tensor) -> TensorRecord:
-    if t.dtype not in _TORCH_ST:
-        raise TypeError(f"export: tensor {name!r} has dtype {t.dtype}, which safetensors cannot hold")
-    return _record(name, _TORCH_ST[t.dtype], lambda: _np(t), tuple(t.shape))
 
 
 def module_records(name: str, m: _QuantMixin, layout: str, cache: dict, pack_method: str = "reorder"
@@ -557,7 +536,6 @@ def write_shards(tmp: pathlib.Path, records: list[TensorRecord], max_bytes: int,
 # import (formerly hf.py)
 # ---------------------------------------------------------------------------------------------------------------
 
-_ST_TORCH = {st: t for t, st in _TORCH_ST.items()}  # safetensors dtype name -> torch dtype
 _OWN_KEYS = ("quant_method", "qcore", "source_method")
 _QUARK_KEYS = ("global_quant_config", "layer_quant_config", "layer_type_quant_config", "kv_cache_quant_config",
                "exclude", "algo_config")
@@ -954,8 +932,9 @@ def __getattr__(name):
 
 
 def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_map: Any = None, **kwargs):
-    """Load a quantized checkpoint (``quant_method`` ``"quark"`` or ``"qcore"``; ``"compressed-tensors"`` goes to
-    ``qcore.adapters.io.compressed_tensors.load_compressed_tensors``) from a local directory into qcore's frozen modules.
+    """Load a quantized checkpoint (``quant_method`` ``"quark"`` or ``"qcore"``) from a local directory into qcore's
+    frozen modules (``qcore.adapters.from_pretrained``, ``qcore.adapters.io.from_pretrained``, also takes
+    compressed-tensors checkpoints).
     ``dtype`` is the float dtype of the rest of the model (default: the checkpoint's). Extra keyword arguments go
     to the model class's ``from_pretrained`` (``model_class``)."""
     if not isinstance(directory, (str, os.PathLike)):
@@ -964,13 +943,6 @@ def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_ma
     register_with_transformers()
     d = pathlib.Path(directory)
     _, raw = read_config(d)
-    if isinstance(raw, dict) and raw.get("quant_method") == "compressed-tensors":
-        if device_map is not None or kwargs:
-            extra = sorted(kwargs) + (["device_map"] if device_map is not None else [])
-            raise TypeError(f"from_pretrained: a compressed-tensors checkpoint loads through "
-                            f"qcore.adapters.io.compressed_tensors.load_compressed_tensors, which takes dtype only; got {extra}")
-        from .compressed_tensors import load_compressed_tensors
-        return load_compressed_tensors(d, dtype=dtype)
     if not isinstance(raw, dict) or raw.get("quant_method") not in ("quark", "qcore"):
         got = None if not isinstance(raw, dict) else raw.get("quant_method")
         raise ValueError(f"{str(d)!r}: quantization_config.quant_method is {got!r}; qcore loads 'quark' and 'qcore' "

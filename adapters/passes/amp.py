@@ -58,7 +58,8 @@ from qcore.algorithms.mixed_precision import DEFAULT_RESOLUTION, MixedPrecision,
 
 from ..config import LayerConfig, ModelConfig
 from ..modules import _norm_weight_granularity, _QuantMixin, _with_granularity, wrap
-from ..quantizer import _check_batch, _describe, _device_of, _progress, _set_module, _to, plan_model
+from .._batches import _check_batch, _describe, _device_of, _progress, _set_module, _to
+from ..quantizer import plan_model
 
 __all__ = ["Metric", "Sensitivity", "layer_sensitivity", "amp_config", "config_from_choice", "DEFAULT_TIE", "FLOAT"]
 
@@ -345,7 +346,7 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
             raise ValueError(f"schemes[{n!r}]: {e}") from None
     if not plans:
         raise ValueError(f"schemes: got {list(table)}; expected at least one that quantizes (not only float)")
-    from ..io.experts import check_experts_algorithms
+    from .sequential import check_experts_algorithms
     check_experts_algorithms([p for pl in plans.values() for p in pl.values()], (), who="amp")  # issue 22
     mods = dict(model.named_modules())
     names = [n for n in mods if all(n in p for p in plans.values())]

@@ -164,7 +164,7 @@ def capture(model: nn.Module, layer: nn.Module, batches: Sequence, *, device=Non
     """The inputs of ``layer`` (the first decoder layer) for every batch: the model runs on each batch (moved to
     ``device`` when given) until the layer's call, which is kept and cut short. A batch that does not fit the
     model, or a forward that never reaches the layer, raises ``ValueError`` naming the batch."""
-    from ..quantizer import _call, _check_batch, _describe, _progress, _to
+    from .._batches import _call, _check_batch, _describe, _progress, _to
 
     args_l: list = []
     kwargs_l: list = []
@@ -246,7 +246,7 @@ class LayerRunner:
                     raise
                 self.path, self.layers = None, None
         if device is None:
-            from ..quantizer import _device_of
+            from .._batches import _device_of
             device = _device_of(model)
         self.device = torch.device(device)
 
@@ -276,7 +276,7 @@ class LayerRunner:
         """Whole-model forwards over ``batches`` (as given: not moved) keeping every decoder layer's inputs;
         ``each(i, output)`` sees batch ``i``'s model output. Returns one ``LayerInputs`` per layer (``[]``
         without layers)."""
-        from ..quantizer import _call, _progress
+        from .._batches import _call, _progress
 
         n = len(self)
         kept: list = [([], []) for _ in range(n)]
@@ -315,7 +315,7 @@ class LayerRunner:
         it) then runs over ``inputs`` to give the next layer's (after the last layer only with ``keep_last``:
         the final hidden states, returned). ``rewrites``: the steps change the model's weights: a failure marks
         the model partial and raises ``AlgorithmError`` naming ``what`` and the layer (module docstring)."""
-        from ..quantizer import _progress
+        from .._batches import _progress
 
         if not callable(step):
             raise TypeError(f"step must be callable as step(i, layer, inputs), got {type(step).__name__}")
@@ -352,7 +352,7 @@ class LayerRunner:
         batch). ``k == len(layers)``: every layer stands aside and ``inputs`` holds the final hidden states
         (the modules after the layers run on them). ``k`` None (or 0 without ``stop``): plain forwards.
         ``stop``: the forward ends after that layer (nothing yielded). Yields each batch's model output."""
-        from ..quantizer import _call, _progress, _to
+        from .._batches import _call, _progress, _to
 
         n = len(self)
         it = batches if desc is None else _progress(batches, total=len(batches), desc=desc, enabled=self.progress)

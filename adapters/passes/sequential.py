@@ -233,7 +233,6 @@ def _layers_path(algos) -> Optional[str]:
 def layer_plans(model: nn.Module, plans: list, algos) -> tuple[str, nn.ModuleList, list[dict]]:
     """``(path, layers, by_layer)``: the decoder layers the algorithms act on and, per layer, ``{name relative to
     the layer: LayerPlan}`` of its quantized modules (``qcore.adapters.passes.streaming`` shares this)."""
-    from ..io.experts import check_experts_algorithms
     check_experts_algorithms(plans, algos)  # fused MoE experts: refused by name, before any work (issue 22)
     path, layers = find_decoder_layers(model, _layers_path(algos))
     by_layer: list[dict] = [{} for _ in layers]
@@ -246,6 +245,21 @@ def layer_plans(model: nn.Module, plans: list, algos) -> tuple[str, nn.ModuleLis
         raise ValueError(f"the algorithms act on the decoder layers {path!r}, but the config quantizes none of "
                          f"their modules")
     return path, layers, by_layer
+
+
+def check_experts_algorithms(plans: list, algos, *, who: Optional[str] = None) -> None:
+    """Before any work: ValueError when a layer algorithm (GPTQ, AWQ, SmoothQuant, ...; or the pass ``who``, e.g.
+    AMP's sensitivities) would run on a model whose plan quantizes fused experts (they know Linear weights only;
+    fused experts would be left to round-to-nearest without a word). Rotations act on the float model before
+    it and are not concerned."""
+    from qcore.algorithms.config import ROTATION_CONFIGS
+    layer = [a.name for a in algos if not isinstance(a, ROTATION_CONFIGS)] + ([who] if who else [])
+    experts = [p.name for p in plans if p.type == "Experts"]
+    if layer and experts:
+        raise ValueError(f"{', '.join(layer)}: the plan quantizes fused MoE experts ({len(experts)} module(s), e.g. "
+                         f"{experts[0]!r}: tensors {experts[0]}.gate_up_proj / down_proj), which these algorithms "
+                         f"do not handle yet (issue 22); quantize without them (round-to-nearest), or keep the experts "
+                         f"float: exclude=[..., 're:.*\\.experts']")
 
 
 def check_layers(layers, by_layer: list[dict], algos, path: str, *, family=None) -> None:

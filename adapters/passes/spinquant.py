@@ -87,7 +87,7 @@ def _act_hook(spec):
 def spinquant(model: nn.Module, plans: Sequence, data: Optional[Sequence], algo, *, progress: bool = False,
               train_weights: bool = True) -> nn.Module:
     """Learn and fuse SpinQuant's rotations into ``model`` in place (module docstring); returns it."""
-    from ..quantizer import _progress
+    from .._batches import _progress
     emb, norm, head, layers, hd = _check(model)
     if not data:
         raise ValueError("spinquant trains its rotations on calibration data: pass a non-empty list of token-id "

@@ -60,9 +60,10 @@ from qcore.formats.safetensors_io import (CorruptCheckpointError, SafetensorsFil
 from ..config import ModelConfig, TensorConfig
 from ..io.quark_hf import (ExportInfo, _info, _plan_tensors, _quantization_config, check_destination, parse_size,
                      write_metadata, write_shards)
-from ..io.quark_hf import _ST_TORCH
+from ..io._records import _ST_TORCH
 from ..modules import wrap
-from ..quantizer import _as_config, _set_module, config_algorithms, plan_model
+from .._batches import _set_module
+from ..quantizer import _as_config, config_algorithms, plan_model
 from .runner import LayerRunner, Spill, find_decoder_layers, forward_layer
 
 _log = logging.getLogger("qcore.adapters")

@@ -1,0 +1,99 @@
+"""What every pass does with calibration batches and modules, shared by the quantizer and the passes: call a model
+on a batch (a tensor, a dict or a tuple), move a batch to a device, check and describe batches, swap a module,
+show a progress bar."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["_set_module", "_progress", "_describe", "_device_of", "_to", "_call", "_check_batch", "_check_batches"]
+
+
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def _progress(it, *, total=None, desc="", enabled=True):
+    if not enabled:
+        return it
+    from tqdm.auto import tqdm
+    return tqdm(it, total=total, desc=desc, leave=False)
+
+
+def _describe(batch) -> str:
+    if isinstance(batch, torch.Tensor):
+        return f"tensor {tuple(batch.shape)} {batch.dtype}"
+    if isinstance(batch, Mapping):
+        return "dict(" + ", ".join(f"{k}={_describe(v)}" for k, v in batch.items()) + ")"
+    if isinstance(batch, (tuple, list)):
+        return type(batch).__name__ + "(" + ", ".join(_describe(v) for v in batch) + ")"
+    return type(batch).__name__
+
+
+def _device_of(model: nn.Module):
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _to(batch, device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return {k: _to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to(v, device) for v in batch)
+    return batch
+
+
+def _call(model: nn.Module, batch: Any):
+    """``model(batch)``, ``model(**batch)`` or ``model(*batch)`` for a tensor, a dict or a tuple/list batch."""
+    if isinstance(batch, torch.Tensor):
+        return model(batch)
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    return model(*batch)
+
+
+def _check_batch(model: nn.Module, batch: Any, i: int) -> None:
+    expected = ("a tensor (model(batch)), a dict of tensors (model(**batch)) or a tuple/list of tensors "
+                "(model(*batch))")
+    if not isinstance(batch, (torch.Tensor, Mapping, tuple, list)):
+        raise TypeError(f"calibration batch {i} is a {type(batch).__name__}; expected {expected}")
+    main = getattr(model, "main_input_name", None)
+    ids = None
+    if main == "input_ids":
+        if isinstance(batch, torch.Tensor):
+            ids = batch
+        elif isinstance(batch, Mapping):
+            ids = batch.get("input_ids")
+        elif batch and isinstance(batch[0], torch.Tensor):
+            ids = batch[0]
+    if ids is not None and (ids.dtype.is_floating_point or ids.dim() != 2):
+        raise ValueError(f"calibration batch {i}: input_ids of {_describe(ids)}; this transformers model expects "
+                         f"integer token ids of shape [batch, sequence]")
+    try:
+        emb = model.get_input_embeddings() if ids is not None and hasattr(model, "get_input_embeddings") else None
+    except (NotImplementedError, AttributeError):  # a model that does not say: its forward will
+        emb = None
+    vocab = getattr(emb, "num_embeddings", None)
+    if vocab is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise ValueError(f"calibration batch {i}: token id {bad} is outside the model's vocabulary [0, {vocab})")
+    tensors = [batch] if isinstance(batch, torch.Tensor) else list(batch.values()) if isinstance(batch, Mapping) \
+        else list(batch)
+    if not tensors or any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in tensors):
+        raise ValueError(f"calibration batch {i} is empty ({_describe(batch)}); every batch needs at least one "
+                         f"sample (drop it from the calibration data)")
+
+
+def _check_batches(model: nn.Module, data: Any) -> None:
+    """Every batch of a list / tuple of calibration batches checked before any work (``_check_batch``)."""
+    if isinstance(data, (list, tuple)):
+        for i, batch in enumerate(data):
+            _check_batch(model, batch, i)
