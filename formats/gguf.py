@@ -48,8 +48,12 @@ dequantization. On export, a 4-bit asymmetric grid whose zero points are all 7 o
 scales of ``spec.scale_shape``) to and from block bytes; ``quantize_float`` is ggml's reference quantizer (for
 weights no GGUF type holds exactly); ``dequantize`` is ggml's dequantizer.
 
-The Llama schema: ``hf_to_gguf_name`` (tensor names), ``permute_qk`` / ``unpermute_qk`` (llama.cpp's row
-order of ``attn_q`` / ``attn_k``: rotary pairs interleaved instead of split in halves), ``llama_metadata``.
+The architectures (``ARCHS``, keyed by llama.cpp's ``general.architecture``: ``llama`` (also Mistral), ``qwen2``,
+``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``): the tensors each graph reads, q/k row order, biases, norm
+offsets (``Arch``); the hyperparameters (``metadata`` / ``config_from_metadata``, one table ``HPARAMS`` both ways);
+``permute_qk`` / ``unpermute_qk`` (llama.cpp's row order of ``attn_q`` / ``attn_k`` for ``llama``: rotary pairs
+interleaved instead of split in halves); ``hf_to_gguf_name`` (transformers' Llama names; other families name their
+modules through their record, ``qcore.adapters.io.gguf.gguf_names``).
 """
 
 from __future__ import annotations
@@ -70,7 +74,8 @@ from .safetensors_io import CorruptCheckpointError
 __all__ = ["BLOCK", "TYPES", "TYPE_BYTES", "gguf_type", "block_scales", "encode", "decode", "import_blocks",
            "import_spec", "q4_0_holds", "dequantize",
            "quantize_float", "is_exact", "hf_to_gguf_name", "gguf_to_hf_name", "permute_qk", "unpermute_qk",
-           "llama_metadata", "CorruptCheckpointError", "check_file", "TensorSpan", "GGML_SIZES"]
+           "llama_metadata", "metadata", "config_from_metadata", "Arch", "ARCHS", "HPARAMS", "LAYER_TENSORS",
+           "TOP_TENSORS", "NORM_TENSORS", "CorruptCheckpointError", "check_file", "TensorSpan", "GGML_SIZES"]
 
 BLOCK = 32
 # type name -> (ggml type id, bytes per block of 32)
@@ -451,9 +456,80 @@ def quantize_float(x: np.ndarray, kind: str) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Llama schema
+# Architectures: llama.cpp's graphs qcore writes and reads (data keyed by ``general.architecture``)
 # ---------------------------------------------------------------------------------------------------------------
 
+#: llama.cpp's per-layer tensor names (gguf-py ``TENSOR_NAMES``, ``blk.N.<name>.weight``) a graph may read.
+#: ``qcore.adapters.io.gguf.gguf_names`` assigns them to a model's modules from its family record.
+LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "attn_q_norm", "attn_k_norm",
+                 "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
+#: the model-level tensors: token embedding, final norm, output head
+TOP_TENSORS = ("token_embd", "output_norm", "output")
+#: the norms among them (``Arch.norm_offset`` applies to these)
+NORM_TENSORS = ("attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm",
+                "output_norm")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One llama.cpp architecture as qcore writes it (what its converter, convert_hf_to_gguf.py, does):
+
+    - ``layer``: the per-layer tensors its graph reads (``LAYER_TENSORS``);
+    - ``permute_qk``: ``attn_q`` / ``attn_k`` rows in llama.cpp's rotary order (``permute_qk``; the converter
+      permutes for ``llama`` only; Qwen2/Qwen3/Gemma/Phi-3 keep transformers' order);
+    - ``biases``: the tensors that may carry a ``.bias`` (Qwen2's q/k/v); a bias anywhere else is refused;
+    - ``norm_offset``: added to every stored norm weight (Gemma: transformers computes ``x * (1 + w)``, the
+      converter stores ``1 + w``; the embedding's ``sqrt(hidden)`` scale is inside llama.cpp's Gemma graph);
+    - ``output``: whether the graph reads an ``output`` head (Gemma: always ``token_embd``);
+    - ``acts``: the ``hidden_act`` values its graph computes (``silu``: SwiGLU; Gemma: GeGLU with tanh GELU);
+    - ``hparams``: metadata beyond ``HPARAMS`` the graph needs, ``(key after "{arch}.", config key, kind)``, each
+      required in the config (Gemma2's logit soft-capping and sliding window);
+    - ``head_dim_keys``: config keys that must equal ``head_dim`` (Gemma2's ``query_pre_attn_scalar``: llama.cpp
+      scales q by ``1 / sqrt(head_dim)``);
+    - ``swa_pattern``: llama.cpp's graph applies the sliding window to layer ``i`` when ``i % swa_pattern <
+      swa_pattern - 1`` (Gemma2: every other layer, from the first; Gemma3: five of six); 0: no sliding window;
+    - ``swa_rope_theta``: the rope base llama.cpp's graph uses on its sliding-window layers (Gemma3: 10000, plain
+      rope), where transformers gives each layer type its own ``rope_parameters``; None: one rope for all layers.
+    """
+
+    name: str
+    layer: tuple
+    permute_qk: bool = False
+    biases: tuple = ()
+    norm_offset: float = 0.0
+    output: bool = True
+    acts: tuple = ("silu",)
+    hparams: tuple = ()
+    head_dim_keys: tuple = ()
+    swa_pattern: int = 0
+    swa_rope_theta: Optional[float] = None
+
+
+_LLAMA_LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
+                "ffn_down")
+ARCHS = {
+    "llama": Arch("llama", _LLAMA_LAYER, permute_qk=True),
+    "qwen2": Arch("qwen2", _LLAMA_LAYER, biases=("attn_q", "attn_k", "attn_v")),
+    "qwen3": Arch("qwen3", _LLAMA_LAYER + ("attn_q_norm", "attn_k_norm")),
+    "gemma": Arch("gemma", _LLAMA_LAYER, norm_offset=1.0, output=False, acts=("gelu_pytorch_tanh", "gelu")),
+    # sandwich norms: post_attention_norm / post_ffw_norm on the block outputs; sliding-window layers alternate
+    # with global ones, as in transformers' layer_types
+    "gemma2": Arch("gemma2", _LLAMA_LAYER + ("post_attention_norm", "post_ffw_norm"), norm_offset=1.0, output=False,
+                   acts=("gelu_pytorch_tanh", "gelu"),
+                   hparams=(("attention.sliding_window", "sliding_window", "u32"),
+                            ("attn_logit_softcapping", "attn_logit_softcapping", "f32"),
+                            ("final_logit_softcapping", "final_logit_softcapping", "f32")),
+                   head_dim_keys=("query_pre_attn_scalar",), swa_pattern=2),
+    # Gemma2's layout plus per-head q/k norms; no soft-capping; local (sliding) layers with their own rope base
+    "gemma3": Arch("gemma3", _LLAMA_LAYER + ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"),
+                   norm_offset=1.0, acts=("gelu_pytorch_tanh",),
+                   hparams=(("attention.sliding_window", "sliding_window", "u32"),),
+                   head_dim_keys=("query_pre_attn_scalar",), swa_pattern=6, swa_rope_theta=10000.0),
+    # fused attn_qkv [q | k | v] rows and ffn_up [gate | up] rows (llama.cpp splits them as views)
+    "phi3": Arch("phi3", ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down")),
+}
+
+# the Llama layout by transformers names (LlamaForCausalLM), for the module-name helpers below
 _LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
           "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
@@ -463,8 +539,9 @@ _TOP_BACK = {v: k for k, v in _TOP.items()}
 
 
 def hf_to_gguf_name(name: str) -> Optional[str]:
-    """``model.layers.3.self_attn.q_proj.weight`` -> ``blk.3.attn_q.weight``; None for a name llama.cpp's Llama
-    graph has no tensor for (e.g. rotary ``inv_freq`` buffers)."""
+    """``model.layers.3.self_attn.q_proj.weight`` -> ``blk.3.attn_q.weight`` (transformers' Llama names; other
+    families: ``adapters.export_gguf.gguf_names``); None for a name llama.cpp's Llama graph has no tensor for
+    (e.g. rotary ``inv_freq`` buffers)."""
     base, _, suffix = name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
@@ -505,43 +582,140 @@ def unpermute_qk(rows: np.ndarray, n_head: int) -> np.ndarray:
                                 .reshape(rows.shape))
 
 
-def llama_metadata(cfg: dict) -> dict:
-    """``{gguf key: (value, kind)}`` of the Llama hyperparameters llama.cpp reads, from a transformers
-    ``LlamaConfig.to_dict()``; kind is ``u32``, ``f32`` or ``str``. ValueError naming the setting llama.cpp's
-    Llama graph cannot run (rope scaling other than none/linear, attention or MLP biases)."""
+# (GGUF key after "{arch}.", transformers config key, kind): written by ``metadata``, read back by
+# ``config_from_metadata``
+HPARAMS = (
+    ("context_length", "max_position_embeddings", "u32"),
+    ("embedding_length", "hidden_size", "u32"),
+    ("block_count", "num_hidden_layers", "u32"),
+    ("feed_forward_length", "intermediate_size", "u32"),
+    ("attention.head_count", "num_attention_heads", "u32"),
+    ("attention.head_count_kv", "num_key_value_heads", "u32"),
+    ("attention.key_length", "head_dim", "u32"),
+    ("attention.value_length", "head_dim", "u32"),
+    ("rope.dimension_count", "head_dim", "u32"),
+    ("rope.freq_base", "rope_theta", "f32"),
+    ("attention.layer_norm_rms_epsilon", "rms_norm_eps", "f32"),
+    ("vocab_size", "vocab_size", "u32"),
+)
+
+
+def metadata(arch: str, cfg: dict) -> dict:
+    """``{gguf key: (value, kind)}`` of the hyperparameters llama.cpp's ``arch`` graph reads, from a transformers
+    ``config.to_dict()``; kind is ``u32``, ``f32`` or ``str``. ValueError naming the setting the graph cannot run
+    (rope scaling other than none/linear, biases it has no tensor for, another activation). A sliding attention
+    window narrower than ``max_position_embeddings`` is written as is where llama.cpp's graph slides it on the
+    same layers (``Arch.swa_pattern``, Gemma2); elsewhere (Mistral as ``llama``, Phi-3) it caps ``context_length``
+    to the window: within it sliding attention is full attention, which is what llama.cpp's graph computes."""
+    if arch not in ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not one qcore writes; expected one of {sorted(ARCHS)}")
+    a = ARCHS[arch]
+
     def need(k):
         if cfg.get(k) is None:
-            raise ValueError(f"the model config has no {k!r}, which GGUF's Llama metadata needs")
+            raise ValueError(f"the model config has no {k!r}, which GGUF's {arch} metadata needs")
         return cfg[k]
     n_head = int(need("num_attention_heads"))
     hidden = int(need("hidden_size"))
     head_dim = int(cfg.get("head_dim") or hidden // n_head)
-    for k in ("attention_bias", "mlp_bias"):
-        if cfg.get(k):
-            raise ValueError(f"the model config sets {k}=True; GGUF's Llama graph in llama.cpp has no such biases")
+    if cfg.get("attention_bias") and "attn_q" not in a.biases:
+        raise ValueError(f"the model config sets attention_bias=True; llama.cpp's {arch} graph has no attention "
+                         f"biases")
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"the model config sets mlp_bias=True; llama.cpp's {arch} graph has no MLP biases")
+    act = cfg.get("hidden_act") or cfg.get("hidden_activation")
+    if act not in a.acts:
+        raise ValueError(f"the model config's hidden_act is {act!r}; llama.cpp's {arch} graph computes "
+                         f"{' / '.join(a.acts)}")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # transformers 5 / 4 spelling
+    if "full_attention" in rope or "sliding_attention" in rope:  # one rope per layer type (Gemma3)
+        local = rope.get("sliding_attention") or {}
+        if (a.swa_rope_theta is None or local.get("rope_type", "default") != "default"
+                or float(local.get("rope_theta", 0)) != a.swa_rope_theta or not _same_swa_layers(a, cfg)):
+            raise ValueError(f"rope per layer type {rope!r} (layer_types {cfg.get('layer_types')}): llama.cpp's "
+                             f"{arch} graph uses plain rope of base {a.swa_rope_theta} on the sliding layers of its "
+                             f"own pattern (every {a.swa_pattern}th layer global)")
+        rope = rope.get("full_attention") or {}
     rtype = rope.get("rope_type", rope.get("type", "default"))
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     if rtype not in ("default", "linear"):
         raise ValueError(f"rope scaling {rope!r} is not written to GGUF by qcore (only plain and linear rope)")
-    out = {
-        "llama.context_length": (int(need("max_position_embeddings")), "u32"),
-        "llama.embedding_length": (hidden, "u32"),
-        "llama.block_count": (int(need("num_hidden_layers")), "u32"),
-        "llama.feed_forward_length": (int(need("intermediate_size")), "u32"),
-        "llama.attention.head_count": (n_head, "u32"),
-        "llama.attention.head_count_kv": (int(cfg.get("num_key_value_heads") or n_head), "u32"),
-        "llama.rope.dimension_count": (head_dim, "u32"),
-        "llama.rope.freq_base": (float(theta), "f32"),
-        "llama.attention.layer_norm_rms_epsilon": (float(need("rms_norm_eps")), "f32"),
-        "llama.vocab_size": (int(need("vocab_size")), "u32"),
-    }
-    if head_dim != hidden // n_head:
-        out["llama.attention.key_length"] = (head_dim, "u32")
-        out["llama.attention.value_length"] = (head_dim, "u32")
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"the model config rotates part of each head (partial_rotary_factor "
+                         f"{rope['partial_rotary_factor']}); qcore writes full rotary only")
+    for k in a.head_dim_keys:
+        if cfg.get(k) is not None and int(cfg[k]) != head_dim:
+            raise ValueError(f"the model config's {k} is {cfg[k]}; llama.cpp's {arch} graph scales q by "
+                             f"1 / sqrt(head_dim) ({head_dim})")
+    ctx = int(need("max_position_embeddings"))
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    if window and a.swa_rope_theta is not None and not _same_swa_layers(a, cfg):
+        raise ValueError(f"the model's layer_types {cfg.get('layer_types')} are not llama.cpp's {arch} pattern "
+                         f"(every {a.swa_pattern}th layer global)")
+    if window and not _same_swa_layers(a, cfg):
+        ctx = min(ctx, int(window))
+    vals = {"max_position_embeddings": ctx, "hidden_size": hidden, "num_hidden_layers": need("num_hidden_layers"),
+            "intermediate_size": need("intermediate_size"), "num_attention_heads": n_head,
+            "num_key_value_heads": cfg.get("num_key_value_heads") or n_head, "head_dim": head_dim,
+            "rope_theta": theta, "rms_norm_eps": need("rms_norm_eps"), "vocab_size": need("vocab_size")}
+    out = {}
+    for key, hf, kind in HPARAMS:
+        if key in ("attention.key_length", "attention.value_length") and head_dim == hidden // n_head:
+            continue
+        out[f"{arch}.{key}"] = (int(vals[hf]) if kind == "u32" else float(vals[hf]), kind)
+    for key, hf, kind in a.hparams:
+        out[f"{arch}.{key}"] = (int(need(hf)) if kind == "u32" else float(need(hf)), kind)
     if rtype == "linear":
-        out["llama.rope.scaling.type"] = ("linear", "str")
-        out["llama.rope.scaling.factor"] = (float(rope["factor"]), "f32")
+        out[f"{arch}.rope.scaling.type"] = ("linear", "str")
+        out[f"{arch}.rope.scaling.factor"] = (float(rope["factor"]), "f32")
+    return out
+
+
+def _same_swa_layers(a: Arch, cfg: dict) -> bool:
+    """Whether llama.cpp's graph slides the window on exactly the layers transformers does (``layer_types``)."""
+    types = cfg.get("layer_types")
+    if not a.swa_pattern or not types:
+        return False
+    want = ["sliding_attention" if i % a.swa_pattern < a.swa_pattern - 1 else "full_attention"
+            for i in range(len(types))]
+    return list(types) == want
+
+
+def llama_metadata(cfg: dict) -> dict:
+    """``metadata("llama", cfg)``: the Llama hyperparameters from a ``LlamaConfig.to_dict()``."""
+    return metadata("llama", cfg)
+
+
+def config_from_metadata(arch: str, fields: dict) -> dict:
+    """The transformers config arguments of a GGUF file's ``{arch}.*`` metadata (``fields``: key -> value), the
+    inverse of ``metadata`` (``rope_parameters`` for the rope; ``head_dim`` from ``attention.key_length``, else
+    ``hidden_size / head_count``). ValueError naming a missing key or a rope scaling qcore does not read."""
+    out = {}
+    extra = ARCHS[arch].hparams if arch in ARCHS else ()
+    for key, hf, kind in HPARAMS + extra:
+        v = fields.get(f"{arch}.{key}")
+        if v is None:
+            continue
+        out.setdefault(hf, int(v) if kind == "u32" else float(v))
+    for hf in ("max_position_embeddings", "hidden_size", "num_hidden_layers", "intermediate_size",
+               "num_attention_heads"):
+        if hf not in out:
+            key = next(k for k, h, _ in HPARAMS if h == hf)
+            raise ValueError(f"the file has no {arch}.{key!s} metadata")
+    if f"{arch}.attention.key_length" not in fields:
+        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+    out.setdefault("num_key_value_heads", out["num_attention_heads"])
+    for k in (ARCHS[arch].head_dim_keys if arch in ARCHS else ()):
+        out[k] = out["head_dim"]
+    rope = {"rope_type": "default", "rope_theta": out.pop("rope_theta", 10000.0)}
+    st = fields.get(f"{arch}.rope.scaling.type")
+    if st not in (None, "none", "linear"):
+        raise ValueError(f"{arch}.rope.scaling.type is {st!r}; qcore reads plain and linear rope")
+    if st == "linear":
+        rope.update(rope_type="linear", factor=float(fields[f"{arch}.rope.scaling.factor"]))
+    swa = ARCHS[arch].swa_rope_theta if arch in ARCHS else None
+    out["rope_parameters"] = rope if swa is None else {
+        "full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": swa}}
     return out
 
 

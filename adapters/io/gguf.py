@@ -1,4 +1,13 @@
-"""Export a quantized Llama-family model as one GGUF file (llama.cpp's format): ``export_gguf``.
+"""Export a quantized model as one GGUF file (llama.cpp's format): ``export_gguf``.
+
+Families: those whose architecture record (``qcore.adapters.families``) names a ``gguf_arch`` that qcore writes
+(``qcore.formats.gguf.ARCHS``): Llama and Mistral (llama.cpp's ``llama``), Qwen2 (``qwen2``, q/k/v biases), Qwen3
+(``qwen3``, per-head q/k norms ``attn_q_norm`` / ``attn_k_norm``), Gemma (``gemma``: norms stored as ``1 + w``, the
+head tied to ``token_embd``), Gemma2 (``gemma2``: also its sandwich norms, soft-capping and sliding window), Gemma3
+(``gemma3``: also q/k norms, a rope base per layer type), Phi-3
+(``phi3``: fused ``attn_qkv`` and ``ffn_up`` holding gate and up). The tensor names come from the record
+(``gguf_names``); every other family is refused before any work (``check_gguf``), naming its model_type and
+what is missing.
 
 Each quantized weight whose qcore grid is a GGUF block type (``qcore.formats.gguf.gguf_type``: int4 symmetric ->
 Q4_0, uint4 / int4 asymmetric -> Q4_1 (Q4_0 when every zero point is 7 or 8, ``gguf.q4_0_holds``: what ggml's
@@ -13,13 +22,14 @@ distance from the in-memory model is reported. ``strict=True`` refuses anything 
 (ValueError naming the tensor).
 
 Float tensors: norms F32 (as llama.cpp expects), other float matrices F16 if the model holds float16, else F32.
-``attn_q`` / ``attn_k`` rows are permuted to llama.cpp's rotary order (``formats.gguf.permute_qk``). A tied
-output head is not written (llama.cpp and transformers reuse ``token_embd``).
+For ``llama`` files ``attn_q`` / ``attn_k`` rows are permuted to llama.cpp's rotary order
+(``formats.gguf.permute_qk``; llama.cpp's converter does this for ``llama`` only). A tied output head is not
+written (llama.cpp and transformers reuse ``token_embd``).
 
 **Activation quantization is not part of GGUF** (llama.cpp quantizes activations its own way inside its
 kernels). A model with quantized inputs or outputs (static or dynamic, incl. a KV cache) is refused unless
 ``drop_activations=True``; then the weights are written and ``GGUFExportInfo.dropped`` names each dropped role.
-Online rotations (QuaRot / SpinQuant hooks) are refused: llama.cpp's Llama graph cannot run them.
+Online rotations (QuaRot / SpinQuant hooks) are refused: llama.cpp's graphs cannot run them.
 
 Tokenizer (llama.cpp needs one): ``tokenizer=`` a transformers BPE (byte-level, GPT-2 style) tokenizer, converted
 to ``tokenizer.ggml.*`` (model ``gpt2``, pre-tokenizer ``tokenizer_pre``), or the path of a GGUF file whose
@@ -30,7 +40,15 @@ Guarantees: no pickle; the write is atomic (a hidden temporary sibling file rena
 tensor before anything is written. The GGUF writer (gguf-py) holds the encoded tensors in memory until the
 file is written (the quantized size of the model, not the float size).
 
-Import a Llama GGUF file (llama.cpp's format) into a transformers model with frozen qcore modules: ``from_gguf``.
+Import a GGUF file (llama.cpp's format) into a transformers model with frozen qcore modules: ``from_gguf``.
+
+Architectures: those qcore writes (``qcore.formats.gguf.ARCHS``): ``llama`` (Llama, and Mistral, which llama.cpp
+writes as ``llama``: it comes back as a Llama), ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``.
+The model is built from the file's metadata (``formats.gguf.config_from_metadata``) as the transformers family
+whose record (``qcore.adapters.families``) names that ``gguf_arch``, and the tensor names come from the record
+(``export_gguf.gguf_names``), as on export. Gemma's (Gemma2's, Gemma3's) norms are stored as ``s = 1 + w`` and
+read back as ``w' = s - 1`` (float32; for ``s`` in [0.5, 2] the model's ``1 + w'`` is ``s`` exactly, not always
+``w' == w``).
 
 Every Linear weight stored as Q4_0, Q4_1, Q8_0 or MXFP4 (type 39) becomes a frozen qcore module built from the
 file's blocks directly (codes and scales, no float round trip; ``qcore.formats.gguf.import_blocks`` gives the
@@ -49,8 +67,9 @@ warning and in the report (``how="dequantized"``), or refused with ``strict=True
 - other block types (Q4_K, Q5_0, Q6_K, IQ*, ...): refused (ValueError naming the tensor) unless
   ``dequantize_other=True``.
 
-F32 / F16 / BF16 tensors stay float (in ``dtype``). ``attn_q`` / ``attn_k`` rows are put back from llama.cpp's
-rotary order into transformers' (``formats.gguf.unpermute_qk``; codes and scales move with their rows, exact).
+F32 / F16 / BF16 tensors stay float (in ``dtype``). In ``llama`` files ``attn_q`` / ``attn_k`` rows are put back
+from llama.cpp's rotary order into transformers' (``formats.gguf.unpermute_qk``; codes and scales move with their
+rows, exact).
 
 The model carries ``model.qcore_config`` (a ``ModelConfig`` describing exactly its quantized modules, so that
 ``export_hf`` and ``export_gguf`` write it again) and ``model.qcore_gguf_report`` (``GGUFImportReport``: per
@@ -83,8 +102,8 @@ from ..config import ModelConfig, LayerConfig, TensorConfig
 from ..modules import _QuantMixin, QUANT_CLASSES
 from .._batches import _set_module
 
-__all__ = ['export_gguf', 'export_gguf_dir', 'check_gguf', 'GGUFExportInfo', 'TensorReport', 'GGUF_FILE',
-           'from_gguf', 'GGUFImportReport', 'ImportedTensor']
+__all__ = ['export_gguf', 'export_gguf_dir', 'check_gguf', 'gguf_names', 'gguf_family', 'GGUFExportInfo',
+           'TensorReport', 'GGUF_FILE', 'from_gguf', 'GGUFImportReport', 'ImportedTensor']
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -121,7 +140,97 @@ class GGUFExportInfo:
         return tuple(r for r in self.quantized if not r.exact)
 
 
-_LLAMA_TYPES = ("llama",)
+def _writable() -> list:
+    from ..families import FAMILIES
+    return [f.model_type for f in FAMILIES if f.gguf_arch in G.ARCHS and f.experts is None]
+
+
+def _family_problem(fam) -> Optional[str]:
+    """Why qcore cannot write (or read) GGUF for the family record ``fam`` (None: it can)."""
+    mt = fam.model_type
+    if fam.gguf_arch is None:
+        return (f"model_type {mt!r} is not supported: llama.cpp has no architecture for it (its record "
+                f"{fam.name!r} has no gguf_arch); qcore writes GGUF for {_writable()}")
+    if fam.experts is not None:
+        return (f"model_type {mt!r} is not supported: its mixture-of-experts layers ({fam.experts.path}) are not "
+                f"written to GGUF by qcore; qcore writes GGUF for {_writable()}")
+    if fam.gguf_arch not in G.ARCHS:
+        return (f"model_type {mt!r} is not supported: qcore does not write llama.cpp's {fam.gguf_arch!r} "
+                f"architecture (its record {fam.name!r}; qcore.formats.gguf.ARCHS has {sorted(G.ARCHS)}); qcore "
+                f"writes GGUF for {_writable()}")
+    arch = G.ARCHS[fam.gguf_arch]
+    if fam.norm not in ("rms", "rms_unit_offset") or (fam.norm == "rms_unit_offset") != (arch.norm_offset == 1.0):
+        return (f"model_type {mt!r} is not supported: its norms are {fam.norm!r}, llama.cpp's {arch.name!r} graph "
+                f"multiplies by the stored weight{' + 1' if arch.norm_offset else ''} after an RMS norm")
+    return None
+
+
+def _layer_names(fam) -> dict:
+    """Module names of one layer (relative) -> llama.cpp tensor names, from the family record."""
+    q = ("attn_q", "attn_k", "attn_v") if len(fam.attn_in) == 3 else ("attn_qkv",)
+    up = ("ffn_gate", "ffn_up") if len(fam.mlp_in) == 2 else ("ffn_up",)
+    out = dict(zip(fam.attn_in, q))
+    out.update({fam.attn_out: "attn_output", **dict(zip(fam.mlp_in, up)), fam.mlp_out: "ffn_down",
+                fam.mlp_norm: "ffn_norm"})
+    if fam.attn_norm is not None:
+        out[fam.attn_norm] = "attn_norm"
+    out.update(zip(fam.qk_norms, ("attn_q_norm", "attn_k_norm")))
+    out.update(zip(fam.output_norms, ("post_attention_norm", "post_ffw_norm")))  # on the attention / MLP outputs
+    return out
+
+
+def gguf_family(model: nn.Module):
+    """``(record, located, arch)`` of a model qcore writes as GGUF: its family record, where its backbone sits
+    (``families.locate``) and llama.cpp's architecture (``formats.gguf.Arch``). ValueError (TypeError without a
+    transformers config) naming the model_type and what is missing."""
+    from ..families import UnknownFamily, family_of, locate
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "to_dict"):
+        raise TypeError("export_gguf: the model has no transformers config (model.config)")
+    try:
+        fam = family_of(model)
+    except UnknownFamily as e:
+        raise ValueError(f"export_gguf: model_type {getattr(cfg, 'model_type', None)!r} is not supported: {e}; "
+                         f"qcore writes GGUF for {_writable()}") from None
+    why = _family_problem(fam)
+    if why:
+        raise ValueError(f"export_gguf: {why}")
+    arch = G.ARCHS[fam.gguf_arch]
+    layer = _layer_names(fam)
+    extra = sorted(set(layer.values()) - set(arch.layer))
+    if extra:
+        raise ValueError(f"export_gguf: model_type {fam.model_type!r}: llama.cpp's {arch.name!r} graph has no "
+                         f"tensor for {extra} (the record's {[k for k, v in layer.items() if v in extra]})")
+    lacking = sorted(set(arch.layer) - set(layer.values()))
+    if lacking:
+        raise ValueError(f"export_gguf: model_type {fam.model_type!r}: llama.cpp's {arch.name!r} graph needs "
+                         f"{lacking}, which the {fam.name} record does not name")
+    loc = locate(model, what="export_gguf")
+    if loc.prefix != fam.backbone:
+        where = ("a bare backbone without its head" if loc.prefix == "" else
+                 f"a vision-language model (its {fam.name} language tower at {loc.prefix}; llama.cpp keeps a "
+                 f"vision tower in a separate mmproj file, which qcore does not write)")
+        raise ValueError(f"export_gguf: {type(model).__name__} is {where}; qcore writes GGUF for a whole "
+                         f"{fam.name} causal LM ({fam.backbone} + {fam.lm_head})")
+    return fam, loc, arch
+
+
+def gguf_names(model: nn.Module) -> dict:
+    """Module name in ``model`` -> llama.cpp tensor name without ``.weight`` / ``.bias``
+    (``model.layers.3.self_attn.q_proj`` -> ``blk.3.attn_q``), from the model's family record; the same map
+    ``export_gguf`` writes with and ``from_gguf`` reads with."""
+    fam, loc, arch = gguf_family(model)
+    n_layers = len(model.get_submodule(loc.layers))
+    out = {loc.embed: "token_embd"}
+    if loc.final_norm is not None:
+        out[loc.final_norm] = "output_norm"
+    if loc.lm_head is not None:
+        out[loc.lm_head] = "output"
+    layer = _layer_names(fam)
+    for i in range(n_layers):
+        for k, v in layer.items():
+            out[f"{loc.layers}.{i}.{k}"] = f"blk.{i}.{v}"
+    return out
 
 
 def _in_memory_weight(m: _QuantMixin) -> np.ndarray:
@@ -146,7 +255,7 @@ def _float_array(w: np.ndarray) -> tuple[np.ndarray, str]:
     return np.ascontiguousarray(w, np.float32), "F32"
 
 
-def _encode_quantized(name: str, m: _QuantMixin, strict: bool) -> tuple[np.ndarray, str, TensorReport]:
+def _encode_quantized(name: str, gbase: str, m: _QuantMixin, strict: bool) -> tuple[np.ndarray, str, TensorReport]:
     from .quark_hf import weight_parts
     spec = m.specs["weight"]
     parts, shape = weight_parts(m)
@@ -171,8 +280,7 @@ def _encode_quantized(name: str, m: _QuantMixin, strict: bool) -> tuple[np.ndarr
         diff = float(np.max(np.abs(data.astype(np.float64) - ref), initial=0.0))
     else:
         exact, diff = G.is_exact(data, kind, ref)
-    gname = G.hf_to_gguf_name(f"{name}.weight")
-    rep = TensorReport(f"{name}.weight", gname, kind, exact, diff, how)
+    rep = TensorReport(f"{name}.weight", f"{gbase}.weight", kind, exact, diff, how)
     if strict and not exact:
         why = {"codes": "its scales (or Q4_1 offsets) are not float16", "float": "",
                "requantized": f"no GGUF type has its grid ({spec.name or spec.dtype.name}, {spec.granularity})"}[how]
@@ -182,14 +290,20 @@ def _encode_quantized(name: str, m: _QuantMixin, strict: bool) -> tuple[np.ndarr
     return data, kind, rep
 
 
-def _arch_problem(model: nn.Module) -> Optional[str]:
-    cfg = getattr(model, "config", None)
-    if cfg is None or not hasattr(cfg, "to_dict"):
-        return "the model has no transformers config (model.config)"
-    mt = getattr(cfg, "model_type", None)
-    if mt not in _LLAMA_TYPES:
-        return f"model_type {mt!r} is not supported; qcore writes GGUF for the Llama family ({list(_LLAMA_TYPES)})"
-    return None
+def _arch(model: nn.Module):
+    """The checks the architecture alone decides, shared by ``check_gguf`` and ``export_gguf``: the family
+    (``gguf_family``), then the config's settings llama.cpp's graph cannot run (``formats.gguf.metadata``), then a
+    head llama.cpp would not read. Returns ``(record, arch, metadata, config dict)``."""
+    fam, loc, arch = gguf_family(model)
+    cfg = model.config.to_dict()
+    try:
+        meta = G.metadata(arch.name, cfg)
+    except ValueError as e:
+        raise ValueError(f"export_gguf: model_type {fam.model_type!r} ({arch.name!r} in GGUF): {e}") from None
+    if not arch.output and loc.lm_head is not None and not cfg.get("tie_word_embeddings"):
+        raise ValueError(f"export_gguf: model_type {fam.model_type!r}: llama.cpp's {arch.name!r} graph computes the "
+                         f"head with token_embd, and the model's {loc.lm_head} is not tied to it")
+    return fam, arch, meta, cfg
 
 
 def _unit_problem(name: str, roles: list, drop_activations: bool) -> Optional[str]:
@@ -198,7 +312,7 @@ def _unit_problem(name: str, roles: list, drop_activations: bool) -> Optional[st
     if "weight" not in roles:
         return f"{name!r} quantizes {acts} but not its weight; GGUF has no activation quantization"
     if "bias" in acts:
-        return f"{name!r} has a quantized bias; llama.cpp's Llama graph has no biases"
+        return f"{name!r} has a quantized bias; GGUF holds biases as float (F32) only"
     if acts and not drop_activations:
         return (f"{name!r} quantizes its {acts[0]} activations, which GGUF cannot hold (llama.cpp quantizes "
                 f"activations its own way); pass drop_activations=True to write the weights only")
@@ -214,33 +328,32 @@ def check_gguf(model: nn.Module, config: Optional[ModelConfig] = None, *, drop_a
     config = config if config is not None else getattr(model, "qcore_config", None)
     refuse_conv1d(model, config, "export_gguf")
     check_no_experts(model, config, who="export_gguf")  # fused MoE experts: not written yet (issue 22)
-    why = _arch_problem(model)
-    if why:
-        raise ValueError(f"export_gguf: {why}")
+    try:
+        fam, arch, _, _ = _arch(model)
+    except TypeError as e:
+        raise ValueError(str(e)) from None
     if not isinstance(config, ModelConfig):
         return  # export_gguf reads the modules themselves
     if will_rotate_online(model, config):
-        raise ValueError("export_gguf: the model carries online rotations; llama.cpp's Llama graph cannot apply "
-                         "them")
+        raise ValueError("export_gguf: the model carries online rotations; llama.cpp's graphs cannot apply them")
     for u in export_units(model, config):
         why = _unit_problem(u.name, [r for r in ("weight", "input", "output", "bias")
                                      if getattr(u.config, r) is not None], drop_activations)
         if why:
             raise ValueError(f"export_gguf: {why}")
+        if u.name == fam.lm_head and not arch.output:
+            raise ValueError(_head_refusal(u.name, arch))
 
 
-def _check_model(model: nn.Module, drop_activations: bool) -> tuple[dict, list[str]]:
+def _check_model(model: nn.Module, drop_activations: bool) -> tuple:
     from .quark_hf import refuse_conv1d
     refuse_conv1d(model, None, "export_gguf")
-    why = _arch_problem(model)
-    if why:
-        raise (TypeError if "no transformers config" in why else ValueError)(f"export_gguf: {why}")
-    d = model.config.to_dict()
+    fam, arch, meta, d = _arch(model)
     from ..passes.rotation import input_rotations
     rot = input_rotations(model)
     if rot:
         raise ValueError(f"export_gguf: the model carries online rotations (e.g. before {next(iter(rot))!r}); "
-                         f"llama.cpp's Llama graph cannot apply them")
+                         f"llama.cpp's graphs cannot apply them")
     dropped = []
     for n, m in model.named_modules():
         if not isinstance(m, _QuantMixin):
@@ -249,7 +362,7 @@ def _check_model(model: nn.Module, drop_activations: bool) -> tuple[dict, list[s
         if why:
             raise ValueError(f"export_gguf: {why}")
         dropped += [f"{n} ({r})" for r in m.specs if r != "weight"]
-    return d, dropped
+    return arch, meta, d, dropped
 
 
 def _tokenizer_fields(tokenizer: Any, vocab_size: int, pre: str) -> list[tuple[str, Any, Any, Any]]:
@@ -315,46 +428,72 @@ def _tokenizer_fields(tokenizer: Any, vocab_size: int, pre: str) -> list[tuple[s
     return out
 
 
-def _plan(model: nn.Module, cfg: dict, strict: bool) -> tuple[list, list[TensorReport]]:
+def _head_refusal(name: str, arch) -> str:
+    return (f"export_gguf: {name}: llama.cpp's {arch.name!r} graph computes the head with token_embd (the head "
+            f"must be tied to the embedding and not quantized apart from it; exclude {name!r})")
+
+
+def _check_bias(name: str, role: str, arch) -> None:
+    if role not in arch.biases:
+        raise ValueError(f"export_gguf: {name}: llama.cpp's {arch.name!r} graph has no {role} bias")
+
+
+def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[TensorReport]]:
     """``[(gguf name, array, type name)]`` in state-dict order, and the reports of the quantized weights."""
     n_head = int(cfg["num_attention_heads"])
     n_kv = int(cfg.get("num_key_value_heads") or n_head)
+    names = gguf_names(model)
     mods = {n: m for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
     owned = {}
     for n, m in mods.items():
         for k in m.state_dict():
-            if "." not in k:
+            if "." not in k and k != "bias":
                 owned[f"{n}.{k}"] = n
     tensors, reports, done = [], [], set()
     sd = model.state_dict(keep_vars=True)
-    emb = sd.get("model.embed_tokens.weight")
+    emb_name = next(k for k, v in names.items() if v == "token_embd")
+    emb = sd.get(f"{emb_name}.weight")
     for k, t in sd.items():
+        mod, _, leaf = k.rpartition(".")
+        base = names.get(mod)
+        if base is None or leaf not in ("weight", "bias") and k not in owned:
+            raise ValueError(f"export_gguf: the model's tensor {k!r} has no place in llama.cpp's {arch.name!r} "
+                             f"layout")
+        role = base.rpartition(".")[2]
+        if leaf == "bias" and mod in mods:
+            continue  # written after the module's weight (a frozen module lists its bias first)
         if k in owned:
-            mod = owned[k]  # frozen modules hold weight_packed / weight_scale / ... instead of weight
-            if mod in done:
+            if mod in done:  # frozen modules hold weight_packed / weight_scale / ... instead of weight
                 continue
             done.add(mod)
-            if getattr(mods[mod], "bias", None) is not None:
-                raise ValueError(f"export_gguf: {mod}.bias: llama.cpp's Llama graph has no biases")
-            data, kind, rep = _encode_quantized(mod, mods[mod], strict)
+            if base == "output" and not arch.output:
+                raise ValueError(_head_refusal(mod, arch))
+            data, kind, rep = _encode_quantized(mod, base, mods[mod], strict)
             reports.append(rep)
             name = rep.gguf_name
         else:
-            name = G.hf_to_gguf_name(k)
-            if name is None:
-                raise ValueError(f"export_gguf: the model's tensor {k!r} has no place in GGUF's Llama layout")
+            name = f"{base}.{leaf}"
+            if leaf == "bias":
+                _check_bias(k, role, arch)
             if name == "output.weight" and emb is not None and t is emb:
                 continue  # tied output head: llama.cpp uses token_embd
+            if name == "output.weight" and not arch.output:
+                raise ValueError(_head_refusal(mod, arch))
             a = t.detach().float().cpu().numpy()
+            if role in G.NORM_TENSORS and arch.norm_offset:
+                a = a + np.float32(arch.norm_offset)  # transformers computes x * (1 + w) in float32: the same value
             if a.ndim == 1 or t.dtype != torch.float16:
                 data, kind = np.ascontiguousarray(a, np.float32), "F32"
             else:
                 data, kind = a.astype(np.float16), "F16"
-        if name is None:
-            raise ValueError(f"export_gguf: the quantized module {k!r} has no place in GGUF's Llama layout")
-        if ".attn_q." in name or ".attn_k." in name:
-            data = G.permute_qk(data, n_head if ".attn_q." in name else n_kv)
+        if arch.permute_qk and role in ("attn_q", "attn_k"):
+            data = G.permute_qk(data, n_head if role == "attn_q" else n_kv)
         tensors.append((name, np.ascontiguousarray(data), kind))
+        bias = getattr(mods[mod], "bias", None) if k in owned else None
+        if bias is not None:
+            _check_bias(f"{mod}.bias", role, arch)
+            tensors.append((f"{base}.bias", np.ascontiguousarray(bias.detach().float().cpu().numpy(), np.float32),
+                            "F32"))
     if len(done) != len(mods):
         raise ValueError(f"export_gguf: quantized modules without tensors in the state dict: "
                          f"{sorted(set(mods) - done)[:3]}")
@@ -364,8 +503,9 @@ def _plan(model: nn.Module, cfg: dict, strict: bool) -> tuple[list, list[TensorR
 def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: Any = None,
                 tokenizer_pre: str = "default", strict: bool = False, drop_activations: bool = False,
                 overwrite: bool = False, name: Optional[str] = None) -> GGUFExportInfo:
-    """Write ``model`` (a transformers Llama quantized with ``quantize_model``, frozen or not) to the GGUF file
-    ``path``. See the module docstring for what is written and when it is lossless.
+    """Write ``model`` (a transformers Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Gemma3 or Phi-3 quantized with
+    ``quantize_model``, frozen or not) to the GGUF file ``path``. See the module docstring for what is written
+    and when it is lossless.
 
     tokenizer: a transformers BPE fast tokenizer, or the path of a GGUF file to copy ``tokenizer.*`` from
         (llama.cpp needs a tokenizer; transformers' GGUF model loader does not).
@@ -391,16 +531,15 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
         raise ValueError("export_gguf: the model has no qcore quantized modules; run quantize_model first")
     from .experts import check_no_experts
     check_no_experts(model, who="export_gguf")  # fused MoE experts: not written yet (issue 22)
-    cfg, dropped = _check_model(model, drop_activations)
-    meta = G.llama_metadata(cfg)
+    arch, meta, cfg, dropped = _check_model(model, drop_activations)
     tok = None if tokenizer is None else _tokenizer_fields(tokenizer, int(cfg["vocab_size"]), tokenizer_pre)
-    tensors, reports = _plan(model, cfg, strict)
+    tensors, reports = _plan(model, cfg, arch, strict)
 
     import gguf
     V = gguf.GGUFValueType
     kinds = {"u32": V.UINT32, "f32": V.FLOAT32, "str": V.STRING}
     with staged_file(path, recheck=lambda: check_file_destination(path, overwrite, ())) as tmp:
-        w = gguf.GGUFWriter(tmp, arch="llama")
+        w = gguf.GGUFWriter(tmp, arch=arch.name)
         w.add_name(name or _published_name(cfg))
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         for k, (v, kind) in meta.items():
@@ -567,17 +706,19 @@ def _check_args(path, dtype, strict, dequantize_other) -> pathlib.Path:
     return p
 
 
-def _plan_import_gguf(reader, model: nn.Module, cfg, strict: bool, dequantize_other: bool) -> list:
+def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, dequantize_other: bool) -> list:
     """Per tensor ``(tensor, hf name, module name, kind, shape)``, validated before any data is read."""
-    mods = dict(model.named_modules())
     params = dict(model.named_parameters())
+    back = {v: k for k, v in names.items()}
     out, seen = [], set()
     for t in reader.tensors:
         kind = t.tensor_type.name
-        hf = G.gguf_to_hf_name(t.name)
+        base, _, leaf = t.name.rpartition(".")
+        hf = f"{back[base]}.{leaf}" if base in back else None
         if hf is None:
-            raise ValueError(f"from_gguf: tensor {t.name!r} has no place in transformers' Llama model (qcore imports "
-                             f"the Llama layout: token_embd, output, output_norm, blk.N.attn_*/ffn_*)")
+            per_layer = sorted({v.split(".", 2)[2] for v in names.values() if v.startswith("blk.")})
+            raise ValueError(f"from_gguf: tensor {t.name!r} has no place in transformers' {cfg.model_type} model "
+                             f"(qcore imports its layout: token_embd, output, output_norm, blk.N.{per_layer})")
         if hf in seen:
             raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} appears twice in the file")
         seen.add(hf)
@@ -602,8 +743,9 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, strict: bool, dequantize_ot
         out.append((t, hf, mod_name, kind, shape))
     missing = [n for n in params if n not in seen and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing:
+        base, _, leaf = missing[0].rpartition(".")
         raise CorruptCheckpointError(f"from_gguf: the file has no tensor for {missing[:5]} "
-                                     f"({G.hf_to_gguf_name(missing[0])!r} ...)")
+                                     f"({names.get(base, '?')}.{leaf} ...)")
     return out
 
 
@@ -633,23 +775,37 @@ def _model_config(model: nn.Module, specs: dict[str, QuantSpec]) -> Optional[Mod
     return ModelConfig(layer, by_name=by_name, exclude=())
 
 
-def _skeleton(path: pathlib.Path, dtype: torch.dtype):
+def _skeleton(reader, arch: str, dtype: torch.dtype):
+    """The transformers config and an empty model (parameters on meta) of the file, and its GGUF name map."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
-    cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    if cfg.model_type != "llama":
-        raise ValueError(f"from_gguf: model_type {cfg.model_type!r} is not supported; qcore imports the Llama "
-                         f"family (general.architecture 'llama')")
+    pass
+    from ..families import FAMILIES
+    fam = next((f for f in FAMILIES if f.gguf_arch == arch and _family_problem(f) is None), None)
+    if fam is None:
+        raise ValueError(f"from_gguf: general.architecture is {arch!r}; qcore imports "
+                         f"{sorted({f.gguf_arch for f in FAMILIES if f.gguf_arch and _family_problem(f) is None})}")
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    try:
+        kw = G.config_from_metadata(arch, fields)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"from_gguf: {e}") from None
+    names = {t.name for t in reader.tensors}
+    kw["tie_word_embeddings"] = "output.weight" not in names
+    for key, attr in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
+        v = fields.get(f"tokenizer.ggml.{key}_token_id")
+        kw[attr] = None if v is None else int(v)  # not the config class's defaults (Phi-3's 32000)
+    cfg = AutoConfig.for_model(fam.model_type, **kw)
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) computed
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    return cfg, model
+    return cfg, model, gguf_names(model)
 
 
 def from_gguf(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = None, strict: bool = False,
               dequantize_other: bool = False) -> nn.Module:
-    """Load the Llama GGUF file ``path`` as a transformers model whose GGUF-quantized Linear weights are frozen
-    qcore modules (see the module docstring). Returns the model (eval mode) with ``model.qcore_config``
-    (None when no tensor is quantized) and ``model.qcore_gguf_report``.
+    """Load the GGUF file ``path`` (architectures: the module docstring) as a transformers model whose
+    GGUF-quantized Linear weights are frozen qcore modules (see the module docstring). Returns the model (eval
+    mode) with ``model.qcore_config`` (None when no tensor is quantized) and ``model.qcore_gguf_report``.
 
     dtype: the float dtype of the model (float tensors, and what frozen modules dequantize to); default float32.
     strict: refuse (ValueError naming the tensor) any block-quantized tensor that would not become qcore codes.
@@ -671,10 +827,9 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
     reader = gguf.GGUFReader(p)
     arch = reader.fields.get("general.architecture")
     arch = arch.contents() if arch is not None else None
-    if arch != "llama":
-        raise ValueError(f"from_gguf: general.architecture is {arch!r}; qcore imports 'llama' GGUF files")
-    cfg, model = _skeleton(p, dtype)
-    plan = _plan_import_gguf(reader, model, cfg, strict, dequantize_other)
+    cfg, model, names = _skeleton(reader, arch, dtype)
+    a = G.ARCHS[arch]
+    plan = _plan_import_gguf(reader, model, cfg, names, strict, dequantize_other)
     n_head = int(cfg.num_attention_heads)
     n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_head)
     tied = bool(cfg.tie_word_embeddings)
@@ -682,10 +837,14 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
     reports, specs, float_blocks = [], {}, []
     for t, hf, mod_name, kind, shape in plan:
         data = np.asarray(t.data)
-        if ".attn_q." in t.name or ".attn_k." in t.name:
-            data = G.unpermute_qk(data, n_head if ".attn_q." in t.name else n_kv)
+        role = t.name.split(".")[-2]
+        if a.permute_qk and role in ("attn_q", "attn_k"):
+            data = G.unpermute_qk(data, n_head if role == "attn_q" else n_kv)
         if kind in _FLOAT_TYPES:
             vals = _float_values(data, kind, shape, t.name)
+            if a.norm_offset and role in G.NORM_TENSORS:
+                # stored s = 1 + w: w' = s - 1 is exact for s in [0.5, 2] (Sterbenz), so the model's 1 + w' is s
+                vals = vals.astype(np.float32) - np.float32(a.norm_offset)
             value, exact, diff = _to_torch(vals, dtype)
             _set_param(model, hf, value)
             reports.append(ImportedTensor(hf, t.name, kind, "float", None, exact, diff))
@@ -703,8 +862,8 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
         else:
             reason = f"{kind} is a block type no qcore grid holds"
             ref = np.asarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), np.float32).reshape(shape)
-            if ".attn_q." in t.name or ".attn_k." in t.name:
-                ref = G.unpermute_qk(ref, n_head if ".attn_q." in t.name else n_kv)
+            if a.permute_qk and role in ("attn_q", "attn_k"):
+                ref = G.unpermute_qk(ref, n_head if role == "attn_q" else n_kv)
         if spec is None:
             if strict:
                 raise ValueError(f"from_gguf(strict=True): tensor {t.name!r} ({kind}) cannot be imported as qcore "

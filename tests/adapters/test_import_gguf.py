@@ -344,3 +344,67 @@ def test_smollm2_gguf_imports_with_transformers_logits(smollm2):
     assert "211 block-quantized tensor(s)" in warned[0]
     ids = torch.randint(0, 49152, (1, 48), generator=torch.Generator().manual_seed(0))
     assert torch.equal(_logits(b, ids), _logits(smollm2[0], ids))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the other families (architecture from the file; the model from the family record naming it)
+# ---------------------------------------------------------------------------------------------------------------
+
+# model_type -> the transformers class from_gguf builds (Mistral is written as llama.cpp's 'llama')
+FAMILY_CLASSES = {"mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                  "phi3": "Phi3ForCausalLM"}
+
+
+@pytest.mark.parametrize("fam", list(FAMILY_CLASSES))
+def test_family_export_import_same_logits_and_same_file(zoo, tmp_path, fam):
+    from test_export_gguf import family_quantized
+    m = family_quantized(zoo, fam)
+    export_gguf(m, tmp_path / "m.gguf")
+    b, warned = _import(tmp_path / "m.gguf")
+    assert type(b).__name__ == FAMILY_CLASSES[fam] and not warned
+    rep = b.qcore_gguf_report
+    assert rep.exact and len(rep.codes) == (8 if fam == "phi3" else 14)
+    assert torch.equal(_logits(b), _logits(m))
+    for n, p in m.named_parameters():  # norms, biases: the same floats (Gemma: 1 + w, what its norms multiply by)
+        if p.ndim == 1:
+            off = 1.0 if fam.startswith("gemma") and n.endswith("norm.weight") else 0.0
+            assert torch.equal(b.get_parameter(n) + off, p + off), n
+    assert b.config.tie_word_embeddings == m.config.tie_word_embeddings
+    export_gguf(b, tmp_path / "n.gguf")  # the imported model writes the same file again
+    assert (tmp_path / "n.gguf").read_bytes() == (tmp_path / "m.gguf").read_bytes()
+
+
+def test_head_dim_from_key_length(zoo, tmp_path):
+    """Qwen3 with head_dim != hidden / heads (as the real Qwen3 models): attention.key_length carries it."""
+    base = zoo.tiny_family("qwen3")
+    m = type(base)(type(base.config)(**dict(base.config.to_dict(), head_dim=32))).eval()
+    quantize_model(m, ModelConfig(LayerConfig(weight=SPECS["Q8_0"]())), None, progress=False)
+    export_gguf(m, tmp_path / "m.gguf")
+    f = gguf.GGUFReader(tmp_path / "m.gguf").fields
+    assert f["qwen3.attention.key_length"].contents() == 32 and f["qwen3.rope.dimension_count"].contents() == 32
+    b, _ = _import(tmp_path / "m.gguf")
+    assert b.config.head_dim == 32 and torch.equal(_logits(b), _logits(m))
+
+
+def test_architecture_qcore_does_not_read_is_refused(zoo, tmp_path):
+    path = tmp_path / "g.gguf"
+    w = gguf.GGUFWriter(path, arch="gptneox")
+    w.add_block_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((128, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"general.architecture is 'gptneox'; qcore imports \['gemma', 'gemma2', "
+                                         r"'gemma3', 'llama', 'phi3', 'qwen2', 'qwen3'\]"):
+        from_gguf(path)
+    w = gguf.GGUFWriter(tmp_path / "q.gguf", arch="qwen3")  # an architecture qcore reads, without its metadata
+    w.add_tensor("token_embd.weight", np.zeros((128, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(qcore.adapters.CorruptCheckpointError, match=r"q.gguf': from_gguf: the file has no "
+                                                                     r"qwen3.context_length metadata"):
+        from_gguf(tmp_path / "q.gguf")

@@ -310,3 +310,34 @@ def test_q4_0_holds_only_zero_points_7_and_8():
     assert G.is_exact(data, "Q4_0", np.asarray(qcore.dequantize(q2)))[0]
     with pytest.raises(ValueError, match="not a Q4_0 grid"):
         G.encode(_parts(q), spec, kind="Q4_0")
+
+
+def test_architectures_are_gguf_pys():
+    """Every architecture, tensor name and metadata key qcore writes is one gguf-py (llama.cpp's constants) defines
+    for that architecture."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES, Keys
+    by_name = {v: k for k, v in MODEL_ARCH_NAMES.items()}
+    keys = {v for cls in (Keys.LLM, Keys.Attention, Keys.Rope) for k, v in vars(cls).items()
+            if isinstance(v, str) and v.startswith("{arch}.")}
+    for name, a in G.ARCHS.items():
+        assert a.name == name and name in by_name
+        known = {TENSOR_NAMES[t].replace("blk.{bid}.", "") for t in MODEL_TENSORS[by_name[name]]}
+        assert set(a.layer) | set(G.TOP_TENSORS[:2]) <= known, name
+        assert ("output" in known) == a.output, name
+        assert set(a.biases) <= set(a.layer) and set(a.layer) <= set(G.LAYER_TENSORS)
+        cfg = dict(num_attention_heads=4, hidden_size=64, head_dim=32, max_position_embeddings=64,
+                   num_hidden_layers=2, intermediate_size=128, rms_norm_eps=1e-6, vocab_size=128,
+                   hidden_act=a.acts[0], rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                   sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                   layer_types=["sliding_attention" if i % max(a.swa_pattern, 1) < a.swa_pattern - 1 else
+                                "full_attention" for i in range(2)])
+        meta = G.metadata(name, cfg)
+        assert {k.replace(name, "{arch}", 1) for k in meta} <= keys
+        back = G.config_from_metadata(name, {k: v for k, (v, _) in meta.items()})
+        rope = back["rope_parameters"]
+        assert back["head_dim"] == 32 and rope.get("full_attention", rope) == cfg["rope_parameters"]
+        if a.swa_rope_theta is not None:  # Gemma3: the sliding layers' own rope
+            assert rope["sliding_attention"] == {"rope_type": "default", "rope_theta": a.swa_rope_theta}
+        assert {k: back[k] for k in ("hidden_size", "num_hidden_layers", "num_key_value_heads")} == dict(
+            hidden_size=64, num_hidden_layers=2, num_key_value_heads=4)
