@@ -398,8 +398,18 @@ def test_gemma_quantized_head_refused_by_check_and_export(zoo, tmp_path):
     assert not (tmp_path / "m.gguf").exists()
 
 
+def _tiny_specs() -> dict:
+    """tests/adapters/conftest.py's TINY_SPECS, loaded by path (``import conftest`` may find another conftest.py)."""
+    import importlib.util
+    import pathlib
+    spec = importlib.util.spec_from_file_location("_adapters_conftest", pathlib.Path(__file__).with_name("conftest.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.TINY_SPECS
+
+
 def _gemma2(**edit):
-    base = transformers.Gemma2Config(**dict(__import__("conftest").TINY_SPECS["gemma2"][1], query_pre_attn_scalar=16,
+    base = transformers.Gemma2Config(**dict(_tiny_specs()["gemma2"][1], query_pre_attn_scalar=16,
                                             **edit))
     torch.manual_seed(0)
     m = transformers.Gemma2ForCausalLM(base).eval()
@@ -450,7 +460,7 @@ def test_llama_cpp_gemma3_local_and_global_layers_same_logits(tmp_path):
     """Seven layers (layer 5 global, rope base 1e6; the others sliding, base 1e4, window 4 over 16 tokens), float
     weights: llama.cpp's gemma3 graph agrees to 0.1% of the largest logit; asserted 0.3%."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    kw = dict(__import__("conftest").TINY_SPECS["gemma3_text"][1], query_pre_attn_scalar=16, sliding_window=4,
+    kw = dict(_tiny_specs()["gemma3_text"][1], query_pre_attn_scalar=16, sliding_window=4,
               num_hidden_layers=7)
     torch.manual_seed(0)
     m = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**kw)).eval()
