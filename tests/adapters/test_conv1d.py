@@ -548,3 +548,36 @@ def test_other_exporters_refuse_quantized_conv1d_before_work(fmt, gpt2, tmp_path
         check(untied, only_head)
     except ValueError as e:
         assert "Conv1D" not in str(e)
+
+
+def test_fold_scales_on_conv1d_producers_and_readers_and_its_checks(gpt2):
+    """A Conv1D producer (its output columns and bias divided) into a Conv1D reader: ``c_fc -> c_proj`` is exact
+    once the GELU is a ReLU (given as Quark's scaling_layers entry); wrong sizes and non-Linear readers are refused
+    before any change, naming the module and the sizes."""
+    from qcore.adapters.passes.scaling import ScalingGroup, fold_scales, scaling_groups
+    model = copy.deepcopy(gpt2).double()
+    for block in model.transformer.h:
+        block.mlp.act = nn.ReLU()
+    ref = logits(model)
+    g = torch.Generator().manual_seed(4)
+    for block in model.transformer.h:
+        (grp,) = scaling_groups(block, quark_entries=[{"prev_op": "mlp.c_fc", "layers": ["mlp.c_proj"],
+                                                       "inp": "mlp.c_proj"}])
+        c_fc_bias = block.mlp.c_fc.bias.detach().clone()
+        s = torch.rand(128, generator=g, dtype=torch.float64) * 3 + 0.25
+        fold_scales(block, grp, s)
+        torch.testing.assert_close(block.mlp.c_fc.bias, c_fc_bias / s, rtol=1e-15, atol=0)
+    torch.testing.assert_close(logits(model), ref, rtol=1e-9, atol=1e-9)
+
+    block = model.transformer.h[0]
+    before = {n: p.detach().clone() for n, p in block.named_parameters()}
+    bad = [
+        (ScalingGroup("ln_1", ("attn.c_attn",), "attn.c_attn"), 31, "in_features=32, but s has 31"),
+        (ScalingGroup("attn.c_attn", ("attn.c_proj",), "attn.c_proj"), 32, "out_features=96, but s has 32"),
+        (ScalingGroup("ln_1", ("attn",), "attn"), 32, "'attn' is a GPT2Attention, not an nn.Linear"),
+        (ScalingGroup("mlp.act", ("mlp.c_proj",), "mlp.c_proj"), 128, "'mlp.act' is a ReLU"),
+    ]
+    for grp, n, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            fold_scales(block, grp, torch.ones(n, dtype=torch.float64))
+    assert all(torch.equal(p, before[n]) for n, p in block.named_parameters())
