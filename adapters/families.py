@@ -408,8 +408,11 @@ FAMILIES: tuple = (
            lm_head="lm_head", attn_in=("attn.c_attn",), qkv_layout="concat", attn_out="attn.c_proj",
            mlp_in=("mlp.c_fc",), mlp_out="mlp.c_proj", act="mlp.act", attn_norm="ln_1", mlp_norm="ln_2",
            norm="layernorm", linear="conv1d", fused_units=(),
-           scaling_note="GPT-2's projections are transformers Conv1D modules (weight [in, out]), which the folds "
-                        "do not handle yet",
+           scaling=(ScalingRule(_sg("ln_1", ("attn.c_attn",), m2i="attn")),
+                    ScalingRule(_sg("ln_2", ("mlp.c_fc",), m2i="mlp"))),
+           scaling_note="attn.c_attn -> attn.c_proj is not folded: only the v third of the fused c_attn's outputs "
+                        "reaches c_proj, and a ScalingGroup divides all of a producer's outputs; the MLP's GELU "
+                        "stops mlp.c_fc -> mlp.c_proj",
            rotation=_LAYERNORM_ROT),
     Family("gpt_neox", "GPT-NeoX", gguf_arch="gptneox", backbone="gpt_neox", layers="layers", embed="embed_in",
            final_norm="final_layer_norm", lm_head="lm_head", attn_in=("attention.query_key_value",),

@@ -3,7 +3,9 @@
 A *scaling group* is a set of Linears that read the same input ``x`` and the op that produces ``x``:
 ``y_i = x W_i^T = (x / s) (W_i * s)^T``. Folding divides the producer's output by ``s`` (a norm's weight and
 bias, or a previous Linear's output rows and bias) and multiplies every reader's input columns by ``s``; in exact
-arithmetic the layer computes the same function, and only quantization sees the rescaled tensors.
+arithmetic the layer computes the same function, and only quantization sees the rescaled tensors. A transformers
+``Conv1D`` (GPT-2: ``y = x @ W + b``, ``W`` stored ``[in, out]``) is the Linear of ``W^T``: the folds act on
+``modules.linear_weight``'s ``[out, in]`` view of it (writes reach the parameter).
 
 - ``ScalingGroup(prev_op, layers, inp, module2inspect)``: module names relative to one decoder layer, the fields
   of an entry of Quark's ``scaling_layers`` (``ScalingGroup.from_quark(entry)`` reads one; ``module2inspect``:
@@ -18,28 +20,29 @@ arithmetic the layer computes the same function, and only quantization sees the 
     o_proj`` only without grouped-query attention (``v_proj.out_features == o_proj.in_features``) and without a
     ``self_attn.v_norm``; ``post_attention_layernorm -> gate,up``; ``up_proj -> down_proj``. Gemma2/3 (whose
     ``post_attention_layernorm`` normalises the attention *output*): the MLP's group reads
-    ``pre_feedforward_layernorm``. Phi-3, GPT-NeoX: the norms into the fused projections. MoE families: the
-    attention groups only.
+    ``pre_feedforward_layernorm``. Phi-3, GPT-NeoX: the norms into the fused projections. GPT-2 (Conv1D):
+    ``ln_1 -> attn.c_attn``, ``ln_2 -> mlp.c_fc``. MoE families: the attention groups only.
   * OPT (pre-norm, ``do_layer_norm_before=True``): ``self_attn_layer_norm -> q,k,v``; ``v_proj -> out_proj``
     (same size rule); ``final_layer_norm -> fc1``; ``fc1 -> fc2`` only when the activation is ReLU (``relu(x /
     s) = relu(x) / s`` for ``s > 0``; not true for GELU).
 
-  Anything else (GPT-2's Conv1D, BERT's post-norm, a family not in the table) raises ``NoScalingMap`` (a
-  ValueError) naming the layer type, the record's reason and the record to add, and asking for
-  ``quark_entries`` (Quark's ``scaling_layers``). Given ``quark_entries``, every named module must exist
-  (ValueError otherwise), and a Linear -> Linear entry whose sizes do not match (Quark's ``v_proj -> o_proj``
-  under grouped-query attention, which Quark handles by a max over the query heads sharing a KV head) is left
-  out, with a warning, rather than folded wrongly.
+  Anything else (BERT's post-norm, a family not in the table) raises ``NoScalingMap`` (a ValueError) naming the
+  layer type, the record's reason and the record to add, and asking for ``quark_entries`` (Quark's
+  ``scaling_layers``). Given ``quark_entries``, every named module must exist (ValueError otherwise), the readers
+  must be ``nn.Linear`` / ``Conv1D``, and a Linear -> Linear entry whose sizes do not match (Quark's ``v_proj ->
+  o_proj`` under grouped-query attention, which Quark handles by a max over the query heads sharing a KV head) is
+  left out, with a warning, rather than folded wrongly.
 - ``fold_scales(layer, group, s)``: in place, all checks before any change; float64 arithmetic, cast back to
   each parameter's dtype (so the float model changes only by that rounding). Foldable producers: a norm with a
   per-channel weight (``nn.LayerNorm``, ``nn.RMSNorm``, any module whose class name ends in ``RMSNorm`` /
   ``LayerNorm``; Gemma-style "unit offset" RMSNorms, ``x * (1 + w)``, fold as ``(w + 1) / s - 1`` as Quark does)
-  or an ``nn.Linear`` with ``out_features == len(s)``. Fold before a model is quantized (calibrated scales of a
-  wrapped Linear would not follow the change).
+  or an ``nn.Linear`` / ``Conv1D`` with ``len(s)`` outputs; the readers are ``nn.Linear`` / ``Conv1D``. Fold
+  before a model is quantized (calibrated scales of a wrapped Linear would not follow the change).
 
-Differences from Quark 0.13's ``apply_scale``: activations as producers (Quark's ``ScaledActivation`` for GELU)
-and grouped-query ``v_proj -> o_proj`` folds are not done; Quark's NaN assertions after folding are replaced by
-the checks before it (positive finite ``s``).
+Differences from Quark 0.13's ``apply_scale``: activations as producers (Quark's ``ScaledActivation`` for GELU),
+grouped-query ``v_proj -> o_proj`` folds and folds into the v rows only of a fused qkv (GPT-2's ``c_attn ->
+c_proj``, GPT-NeoX, Phi-3) are not done; Quark's NaN assertions after folding are replaced by the checks before
+it (positive finite ``s``).
 """
 
 from __future__ import annotations
@@ -52,8 +55,9 @@ import torch
 from torch import nn
 
 from ..families import ScalingGroup  # the record type lives with the architecture records
+from ..modules import linear_weight
 
-__all__ = ["ScalingGroup", "NoScalingMap", "scaling_groups", "fold_scales", "check_fold"]
+__all__ = ["ScalingGroup", "NoScalingMap", "scaling_groups", "fold_scales", "check_fold", "linear_view"]
 
 # RMSNorm classes computing normalize(x) * (1 + weight) (Quark 0.13's UNIT_OFFSET_NORM_CLASSES).
 _UNIT_OFFSET_NORMS = frozenset({
@@ -63,6 +67,14 @@ _UNIT_OFFSET_NORMS = frozenset({
 # ---------------------------------------------------------------------------------------------------------------
 # architecture map
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def linear_view(m: Optional[nn.Module]) -> Optional[torch.Tensor]:
+    """The ``[out, in]`` weight of a Linear-like module the folds act on: an ``nn.Linear``'s (subclasses too), or
+    ``linear_weight``'s transposed view of transformers' ``Conv1D`` (writes reach the parameter); None otherwise."""
+    if isinstance(m, nn.Linear):
+        return m.weight
+    return None if m is None else linear_weight(m)
 
 
 def _get(layer: nn.Module, name: str) -> Optional[nn.Module]:
@@ -84,7 +96,8 @@ def _fits(layer: nn.Module, fam) -> bool:
 
 def _rule_applies(layer: nn.Module, fam, rule) -> bool:
     g = rule.group
-    if rule.sizes_match and any(_get(layer, g.prev_op).out_features != _get(layer, n).in_features for n in g.layers):
+    out = linear_view(_get(layer, g.prev_op)).shape[0] if rule.sizes_match else None
+    if rule.sizes_match and any(out != linear_view(_get(layer, n)).shape[1] for n in g.layers):
         return False
     if rule.relu and type(_get(layer, fam.act)) is not nn.ReLU:
         return False
@@ -93,9 +106,9 @@ def _rule_applies(layer: nn.Module, fam, rule) -> bool:
 
 def _family_groups(layer: nn.Module, fam) -> Optional[list]:
     """The groups of ``fam``'s record that apply to ``layer`` (None: the record has none for it)."""
-    if not fam.scaling or fam.linear != "linear":
+    if not fam.scaling:
         return None
-    if not all(isinstance(_get(layer, n), nn.Linear) for n in fam.projection_names()):
+    if not all(linear_view(_get(layer, n)) is not None for n in fam.projection_names()):
         return None
     if fam.scaling_requires is not None and getattr(layer, fam.scaling_requires, None) is not True:
         return None
@@ -113,10 +126,11 @@ def _from_entries(layer: nn.Module, entries: Any) -> list:
             if _get(layer, n) is None:
                 raise ValueError(f"quark_entries[{i}] names {n!r}, which {type(layer).__name__} does not have")
         for n in g.layers:
-            if not isinstance(_get(layer, n), nn.Linear):
-                raise ValueError(f"quark_entries[{i}]: {n!r} is a {type(_get(layer, n)).__name__}, not an nn.Linear")
-        prev = _get(layer, g.prev_op)
-        if isinstance(prev, nn.Linear) and any(prev.out_features != _get(layer, n).in_features for n in g.layers):
+            if linear_view(_get(layer, n)) is None:
+                raise ValueError(f"quark_entries[{i}]: {n!r} is a {type(_get(layer, n)).__name__}, not an nn.Linear "
+                                 f"(or a transformers Conv1D)")
+        pw = linear_view(_get(layer, g.prev_op))
+        if pw is not None and any(pw.shape[0] != linear_view(_get(layer, n)).shape[1] for n in g.layers):
             dropped.append(g)
             continue
         groups.append(g)
@@ -223,14 +237,17 @@ def check_fold(layer: nn.Module, group: ScalingGroup, n: int) -> tuple:
         fc = _get(layer, name)
         if fc is None:
             raise ValueError(f"group.layers names {name!r}, which {type(layer).__name__} does not have")
-        if not isinstance(fc, nn.Linear):
-            raise ValueError(f"group.layers: {name!r} is a {type(fc).__name__}, not an nn.Linear")
-        if fc.in_features != n:
-            raise ValueError(f"group.layers: {name!r} has in_features={fc.in_features}, but s has {n} channels")
+        w = linear_view(fc)
+        if w is None:
+            raise ValueError(f"group.layers: {name!r} is a {type(fc).__name__}, not an nn.Linear (or a transformers "
+                             f"Conv1D)")
+        if w.shape[1] != n:
+            raise ValueError(f"group.layers: {name!r} has in_features={w.shape[1]}, but s has {n} channels")
         fcs.append(fc)
-    if isinstance(prev, nn.Linear):
-        if prev.out_features != n:
-            raise ValueError(f"group.prev_op {group.prev_op!r} is a Linear with out_features={prev.out_features}, "
+    pw = linear_view(prev)
+    if pw is not None:
+        if pw.shape[0] != n:
+            raise ValueError(f"group.prev_op {group.prev_op!r} is a Linear with out_features={pw.shape[0]}, "
                              f"but s has {n} channels (grouped-query v_proj -> o_proj cannot be folded exactly)")
         kind = "linear"
     elif _is_norm(prev):
@@ -245,7 +262,7 @@ def check_fold(layer: nn.Module, group: ScalingGroup, n: int) -> tuple:
         kind = "norm"
     else:
         raise ValueError(f"group.prev_op {group.prev_op!r} is a {type(prev).__name__}: scales fold only into a "
-                         "norm with a per-channel weight or an nn.Linear")
+                         "norm with a per-channel weight or an nn.Linear (or a transformers Conv1D)")
 
     return kind, prev, fcs
 
@@ -259,9 +276,10 @@ def fold_scales(layer: nn.Module, group: ScalingGroup, s: Any) -> None:
     st = _scales(s)
     kind, prev, fcs = check_fold(layer, group, int(st.numel()))
     with torch.no_grad():
-        if kind == "linear":
-            sd = st.to(prev.weight.device)
-            _assign(prev.weight, prev.weight.to(torch.float64) / sd[:, None])
+        if kind == "linear":  # the producer's output rows (of its [out, in] weight) and its bias
+            pw = linear_view(prev)
+            sd = st.to(pw.device)
+            _assign(pw, pw.to(torch.float64) / sd[:, None])
             if prev.bias is not None:
                 _assign(prev.bias, prev.bias.to(torch.float64) / sd.to(prev.bias.device))
         else:
@@ -271,5 +289,6 @@ def fold_scales(layer: nn.Module, group: ScalingGroup, s: Any) -> None:
             b = getattr(prev, "bias", None)
             if isinstance(b, torch.Tensor):
                 _assign(b, b.to(torch.float64) / st.to(b.device))
-        for fc in fcs:
-            _assign(fc.weight, fc.weight.to(torch.float64) * st.to(fc.weight.device)[None, :])
+        for fc in fcs:  # the readers' input columns
+            w = linear_view(fc)
+            _assign(w, w.to(torch.float64) * st.to(w.device)[None, :])

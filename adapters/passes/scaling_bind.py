@@ -31,7 +31,7 @@ from qcore.algorithms.smoothquant import auto_smoothquant, smoothquant_scales, w
 
 from ..modules import _act_granularity, _with_granularity, linear_weight_spec
 from .runner import forward_layer
-from .scaling import NoScalingMap, ScalingGroup, check_fold, fold_scales, scaling_groups
+from .scaling import NoScalingMap, ScalingGroup, check_fold, fold_scales, linear_view, scaling_groups
 
 __all__ = ["check_scaling", "apply_scaling"]
 
@@ -66,7 +66,8 @@ def check_scaling(layer: nn.Module, lplans: dict, algo, prefix: str, *, family=N
     model's architecture record, ``families.family_or_none``)."""
     groups = _groups(layer, algo, prefix, family)
     for g in groups:
-        n = layer.get_submodule(g.layers[0]).in_features
+        w = linear_view(layer.get_submodule(g.layers[0]))  # [out, in]; None: check_fold says why
+        n = 0 if w is None else int(w.shape[1])
         try:
             check_fold(layer, g, n)
         except (ValueError, TypeError) as e:
@@ -142,7 +143,7 @@ def apply_scaling(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, *, 
     for g in groups:
         rec = recs[g.inp or g.layers[0]]
         mods = [layer.get_submodule(n) for n in g.layers]
-        ws = [m.weight.detach().float() for m in mods]
+        ws = [linear_view(m).detach().float() for m in mods]  # [out, in] (a Conv1D's transposed)
         if isinstance(algo, SmoothQuantConfig):  # needs no weight spec: the layers may be left unquantized
             s = smoothquant_scales(rec.absmax, weight_absmax(ws), alpha=algo.alpha, clamp_min=algo.clamp_min)
         else:
@@ -160,8 +161,9 @@ def apply_scaling(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, *, 
                 if n.rsplit(".", 1)[-1] in _NO_CLIP:
                     continue
                 try:
-                    clipped = awq_clip(xs, m.weight.detach().float(), spec, grid=algo.grid)
+                    clipped = awq_clip(xs, linear_view(m).detach().float(), spec, grid=algo.grid)
                 except ValueError:
                     continue  # specs whose scales couple rows (per-tensor, 2-D blocks): no clipping search
                 with torch.no_grad():
-                    m.weight.copy_(clipped.to(m.weight.dtype))
+                    w = linear_view(m)  # a Conv1D's transposed view: the copy reaches its [in, out] parameter
+                    w.copy_(clipped.to(w.dtype))

@@ -324,6 +324,137 @@ def test_linear_weight_lets_scale_folding_reach_conv1d(gpt2):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# AWQ / SmoothQuant / AutoSmoothQuant: the GPT-2 record's groups (ln_1 -> attn.c_attn, ln_2 -> mlp.c_fc), folded
+# through linear_weight
+# ---------------------------------------------------------------------------------------------------------------
+
+SCALERS = {
+    "awq": ("uint4_wo_32", {"name": "awq", "clip": False}),  # no clipping: the folds alone keep the function
+    "smoothquant": ("w_int8_a_int8_per_token_dynamic", {"name": "smoothquant"}),
+    "autosmoothquant": ("w_int8_a_int8_per_token_dynamic", {"name": "autosmoothquant"}),
+}
+FOLDED = {f"transformer.h.{i}.{n}" for i in (0, 1)
+          for n in ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight")}
+
+
+@pytest.fixture(scope="module")
+def gpt2_outliers():
+    """The tiny GPT-2 with four outlier channels in each LayerNorm feeding a projection (as trained models have:
+    what AWQ and SmoothQuant are for) and non-zero LayerNorm biases (so a fold that forgets the bias shows)."""
+    model = tiny_gpt2()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for block in model.transformer.h:
+            for ln in (block.ln_1, block.ln_2):
+                ln.weight[:4] *= 20
+                ln.bias.add_(torch.randn(ln.bias.shape, generator=g) * 0.1)
+    return model
+
+
+def test_gpt2_scaling_groups_come_from_its_record(gpt2):
+    from qcore.adapters.passes.scaling import scaling_groups
+    for block in gpt2.transformer.h:
+        groups = scaling_groups(block, model_type="gpt2")
+        assert [(g.prev_op, g.layers) for g in groups] == [("ln_1", ("attn.c_attn",)), ("ln_2", ("mlp.c_fc",))]
+        assert scaling_groups(block) == groups  # the structure alone finds the GPT-2 record
+
+
+@pytest.mark.parametrize("algo", list(SCALERS))
+def test_scaling_algorithms_fold_into_gpt2_keeping_the_float_logits(algo, gpt2_outliers):
+    """The folds alone (before any quantization): the float64 model computes the same logits, and only the two
+    groups' LayerNorms (weight and bias) and Conv1D readers changed."""
+    from qcore.adapters.passes.sequential import run_algorithms
+    base, entry = SCALERS[algo]
+    model = copy.deepcopy(gpt2_outliers).double()
+    ref = logits(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    run_algorithms(model, plan_model(model, preset(base)), [entry], batches(4, seed=3, seq=16), progress=False)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    if algo == "autosmoothquant":  # its search may keep the identity for a group
+        assert changed and changed <= FOLDED
+    else:
+        assert changed == FOLDED
+    torch.testing.assert_close(logits(model), ref, rtol=1e-9, atol=1e-9)
+    assert all(type(model.get_submodule(n)) is Conv1D for n in CONV1D)  # still the float model: nothing quantized
+
+
+@pytest.mark.parametrize("algo", list(SCALERS))
+def test_scaling_algorithms_on_gpt2_equal_the_linear_twin_bit_for_bit(algo, gpt2_outliers):
+    """The same algorithm on the model whose Conv1Ds are nn.Linears of W^T (the Linear code path) gives the same
+    norms and, bit for bit, the same quantized weights (AWQ with its clipping search, the default)."""
+    base, entry = SCALERS[algo]
+    cfg = preset(base).replace(algorithms=({"name": algo},))
+    data = batches(4, seed=3, seq=16)
+    model, twin = copy.deepcopy(gpt2_outliers), linear_twin(gpt2_outliers)
+    quantize_model(model, cfg, data, progress=False)
+    quantize_model(twin, cfg, data, progress=False)
+    assert unquantized_weights(model) == []
+    for name in CONV1D:
+        assert same_bits(model.get_submodule(name).weight.t(), twin.get_submodule(name).weight), name
+    for i in (0, 1):
+        for ln in ("ln_1", "ln_2"):
+            for p in ("weight", "bias"):
+                a, b = (getattr(m.transformer.h[i].get_submodule(ln), p) for m in (model, twin))
+                assert torch.equal(a, b), (i, ln, p)
+    assert torch.equal(logits(model, data[0]), logits(twin, data[0]))
+
+
+def test_awq_on_gpt2_beats_round_to_nearest(gpt2_outliers):
+    data = batches(4, seed=3, seq=16)
+    awq = quantize_model(copy.deepcopy(gpt2_outliers), preset("uint4_wo_32").replace(algorithms=({"name": "awq"},)),
+                         data, progress=False)
+    rtn = quantize_model(copy.deepcopy(gpt2_outliers), preset("uint4_wo_32"), progress=False)
+    ref = logits(gpt2_outliers, data[0])
+    err = float((logits(awq, data[0]) - ref).norm())
+    assert err < 0.8 * float((logits(rtn, data[0]) - ref).norm())  # on calibration data, AWQ's objective
+    for name in ("transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc"):  # scaled, not RTN's codes
+        assert not torch.equal(awq.get_submodule(name).weight, rtn.get_submodule(name).weight), name
+
+
+def test_smoothquant_on_gpt2_equals_an_independent_fold(gpt2_outliers):
+    """Layer 0 by hand: max |x| of the Conv1Ds' inputs over the calibration tokens (hooks on the float model),
+    max |W| over each input channel of the [in, out] Conv1D weight, s = sqrt(max|x| / max|W|) (alpha 0.5),
+    divided into the LayerNorm's weight and bias and multiplied into the Conv1D's input rows; then round-to-nearest.
+    SmoothQuant's layer 0 is that, bit for bit."""
+    cfg = preset("w_int8_a_int8_per_token_dynamic")
+    data = batches(4, seed=3, seq=16)
+    block = gpt2_outliers.transformer.h[0]
+    amax = {}
+
+    def hook(name):
+        def record(mod, args):
+            a = args[0].detach().reshape(-1, args[0].shape[-1]).float().abs().amax(0)
+            amax[name] = a if name not in amax else torch.maximum(amax[name], a)
+        return record
+
+    hooks = [block.attn.c_attn.register_forward_pre_hook(hook("ln_1")),
+             block.mlp.c_fc.register_forward_pre_hook(hook("ln_2"))]
+    try:
+        for ids in data:
+            logits(gpt2_outliers, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    hand = copy.deepcopy(gpt2_outliers)
+    hb = hand.transformer.h[0]
+    with torch.no_grad():
+        for ln, conv in ((hb.ln_1, hb.attn.c_attn), (hb.ln_2, hb.mlp.c_fc)):
+            a = amax["ln_1" if ln is hb.ln_1 else "ln_2"].double()
+            w = conv.weight.detach().abs().amax(1).double()  # [in, out]: max over the outputs of each input
+            s = torch.clamp(a ** 0.5 / w ** 0.5, min=1e-5).float().double()
+            ln.weight.copy_(ln.weight.double() / s)
+            ln.bias.copy_(ln.bias.double() / s)
+            conv.weight.copy_(conv.weight.double() * s[:, None])
+    quantize_model(hand, cfg, progress=False)
+    sq = quantize_model(copy.deepcopy(gpt2_outliers), cfg.replace(algorithms=({"name": "smoothquant"},)), data,
+                        progress=False)
+    for n in ("ln_1", "ln_2", "attn.c_attn", "mlp.c_fc", "attn.c_proj", "mlp.c_proj"):
+        for p in ("weight", "bias"):
+            got, want = (getattr(m.transformer.h[0].get_submodule(n), p) for m in (sq, hand))
+            assert same_bits(got, want), (n, p)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # export: export_hf + from_pretrained round trip; the other formats refuse before work
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -417,3 +548,36 @@ def test_other_exporters_refuse_quantized_conv1d_before_work(fmt, gpt2, tmp_path
         check(untied, only_head)
     except ValueError as e:
         assert "Conv1D" not in str(e)
+
+
+def test_fold_scales_on_conv1d_producers_and_readers_and_its_checks(gpt2):
+    """A Conv1D producer (its output columns and bias divided) into a Conv1D reader: ``c_fc -> c_proj`` is exact
+    once the GELU is a ReLU (given as Quark's scaling_layers entry); wrong sizes and non-Linear readers are refused
+    before any change, naming the module and the sizes."""
+    from qcore.adapters.passes.scaling import ScalingGroup, fold_scales, scaling_groups
+    model = copy.deepcopy(gpt2).double()
+    for block in model.transformer.h:
+        block.mlp.act = nn.ReLU()
+    ref = logits(model)
+    g = torch.Generator().manual_seed(4)
+    for block in model.transformer.h:
+        (grp,) = scaling_groups(block, quark_entries=[{"prev_op": "mlp.c_fc", "layers": ["mlp.c_proj"],
+                                                       "inp": "mlp.c_proj"}])
+        c_fc_bias = block.mlp.c_fc.bias.detach().clone()
+        s = torch.rand(128, generator=g, dtype=torch.float64) * 3 + 0.25
+        fold_scales(block, grp, s)
+        torch.testing.assert_close(block.mlp.c_fc.bias, c_fc_bias / s, rtol=1e-15, atol=0)
+    torch.testing.assert_close(logits(model), ref, rtol=1e-9, atol=1e-9)
+
+    block = model.transformer.h[0]
+    before = {n: p.detach().clone() for n, p in block.named_parameters()}
+    bad = [
+        (ScalingGroup("ln_1", ("attn.c_attn",), "attn.c_attn"), 31, "in_features=32, but s has 31"),
+        (ScalingGroup("attn.c_attn", ("attn.c_proj",), "attn.c_proj"), 32, "out_features=96, but s has 32"),
+        (ScalingGroup("ln_1", ("attn",), "attn"), 32, "'attn' is a GPT2Attention, not an nn.Linear"),
+        (ScalingGroup("mlp.act", ("mlp.c_proj",), "mlp.c_proj"), 128, "'mlp.act' is a ReLU"),
+    ]
+    for grp, n, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            fold_scales(block, grp, torch.ones(n, dtype=torch.float64))
+    assert all(torch.equal(p, before[n]) for n, p in block.named_parameters())

@@ -17,6 +17,7 @@ from torch import nn  # noqa: E402
 from qcore.adapters.families import (BY_MODEL_TYPE, DEFAULT_FUSED, FAMILIES, Experts, Family,  # noqa: E402
                                      ScalingRule, UnknownFamily, decoder_layers_path, family_of, fused_units,
                                      locate)
+from qcore.adapters.modules import linear_weight  # noqa: E402
 from qcore.adapters.passes.rotation import rotate_model  # noqa: E402
 from qcore.adapters.passes.scaling import (_UNIT_OFFSET_NORMS, NoScalingMap, ScalingGroup, fold_scales,  # noqa: E402
                                     scaling_groups)
@@ -95,6 +96,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> None:
 def test_the_table_covers_the_families_of_the_issue():
     assert set(CONFIGS) == set(BY_MODEL_TYPE)
     assert ROTATES and REFUSES and SCALES
+    assert "gpt2" in SCALES  # Conv1D projections: the folds go through linear_weight
 
 
 @pytest.mark.parametrize("mt", list(CONFIGS))
@@ -185,7 +187,7 @@ def test_scaling_groups_fold_with_the_logits_unchanged(mt):
         assert groups and all(isinstance(x, ScalingGroup) for x in groups)
         n_groups += len(groups)
         for grp in groups:
-            n = layer.get_submodule(grp.layers[0]).in_features
+            n = linear_weight(layer.get_submodule(grp.layers[0])).shape[1]  # Linear or Conv1D (GPT-2)
             fold_scales(layer, grp, torch.rand(n, generator=g, dtype=torch.float64) * 3 + 0.25)
     assert n_groups >= len(layers)
     new = out(m)
@@ -193,7 +195,7 @@ def test_scaling_groups_fold_with_the_logits_unchanged(mt):
     same(new, ref)
 
 
-@pytest.mark.parametrize("mt", ["phi3", "gpt_neox"])
+@pytest.mark.parametrize("mt", ["phi3", "gpt_neox", "gpt2"])
 def test_smoothquant_runs_on_the_groups_of_fused_projections(mt):
     """quantize_model's SmoothQuant takes the record's groups (the norms into fused qkv / gate_up projections)."""
     from qcore.adapters import preset, quantize_model
@@ -218,8 +220,13 @@ def test_conditional_scaling_rules():
     g2 = scaling_groups(build("gemma2").model.layers[0])
     assert "post_attention_layernorm" not in [x.prev_op for x in g2]
     assert ("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")) in [(x.prev_op, x.layers) for x in g2]
+    # GPT-2 (Conv1D projections): the norms into the fused c_attn and into c_fc; no c_attn -> c_proj (v is a slice
+    # of c_attn's outputs) and no c_fc -> c_proj (GELU)
+    g = scaling_groups(build("gpt2").transformer.h[0])
+    assert [(x.prev_op, x.layers) for x in g] == [("ln_1", ("attn.c_attn",)), ("ln_2", ("mlp.c_fc",))]
+    assert "c_proj" in BY_MODEL_TYPE["gpt2"].scaling_note
     # families without groups refuse naming their record's reason and the record to add
-    for mt, why in (("gpt2", "Conv1D"), ("bert", "post-norm")):
+    for mt, why in (("bert", "post-norm"),):
         m = build(mt)
         with pytest.raises(NoScalingMap, match=why) as e:
             scaling_groups(m.get_submodule(locate(m).layers)[0])
