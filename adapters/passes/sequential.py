@@ -13,12 +13,18 @@ algorithms) is a pass of the layer runner (``qcore.adapters.passes.runner``):
    preceding op; GPTQ writes its quantized weights); then the layer's outputs over the kept inputs, with its
    weights as the algorithms left them, become the next layer's inputs.
 
-Peak memory: the model plus two copies of one layer's inputs (``batches x tokens x hidden`` floats) and the
-statistics of one layer (GPTQ: one ``in x in`` float64 Hessian per distinct input). Modules outside the decoder
-layers (embeddings, the output head when not excluded) are quantized by round-to-nearest afterwards.
+GPTQ covers the Linear (and transformers Conv1D) modules of the layers and their fused MoE experts
+(``_gptq_experts``: each expert's slice of ``gate_up_proj`` / ``down_proj``, with Hessians from the tokens that
+expert's GEMMs compute on; every token under ``quantize_model``'s all-expert routing, docs/algorithms.md).
 
-Returns ``{module name: QTensor}`` for the weights GPTQ quantized; ``quantize_model`` commits them as they are
-(the exported checkpoint holds exactly these codes and scales).
+Peak memory: the model plus two copies of one layer's inputs (``batches x tokens x hidden`` floats) and the
+statistics of one layer (GPTQ: one ``in x in`` float64 Hessian per distinct input; fused experts: one copy of
+the MoE block's input and two Hessians at a time). Modules outside the decoder layers (embeddings, the output
+head when not excluded) are quantized by round-to-nearest afterwards.
+
+Returns ``{module name: QTensor}`` for the weights GPTQ quantized (fused experts: ``{proj: [QTensor or None per
+expert]}``); ``quantize_model`` commits them as they are (the exported checkpoint holds exactly these codes and
+scales).
 
 Failure: every check (layer discovery, modules named in the configs, specs GPTQ cannot take, scaling groups
 that cannot be folded) runs before any weight changes. An error or interrupt while layers are being processed
@@ -410,7 +416,7 @@ def check_algorithms(model: nn.Module, plans: list, algorithms) -> None:
 def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence, *, progress: bool = True,
                    reduce=None, reference: Optional[dict] = None) -> dict:
     """Apply ``algorithms`` (configs or dicts, in order) layer by layer; return ``{module name: QTensor}`` of
-    the weights GPTQ quantized. ``plans``: ``plan_model``'s output; ``batches``: a sequence of calibration
+    the weights GPTQ quantized (fused experts: ``{proj: [QTensor or None per expert]}``). ``plans``: ``plan_model``'s output; ``batches``: a sequence of calibration
     batches. ``reduce``: for several processes (each holding its share of the batches), a
     ``qcore.adapters.distributed.Distributed``: called on each layer's ``HessianStats`` (the sum over ranks, before
     GPTQ), its ``sum`` / ``max`` / ``min`` reduce other statistics; every rank then computes the same weights.
