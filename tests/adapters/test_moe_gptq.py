@@ -294,3 +294,47 @@ def test_commit_weight_refuses_bad_inputs_before_any_change(family_model):
         assert all(torch.equal(getattr(q, p), before[p]) for p in PROJS) and bool(q.gate_up_proj_scale.isnan().all())
     q.commit(weight=good)
     _check_equal(q, good)
+
+
+def test_two_gloo_ranks_agree_with_one_process(tmp_path):
+    """``quantize_model(..., distributed=Distributed())`` on 2 gloo ranks, each with half of the batches: both
+    ranks end with the same model, bit for bit, as one process given all the batches (the float64 sums of this
+    test's per-batch statistics do not depend on their order, as in test_distributed.py), and rank 0's half
+    alone gives other experts: the reduction is what makes them equal."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    here = pathlib.Path(__file__).resolve().parent
+    sys.path.insert(0, str(here))
+    try:
+        import moe_dist_worker as w
+    finally:
+        sys.path.remove(str(here))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parents[1]), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(here / "moe_dist_worker.py"), str(r), "2", str(tmp_path / "init"),
+                               str(tmp_path / f"rank{r}.pt")], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for r in range(2)]
+    outs = []
+    try:  # (the one-process references while the ranks start)
+        one = w.model()
+        quantize_model(one, w.config(), w.batches(), progress=False)
+        ref = one.state_dict()
+        alone = w.model()
+        quantize_model(alone, w.config(), w.batches()[0::2], progress=False)
+        for p in procs:
+            outs.append(p.communicate(timeout=240)[0].decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, o) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r} failed:\n{o[-4000:]}"
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    keys = [k for k in ref if ".experts." in k]
+    assert keys and all(k in r for r in ranks for k in ref)
+    for r, res in enumerate(ranks):
+        for k in ref:
+            assert torch.equal(res[k], ref[k]), f"rank {r}: {k} differs"
+    assert any(not torch.equal(alone.state_dict()[k], ref[k]) for k in keys)
