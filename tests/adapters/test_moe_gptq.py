@@ -105,9 +105,11 @@ def test_gptq_on_experts_equals_an_independent_computation(family, family_model,
     data = _data(zoo)
     # all-expert routing: every expert computes on every token entering the block (the block's input rows)
     caps = _block_inputs(float_model, data)
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
     quantize_model(model, _gptq_cfg(), data, progress=False)
     q = model.get_submodule(EXPERTS)
     assert isinstance(q, QuantExperts) and unquantized_weights(model) == []
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == hooks  # none left
     assert preset("uint4_wo_32").layer.weight.observer.__class__.__name__ == "MinMax"  # GPTQ's own scale rule
     want = _expected(float_model.get_submodule(EXPERTS), caps, q.specs["weight"])
     _check_equal(q, want)
