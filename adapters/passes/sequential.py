@@ -417,8 +417,8 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
                    reduce=None, reference: Optional[dict] = None) -> dict:
     """Apply ``algorithms`` (configs or dicts, in order) layer by layer; return ``{module name: QTensor}`` of
     the weights GPTQ quantized (fused experts: ``{proj: [QTensor or None per expert]}``). ``plans``:
-    ``plan_model``'s output; ``batches``: a sequence of calibration batches. ``reduce``: for several processes (each holding its share of the batches), a
-    ``qcore.adapters.distributed.Distributed``: called on each layer's ``HessianStats`` (the sum over ranks, before
+    ``plan_model``'s output; ``batches``: a sequence of calibration batches. ``reduce``: for several processes
+    (each holding its share of the batches), a ``qcore.adapters.distributed.Distributed``: called on each layer's ``HessianStats`` (the sum over ranks, before
     GPTQ), its ``sum`` / ``max`` / ``min`` reduce other statistics; every rank then computes the same weights.
     ``reference``: a dict to receive ``{module name: float weight GPTQ started from}`` (CPU copies; the report's
     reference weights, ``qcore.adapters.eval.layer_report``)."""
