@@ -418,8 +418,9 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
     """Apply ``algorithms`` (configs or dicts, in order) layer by layer; return ``{module name: QTensor}`` of
     the weights GPTQ quantized (fused experts: ``{proj: [QTensor or None per expert]}``). ``plans``:
     ``plan_model``'s output; ``batches``: a sequence of calibration batches. ``reduce``: for several processes
-    (each holding its share of the batches), a ``qcore.adapters.distributed.Distributed``: called on each layer's ``HessianStats`` (the sum over ranks, before
-    GPTQ), its ``sum`` / ``max`` / ``min`` reduce other statistics; every rank then computes the same weights.
+    (each holding its share of the batches), a ``qcore.adapters.distributed.Distributed``: called on each
+    layer's ``HessianStats`` (the sum over ranks, before GPTQ; for fused experts each expert's two), its ``sum``
+    / ``max`` / ``min`` reduce other statistics; every rank then computes the same weights.
     ``reference``: a dict to receive ``{module name: float weight GPTQ started from}`` (CPU copies; the report's
     reference weights, ``qcore.adapters.eval.layer_report``)."""
     algos = parse_algorithms(algorithms)
