@@ -28,6 +28,7 @@ to the module's dtype once.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple, Optional
 
@@ -1147,6 +1148,20 @@ def experts_layout_problem(m: nn.Module) -> Optional[str]:
     return None
 
 
+def experts_weight_spec(module: nn.Module, config: LayerConfig, name: str, proj: str) -> QuantSpec:
+    """The weight spec of ``config`` (a ``LayerConfig`` quantizing weights) on each expert's ``[out, in]`` slice of
+    the fused experts ``module``'s ``proj`` (``EXPERT_PROJS``): the granularity normalised to that layout, as for a
+    Linear weight. What ``QuantExperts`` quantizes every slice with, and what GPTQ on experts quantizes to;
+    ``name`` names the module in errors."""
+    if proj not in EXPERT_PROJS:
+        raise ValueError(f"proj must be one of {list(EXPERT_PROJS)}, got {proj!r}")
+    if not isinstance(config, LayerConfig) or config.weight is None:
+        raise ValueError(f"experts {name!r}: the config quantizes no weight")
+    w = module._parameters[proj]
+    g = _norm_weight_granularity(config.weight.spec.granularity, "experts", f"{name}.{proj}", 2, tuple(w.shape[1:]))
+    return _with_granularity(config.weight.spec, g)
+
+
 class QuantExperts(_QuantMixin):
     """A fused MoE experts module (``KNOWN_EXPERTS``: transformers 5's ``MixtralExperts``, ``Qwen2MoeExperts``,
     ``Qwen3MoeExperts``, and every experts class whose eager forward is ``MixtralExperts``'; with ``gate_up_proj``
@@ -1171,9 +1186,9 @@ class QuantExperts(_QuantMixin):
     output is that of the routed top-k only.
 
     Life cycle as the Linear wrappers: pending (fake-quantized on the fly) -> ``commit()`` (weights written in
-    place) -> ``freeze()`` (packed per-expert codes ``gate_up_proj_packed`` [E, out, packed in] + scale codes);
-    ``load_frozen`` for importers. ``qat=True`` and ``commit(weight=...)`` (GPTQ's result) are refused: not
-    supported for fused experts yet (issue 22). The forward is the eager one whatever the model's
+    place; ``commit(weight={proj: [QTensor per expert]})`` commits an algorithm's result, GPTQ's, as it is) ->
+    ``freeze()`` (packed per-expert codes ``gate_up_proj_packed`` [E, out, packed in] + scale codes);
+    ``load_frozen`` for importers. ``qat=True`` is refused: not supported for fused experts yet (issue 22). The forward is the eager one whatever the model's
     ``_experts_implementation``; with every role off it equals the original module's eager forward bit for bit.
     """
 
@@ -1216,8 +1231,8 @@ class QuantExperts(_QuantMixin):
                 if not w.is_floating_point():
                     raise TypeError(f"{where}: {p} dtype {w.dtype} is not floating point")
                 shape = tuple(w.shape[1:])
-                g = _norm_weight_granularity(config.weight.spec.granularity, "experts", f"{name}.{p}", 2, shape)
-                spec = _with_granularity(config.weight.spec, g)
+                spec = experts_weight_spec(module, config, name, p)
+                g = spec.granularity
                 try:
                     spec.scale_shape(shape)
                 except (ValueError, TypeError) as e:
@@ -1352,20 +1367,60 @@ class QuantExperts(_QuantMixin):
             self._wcache = cache
         return cache[proj][1]
 
-    def commit(self, *, weight: Optional["qcore.QTensor"] = None) -> None:
+    def commit(self, *, weight: Optional[Mapping] = None) -> None:  # type: ignore[override]
         """Pending -> in place: write every expert's fake-quantized weights into ``gate_up_proj`` / ``down_proj``
-        (scales kept as buffers). ``weight=`` (an algorithm's result) is refused: not supported for fused
-        experts yet (issue 22)."""
-        if weight is not None:
-            raise ValueError(f"experts {self.qname!r}: commit(weight=...) (an algorithm's quantized weight) is not "
-                             f"supported for fused MoE experts yet (issue 22)")
+        (scales kept as buffers).
+
+        ``weight``: the experts' already quantized weights (an algorithm's result, e.g. GPTQ's), committed as they
+        are instead of rounding to nearest: ``{proj: sequence of E entries}`` for both ``EXPERT_PROJS``, each entry a
+        ``qcore.QTensor`` of this module's weight spec and the expert's ``[out, in]`` shape, or None for an expert
+        rounded to nearest as without ``weight``. Everything is checked before any weight changes."""
+        given = None if weight is None else self._check_given_experts(weight)
         if self._qmode != _PENDING:
             return
         if "weight" in self._qspecs:
             for p in EXPERT_PROJS:
-                self._inplace_proj(p)
+                if given is None:
+                    self._inplace_proj(p)
+                    continue
+                par = self._parameters[p]
+                with torch.no_grad():
+                    qs = [q if q is not None else self._quantize_slice(par[e]) for e, q in enumerate(given[p])]
+                    par.copy_(torch.stack([qcore.dequantize(q).to(par.device) for q in qs]).to(par.dtype))
+                    self._keep_proj(p, qs)
+                self._wver[p] = (par._version, par.data_ptr())
         self._wcache = None
         self._qmode = _INPLACE
+
+    def _check_given_experts(self, weight) -> dict:
+        where = f"experts {self.qname!r}: commit(weight=...)"
+        spec = self._qspecs.get("weight")
+        if spec is None:
+            raise ValueError(f"{where} but the module's config quantizes no weight")
+        if not isinstance(weight, Mapping):
+            raise TypeError(f"{where} takes {{proj: [qcore.QTensor per expert]}} for {list(EXPERT_PROJS)}, got "
+                            f"{type(weight).__name__}")
+        if set(weight) != set(EXPERT_PROJS):
+            raise ValueError(f"{where}: keys {sorted(weight)}, expected {list(EXPERT_PROJS)}")
+        out = {}
+        for p in EXPERT_PROJS:
+            e_, o, i = self.expert_shape(p)
+            qs = weight[p]
+            if isinstance(qs, (str, bytes, Mapping)) or not isinstance(qs, Sequence) or len(qs) != e_:
+                raise ValueError(f"{where}: {p} must be a sequence of {e_} entries (one per expert), got "
+                                 f"{type(qs).__name__}" + (f" of {len(qs)}" if isinstance(qs, Sequence) else ""))
+            for e, q in enumerate(qs):
+                if q is None:
+                    continue
+                if not isinstance(q, qcore.QTensor):
+                    raise TypeError(f"{where}: {p} of expert {e} is a {type(q).__name__}, expected a qcore.QTensor "
+                                    f"or None")
+                if q.spec != spec or tuple(q.shape) != (o, i):
+                    raise ValueError(f"{where}: {p} of expert {e} (spec {q.spec.name or q.spec.dtype.name}, shape "
+                                     f"{tuple(q.shape)}) does not match the module's weight spec "
+                                     f"{spec.name or spec.dtype.name} and the expert's shape {(o, i)}")
+            out[p] = list(qs)
+        return out
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         nn.Module._load_from_state_dict(self, state_dict, prefix, *args, **kwargs)

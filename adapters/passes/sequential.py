@@ -13,12 +13,18 @@ algorithms) is a pass of the layer runner (``qcore.adapters.passes.runner``):
    preceding op; GPTQ writes its quantized weights); then the layer's outputs over the kept inputs, with its
    weights as the algorithms left them, become the next layer's inputs.
 
-Peak memory: the model plus two copies of one layer's inputs (``batches x tokens x hidden`` floats) and the
-statistics of one layer (GPTQ: one ``in x in`` float64 Hessian per distinct input). Modules outside the decoder
-layers (embeddings, the output head when not excluded) are quantized by round-to-nearest afterwards.
+GPTQ covers the Linear (and transformers Conv1D) modules of the layers and their fused MoE experts
+(``_gptq_experts``: each expert's slice of ``gate_up_proj`` / ``down_proj``, with Hessians from the tokens that
+expert's GEMMs compute on; every token under ``quantize_model``'s all-expert routing, docs/algorithms.md).
 
-Returns ``{module name: QTensor}`` for the weights GPTQ quantized; ``quantize_model`` commits them as they are
-(the exported checkpoint holds exactly these codes and scales).
+Peak memory: the model plus two copies of one layer's inputs (``batches x tokens x hidden`` floats) and the
+statistics of one layer (GPTQ: one ``in x in`` float64 Hessian per distinct input; fused experts: one copy of
+the MoE block's input and two Hessians at a time). Modules outside the decoder layers (embeddings, the output
+head when not excluded) are quantized by round-to-nearest afterwards.
+
+Returns ``{module name: QTensor}`` for the weights GPTQ quantized (fused experts: ``{proj: [QTensor or None per
+expert]}``); ``quantize_model`` commits them as they are (the exported checkpoint holds exactly these codes and
+scales).
 
 Failure: every check (layer discovery, modules named in the configs, specs GPTQ cannot take, scaling groups
 that cannot be folded) runs before any weight changes. An error or interrupt while layers are being processed
@@ -31,9 +37,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import qcore
@@ -43,7 +50,7 @@ from qcore.algorithms.gptq import HessianStats, check_gptq_spec, gptq, update_he
 from qcore.stats import RunningStats
 
 from ..config import MinMax, Percentile
-from ..modules import linear_weight, linear_weight_spec
+from ..modules import EXPERT_PROJS, experts_weight_spec, is_fused_experts, linear_weight, linear_weight_spec
 from ..families import family_or_none
 from .runner import AlgorithmError, LayerInputs, LayerRunner, Stop, find_decoder_layers, forward_layer
 
@@ -91,8 +98,17 @@ def _gptq_targets(layer: nn.Module, lplans: dict, algo: GPTQConfig, prefix: str)
             if algo.modules:
                 raise ValueError(f"gptq modules: {prefix}.{n} gets no weight quantization from the config")
             continue
+        if is_fused_experts(m):  # fused MoE experts: GPTQ per expert slice (_gptq_experts)
+            for proj in EXPERT_PROJS:
+                spec = experts_weight_spec(m, plan.config, f"{prefix}.{n}", proj)
+                try:
+                    check_gptq_spec(spec, tuple(m._parameters[proj].shape[1:]))
+                except ValueError as e:
+                    raise ValueError(f"gptq: {prefix}.{n}.{proj} (each expert's slice): {e}") from None
+            out.append(n)
+            continue
         if linear_weight(m) is None:
-            continue  # GPTQ here covers Linear (and Conv1D) layers; other module types: round-to-nearest
+            continue  # GPTQ here covers Linear (and Conv1D) layers and fused experts; other types: round-to-nearest
         spec = linear_weight_spec(m, plan, f"{prefix}.{n}")
         try:
             check_gptq_spec(spec, tuple(linear_weight(m).shape))
@@ -102,16 +118,18 @@ def _gptq_targets(layer: nn.Module, lplans: dict, algo: GPTQConfig, prefix: str)
     return out
 
 
-def _stages(layer: nn.Module, targets: list[str], inputs: LayerInputs, true_sequential: bool) -> list[list[list[str]]]:
+def _stages(layer: nn.Module, targets: list[str], inputs: LayerInputs, true_sequential: bool,
+            experts: frozenset = frozenset()) -> list[list[list[str]]]:
     """Targets grouped by shared input (the same tensor object) in call order; with ``true_sequential`` each
-    input group is its own stage, else one stage holds every group."""
+    input group is its own stage, else one stage holds every group. Fused experts modules (``experts``) are
+    groups of their own."""
     order: list[str] = []
-    seen: dict[str, torch.Tensor] = {}  # the input tensors themselves (kept alive, so identity is meaningful)
+    seen: dict[str, Any] = {}  # the input tensors themselves (kept alive, so identity is meaningful)
 
     def hook(name):
         def f(mod, args):
             if name not in seen:
-                seen[name] = args[0]
+                seen[name] = args[0] if args else None
                 order.append(name)
         return f
 
@@ -127,7 +145,7 @@ def _stages(layer: nn.Module, targets: list[str], inputs: LayerInputs, true_sequ
         raise ValueError(f"gptq: modules {missing} are not called by the decoder layer's forward")
     groups: list[list[str]] = []
     for n in order:
-        g = next((g for g in groups if seen[g[0]] is seen[n]), None)
+        g = None if n in experts else next((g for g in groups if g[0] not in experts and seen[g[0]] is seen[n]), None)
         if g is None:
             groups.append([n])
         else:
@@ -135,9 +153,13 @@ def _stages(layer: nn.Module, targets: list[str], inputs: LayerInputs, true_sequ
     return [[g] for g in groups] if true_sequential else [groups]
 
 
-def _collect_hessians(layer, groups: list[list[str]], inputs: LayerInputs, stop_after: Optional[str]):
+def _collect_hessians(layer, groups: list[list[str]], inputs: LayerInputs, stop_after: Optional[str],
+                      experts: frozenset = frozenset()):
+    """``(stats, calls)``: the Hessian statistics of each Linear group's head, and for each fused experts head
+    its calls ``[(hidden states [T, H], top-k index [T, k'])]`` (one per batch)."""
     stats: dict[str, HessianStats] = {}
-    heads = [g[0] for g in groups]
+    calls: dict[str, list] = {}
+    heads = [g[0] for g in groups if g[0] not in experts]
 
     def hook(name):
         def f(mod, args):
@@ -148,13 +170,101 @@ def _collect_hessians(layer, groups: list[list[str]], inputs: LayerInputs, stop_
                 raise Stop
         return f
 
+    def ehook(name):
+        def f(mod, args, kwargs):
+            calls.setdefault(name, []).append(_experts_call(args, kwargs, f"{name}"))
+            if name == stop_after:
+                raise Stop
+        return f
+
     hs = [layer.get_submodule(n).register_forward_pre_hook(hook(n)) for n in heads]
+    hs += [layer.get_submodule(g[0]).register_forward_pre_hook(ehook(g[0]), with_kwargs=True)
+           for g in groups if g[0] in experts]
     try:
         forward_layer(layer, inputs, keep=False)
     finally:
         for h in hs:
             h.remove()
-    return stats
+    return stats, calls
+
+
+def _experts_call(args, kwargs, name: str) -> tuple:
+    """``(hidden states [T, H], top-k index [T, k'])`` of a call ``experts(hidden_states, top_k_index,
+    top_k_weights)`` (transformers 5's fused experts, positional or by keyword)."""
+    keys = ("hidden_states", "top_k_index")
+    vals = list(args[:2]) + [kwargs.get(k) for k in keys[len(args[:2]):]]
+    x, index = vals
+    if not (isinstance(x, torch.Tensor) and isinstance(index, torch.Tensor) and x.dim() == 2 and index.dim() == 2
+            and index.shape[0] == x.shape[0] and not index.is_floating_point()):
+        raise ValueError(f"gptq: the fused experts {name} were called with "
+                         f"{[tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for v in vals]}; "
+                         f"expected experts(hidden_states [tokens, hidden], top_k_index [tokens, k], top_k_weights)")
+    return x.detach(), index.detach()
+
+
+def _hessian_rows(rows: list, n: int, like: torch.Tensor) -> HessianStats:
+    st = HessianStats.empty(n, like=like)
+    for x in rows:
+        if x.shape[0]:
+            st = update_hessian(st, x)
+    return st
+
+
+def _gptq_experts(layer, name: str, calls: list, lplans: dict, algo: GPTQConfig, prefix: str, pinned: dict,
+                  reduce=None) -> None:
+    """GPTQ on every expert's slice of both projections of the fused experts ``layer.<name>``, from its captured
+    ``calls``. Expert ``e``'s Hessians come from the tokens its GEMMs compute on in those calls (its rows of the
+    top-k index): every token under all-expert routing (``moe_calibration``, as ``quantize_model`` runs the
+    algorithms), else the routed ones. ``gate_up_proj``'s from the hidden states; ``down_proj``'s from
+    ``act(gate) * up`` with that expert's ``gate_up_proj`` (GPTQ's result under ``true_sequential``, else the
+    float one, as for Linear stages). An expert without any token (after ``reduce``) is left to round-to-nearest
+    (None in its slot: ``QuantExperts.commit``). ``pinned[name]``: ``{proj: [QTensor or None per expert]}``."""
+    m = layer.get_submodule(name)
+    full = f"{prefix}.{name}"
+    plan = lplans[name]
+    specs = {p: experts_weight_spec(m, plan.config, full, p) for p in EXPERT_PROJS}
+    fns = {p: _scale_fn(plan, specs[p]) for p in EXPERT_PROJS}
+    kw = dict(block_size=algo.block_size, damp=algo.damp, act_order=algo.act_order, static_groups=algo.static_groups)
+    gu, dn = m._parameters["gate_up_proj"], m._parameters["down_proj"]
+    n_exp = gu.shape[0]
+    out: dict = {p: [None] * n_exp for p in EXPERT_PROJS}
+    every_token = None  # the gate_up statistics of all tokens (shared by the experts that computed on all of them)
+    starved = []
+    for e in range(n_exp):
+        sel = [(idx == e).any(dim=-1) for _, idx in calls]
+        every = all(bool(s.all()) for s in sel)
+        xs = [x if every else x[s] for (x, _), s in zip(calls, sel)]
+        if every:
+            if every_token is None:
+                every_token = _hessian_rows(xs, gu.shape[2], gu)
+            h_gu = every_token
+        else:
+            h_gu = _hessian_rows(xs, gu.shape[2], gu)
+        if reduce is not None:
+            h_gu = reduce(h_gu)  # the same number of calls on every rank: counts are summed before deciding
+        if h_gu.count == 0:
+            starved.append(e)
+            continue
+        w0 = gu[e].detach().to(torch.float32, copy=True)
+        q = gptq(w0.clone(), h_gu, specs["gate_up_proj"], scale_fn=fns["gate_up_proj"], **kw).qtensor
+        gu[e].copy_(qcore.dequantize(q).to(gu.dtype))
+        out["gate_up_proj"][e] = q
+        w_in = gu[e] if algo.true_sequential else w0.to(gu.dtype)
+        acts = []
+        for x in xs:
+            g, u = F.linear(x, w_in).chunk(2, dim=-1)  # what the expert's eager forward computes
+            acts.append(m.act_fn(g) * u)
+        h_dn = _hessian_rows(acts, dn.shape[2], dn)
+        if reduce is not None:
+            h_dn = reduce(h_dn)
+        q = gptq(dn[e].detach().to(torch.float32, copy=True), h_dn, specs["down_proj"], scale_fn=fns["down_proj"],
+                 **kw).qtensor
+        dn[e].copy_(qcore.dequantize(q).to(dn.dtype))
+        out["down_proj"][e] = q
+    if starved:
+        _log.warning("gptq: %s: experts %s computed on no calibration token (routed-only calibration); they are "
+                     "rounded to nearest", full, starved)
+    pinned[full] = out
 
 
 def _concat_ok(specs: list) -> bool:
@@ -207,14 +317,18 @@ def _run_gptq(layer, lplans, inputs: LayerInputs, algo: GPTQConfig, prefix: str,
     targets = _gptq_targets(layer, lplans, algo, prefix)
     if not targets:
         return
-    stages = _stages(layer, targets, inputs, algo.true_sequential)
+    experts = frozenset(n for n in targets if is_fused_experts(layer.get_submodule(n)))
+    stages = _stages(layer, targets, inputs, algo.true_sequential, experts)
     for stage in stages:
         last_head = stage[-1][0]
         with torch.no_grad():
-            stats = _collect_hessians(layer, stage, inputs, stop_after=last_head)
+            stats, calls = _collect_hessians(layer, stage, inputs, stop_after=last_head, experts=experts)
             for group in stage:
-                _gptq_group(layer, group, stats[group[0]], lplans, algo, prefix, pinned, reduce, reference)
-            del stats
+                if group[0] in experts:
+                    _gptq_experts(layer, group[0], calls[group[0]], lplans, algo, prefix, pinned, reduce)
+                else:
+                    _gptq_group(layer, group, stats[group[0]], lplans, algo, prefix, pinned, reduce, reference)
+            del stats, calls
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -248,18 +362,18 @@ def layer_plans(model: nn.Module, plans: list, algos) -> tuple[str, nn.ModuleLis
 
 
 def check_experts_algorithms(plans: list, algos, *, who: Optional[str] = None) -> None:
-    """Before any work: ValueError when a layer algorithm (GPTQ, AWQ, SmoothQuant, ...; or the pass ``who``, e.g.
-    AMP's sensitivities) would run on a model whose plan quantizes fused experts (they know Linear weights only;
-    fused experts would be left to round-to-nearest without a word). Rotations act on the float model before
-    it and are not concerned."""
+    """Before any work: ValueError when a layer algorithm other than GPTQ (AWQ, SmoothQuant, ...; or the pass
+    ``who``, e.g. AMP's sensitivities) would run on a model whose plan quantizes fused experts (they know Linear
+    weights only; fused experts would be left to round-to-nearest without a word). GPTQ quantizes each expert
+    (``_gptq_experts``); rotations act on the float model before it and are not concerned."""
     from qcore.algorithms.config import ROTATION_CONFIGS
-    layer = [a.name for a in algos if not isinstance(a, ROTATION_CONFIGS)] + ([who] if who else [])
+    layer = [a.name for a in algos if not isinstance(a, ROTATION_CONFIGS + (GPTQConfig,))] + ([who] if who else [])
     experts = [p.name for p in plans if p.type == "Experts"]
     if layer and experts:
         raise ValueError(f"{', '.join(layer)}: the plan quantizes fused MoE experts ({len(experts)} module(s), e.g. "
                          f"{experts[0]!r}: tensors {experts[0]}.gate_up_proj / down_proj), which these algorithms "
-                         f"do not handle yet (issue 22); quantize without them (round-to-nearest), or keep the experts "
-                         f"float: exclude=[..., 're:.*\\.experts']")
+                         f"do not handle yet (issue 22; GPTQ does); quantize without them (round-to-nearest or "
+                         f"GPTQ), or keep the experts float: exclude=[..., 're:.*\\.experts']")
 
 
 def check_layers(layers, by_layer: list[dict], algos, path: str, *, family=None) -> None:
@@ -302,10 +416,11 @@ def check_algorithms(model: nn.Module, plans: list, algorithms) -> None:
 def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence, *, progress: bool = True,
                    reduce=None, reference: Optional[dict] = None) -> dict:
     """Apply ``algorithms`` (configs or dicts, in order) layer by layer; return ``{module name: QTensor}`` of
-    the weights GPTQ quantized. ``plans``: ``plan_model``'s output; ``batches``: a sequence of calibration
-    batches. ``reduce``: for several processes (each holding its share of the batches), a
-    ``qcore.adapters.distributed.Distributed``: called on each layer's ``HessianStats`` (the sum over ranks, before
-    GPTQ), its ``sum`` / ``max`` / ``min`` reduce other statistics; every rank then computes the same weights.
+    the weights GPTQ quantized (fused experts: ``{proj: [QTensor or None per expert]}``). ``plans``:
+    ``plan_model``'s output; ``batches``: a sequence of calibration batches. ``reduce``: for several processes
+    (each holding its share of the batches), a ``qcore.adapters.distributed.Distributed``: called on each
+    layer's ``HessianStats`` (the sum over ranks, before GPTQ; for fused experts each expert's two), its ``sum``
+    / ``max`` / ``min`` reduce other statistics; every rank then computes the same weights.
     ``reference``: a dict to receive ``{module name: float weight GPTQ started from}`` (CPU copies; the report's
     reference weights, ``qcore.adapters.eval.layer_report``)."""
     algos = parse_algorithms(algorithms)
