@@ -242,9 +242,10 @@ class ExpertsShell(nn.Module):
     per per-expert Linear (``0.w1``, ...: the checkpoint names below the experts module, after transformers'
     renamings), holding parameters named, shaped and typed as the checkpoint stores them (on meta until
     loaded). ``expected``: ``{path below the module: (dtype, shape)}``; ``disk``: ``{that path: the name in the
-    checkpoint}``."""
+    checkpoint}``. ``own``: the per-expert weights are in qcore's extension (``"qcore"`` layout) whatever their
+    format (``quark_hf.own_layout``)."""
 
-    def __init__(self, model: nn.Module, name: str, m: nn.Module, config):
+    def __init__(self, model: nn.Module, name: str, m: nn.Module, config, *, own: bool = False):
         super().__init__()
         from ._records import _ST_TORCH
         q = QuantExperts.from_module(m, config, name=name)  # planned here (on meta), filled by build()
@@ -258,7 +259,7 @@ class ExpertsShell(nn.Module):
         if problem is not None:
             raise CorruptCheckpointError(f"experts {name!r}: {problem}; not read yet ({ISSUE})")
         self.qname = name
-        self.layout = experts_layout(spec, shapes)
+        self.layout = "qcore" if own else experts_layout(spec, shapes)
         self.expected: dict[str, tuple] = {}
         self.disk: dict[str, str] = {}
         self.linears = []
