@@ -379,7 +379,8 @@ def _experts_unit_layout(u: ExportUnit) -> str:
 
 def _quantization_config(model: nn.Module, config: ModelConfig, layouts: dict[str, str], pack_method: str) -> dict:
     # online rotations: Quark's and vLLM's loaders would not apply qcore's transforms; quant_method "qcore"
-    quark_ok = all(v != "qcore" for v in layouts.values()) and not _online_rotations(model, config)
+    rotated = _online_rotations(model, config)  # (ValueError where they are not the ones the config gives)
+    quark_ok = all(v != "qcore" for v in layouts.values()) and not rotated
     # quantized fused MoE experts: transformers' Quark integration (amd-quark 0.13) does not read them (it merges the
     # per-expert codes into float parameters and drops their scales: checked), so qcore's loader is their reader
     quark_ok = quark_ok and not any(isinstance(m, QuantExperts) for m in model.modules())
