@@ -7,11 +7,18 @@ every other tensor as it is in the model. vLLM's Quark loader and transformers w
 (``quant_method: "quark"``).
 
 Formats Quark has no tensor layout for (MX9/MX6/MX4, BFP16, MXINT8, int2/int3, groups that do not divide the
-row, quantized conv and embedding weights, ...) are written in qcore's extension of the layout and the checkpoint
-says ``quant_method: "qcore"``: vLLM refuses it, and transformers without qcore refuses most of it (the packed
-codes do not fit the float weights) but skips an unknown ``quant_method`` with only a warning, so int8 / fp8
-codes stored in the float weight's shape would load as float weights (tests/interop/test_family_interop.py keeps
-this visible); ``import qcore.adapters`` registers the method, and
+row, quantized conv and embedding weights, GPT-2's ``Conv1D``, ...), online rotations and quantized fused MoE
+experts make the checkpoint ``quant_method: "qcore"`` (``checkpoint_method``, decided before any tensor is
+written), and then EVERY quantized weight in it is written in qcore's extension of the layout (the 1-D byte string
+of the packed codes), those Quark has a layout for included: vLLM refuses the unknown method, but transformers
+without qcore skips it with only a warning and loads the checkpoint as a float one, so a tensor with a float
+parameter's name and shape (int8 / fp8 codes in Quark's ``[out, in]`` layout, e.g. a Mixtral's per-expert
+Linears) would load as a float weight, silently wrong; 1-D codes match no float weight's shape, so it fails
+instead (tests/adapters/test_qcore_layout_unreadable.py, tests/interop/test_family_interop.py).
+``_quantization_config`` refuses a ``"qcore"`` checkpoint that would hold a Quark layout (a qcore bug). Exports
+written before this rule (format_version 1 as well: some "qcore" checkpoints held Quark-layout experts or Linears)
+still load: the loader reads a layer in the layout ``qcore.layouts`` states when it is qcore's or the one the
+config gives (``own_layout``). ``import qcore.adapters`` registers the method, and
 ``qcore.adapters.from_pretrained`` (or ``AutoModelForCausalLM.from_pretrained`` after ``import qcore.adapters``)
 loads it. Either kind also carries qcore's own config (``quantization_config["qcore"]``).
 

@@ -93,9 +93,9 @@ def test_a_qcore_checkpoint_holds_no_tensor_a_plain_loader_reads_as_float(case, 
     cfg = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert set(cfg["qcore"]["layouts"].values()) == {"qcore"}
     assert _misreadable(tmp_path / "q", tmp_path / "float") == []
-    quantized_weights = [k for k in SafetensorsFile(tmp_path / "q" / "model.safetensors").entries
-                         if k.endswith(".weight") and k.rpartition(".")[0] in info.layers or ".experts." in k]
-    assert quantized_weights  # (the check above saw the quantized layers' tensors)
+    entries = SafetensorsFile(tmp_path / "q" / "model.safetensors").entries
+    codes = [e for k, e in entries.items() if k.endswith(".weight") and (k[:-7] in info.layers or ".experts." in k)]
+    assert codes and all(e.dtype == "U8" and len(e.shape) == 1 for e in codes)  # the quantized weights: 1-D bytes
     with torch.no_grad():
         want = model(IDS).logits
         back = A.from_pretrained(tmp_path / "q")  # qcore's own loader reads it back exactly
@@ -105,19 +105,39 @@ def test_a_qcore_checkpoint_holds_no_tensor_a_plain_loader_reads_as_float(case, 
 
 
 def test_the_check_catches_quark_layouts_under_quant_method_qcore(family_model, zoo, tmp_path, monkeypatch):
-    """The control: a Mixtral int8 export written as before the fix (Quark's int8 layout for the per-expert Linears,
-    config saying "qcore") is misread: the property check names its tensors, and transformers loads it without an
-    error (the silently wrong model the fix prevents)."""
+    """The control: a Mixtral int8 export written as before the fix (Quark's int8 layout for the per-expert Linears
+    and the attention, config saying "qcore" and stating those layouts) is misread by a plain loader: the property
+    check names its tensors, and transformers loads it without an error (the silently wrong model the fix
+    prevents). qcore itself still reads such an older file right, by the layouts it states."""
     model, _ = _export(family_model, zoo, "mixtral-int8", tmp_path)
     from qcore.adapters.io.quark_hf import _plan_tensors, write_shards
     records, layouts = _plan_tensors(model)  # Quark's layouts, where they exist
     assert set(layouts.values()) == {"int8"}
     old = tmp_path / "old"
     old.mkdir()
-    shutil.copy(tmp_path / "q" / "config.json", old / "config.json")  # quant_method "qcore"
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "qcore"
+    cfg["quantization_config"]["qcore"]["layouts"] = layouts  # as the export wrote them before the fix
+    (old / "config.json").write_text(json.dumps(cfg))
     write_shards(old, records, 2**40)
     bad = _misreadable(old, tmp_path / "float")
     assert any(".experts.0.w1.weight torch.int8" in b for b in bad), bad
+    assert any("self_attn.q_proj.weight torch.int8" in b for b in bad), bad
+    with torch.no_grad():
+        assert torch.equal(A.from_pretrained(old)(IDS).logits, model(IDS).logits)
     plain = _plain_load(old, monkeypatch)  # loads: int8 codes taken for float weights
     w1 = plain.model.layers[0].mlp.experts.gate_up_proj
     assert w1.is_floating_point() and torch.equal(w1, w1.round())  # whole numbers: the codes, as floats
+
+
+def test_a_qcore_checkpoint_stating_a_quark_layout_the_config_does_not_give_is_refused(family_model, zoo,
+                                                                                        tmp_path):
+    from qcore.adapters import CorruptCheckpointError
+    _export(family_model, zoo, "mixtral-int8", tmp_path)
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    cfg["quantization_config"]["qcore"]["layouts"]["model.layers.0.mlp.experts"] = "fp8"
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "q", bad)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CorruptCheckpointError, match="says layout 'fp8', its config gives 'int8'"):
+        A.from_pretrained(bad)
