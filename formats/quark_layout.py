@@ -24,8 +24,8 @@ Nibbles in int32 follow the export's ``pack_method`` ("reorder": slot ``i`` hold
 "order": element ``i``); int4 values are two's complement nibbles, uint4 zero points are codes. fp4 packs two per
 byte (low nibble first), fp6 four per three bytes (``qcore.packing.pack_fp6``).
 
-**qcore's extension** (layout ``"qcore"``; the checkpoint's ``quant_method`` is then ``"qcore"``): every other
-weight format (MX9/MX6/MX4, BFP16, MXINT8, int2, int3, groups that do not divide the row, conv and embedding
+**qcore's extension** (layout ``"qcore"``; the checkpoint's ``quant_method`` is then ``"qcore"``, and every
+quantized weight of such a checkpoint is in this layout, those of Quark's formats too): every other weight format (MX9/MX6/MX4, BFP16, MXINT8, int2, int3, groups that do not divide the row, conv and embedding
 weights, scales in other formats). ``weight`` is the 1-D ``U8`` byte string of ``qcore.packing.pack(codes,
 dtype, axis=-1)`` of the canonical codes (its shape matches no float weight, so a loader that does not know the
 method fails on the shape instead of reading codes as floats); ``weight_scale`` holds the scales in qcore's scale

@@ -3,13 +3,15 @@
 On disk a quantized fused experts module is written as the per-expert Linear layers the model family's own
 checkpoints hold, under the names ``save_pretrained`` writes for the float model (transformers' conversion
 mapping, reverted): Mixtral ``model.layers.0.block_sparse_moe.experts.3.w1`` / ``w3`` / ``w2``, Qwen2-MoE and
-Qwen3-MoE ``model.layers.0.mlp.experts.3.gate_proj`` / ``up_proj`` / ``down_proj``. Each such Linear is stored in
-Quark's layout for its spec (``weight``, ``weight_scale``, ``weight_zero_point``, ``input_scale``, ...), the
-per-expert Linear layout vLLM's fused-MoE loader maps: the gate and up halves of ``gate_up_proj`` are the ``w1`` /
-``w3`` (``gate_proj`` / ``up_proj``) rows; a per-tensor (or two-level tensor) scale, one per expert and fused
-projection in qcore, is written to both halves. A model whose conversion mapping has no per-expert names gets
-qcore's own: ``<experts>.<e>.gate_proj`` / ``up_proj`` / ``down_proj``. Such a checkpoint says ``quant_method:
-"qcore"``: transformers' Quark integration (amd-quark 0.13) does not read quantized fused experts.
+Qwen3-MoE ``model.layers.0.mlp.experts.3.gate_proj`` / ``up_proj`` / ``down_proj``, with Quark's tensor names
+(``weight``, ``weight_scale``, ``weight_zero_point``, ``input_scale``, ...): the gate and up halves of
+``gate_up_proj`` are the ``w1`` / ``w3`` (``gate_proj`` / ``up_proj``) rows; a per-tensor (or two-level tensor)
+scale, one per expert and fused projection in qcore, is written to both halves. A model whose conversion mapping
+has no per-expert names gets qcore's own: ``<experts>.<e>.gate_proj`` / ``up_proj`` / ``down_proj``. Such a
+checkpoint says ``quant_method: "qcore"`` (transformers' Quark integration, amd-quark 0.13, does not read
+quantized fused experts), so the tensors are in qcore's layout (1-D packed codes, ``quark_hf.checkpoint_method``):
+in Quark's int8 / fp8 ``[I, H]`` layout, transformers without qcore would load them as float weights. Older
+exports in Quark's layouts (``experts_layout``) are still read, as their ``qcore.layouts`` say.
 
 ``qcore.adapters.from_pretrained`` reads them back (``ExpertsShell``): the per-expert tensors are loaded as they
 are, checked, and joined into a frozen ``QuantExperts``. Float fused experts are written per expert too (as
@@ -242,9 +244,10 @@ class ExpertsShell(nn.Module):
     per per-expert Linear (``0.w1``, ...: the checkpoint names below the experts module, after transformers'
     renamings), holding parameters named, shaped and typed as the checkpoint stores them (on meta until
     loaded). ``expected``: ``{path below the module: (dtype, shape)}``; ``disk``: ``{that path: the name in the
-    checkpoint}``."""
+    checkpoint}``. ``own``: the per-expert weights are in qcore's extension (``"qcore"`` layout) whatever their
+    format (``quark_hf.own_layout``)."""
 
-    def __init__(self, model: nn.Module, name: str, m: nn.Module, config):
+    def __init__(self, model: nn.Module, name: str, m: nn.Module, config, *, own: bool = False):
         super().__init__()
         from ._records import _ST_TORCH
         q = QuantExperts.from_module(m, config, name=name)  # planned here (on meta), filled by build()
@@ -258,7 +261,7 @@ class ExpertsShell(nn.Module):
         if problem is not None:
             raise CorruptCheckpointError(f"experts {name!r}: {problem}; not read yet ({ISSUE})")
         self.qname = name
-        self.layout = experts_layout(spec, shapes)
+        self.layout = "qcore" if own else experts_layout(spec, shapes)
         self.expected: dict[str, tuple] = {}
         self.disk: dict[str, str] = {}
         self.linears = []

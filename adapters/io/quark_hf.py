@@ -7,11 +7,18 @@ every other tensor as it is in the model. vLLM's Quark loader and transformers w
 (``quant_method: "quark"``).
 
 Formats Quark has no tensor layout for (MX9/MX6/MX4, BFP16, MXINT8, int2/int3, groups that do not divide the
-row, quantized conv and embedding weights, ...) are written in qcore's extension of the layout and the checkpoint
-says ``quant_method: "qcore"``: vLLM refuses it, and transformers without qcore refuses most of it (the packed
-codes do not fit the float weights) but skips an unknown ``quant_method`` with only a warning, so int8 / fp8
-codes stored in the float weight's shape would load as float weights (tests/interop/test_family_interop.py keeps
-this visible); ``import qcore.adapters`` registers the method, and
+row, quantized conv and embedding weights, GPT-2's ``Conv1D``, ...), online rotations and quantized fused MoE
+experts make the checkpoint ``quant_method: "qcore"`` (``checkpoint_method``, decided before any tensor is
+written), and then EVERY quantized weight in it is written in qcore's extension of the layout (the 1-D byte string
+of the packed codes), those Quark has a layout for included: vLLM refuses the unknown method, but transformers
+without qcore skips it with only a warning and loads the checkpoint as a float one, so a tensor with a float
+parameter's name and shape (int8 / fp8 codes in Quark's ``[out, in]`` layout, e.g. a Mixtral's per-expert
+Linears) would load as a float weight, silently wrong; 1-D codes match no float weight's shape, so it fails
+instead (tests/adapters/test_qcore_layout_unreadable.py, tests/interop/test_family_interop.py).
+``_quantization_config`` refuses a ``"qcore"`` checkpoint that would hold a Quark layout (a qcore bug). Exports
+written before this rule (format_version 1 as well: some "qcore" checkpoints held Quark-layout experts or Linears)
+still load: the loader reads a layer in the layout ``qcore.layouts`` states when it is qcore's or the one the
+config gives (``own_layout``). ``import qcore.adapters`` registers the method, and
 ``qcore.adapters.from_pretrained`` (or ``AutoModelForCausalLM.from_pretrained`` after ``import qcore.adapters``)
 loads it. Either kind also carries qcore's own config (``quantization_config["qcore"]``).
 
@@ -196,12 +203,14 @@ def module_records(name: str, m: _QuantMixin, layout: str, cache: dict, pack_met
     return records
 
 
-def _plan_tensors(model: nn.Module, pack_method: str = "reorder") -> tuple[list[TensorRecord], dict[str, str]]:
-    """Every tensor to write, as lazy records (nothing converted yet), and the layout of each quantized module.
-    Order (it decides the shards): the quantized modules' tensors in module order, then every other tensor of
-    the state dict in its order (a tied weight once)."""
+def _plan_tensors(model: nn.Module, pack_method: str = "reorder", *, own: bool = False
+                  ) -> tuple[list[TensorRecord], dict[str, str]]:
+    """Every tensor to write, as lazy records (nothing converted yet), and the layout of each quantized module:
+    Quark's where it has one, or, with ``own`` (a ``quant_method: "qcore"`` checkpoint: ``checkpoint_method``),
+    qcore's extension for every quantized module. Order (it decides the shards): the quantized modules' tensors
+    in module order, then every other tensor of the state dict in its order (a tied weight once)."""
     mods = {n: m for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
-    layouts = {n: module_layout(m) for n, m in mods.items()}
+    layouts = {n: "qcore" if own else module_layout(m) for n, m in mods.items()}
     records: list[TensorRecord] = []
     owned: set[str] = set()
     cache: dict = {}
@@ -342,12 +351,23 @@ def check_hf(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
     ``model.qcore_config``), for reasons the config and the float model already decide (``qcore quantize
     --output`` calls it before the baseline evaluation; ``export_hf`` itself too)."""
     config = model_config(model, config, who="export_hf")
+    _quark_part(config, _model_dtype_name(model), checkpoint_method(model, config) == "quark")
+
+
+def checkpoint_method(model: nn.Module, config: ModelConfig) -> str:
+    """The ``quant_method`` of ``model``'s HF checkpoint (quantized, or a float model to be quantized with
+    ``config``), decided before any tensor is written: ``"quark"`` when Quark has a tensor layout for every
+    quantized module's weight and the model carries no online rotations and no quantized fused MoE experts, else
+    ``"qcore"``. A ``"qcore"`` checkpoint stores EVERY quantized weight in qcore's extension (1-D packed codes),
+    so that no tensor in it has the name and shape of a float parameter: transformers without qcore skips an
+    unknown ``quant_method`` with a warning only, and must then fail on the shapes instead of loading codes as
+    floats."""
     units = [u for u in export_units(model, config) if u.config.weight is not None]
     layouts = [L.weight_layout(u.config.weight.spec, u.shape, module="Linear" if u.type == "Linear" else "other")
                if u.type != "Experts" else _experts_unit_layout(u) for u in units]
     quark_ok = all(v != "qcore" for v in layouts) and not will_rotate_online(model, config) and not any(
         u.type == "Experts" for u in units)  # quantized fused experts: quant_method "qcore" (see _quantization_config)
-    _quark_part(config, _model_dtype_name(model), quark_ok)
+    return "quark" if quark_ok else "qcore"
 
 
 def _experts_unit_layout(u: ExportUnit) -> str:
@@ -366,10 +386,16 @@ def _experts_unit_layout(u: ExportUnit) -> str:
 
 def _quantization_config(model: nn.Module, config: ModelConfig, layouts: dict[str, str], pack_method: str) -> dict:
     # online rotations: Quark's and vLLM's loaders would not apply qcore's transforms; quant_method "qcore"
-    quark_ok = all(v != "qcore" for v in layouts.values()) and not _online_rotations(model, config)
+    rotated = _online_rotations(model, config)  # (ValueError where they are not the ones the config gives)
+    quark_ok = all(v != "qcore" for v in layouts.values()) and not rotated
     # quantized fused MoE experts: transformers' Quark integration (amd-quark 0.13) does not read them (it merges the
     # per-expert codes into float parameters and drops their scales: checked), so qcore's loader is their reader
     quark_ok = quark_ok and not any(isinstance(m, QuantExperts) for m in model.modules())
+    mixed = sorted(n for n, v in layouts.items() if v != "qcore")
+    if not quark_ok and mixed:  # a "qcore" checkpoint holds no Quark layout (checkpoint_method decides it up front)
+        raise RuntimeError(f"export: quant_method 'qcore' but {mixed[0]!r} is planned in Quark's {layouts[mixed[0]]!r} "
+                           f"layout, which a loader without qcore could read as float weights (a qcore bug; please "
+                           f"report it)")
     q = _quark_part(config, _model_dtype_name(model), quark_ok)
     if q:
         q["export"]["pack_method"] = pack_method
@@ -459,7 +485,7 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
     _check_config_describes(model, config)
     check_hf(model, config)
 
-    records, layouts = _plan_tensors(model, pack_method)
+    records, layouts = _plan_tensors(model, pack_method, own=checkpoint_method(model, config) == "qcore")
     qdict = _quantization_config(model, config, layouts, pack_method)
 
     write_checkpoint(directory, model, hf_config, qdict, records, tokenizer=tokenizer, overwrite=overwrite,
@@ -634,15 +660,17 @@ def hf_config(d: pathlib.Path):
 
 class _Shell(nn.Module):
     """Placeholder for one quantized module while transformers loads the checkpoint: parameters named, shaped and
-    typed as the checkpoint stores them (on meta until loaded)."""
+    typed as the checkpoint stores them (on meta until loaded). ``own``: the weight is in qcore's extension
+    (``"qcore"`` layout) whatever its format (``layer_layout``)."""
 
-    def __init__(self, name: str, m: nn.Module, config):
+    def __init__(self, name: str, m: nn.Module, config, *, own: bool = False):
         super().__init__()
         q = QUANT_CLASSES[type(m)].from_module(m, config, name=name)  # on meta: planned here, filled in _build
         object.__setattr__(self, "_wrapper", q)  # not a submodule: its float weight is not in the checkpoint
         spec = q.specs["weight"]
         self.shape = q.weight_shape
-        self.layout = L.weight_layout(spec, self.shape, module="Linear" if isinstance(m, nn.Linear) else "other")
+        self.layout = "qcore" if own else L.weight_layout(spec, self.shape, module="Linear" if isinstance(m, nn.Linear)
+                                                          else "other")
         self.expected = dict(L.expected_weight(spec, self.shape, layout=self.layout))
         for role in q.static_roles():
             self.expected.update(L.expected_activation(role, q.specs[role], q.static_scale_shape(role),
@@ -769,6 +797,18 @@ def _build(sh: _Shell, pack_method: str, dtype: torch.dtype) -> nn.Module:
     return q
 
 
+def own_layout(method: Any, stated: Optional[dict], name: str) -> bool:
+    """Whether the checkpoint stores the quantized layer ``name`` in qcore's extension (``"qcore"`` layout) whatever
+    its format: in a ``quant_method: "qcore"`` checkpoint, unless its ``qcore.layouts`` states another layout for
+    the layer (earlier exports of the same ``format_version`` stored Quark-layout tensors in some "qcore"
+    checkpoints: fused MoE experts, and Linears beside online rotations or qcore-only formats; they are read as
+    their layouts say, and a stated layout must still be the one the config gives, see the caller). Never in a
+    ``"quark"`` checkpoint."""
+    if method != "qcore":
+        return False
+    return stated is None or stated.get(name, "qcore") == "qcore"
+
+
 def _make_classes():
     from transformers.quantizers import HfQuantizer
     from transformers.utils.quantization_config import QuantizationConfigMixin
@@ -818,14 +858,16 @@ def _make_classes():
                                              f"names, got {stated!r}"[:300])
             from .experts import stored_float_experts
             self._float_experts = stored_float_experts(model, config, checkpoint_files)  # Quark 0.13's MoE exports
+            method = raw.get("source_method", raw.get("quant_method"))
             for p in plan_model(model, config, _check_float=False):  # a saved config, as it was saved
                 if p.name in self._float_experts:
                     continue
+                own = own_layout(method, stated, p.name)
                 if p.type == "Experts":
                     from .experts import ExpertsShell
-                    sh = ExpertsShell(model, p.name, model.get_submodule(p.name), p.config)
+                    sh = ExpertsShell(model, p.name, model.get_submodule(p.name), p.config, own=own)
                 else:
-                    sh = _Shell(p.name, model.get_submodule(p.name), p.config)
+                    sh = _Shell(p.name, model.get_submodule(p.name), p.config, own=own)
                 layout = sh.layout
                 if stated is not None and stated.get(p.name, layout) != layout:
                     raise CorruptCheckpointError(f"layer {p.name!r}: the checkpoint says layout "

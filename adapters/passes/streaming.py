@@ -60,6 +60,7 @@ from qcore.formats.safetensors_io import (CorruptCheckpointError, SafetensorsFil
 from ..config import ModelConfig, TensorConfig
 from ..io.quark_hf import (ExportInfo, _info, _plan_tensors, _quantization_config, check_destination, parse_size,
                      write_metadata, write_shards)
+from ..io.quark_hf import checkpoint_method
 from ..io._records import _ST_TORCH
 from ..modules import wrap
 from .._batches import _set_module
@@ -291,6 +292,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
     module_order = {p.name: i for i, p in enumerate(plans)}
 
     _check_source(model, source)
+    own = checkpoint_method(model, cfg) == "qcore"  # every quantized weight in qcore's layout (export_hf's rule)
 
     # the weights outside the decoder layers
     outer_keys = [k for k in _meta_keys(model) if not k.startswith(path + ".")]
@@ -308,7 +310,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
             spill = Spill(tmp / ".qcore-layers.spill")
             with torch.no_grad():
                 records, layouts = _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static,
-                                        data, source, dtype, device, spill, pack_method, progress)
+                                        data, source, dtype, device, spill, pack_method, progress, own=own)
             # export_hf's order: the quantized modules' tensors in module order, then the other tensors in
             # state-dict order (stable sort: each module keeps its own tensor order)
             qnames = {p.name for p in plans}
@@ -335,7 +337,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
 
 
 def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static, data, source, dtype, device,
-         spill, pack_method, progress):
+         spill, pack_method, progress, *, own=False):
     from ..families import family_or_none
     from .sequential import run_layer
     family = family_or_none(model)
@@ -403,7 +405,7 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
                     w.finish_calibration()
             for w in wrappers:
                 w.commit()
-            recs, lay = _plan_tensors(work, pack_method)
+            recs, lay = _plan_tensors(work, pack_method, own=own)
             for r in recs:
                 records.append(spill.add(r, f"{prefix}.{r.name}"))
             layouts.update({f"{prefix}.{k}": v for k, v in lay.items()})
@@ -422,7 +424,7 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, nn.ModuleList())
     try:
-        recs, lay = _plan_tensors(model, pack_method)
+        recs, lay = _plan_tensors(model, pack_method, own=own)
     finally:
         setattr(parent, child, layers)
     records.extend(recs)

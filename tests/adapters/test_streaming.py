@@ -85,8 +85,8 @@ def test_streaming_equals_quantize_model_and_export_hf(scenario, tmp_path):
             names |= set(SafetensorsFile(tmp_path / "out" / f).keys())
     if scenario == "static_head":
         assert "lm_head.input_scale" in names and "model.layers.2.self_attn.v_proj.output_scale" in names
-    if scenario == "gptq_embedding":
-        assert "model.embed_tokens.weight_scale" in names
+    if scenario == "gptq_embedding":  # a "qcore" checkpoint: every quantized weight in qcore's layout (1-D codes)
+        assert "model.embed_tokens.weight_scale" in names and set(info.layers.values()) == {"qcore"}
     back = A.from_pretrained(tmp_path / "out")
     with torch.no_grad():
         assert torch.equal(back(BATCHES[0]).logits, ref(BATCHES[0]).logits)
