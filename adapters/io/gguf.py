@@ -142,7 +142,8 @@ class GGUFExportInfo:
 
 def _writable() -> list:
     from ..families import FAMILIES
-    return [f.model_type for f in FAMILIES if f.gguf_arch in G.ARCHS and f.experts is None]
+    return [f.model_type for f in FAMILIES if f.gguf_arch in G.ARCHS
+            and (f.experts is None or G.ARCHS[f.gguf_arch].moe_layer is not None)]
 
 
 def _family_problem(fam) -> Optional[str]:
@@ -151,14 +152,14 @@ def _family_problem(fam) -> Optional[str]:
     if fam.gguf_arch is None:
         return (f"model_type {mt!r} is not supported: llama.cpp has no architecture for it (its record "
                 f"{fam.name!r} has no gguf_arch); qcore writes GGUF for {_writable()}")
-    if fam.experts is not None:
-        return (f"model_type {mt!r} is not supported: its mixture-of-experts layers ({fam.experts.path}) are not "
-                f"written to GGUF by qcore; qcore writes GGUF for {_writable()}")
     if fam.gguf_arch not in G.ARCHS:
         return (f"model_type {mt!r} is not supported: qcore does not write llama.cpp's {fam.gguf_arch!r} "
                 f"architecture (its record {fam.name!r}; qcore.formats.gguf.ARCHS has {sorted(G.ARCHS)}); qcore "
                 f"writes GGUF for {_writable()}")
     arch = G.ARCHS[fam.gguf_arch]
+    if fam.experts is not None and arch.moe_layer is None:
+        return (f"model_type {mt!r} is not supported: its mixture-of-experts layers ({fam.experts.path}) have no "
+                f"place in llama.cpp's {arch.name!r} graph; qcore writes GGUF for {_writable()}")
     if fam.norm not in ("rms", "rms_unit_offset") or (fam.norm == "rms_unit_offset") != (arch.norm_offset == 1.0):
         return (f"model_type {mt!r} is not supported: its norms are {fam.norm!r}, llama.cpp's {arch.name!r} graph "
                 f"multiplies by the stored weight{' + 1' if arch.norm_offset else ''} after an RMS norm")
@@ -170,8 +171,17 @@ def _layer_names(fam) -> dict:
     q = ("attn_q", "attn_k", "attn_v") if len(fam.attn_in) == 3 else ("attn_qkv",)
     up = ("ffn_gate", "ffn_up") if len(fam.mlp_in) == 2 else ("ffn_up",)
     out = dict(zip(fam.attn_in, q))
-    out.update({fam.attn_out: "attn_output", **dict(zip(fam.mlp_in, up)), fam.mlp_out: "ffn_down",
-                fam.mlp_norm: "ffn_norm"})
+    out.update({fam.attn_out: "attn_output", fam.mlp_norm: "ffn_norm"})
+    ex = fam.experts
+    if ex is None:
+        out.update({**dict(zip(fam.mlp_in, up)), fam.mlp_out: "ffn_down"})
+    else:  # the experts module itself is written as G.EXPERT_TENSORS (_expert_names)
+        out[ex.router] = "ffn_gate_inp"
+        if ex.shared is not None:
+            out.update({f"{ex.shared}.{n}": t for n, t in zip(ex.shared_mlp, ("ffn_gate_shexp", "ffn_up_shexp",
+                                                                            "ffn_down_shexp"))})
+        if ex.shared_gate is not None:
+            out[ex.shared_gate] = "ffn_gate_inp_shexp"
     if fam.attn_norm is not None:
         out[fam.attn_norm] = "attn_norm"
     out.update(zip(fam.qk_norms, ("attn_q_norm", "attn_k_norm")))
@@ -197,11 +207,13 @@ def gguf_family(model: nn.Module):
         raise ValueError(f"export_gguf: {why}")
     arch = G.ARCHS[fam.gguf_arch]
     layer = _layer_names(fam)
-    extra = sorted(set(layer.values()) - set(arch.layer))
+    have = set(layer.values()) | (set(G.EXPERT_TENSORS) if fam.experts is not None else set())
+    want = arch.layer if fam.experts is None else arch.moe_layer
+    extra = sorted(have - set(want))
     if extra:
         raise ValueError(f"export_gguf: model_type {fam.model_type!r}: llama.cpp's {arch.name!r} graph has no "
                          f"tensor for {extra} (the record's {[k for k, v in layer.items() if v in extra]})")
-    lacking = sorted(set(arch.layer) - set(layer.values()))
+    lacking = sorted(set(want) - have)
     if lacking:
         raise ValueError(f"export_gguf: model_type {fam.model_type!r}: llama.cpp's {arch.name!r} graph needs "
                          f"{lacking}, which the {fam.name} record does not name")
@@ -231,6 +243,16 @@ def gguf_names(model: nn.Module) -> dict:
         for k, v in layer.items():
             out[f"{loc.layers}.{i}.{k}"] = f"blk.{i}.{v}"
     return out
+
+
+def _expert_names(model: nn.Module) -> dict:
+    """Fused experts module name in ``model`` -> its layer's GGUF prefix (``model.layers.3.mlp.experts`` ->
+    ``blk.3``): written as ``blk.3.ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` (``G.EXPERT_TENSORS``)."""
+    fam, loc, arch = gguf_family(model)
+    if fam.experts is None:
+        return {}
+    n_layers = len(model.get_submodule(loc.layers))
+    return {f"{loc.layers}.{i}.{fam.experts.path}": f"blk.{i}" for i in range(n_layers)}
 
 
 def _in_memory_weight(m: _QuantMixin) -> np.ndarray:
@@ -290,6 +312,86 @@ def _encode_quantized(name: str, gbase: str, m: _QuantMixin, strict: bool) -> tu
     return data, kind, rep
 
 
+def _expert_mats(m: nn.Module) -> tuple[dict, Optional[dict], Any]:
+    """``({gguf role: float32 [E, out, in]}, {gguf role: [per-expert WeightParts]} or None, spec)`` of a fused
+    experts module: gate = the first half of each expert's ``gate_up_proj`` rows, up = the second, down."""
+    from qcore.formats.quark_layout import WeightParts
+    from ..modules import QuantExperts
+    gate, up, down = G.EXPERT_TENSORS
+    if not isinstance(m, QuantExperts) or "weight" not in m.specs:
+        gu = m.gate_up_proj.detach().float().cpu().numpy()
+        i = gu.shape[1] // 2
+        return {gate: gu[:, :i], up: gu[:, i:], down: m.down_proj.detach().float().cpu().numpy()}, None, None
+    spec = m.specs["weight"]
+    mats: dict = {gate: [], up: [], down: []}
+    parts: dict = {gate: [], up: [], down: []}
+
+    def np_(t):
+        return None if t is None else t.detach().cpu().float().numpy()
+    for proj, roles in (("gate_up_proj", (gate, up)), ("down_proj", (down,))):
+        for q in m.expert_qtensors(proj):
+            ref = np_(qcore.dequantize(q))
+            codes = q.codes.detach().cpu().numpy()
+            out = codes.shape[0]
+            half = out // len(roles)
+            for k, role in enumerate(roles):
+                a, b = k * half, (k + 1) * half
+
+                def cut(x):
+                    return None if x is None else (x[a:b] if x.ndim and x.shape[0] == out else x)
+                mats[role].append(ref[a:b])
+                parts[role].append(WeightParts(codes=codes[a:b], scales=cut(np_(q.scales)),
+                                               zero_points=cut(np_(q.zero_points))))
+    return {r: np.stack(v) for r, v in mats.items()}, parts, spec
+
+
+def _encode_experts(name: str, blk: str, m: nn.Module, strict: bool) -> tuple[list, list]:
+    """The three 3-D expert tensors of the experts module ``name`` (``[(gguf name, data, type)]``) and their
+    reports: code for code where the grid is a GGUF type (every expert the same type), else requantized with
+    ggml's reference quantizer, else float (see ``_encode_quantized``)."""
+    mats, parts, spec = _expert_mats(m)
+    tensors, reports = [], []
+    for role in G.EXPERT_TENSORS:
+        ref = mats[role]
+        e_, o, i = ref.shape
+        gname = f"{blk}.{role}.weight"
+        if parts is None:  # float experts
+            wdt = m.gate_up_proj.dtype
+            if wdt == torch.float16:
+                data, kind = ref.astype(np.float16), "F16"
+            else:
+                data, kind = np.ascontiguousarray(ref, np.float32), "F32"
+            tensors.append((gname, data, kind))
+            continue
+        ps = parts[role]
+        kind = G.gguf_type(spec, (o, i))
+        if kind == "Q4_1" and all(G.q4_0_holds(p, spec, (o, i)) for p in ps):
+            kind = "Q4_0"
+        if kind is not None:
+            data, how = np.stack([G.encode(p, spec, kind=kind) for p in ps]), "codes"
+        else:
+            kind = _nearest_type(spec) if i % G.BLOCK == 0 else None
+            if kind is not None:
+                data, how = G.quantize_float(ref.reshape(e_ * o, i), kind).reshape(e_, o, -1), "requantized"
+            else:
+                data, kind = _float_array(ref)
+                how = "float"
+        if how == "float":
+            exact = bool(np.array_equal(data.astype(np.float32), ref))
+            diff = float(np.max(np.abs(data.astype(np.float64) - ref), initial=0.0))
+        else:
+            exact, diff = G.is_exact(data.reshape(e_ * o, -1), kind, ref.reshape(e_ * o, i))
+        rep = TensorReport(f"{name}.{'down_proj' if role == 'ffn_down_exps' else 'gate_up_proj'}", gname, kind,
+                           exact, diff, how)
+        if strict and not exact:
+            raise ValueError(f"export_gguf(strict=True): {name} ({gname}) is not lossless as {kind} (max abs "
+                             f"difference {diff:.3g}); quantize the experts with float16 scales and a GGUF grid, or "
+                             f"pass strict=False to accept the difference")
+        tensors.append((gname, np.ascontiguousarray(data), kind))
+        reports.append(rep)
+    return tensors, reports
+
+
 def _arch(model: nn.Module):
     """The checks the architecture alone decides, shared by ``check_gguf`` and ``export_gguf``: the family
     (``gguf_family``), then the config's settings llama.cpp's graph cannot run (``formats.gguf.metadata``), then a
@@ -297,7 +399,7 @@ def _arch(model: nn.Module):
     fam, loc, arch = gguf_family(model)
     cfg = model.config.to_dict()
     try:
-        meta = G.metadata(arch.name, cfg)
+        meta = G.metadata(arch.name, cfg, experts=fam.experts is not None)
     except ValueError as e:
         raise ValueError(f"export_gguf: model_type {fam.model_type!r} ({arch.name!r} in GGUF): {e}") from None
     if not arch.output and loc.lm_head is not None and not cfg.get("tie_word_embeddings"):
@@ -323,11 +425,9 @@ def check_gguf(model: nn.Module, config: Optional[ModelConfig] = None, *, drop_a
     """Before any work: ValueError if ``export_gguf`` would refuse ``model`` quantized with ``config`` (default
     ``model.qcore_config``) for reasons the architecture and the config already decide (``qcore quantize
     --export gguf`` calls it before the baseline evaluation; ``export_gguf`` itself too)."""
-    from .experts import check_no_experts
     from .quark_hf import export_units, refuse_conv1d, will_rotate_online
     config = config if config is not None else getattr(model, "qcore_config", None)
     refuse_conv1d(model, config, "export_gguf")
-    check_no_experts(model, config, who="export_gguf")  # fused MoE experts: not written yet (issue 22)
     try:
         fam, arch, _, _ = _arch(model)
     except TypeError as e:
@@ -443,6 +543,7 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
     n_head = int(cfg["num_attention_heads"])
     n_kv = int(cfg.get("num_key_value_heads") or n_head)
     names = gguf_names(model)
+    experts = _expert_names(model)
     mods = {n: m for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
     owned = {}
     for n, m in mods.items():
@@ -455,6 +556,13 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
     emb = sd.get(f"{emb_name}.weight")
     for k, t in sd.items():
         mod, _, leaf = k.rpartition(".")
+        if mod in experts:
+            if mod not in done:
+                done.add(mod)
+                ts, rs = _encode_experts(mod, experts[mod], model.get_submodule(mod), strict)
+                tensors += ts
+                reports += rs
+            continue
         base = names.get(mod)
         if base is None or leaf not in ("weight", "bias") and k not in owned:
             raise ValueError(f"export_gguf: the model's tensor {k!r} has no place in llama.cpp's {arch.name!r} "
@@ -482,7 +590,7 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
             a = t.detach().float().cpu().numpy()
             if role in G.NORM_TENSORS and arch.norm_offset:
                 a = a + np.float32(arch.norm_offset)  # transformers computes x * (1 + w) in float32: the same value
-            if a.ndim == 1 or t.dtype != torch.float16:
+            if a.ndim == 1 or t.dtype != torch.float16 or role in ("ffn_gate_inp", "ffn_gate_inp_shexp"):
                 data, kind = np.ascontiguousarray(a, np.float32), "F32"
             else:
                 data, kind = a.astype(np.float16), "F16"
@@ -494,7 +602,7 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
             _check_bias(f"{mod}.bias", role, arch)
             tensors.append((f"{base}.bias", np.ascontiguousarray(bias.detach().float().cpu().numpy(), np.float32),
                             "F32"))
-    if len(done) != len(mods):
+    if set(mods) - done:
         raise ValueError(f"export_gguf: quantized modules without tensors in the state dict: "
                          f"{sorted(set(mods) - done)[:3]}")
     return tensors, reports
@@ -529,8 +637,6 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
         tokenizer, (str, os.PathLike)) else []))
     if not any(isinstance(m, _QuantMixin) for m in model.modules()):
         raise ValueError("export_gguf: the model has no qcore quantized modules; run quantize_model first")
-    from .experts import check_no_experts
-    check_no_experts(model, who="export_gguf")  # fused MoE experts: not written yet (issue 22)
     arch, meta, cfg, dropped = _check_model(model, drop_activations)
     tok = None if tokenizer is None else _tokenizer_fields(tokenizer, int(cfg["vocab_size"]), tokenizer_pre)
     tensors, reports = _plan(model, cfg, arch, strict)
