@@ -526,8 +526,11 @@ class Arch:
 _ATTN_LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output")
 _MOE_FFN = ("ffn_norm", "ffn_gate_inp") + EXPERT_TENSORS
 _MOE_USED = ("expert_used_count", "num_experts_per_tok", "u32")
-_QWEN_MOE_HP = (("expert_count", "num_experts", "u32"), _MOE_USED,
-                ("expert_feed_forward_length", "moe_intermediate_size", "u32"))
+_MOE_FF = ("expert_feed_forward_length", "moe_intermediate_size", "u32")
+# the expert count's config key as transformers 5 spells it in to_dict() (Qwen3-MoE: num_local_experts)
+_QWEN2MOE_HP = (("expert_count", "num_experts", "u32"), _MOE_USED, _MOE_FF,
+                ("expert_shared_feed_forward_length", "shared_expert_intermediate_size", "u32"))
+_QWEN3MOE_HP = (("expert_count", "num_local_experts", "u32"), _MOE_USED, _MOE_FF)
 _QWEN2MOE_LAYER = _ATTN_LAYER + _MOE_FFN + ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 _QWEN3MOE_LAYER = _ATTN_LAYER + ("attn_q_norm", "attn_k_norm") + _MOE_FFN
 _LLAMA_LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
@@ -538,9 +541,8 @@ ARCHS = {
                   moe_hparams=(("expert_count", "num_local_experts", "u32"), _MOE_USED), moe_norm_topk=True),
     # experts in every layer; Qwen2-MoE adds a shared expert (ffn_*_shexp) scaled by sigmoid(ffn_gate_inp_shexp)
     "qwen2moe": Arch("qwen2moe", _QWEN2MOE_LAYER, biases=("attn_q", "attn_k", "attn_v"), moe_layer=_QWEN2MOE_LAYER,
-                     moe_hparams=_QWEN_MOE_HP + (("expert_shared_feed_forward_length",
-                                                  "shared_expert_intermediate_size", "u32"),), moe_norm_topk=False),
-    "qwen3moe": Arch("qwen3moe", _QWEN3MOE_LAYER, moe_layer=_QWEN3MOE_LAYER, moe_hparams=_QWEN_MOE_HP,
+                     moe_hparams=_QWEN2MOE_HP, moe_norm_topk=False),
+    "qwen3moe": Arch("qwen3moe", _QWEN3MOE_LAYER, moe_layer=_QWEN3MOE_LAYER, moe_hparams=_QWEN3MOE_HP,
                      moe_norm_topk=True),
     "qwen2": Arch("qwen2", _LLAMA_LAYER, biases=("attn_q", "attn_k", "attn_v")),
     "qwen3": Arch("qwen3", _LLAMA_LAYER + ("attn_q_norm", "attn_k_norm")),
