@@ -812,17 +812,40 @@ def _check_args(path, dtype, strict, dequantize_other) -> pathlib.Path:
     return p
 
 
-def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, dequantize_other: bool) -> list:
-    """Per tensor ``(tensor, hf name, module name, kind, shape)``, validated before any data is read."""
+def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, dequantize_other: bool
+                      ) -> tuple[list, dict]:
+    """Per tensor ``(tensor, hf name, module name, kind, shape)``, and per fused experts module its three tensors
+    ``{module name: {G.EXPERT_TENSORS role: tensor}}``, validated before any data is read."""
     params = dict(model.named_parameters())
     back = {v: k for k, v in names.items()}
-    out, seen = [], set()
+    exp_back = {v: k for k, v in _expert_names(model).items()}
+    out, seen, experts = [], set(), {}
     for t in reader.tensors:
         kind = t.tensor_type.name
         base, _, leaf = t.name.rpartition(".")
+        blk, _, role = base.rpartition(".")
+        if blk in exp_back and role in G.EXPERT_TENSORS and leaf == "weight":
+            mod_name = exp_back[blk]
+            if role in experts.setdefault(mod_name, {}):
+                raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} appears twice in the file")
+            shape = _shape(t)
+            gu, dn = params[f"{mod_name}.gate_up_proj"].shape, params[f"{mod_name}.down_proj"].shape
+            want = tuple(dn) if role == "ffn_down_exps" else (gu[0], gu[1] // 2, gu[2])
+            if shape != want:
+                raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} has shape {list(shape)}; the model's "
+                                             f"experts {mod_name} need {list(want)}")
+            if kind not in _FLOAT_TYPES and kind not in G.TYPE_BYTES and (strict or not dequantize_other):
+                raise ValueError(f"from_gguf: tensor {t.name!r} is {kind}, which no qcore grid holds; qcore imports "
+                                 f"Q4_0, Q4_1, Q8_0, MXFP4 and F32/F16/BF16 (from Python, from_gguf(..., "
+                                 f"dequantize_other=True) imports it as its float32 dequantization)")
+            experts[mod_name][role] = t
+            if len(experts[mod_name]) == len(G.EXPERT_TENSORS):
+                seen.update({f"{mod_name}.gate_up_proj", f"{mod_name}.down_proj"})
+            continue
         hf = f"{back[base]}.{leaf}" if base in back else None
         if hf is None:
-            per_layer = sorted({v.split(".", 2)[2] for v in names.values() if v.startswith("blk.")})
+            per_layer = sorted({v.split(".", 2)[2] for v in names.values() if v.startswith("blk.")}
+                               | (set(G.EXPERT_TENSORS) if exp_back else set()))
             raise ValueError(f"from_gguf: tensor {t.name!r} has no place in transformers' {cfg.model_type} model "
                              f"(qcore imports its layout: token_embd, output, output_norm, blk.N.{per_layer})")
         if hf in seen:
@@ -852,7 +875,7 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, 
         base, _, leaf = missing[0].rpartition(".")
         raise CorruptCheckpointError(f"from_gguf: the file has no tensor for {missing[:5]} "
                                      f"({names.get(base, '?')}.{leaf} ...)")
-    return out
+    return out, experts
 
 
 def _set_param(model: nn.Module, hf: str, value: torch.Tensor) -> None:
@@ -887,7 +910,9 @@ def _skeleton(reader, arch: str, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
     pass
     from ..families import FAMILIES
-    fam = next((f for f in FAMILIES if f.gguf_arch == arch and _family_problem(f) is None), None)
+    moe = f"{arch}.expert_count" in reader.fields
+    fam = next((f for f in FAMILIES if f.gguf_arch == arch and _family_problem(f) is None
+                and (f.experts is not None) == moe), None)
     if fam is None:
         raise ValueError(f"from_gguf: general.architecture is {arch!r}; qcore imports "
                          f"{sorted({f.gguf_arch for f in FAMILIES if f.gguf_arch and _family_problem(f) is None})}")
@@ -905,6 +930,115 @@ def _skeleton(reader, arch: str, dtype: torch.dtype):
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) computed
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return cfg, model, gguf_names(model)
+
+
+def _import_experts(model: nn.Module, mod_name: str, ts: dict, dtype: torch.dtype, strict: bool, reports: list,
+                    specs: dict, float_blocks: list) -> None:
+    """Import one fused experts module from its three 3-D tensors ``ts`` (``G.EXPERT_TENSORS`` role -> tensor):
+    a frozen ``QuantExperts`` when all three are the same block type and one qcore spec holds every block of
+    each projection (``G.import_blocks`` on all experts at once: gate and up rows together, down), else float
+    ``gate_up_proj`` / ``down_proj`` (ggml's dequantization; block types listed as dequantized)."""
+    import gguf
+    from qcore.formats.quark_layout import WeightParts
+    from ..modules import QuantExperts, is_fused_experts
+    module = model.get_submodule(mod_name)
+    gate, up, down = G.EXPERT_TENSORS
+    kinds = {r: t.tensor_type.name for r, t in ts.items()}
+    shapes = {r: _shape(t) for r, t in ts.items()}
+    e_, i_, h_ = shapes[gate]
+
+    def rows(r):  # [E * out, bytes or values]
+        return np.asarray(ts[r].data).reshape(shapes[r][0] * shapes[r][1], -1)
+
+    def values(r):
+        t, k, (e, o, i) = ts[r], kinds[r], shapes[r]
+        if k in _FLOAT_TYPES:
+            return _float_values(np.asarray(t.data), k, (e, o, i), t.name)
+        if k in G.TYPE_BYTES:
+            return G.dequantize(rows(r), k, (e * o, i), where=t.name).reshape(e, o, i)
+        return np.asarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), np.float32).reshape(e, o, i)
+    names = {gate: f"{mod_name}.gate_up_proj", up: f"{mod_name}.gate_up_proj", down: f"{mod_name}.down_proj"}
+    kind = kinds[gate]
+    reason = ""
+    if len(set(kinds.values())) != 1:
+        reason = f"the expert tensors have different types {sorted(set(kinds.values()))} (qcore: one spec per experts module)"
+    elif kind in _FLOAT_TYPES:
+        reason = "float"
+    elif kind not in G.TYPE_BYTES:
+        reason = f"{kind} is a block type no qcore grid holds"
+    elif not (isinstance(module, nn.Module) and is_fused_experts(module)):
+        reason = f"{type(module).__name__} is not a fused experts module qcore quantizes"
+    spec = None
+    if not reason:
+        gu_blocks = np.concatenate([rows(gate), rows(up)])  # [gate of every expert; up of every expert]
+        s1, p1, why1 = G.import_blocks(gu_blocks, kind, (2 * e_ * i_, h_), where=f"{ts[gate].name} + {ts[up].name}")
+        s2, p2, why2 = G.import_blocks(rows(down), kind, (e_ * h_, i_), where=ts[down].name)
+        reason = why1 or why2
+        if not reason and s1 != s2:
+            s1, p1, s2, p2 = _same_q4_spec(s1, p1, s2, p2)
+            if s1 != s2:
+                reason = f"the gate/up and down blocks need different qcore specs ({s1.name}, {s2.name})"
+        spec = None if reason else s1
+    if spec is None:
+        if strict and reason != "float":
+            raise ValueError(f"from_gguf(strict=True): experts {mod_name} ({ts[gate].name}, ...) cannot be imported as "
+                             f"qcore codes: {reason}; pass strict=False to import them as their float dequantization")
+        vals = {r: values(r) for r in G.EXPERT_TENSORS}
+        for pname, v in (("gate_up_proj", np.concatenate([vals[gate], vals[up]], axis=1)), ("down_proj", vals[down])):
+            value, exact, diff = _to_torch(v, dtype)
+            _set_param(model, f"{mod_name}.{pname}", value)
+        for r, t in ts.items():
+            how = "float" if kinds[r] in _FLOAT_TYPES else "dequantized"
+            _, exact, diff = _to_torch(vals[r], dtype)
+            reports.append(ImportedTensor(names[r], t.name, kinds[r], how, None, exact, diff,
+                                          "" if how == "float" else reason))
+            if how == "dequantized":
+                float_blocks.append(t.name)
+        return
+
+    def cut(parts, a, b):
+        return WeightParts(codes=parts.codes[a:b], scales=parts.scales[a:b],
+                           zero_points=None if parts.zero_points is None else parts.zero_points[a:b])
+
+    def join(x, y):
+        return WeightParts(codes=np.concatenate([x.codes, y.codes]), scales=np.concatenate([x.scales, y.scales]),
+                           zero_points=None if x.zero_points is None else np.concatenate([x.zero_points,
+                                                                                           y.zero_points]))
+    ei = e_ * i_
+    parts = {"gate_up_proj": [join(cut(p1, e * i_, (e + 1) * i_), cut(p1, ei + e * i_, ei + (e + 1) * i_))
+                              for e in range(e_)],
+             "down_proj": [cut(p2, e * h_, (e + 1) * h_) for e in range(e_)]}
+    for proj, ref_roles in (("gate_up_proj", (gate, up)), ("down_proj", (down,))):
+        ref = np.concatenate([values(r) for r in ref_roles], axis=1)
+        got = np.stack([qcore.dequantize(qcore.QTensor(p.codes, p.scales, p.zero_points, spec)) for p in parts[proj]])
+        if not np.array_equal(got, ref):
+            raise RuntimeError(f"from_gguf: experts {mod_name} {proj}: the imported {spec.name} codes do not "
+                               f"reproduce ggml's values (a qcore bug; please report it)")
+    q = QuantExperts.from_module(module, LayerConfig(weight=TensorConfig(spec)), name=mod_name)
+    q.load_frozen(parts, dtype=dtype, device=torch.device("cpu"))
+    q.eval()
+    _set_module(model, mod_name, q)
+    specs[mod_name] = spec
+    for r, t in ts.items():
+        reports.append(ImportedTensor(names[r], t.name, kinds[r], "codes", spec, True, 0.0))
+
+
+def _same_q4_spec(s1, p1, s2, p2):
+    """Q4_0 blocks read as int4 symmetric in one projection and uint4 with zero points 7 / 8 in the other
+    (``G.import_blocks``: ggml's quantizer writes negative scales): both as the uint4 grid (code + 8, zero point
+    8), which holds the same values. Other pairs are returned as they are."""
+    from qcore.formats.quark_layout import WeightParts
+
+    def widen(p):
+        return WeightParts(codes=(p.codes.astype(np.int16) + 8).astype(np.uint8), scales=p.scales,
+                           zero_points=np.full(p.scales.shape, 8, np.float32))
+    a = G.import_spec("Q4_0")
+    b = G.import_spec("Q4_0", signed=False)
+    if (s1, s2) == (a, b):
+        return b, widen(p1), s2, p2
+    if (s1, s2) == (b, a):
+        return s1, p1, b, widen(p2)
+    return s1, p1, s2, p2
 
 
 def from_gguf(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = None, strict: bool = False,
@@ -935,7 +1069,7 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
     arch = arch.contents() if arch is not None else None
     cfg, model, names = _skeleton(reader, arch, dtype)
     a = G.ARCHS[arch]
-    plan = _plan_import_gguf(reader, model, cfg, names, strict, dequantize_other)
+    plan, experts = _plan_import_gguf(reader, model, cfg, names, strict, dequantize_other)
     n_head = int(cfg.num_attention_heads)
     n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_head)
     tied = bool(cfg.tie_word_embeddings)
@@ -989,6 +1123,9 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
         _set_module(model, mod_name, q)
         specs[mod_name] = spec
         reports.append(ImportedTensor(hf, t.name, kind, "codes", spec, True, 0.0))
+
+    for mod_name, ts in experts.items():
+        _import_experts(model, mod_name, ts, dtype, strict, reports, specs, float_blocks)
 
     if tied:
         model.tie_weights()
