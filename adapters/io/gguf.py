@@ -889,7 +889,8 @@ def _model_config(model: nn.Module, specs: dict[str, QuantSpec]) -> Optional[Mod
     global layer, the others (and every float Linear, and a quantized embedding) by name."""
     if not specs:
         return None
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    from ..modules import QuantExperts, is_fused_experts
+    linears = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantExperts)) or is_fused_experts(m)]
     counts = collections.Counter(specs[n] for n in linears if n in specs)
     common = counts.most_common(1)[0][0] if counts else None
     by_name: dict[str, Optional[LayerConfig]] = {}
