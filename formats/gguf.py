@@ -48,9 +48,10 @@ dequantization. On export, a 4-bit asymmetric grid whose zero points are all 7 o
 scales of ``spec.scale_shape``) to and from block bytes; ``quantize_float`` is ggml's reference quantizer (for
 weights no GGUF type holds exactly); ``dequantize`` is ggml's dequantizer.
 
-The architectures (``ARCHS``, keyed by llama.cpp's ``general.architecture``: ``llama`` (also Mistral), ``qwen2``,
-``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``): the tensors each graph reads, q/k row order, biases, norm
-offsets (``Arch``); the hyperparameters (``metadata`` / ``config_from_metadata``, one table ``HPARAMS`` both ways);
+The architectures (``ARCHS``, keyed by llama.cpp's ``general.architecture``: ``llama`` (also Mistral, and Mixtral
+with experts), ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``, ``qwen2moe``, ``qwen3moe``): the
+tensors each graph reads (with experts: ``Arch.moe_layer``, ``EXPERT_TENSORS``), q/k row order, biases, norm
+offsets, expert metadata and routing (``Arch``); the hyperparameters (``metadata`` / ``config_from_metadata``, one table ``HPARAMS`` both ways);
 ``permute_qk`` / ``unpermute_qk`` (llama.cpp's row order of ``attn_q`` / ``attn_k`` for ``llama``: rotary pairs
 interleaved instead of split in halves); ``hf_to_gguf_name`` (transformers' Llama names; other families name their
 modules through their record, ``qcore.adapters.io.gguf.gguf_names``).

@@ -5,9 +5,13 @@ Families: those whose architecture record (``qcore.adapters.families``) names a 
 (``qwen3``, per-head q/k norms ``attn_q_norm`` / ``attn_k_norm``), Gemma (``gemma``: norms stored as ``1 + w``, the
 head tied to ``token_embd``), Gemma2 (``gemma2``: also its sandwich norms, soft-capping and sliding window), Gemma3
 (``gemma3``: also q/k norms, a rope base per layer type), Phi-3
-(``phi3``: fused ``attn_qkv`` and ``ffn_up`` holding gate and up). The tensor names come from the record
-(``gguf_names``); every other family is refused before any work (``check_gguf``), naming its model_type and
-what is missing.
+(``phi3``: fused ``attn_qkv`` and ``ffn_up`` holding gate and up), and the mixtures of experts: Mixtral
+(``llama`` with experts), Qwen2-MoE (``qwen2moe``, with its shared expert ``ffn_*_shexp``), Qwen3-MoE
+(``qwen3moe``). The tensor names come from the record (``gguf_names``; the fused experts module of each layer,
+``_expert_names``, as the 3-D ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` ``[E, out, in]``: gate and
+up are the two halves of each expert's ``gate_up_proj`` rows); every other family is refused before any work
+(``check_gguf``), naming its model_type and what is missing. Each expert's block matrix is encoded as a Linear
+of the same spec would be (one GGUF type per tensor), and reported per tensor.
 
 Each quantized weight whose qcore grid is a GGUF block type (``qcore.formats.gguf.gguf_type``: int4 symmetric ->
 Q4_0, uint4 / int4 asymmetric -> Q4_1 (Q4_0 when every zero point is 7 or 8, ``gguf.q4_0_holds``: what ggml's
@@ -43,7 +47,10 @@ file is written (the quantized size of the model, not the float size).
 Import a GGUF file (llama.cpp's format) into a transformers model with frozen qcore modules: ``from_gguf``.
 
 Architectures: those qcore writes (``qcore.formats.gguf.ARCHS``): ``llama`` (Llama, and Mistral, which llama.cpp
-writes as ``llama``: it comes back as a Llama), ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``.
+writes as ``llama``: it comes back as a Llama), ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``,
+and with experts ``llama`` (``expert_count`` in the metadata: Mixtral), ``qwen2moe``, ``qwen3moe``; fused experts
+come back as a frozen ``QuantExperts`` built from the blocks when their three tensors share one block type and
+one qcore spec (``_import_experts``), else as float experts holding ggml's dequantization (reported).
 The model is built from the file's metadata (``formats.gguf.config_from_metadata``) as the transformers family
 whose record (``qcore.adapters.families``) names that ``gguf_arch``, and the tensor names come from the record
 (``export_gguf.gguf_names``), as on export. Gemma's (Gemma2's, Gemma3's) norms are stored as ``s = 1 + w`` and
@@ -611,7 +618,8 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
 def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: Any = None,
                 tokenizer_pre: str = "default", strict: bool = False, drop_activations: bool = False,
                 overwrite: bool = False, name: Optional[str] = None) -> GGUFExportInfo:
-    """Write ``model`` (a transformers Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Gemma3 or Phi-3 quantized with
+    """Write ``model`` (a transformers Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Gemma3, Phi-3, Mixtral,
+    Qwen2-MoE or Qwen3-MoE quantized with
     ``quantize_model``, frozen or not) to the GGUF file ``path``. See the module docstring for what is written
     and when it is lossless.
 
