@@ -479,7 +479,11 @@ def test_moe_ggml_quantized_experts_import_as_codes(zoo, tmp_path):
     m = zoo.tiny_family("qwen3_moe")
     quantize_model(m, ModelConfig(LayerConfig(weight=SPECS["Q8_0"]()), exclude=["re:.*experts"]), None,
                    progress=False)
-    export_gguf(m, tmp_path / "f.gguf")  # experts F32
+    export_gguf(m, tmp_path / "f.gguf")  # experts F32: come back as float experts, the same values
+    b, warned = _import(tmp_path / "f.gguf")
+    assert not warned and b.qcore_gguf_report.exact and not isinstance(b.model.layers[0].mlp.experts, _QuantMixin)
+    assert torch.equal(b.model.layers[0].mlp.experts.gate_up_proj, m.model.layers[0].mlp.experts.gate_up_proj)
+    assert torch.equal(_logits(b), _logits(m))
     for kind in ("Q4_0", "Q8_0"):
         def edit(name, t, data, kind=kind):
             if "_exps." not in name:
