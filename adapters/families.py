@@ -153,7 +153,8 @@ class Experts:
     """A mixture-of-experts block (names relative to one decoder layer). ``path``: the experts module;
     ``gate_up`` / ``down``: its fused 3-D parameters (transformers 5: ``gate_up_proj`` [E, 2I, H], ``down_proj``
     [E, H, I]); ``router``: the router Linear-like module (weight [E, H]); ``shared`` / ``shared_gate``: a
-    shared expert MLP and its gate (Qwen2-MoE); ``count``: the config attribute giving E."""
+    shared expert MLP and its gate (Qwen2-MoE); ``shared_mlp``: the shared expert's gate, up and down Linears
+    (relative to ``shared``); ``count``: the config attribute giving E."""
 
     path: str
     router: str
@@ -162,6 +163,7 @@ class Experts:
     down: str = "down_proj"
     shared: Optional[str] = None
     shared_gate: Optional[str] = None
+    shared_mlp: tuple = ("gate_proj", "up_proj", "down_proj")
 
     def __post_init__(self) -> None:
         for f in ("path", "router", "gate_up", "down"):

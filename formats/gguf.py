@@ -48,9 +48,10 @@ dequantization. On export, a 4-bit asymmetric grid whose zero points are all 7 o
 scales of ``spec.scale_shape``) to and from block bytes; ``quantize_float`` is ggml's reference quantizer (for
 weights no GGUF type holds exactly); ``dequantize`` is ggml's dequantizer.
 
-The architectures (``ARCHS``, keyed by llama.cpp's ``general.architecture``: ``llama`` (also Mistral), ``qwen2``,
-``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``): the tensors each graph reads, q/k row order, biases, norm
-offsets (``Arch``); the hyperparameters (``metadata`` / ``config_from_metadata``, one table ``HPARAMS`` both ways);
+The architectures (``ARCHS``, keyed by llama.cpp's ``general.architecture``: ``llama`` (also Mistral, and Mixtral
+with experts), ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``, ``qwen2moe``, ``qwen3moe``): the
+tensors each graph reads (with experts: ``Arch.moe_layer``, ``EXPERT_TENSORS``), q/k row order, biases, norm
+offsets, expert metadata and routing (``Arch``); the hyperparameters (``metadata`` / ``config_from_metadata``, one table ``HPARAMS`` both ways);
 ``permute_qk`` / ``unpermute_qk`` (llama.cpp's row order of ``attn_q`` / ``attn_k`` for ``llama``: rotary pairs
 interleaved instead of split in halves); ``hf_to_gguf_name`` (transformers' Llama names; other families name their
 modules through their record, ``qcore.adapters.io.gguf.gguf_names``).
@@ -75,7 +76,7 @@ __all__ = ["BLOCK", "TYPES", "TYPE_BYTES", "gguf_type", "block_scales", "encode"
            "import_spec", "q4_0_holds", "dequantize",
            "quantize_float", "is_exact", "hf_to_gguf_name", "gguf_to_hf_name", "permute_qk", "unpermute_qk",
            "llama_metadata", "metadata", "config_from_metadata", "Arch", "ARCHS", "HPARAMS", "LAYER_TENSORS",
-           "TOP_TENSORS", "NORM_TENSORS", "CorruptCheckpointError", "check_file", "TensorSpan", "GGML_SIZES"]
+           "TOP_TENSORS", "NORM_TENSORS", "EXPERT_TENSORS", "CorruptCheckpointError", "check_file", "TensorSpan", "GGML_SIZES"]
 
 BLOCK = 32
 # type name -> (ggml type id, bytes per block of 32)
@@ -462,7 +463,13 @@ def quantize_float(x: np.ndarray, kind: str) -> np.ndarray:
 #: llama.cpp's per-layer tensor names (gguf-py ``TENSOR_NAMES``, ``blk.N.<name>.weight``) a graph may read.
 #: ``qcore.adapters.io.gguf.gguf_names`` assigns them to a model's modules from its family record.
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "attn_q_norm", "attn_k_norm",
-                 "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
+                 "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm",
+                 "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
+                 "ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+#: the mixture-of-experts tensors that are 3-D ``[E, out, in]`` (one ``[out, in]`` block matrix per expert; gguf-py
+#: lists them in ggml's order ``[in, out, E]``): the gate and up halves of transformers' fused ``gate_up_proj``
+#: (``[E, 2I, H]``: gate = the first ``I`` rows of each expert) and ``down_proj`` (``[E, H, I]``)
+EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 #: the model-level tensors: token embedding, final norm, output head
 TOP_TENSORS = ("token_embd", "output_norm", "output")
 #: the norms among them (``Arch.norm_offset`` applies to these)
@@ -490,6 +497,15 @@ class Arch:
       swa_pattern - 1`` (Gemma2: every other layer, from the first; Gemma3: five of six); 0: no sliding window;
     - ``swa_rope_theta``: the rope base llama.cpp's graph uses on its sliding-window layers (Gemma3: 10000, plain
       rope), where transformers gives each layer type its own ``rope_parameters``; None: one rope for all layers.
+    - ``moe_layer``: the per-layer tensors of a model with mixture-of-experts layers (router ``ffn_gate_inp``,
+      ``EXPERT_TENSORS``, Qwen2-MoE's shared expert ``ffn_*_shexp``); None: the graph has no experts. Mixtral is
+      written as ``llama`` with these (what llama.cpp's converter does); ``qwen2moe`` / ``qwen3moe`` have experts
+      in every layer (their ``layer`` is the same).
+    - ``moe_hparams``: metadata of such a model (as ``hparams``, required; the expert count and top-k, the expert
+      sizes), read back to the config keys of the family llama.cpp's converter writes as this architecture.
+    - ``moe_norm_topk``: whether the graph renormalizes the routed top-k weights to sum to 1 (llama's and
+      qwen3moe's do, qwen2moe's does not); a config whose ``norm_topk_prob`` differs is refused (Mixtral has no
+      such key: transformers always renormalizes).
     """
 
     name: str
@@ -503,12 +519,32 @@ class Arch:
     head_dim_keys: tuple = ()
     swa_pattern: int = 0
     swa_rope_theta: Optional[float] = None
+    moe_layer: Optional[tuple] = None
+    moe_hparams: tuple = ()
+    moe_norm_topk: Optional[bool] = None
 
 
+_ATTN_LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output")
+_MOE_FFN = ("ffn_norm", "ffn_gate_inp") + EXPERT_TENSORS
+_MOE_USED = ("expert_used_count", "num_experts_per_tok", "u32")
+_MOE_FF = ("expert_feed_forward_length", "moe_intermediate_size", "u32")
+# the expert count's config key as transformers 5 spells it in to_dict() (Qwen3-MoE: num_local_experts)
+_QWEN2MOE_HP = (("expert_count", "num_experts", "u32"), _MOE_USED, _MOE_FF,
+                ("expert_shared_feed_forward_length", "shared_expert_intermediate_size", "u32"))
+_QWEN3MOE_HP = (("expert_count", "num_local_experts", "u32"), _MOE_USED, _MOE_FF)
+_QWEN2MOE_LAYER = _ATTN_LAYER + _MOE_FFN + ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+_QWEN3MOE_LAYER = _ATTN_LAYER + ("attn_q_norm", "attn_k_norm") + _MOE_FFN
 _LLAMA_LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
                 "ffn_down")
 ARCHS = {
-    "llama": Arch("llama", _LLAMA_LAYER, permute_qk=True),
+    # Mixtral: llama with experts (expert_count / expert_used_count; feed_forward_length is the expert size)
+    "llama": Arch("llama", _LLAMA_LAYER, permute_qk=True, moe_layer=_ATTN_LAYER + _MOE_FFN,
+                  moe_hparams=(("expert_count", "num_local_experts", "u32"), _MOE_USED), moe_norm_topk=True),
+    # experts in every layer; Qwen2-MoE adds a shared expert (ffn_*_shexp) scaled by sigmoid(ffn_gate_inp_shexp)
+    "qwen2moe": Arch("qwen2moe", _QWEN2MOE_LAYER, biases=("attn_q", "attn_k", "attn_v"), moe_layer=_QWEN2MOE_LAYER,
+                     moe_hparams=_QWEN2MOE_HP, moe_norm_topk=False),
+    "qwen3moe": Arch("qwen3moe", _QWEN3MOE_LAYER, moe_layer=_QWEN3MOE_LAYER, moe_hparams=_QWEN3MOE_HP,
+                     moe_norm_topk=True),
     "qwen2": Arch("qwen2", _LLAMA_LAYER, biases=("attn_q", "attn_k", "attn_v")),
     "qwen3": Arch("qwen3", _LLAMA_LAYER + ("attn_q_norm", "attn_k_norm")),
     "gemma": Arch("gemma", _LLAMA_LAYER, norm_offset=1.0, output=False, acts=("gelu_pytorch_tanh", "gelu")),
@@ -600,13 +636,16 @@ HPARAMS = (
 )
 
 
-def metadata(arch: str, cfg: dict) -> dict:
+def metadata(arch: str, cfg: dict, *, experts: bool = False) -> dict:
     """``{gguf key: (value, kind)}`` of the hyperparameters llama.cpp's ``arch`` graph reads, from a transformers
     ``config.to_dict()``; kind is ``u32``, ``f32`` or ``str``. ValueError naming the setting the graph cannot run
     (rope scaling other than none/linear, biases it has no tensor for, another activation). A sliding attention
     window narrower than ``max_position_embeddings`` is written as is where llama.cpp's graph slides it on the
     same layers (``Arch.swa_pattern``, Gemma2); elsewhere (Mistral as ``llama``, Phi-3) it caps ``context_length``
-    to the window: within it sliding attention is full attention, which is what llama.cpp's graph computes."""
+    to the window: within it sliding attention is full attention, which is what llama.cpp's graph computes.
+    ``experts``: the model has mixture-of-experts layers (``Arch.moe_layer``): the expert metadata
+    (``Arch.moe_hparams``) is written, and routing the graph does not compute is refused (``norm_topk_prob``
+    other than ``Arch.moe_norm_topk``, dense layers among the sparse ones)."""
     if arch not in ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not one qcore writes; expected one of {sorted(ARCHS)}")
     a = ARCHS[arch]
@@ -647,6 +686,8 @@ def metadata(arch: str, cfg: dict) -> dict:
         if cfg.get(k) is not None and int(cfg[k]) != head_dim:
             raise ValueError(f"the model config's {k} is {cfg[k]}; llama.cpp's {arch} graph scales q by "
                              f"1 / sqrt(head_dim) ({head_dim})")
+    if experts:
+        _check_moe(a, arch, cfg)
     ctx = int(need("max_position_embeddings"))
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
     if window and a.swa_rope_theta is not None and not _same_swa_layers(a, cfg):
@@ -665,10 +706,26 @@ def metadata(arch: str, cfg: dict) -> dict:
         out[f"{arch}.{key}"] = (int(vals[hf]) if kind == "u32" else float(vals[hf]), kind)
     for key, hf, kind in a.hparams:
         out[f"{arch}.{key}"] = (int(need(hf)) if kind == "u32" else float(need(hf)), kind)
+    for key, hf, kind in (a.moe_hparams if experts else ()):
+        out[f"{arch}.{key}"] = (int(need(hf)), kind)
     if rtype == "linear":
         out[f"{arch}.rope.scaling.type"] = ("linear", "str")
         out[f"{arch}.rope.scaling.factor"] = (float(rope["factor"]), "f32")
     return out
+
+
+def _check_moe(a: Arch, arch: str, cfg: dict) -> None:
+    """ValueError for mixture-of-experts routing llama.cpp's ``arch`` graph does not compute."""
+    if a.moe_layer is None:
+        raise ValueError(f"llama.cpp's {arch} graph has no mixture-of-experts layers")
+    norm = cfg.get("norm_topk_prob")
+    if norm is not None and bool(norm) != a.moe_norm_topk:
+        raise ValueError(f"the model config sets norm_topk_prob={bool(norm)}; llama.cpp's {arch} graph "
+                         f"{'renormalizes' if a.moe_norm_topk else 'does not renormalize'} the top-k routing weights")
+    if cfg.get("decoder_sparse_step", 1) not in (None, 1) or cfg.get("mlp_only_layers"):
+        raise ValueError(f"the model config has dense MLP layers among the experts (decoder_sparse_step "
+                         f"{cfg.get('decoder_sparse_step')}, mlp_only_layers {cfg.get('mlp_only_layers')}); llama.cpp's "
+                         f"{arch} graph has experts in every layer")
 
 
 def _same_swa_layers(a: Arch, cfg: dict) -> bool:
@@ -689,9 +746,17 @@ def llama_metadata(cfg: dict) -> dict:
 def config_from_metadata(arch: str, fields: dict) -> dict:
     """The transformers config arguments of a GGUF file's ``{arch}.*`` metadata (``fields``: key -> value), the
     inverse of ``metadata`` (``rope_parameters`` for the rope; ``head_dim`` from ``attention.key_length``, else
-    ``hidden_size / head_count``). ValueError naming a missing key or a rope scaling qcore does not read."""
+    ``hidden_size / head_count``; with ``{arch}.expert_count`` the expert keys ``Arch.moe_hparams`` and
+    ``norm_topk_prob``). ValueError naming a missing key or a rope scaling qcore does not read."""
     out = {}
     extra = ARCHS[arch].hparams if arch in ARCHS else ()
+    moe = arch in ARCHS and f"{arch}.expert_count" in fields
+    if moe:
+        extra = extra + ARCHS[arch].moe_hparams
+        out["norm_topk_prob"] = ARCHS[arch].moe_norm_topk
+        for key, hf, _ in ARCHS[arch].moe_hparams:
+            if fields.get(f"{arch}.{key}") is None:
+                raise ValueError(f"the file has {arch}.expert_count but no {arch}.{key} metadata")
     for key, hf, kind in HPARAMS + extra:
         v = fields.get(f"{arch}.{key}")
         if v is None:

@@ -5,9 +5,13 @@ Families: those whose architecture record (``qcore.adapters.families``) names a 
 (``qwen3``, per-head q/k norms ``attn_q_norm`` / ``attn_k_norm``), Gemma (``gemma``: norms stored as ``1 + w``, the
 head tied to ``token_embd``), Gemma2 (``gemma2``: also its sandwich norms, soft-capping and sliding window), Gemma3
 (``gemma3``: also q/k norms, a rope base per layer type), Phi-3
-(``phi3``: fused ``attn_qkv`` and ``ffn_up`` holding gate and up). The tensor names come from the record
-(``gguf_names``); every other family is refused before any work (``check_gguf``), naming its model_type and
-what is missing.
+(``phi3``: fused ``attn_qkv`` and ``ffn_up`` holding gate and up), and the mixtures of experts: Mixtral
+(``llama`` with experts), Qwen2-MoE (``qwen2moe``, with its shared expert ``ffn_*_shexp``), Qwen3-MoE
+(``qwen3moe``). The tensor names come from the record (``gguf_names``; the fused experts module of each layer,
+``_expert_names``, as the 3-D ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` ``[E, out, in]``: gate and
+up are the two halves of each expert's ``gate_up_proj`` rows); every other family is refused before any work
+(``check_gguf``), naming its model_type and what is missing. Each expert's block matrix is encoded as a Linear
+of the same spec would be (one GGUF type per tensor), and reported per tensor.
 
 Each quantized weight whose qcore grid is a GGUF block type (``qcore.formats.gguf.gguf_type``: int4 symmetric ->
 Q4_0, uint4 / int4 asymmetric -> Q4_1 (Q4_0 when every zero point is 7 or 8, ``gguf.q4_0_holds``: what ggml's
@@ -43,7 +47,10 @@ file is written (the quantized size of the model, not the float size).
 Import a GGUF file (llama.cpp's format) into a transformers model with frozen qcore modules: ``from_gguf``.
 
 Architectures: those qcore writes (``qcore.formats.gguf.ARCHS``): ``llama`` (Llama, and Mistral, which llama.cpp
-writes as ``llama``: it comes back as a Llama), ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``.
+writes as ``llama``: it comes back as a Llama), ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``,
+and with experts ``llama`` (``expert_count`` in the metadata: Mixtral), ``qwen2moe``, ``qwen3moe``; fused experts
+come back as a frozen ``QuantExperts`` built from the blocks when their three tensors share one block type and
+one qcore spec (``_import_experts``), else as float experts holding ggml's dequantization (reported).
 The model is built from the file's metadata (``formats.gguf.config_from_metadata``) as the transformers family
 whose record (``qcore.adapters.families``) names that ``gguf_arch``, and the tensor names come from the record
 (``export_gguf.gguf_names``), as on export. Gemma's (Gemma2's, Gemma3's) norms are stored as ``s = 1 + w`` and
@@ -142,7 +149,8 @@ class GGUFExportInfo:
 
 def _writable() -> list:
     from ..families import FAMILIES
-    return [f.model_type for f in FAMILIES if f.gguf_arch in G.ARCHS and f.experts is None]
+    return [f.model_type for f in FAMILIES if f.gguf_arch in G.ARCHS
+            and (f.experts is None or G.ARCHS[f.gguf_arch].moe_layer is not None)]
 
 
 def _family_problem(fam) -> Optional[str]:
@@ -151,14 +159,14 @@ def _family_problem(fam) -> Optional[str]:
     if fam.gguf_arch is None:
         return (f"model_type {mt!r} is not supported: llama.cpp has no architecture for it (its record "
                 f"{fam.name!r} has no gguf_arch); qcore writes GGUF for {_writable()}")
-    if fam.experts is not None:
-        return (f"model_type {mt!r} is not supported: its mixture-of-experts layers ({fam.experts.path}) are not "
-                f"written to GGUF by qcore; qcore writes GGUF for {_writable()}")
     if fam.gguf_arch not in G.ARCHS:
         return (f"model_type {mt!r} is not supported: qcore does not write llama.cpp's {fam.gguf_arch!r} "
                 f"architecture (its record {fam.name!r}; qcore.formats.gguf.ARCHS has {sorted(G.ARCHS)}); qcore "
                 f"writes GGUF for {_writable()}")
     arch = G.ARCHS[fam.gguf_arch]
+    if fam.experts is not None and arch.moe_layer is None:
+        return (f"model_type {mt!r} is not supported: its mixture-of-experts layers ({fam.experts.path}) have no "
+                f"place in llama.cpp's {arch.name!r} graph; qcore writes GGUF for {_writable()}")
     if fam.norm not in ("rms", "rms_unit_offset") or (fam.norm == "rms_unit_offset") != (arch.norm_offset == 1.0):
         return (f"model_type {mt!r} is not supported: its norms are {fam.norm!r}, llama.cpp's {arch.name!r} graph "
                 f"multiplies by the stored weight{' + 1' if arch.norm_offset else ''} after an RMS norm")
@@ -170,8 +178,17 @@ def _layer_names(fam) -> dict:
     q = ("attn_q", "attn_k", "attn_v") if len(fam.attn_in) == 3 else ("attn_qkv",)
     up = ("ffn_gate", "ffn_up") if len(fam.mlp_in) == 2 else ("ffn_up",)
     out = dict(zip(fam.attn_in, q))
-    out.update({fam.attn_out: "attn_output", **dict(zip(fam.mlp_in, up)), fam.mlp_out: "ffn_down",
-                fam.mlp_norm: "ffn_norm"})
+    out.update({fam.attn_out: "attn_output", fam.mlp_norm: "ffn_norm"})
+    ex = fam.experts
+    if ex is None:
+        out.update({**dict(zip(fam.mlp_in, up)), fam.mlp_out: "ffn_down"})
+    else:  # the experts module itself is written as G.EXPERT_TENSORS (_expert_names)
+        out[ex.router] = "ffn_gate_inp"
+        if ex.shared is not None:
+            out.update({f"{ex.shared}.{n}": t for n, t in zip(ex.shared_mlp, ("ffn_gate_shexp", "ffn_up_shexp",
+                                                                            "ffn_down_shexp"))})
+        if ex.shared_gate is not None:
+            out[ex.shared_gate] = "ffn_gate_inp_shexp"
     if fam.attn_norm is not None:
         out[fam.attn_norm] = "attn_norm"
     out.update(zip(fam.qk_norms, ("attn_q_norm", "attn_k_norm")))
@@ -197,11 +214,13 @@ def gguf_family(model: nn.Module):
         raise ValueError(f"export_gguf: {why}")
     arch = G.ARCHS[fam.gguf_arch]
     layer = _layer_names(fam)
-    extra = sorted(set(layer.values()) - set(arch.layer))
+    have = set(layer.values()) | (set(G.EXPERT_TENSORS) if fam.experts is not None else set())
+    want = arch.layer if fam.experts is None else arch.moe_layer
+    extra = sorted(have - set(want))
     if extra:
         raise ValueError(f"export_gguf: model_type {fam.model_type!r}: llama.cpp's {arch.name!r} graph has no "
                          f"tensor for {extra} (the record's {[k for k, v in layer.items() if v in extra]})")
-    lacking = sorted(set(arch.layer) - set(layer.values()))
+    lacking = sorted(set(want) - have)
     if lacking:
         raise ValueError(f"export_gguf: model_type {fam.model_type!r}: llama.cpp's {arch.name!r} graph needs "
                          f"{lacking}, which the {fam.name} record does not name")
@@ -231,6 +250,16 @@ def gguf_names(model: nn.Module) -> dict:
         for k, v in layer.items():
             out[f"{loc.layers}.{i}.{k}"] = f"blk.{i}.{v}"
     return out
+
+
+def _expert_names(model: nn.Module) -> dict:
+    """Fused experts module name in ``model`` -> its layer's GGUF prefix (``model.layers.3.mlp.experts`` ->
+    ``blk.3``): written as ``blk.3.ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` (``G.EXPERT_TENSORS``)."""
+    fam, loc, arch = gguf_family(model)
+    if fam.experts is None:
+        return {}
+    n_layers = len(model.get_submodule(loc.layers))
+    return {f"{loc.layers}.{i}.{fam.experts.path}": f"blk.{i}" for i in range(n_layers)}
 
 
 def _in_memory_weight(m: _QuantMixin) -> np.ndarray:
@@ -290,6 +319,86 @@ def _encode_quantized(name: str, gbase: str, m: _QuantMixin, strict: bool) -> tu
     return data, kind, rep
 
 
+def _expert_mats(m: nn.Module) -> tuple[dict, Optional[dict], Any]:
+    """``({gguf role: float32 [E, out, in]}, {gguf role: [per-expert WeightParts]} or None, spec)`` of a fused
+    experts module: gate = the first half of each expert's ``gate_up_proj`` rows, up = the second, down."""
+    from qcore.formats.quark_layout import WeightParts
+    from ..modules import QuantExperts
+    gate, up, down = G.EXPERT_TENSORS
+    if not isinstance(m, QuantExperts) or "weight" not in m.specs:
+        gu = m.gate_up_proj.detach().float().cpu().numpy()
+        i = gu.shape[1] // 2
+        return {gate: gu[:, :i], up: gu[:, i:], down: m.down_proj.detach().float().cpu().numpy()}, None, None
+    spec = m.specs["weight"]
+    mats: dict = {gate: [], up: [], down: []}
+    parts: dict = {gate: [], up: [], down: []}
+
+    def np_(t):
+        return None if t is None else t.detach().cpu().float().numpy()
+    for proj, roles in (("gate_up_proj", (gate, up)), ("down_proj", (down,))):
+        for q in m.expert_qtensors(proj):
+            ref = np_(qcore.dequantize(q))
+            codes = q.codes.detach().cpu().numpy()
+            out = codes.shape[0]
+            half = out // len(roles)
+            for k, role in enumerate(roles):
+                a, b = k * half, (k + 1) * half
+
+                def cut(x):
+                    return None if x is None else (x[a:b] if x.ndim and x.shape[0] == out else x)
+                mats[role].append(ref[a:b])
+                parts[role].append(WeightParts(codes=codes[a:b], scales=cut(np_(q.scales)),
+                                               zero_points=cut(np_(q.zero_points))))
+    return {r: np.stack(v) for r, v in mats.items()}, parts, spec
+
+
+def _encode_experts(name: str, blk: str, m: nn.Module, strict: bool) -> tuple[list, list]:
+    """The three 3-D expert tensors of the experts module ``name`` (``[(gguf name, data, type)]``) and their
+    reports: code for code where the grid is a GGUF type (every expert the same type), else requantized with
+    ggml's reference quantizer, else float (see ``_encode_quantized``)."""
+    mats, parts, spec = _expert_mats(m)
+    tensors, reports = [], []
+    for role in G.EXPERT_TENSORS:
+        ref = mats[role]
+        e_, o, i = ref.shape
+        gname = f"{blk}.{role}.weight"
+        if parts is None:  # float experts
+            wdt = m.gate_up_proj.dtype
+            if wdt == torch.float16:
+                data, kind = ref.astype(np.float16), "F16"
+            else:
+                data, kind = np.ascontiguousarray(ref, np.float32), "F32"
+            tensors.append((gname, data, kind))
+            continue
+        ps = parts[role]
+        kind = G.gguf_type(spec, (o, i))
+        if kind == "Q4_1" and all(G.q4_0_holds(p, spec, (o, i)) for p in ps):
+            kind = "Q4_0"
+        if kind is not None:
+            data, how = np.stack([G.encode(p, spec, kind=kind) for p in ps]), "codes"
+        else:
+            kind = _nearest_type(spec) if i % G.BLOCK == 0 else None
+            if kind is not None:
+                data, how = G.quantize_float(ref.reshape(e_ * o, i), kind).reshape(e_, o, -1), "requantized"
+            else:
+                data, kind = _float_array(ref)
+                how = "float"
+        if how == "float":
+            exact = bool(np.array_equal(data.astype(np.float32), ref))
+            diff = float(np.max(np.abs(data.astype(np.float64) - ref), initial=0.0))
+        else:
+            exact, diff = G.is_exact(data.reshape(e_ * o, -1), kind, ref.reshape(e_ * o, i))
+        rep = TensorReport(f"{name}.{'down_proj' if role == 'ffn_down_exps' else 'gate_up_proj'}", gname, kind,
+                           exact, diff, how)
+        if strict and not exact:
+            raise ValueError(f"export_gguf(strict=True): {name} ({gname}) is not lossless as {kind} (max abs "
+                             f"difference {diff:.3g}); quantize the experts with float16 scales and a GGUF grid, or "
+                             f"pass strict=False to accept the difference")
+        tensors.append((gname, np.ascontiguousarray(data), kind))
+        reports.append(rep)
+    return tensors, reports
+
+
 def _arch(model: nn.Module):
     """The checks the architecture alone decides, shared by ``check_gguf`` and ``export_gguf``: the family
     (``gguf_family``), then the config's settings llama.cpp's graph cannot run (``formats.gguf.metadata``), then a
@@ -297,7 +406,7 @@ def _arch(model: nn.Module):
     fam, loc, arch = gguf_family(model)
     cfg = model.config.to_dict()
     try:
-        meta = G.metadata(arch.name, cfg)
+        meta = G.metadata(arch.name, cfg, experts=fam.experts is not None)
     except ValueError as e:
         raise ValueError(f"export_gguf: model_type {fam.model_type!r} ({arch.name!r} in GGUF): {e}") from None
     if not arch.output and loc.lm_head is not None and not cfg.get("tie_word_embeddings"):
@@ -323,11 +432,9 @@ def check_gguf(model: nn.Module, config: Optional[ModelConfig] = None, *, drop_a
     """Before any work: ValueError if ``export_gguf`` would refuse ``model`` quantized with ``config`` (default
     ``model.qcore_config``) for reasons the architecture and the config already decide (``qcore quantize
     --export gguf`` calls it before the baseline evaluation; ``export_gguf`` itself too)."""
-    from .experts import check_no_experts
     from .quark_hf import export_units, refuse_conv1d, will_rotate_online
     config = config if config is not None else getattr(model, "qcore_config", None)
     refuse_conv1d(model, config, "export_gguf")
-    check_no_experts(model, config, who="export_gguf")  # fused MoE experts: not written yet (issue 22)
     try:
         fam, arch, _, _ = _arch(model)
     except TypeError as e:
@@ -443,6 +550,7 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
     n_head = int(cfg["num_attention_heads"])
     n_kv = int(cfg.get("num_key_value_heads") or n_head)
     names = gguf_names(model)
+    experts = _expert_names(model)
     mods = {n: m for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
     owned = {}
     for n, m in mods.items():
@@ -455,6 +563,13 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
     emb = sd.get(f"{emb_name}.weight")
     for k, t in sd.items():
         mod, _, leaf = k.rpartition(".")
+        if mod in experts:
+            if mod not in done:
+                done.add(mod)
+                ts, rs = _encode_experts(mod, experts[mod], model.get_submodule(mod), strict)
+                tensors += ts
+                reports += rs
+            continue
         base = names.get(mod)
         if base is None or leaf not in ("weight", "bias") and k not in owned:
             raise ValueError(f"export_gguf: the model's tensor {k!r} has no place in llama.cpp's {arch.name!r} "
@@ -482,7 +597,7 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
             a = t.detach().float().cpu().numpy()
             if role in G.NORM_TENSORS and arch.norm_offset:
                 a = a + np.float32(arch.norm_offset)  # transformers computes x * (1 + w) in float32: the same value
-            if a.ndim == 1 or t.dtype != torch.float16:
+            if a.ndim == 1 or t.dtype != torch.float16 or role in ("ffn_gate_inp", "ffn_gate_inp_shexp"):
                 data, kind = np.ascontiguousarray(a, np.float32), "F32"
             else:
                 data, kind = a.astype(np.float16), "F16"
@@ -494,7 +609,7 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
             _check_bias(f"{mod}.bias", role, arch)
             tensors.append((f"{base}.bias", np.ascontiguousarray(bias.detach().float().cpu().numpy(), np.float32),
                             "F32"))
-    if len(done) != len(mods):
+    if set(mods) - done:
         raise ValueError(f"export_gguf: quantized modules without tensors in the state dict: "
                          f"{sorted(set(mods) - done)[:3]}")
     return tensors, reports
@@ -503,7 +618,8 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
 def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: Any = None,
                 tokenizer_pre: str = "default", strict: bool = False, drop_activations: bool = False,
                 overwrite: bool = False, name: Optional[str] = None) -> GGUFExportInfo:
-    """Write ``model`` (a transformers Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Gemma3 or Phi-3 quantized with
+    """Write ``model`` (a transformers Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Gemma3, Phi-3, Mixtral,
+    Qwen2-MoE or Qwen3-MoE quantized with
     ``quantize_model``, frozen or not) to the GGUF file ``path``. See the module docstring for what is written
     and when it is lossless.
 
@@ -529,8 +645,6 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
         tokenizer, (str, os.PathLike)) else []))
     if not any(isinstance(m, _QuantMixin) for m in model.modules()):
         raise ValueError("export_gguf: the model has no qcore quantized modules; run quantize_model first")
-    from .experts import check_no_experts
-    check_no_experts(model, who="export_gguf")  # fused MoE experts: not written yet (issue 22)
     arch, meta, cfg, dropped = _check_model(model, drop_activations)
     tok = None if tokenizer is None else _tokenizer_fields(tokenizer, int(cfg["vocab_size"]), tokenizer_pre)
     tensors, reports = _plan(model, cfg, arch, strict)
@@ -706,17 +820,40 @@ def _check_args(path, dtype, strict, dequantize_other) -> pathlib.Path:
     return p
 
 
-def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, dequantize_other: bool) -> list:
-    """Per tensor ``(tensor, hf name, module name, kind, shape)``, validated before any data is read."""
+def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, dequantize_other: bool
+                      ) -> tuple[list, dict]:
+    """Per tensor ``(tensor, hf name, module name, kind, shape)``, and per fused experts module its three tensors
+    ``{module name: {G.EXPERT_TENSORS role: tensor}}``, validated before any data is read."""
     params = dict(model.named_parameters())
     back = {v: k for k, v in names.items()}
-    out, seen = [], set()
+    exp_back = {v: k for k, v in _expert_names(model).items()}
+    out, seen, experts = [], set(), {}
     for t in reader.tensors:
         kind = t.tensor_type.name
         base, _, leaf = t.name.rpartition(".")
+        blk, _, role = base.rpartition(".")
+        if blk in exp_back and role in G.EXPERT_TENSORS and leaf == "weight":
+            mod_name = exp_back[blk]
+            if role in experts.setdefault(mod_name, {}):
+                raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} appears twice in the file")
+            shape = _shape(t)
+            gu, dn = params[f"{mod_name}.gate_up_proj"].shape, params[f"{mod_name}.down_proj"].shape
+            want = tuple(dn) if role == "ffn_down_exps" else (gu[0], gu[1] // 2, gu[2])
+            if shape != want:
+                raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} has shape {list(shape)}; the model's "
+                                             f"experts {mod_name} need {list(want)}")
+            if kind not in _FLOAT_TYPES and kind not in G.TYPE_BYTES and (strict or not dequantize_other):
+                raise ValueError(f"from_gguf: tensor {t.name!r} is {kind}, which no qcore grid holds; qcore imports "
+                                 f"Q4_0, Q4_1, Q8_0, MXFP4 and F32/F16/BF16 (from Python, from_gguf(..., "
+                                 f"dequantize_other=True) imports it as its float32 dequantization)")
+            experts[mod_name][role] = t
+            if len(experts[mod_name]) == len(G.EXPERT_TENSORS):
+                seen.update({f"{mod_name}.gate_up_proj", f"{mod_name}.down_proj"})
+            continue
         hf = f"{back[base]}.{leaf}" if base in back else None
         if hf is None:
-            per_layer = sorted({v.split(".", 2)[2] for v in names.values() if v.startswith("blk.")})
+            per_layer = sorted({v.split(".", 2)[2] for v in names.values() if v.startswith("blk.")}
+                               | (set(G.EXPERT_TENSORS) if exp_back else set()))
             raise ValueError(f"from_gguf: tensor {t.name!r} has no place in transformers' {cfg.model_type} model "
                              f"(qcore imports its layout: token_embd, output, output_norm, blk.N.{per_layer})")
         if hf in seen:
@@ -746,7 +883,7 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, 
         base, _, leaf = missing[0].rpartition(".")
         raise CorruptCheckpointError(f"from_gguf: the file has no tensor for {missing[:5]} "
                                      f"({names.get(base, '?')}.{leaf} ...)")
-    return out
+    return out, experts
 
 
 def _set_param(model: nn.Module, hf: str, value: torch.Tensor) -> None:
@@ -760,7 +897,8 @@ def _model_config(model: nn.Module, specs: dict[str, QuantSpec]) -> Optional[Mod
     global layer, the others (and every float Linear, and a quantized embedding) by name."""
     if not specs:
         return None
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    from ..modules import QuantExperts, is_fused_experts
+    linears = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantExperts)) or is_fused_experts(m)]
     counts = collections.Counter(specs[n] for n in linears if n in specs)
     common = counts.most_common(1)[0][0] if counts else None
     by_name: dict[str, Optional[LayerConfig]] = {}
@@ -781,7 +919,9 @@ def _skeleton(reader, arch: str, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
     pass
     from ..families import FAMILIES
-    fam = next((f for f in FAMILIES if f.gguf_arch == arch and _family_problem(f) is None), None)
+    moe = f"{arch}.expert_count" in reader.fields
+    fam = next((f for f in FAMILIES if f.gguf_arch == arch and _family_problem(f) is None
+                and (f.experts is not None) == moe), None)
     if fam is None:
         raise ValueError(f"from_gguf: general.architecture is {arch!r}; qcore imports "
                          f"{sorted({f.gguf_arch for f in FAMILIES if f.gguf_arch and _family_problem(f) is None})}")
@@ -799,6 +939,115 @@ def _skeleton(reader, arch: str, dtype: torch.dtype):
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) computed
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return cfg, model, gguf_names(model)
+
+
+def _import_experts(model: nn.Module, mod_name: str, ts: dict, dtype: torch.dtype, strict: bool, reports: list,
+                    specs: dict, float_blocks: list) -> None:
+    """Import one fused experts module from its three 3-D tensors ``ts`` (``G.EXPERT_TENSORS`` role -> tensor):
+    a frozen ``QuantExperts`` when all three are the same block type and one qcore spec holds every block of
+    each projection (``G.import_blocks`` on all experts at once: gate and up rows together, down), else float
+    ``gate_up_proj`` / ``down_proj`` (ggml's dequantization; block types listed as dequantized)."""
+    import gguf
+    from qcore.formats.quark_layout import WeightParts
+    from ..modules import QuantExperts, is_fused_experts
+    module = model.get_submodule(mod_name)
+    gate, up, down = G.EXPERT_TENSORS
+    kinds = {r: t.tensor_type.name for r, t in ts.items()}
+    shapes = {r: _shape(t) for r, t in ts.items()}
+    e_, i_, h_ = shapes[gate]
+
+    def rows(r):  # [E * out, bytes or values]
+        return np.asarray(ts[r].data).reshape(shapes[r][0] * shapes[r][1], -1)
+
+    def values(r):
+        t, k, (e, o, i) = ts[r], kinds[r], shapes[r]
+        if k in _FLOAT_TYPES:
+            return _float_values(np.asarray(t.data), k, (e, o, i), t.name)
+        if k in G.TYPE_BYTES:
+            return G.dequantize(rows(r), k, (e * o, i), where=t.name).reshape(e, o, i)
+        return np.asarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), np.float32).reshape(e, o, i)
+    names = {gate: f"{mod_name}.gate_up_proj", up: f"{mod_name}.gate_up_proj", down: f"{mod_name}.down_proj"}
+    kind = kinds[gate]
+    reason = ""
+    if len(set(kinds.values())) != 1:
+        reason = f"the expert tensors have different types {sorted(set(kinds.values()))} (qcore: one spec per experts module)"
+    elif kind in _FLOAT_TYPES:
+        reason = "float"
+    elif kind not in G.TYPE_BYTES:
+        reason = f"{kind} is a block type no qcore grid holds"
+    elif not (isinstance(module, nn.Module) and is_fused_experts(module)):
+        reason = f"{type(module).__name__} is not a fused experts module qcore quantizes"
+    spec = None
+    if not reason:
+        gu_blocks = np.concatenate([rows(gate), rows(up)])  # [gate of every expert; up of every expert]
+        s1, p1, why1 = G.import_blocks(gu_blocks, kind, (2 * e_ * i_, h_), where=f"{ts[gate].name} + {ts[up].name}")
+        s2, p2, why2 = G.import_blocks(rows(down), kind, (e_ * h_, i_), where=ts[down].name)
+        reason = why1 or why2
+        if not reason and s1 != s2:
+            s1, p1, s2, p2 = _same_q4_spec(s1, p1, s2, p2)
+            if s1 != s2:
+                reason = f"the gate/up and down blocks need different qcore specs ({s1.name}, {s2.name})"
+        spec = None if reason else s1
+    if spec is None:
+        if strict and reason != "float":
+            raise ValueError(f"from_gguf(strict=True): experts {mod_name} ({ts[gate].name}, ...) cannot be imported as "
+                             f"qcore codes: {reason}; pass strict=False to import them as their float dequantization")
+        vals = {r: values(r) for r in G.EXPERT_TENSORS}
+        for pname, v in (("gate_up_proj", np.concatenate([vals[gate], vals[up]], axis=1)), ("down_proj", vals[down])):
+            value, exact, diff = _to_torch(v, dtype)
+            _set_param(model, f"{mod_name}.{pname}", value)
+        for r, t in ts.items():
+            how = "float" if kinds[r] in _FLOAT_TYPES else "dequantized"
+            _, exact, diff = _to_torch(vals[r], dtype)
+            reports.append(ImportedTensor(names[r], t.name, kinds[r], how, None, exact, diff,
+                                          "" if how == "float" else reason))
+            if how == "dequantized":
+                float_blocks.append(t.name)
+        return
+
+    def cut(parts, a, b):
+        return WeightParts(codes=parts.codes[a:b], scales=parts.scales[a:b],
+                           zero_points=None if parts.zero_points is None else parts.zero_points[a:b])
+
+    def join(x, y):
+        return WeightParts(codes=np.concatenate([x.codes, y.codes]), scales=np.concatenate([x.scales, y.scales]),
+                           zero_points=None if x.zero_points is None else np.concatenate([x.zero_points,
+                                                                                           y.zero_points]))
+    ei = e_ * i_
+    parts = {"gate_up_proj": [join(cut(p1, e * i_, (e + 1) * i_), cut(p1, ei + e * i_, ei + (e + 1) * i_))
+                              for e in range(e_)],
+             "down_proj": [cut(p2, e * h_, (e + 1) * h_) for e in range(e_)]}
+    for proj, ref_roles in (("gate_up_proj", (gate, up)), ("down_proj", (down,))):
+        ref = np.concatenate([values(r) for r in ref_roles], axis=1)
+        got = np.stack([qcore.dequantize(qcore.QTensor(p.codes, p.scales, p.zero_points, spec)) for p in parts[proj]])
+        if not np.array_equal(got, ref):
+            raise RuntimeError(f"from_gguf: experts {mod_name} {proj}: the imported {spec.name} codes do not "
+                               f"reproduce ggml's values (a qcore bug; please report it)")
+    q = QuantExperts.from_module(module, LayerConfig(weight=TensorConfig(spec)), name=mod_name)
+    q.load_frozen(parts, dtype=dtype, device=torch.device("cpu"))
+    q.eval()
+    _set_module(model, mod_name, q)
+    specs[mod_name] = spec
+    for r, t in ts.items():
+        reports.append(ImportedTensor(names[r], t.name, kinds[r], "codes", spec, True, 0.0))
+
+
+def _same_q4_spec(s1, p1, s2, p2):
+    """Q4_0 blocks read as int4 symmetric in one projection and uint4 with zero points 7 / 8 in the other
+    (``G.import_blocks``: ggml's quantizer writes negative scales): both as the uint4 grid (code + 8, zero point
+    8), which holds the same values. Other pairs are returned as they are."""
+    from qcore.formats.quark_layout import WeightParts
+
+    def widen(p):
+        return WeightParts(codes=(p.codes.astype(np.int16) + 8).astype(np.uint8), scales=p.scales,
+                           zero_points=np.full(p.scales.shape, 8, np.float32))
+    a = G.import_spec("Q4_0")
+    b = G.import_spec("Q4_0", signed=False)
+    if (s1, s2) == (a, b):
+        return b, widen(p1), s2, p2
+    if (s1, s2) == (b, a):
+        return s1, p1, b, widen(p2)
+    return s1, p1, s2, p2
 
 
 def from_gguf(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = None, strict: bool = False,
@@ -829,7 +1078,7 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
     arch = arch.contents() if arch is not None else None
     cfg, model, names = _skeleton(reader, arch, dtype)
     a = G.ARCHS[arch]
-    plan = _plan_import_gguf(reader, model, cfg, names, strict, dequantize_other)
+    plan, experts = _plan_import_gguf(reader, model, cfg, names, strict, dequantize_other)
     n_head = int(cfg.num_attention_heads)
     n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_head)
     tied = bool(cfg.tie_word_embeddings)
@@ -883,6 +1132,9 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
         _set_module(model, mod_name, q)
         specs[mod_name] = spec
         reports.append(ImportedTensor(hf, t.name, kind, "codes", spec, True, 0.0))
+
+    for mod_name, ts in experts.items():
+        _import_experts(model, mod_name, ts, dtype, strict, reports, specs, float_blocks)
 
     if tied:
         model.tie_weights()

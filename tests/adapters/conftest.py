@@ -98,7 +98,8 @@ TINY_SPECS = {
                                          shared_expert_intermediate_size=64, num_key_value_heads=2, num_experts=4,
                                          num_experts_per_tok=2), "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", dict(_DECODER, intermediate_size=128, moe_intermediate_size=32,
-                                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, head_dim=16),
+                                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, head_dim=16,
+                                         norm_topk_prob=True),  # as the released Qwen3-MoE models
                   "Qwen3MoeForCausalLM"),
     # vision-language models: the language tower is what qcore quantizes (the vision tower is excluded by default)
     "llava": ("LlavaConfig", dict(text_config=dict(_DECODER, model_type="llama", intermediate_size=128,

@@ -397,7 +397,7 @@ def test_architecture_qcore_does_not_read_is_refused(zoo, tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ValueError, match=r"general.architecture is 'gptneox'; qcore imports \['gemma', 'gemma2', "
-                                         r"'gemma3', 'llama', 'phi3', 'qwen2', 'qwen3'\]"):
+                                         r"'gemma3', 'llama', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe'\]"):
         from_gguf(path)
     w = gguf.GGUFWriter(tmp_path / "q.gguf", arch="qwen3")  # an architecture qcore reads, without its metadata
     w.add_tensor("token_embd.weight", np.zeros((128, 64), np.float32))
@@ -408,3 +408,141 @@ def test_architecture_qcore_does_not_read_is_refused(zoo, tmp_path):
     with pytest.raises(qcore.adapters.CorruptCheckpointError, match=r"q.gguf': from_gguf: the file has no "
                                                                      r"qwen3.context_length metadata"):
         from_gguf(tmp_path / "q.gguf")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mixture of experts: 3-D ffn_*_exps tensors into frozen QuantExperts
+# ---------------------------------------------------------------------------------------------------------------
+
+MOE_CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def _rewrite(src, dst, edit):
+    """A copy of the GGUF ``src`` (metadata verbatim) whose tensors go through ``edit(name, type name, data)``,
+    which returns ``(data, type name)`` or None to drop the tensor."""
+    r = gguf.GGUFReader(src)
+    V = gguf.GGUFValueType
+    w = gguf.GGUFWriter(dst, arch=r.fields["general.architecture"].contents())
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        w.add_key_value(k, f.contents(), f.types[0], sub_type=f.types[1] if f.types[0] == V.ARRAY else None)
+    for t in r.tensors:
+        out = edit(t.name, t.tensor_type.name, np.asarray(t.data).copy())
+        if out is None:
+            continue
+        data, kind = out
+        if kind in G.TYPE_BYTES:
+            w.add_tensor(t.name, data, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+        else:
+            w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def _expert_values(ex, proj):
+    return np.stack([qcore.dequantize(q).numpy() for q in ex.expert_qtensors(proj)])
+
+
+@pytest.mark.parametrize("fam", list(MOE_CLASSES))
+def test_moe_export_import_bit_identical_and_same_file(zoo, tmp_path, fam):
+    """Q4_0 (int4 symmetric, groups of 32, float16 scales): the experts come back as frozen QuantExperts holding
+    the file's codes; the logits are bit-identical and the imported model writes the same file again."""
+    from test_export_gguf import family_quantized
+    from qcore.adapters.modules import QuantExperts
+    m = family_quantized(zoo, fam)
+    export_gguf(m, tmp_path / "m.gguf")
+    b, warned = _import(tmp_path / "m.gguf")
+    assert type(b).__name__ == MOE_CLASSES[fam] and not warned
+    for i in range(2):
+        ex = b.model.layers[i].mlp.experts
+        assert isinstance(ex, QuantExperts) and ex.frozen and ex.specs["weight"] == G.import_spec("Q4_0")
+        for proj in ("gate_up_proj", "down_proj"):
+            src = m.model.layers[i].mlp.experts
+            assert np.array_equal(_expert_values(ex, proj), _expert_values(src, proj))
+    rep = b.qcore_gguf_report
+    assert rep.exact and sum(r.gguf_name.endswith("_exps.weight") and r.how == "codes" for r in rep.tensors) == 6
+    assert b.qcore_config is not None
+    assert torch.equal(_logits(b), _logits(m))
+    export_gguf(b, tmp_path / "n.gguf")
+    assert (tmp_path / "n.gguf").read_bytes() == (tmp_path / "m.gguf").read_bytes()
+
+
+def test_moe_ggml_quantized_experts_import_as_codes(zoo, tmp_path):
+    """Experts quantized by ggml's reference quantizer (Q4_0 with negative block scales where a block's extreme
+    is positive) import as uint4 codes with zero points 7 / 8 (one spec for gate/up and down), exactly ggml's
+    values; Q8_0 experts as int8 codes."""
+    m = zoo.tiny_family("qwen3_moe")
+    quantize_model(m, ModelConfig(LayerConfig(weight=SPECS["Q8_0"]()), exclude=["re:.*experts"]), None,
+                   progress=False)
+    export_gguf(m, tmp_path / "f.gguf")  # experts F32: come back as float experts, the same values
+    b, warned = _import(tmp_path / "f.gguf")
+    assert not warned and b.qcore_gguf_report.exact and not isinstance(b.model.layers[0].mlp.experts, _QuantMixin)
+    assert torch.equal(b.model.layers[0].mlp.experts.gate_up_proj, m.model.layers[0].mlp.experts.gate_up_proj)
+    assert torch.equal(_logits(b), _logits(m))
+    for kind in ("Q4_0", "Q8_0"):
+        def edit(name, t, data, kind=kind):
+            if "_exps." not in name:
+                return data, t
+            e, o, i = data.shape
+            return G.quantize_float(data.reshape(e * o, i), kind).reshape(e, o, -1), kind
+        path = _rewrite(tmp_path / "f.gguf", tmp_path / f"{kind}.gguf", edit)
+        b, warned = _import(path)
+        assert not warned and b.qcore_gguf_report.exact
+        ex = b.model.layers[1].mlp.experts
+        spec = ex.specs["weight"]
+        assert (spec.dtype.name, spec.symmetric) == (("uint4", False) if kind == "Q4_0" else ("int8", True))
+        t = {x.name: x for x in gguf.GGUFReader(path).tensors}
+        gate = np.asarray(t["blk.1.ffn_gate_exps.weight"].data)
+        want = G.dequantize(gate.reshape(4 * 32, -1), kind, (4 * 32, 64)).reshape(4, 32, 64)
+        assert np.array_equal(_expert_values(ex, "gate_up_proj")[:, :32], want)
+        if kind == "Q4_0":
+            assert set(np.unique(ex.expert_qtensor("down_proj", 0).zero_points.numpy())) == {7.0, 8.0}
+
+
+def test_moe_mixed_expert_types_dequantized_or_refused(zoo, tmp_path):
+    """Gate/up and down of different block types have no one qcore spec: imported as float experts holding
+    ggml's dequantization, with a warning and in the report; strict=True refuses naming the experts."""
+    from test_export_gguf import family_quantized
+    from qcore.adapters.modules import QuantExperts
+    m = family_quantized(zoo, "mixtral")
+    export_gguf(m, tmp_path / "m.gguf")
+
+    def edit(name, t, data):
+        if name == "blk.0.ffn_down_exps.weight":
+            e, o, i = 4, 64, 128
+            vals = G.dequantize(data.reshape(e * o, -1), t, (e * o, i))
+            return G.quantize_float(vals, "Q8_0").reshape(e, o, -1), "Q8_0"
+        return data, t
+    path = _rewrite(tmp_path / "m.gguf", tmp_path / "x.gguf", edit)
+    b, warned = _import(path)
+    assert len(warned) == 1 and "blk.0.ffn_gate_exps.weight" in warned[0]
+    assert not isinstance(b.model.layers[0].mlp.experts, QuantExperts)
+    assert isinstance(b.model.layers[1].mlp.experts, QuantExperts)
+    deq = b.qcore_gguf_report.dequantized
+    assert len(deq) == 3 and "different types" in deq[0].reason and all(r.exact for r in deq)
+    with pytest.raises(ValueError, match=r"strict=True\): experts model.layers.0.mlp.experts"):
+        from_gguf(path, strict=True)
+
+
+@pytest.mark.parametrize("edit,err,match", [
+    (lambda n, t, d: None if n == "blk.1.ffn_up_exps.weight" else (d, t), "CorruptCheckpointError",
+     r"no tensor for \['model.layers.1.mlp.experts.gate_up_proj'"),
+    (lambda n, t, d: (d[:3], t) if n == "blk.0.ffn_down_exps.weight" else (d, t), "CorruptCheckpointError",
+     r"'blk.0.ffn_down_exps.weight' has shape \[3, 64, 128\]; the model's experts model.layers.0.mlp.experts "
+     r"need \[4, 64, 128\]"),
+    (lambda n, t, d: (d[:, :64], t) if n == "blk.0.ffn_gate_exps.weight" else (d, t), "CorruptCheckpointError",
+     r"'blk.0.ffn_gate_exps.weight' has shape \[4, 64, 64\]"),
+])
+def test_moe_broken_expert_tensors_refused_naming_them(zoo, tmp_path, edit, err, match):
+    from test_export_gguf import family_quantized
+    m = family_quantized(zoo, "mixtral")
+    export_gguf(m, tmp_path / "m.gguf")
+    path = _rewrite(tmp_path / "m.gguf", tmp_path / "x.gguf", edit)
+    with pytest.raises(Exception, match=match) as e:
+        from_gguf(path)
+    assert type(e.value).__name__ == err and "x.gguf" in str(e.value)

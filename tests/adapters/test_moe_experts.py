@@ -329,15 +329,19 @@ def test_exporters_without_fused_experts_refuse_before_work(tmp_path):
     from qcore.adapters.io.onnx import check_onnx, export_onnx
     model = tiny_mixtral(1)
     want = r"tensor model.layers.0.mlp.experts.gate_up_proj.*issue 22"
-    for check in (check_gguf, check_onnx, check_ct):  # the float model and the config: before the baseline
+    for check in (check_onnx, check_ct):  # the float model and the config: before the baseline
         with pytest.raises(ValueError, match=want):
             check(model, preset("uint4_wo_32"))
+    check_gguf(model, preset("uint4_wo_32"))  # GGUF writes fused experts (test_export_gguf.py)
     quantize_model(model, "uint4_wo_32", progress=False)
-    for fn in (lambda: export_gguf(model, tmp_path / "m.gguf"), lambda: export_onnx(model, tmp_path / "m.onnx"),
+    for fn in (lambda: export_onnx(model, tmp_path / "m.onnx"),
                lambda: export_compressed_tensors(model, tmp_path / "ct")):
         with pytest.raises(ValueError, match=want):
             fn()
     assert not any(tmp_path.iterdir())
+    info = export_gguf(model, tmp_path / "m.gguf")
+    assert {r.gguf_type for r in info.quantized if "exps" in r.gguf_name} == {"Q4_1"}
+    (tmp_path / "m.gguf").unlink()
     from qcore.adapters import quantize_checkpoint  # streaming: refused before any layer is read
     src = tmp_path / "src"
     tiny_qwen3_moe().save_pretrained(src)
