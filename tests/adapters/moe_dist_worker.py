@@ -20,14 +20,22 @@ FAMILY = "qwen3_moe"
 N_BATCHES = 4
 
 
+def _conftest():
+    """tests/adapters/conftest.py, next to this file, loaded by path (``import conftest`` may find another)."""
+    import importlib.util
+    import pathlib
+    spec = importlib.util.spec_from_file_location("_adapters_conftest", pathlib.Path(__file__).with_name("conftest.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def model():
-    import conftest  # tests/adapters, next to this file
-    return conftest.tiny_family(FAMILY)
+    return _conftest().tiny_family(FAMILY)
 
 
 def batches():
-    import conftest
-    return conftest.token_batches(N_BATCHES, seed=1)
+    return _conftest().token_batches(N_BATCHES, seed=1)
 
 
 def config():
