@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import re
 from collections import Counter
 from typing import Any, Mapping, Optional, Union
 
@@ -95,10 +96,11 @@ def _match(pattern: str, name: str) -> bool:
     return False
 
 
-def _qcore_weight_dtype(own_config: Any, name: str) -> Optional[str]:
+def _qcore_weight_dtype(own_config: Any, name: str, *, module_type: Optional[str] = None) -> Optional[str]:
     """The weight element format of module ``name`` by qcore's own config (``quantization_config["qcore"]
-    ["config"]``, a ``ModelConfig`` dict): its ``by_name`` pattern, else the default layer (or, when the
-    ``by_type`` entries agree with it, theirs); None when it cannot be told without the module's type."""
+    ["config"]``, a ``ModelConfig`` dict): its ``by_name`` pattern, else its ``module_type``'s ``by_type`` entry
+    when the type is known (fused experts: ``"Experts"``), else the default layer (or, when the ``by_type``
+    entries agree with it, theirs); None when it cannot be told without the module's type."""
     if not isinstance(own_config, dict):
         return None
 
@@ -110,6 +112,11 @@ def _qcore_weight_dtype(own_config: Any, name: str) -> Optional[str]:
     for pat, lc in (own_config.get("by_name") or {}).items():
         if _match(pat, name):
             return wdtype(lc)
+    by_type = own_config.get("by_type") or {}
+    if module_type is not None and isinstance(by_type, dict):
+        if module_type in by_type:
+            return wdtype(by_type[module_type])
+        return wdtype(own_config.get("layer"))
     cands = {wdtype(own_config.get("layer"))} | {wdtype(v) for v in (own_config.get("by_type") or {}).values()}
     cands.discard(None)
     bits = {_element_bits(c) for c in cands}
@@ -153,9 +160,13 @@ def inspect_checkpoint(directory: Union[str, pathlib.Path]) -> dict:
     files = checkpoint_files(d)
     for f in files:
         entries.update(SafetensorsFile(f).entries)
-    # quantized layers: modules with a weight_scale (or the layouts the checkpoint states)
-    layers = sorted({k.rsplit(".", 1)[0] for k in entries if k.endswith((".weight_scale", ".weight_scale_2"))}
-                    | set(layouts))
+    # quantized layers: modules with a weight_scale (or the layouts the checkpoint states); a fused experts module
+    # (no weight of its own) is one layer made of the per-expert Linears stored for it
+    experts = {name: _expert_linears(entries, name) for name in layouts if f"{name}.weight" not in entries}
+    experts = {k: v for k, v in experts.items() if v}
+    in_experts = {lin for v in experts.values() for lin in v}
+    layers = sorted(({k.rsplit(".", 1)[0] for k in entries if k.endswith((".weight_scale", ".weight_scale_2"))}
+                     - in_experts) | set(layouts))
     gw = (qc.get("global_quant_config") or {}).get("weight")
     gw = gw[0] if isinstance(gw, list) and gw else gw
     own_config = own.get("config")
@@ -164,6 +175,9 @@ def inspect_checkpoint(directory: Union[str, pathlib.Path]) -> dict:
     for name in layers:
         lay = layouts.get(name) or _infer_layout(entries, name)
         per_layout[lay] += 1
+        if name in experts:
+            per_layer[name] = _experts_layer(cfg, entries, name, experts[name], lay, own_config, qc)
+            continue
         w = entries.get(f"{name}.weight")
         if w is None:
             raise CorruptCheckpointError(f"layer {name!r}: no {name}.weight tensor")
@@ -205,6 +219,81 @@ def inspect_checkpoint(directory: Union[str, pathlib.Path]) -> dict:
         "safetensors_files": len(files),
         "bytes_on_disk": total,
     }
+
+
+_EXPERT_TENSOR = re.compile(r"(?P<prefix>.+)\.(?P<e>\d+)\.(?P<proj>[^.]+)\.weight")
+
+
+def _expert_linears(entries: Mapping[str, Any], name: str) -> dict[str, tuple[int, str]]:
+    """``{per-expert Linear: (expert, projection)}`` stored for the fused experts module ``name`` (e.g.
+    ``model.layers.0.mlp.experts``): ``<name>.<e>.<proj>`` (Qwen2/3-MoE, qcore's own names) or, as
+    ``save_pretrained`` names Mixtral's, the same under a sibling of ``name``'s parent
+    (``model.layers.0.block_sparse_moe.experts.<e>.w1``). Empty when none is stored."""
+    parent, _, leaf = name.rpartition(".")
+    block = parent.rpartition(".")[0]
+    by_prefix: dict[str, dict[str, tuple[int, str]]] = {}
+    for k in entries:
+        m = _EXPERT_TENSOR.fullmatch(k)
+        if m is None:
+            continue
+        p = m["prefix"]
+        if p != name:
+            head, _, last = p.rpartition(".")
+            if last != leaf or not head or head.rpartition(".")[0] != block or "." in head[len(block) + 1:] or (
+                    block and not head.startswith(block + ".")):
+                continue
+        by_prefix.setdefault(p, {})[k[:-len(".weight")]] = (int(m["e"]), m["proj"])
+    if name in by_prefix:
+        return by_prefix[name]
+    if len(by_prefix) > 1:
+        raise CorruptCheckpointError(f"fused experts {name!r}: per-expert tensors under several names "
+                                     f"({sorted(by_prefix)}); expected one")
+    return next(iter(by_prefix.values()), {})
+
+
+def _config_dims(cfg: dict) -> tuple[Optional[int], Optional[int]]:
+    """``(hidden size, expert intermediate size)`` by config.json (its ``text_config`` for a multimodal model)."""
+    c = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    h = c.get("hidden_size")
+    i = c.get("moe_intermediate_size", c.get("intermediate_size"))
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (h, i))
+    return (h, i) if ok else (None, None)
+
+
+def _experts_layer(cfg: dict, entries: dict, name: str, linears: dict, lay: str, own_config: Any,
+                   qc: dict) -> dict:
+    """``inspect_checkpoint``'s row of a fused experts module stored as per-expert Linears: its format (by the
+    ``"Experts"`` type), its bytes (every tensor of every per-expert weight) and its bits per weight over the
+    float weight count ``E * (2 I H + H I)`` (E experts of hidden size H and intermediate size I, config.json)."""
+    by_expert: dict[int, set] = {}
+    for e, proj in linears.values():
+        by_expert.setdefault(e, set()).add(proj)
+    n_exp = len(by_expert)
+    bad = {e: sorted(p) for e, p in by_expert.items() if len(p) != 3}
+    if bad or sorted(by_expert) != list(range(n_exp)):
+        raise CorruptCheckpointError(f"fused experts {name!r}: expected experts 0..E-1 with 3 projections each "
+                                     f"(gate, up, down), found {dict(sorted((e, sorted(p)) for e, p in by_expert.items()))}")
+    fmt = (_qcore_weight_dtype(own_config, name, module_type="Experts") if own_config is not None
+           else _quark_weight_dtype(qc, name))
+    h, i = _config_dims(cfg)
+    if h is not None:
+        n = n_exp * 3 * i * h
+    else:  # no dims in config.json: the per-expert Linears' own counts
+        counts = [_weight_count(lay, entries, lin, None if fmt is None else _element_bits(fmt)) for lin in linears]
+        n = None if None in counts else sum(counts)
+    tensors = {f"{lin}.{s}": (entries[f"{lin}.{s}"].dtype, tuple(entries[f"{lin}.{s}"].shape))
+               for lin in sorted(linears) for s in _WEIGHT_SUFFIXES if f"{lin}.{s}" in entries}
+    stored = next(iter(linears)).rsplit(".", 2)[0]
+    summary: dict[str, Counter] = {}
+    for lin in sorted(linears):
+        for s in _WEIGHT_SUFFIXES:
+            if f"{lin}.{s}" in tensors:
+                dt, sh = tensors[f"{lin}.{s}"]
+                summary.setdefault(f"<e>.{linears[lin][1]}.{s}", Counter())[f"{dt} {list(sh)}"] += 1
+    return {"layout": lay, "format": fmt, "weights": n, "experts": n_exp, "stored_as": stored,
+            "bytes": sum(entries[k].end - entries[k].begin for k in tensors),
+            "tensors": {k: ", ".join(f"{t} x{c}" for t, c in v.items()) for k, v in summary.items()},
+            "bits_per_weight": None if n is None else round(stored_bits_per_weight(tensors, n), 4)}
 
 
 def _quark_weight_dtype(qc: dict, name: str) -> Optional[str]:
@@ -268,7 +357,9 @@ def format_report(info: dict, *, layers: bool = False) -> str:
             ("size on disk", f"{info['bytes_on_disk'] / 2**20:.2f} MiB")]
     if layers:
         rows += [(f"  {n}", f"{v['format'] or '?'} {v['layout']}: {v['bits_per_weight']} bits/weight "
-                            f"({v['weights']} weights, {v['bytes']} bytes: " + ", ".join(
+                            f"({v['weights']} weights, {v['bytes']} bytes"
+                            + (f"; {v['experts']} experts stored as {v['stored_as']}.<e>" if "experts" in v else "")
+                            + ": " + ", ".join(
                                 f"{k} {t}" for k, t in v["tensors"].items()) + ")") for n, v in per_layer.items()]
     return _rows(rows)
 
