@@ -100,7 +100,8 @@ def _qcore_weight_dtype(own_config: Any, name: str, *, module_type: Optional[str
     """The weight element format of module ``name`` by qcore's own config (``quantization_config["qcore"]
     ["config"]``, a ``ModelConfig`` dict): its ``by_name`` pattern, else its ``module_type``'s ``by_type`` entry
     when the type is known (fused experts: ``"Experts"``), else the default layer (or, when the ``by_type``
-    entries agree with it, theirs); None when it cannot be told without the module's type."""
+    entries agree with it, theirs; ``"Experts"`` does not count: ``inspect_checkpoint`` tells a fused experts
+    module by its per-expert tensors and passes its type); None when it cannot be told without the module's type."""
     if not isinstance(own_config, dict):
         return None
 
@@ -117,7 +118,7 @@ def _qcore_weight_dtype(own_config: Any, name: str, *, module_type: Optional[str
         if module_type in by_type:
             return wdtype(by_type[module_type])
         return wdtype(own_config.get("layer"))
-    cands = {wdtype(own_config.get("layer"))} | {wdtype(v) for v in (own_config.get("by_type") or {}).values()}
+    cands = {wdtype(own_config.get("layer"))} | {wdtype(v) for k, v in by_type.items() if k != "Experts"}
     cands.discard(None)
     bits = {_element_bits(c) for c in cands}
     return next(iter(cands)) if len(bits) == 1 else None

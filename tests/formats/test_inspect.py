@@ -207,3 +207,156 @@ def test_inspect_of_a_gguf_file_imports_no_torch(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.gguf")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "Q4_0 14" in r.stdout
+
+
+# ---- MoE checkpoints: fused experts written as per-expert Linears (adapters/io/experts.py) ----
+
+def _zoo():
+    """tests/adapters/conftest.py, loaded by path (its tiny random models of TINY_SPECS)."""
+    import importlib.util
+    import pathlib
+    spec = importlib.util.spec_from_file_location(
+        "_adapters_conftest", pathlib.Path(__file__).resolve().parents[1] / "adapters" / "conftest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _entries(d):
+    out = {}
+    for f in d.glob("*.safetensors"):
+        out.update(SafetensorsFile(f).entries)
+    return out
+
+
+@pytest.mark.parametrize("family, stored", [("mixtral", "block_sparse_moe.experts"), ("qwen3_moe", "mlp.experts"),
+                                            ("qwen2_moe", "mlp.experts")])
+def test_moe_export_with_quantized_experts(family, stored, tmp_path, capsys):
+    from qcore.adapters import preset
+    model = _zoo().tiny_family(family)
+    fused = {n: (m.gate_up_proj.shape, m.down_proj.shape) for n, m in model.named_modules()
+             if n.endswith("mlp.experts")}
+    assert len(fused) == 2
+    # the attention Linears uint4 per group, the experts int8 per channel (their own format, by type)
+    config = preset("uint4_wo_32").replace(by_type={"Experts": preset("w_int8_per_channel_sym").layer})
+    d = _export(model, config, tmp_path / family)
+    info = fi.inspect_path(d)
+    entries = _entries(d)
+    assert info["quant_method"] == "qcore"
+    for name, (gu, dn) in fused.items():
+        e, two_i, h = gu
+        assert tuple(dn) == (e, h, two_i // 2)
+        row = info["layers"][name]
+        n = e * (two_i * h + h * two_i // 2)  # E * (2I*H + H*I)
+        prefix = name.replace("mlp.experts", stored) + "."
+        mine = [k for k in entries if k.startswith(prefix) and k.rsplit(".", 1)[1] in SUFFIXES]
+        assert len({k.rsplit(".", 1)[0] for k in mine}) == 3 * e  # every per-expert Linear counted
+        nbytes = sum(entries[k].end - entries[k].begin for k in mine)
+        assert row["format"] == "int8" and row["layout"] == "qcore" and row["experts"] == e
+        assert row["weights"] == n and row["bytes"] == nbytes
+        assert row["bits_per_weight"] == pytest.approx(8 * nbytes / n, abs=1e-4)
+        assert 8 < row["bits_per_weight"] < 9  # int8 codes plus one float32 scale per output row
+        assert row["stored_as"] == prefix[:-1]
+    # no per-expert Linear is a layer of its own; the totals are over the layers the export planned
+    assert not any(".experts." in n for n in info["layers"])
+    planned = json.loads((d / "config.json").read_text())["quantization_config"]["qcore"]["layouts"]
+    assert set(info["layers"]) == set(planned) and info["quantized_layers"] == len(planned)
+    assert info["layers_per_format"] == {"int8": 2, "uint4": len(planned) - 2}
+    tot_b = sum(v["bytes"] for v in info["layers"].values())
+    tot_n = sum(v["weights"] for v in info["layers"].values())
+    assert info["bits_per_weight"] == round(8 * tot_b / tot_n, 3)
+    assert main(["inspect", str(d), "--layers"]) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.strip().startswith("model.layers.0.mlp.experts ")]
+    assert len(lines) == 1 and "int8 qcore" in lines[0] and f"stored as model.layers.0.{stored}.<e>" in lines[0]
+    assert "int8: 2 layers" in out
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_moe_export_with_the_experts_excluded(family, tmp_path, capsys):
+    from qcore.adapters import preset
+    config = preset("uint4_wo_32").replace(exclude=("lm_head", "*experts*"))
+    d = _export(_zoo().tiny_family(family), config, tmp_path / family)
+    info = fi.inspect_path(d)
+    entries = _entries(d)
+    assert any(".experts.0." in k and entries[k].dtype == "F32" for k in entries)  # float per-expert tensors
+    assert info["quantized_layers"] == 8 and not any("expert" in n for n in info["layers"])
+    assert info["layers_per_format"] == {"uint4": 8}
+    assert main(["inspect", str(d), "--layers"]) == 0
+    assert "experts" not in capsys.readouterr().out.split("excluded")[1].split("\n", 1)[1]
+
+
+def test_inspect_a_moe_gguf_file(tmp_path, capsys):
+    pytest.importorskip("gguf")
+    from qcore.adapters import preset, quantize_model
+    from qcore.adapters.io.gguf import export_gguf
+    m = _zoo().tiny_family("mixtral")
+    quantize_model(m, preset("int4_wo_32"), progress=False)
+    path = tmp_path / "moe.gguf"
+    export_gguf(m, path)
+    assert main(["inspect", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    for t, shape in (("gate", [4, 128, 64]), ("up", [4, 128, 64]), ("down", [4, 64, 128])):
+        v = info["layers"][f"blk.0.ffn_{t}_exps"]
+        assert v["type"] == "Q4_0" and v["shape"] == shape and v["bits_per_weight"] == 4.5
+        assert v["weights"] == math.prod(shape) and v["bytes"] == math.prod(shape) // 32 * 18
+    assert info["bits_per_weight"] == 4.5
+
+
+def test_inspect_of_a_moe_checkpoint_imports_no_torch(tmp_path):
+    import subprocess
+    import sys
+    from qcore.adapters import preset
+    d = _export(_zoo().tiny_family("qwen3_moe"), preset("uint4_wo_32"), tmp_path / "moe")
+    code = ("import sys; from qcore.cli import main; assert main(['inspect', sys.argv[1], '--layers']) == 0; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "model.layers.1.mlp.experts" in r.stdout and "4 experts" in r.stdout
+
+
+def _write_moe(d, names, config_extra=None):
+    """A hand-made 'qcore' checkpoint (numpy only): config.json planning model.layers.0.mlp.experts and 1-D U8
+    codes + F32 scales under ``names`` (the per-expert Linears)."""
+    import struct
+
+    d.mkdir()
+    header, off = {}, 0
+    for n in names:
+        for s, dt, shape, size in (("weight", "U8", [64], 64), ("weight_scale", "F32", [8, 1], 32)):
+            header[f"{n}.{s}"] = {"dtype": dt, "shape": shape, "data_offsets": [off, off + size]}
+            off += size
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(h)) + h + bytes(off))
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 8,
+           "moe_intermediate_size": 8,
+           "quantization_config": {"quant_method": "qcore", "qcore": {
+               "qcore_version": "0", "layouts": {"model.layers.0.mlp.experts": "qcore"},
+               "config": {"layer": {"weight": {"spec": {"name": "int8"}}}, "by_type": {}, "by_name": {}}}}}
+    cfg.update(config_extra or {})
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_hand_made_moe_checkpoint_and_its_corruptions(tmp_path, capsys):
+    ok = [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(2) for p in ("gate_proj", "up_proj", "down_proj")]
+    info = fi.inspect_checkpoint(_write_moe(tmp_path / "ok", ok))
+    row = info["layers"]["model.layers.0.mlp.experts"]
+    # 2 experts x 3 projections x (64 code bytes + 32 scale bytes), over 2 * (2*8*8 + 8*8) weights
+    assert row["weights"] == 384 and row["bytes"] == 576 and row["bits_per_weight"] == 12.0
+    assert row["format"] == "int8" and info["quantized_layers"] == 1 and info["bits_per_weight"] == 12.0
+    # Mixtral's names: a sibling of the planned module's parent
+    mx = [f"model.layers.0.block_sparse_moe.experts.{e}.w{i}" for e in range(2) for i in (1, 2, 3)]
+    assert fi.inspect_checkpoint(_write_moe(tmp_path / "mx", mx))["layers"][
+        "model.layers.0.mlp.experts"]["stored_as"] == "model.layers.0.block_sparse_moe.experts"
+    bad = {"missing_proj": (ok[:-1], "3 projections"),  # expert 1 has no down_proj
+           "gap": ([n.replace(".1.", ".2.") for n in ok], "experts 0..E-1"),  # experts 0 and 2
+           "two_names": (mx + [n.replace("block_sparse_moe", "moe") for n in mx], "several names"),
+           "none": ([f"model.layers.0.self_attn.q_proj"], "no model.layers.0.mlp.experts.weight")}
+    for case, (names, message) in bad.items():
+        d = _write_moe(tmp_path / case, names)
+        assert main(["inspect", str(d)]) == 2, case
+        err = capsys.readouterr().err
+        assert err.startswith("qcore inspect: error:") and message in err, (case, err)
+        assert len(err.strip().splitlines()) == 1, err
