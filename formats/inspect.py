@@ -270,10 +270,15 @@ def _experts_layer(cfg: dict, entries: dict, name: str, linears: dict, lay: str,
     for e, proj in linears.values():
         by_expert.setdefault(e, set()).add(proj)
     n_exp = len(by_expert)
-    bad = {e: sorted(p) for e, p in by_expert.items() if len(p) != 3}
-    if bad or sorted(by_expert) != list(range(n_exp)):
-        raise CorruptCheckpointError(f"fused experts {name!r}: expected experts 0..E-1 with 3 projections each "
-                                     f"(gate, up, down), found {dict(sorted((e, sorted(p)) for e, p in by_expert.items()))}")
+    projs = {frozenset(p) for p in by_expert.values()}
+    if len(projs) != 1 or len(next(iter(projs))) != 3 or sorted(by_expert) != list(range(n_exp)):
+        found = dict(sorted((e, sorted(p)) for e, p in by_expert.items()))
+        raise CorruptCheckpointError(f"fused experts {name!r}: expected experts 0..E-1 with the same 3 projections "
+                                     f"each (gate, up, down), found {found}")
+    c = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    want = c.get("num_local_experts", c.get("num_experts"))
+    if isinstance(want, int) and not isinstance(want, bool) and want != n_exp:
+        raise CorruptCheckpointError(f"fused experts {name!r}: {n_exp} experts stored, config.json says {want}")
     fmt = (_qcore_weight_dtype(own_config, name, module_type="Experts") if own_config is not None
            else _quark_weight_dtype(qc, name))
     h, i = _config_dims(cfg)

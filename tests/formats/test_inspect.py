@@ -353,9 +353,11 @@ def test_hand_made_moe_checkpoint_and_its_corruptions(tmp_path, capsys):
     bad = {"missing_proj": (ok[:-1], "3 projections"),  # expert 1 has no down_proj
            "gap": ([n.replace(".1.", ".2.") for n in ok], "experts 0..E-1"),  # experts 0 and 2
            "two_names": (mx + [n.replace("block_sparse_moe", "moe") for n in mx], "several names"),
-           "none": ([f"model.layers.0.self_attn.q_proj"], "no model.layers.0.mlp.experts.weight")}
+           "none": (["model.layers.0.self_attn.q_proj"], "no model.layers.0.mlp.experts.weight"),
+           "other_proj": (ok[:-1] + ["model.layers.0.mlp.experts.1.w2"], "the same 3 projections"),
+           "fewer_than_config": (ok, "2 experts stored, config.json says 4")}
     for case, (names, message) in bad.items():
-        d = _write_moe(tmp_path / case, names)
+        d = _write_moe(tmp_path / case, names, {"num_experts": 4} if case == "fewer_than_config" else None)
         assert main(["inspect", str(d)]) == 2, case
         err = capsys.readouterr().err
         assert err.startswith("qcore inspect: error:") and message in err, (case, err)
