@@ -175,6 +175,20 @@ class _Observer:
 _PENDING, _INPLACE, _QAT, _FROZEN = "pending", "inplace", "qat", "frozen"
 
 
+def _quantize_observed(x: torch.Tensor, spec: QuantSpec, obs: Any):
+    """QTensor of ``x`` with the scales its observer gives: MinMax (the spec's own rule), Percentile (the
+    percentile's absmax) or MSE (the clipping search); what every wrapper quantizes a weight (or an expert's
+    slice) with."""
+    if isinstance(obs, MinMax):
+        return qcore.quantize(x, spec)
+    if isinstance(obs, Percentile):
+        a = qcore.stats.percentile(x, spec.granularity, q=obs.q)
+        p = qcore.stats.scale_from_stats(RunningStats(spec.granularity, absmax=a, lo=-a, hi=a, count=1), spec)
+    else:
+        p = qcore.stats.mse_clip(x, spec, grid=obs.grid, lo=obs.lo, p=obs.p)
+    return qcore.quantize(x, spec, **p.kwargs())
+
+
 class _QuantMixin:
     """State and helpers shared by the wrappers. Module state lives here only (adapters hold module state)."""
 
@@ -320,17 +334,8 @@ class _QuantMixin:
 
     def _quantize_param(self, w: torch.Tensor, role: str):
         """QTensor of the parameter in the canonical layout (float32 math), by the role's observer."""
-        spec = self._qspecs[role]
-        obs = getattr(self.qconfig, role).observer
         x = self._canon(w).detach() if role == "weight" else w.detach()
-        if isinstance(obs, MinMax):
-            return qcore.quantize(x, spec)
-        if isinstance(obs, Percentile):
-            a = qcore.stats.percentile(x, spec.granularity, q=obs.q)
-            p = qcore.stats.scale_from_stats(RunningStats(spec.granularity, absmax=a, lo=-a, hi=a, count=1), spec)
-        else:
-            p = qcore.stats.mse_clip(x, spec, grid=obs.grid, lo=obs.lo, p=obs.p)
-        return qcore.quantize(x, spec, **p.kwargs())
+        return _quantize_observed(x, self._qspecs[role], getattr(self.qconfig, role).observer)
 
     def _fq_param(self, w: torch.Tensor, role: str) -> tuple[torch.Tensor, Any]:
         q = self._quantize_param(w, role)
@@ -1310,17 +1315,7 @@ class QuantExperts(_QuantMixin):
 
     def _quantize_slice(self, w: torch.Tensor):
         """QTensor of one expert's [out, in] slice, as ``QuantLinear`` quantizes its weight (float32 math)."""
-        spec = self._qspecs["weight"]
-        obs = self.qconfig.weight.observer
-        x = w.detach()
-        if isinstance(obs, MinMax):
-            return qcore.quantize(x, spec)
-        if isinstance(obs, Percentile):
-            a = qcore.stats.percentile(x, spec.granularity, q=obs.q)
-            p = qcore.stats.scale_from_stats(RunningStats(spec.granularity, absmax=a, lo=-a, hi=a, count=1), spec)
-        else:
-            p = qcore.stats.mse_clip(x, spec, grid=obs.grid, lo=obs.lo, p=obs.p)
-        return qcore.quantize(x, spec, **p.kwargs())
+        return _quantize_observed(w.detach(), self._qspecs["weight"], self.qconfig.weight.observer)
 
     def _fq_proj(self, w: torch.Tensor) -> tuple[torch.Tensor, list]:
         qs = [self._quantize_slice(w[e]) for e in range(w.shape[0])]

@@ -56,7 +56,23 @@ from ..modules import QuantConvTranspose2d, QuantEmbedding, QuantEmbeddingBag, Q
 __all__ = ["export_onnx", "WeightFormat", "Unsupported", "ONNXExportInfo", "TensorReport", "DECODER_TYPES",
            "decoder_logits", "export_onnx_dir", "ONNX_FILE", "check_onnx", "UnsupportedWeightError"]
 
-DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # Llama-like decoders (Qwen3: q/k norms; sliding windows)
+def decoder_graph_fits(fam) -> bool:
+    """Whether the decoder graph (``_Decoder``) computes a family's layers, read off its architecture record
+    (``qcore.adapters.families``): a causal LM with RMSNorms (``x * w``) before separate q, k, v projections and
+    gate / up projections, an output projection and a down projection, no norms on the block outputs, no experts,
+    ``nn.Linear`` projections (per-head q/k norms, biases and sliding-window layers are in the graph)."""
+    return (fam.causal and fam.norm == "rms" and len(fam.attn_in) == 3 and len(fam.mlp_in) == 2
+            and fam.mlp_out is not None and fam.experts is None and not fam.output_norms and fam.linear == "linear"
+            and fam.lm_head is not None and fam.final_norm is not None)
+
+
+def _decoder_types() -> tuple:
+    from ..families import FAMILIES
+    return tuple(f.model_type for f in FAMILIES if decoder_graph_fits(f))
+
+
+#: the model types the decoder graph is built for: every record ``decoder_graph_fits`` (Llama, Mistral, Qwen2, Qwen3)
+DECODER_TYPES = _decoder_types()
 
 
 class WeightFormat(enum.Enum):
@@ -309,7 +325,9 @@ def check_onnx(model: nn.Module, config: Optional[Any] = None, *, inputs: Any = 
 
 class _Decoder:
     def __init__(self, model: nn.Module, ctx: _Ctx):
+        from ..families import locate
         self.model, self.ctx, self.g = model, ctx, ctx.g
+        self.loc = locate(model, what="export_onnx")  # names from the architecture record
         cfg = model.config
         self.cfg = cfg
         self.nh = int(cfg.num_attention_heads)
@@ -400,18 +418,19 @@ class _Decoder:
                 n = g.reserve(f"past_key_values.{i}.{kv}")
                 names_in.append(n)
                 g.inputs.append(h.make_tensor_value_info(n, T.FLOAT, ["batch", self.nkv, "past", self.hd]))
-        base = model.model
+        loc, fam = self.loc, self.loc.family
+        base = model.get_submodule(loc.prefix) if loc.prefix else model
         # embeddings
-        emb = base.embed_tokens
+        emb = model.get_submodule(loc.embed)
         if isinstance(emb, _QuantMixin) and "weight" in emb.specs:
-            table = ctx.weight("model.embed_tokens", emb)
+            table = ctx.weight(loc.embed, emb)
             tied_out = table
         else:
-            table = self.float_param("model.embed_tokens.weight", emb.weight)
+            table = self.float_param(f"{loc.embed}.weight", emb.weight)
             tied_out = None
         x = g.node("Gather", [table, "input_ids"], "embed_Gather", axis=0)
         if isinstance(emb, _QuantMixin):
-            x = ctx.act("model.embed_tokens", emb, "output", x, axis=-1)
+            x = ctx.act(loc.embed, emb, "output", x, axis=-1)
         # rotary tables [batch, 1, seq, hd]
         rot = base.rotary_emb
         inv = _np32(rot.inv_freq).reshape(-1)
@@ -449,25 +468,32 @@ class _Decoder:
             near = g.node("Less", [dist, self.c(f"w{w}_size", w, np.int64)], f"w{w}_Near")
             windows[w] = g.node("And", [allowed, near], f"w{w}_mask_And")
         neg = self.c("mask_min", np.float32(np.finfo(np.float32).min))
-        scale = self.c("attn_scale", np.float32(getattr(base.layers[0].self_attn, "scaling", self.hd ** -0.5)))
+        layers = model.get_submodule(loc.layers)
+        attn_of = fam.attn_out.rpartition(".")[0]  # the attention module ("self_attn"), holding its scaling
+        scale = self.c("attn_scale", np.float32(getattr(layers[0].get_submodule(attn_of), "scaling",
+                                                        self.hd ** -0.5)))
+        qn, vn = fam.attn_in[0], fam.attn_in[2]
+        kn = fam.attn_in[1]
+        gn, un = fam.mlp_in
         rep = self.nh // self.nkv
         half = self.hd // 2
         outs = []
-        for i, layer in enumerate(base.layers):
-            p = f"model.layers.{i}"
-            att = layer.self_attn
-            hsn = self.rmsnorm(f"{p}.input_layernorm", layer.input_layernorm, x)
+        for i, layer in enumerate(layers):
+            p = f"{loc.layers}.{i}"
+            mod = layer.get_submodule
+            hsn = self.rmsnorm(f"{p}.{fam.attn_norm}", mod(fam.attn_norm), x)
 
             def heads(t, n, nm):
                 r = g.node("Reshape", [t, self.c(f"{nm}_shape", [0, 0, n, self.hd], np.int64)], f"{nm}_Reshape")
                 return g.node("Transpose", [r], f"{nm}_T", perm=[0, 2, 1, 3])
 
-            q = heads(self.linear(f"{p}.self_attn.q_proj", att.q_proj, hsn), self.nh, f"{p}_q")
-            k = heads(self.linear(f"{p}.self_attn.k_proj", att.k_proj, hsn), self.nkv, f"{p}_k")
-            if getattr(att, "q_norm", None) is not None:  # Qwen3: RMSNorm over each head's features
-                q = self.rmsnorm(f"{p}.self_attn.q_norm", att.q_norm, q)
-                k = self.rmsnorm(f"{p}.self_attn.k_norm", att.k_norm, k)
-            v = heads(self.linear(f"{p}.self_attn.v_proj", att.v_proj, hsn), self.nkv, f"{p}_v")
+            q = heads(self.linear(f"{p}.{qn}", mod(qn), hsn), self.nh, f"{p}_q")
+            k = heads(self.linear(f"{p}.{kn}", mod(kn), hsn), self.nkv, f"{p}_k")
+            if fam.qk_norms:  # Qwen3: RMSNorm over each head's features
+                qkn, kkn = fam.qk_norms
+                q = self.rmsnorm(f"{p}.{qkn}", mod(qkn), q)
+                k = self.rmsnorm(f"{p}.{kkn}", mod(kkn), k)
+            v = heads(self.linear(f"{p}.{vn}", mod(vn), hsn), self.nkv, f"{p}_v")
 
             def rope(t, nm):
                 x1 = g.node("Slice", [t, self.c(f"{nm}_s0", [0], np.int64), self.c(f"{nm}_e0", [half], np.int64),
@@ -498,30 +524,29 @@ class _Decoder:
             a = g.node("Reshape", [a, self.c(f"{p}_a4", [0, self.nh, -1, self.hd], np.int64)], f"{p}_a4")
             a = g.node("Transpose", [a], f"{p}_aT", perm=[0, 2, 1, 3])
             a = g.node("Reshape", [a, self.c(f"{p}_a3", [0, 0, self.nh * self.hd], np.int64)], f"{p}_a3")
-            a = self.linear(f"{p}.self_attn.o_proj", att.o_proj, a)
+            a = self.linear(f"{p}.{fam.attn_out}", mod(fam.attn_out), a)
             x = g.node("Add", [x, a], f"{p}_Residual1")
-            hsn = self.rmsnorm(f"{p}.post_attention_layernorm", layer.post_attention_layernorm, x)
-            mlp = layer.mlp
-            gt = self.linear(f"{p}.mlp.gate_proj", mlp.gate_proj, hsn)
-            up = self.linear(f"{p}.mlp.up_proj", mlp.up_proj, hsn)
+            hsn = self.rmsnorm(f"{p}.{fam.mlp_norm}", mod(fam.mlp_norm), x)
+            gt = self.linear(f"{p}.{gn}", mod(gn), hsn)
+            up = self.linear(f"{p}.{un}", mod(un), hsn)
             act = g.node("Mul", [gt, g.node("Sigmoid", [gt], f"{p}_Sigmoid")], f"{p}_SiLU")
-            d = self.linear(f"{p}.mlp.down_proj", mlp.down_proj, g.node("Mul", [act, up], f"{p}_GateUp"))
+            d = self.linear(f"{p}.{fam.mlp_out}", mod(fam.mlp_out), g.node("Mul", [act, up], f"{p}_GateUp"))
             x = g.node("Add", [x, d], f"{p}_Residual2")
-        x = self.rmsnorm("model.norm", base.norm, x)
-        head = model.lm_head
+        x = self.rmsnorm(loc.final_norm, model.get_submodule(loc.final_norm), x)
+        head = model.get_submodule(loc.lm_head)
         tied = getattr(head, "weight", None) is not None and getattr(emb, "weight", None) is head.weight
         same = (not isinstance(head, _QuantMixin) or "weight" not in head.specs or tied_out is not None
                 and head.specs["weight"] == emb.specs["weight"] and getattr(head, "bias", None) is None)
         if tied and same:  # the embedding table once (float or dequantized), as the tied head's weight
             if isinstance(head, _QuantMixin):
-                x = ctx.act("lm_head", head, "input", x, axis=-1)
+                x = ctx.act(loc.lm_head, head, "input", x, axis=-1)
             wt = g.node("Transpose", [tied_out or table], "lm_head_Transpose", perm=[1, 0])
             y = g.node("MatMul", [x, wt], "lm_head_MatMul")
             if isinstance(head, _QuantMixin):
-                y = ctx.act("lm_head", head, "output", y, axis=-1)
+                y = ctx.act(loc.lm_head, head, "output", y, axis=-1)
             logits = g.node("Identity", [y], "logits_Identity", outputs=[g.reserve("logits")])
         else:
-            y = self.linear("lm_head", head, x)
+            y = self.linear(loc.lm_head, head, x)
             logits = g.node("Identity", [y], "logits_Identity", outputs=[g.reserve("logits")])
         g.outputs.append(h.make_tensor_value_info(logits, T.FLOAT, ["batch", "seq", int(cfg.vocab_size)]))
         for i in range(nl):
@@ -543,9 +568,16 @@ def _check_decoder(model: nn.Module) -> None:
     if rtype not in ("default", "linear", "llama3", "yarn"):
         raise ValueError(f"export_onnx: rope_type {rtype!r} changes with the sequence length; the ONNX decoder "
                          f"graph has fixed rotary frequencies")
-    base = getattr(model, "model", None)
-    if base is None or not hasattr(base, "layers") or not hasattr(model, "lm_head"):
-        raise TypeError("export_onnx: expected a transformers LlamaForCausalLM (model.model.layers, model.lm_head)")
+    from ..families import locate, non_language_modules
+    loc = locate(model, what="export_onnx")
+    if not decoder_graph_fits(loc.family) or non_language_modules(model):
+        raise ValueError(f"export_onnx: the decoder graph does not compute {type(model).__name__} (the "
+                         f"{loc.family.name} record); give inputs= to trace it")
+    for i, layer in enumerate(model.get_submodule(loc.layers)):
+        act = layer.get_submodule(loc.family.act)
+        if type(act).__name__ not in ("SiLU", "SiLUActivation"):
+            raise ValueError(f"export_onnx: {loc.layers}.{i}.{loc.family.act} is a {type(act).__name__}; the decoder "
+                             f"graph's MLP is SiLU(gate) * up")
     for n, m in model.named_modules():
         if isinstance(m, (QuantConvTranspose2d, QuantEmbeddingBag)):
             raise ValueError(f"export_onnx: {n}: a {type(m).__name__} in a decoder")
