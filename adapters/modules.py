@@ -1193,8 +1193,9 @@ class QuantExperts(_QuantMixin):
     Life cycle as the Linear wrappers: pending (fake-quantized on the fly) -> ``commit()`` (weights written in
     place; ``commit(weight={proj: [QTensor per expert]})`` commits an algorithm's result, GPTQ's, as it is) ->
     ``freeze()`` (packed per-expert codes ``gate_up_proj_packed`` [E, out, packed in] + scale codes);
-    ``load_frozen`` for importers. ``qat=True`` is refused: not supported for fused experts yet (issue 22). The forward is the eager one whatever the model's
-    ``_experts_implementation``; with every role off it equals the original module's eager forward bit for bit.
+    ``load_frozen`` for importers. ``qat=True`` is refused: not supported for fused experts yet (docs/adapters.md).
+    The forward is the eager one whatever the model's ``_experts_implementation``; with every role off it equals the
+    original module's eager forward bit for bit.
     """
 
     _classes: dict = {}
@@ -1219,8 +1220,8 @@ class QuantExperts(_QuantMixin):
         if why is not None:
             raise TypeError(f"experts {name!r}: {why}")
         if qat:
-            raise ValueError(f"experts {name!r}: qat=True is not supported for fused MoE experts yet (issue 22); "
-                             f"quantize with qat=False, or exclude the experts")
+            raise ValueError(f"experts {name!r}: qat=True is not supported for fused MoE experts yet "
+                             f"(docs/adapters.md); quantize with qat=False, or exclude the experts")
         qcls = QuantExperts.class_for(type(module))
         return _QuantMixin.from_module.__func__(qcls, module, config, name=name, qat=False)
 

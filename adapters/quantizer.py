@@ -245,7 +245,7 @@ class FloatWeight:
     why: str
 
 
-ISSUE = "issue 22"  # where full support for these weights is tracked
+ISSUE = "docs/adapters.md, 'Families by feature'"  # what is supported, family by family
 _WHY_EXPERTS = (f"3-D fused MoE expert weights of a layout qcore does not know (it quantizes the fused experts of "
                 f"Mixtral, Qwen2-MoE, Qwen3-MoE and of the classes whose eager forward is MixtralExperts': "
                 f"qcore.adapters.modules.experts_layout_problem; {ISSUE})")
@@ -670,7 +670,7 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     if reference is not None:
         for name, _, new in wrappers:
             if name not in pinned and "weight" in new.specs and not isinstance(new, QuantExperts):  # experts:
-                reference[name] = new.weight.detach().to("cpu", copy=True)  # not in layer_report yet (issue 22)
+                reference[name] = new.weight.detach().to("cpu", copy=True)  # not in layer_report yet (docs/adapters.md)
     if not qat:
         # Past this point the model is quantized: writing the weights in place cannot be undone without a second
         # copy of them. If it is interrupted, the wrappers not yet written stay in their pending mode, which

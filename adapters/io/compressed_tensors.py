@@ -203,7 +203,7 @@ def check_ct(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
     from .experts import check_no_experts
     from .quark_hf import export_units, refuse_conv1d, will_rotate_online
     check_no_experts(model, config if config is not None else getattr(model, "qcore_config", None),
-                     who="export_compressed_tensors")  # fused MoE experts: not written yet (issue 22)
+                     who="export_compressed_tensors")  # fused MoE experts: not written yet (docs/adapters.md)
     dtype = _model_dtype(model)
     if dtype not in _MODEL_DTYPES:
         raise ValueError(f"export_compressed_tensors: model dtype {dtype} is not float32, bfloat16 or float16")

@@ -36,7 +36,7 @@ from ..modules import EXPERT_PROJS, QuantExperts, _QuantMixin, is_fused_experts
 __all__ = ["disk_names", "experts_layout", "experts_records", "ExpertsShell", "check_no_experts",
            "drop_expert_converters"]
 
-ISSUE = "issue 22"
+ISSUE = "docs/adapters.md, 'Families by feature'"
 _HALVES = ("gate", "up")
 
 

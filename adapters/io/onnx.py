@@ -304,7 +304,7 @@ def check_onnx(model: nn.Module, config: Optional[Any] = None, *, inputs: Any = 
     un = _enum(Unsupported, unsupported, "unsupported")
     refuse_conv1d(model, config if config is not None else getattr(model, "qcore_config", None), "export_onnx")
     check_no_experts(model, config if config is not None else getattr(model, "qcore_config", None),
-                     who="export_onnx")  # fused MoE experts: not written yet (issue 22)
+                     who="export_onnx")  # fused MoE experts: not written yet (docs/adapters.md)
     _check_float32(model)
     if _check_graph_kind(model, inputs, wf):
         _check_decoder(model)
@@ -798,7 +798,7 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], *, inputs: Unio
     from .experts import check_no_experts
     from .quark_hf import refuse_conv1d
     refuse_conv1d(model, None, "export_onnx")
-    check_no_experts(model, who="export_onnx")  # fused MoE experts: not written yet (issue 22)
+    check_no_experts(model, who="export_onnx")  # fused MoE experts: not written yet (docs/adapters.md)
     _check_float32(model)
     ctx = _Ctx(X.Graph(), wf, un, accuracy_level)
     for n, m in mods:

@@ -284,7 +284,7 @@ def export_units(model: nn.Module, config: ModelConfig) -> list[ExportUnit]:
 def refuse_conv1d(model: nn.Module, config: Optional[ModelConfig], who: str) -> None:
     """Before any work: ValueError naming the first module that is (or, for a float model and ``config``, will be)
     a quantized transformers ``Conv1D`` (GPT-2's projections): ``who`` (the GGUF, ONNX and compressed-tensors
-    exporters and their up-front checks) has no writer for them yet (issue 22); ``export_hf`` writes them."""
+    exporters and their up-front checks) has no writer for them yet (docs/adapters.md); ``export_hf`` writes them."""
     names = [n for n, m in model.named_modules()
              if isinstance(m, _QuantMixin) and type(m).__bases__[1].__name__ == "Conv1D"]
     if not names and isinstance(config, ModelConfig) and not any(isinstance(m, _QuantMixin) for m in model.modules()) \
@@ -298,7 +298,7 @@ def conv1d_error(who: str, names: list) -> str:
     """The refusal of an exporter with no writer for quantized transformers ``Conv1D`` modules (``names``)."""
     more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
     return (f"{who}: {names[0]!r}{more} is a quantized transformers Conv1D (GPT-2's attention and MLP "
-            f"projections); this format has no writer for it yet (issue 22). export_hf writes it "
+            f"projections); this format has no writer for it yet (docs/adapters.md). export_hf writes it "
             f"(qcore.adapters.from_pretrained loads it); or exclude these modules from the config to keep them float")
 
 
@@ -380,7 +380,7 @@ def _experts_unit_layout(u: ExportUnit) -> str:
     shapes = {"gate_up_proj": (e, o, i), "down_proj": (e, i, o // 2)}
     problem = split_problem(spec, shapes)
     if problem is not None:
-        raise ValueError(f"export_hf: experts {u.name!r}: {problem}; not written yet (issue 22)")
+        raise ValueError(f"export_hf: experts {u.name!r}: {problem}; not written yet (docs/adapters.md)")
     return experts_layout(spec, shapes)
 
 

@@ -372,7 +372,7 @@ def check_experts_algorithms(plans: list, algos, *, who: Optional[str] = None) -
     if layer and experts:
         raise ValueError(f"{', '.join(layer)}: the plan quantizes fused MoE experts ({len(experts)} module(s), e.g. "
                          f"{experts[0]!r}: tensors {experts[0]}.gate_up_proj / down_proj), which these algorithms "
-                         f"do not handle yet (issue 22; GPTQ does); quantize without them (round-to-nearest or "
+                         f"do not handle yet (GPTQ does; docs/adapters.md); quantize without them (round-to-nearest or "
                          f"GPTQ), or keep the experts float: exclude=[..., 're:.*\\.experts']")
 
 

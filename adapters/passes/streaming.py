@@ -259,7 +259,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
     model, dtype, gen = _skeleton(src, dtype)
     plans = plan_model(model, cfg)
     from ..io.experts import check_no_experts
-    check_no_experts(model, cfg, who="quantize_checkpoint")  # fused MoE experts: not streamed yet (issue 22)
+    check_no_experts(model, cfg, who="quantize_checkpoint")  # fused MoE experts: not streamed yet (docs/adapters.md)
     weightless = [p.name for p in plans if p.config.weight is None]
     if weightless:  # the checkpoint stores quantized weights with their scales (as export_hf, which refuses too)
         from ..io.quark_hf import weightless_error

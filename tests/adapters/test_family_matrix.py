@@ -154,7 +154,7 @@ def test_algorithm_runs_or_refuses_before_work(family, algo, family_model, zoo):
     if want == "no":
         with pytest.raises((ValueError, TypeError)) as e:
             quantize_model(model, cfg, data, progress=False)
-        assert _names_family(str(e.value), model) or "issue 22" in str(e.value), str(e.value)
+        assert _names_family(str(e.value), model) or "docs/adapters.md" in str(e.value), str(e.value)
         assert _same_state(model, before), "refused after changing weights"
         assert not getattr(model, "_qcore_partial", False)
         return
@@ -175,7 +175,7 @@ def test_amp_runs_or_refuses_before_work(family, family_model, zoo):
     if want == "no":
         with pytest.raises((ValueError, TypeError)) as e:
             amp_config(model, schemes, data, target_bits=6.0, progress=False)
-        assert _names_family(str(e.value), model) or "issue 22" in str(e.value), str(e.value)
+        assert _names_family(str(e.value), model) or "docs/adapters.md" in str(e.value), str(e.value)
         assert _same_state(model, before)
         return
     cfg = amp_config(model, schemes, data, target_bits=6.0, progress=False)
@@ -198,7 +198,7 @@ def _quantized(family, family_model, zoo, config="uint4_wo_64"):
 def _refused(fn, model, dst: pathlib.Path):
     with pytest.raises((ValueError, TypeError)) as e:
         fn()
-    assert _names_family(str(e.value), model) or "issue 22" in str(e.value), str(e.value)
+    assert _names_family(str(e.value), model) or "docs/adapters.md" in str(e.value), str(e.value)
     assert not dst.exists() or not any(dst.iterdir() if dst.is_dir() else [dst])
 
 

@@ -289,7 +289,7 @@ def test_bad_configs_and_models_are_refused_before_any_work():
     lc = preset("uint4_wo_32").layer
     # 1. qat: not supported for fused experts
     _refused(model, lambda: quantize_model(model, "uint4_wo_32", qat=True, progress=False),
-             r"experts 'model.layers.0.mlp.experts': qat=True is not supported.*issue 22")
+             r"experts 'model.layers.0.mlp.experts': qat=True is not supported.*docs/adapters.md")
     # 2. a bias spec: the experts have no bias
     int8 = qcore.dtypes.get_dtype("int8")
     bias = LayerConfig(weight=lc.weight, bias=TensorConfig(qcore.QuantSpec(int8, PerChannel(0))))
@@ -311,7 +311,7 @@ def test_bad_configs_and_models_are_refused_before_any_work():
     for algo in ("awq", "smoothquant"):
         cfg = preset("uint4_wo_32").replace(algorithms=({"name": algo},))
         _refused(model, lambda cfg=cfg: quantize_model(model, cfg, [IDS], progress=False),
-                 rf"{algo}: the plan quantizes fused MoE experts .*model.layers.0.mlp.experts.*issue 22")
+                 rf"{algo}: the plan quantizes fused MoE experts .*model.layers.0.mlp.experts.*docs/adapters.md")
     # 7. AMP's sensitivities
     from qcore.adapters.passes.amp import layer_sensitivity
     _refused(model, lambda: layer_sensitivity(model, ["uint4_wo_32", "float"], [IDS], progress=False),
@@ -328,7 +328,7 @@ def test_exporters_without_fused_experts_refuse_before_work(tmp_path):
     from qcore.adapters.io.gguf import check_gguf, export_gguf
     from qcore.adapters.io.onnx import check_onnx, export_onnx
     model = tiny_mixtral(1)
-    want = r"tensor model.layers.0.mlp.experts.gate_up_proj.*issue 22"
+    want = r"tensor model.layers.0.mlp.experts.gate_up_proj.*docs/adapters.md"
     for check in (check_onnx, check_ct):  # the float model and the config: before the baseline
         with pytest.raises(ValueError, match=want):
             check(model, preset("uint4_wo_32"))
@@ -435,7 +435,7 @@ class DbrxLikeExperts(nn.Module):
 def test_experts_of_unknown_layouts_stay_refused(experts, why):
     model = nn.Sequential(nn.Linear(8, 8))
     model.add_module("experts", experts())
-    _refused(model, lambda: quantize_model(model, "uint4_wo_32", progress=False), f"{why}.*issue 22")
+    _refused(model, lambda: quantize_model(model, "uint4_wo_32", progress=False), f"{why}.*docs/adapters.md")
     quantize_model(model, preset("uint4_wo_32").replace(exclude=("experts",)), progress=False)
     assert unquantized_weights(model) == [] and list(quantized_modules(model)) == ["0"]
 
@@ -570,5 +570,5 @@ def test_cli_refuses_layer_algorithms_on_fused_experts_before_any_evaluation(tmp
             "none", "--no-progress", "--output", str(out)]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "awq: the plan quantizes fused MoE experts" in err and "issue 22" in err
+    assert len(err.splitlines()) == 1 and "awq: the plan quantizes fused MoE experts" in err and "docs/adapters.md" in err
     assert not out.exists()

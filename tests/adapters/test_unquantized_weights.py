@@ -85,7 +85,7 @@ def test_fused_experts_of_an_unknown_layout_are_refused_before_any_work(family):
         quantize_model(model, preset("uint4_wo_64"), progress=False)
     msg = str(e.value)
     assert "4 weight(s)" in msg and "model.layers.0.mlp.experts.gate_up_proj [4," in msg
-    assert "3-D fused MoE expert weights of a layout qcore does not know" in msg and "issue 22" in msg
+    assert "3-D fused MoE expert weights of a layout qcore does not know" in msg and "docs/adapters.md" in msg
     assert "mlp.gate" not in msg  # the router stays float by design, as the peers keep it
     assert "Nothing was changed" in msg and "--exclude lm_head --exclude" in msg
     assert _suggested_exclude(msg) == ["lm_head", EXPERTS]
