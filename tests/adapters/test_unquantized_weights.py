@@ -92,7 +92,7 @@ def test_fused_experts_of_an_unknown_layout_are_refused_before_any_work(family):
     assert not quantized_modules(model)  # nothing was touched
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
-    with pytest.raises(ValueError, match="issue 22"):  # plan_model is where it is found: every path refuses
+    with pytest.raises(ValueError, match="docs/adapters.md"):  # plan_model is where it is found: every path refuses
         plan_model(model, "uint4_wo_64")
     assert "model.layers.0.mlp.experts" in [p.name for p in plan_model(MOE[family](), "uint4_wo_64")]  # known
 
