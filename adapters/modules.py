@@ -27,10 +27,11 @@ to the module's dtype once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from types import MappingProxyType
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Iterable, Mapping, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -173,6 +174,23 @@ class _Observer:
 # ---------------------------------------------------------------------------------------------------------------
 
 _PENDING, _INPLACE, _QAT, _FROZEN = "pending", "inplace", "qat", "frozen"
+
+
+@contextlib.contextmanager
+def calibrating(mods: Iterable[Any]):
+    """Observe static activation statistics on ``mods`` inside the block, then set their scales; on any error
+    the observers are dropped and the scales left as they were (``abort_calibration``)."""
+    mods = list(mods)
+    for m in mods:
+        m.start_calibration()
+    try:
+        yield
+        for m in mods:
+            m.finish_calibration()
+    except BaseException:
+        for m in mods:
+            m.abort_calibration()
+        raise
 
 
 def _quantize_observed(x: torch.Tensor, spec: QuantSpec, obs: Any):

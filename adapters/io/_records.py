@@ -3,12 +3,14 @@ checkpoint writer of ``qcore.adapters.io`` hands to ``qcore.formats.safetensors_
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import numpy as np
 import torch
 
 from qcore.formats.safetensors_io import TensorRecord
 
-__all__ = ["_TORCH_ST", "_ST_TORCH", "_np", "_record", "_tensor_record"]
+__all__ = ["_TORCH_ST", "_ST_TORCH", "_np", "_record", "_tensor_record", "untied_state"]
 
 _TORCH_ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
              torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
@@ -33,3 +35,17 @@ def _tensor_record(name: str, t: torch.Tensor) -> TensorRecord:
     if t.dtype not in _TORCH_ST:
         raise TypeError(f"export: tensor {name!r} has dtype {t.dtype}, which safetensors cannot hold")
     return _record(name, _TORCH_ST[t.dtype], lambda: _np(t), tuple(t.shape))
+
+
+def untied_state(model, skip) -> "Iterator[tuple[str, torch.Tensor]]":
+    """``(name, tensor)`` of ``model``'s state dict, the names in ``skip`` and None entries left out, and a tensor
+    that several names share (a tied weight) once, under its first name, as ``save_pretrained`` writes it."""
+    seen: set = set()
+    for k, t in model.state_dict(keep_vars=True).items():
+        if k in skip or t is None:
+            continue
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        yield k, t

@@ -50,7 +50,7 @@ from qcore.formats.quark_layout import WeightParts
 from qcore.formats.safetensors_io import TensorRecord, CorruptCheckpointError, SafetensorsFile
 
 from ..config import ModelConfig, KVCacheConfig, LayerConfig, TensorConfig
-from ._records import _TORCH_ST, _record, _tensor_record
+from ._records import _TORCH_ST, _record, _tensor_record, untied_state
 from .quark_hf import (QCORE_FORMAT_VERSION, _check_config_describes, _online_rotations, check_destination,
                        model_config, parse_size, weight_parts, write_checkpoint)
 from ..modules import QuantLinear, _QuantMixin, QUANT_CLASSES
@@ -370,14 +370,7 @@ def _records(model: nn.Module, layers: list, st: str, report: dict) -> list[Tens
         if bias is not None and not float_weight:
             records.append(_tensor_record(prefix + "bias", bias.detach()))
     records.extend(kv_recs)
-    seen: set = set()
-    for k, t in model.state_dict(keep_vars=True).items():
-        if k in owned or t is None:
-            continue
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
-        if t.numel() and key in seen:  # a tied weight: written once, as save_pretrained does
-            continue
-        seen.add(key)
+    for k, t in untied_state(model, owned):  # a tied weight: written once, as save_pretrained does
         records.append(_tensor_record(k, t.detach()))
     names = [r.name for r in records]
     if len(set(names)) != len(names):

@@ -284,6 +284,15 @@ def _float_array(w: np.ndarray) -> tuple[np.ndarray, str]:
     return np.ascontiguousarray(w, np.float32), "F32"
 
 
+def _exactness(data: np.ndarray, kind: str, how: str, ref: np.ndarray) -> tuple[bool, float]:
+    """Whether the written tensor ``data`` (2-D rows of blocks, or float) holds the in-memory weight ``ref``
+    exactly, and the max abs difference: ggml's dequantization of blocks, the values of a float tensor."""
+    if how == "float":
+        return (bool(np.array_equal(data.astype(np.float32), ref)),
+                float(np.max(np.abs(data.astype(np.float64) - ref), initial=0.0)))
+    return G.is_exact(data, kind, ref)
+
+
 def _encode_quantized(name: str, gbase: str, m: _QuantMixin, strict: bool) -> tuple[np.ndarray, str, TensorReport]:
     from .quark_hf import weight_parts
     spec = m.specs["weight"]
@@ -304,11 +313,7 @@ def _encode_quantized(name: str, gbase: str, m: _QuantMixin, strict: bool) -> tu
         else:
             data, kind = _float_array(ref)
             how = "float"
-    if how == "float":
-        exact = bool(np.array_equal(data.astype(np.float32), ref))
-        diff = float(np.max(np.abs(data.astype(np.float64) - ref), initial=0.0))
-    else:
-        exact, diff = G.is_exact(data, kind, ref)
+    exact, diff = _exactness(data, kind, how, ref)
     rep = TensorReport(f"{name}.weight", f"{gbase}.weight", kind, exact, diff, how)
     if strict and not exact:
         why = {"codes": "its scales (or Q4_1 offsets) are not float16", "float": "",
@@ -383,11 +388,7 @@ def _encode_experts(name: str, blk: str, m: nn.Module, strict: bool) -> tuple[li
             else:
                 data, kind = _float_array(ref)
                 how = "float"
-        if how == "float":
-            exact = bool(np.array_equal(data.astype(np.float32), ref))
-            diff = float(np.max(np.abs(data.astype(np.float64) - ref), initial=0.0))
-        else:
-            exact, diff = G.is_exact(data.reshape(e_ * o, -1), kind, ref.reshape(e_ * o, i))
+        exact, diff = _exactness(data.reshape(e_ * o, -1), kind, how, ref.reshape(e_ * o, i))
         rep = TensorReport(f"{name}.{'down_proj' if role == 'ffn_down_exps' else 'gate_up_proj'}", gname, kind,
                            exact, diff, how)
         if strict and not exact:

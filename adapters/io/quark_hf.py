@@ -63,7 +63,7 @@ from qcore.formats import quark_layout as L
 from qcore.formats.safetensors_io import (TensorRecord, write_file, CorruptCheckpointError, SafetensorsFile,
                                           read_json_object)
 
-from ._records import _ST_TORCH, _TORCH_ST, _np, _record, _tensor_record  # noqa: F401 (shared by the writers)
+from ._records import _ST_TORCH, _TORCH_ST, _np, _record, _tensor_record, untied_state  # noqa: F401
 from ..config import ModelConfig
 from ..modules import QuantExperts, QuantLinear, _QuantMixin, QUANT_CLASSES
 from .._batches import _set_module
@@ -223,16 +223,9 @@ def _plan_tensors(model: nn.Module, pack_method: str = "reorder", *, own: bool =
             records.extend(experts_records(model, name, m, layouts[name], pack_method))
             continue
         records.extend(module_records(name, m, layouts[name], cache, pack_method))
-    seen: dict[tuple, str] = {}
     from .experts import float_experts_records, float_experts_split
     split = float_experts_split(model)  # float fused experts: per expert, as the family's checkpoints hold them
-    for k, t in model.state_dict(keep_vars=True).items():
-        if k in owned or t is None:
-            continue
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
-        if t.numel() and key in seen:  # a tied weight: written once, as save_pretrained does
-            continue
-        seen[key] = k
+    for k, t in untied_state(model, owned):  # a tied weight: written once, as save_pretrained does
         records.extend(float_experts_records(model, k, t, split[k]) if k in split else [_tensor_record(k, t.detach())])
     return records, layouts
 

@@ -57,7 +57,7 @@ from torch import nn
 from qcore.algorithms.mixed_precision import DEFAULT_RESOLUTION, MixedPrecision, search
 
 from ..config import LayerConfig, ModelConfig
-from ..modules import _norm_weight_granularity, _QuantMixin, _with_granularity, wrap
+from ..modules import _norm_weight_granularity, _QuantMixin, _with_granularity, calibrating, wrap
 from .._batches import _check_batch, _describe, _device_of, _progress, _set_module, _to
 from ..quantizer import plan_model
 
@@ -281,17 +281,9 @@ class _Probe:
         mods = [w for w in wrappers if isinstance(w, _QuantMixin) and w.static_roles()]
         if not mods:
             return
-        for m in mods:
-            m.start_calibration()
-        try:
+        with calibrating(mods):
             for _ in self._run(k, stop=stop):
                 pass
-            for m in mods:
-                m.finish_calibration()
-        except BaseException:
-            for m in mods:
-                m.abort_calibration()
-            raise
 
     def measure(self, k: Optional[int]) -> float:
         total, count = 0.0, 0

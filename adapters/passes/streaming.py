@@ -62,7 +62,7 @@ from ..io.quark_hf import (ExportInfo, _info, _plan_tensors, _quantization_confi
                      write_metadata, write_shards)
 from ..io.quark_hf import checkpoint_method
 from ..io._records import _ST_TORCH
-from ..modules import wrap
+from ..modules import calibrating, wrap
 from .._batches import _set_module
 from ..quantizer import _as_config, config_algorithms, plan_model
 from .runner import LayerRunner, Spill, find_decoder_layers, forward_layer
@@ -435,14 +435,6 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
 def _calibrate_tail(runner: LayerRunner, tail: list, finals, data) -> None:
     """Static scales of the modules after the decoder layers: the model runs with its layers replaced by the
     kept final hidden states (``LayerRunner.run_from`` past the last layer)."""
-    for w in tail:
-        w.start_calibration()
-    try:
+    with calibrating(tail):
         for _ in runner.run_from(len(runner), data, inputs=finals, move=True, desc="calibrating the output modules"):
             pass
-        for w in tail:
-            w.finish_calibration()
-    except BaseException:
-        for w in tail:
-            w.abort_calibration()
-        raise
