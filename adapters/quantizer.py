@@ -548,7 +548,8 @@ def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distri
 
 def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], data: Optional[Iterable] = None, *,
                    qat: bool = False, progress: bool = True, distributed: Any = None,
-                   reference: Optional[dict] = None, moe_all_experts: bool = True) -> nn.Module:
+                   reference: Optional[dict] = None, moe_all_experts: bool = True, work_dir=None,
+                   resume: bool = False) -> nn.Module:
     """Quantize ``model`` in place per ``config`` (a ``ModelConfig``, a preset name or a config dict) and return it.
 
     data: calibration batches (see ``calibrate``); needed when the config has static activation scales.
@@ -566,6 +567,10 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         ``qcore.adapters.eval.layer_report`` measures the committed weights against.
     moe_all_experts: MoE blocks send every token to every expert during the algorithms' passes and calibration
         (outputs unchanged: the routed top-k only), so every expert gets statistics; see ``calibrate``.
+    work_dir, resume: the layer algorithms (GPTQ, AWQ, SmoothQuant, AutoSmoothQuant) save their progress in
+        ``work_dir`` after each decoder layer; ``resume=True`` continues a run saved there (same model, config and
+        data: refused otherwise) to the same weights an uninterrupted run gives (``qcore.adapters.passes.
+        checkpointing``; docs/adapters.md "Long runs: a work directory"). Not with ``distributed``.
 
     All or nothing: on any error the original modules are put back and the weights are untouched. With
     algorithms (``config.algorithms``: a rotation first, QuaRot or SpinQuant, on the whole float model,
@@ -613,6 +618,9 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
                                      n_batches=len(data) if data is not None else 1)
     pinned: dict = {}
     algos = config_algorithms(config)
+    if work_dir is not None and data is not None:
+        data = list(data)  # read by the fingerprint, then by the run
+    work = _work_dir(model, config, algos, data, work_dir, resume, distributed)
     if algos:
         from qcore.algorithms.config import SpinQuantConfig, split_rotation
         rot, algos = split_rotation(algos)
@@ -644,7 +652,7 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
             # layers run several times per batch there: counted by calibrate's single pass only
             with moe_calibration(model, all_experts=moe_all_experts, warn=False) as moe, moe.counting(False):
                 pinned = run_algorithms(model, plans, algos, data, progress=progress, reduce=distributed,
-                                        reference=reference)
+                                        reference=reference, work=work)
     wrappers = [(p.name, model.get_submodule(p.name), wrap(model.get_submodule(p.name), p.config, name=p.name,
                                                            qat=qat)) for p in plans]
     for name, _, new in wrappers:
@@ -679,6 +687,30 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
             new.commit()
     model.qcore_config = config  # what exporters write (qcore.adapters.export_hf)
     return model
+
+
+def _work_dir(model, config, algos, data, work_dir, resume, distributed):
+    """``quantize_model``'s work directory (None without one), checked and tied to this run before any work."""
+    from qcore._fsutil import model_sources
+
+    from .passes.checkpointing import WorkDir, check_work_args, digest_model, fingerprint
+    path = check_work_args(work_dir, resume, sources=model_sources(model))
+    if path is None:
+        return None
+    from qcore.algorithms.config import ROTATION_CONFIGS
+    layer_algos = [a for a in algos if not isinstance(a, ROTATION_CONFIGS)]
+    if not layer_algos:
+        raise ValueError(f"work_dir={str(work_dir)!r}: the config runs no layer-by-layer algorithm (gptq, awq, "
+                         f"smoothquant, autosmoothquant), so there is no progress to save")
+    if distributed is not None:
+        raise ValueError(f"work_dir={str(work_dir)!r}: not with distributed= (each rank would write its own); run "
+                         f"distributed calibration without a work directory")
+    from .passes.runner import find_decoder_layers
+    from .passes.sequential import _layers_path
+    n = len(find_decoder_layers(model, _layers_path(layer_algos))[1])
+    fp = fingerprint(what="quantize_model", model=digest_model(model), config=config.to_dict(),
+                     data=list(data) if data is not None else None, n_layers=n)
+    return WorkDir(path, fp, resume=resume)
 
 
 def config_algorithms(config) -> tuple:

@@ -310,11 +310,13 @@ class LayerRunner:
 
     def run(self, step: Callable[[int, nn.Module, Optional[LayerInputs]], None], inputs: Optional[LayerInputs] = None,
             *, desc: str = "layer by layer", replay: bool = True, keep_last: bool = False, rewrites: bool = False,
-            what: str = "the pass") -> Optional[LayerInputs]:
+            what: str = "the pass", checkpoint=None) -> Optional[LayerInputs]:
         """``step(i, layer, inputs)`` for each decoder layer in turn; with ``replay`` the layer (as the step left
         it) then runs over ``inputs`` to give the next layer's (after the last layer only with ``keep_last``:
         the final hidden states, returned). ``rewrites``: the steps change the model's weights: a failure marks
-        the model partial and raises ``AlgorithmError`` naming ``what`` and the layer (module docstring)."""
+        the model partial and raises ``AlgorithmError`` naming ``what`` and the layer (module docstring).
+        ``checkpoint``: a ``qcore.adapters.passes.checkpointing.LayerCheckpoint``: the layers a work directory
+        holds are restored and the run starts after them; each layer is saved there when done."""
         from .._batches import _progress
 
         if not callable(step):
@@ -327,12 +329,20 @@ class LayerRunner:
         self._need_layers("run")
         n = len(self.layers)
         current: Optional[int] = None
+        start = 0
         try:
-            for i in _progress(range(n), total=n, desc=desc, enabled=self.progress):
+            if checkpoint is not None:  # a work directory: the layers it holds are restored, the run goes on
+                current = 0
+                start, inputs = checkpoint.begin(self.layers, inputs, n, device=self.device)
+                if start:
+                    desc = f"{desc} (resuming at layer {start} of {n})"
+            for i in _progress(range(start, n), total=n - start, desc=desc, enabled=self.progress):
                 current = i
                 step(i, self.layers[i], inputs)
                 if replay and (i + 1 < n or keep_last):
                     inputs = forward_layer(self.layers[i], inputs, keep=True)
+                if checkpoint is not None:
+                    checkpoint.done(i, self.layers[i], inputs if replay else None)
         except BaseException as e:
             if current is None or not rewrites:
                 raise

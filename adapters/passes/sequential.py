@@ -414,7 +414,7 @@ def check_algorithms(model: nn.Module, plans: list, algorithms) -> None:
 
 
 def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence, *, progress: bool = True,
-                   reduce=None, reference: Optional[dict] = None) -> dict:
+                   reduce=None, reference: Optional[dict] = None, work=None) -> dict:
     """Apply ``algorithms`` (configs or dicts, in order) layer by layer; return ``{module name: QTensor}`` of
     the weights GPTQ quantized (fused experts: ``{proj: [QTensor or None per expert]}``). ``plans``:
     ``plan_model``'s output; ``batches``: a sequence of calibration batches. ``reduce``: for several processes
@@ -422,7 +422,9 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
     layer's ``HessianStats`` (the sum over ranks, before GPTQ; for fused experts each expert's two), its ``sum``
     / ``max`` / ``min`` reduce other statistics; every rank then computes the same weights.
     ``reference``: a dict to receive ``{module name: float weight GPTQ started from}`` (CPU copies; the report's
-    reference weights, ``qcore.adapters.eval.layer_report``)."""
+    reference weights, ``qcore.adapters.eval.layer_report``). ``work``: a
+    ``qcore.adapters.passes.checkpointing.WorkDir`` (``quantize_model(..., work_dir=)``): progress saved after each
+    layer, a saved run resumed."""
     algos = parse_algorithms(algorithms)
     if not algos:
         return {}
@@ -451,11 +453,15 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
     def step(i, layer, inputs):
         run_layer(layer, by_layer[i], inputs, algos, f"{path}.{i}", pinned, reduce, reference, family=family)
 
+    checkpoint = None
+    if work is not None:
+        from .checkpointing import algorithms_checkpoint
+        checkpoint = algorithms_checkpoint(work, path, by_layer, pinned, reference)
     try:
         with torch.no_grad():
             inputs = runner.capture(batches)
             runner.run(step, inputs, desc="algorithms, layer by layer", rewrites=True,
-                       what=f"{[a.name for a in algos]}")
+                       what=f"{[a.name for a in algos]}", checkpoint=checkpoint)
     finally:
         model.train(was_training)
     _log.info("algorithms %s on %d layers in %.1f s", [a.name for a in algos], len(layers), time.perf_counter() - t0)
