@@ -475,3 +475,44 @@ def algorithms_checkpoint(work: WorkDir, path: str, by_layer: list, pinned: dict
             reference.update(saved["reference"])
 
     return LayerCheckpoint(work, state=state, restore=restore)
+
+
+def streaming_checkpoint(work: WorkDir, spill, records: list, layouts: dict, streams: dict,
+                         device) -> LayerCheckpoint:
+    """``quantize_checkpoint``'s: per layer its encoded tensors (the spill's records of that layer, exact bytes)
+    and layouts; the carry is both streams of layer inputs (the algorithms' and the calibration's)."""
+    from qcore.formats.safetensors_io import TensorRecord
+    seen = {"records": 0, "layouts": set()}
+
+    def state(i, layer):
+        spill.f.flush()
+        new = records[seen["records"]:]
+        seen["records"] = len(records)
+        lay = {k: v for k, v in layouts.items() if k not in seen["layouts"]}
+        seen["layouts"].update(lay)
+        return {"records": [{"name": r.name, "dtype": r.dtype, "shape": list(r.shape),
+                             "data": _bytes_tensor(r.produce())} for r in new],
+                "layouts": lay}
+
+    def restore(i, layer, saved):
+        for r in saved["records"]:
+            data = r["data"].numpy().tobytes()
+            rec = TensorRecord(r["name"], r["dtype"], tuple(r["shape"]), lambda data=data: data)
+            records.append(spill.add(rec, r["name"]))
+        layouts.update(saved["layouts"])
+        seen["records"] = len(records)
+        seen["layouts"].update(saved["layouts"])
+
+    def carry():
+        return {k: _inputs_state(v) for k, v in streams.items()}
+
+    def set_carry(saved):
+        from .._batches import _to
+        for k in streams:
+            streams[k] = _inputs_from(_to(saved.get(k), device))
+
+    return LayerCheckpoint(work, state=state, restore=restore, carry=carry, set_carry=set_carry)
+
+
+def _bytes_tensor(b: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)

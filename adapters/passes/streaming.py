@@ -222,7 +222,8 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
                         config: Union[ModelConfig, str, Mapping], data: Optional[Iterable] = None, *,
                         dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cpu",
                         max_shard_size: Union[int, str] = "5GB", pack_method: str = "reorder",
-                        overwrite: bool = False, progress: bool = True) -> ExportInfo:
+                        overwrite: bool = False, progress: bool = True, work_dir=None,
+                        resume: bool = False) -> ExportInfo:
     """Quantize the float HF checkpoint in ``src_dir`` (config.json + safetensors) per ``config`` and write it to
     ``dst_dir`` in Quark's HF layout, one decoder layer in memory at a time (module docstring). The result is
     what ``quantize_model`` + ``export_hf`` write for the model loaded whole, bit for bit.
@@ -232,9 +233,14 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
     device: where each layer and the activations live while it is processed (e.g. ``"cuda"``).
     max_shard_size, pack_method, overwrite, progress: as for ``export_hf`` (a ``dst_dir`` that is, contains or
         lies inside ``src_dir`` is refused, with overwrite or not).
+    work_dir, resume: save the progress after each decoder layer in ``work_dir`` (the layer's encoded tensors,
+        the next layer's inputs); ``resume=True`` continues a run saved there to the same files
+        (``qcore.adapters.passes.checkpointing``; a work directory inside ``src_dir`` or ``dst_dir`` is refused).
     """
     src, dst = pathlib.Path(src_dir), pathlib.Path(dst_dir)
     check_not_source(dst, [src], what="dst_dir")  # with overwrite or not: replacing the source would delete it
+    from .checkpointing import check_work_args
+    work_path = check_work_args(work_dir, resume, sources=[src, dst])
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"src_dir {str(src)!r} is not a model directory (no config.json)")
     if pack_method not in L.PACK_METHODS:
@@ -293,6 +299,13 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
 
     _check_source(model, source)
     own = checkpoint_method(model, cfg) == "qcore"  # every quantized weight in qcore's layout (export_hf's rule)
+    work = None
+    if work_path is not None:  # tied to this run before any work (checkpointing.streaming_checkpoint)
+        from .checkpointing import WorkDir, digest_source, fingerprint
+        work = WorkDir(work_path, fingerprint(
+            what="quantize_checkpoint", model=digest_source(src), config=cfg.to_dict(), data=data,
+            n_layers=len(layers), extra={"dtype": str(dtype), "pack_method": pack_method, "device": str(device)}),
+            resume=resume)
 
     # the weights outside the decoder layers
     outer_keys = [k for k in _meta_keys(model) if not k.startswith(path + ".")]
@@ -310,7 +323,8 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
             spill = Spill(tmp / ".qcore-layers.spill")
             with torch.no_grad():
                 records, layouts = _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static,
-                                        data, source, dtype, device, spill, pack_method, progress, own=own)
+                                        data, source, dtype, device, spill, pack_method, progress, own=own,
+                                        work=work)
             # export_hf's order: the quantized modules' tensors in module order, then the other tensors in
             # state-dict order (stable sort: each module keeps its own tensor order)
             qnames = {p.name for p in plans}
@@ -337,7 +351,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
 
 
 def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static, data, source, dtype, device,
-         spill, pack_method, progress, *, own=False):
+         spill, pack_method, progress, *, own=False, work=None):
     from ..families import family_or_none
     from .sequential import run_layer
     family = family_or_none(model)
@@ -414,7 +428,11 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
             del work
         _release_memory()
 
-    runner.run(step, desc="quantizing layer by layer", replay=False)
+    checkpoint = None
+    if work is not None:
+        from .checkpointing import streaming_checkpoint
+        checkpoint = streaming_checkpoint(work, spill, records, layouts, streams, device)
+    runner.run(step, desc="quantizing layer by layer", replay=False, checkpoint=checkpoint)
     if tail:
         _calibrate_tail(runner, tail, streams["cal"], data)
     for w in outer:
