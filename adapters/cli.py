@@ -72,6 +72,9 @@ def quantize_command(args) -> int:
     """``qcore quantize``: the flags -> ``quantize_and_report`` (errors naming the flags) -> the printed summary."""
     algos = _algorithms(args.algo) if args.algo else None
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+    if not args.output:  # before any work: a long run whose result would be lost is no surprise
+        print("qcore quantize: no --output DIR given: the quantized model will not be saved (this run evaluates "
+              "and reports only)", file=sys.stderr)
     r = J._run(dict(
         model=args.model, scheme=args.scheme, tokenizer=None, group_size=args.group_size,
         kv_cache_dtype=args.kv_cache_dtype, exclude=args.exclude, algorithms=algos, calib_samples=args.calib_samples,
@@ -80,7 +83,8 @@ def quantize_command(args) -> int:
         output=args.output or None, export=args.export, onnx_weights=args.onnx_weights,
         onnx_unsupported=args.onnx_unsupported, drop_activations=args.drop_activations, overwrite=args.overwrite,
         max_shard_size=args.max_shard_size, report=args.report or None, plot=args.plot or None,
-        progress=not args.no_progress, command="qcore " + " ".join(shlex.quote(a) for a in (args.argv or []))),
+        progress=not args.no_progress, command="qcore " + " ".join(shlex.quote(a) for a in (args.argv or [])),
+        work_dir=args.work_dir or None, resume=args.resume),
         J.CLI)
     if r.onnx_dequantized:
         print(f"qcore quantize: --onnx-unsupported dequantize: {len(r.onnx_dequantized)} weight(s) "
@@ -392,6 +396,10 @@ def _add_quantize(q) -> None:
                    "activations are quantized without that quantization (GGUF has none); else refused")
     q.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --output directory")
     q.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest safetensors shard (default 5GB)")
+    q.add_argument("--work-dir", default=None, metavar="DIR", help="save the progress of the layer-by-layer passes "
+                   "(--algo gptq/awq/smoothquant/autosmoothquant, --amp) here after each decoder layer")
+    q.add_argument("--resume", action="store_true", help="continue the run saved in --work-dir (same model, scheme "
+                   "and data) to the same result; a missing or empty --work-dir starts afresh")
     q.add_argument("--eval", choices=["ppl", "none"], default="ppl", help="evaluation before and after (default ppl)")
     q.add_argument("--report", default=None, metavar="FILE.json", help="write the report as JSON")
     q.add_argument("--plot", default=None, metavar="FILE.png", help="plot each layer's weight SQNR and output SQNR "

@@ -629,8 +629,10 @@ def _check_types(o: dict) -> dict:
     for name in ("drop_activations", "overwrite", "progress"):
         if not isinstance(o[name], bool):
             bad(name, "True or False")
-    for name in ("eval_text", "output", "report", "plot"):
+    for name in ("eval_text", "output", "report", "plot", "work_dir"):
         path_or_none(name)
+    if not isinstance(o["resume"], bool):
+        bad("resume", "True or False")
     ex = o["exclude"]
     if ex is not None:
         if isinstance(ex, (str, bytes)) or not isinstance(ex, Sequence) or not all(isinstance(n, str) for n in ex):
@@ -699,7 +701,8 @@ def quantize_and_report(model: Union[None, str, os.PathLike, nn.Module] = None,
                         onnx_weights: str = "qdq", onnx_unsupported: str = "error", drop_activations: bool = False,
                         overwrite: bool = False, max_shard_size: Union[int, str] = "5GB",
                         report: Union[None, str, os.PathLike] = None, plot: Union[None, str, os.PathLike] = None,
-                        progress: bool = True, command: Optional[str] = None) -> QuantizeReport:
+                        progress: bool = True, command: Optional[str] = None,
+                        work_dir: Union[None, str, os.PathLike] = None, resume: bool = False) -> QuantizeReport:
     """Quantize ``model`` with ``scheme``, evaluate it before and after, export it, and return the report:
     what ``qcore quantize`` does (each argument is the flag of the same name; ``algorithms`` is ``--algo``).
 
@@ -719,6 +722,9 @@ def quantize_and_report(model: Union[None, str, os.PathLike, nn.Module] = None,
     ``drop_activations``, ``overwrite`` and ``max_shard_size`` as the flags of those names; ``report``: write
     ``QuantizeReport.to_dict()`` as JSON there; ``plot``: a PNG of each layer's SQNR (needs matplotlib).
     ``progress``: progress bars. ``command``: the report's ``command`` (default: this call, written out).
+    ``work_dir`` / ``resume``: the layer-by-layer passes (the algorithms, in ``work_dir/algorithms``; AMP's
+    sensitivities, in ``work_dir/amp``) save their progress after each layer, and ``resume`` continues an
+    interrupted run (``qcore.adapters.passes.checkpointing``; docs/adapters.md "Long runs: a work directory").
 
     Every argument is checked before any work: a bad one raises ``ValueError`` / ``TypeError`` naming it, and
     nothing is loaded, evaluated or written.
@@ -798,6 +804,7 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
         config = config.replace(algorithms=tuple(a.to_dict() for a in algos))
     needs = _needs_calibration(config, names) + ([f"{names('amp')}'s layer sensitivities"]
                                                   if amp_schemes is not None else [])
+    work = _work_dirs(o, names, config, amp_schemes is not None)
     if needs and o["calib_samples"] == 0:
         raise CommandError(f"{names.arg('calib_samples', 0)}: {', '.join(needs)} need calibration windows; give "
                            f"{names('calib_samples')} 1 or more")
@@ -871,7 +878,8 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
                                f"has none left after the evaluation windows (or the model has no tokenizer)")
         from .passes.amp import amp_config
         config = amp_config(model, amp_schemes, calib[:o["amp_samples"]], target_bits=o["target_bits"],
-                            max_loss=o["max_loss"], exclude=config.exclude, progress=progress).replace(
+                            max_loss=o["max_loss"], exclude=config.exclude, progress=progress,
+                            work_dir=work.get("amp"), resume=o["resume"]).replace(
             kv_cache=config.kv_cache, algorithms=config.algorithms)
         try:
             plans = Q.plan_model(model, config)
@@ -888,7 +896,8 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
     size_before = Q.model_bytes(model)
     t0 = time.perf_counter()
     reference: dict = {}
-    Q.quantize_model(model, config, calib, progress=progress, reference=reference)
+    Q.quantize_model(model, config, calib, progress=progress, reference=reference,
+                     work_dir=work.get("algorithms"), resume=o["resume"] and "algorithms" in work)
     quantize_s = time.perf_counter() - t0
     kept = Q.excluded_weights(model, config)  # what stays float by an exclusion: in the summary and the report
     from .eval import layer_report as LR
@@ -926,6 +935,27 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
             title += f"\nperplexity {ppl_base:.3f} (float) -> {ppl:.3f}"
         LR.save_plot(LR.figure(errors, rtn_errors, title=title), o["plot"])
     return result
+
+
+def _work_dirs(o: dict, names: _Names, config, amp: bool) -> dict:
+    """``{pass: its work directory}`` under ``work_dir`` (``algorithms``, ``amp``), checked before any work:
+    ``resume`` needs a work directory, which must not be (or overlap) the model, the output, the report or the
+    plot, and the run must have a layer-by-layer pass."""
+    from .passes.checkpointing import check_work_args
+    model = o["model"] if isinstance(o["model"], str) and os.path.exists(o["model"]) else None
+    try:
+        path = check_work_args(o["work_dir"], o["resume"], names=names,
+                               sources=[model, o["output"], o["eval_text"], o["report"], o["plot"]])
+    except (ValueError, TypeError) as e:
+        raise CommandError(str(e)) from None
+    if path is None:
+        return {}
+    from qcore.algorithms.config import ROTATION_CONFIGS, parse_algorithms
+    layer = [a for a in parse_algorithms(config.algorithms) if not isinstance(a, ROTATION_CONFIGS)]
+    if not layer and not amp:
+        raise CommandError(f"{names.arg('work_dir', o['work_dir'])}: this run has no layer-by-layer pass to save "
+                           f"(the algorithms gptq, awq, smoothquant, autosmoothquant, or {names('amp')})")
+    return {**({"algorithms": path / "algorithms"} if layer else {}), **({"amp": path / "amp"} if amp else {})}
 
 
 def _export(model, out_dir: pathlib.Path, fmt: str, *, config, tok, model_in, o: dict, progress: bool) -> dict:

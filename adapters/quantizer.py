@@ -620,7 +620,7 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     algos = config_algorithms(config)
     if work_dir is not None and data is not None:
         data = list(data)  # read by the fingerprint, then by the run
-    work = _work_dir(model, config, algos, data, work_dir, resume, distributed)
+    work = _work_dir(model, config, algos, data, work_dir, resume, distributed, reference is not None)
     if algos:
         from qcore.algorithms.config import SpinQuantConfig, split_rotation
         rot, algos = split_rotation(algos)
@@ -689,7 +689,7 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     return model
 
 
-def _work_dir(model, config, algos, data, work_dir, resume, distributed):
+def _work_dir(model, config, algos, data, work_dir, resume, distributed, keeps_reference):
     """``quantize_model``'s work directory (None without one), checked and tied to this run before any work."""
     from qcore._fsutil import model_sources
 
@@ -709,7 +709,8 @@ def _work_dir(model, config, algos, data, work_dir, resume, distributed):
     from .passes.sequential import _layers_path
     n = len(find_decoder_layers(model, _layers_path(layer_algos))[1])
     fp = fingerprint(what="quantize_model", model=digest_model(model), config=config.to_dict(),
-                     data=list(data) if data is not None else None, n_layers=n)
+                     data=list(data) if data is not None else None, n_layers=n,
+                     extra={"reference weights kept": keeps_reference})
     return WorkDir(path, fp, resume=resume)
 
 

@@ -308,12 +308,14 @@ class _Probe:
 
 def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metric: Metric = Metric.KL,
                       exclude: Optional[tuple] = None, tie: Optional[tuple] = None,
-                      progress: bool = True) -> Sensitivity:
+                      progress: bool = True, work_dir=None, resume: bool = False) -> Sensitivity:
     """The loss change of ``model`` on ``batches`` when one unit of layers alone is quantized with one scheme,
     for every unit and scheme (module docstring: metrics, units, schemes, cost).
 
     exclude: module names/patterns never quantized (default: the model's output head, as ``ModelConfig``).
     The layers measured are those every non-float scheme quantizes under ``ModelConfig(scheme, exclude=exclude)``.
+    work_dir, resume: each measurement is saved in ``work_dir`` as it is made; ``resume=True`` continues a run
+    saved there, measuring only what is missing (``qcore.adapters.passes.checkpointing``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -321,6 +323,10 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
         raise TypeError(f"metric must be a qcore.adapters.passes.amp.Metric, got {metric!r}")
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be a bool, got {progress!r}")
+    from qcore._fsutil import model_sources
+
+    from .checkpointing import amp_work, check_work_args
+    work_path = check_work_args(work_dir, resume, sources=model_sources(model))
     from ..families import family_or_none
     fam = family_or_none(model)
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
@@ -366,10 +372,14 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
     try:
         if old_cache is not None:
             cfg.use_cache = False
-        runner = _Probe(model, batches, metric, progress)
         jobs = [(u, s) for u in units for s in table if table[s] is not None]
-        loss: dict = {}
+        work = None if work_path is None else amp_work(work_path, resume, model, table, batches, metric, exclude,
+                                                       units, jobs)
+        runner = _Probe(model, batches, metric, progress)
+        loss: dict = {} if work is None else work.done()
         for unit, s in _progress(jobs, total=len(jobs), desc="layer sensitivity", enabled=progress):
+            if (unit, s) in loss:  # measured by the run saved in work_dir
+                continue
             where = [runner.layer_of(n) for n in unit]
             k = None if None in where else min(where)  # outside the decoder layers: full forwards
             stop = None if k is None else max(where)
@@ -380,6 +390,8 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
                     _set_module(model, n, w)
                 runner.calibrate(k, stop, [w for _, w in wrappers])
                 loss[(unit, s)] = runner.measure(k)
+                if work is not None:
+                    work.add(unit, s, loss[(unit, s)])
             finally:
                 for n, m in originals:
                     _set_module(model, n, m)
@@ -407,7 +419,7 @@ def amp_config(model: nn.Module, schemes: Any, batches: Optional[Sequence] = Non
                target_bits: Optional[float] = None, max_loss: Optional[float] = None,
                sensitivity: Optional[Sensitivity] = None, metric: Metric = Metric.KL, exclude: Optional[tuple] = None,
                tie: Optional[tuple] = None, resolution: int = DEFAULT_RESOLUTION,
-               progress: bool = True) -> ModelConfig:
+               progress: bool = True, work_dir=None, resume: bool = False) -> ModelConfig:
     """A ``ModelConfig`` with one scheme per layer: the least summed sensitivity within ``target_bits`` average
     bits per weight (over the measured layers), or the fewest bits within a summed sensitivity of ``max_loss``
     (give one). ``sensitivity``: a ``layer_sensitivity`` result for these ``schemes`` (then ``batches`` is not
@@ -421,7 +433,7 @@ def amp_config(model: nn.Module, schemes: Any, batches: Optional[Sequence] = Non
         if batches is None:
             raise ValueError("amp_config: pass batches (to measure the sensitivities) or sensitivity=")
         sensitivity = layer_sensitivity(model, schemes, batches, metric=metric, exclude=exclude, tie=tie,
-                                         progress=progress)
+                                         progress=progress, work_dir=work_dir, resume=resume)
     elif not isinstance(sensitivity, Sensitivity):
         raise TypeError(f"sensitivity must be a Sensitivity (layer_sensitivity's result), got "
                         f"{type(sensitivity).__name__}")

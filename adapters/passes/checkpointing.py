@@ -516,3 +516,35 @@ def streaming_checkpoint(work: WorkDir, spill, records: list, layouts: dict, str
 
 def _bytes_tensor(b: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
+
+
+class _AmpWork:
+    """AMP's measurements so far, kept in the work directory's manifest (``set_extra``; exact float round trip)."""
+
+    def __init__(self, work: WorkDir, jobs: list):
+        self.work = work
+        self.index = {(tuple(u), s): j for j, (u, s) in enumerate(jobs)}
+        self.saved = {int(j): float(v) for j, v in work.extra.get("sensitivities", {}).items()}
+        self.jobs = jobs
+
+    def done(self) -> dict:
+        out = {self.jobs[j]: v for j, v in self.saved.items() if 0 <= j < len(self.jobs)}
+        if out:
+            _log.warning("resuming at measurement %d of %d (work_dir %s)", len(out), len(self.jobs), self.work.path)
+        return out
+
+    def add(self, unit, scheme: str, value: float) -> None:
+        self.saved[self.index[(tuple(unit), scheme)]] = float(value)
+        self.work.set_extra("sensitivities", {str(j): v for j, v in sorted(self.saved.items())})
+
+
+def amp_work(path: pathlib.Path, resume: bool, model: nn.Module, table: Mapping, batches, metric, exclude,
+             units, jobs) -> _AmpWork:
+    """``layer_sensitivity``'s work directory, tied to the model, the schemes, metric, exclusions, units and
+    batches."""
+    cfg = {"schemes": {n: (None if lc is None else lc.to_dict()) for n, lc in table.items()},
+           "metric": metric.value, "exclude": None if exclude is None else list(exclude),
+           "units": [list(u) for u in units]}
+    fp = fingerprint(what="layer_sensitivity", model=digest_model(model), config=cfg, data=batches,
+                     n_layers=len(jobs))
+    return _AmpWork(WorkDir(path, fp, resume=resume), jobs)

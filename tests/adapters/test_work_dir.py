@@ -1,0 +1,261 @@
+"""Long runs survive interruption (``qcore.adapters.passes.checkpointing``): a layer-by-layer run given a work
+directory saves its progress after each decoder layer, and a resumed run ends with the same bytes as an
+uninterrupted one: killed with SIGKILL in a subprocess (GPTQ + AWQ in memory, the streamed checkpoint), or
+interrupted in process (SmoothQuant, AutoSmoothQuant, AMP's sensitivities); runs that differ are refused, a
+damaged last entry is detected, and ``qcore quantize`` without ``--output`` says nothing will be saved."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import stream_worker  # noqa: E402  (tests/adapters)
+import work_worker  # noqa: E402
+
+import qcore.adapters as A  # noqa: E402
+from qcore.adapters.passes import checkpointing as K  # noqa: E402
+from qcore.adapters.passes.amp import layer_sensitivity  # noqa: E402
+from qcore.adapters.passes.streaming import quantize_checkpoint  # noqa: E402
+from qcore.cli import main  # noqa: E402
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def _spawn(*args):
+    env = dict(os.environ, PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, str(HERE / "work_worker.py"), *map(str, args)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _killed(proc):
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, err[-2000:]
+    return out
+
+
+def _entries(work) -> int:
+    return len(json.loads((pathlib.Path(work) / "manifest.json").read_text())["entries"])
+
+
+def _same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+
+
+def _same_files(a: pathlib.Path, b: pathlib.Path):
+    fa, fb = sorted(p.name for p in a.iterdir()), sorted(p.name for p in b.iterdir())
+    assert fa == fb
+    for f in fa:
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f"{f} differs"
+
+
+def _interrupt_after(monkeypatch, k: int, cls=K.WorkDir, method="save_layer"):
+    real = getattr(cls, method)
+    count = {"n": 0}
+
+    def patched(self, *a, **kw):
+        real(self, *a, **kw)
+        count["n"] += 1
+        if count["n"] == k + 1:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(cls, method, patched)
+    return lambda: monkeypatch.setattr(cls, method, real)
+
+
+def _data(n=3):
+    return work_worker.batches(work_worker.conftest.VOCAB, n)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# killed with SIGKILL, then resumed: the same bytes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_killed_runs_resume_to_the_same_bytes(zoo, tmp_path, caplog):
+    """AWQ then GPTQ in memory (killed after layer 0 of 2) and the streamed checkpoint (GPTQ with static scales
+    and an fp8 KV cache, killed after layer 1 of 3), in one subprocess (the first in a forked child)."""
+    src = tmp_path / "src"
+    stream_worker.write_llama(src, hidden=64, intermediate=128, layers=3)
+    proc = _spawn("both", tmp_path / "w_model", 0, src, tmp_path / "out", tmp_path / "w_stream", 1)
+    # meanwhile, the uninterrupted runs
+    ref = A.quantize_model(zoo.tiny_llama(0), work_worker.model_config(), _data(), progress=False)
+    quantize_checkpoint(src, tmp_path / "ref", work_worker.stream_config(), work_worker.batches(256),
+                        max_shard_size="60KB", progress=False)
+    out = _killed(proc)
+    assert "child: killed by signal 9" in out
+    assert _entries(tmp_path / "w_model") == 1 and _entries(tmp_path / "w_stream") == 2
+    assert not (tmp_path / "out").exists()  # the staging directory never became the output
+
+    with caplog.at_level("WARNING", logger="qcore.adapters"):
+        got = A.quantize_model(zoo.tiny_llama(0), work_worker.model_config(), _data(), progress=False,
+                               work_dir=tmp_path / "w_model", resume=True)
+        _same_state(ref, got)
+        assert "resuming at layer 1 of 2" in caplog.text
+        info = quantize_checkpoint(src, tmp_path / "out", work_worker.stream_config(), work_worker.batches(256),
+                                   max_shard_size="60KB", progress=False, work_dir=tmp_path / "w_stream",
+                                   resume=True)
+        assert "resuming at layer 2 of 3" in caplog.text
+    _same_files(tmp_path / "ref", tmp_path / "out")
+    assert info.directory and _entries(tmp_path / "w_stream") == 3
+    # bounded disk: every layer's state, the two latest carries
+    assert sorted(p.name for p in (tmp_path / "w_stream").iterdir()) == [
+        "carry-00001.pt", "carry-00002.pt", "layer-00000.pt", "layer-00001.pt", "layer-00002.pt", "manifest.json"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# interrupted in process: the other passes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algo,scheme", [("smoothquant", "w_int8_a_int8_per_tensor_sym"),
+                                         ("autosmoothquant", "w_int8_a_int8_per_tensor_sym"),
+                                         ("gptq", "w_mxfp4_a_mxfp4")])
+def test_interrupted_scaling_passes_resume_to_the_same_weights(zoo, tmp_path, monkeypatch, caplog, algo, scheme):
+    cfg = A.preset(scheme).replace(algorithms=({"name": algo},))
+    ref_w: dict = {}
+    ref = A.quantize_model(zoo.tiny_llama(0), cfg, _data(), progress=False, reference=ref_w)
+    restore = _interrupt_after(monkeypatch, 0)
+    model = zoo.tiny_llama(0)
+    with pytest.raises(KeyboardInterrupt):
+        A.quantize_model(model, cfg, _data(), progress=False, work_dir=tmp_path / "w", reference={})
+    assert getattr(model, "_qcore_partial", False)
+    restore()
+    got_w: dict = {}
+    with caplog.at_level("WARNING", logger="qcore.adapters"):
+        got = A.quantize_model(zoo.tiny_llama(0), cfg, _data(), progress=False, reference=got_w,
+                               work_dir=tmp_path / "w", resume=True)
+    assert "resuming at layer 1 of 2" in caplog.text
+    _same_state(ref, got)
+    assert set(ref_w) == set(got_w)
+    assert all(torch.equal(ref_w[k], got_w[k]) for k in ref_w)
+
+
+def test_interrupted_amp_sensitivities_resume_to_the_same_values(zoo, tmp_path, monkeypatch):
+    model = zoo.tiny_llama(0)
+    schemes = ["w_mxfp4_a_mxfp4", "w_fp8_a_fp8"]
+    ref = layer_sensitivity(model, schemes, _data(2), progress=False)
+    restore = _interrupt_after(monkeypatch, 4, K._AmpWork, "add")
+    with pytest.raises(KeyboardInterrupt):
+        layer_sensitivity(model, schemes, _data(2), progress=False, work_dir=tmp_path / "w")
+    restore()
+    measured = []
+    real = K._AmpWork.add
+    monkeypatch.setattr(K._AmpWork, "add", lambda self, *a: (measured.append(a[:2]), real(self, *a)))
+    got = layer_sensitivity(model, schemes, _data(2), progress=False, work_dir=tmp_path / "w", resume=True)
+    assert got == ref  # floats compared exactly
+    assert len(measured) == len(ref.units) * 2 - 5  # only what the first run had not measured
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# refusals, damaged entries
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _gptq():
+    return A.preset("uint4_wo_32").replace(algorithms=({"name": "gptq"},))
+
+
+def test_a_different_run_is_refused_naming_the_difference(zoo, tmp_path, monkeypatch):
+    restore = _interrupt_after(monkeypatch, 0)
+    with pytest.raises(KeyboardInterrupt):
+        A.quantize_model(zoo.tiny_llama(0), _gptq(), _data(), progress=False, work_dir=tmp_path / "w")
+    restore()
+    before = (tmp_path / "w" / "manifest.json").read_bytes()
+    cases = [(zoo.tiny_llama(1), _gptq(), _data(), "model weights"),
+             (zoo.tiny_llama(0), A.preset("uint4_wo_64").replace(algorithms=({"name": "gptq"},)), _data(), "config"),
+             (zoo.tiny_llama(0), _gptq(), _data(2), "calibration data")]
+    for model, cfg, data, what in cases:
+        w0 = model.model.layers[0].self_attn.q_proj.weight.clone()
+        with pytest.raises(ValueError, match=f"holds a different run \\({what} differ"):
+            A.quantize_model(model, cfg, data, progress=False, work_dir=tmp_path / "w", resume=True)
+        assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, w0)  # refused before any work
+    with pytest.raises(ValueError, match="holds a run .*resume it"):  # without resume: not overwritten
+        A.quantize_model(zoo.tiny_llama(0), _gptq(), _data(), progress=False, work_dir=tmp_path / "w")
+    assert (tmp_path / "w" / "manifest.json").read_bytes() == before
+    with pytest.raises(ValueError, match="nothing to resume without work_dir"):
+        A.quantize_model(zoo.tiny_llama(0), _gptq(), _data(), progress=False, resume=True)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not empty and holds no qcore run"):
+        A.quantize_model(zoo.tiny_llama(0), _gptq(), _data(), progress=False, work_dir=tmp_path / "other")
+    with pytest.raises(ValueError, match="no layer-by-layer algorithm"):
+        A.quantize_model(zoo.tiny_llama(0), "uint4_wo_32", _data(), progress=False, work_dir=tmp_path / "x")
+    src = tmp_path / "src"
+    stream_worker.write_llama(src, hidden=64, intermediate=128, layers=1)
+    for inside in (src / "work", tmp_path / "dst" / "work"):
+        with pytest.raises(ValueError, match="work_dir .* the source"):
+            quantize_checkpoint(src, tmp_path / "dst", "uint4_wo_32", progress=False, work_dir=inside)
+    assert not (tmp_path / "dst").exists() and not (src / "work").exists()
+
+
+def test_resume_of_an_empty_or_missing_work_dir_starts_afresh(zoo, tmp_path, caplog):
+    ref = A.quantize_model(zoo.tiny_llama(0), _gptq(), _data(), progress=False)
+    (tmp_path / "empty").mkdir()
+    for w in (tmp_path / "missing", tmp_path / "empty"):
+        with caplog.at_level("WARNING", logger="qcore.adapters"):
+            got = A.quantize_model(zoo.tiny_llama(0), _gptq(), _data(), progress=False, work_dir=w, resume=True)
+        assert "holds no saved run: starting afresh" in caplog.text
+        _same_state(ref, got)
+        assert _entries(w) == 2
+
+
+@pytest.mark.parametrize("damage", ["carry", "layer", "manifest_tmp"])
+def test_a_damaged_last_entry_resumes_from_the_last_complete_layer(zoo, tmp_path, monkeypatch, caplog, damage):
+    ref = A.quantize_model(zoo.tiny_llama(0), _gptq(), _data(), progress=False)
+    restore = _interrupt_after(monkeypatch, 1)  # both layers saved
+    with pytest.raises(KeyboardInterrupt):
+        A.quantize_model(zoo.tiny_llama(0), _gptq(), _data(), progress=False, work_dir=tmp_path / "w")
+    restore()
+    w = tmp_path / "w"
+    if damage == "manifest_tmp":  # a write cut short: a stray temporary file, the manifest intact
+        (w / ".manifest.json.tmp-1").write_bytes(b"{\"format\": 1, \"entr")
+        expect = "resuming at layer 2 of 2"
+    else:
+        f = w / f"{damage}-00001.pt"
+        b = bytearray(f.read_bytes())
+        b[len(b) // 2] ^= 0xFF  # one flipped byte
+        f.write_bytes(bytes(b))
+        expect = "resuming at layer 1 of 2"
+    with caplog.at_level("WARNING", logger="qcore.adapters"):
+        got = A.quantize_model(zoo.tiny_llama(0), _gptq(), _data(), progress=False, work_dir=w, resume=True)
+    assert expect in caplog.text
+    _same_state(ref, got)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the command line
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_cli_work_dir_resume_and_the_nothing_saved_line(lm_dir, tmp_path, capsys):
+    text = lm_dir.parent / "text.txt"
+    base = ["quantize", "--model", str(lm_dir), "--scheme", "uint4_wo_32", "--eval-text", str(text), "--seq-len",
+            "64", "--calib-samples", "2", "--eval", "none", "--no-progress"]
+    assert main(base + ["--algo", "gptq", "--work-dir", str(tmp_path / "w"), "--output", str(tmp_path / "a")]) == 0
+    assert "will not be saved" not in capsys.readouterr().err
+    assert _entries(tmp_path / "w" / "algorithms") == 2
+    # a finished run resumed: nothing recomputed, the same checkpoint
+    assert main(base + ["--algo", "gptq", "--work-dir", str(tmp_path / "w"), "--resume", "--output",
+                        str(tmp_path / "b")]) == 0
+    _same_files(tmp_path / "a", tmp_path / "b")
+    assert main(base) == 0  # no --output: one line says so, before the run
+    err = capsys.readouterr().err
+    assert "qcore quantize: no --output DIR given: the quantized model will not be saved" in err
+    for extra, msg in ((["--resume"], "--resume: there is nothing to resume without --work-dir"),
+                       (["--work-dir", str(tmp_path / "x")], "--work-dir .* has no layer-by-layer pass"),
+                       (["--algo", "gptq", "--work-dir", str(lm_dir / "w")], "--work-dir .* the source")):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("qcore quantize: error:"), err
+        import re
+        assert re.search(msg, err[-1]), err[-1]
+    assert not (tmp_path / "x").exists() and not (lm_dir / "w").exists()
