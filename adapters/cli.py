@@ -72,9 +72,6 @@ def quantize_command(args) -> int:
     """``qcore quantize``: the flags -> ``quantize_and_report`` (errors naming the flags) -> the printed summary."""
     algos = _algorithms(args.algo) if args.algo else None
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
-    if not args.output:  # before any work: a long run whose result would be lost is no surprise
-        print("qcore quantize: no --output DIR given: the quantized model will not be saved (this run evaluates "
-              "and reports only)", file=sys.stderr)
     r = J._run(dict(
         model=args.model, scheme=args.scheme, tokenizer=None, group_size=args.group_size,
         kv_cache_dtype=args.kv_cache_dtype, exclude=args.exclude, algorithms=algos, calib_samples=args.calib_samples,

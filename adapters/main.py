@@ -20,6 +20,7 @@ import math
 import os
 import pathlib
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -862,6 +863,9 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
                            f"none left after its {start} evaluation windows of {names.arg('seq_len', seq_len)}; "
                            f"give a longer {names('eval_text')} or a shorter {names('seq_len')}")
 
+    if names.cli and out_dir is None:  # every check passed, the work starts: a result lost unnoticed is no surprise
+        print("qcore quantize: no --output DIR given: the quantized model will not be saved (this run evaluates "
+              "and reports only)", file=sys.stderr, flush=True)
     ppl_base = E.perplexity(model, tok, token_ids=ids, seq_len=seq_len, windows=windows,
                             progress=progress) if needs_eval else None
     calib = None

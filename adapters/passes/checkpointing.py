@@ -226,6 +226,7 @@ class WorkDir:
         self.entries: list[dict] = []
         self.extra: dict = {}
         man = self.path / MANIFEST
+        fresh = False
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"{name} {str(self.path)!r} exists and is not a directory")
         if man.is_file():
@@ -237,9 +238,13 @@ class WorkDir:
                 raise ValueError(f"{name} {str(self.path)!r}: its {MANIFEST} is unreadable ({e}); delete the "
                                  f"directory to start afresh") from None
             done = len(m.get("entries", []))
+            fresh = done == 0 and not m.get("extra")  # nothing saved yet (e.g. a check failed after the start)
+        if man.is_file() and not fresh:
             if not resume:
-                raise ValueError(f"{name} {str(self.path)!r} holds a run ({done} of {m['fingerprint'].get('decoder layers')} "
-                                 f"layers done); resume it (resume=True, --resume) or choose an empty directory")
+                saved = (f"{done} layers" if done else
+                         f"{len(m.get('extra', {}).get('sensitivities', {}))} measurements")
+                raise ValueError(f"{name} {str(self.path)!r} holds a run ({saved} saved); resume it (resume=True, "
+                                 f"--resume) or choose an empty directory")
             theirs = m.get("fingerprint", {})
             diff = [k for k in sorted(set(self.fp) | set(theirs)) if self.fp.get(k) != theirs.get(k)]
             if diff:
@@ -251,7 +256,7 @@ class WorkDir:
             self.entries = list(m.get("entries", []))
             self.extra = dict(m.get("extra", {}))
         else:
-            if self.path.is_dir() and any(not f.name.startswith(".") for f in self.path.iterdir()):
+            if not fresh and self.path.is_dir() and any(not f.name.startswith(".") for f in self.path.iterdir()):
                 raise ValueError(f"{name} {str(self.path)!r} is not empty and holds no qcore run ({MANIFEST} "
                                  f"missing); choose an empty or new directory")
             if resume:
