@@ -426,12 +426,14 @@ def qtensor_state(q) -> dict:
     return out
 
 
-def qtensor_from_state(saved: Mapping, spec) -> Any:
-    """The QTensor ``qtensor_state`` saved, with ``spec`` (recomputed from the config; must have the saved repr)."""
+def qtensor_from_state(saved: Mapping, spec, device=None) -> Any:
+    """The QTensor ``qtensor_state`` saved, with ``spec`` (recomputed from the config; must have the saved repr),
+    its torch arrays on ``device`` (where the module's weight is)."""
     from qcore.quantize import QTensor
     if repr(spec) != saved["spec"]:
         raise ValueError(f"work_dir: a saved QTensor has spec {saved['spec']}; this run's is {spec!r}")
-    vals = {f: (saved[f].numpy() if f in saved["numpy"] and saved[f] is not None else saved[f]) for f in _QFIELDS}
+    vals = {f: (saved[f].numpy() if f in saved["numpy"] and saved[f] is not None else
+                saved[f] if saved[f] is None or device is None else saved[f].to(device)) for f in _QFIELDS}
     return QTensor(vals["codes"], vals["scales"], vals["zero_points"], spec, subblock_shifts=vals["subblock_shifts"],
                    tensor_scale=vals["tensor_scale"])
 
@@ -450,7 +452,7 @@ def algorithms_checkpoint(work: WorkDir, path: str, by_layer: list, pinned: dict
                           reference: Optional[dict]) -> LayerCheckpoint:
     """``run_algorithms``'s: per layer its state, GPTQ's QTensors of its modules (fused experts: per projection,
     per expert, None where rounded to nearest) and the reference weights (when the run keeps them)."""
-    from ..modules import experts_weight_spec, is_fused_experts, linear_weight_spec
+    from ..modules import experts_weight_spec, is_fused_experts, linear_weight, linear_weight_spec
 
     def mine(d: Optional[dict], i: int) -> dict:
         return {} if d is None else {k: v for k, v in d.items() if k.startswith(f"{path}.{i}.")}
@@ -473,9 +475,10 @@ def algorithms_checkpoint(work: WorkDir, path: str, by_layer: list, pinned: dict
             m, plan = layer.get_submodule(rel), by_layer[i][rel]
             if is_fused_experts(m):
                 pinned[full] = {p: [None if x is None else qtensor_from_state(
-                    x, experts_weight_spec(m, plan.config, full, p)) for x in v] for p, v in q.items()}
+                    x, experts_weight_spec(m, plan.config, full, p), m._parameters[p].device) for x in v]
+                    for p, v in q.items()}
             else:
-                pinned[full] = qtensor_from_state(q, linear_weight_spec(m, plan, full))
+                pinned[full] = qtensor_from_state(q, linear_weight_spec(m, plan, full), linear_weight(m).device)
         if reference is not None:
             reference.update(saved["reference"])
 
