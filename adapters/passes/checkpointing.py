@@ -44,7 +44,6 @@ import json
 import logging
 import os
 import pathlib
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
 
@@ -436,11 +435,6 @@ def qtensor_from_state(saved: Mapping, spec, device=None) -> Any:
                 saved[f] if saved[f] is None or device is None else saved[f].to(device)) for f in _QFIELDS}
     return QTensor(vals["codes"], vals["scales"], vals["zero_points"], spec, subblock_shifts=vals["subblock_shifts"],
                    tensor_scale=vals["tensor_scale"])
-
-
-def layer_index(name: str, path: str) -> Optional[int]:
-    m = re.match(re.escape(path) + r"\.(\d+)\.", name)
-    return int(m.group(1)) if m else None
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -24,7 +24,8 @@ and an ``Exception`` is re-raised as ``AlgorithmError`` naming the pass and the 
 ``SystemExit`` keep their type, with a warning). Progress bars: ``qcore.adapters.quantizer._progress`` (tqdm,
 ``leave=False``), off with ``progress=False``. Device: the batches are moved to the model's device (its first
 parameter's) unless given ``device=``. ``Spill`` appends a layer's encoded tensors to a file so the layer can be
-dropped (streaming).
+dropped (streaming). ``run(..., checkpoint=)``: each layer saved in a work directory, a saved run resumed after
+its last complete layer (``qcore.adapters.passes.checkpointing``).
 """
 
 from __future__ import annotations

@@ -259,3 +259,21 @@ def test_cli_work_dir_resume_and_the_nothing_saved_line(lm_dir, tmp_path, capsys
         import re
         assert re.search(msg, err[-1]), err[-1]
     assert not (tmp_path / "x").exists() and not (lm_dir / "w").exists()
+
+
+def test_fused_moe_experts_gptq_resumes_to_the_same_weights(family_model, zoo, tmp_path, monkeypatch):
+    """GPTQ's QTensors of fused experts (per projection, per expert) are saved and restored with the layer."""
+    import copy
+    float_model = family_model("qwen3_moe")
+    data = zoo.token_batches(3, seed=1, seq=12)
+    ref = A.quantize_model(copy.deepcopy(float_model), _gptq(), data, progress=False)
+    restore = _interrupt_after(monkeypatch, 0)
+    with pytest.raises(KeyboardInterrupt):
+        A.quantize_model(copy.deepcopy(float_model), _gptq(), data, progress=False, work_dir=tmp_path / "w")
+    restore()
+    got = A.quantize_model(copy.deepcopy(float_model), _gptq(), data, progress=False, work_dir=tmp_path / "w",
+                           resume=True)
+    _same_state(ref, got)
+    a, b = ref.get_submodule("model.layers.0.mlp.experts"), got.get_submodule("model.layers.0.mlp.experts")
+    for p in ("gate_up_proj", "down_proj"):
+        assert torch.equal(getattr(a, p), getattr(b, p))
