@@ -883,7 +883,7 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
         from .passes.amp import amp_config
         config = amp_config(model, amp_schemes, calib[:o["amp_samples"]], target_bits=o["target_bits"],
                             max_loss=o["max_loss"], exclude=config.exclude, progress=progress,
-                            work_dir=work.get("amp"), resume=o["resume"]).replace(
+                            work_dir=work.get("amp"), resume=o["resume"] and "amp" in work).replace(
             kv_cache=config.kv_cache, algorithms=config.algorithms)
         try:
             plans = Q.plan_model(model, config)

@@ -324,7 +324,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
             with torch.no_grad():
                 records, layouts = _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static,
                                         data, source, dtype, device, spill, pack_method, progress, own=own,
-                                        work=work)
+                                        work_dir=work)
             # export_hf's order: the quantized modules' tensors in module order, then the other tensors in
             # state-dict order (stable sort: each module keeps its own tensor order)
             qnames = {p.name for p in plans}
@@ -351,7 +351,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
 
 
 def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static, data, source, dtype, device,
-         spill, pack_method, progress, *, own=False, work=None):
+         spill, pack_method, progress, *, own=False, work_dir=None):
     from ..families import family_or_none
     from .sequential import run_layer
     family = family_or_none(model)
@@ -429,9 +429,9 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
         _release_memory()
 
     checkpoint = None
-    if work is not None:
+    if work_dir is not None:
         from .checkpointing import streaming_checkpoint
-        checkpoint = streaming_checkpoint(work, spill, records, layouts, streams, device)
+        checkpoint = streaming_checkpoint(work_dir, spill, records, layouts, streams, device)
     runner.run(step, desc="quantizing layer by layer", replay=False, checkpoint=checkpoint)
     if tail:
         _calibrate_tail(runner, tail, streams["cal"], data)

@@ -247,6 +247,13 @@ def test_cli_work_dir_resume_and_the_nothing_saved_line(lm_dir, tmp_path, capsys
     assert main(base + ["--algo", "gptq", "--work-dir", str(tmp_path / "w"), "--resume", "--output",
                         str(tmp_path / "b")]) == 0
     _same_files(tmp_path / "a", tmp_path / "b")
+    amp = ["--amp", "w_mxfp4_a_mxfp4,w_fp8_a_fp8", "--target-bits", "6", "--amp-samples", "1", "--algo", "gptq",
+           "--work-dir", str(tmp_path / "wa")]
+    no_scheme = [a for a in base if a not in ("--scheme", "uint4_wo_32")] + amp
+    assert main(no_scheme + ["--output", str(tmp_path / "c")]) == 0  # AMP, then GPTQ on its mixed config
+    assert (tmp_path / "wa" / "amp" / "manifest.json").is_file() and _entries(tmp_path / "wa" / "algorithms") == 2
+    assert main(no_scheme + ["--resume", "--output", str(tmp_path / "d")]) == 0
+    _same_files(tmp_path / "c", tmp_path / "d")
     assert main(base) == 0  # no --output: one line says so, before the run
     err = capsys.readouterr().err
     assert "qcore quantize: no --output DIR given: the quantized model will not be saved" in err
