@@ -53,6 +53,17 @@ Differences from AMD Quark 0.13 (``quark/torch/algorithm/awq/{smooth,auto_smooth
   identity and no extra candidate is added). So the result is never worse on the sample than not smoothing.
   Quark's ``"RMSE"`` loss (its code takes the mean of ``|d| ** 0.5``) is not offered.
 
+Two passes (issue 23): the float64 matmuls and conversions were most of the search's time, so every candidate is
+first *screened* with float32 matmuls and differences (the operands ``Q_in(x / s)`` and ``Q_w(W_i * s)`` are
+float32 values already; only the accumulation is rounded), then the *finalists*, the candidates whose screened
+loss is within ``SCREEN_RTOL`` (1e-4 relative, ``qcore.algorithms._scaling``) of the smallest, are evaluated
+with the float64 computation above, in order, and the first smallest wins. Screened losses differ from the
+float64 ones by about 1e-7 relative (1e-4 is a margin of about a thousand), so the result (alpha, scales, loss)
+is the one-pass float64 search's, bit for bit (kept as ``_reference_auto_smoothquant``; tests compare them).
+``SmoothResult.losses`` holds the finalists' float64 losses and the other candidates' screened ones (within
+~1e-6 relative of their float64 values). When the float64 reference outputs do not fit in memory (``t * out``
+above four chunk budgets) the search runs the one float64 pass, as before.
+
 numpy and torch: the same float64 operations in the same order, except that the backends' float64 matmuls and
 ``pow`` may round differently in the last place; losses agree to ~1e-13 relative, and the chosen alpha and the
 float32 scales are identical unless two candidates' losses tie within that (tested: same alpha, same scale bits).
