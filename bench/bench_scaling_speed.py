@@ -1,7 +1,7 @@
 """Speed of the scaling algorithms (AWQ, SmoothQuant, AutoSmoothQuant) and of static calibration on SmolLM2-135M.
 
     python bench/bench_scaling_speed.py [--configs awq,smoothquant,autosmoothquant,static] [--batches 32]
-        [--layers N] [--threads 2] [--no-ppl] [--windows 20] [--qcore-from PATH] [--md ...] [--json ...]
+        [--layers N] [--threads 2] [--no-ppl] [--ppl-for CONFIGS] [--windows 20] [--qcore-from PATH] [--md ...] [--json ...]
         [--no-write]
 
 The anchors protocol (anchors.md): calibration on 32 x 512-token windows 20..51 of the pydoc text, perplexity on
@@ -50,6 +50,7 @@ def _parse():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--windows", type=int, default=20, help="perplexity windows 0..N-1 (protocol: 20)")
     p.add_argument("--no-ppl", dest="ppl", action="store_false", help="skip the perplexity check")
+    p.add_argument("--ppl-for", default=None, help="measure the perplexity for these configs only (comma-separated)")
     p.add_argument("--qcore-from", default=None, help="import qcore from this checkout instead of this one")
     p.add_argument("--md", default=str(ROOT / "bench" / "SPEED_SCALING.md"))
     p.add_argument("--json", default=str(ROOT / "bench" / "SPEED_SCALING.json"))
@@ -67,6 +68,26 @@ CONFIGS = {
     "awq": ("uint4 weight-only g64 asym + AWQ", "w_uint4_per_group_asym", {"group_size": 64}, ({"name": "awq"},),
             192.47, 16.2102, 60.0),
 }
+NOTES = """Where the time goes and what changed (issue 23):
+
+- **Static calibration** is one forward of the whole model over the calibration batches (observers: about 2 % of
+  it): the landed 83.9 s was the float forward itself on a loaded machine. Now each batch after the first ends
+  right after the last module with observers (``qcore.adapters._calib_tail.TailSkip``): the excluded output head
+  (49152 x 576, about a fifth of SmolLM2's multiply-adds) no longer runs. Same observers on the same tensors:
+  the same scales, bit for bit (tests/adapters/test_scaling_speed.py).
+- **AutoSmoothQuant**: the alpha search was about 90 % of the run: per scaling group and candidate (20), a
+  fake-quantization of the [4096, in] sample and of the weights, then float64 conversions and matmuls. Now every
+  candidate is screened with float32 matmuls (its operands are float32 values already) and only the candidates
+  within 1e-4 (relative) of the best screened loss are evaluated in float64, in order: the same alpha, scales
+  and loss as the landed search (screened losses differ by ~1e-7 relative; ``_reference_auto_smoothquant`` is
+  the landed search, compared in the tests). What remains is mostly the fake-quantization of the sample per
+  candidate (``qcore.fake_quantize``'s own speed) and the float32 matmuls.
+- **SmoothQuant**: the layer forwards (statistics, replay) and the static calibration pass: faster by the
+  calibration's skipped output head only.
+- **AWQ**: ``awq_search`` is dominated by ``qcore.fake_quantize`` of the scaled weights per candidate (about
+  half) and float64 elementwise work; its Gram matmuls are ~10 %, so a float32 screening pass does not pay
+  there (measured) and the search is unchanged; the per-layer forwards (statistics, replay) are the rest.
+"""
 LANDED_SOURCE = "bench/ALGORITHMS.md (landed, 2-core machine under load ~3.4-5.8)"
 
 
@@ -179,7 +200,8 @@ def main():
                 model(b)
         return time.perf_counter() - t0
 
-    float_forward()  # warm-up (first-call allocations)
+    with torch.no_grad():
+        model(data[0])  # warm-up (first-call allocations)
     ref_s = float_forward()
     meta["float_forward_s"] = round(ref_s, 3)
     print(f"float forward over {args.batches} x 512 tokens ({args.layers or 'all'} layers): {ref_s:.2f} s; "
@@ -200,7 +222,7 @@ def main():
         row = dict(config=label, quant_s=round(secs, 3), ratio=round(secs / ref_s, 3),
                    phases={k: [round(v, 3), ph.n[k]] for k, v in ph.t.items()},
                    landed_s=landed_s if full else None, landed_ppl=landed_ppl, target_s=target if full else None)
-        if args.ppl:
+        if args.ppl and (args.ppl_for is None or name in args.ppl_for.split(",")):
             t1 = time.perf_counter()
             row["ppl"] = round(float(E.perplexity(m, None, token_ids=ids, windows=range(args.windows),
                                                   progress=False)), 4)
@@ -236,7 +258,7 @@ def _markdown(out, argv) -> str:
     for r in rows.values():
         lines.append(f"| {r['config']} | {r['quant_s']:.2f} | {r['ratio']:.2f} | {r['landed_s'] or '-'} | "
                      f"{r['target_s'] or '-'} | {r.get('ppl', '-')} | {r['landed_ppl']} |")
-    lines += ["", "Profile (inclusive wall seconds; indented phases are inside the one above them):", ""]
+    lines += ["", NOTES, "", "Profile (inclusive wall seconds; indented phases are inside the one above them):", ""]
     for r in rows.values():
         lines += [f"**{r['config']}** ({r['quant_s']:.2f} s)", "", "| phase | s | calls | share |", "|---|---|---|---|"]
         for k, (v, n) in sorted(r["phases"].items(), key=lambda kv: -kv[1][0]):
