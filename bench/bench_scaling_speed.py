@@ -221,7 +221,8 @@ def main():
         secs = time.perf_counter() - t0
         row = dict(config=label, quant_s=round(secs, 3), ratio=round(secs / ref_s, 3),
                    phases={k: [round(v, 3), ph.n[k]] for k, v in ph.t.items()},
-                   landed_s=landed_s if full else None, landed_ppl=landed_ppl, target_s=target if full else None)
+                   landed_s=landed_s if full else None, landed_ppl=landed_ppl if full else None,
+                   target_s=target if full else None)
         if args.ppl and (args.ppl_for is None or name in args.ppl_for.split(",")):
             t1 = time.perf_counter()
             row["ppl"] = round(float(E.perplexity(m, None, token_ids=ids, windows=range(args.windows),
@@ -257,7 +258,7 @@ def _markdown(out, argv) -> str:
     ]
     for r in rows.values():
         lines.append(f"| {r['config']} | {r['quant_s']:.2f} | {r['ratio']:.2f} | {r['landed_s'] or '-'} | "
-                     f"{r['target_s'] or '-'} | {r.get('ppl', '-')} | {r['landed_ppl']} |")
+                     f"{r['target_s'] or '-'} | {r.get('ppl', '-')} | {r['landed_ppl'] or '-'} |")
     lines += ["", NOTES, "", "Profile (inclusive wall seconds; indented phases are inside the one above them):", ""]
     for r in rows.values():
         lines += [f"**{r['config']}** ({r['quant_s']:.2f} s)", "", "| phase | s | calls | share |", "|---|---|---|---|"]
