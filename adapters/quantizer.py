@@ -517,17 +517,22 @@ def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distri
             total = len(data)  # type: ignore[arg-type]
         except TypeError:  # a DataLoader over an IterableDataset, a generator
             total = None
+        from ._calib_tail import TailSkip
         from .moe import moe_calibration
-        with torch.no_grad(), moe_calibration(model, all_experts=moe_all_experts) as moe:
+        with torch.no_grad(), moe_calibration(model, all_experts=moe_all_experts) as moe, \
+                TailSkip(mods, enabled=not moe.blocks) as tail:  # forwards end after the last observed module
             for i, batch in enumerate(_progress(data, total=total, desc="calibrating", enabled=progress)):
                 _check_batch(model, batch, i)
                 try:
                     _call(model, _to(batch, device))
+                except TailSkip.Done:
+                    pass
                 except CalibrationError:
                     raise
                 except (RuntimeError, ValueError, TypeError, IndexError) as e:
                     raise ValueError(f"calibration batch {i} ({_describe(batch)}) does not fit the model: "
                                      f"{type(e).__name__}: {e}") from e
+                tail.batch_done()
                 n += 1
         if n == 0:
             raise ValueError("calibration data is empty; static activation scales need at least one batch")

@@ -165,3 +165,22 @@ def transpose2(a: Any, o: Any):
 def sqrt(a: Any, o: Any):
     return np.sqrt(a) if o.name == "numpy" else o.t.sqrt(a)
 
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the two-pass candidate search (awq_search, auto_smoothquant)
+# ---------------------------------------------------------------------------------------------------------------
+
+#: Screening margin of the searches: a candidate is re-evaluated in float64 when its float32-product loss is
+#: within this relative distance of the smallest one. The float32 losses differ from the float64 ones by a few
+#: 1e-7 relative on SmolLM2-like data (bench/SPEED_SCALING.md), so the float64 winner is always among the finalists.
+SCREEN_RTOL = 1e-4
+
+
+def finalists(screened: list, rtol: float = SCREEN_RTOL) -> list:
+    """Indices of the candidates whose screened loss is within ``rtol`` of the smallest (in evaluation order);
+    every index when a screened loss is not finite (the float64 search then decides everything, as before)."""
+    if not all(math.isfinite(v) for v in screened):
+        return list(range(len(screened)))
+    m = min(screened)
+    return [i for i, v in enumerate(screened) if v <= m + rtol * abs(m)]

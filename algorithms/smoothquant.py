@@ -53,6 +53,17 @@ Differences from AMD Quark 0.13 (``quark/torch/algorithm/awq/{smooth,auto_smooth
   identity and no extra candidate is added). So the result is never worse on the sample than not smoothing.
   Quark's ``"RMSE"`` loss (its code takes the mean of ``|d| ** 0.5``) is not offered.
 
+Two passes (issue 23): the float64 matmuls and conversions were most of the search's time, so every candidate is
+first *screened* with float32 matmuls and differences (the operands ``Q_in(x / s)`` and ``Q_w(W_i * s)`` are
+float32 values already; only the accumulation is rounded), then the *finalists*, the candidates whose screened
+loss is within ``SCREEN_RTOL`` (1e-4 relative, ``qcore.algorithms._scaling``) of the smallest, are evaluated
+with the float64 computation above, in order, and the first smallest wins. Screened losses differ from the
+float64 ones by about 1e-7 relative (1e-4 is a margin of about a thousand), so the result (alpha, scales, loss)
+is the one-pass float64 search's, bit for bit (kept as ``_reference_auto_smoothquant``; tests compare them).
+``SmoothResult.losses`` holds the finalists' float64 losses and the other candidates' screened ones (within
+~1e-6 relative of their float64 values). When the float64 reference outputs do not fit in memory (``t * out``
+above four chunk budgets) the search runs the one float64 pass, as before.
+
 numpy and torch: the same float64 operations in the same order, except that the backends' float64 matmuls and
 ``pow`` may round differently in the last place; losses agree to ~1e-13 relative, and the chosen alpha and the
 float32 scales are identical unless two candidates' losses tie within that (tested: same alpha, same scale bits).
@@ -241,6 +252,135 @@ def auto_smoothquant(x: ArrayLike, weights: Any, *, weight_spec: Any, input_spec
                      act_absmax: Optional[ArrayLike] = None, include_identity: bool = True,
                      max_tokens: Optional[int] = None, key: KeyLike = None) -> SmoothResult:
     """Pick the SmoothQuant alpha that minimises the fake-quantized output error on the sample ``x``.
+
+    ``x``: [tokens, in] inputs of the Linears in ``weights`` (one [out, in] array or a list of them sharing the
+    input, e.g. q/k/v), the same array kind and device. ``weight_spec``: a qcore spec for the [out, in] weights
+    (one, or one per weight); ``input_spec``: the spec of the activation (applied dynamically to the whole
+    sample). ``alphas``: the grid (default per ``rule``, module docstring); ``loss``: ``SmoothLoss.MSE`` or
+    ``SmoothLoss.MAE``; ``clamp_min``: as ``smoothquant_scales`` (SMOOTHQUANT rule). ``act_absmax``: [in] max |x|
+    per channel over *all* calibration tokens (default: computed from ``x``). ``include_identity``: also try
+    ``s = 1`` first (reported as ``alpha=None``). ``max_tokens``: evaluate the loss on every k-th token only,
+    ``k = ceil(tokens / max_tokens)`` (the statistics still use every token of ``x``). ``key``: for
+    stochastic-rounding specs (one key for every candidate).
+
+    Returns ``SmoothResult(alpha, scales, loss, losses)``; fold ``scales`` with
+    ``qcore.adapters.passes.scaling.fold_scales``. Deterministic. Work: per candidate one fake-quantization of ``x / s``
+    and of each weight and float64 matmuls over token chunks.
+    """
+    xa, o = u.as_float_array(x, "x", ndim=2)
+    ws = u.weight_list(weights, xa)
+    wspecs = u.spec_list(weight_spec, len(ws), "weight_spec")
+    ispec = u.as_spec(input_spec, "input_spec")
+    loss = _check_enum(loss, SmoothLoss, "loss")
+    rule = _check_enum(rule, SmoothRule, "rule")
+    alphas = _check_alphas(alphas, rule)
+    clamp_min = _check_clamp_min(clamp_min)
+    if not isinstance(include_identity, bool):
+        raise TypeError(f"include_identity must be a bool, got {include_identity!r}")
+    if max_tokens is not None:
+        max_tokens = u.check_int(max_tokens, "max_tokens", minimum=1)
+    stochastic = any(s.rounding is RoundingMode.STOCHASTIC for s in wspecs + [ispec])
+    key = check_mode(RoundingMode.STOCHASTIC, key) if stochastic else None
+    n_in = int(xa.shape[1])
+    if act_absmax is None:
+        u.check_finite(xa, o, "x")
+        act = o.amax(o.abs(u.to32(xa, o)), 0, keepdims=False)
+    else:
+        act, _ = _stat(act_absmax, "act_absmax")
+        u.same_kind(xa, act, "x", "act_absmax")
+        if int(act.shape[0]) != n_in:
+            raise ValueError(f"act_absmax has {int(act.shape[0])} channels but x has {n_in}")
+        u.check_finite(xa, o, "x")
+
+    t = int(xa.shape[0])
+    if max_tokens is not None and t > max_tokens:
+        xa = xa[::-(-t // max_tokens)]
+        t = int(xa.shape[0])
+    x32 = u.to32(xa, o)
+
+    # Candidates, in evaluation order.
+    cands: list = []
+    if include_identity and not (rule is SmoothRule.ACT_POWER and 0.0 in alphas):
+        cands.append((None, o.full((n_in,), 1.0, o.float32, x32)))
+    wmax = weight_absmax(ws) if rule is SmoothRule.SMOOTHQUANT else None
+    for a in alphas:
+        s = _sq_scales(act, wmax, a, clamp_min, o) if rule is SmoothRule.SMOOTHQUANT else _act_power_scales(act, a, o)
+        cands.append((a, s))
+
+    p = 2.0 if loss is SmoothLoss.MSE else 1.0
+    w32 = [u.to32(w, o) for w in ws]
+    w64_t = [u.transpose2(u.to64(w, o), o) for w in w32]
+    out_total = sum(int(w.shape[0]) for w in ws)
+    step = u.rows_per_chunk(n_in + out_total)
+    spans = list(u.chunks(t, step))
+    # The float reference outputs are kept when they fit in 4 budgets, else recomputed per candidate.
+    keep_ref = t * out_total * 8 <= 4 * u.CHUNK_BYTES
+    ref_cache = [[u.matmul(u.to64(x32[a:b], o), wt) for wt in w64_t] for a, b in spans] if keep_ref else None
+
+    def quantized(s):
+        with o.quiet():
+            xq = fake_quantize(x32 / s, ispec, key=key)
+        return xq, [fake_quantize(w * s, sp, key=key) for w, sp in zip(w32, wspecs)]  # as the reference: not quiet
+
+    def loss64(s, xq, wqs):  # the reference search's float64 loss of one candidate, operation for operation
+        wq_t = [u.transpose2(u.to64(wq, o), o) for wq in wqs]
+        sums = [0.0] * len(ws)
+        for c, (a, b) in enumerate(spans):
+            xc = u.to64(xq[a:b], o)
+            refs = ref_cache[c] if keep_ref else [u.matmul(u.to64(x32[a:b], o), wt) for wt in w64_t]
+            for i in range(len(ws)):
+                sums[i] += _loss_of(xc, wq_t[i], refs[i], p, o)
+        return sum(sm / (t * int(w.shape[0])) for sm, w in zip(sums, ws))
+
+    def pick(order, loss_of):
+        best, losses = None, {}
+        for k in order:
+            alpha, s = cands[k]
+            total = loss_of(k)
+            losses[k] = total
+            if best is None or total < best[2] or (math.isnan(best[2]) and not math.isnan(total)):
+                best = (alpha, s, total)
+        return best, losses
+
+    if keep_ref:
+        # Pass 1 (screening): every candidate's loss with float32 matmuls and differences (the float64 conversions
+        # and matmuls are most of the reference's time); the quantized operands of the candidates near the
+        # running minimum are kept for pass 2.
+        ref32 = [[u.to32(r, o) for r in rc] for rc in ref_cache]
+        screened, kept = [], {}
+        for k, (alpha, s) in enumerate(cands):
+            xq, wqs = quantized(s)
+            wq32_t = [u.transpose2(wq, o) for wq in wqs]
+            sums = [0.0] * len(ws)
+            for c, (a, b) in enumerate(spans):
+                for i in range(len(ws)):
+                    d = ref32[c][i] - u.matmul(xq[a:b], wq32_t[i])
+                    sums[i] += float(o.sum(d * d if p == 2.0 else o.abs(d), (0, 1), keepdims=False))
+            screened.append(sum(sm / (t * int(w.shape[0])) for sm, w in zip(sums, ws)))
+            lo = min(screened)
+            kept = {j: v for j, v in kept.items() if screened[j] <= lo + u.SCREEN_RTOL * abs(lo)}
+            if screened[k] <= lo + u.SCREEN_RTOL * abs(lo):
+                kept[k] = (xq, wqs)
+        # Pass 2: the finalists (within u.SCREEN_RTOL of the smallest screened loss) in float64, in order.
+        fin = u.finalists(screened)
+        best, exact = pick(fin, lambda k: loss64(cands[k][1], *(kept.get(k) or quantized(cands[k][1]))))
+        losses = [(a, exact.get(k, screened[k])) for k, (a, _) in enumerate(cands)]
+    else:  # the reference outputs do not fit: one float64 pass (recomputing them per chunk)
+        best, exact = pick(range(len(cands)), lambda k: loss64(cands[k][1], *quantized(cands[k][1])))
+        losses = [(a, exact[k]) for k, (a, _) in enumerate(cands)]
+    if math.isnan(best[2]):
+        raise ValueError("auto_smoothquant: every candidate's loss is NaN (a quantized output overflowed?); check "
+                         "weight_spec and input_spec")
+    return SmoothResult(best[0], best[1], best[2], tuple(losses))
+
+
+def _reference_auto_smoothquant(x: ArrayLike, weights: Any, *, weight_spec: Any, input_spec: SpecLike,
+                     alphas: Optional[Sequence[float]] = None, loss: SmoothLoss = SmoothLoss.MSE,
+                     rule: SmoothRule = SmoothRule.SMOOTHQUANT, clamp_min: float = 1e-5,
+                     act_absmax: Optional[ArrayLike] = None, include_identity: bool = True,
+                     max_tokens: Optional[int] = None, key: KeyLike = None) -> SmoothResult:
+    """The one-pass float64 search ``auto_smoothquant`` replaced (kept for the tests proving that the two-pass
+    search picks the same candidate). Pick the SmoothQuant alpha that minimises the fake-quantized output error on the sample ``x``.
 
     ``x``: [tokens, in] inputs of the Linears in ``weights`` (one [out, in] array or a list of them sharing the
     input, e.g. q/k/v), the same array kind and device. ``weight_spec``: a qcore spec for the [out, in] weights
