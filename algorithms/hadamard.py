@@ -322,7 +322,7 @@ def fwht(x: Any, *, axis: int = -1, transpose: bool = False) -> Any:
     return torch.movedim(y.reshape(*lead, n), -1, axis)
 
 
-_ROW_BYTES = 1 << 18  # a block of rows of about 256 KiB: two of them (source and destination) stay in L2
+_ROW_BYTES = 1 << 20  # a block of rows of about 1 MiB: few, large operations (a loaded machine pays per op)
 
 
 def _fwht_rows(x, m: int, k2: int, *, transpose: bool = False):

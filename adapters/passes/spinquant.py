@@ -189,13 +189,14 @@ def _spinquant(model, plans, data, algo, *, progress: bool, train_weights: bool,
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     model.eval()
     t0 = time.perf_counter()
-    losses = []
+    losses, step_s = [], []
     try:
         for p in model.parameters():
             p.requires_grad_(False)
         if not reference:
             step_of = _Step(model, emb, head, qs, wspecs, aspecs, r2 is not None)
         for step in _progress(range(algo.steps), total=algo.steps, desc="spinquant", enabled=progress):
+            ts = time.perf_counter()
             ids = torch.cat([batches[(step * algo.batch + j) % len(batches)] for j in range(algo.batch)]).to(dev)
             r1v = r1.float().requires_grad_()
             r2v = [r.float().requires_grad_() for r in r2] if r2 is not None else None
@@ -218,6 +219,7 @@ def _spinquant(model, plans, data, algo, *, progress: bool, train_weights: bool,
             r1 = cayley_step(r1, r1v.grad.double(), lr=algo.lr)
             if r2 is not None:
                 r2 = [cayley_step(r, g.grad.double(), lr=algo.lr) for r, g in zip(r2, r2v)]
+            step_s.append(time.perf_counter() - ts)
     except BaseException:
         # the weights do not hold the online Q yet: without its hooks the (norm-folded) model computes the
         # original function again
@@ -239,6 +241,7 @@ def _spinquant(model, plans, data, algo, *, progress: bool, train_weights: bool,
     with torch.no_grad():
         _write(model, _times_online(model, rotated_weights(model, r1, r2), qs))
     model._qcore_spinquant_losses = losses  # the training curve (first, last: logged)
+    model._qcore_spinquant_step_s = step_s  # seconds per step (bench/bench_rotation_speed.py)
     _log.info("spinquant: %d steps in %.1f s, loss %.4f -> %.4f", algo.steps, time.perf_counter() - t0,
               losses[0], losses[-1])
     return model
