@@ -40,7 +40,9 @@ from qcore.algorithms.config import SpinQuantConfig  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 OLD = {  # the landed figures, quoted
-    "spinquant_s_per_step": "15-41 s per step (issue 23, idle/loaded); 24-41 s under load (bench/ROTATIONS.md, 'Cost')",
+    "spinquant_s_per_step": "15-41 s per step (issue 23, idle/loaded); 24-41 s under load (bench/ROTATIONS.md, 'Cost'); "
+                            "3.6x the float forward + backward (landed code, full SmolLM2, 222.7 s per step against "
+                            "61.1 s, loaded machine, issue 23's profile)",
     "quarot_gptq_s": "GPTQ after a rotation 330+ s idle (issue 23); 817-1165 s under load (bench/ROTATIONS.md)",
     "gptq_s": "GPTQ alone 120 s idle (issue 23, bench/ALGORITHMS.md)",
 }
