@@ -299,10 +299,100 @@ def fwht_plan(shape: tuple, axis: Any) -> tuple[int, int]:
     return f[0], f[1]
 
 
-def fwht(x: Any, *, axis: int = -1) -> Any:
+def fwht(x: Any, *, axis: int = -1, transpose: bool = False) -> Any:
     """``x`` times ``hadamard(n).T / sqrt(n)`` along ``axis`` (``n = x.shape[axis]``), fast (module docstring).
     numpy or torch; float64 inputs stay float64, others compute in float32. ValueError when ``n`` has no
-    construction here."""
+    construction here. ``transpose``: times ``hadamard(n) / sqrt(n)`` instead (the transform's adjoint, for a
+    backward pass; the same float order with the dense factor transposed).
+
+    torch tensors run ``_fwht_rows``: the same operations in the same order as ``_reference_fwht`` (the landed
+    code, bit for bit), in place on blocks of rows small enough to stay in cache (issue 23: the landed code made
+    one full-size tensor per butterfly stage and per dense term, 40 passes over memory for 576 features)."""
+    if not is_torch(x):
+        if transpose:
+            raise ValueError("fwht: transpose=True is for torch tensors")
+        return _reference_fwht(x, axis=axis)
+    import torch
+    m, k2 = fwht_plan(tuple(x.shape), axis)
+    n = int(x.shape[axis])
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = torch.movedim(x.to(dt), axis, -1)
+    lead = y.shape[:-1]
+    y = _fwht_rows(y.reshape(-1, n), m, k2, transpose=transpose)
+    return torch.movedim(y.reshape(*lead, n), -1, axis)
+
+
+_ROW_BYTES = 1 << 20  # a block of rows of about 1 MiB: few, large operations (a loaded machine pays per op)
+
+
+def _fwht_rows(x, m: int, k2: int, *, transpose: bool = False):
+    """``fwht`` of the rows of the float32 / float64 ``[rows, m * k2]`` torch tensor ``x`` (a new tensor; ``x`` is
+    not changed). Per block of rows, transposed to ``[m, k2, rows]`` so every elementwise operation runs over a
+    long contiguous inner dimension: the butterflies ping-pong between two buffers (``torch.add`` / ``torch.sub``
+    with ``out=``: the reference's ``a + b`` and ``a - b``), the dense factor accumulates in place in the
+    reference's order (``acc = h[:, 0] * y_0``, then ``acc += h[:, j] * y_j`` for j = 1..m-1: each product is
+    exact, as entries are +-1, so ``addcmul_`` rounds as the reference's add), then one in-place division by
+    ``fl(sqrt(n))``: the reference's operations on the same values, so the same bits."""
+    import torch
+    n = m * k2
+    rows = x.shape[0]
+    dev, dt = x.device, x.dtype
+    out = torch.empty((rows, n), dtype=dt, device=dev)
+    if rows == 0:
+        return out
+    hm = _dense_t(m, dt, dev, transpose)
+    root = torch.as_tensor(np.asarray(math.sqrt(n), dtype=np.float64 if dt == torch.float64 else np.float32),
+                           device=dev)
+    step = max(1, min(rows, _ROW_BYTES // (n * x.element_size())))
+    bufs = (torch.empty((n, step), dtype=dt, device=dev), torch.empty((n, step), dtype=dt, device=dev),
+            torch.empty((n, step), dtype=dt, device=dev))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        c = r1 - r0
+        src = x[r0:r1].T  # [n, c], a strided view: the first stage reads it transposed
+        if k2 == 1:
+            bufs[0][:, :c].copy_(src)
+            src = bufs[0][:, :c]
+        w = 0
+        h = k2
+        while h > 1:  # butterflies over the 2^k factor, one bit of the index at a time (the reference's order)
+            dst = bufs[w][:, :c]
+            sv = src.reshape(m, k2 // h, 2, h // 2, c)
+            dv = dst.view(m, k2 // h, 2, h // 2, c) if dst.is_contiguous() else dst.reshape(m, k2 // h, 2, h // 2, c)
+            torch.add(sv[:, :, 0], sv[:, :, 1], out=dv[:, :, 0])
+            torch.sub(sv[:, :, 0], sv[:, :, 1], out=dv[:, :, 1])
+            src, w = dst, 1 - w
+            h //= 2
+        if m > 1:
+            y = src.reshape(m, k2 * c)
+            acc = bufs[2][:, :c].reshape(m, k2 * c) if c == step else torch.empty((m, k2 * c), dtype=dt, device=dev)
+            torch.mul(hm[:, 0:1], y[0:1], out=acc)
+            for j in range(1, m):
+                acc.addcmul_(hm[:, j:j + 1], y[j:j + 1])
+            src = acc
+        out[r0:r1].copy_(src.reshape(n, c).T)
+    return out.div_(root)
+
+
+_DENSE_T: dict = {}
+
+
+def _dense_t(m: int, dtype, device, transpose: bool):
+    """``_dense(m)`` (or its transpose) as a torch tensor of ``dtype`` on ``device``, built once per (m, dtype,
+    device, transpose)."""
+    import torch
+    k = (m, dtype, str(device), bool(transpose))
+    t = _DENSE_T.get(k)
+    if t is None:
+        d = _dense(m)
+        t = torch.as_tensor(np.ascontiguousarray(d.T if transpose else d), dtype=dtype, device=device)
+        _DENSE_T[k] = t
+    return t
+
+
+def _reference_fwht(x: Any, *, axis: int = -1) -> Any:
+    """The landed ``fwht`` (issue 11), kept as the reference the fast torch path is tested against bit for bit:
+    one out-of-place tensor per butterfly stage and per term of the dense stage."""
     torch_in = is_torch(x)
     if not torch_in:
         x = np.asarray(x)

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from qcore.adapters.eval import evaluate as E  # noqa: E402
 from qcore.adapters import plan_model, preset, quantize_model  # noqa: E402
 from qcore.adapters.eval.models import load_smollm2  # noqa: E402
-from qcore.adapters.passes.rotation import apply_rotation  # noqa: E402
+from qcore.adapters.passes.spinquant import apply_rotation  # noqa: E402
 from qcore.algorithms.config import QuaRotConfig, SpinQuantConfig  # noqa: E402
 
 

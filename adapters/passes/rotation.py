@@ -43,7 +43,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from qcore.algorithms.hadamard import fwht, is_constructible, random_signs, rotation
+from qcore.algorithms.hadamard import _reference_fwht, fwht, is_constructible, random_signs, rotation
 
 from ..families import family_of
 
@@ -145,13 +145,17 @@ def _v_rows(model, fam, hd: int) -> slice:
 class InputRotation:
     """A forward pre-hook multiplying a Linear's input by the orthogonal ``Q`` of size ``size`` (see the module
     docstring): ``x @ Q`` with ``Q = rotation(size, key=key).T``. A value (size, key); the matrix is rebuilt
-    from it, so a model with these hooks deep-copies and pickles."""
+    from it, so a model with these hooks deep-copies and pickles. The signs (or the dense matrix of a size with
+    no construction) are cached per (device, dtype) on first use; under autograd the transform is one
+    ``torch.autograd.Function`` whose backward is the adjoint transform (``fwht(..., transpose=True)``), not the
+    graph of the transform's elementwise operations (issue 23)."""
 
-    __slots__ = ("size", "key", "_signs", "_dense")
+    __slots__ = ("size", "key", "_signs", "_dense", "_cache")
 
     def __init__(self, size: int, *, key: Optional[int] = None):
         self.size, self.key = int(size), key
         self._signs = self._dense = None
+        self._cache = {}
 
     def __repr__(self) -> str:
         return f"InputRotation(size={self.size}, key={self.key})"
@@ -162,6 +166,7 @@ class InputRotation:
     def __setstate__(self, st):
         self.size, self.key = st["size"], st["key"]
         self._signs = self._dense = None
+        self._cache = {}
 
     def matrix(self) -> torch.Tensor:
         """``Q`` as a float64 [size, size] tensor."""
@@ -171,22 +176,46 @@ class InputRotation:
         x = args[0]
         return (self.apply(x),) + tuple(args[1:])
 
+    def _on(self, what: str, device, dtype) -> torch.Tensor:
+        """The signs (``what="signs"``) or the dense ``Q`` (``"dense"``) on ``device`` in ``dtype``, built once."""
+        k = (what, str(device), dtype)
+        t = self._cache.get(k)
+        if t is None:
+            if what == "signs":
+                if self._signs is None:
+                    self._signs = torch.from_numpy(random_signs(self.size, key=self.key))
+                t = self._signs.to(device=device, dtype=dtype)
+            else:
+                if self._dense is None:
+                    self._dense = self.matrix()
+                t = self._dense.to(device=device, dtype=dtype)
+            self._cache[k] = t
+        return t
+
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.size:
             raise ValueError(f"InputRotation: input has {x.shape[-1]} features, the rotation is of size {self.size}")
         ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+        z = x.to(ct)
         if is_constructible(self.size):
             if self.key is not None:
-                if self._signs is None:
-                    self._signs = torch.from_numpy(random_signs(self.size, key=self.key))
-                y = _fwht(x.to(ct) * self._signs.to(device=x.device, dtype=ct))
-            else:
-                y = _fwht(x.to(ct))
+                z = z * self._on("signs", x.device, ct)
+            y = _FWHT.apply(z) if z.requires_grad and torch.is_grad_enabled() else _fwht(z)
         else:
-            if self._dense is None:
-                self._dense = self.matrix()
-            y = x.to(ct) @ self._dense.to(device=x.device, dtype=ct)
+            y = z @ self._on("dense", x.device, ct)
         return y.to(x.dtype)
+
+
+class _FWHT(torch.autograd.Function):
+    """``fwht`` with the adjoint transform as its backward (``d/dz (z H^T / r) = g H / r``)."""
+
+    @staticmethod
+    def forward(ctx, z):
+        return _fwht(z)
+
+    @staticmethod
+    def backward(ctx, g):
+        return fwht(g, transpose=True)
 
 
 def _fwht(x: torch.Tensor) -> torch.Tensor:
@@ -198,6 +227,30 @@ def _fwht(x: torch.Tensor) -> torch.Tensor:
         if kernels.available(x):
             return kernels.fwht(x)
     return fwht(x)
+
+
+class _ReferenceInputRotation(InputRotation):
+    """The landed ``InputRotation.apply`` (issue 11): signs moved per call, ``_reference_fwht`` differentiated through
+    its elementwise graph; the reference SpinQuant (``spinquant._reference_spinquant``) is tested against."""
+
+    __slots__ = ()
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.size:
+            raise ValueError(f"InputRotation: input has {x.shape[-1]} features, the rotation is of size {self.size}")
+        ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+        if is_constructible(self.size):
+            if self.key is not None:
+                if self._signs is None:
+                    self._signs = torch.from_numpy(random_signs(self.size, key=self.key))
+                y = _reference_fwht(x.to(ct) * self._signs.to(device=x.device, dtype=ct))
+            else:
+                y = _reference_fwht(x.to(ct))
+        else:
+            if self._dense is None:
+                self._dense = self.matrix()
+            y = x.to(ct) @ self._dense.to(device=x.device, dtype=ct)
+        return y.to(x.dtype)
 
 
 def remove_online(model: nn.Module) -> None:
@@ -249,14 +302,17 @@ def _fold_and_untie(model, emb, norm, head, layers) -> None:
 
 
 def rotated_weights(model: nn.Module, r1: Optional[torch.Tensor], r2: Optional[Sequence], *,
-                    dtype: torch.dtype = torch.float64) -> dict:
+                    dtype: torch.dtype = torch.float64, start: Optional[dict] = None,
+                    skip: Sequence[str] = ()) -> dict:
     """``{parameter name: rotated value}`` for the weights the rotations ``r1`` (``[hidden, hidden]``, residual
     stream) and ``r2`` (one ``[head_dim, head_dim]`` per layer, values per head) change, computed from the
     model's current (norm-folded, untied) weights in ``dtype``; differentiable in ``r1`` and ``r2`` (SpinQuant
     trains through it). None skips a rotation. The model is not changed. Which weights: the family's record
     (``qcore.adapters.families``): R1 on the input columns of ``attn_in``, ``mlp_in`` and the head and on the
     embedding rows, R1^T on the output rows of ``attn_out`` and ``mlp_out``; R2 on the value rows of
-    ``attn_in`` and the per-head input columns of ``attn_out``."""
+    ``attn_in`` and the per-head input columns of ``attn_out``. ``start``: ``{parameter name: value}`` to start
+    from instead of the model's (SpinQuant's weights already times their online ``Q``); ``skip``: parameter names
+    left out of R1 (SpinQuant rotates the embedding's output and the head's input instead)."""
     emb, norm, head, layers, hd = _check(model)
     fam = family_of(model)
     vrows = _v_rows(model, fam, hd)
@@ -264,13 +320,19 @@ def rotated_weights(model: nn.Module, r1: Optional[torch.Tensor], r2: Optional[S
     names = {id(m): n for n, m in model.named_modules()}
     out: dict = {}
 
+    start = start or {}
+
     def cur(mod, what="weight"):
         key = f"{names[id(mod)]}.{what}"
-        return out.get(key, getattr(mod, what).detach().to(dtype)), key
+        if key in out:
+            return out[key], key
+        return (start[key] if key in start else getattr(mod, what).detach()).to(dtype), key
 
     if r1 is not None:
         r1 = r1.to(dtype)
         for mod in (emb, head):
+            if f"{names[id(mod)]}.weight" in skip:
+                continue
             w, k = cur(mod)
             out[k] = w @ r1
         for layer in layers:

@@ -38,8 +38,9 @@ from qcore.algorithms.hadamard import rotation
 from qcore.algorithms.orthogonal import cayley_step
 
 from ..modules import _act_granularity, _with_granularity, linear_weight_spec
-from .rotation import (_check, _fold_and_untie, _online_hooks, _times_online, _write, check_rotation, remove_online,
-                       rotate_model, rotated_weights)
+from ..families import family_of
+from .rotation import (InputRotation, _ReferenceInputRotation, _check, _fold_and_untie, _online_hooks, _times_online,
+                       _write, check_rotation, remove_online, rotate_model, rotated_weights)
 
 __all__ = ["spinquant", "apply_rotation"]
 
@@ -76,10 +77,17 @@ def _specs(model: nn.Module, plans: Sequence) -> tuple[dict, dict]:
     return wspecs, aspecs
 
 
-def _act_hook(spec):
+def _act_hook(spec, last: Optional[list] = None):
+    """A pre-hook fake-quantizing a Linear's input with ``spec``. ``last`` (a list shared by the hooks of one model,
+    fast path): ``[input, spec, output]`` of the latest call, reused when the next Linear reads the same tensor with
+    an equal spec (q, k, v; gate, up): the same values, computed once."""
     def hook(mod, args):
         x = args[0]
+        if last is not None and last[0] is x and last[1] == spec:
+            return (last[2],) + tuple(args[1:])
         y = qcore.fake_quantize(x.reshape(-1, x.shape[-1]).float(), spec).reshape(x.shape).to(x.dtype)
+        if last is not None:
+            last[:] = [x, spec, y]
         return (y,) + tuple(args[1:])
     return hook
 
@@ -87,6 +95,82 @@ def _act_hook(spec):
 def spinquant(model: nn.Module, plans: Sequence, data: Optional[Sequence], algo, *, progress: bool = False,
               train_weights: bool = True) -> nn.Module:
     """Learn and fuse SpinQuant's rotations into ``model`` in place (module docstring); returns it."""
+    return _spinquant(model, plans, data, algo, progress=progress, train_weights=train_weights, reference=False)
+
+
+def _reference_spinquant(model: nn.Module, plans: Sequence, data: Optional[Sequence], algo, *,
+                         progress: bool = False, train_weights: bool = True) -> nn.Module:
+    """The landed SpinQuant step (issue 11), kept as the reference the fast one is tested against (within the float
+    tolerance ``docs/rotations.md`` states): every rotated weight from the float weights each step (the embedding
+    and the head included), each online weight times its dense ``Q`` each step, and the online transforms
+    differentiated through their elementwise graph."""
+    return _spinquant(model, plans, data, algo, progress=progress, train_weights=train_weights, reference=True)
+
+
+class _Step:
+    """What one fast step needs besides the rotations (issue 23). Computed once:
+
+    - ``start``: each online weight whose columns no learnt rotation touches (``mlp_out``; ``attn_out`` too without
+      R2) times its constant ``Q`` (float32), so a step computes ``R1^T (W Q)``, not ``(R1^T W) Q``;
+    - ``skip``: the embedding, whose output is rotated instead (``E[ids] R1``: the batch's rows, not the
+      vocabulary's), and the head when it is neither weight- nor input-quantized in training (its input times
+      ``R1^T``: ``x (W R1)^T = (x R1^T) W^T``).
+
+    The same function as the reference step up to float rounding (a different association of the same
+    products)."""
+
+    def __init__(self, model, emb, head, qs: dict, wspecs: dict, aspecs: dict, heads: bool):
+        names = {id(m): n for n, m in model.named_modules()}
+        fam = family_of(model)
+        r2_cols = {f"{n}.weight" for n, m in model.named_modules() if n.endswith("." + fam.attn_out)} if heads \
+            else set()
+        with torch.no_grad():
+            self.start = {k: model.get_parameter(k).detach().float() @ q.float()
+                          for k, q in qs.items() if k not in r2_cols}
+        self.qs = {k: q for k, q in qs.items() if k in r2_cols}
+        ek = f"{names[id(emb)]}.weight"
+        hn = names[id(head)]
+        self.skip = [ek]
+        self.head_input = f"{hn}.weight" not in wspecs and hn not in aspecs
+        if self.head_input:
+            self.skip.append(f"{hn}.weight")
+        self.r1 = None
+        self.hooks = [emb.register_forward_hook(self._emb_out)]
+        if self.head_input:
+            self.hooks.append(head.register_forward_pre_hook(self._head_in))
+
+    def _emb_out(self, mod, args, out):
+        return out.to(self.r1.dtype) @ self.r1
+
+    def _head_in(self, mod, args):
+        x = args[0]
+        return (x.to(self.r1.dtype) @ self.r1.T,) + tuple(args[1:])
+
+    def values(self, model, r1v, r2v) -> dict:
+        self.r1 = r1v
+        vals = rotated_weights(model, r1v, r2v, dtype=torch.float32, start=self.start, skip=self.skip)
+        for k, w in self.start.items():  # r1 None: W Q as it is
+            vals.setdefault(k, w)
+        return _times_online(model, vals, self.qs, torch.float32)
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
+def _as_reference(model) -> dict:
+    """Swap every ``InputRotation`` hook for the landed one (``_ReferenceInputRotation``); returns what to restore."""
+    swapped = {}
+    for m in model.modules():
+        for k, h in list(m._forward_pre_hooks.items()):
+            if type(h) is InputRotation:
+                ref = _ReferenceInputRotation(h.size, key=h.key)
+                m._forward_pre_hooks[k] = ref
+                swapped[(id(m), k)] = (m, k, h)
+    return swapped
+
+
+def _spinquant(model, plans, data, algo, *, progress: bool, train_weights: bool, reference: bool):
     from .._batches import _progress
     emb, norm, head, layers, hd = _check(model)
     if not data:
@@ -105,20 +189,29 @@ def spinquant(model: nn.Module, plans: Sequence, data: Optional[Sequence], algo,
           for _ in layers] if algo.heads else None
     _fold_and_untie(model, emb, norm, head, layers)
     qs = _online_hooks(model, algo.online, key)
-    hooks = [model.get_submodule(n).register_forward_pre_hook(_act_hook(s)) for n, s in aspecs.items()]
+    swapped = _as_reference(model) if reference else {}
+    last = None if reference else [None, None, None]
+    hooks = [model.get_submodule(n).register_forward_pre_hook(_act_hook(s, last)) for n, s in aspecs.items()]
+    step_of = None
     was_training = model.training
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     model.eval()
     t0 = time.perf_counter()
-    losses = []
+    losses, step_s = [], []
     try:
         for p in model.parameters():
             p.requires_grad_(False)
+        if not reference:
+            step_of = _Step(model, emb, head, qs, wspecs, aspecs, r2 is not None)
         for step in _progress(range(algo.steps), total=algo.steps, desc="spinquant", enabled=progress):
+            ts = time.perf_counter()
             ids = torch.cat([batches[(step * algo.batch + j) % len(batches)] for j in range(algo.batch)]).to(dev)
             r1v = r1.float().requires_grad_()
             r2v = [r.float().requires_grad_() for r in r2] if r2 is not None else None
-            vals = _times_online(model, rotated_weights(model, r1v, r2v, dtype=torch.float32), qs, torch.float32)
+            if reference:
+                vals = _times_online(model, rotated_weights(model, r1v, r2v, dtype=torch.float32), qs, torch.float32)
+            else:
+                vals = step_of.values(model, r1v, r2v)
             for k, spec in wspecs.items():
                 w = vals.get(k)
                 if w is None:
@@ -130,23 +223,35 @@ def spinquant(model: nn.Module, plans: Sequence, data: Optional[Sequence], algo,
                 raise ValueError(f"spinquant: the loss is {float(loss)} at step {step}; lower lr ({algo.lr})")
             loss.backward()
             losses.append(float(loss.detach()))
+            del out, loss, vals
+            if last is not None:
+                last[:] = [None, None, None]  # the step's graph is not kept alive
             r1 = cayley_step(r1, r1v.grad.double(), lr=algo.lr)
             if r2 is not None:
                 r2 = [cayley_step(r, g.grad.double(), lr=algo.lr) for r, g in zip(r2, r2v)]
+            step_s.append(time.perf_counter() - ts)
     except BaseException:
         # the weights do not hold the online Q yet: without its hooks the (norm-folded) model computes the
         # original function again
+        if step_of is not None:
+            step_of.remove()
         remove_online(model)
         raise
     finally:
         for h in hooks:
             h.remove()
+        for m, k, h in swapped.values():  # the model's own InputRotation objects back (unless removed above)
+            if k in m._forward_pre_hooks:
+                m._forward_pre_hooks[k] = h
         for n, p in model.named_parameters():
             p.requires_grad_(flags.get(n, True))
         model.train(was_training)
+    if step_of is not None:
+        step_of.remove()
     with torch.no_grad():
         _write(model, _times_online(model, rotated_weights(model, r1, r2), qs))
     model._qcore_spinquant_losses = losses  # the training curve (first, last: logged)
+    model._qcore_spinquant_step_s = step_s  # seconds per step (bench/bench_rotation_speed.py)
     _log.info("spinquant: %d steps in %.1f s, loss %.4f -> %.4f", algo.steps, time.perf_counter() - t0,
               losses[0], losses[-1])
     return model
