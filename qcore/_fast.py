@@ -206,17 +206,18 @@ class _TorchIP:
     def abs(self, a, out):
         return self.t.abs(a, out=out)
 
+    # In place (``out is a``), the method form: same result, less dispatch than ``out=`` (no resize checks).
     def mul(self, a, b, out):
-        return self.t.mul(a, b, out=out)
+        return a.mul_(b) if out is a else self.t.mul(a, b, out=out)
 
     def div(self, a, b, out):
-        return self.t.div(a, b, out=out)
+        return a.div_(b) if out is a else self.t.div(a, b, out=out)
 
     def add(self, a, b, out):
-        return self.t.add(a, b, out=out)
+        return a.add_(b) if out is a else self.t.add(a, b, out=out)
 
     def sub(self, a, b, out):
-        return self.t.sub(a, b, out=out)
+        return a.sub_(b) if out is a else self.t.sub(a, b, out=out)
 
     @staticmethod
     def clamp_(a, lo, hi):
@@ -235,10 +236,10 @@ class _TorchIP:
         return a.round_()
 
     def band(self, a, m, out):
-        return self.t.bitwise_and(a, m, out=out)
+        return a.bitwise_and_(m) if out is a else self.t.bitwise_and(a, m, out=out)
 
     def bor(self, a, b, out):
-        return self.t.bitwise_or(a, b, out=out)
+        return a.bitwise_or_(b) if out is a else self.t.bitwise_or(a, b, out=out)
 
     def bxor(self, a, b, out):
         return self.t.bitwise_xor(a, b, out=out)
@@ -667,13 +668,14 @@ def _int_back(spec, sc, o):
 
 
 def _int_codes_float(xb, sc, fwd, inv, zp, spec, ip, a):
-    """a = clip(rint(x / scale) + zero point, qmin, qmax) as float32, with -0 made +0 (integer codes)."""
+    """a = clip(rint(x / scale) + zero point, qmin, qmax) as float32, with -0 made +0 (integer codes).
+    ``a``: the buffer to write, or None (a new one)."""
     if inv is None:
-        ip.div(xb, sc, a)
+        a = ip.div(xb, sc, a)
     elif fwd is not None:
-        ip.mul(xb, fwd, a)
+        a = ip.mul(xb, fwd, a)
     else:
-        ip.mul(xb, inv, a)
+        a = ip.mul(xb, inv, a)
         ip.mul(a, np.float32(2.0 ** -spec.unit_exponent), a)
     ip.rint_(a)
     if zp is not None:
@@ -685,11 +687,12 @@ def _int_codes_float(xb, sc, fwd, inv, zp, spec, ip, a):
 
 
 def _fake_int(xb, sc, fwd, back, inv, zp, spec, ip, a, out):
-    _int_codes_float(xb, sc, fwd, inv, zp, spec, ip, a)
+    """Integer fake-quantize into ``out``; ``a`` (scratch) and ``out`` may be None: the codes' buffer, made by
+    the first operation, then holds the result."""
+    a = _int_codes_float(xb, sc, fwd, inv, zp, spec, ip, a)
     if zp is not None:
         ip.sub(a, zp, a)
-    ip.mul(a, back, out)
-    return out
+    return ip.mul(a, back, a if out is None else out)
 
 
 def _dup_shift(d, ip, l1, l2):
@@ -961,19 +964,18 @@ def small_given_prepared(x, spec, scales, zp, kind, o):
 
 
 def _small_kernels(x, spec, scales, inv, zp, kind, o, ip):
-    out = ip.empty(tuple(x.shape), ip.f32, x) if o.name == "torch" else np.empty(x.shape, np.float32)
     with o.quiet():
         if kind == "int":
             fwd, back, inv2 = _int_factors(spec, scales, inv, o)
             if back is None:
                 return None
-            _fake_int(x, scales, fwd, back, inv2, zp, spec, ip, out, out)
-        else:
-            ib = ip.empty(tuple(x.shape), ip.i32, x) if o.name == "torch" else np.empty(x.shape, np.int32)
-            _fake_float(x, scales, inv, spec, ip, out, ib, out)
-            bad = _bad_blocks(scales, o)
-            if bad is not None:
-                ip.fill_where(out, bad, np.float32(math.nan))
+            return _fake_int(x, scales, fwd, back, inv2, zp, spec, ip, None, None)
+        out = ip.empty(tuple(x.shape), ip.f32, x) if o.name == "torch" else np.empty(x.shape, np.float32)
+        ib = ip.empty(tuple(x.shape), ip.i32, x) if o.name == "torch" else np.empty(x.shape, np.int32)
+        _fake_float(x, scales, inv, spec, ip, out, ib, out)
+        bad = _bad_blocks(scales, o)
+        if bad is not None:
+            ip.fill_where(out, bad, np.float32(math.nan))
     return out
 
 
