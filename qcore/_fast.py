@@ -793,14 +793,19 @@ def _fake_int(xb, sc, fwd, back, inv, zp, spec, ip, a, out):
     return ip.mul(a, back, a if out is None else out)
 
 
+_SHIFT_PAIR = (1 << 23) | (1 << 55)
+
+
 def _dup_shift(d, ip, l1, l2):
     """Per-pair flags ``d`` (bool, one per pair) -> int64 per pair holding ``d << 23`` in both float32 halves: added
-    to (or subtracted from) the bits of a constant pair it multiplies (divides) both elements by ``2**d``."""
-    ip.copy_to(l1, d)
-    ip.shl(l1, 32, l2)
-    ip.bor(l1, l2, l1)
-    ip.shl(l1, 23, l1)
-    return l1
+    to (or subtracted from) the bits of a constant pair it multiplies (divides) both elements by ``2**d``:
+    ``d * (2**23 + 2**55)`` (d is 0 or 1). Integer flags (stored shifts) are widened to int64 first (torch
+    computes int32 * a Python int in int32)."""
+    k = ip.scalar64(_SHIFT_PAIR)
+    if str(d.dtype) not in ("bool", "torch.bool"):
+        ip.copy_to(l1, d)
+        return ip.mul(l1, k, l1)
+    return ip.mul(d, k, l1)
 
 
 def _pair64(v: float) -> int:
