@@ -615,6 +615,7 @@ def _slab_stats(xb, r, need_minmax):
         with r.o.quiet():
             return r.o.maximum(r.o.abs(lo), r.o.abs(hi)), lo, hi
     ip.band(ip.ibits(xb), 0x7FFFFFFF, k)
+    r.abs_of = xb  # k (the "i" scratch) holds |x| of this slab until a kernel overwrites it
     return ip.fbits(ip.contiguous(amax(k, red))), None, None
 
 
@@ -823,8 +824,13 @@ def _microexp_round(xb, inv, spec, ip, o, r, a, ib):
     by an exponent shift in int64 pairs, so no operation broadcasts over the pairs' tiny inner axis."""
     m = spec.dtype.mantissa_bits
     n = a.size if ip.name == "numpy" else a.numel()
-    ip.mul(xb, inv, a)
-    ip.band(ip.ibits(a), 0x7FFFFFFF, ib)
+    if r.abs_of is xb:  # the statistics left |x| in ib: |y| = |x| * 2**-s in place (exact, as |x * 2**-s|)
+        absx = ip.fbits(ib).reshape(tuple(xb.shape))
+        ip.mul(absx, inv, absx)
+    else:
+        ip.mul(xb, inv, a)
+        ip.band(ip.ibits(a), 0x7FFFFFFF, ib)
+    r.abs_of = None
     fa = ip.fbits(ib).reshape(-1)
     pm = ip.maximum(fa[0::2], fa[1::2])
     d = pm < np.float32(1.0)
@@ -843,7 +849,7 @@ def _fake_microexp(xb, sc, inv, spec, ip, o, r, a, ib, out):
     """MX9/MX6/MX4 fake-quantize of one slab: the rounded magnitude gets x's sign back, then the block scale."""
     fa, d, sh = _microexp_round(xb, inv, spec, ip, o, r, a, ib)
     ai = ip.ibits(a).reshape(-1)
-    ip.band(ai, -0x80000000, ai)  # the sign of y (= the sign of x)
+    ip.band(ip.ibits(xb).reshape(-1), -0x80000000, ai)  # the sign of x (= the sign of y)
     ii = ip.ibits(fa)
     ip.bor(ii, ai, ii)
     ip.mul(ip.fbits(ii).reshape(tuple(xb.shape)), sc, out)
@@ -912,6 +918,7 @@ class _Run:
             self.l64b = ip.empty(self.maxn // 2, i64, x)
         self.like = x
         self._pads = {}
+        self.abs_of = None  # the slab whose |x| bits the "i" scratch holds (_slab_stats), if any
 
     def _rows(self, r0, r1):
         """Canonical rows r0:r1 as rows of axis 0 of the input (canonical axis 0 may merge leading axes)."""
