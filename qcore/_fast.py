@@ -189,6 +189,7 @@ class _TorchIP:
         self.t = torch
         self.f32, self.i32, self.u8, self.i8 = torch.float32, torch.int32, torch.uint8, torch.int8
         self.i64 = torch.int64
+        self._scalars = {}
 
     def empty(self, n, dtype, like):
         return self.t.empty(n, dtype=dtype, device=like.device)
@@ -248,7 +249,10 @@ class _TorchIP:
         return self.t.bitwise_left_shift(a, k, out=out)
 
     def scalar64(self, v):
-        return self.t.tensor(v, dtype=self.t.int64)
+        t = self._scalars.get(v)  # the few int64 constants of the kernels, made once (CPU; torch broadcasts a
+        if t is None:  # 0-dim CPU tensor against tensors on any device)
+            t = self._scalars[v] = self.t.tensor(v, dtype=self.t.int64)
+        return t
 
     def i32view(self, a):
         return a.view(self.t.int32)
