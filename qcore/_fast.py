@@ -146,6 +146,10 @@ class _NumpyIP:
         return np.minimum(a, b, out=out)
 
     @staticmethod
+    def max2(a, b, out):
+        return np.maximum(a, b, out=out)
+
+    @staticmethod
     def shr(a, k, out):
         return np.right_shift(a, k, out=out)
 
@@ -259,6 +263,9 @@ class _TorchIP:
 
     def min2(self, a, b, out):
         return self.t.minimum(a, b, out=out)
+
+    def max2(self, a, b, out):
+        return self.t.maximum(a, b, out=out)
 
     def shr(self, a, k, out):
         return self.t.bitwise_right_shift(a, k, out=out)
@@ -511,7 +518,7 @@ def _params_from_stats(amax, lo, hi, spec, o, like):
     return scales, inv, zp
 
 
-_ORDINARY: list = []  # [(scales, fwd, back)] of the last _floor_e8m0_params result (see there)
+_ORDINARY: list = []  # [(scales, fwd, back, smallest e)] of the last _floor_e8m0_params result (see there)
 
 
 def _floor_e8m0_params(amax, hi, emax_eff, spec, o):
@@ -570,7 +577,7 @@ def _floor_e8m0_params(amax, hi, emax_eff, spec, o):
     sc = ip.fbits(ip.shl(field, 23, field))
     if back is None:
         back = sc
-    _ORDINARY[:] = [(sc, fwd, back)]
+    _ORDINARY[:] = [(sc, fwd, back, e_lo)]
     return sc, inv
 
 
@@ -620,6 +627,22 @@ def _slab_stats(xb, r, need_minmax):
             return r.o.maximum(r.o.abs(lo), r.o.abs(hi)), lo, hi
     ip.band(ip.ibits(xb), 0x7FFFFFFF, k)
     r.abs_of = xb  # k (the "i" scratch) holds |x| of this slab until a kernel overwrites it
+    t = int(xb.shape[-1])
+    if r.pm is not None and t % 2 == 0:
+        # Shared microexponents: the pairs' maxima first (kept: the kernel's shift flags come from them), then
+        # the block maxima over them (half the elements of a reduction over the whole block).
+        kf = k.reshape(-1)
+        pm = r.pm[:kf.shape[0] // 2]
+        ip.max2(kf[0::2], kf[1::2], pm)
+        r.pm_of = xb
+        pmb = pm.reshape(tuple(xb.shape[:-1]) + (t // 2,))
+        if ip.name == "numpy" and len(r.cshape) == 1 and t // 2 in (2, 4, 8, 16):
+            m = _np_halving(np.maximum, pm, t // 2, r.a.view(np.int32)).reshape(tuple(xb.shape[:1]) + (1,))
+        elif ip.name == "numpy" and len(r.cshape) == 1:
+            m = np.maximum.reduceat(pm, np.arange(0, pm.size, t // 2)).reshape(tuple(xb.shape[:1]) + (1,))
+        else:
+            m = ip.amax(pmb, red)
+        return ip.fbits(ip.contiguous(m)), None, None
     return ip.fbits(ip.contiguous(amax(k, red))), None, None
 
 
@@ -860,6 +883,42 @@ def _fake_microexp(xb, sc, inv, spec, ip, o, r, a, ib, out):
     return out
 
 
+def _fake_microexp_scaled(xb, sc, inv, spec, ip, r, a, out):
+    """MX9/MX6/MX4 fake-quantize of an ordinary slab in fewer passes, or False (then ``_fake_microexp``).
+
+    In units of the element step: with z = x * 2**(m + d - s), an element is round(z) (nearest-even, the sign
+    and -0 kept) clamped to +-(2**(m + 1) - 1), times 2**(s - m - d): the same value as ``_microexp_round``'s
+    magnitude grid 2**-(m + d) and bound (2 - 2**-m) * 2**-d, with scalar constants instead of per-element ones.
+    The pair flag d (both |x| < 2**s) comes from the statistics' pair maxima ``r.pm`` compared with the bits of
+    2**s; the factor 2**d is an exponent increment of z's bits (int64 pairs), exact for normal z and harmless for
+    zero or subnormal z (they round to +-0 either way: |z| < 2**-125).
+
+    Only for a slab whose statistics just ran (``r.pm_of is xb``) and whose blocks are all ordinary
+    (``_floor_e8m0_params``) with ``e = s + 127 >= m + 2``: then 2**(m - s) and 2**(s - m) are normal and every
+    product is exact (no overflow, no underflow of a nonzero result)."""
+    m = spec.dtype.mantissa_bits
+    if r.pm_of is not xb or not _ORDINARY or _ORDINARY[0][0] is not sc or _ORDINARY[0][3] < m + 2:
+        return False
+    n = a.size if ip.name == "numpy" else a.numel()
+    pm = r.pm[:n // 2].reshape(tuple(xb.shape[:-1]) + (int(xb.shape[-1]) // 2,))
+    d = (pm < ip.ibits(sc)).reshape(-1)  # both |x| of the pair below 2**s (2**s normal here)
+    sh = _dup_shift(d, ip, r.l64[:n // 2], None)
+    torch_ = ip.name == "torch"
+    inv_m = ip.mul(inv, float(2.0 ** m) if torch_ else np.float32(2.0 ** m), None)
+    ip.mul(xb, inv_m, a)  # z / 2**d = x * 2**(m - s), exact
+    af = a.reshape(-1)
+    ai = af.view(ip.t.int64) if torch_ else af.view(np.int64)
+    ip.add(ai, sh, ai)  # z = x * 2**(m + d - s)
+    ip.rint_(af)
+    top = np.float32(2.0 ** (m + 1) - 1)
+    ip.clamp_(af, float(-top) if torch_ else -top, float(top) if torch_ else top)
+    back = ip.sub(ip.scalar64(_pair64(1.0)), sh, r.l64b[:n // 2])  # 2**-d per element
+    ip.mul(af, ip.fbits(ip.i32view(back)), af)
+    sc_m = ip.mul(sc, float(2.0 ** -m) if torch_ else np.float32(2.0 ** -m), None)
+    ip.mul(a.reshape(tuple(xb.shape)), sc_m, out)
+    return True
+
+
 def _codes_microexp(xb, sc, inv, spec, ip, o, r, a, ib, cb):
     """MX9/MX6/MX4 codes (sign-magnitude, sign at bit m + 1) and the per-pair shifts."""
     m = spec.dtype.mantissa_bits
@@ -916,13 +975,17 @@ class _Run:
         self.maxn = max((r1 - r0) * rowsize for r0, r1, _ in self.plan) if self.plan else 0
         self.a = ip.empty(self.maxn, ip.f32, x)
         self.ib = ip.empty(self.maxn, ip.i32, x)
+        self.pm = None
         if spec.subblock_shift_bits:
             i64 = np.int64 if ip.name == "numpy" else ip.t.int64
             self.l64 = ip.empty(self.maxn // 2, i64, x)
             self.l64b = ip.empty(self.maxn // 2, i64, x)
+            if spec.subblock_size == 2:
+                self.pm = ip.empty(self.maxn // 2, ip.i32, x)  # the pairs' |x| maxima (_slab_stats)
         self.like = x
         self._pads = {}
         self.abs_of = None  # the slab whose |x| bits the "i" scratch holds (_slab_stats), if any
+        self.pm_of = None  # the slab whose pairs' maxima ``pm`` holds, if any
 
     def _rows(self, r0, r1):
         """Canonical rows r0:r1 as rows of axis 0 of the input (canonical axis 0 may merge leading axes)."""
@@ -1027,8 +1090,9 @@ def run_fake_quantize(x, spec, scale, zero_point, o, *, tensor_scale=None):
                 if back is None:
                     return None
                 _fake_int(xb, sc, fwd, back, inv2, zp, spec, ip, a, ob)
-            else:
+            elif not _fake_microexp_scaled(xb, sc, inv, spec, ip, r, a, ob):
                 _fake_microexp(xb, sc, inv, spec, ip, o, r, a, ib, ob)
+            r.abs_of = r.pm_of = None
             bad = _bad_blocks(sc, o)
             if bad is not None:
                 ip.fill_where(ob, bad, np.float32(math.nan))
