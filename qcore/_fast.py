@@ -588,8 +588,12 @@ def _pow2_small(k, o):
     return ip.fbits(ip.contiguous(o.astype(bits, o.int32)))
 
 
-def _slab_stats(xb, r, need_minmax):
+def _slab_stats(xb, r, need_minmax, cheap=False):
     """Statistics of one slab's blocks (blocked-scale layout): (absmax, lo, hi) with lo/hi None unless needed.
+
+    ``cheap`` (bfp16, see ``iter_slabs``): (absmax, None, the maximum of x's bits as int32, as a float32 view):
+    two reductions and no order keys. For blocks with a positive element that maximum is the bits of the
+    largest one; otherwise it is <= 0 (as an int), below every positive threshold: all the bump rule needs.
 
     Reductions over the float32 bits as int32 (monotone keys): integer max/min vectorise well over the short
     inner axes of small blocks, where float reductions do not; NaN has the largest magnitude key, so a NaN in a
@@ -620,6 +624,11 @@ def _slab_stats(xb, r, need_minmax):
                 return np.minimum.reduceat(a.reshape(-1), starts).reshape(shape)
     else:
         amax, amin = ip.amax, ip.amin
+    if cheap:
+        ip.band(ip.ibits(xb), 0x7FFFFFFF, k)
+        top = amax(k, red)
+        raw = amax(ip.ibits(xb), red)
+        return ip.fbits(ip.contiguous(top)), None, ip.fbits(ip.contiguous(raw))
     if need_minmax:
         _order_keys(ip.ibits(xb), k, ip)
         lo, hi = _from_keys(amin(k, red), ip), _from_keys(amax(k, red), ip)
@@ -697,15 +706,28 @@ def iter_slabs(x, spec, scale, zero_point, o, r):
     if not spec.symmetric:
         full_z = ip.empty(tuple(r.cscale), ip.f32, x) if ip.name == "torch" else np.empty(r.cscale, np.float32)
     t0 = r.ctile[0]
+    # bfp16 (FLOOR scales with the bump): per slab first the cheap statistics (|x| max and the raw-bits max),
+    # enough for an ordinary slab (_floor_e8m0_params); any other slab computes the full min/max statistics.
+    emax_eff = element_emax_and_max(spec.dtype, spec.unit_exponent)[0] if spec.pow2_scale else -1
+    cheap = (spec.bump_on_overflow and spec.scale_mode is ScaleMode.FLOOR and emax_eff >= 0
+             and not spec.two_level)
     for r0, r1, _ in r.plan:
         xb = r.slab_in(x, r0, r1)
-        amax, lo, hi = _slab_stats(xb, r, need_minmax)
-        if spec.two_level:  # the public scales are the block scales; the kernels take the two multipliers
+        quick = None
+        if cheap:
+            amax, _, hi = _slab_stats(xb, r, need_minmax, cheap=True)
+            quick = _floor_e8m0_params(amax, hi, emax_eff, spec, o)
+        if quick is not None:
+            sc, inv = quick
+            zp, pub = None, sc
+        elif spec.two_level:  # the public scales are the block scales; the kernels take the two multipliers
             from ._two_level import _two_level_scales
 
+            amax, lo, hi = _slab_stats(xb, r, need_minmax)
             pub, inv, sc = _two_level_scales(amax, r.g, spec, o)
             zp = None
         else:
+            amax, lo, hi = _slab_stats(xb, r, need_minmax)
             sc, inv, zp = _params_from_stats(amax, lo, hi, spec, o, x)
             pub = sc
         b0, b1 = r0 // t0, -(-r1 // t0)

@@ -329,7 +329,7 @@ def test_ordinary_rows_take_the_bit_formulas_and_special_rows_do_not(fmt):
         assert seen == [True]
         seen.clear()
         qcore.fake_quantize(_special_rows(), make_spec(fmt))
-        assert seen == [False]
+        assert seen and not any(seen)  # bfp16: tried on the cheap statistics, then on the full ones
     if fmt == "bfp16":
         s = np.asarray(qcore.quantize(rows[5:6, :8], make_spec(fmt)).scales)
         assert s.reshape(-1)[0] == 2.0  # amax (2 - 2**-7) * 2**0 rounds to 128: the exponent was bumped
