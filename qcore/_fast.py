@@ -521,6 +521,13 @@ def _params_from_stats(amax, lo, hi, spec, o, like):
 _ORDINARY: list = []  # [(scales, fwd, back, smallest e)] of the last _floor_e8m0_params result (see there)
 
 
+def _ordinary(sc):
+    """The ``_ORDINARY`` entry made with these very scales, or None (one read of the slot: another thread may
+    replace it at any time, and then its entry is simply not ours)."""
+    e = _ORDINARY[0] if _ORDINARY else None
+    return e if e is not None and e[0] is sc else None
+
+
 def _floor_e8m0_params(amax, hi, emax_eff, spec, o):
     """(2**s, 2**-s) straight from the bits when every block is ordinary, else None (the caller's general rule).
 
@@ -793,8 +800,9 @@ def _fake_float(xb, sc, inv, spec, ip, a, ib, out):
 def _int_factors(spec, sc, inv, o):
     """Per-block multipliers for integer elements: forward (x -> code units) and back (code units -> value),
     each exact; None for the forward one where it would leave float32's range (then two steps are taken)."""
-    if _ORDINARY and _ORDINARY[0][0] is sc and _ORDINARY[0][1] is not None:
-        return _ORDINARY[0][1], _ORDINARY[0][2], inv  # made with sc, from the bits (_floor_e8m0_params)
+    e = _ordinary(sc)
+    if e is not None and e[1] is not None:
+        return e[1], e[2], inv  # made with sc, from the bits (_floor_e8m0_params)
     unit = spec.unit_exponent
     if inv is None:
         return None, sc, None
@@ -919,7 +927,8 @@ def _fake_microexp_scaled(xb, sc, inv, spec, ip, r, a, out):
     (``_floor_e8m0_params``) with ``e = s + 127 >= m + 2``: then 2**(m - s) and 2**(s - m) are normal and every
     product is exact (no overflow, no underflow of a nonzero result)."""
     m = spec.dtype.mantissa_bits
-    if r.pm_of is not xb or not _ORDINARY or _ORDINARY[0][0] is not sc or _ORDINARY[0][3] < m + 2:
+    e = _ordinary(sc)
+    if r.pm_of is not xb or e is None or e[3] < m + 2:
         return False
     n = a.size if ip.name == "numpy" else a.numel()
     pm = r.pm[:n // 2].reshape(tuple(xb.shape[:-1]) + (int(xb.shape[-1]) // 2,))
@@ -1252,7 +1261,7 @@ def _tensor_scale(x, spec, given, o, ip):
 def _bad_blocks(scales, o):
     """Blocks with a NaN scale (a NaN or Inf met by the statistic), or None when there are none. Their outputs are
     the canonical NaN 0x7FC00000, as dequantize gives them (0 * NaN scale)."""
-    if _ORDINARY and _ORDINARY[0][0] is scales:
+    if _ordinary(scales) is not None:
         return None  # every block ordinary (_floor_e8m0_params)
     bad = o.isnan(scales)
     return bad if o.any(bad) else None
