@@ -115,12 +115,21 @@ def fake_quantize_given(x, spec, scale, zero_point):
         z = _np_params(zero_point, torch_x, torch)
         if z is None or z.shape != sshape:
             return None
-    seen = (s.tobytes(), None if z is None else z.tobytes()) if s.size <= _SEEN_MAX else None
-    if seen is None or seen != e[3]:
-        if not (s.min() > 0 and s.max() < _INF):  # NaN fails both
+    if s.size == 1:  # one value each (per-tensor): Python floats are the cheapest check
+        v = float(s.reshape(-1)[0])
+        if not 0.0 < v < np.inf:  # NaN fails too
             return None
-        if z is not None and not (z.min() >= qmin and z.max() <= qmax and np.array_equal(np.rint(z), z)):
-            return None
-        e[3] = seen
+        if z is not None:
+            v = float(z.reshape(-1)[0])
+            if not (qmin <= v <= qmax and v == int(v)):
+                return None
+    else:
+        seen = (s.tobytes(), None if z is None else z.tobytes()) if s.size <= _SEEN_MAX else None
+        if seen is None or seen != e[3]:
+            if not (s.min() > 0 and s.max() < _INF):  # NaN fails both
+                return None
+            if z is not None and not (z.min() >= qmin and z.max() <= qmax and np.array_equal(np.rint(z), z)):
+                return None
+            e[3] = seen
     x = x.contiguous() if torch_x else np.ascontiguousarray(x)
     return _fast._small_kernels(x, spec, scale, None, zero_point, kind, o, _fast._ip(o))

@@ -231,11 +231,20 @@ def _bad_params():
     low[7] = -1
     nanz = z.copy()
     nanz[3] = np.nan
+    t4 = make_spec("uint4")
+    s1, one = np.float32([[0.1]]), np.float32([[1.0]])
+    inf1 = np.float32([[np.inf]])
     return [("negative scale", u4, neg, z), ("zero scale", u4, zero, z), ("inf scale", u4, inf, z),
             ("fractional zero point", u4, s, frac), ("zero point above", u4, s, high),
             ("zero point below", u4, s, low), ("NaN zero point", u4, s, nanz), ("missing zero point", u4, s, None),
             ("zero point for symmetric", i8, s, z), ("wrong scale shape", u4, s[:4], z),
-            ("wrong zero point shape", u4, s, z[:4])]
+            ("wrong zero point shape", u4, s, z[:4]),
+            # per-tensor (one value each: checked as Python floats)
+            ("tensor: negative scale", t4, np.float32([[-0.1]]), one),
+            ("tensor: zero scale", t4, np.float32([[0.0]]), one), ("tensor: inf scale", t4, inf1, one),
+            ("tensor: fractional zero point", t4, s1, np.float32([[1.5]])),
+            ("tensor: zero point above", t4, s1, np.float32([[16.0]])),
+            ("tensor: inf zero point", t4, s1, inf1)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
