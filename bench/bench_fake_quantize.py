@@ -3,6 +3,7 @@
     python bench/bench_fake_quantize.py [--size 4096] [--repeat 5] [--formats mxfp4,int4_g128,...]
         [--numpy | --no-numpy] [--no-compile] [--threads N] [--small] [--json FILE]
     python bench/bench_fake_quantize.py --core [--repeat 9]      # issue 23's core leftovers only (a few minutes)
+    python bench/bench_fake_quantize.py --core --threads 1 --cpu-time   # the same on a loaded machine
 
 ``--core``: the rows issue 23 names (MX9/MX6/MX4/bfp16 fake_quantize on torch and numpy, 4096x4096 float32, over
 clone/copy; ``fake_quantize`` on a 576-element column with given scale and zero point over the plain torch
@@ -139,6 +140,10 @@ CORE_TARGETED = {("torch", f) for f in CORE_FORMATS.split(",")} | {("numpy", "mx
     ("torch", "gptq col, per-tensor s,z (576,1)"), ("torch", "gptq col, per-row s,z (576,1)")}
 
 MEM_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+# The clock of every timed pair: wall time (default), or with --cpu-time this thread's CPU time
+# (time.thread_time: under load it leaves out the time the process waits for a core; needs --threads 1, since
+# it does not count torch's other threads).
+CLOCK = [time.perf_counter]
 ORACLE_SLICE = 512
 
 
@@ -152,14 +157,15 @@ def paired(fn, ref, repeat, inner=1, samples=None):
     fn()
     ref()
     a, b = [], []
+    clock = CLOCK[0]
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(inner):
             fn()
-        t1 = time.perf_counter()
+        t1 = clock()
         for _ in range(inner):
             ref()
-        t2 = time.perf_counter()
+        t2 = clock()
         a.append((t1 - t0) / inner)
         b.append((t2 - t1) / inner)
     if samples is not None:
@@ -170,9 +176,9 @@ def paired(fn, ref, repeat, inner=1, samples=None):
 def inner_loops(fn, target_s=0.005):
     """Calls per sample so that one sample of ``fn`` lasts about ``target_s`` (for microsecond-scale calls)."""
     fn()
-    t0 = time.perf_counter()
+    t0 = CLOCK[0]()
     fn()
-    dt = max(time.perf_counter() - t0, 1e-7)
+    dt = max(CLOCK[0]() - t0, 1e-7)
     return max(1, min(10000, int(target_s / dt)))
 
 
@@ -705,8 +711,8 @@ def core_markdown(res, args):
         "# Issue 23, core leftovers: bench/bench_fake_quantize.py",
         "",
         f"Command: `{m['command']}`. Date {m['date'][:19]}. Machine: {m['nproc']} CPUs ({m['machine']}), torch "
-        f"threads {m['torch_threads']}, load average {m['loadavg_start']} at start, {m.get('loadavg_end')} at end "
-        f"(1, 5, 15 min). Versions: {', '.join(f'{k} {v}' for k, v in m['versions'].items())}.",
+        f"threads {m['torch_threads']}, clock: {m.get('clock', 'wall time')}, load average {m['loadavg_start']} at "
+        f"start, {m.get('loadavg_end')} at end (1, 5, 15 min). Versions: {', '.join(f'{k} {v}' for k, v in m['versions'].items())}.",
         "",
         f"Ratios are medians of {m['repeat']} (large) / >= 7 (small) alternating pairs measured in this run against the "
         "reference in the same process (x.clone() / x.copy(); the plain expression "
@@ -746,6 +752,9 @@ def parse(argv):
                    help=f"issue 23's core leftovers only ({CORE_FORMATS}, the small rows; no compile, no memory), "
                         "ending with the core targets table, written to --md / --json (default "
                         "bench/CORE_LEFTOVERS.md / .json)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time with this thread's CPU time instead of wall time (for a loaded machine; needs "
+                        "--threads 1)")
     p.add_argument("--md", metavar="FILE", help="write the core targets table as markdown (default with --core: "
                                                 "bench/CORE_LEFTOVERS.md)")
     p.add_argument("--memory-worker", action="store_true", help=argparse.SUPPRESS)
@@ -757,6 +766,8 @@ def parse(argv):
         here = os.path.dirname(os.path.abspath(__file__))
         args.md = args.md or os.path.join(here, "CORE_LEFTOVERS.md")
         args.json = args.json or os.path.join(here, "CORE_LEFTOVERS.json")
+    if args.cpu_time and args.threads != 1:
+        p.error("--cpu-time needs --threads 1 (the thread CPU time does not count torch's other threads)")
     unknown = [f for f in args.formats.split(",") if f not in FORMATS]
     if unknown:
         p.error(f"unknown format(s) {', '.join(unknown)}; known: {', '.join(FORMATS)}")
@@ -767,6 +778,7 @@ def parse(argv):
 
 def main(argv=None):
     args = parse(argv)
+    CLOCK[0] = time.thread_time if args.cpu_time else time.perf_counter
     if args.memory_worker:
         return memory_worker(args)
     t_start = time.perf_counter()
@@ -786,11 +798,12 @@ def main(argv=None):
     meta = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "date": str(datetime.datetime.now()),
             "versions": versions, "torch_threads": torch.get_num_threads(), "nproc": os.cpu_count(),
             "machine": platform.machine(), "processor": platform.processor(), "size": args.size,
-            "repeat": args.repeat, "loadavg_start": loadavg(), "inductor_cache_existed": os.path.isdir(cache)}
+            "repeat": args.repeat, "loadavg_start": loadavg(), "inductor_cache_existed": os.path.isdir(cache),
+            "clock": "thread CPU time" if args.cpu_time else "wall time"}
     print(f"qcore {versions['qcore']}, torch {versions['torch']}, numpy {versions['numpy']}, torchao "
           f"{versions['torchao']}, ml_dtypes {versions['ml_dtypes']}, python {versions['python']}")
     print(f"machine: {meta['nproc']} CPUs ({meta['machine']}), torch threads {meta['torch_threads']}, "
-          f"load average {meta['loadavg_start']} (1, 5, 15 min)")
+          f"load average {meta['loadavg_start']} (1, 5, 15 min), clock: {meta['clock']}")
     print(f"x: {args.size}x{args.size} float32 ({args.size * args.size * 4 / 2**20:.0f} MiB), medians of "
           f"{args.repeat} alternating pairs; inductor cache {cache} "
           f"{'existed' if meta['inductor_cache_existed'] else 'did not exist'} at start")
