@@ -97,7 +97,10 @@ def fake_quantize_given(x, spec, scale, zero_point):
     if sshape is None:
         if not shape or 0 in shape:
             return None
-        sshape = spec.scale_shape(shape)
+        try:
+            sshape = spec.scale_shape(shape)
+        except (ValueError, TypeError):
+            return None  # a granularity that does not fit x: the general path raises its error
         e[2][shape] = sshape
     n = 1
     for v in shape:

@@ -342,3 +342,15 @@ def test_ordinary_rows_take_the_bit_formulas_and_special_rows_do_not(fmt):
     if fmt == "bfp16":
         s = np.asarray(qcore.quantize(rows[5:6, :8], make_spec(fmt)).scales)
         assert s.reshape(-1)[0] == 2.0  # amax (2 - 2**-7) * 2**0 rounds to 128: the exponent was bumped
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_given_granularity_that_does_not_fit_raises_the_general_error(backend):
+    spec = make_spec("int8", granularity=PerChannel(2))  # axis 2 on a 2-D x
+    x = _as(backend, np.zeros((8, 1), np.float32))
+    s = _as(backend, np.full((8, 1), 0.1, np.float32))
+    with pytest.raises(ValueError) as general:
+        _general(x, spec, scale=s)
+    with pytest.raises(ValueError) as fast:
+        qcore.fake_quantize(x, spec, scale=s)
+    assert str(fast.value) == str(general.value)
