@@ -2,6 +2,15 @@
 
     python bench/bench_fake_quantize.py [--size 4096] [--repeat 5] [--formats mxfp4,int4_g128,...]
         [--numpy | --no-numpy] [--no-compile] [--threads N] [--small] [--json FILE]
+    python bench/bench_fake_quantize.py --core [--repeat 9]      # issue 23's core leftovers only (a few minutes)
+    python bench/bench_fake_quantize.py --core --threads 1 --cpu-time   # the same on a loaded machine
+
+``--core``: the rows issue 23 names (MX9/MX6/MX4/bfp16 fake_quantize on torch and numpy, 4096x4096 float32, over
+clone/copy; ``fake_quantize`` on a 576-element column with given scale and zero point over the plain torch
+expression), no compile, no memory columns; it ends with the "core targets" table (new ratio, the landed ratio
+quoted from bench/RESULTS.md, the target) and writes it to bench/CORE_LEFTOVERS.md and .json (``--md`` /
+``--json`` to change). The small rows include one whose parameters change at every call (two alternating sets),
+so ``qcore._given``'s memo of checked values never hits: the cost of the checks themselves.
 
 Prints one table per backend (rows: formats) and a table of small-tensor cases, then a summary of the targets.
 Nothing here asserts a time: the numbers are for people to read. On the 2-core development machine a default
@@ -113,7 +122,28 @@ FORMATS = {
 TARGETS = dict(torch_fake_x=3.0, torchao_speedup=10.0, numpy_fake_x=8.0, q_over_fake=1.5, dq_over_fake=1.5,
                small_over_plain=2.0, small_torchao_speedup=3.0, mem_x=2.0)
 
+# Issue 23 ("Core leftovers"): targets and the landed figures they improve on. The landed figures are quoted from
+# bench/RESULTS.md (run of 2026-11-23, qcore at commit b384243, the idle 2-core development VM, torch 2 threads;
+# the fake_quantizer rows from its "fake_quantizer" section).
+CORE_FORMATS = "mx9,mx6,mx4,bfp16"
+CORE_TARGETS = {"torch": 3.0, "numpy": 8.0, "small": 3.0}
+CORE_LANDED_SOURCE = "bench/RESULTS.md (2026-11-23, b384243, idle, 2 threads)"
+CORE_LANDED = {
+    ("torch", "mx9"): 3.84, ("torch", "mx6"): 3.40, ("torch", "mx4"): 3.79, ("torch", "bfp16"): 4.53,
+    ("numpy", "mx9"): 8.38, ("numpy", "mx6"): 6.82, ("numpy", "mx4"): 6.87, ("numpy", "bfp16"): 12.19,
+    ("torch", "gptq col, per-tensor s,z (576,1)"): 15.95, ("torch", "gptq col, per-row s,z (576,1)"): 17.39,
+    ("numpy", "gptq col, per-tensor s,z (576,1)"): 10.56, ("numpy", "gptq col, per-row s,z (576,1)"): 14.71,
+    ("torch", "fake_quantizer, per-tensor s,z (576,1)"): 2.79, ("torch", "fake_quantizer, per-row s,z (576,1)"): 2.76,
+}
+# which rows carry an issue-23 target (the others are shown for context)
+CORE_TARGETED = {("torch", f) for f in CORE_FORMATS.split(",")} | {("numpy", "mx9"), ("numpy", "bfp16")} | {
+    ("torch", "gptq col, per-tensor s,z (576,1)"), ("torch", "gptq col, per-row s,z (576,1)")}
+
 MEM_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+# The clock of every timed pair: wall time (default), or with --cpu-time this thread's CPU time
+# (time.thread_time: under load it leaves out the time the process waits for a core; needs --threads 1, since
+# it does not count torch's other threads).
+CLOCK = [time.perf_counter]
 ORACLE_SLICE = 512
 
 
@@ -127,14 +157,15 @@ def paired(fn, ref, repeat, inner=1, samples=None):
     fn()
     ref()
     a, b = [], []
+    clock = CLOCK[0]
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(inner):
             fn()
-        t1 = time.perf_counter()
+        t1 = clock()
         for _ in range(inner):
             ref()
-        t2 = time.perf_counter()
+        t2 = clock()
         a.append((t1 - t0) / inner)
         b.append((t2 - t1) / inner)
     if samples is not None:
@@ -145,9 +176,9 @@ def paired(fn, ref, repeat, inner=1, samples=None):
 def inner_loops(fn, target_s=0.005):
     """Calls per sample so that one sample of ``fn`` lasts about ``target_s`` (for microsecond-scale calls)."""
     fn()
-    t0 = time.perf_counter()
+    t0 = CLOCK[0]()
     fn()
-    dt = max(time.perf_counter() - t0, 1e-7)
+    dt = max(CLOCK[0]() - t0, 1e-7)
     return max(1, min(10000, int(target_s / dt)))
 
 
@@ -469,6 +500,25 @@ def small_rows(args, torch, with_numpy):
         n = inner_loops(qc)
         t_a, t_b = paired(qc, plain, rep, n)
         rows.append(_small_row(label, "torch", t_a, t_b, same_bits(qc(), plain())))
+        # New parameter values at every call (two sets, alternating): qcore._given's memo of checked values never
+        # hits, so this row pays the checks themselves (the plain expression alternates the same way).
+        s2, z2 = s * 1.25, torch.clamp(z + 1, 0, 15)
+        sets = [(s, z), (s2, z2)]
+        turn = [0]
+
+        def qc_fresh(w=w, spec=spec, sets=sets, turn=turn):
+            turn[0] ^= 1
+            sv, zv = sets[turn[0]]
+            return qcore.fake_quantize(w, spec, scale=sv, zero_point=zv)
+
+        def plain_fresh(w=w, sets=sets, turn=turn):
+            sv, zv = sets[turn[0]]
+            return (torch.clamp(torch.round(w / sv) + zv, 0, 15) - zv) * sv
+
+        t_a, t_b = paired(qc_fresh, plain_fresh, rep, n)
+        same = all(same_bits(qcore.fake_quantize(w, spec, scale=sv, zero_point=zv),
+                             (torch.clamp(torch.round(w / sv) + zv, 0, 15) - zv) * sv) for sv, zv in sets)
+        rows.append(_small_row(label.replace("(576,1)", "new values each call (576,1)"), "torch", t_a, t_b, same))
         # The same step with the parameters validated once (qcore.fake_quantizer), as a GPTQ loop would use it.
         fq = qcore.fake_quantizer(spec, shape=tuple(w.shape), scale=s, zero_point=z, like=w)
         t_a, t_b = paired(lambda fq=fq, w=w: fq(w), plain, rep, n)
@@ -486,6 +536,8 @@ def small_rows(args, torch, with_numpy):
             n = inner_loops(qn)
             t_a, t_b = paired(qn, pn, rep, n)
             rows.append(_small_row(label, "numpy", t_a, t_b, same_bits(qn(), pn())))
+    if getattr(args, "core", False):
+        return rows
     a = torch.randn(512, 576, generator=g)
     spec = qcore.make_spec("mxfp4")
     qc = lambda: qcore.fake_quantize(a, spec)  # noqa: E731
@@ -626,6 +678,63 @@ def summary(res):
     return lines
 
 
+def core_rows(res):
+    """Issue 23's rows: (backend, case, reference, reference time, new time, ratio, landed ratio, target, met)."""
+    out = []
+    for backend, ref in (("torch", "clone"), ("numpy", "copy")):
+        for r in res.get(backend, []):
+            key = (backend, r["format"])
+            if key not in CORE_LANDED:
+                continue
+            tgt = CORE_TARGETS[backend] if key in CORE_TARGETED else None
+            n = res["meta"]["size"]
+            out.append({"backend": backend, "case": f"fake_quantize {r['format']} {n}x{n}", "ref": f"x.{ref}()",
+                        "ref_ms": r[f"{ref}_ms"], "new_ms": r["fake_ms"], "ratio": r["fake_x"],
+                        "landed": CORE_LANDED[key], "target": tgt,
+                        "met": None if tgt is None else r["fake_x"] <= tgt, "same_bits": r["bit_identical"]})
+    for r in res.get("small", []):
+        if not r["ref"].startswith("plain"):
+            continue
+        key = (r["backend"], r["case"])
+        fresh = "new values" in r["case"]
+        tgt = CORE_TARGETS["small"] if (key in CORE_TARGETED or (fresh and r["backend"] == "torch")) else None
+        out.append({"backend": r["backend"], "case": r["case"], "ref": r["ref"], "ref_ms": r["ref_us"] / 1e3,
+                    "new_ms": r["qcore_us"] / 1e3, "ratio": r["qcore_over_ref"], "landed": CORE_LANDED.get(key),
+                    "target": tgt, "met": None if tgt is None else r["qcore_over_ref"] <= tgt,
+                    "same_bits": r["same_bits"]})
+    return out
+
+
+def core_markdown(res, args):
+    m = res["meta"]
+    lines = [
+        "# Issue 23, core leftovers: bench/bench_fake_quantize.py",
+        "",
+        f"Command: `{m['command']}`. Date {m['date'][:19]}. Machine: {m['nproc']} CPUs ({m['machine']}), torch "
+        f"threads {m['torch_threads']}, clock: {m.get('clock', 'wall time')}, load average {m['loadavg_start']} at "
+        f"start, {m.get('loadavg_end')} at end (1, 5, 15 min). Versions: {', '.join(f'{k} {v}' for k, v in m['versions'].items())}.",
+        "",
+        f"Ratios are medians of {m['repeat']} (large) / >= 7 (small) alternating pairs measured in this run against the "
+        "reference in the same process (x.clone() / x.copy(); the plain expression "
+        "`(clamp(round(w / s) + z, 0, 15) - z) * s` for the 576-element column). Landed: the same ratio in "
+        f"{CORE_LANDED_SOURCE}. 'same bits': qcore's output equals the reference path's bit for bit (large rows: "
+        "torch = numpy = the generic oracle on a 512x512 slice, and dequantize(quantize) = fake_quantize; small rows: "
+        "= the plain expression).",
+        "",
+        "| backend | case | reference | ref ms | new ms | new ratio | landed ratio | target | met | same bits |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in res["core"]:
+        def f(v, fmt):
+            return "-" if v is None else format(v, fmt)
+        met = "-" if r["met"] is None else ("yes" if r["met"] else "**no**")
+        sb = "-" if r["same_bits"] is None else ("yes" if r["same_bits"] else "**NO**")
+        lines.append(f"| {r['backend']} | {r['case']} | {r['ref']} | {f(r['ref_ms'], '.3f')} | {f(r['new_ms'], '.3f')} "
+                     f"| {r['ratio']:.2f}x | {f(r['landed'], '.2f')}{'x' if r['landed'] else ''} "
+                     f"| {'<= ' + format(r['target'], '.1f') + 'x' if r['target'] else '-'} | {met} | {sb} |")
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -639,8 +748,26 @@ def parse(argv):
     p.add_argument("--small", action="store_true", help="only the small-tensor rows")
     p.add_argument("--no-memory", action="store_true", help="skip the memory measurements")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--core", action="store_true",
+                   help=f"issue 23's core leftovers only ({CORE_FORMATS}, the small rows; no compile, no memory), "
+                        "ending with the core targets table, written to --md / --json (default "
+                        "bench/CORE_LEFTOVERS.md / .json)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time with this thread's CPU time instead of wall time (for a loaded machine; needs "
+                        "--threads 1)")
+    p.add_argument("--md", metavar="FILE", help="write the core targets table as markdown (default with --core: "
+                                                "bench/CORE_LEFTOVERS.md)")
     p.add_argument("--memory-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.core:
+        if "--formats" not in (argv if argv is not None else sys.argv[1:]):
+            args.formats = CORE_FORMATS
+        args.no_compile = args.no_memory = True
+        here = os.path.dirname(os.path.abspath(__file__))
+        args.md = args.md or os.path.join(here, "CORE_LEFTOVERS.md")
+        args.json = args.json or os.path.join(here, "CORE_LEFTOVERS.json")
+    if args.cpu_time and args.threads != 1:
+        p.error("--cpu-time needs --threads 1 (the thread CPU time does not count torch's other threads)")
     unknown = [f for f in args.formats.split(",") if f not in FORMATS]
     if unknown:
         p.error(f"unknown format(s) {', '.join(unknown)}; known: {', '.join(FORMATS)}")
@@ -651,6 +778,7 @@ def parse(argv):
 
 def main(argv=None):
     args = parse(argv)
+    CLOCK[0] = time.thread_time if args.cpu_time else time.perf_counter
     if args.memory_worker:
         return memory_worker(args)
     t_start = time.perf_counter()
@@ -670,11 +798,12 @@ def main(argv=None):
     meta = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "date": str(datetime.datetime.now()),
             "versions": versions, "torch_threads": torch.get_num_threads(), "nproc": os.cpu_count(),
             "machine": platform.machine(), "processor": platform.processor(), "size": args.size,
-            "repeat": args.repeat, "loadavg_start": loadavg(), "inductor_cache_existed": os.path.isdir(cache)}
+            "repeat": args.repeat, "loadavg_start": loadavg(), "inductor_cache_existed": os.path.isdir(cache),
+            "clock": "thread CPU time" if args.cpu_time else "wall time"}
     print(f"qcore {versions['qcore']}, torch {versions['torch']}, numpy {versions['numpy']}, torchao "
           f"{versions['torchao']}, ml_dtypes {versions['ml_dtypes']}, python {versions['python']}")
     print(f"machine: {meta['nproc']} CPUs ({meta['machine']}), torch threads {meta['torch_threads']}, "
-          f"load average {meta['loadavg_start']} (1, 5, 15 min)")
+          f"load average {meta['loadavg_start']} (1, 5, 15 min), clock: {meta['clock']}")
     print(f"x: {args.size}x{args.size} float32 ({args.size * args.size * 4 / 2**20:.0f} MiB), medians of "
           f"{args.repeat} alternating pairs; inductor cache {cache} "
           f"{'existed' if meta['inductor_cache_existed'] else 'did not exist'} at start")
@@ -724,6 +853,12 @@ def main(argv=None):
     print("\ntargets")
     for line in res["summary"]:
         print("  " + line)
+    res["core"] = core_rows(res)
+    md = core_markdown(res, args)
+    print("\ncore targets (issue 23)\n" + md)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(md)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1, default=str)

@@ -17,7 +17,7 @@ import numpy as np
 
 from functools import partial
 
-from . import _fast
+from . import _fast, _given
 from ._typing import Array, ArrayLike, KeyLike, SpecLike
 from ._backend import is_torch, ops, to_array
 from ._compiled import compiled
@@ -777,6 +777,12 @@ def fake_quantize(x: ArrayLike, spec: SpecLike, *, axis: Optional[int] = None, s
     the rounding, clamping or saturation did (``qcore._grad``). Scales and zero points, given or computed, get
     no gradient (they are treated as constants).
     """
+    if scale is not None and key is None and tensor_scale is None and compile is False and axis is None \
+            and not overrides and type(spec) is QuantSpec:
+        # Small tensors with given parameters (GPTQ's column step): the same checks, cheaper (qcore._given).
+        out = _given.fake_quantize_given(x, spec, scale, zero_point)
+        if out is not None:
+            return out
     spec = _spec_of(spec, axis, overrides)
     key = check_mode(spec.rounding, key)
     x, o = to_array(x)
