@@ -207,6 +207,7 @@ def run(args) -> dict:
     impls = ("old", "new") if args.impl == "both" else (args.impl,)
     for key in args.configs:
         config = _config(key)
+        prev = None
         for impl in impls:
             ref = float_forward()  # measured next to each run: the load changes during a long bench
             model = copy.deepcopy(lm)
@@ -218,10 +219,17 @@ def run(args) -> dict:
             row = dict(config=OLD[key]["name"], impl=impl, quantize_s=round(total, 2),
                        float_forward_s=round(ref, 2), ratio=round(total / ref, 2),
                        profile=prof.table(total), loadavg=_loadavg())
-            if full and args.windows:
+            if impl == "new" and prev is not None:  # old and new in one run: the weights compared bit for bit
+                a, b = model.state_dict(), prev.state_dict()
+                row["tensors_differing_from_old"] = [k for k in a if not torch.equal(a[k], b[k])]
+                row["tensors_compared"] = len(a)
+            prev = None
+            if full and args.windows and (impl == "new" or args.ppl_old):
                 t1 = time.perf_counter()
                 row["ppl"] = E.perplexity(model, None, token_ids=ids, windows=range(args.windows), progress=False)
                 row["ppl_eval_s"] = round(time.perf_counter() - t1, 1)
+            if impl == "old":
+                prev = model
             del model
             rows[f"{key}/{impl}"] = row
             print(_line(row), flush=True)
@@ -233,8 +241,16 @@ def run(args) -> dict:
 
 def _line(r) -> str:
     ppl = r.get("ppl")
+    same = "" if "tensors_compared" not in r else (
+        f"  weights as old: {r['tensors_compared'] - len(r['tensors_differing_from_old'])}/{r['tensors_compared']}")
     return (f"{r['config']:<36} {r['impl']:<4} {r['quantize_s']:8.2f} s  float forward {r['float_forward_s']:6.2f} s"
-            f"  ratio {r['ratio']:5.2f}  ppl {'-' if ppl is None else format(ppl, '.4f')}")
+            f"  ratio {r['ratio']:5.2f}  ppl {'-' if ppl is None else format(ppl, '.4f')}{same}")
+
+
+def _equal(r) -> str:
+    if "tensors_compared" not in r:
+        return "-"
+    return f"{r['tensors_compared'] - len(r['tensors_differing_from_old'])} / {r['tensors_compared']}"
 
 
 def _print_profile(r) -> None:
@@ -255,15 +271,16 @@ def write_markdown(res: dict, path: pathlib.Path, argv: list[str]) -> None:
         f"landed code path reproduced in the same process (module docstring). Raw numbers: "
         f"{path.with_suffix('.json').name}.", "",
         "```", "python bench/bench_gptq_speed.py " + " ".join(argv), "```", "",
-        "| config | impl | GPTQ s | float fwd s | ratio | ppl | landed (bench/ALGORITHMS.md, loaded) | landed idle "
-        "(issue 23) | target |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| config | impl | GPTQ s | float fwd s | ratio | ppl | tensors equal to old | landed (bench/ALGORITHMS.md, "
+        "loaded) | landed idle (issue 23) | target |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["results"].values():
         o = next(v for v in OLD.values() if v["name"] == r["config"])
         ppl = r.get("ppl")
         lines.append(f"| {r['config']} | {r['impl']} | {r['quantize_s']:.1f} | {r['float_forward_s']:.1f} | "
-                     f"{r['ratio']:.2f} | {'-' if ppl is None else format(ppl, '.4f')} | {o['old_loaded_s']} s, "
+                     f"{r['ratio']:.2f} | {'-' if ppl is None else format(ppl, '.4f')} | "
+                     f"{_equal(r)} | {o['old_loaded_s']} s, "
                      f"ppl {o['old_ppl']} | {o['old_idle_s'] or '-'} s | "
                      f"{'<= ' + str(o['target_s']) + ' s, ppl <= 15.46' if o['target_s'] else '-'} |")
     lines += ["", "Profile (seconds and share of the GPTQ time; phases in the module docstring):", ""]
@@ -290,6 +307,8 @@ def parse_args(argv):
     p.add_argument("--layers", type=int, default=None, help="quantize a model cut to its first N decoder layers")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument("--windows", type=int, default=20, help="perplexity windows 0..N-1 (protocol 20; 0: none)")
+    p.add_argument("--ppl-old", action="store_true", help="also the perplexity of the old path's model (with "
+                   "--impl both its weights are compared with the new path's bit for bit anyway)")
     p.add_argument("--md", default=str(ROOT / "bench" / "SPEED_GPTQ.md"), help="markdown output")
     p.add_argument("--json", default=str(ROOT / "bench" / "SPEED_GPTQ.json"), help="JSON output")
     p.add_argument("--no-write", action="store_true", help="print only")
