@@ -5,8 +5,11 @@ Statistics:
 
 - ``HessianStats``: the running sum of ``x^T x`` over calibration rows (float64) and the row count, a frozen
   value. ``HessianStats.empty(n)``, ``update_hessian(stats, x)`` (``x``: any array whose last axis is the ``n``
-  input features; each batch's ``x^T x`` is a float32 matmul, accumulated in float64),
-  ``merge_hessians(a, b)`` (sums: this is what ranks all-reduce).
+  input features; each batch's ``x^T x`` is a float32 matmul, accumulated in float64; for torch inputs of 512
+  features or more the product is computed by row blocks of its upper triangle and mirrored, about half the
+  multiply-adds with the same bits, ``_gram``), ``merge_hessians(a, b)`` (sums: this is what ranks all-reduce).
+  The layer runner's hooks add batches in place (``_HessianSum``: the same additions without a new sum per
+  batch).
 
 The algorithm, ``gptq(weight, hessian, spec)`` on a weight in the canonical ``[out, in]`` layout:
 
@@ -18,7 +21,10 @@ The algorithm, ``gptq(weight, hessian, spec)`` on a weight in the canonical ``[o
 4. ``U`` = the upper Cholesky factor of ``H^-1`` (float64; the loop runs in float32);
 5. blocks of ``block_size`` columns with lazy batch updates: inside a block each column ``w`` is quantized to
    ``q``, its error ``(w - q) / U[j, j]`` is spread over the block's remaining columns, and the block's errors
-   update the later columns once per block.
+   update the later columns once per block. On the CPU (numpy, or torch CPU tensors) the per-column steps run
+   as numpy operations on views of the same memory (``_columns_fast``: the same float32 operations element by
+   element, so the same bits as the loop as first landed, ``_columns_reference``, which GPU tensors keep and
+   ``_reference_gptq`` runs; tests/algorithms/test_gptq_fast.py compares them on every kind of spec).
 
 Scales come from qcore's own scale rule for the spec (``qcore.quantize``), applied to the *current* (already
 error-compensated) weights:
