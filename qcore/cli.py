@@ -179,7 +179,7 @@ def _model_command(name: str):
     def fill(parser) -> None:
         # torch's OpenMP threads sleep instead of spinning while they wait (read once, when torch loads): on a
         # loaded 2-core machine spinning waits made small parallel operations wait for descheduled threads (GPTQ
-        # on one 576 x 1536 weight: 20 s spinning, 1.2 s passive; docs/algorithms.md); idle, no difference
+        # on one 576 x 1536 weight: 24 s spinning, 1.3 s passive; docs/algorithms.md); idle, no difference
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         try:
             from qcore.adapters import cli as adapters_cli
