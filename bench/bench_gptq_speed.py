@@ -285,7 +285,7 @@ def write_markdown(res: dict, path: pathlib.Path, argv: list[str]) -> None:
         lines.append(f"| {r['config']} | {r['impl']} | {r['quantize_s']:.1f} | {r['float_forward_s']:.1f} | "
                      f"{r['ratio']:.2f} | {'-' if ppl is None else format(ppl, '.4f')} | "
                      f"{_equal(r)} | {o['old_loaded_s']} s, "
-                     f"ppl {o['old_ppl']} | {o['old_idle_s'] or '-'} s | "
+                     f"ppl {o['old_ppl']} | {str(o['old_idle_s']) + ' s' if o['old_idle_s'] else '-'} | "
                      f"{'<= ' + str(o['target_s']) + ' s, ppl <= 15.46' if o['target_s'] else '-'} |")
     lines += ["", f"The landed code at {LANDED_HEAD['commit']} (issue 23's base) gives ppl {LANDED_HEAD['uint4_ppl']:.6f} "
               "for the uint4 row (2 threads, the same protocol); 15.4622 in bench/ALGORITHMS.md was measured at "
