@@ -5,8 +5,11 @@ Statistics:
 
 - ``HessianStats``: the running sum of ``x^T x`` over calibration rows (float64) and the row count, a frozen
   value. ``HessianStats.empty(n)``, ``update_hessian(stats, x)`` (``x``: any array whose last axis is the ``n``
-  input features; each batch's ``x^T x`` is a float32 matmul, accumulated in float64),
-  ``merge_hessians(a, b)`` (sums: this is what ranks all-reduce).
+  input features; each batch's ``x^T x`` is a float32 matmul, accumulated in float64; for torch inputs of 512
+  features or more the product is computed by row blocks of its upper triangle and mirrored, about half the
+  multiply-adds with the same bits, ``_gram``), ``merge_hessians(a, b)`` (sums: this is what ranks all-reduce).
+  The layer runner's hooks add batches in place (``_HessianSum``: the same additions without a new sum per
+  batch).
 
 The algorithm, ``gptq(weight, hessian, spec)`` on a weight in the canonical ``[out, in]`` layout:
 
@@ -18,7 +21,10 @@ The algorithm, ``gptq(weight, hessian, spec)`` on a weight in the canonical ``[o
 4. ``U`` = the upper Cholesky factor of ``H^-1`` (float64; the loop runs in float32);
 5. blocks of ``block_size`` columns with lazy batch updates: inside a block each column ``w`` is quantized to
    ``q``, its error ``(w - q) / U[j, j]`` is spread over the block's remaining columns, and the block's errors
-   update the later columns once per block.
+   update the later columns once per block. On the CPU (numpy, or torch CPU tensors) the per-column steps run
+   as numpy operations on views of the same memory (``_columns_fast``: the same float32 operations element by
+   element, so the same bits as the loop as first landed, ``_columns_reference``, which GPU tensors keep and
+   ``_reference_gptq`` runs; tests/algorithms/test_gptq_fast.py compares them on every kind of spec).
 
 Scales come from qcore's own scale rule for the spec (``qcore.quantize``), applied to the *current* (already
 error-compensated) weights:
@@ -208,28 +214,84 @@ class HessianStats:
         return self.sum * (2.0 / self.count)
 
 
+# below this many features the Gram matrix is one product; above, blocks of at least this many rows of x^T x
+_GRAM_BLOCK = 128
+
+
+def _gram(rows):
+    """``rows.T @ rows`` (float32 ``[n, n]``) with about half the multiply-adds for wide torch inputs: the row
+    blocks of the upper triangle (``rows[:, a:b].T @ rows[:, a:]``), mirrored. Each element is the same
+    float32 dot product over the same rows as in the full product (a GEMM's sum over its inner axis does not
+    depend on how the output is tiled), so the result has the same bits as ``rows.T @ rows`` (checked in
+    tests/algorithms/test_gptq_fast.py); narrow inputs and numpy take the one product."""
+    n = int(rows.shape[1])
+    if not is_torch(rows) or n < 4 * _GRAM_BLOCK:
+        return rows.T @ rows
+    import torch
+
+    bs = max(_GRAM_BLOCK, -(-n // 8))
+    out = torch.empty((n, n), dtype=rows.dtype, device=rows.device)
+    for a in range(0, n, bs):
+        b = min(a + bs, n)
+        blk = rows[:, a:b].T @ rows[:, a:]
+        out[a:b, a:] = blk
+        if b < n:
+            out[b:, a:b] = blk[:, b - a:].T
+    return out
+
+
+def _batch_gram(n: int, x: Any, like: Any):
+    """``(x^T x as float32 [n, n], rows)`` of a batch ``x`` (``[..., n]``) for statistics whose sum is ``like``;
+    ValueError / TypeError for a wrong shape, kind, or non-finite values."""
+    x = _as_array(x, "x")
+    if x.ndim < 1 or int(x.shape[-1]) != n:
+        raise ValueError(f"x must have {n} features on its last axis (the Hessian's size), got shape "
+                         f"{tuple(x.shape)}")
+    if is_torch(x) != is_torch(like):
+        raise TypeError("x and stats.sum must be the same kind of array (both numpy or both torch)")
+    lib = _lib(x)
+    rows = x.reshape(-1, n)
+    if is_torch(x):
+        rows = rows.detach().to(device=like.device, dtype=lib.f32)
+    else:
+        rows = rows.astype(np.float32, copy=False)
+    prod = _gram(rows)
+    if not lib.finite(prod.diagonal()):  # sum of squares per feature: NaN or Inf in x shows up here
+        raise ValueError("x holds NaN or Inf (or values whose squares overflow float32); Hessian statistics need "
+                         "finite activations")
+    return prod, int(rows.shape[0])
+
+
 def update_hessian(stats: HessianStats, x: Any) -> HessianStats:
     """``stats`` plus the rows of ``x`` (shape ``[..., n]``): a new value, ``stats`` is unchanged."""
     if not isinstance(stats, HessianStats):
         raise TypeError(f"stats must be a HessianStats, got {type(stats).__name__}")
-    x = _as_array(x, "x")
-    if x.ndim < 1 or int(x.shape[-1]) != stats.n:
-        raise ValueError(f"x must have {stats.n} features on its last axis (the Hessian's size), got shape "
-                         f"{tuple(x.shape)}")
-    if is_torch(x) != is_torch(stats.sum):
-        raise TypeError("x and stats.sum must be the same kind of array (both numpy or both torch)")
-    lib = _lib(x)
-    rows = x.reshape(-1, stats.n)
-    if is_torch(x):
-        rows = rows.detach().to(device=stats.sum.device, dtype=lib.f32)
-    else:
-        rows = rows.astype(np.float32, copy=False)
-    prod = rows.T @ rows
-    if not lib.finite(prod.diagonal()):  # sum of squares per feature: NaN or Inf in x shows up here
-        raise ValueError("x holds NaN or Inf (or values whose squares overflow float32); Hessian statistics need "
-                         "finite activations")
-    prod = prod.to(lib.f64) if is_torch(prod) else prod.astype(np.float64)
-    return HessianStats(stats.sum + prod, stats.count + int(rows.shape[0]))
+    prod, rows = _batch_gram(stats.n, x, stats.sum)
+    prod = prod.to(_lib(prod).f64) if is_torch(prod) else prod.astype(np.float64)
+    return HessianStats(stats.sum + prod, stats.count + rows)
+
+
+class _HessianSum:
+    """``update_hessian`` in place, for a pass that owns its running sum (the layer runner's hooks): ``add(x)``
+    adds the rows of ``x`` to the float64 sum without allocating a new ``[n, n]`` sum per batch (the same
+    additions, the same bits); ``stats()`` is the ``HessianStats`` value (sharing the sum)."""
+
+    __slots__ = ("sum", "count")
+
+    def __init__(self, n: int, *, like: Any = None):
+        st = HessianStats.empty(n, like=like)
+        self.sum, self.count = st.sum, 0
+
+    def add(self, x: Any) -> None:
+        prod, rows = _batch_gram(int(self.sum.shape[0]), x, self.sum)
+        if is_torch(prod):
+            self.sum.add_(prod)  # float32 into float64: exact widening, then the same float64 addition
+        else:
+            np.add(self.sum, prod, out=self.sum)
+        self.count += rows
+
+    def stats(self) -> HessianStats:
+        return HessianStats(self.sum, self.count)
 
 
 def merge_hessians(a: HessianStats, b: HessianStats) -> HessianStats:
@@ -309,6 +371,18 @@ def gptq(weight: Any, hessian: Any, spec: QuantSpec, *, block_size: int = 128, d
     ``scale_fn(w_part) -> dict``: optional scale rule (``quantize`` keyword arguments: ``scale``,
     ``zero_point``) for a slice of the weight covering whole scale groups, used instead of the spec's own rule
     (e.g. an MSE-clipped scale); ``tensor_scale`` of two-level specs is always the spec's own."""
+    return _gptq(weight, hessian, spec, block_size=block_size, damp=damp, act_order=act_order,
+                 static_groups=static_groups, max_retries=max_retries, scale_fn=scale_fn, reference=False)
+
+
+def _reference_gptq(weight: Any, hessian: Any, spec: QuantSpec, **kw) -> GPTQResult:
+    """``gptq`` with the column loop as first landed (``_columns_reference``): what the fast CPU loop is tested
+    against (bit for bit)."""
+    return _gptq(weight, hessian, spec, reference=True, **kw)
+
+
+def _gptq(weight, hessian, spec, *, block_size: int = 128, damp: float = 0.01, act_order: bool = False,
+          static_groups: bool = False, max_retries: int = 8, scale_fn=None, reference: bool = False) -> GPTQResult:
     weight = _as_array(weight, "weight")
     if not (weight.dtype.is_floating_point if is_torch(weight) else np.issubdtype(weight.dtype, np.floating)):
         raise TypeError(f"weight must be floating point, got dtype {weight.dtype}")
@@ -417,11 +491,56 @@ def gptq(weight: Any, hessian: Any, spec: QuantSpec, *, block_size: int = 128, d
             quantizers[gi] = f
         return f
 
-    Q = lib.zeros((n_out, n), lib.f32, W)
-    loss = 0.0
     # processing position of each original column (to locate a group's columns in W during the loop)
     pos_of = np.empty(n, np.int64)
     pos_of[orig] = np.arange(n)
+    fast = not reference and (not is_torch(W) or W.device.type == "cpu")
+    columns = _columns_fast if fast else _columns_reference
+    Q, loss = columns(W, U, lib, n_out, n, block_size, width, group_of, pos_of, group_params, params_of,
+                      col_quantizer if not fast else None, spec, two_level, row_spec)
+
+    if perm is not None:
+        inv = np.empty(n, np.int64)
+        inv[perm_np] = np.arange(n)
+        Q = Q[:, lib.index(inv, Q)]
+    final = _assemble(Q, spec, group_params, width, two_level, tensor_scale)
+    deq = qcore.dequantize(final)
+    same = bool((deq == Q).all()) if is_torch(Q) else bool(np.array_equal(deq, Q))
+    if not same:  # an internal error: the columns were not quantized as the spec quantizes the whole weight
+        raise RuntimeError(f"GPTQ: the quantized columns differ from quantize(spec={spec.name or spec.dtype.name}) "
+                           f"with the same scales; please report this")
+    return GPTQResult(final, deq, rel, loss)
+
+
+
+def _group_first_touch(gi, i, i1, i2, W, W1_cols, Err1, U, lib, n_out, n, width, pos_of):
+    """The current values of group ``gi``'s columns when the loop first reaches one of them (at block column
+    ``i`` of the block ``[i1, i2)``): block columns from the block's working copy (``W1_cols(idx)``: those
+    columns, ``[n_out, len(idx)]``); later columns from ``W`` minus the updates of this block's columns so far,
+    which the lazy batch has not applied yet."""
+    cols = np.arange(gi * width, min(n, (gi + 1) * width))
+    p = pos_of[cols]
+    part = lib.zeros((n_out, len(cols)), lib.f32, W)
+    inb = (p >= i1) & (p < i2)
+    if inb.any():
+        k = np.flatnonzero(inb)
+        part[:, lib.index(k, W)] = W1_cols(p[inb] - i1)
+    if (~inb).any():
+        k = np.flatnonzero(~inb)
+        pp = lib.index(p[~inb], W)
+        cur = W[:, pp]
+        if i > 0:
+            cur = cur - Err1[:, :i] @ U[i1:i1 + i][:, pp]
+        part[:, lib.index(k, W)] = cur
+    return part
+
+
+def _columns_reference(W, U, lib, n_out, n, block_size, width, group_of, pos_of, group_params, params_of,
+                       col_quantizer, spec, two_level, row_spec):
+    """The column loop as first landed (every backend and device; the fast CPU loop ``_columns_fast`` is
+    tested against it): ``(Q, loss)``. ``W`` is updated in place."""
+    Q = lib.zeros((n_out, n), lib.f32, W)
+    loss = 0.0
     for i1 in range(0, n, block_size):
         i2 = min(i1 + block_size, n)
         W1 = W[:, i1:i2].clone() if is_torch(W) else W[:, i1:i2].copy()
@@ -462,17 +581,73 @@ def gptq(weight: Any, hessian: Any, spec: QuantSpec, *, block_size: int = 128, d
         if i2 < n:
             W[:, i2:] -= Err1 @ U[i1:i2, i2:]
 
-    if perm is not None:
-        inv = np.empty(n, np.int64)
-        inv[perm_np] = np.arange(n)
-        Q = Q[:, lib.index(inv, Q)]
-    final = _assemble(Q, spec, group_params, width, two_level, tensor_scale)
-    deq = qcore.dequantize(final)
-    same = bool((deq == Q).all()) if is_torch(Q) else bool(np.array_equal(deq, Q))
-    if not same:  # an internal error: the columns were not quantized as the spec quantizes the whole weight
-        raise RuntimeError(f"GPTQ: the quantized columns differ from quantize(spec={spec.name or spec.dtype.name}) "
-                           f"with the same scales; please report this")
-    return GPTQResult(final, deq, rel, loss)
+    return Q, loss
+
+
+def _np_view(x):
+    """A numpy array sharing ``x``'s memory (a CPU torch tensor or a numpy array)."""
+    return x.numpy() if is_torch(x) else x
+
+
+def _columns_fast(W, U, lib, n_out, n, block_size, width, group_of, pos_of, group_params, params_of,
+                  col_quantizer, spec, two_level, row_spec):
+    """``_columns_reference`` on the CPU with the same bits and far fewer operations per column.
+
+    The per-column steps (quantize the column, its error, the rank-1 update of the block's later columns) are
+    element-wise: each result element is one correctly rounded float32 operation (the rank-1 "matmul" has one
+    product per element), so they run as numpy operations on views of the same memory, which cost about a
+    microsecond each instead of a torch dispatch (and never wake a second thread: on a loaded machine every
+    parallel region of a tiny op waited for a descheduled thread). The block working copy is kept transposed
+    (column ``i`` is a contiguous row) and only the columns after ``i`` are updated (column ``i`` is not read
+    again). Every matrix product (the lazy batch update, a group's pending updates at its first touch) and every
+    scale computation is the reference's own call on the same arrays in the same layout."""
+    Q = lib.zeros((n_out, n), lib.f32, W)
+    loss = 0.0
+    quantizers: dict = {}
+
+    def quantizer(gi):
+        f = quantizers.get(gi)
+        if f is None:
+            kw = group_params[gi]
+            if two_level:
+                def f(col, kw=kw):
+                    c = lib.t.from_numpy(col) if is_torch(W) else col
+                    return _np_view(qcore.fake_quantize(c, spec, **kw))
+            else:
+                f = qcore.fake_quantizer(row_spec, shape=(n_out, 1), scale=_to_numpy(_per_row(kw["scale"], n_out)),
+                                         zero_point=(None if kw.get("zero_point") is None else
+                                                     _to_numpy(_per_row(kw["zero_point"], n_out))))
+            quantizers[gi] = f
+        return f
+
+    Un = _np_view(U)
+    for i1 in range(0, n, block_size):
+        i2 = min(i1 + block_size, n)
+        b = i2 - i1
+        W1T = lib.zeros((b, n_out), lib.f32, W)
+        W1T[:] = W[:, i1:i2].T
+        Q1T = lib.zeros((b, n_out), lib.f32, W)
+        Err1 = lib.zeros((n_out, b), lib.f32, W)
+        w1t, q1t, e1 = _np_view(W1T), _np_view(Q1T), _np_view(Err1)
+        U1 = Un[i1:i2, i1:i2]
+        for i in range(b):
+            gi = int(group_of[i1 + i])
+            if group_params[gi] is None:
+                group_params[gi] = params_of(_group_first_touch(gi, i, i1, i2, W, lambda idx: W1T[lib.index(idx, W)].T,
+                                                                Err1, U, lib, n_out, n, width, pos_of))
+            w = w1t[i].reshape(n_out, 1)
+            q = quantizer(gi)(w)
+            q1t[i] = q[:, 0]
+            err = (w - q) / U1[i, i]
+            e1[:, i] = err[:, 0]
+            if i + 1 < b:
+                w1t[i + 1:] -= U1[i, i + 1:, None] * err[:, 0][None, :]
+        Q[:, i1:i2] = Q1T.T
+        e64 = lib.cast(Err1, lib.f64)
+        loss += 0.5 * float((e64 * e64).sum())  # once per block: no host sync per column
+        if i2 < n:
+            W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+    return Q, loss
 
 
 def _per_row(v, n_out: int):

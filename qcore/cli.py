@@ -177,6 +177,10 @@ def _model_command(name: str):
     """``_add_<name>`` of a model command: a parser that gets its flags from ``qcore.adapters.cli.add_arguments``
     when it parses (``qcore --help`` and the numpy commands never import torch)."""
     def fill(parser) -> None:
+        # torch's OpenMP threads sleep instead of spinning while they wait (read once, when torch loads): on a
+        # loaded 2-core machine spinning waits made small parallel operations wait for descheduled threads (GPTQ
+        # on one 576 x 1536 weight: 24 s spinning, 1.3 s passive; docs/algorithms.md); idle, no difference
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         try:
             from qcore.adapters import cli as adapters_cli
         except ModuleNotFoundError as e:

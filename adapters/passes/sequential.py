@@ -46,7 +46,7 @@ from torch import nn
 import qcore
 from qcore.algorithms.config import (AutoSmoothQuantConfig, AWQConfig, GPTQConfig,
                                      parse_algorithms)
-from qcore.algorithms.gptq import HessianStats, check_gptq_spec, gptq, update_hessian
+from qcore.algorithms.gptq import HessianStats, _HessianSum, check_gptq_spec, gptq
 from qcore.stats import RunningStats
 
 from ..config import MinMax, Percentile
@@ -157,15 +157,16 @@ def _collect_hessians(layer, groups: list[list[str]], inputs: LayerInputs, stop_
                       experts: frozenset = frozenset()):
     """``(stats, calls)``: the Hessian statistics of each Linear group's head, and for each fused experts head
     its calls ``[(hidden states [T, H], top-k index [T, k'])]`` (one per batch)."""
-    stats: dict[str, HessianStats] = {}
+    sums: dict[str, _HessianSum] = {}  # running sums updated in place (update_hessian's bits, no copy per batch)
     calls: dict[str, list] = {}
     heads = [g[0] for g in groups if g[0] not in experts]
 
     def hook(name):
         def f(mod, args):
             x = args[0].detach()
-            st = stats.get(name) or HessianStats.empty(x.shape[-1], like=x)
-            stats[name] = update_hessian(st, x)
+            if name not in sums:
+                sums[name] = _HessianSum(x.shape[-1], like=x)
+            sums[name].add(x)
             if name == stop_after:
                 raise Stop
         return f
@@ -185,7 +186,7 @@ def _collect_hessians(layer, groups: list[list[str]], inputs: LayerInputs, stop_
     finally:
         for h in hs:
             h.remove()
-    return stats, calls
+    return {k: v.stats() for k, v in sums.items()}, calls
 
 
 def _experts_call(args, kwargs, name: str) -> tuple:
@@ -203,11 +204,11 @@ def _experts_call(args, kwargs, name: str) -> tuple:
 
 
 def _hessian_rows(rows: list, n: int, like: torch.Tensor) -> HessianStats:
-    st = HessianStats.empty(n, like=like)
+    st = _HessianSum(n, like=like)
     for x in rows:
         if x.shape[0]:
-            st = update_hessian(st, x)
-    return st
+            st.add(x)
+    return st.stats()
 
 
 def _gptq_experts(layer, name: str, calls: list, lplans: dict, algo: GPTQConfig, prefix: str, pinned: dict,
