@@ -112,9 +112,9 @@ def write_checkpoint(a, d: pathlib.Path) -> dict:
     per_shard = max(1, int(a.shard_gb * 1e9 // per_layer))
     groups, i = [], 0
     k0 = min(a.gptq_layers, a.layers)
-    if k0:
-        groups.append(list(range(0, k0)))
-        i = k0
+    for b in sorted({a.dist_layers, k0} - {0}):  # the variants' layers: shards of their own
+        groups.append(list(range(i, b)))
+        i = b
     while i < a.layers:
         groups.append(list(range(i, min(a.layers, i + per_shard))))
         i += per_shard
@@ -129,16 +129,18 @@ def write_checkpoint(a, d: pathlib.Path) -> dict:
         print(f"  wrote {name}: {len(items)} tensors, total {total / 1e9:.1f} GB", flush=True)
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                 "weight_map": weight_map}, indent=1))
-    # the GPTQ variant: the first k0 layers (a model of k0 layers whose shards hold exactly its tensors)
-    v = d / "variant"
-    v.mkdir()
-    vcfg = llama_config(a)
-    vcfg.num_hidden_layers = k0
-    vcfg.save_pretrained(v)
-    vmap = {k: f for k, f in weight_map.items() if k not in layer_of or layer_of[k] < k0}
-    for f in sorted(set(vmap.values())):
-        os.symlink(d / f, v / f)
-    (v / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": vmap}))
+    # the GPTQ variants: the first k layers (a model of k layers whose shards hold exactly its tensors)
+    for k in sorted({a.dist_layers, k0} - {0}):
+        v = d / f"variant-{k}"
+        v.mkdir()
+        vcfg = llama_config(a)
+        vcfg.num_hidden_layers = k
+        vcfg.save_pretrained(v)
+        vmap = {n: f for n, f in weight_map.items() if n not in layer_of or layer_of[n] < k}
+        for f in sorted(set(vmap.values())):
+            os.symlink(d / f, v / f)
+        (v / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 0},
+                                                                    "weight_map": vmap}))
     return {"bytes": total, "files": n_files, "layers_per_shard": per_shard, "seconds": time.perf_counter() - t0}
 
 
@@ -369,7 +371,7 @@ def report(a, res: dict) -> str:
                   f"{pl['step'] / max(1e-9, pl['replay_fwd']):.0f}x. Projection to {a.layers} layers: wall + "
                   f"({a.layers} - {pl['n']}) x step = {proj / 60:.0f} min ({proj / 3600:.1f} h).", ""]
     if "dist" in res:
-        lines += [f"## (c) the same GPTQ over {a.world} processes ({'nccl' if a.device == 'cuda' else 'gloo'})", "",
+        lines += [f"## (c) the same GPTQ over {a.world} processes, on the first {a.dist_layers} layer(s) ({'nccl' if a.device == 'cuda' else 'gloo'})", "",
                   "| run | per-layer step (s) | speed-up vs (b) | Amdahl prediction | peak RSS per rank (GiB) | wall (s) |",
                   "|---|---|---|---|---|---|"]
         for tag, label in (("dp", "data-parallel (Hessians all-reduced)"),
@@ -413,6 +415,8 @@ def parse(argv):
     ap.add_argument("--calib", type=int, default=4, help="calibration sequences")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--gptq-layers", type=int, default=2, help="layers of the GPTQ runs (b) and (c); 0: skip")
+    ap.add_argument("--dist-layers", type=int, default=-1, help="layers of the distributed runs (c) (default: "
+                    "--gptq-layers); their per-layer step is compared with (b)'s")
     ap.add_argument("--world", type=int, default=2, help="processes of (c); 0 or 1: skip")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: rtn, gptq, dp, lp")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -434,6 +438,10 @@ def parse(argv):
             ap.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
     if a.gptq_layers < 0 or a.gptq_layers > a.layers:
         ap.error(f"--gptq-layers must be in 0..--layers ({a.layers}), got {a.gptq_layers}")
+    if a.dist_layers < 0:
+        a.dist_layers = a.gptq_layers
+    if a.dist_layers > a.layers or (a.gptq_layers and a.dist_layers == 0):
+        ap.error(f"--dist-layers must be in 1..--layers ({a.layers}), got {a.dist_layers}")
     if a.hidden % a.heads:
         ap.error(f"--hidden ({a.hidden}) must be a multiple of --heads ({a.heads})")
     if a.shard_gb <= 0:
@@ -461,6 +469,17 @@ def _machine() -> str:
     if torch.cuda.is_available():
         s += f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     return s
+
+
+def _available() -> int:
+    """MemAvailable (bytes; 0 if unknown)."""
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _ram_gib() -> float:
@@ -506,19 +525,24 @@ def main(argv=None) -> int:
             print(f"    {res['rtn']['seconds']:.0f} s, peak RSS {_gb(res['rtn']['peak_rss'])} GiB", flush=True)
         if a.gptq_layers and "gptq" not in a.skips:
             print(f"(b) GPTQ, the first {a.gptq_layers} layers ...", flush=True)
-            res["gptq"] = run_one(a, "gptq", src / "variant", root / "out", work)
+            res["gptq"] = run_one(a, "gptq", src / f"variant-{a.gptq_layers}", root / "out", work)
             pl = res["gptq_per_layer"] = per_layer(res["gptq"])
             res["gptq_projection"] = res["gptq"]["seconds"] + (a.layers - pl["n"]) * pl["step"]
             print(f"    {res['gptq']['seconds']:.0f} s, per layer {pl['step']:.1f} s", flush=True)
             gpus = torch.cuda.device_count() if a.device == "cuda" else 0
-            if a.world >= 2 and (a.device == "cpu" or gpus >= a.world):
+            need = a.world * res["gptq"]["peak_rss"] * 1.1
+            if a.world >= 2 and a.device == "cpu" and _available() < need:
+                res["notes"].append(f"(c) skipped: {a.world} processes need about {_gb(need)} GiB (each as (b)), "
+                                    f"{_gb(_available())} GiB available (a shared machine: run (c) at smaller shapes "
+                                    f"or where the memory is).")
+            elif a.world >= 2 and (a.device == "cpu" or gpus >= a.world):
                 pred = amdahl(pl, a.world)
                 res["dist"] = {}
                 for tag, lp in (("dp", False), ("lp", True)):
                     if tag in a.skips:
                         continue
                     print(f"(c) GPTQ over {a.world} processes, {tag} ...", flush=True)
-                    recs = run_ranks(a, src / "variant", root / "out", work, lp)
+                    recs = run_ranks(a, src / f"variant-{a.dist_layers}", root / "out", work, lp)
                     steps = [per_layer(r)["step"] for r in recs]
                     step = max(steps)
                     res["dist"][tag] = {"step": step, "speedup": pl["step"] / step,
