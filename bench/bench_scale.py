@@ -5,7 +5,8 @@
     python bench/bench_scale.py --layers 4 --hidden 1024 --intermediate 2816 --heads 16 --vocab 4096   # small
 
 1. writes a random Llama checkpoint (``--hidden 5120 --layers 40 --intermediate 13824 --heads 40 --vocab 32000``,
-   bf16, fixed seed) into ``--dir``, tensor by tensor (our own safetensors writer: one tensor in memory at a time),
+   bf16; each weight read cyclically from a random offset of one block of 2**24 N(0, 0.02) values drawn with a
+   fixed seed; norms 1) into ``--dir``, tensor by tensor (our own safetensors writer: no tensor in memory),
    in shards of about ``--shard-gb`` GB: the weights outside the layers in one shard, the first ``--gptq-layers``
    layers in the next, the others after;
 2. (a) ``quantize_checkpoint`` uint4 g128 round-to-nearest of the whole checkpoint, in a fresh process: wall time
@@ -70,9 +71,20 @@ def _shapes(cfg) -> list[tuple[str, tuple]]:
             and t.dtype != torch.int64]
 
 
-def _write_safetensors(path: pathlib.Path, items: list[tuple[str, tuple]], seed: int, start: int) -> int:
-    """A bf16 safetensors file of ``items`` (name, shape), written tensor by tensor: norms 1, others N(0, 0.02)
-    from a generator seeded per tensor (``seed``, running index from ``start``)."""
+BASE = 16_777_259  # elements of the random block the weights are cut from (a prime: no alignment with rows)
+
+
+def _base(seed: int):
+    """``BASE`` N(0, 0.02) bf16 values (fixed seed), as bytes."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return torch.empty(BASE, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=g).view(torch.uint8).numpy()
+
+
+def _write_safetensors(path: pathlib.Path, items: list[tuple[str, tuple]], seed: int, start: int, base) -> int:
+    """A bf16 safetensors file of ``items`` (name, shape), written tensor by tensor: norms 1; every other tensor
+    the random block ``base`` read cyclically from an offset drawn per tensor (``seed``, running index from
+    ``start``): random-looking weights at the disk's speed, no tensor ever in memory."""
     import torch
     header, off = {}, 0
     for k, s in items:
@@ -89,12 +101,16 @@ def _write_safetensors(path: pathlib.Path, items: list[tuple[str, tuple]], seed:
         f.write(hb)
         for i, (k, s) in enumerate(items):
             if "norm" in k:
-                t = torch.ones(s, dtype=torch.bfloat16)
-            else:
-                g = torch.Generator().manual_seed(seed * 1_000_003 + start + i)
-                t = torch.empty(s, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=g)
-            f.write(t.reshape(-1).view(torch.uint8).numpy())
-            del t
+                f.write(torch.ones(s, dtype=torch.bfloat16).reshape(-1).view(torch.uint8).numpy())
+                continue
+            g = torch.Generator().manual_seed(seed * 1_000_003 + start + i)
+            pos = 2 * int(torch.randint(0, BASE, (1,), generator=g))
+            left = 2 * _numel(s)
+            while left:
+                n = min(left, base.size - pos)
+                f.write(base[pos:pos + n])
+                left -= n
+                pos = 0
     return off
 
 
@@ -121,9 +137,10 @@ def write_checkpoint(a, d: pathlib.Path) -> dict:
     n_files = 1 + len(groups)
     names = [f"model-{j + 1:05d}-of-{n_files:05d}.safetensors" for j in range(n_files)]
     weight_map, total, idx = {}, 0, 0
+    base = _base(a.seed)
     parts = [outer] + [[(k, s) for k, s in shapes if layer_of.get(k, -1) in set(g)] for g in groups]
     for name, items in zip(names, parts):
-        total += _write_safetensors(d / name, items, a.seed, idx)
+        total += _write_safetensors(d / name, items, a.seed, idx, base)
         idx += len(items)
         weight_map.update({k: name for k, _ in items})
         print(f"  wrote {name}: {len(items)} tensors, total {total / 1e9:.1f} GB", flush=True)
