@@ -44,6 +44,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HERE = pathlib.Path(__file__).resolve()
+sys.path.insert(0, str(ROOT))  # qcore from this checkout (also when not installed)
 GiB = 1024 ** 3
 
 
@@ -64,8 +65,7 @@ def _shapes(cfg) -> list[tuple[str, tuple]]:
     """The model's state-dict names and shapes (a meta model: no memory)."""
     import torch
     import transformers
-    from accelerate import init_empty_weights
-    with init_empty_weights():
+    with torch.device("meta"):
         m = transformers.LlamaForCausalLM(cfg)
     return [(k, tuple(t.shape)) for k, t in m.state_dict().items() if not k.endswith("rotary_emb.inv_freq")
             and t.dtype != torch.int64]
