@@ -194,6 +194,8 @@ def _instrument(rec: dict):
     layers = rec.setdefault("layers", [])
     cur: dict = {}
 
+    import torch
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # GPU work timed to its end
     real_load, real_release, real_gptq = st._load, st._release_memory, seq.gptq
     real_fwd_seq, real_fwd_st = seq.forward_layer, st.forward_layer
 
@@ -204,22 +206,27 @@ def _instrument(rec: dict):
 
     def release():
         real_release()
+        sync()
         if cur:
             cur["step"] = time.perf_counter() - cur.pop("start")
             layers.append(dict(cur))
             cur.clear()
 
     def gptq(w, *args, **kw):
+        sync()
         t = time.perf_counter()
         out = real_gptq(w, *args, **kw)
+        sync()
         if cur:
             cur["solves"].append([list(w.shape), time.perf_counter() - t])
         return out
 
     def fwd(key, real):
         def f(*args, **kw):
+            sync()
             t = time.perf_counter()
             out = real(*args, **kw)
+            sync()
             if cur:
                 cur[key] += time.perf_counter() - t
             return out
