@@ -539,6 +539,7 @@ def main(argv=None) -> int:
                  "args": {k: v for k, v in vars(a).items() if k not in ("skips",) and not k.startswith("child")},
                  "notes": []}
     src, work = root / "src", root / "work"
+    failed = None
     try:
         work.mkdir()
         print(f"writing the checkpoint into {src} ...", flush=True)
@@ -577,6 +578,9 @@ def main(argv=None) -> int:
                           f"{pred[f'{tag}_speedup']:.2f}x)", flush=True)
             elif a.world >= 2:
                 res["notes"].append(f"(c) skipped: {gpus} GPU(s), {a.world} needed (one per rank).")
+    except (KeyboardInterrupt, RuntimeError) as e:  # the parts measured so far are still reported
+        failed = e
+        res["notes"].append(f"stopped early ({type(e).__name__}: {e}); the parts above were measured.")
     finally:
         for p in _PROCS:
             if p.poll() is None:
@@ -588,12 +592,15 @@ def main(argv=None) -> int:
             shutil.rmtree(root, ignore_errors=True)
             print(f"removed {root}", flush=True)
     res["meta"]["load_after"] = "%.2f %.2f %.2f" % os.getloadavg()
+    if "checkpoint" not in res:
+        print(f"bench_scale: stopped while writing the checkpoint ({failed!r}); nothing measured", file=sys.stderr)
+        return 1
     text = report(a, res)
     print(text)
     out = pathlib.Path(a.out)
     out.with_suffix(".md").write_text(text + "\n")
     out.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str) + "\n")
-    return 0
+    return 0 if failed is None else 1
 
 
 if __name__ == "__main__":
