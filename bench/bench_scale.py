@@ -298,6 +298,14 @@ def _spawn(a, mode: str, src, dst, record, extra=()) -> subprocess.Popen:
 
 
 def _wait(procs, what: str) -> None:
+    """Wait for every process; one that fails stops the others (a rank left waiting in a collective)."""
+    while any(p.poll() is None for p in procs):
+        if any(p.poll() not in (None, 0) for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.5)
     for p in procs:
         p.wait()
     bad = [p.returncode for p in procs if p.returncode != 0]
