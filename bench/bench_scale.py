@@ -343,7 +343,12 @@ def per_layer(rec: dict) -> dict:
     solve = sum(t for x in ls for _, t in x["solves"]) / n
     hfwd = sum(x["hessian_fwd"] for x in ls) / n
     rfwd = sum(x["replay_fwd"] for x in ls) / n
+    replayed = [x["replay_fwd"] for x in ls if x["replay_fwd"] > 0]  # the last layer is not replayed
+    # the float-forward reference: one layer's forward over the calibration tokens (the replay; with one layer
+    # only, the forward capturing the Hessians, which also accumulates x^T x)
+    ref = sum(replayed) / len(replayed) if replayed else hfwd
     return {"n": len(ls), "step": step, "solve": solve, "hessian_fwd": hfwd, "replay_fwd": rfwd,
+            "forward_ref": ref, "forward_ref_kind": "replay" if replayed else "hessian capture",
             "other": step - solve - hfwd - rfwd, "solves": ls[0]["solves"] if ls else []}
 
 
@@ -394,13 +399,15 @@ def report(a, res: dict) -> str:
         for k, label in (("step", "step (read, Hessians, solves, replay, pack)"),
                          ("solve", "GPTQ solves (Cholesky + column loop)"),
                          ("hessian_fwd", "layer forwards capturing the Hessians"),
-                         ("replay_fwd", "layer forward, replay (the float-forward reference)"),
+                         ("replay_fwd", "layer forward, replay (none after the last layer)"),
                          ("other", "the rest (read, pack, spill)")):
             lines.append(f"| {label} | {pl[k]:.1f} | {pl[k] / pl['step']:.0%} |")
         lines += ["", "Solves of layer 0 (weight shape: seconds): "
                   + ", ".join(f"{s[0]}x{s[1]}: {t:.1f}" for s, t in pl["solves"]) + ".", "",
-                  f"Wall {g['seconds']:.0f} s, peak RSS {_gb(g['peak_rss'])} GiB; step / replay forward "
-                  f"{pl['step'] / max(1e-9, pl['replay_fwd']):.0f}x. Projection to {a.layers} layers: wall + "
+                  f"Wall {g['seconds']:.0f} s, peak RSS {_gb(g['peak_rss'])} GiB. Float-forward reference (one "
+                  f"layer over the calibration tokens, the {pl['forward_ref_kind']} forward): "
+                  f"{pl['forward_ref']:.1f} s; GPTQ step / forward {pl['step'] / max(1e-9, pl['forward_ref']):.1f}x. "
+                  f"Projection to {a.layers} layers: wall + "
                   f"({a.layers} - {pl['n']}) x step = {proj / 60:.0f} min ({proj / 3600:.1f} h).", ""]
     if "dist" in res:
         lines += [f"## (c) the same GPTQ over {a.world} processes, on the first {a.dist_layers} layer(s) ({'nccl' if a.device == 'cuda' else 'gloo'})", "",
@@ -416,6 +423,14 @@ def report(a, res: dict) -> str:
         lines += ["", "Prediction (Amdahl, from (b)'s shares): the forwards split by batches over the ranks; "
                   "data-parallel runs every solve on every rank; layer-parallel gives each rank its groups' solves "
                   "(the largest rank load counts); reading and packing are not split.", ""]
+        cores = os.cpu_count() or 1
+        loads = [float(m[k].split()[0]) for k in ("load_before", "load_after") if m.get(k)]
+        if a.device == "cpu" and loads and max(loads) > cores:
+            lines += [f"The machine was oversubscribed (load average up to {max(loads):.1f} on {cores} cores): the "
+                      f"{a.world} processes of (c) competed with other work for the cores, so the measured speed-ups "
+                      f"are not the algorithm's (the per-solve times of each rank, in the JSON, show by how much "
+                      f"each solve slowed down). On an idle machine with a core (or GPU) per rank, the prediction is "
+                      f"the expectation.", ""]
     if res.get("notes"):
         lines += ["Notes: " + " ".join(res["notes"]), ""]
     return "\n".join(lines)
@@ -454,6 +469,7 @@ def parse(argv):
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--threads-per-process", type=int, default=0, help="default: max(1, threads // world)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "SCALE"), help="writes OUT.md and OUT.json")
+    ap.add_argument("--report-only", metavar="JSON", help="rewrite OUT.md from a JSON this script wrote (no run)")
     # the children
     ap.add_argument("--child", choices=["rtn", "gptq", "rank"], help=argparse.SUPPRESS)
     ap.add_argument("--src", help=argparse.SUPPRESS)
@@ -529,6 +545,21 @@ def main(argv=None) -> int:
     a = parse(argv)
     if a.child:
         child(a)
+        return 0
+    if a.report_only:
+        res = json.loads(pathlib.Path(a.report_only).read_text())
+        for k, v in res["args"].items():  # the run's options, for the table's header
+            setattr(a, k, v)
+        if "gptq" in res:
+            res["gptq_per_layer"] = per_layer(res["gptq"])
+            pred = amdahl(res["gptq_per_layer"], max(2, a.world))
+            for tag, d in res.get("dist", {}).items():
+                d["step"] = max(per_layer(r)["step"] for r in d["ranks"])
+                d["speedup"] = res["gptq_per_layer"]["step"] / d["step"]
+                d["predicted"] = pred[f"{tag}_speedup"]
+        text = report(a, res)
+        pathlib.Path(a.out).with_suffix(".md").write_text(text + "\n")
+        print(text)
         return 0
     import torch
     if a.device == "cuda" and not torch.cuda.is_available():
