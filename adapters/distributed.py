@@ -280,10 +280,15 @@ class Distributed:
 
     # -- used by quantize_model --------------------------------------------------------------------------
 
-    def check_consistent(self, *, fingerprint: str, n_batches: int) -> None:
+    def check_consistent(self, *, fingerprint: str, n_batches: int, error: Any = None) -> None:
         """One collective: every rank has the same ``fingerprint`` (config and model structure) and at least one
-        calibration batch; else ``ValueError`` on every rank (all ranks see the same gathered values)."""
-        got = self.gather((fingerprint, int(n_batches), self.layer_parallel))
+        calibration batch, and no rank failed its own checks (``error``: that rank's message, e.g. rank 0's
+        destination refused); else ``ValueError`` on every rank (all ranks see the same gathered values)."""
+        got = self.gather((fingerprint, int(n_batches), self.layer_parallel, None if error is None else str(error)))
+        failed = [(r, e) for r, (_, _, _, e) in enumerate(got) if e is not None]
+        if failed:
+            raise ValueError(f"distributed: rank {failed[0][0]} refused the run before any work: {failed[0][1]}")
+        got = [g[:3] for g in got]
         lp = [p for _, _, p in got]
         if len(set(lp)) > 1:
             raise ValueError(f"distributed: layer_parallel differs between the ranks ({lp}, in rank order); give "

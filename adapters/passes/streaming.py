@@ -237,7 +237,8 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
         calibration batches (every rank calls ``quantize_checkpoint`` with the same arguments and its own
         ``data``): GPTQ's Hessians are reduced over the ranks (and with ``layer_parallel=True`` the ranks share
         the column loops), every rank computes the same layers, and rank 0 alone writes ``dst_dir`` (the other
-        ranks return None). Static activation scales are refused with it (not reduced here yet).
+        ranks return None). Static activation scales are refused with it (not reduced here yet). A refusal of
+        rank 0's ``dst_dir`` is raised on every rank, as a ``ValueError`` naming it, before any work.
     """
     src, dst = pathlib.Path(src_dir), pathlib.Path(dst_dir)
     check_not_source(dst, [src], what="dst_dir")  # with overwrite or not: replacing the source would delete it
@@ -266,8 +267,14 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
                             f"{type(distributed).__name__}")
         distributed.check()
     writer = distributed is None or distributed.rank == 0
+    refused = None  # with ranks: rank 0's refusal is raised on every rank, by check_consistent below
     if writer:
-        check_destination(dst, overwrite, [src])
+        try:
+            check_destination(dst, overwrite, [src])
+        except (OSError, ValueError) as e:
+            if distributed is None:
+                raise
+            refused = f"dst_dir: {e}"
     source = _Source(src)
 
     model, dtype, gen = _skeleton(src, dtype)
@@ -312,7 +319,8 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
                              "distributed= yet; quantize_model(..., distributed=...) reduces them, or run in one "
                              "process")
         from ..distributed import fingerprint
-        distributed.check_consistent(fingerprint=fingerprint(model, cfg, plans), n_batches=len(data or ()))
+        distributed.check_consistent(fingerprint=fingerprint(model, cfg, plans), n_batches=len(data or ()),
+                                     error=refused)
     own = checkpoint_method(model, cfg) == "qcore"  # every quantized weight in qcore's layout (export_hf's rule)
 
     # the weights outside the decoder layers

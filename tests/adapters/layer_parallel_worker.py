@@ -66,6 +66,12 @@ def main(rank: int, world: int, init_file: str, out: str, src: str, dst: str) ->
     info = quantize_checkpoint(src, dst, configs()["gptq"], mine, progress=False, distributed=d)
     result["checkpoint_info"] = info is not None
     result["runs"]["checkpoint"] = list(runs)
+    # rank 0's destination now exists: refused on every rank (rank 1 does not wait in a collective)
+    try:
+        quantize_checkpoint(src, dst, configs()["gptq"], mine, progress=False, distributed=d)
+        result["dst_exists"] = None
+    except ValueError as e:
+        result["dst_exists"] = str(e)
     # refused before any work, on every rank: the ranks disagree on layer_parallel
     try:
         quantize_model(dist_worker.tiny_llama(), configs()["gptq"], mine, progress=False,

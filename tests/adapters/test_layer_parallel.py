@@ -108,6 +108,13 @@ def test_layer_parallel_mismatch_refused_on_every_rank(run):
         assert res["mismatch"] is not None and "layer_parallel differs between the ranks" in res["mismatch"]
 
 
+def test_checkpoint_destination_refused_on_every_rank(run):
+    d, ranks = run
+    for res in ranks:
+        assert res["dst_exists"] is not None and "rank 0 refused the run before any work: dst_dir" in res["dst_exists"]
+    assert (d / "dst" / "config.json").is_file()  # left as it was
+
+
 def test_owners_balance_and_validation():
     # longest first to the least loaded rank; deterministic
     assert owners([1.0, 5.0, 3.0, 3.0], 2) == [0, 0, 1, 1]  # 5 -> 0, 3 -> 1, 3 -> 1, 1 -> 0: loads 6 and 6
