@@ -35,6 +35,19 @@ inside GPTQ. Reproducing one process's rounding in every case needs every batch'
 cannot be rebuilt from partial sums), i.e. ``B / world`` Hessians per rank kept in memory; qcore does not do
 that.
 
+Layer-parallel GPTQ (``Distributed(layer_parallel=True)``): data-parallel calibration alone runs every GPTQ
+column loop on every rank (the same work ``world`` times). With ``layer_parallel=True`` the ranks share the column
+loops of each decoder layer instead: the GPTQ target groups of a stage (Linears sharing an input: q/k/v,
+o_proj, gate/up, down_proj in a Llama layer) are given to the ranks by cost (``rows * cols**2 + cols**3`` each,
+greedy longest-first: ``owners``), every Hessian is still all-reduced on every rank (the same collective as
+above, so the same reduced Hessian), each rank runs GPTQ on its groups only, and each group's QTensors are then
+broadcast from its owner (``share``: their bytes, exactly) so that every rank writes the whole layer before its
+outputs are replayed. Each group runs the same computation as in one process, on the same inputs: the weights
+are bit for bit those of data-parallel calibration (and of one process, as above). The speed-up is bounded by
+the stage's largest group (Amdahl: the layer forwards and the Hessians are not split; docs/distributed.md); with
+``GPTQConfig(true_sequential=True)`` each stage is one group and nothing is split. Fused MoE experts run on every
+rank as before.
+
 Failure: ``quantize_model(..., distributed=...)`` first checks, with one collective, that every rank has the
 same config and model structure and at least one batch (else ``ValueError`` on every rank, before any work).
 An error on one rank after that (e.g. NaN activations in its batches) leaves the other ranks waiting in a
@@ -43,10 +56,11 @@ collective: run under ``torchrun`` (which stops the others) or give ``init_proce
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -54,7 +68,8 @@ import torch
 from qcore.algorithms.gptq import HessianStats
 from qcore.stats import RunningStats
 
-__all__ = ["Distributed", "all_reduce_sum", "all_reduce_max", "all_reduce_min", "reduce_hessian"]
+__all__ = ["Distributed", "all_reduce_sum", "all_reduce_max", "all_reduce_min", "reduce_hessian", "owners",
+           "broadcast_tensors"]
 
 
 def _dist(group=None):
@@ -118,13 +133,107 @@ def reduce_hessian(stats: HessianStats, *, group: Any = None) -> HessianStats:
     return HessianStats(total.numpy() if was_numpy else total, count)
 
 
+def owners(costs: Sequence[float], world_size: int) -> list[int]:
+    """The rank that runs each task of ``costs`` (one number per task, e.g. GPTQ's ``rows * cols**2 + cols**3``):
+    longest first, each to the least loaded rank (ties: the task's index order and the lowest rank), so that the
+    largest load is small. Deterministic: every rank computes the same list from the same costs."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    costs = [float(c) for c in costs]
+    if any(not (c >= 0) for c in costs):
+        raise ValueError(f"costs must be non-negative numbers, got {costs}")
+    load = [0.0] * world_size
+    out = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        out[i] = r
+        load[r] += costs[i]
+    return out
+
+
+class _Slot:
+    """Where a tensor was in a structure sent by ``broadcast_tensors`` (its shape, dtype and byte range)."""
+
+    def __init__(self, shape, dtype, start, nbytes):
+        self.shape, self.dtype, self.start, self.nbytes = tuple(shape), dtype, start, nbytes
+
+
+def _flatten(obj, parts: list, offset: list):
+    if isinstance(obj, torch.Tensor):
+        b = obj.detach().contiguous().reshape(-1).view(torch.uint8)
+        slot = _Slot(obj.shape, obj.dtype, offset[0], b.numel())
+        parts.append(b)
+        offset[0] += b.numel()
+        return slot
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _flatten(getattr(obj, f.name), parts, offset)
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, dict):
+        return {k: _flatten(v, parts, offset) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_flatten(v, parts, offset) for v in obj)
+    return obj
+
+
+def _unflatten(obj, buf: torch.Tensor):
+    if isinstance(obj, _Slot):
+        return buf[obj.start:obj.start + obj.nbytes].clone().view(obj.dtype).reshape(obj.shape)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _unflatten(getattr(obj, f.name), buf)
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, dict):
+        return {k: _unflatten(v, buf) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_unflatten(v, buf) for v in obj)
+    return obj
+
+
+def broadcast_tensors(obj: Any, *, src: int, device: Any = "cpu", group: Any = None) -> Any:
+    """``obj`` as rank ``src`` holds it, on every rank: a structure of dicts, lists, tuples and dataclasses (e.g.
+    ``QTensor``) whose torch tensors travel as their bytes (exact, any dtype) in one broadcast, the rest pickled.
+    Other ranks pass anything (ignored) and get tensors on ``device`` (with nccl: this rank's GPU); ``src`` gets
+    ``obj`` itself back."""
+    dist = _dist(group)
+    rank = dist.get_rank(group)
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < dist.get_world_size(group):
+        raise ValueError(f"src must be a rank of the group (0..{dist.get_world_size(group) - 1}), got {src!r}")
+    gsrc = src if group is None else dist.get_global_rank(group, src)
+    if rank == src:
+        parts: list = []
+        offset = [0]
+        skeleton = _flatten(obj, parts, offset)
+        head = [(skeleton, offset[0])]
+    else:
+        head = [None]
+    dist.broadcast_object_list(head, src=gsrc, group=group,
+                               device=torch.device(device) if dist.get_backend(group) == "nccl" else None)
+    skeleton, nbytes = head[0]
+    if nbytes == 0:
+        return obj if rank == src else skeleton
+    if rank == src:
+        buf = torch.cat([p.to(device) for p in parts]) if len(parts) > 1 else parts[0].to(device)
+    else:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=gsrc, group=group)
+    return obj if rank == src else _unflatten(skeleton, buf)
+
+
 @dataclass(frozen=True)
 class Distributed:
     """Reduce calibration statistics over the ranks of ``group`` (a ``torch.distributed`` process group; None:
     the default group, initialised by the caller). Pass it as ``quantize_model(..., distributed=Distributed())``;
-    as ``run_algorithms``' ``reduce``, calling it on a ``HessianStats`` sums it over the ranks."""
+    as ``run_algorithms``' ``reduce``, calling it on a ``HessianStats`` sums it over the ranks.
+
+    ``layer_parallel`` (keyword-only, default False): the ranks also share GPTQ's column loops, each running the
+    target groups ``owners`` gives it and broadcasting their QTensors (module docstring); the weights are the
+    same, bit for bit. Every rank must pass the same value."""
 
     group: Any = None
+    layer_parallel: bool = field(default=False, kw_only=True)
+
+    def __post_init__(self):
+        if not isinstance(self.layer_parallel, bool):
+            raise TypeError(f"Distributed.layer_parallel must be a bool, got {self.layer_parallel!r}")
 
     @property
     def rank(self) -> int:
@@ -154,6 +263,14 @@ class Distributed:
     def min(self, t: torch.Tensor) -> torch.Tensor:
         return all_reduce_min(t, group=self.group)
 
+    def owners(self, costs: Sequence[float]) -> list[int]:
+        """The rank that runs each task (``owners(costs, world_size)``)."""
+        return owners(costs, self.world_size)
+
+    def share(self, obj: Any, *, src: int, device: Any = "cpu") -> Any:
+        """``broadcast_tensors(obj, src=src, device=device)`` over this group."""
+        return broadcast_tensors(obj, src=src, device=device, group=self.group)
+
     def gather(self, obj: Any) -> list:
         """Every rank's ``obj`` (picklable), in rank order, on every rank."""
         dist = _dist(self.group)
@@ -163,15 +280,24 @@ class Distributed:
 
     # -- used by quantize_model --------------------------------------------------------------------------
 
-    def check_consistent(self, *, fingerprint: str, n_batches: int) -> None:
+    def check_consistent(self, *, fingerprint: str, n_batches: int, error: Any = None) -> None:
         """One collective: every rank has the same ``fingerprint`` (config and model structure) and at least one
-        calibration batch; else ``ValueError`` on every rank (all ranks see the same gathered values)."""
-        got = self.gather((fingerprint, int(n_batches)))
-        empty = [r for r, (_, n) in enumerate(got) if n < 1]
+        calibration batch, and no rank failed its own checks (``error``: that rank's message, e.g. rank 0's
+        destination refused); else ``ValueError`` on every rank (all ranks see the same gathered values)."""
+        got = self.gather((fingerprint, int(n_batches), self.layer_parallel, None if error is None else str(error)))
+        failed = [(r, e) for r, (_, _, _, e) in enumerate(got) if e is not None]
+        if failed:
+            raise ValueError(f"distributed: rank {failed[0][0]} refused the run before any work: {failed[0][1]}")
+        got = [g[:3] for g in got]
+        lp = [p for _, _, p in got]
+        if len(set(lp)) > 1:
+            raise ValueError(f"distributed: layer_parallel differs between the ranks ({lp}, in rank order); give "
+                             f"every rank the same Distributed(layer_parallel=...)")
+        empty = [r for r, (_, n, _) in enumerate(got) if n < 1]
         if empty:
             raise ValueError(f"distributed: ranks {empty} have no calibration batches; give every rank at least one "
-                             f"(batches per rank: {[n for _, n in got]})")
-        fps = [f for f, _ in got]
+                             f"(batches per rank: {[n for _, n, _ in got]})")
+        fps = [f for f, _, _ in got]
         if len(set(fps)) > 1:
             differ = [r for r, f in enumerate(fps) if f != fps[0]]
             raise ValueError(f"distributed: ranks {differ} have a different config or model structure from rank 0; "

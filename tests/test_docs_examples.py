@@ -7,7 +7,7 @@ import pytest
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
 FILES = ["adapters.md", "algorithms.md", "rotations.md", "gguf.md", "onnx.md", "kernels.md", "convert.md",
-         "compressed_tensors.md"]
+         "compressed_tensors.md", "distributed.md"]
 
 
 @pytest.mark.parametrize("name", FILES)

@@ -324,12 +324,54 @@ def _run_gptq(layer, lplans, inputs: LayerInputs, algo: GPTQConfig, prefix: str,
         last_head = stage[-1][0]
         with torch.no_grad():
             stats, calls = _collect_hessians(layer, stage, inputs, stop_after=last_head, experts=experts)
+            shared = _layer_parallel(layer, stage, stats, experts, lplans, algo, prefix, reduce, reference)
             for group in stage:
                 if group[0] in experts:
                     _gptq_experts(layer, group[0], calls[group[0]], lplans, algo, prefix, pinned, reduce)
+                elif shared is not None:
+                    shared(group, pinned)
                 else:
                     _gptq_group(layer, group, stats[group[0]], lplans, algo, prefix, pinned, reduce, reference)
-            del stats, calls
+            del stats, calls, shared
+
+
+def _layer_parallel(layer, stage, stats, experts, lplans, algo, prefix, reduce, reference):
+    """Layer-parallel GPTQ (``Distributed(layer_parallel=True)``; None otherwise): every Linear group's Hessian is
+    reduced (on every rank, in stage order), the groups are given to the ranks by cost (``Distributed.owners``)
+    and each rank runs ``_gptq_group`` on its own; the returned ``shared(group, pinned)`` then takes the group's
+    QTensors from its owner (``Distributed.share``), writes them on the other ranks, and fills ``pinned`` (and
+    ``reference``) in stage order, as one process does."""
+    if not getattr(reduce, "layer_parallel", False):
+        return None
+    groups = [g for g in stage if g[0] not in experts]
+    hess = {g[0]: reduce(stats.pop(g[0])) for g in groups}  # the local sums freed as they are reduced
+
+    def cost(g):
+        ws = [linear_weight(layer.get_submodule(n)) for n in g]
+        cols = ws[0].shape[1]
+        return sum(w.shape[0] for w in ws) * cols ** 2 + cols ** 3
+    who = dict(zip((g[0] for g in groups), reduce.owners([cost(g) for g in groups])))
+    rank = reduce.rank
+    mine: dict = {}
+    mine_ref: Optional[dict] = None if reference is None else {}
+    for g in groups:
+        if who[g[0]] == rank:
+            _gptq_group(layer, g, hess[g[0]], lplans, algo, prefix, mine, None, mine_ref)
+
+    def shared(group, pinned):
+        names = [f"{prefix}.{n}" for n in group]
+        mods = [layer.get_submodule(n) for n in group]
+        src = who[group[0]]
+        got = reduce.share({k: mine[k] for k in names} if src == rank else None, src=src,
+                           device=linear_weight(mods[0]).device)
+        for n, m in zip(names, mods):
+            if src == rank:
+                if reference is not None:
+                    reference[n] = mine_ref[n]
+                pinned[n] = got[n]
+            else:
+                _write(m, got[n], pinned, n, reference)
+    return shared
 
 
 # ---------------------------------------------------------------------------------------------------------------

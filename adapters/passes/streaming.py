@@ -223,7 +223,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
                         dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cpu",
                         max_shard_size: Union[int, str] = "5GB", pack_method: str = "reorder",
                         overwrite: bool = False, progress: bool = True, work_dir=None,
-                        resume: bool = False) -> ExportInfo:
+                        resume: bool = False, distributed=None) -> Optional[ExportInfo]:
     """Quantize the float HF checkpoint in ``src_dir`` (config.json + safetensors) per ``config`` and write it to
     ``dst_dir`` in Quark's HF layout, one decoder layer in memory at a time (module docstring). The result is
     what ``quantize_model`` + ``export_hf`` write for the model loaded whole, bit for bit.
@@ -236,6 +236,12 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
     work_dir, resume: save the progress after each decoder layer in ``work_dir`` (the layer's encoded tensors,
         the next layer's inputs); ``resume=True`` continues a run saved there to the same files
         (``qcore.adapters.passes.checkpointing``; a work directory inside ``src_dir`` or ``dst_dir`` is refused).
+    distributed: a ``qcore.adapters.distributed.Distributed`` when several processes each hold a share of the
+        calibration batches (every rank calls ``quantize_checkpoint`` with the same arguments and its own
+        ``data``): GPTQ's Hessians are reduced over the ranks (and with ``layer_parallel=True`` the ranks share
+        the column loops), every rank computes the same layers, and rank 0 alone writes ``dst_dir`` (the other
+        ranks return None). Static activation scales are refused with it (not reduced here yet). A refusal of
+        rank 0's ``dst_dir`` is raised on every rank, as a ``ValueError`` naming it, before any work.
     """
     src, dst = pathlib.Path(src_dir), pathlib.Path(dst_dir)
     check_not_source(dst, [src], what="dst_dir")  # with overwrite or not: replacing the source would delete it
@@ -259,7 +265,24 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
             raise TypeError(f"data must be an iterable of batches (a list or a DataLoader), got "
                             f"{type(data).__name__}; wrap a single batch in a list: [batch]")
         data = list(data)
-    check_destination(dst, overwrite, [src])
+    if distributed is not None:
+        from ..distributed import Distributed
+        if not isinstance(distributed, Distributed):
+            raise TypeError(f"distributed must be a qcore.adapters.distributed.Distributed, got "
+                            f"{type(distributed).__name__}")
+        distributed.check()
+        if work_path is not None:
+            raise ValueError("quantize_checkpoint: work_dir= is not supported with distributed= (each rank would "
+                             "need its own work directory); run without work_dir or in one process")
+    writer = distributed is None or distributed.rank == 0
+    refused = None  # with ranks: rank 0's refusal is raised on every rank, by check_consistent below
+    if writer:
+        try:
+            check_destination(dst, overwrite, [src])
+        except (OSError, ValueError) as e:
+            if distributed is None:
+                raise
+            refused = f"dst_dir: {e}"
     source = _Source(src)
 
     model, dtype, gen = _skeleton(src, dtype)
@@ -298,6 +321,14 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
     module_order = {p.name: i for i, p in enumerate(plans)}
 
     _check_source(model, source)
+    if distributed is not None:
+        if static:
+            raise ValueError("quantize_checkpoint: static activation scales are not reduced over the ranks of "
+                             "distributed= yet; quantize_model(..., distributed=...) reduces them, or run in one "
+                             "process")
+        from ..distributed import fingerprint
+        distributed.check_consistent(fingerprint=fingerprint(model, cfg, plans), n_batches=len(data or ()),
+                                     error=refused)
     own = checkpoint_method(model, cfg) == "qcore"  # every quantized weight in qcore's layout (export_hf's rule)
     work = None
     if work_path is not None:  # tied to this run before any work (checkpointing.streaming_checkpoint)
@@ -317,6 +348,11 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
             _set_tensor(model, name, b.to(device))
 
     t0 = time.perf_counter()
+    if not writer:  # a distributed rank other than 0: the same layers as rank 0 (its collectives), nothing written
+        with torch.no_grad():
+            _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static, data, source, dtype,
+                 device, None, pack_method, progress, own=own, reduce=distributed)
+        return None
     spill = None
     try:
         with staged_dir(dst, recheck=lambda: check_destination(dst, overwrite, [src])) as tmp:
@@ -324,7 +360,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
             with torch.no_grad():
                 records, layouts = _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static,
                                         data, source, dtype, device, spill, pack_method, progress, own=own,
-                                        work_dir=work)
+                                        work_dir=work, reduce=distributed)
             # export_hf's order: the quantized modules' tensors in module order, then the other tensors in
             # state-dict order (stable sort: each module keeps its own tensor order)
             qnames = {p.name for p in plans}
@@ -351,7 +387,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
 
 
 def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static, data, source, dtype, device,
-         spill, pack_method, progress, *, own=False, work_dir=None):
+         spill, pack_method, progress, *, own=False, work_dir=None, reduce=None):
     from ..families import family_or_none
     from .sequential import run_layer
     family = family_or_none(model)
@@ -395,7 +431,7 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
         try:
             pinned: dict = {}
             if algos:
-                run_layer(work, by_layer[i], streams["alg"], algos, prefix, pinned, None, family=family)
+                run_layer(work, by_layer[i], streams["alg"], algos, prefix, pinned, reduce, family=family)
                 streams["alg"] = forward_layer(work, streams["alg"], keep=True) if i + 1 < n else None
             mine = [p for p in plans if layer_of.get(p.name) == i]
             wrappers = []
@@ -419,10 +455,11 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
                     w.finish_calibration()
             for w in wrappers:
                 w.commit()
-            recs, lay = _plan_tensors(work, pack_method, own=own)
-            for r in recs:
-                records.append(spill.add(r, f"{prefix}.{r.name}"))
-            layouts.update({f"{prefix}.{k}": v for k, v in lay.items()})
+            if spill is not None:  # None: a distributed rank other than 0, which writes nothing
+                recs, lay = _plan_tensors(work, pack_method, own=own)
+                for r in recs:
+                    records.append(spill.add(r, f"{prefix}.{r.name}"))
+                layouts.update({f"{prefix}.{k}": v for k, v in lay.items()})
         finally:
             layers[i] = meta_layer
             del work
