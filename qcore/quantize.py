@@ -534,9 +534,12 @@ def _small_cpu_params(x, scale, zero_point, limit: int = 4096) -> bool:
 
 
 def _np_view(p):
-    """A CPU torch tensor as a numpy array (no copy); anything else as it is."""
+    """A torch tensor as a numpy array (no copy for a CPU tensor; a tensor on an accelerator is copied to the host:
+    parameters are small); anything else as it is."""
     if p is not None and is_torch(p):
         p = p.detach()
+        if p.device.type != "cpu":
+            p = p.cpu()
         return (p.float() if p.dtype == p.new_empty(()).bfloat16().dtype else p).numpy()
     return p
 
