@@ -13,8 +13,9 @@ against one float forward over the same tokens measured in the same run, with a 
   log-softmax, ``exp`` of the reference and four ``tokens x vocab`` temporaries per measurement) in the same
   process, back to back; the sensitivities of both must be equal (bit for bit; printed).
 - ``--compare FILE``: the sensitivities against a saved ``Sensitivity`` JSON (default
-  ``bench/AMP_sensitivity.json``, the landed run of ``bench/bench_amp.py``): the largest difference and the
-  chosen mixes for targets 4.5..7 bits (full runs only).
+  ``bench/AMP_sensitivity.json``, the landed run of ``bench/bench_amp.py`` on 2 windows): the largest difference
+  and whether the chosen mixes for targets 4.5..7 bits are the same (full runs only; with ``--windows 1``: what
+  measuring on half the tokens would change).
 - profile: the share of each phase of the measurements (hooks and timers around the phases; same run).
 
 Writes ``--md`` (default ``bench/SPEED_AMP.md``) and ``--json`` (``bench/SPEED_AMP.json``). Nothing asserted.
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
                    speedup_same_run=round(old_s / new_s, 3), equal_to_reference=ref.loss == sens.loss)
         print(f"landed path, same run: {old_s:.1f} s; equal: {ref.loss == sens.loss}", flush=True)
     cmp = pathlib.Path(args.compare)
-    if not keep and args.windows == 2 and cmp.exists():
+    if not keep and cmp.exists():
         saved = amp.Sensitivity.from_dict(json.loads(cmp.read_text()))
         if saved.units == sens.units and saved.schemes == sens.schemes:
             diff = max(abs(a - b) for x, y in zip(saved.loss, sens.loss) for a, b in zip(x, y))
@@ -188,6 +189,7 @@ def main(argv=None) -> int:
             mixes = {str(t): sens.search(target_bits=t).choice == saved.search(target_bits=t).choice
                      for t in TARGETS}
             res["compare"] = {"file": str(cmp.relative_to(ROOT) if cmp.is_relative_to(ROOT) else cmp),
+                              "windows_here": args.windows,
                               "max_abs_diff": diff, "max_rel_diff": rel, "same_mix": mixes}
             print(f"against {cmp}: max diff {diff:.3g} (relative {rel:.3g}); same mixes {mixes}", flush=True)
     if not args.no_profile:
@@ -235,7 +237,7 @@ def _write(args, res) -> None:
               f"for bit: **{res['equal_to_reference']}**.", ""]
     if "compare" in res:
         c = res["compare"]
-        L += [f"Against `{c['file']}` (the landed run): largest difference {c['max_abs_diff']:.3g} (relative "
+        L += [f"Against `{c['file']}` (the landed run, 2 windows; this run {c['windows_here']}): largest difference {c['max_abs_diff']:.3g} (relative "
               f"{c['max_rel_diff']:.3g}); same AMP mix at "
               + ", ".join(f"{t} bits: {v}" for t, v in c["same_mix"].items()) + ".", ""]
     if "profile" in res:

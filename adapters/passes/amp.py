@@ -28,12 +28,14 @@ bfloat16 model). Bits per weight of a scheme come from ``QuantSpec.bits_per_elem
 element bits plus scale bits amortised over the layer (MXFP4 4.25; fp8 per tensor 8 + 32/numel).
 
 Cost: the float model runs once over ``batches``; the inputs of every decoder layer are kept (``layers x
-tokens x hidden`` floats) and, for ``Metric.KL``, the float log-probabilities (``tokens x vocab`` float32: 100 MB
-per 512-token window of a 49k vocabulary). Each (unit, scheme) then runs only from the unit's decoder layer to
-the output (the earlier layers are skipped, their outputs replayed), plus, for schemes with static activation
-scales, one calibration pass through that decoder layer alone: about ``units x schemes / 2`` forwards of the
-whole model. Without identifiable decoder layers (no ``nn.ModuleList`` of identical blocks) every measurement is
-a full forward. The model is left as it was (wrappers are removed, weights never written).
+tokens x hidden`` floats) and, for ``Metric.KL``, the float log-probabilities and probabilities (two ``tokens x
+vocab`` float32 tensors: 200 MB per 512-token window of a 49k vocabulary). Each (unit, scheme) then runs only
+from the unit's decoder layer to the output (the earlier layers are skipped, their outputs replayed), plus, for
+schemes with static activation scales, one calibration pass through that decoder layer alone: about ``units x
+schemes / 2`` forwards of the whole model, the output head included (the KL needs every logit). The KL is
+computed 64 positions at a time, in cache (bit-identical to the whole-tensor expression). Without identifiable
+decoder layers (no ``nn.ModuleList`` of identical blocks) every measurement is a full forward. The model is left
+as it was (wrappers are removed, weights never written). Speed and profile: ``bench/SPEED_AMP.md``.
 
 ``amp_config(model, schemes, batches, target_bits=... | max_loss=...)`` measures (or takes ``sensitivity=``),
 runs ``qcore.algorithms.mixed_precision.search`` and returns a ``ModelConfig`` whose ``by_name`` names every
