@@ -255,10 +255,11 @@ def _kl_rows(ref: torch.Tensor, prob: torch.Tensor, lg: torch.Tensor) -> torch.T
     """``_reference_kl_rows(ref, lg)`` with ``prob = ref.exp()`` given, computed ``_KL_ROWS`` positions at a
     time: bit-identical to it (the log-softmax and the sum over the vocabulary are per row, the difference and
     product per element; a block never has a single row, whose sum torch would split across threads), with one
-    pass over the logits instead of about ten over ``tokens x vocab`` tensors and no large temporaries."""
+    pass over the logits instead of about ten over ``tokens x vocab`` tensors and no large temporaries. On CPU
+    only: a GPU's reductions may be laid out by the number of rows, and its memory makes the temporaries cheap."""
     v = lg.shape[-1]
     rows = lg.numel() // v if v else 0
-    if rows <= _KL_ROWS + 1:
+    if rows <= _KL_ROWS + 1 or lg.device.type != "cpu":
         return (prob * (ref - torch.log_softmax(lg, dim=-1))).sum(-1)
     lg2, ref2, prob2 = lg.reshape(rows, v), ref.reshape(rows, v), prob.reshape(rows, v)
     out = torch.empty(rows, dtype=lg.dtype, device=lg.device)
