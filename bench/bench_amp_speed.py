@@ -81,7 +81,7 @@ def _spread(n_units: int, k: int) -> list[int]:
     return sorted({round(i * (n_units - 1) / (k - 1)) for i in range(k)}) if k > 1 else [n_units // 2]
 
 
-def _run(model, batches, keep, *, reference: bool, timer: _Timer | None):
+def _run(model, batches, keep, *, reference: bool, timer: _Timer | None, progress: bool = False):
     """``layer_sensitivity`` over ``keep`` units spread over the model (0: all), timed; with ``timer`` the
     phases."""
     orig_units, orig_kl = amp._units, amp._kl_rows
@@ -121,7 +121,7 @@ def _run(model, batches, keep, *, reference: bool, timer: _Timer | None):
         timer.wrap(amp, "_kl_rows", "KL over the vocabulary")
     try:
         t0 = time.perf_counter()
-        sens = amp.layer_sensitivity(model, SCHEMES, batches, progress=False)
+        sens = amp.layer_sensitivity(model, SCHEMES, batches, progress=progress)
         dt = time.perf_counter() - t0
     finally:
         amp._units, amp._kl_rows = orig_units, orig_kl
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
 
     fwd = _float_forward(model, batches, args.repeat)
     print(f"float forward over {args.windows} x 512 tokens: {fwd:.2f} s", flush=True)
-    sens, new_s = _run(model, batches, keep, reference=False, timer=None)
+    sens, new_s = _run(model, batches, keep, reference=False, timer=None, progress=True)
     n_meas = len(sens.units) * len(SCHEMES)
     print(f"new: {new_s:.1f} s for {n_meas} measurements", flush=True)
     res = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
            "new_projected_240_in_float_forwards": round(new_s / n_meas * 240 / fwd, 1),
            "old": OLD, "target_s": TARGET_S}
     if args.reference:
-        ref, old_s = _run(model, batches, keep, reference=True, timer=None)
+        ref, old_s = _run(model, batches, keep, reference=True, timer=None, progress=True)
         res.update(old_same_run_s=round(old_s, 2), old_same_run_per_measurement_s=round(old_s / n_meas, 3),
                    speedup_same_run=round(old_s / new_s, 3), equal_to_reference=ref.loss == sens.loss)
         print(f"landed path, same run: {old_s:.1f} s; equal: {ref.loss == sens.loss}", flush=True)
@@ -257,8 +257,9 @@ _NOTES = [
     "through layer k on its kept float inputs; then layers 0..k-1 skipped (their outputs replayed), layers "
     "k..29 (the quantized unit in layer k, every other layer float), the final norm, the lm_head "
     "(2 x 512 x 576 x 49152 multiply-adds per window: about 8 decoder layers' worth) and the KL over the "
-    "49152-token vocabulary. On average a measurement costs the tail (15.5 of 30 layers) plus the head: "
-    "about 0.6 float forwards.",
+    "49152-token vocabulary. On average a measurement runs 15.5 of the 30 layers plus the head: by "
+    "multiply-adds (a layer about 3.5 M per token, the head 28 M) about 0.6 of a float forward; the table "
+    "gives the measured ratio.",
     "",
     "What is redundant across measurements, and what was done:",
     "",
@@ -273,12 +274,12 @@ _NOTES = [
     "the KL needs every logit (log-sum-exp over the vocabulary). Batching the two schemes into one forward "
     "would not reduce the multiply-adds (on 2 cores the GEMMs are already large: 512 rows).",
     "",
-    "Why the target is out of reach with this metric on 2 cores: 240 measurements x about 0.6 float forwards "
-    "is about 145 float forwards over the 1024 tokens (`new_projected_240_in_float_forwards` above); at the "
-    "idle machine's float forward of 1024 tokens (about 276 GFLOP) that is several minutes, whatever the "
-    "bookkeeping. Meeting 120 s needs fewer multiply-adds per measurement: fewer tokens (`--sens-windows 1` "
-    "in `bench/bench_amp.py` halves it, but changes the measured values) or a cheaper metric (not added: "
-    "the landed metric stays the default), or a GPU.",
+    "Why 120 s is out of reach with this metric on 2 cores: 240 measurements of at least 0.6 float forwards "
+    "each (by multiply-adds) are at least 145 float forwards over the 1024 tokens (about 280 GFLOP each, "
+    "40 TFLOP in all; the table's projection gives the measured count). 120 s would need 0.8 s per float "
+    "forward of 1024 tokens, above 300 GFLOP/s on 2 cores. Meeting it needs fewer multiply-adds per "
+    "measurement: fewer tokens (`--windows 1` here, `--sens-windows 1` in `bench/bench_amp.py`: half the "
+    "time, other values), a cheaper metric (none added: the landed one stays the default), or a GPU.",
 ]
 
 
