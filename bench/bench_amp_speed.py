@@ -277,7 +277,8 @@ _NOTES = [
     "Why 120 s is out of reach with this metric on 2 cores: 240 measurements of at least 0.6 float forwards "
     "each (by multiply-adds) are at least 145 float forwards over the 1024 tokens (about 280 GFLOP each, "
     "40 TFLOP in all; the table's projection gives the measured count). 120 s would need 0.8 s per float "
-    "forward of 1024 tokens, above 300 GFLOP/s on 2 cores. Meeting it needs fewer multiply-adds per "
+    "forward of 1024 tokens, about 340 GFLOP/s: above the fp32 peak of these 2 cores (AMD EPYC, Zen 4 class: "
+    "32 FLOP per cycle per core, about 200 GFLOP/s for both at 3 GHz or so). Meeting it needs fewer multiply-adds per "
     "measurement: fewer tokens (`--windows 1` here, `--sens-windows 1` in `bench/bench_amp.py`: half the "
     "time, other values), a cheaper metric (none added: the landed one stays the default), or a GPU.",
 ]
