@@ -143,6 +143,25 @@ def _float_forward(model, batches, repeat):
     return best
 
 
+def _kl_phase(repeat: int = 3, vocab: int = 49152, tokens: int = 512) -> dict:
+    """The KL of one 512-token window over the 49152-token vocabulary alone: the landed expression against the
+    blocked one, on the same tensors (best of ``repeat``); checks they are equal."""
+    g = torch.Generator().manual_seed(0)
+    ref = torch.log_softmax(4 * torch.randn(1, tokens, vocab, generator=g), dim=-1)
+    prob = ref.exp()
+    lg = 4 * torch.randn(1, tokens, vocab, generator=g)
+    out = {}
+    for name, f in (("landed", lambda: amp._reference_kl_rows(ref, lg)), ("new", lambda: amp._kl_rows(ref, prob, lg))):
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            r = f()
+            best = min(best, time.perf_counter() - t0)
+        out[name + "_s"], out[name] = round(best, 4), r
+    equal = torch.equal(out.pop("landed"), out.pop("new"))
+    return {**out, "ratio": round(out["landed_s"] / out["new_s"], 2), "equal": equal}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -156,8 +175,14 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", default=str(ROOT / "bench" / "AMP_sensitivity.json"))
     ap.add_argument("--md", default=str(ROOT / "bench" / "SPEED_AMP.md"))
     ap.add_argument("--json", default=str(ROOT / "bench" / "SPEED_AMP.json"))
+    ap.add_argument("--kl-only", action="store_true", help="only the KL phase, landed against new (no model)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    kl = _kl_phase()
+    print(f"KL of one window over the vocabulary: landed {kl['landed_s']} s, new {kl['new_s']} s "
+          f"({kl['ratio']}x), equal: {kl['equal']}", flush=True)
+    if args.kl_only:
+        return 0
 
     model, tok = load_smollm2()
     ids = E.protocol_token_ids(tok)
@@ -177,7 +202,7 @@ def main(argv=None) -> int:
            "new_per_measurement_in_float_forwards": round(new_s / n_meas / fwd, 3),
            "new_projected_240_s": round(new_s / n_meas * 240, 1),
            "new_projected_240_in_float_forwards": round(new_s / n_meas * 240 / fwd, 1),
-           "old": OLD, "target_s": TARGET_S}
+           "old": OLD, "target_s": TARGET_S, "kl_phase": kl}
     if args.reference:
         ref, old_s = _run(model, batches, keep, reference=True, timer=None, progress=True)
         res.update(old_same_run_s=round(old_s, 2), old_same_run_per_measurement_s=round(old_s / n_meas, 3),
@@ -236,6 +261,9 @@ def _write(args, res) -> None:
     o = res["old"]
     L += [f"| landed figure (quoted: {o['source']}) | {o['seconds']} | {o['per_measurement_s']} | |",
           f"| target (issue 23, idle 2-core CPU) | <= {res['target_s']} | | |", ""]
+    k = res["kl_phase"]
+    L += [f"The KL phase alone (one 512-token window, 49152-token vocabulary, same tensors, best of 3): landed "
+          f"{k['landed_s']} s, new {k['new_s']} s (**{k['ratio']}x**), equal: {k['equal']}.", ""]
     if "speedup_same_run" in res:
         L += [f"Same run, new against the landed path: **{res['speedup_same_run']}x**; sensitivities equal bit "
               f"for bit: **{res['equal_to_reference']}**.", ""]
