@@ -297,6 +297,11 @@ _NOTES = [
     "multiply-adds (a layer about 3.5 M per token, the head 28 M) about 0.6 of a float forward; the table "
     "gives the measured ratio.",
     "",
+    "Noise: the rows are runs minutes apart; on a shared machine the load moves more than the KL saves (the "
+    "profiled run repeats the new path: compare its total with the `new` row). The KL phase alone, on the "
+    "same tensors back to back, is the clean comparison; on an idle machine the end-to-end gain is about "
+    "the KL's share of the landed measurement (5 to 12 % here), the rest (layers, head) is unchanged.",
+    "",
     "What is redundant across measurements, and what was done:",
     "",
     "- the reference's `exp` (recomputed for every measurement): now computed once in the float record pass "
