@@ -28,12 +28,14 @@ bfloat16 model). Bits per weight of a scheme come from ``QuantSpec.bits_per_elem
 element bits plus scale bits amortised over the layer (MXFP4 4.25; fp8 per tensor 8 + 32/numel).
 
 Cost: the float model runs once over ``batches``; the inputs of every decoder layer are kept (``layers x
-tokens x hidden`` floats) and, for ``Metric.KL``, the float log-probabilities (``tokens x vocab`` float32: 100 MB
-per 512-token window of a 49k vocabulary). Each (unit, scheme) then runs only from the unit's decoder layer to
-the output (the earlier layers are skipped, their outputs replayed), plus, for schemes with static activation
-scales, one calibration pass through that decoder layer alone: about ``units x schemes / 2`` forwards of the
-whole model. Without identifiable decoder layers (no ``nn.ModuleList`` of identical blocks) every measurement is
-a full forward. The model is left as it was (wrappers are removed, weights never written).
+tokens x hidden`` floats) and, for ``Metric.KL``, the float log-probabilities and probabilities (two ``tokens x
+vocab`` float32 tensors: 200 MB per 512-token window of a 49k vocabulary). Each (unit, scheme) then runs only
+from the unit's decoder layer to the output (the earlier layers are skipped, their outputs replayed), plus, for
+schemes with static activation scales, one calibration pass through that decoder layer alone: about ``units x
+schemes / 2`` forwards of the whole model, the output head included (the KL needs every logit). The KL is
+computed 64 positions at a time, in cache (bit-identical to the whole-tensor expression). Without identifiable
+decoder layers (no ``nn.ModuleList`` of identical blocks) every measurement is a full forward. The model is left
+as it was (wrappers are removed, weights never written). Speed and profile: ``bench/SPEED_AMP.md``.
 
 ``amp_config(model, schemes, batches, target_bits=... | max_loss=...)`` measures (or takes ``sensitivity=``),
 runs ``qcore.algorithms.mixed_precision.search`` and returns a ``ModelConfig`` whose ``by_name`` names every
@@ -234,6 +236,45 @@ def _input_ids(batch) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# the KL of one batch
+# ---------------------------------------------------------------------------------------------------------------
+
+#: rows (output positions) per block of ``_kl_rows``: 64 x a 49k vocabulary is 12 MB, so a block's
+#: log-softmax, difference and product stay in cache instead of writing four full ``tokens x vocab`` tensors
+_KL_ROWS = 64
+
+
+def _reference_kl_rows(ref: torch.Tensor, lg: torch.Tensor) -> torch.Tensor:
+    """The landed per-position KL (kept as the reference the tests compare ``_kl_rows`` to):
+    ``KL(p || q)`` with ``ref = log p`` and ``lg`` the logits of ``q``, over the last axis."""
+    logq = torch.log_softmax(lg, dim=-1)
+    return (ref.exp() * (ref - logq)).sum(-1)
+
+
+def _kl_rows(ref: torch.Tensor, prob: torch.Tensor, lg: torch.Tensor) -> torch.Tensor:
+    """``_reference_kl_rows(ref, lg)`` with ``prob = ref.exp()`` given, computed ``_KL_ROWS`` positions at a
+    time: bit-identical to it (the log-softmax and the sum over the vocabulary are per row, the difference and
+    product per element; a block never has a single row, whose sum torch would split across threads), with one
+    pass over the logits instead of about ten over ``tokens x vocab`` tensors and no large temporaries. On CPU
+    only: a GPU's reductions may be laid out by the number of rows, and its memory makes the temporaries cheap."""
+    v = lg.shape[-1]
+    rows = lg.numel() // v if v else 0
+    if rows <= _KL_ROWS + 1 or lg.device.type != "cpu":
+        return (prob * (ref - torch.log_softmax(lg, dim=-1))).sum(-1)
+    lg2, ref2, prob2 = lg.reshape(rows, v), ref.reshape(rows, v), prob.reshape(rows, v)
+    out = torch.empty(rows, dtype=lg.dtype, device=lg.device)
+    starts = list(range(0, rows, _KL_ROWS))
+    if rows - starts[-1] == 1:  # no single-row block (see above)
+        starts.pop()
+    for s, e in zip(starts, starts[1:] + [rows]):
+        d = torch.log_softmax(lg2[s:e], dim=-1)
+        torch.sub(ref2[s:e], d, out=d)  # ref - logq, in place
+        d.mul_(prob2[s:e])
+        torch.sum(d, dim=-1, out=out[s:e])
+    return out.reshape(lg.shape[:-1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # running from one decoder layer on
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -249,10 +290,14 @@ class _Probe:
         self.ref: list = []
         nll = []
 
+        self.prob: list = []  # exp(ref), computed once (the landed code recomputed it for every measurement)
+
         def each(i, out):
             lg = _logits(out).float()
             if metric is Metric.KL:
-                self.ref.append(torch.log_softmax(lg, dim=-1))
+                ref = torch.log_softmax(lg, dim=-1)
+                self.ref.append(ref)
+                self.prob.append(ref.exp())
             else:
                 nll.append(self._nll(lg, batches[i]))
 
@@ -289,9 +334,7 @@ class _Probe:
         total, count = 0.0, 0
         for i, lg in enumerate(self._run(k)):
             if self.metric is Metric.KL:
-                ref = self.ref[i]
-                logq = torch.log_softmax(lg, dim=-1)
-                kl = (ref.exp() * (ref - logq)).sum(-1)
+                kl = _kl_rows(self.ref[i], self.prob[i], lg)
                 total += float(kl.double().sum())
                 count += kl.numel()
             else:
