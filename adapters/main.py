@@ -626,7 +626,7 @@ def _check_types(o: dict) -> dict:
                           ("onnx_unsupported", ("error", "dequantize"))):
         if not isinstance(o[name], (str, type(None))) or o[name] not in choices:
             bad(name, "one of " + ", ".join(map(repr, choices)), ValueError)
-    for name in ("drop_activations", "overwrite", "progress"):
+    for name in ("drop_activations", "overwrite", "progress", "cache"):
         if not isinstance(o[name], bool):
             bad(name, "True or False")
     for name in ("eval_text", "output", "report", "plot"):
@@ -699,7 +699,7 @@ def quantize_and_report(model: Union[None, str, os.PathLike, nn.Module] = None,
                         onnx_weights: str = "qdq", onnx_unsupported: str = "error", drop_activations: bool = False,
                         overwrite: bool = False, max_shard_size: Union[int, str] = "5GB",
                         report: Union[None, str, os.PathLike] = None, plot: Union[None, str, os.PathLike] = None,
-                        progress: bool = True, command: Optional[str] = None) -> QuantizeReport:
+                        progress: bool = True, command: Optional[str] = None, cache: bool = True) -> QuantizeReport:
     """Quantize ``model`` with ``scheme``, evaluate it before and after, export it, and return the report:
     what ``qcore quantize`` does (each argument is the flag of the same name; ``algorithms`` is ``--algo``).
 
@@ -719,6 +719,9 @@ def quantize_and_report(model: Union[None, str, os.PathLike, nn.Module] = None,
     ``drop_activations``, ``overwrite`` and ``max_shard_size`` as the flags of those names; ``report``: write
     ``QuantizeReport.to_dict()`` as JSON there; ``plot``: a PNG of each layer's SQNR (needs matplotlib).
     ``progress``: progress bars. ``command``: the report's ``command`` (default: this call, written out).
+    ``cache``: read the float model's perplexity from the on-disk cache when an earlier run measured the same
+    weights on the same windows, and store it there otherwise (``qcore.adapters.eval.ppl_cache``); False (the
+    flag ``--no-cache``) measures it again and leaves the cache alone.
 
     Every argument is checked before any work: a bad one raises ``ValueError`` / ``TypeError`` naming it, and
     nothing is loaded, evaluated or written.
@@ -856,7 +859,7 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
                            f"give a longer {names('eval_text')} or a shorter {names('seq_len')}")
 
     ppl_base = E.perplexity(model, tok, token_ids=ids, seq_len=seq_len, windows=windows,
-                            progress=progress) if needs_eval else None
+                            progress=progress, cache=o["cache"]) if needs_eval else None
     calib = None
     if ids is not None:
         avail = ids.numel() // seq_len - start
