@@ -279,6 +279,9 @@ class _WindowLoss:
         captured = []
 
         def grab(module, args):  # the hidden states before the head; the head itself computes the last token only
+            if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:
+                captured.append(None)  # called another way: the check below falls back
+                return None
             captured.append(args[0])
             return (args[0][..., -1:, :],) + tuple(args[1:])
 

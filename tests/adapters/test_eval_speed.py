@@ -31,15 +31,22 @@ def _cfg(name):
         return t.LlamaForCausalLM(t.LlamaConfig(**small, num_key_value_heads=2))
     if name == "gemma2":
         return t.Gemma2ForCausalLM(t.Gemma2Config(**small, num_key_value_heads=2, head_dim=16,
-                                                  final_logit_softcapping=3.0))
+                                                  final_logit_softcapping=0.05))  # a cap the random logits reach
     if name == "gemma3":
         return t.Gemma3ForCausalLM(t.Gemma3TextConfig(**small, num_key_value_heads=1, head_dim=16,
-                                                      final_logit_softcapping=3.0))
+                                                      final_logit_softcapping=0.05))  # a cap the random logits reach
     if name == "gpt2":  # a tied head
         return t.GPT2LMHeadModel(t.GPT2Config(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=128,
                                               bos_token_id=0, eos_token_id=0))
     if name == "cohere":  # logits * logit_scale
         return t.CohereForCausalLM(t.CohereConfig(**small, num_key_value_heads=2, logit_scale=0.5))
+    if name == "gemma3_vlm":  # a VLM evaluated on text: its forward applies no softcapping (transformers 5)
+        text = t.Gemma3TextConfig(**small, num_key_value_heads=1, head_dim=16, final_logit_softcapping=0.05)
+        vision = t.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                      image_size=32, patch_size=8)
+        return t.Gemma3ForConditionalGeneration(t.Gemma3Config(text_config=text, vision_config=vision,
+                                                               mm_tokens_per_image=4, image_token_index=V - 1,
+                                                               boi_token_index=V - 3, eoi_token_index=V - 2))
     raise KeyError(name)
 
 
@@ -49,7 +56,7 @@ def _model(name, seed=0):
 
 
 def _ids(n=400, seed=1):
-    return torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, V - 3, (n,), generator=torch.Generator().manual_seed(seed))  # no image tokens
 
 
 def _reference_ppl(model, ids, *, seq_len=64, windows=range(5), batch_size=1):
@@ -75,7 +82,7 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2", "gemma3", "gpt2", "cohere"])
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gemma3", "gpt2", "cohere", "gemma3_vlm"])
 def test_chunked_loss_equals_the_whole_logits_loss(name, small_chunks):
     model, ids = _model(name), _ids()
     loss = E._WindowLoss(model)
