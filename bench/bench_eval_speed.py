@@ -131,7 +131,8 @@ def bench_smollm2(args) -> dict:
                 del os.environ[ppl_cache.ENV_VAR]
             else:
                 os.environ[ppl_cache.ENV_VAR] = old
-    n_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    n_bytes = sum(t.numel() * t.element_size()  # each storage once (the tied head is the embedding)
+                  for t in {t.data_ptr(): t for t in model.state_dict().values()}.values())
     cache = dict(digest_wall=t_digest[0], model_bytes=n_bytes, miss_wall=t_miss[0], hit_wall=t_hit[0],
                  miss_ppl=p_miss, hit_ppl=p_hit, same=p_miss == p_hit == p_float)
     print(f"cache: digest {t_digest[0]:.3f} s over {n_bytes / 1e6:.0f} MB; miss {t_miss[0]:.2f} s, hit "
@@ -204,6 +205,11 @@ def markdown(res: dict) -> str:
         for r in s["rows"]:
             out.append(f"| {r['name']} | {r['ppl']:.4f} | {r['wall']:.2f} | {r['cpu']:.2f} | {r['float_wall']:.2f} "
                        f"| {r['ratio']:.2f} | {r.get('cpu_ratio', 1.0):.2f} | <= 1.2 |")
+        out += ["", "`frozen`: `perplexity` dequantizes the packed weights once per evaluation (about 0.6 s of CPU for "
+                "SmolLM2, the weights' unpacking), the landed loop at every window: the fixed cost weighs on few "
+                "windows and is amortised over the protocol's 20. The activation fake-quantization of the W+A schemes "
+                "(per-token fp8, MXFP4 blocks) is the rest of the gap to the float model: the numerics core's ops "
+                "(bit operations on the float encodings), not the evaluation loop."]
         c = s["cache"]
         out += ["", "## The float-baseline cache", "",
                 "| step | s (wall) |", "|---|---|",
@@ -248,7 +254,13 @@ def main(argv=None) -> int:
     p.add_argument("--md", default=str(ROOT / "bench" / "SPEED_EVAL.md"))
     p.add_argument("--json", default=str(ROOT / "bench" / "SPEED_EVAL.json"))
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--from-json", default=None, help=argparse.SUPPRESS)  # rewrite the markdown of a saved run
     args = p.parse_args(argv)
+    if args.from_json:
+        md = markdown(json.loads(pathlib.Path(args.from_json).read_text()))
+        pathlib.Path(args.md).write_text(md + "\n")
+        print(md)
+        return 0
     args.schemes = [s for s in args.schemes.split(",") if s]
     from qcore.adapters.presets import PRESETS
     bad = [s for s in args.schemes if s not in PRESETS]
