@@ -12,7 +12,7 @@ mtime, so a model re-saved elsewhere hits and a changed weight misses), the toke
 every weight once: about 0.1-0.3 s per 100M float32 parameters on a CPU (bench/SPEED_EVAL.md measures it),
 against seconds per evaluation window.
 
-Entries are written atomically (a temporary file in the same folder, then ``os.replace``); an entry that cannot be
+Entries are written atomically (``qcore._fsutil.staged_file``: a staged sibling, then a rename); an entry that cannot be
 read, is not valid JSON or does not hold the key it is filed under is ignored with a warning (the figure is
 computed again and the entry rewritten), never trusted.
 """
@@ -24,11 +24,12 @@ import json
 import math
 import os
 import pathlib
-import tempfile
 import warnings
 from typing import Optional
 
 import torch
+
+from qcore import _fsutil
 
 __all__ = ["cache_dir", "model_digest", "key", "load", "store", "ENV_VAR", "LOSS_VERSION"]
 
@@ -110,27 +111,16 @@ def load(k: str) -> Optional[float]:
 
 
 def store(k: str, value: float) -> None:
-    """Write ``value`` under key ``k`` atomically (NaN / inf figures are not cached). A cache folder that cannot be
-    written is warned about, never fatal: the figure was computed."""
+    """Write ``value`` under key ``k`` atomically (``qcore._fsutil.staged_file``: a staged sibling renamed into
+    place; NaN / inf figures are not cached). A cache folder that cannot be written is warned about, never fatal:
+    the figure was computed."""
     if not math.isfinite(value):
         return
     path = _entry(k)
-    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"key": k, "perplexity": float(value), "version": LOSS_VERSION}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
+        with _fsutil.staged_file(path, recheck=lambda: None) as tmp:
+            tmp.write_text(json.dumps({"key": k, "perplexity": float(value), "version": LOSS_VERSION}),
+                           encoding="utf-8")
     except OSError as e:
         warnings.warn(f"perplexity cache: could not write {path} ({e}); the figure is not cached", RuntimeWarning,
                       stacklevel=3)
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass

@@ -229,7 +229,7 @@ def test_a_corrupt_entry_is_recomputed_with_a_warning_and_rewritten(cache_dir, c
         assert E.perplexity(model, None, **kw) == first
     assert len(calls) == 2
     assert json.loads(entry.read_text())["perplexity"] == first  # rewritten
-    assert not [p for p in entry.parent.iterdir() if p.name.startswith(".tmp")]  # no temporary left
+    assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # nothing staged left beside it
 
 
 def test_cache_location(monkeypatch, tmp_path):
