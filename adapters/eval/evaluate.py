@@ -23,7 +23,6 @@ The arithmetic (windows, nll -> ppl, cosine) is in ``qcore.algorithms.metrics``.
 from __future__ import annotations
 
 import hashlib
-import math
 import re
 from collections.abc import Iterable, Sequence
 
@@ -138,12 +137,13 @@ def perplexity(model, tokenizer, *, text: str | None = None, token_ids: torch.Te
     262k vocabulary) where it need not: for a model with an output head (``get_output_embeddings()``: a plain
     ``nn.Linear`` or a weight-only quantized one) the hidden states before the head are taken, and the head, the
     model's own logit post-processing (Gemma's final-logit softcapping, Cohere's ``logit_scale``, Granite's
-    ``logits_scaling``) and the cross entropy run over chunks of the vocabulary (``LOSS_CHUNK_ELEMENTS`` logits
-    each; the head's weight is read once, the log-sum-exp is accumulated online).
+    ``logits_scaling``) and the cross entropy run over chunks of tokens (``LOSS_CHUNK_ELEMENTS`` logits each): each
+    token's loss is computed by the same ops as the plain computation's, only the sum runs in chunks.
     Each window checks the chunked logits against the model's own for its last position (bit-identical, or the
     window is recomputed the plain way and the model evaluated that way from then on, with a warning). The figure
-    equals the plain computation within float32 rounding of the summation order (relative 1e-6 on the tests'
-    models; docs/adapters.md, "Evaluation speed"). Other models (no head found, a head quantizing activations)
+    equals the plain computation within float32 rounding of the summation order over tokens (relative 2e-6 on the
+    tests' models, 0 on SmolLM2's protocol windows; docs/adapters.md, "Evaluation speed and the float-baseline
+    cache"). Other models (no head found, a head quantizing activations)
     use the plain computation: one forward, ``cross_entropy`` over the logits.
 
     Frozen quantized weights (``qcore.adapters.freeze``) are dequantized once for the evaluation, not per window
@@ -203,8 +203,9 @@ def perplexity(model, tokenizer, *, text: str | None = None, token_ids: torch.Te
     return value
 
 
-#: logits per chunk of the chunked loss (float32: 32 MB): 16k vocabulary entries of a 512-token window
-LOSS_CHUNK_ELEMENTS = 1 << 23
+#: logits per chunk of the chunked loss (float32: 128 MB): 128 tokens of a 262k vocabulary, a whole 512-token
+#: window of SmolLM2's 49k
+LOSS_CHUNK_ELEMENTS = 1 << 25
 
 
 def _check_causal_lm(model) -> None:
@@ -300,38 +301,15 @@ class _WindowLoss:
             self.head = None
             return _reference_window_nll(self.model, batch)
         del out, last, captured
-        return self._chunked_nll(h[:, :-1].reshape(-1, h.shape[-1]), batch[:, 1:].reshape(-1))
-
-    def _head_params(self):
-        """The weight and bias the head's forward computes with (a quantized head: its ``effective`` ones)."""
-        head = self.head
-        if hasattr(head, "effective"):
-            return head.effective("weight"), head.effective("bias")
-        return head.weight, head.bias
-
-    def _chunked_nll(self, x: torch.Tensor, targets: torch.Tensor) -> float:
-        """sum over rows of ``logsumexp(logits) - logits[target]``, the logits ``post(x @ W.T + b)`` computed over
-        chunks of the vocabulary (the head's weight is read once; the largest tensor is one chunk), the
-        log-sum-exp accumulated online in float32 (as ``cross_entropy`` computes it), the sum in float64."""
-        w, bias = self._head_params()
-        vocab, rows = w.shape[0], x.shape[0]
-        step = max(1, LOSS_CHUNK_ELEMENTS // max(1, rows))
-        run_max = torch.full((rows,), -math.inf, dtype=torch.float32, device=x.device)
-        run_sum = torch.zeros(rows, dtype=torch.float32, device=x.device)
-        picked = torch.full((rows,), math.nan, dtype=torch.float32, device=x.device)
-        for a in range(0, vocab, step):
-            b = min(vocab, a + step)
-            logits = torch.nn.functional.linear(x, w[a:b], None if bias is None else bias[a:b])
-            if self.post is not None:
-                logits = self.post(logits)
-            logits = logits.float()
-            sel = ((targets >= a) & (targets < b)).nonzero().reshape(-1)
-            picked[sel] = logits[sel, targets[sel] - a]
-            new_max = torch.maximum(run_max, logits.amax(-1))
-            run_sum = run_sum * torch.exp(run_max - new_max) + logits.sub_(new_max[:, None]).exp_().sum(-1)
-            run_max = new_max
+        x, targets = h[:, :-1], batch[:, 1:]
+        step = max(1, LOSS_CHUNK_ELEMENTS // max(1, self.head.out_features * batch.shape[0]))
+        total = 0.0
+        for a in range(0, x.shape[1], step):  # each row's loss as the plain computation's (the same ops per row)
+            logits = self._logits(x[:, a:a + step])
+            total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                             targets[:, a:a + step].reshape(-1), reduction="sum"))
             del logits
-        return float((run_max + torch.log(run_sum) - picked).double().sum())
+        return total
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.head(h)

@@ -19,7 +19,7 @@ from qcore.adapters import freeze, preset, quantize_model, quantized_modules  # 
 from qcore.adapters.eval import evaluate as E  # noqa: E402
 from qcore.adapters.eval import ppl_cache  # noqa: E402
 
-REL = 2e-6  # the chunked loss against the plain one (measured: <= 3e-7 on these models)
+REL = 2e-6  # the chunked loss against the plain one: the same ops per token, the sum in chunks
 V = 300  # a vocabulary larger than one test chunk
 
 
@@ -195,14 +195,12 @@ def test_cache_hit_miss_and_invalidation(cache_dir):
         assert len(calls) == after, kw  # and a hit the second time
     n = len(calls)
     with torch.no_grad():
-        model.model.layers[0].mlp.up_proj.weight[0, 0] += 1e-3  # one weight changed
+        model.model.layers[0].mlp.up_proj.weight[0, 0] += 0.5  # one weight changed
     changed = ppl()
     assert len(calls) == n + 3 and changed != first
     same = _model("llama")  # a fresh copy of the original bytes (another object, no path): a hit
-    with torch.no_grad():
-        model.model.layers[0].mlp.up_proj.weight[0, 0] -= 1e-3
-    n = len(calls)
-    assert ppl(same) == first and len(calls) == n
+    s_calls = _counting(same)
+    assert ppl(same) == first and s_calls == []
     bf16 = _model("llama").to(torch.bfloat16)  # the dtype changes the bytes
     b_calls = _counting(bf16)
     ppl(bf16)
