@@ -232,10 +232,10 @@ def markdown(res: dict) -> str:
                 f"{g['head_cpu']:.2f} |",
                 f"| profile: softcapping + cross entropy over the whole logits (landed) | "
                 f"{g['post_loss_full_wall']:.2f} | {g['post_loss_full_cpu']:.2f} |",
-                f"| profile: vocabulary-chunked head + softcapping + cross entropy (new) | "
+                f"| profile: token-chunked head + softcapping + cross entropy (new) | "
                 f"{g['chunked_head_post_loss_wall']:.2f} | {g['chunked_head_post_loss_cpu']:.2f} |", "",
                 f"Perplexity landed {g['ppl_old']:.6f}, new {g['ppl_new']:.6f} (relative difference "
-                f"{g['rel_diff']:.1e}: float32 summation order). Largest logits tensor: "
+                f"{g['rel_diff']:.1e}: the order of the sum over tokens). Largest logits tensor: "
                 f"{g['logits_bytes_full'] / 1e6:.0f} MB landed, {g['logits_bytes_chunk'] / 1e6:.0f} MB per chunk new. "
                 f"Old figure: {GEMMA_OLD}.", ""]
     return "\n".join(out)
