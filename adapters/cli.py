@@ -81,7 +81,7 @@ def quantize_command(args) -> int:
         onnx_unsupported=args.onnx_unsupported, drop_activations=args.drop_activations, overwrite=args.overwrite,
         max_shard_size=args.max_shard_size, report=args.report or None, plot=args.plot or None,
         progress=not args.no_progress, command="qcore " + " ".join(shlex.quote(a) for a in (args.argv or [])),
-        work_dir=args.work_dir or None, resume=args.resume),
+        work_dir=args.work_dir or None, resume=args.resume, cache=not args.no_cache),
         J.CLI)
     if r.onnx_dequantized:
         print(f"qcore quantize: --onnx-unsupported dequantize: {len(r.onnx_dequantized)} weight(s) "
@@ -197,7 +197,7 @@ def eval_command(args) -> int:
             raise CommandError(f"the text has {ids.numel()} tokens, fewer than one window of --seq-len {args.seq_len}")
         t0 = time.perf_counter()
         value = E.perplexity(model, tok, token_ids=ids, seq_len=args.seq_len, windows=range(n),
-                             progress=not args.no_progress)
+                             progress=not args.no_progress, cache=not args.no_cache)
         rows.append(("perplexity", f"{value:.4f}  ({n} windows of {args.seq_len} tokens, "
                                    f"{time.perf_counter() - t0:.1f} s)"))
     if tasks is not None:
@@ -348,6 +348,9 @@ def _add_model_args(p) -> None:
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-cache", action="store_true", help="measure a float model's perplexity again instead of "
+                   "reading it from the cache ($QCORE_CACHE_DIR, else $XDG_CACHE_HOME/qcore, else ~/.cache/qcore), "
+                   "and do not store it there")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 

@@ -627,7 +627,7 @@ def _check_types(o: dict) -> dict:
                           ("onnx_unsupported", ("error", "dequantize"))):
         if not isinstance(o[name], (str, type(None))) or o[name] not in choices:
             bad(name, "one of " + ", ".join(map(repr, choices)), ValueError)
-    for name in ("drop_activations", "overwrite", "progress"):
+    for name in ("drop_activations", "overwrite", "progress", "cache"):
         if not isinstance(o[name], bool):
             bad(name, "True or False")
     for name in ("eval_text", "output", "report", "plot", "work_dir"):
@@ -703,7 +703,8 @@ def quantize_and_report(model: Union[None, str, os.PathLike, nn.Module] = None,
                         overwrite: bool = False, max_shard_size: Union[int, str] = "5GB",
                         report: Union[None, str, os.PathLike] = None, plot: Union[None, str, os.PathLike] = None,
                         progress: bool = True, command: Optional[str] = None,
-                        work_dir: Union[None, str, os.PathLike] = None, resume: bool = False) -> QuantizeReport:
+                        work_dir: Union[None, str, os.PathLike] = None, resume: bool = False,
+                        cache: bool = True) -> QuantizeReport:
     """Quantize ``model`` with ``scheme``, evaluate it before and after, export it, and return the report:
     what ``qcore quantize`` does (each argument is the flag of the same name; ``algorithms`` is ``--algo``).
 
@@ -726,6 +727,9 @@ def quantize_and_report(model: Union[None, str, os.PathLike, nn.Module] = None,
     ``work_dir`` / ``resume``: the layer-by-layer passes (the algorithms, in ``work_dir/algorithms``; AMP's
     sensitivities, in ``work_dir/amp``) save their progress after each layer, and ``resume`` continues an
     interrupted run (``qcore.adapters.passes.checkpointing``; docs/adapters.md "Long runs: a work directory").
+    ``cache``: read the float model's perplexity from the on-disk cache when an earlier run measured the same
+    weights on the same windows, and store it there otherwise (``qcore.adapters.eval.ppl_cache``); False (the
+    flag ``--no-cache``) measures it again and leaves the cache alone.
 
     Every argument is checked before any work: a bad one raises ``ValueError`` / ``TypeError`` naming it, and
     nothing is loaded, evaluated or written.
@@ -867,7 +871,7 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
         print("qcore quantize: no --output DIR given: the quantized model will not be saved (this run evaluates "
               "and reports only)", file=sys.stderr, flush=True)
     ppl_base = E.perplexity(model, tok, token_ids=ids, seq_len=seq_len, windows=windows,
-                            progress=progress) if needs_eval else None
+                            progress=progress, cache=o["cache"]) if needs_eval else None
     calib = None
     if ids is not None:
         avail = ids.numel() // seq_len - start

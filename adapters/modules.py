@@ -565,6 +565,20 @@ class _QuantMixin:
     def frozen(self) -> bool:
         return self._qmode == _FROZEN
 
+    @property
+    def keep_dequantized(self) -> bool:
+        """Whether a frozen weight is dequantized once and kept (float memory) for repeated forwards, as evaluation
+        wants, instead of at every forward. Setting it False drops the kept copy."""
+        return self.__dict__.get("_keep_dequantized", False)
+
+    @keep_dequantized.setter
+    def keep_dequantized(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"keep_dequantized must be True or False, got {value!r}")
+        self.__dict__["_keep_dequantized"] = value
+        if not value:
+            self.__dict__.pop("_dequantized", None)
+
     def freeze(self) -> None:
         """Store the weight as packed low-bit codes + scale codes; the forward dequantizes them (bit-identical to
         the fake-quantized weight). Irreversible (the float weight is dropped)."""

@@ -1,11 +1,19 @@
+import atexit
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
+# the float-perplexity cache (qcore.adapters.eval.ppl_cache) of every test and of the commands tests start: a
+# temporary folder, never the real ~/.cache/qcore
+_CACHE = tempfile.mkdtemp(prefix="qcore-test-cache-")
+os.environ["QCORE_CACHE_DIR"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, True)
 # tests/qcore holds independent reference implementations (e.g. quark_reference.py) imported by tests.
 sys.path.insert(0, str(HERE / "qcore"))
 

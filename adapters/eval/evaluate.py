@@ -124,15 +124,35 @@ def _model_device(model) -> torch.device:
 
 def perplexity(model, tokenizer, *, text: str | None = None, token_ids: torch.Tensor | None = None,
                seq_len: int = SEQ_LEN, windows: Iterable[int] = EVAL_WINDOWS, batch_size: int = 1,
-               progress: bool = True) -> float:
+               progress: bool = True, cache: bool = False) -> float:
     """Perplexity of a causal LM under the protocol (module docstring): windows ``windows`` of ``seq_len``
     tokens of ``protocol_token_ids(tokenizer, text=text)`` (or of ``token_ids``), each its own forward pass.
 
-    ``batch_size`` windows go through the model at once (on CPU 1 is as fast as more and holds one
-    ``[seq_len, vocab]`` logits tensor: 100 MB for SmolLM2). The model runs under ``torch.inference_mode`` in
-    eval mode (its train/eval mode is restored afterwards) with ``use_cache=False``; logits are taken in float32
-    for the cross entropy and the sum is accumulated in float64. ``progress`` shows a tqdm bar per window.
-    Returns a float (NaN if the model produced NaN logits, never hidden).
+    ``batch_size`` windows go through the model at once (on CPU 1 is as fast as more). The model runs under
+    ``torch.inference_mode`` in eval mode (its train/eval mode is restored afterwards) with ``use_cache=False``;
+    logits are taken in float32 for the cross entropy and the sum is accumulated in float64. ``progress`` shows a
+    tqdm bar per window. Returns a float (NaN if the model produced NaN logits, never hidden).
+
+    The loss never holds a window's whole ``[seq_len, vocab]`` logits (537 MB per 512-token window for a
+    262k vocabulary) where it need not: for a model with an output head (``get_output_embeddings()``: a plain
+    ``nn.Linear`` or a weight-only quantized one) the hidden states before the head are taken, and the head, the
+    model's own logit post-processing (Gemma's final-logit softcapping, Cohere's ``logit_scale``, Granite's
+    ``logits_scaling``) and the cross entropy run over chunks of tokens (``LOSS_CHUNK_ELEMENTS`` logits each): each
+    token's loss is computed by the same ops as the plain computation's, only the sum runs in chunks.
+    Each window checks the chunked logits against the model's own for its last position (bit-identical, or the
+    window is recomputed the plain way and the model evaluated that way from then on, with a warning). The figure
+    equals the plain computation within float32 rounding of the summation order over tokens (relative 2e-6 on the
+    tests' models, 0 on SmolLM2's protocol windows; docs/adapters.md, "Evaluation speed and the float-baseline
+    cache"). Other models (no head found, a head quantizing activations)
+    use the plain computation: one forward, ``cross_entropy`` over the logits.
+
+    Frozen quantized weights (``qcore.adapters.freeze``) are dequantized once for the evaluation, not per window
+    (``keep_dequantized`` for its duration; the float copies are dropped afterwards).
+
+    ``cache=True``: the figure of a float model (no qcore quantized modules) is read from / written to the
+    on-disk perplexity cache (``qcore.adapters.eval.ppl_cache``: keyed by a digest of the model's weights and
+    config, the tokens, ``seq_len``, the windows, ``batch_size`` and the device type), so the same float baseline
+    is computed once across runs. A quantized model is always evaluated (the cache is not used for it).
 
     Speed (fp32 SmolLM2, 2-core CPU, 2 threads): about 1.4 s per window, 28-30 s for the 20 protocol windows
     on an idle machine. On a shared machine set ``OMP_WAIT_POLICY=PASSIVE`` before importing torch (see
@@ -142,29 +162,156 @@ def perplexity(model, tokenizer, *, text: str | None = None, token_ids: torch.Te
     batch_size = _positive_int(batch_size, "batch_size")
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be a bool, got {progress!r}")
+    if not isinstance(cache, bool):
+        raise TypeError(f"cache must be True or False, got {cache!r}")
     device = _model_device(model)
+    _check_causal_lm(model)
     ids = _token_ids_arg(tokenizer, text, token_ids)
     spans = token_windows(ids.numel(), seq_len=seq_len, windows=windows)
 
+    from .. import quantizer as Q
+    qmods = list(Q.quantized_modules(model).values())
+    key = None
+    if cache and not qmods:
+        from . import ppl_cache
+        key = ppl_cache.key(model, ids, seq_len=seq_len, spans=spans, batch_size=batch_size, device=device)
+        hit = ppl_cache.load(key)
+        if hit is not None:
+            return hit
     nll_sum, n_predictions = 0.0, 0
     was_training = model.training
     model.eval()
+    loss = _WindowLoss(model)
+    kept = [m for m in qmods if m.frozen and not m.keep_dequantized]
+    for m in kept:  # frozen weights dequantized once for the whole evaluation, not per window
+        m.keep_dequantized = True
     try:
         with torch.inference_mode(), tqdm(total=len(spans), desc="perplexity", unit="window",
                                           disable=not progress) as bar:
             for i in range(0, len(spans), batch_size):
                 batch = torch.stack([ids[a:b] for a, b in spans[i:i + batch_size]]).to(device)
-                logits = model(input_ids=batch, use_cache=False).logits
-                nll = torch.nn.functional.cross_entropy(
-                    logits[:, :-1].reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1),
-                    reduction="sum")
-                nll_sum += float(nll)
+                nll_sum += loss(batch)
                 n_predictions += batch.shape[0] * (seq_len - 1)
-                del logits, nll
                 bar.update(batch.shape[0])
     finally:
+        for m in kept:
+            m.keep_dequantized = False
         model.train(was_training)
-    return perplexity_from_nll(nll_sum, n_predictions)
+    value = perplexity_from_nll(nll_sum, n_predictions)
+    if key is not None:
+        ppl_cache.store(key, value)
+    return value
+
+
+#: logits per chunk of the chunked loss (float32: 256 MB): 256 tokens of a 262k vocabulary (the head's weight is
+#: read once per chunk: fewer, larger chunks are faster), a whole 512-token window of SmolLM2's 49k
+LOSS_CHUNK_ELEMENTS = 1 << 26
+
+
+def _check_causal_lm(model) -> None:
+    """A transformers model without an output head (``BertModel``, any encoder) has no next-token logits."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency of the adapters
+        return
+    if isinstance(model, PreTrainedModel) and model.get_output_embeddings() is None:
+        raise TypeError(f"model: perplexity needs a causal LM with an output head (a ...ForCausalLM), got "
+                        f"{type(model).__name__}, which has none; for an encoder compare sentence embeddings "
+                        f"(embedding_similarity)")
+
+
+def _reference_window_nll(model, batch: torch.Tensor) -> float:
+    """The plain loss of one batch of windows (the landed computation): one forward, the whole logits, float32
+    cross entropy summed over the next-token predictions inside each window."""
+    out = model(input_ids=batch, use_cache=False)
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        raise TypeError(f"model: perplexity needs a causal LM whose output has logits, got "
+                        f"{type(out).__name__} from {type(model).__name__}")
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                            batch[:, 1:].reshape(-1), reduction="sum")
+    return float(nll)
+
+
+def _logit_post(model):
+    """The model's own elementwise logit post-processing after its head, as transformers writes it, or None."""
+    cfg = getattr(model, "config", None)
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    scale = getattr(model, "logit_scale", None) if str(getattr(cfg, "model_type", "")).startswith("cohere") else None
+    div = getattr(cfg, "logits_scaling", None) if str(getattr(cfg, "model_type", "")).startswith("granite") else None
+    if cap is None and scale is None and div is None:
+        return None
+
+    def post(logits):  # in place on the head's fresh output: the same values, no temporaries
+        if cap is not None:  # Gemma 2 / 3: logits / cap -> tanh -> * cap
+            logits.div_(cap).tanh_().mul_(cap)
+        if scale is not None:
+            logits.mul_(scale)
+        if div is not None:
+            logits.div_(div)
+        return logits
+    return post
+
+
+class _WindowLoss:
+    """The summed next-token loss of a batch of windows, chunked over tokens where the model allows it."""
+
+    def __init__(self, model):
+        self.model = model
+        self.head = self._chunkable_head(model)
+        self.post = _logit_post(model)
+
+    @staticmethod
+    def _chunkable_head(model):
+        get = getattr(model, "get_output_embeddings", None)
+        head = get() if callable(get) else None
+        if not isinstance(head, torch.nn.Linear):
+            return None
+        specs = getattr(head, "specs", None)  # a quantized head: row-independent only without activation roles
+        if specs is not None and ("input" in specs or "output" in specs):
+            return None
+        return head
+
+    def __call__(self, batch: torch.Tensor) -> float:
+        if self.head is None:
+            return _reference_window_nll(self.model, batch)
+        captured = []
+
+        def grab(module, args):  # the hidden states before the head; the head itself computes the last token only
+            if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:
+                captured.append(None)  # called another way: the check below falls back
+                return None
+            captured.append(args[0])
+            return (args[0][..., -1:, :],) + tuple(args[1:])
+
+        handle = self.head.register_forward_pre_hook(grab)
+        try:
+            out = self.model(input_ids=batch, use_cache=False)
+        finally:
+            handle.remove()
+        last = getattr(out, "logits", None)
+        h = captured[0] if len(captured) == 1 else None
+        if h is None or last is None or tuple(h.shape[:-1]) != tuple(batch.shape) \
+                or tuple(last.shape[:-1]) != (batch.shape[0], 1) or not torch.equal(self._logits(h[:, -1:]), last):
+            import warnings
+            warnings.warn(f"perplexity: the chunked loss does not reproduce {type(self.model).__name__}'s own "
+                          f"logits; computing them whole (slower, more memory)", RuntimeWarning, stacklevel=3)
+            self.head = None
+            return _reference_window_nll(self.model, batch)
+        del out, last, captured
+        x, targets = h[:, :-1], batch[:, 1:]
+        step = max(1, LOSS_CHUNK_ELEMENTS // max(1, self.head.out_features * batch.shape[0]))
+        total = 0.0
+        for a in range(0, x.shape[1], step):  # each row's loss as the plain computation's (the same ops per row)
+            logits = self._logits(x[:, a:a + step])
+            total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                             targets[:, a:a + step].reshape(-1), reduction="sum"))
+            del logits
+        return total
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.head(h)
+        return logits if self.post is None else self.post(logits)
 
 
 def calibration_batches(tokenizer, *, n: int = 32, seq_len: int = SEQ_LEN,

@@ -193,7 +193,7 @@ def test_every_flag_of_qcore_quantize_is_an_argument_of_the_function():
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices["quantize"]
     sub.parse_known_args([])  # the model commands' flags are added when the command is parsed
     flags = {a.dest for a in sub._actions} - {"help", "debug"}  # --debug: tracebacks; Python raises anyway
-    renames = {"algo": "algorithms", "no_progress": "progress"}
+    renames = {"algo": "algorithms", "no_progress": "progress", "no_cache": "cache"}
     params = set(inspect.signature(quantize_and_report).parameters)
     assert {renames.get(f, f) for f in flags} == params - {"tokenizer", "command"}
 
