@@ -168,17 +168,14 @@ def _fsync_dir(d: pathlib.Path) -> None:
 
 
 def _atomic_write(path: pathlib.Path, write: Callable[[Any], None]) -> None:
-    """``write(file object)`` into a temporary file beside ``path``, fsync, rename over ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    """``write(file object)`` into a staged file beside ``path`` (``qcore._fsutil.staged_file``, the one staged
+    writer), fsync, then it replaces ``path``; the directory is fsynced after the rename."""
+    from qcore._fsutil import staged_file
+    with staged_file(path, recheck=lambda: None) as tmp:
         with open(tmp, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     _fsync_dir(path.parent)
 
 
