@@ -185,11 +185,49 @@ def _loss64(w32, w64, specs, s32, s_back, key, g, xa, o, gram, t) -> float:
     return total
 
 
-def _loss32(ds, g32, x32, o, gram, t) -> float:
-    """The screened loss: the same sums with float32 products (float32 D, G or x)."""
+# Column block width of the triangular screen (``_loss_tri``).
+_TRI_BLOCK = 128
+
+
+def _cholesky32(g, o):
+    """The lower Cholesky factor L of the float64 Gram (G = L L^T), rounded to float32; None when G is not
+    positive definite (fewer tokens than channels, a constant channel): the screen then uses G itself."""
+    if o.name == "numpy":
+        try:
+            lo = np.linalg.cholesky(g)
+        except np.linalg.LinAlgError:
+            return None
+    else:
+        lo, info = o.t.linalg.cholesky_ex(g)
+        if int(info) != 0:
+            return None
+    if not bool(o.isfinite(lo).all()):
+        return None
+    return u.to32(lo, o)
+
+
+def _loss_tri(d, lo, o) -> float:
+    """||d L||^2 = sum_rows d G d^T with L lower triangular, column block by column block: block J of d L is
+    d[:, J0:] @ L[J0:, J] (the zeros above the diagonal are skipped: about half the multiply-adds of d G)."""
+    total = 0.0
+    n = int(d.shape[1])
+    for a, b in u.chunks(int(d.shape[0]), u.rows_per_chunk(n)):
+        dc = d[a:b]
+        for c0, c1 in u.chunks(n, _TRI_BLOCK):
+            e = u.matmul(dc[:, c0:], lo[c0:, c0:c1])
+            total += float(o.sum(e * e, (0, 1), keepdims=False))
+    return total
+
+
+def _loss32(ds, lo32, g32, x32, o, gram, t) -> float:
+    """The screened loss: the same sum with float32 products (float32 D times the float32 Cholesky factor of G,
+    or G itself, or the float32 sample)."""
     total = 0.0
     for d in ds:
-        sq = _loss_gram(d, g32, o) if gram else _loss_direct(d, x32, o, cast=False)
+        if gram:
+            sq = _loss_tri(d, lo32, o) if lo32 is not None else _loss_gram(d, g32, o)
+        else:
+            sq = _loss_direct(d, x32, o, cast=False)
         total += sq / (t * int(d.shape[0]))
     return total
 
@@ -207,8 +245,10 @@ def awq_search(x: ArrayLike, weights: Any, spec: Any, *, grid: int = 20, gram: O
     Deterministic; memory: one float64 chunk of ``x`` (about 64 MiB) plus, on the Gram path, the [in, in] Gram.
 
     Two passes (issue 23): every candidate's loss is first *screened* with float32 products (the float64 error
-    ``D`` rounded to float32, times the float32 Gram or sample; about half the time of the float64 matmuls that
-    dominate the search), then the candidates within ``SCREEN_RTOL`` (1e-4 relative) of the smallest screened
+    ``D`` rounded to float32; on the Gram path ``||D L||^2`` with ``L`` the float32 lower Cholesky factor of the
+    float64 Gram, skipping the zero upper triangle, or ``sum D G D^T`` where ``G`` is singular; on the direct
+    path times the float32 sample: together about a quarter of the float64 matmuls that dominated the landed
+    search), then the candidates within ``SCREEN_RTOL`` (1e-4 relative) of the smallest screened
     loss are evaluated in float64 exactly as the landed one-pass search (``_reference_awq_search``) does, in
     order (ratio 0, plain round-to-nearest, always). So ``ratio``, ``scales`` and ``loss`` are the landed
     search's, bit for bit; ``losses`` holds the float64 losses of ratio 0 and the finalists and the others'
@@ -223,7 +263,8 @@ def awq_search(x: ArrayLike, weights: Any, spec: Any, *, grid: int = 20, gram: O
     t = int(xa.shape[0])
     w32 = [u.to32(w, o) for w in ws]
     w64 = [u.to64(w, o) for w in w32]
-    g32 = u.to32(g, o) if gram else None
+    lo32 = _cholesky32(g, o) if gram else None
+    g32 = u.to32(g, o) if gram and lo32 is None else None
     x32 = None if gram else u.to32(xa, o)
     cands, screened = [], []
     for k in range(grid):
@@ -231,7 +272,7 @@ def awq_search(x: ArrayLike, weights: Any, spec: Any, *, grid: int = 20, gram: O
         s32, s_back = _candidate(mean_abs, ratio, o)
         ds = [u.to32(_error(w, wd, s32, s_back, sp, key, o), o) for w, wd, sp in zip(w32, w64, specs)]
         cands.append((ratio, s32, s_back))
-        screened.append(_loss32(ds, g32, x32, o, gram, t))
+        screened.append(_loss32(ds, lo32, g32, x32, o, gram, t))
     fin = u.finalists(screened)
     if fin[0] != 0:  # ratio 0 (plain round-to-nearest, the baseline) is always reported in float64
         fin = [0] + fin

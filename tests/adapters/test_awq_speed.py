@@ -60,9 +60,30 @@ def test_awq_search_numpy_per_weight_specs_and_grids_match_the_reference():
 
 
 def test_awq_search_few_tokens_and_single_weight_match_the_reference():
-    """Fewer tokens than channels (a singular Gram) and one weight given as an array, not a list."""
+    """Fewer tokens than channels (a singular Gram: no Cholesky factor, the screen uses G itself) and one weight
+    given as an array, not a list."""
     x, ws = _sample(5, t=24, n=64, outs=(40,))
-    _same(awq_search(x, ws[0], SPECS["uint4_g16_asym"]), _reference_awq_search(x, ws[0], SPECS["uint4_g16_asym"]))
+    o = awq.u.as_float_array(x, "x", ndim=2)[1]
+    _, g = awq._x_stats(x, o, True)
+    assert awq._cholesky32(g, o) is None
+    for gram in (None, True):
+        _same(awq_search(x, ws[0], SPECS["uint4_g16_asym"], gram=gram),
+              _reference_awq_search(x, ws[0], SPECS["uint4_g16_asym"], gram=gram))
+
+
+def test_the_triangular_screen_equals_the_gram_quadratic_form(monkeypatch):
+    """||D L||^2 block by block (L the Cholesky factor of G) is sum_rows D G D^T, for block widths that do and do
+    not divide the channels."""
+    x, ws = _sample(9, t=300, n=80, outs=(24,))
+    xd = x.double()
+    o = awq.u.as_float_array(xd, "x", ndim=2)[1]
+    _, g = awq._x_stats(xd, o, True)
+    lo = torch.linalg.cholesky(g)
+    d = ws[0].double()
+    want = float(((d @ g) * d).sum())
+    for block in (16, 32, 80, 128):
+        monkeypatch.setattr(awq, "_TRI_BLOCK", block)
+        assert awq._loss_tri(d, lo, o) == pytest.approx(want, rel=1e-12)
 
 
 def test_untrusted_screen_falls_back_to_the_landed_search(monkeypatch):
