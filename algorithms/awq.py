@@ -15,7 +15,10 @@ the op before: ``qcore.adapters.passes.scaling.fold_scales``) loses the least. C
 float32 product (what folding stores); the error ``D_i = Q(W_i * s) / s - W_i`` and the loss are float64. The
 loss is computed either directly over token chunks (``sum ||x_c D^T||^2``) or through the Gram matrix
 ``G = x^T x`` (``sum_rows D G D^T``), whichever needs fewer operations (``gram=`` forces one); both are the same
-sum up to float64 rounding. Ratio 0 gives ``s = 1`` exactly, i.e. plain round-to-nearest, and is evaluated
+sum up to float64 rounding. The search runs in two passes (issue 23): a float32 screen of every candidate, then
+the landed float64 loss for ratio 0 and the candidates within 1e-4 of the best screened loss, which decide
+(``awq_search``'s docstring; ``_reference_awq_search`` is the one-pass float64 search, chosen bits identical).
+Ratio 0 gives ``s = 1`` exactly, i.e. plain round-to-nearest, and is evaluated
 first; a later ratio wins only with a strictly smaller loss, so the result is never worse than no scaling on the
 sample.
 
