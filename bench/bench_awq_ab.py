@@ -29,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=4, help="first N decoder layers (None: all)")
+    p.add_argument("--layers", type=int, default=4, help="first N decoder layers (0: all)")
     p.add_argument("--batches", type=int, default=8, help="calibration windows of 512 tokens (protocol: 32)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
