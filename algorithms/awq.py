@@ -15,7 +15,10 @@ the op before: ``qcore.adapters.passes.scaling.fold_scales``) loses the least. C
 float32 product (what folding stores); the error ``D_i = Q(W_i * s) / s - W_i`` and the loss are float64. The
 loss is computed either directly over token chunks (``sum ||x_c D^T||^2``) or through the Gram matrix
 ``G = x^T x`` (``sum_rows D G D^T``), whichever needs fewer operations (``gram=`` forces one); both are the same
-sum up to float64 rounding. Ratio 0 gives ``s = 1`` exactly, i.e. plain round-to-nearest, and is evaluated
+sum up to float64 rounding. The search runs in two passes (issue 23): a float32 screen of every candidate, then
+the landed float64 loss for ratio 0 and the candidates within 1e-4 of the best screened loss, which decide
+(``awq_search``'s docstring; ``_reference_awq_search`` is the one-pass float64 search, chosen bits identical).
+Ratio 0 gives ``s = 1`` exactly, i.e. plain round-to-nearest, and is evaluated
 first; a later ratio wins only with a strictly smaller loss, so the result is never worse than no scaling on the
 sample.
 
@@ -68,7 +71,7 @@ from qcore.rounding import RoundingMode, check_mode
 from . import _scaling as u
 from .smoothquant import act_power
 
-__all__ = ["AWQResult", "awq_search", "awq_clip"]
+__all__ = ["AWQResult", "awq_search", "awq_clip"]  # and _reference_awq_search (tests)
 
 # The Gram path is used only while G = x^T x (float64, in x in) stays below this many bytes.
 _GRAM_MAX_BYTES = 1 << 31
@@ -133,20 +136,192 @@ def _loss_gram(d, g, o) -> float:
     return total
 
 
-def _loss_direct(d, x, o) -> float:
-    """||x d^T||^2 over token chunks."""
+def _loss_direct(d, x, o, *, cast: bool = True) -> float:
+    """||x d^T||^2 over token chunks (``cast``: x's chunks to float64 first)."""
     total = 0.0
     d_t = u.transpose2(d, o)
     step = u.rows_per_chunk(int(x.shape[1]) + int(d.shape[0]))
     for a, b in u.chunks(int(x.shape[0]), step):
-        e = u.matmul(u.to64(x[a:b], o), d_t)
+        e = u.matmul(u.to64(x[a:b], o) if cast else x[a:b], d_t)
         total += float(o.sum(e * e, (0, 1), keepdims=False))
+    return total
+
+
+def _prepare(x, weights, spec, grid, gram, key):
+    """Argument checks (before any work) and the x statistics shared by both searches."""
+    xa, o = u.as_float_array(x, "x", ndim=2)
+    ws = u.weight_list(weights, xa)
+    specs = [_check_search_spec(s, f"spec[{i}]") for i, s in enumerate(u.spec_list(spec, len(ws), "spec"))]
+    grid = u.check_int(grid, "grid", minimum=1)
+    gram = _check_gram(gram)
+    key = _key(specs, key)
+    u.check_finite(xa, o, "x")
+    t, n = int(xa.shape[0]), int(xa.shape[1])
+    out_total = sum(int(w.shape[0]) for w in ws)
+    if gram is None:
+        direct_cost = grid * t * n * out_total
+        gram_cost = t * n * n + grid * out_total * n * n
+        gram = gram_cost < direct_cost and 8 * n * n <= _GRAM_MAX_BYTES
+    mean_abs, g = _x_stats(xa, o, gram)
+    return xa, o, ws, specs, grid, gram, key, mean_abs, g
+
+
+def _candidate(mean_abs, ratio, o):
+    """Candidate ``ratio``'s scales: float32, and the same values as float64."""
+    s32 = u.to32(act_power(mean_abs, ratio, o), o)
+    return s32, u.to64(s32, o)
+
+
+def _error(w, wd, s32, s_back, sp, key, o):
+    """D = Q(W * s) / s - W (float64), the landed expression."""
+    with o.quiet():
+        return u.to64(fake_quantize(w * s32, sp, key=key), o) / s_back - wd
+
+
+def _loss64(w32, w64, specs, s32, s_back, key, g, xa, o, gram, t) -> float:
+    """A candidate's float64 loss, exactly as the landed search sums it."""
+    total = 0.0
+    for w, wd, sp in zip(w32, w64, specs):
+        d = _error(w, wd, s32, s_back, sp, key, o)
+        sq = _loss_gram(d, g, o) if gram else _loss_direct(d, xa, o)
+        total += sq / (t * int(w.shape[0]))
+    return total
+
+
+# Column block width of the triangular screen (``_loss_tri``).
+_TRI_BLOCK = 128
+
+
+def _cholesky32(g, o):
+    """The lower Cholesky factor L of the float64 Gram (G = L L^T), rounded to float32; None when G is not
+    positive definite (fewer tokens than channels, a constant channel): the screen then uses G itself."""
+    if o.name == "numpy":
+        try:
+            lo = np.linalg.cholesky(g)
+        except np.linalg.LinAlgError:
+            return None
+    else:
+        lo, info = o.t.linalg.cholesky_ex(g)
+        if int(info) != 0:
+            return None
+    if not bool(o.isfinite(lo).all()):
+        return None
+    return u.to32(lo, o)
+
+
+def _loss_tri(d, lo, o) -> float:
+    """||d L||^2 = sum_rows d G d^T with L lower triangular, column block by column block: block J of d L is
+    d[:, J0:] @ L[J0:, J] (the zeros above the diagonal are skipped: about half the multiply-adds of d G)."""
+    total = 0.0
+    n = int(d.shape[1])
+    for a, b in u.chunks(int(d.shape[0]), u.rows_per_chunk(n)):
+        dc = d[a:b]
+        for c0, c1 in u.chunks(n, _TRI_BLOCK):
+            e = u.matmul(dc[:, c0:], lo[c0:, c0:c1])
+            total += float(o.sum(e * e, (0, 1), keepdims=False))
+    return total
+
+
+def _loss32(ds, lo32, g32, x32, o, gram, t) -> float:
+    """The screened loss: the same sum with float32 products (float32 D times the float32 Cholesky factor of G,
+    or G itself, or the float32 sample)."""
+    total = 0.0
+    for d in ds:
+        if gram:
+            sq = _loss_tri(d, lo32, o) if lo32 is not None else _loss_gram(d, g32, o)
+        else:
+            sq = _loss_direct(d, x32, o, cast=False)
+        total += sq / (t * int(d.shape[0]))
     return total
 
 
 def awq_search(x: ArrayLike, weights: Any, spec: Any, *, grid: int = 20, gram: Optional[bool] = None,
                key: KeyLike = None) -> AWQResult:
     """AWQ's per-input-channel scale search for the Linears in ``weights`` that read ``x`` (module docstring).
+
+    ``x``: [tokens, in] sampled inputs (numpy array or torch tensor, any float dtype); ``weights``: one [out, in]
+    array or a list of them (same kind and device as ``x``); ``spec``: the weights' qcore spec in [out, in]
+    layout (one, or one per weight). ``grid``: number of ratios ``k / grid`` (k = 0 .. grid - 1). ``gram``: None
+    picks the cheaper loss evaluation (module docstring), True/False forces the Gram / direct one. ``key``: for
+    stochastic-rounding specs. Returns ``AWQResult(scales, ratio, loss, losses)``: fold ``scales`` with
+    ``qcore.adapters.passes.scaling.fold_scales`` (the previous op divided by ``s``, the Linears' columns times ``s``).
+    Deterministic; memory: one float64 chunk of ``x`` (about 64 MiB) plus, on the Gram path, the [in, in] Gram.
+
+    Two passes (issue 23): every candidate's loss is first *screened* with float32 products (the float64 error
+    ``D`` rounded to float32; on the Gram path ``||D L||^2`` with ``L`` the float32 lower Cholesky factor of the
+    float64 Gram, skipping the zero upper triangle, or ``sum D G D^T`` where ``G`` is singular; on the direct
+    path times the float32 sample: together about a quarter of the float64 matmuls that dominated the landed
+    search), then the candidates within ``SCREEN_RTOL`` (1e-4 relative) of the smallest screened
+    loss are evaluated in float64 exactly as the landed one-pass search (``_reference_awq_search``) does, in
+    order (ratio 0, plain round-to-nearest, always). So ``ratio``, ``scales`` and ``loss`` are the landed
+    search's, bit for bit; ``losses`` holds the float64 losses of ratio 0 and the finalists and the others'
+    screened ones (~1e-7 relative from float64 on SmolLM2's data). If
+    a finalist's screened loss is further than a quarter of the margin from its float64 one, or a screened loss
+    is not finite, the screen is not trusted and every candidate is evaluated in float64 (the landed search).
+    Stochastic-rounding specs (whose draws depend on the call order) always take the landed one-pass search.
+    """
+    xa, o, ws, specs, grid, gram, key, mean_abs, g = _prepare(x, weights, spec, grid, gram, key)
+    if key is not None:
+        return _search64(xa, o, ws, specs, grid, gram, key, mean_abs, g)
+    t = int(xa.shape[0])
+    w32 = [u.to32(w, o) for w in ws]
+    w64 = [u.to64(w, o) for w in w32]
+    lo32 = _cholesky32(g, o) if gram else None
+    g32 = u.to32(g, o) if gram and lo32 is None else None
+    x32 = None if gram else u.to32(xa, o)
+    cands, screened = [], []
+    for k in range(grid):
+        ratio = k / grid
+        s32, s_back = _candidate(mean_abs, ratio, o)
+        ds = [u.to32(_error(w, wd, s32, s_back, sp, key, o), o) for w, wd, sp in zip(w32, w64, specs)]
+        cands.append((ratio, s32, s_back))
+        screened.append(_loss32(ds, lo32, g32, x32, o, gram, t))
+    fin = u.finalists(screened)
+    if fin[0] != 0:  # ratio 0 (plain round-to-nearest, the baseline) is always reported in float64
+        fin = [0] + fin
+    exact = {}
+    for i in fin:
+        _, s32, s_back = cands[i]
+        exact[i] = _loss64(w32, w64, specs, s32, s_back, key, g, xa, o, gram, t)
+    if len(fin) < grid:
+        for i in fin:
+            e, v = exact[i], screened[i]
+            if not (math.isfinite(e) and abs(v - e) <= 0.25 * u.SCREEN_RTOL * abs(e)):
+                return _search64(xa, o, ws, specs, grid, gram, key, mean_abs, g)
+    best = None
+    for i in fin:
+        total = exact[i]
+        if best is None or total < best[2] or (math.isnan(best[2]) and not math.isnan(total)):
+            best = (cands[i][0], cands[i][1], total)
+    if math.isnan(best[2]):
+        raise ValueError("awq_search: every candidate's loss is NaN (the quantized weights overflowed?); check spec")
+    losses = tuple((c[0], exact.get(i, screened[i])) for i, c in enumerate(cands))
+    return AWQResult(best[1], best[0], best[2], losses)
+
+
+def _search64(xa, o, ws, specs, grid, gram, key, mean_abs, g) -> AWQResult:
+    """The landed one-pass float64 search over prepared arguments."""
+    t = int(xa.shape[0])
+    w32 = [u.to32(w, o) for w in ws]
+    w64 = [u.to64(w, o) for w in w32]
+    best = None
+    losses = []
+    for k in range(grid):
+        ratio = k / grid
+        s32, s_back = _candidate(mean_abs, ratio, o)
+        total = _loss64(w32, w64, specs, s32, s_back, key, g, xa, o, gram, t)
+        losses.append((ratio, total))
+        if best is None or total < best[2] or (math.isnan(best[2]) and not math.isnan(total)):
+            best = (ratio, s32, total)
+    if math.isnan(best[2]):
+        raise ValueError("awq_search: every candidate's loss is NaN (the quantized weights overflowed?); check spec")
+    return AWQResult(best[1], best[0], best[2], tuple(losses))
+
+
+def _reference_awq_search(x: ArrayLike, weights: Any, spec: Any, *, grid: int = 20, gram: Optional[bool] = None,
+               key: KeyLike = None) -> AWQResult:
+    """The landed one-pass float64 search (every candidate's loss in float64), kept as the reference that
+    ``awq_search`` is tested against (same arguments and result; ``losses`` all float64).
 
     ``x``: [tokens, in] sampled inputs (numpy array or torch tensor, any float dtype); ``weights``: one [out, in]
     array or a list of them (same kind and device as ``x``); ``spec``: the weights' qcore spec in [out, in]

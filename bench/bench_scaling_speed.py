@@ -84,9 +84,17 @@ NOTES = """Where the time goes and what changed (issue 23):
   candidate (``qcore.fake_quantize``'s own speed) and the float32 matmuls.
 - **SmoothQuant**: the layer forwards (statistics, replay) and the static calibration pass: faster by the
   calibration's skipped output head only.
-- **AWQ**: ``awq_search`` is dominated by ``qcore.fake_quantize`` of the scaled weights per candidate (about
-  half) and float64 elementwise work; its Gram matmuls are ~10 %, so a float32 screening pass does not pay
-  there (measured) and the search is unchanged; the per-layer forwards (statistics, replay) are the rest.
+- **AWQ**: ``awq_search`` was about three quarters of the run. Profiled on SmolLM2's shapes (4096 tokens, one
+  thread, idle) the landed search is dominated by the float64 Gram quadratic forms ``sum_rows D G D^T`` (one
+  [out, in] x [in, in] float64 matmul per candidate: ~73 % for q,k,v, more for down_proj's 1536 x 1536 Gram);
+  ``fake_quantize`` of the scaled weights is ~13 % (a 1536 x 576 weight takes ~2 ms) and the Gram ``x^T x``
+  itself the rest. Now (second round) every candidate is screened with float32 products through the Cholesky
+  factor of the Gram (``||D L||^2``, lower triangle only: about a quarter of the float64 work), and ratio 0 and
+  the candidates within 1e-4 of the best screened loss are evaluated in float64 exactly as before: the same
+  ratio, scales and loss, bit for bit (``_reference_awq_search`` is the landed search; tests/adapters/
+  test_awq_speed.py). The search is 1.5-1.7x faster; what remains in it is the float64 Gram ``x^T x`` (kept
+  for the bit-exact finalists), the screen and the finalists; the per-layer forwards (statistics, replay) and
+  ``awq_clip`` (~0.1 s per Linear) are the rest of the run.
 """
 LANDED_SOURCE = "bench/ALGORITHMS.md (landed, 2-core machine under load ~3.4-5.8)"
 

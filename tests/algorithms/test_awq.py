@@ -73,7 +73,13 @@ def test_gram_and_direct_paths_agree():
     a = awq_search(x, ws, U4G64, gram=True)
     b = awq_search(x, ws, U4G64, gram=False)
     assert a.ratio == b.ratio and np.array_equal(a.scales, b.scales)
-    for (_, la), (_, lb) in zip(a.losses, b.losses):
+    for (_, la), (_, lb) in zip(a.losses, b.losses):  # non-finalists: float32-product screened losses
+        assert la == pytest.approx(lb, rel=1e-5)
+    # The landed one-pass search (every loss in float64): the two paths agree to float64 rounding.
+    from qcore.algorithms.awq import _reference_awq_search
+    ra = _reference_awq_search(x, ws, U4G64, gram=True)
+    rb = _reference_awq_search(x, ws, U4G64, gram=False)
+    for (_, la), (_, lb) in zip(ra.losses, rb.losses):
         assert la == pytest.approx(lb, rel=1e-10)
 
 
@@ -93,8 +99,9 @@ def test_search_numpy_torch_same_bits(torch):
         b = awq_search(torch.from_numpy(x), [torch.from_numpy(w) for w in ws], U4G64, gram=gram)
         assert isinstance(b.scales, torch.Tensor) and a.ratio == b.ratio
         np.testing.assert_array_equal(a.scales.view(np.uint32), b.scales.numpy().view(np.uint32))
-        for (_, la), (_, lb) in zip(a.losses, b.losses):
-            assert la == pytest.approx(lb, rel=1e-12)
+        assert a.loss == pytest.approx(b.loss, rel=1e-12)
+        for (_, la), (_, lb) in zip(a.losses, b.losses):  # non-finalists: float32-product screened losses
+            assert la == pytest.approx(lb, rel=1e-5)
 
 
 def test_search_takes_bfloat16_tensors(torch):
