@@ -220,9 +220,28 @@ def _pack_int4_rows(codes, order) -> np.ndarray:
     step = max(1, _PACK_ROWS_ELEMENTS // codes.shape[1])
     out = np.empty((codes.shape[0], -(-codes.shape[1] // 8)), np.int32)
     for i in range(0, codes.shape[0], step):
-        out[i:i + step] = qcore.packing.pack_int4_int32(np.ascontiguousarray(codes[i:i + step]), order=order,
-                                                        axis=-1)
+        out[i:i + step] = _pack_int4_slice(np.ascontiguousarray(codes[i:i + step]), order)
     return out
+
+
+_INT4_SLOTS = {qcore.packing.Int4Order.ORDER: tuple(range(8)),  # element e of a group of 8 -> its nibble slot
+               qcore.packing.Int4Order.REORDER: tuple((0, 2, 4, 6, 1, 3, 5, 7).index(e) for e in range(8))}
+
+
+def _pack_int4_slice(c: np.ndarray, order) -> np.ndarray:
+    """``pack_int4_int32(c, order=order, axis=-1)``: uint8 / int8 codes in range and whole words are packed in
+    uint32 (each nibble shifted into its slot: the words ``pack_int4_int32`` sums in int64); anything else goes
+    to ``pack_int4_int32`` itself (its checks and errors)."""
+    if c.dtype in (np.uint8, np.int8) and c.shape[-1] % 8 == 0 and c.size:
+        lo, hi = (0, 15) if c.dtype == np.uint8 else (-8, 15)
+        if int(c.min()) >= lo and int(c.max()) <= hi:
+            g = c.view(np.uint8).reshape(c.shape[0], -1, 8)
+            slots = _INT4_SLOTS[qcore.packing.Int4Order(order)]
+            word = np.zeros(g.shape[:2], np.uint32)
+            for e in range(8):
+                word |= (g[..., e] & np.uint8(0xF)).astype(np.uint32) << np.uint32(4 * slots[e])
+            return word.view(np.int32)
+    return qcore.packing.pack_int4_int32(c, order=order, axis=-1)
 
 
 def encode_weight(parts: WeightParts, spec: QuantSpec, *, layout: str, pack_method: str = "reorder") -> dict:
