@@ -96,13 +96,28 @@ class _Np:
     @staticmethod
     def inv_upper_chol(low):
         """Upper Cholesky factor of (L L^T)^-1."""
+        return _Np.upper_chol(_Np.chol_inverse(low))
+
+    @staticmethod
+    def chol_inverse(low):
+        """(L L^T)^-1, symmetric."""
         li = np.linalg.inv(low)
         hinv = li.T @ li
-        hinv = (hinv + hinv.T) * 0.5
+        del li
+        _symmetrize_(hinv)  # (hinv + hinv.T) * 0.5, in place
+        return hinv
+
+    @staticmethod
+    def upper_chol(hinv):
         try:
             return np.linalg.cholesky(hinv).T.copy()
         except np.linalg.LinAlgError:
             return None
+
+    @staticmethod
+    def add_diag_(h, s: float):
+        idx = np.arange(h.shape[0])
+        h[idx, idx] += s
 
     @staticmethod
     def argsort_desc(d):
@@ -142,9 +157,17 @@ class _Torch:
         return low if int(info) == 0 else None
 
     def inv_upper_chol(self, low):
-        hinv = self.t.cholesky_inverse(low)
+        return self.upper_chol(self.chol_inverse(low))
+
+    def chol_inverse(self, low):
+        return self.t.cholesky_inverse(low)
+
+    def upper_chol(self, hinv):
         up, info = self.t.linalg.cholesky_ex(hinv, upper=True)
         return up if int(info) == 0 else None
+
+    def add_diag_(self, h, s: float):
+        h.diagonal().add_(s)
 
     def argsort_desc(self, d):
         return self.t.argsort(d, descending=True, stable=True)
@@ -357,6 +380,35 @@ def check_gptq_spec(spec: QuantSpec, shape: tuple) -> QuantSpec:
     return spec
 
 
+_SYM_BLOCK = 1024  # rows of the blocks _symmetrize_ averages at once
+
+
+def _symmetrize_(h) -> None:
+    """``h[...] = (h + h.T) * 0.5`` in place (numpy or torch, square), a pair of blocks at a time: each pair's
+    ``(a + b.T) * 0.5`` is computed once and written to both places. The same values as the whole-matrix
+    expression, bit for bit (``x + y == y + x`` exactly), without its two temporary ``[n, n]`` arrays."""
+    n = int(h.shape[0])
+    for a in range(0, n, _SYM_BLOCK):
+        b = min(n, a + _SYM_BLOCK)
+        for c in range(a, n, _SYM_BLOCK):
+            d = min(n, c + _SYM_BLOCK)
+            blk = (h[a:b, c:d] + h[c:d, a:b].T) * 0.5
+            h[a:b, c:d] = blk
+            h[c:d, a:b] = blk.T
+
+
+def _damped(h, s: float, lib):
+    """``h + eye * s`` (a new array) without the identity matrix: ``h + 0.0 * s`` (what ``eye * s`` adds off the
+    diagonal, a signed zero), then ``s`` added to the diagonal: ``(x + 0.0 * s) + s == x + 1.0 * s`` bit for bit
+    (the two differ only for ``x = -0.0`` with ``0.0 * s = +0.0``, where both give ``s``). A non-finite ``s``
+    (an overflowing damping) takes the identity-matrix expression itself (its diagonal is ``x + inf``)."""
+    if not math.isfinite(s):
+        return h + lib.eye(int(h.shape[0]), lib.f64, h) * s
+    out = h + 0.0 * s
+    lib.add_diag_(out, s)
+    return out
+
+
 def _check_positive(v, name, *, allow_zero=False):
     if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
         raise ValueError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} finite number, got {v!r}")
@@ -412,8 +464,15 @@ def _gptq(weight, hessian, spec, *, block_size: int = 128, damp: float = 0.01, a
 
     n_out, n = shape
     W = lib.cast(weight, lib.f32)
-    H = lib.cast(h_in, lib.f64)
-    H = (H + H.T) * 0.5
+    # at most three float64 [n, n] arrays at once here (13B's down_proj: 1.5 GB each): H, and the damped copy /
+    # its Cholesky factor / the inverse / its factor two at a time; every step gives the whole-matrix
+    # expressions' values bit for bit (_symmetrize_, _damped)
+    if isinstance(hessian, HessianStats) and h_in.dtype == lib.f64 and h_in is not hessian.sum:
+        H = h_in  # hessian() computed a new float64 array: ours to change in place
+    else:
+        H = lib.cast(h_in, lib.f64)
+    h_in = None
+    _symmetrize_(H)  # H = (H + H.T) * 0.5
     dg = lib.diag(H)
     dead = dg == 0
     if bool(dead.any()):
@@ -448,20 +507,25 @@ def _gptq(weight, hessian, spec, *, block_size: int = 128, damp: float = 0.01, a
     if act_order:
         perm = lib.argsort_desc(lib.diag(H))
         W = W[:, perm]
-        H = H[perm][:, perm]
+        H = H[perm]  # H[perm][:, perm] in two steps: the first copy is freed before the second is made
+        H = H[:, perm]
     perm_np = None if perm is None else _to_numpy(perm)
     mean_diag = float(lib.diag(H).mean())
 
     rel = float(damp)
     U = None
-    eye = lib.eye(n, lib.f64, W)
     for attempt in range(int(max_retries) + 1):
-        low = lib.cholesky_lower(H + eye * (rel * mean_diag))
-        U = lib.inv_upper_chol(low) if low is not None else None
+        low = lib.cholesky_lower(_damped(H, rel * mean_diag, lib))  # H + eye * (rel * mean_diag)
+        if low is not None:
+            hinv = lib.chol_inverse(low)
+            low = None
+            U = lib.upper_chol(hinv)
+            hinv = None
         if U is not None and lib.finite(U):
             break
         U = None
         rel = max(rel * 10.0, 1e-6)
+    H = None
     if U is None:
         raise ValueError(f"GPTQ: the Hessian is not positive definite even with damping {rel:g} x mean(diag); "
                          f"check the calibration data")

@@ -390,7 +390,9 @@ def report(a, res: dict) -> str:
                   f"| wall time | {r['seconds']:.1f} s | measured |",
                   f"| peak RSS (VmHWM, imports included) | {_gb(r['peak_rss'])} GiB | <= 3 GiB |",
                   f"| RSS after imports | {_gb(r['rss_after_imports'])} GiB | |",
-                  f"| checkpoint / peak RSS | {res['checkpoint']['bytes'] / max(1, r['peak_rss']):.1f}x | > 1 |", ""]
+                  f"| checkpoint / peak RSS | {res['checkpoint']['bytes'] / max(1, r['peak_rss']):.1f}x | > 1 |", "",
+                  "Where this memory and time go, by phase, and the landed code against this one on the same "
+                  "checkpoint: bench/SCALE_PHASES.md (`python bench/bench_stream_phases.py --old-python ...`).", ""]
     if "gptq" in res:
         g, pl = res["gptq"], res["gptq_per_layer"]
         proj = res["gptq_projection"]

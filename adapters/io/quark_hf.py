@@ -54,6 +54,7 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple, Optional, Union
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -115,6 +116,47 @@ def parse_size(size: Union[int, str]) -> int:
     raise ValueError(f"max_shard_size {size!r} is not a size; expected e.g. '5GB', '500MB', '2GiB' or a byte count")
 
 
+_PARTS_ROWS_ELEMENTS = 1 << 21  # weight elements weight_parts quantizes at once (_weight_parts_rows)
+
+
+def _row_chunks(w: torch.Tensor, spec, kw: dict) -> int:
+    """Rows of ``w`` that ``weight_parts`` may quantize at once (0: the whole weight in one call): a 2-D weight
+    larger than ``_PARTS_ROWS_ELEMENTS`` whose scales (and zero points) hold one row per weight row (per-channel,
+    per-group or block scales along the input axis), and a spec with nothing shared across rows (no tensor scale,
+    no micro-exponent shifts). Quantizing with given scales is elementwise, so the rows' codes are the whole
+    weight's, bit for bit."""
+    if w.dim() != 2 or w.numel() <= _PARTS_ROWS_ELEMENTS or spec.two_level or spec.subblock_shift_bits:
+        return 0
+    for k in ("scale", "zero_point"):
+        t = kw.get(k)
+        if t is not None and (t.dim() != 2 or t.shape[0] != w.shape[0]):
+            return 0
+    return max(1, _PARTS_ROWS_ELEMENTS // w.shape[1])
+
+
+def _weight_parts_rows(m, w: torch.Tensor, spec, kw: dict, step: int) -> L.WeightParts:
+    """``weight_parts`` of a non-frozen module ``step`` rows at a time (``_row_chunks``): the float32 copy, the
+    codes and their check cost one slice, not the whole weight several times over."""
+    codes = scales = zps = None
+    for i in range(0, w.shape[0], step):
+        wc = w[i:i + step].float().cpu()
+        part = {k: v[i:i + step] for k, v in kw.items()}
+        q = qcore.quantize(wc, spec, **part)
+        if not torch.equal(qcore.dequantize(q).to(w.dtype), wc.to(w.dtype)):
+            raise RuntimeError(f"export {m.qname!r}: the weight is not on its quantization grid (was it changed "
+                               f"after quantize_model without a forward?); run a forward or freeze the model first")
+        c, sc = _np(q.codes), _np(q.scales)
+        if codes is None:
+            codes = np.empty((w.shape[0],) + c.shape[1:], c.dtype)
+            scales = np.empty((w.shape[0],) + sc.shape[1:], sc.dtype)
+            if q.zero_points is not None:
+                zps = np.empty((w.shape[0],) + tuple(q.zero_points.shape[1:]), _np(q.zero_points).dtype)
+        codes[i:i + step], scales[i:i + step] = c, sc
+        if zps is not None:
+            zps[i:i + step] = _np(q.zero_points)
+    return L.WeightParts(codes=codes, scales=scales, zero_points=zps, shifts=None, tensor_scale=None)
+
+
 def weight_parts(m: _QuantMixin) -> tuple[L.WeightParts, tuple]:
     """The qcore parts of a quantized module's weight (canonical layout) and the canonical shape; frozen or not
     (a fake-quantized weight is quantized again with its own scales, exactly as ``freeze`` does, nothing
@@ -131,12 +173,15 @@ def weight_parts(m: _QuantMixin) -> tuple[L.WeightParts, tuple]:
                              zero_points=None if zp is None else _np(zp.float()), shifts=None if sh is None else _np(sh),
                              tensor_scale=None if ts is None else _np(ts.float())), shape
     w = m.effective("weight", canonical=True)
-    wc = w.float().cpu()
     kw: dict[str, Any] = {"scale": m.weight_scale.cpu()}
     if not spec.symmetric:
         kw["zero_point"] = m.weight_zero_point.cpu()
     if spec.two_level:
         kw["tensor_scale"] = m.weight_tensor_scale.cpu()
+    rows = _row_chunks(w, spec, kw)
+    if rows:
+        return _weight_parts_rows(m, w, spec, kw, rows), tuple(w.shape)
+    wc = w.float().cpu()
     q = qcore.quantize(wc, spec, **kw)
     back = qcore.dequantize(q).to(w.dtype)
     if not torch.equal(back, wc.to(w.dtype)):
