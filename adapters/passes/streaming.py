@@ -185,6 +185,21 @@ def _release_memory() -> None:
         trim(0)
 
 
+def _pin_mmap_threshold() -> None:
+    """Keep glibc's mmap threshold at its initial 128 KiB (``mallopt(M_MMAP_THRESHOLD, ...)``) for this process: by
+    default every free of a mapped block raises the threshold, after which blocks of that size (a layer's weights,
+    GPTQ's per-block temporaries) come from the heap, fragment it, and stay resident; with the threshold pinned
+    they are mapped and unmapped, so the process holds about one layer's working set. No-op where glibc is
+    absent. Process-wide and harmless elsewhere (fresh processes start at this value)."""
+    import ctypes
+    try:
+        mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    except (OSError, TypeError):
+        mallopt = None
+    if mallopt is not None:
+        mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the driver
 # ---------------------------------------------------------------------------------------------------------------
@@ -347,6 +362,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
         if not name.startswith(path + ".") and b is not None and b.device != device and not b.is_meta:
             _set_tensor(model, name, b.to(device))
 
+    _pin_mmap_threshold()
     t0 = time.perf_counter()
     if not writer:  # a distributed rank other than 0: the same layers as rank 0 (its collectives), nothing written
         with torch.no_grad():
