@@ -246,27 +246,11 @@ def _loss_of(xc, wq_t, ref, p: float, o):
     return float(o.sum(e, (0, 1), keepdims=False))
 
 
-def auto_smoothquant(x: ArrayLike, weights: Any, *, weight_spec: Any, input_spec: SpecLike,
-                     alphas: Optional[Sequence[float]] = None, loss: SmoothLoss = SmoothLoss.MSE,
-                     rule: SmoothRule = SmoothRule.SMOOTHQUANT, clamp_min: float = 1e-5,
-                     act_absmax: Optional[ArrayLike] = None, include_identity: bool = True,
-                     max_tokens: Optional[int] = None, key: KeyLike = None) -> SmoothResult:
-    """Pick the SmoothQuant alpha that minimises the fake-quantized output error on the sample ``x``.
-
-    ``x``: [tokens, in] inputs of the Linears in ``weights`` (one [out, in] array or a list of them sharing the
-    input, e.g. q/k/v), the same array kind and device. ``weight_spec``: a qcore spec for the [out, in] weights
-    (one, or one per weight); ``input_spec``: the spec of the activation (applied dynamically to the whole
-    sample). ``alphas``: the grid (default per ``rule``, module docstring); ``loss``: ``SmoothLoss.MSE`` or
-    ``SmoothLoss.MAE``; ``clamp_min``: as ``smoothquant_scales`` (SMOOTHQUANT rule). ``act_absmax``: [in] max |x|
-    per channel over *all* calibration tokens (default: computed from ``x``). ``include_identity``: also try
-    ``s = 1`` first (reported as ``alpha=None``). ``max_tokens``: evaluate the loss on every k-th token only,
-    ``k = ceil(tokens / max_tokens)`` (the statistics still use every token of ``x``). ``key``: for
-    stochastic-rounding specs (one key for every candidate).
-
-    Returns ``SmoothResult(alpha, scales, loss, losses)``; fold ``scales`` with
-    ``qcore.adapters.passes.scaling.fold_scales``. Deterministic. Work: per candidate one fake-quantization of ``x / s``
-    and of each weight and float64 matmuls over token chunks.
-    """
+def _search_setup(x, weights, *, weight_spec, input_spec, alphas, loss, rule, clamp_min, act_absmax,
+                  include_identity, max_tokens, key):
+    """``auto_smoothquant``'s argument checks (before any work) and what every candidate's loss reads: the
+    candidates in evaluation order, the float32 / float64 weights, the token chunks and the float reference
+    outputs (shared by the search and ``_reference_auto_smoothquant``)."""
     xa, o = u.as_float_array(x, "x", ndim=2)
     ws = u.weight_list(weights, xa)
     wspecs = u.spec_list(weight_spec, len(ws), "weight_spec")
@@ -316,6 +300,34 @@ def auto_smoothquant(x: ArrayLike, weights: Any, *, weight_spec: Any, input_spec
     # The float reference outputs are kept when they fit in 4 budgets, else recomputed per candidate.
     keep_ref = t * out_total * 8 <= 4 * u.CHUNK_BYTES
     ref_cache = [[u.matmul(u.to64(x32[a:b], o), wt) for wt in w64_t] for a, b in spans] if keep_ref else None
+    return o, ws, wspecs, ispec, key, n_in, t, x32, cands, p, w32, w64_t, spans, keep_ref, ref_cache
+
+
+def auto_smoothquant(x: ArrayLike, weights: Any, *, weight_spec: Any, input_spec: SpecLike,
+                     alphas: Optional[Sequence[float]] = None, loss: SmoothLoss = SmoothLoss.MSE,
+                     rule: SmoothRule = SmoothRule.SMOOTHQUANT, clamp_min: float = 1e-5,
+                     act_absmax: Optional[ArrayLike] = None, include_identity: bool = True,
+                     max_tokens: Optional[int] = None, key: KeyLike = None) -> SmoothResult:
+    """Pick the SmoothQuant alpha that minimises the fake-quantized output error on the sample ``x``.
+
+    ``x``: [tokens, in] inputs of the Linears in ``weights`` (one [out, in] array or a list of them sharing the
+    input, e.g. q/k/v), the same array kind and device. ``weight_spec``: a qcore spec for the [out, in] weights
+    (one, or one per weight); ``input_spec``: the spec of the activation (applied dynamically to the whole
+    sample). ``alphas``: the grid (default per ``rule``, module docstring); ``loss``: ``SmoothLoss.MSE`` or
+    ``SmoothLoss.MAE``; ``clamp_min``: as ``smoothquant_scales`` (SMOOTHQUANT rule). ``act_absmax``: [in] max |x|
+    per channel over *all* calibration tokens (default: computed from ``x``). ``include_identity``: also try
+    ``s = 1`` first (reported as ``alpha=None``). ``max_tokens``: evaluate the loss on every k-th token only,
+    ``k = ceil(tokens / max_tokens)`` (the statistics still use every token of ``x``). ``key``: for
+    stochastic-rounding specs (one key for every candidate).
+
+    Returns ``SmoothResult(alpha, scales, loss, losses)``; fold ``scales`` with
+    ``qcore.adapters.passes.scaling.fold_scales``. Deterministic. Work: per candidate one fake-quantization of ``x / s``
+    and of each weight and float64 matmuls over token chunks.
+    """
+    (o, ws, wspecs, ispec, key, n_in, t, x32, cands, p, w32, w64_t, spans, keep_ref, ref_cache) = _search_setup(
+        x, weights, weight_spec=weight_spec, input_spec=input_spec, alphas=alphas, loss=loss, rule=rule,
+        clamp_min=clamp_min, act_absmax=act_absmax, include_identity=include_identity, max_tokens=max_tokens,
+        key=key)
 
     def quantized(s):
         with o.quiet():
@@ -379,72 +391,12 @@ def _reference_auto_smoothquant(x: ArrayLike, weights: Any, *, weight_spec: Any,
                      rule: SmoothRule = SmoothRule.SMOOTHQUANT, clamp_min: float = 1e-5,
                      act_absmax: Optional[ArrayLike] = None, include_identity: bool = True,
                      max_tokens: Optional[int] = None, key: KeyLike = None) -> SmoothResult:
-    """The one-pass float64 search ``auto_smoothquant`` replaced (kept for the tests proving that the two-pass
-    search picks the same candidate). Pick the SmoothQuant alpha that minimises the fake-quantized output error on the sample ``x``.
-
-    ``x``: [tokens, in] inputs of the Linears in ``weights`` (one [out, in] array or a list of them sharing the
-    input, e.g. q/k/v), the same array kind and device. ``weight_spec``: a qcore spec for the [out, in] weights
-    (one, or one per weight); ``input_spec``: the spec of the activation (applied dynamically to the whole
-    sample). ``alphas``: the grid (default per ``rule``, module docstring); ``loss``: ``SmoothLoss.MSE`` or
-    ``SmoothLoss.MAE``; ``clamp_min``: as ``smoothquant_scales`` (SMOOTHQUANT rule). ``act_absmax``: [in] max |x|
-    per channel over *all* calibration tokens (default: computed from ``x``). ``include_identity``: also try
-    ``s = 1`` first (reported as ``alpha=None``). ``max_tokens``: evaluate the loss on every k-th token only,
-    ``k = ceil(tokens / max_tokens)`` (the statistics still use every token of ``x``). ``key``: for
-    stochastic-rounding specs (one key for every candidate).
-
-    Returns ``SmoothResult(alpha, scales, loss, losses)``; fold ``scales`` with
-    ``qcore.adapters.passes.scaling.fold_scales``. Deterministic. Work: per candidate one fake-quantization of ``x / s``
-    and of each weight and float64 matmuls over token chunks.
-    """
-    xa, o = u.as_float_array(x, "x", ndim=2)
-    ws = u.weight_list(weights, xa)
-    wspecs = u.spec_list(weight_spec, len(ws), "weight_spec")
-    ispec = u.as_spec(input_spec, "input_spec")
-    loss = _check_enum(loss, SmoothLoss, "loss")
-    rule = _check_enum(rule, SmoothRule, "rule")
-    alphas = _check_alphas(alphas, rule)
-    clamp_min = _check_clamp_min(clamp_min)
-    if not isinstance(include_identity, bool):
-        raise TypeError(f"include_identity must be a bool, got {include_identity!r}")
-    if max_tokens is not None:
-        max_tokens = u.check_int(max_tokens, "max_tokens", minimum=1)
-    stochastic = any(s.rounding is RoundingMode.STOCHASTIC for s in wspecs + [ispec])
-    key = check_mode(RoundingMode.STOCHASTIC, key) if stochastic else None
-    n_in = int(xa.shape[1])
-    if act_absmax is None:
-        u.check_finite(xa, o, "x")
-        act = o.amax(o.abs(u.to32(xa, o)), 0, keepdims=False)
-    else:
-        act, _ = _stat(act_absmax, "act_absmax")
-        u.same_kind(xa, act, "x", "act_absmax")
-        if int(act.shape[0]) != n_in:
-            raise ValueError(f"act_absmax has {int(act.shape[0])} channels but x has {n_in}")
-        u.check_finite(xa, o, "x")
-
-    t = int(xa.shape[0])
-    if max_tokens is not None and t > max_tokens:
-        xa = xa[::-(-t // max_tokens)]
-        t = int(xa.shape[0])
-    x32 = u.to32(xa, o)
-
-    # Candidates, in evaluation order.
-    cands: list = []
-    if include_identity and not (rule is SmoothRule.ACT_POWER and 0.0 in alphas):
-        cands.append((None, o.full((n_in,), 1.0, o.float32, x32)))
-    wmax = weight_absmax(ws) if rule is SmoothRule.SMOOTHQUANT else None
-    for a in alphas:
-        s = _sq_scales(act, wmax, a, clamp_min, o) if rule is SmoothRule.SMOOTHQUANT else _act_power_scales(act, a, o)
-        cands.append((a, s))
-
-    p = 2.0 if loss is SmoothLoss.MSE else 1.0
-    w32 = [u.to32(w, o) for w in ws]
-    w64_t = [u.transpose2(u.to64(w, o), o) for w in w32]
-    out_total = sum(int(w.shape[0]) for w in ws)
-    step = u.rows_per_chunk(n_in + out_total)
-    spans = list(u.chunks(t, step))
-    # The float reference outputs are kept when they fit in 4 budgets, else recomputed per candidate.
-    keep_ref = t * out_total * 8 <= 4 * u.CHUNK_BYTES
-    ref_cache = [[u.matmul(u.to64(x32[a:b], o), wt) for wt in w64_t] for a, b in spans] if keep_ref else None
+    """The one-pass float64 search ``auto_smoothquant`` replaced, kept for the tests proving that the two-pass
+    search picks the same candidate: the same arguments, checks and result (``auto_smoothquant``'s docstring)."""
+    (o, ws, wspecs, ispec, key, n_in, t, x32, cands, p, w32, w64_t, spans, keep_ref, ref_cache) = _search_setup(
+        x, weights, weight_spec=weight_spec, input_spec=input_spec, alphas=alphas, loss=loss, rule=rule,
+        clamp_min=clamp_min, act_absmax=act_absmax, include_identity=include_identity, max_tokens=max_tokens,
+        key=key)
 
     best = None
     losses = []
