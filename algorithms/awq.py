@@ -321,30 +321,12 @@ def _search64(xa, o, ws, specs, grid, gram, key, mean_abs, g) -> AWQResult:
 def _reference_awq_search(x: ArrayLike, weights: Any, spec: Any, *, grid: int = 20, gram: Optional[bool] = None,
                key: KeyLike = None) -> AWQResult:
     """The landed one-pass float64 search (every candidate's loss in float64), kept as the reference that
-    ``awq_search`` is tested against (same arguments and result; ``losses`` all float64).
-
-    ``x``: [tokens, in] sampled inputs (numpy array or torch tensor, any float dtype); ``weights``: one [out, in]
-    array or a list of them (same kind and device as ``x``); ``spec``: the weights' qcore spec in [out, in]
-    layout (one, or one per weight). ``grid``: number of ratios ``k / grid`` (k = 0 .. grid - 1). ``gram``: None
-    picks the cheaper loss evaluation (module docstring), True/False forces the Gram / direct one. ``key``: for
-    stochastic-rounding specs. Returns ``AWQResult(scales, ratio, loss, losses)``: fold ``scales`` with
-    ``qcore.adapters.passes.scaling.fold_scales`` (the previous op divided by ``s``, the Linears' columns times ``s``).
-    Deterministic; memory: one float64 chunk of ``x`` (about 64 MiB) plus, on the Gram path, the [in, in] Gram.
+    ``awq_search`` is tested against (same arguments, checks and result, ``awq_search``'s docstring; ``losses``
+    all float64). The arguments are checked by the shared ``_prepare``; the loop is the landed text, written out
+    rather than through ``_candidate`` / ``_loss64``, so the tests compare the fast search with independent code.
     """
-    xa, o = u.as_float_array(x, "x", ndim=2)
-    ws = u.weight_list(weights, xa)
-    specs = [_check_search_spec(s, f"spec[{i}]") for i, s in enumerate(u.spec_list(spec, len(ws), "spec"))]
-    grid = u.check_int(grid, "grid", minimum=1)
-    gram = _check_gram(gram)
-    key = _key(specs, key)
-    u.check_finite(xa, o, "x")
-    t, n = int(xa.shape[0]), int(xa.shape[1])
-    out_total = sum(int(w.shape[0]) for w in ws)
-    if gram is None:
-        direct_cost = grid * t * n * out_total
-        gram_cost = t * n * n + grid * out_total * n * n
-        gram = gram_cost < direct_cost and 8 * n * n <= _GRAM_MAX_BYTES
-    mean_abs, g = _x_stats(xa, o, gram)
+    xa, o, ws, specs, grid, gram, key, mean_abs, g = _prepare(x, weights, spec, grid, gram, key)
+    t = int(xa.shape[0])
 
     w32 = [u.to32(w, o) for w in ws]
     w64 = [u.to64(w, o) for w in w32]
