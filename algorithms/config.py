@@ -339,6 +339,29 @@ def _from_quark_rotation(d: Mapping) -> "QuaRotConfig":
     return SpinQuantConfig(**kw) if d.get("trainable") else QuaRotConfig(**kw)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# issue 24's algorithms: one section each
+# ---------------------------------------------------------------------------------------------------------------
+
+# [autoround] (its config class goes below this line)
+
+
+# [gptaq] (its config class goes below this line)
+
+
+# [qronos] (its config class goes below this line)
+
+
+# [hqq] (its config class goes below this line)
+
+
+# [svdquant] (its config class goes below this line)
+
+
+# [distill] (its config class goes below this line)
+
+# ---------------------------------------------------------------------------------------------------------------
+
 AlgorithmConfig = Union[GPTQConfig, AWQConfig, SmoothQuantConfig, AutoSmoothQuantConfig, QuaRotConfig,
                         SpinQuantConfig]
 ROTATION_CONFIGS = (QuaRotConfig, SpinQuantConfig)
@@ -359,6 +382,18 @@ _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {
     "autosmoothquant": (AutoSmoothQuantConfig, {"compute_scale_loss": "loss", "model_decoder_layers": "decoder_layers"}),
     "quarot": (QuaRotConfig, {}),
     "spinquant": (SpinQuantConfig, {}),
+    # [autoround]
+
+    # [gptaq]
+
+    # [qronos]
+
+    # [hqq]
+
+    # [svdquant]
+
+    # [distill]
+
 }
 _ALIASES = {"smooth": "smoothquant", "smooth_quant": "smoothquant", "auto_smoothquant": "autosmoothquant"}
 ALGORITHM_NAMES = tuple(_SCHEMAS)
@@ -366,7 +401,7 @@ ALGORITHM_NAMES = tuple(_SCHEMAS)
 
 def parse_algorithm(d: Union[Mapping, AlgorithmConfig, str]) -> AlgorithmConfig:
     """One algorithm config from a dict with a ``"name"`` (qcore's or Quark's keys), a name alone, or a config."""
-    if isinstance(d, (GPTQConfig, AWQConfig, SmoothQuantConfig, AutoSmoothQuantConfig, QuaRotConfig)):
+    if isinstance(d, tuple(cls for cls, _ in _SCHEMAS.values())):
         return d
     if isinstance(d, str):
         d = {"name": d}

@@ -124,7 +124,27 @@ def quantize_configs(calib: CalibrationData) -> dict[str, Quantize]:
         "nvfp4 (W+A)": _preset("nvfp4", calib),
         "int4 weight-only g128 sym (w_int4_per_group_sym)": _preset("w_int4_per_group_sym", calib),
         **algorithm_configs(calib),
+        **_issue24_configs(calib),
     }
+
+
+# issue 24: one module per algorithm, bench/quality_<name>.py with ``configs(calib, preset) -> {name: quantize}``
+# (``preset`` is ``_preset`` above); a module not there yet is skipped.
+_ISSUE24 = ("autoround", "gptaq", "qronos", "hqq", "svdquant", "distill")
+
+
+def _issue24_configs(calib: CalibrationData) -> dict[str, Quantize]:
+    import importlib.util
+
+    out: dict = {}
+    for name in _ISSUE24:
+        path = ROOT / "bench" / f"quality_{name}.py"
+        if path.exists():
+            spec = importlib.util.spec_from_file_location(f"quality_{name}", path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            out.update(mod.configs(calib, _preset))
+    return out
 
 
 def algorithm_configs(calib: CalibrationData) -> dict[str, Quantize]:

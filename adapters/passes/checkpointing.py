@@ -356,10 +356,12 @@ class LayerCheckpoint:
         self.carry, self.set_carry = carry, set_carry
         self.start = 0
 
-    def begin(self, layers, inputs, n: int, *, device=None):
+    def begin(self, layers, inputs, n: int, *, device=None, float_inputs=None):
+        """``(start, inputs, float_inputs)``: the first layer to run and its kept inputs (with the float stream,
+        ``LayerRunner.run(..., float_inputs=)``, the float model's too; else ``float_inputs`` as given)."""
         k = self.work.completed()
         if k == 0:
-            return 0, inputs
+            return 0, inputs, float_inputs
         if k > n:
             raise ValueError(f"work_dir {str(self.work.path)!r}: {k} layers saved, the model has {n}")
         _log.warning("resuming at layer %d of %d (work_dir %s)", k, n, self.work.path)
@@ -372,11 +374,21 @@ class LayerCheckpoint:
         self.start = k
         if self.set_carry is not None:
             self.set_carry(saved)
-            return k, inputs
-        return k, _inputs_from(saved)
+            return k, inputs, float_inputs
+        if float_inputs is not None:
+            if not (isinstance(saved, dict) and set(saved) == {"quantized", "float"}):
+                raise ValueError(f"work_dir {str(self.work.path)!r}: the saved run kept one stream of layer inputs; "
+                                 f"this one keeps the float model's too (start it in a new work directory)")
+            return k, _inputs_from(saved["quantized"]), _inputs_from(saved["float"])
+        return k, _inputs_from(saved), None
 
-    def done(self, i: int, layer, inputs) -> None:
-        carry = self.carry() if self.carry is not None else _inputs_state(inputs)
+    def done(self, i: int, layer, inputs, float_inputs=None) -> None:
+        if self.carry is not None:
+            carry = self.carry()
+        elif float_inputs is not None:
+            carry = {"quantized": _inputs_state(inputs), "float": _inputs_state(float_inputs)}
+        else:
+            carry = _inputs_state(inputs)
         self.work.save_layer(i, self.state(i, layer), carry)
 
 

@@ -33,15 +33,15 @@ from __future__ import annotations
 import logging
 import pathlib
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn
 
 _log = logging.getLogger("qcore.adapters")
 
-__all__ = ["AlgorithmError", "LayerInputs", "LayerRunner", "Spill", "Stop", "capture", "find_decoder_layers",
-           "forward_layer", "hidden_of"]
+__all__ = ["AlgorithmError", "FloatStream", "LayerInputs", "LayerRunner", "Spill", "Stop", "capture",
+           "find_decoder_layers", "forward_layer", "hidden_of"]
 
 _CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past")
 
@@ -99,6 +99,17 @@ class LayerInputs:
     def hidden(self, i: int) -> torch.Tensor:
         """Batch ``i``'s hidden states (the first positional argument, else ``hidden_states=``)."""
         return self.args[i][0] if self.args[i] else self.kwargs[i]["hidden_states"]
+
+
+class FloatStream(NamedTuple):
+    """The float model's view of one decoder layer (``LayerRunner.run(..., float_inputs=)``): ``inputs``, what the
+    float model's layers before it give on the calibration batches, and ``outputs``, this layer's float outputs
+    over them (computed before the step rewrites any weight). Algorithms that correct the error of the already
+    quantized layers (GPTAQ, Qronos) or fit a layer to its float outputs (AutoRound) read them beside the
+    quantized stream's ``inputs``."""
+
+    inputs: LayerInputs
+    outputs: LayerInputs
 
 
 def _replay_call(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -309,15 +320,22 @@ class LayerRunner:
 
     # -- passes ---------------------------------------------------------------------------------------------
 
-    def run(self, step: Callable[[int, nn.Module, Optional[LayerInputs]], None], inputs: Optional[LayerInputs] = None,
+    def run(self, step: Callable[..., None], inputs: Optional[LayerInputs] = None,
             *, desc: str = "layer by layer", replay: bool = True, keep_last: bool = False, rewrites: bool = False,
-            what: str = "the pass", checkpoint=None) -> Optional[LayerInputs]:
+            what: str = "the pass", checkpoint=None, float_inputs: Optional[LayerInputs] = None
+            ) -> Optional[LayerInputs]:
         """``step(i, layer, inputs)`` for each decoder layer in turn; with ``replay`` the layer (as the step left
         it) then runs over ``inputs`` to give the next layer's (after the last layer only with ``keep_last``:
         the final hidden states, returned). ``rewrites``: the steps change the model's weights: a failure marks
         the model partial and raises ``AlgorithmError`` naming ``what`` and the layer (module docstring).
         ``checkpoint``: a ``qcore.adapters.passes.checkpointing.LayerCheckpoint``: the layers a work directory
-        holds are restored and the run starts after them; each layer is saved there when done."""
+        holds are restored and the run starts after them; each layer is saved there when done.
+
+        ``float_inputs`` (needs ``replay``; usually the same captured ``LayerInputs`` as ``inputs``): a second
+        stream, the float model's. Before each step the layer, still float, runs over it, and the step is called
+        as ``step(i, layer, inputs, FloatStream(float_inputs, float_outputs))``; the float outputs are the next
+        layer's float inputs. Memory: two more copies of one layer's inputs. A work directory keeps both
+        streams."""
         from .._batches import _progress
 
         if not callable(step):
@@ -327,6 +345,9 @@ class LayerRunner:
         if replay and not isinstance(inputs, LayerInputs):
             raise TypeError(f"inputs must be LayerInputs (LayerRunner.capture's) when replay=True, got "
                             f"{type(inputs).__name__}")
+        if float_inputs is not None and not (replay and isinstance(float_inputs, LayerInputs)):
+            raise TypeError(f"float_inputs must be LayerInputs, with replay=True, got {type(float_inputs).__name__} "
+                            f"(replay={replay})")
         self._need_layers("run")
         n = len(self.layers)
         current: Optional[int] = None
@@ -334,16 +355,22 @@ class LayerRunner:
         try:
             if checkpoint is not None:  # a work directory: the layers it holds are restored, the run goes on
                 current = 0
-                start, inputs = checkpoint.begin(self.layers, inputs, n, device=self.device)
+                start, inputs, float_inputs = checkpoint.begin(self.layers, inputs, n, device=self.device,
+                                                               float_inputs=float_inputs)
                 if start:
                     desc = f"{desc} (resuming at layer {start} of {n})"
             for i in _progress(range(start, n), total=n - start, desc=desc, enabled=self.progress):
                 current = i
-                step(i, self.layers[i], inputs)
+                if float_inputs is not None:
+                    float_out = forward_layer(self.layers[i], float_inputs, keep=True)
+                    step(i, self.layers[i], inputs, FloatStream(float_inputs, float_out))
+                    float_inputs = float_out
+                else:
+                    step(i, self.layers[i], inputs)
                 if replay and (i + 1 < n or keep_last):
                     inputs = forward_layer(self.layers[i], inputs, keep=True)
                 if checkpoint is not None:
-                    checkpoint.done(i, self.layers[i], inputs if replay else None)
+                    checkpoint.done(i, self.layers[i], inputs if replay else None, float_inputs)
         except BaseException as e:
             if current is None or not rewrites:
                 raise

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qcore
-from qcore.algorithms.config import (AutoSmoothQuantConfig, AWQConfig, GPTQConfig,
+from qcore.algorithms.config import (AutoSmoothQuantConfig, AWQConfig, GPTQConfig, SmoothQuantConfig,
                                      parse_algorithms)
 from qcore.algorithms.gptq import HessianStats, _HessianSum, check_gptq_spec, gptq
 from qcore.stats import RunningStats
@@ -419,10 +419,43 @@ def check_experts_algorithms(plans: list, algos, *, who: Optional[str] = None) -
                          f"GPTQ), or keep the experts float: exclude=[..., 're:.*\\.experts']")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# the other layer algorithms: one binding module each in this package (data: algorithm name -> module). A binding
+# module has ``check(layer, lplans, algo, prefix, *, family=None)`` (every check, before any weight changes) and
+# ``run(layer, lplans, inputs, algo, prefix, pinned, *, floats=None, reduce=None, reference=None, family=None)``
+# (rewrites the layer's float weights; puts the QTensors it decides into ``pinned``, as GPTQ does).
+# ---------------------------------------------------------------------------------------------------------------
+
+_SCALING = (AWQConfig, SmoothQuantConfig, AutoSmoothQuantConfig)
+_BINDINGS = {
+    "autoround": "autoround",
+    "gptaq": "gptaq",
+    "qronos": "qronos",
+    "hqq": "hqq",
+    "svdquant": "svdquant",
+}
+# the algorithms that read the float model's stream beside the quantized one (LayerRunner.run(float_inputs=))
+FLOAT_STREAM = frozenset({"autoround", "gptaq", "qronos"})
+
+
+def _binding(algo):
+    import importlib
+    mod = _BINDINGS.get(algo.name)
+    if mod is None:
+        raise ValueError(f"algorithm {algo.name!r} has no layer binding in qcore.adapters.passes "
+                         f"(bound here: gptq, awq, smoothquant, autosmoothquant, {', '.join(_BINDINGS)})")
+    return importlib.import_module(f"{__package__}.{mod}")
+
+
 def check_layers(layers, by_layer: list[dict], algos, path: str, *, family=None) -> None:
     """Every check the algorithms make on the layers before any weight changes (shapes only: meta layers too);
     ``family``: the model's architecture record (``families.family_or_none(model)``) or None."""
-    scalers = [a for a in algos if not isinstance(a, GPTQConfig)]
+    for a in algos:
+        if not isinstance(a, (GPTQConfig,) + _SCALING):
+            b = _binding(a)
+            for i, layer in enumerate(layers):
+                b.check(layer, by_layer[i], a, f"{path}.{i}", family=family)
+    scalers = [a for a in algos if isinstance(a, _SCALING)]
     if scalers:
         from .scaling_bind import check_scaling
         for i, layer in enumerate(layers):
@@ -435,16 +468,23 @@ def check_layers(layers, by_layer: list[dict], algos, path: str, *, family=None)
 
 
 def run_layer(layer: nn.Module, lplans: dict, inputs: LayerInputs, algos, prefix: str, pinned: dict, reduce=None,
-              reference: Optional[dict] = None, *, family=None) -> None:
+              reference: Optional[dict] = None, *, family=None, floats=None) -> None:
     """The algorithms, in order, on one decoder layer over its kept ``inputs`` (the per-layer step of
     ``run_algorithms``, shared with ``qcore.adapters.passes.streaming``); GPTQ's QTensors go into ``pinned``, and (when
-    ``reference`` is a dict) the float weights GPTQ started from into ``reference`` (CPU copies)."""
+    ``reference`` is a dict) the float weights GPTQ started from into ``reference`` (CPU copies). ``floats``: the
+    float model's ``FloatStream`` of this layer (``runner.LayerRunner.run(float_inputs=)``) for the algorithms in
+    ``FLOAT_STREAM``."""
     for a in algos:
         if isinstance(a, GPTQConfig):
             _run_gptq(layer, lplans, inputs, a, prefix, pinned, reduce, reference)
-        else:
+        elif isinstance(a, _SCALING):
             from .scaling_bind import apply_scaling
             apply_scaling(layer, lplans, inputs, a, prefix, reduce=reduce, family=family)
+        else:
+            if a.name in FLOAT_STREAM and floats is None:
+                raise ValueError(f"{a.name} needs the float model's stream of layer inputs (floats=)")
+            _binding(a).run(layer, lplans, inputs, a, prefix, pinned, floats=floats, reduce=reduce,
+                            reference=reference, family=family)
 
 
 def check_algorithms(model: nn.Module, plans: list, algorithms) -> None:
@@ -493,8 +533,11 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
     pinned: dict = {}
     t0 = time.perf_counter()
 
-    def step(i, layer, inputs):
-        run_layer(layer, by_layer[i], inputs, algos, f"{path}.{i}", pinned, reduce, reference, family=family)
+    def step(i, layer, inputs, floats=None):
+        run_layer(layer, by_layer[i], inputs, algos, f"{path}.{i}", pinned, reduce, reference, family=family,
+                  floats=floats)
+
+    two_streams = any(a.name in FLOAT_STREAM for a in algos)
 
     checkpoint = None
     if work is not None:
@@ -504,7 +547,8 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
         with torch.no_grad():
             inputs = runner.capture(batches)
             runner.run(step, inputs, desc="algorithms, layer by layer", rewrites=True,
-                       what=f"{[a.name for a in algos]}", checkpoint=checkpoint)
+                       what=f"{[a.name for a in algos]}", checkpoint=checkpoint,
+                       float_inputs=inputs if two_streams else None)
     finally:
         model.train(was_training)
     _log.info("algorithms %s on %d layers in %.1f s", [a.name for a in algos], len(layers), time.perf_counter() - t0)
