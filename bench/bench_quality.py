@@ -79,13 +79,20 @@ def fp32(model: torch.nn.Module) -> torch.nn.Module:
 #  ``calib`` for calibration-based methods. Names matching a key of E.SMOLLM2_REFERENCE_PPL get Quark's    #
 #  figure printed beside them.                                                                              #
 # ======================================================================================================== #
-def _preset(name: str, calib: CalibrationData, *, algorithms: tuple = (), **kw) -> Quantize:
+def _preset(name: str, calib: CalibrationData, *, algorithms: tuple = (), weight_dtype: str | None = None,
+            **kw) -> Quantize:
     """``quantize_model`` with a preset (and ``algorithms``, e.g. ``({"name": "gptq"},)``); calibration on the
     protocol's windows (SmolLM2) or on the calibration sentences (MiniLM) when the preset has static activation
-    scales or algorithms."""
+    scales or algorithms. ``weight_dtype``: another integer format for the weights, e.g. ``"uint3"`` with
+    ``w_uint4_per_group_asym`` for uint3 per group."""
     from qcore.adapters import preset, quantize_model
 
     config = preset(name, **kw).replace(algorithms=tuple(algorithms))
+    if weight_dtype is not None:
+        import qcore
+        w = config.layer.weight
+        spec = dataclasses.replace(w.spec, dtype=qcore.get_dtype(weight_dtype), name=weight_dtype)
+        config = config.replace(layer=dataclasses.replace(config.layer, weight=dataclasses.replace(w, spec=spec)))
 
     scaling = any(a["name"] in ("awq", "smoothquant", "autosmoothquant", "quarot", "spinquant") for a in algorithms)
 
