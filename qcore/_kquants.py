@@ -1,0 +1,478 @@
+"""GGUF k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): llama.cpp's scale search, bit for bit, in numpy.
+
+Each function here is a transcription of the function of the same name in llama.cpp's ``ggml/src/ggml-quants.c``
+(``nearest_int``, ``make_qx_quants``, ``make_q3_quants``, ``make_qkx2_quants``, ``make_qkx3_quants``,
+``make_qp_quants``, ``quantize_row_q*_K_ref`` and the ``quantize_row_q*_K_impl`` importance-weighted variants),
+vectorized over sub-blocks: every float operation is a float32 operation in the C order (sums are sequential,
+``np.add.accumulate``, never pairwise), so the bytes equal ``ggml_quantize_chunk``'s. The oracle test is
+``tests/qcore/test_kquants.py`` (through ``qcore.testing.ggml``).
+
+The result of ``quantize_kquant`` is the *parts* of the GGUF blocks, before packing (``qcore.packing``
+``pack_kquant`` lays them out in GGUF's block bytes):
+
+- ``codes``: element codes, x's shape, the values of the spec's element dtype: unsigned ``L`` (Q2_K 0..3,
+  Q4_K 0..15, Q5_K 0..31, uint8) for the formats with mins, signed ``L - 4`` / ``L - 32`` (Q3_K -4..3,
+  Q6_K -32..31, int8) for the symmetric ones;
+- ``d`` (and ``dmin``): the fp16 super-block scale(s) as float32 values, shape (..., n / 256);
+- ``scale_codes`` (and ``min_codes``): the integer sub-block scale (and min) codes, shape (..., n / sub):
+  Q4_K/Q5_K 0..63, Q2_K 0..15, Q3_K -32..31 (stored biased by 32), Q6_K -128..127 (int8).
+
+A value is ``(d * scale_code) * code - (dmin * min_code)``: every product is exact in float32 (fp16 times a
+6-bit code times a 6-bit code fits 24 bits), so only the final subtraction rounds, as in ggml's dequantize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+QK_K = 256
+_F = np.float32
+_MAGIC = _F(12582912.0)
+_EPS = _F(1e-15)
+
+
+@dataclass(frozen=True)
+class KQuantParts:
+    """The parts of k-quant blocks (module docstring): codes, d, dmin (None for Q3_K/Q6_K), scale_codes,
+    min_codes (None for Q3_K/Q6_K). numpy arrays; the leading axes are the tensor's."""
+
+    codes: np.ndarray
+    d: np.ndarray
+    dmin: Optional[np.ndarray]
+    scale_codes: np.ndarray
+    min_codes: Optional[np.ndarray]
+
+
+def nearest_int(v):
+    """llama.cpp's ``nearest_int``: add 1.5 * 2**23 in float32 (which rounds to an integer, ties to even) and
+    read the low mantissa bits. Bit-identical for every float32 input, the out-of-range ones included."""
+    with np.errstate(all="ignore"):
+        s = (np.asarray(v, dtype=_F) + _MAGIC).astype(_F)
+    return (s.view(np.int32) & np.int32(0x007FFFFF)) - np.int32(0x00400000)
+
+
+def _seqsum(a):
+    """Sum along the last axis in order, in float32 (``float s = 0; for (...) s += a[i];``)."""
+    return np.add.accumulate(a, axis=-1, dtype=_F)[..., -1] + _F(0)
+
+
+def _f16(v):
+    """GGML_FP32_TO_FP16 then back: round to nearest even to float16, as float32."""
+    with np.errstate(over="ignore"):
+        return np.asarray(v, dtype=_F).astype(np.float16).astype(_F)
+
+
+def _first_absmax(x):
+    """(amax, max): the first element of largest |x| along the last axis and its signed value."""
+    ax = np.abs(x)
+    i = np.argmax(ax, axis=-1)
+    mx = np.take_along_axis(x, i[..., None], axis=-1)[..., 0]
+    return np.abs(mx), mx
+
+
+def _div(a, b):
+    with np.errstate(all="ignore"):
+        return (a / b).astype(_F)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the per-sub-block searches (x: (N, n) float32; weights (N, n); results per row)
+
+def make_qx_quants(x, nmax: int, qw=None):
+    """``make_qx_quants(n, nmax, x, L, rmse_type=1, qw)`` -> (scale (N,), L (N, n) int32 in 0..2*nmax-1)."""
+    N, n = x.shape
+    amax, mx = _first_absmax(x)
+    zero = amax < _EPS
+    with np.errstate(all="ignore"):
+        w = qw if qw is not None else (x * x).astype(_F)
+        wx = (w * x).astype(_F)
+
+        def attempt(iscale):
+            l = np.clip(nearest_int(iscale[:, None] * x), -nmax, nmax - 1)
+            lf = l.astype(_F)
+            sumlx = _seqsum(wx * lf)
+            suml2 = _seqsum((w * lf) * lf)
+            return l, sumlx, suml2
+
+        iscale = _div(_F(-nmax), mx)
+        l, sumlx, suml2 = attempt(iscale)
+        L = l + nmax
+        scale = np.where(suml2 != 0, _div(sumlx, suml2), _F(0)).astype(_F)
+        best = (scale * sumlx).astype(_F)
+        for is_ in range(-9, 10):
+            if is_ == 0:
+                continue
+            iscale = _div(-(_F(nmax) + _F(0.1) * _F(is_)), mx)
+            l, sumlx, suml2 = attempt(iscale)
+            better = (suml2 > 0) & ((sumlx * sumlx).astype(_F) > (best * suml2).astype(_F))
+            L = np.where(better[:, None], l + nmax, L)
+            new_scale = _div(sumlx, suml2)
+            scale = np.where(better, new_scale, scale)
+            best = np.where(better, (new_scale * sumlx).astype(_F), best)
+    scale = np.where(zero, _F(0), scale).astype(_F)
+    L = np.where(zero[:, None], 0, L)
+    return scale, L
+
+
+def make_q3_quants(x, nmax: int):
+    """``make_q3_quants(n, nmax, x, L, do_rmse=true)`` -> (scale (N,), L (N, n) in 0..2*nmax-1)."""
+    N, n = x.shape
+    amax, mx = _first_absmax(x)
+    zero = amax < _EPS
+    with np.errstate(all="ignore"):
+        iscale = _div(_F(-nmax), mx)
+        L = np.clip(nearest_int(iscale[:, None] * x), -nmax, nmax - 1)
+        w = (x * x).astype(_F)
+        wx = (w * x).astype(_F)
+        Lf = L.astype(_F)
+        sumlx = _seqsum(wx * Lf)
+        suml2 = _seqsum((w * Lf) * Lf)
+        for _ in range(5):
+            for i in range(n):
+                wi, xi, wxi = w[:, i], x[:, i], wx[:, i]
+                li = L[:, i].astype(_F)
+                slx = (sumlx - wxi * li).astype(_F)
+                ok = slx > 0
+                sl2 = (suml2 - (wi * li) * li).astype(_F)
+                new_l = np.clip(nearest_int(_div((xi * sl2).astype(_F), slx)), -nmax, nmax - 1)
+                nl = new_l.astype(_F)
+                changed = ok & (new_l != L[:, i])
+                slx2 = (slx + wxi * nl).astype(_F)
+                sl22 = (sl2 + (wi * nl) * nl).astype(_F)
+                take = changed & (sl22 > 0) & (((slx2 * slx2).astype(_F) * suml2).astype(_F)
+                                              > ((sumlx * sumlx).astype(_F) * sl22).astype(_F))
+                L[:, i] = np.where(take, new_l, L[:, i])
+                sumlx = np.where(take, slx2, sumlx)
+                suml2 = np.where(take, sl22, suml2)
+        scale = np.where(suml2 > 0, _div(sumlx, suml2), _F(0)).astype(_F)
+    return np.where(zero, _F(0), scale).astype(_F), np.where(zero[:, None], 0, L + nmax)
+
+
+def _qkx_common(x, w, nmax):
+    with np.errstate(all="ignore"):
+        mn = np.min(x, axis=-1)
+        mx = np.max(x, axis=-1)
+        sum_w = _seqsum(w)
+        sum_x = _seqsum((w * x).astype(_F))
+    mn = np.where(mn > 0, _F(0), mn).astype(_F)
+    return mn, mx, sum_w, sum_x
+
+
+def _err(scale, L, mn, x, w, use_mad):
+    with np.errstate(all="ignore"):
+        diff = ((scale[:, None] * L.astype(_F)).astype(_F) + mn[:, None]).astype(_F) - x
+        diff = np.abs(diff) if use_mad else (diff * diff).astype(_F)
+        return _seqsum((w * diff).astype(_F))
+
+
+def make_qkx_quants(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool, v3: bool):
+    """``make_qkx2_quants`` (``v3=False``) / ``make_qkx3_quants`` (``v3=True``) with weights ``w``
+    -> (scale (N,), the_min (N,) = -min >= 0, L (N, n) in 0..nmax)."""
+    mn, mx, sum_w, sum_x = _qkx_common(x, w, nmax)
+    degenerate = (mx <= mn) if v3 else (mx == mn)
+    with np.errstate(all="ignore"):
+        rng = (mx - mn).astype(_F)
+        iscale = _div(_F(nmax), rng)
+        scale = _div(_F(1), iscale)
+        L = np.clip(nearest_int((iscale[:, None] * (x - mn[:, None]).astype(_F)).astype(_F)), 0, nmax)
+        best = _err(scale, L, mn, x, w, use_mad)
+        for is_ in range(nstep + 1):
+            # min is the best fit so far: the C code divides by (max - min) with the updated min
+            iscale = _div((_F(rmin) + _F(rdelta) * _F(is_)).astype(_F) + _F(nmax), (mx - mn).astype(_F))
+            v = (iscale[:, None] * (x - mn[:, None]).astype(_F)).astype(_F)
+            if v3:
+                la = np.where(v > 0, nearest_int(np.where(v < _F(nmax), v, _F(nmax))), 0)
+            else:
+                la = np.clip(nearest_int(v), 0, nmax)
+            lf = la.astype(_F)
+            wl = (w * lf).astype(_F)
+            sum_l = _seqsum(wl)
+            sum_l2 = _seqsum((wl * lf).astype(_F))
+            sum_xl = _seqsum((wl * x).astype(_F))
+            D = ((sum_w * sum_l2).astype(_F) - (sum_l * sum_l).astype(_F)).astype(_F)
+            this_scale = _div(((sum_w * sum_xl).astype(_F) - (sum_x * sum_l).astype(_F)).astype(_F), D)
+            this_min = _div(((sum_l2 * sum_x).astype(_F) - (sum_l * sum_xl).astype(_F)).astype(_F), D)
+            pos = this_min > 0
+            this_scale = np.where(pos, _div(sum_xl, sum_l2), this_scale).astype(_F)
+            this_min = np.where(pos, _F(0), this_min).astype(_F)
+            cur = _err(this_scale, la, this_min, x, w, use_mad)
+            better = (D > 0) & (cur < best)
+            L = np.where(better[:, None], la, L)
+            best = np.where(better, cur, best)
+            scale = np.where(better, this_scale, scale)
+            mn = np.where(better, this_min, mn)
+    scale = np.where(degenerate, _F(0), scale).astype(_F)
+    L = np.where(degenerate[:, None], 0, L)
+    return scale, (-mn).astype(_F), L
+
+
+def make_qp_quants(x, nmax: int, qw):
+    """``make_qp_quants(n, nmax, x, L, quant_weights)`` -> (scale (N,), L (N, n) in 0..255 (uint8 wrap))."""
+    N, n = x.shape
+    with np.errstate(all="ignore"):
+        mx = np.zeros(N, dtype=_F)
+        for i in range(n):
+            mx = np.where(mx > x[:, i], mx, x[:, i])
+        zero = mx < _EPS
+        iscale = _div(_F(nmax), mx)
+        L = nearest_int(iscale[:, None] * x) & 0xFF
+        scale = _div(_F(1), iscale)
+
+        def mse(sc, l):
+            diff = (x - (sc[:, None] * l.astype(_F)).astype(_F)).astype(_F)
+            return _seqsum(((qw * diff).astype(_F) * diff).astype(_F))
+
+        best = mse(scale, L)
+        for is_ in range(-4, 5):
+            if is_ == 0:
+                continue
+            isc = _div((_F(0.1) * _F(is_)).astype(_F) + _F(nmax), mx)
+            sc = _div(_F(1), isc)
+            l = np.minimum(nmax, nearest_int(isc[:, None] * x))
+            m = mse(sc, l)
+            better = m < best
+            best = np.where(better, m, best)
+            iscale = np.where(better, isc, iscale)
+        L = np.minimum(nmax, nearest_int(iscale[:, None] * x))
+        wx = (qw * x).astype(_F)
+        Lf = L.astype(_F)
+        sumlx = _seqsum((wx * Lf).astype(_F))
+        suml2 = _seqsum(((qw * Lf).astype(_F) * Lf).astype(_F))
+        for _ in range(5):
+            for i in range(n):
+                wi, xi, wxi = qw[:, i], x[:, i], wx[:, i]
+                li = L[:, i].astype(_F)
+                slx = (sumlx - (wxi * li).astype(_F)).astype(_F)
+                sl2 = (suml2 - ((wi * li).astype(_F) * li).astype(_F)).astype(_F)
+                ok = (slx > 0) & (sl2 > 0)
+                new_l = np.minimum(nmax, nearest_int(_div((xi * sl2).astype(_F), slx)))
+                nl = new_l.astype(_F)
+                changed = ok & (new_l != L[:, i])
+                slx2 = (slx + (wxi * nl).astype(_F)).astype(_F)
+                sl22 = (sl2 + ((wi * nl).astype(_F) * nl).astype(_F)).astype(_F)
+                take = changed & (((slx2 * slx2).astype(_F) * suml2).astype(_F)
+                                  > ((sumlx * sumlx).astype(_F) * sl22).astype(_F))
+                L[:, i] = np.where(take, new_l, L[:, i])
+                sumlx = np.where(take, slx2, sumlx)
+                suml2 = np.where(take, sl22, suml2)
+        scale = np.where(suml2 > 0, _div(sumlx, suml2), _F(0)).astype(_F)
+    return np.where(zero, _F(0), scale).astype(_F), np.where(zero[:, None], 0, L & 0xFF)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the per-type drivers: x (B, 256) float32 super-blocks, qw (B, 256) or None
+
+def _sub(x, size):
+    B = x.shape[0]
+    return x.reshape(B * (QK_K // size), size)
+
+
+def _requant_asym(x, L, d, dmin, sc, mc, size, nmax):
+    """Requantization with the stored fp16 d/dmin and integer codes (skipped where d * sc == 0)."""
+    B = x.shape[0]
+    ns = QK_K // size
+    with np.errstate(all="ignore"):
+        dd = (np.repeat(d, ns) * sc.reshape(-1).astype(_F)).astype(_F)
+        dm = (np.repeat(dmin, ns) * mc.reshape(-1).astype(_F)).astype(_F)
+        xs = _sub(x, size)
+        l = np.clip(nearest_int(_div((xs + dm[:, None]).astype(_F), dd[:, None])), 0, nmax)
+    L = np.where((dd != 0)[:, None], l, L.reshape(B * ns, size))
+    return L.reshape(B, QK_K)
+
+
+def _requant_sym(x, L, d, sc, size, lo, hi):
+    B = x.shape[0]
+    ns = QK_K // size
+    with np.errstate(all="ignore"):
+        dd = (np.repeat(d, ns) * sc.reshape(-1).astype(_F)).astype(_F)
+        l = np.clip(nearest_int(_div(_sub(x, size), dd[:, None])), lo, hi) - lo
+    L = np.where((dd != 0)[:, None], l, L.reshape(B * ns, size))
+    return L.reshape(B, QK_K)
+
+
+def _sigma2(x, factor):
+    s = _seqsum((x * x).astype(_F))
+    return ((_F(factor) * s).astype(_F) / _F(QK_K)).astype(_F)
+
+
+def _imatrix_weights(x, qw, sigma2):
+    with np.errstate(all="ignore"):
+        return (qw * np.sqrt((sigma2[:, None] + (x * x).astype(_F)).astype(_F))).astype(_F)
+
+
+def _q45_k(x, qw, nmax):
+    """Q4_K (nmax 15) and Q5_K (nmax 31): 8 sub-blocks of 32, 6-bit scales and mins."""
+    B = x.shape[0]
+    xs = _sub(x, 32)
+    if qw is None:
+        with np.errstate(all="ignore"):
+            av = np.sqrt(_seqsum((xs * xs).astype(_F)) / _F(32)).astype(_F)
+            w = (av[:, None] + np.abs(xs)).astype(_F)
+        rmin, nstep = (-1.0, 20) if nmax == 15 else (-0.5, 15)
+        scales, mins, L = make_qkx_quants(xs, w, nmax, rmin, 0.1, nstep, False, False)
+        scales, mins = scales.reshape(B, 8), mins.reshape(B, 8)
+        max_scale = np.maximum(_F(0), np.max(scales, axis=1))
+        max_min = np.maximum(_F(0), np.max(mins, axis=1))
+        with np.errstate(all="ignore"):
+            inv_s = np.where(max_scale > 0, _div(_F(63), max_scale), _F(0)).astype(_F)
+            inv_m = np.where(max_min > 0, _div(_F(63), max_min), _F(0)).astype(_F)
+        sc = np.minimum(63, nearest_int(inv_s[:, None] * scales) & 0xFF)
+        mc = np.minimum(63, nearest_int(inv_m[:, None] * mins) & 0xFF)
+        d = _f16(_div(max_scale, _F(63)))
+        dmin = _f16(_div(max_min, _F(63)))
+    else:
+        sigma2 = _sigma2(x, 2)
+        w = _sub(_imatrix_weights(x, qw, sigma2), 32)
+        sw = _seqsum(w).reshape(B, 8)
+        scales, mins, L = make_qkx_quants(xs, w, nmax, -0.9, 0.05, 36, False, True)
+        d_block, sc = make_qp_quants(scales.reshape(B, 8), 63, sw)
+        m_block, mc = make_qp_quants(mins.reshape(B, 8), 63, sw)
+        if nmax == 31:
+            sc, mc = np.minimum(63, sc), np.minimum(63, mc)
+        else:
+            sc, mc = sc & 63, mc & 63  # Q4_K stores them in 6 bits without a clamp; they never exceed 63
+        d, dmin = _f16(d_block), _f16(m_block)
+    L = _requant_asym(x, L, d, dmin, sc, mc, 32, nmax)
+    return L, d, dmin, sc, mc
+
+
+def _q2_k(x, qw):
+    B = x.shape[0]
+    xs = _sub(x, 16)
+    if qw is None:
+        w = np.abs(xs)
+        scales, mins, L = make_qkx_quants(xs, w, 3, -0.5, 0.1, 15, True, False)
+        scales, mins = scales.reshape(B, 16), mins.reshape(B, 16)
+        max_scale = np.maximum(_F(0), np.max(scales, axis=1))
+        max_min = np.maximum(_F(0), np.max(mins, axis=1))
+        with np.errstate(all="ignore"):
+            isc = _div(_F(15), max_scale)
+            imn = _div(_F(15), max_min)
+            sc = np.where((max_scale > 0)[:, None], nearest_int(isc[:, None] * scales), 0) & 0xFF
+            mc = np.where((max_min > 0)[:, None], nearest_int(imn[:, None] * mins), 0)
+        byte = (sc | (mc << 4)) & 0xFF
+        sc, mc = byte & 0xF, byte >> 4
+        d = np.where(max_scale > 0, _f16(_div(max_scale, _F(15))), _F(0)).astype(_F)
+        dmin = np.where(max_min > 0, _f16(_div(max_min, _F(15))), _F(0)).astype(_F)
+    else:
+        sigma2 = _sigma2(x, 1)
+        w = _sub(_imatrix_weights(x, qw, sigma2), 16)
+        sw = _seqsum(w).reshape(B, 16)
+        scales, mins, L = make_qkx_quants(xs, w, 3, -0.9, 0.05, 36, False, True)
+        dm, sc = make_qp_quants(scales.reshape(B, 16), 15, sw)
+        mm, mc = make_qp_quants(mins.reshape(B, 16), 15, sw)
+        byte = (sc | (mc << 4)) & 0xFF
+        sc, mc = byte & 0xF, byte >> 4
+        d, dmin = _f16(dm), _f16(mm)
+    L = _requant_asym(x, L, d, dmin, sc, mc, 16, 3)
+    return L, d, dmin, sc, mc
+
+
+def _q3_k(x, qw):
+    B = x.shape[0]
+    xs = _sub(x, 16)
+    if qw is None:
+        scales, L = make_q3_quants(xs, 4)
+        scales = scales.reshape(B, 16)
+        _, max_scale = _first_absmax(scales)
+        with np.errstate(all="ignore"):
+            iscale = _div(_F(-32), max_scale)
+            l = nearest_int(iscale[:, None] * scales)
+        l8 = ((l + 128) & 0xFF) - 128  # int8_t
+        sc6 = np.clip(l8, -32, 31) + 32
+        has = max_scale != 0
+        sc6 = np.where(has[:, None], sc6, 0)
+        d = np.where(has, _f16(_div(_F(1), iscale)), _F(0)).astype(_F)
+    else:
+        sigma2 = _sigma2(x, 2)
+        w = _sub(_imatrix_weights(x, qw, sigma2), 16)
+        sw = _seqsum(w).reshape(B, 16)
+        scales, L = make_qx_quants(xs, 4, w)
+        d_block, sc6 = make_qx_quants(scales.reshape(B, 16), 32, sw)
+        d = _f16(d_block)
+    sc = sc6 - 32
+    L = _requant_sym(x, L, d, sc, 16, -4, 3)
+    return L - 4, d, sc
+
+
+def _q6_k(x, qw):
+    B = x.shape[0]
+    xs = _sub(x, 16)
+    scales, L = make_qx_quants(xs, 32, None if qw is None else _sub(qw, 16))
+    scales = scales.reshape(B, 16)
+    amax, max_scale = _first_absmax(scales)
+    zero = amax < _EPS
+    with np.errstate(all="ignore"):
+        iscale = _div(_F(-128), max_scale)
+        sc = np.minimum(127, nearest_int(iscale[:, None] * scales))
+    sc = ((sc + 128) & 0xFF) - 128
+    d = _f16(_div(_F(1), iscale))
+    L = _requant_sym(x, L, d, sc, 16, -32, 31)
+    # A block whose sub-block scales all vanish is written as zero bytes: d = 0, scales 0, L = 0 (code -32).
+    d = np.where(zero, _F(0), d).astype(_F)
+    sc = np.where(zero[:, None], 0, sc)
+    L = np.where(zero[:, None], 0, L)
+    return L - 32, d, sc
+
+
+def quantize_kquant(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = None) -> KQuantParts:
+    """llama.cpp's quantization of float32 ``x`` (..., n), n a multiple of 256, to the k-quant ``name``
+    (``"q2_k"`` ... ``"q6_k"``); ``imatrix``: None or per-column importance weights of shape (n,) (llama.cpp's
+    ``quant_weights``: the ``quantize_row_*_impl`` path). Arguments are validated by the caller."""
+    shape = x.shape
+    n = shape[-1]
+    lead = shape[:-1]
+    B = int(np.prod(shape, dtype=np.int64)) // QK_K
+    xb = np.ascontiguousarray(x, dtype=_F).reshape(B, QK_K)
+    qw = None
+    if imatrix is not None:
+        qw = np.broadcast_to(np.asarray(imatrix, dtype=_F).reshape(1, n), (int(np.prod(lead, dtype=np.int64)), n))
+        qw = np.ascontiguousarray(qw).reshape(B, QK_K)
+    nsb = n // QK_K
+    dmin = mc = None
+    if name in ("q4_k", "q5_k"):
+        L, d, dmin, sc, mc = _q45_k(xb, qw, 15 if name == "q4_k" else 31)
+        codes = L.astype(np.uint8)
+        sub = 32
+    elif name == "q2_k":
+        L, d, dmin, sc, mc = _q2_k(xb, qw)
+        codes = L.astype(np.uint8)
+        sub = 16
+    elif name == "q3_k":
+        L, d, sc = _q3_k(xb, qw)
+        codes = L.astype(np.int8)
+        sub = 16
+    elif name == "q6_k":
+        L, d, sc = _q6_k(xb, qw)
+        codes = L.astype(np.int8)
+        sub = 16
+    else:  # pragma: no cover - the caller resolves names
+        raise ValueError(f"unknown k-quant {name!r}")
+    ns = n // sub
+    return KQuantParts(
+        codes=codes.reshape(shape),
+        d=np.asarray(d, dtype=_F).reshape(*lead, nsb),
+        dmin=None if dmin is None else np.asarray(dmin, dtype=_F).reshape(*lead, nsb),
+        scale_codes=np.asarray(sc).astype(np.int16).reshape(*lead, ns),
+        min_codes=None if mc is None else np.asarray(mc).astype(np.int16).reshape(*lead, ns),
+    )
+
+
+def dequantize_kquant(p: KQuantParts, sub: int) -> np.ndarray:
+    """Float32 values of k-quant parts: ``(d * scale_code) * code - (dmin * min_code)`` per sub-block."""
+    shape = p.codes.shape
+    n = shape[-1]
+    ns, nsb = n // sub, n // QK_K
+    rep = QK_K // sub
+    with np.errstate(all="ignore"):
+        scale = (np.repeat(p.d, rep, axis=-1) * p.scale_codes.astype(_F)).astype(_F)
+        c = p.codes.astype(_F).reshape(*shape[:-1], ns, sub)
+        y = (scale[..., None] * c).astype(_F)
+        if p.dmin is not None:
+            off = (np.repeat(p.dmin, rep, axis=-1) * p.min_codes.astype(_F)).astype(_F)
+            y = (y - off[..., None]).astype(_F)
+    del nsb
+    return y.reshape(shape)
