@@ -8,7 +8,7 @@ vectorized over sub-blocks: every float operation is a float32 operation in the 
 ``tests/qcore/test_kquants.py`` (through ``qcore.testing.ggml``).
 
 The result of ``quantize_kquant`` is the *parts* of the GGUF blocks, before packing (``qcore.packing``
-``pack_kquant`` lays them out in GGUF's block bytes):
+``pack_gguf_kquant`` lays them out in GGUF's block bytes): the element codes and a ``SuperBlockScales``:
 
 - ``codes``: element codes, x's shape, the values of the spec's element dtype: unsigned ``L`` (Q2_K 0..3,
   Q4_K 0..15, Q5_K 0..31, uint8) for the formats with mins, signed ``L - 4`` / ``L - 32`` (Q3_K -4..3,
@@ -35,11 +35,12 @@ _EPS = _F(1e-15)
 
 
 @dataclass(frozen=True)
-class KQuantParts:
-    """The parts of k-quant blocks (module docstring): codes, d, dmin (None for Q3_K/Q6_K), scale_codes,
-    min_codes (None for Q3_K/Q6_K). numpy arrays; the leading axes are the tensor's."""
+class SuperBlockScales:
+    """The stored scales of k-quant super-blocks (``QTensor.super_scales``): ``d`` and ``dmin`` (float32 arrays
+    holding float16 values, shape (..., n / 256); ``dmin`` None for Q3_K/Q6_K), ``scale_codes`` and
+    ``min_codes`` (integer arrays, shape (..., n / sub); ``min_codes`` None for Q3_K/Q6_K). A sub-block's scale
+    is ``d * scale_code`` and its float offset ``-(dmin * min_code)`` (the value of code 0)."""
 
-    codes: np.ndarray
     d: np.ndarray
     dmin: Optional[np.ndarray]
     scale_codes: np.ndarray
@@ -418,10 +419,11 @@ def _q6_k(x, qw):
     return L - 32, d, sc
 
 
-def quantize_kquant(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = None) -> KQuantParts:
+def quantize_kquant(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = None):
     """llama.cpp's quantization of float32 ``x`` (..., n), n a multiple of 256, to the k-quant ``name``
     (``"q2_k"`` ... ``"q6_k"``); ``imatrix``: None or per-column importance weights of shape (n,) (llama.cpp's
-    ``quant_weights``: the ``quantize_row_*_impl`` path). Arguments are validated by the caller."""
+    ``quant_weights``: the ``quantize_row_*_impl`` path) -> (codes, ``SuperBlockScales``). Arguments are
+    validated by the caller."""
     shape = x.shape
     n = shape[-1]
     lead = shape[:-1]
@@ -452,8 +454,7 @@ def quantize_kquant(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = No
     else:  # pragma: no cover - the caller resolves names
         raise ValueError(f"unknown k-quant {name!r}")
     ns = n // sub
-    return KQuantParts(
-        codes=codes.reshape(shape),
+    return codes.reshape(shape), SuperBlockScales(
         d=np.asarray(d, dtype=_F).reshape(*lead, nsb),
         dmin=None if dmin is None else np.asarray(dmin, dtype=_F).reshape(*lead, nsb),
         scale_codes=np.asarray(sc).astype(np.int16).reshape(*lead, ns),
@@ -461,18 +462,26 @@ def quantize_kquant(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = No
     )
 
 
-def dequantize_kquant(p: KQuantParts, sub: int) -> np.ndarray:
-    """Float32 values of k-quant parts: ``(d * scale_code) * code - (dmin * min_code)`` per sub-block."""
-    shape = p.codes.shape
-    n = shape[-1]
-    ns, nsb = n // sub, n // QK_K
+def sub_scales(p: SuperBlockScales, sub: int):
+    """(scales, offsets) per sub-block, float32, exact: ``d * scale_code`` and ``-(dmin * min_code)`` (None
+    without mins)."""
     rep = QK_K // sub
     with np.errstate(all="ignore"):
         scale = (np.repeat(p.d, rep, axis=-1) * p.scale_codes.astype(_F)).astype(_F)
-        c = p.codes.astype(_F).reshape(*shape[:-1], ns, sub)
-        y = (scale[..., None] * c).astype(_F)
+        off = None
         if p.dmin is not None:
-            off = (np.repeat(p.dmin, rep, axis=-1) * p.min_codes.astype(_F)).astype(_F)
-            y = (y - off[..., None]).astype(_F)
-    del nsb
+            off = -(np.repeat(p.dmin, rep, axis=-1) * p.min_codes.astype(_F)).astype(_F)
+    return scale, off
+
+
+def dequantize_kquant(codes, p: SuperBlockScales, sub: int) -> np.ndarray:
+    """Float32 values: ``(d * scale_code) * code - (dmin * min_code)`` per sub-block (ggml's order; the products
+    are exact, the subtraction rounds once)."""
+    shape = codes.shape
+    scale, off = sub_scales(p, sub)
+    with np.errstate(all="ignore"):
+        c = codes.astype(_F).reshape(*shape[:-1], shape[-1] // sub, sub)
+        y = (scale[..., None] * c).astype(_F)
+        if off is not None:
+            y = (y + off[..., None]).astype(_F)  # a + (-b) == a - b in IEEE arithmetic
     return y.reshape(shape)

@@ -35,6 +35,8 @@ __all__ = [
     "IntDType",
     "FloatDType",
     "BlockDType",
+    "SuperBlockDType",
+    "SUPERBLOCK_DTYPES",
     "ScaleMode",
     "TensorScale",
     "DType",
@@ -308,7 +310,50 @@ class BlockDType:
         return False
 
 
-DType = Union[IntDType, FloatDType, BlockDType]
+@dataclass(frozen=True)
+class SuperBlockDType:
+    """A GGUF k-quant (llama.cpp's Q2_K ... Q6_K): super-blocks of ``block_size`` (256) elements along a row,
+    cut into sub-blocks of ``subblock_size`` (16 or 32) elements. Each sub-block has an integer scale code
+    (``scale_bits`` wide: 4, 6, or 8 for Q6_K's int8) and, when ``min_bits`` > 0, an integer min code; both are
+    multiplied by fp16 super-block scales ``d`` (and ``dmin``). A value is
+    ``(d * scale_code) * code - (dmin * min_code)``: the mins are FLOAT offsets of the block (the value of code 0
+    is ``-dmin * min_code``), not integer zero points. ``element`` is the code format as qcore holds the codes:
+    unsigned (uint2/uint4/uint5) for the formats with mins, signed (int3/int6: the stored ``L - 4`` / ``L - 32``)
+    for the symmetric ones. ``ggml_type`` is the ggml_type / GGMLQuantizationType number and ``type_size`` the
+    bytes of one super-block in a GGUF file. The scale search is llama.cpp's (``qcore._kquants``); the byte
+    layout is ``qcore.packing.pack_gguf_kquant``'s.
+    """
+
+    name: str
+    element: IntDType
+    subblock_size: int
+    scale_bits: int
+    min_bits: int
+    ggml_type: int
+    type_size: int
+    block_size: int = 256
+    super_scale: FloatDType = field(default_factory=lambda: _F16)
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.block_size % self.subblock_size:
+            raise ValueError(f"SuperBlockDType {self.name!r}: subblock_size must divide block_size")
+
+    @property
+    def has_mins(self) -> bool:
+        """True when sub-blocks carry float offsets (min codes under ``dmin``)."""
+        return self.min_bits > 0
+
+    @property
+    def bits_per_element(self) -> float:
+        return self.type_size * 8 / self.block_size
+
+    @property
+    def is_float(self) -> bool:
+        return False
+
+
+DType = Union[IntDType, FloatDType, BlockDType, SuperBlockDType]
 
 
 def _ints() -> list[IntDType]:
@@ -349,6 +394,7 @@ _FLOATS = [
 ]
 
 _F = {d.name: d for d in _FLOATS}
+_F16 = _F["float16"]
 
 
 def _blocks() -> list[BlockDType]:
@@ -392,6 +438,21 @@ def _all() -> list[DType]:
 DTYPES: dict[str, DType] = {d.name: d for d in _all()}
 """The one table of named formats. Keys are the canonical names (ml_dtypes spelling for elements)."""
 
+
+def _superblocks() -> list[SuperBlockDType]:
+    u, i = (lambda b: IntDType(f"uint{b}", b, False)), (lambda b: IntDType(f"int{b}", b, True))
+    # name, element, sub-block, scale bits, min bits, ggml_type, bytes per 256 (ggml-common.h's block_q*_K)
+    rows = [("q2_k", u(2), 16, 4, 4, 10, 84), ("q3_k", i(3), 16, 6, 0, 11, 110), ("q4_k", u(4), 32, 6, 6, 12, 144),
+            ("q5_k", u(5), 32, 6, 6, 13, 176), ("q6_k", i(6), 16, 8, 0, 14, 210)]
+    return [SuperBlockDType(n, el, sub, sb, mb, t, size, description="GGUF k-quant (llama.cpp)")
+            for n, el, sub, sb, mb, t, size in rows]
+
+
+SUPERBLOCK_DTYPES: dict[str, SuperBlockDType] = {d.name: d for d in _superblocks()}
+"""The GGUF k-quants (``q2_k`` ... ``q6_k``, llama.cpp's names in lower case; ``get_dtype`` also takes
+``"Q4_K"``). A table of its own: they are not element or block formats, and ``DTYPES``' users (the oracle kit's
+``formats``, conformance) iterate over those."""
+
 # Short aliases people type; each maps to exactly one canonical entry.
 _ALIASES = {
     "fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "half": "float16",
@@ -404,15 +465,18 @@ _ALIASES = {
 
 def get_dtype(dtype: Union[str, DType]) -> DType:
     """Resolve a name (or pass a dtype object through). Unknown names raise ``ValueError`` listing choices."""
-    if isinstance(dtype, (IntDType, FloatDType, BlockDType)):
+    if isinstance(dtype, (IntDType, FloatDType, BlockDType, SuperBlockDType)):
         return dtype
     if not isinstance(dtype, str):
         raise TypeError(f"dtype must be a name or a qcore dtype, got {type(dtype).__name__}")
     key = dtype.strip().lower()
     key = _ALIASES.get(key, key)
+    if key in SUPERBLOCK_DTYPES:
+        return SUPERBLOCK_DTYPES[key]
     try:
         return DTYPES[key]
     except KeyError:
         raise ValueError(
-            f"unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPES))} (aliases: {', '.join(sorted(_ALIASES))})"
+            f"unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPES))}, GGUF k-quants: "
+            f"{', '.join(SUPERBLOCK_DTYPES)} (aliases: {', '.join(sorted(_ALIASES))})"
         ) from None
