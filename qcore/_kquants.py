@@ -304,6 +304,12 @@ def _imatrix_weights(x, qw, sigma2):
         return (qw * np.sqrt((sigma2[:, None] + (x * x).astype(_F)).astype(_F))).astype(_F)
 
 
+def _running_max(v):
+    """``float m = 0; for (...) if (v[j] > m) m = v[j];``: +0 (never -0) when nothing is positive."""
+    m = np.max(v, axis=1)
+    return np.where(m > 0, m, _F(0)).astype(_F)
+
+
 def _q45_k(x, qw, nmax):
     """Q4_K (nmax 15) and Q5_K (nmax 31): 8 sub-blocks of 32, 6-bit scales and mins."""
     B = x.shape[0]
@@ -315,8 +321,7 @@ def _q45_k(x, qw, nmax):
         rmin, nstep = (-1.0, 20) if nmax == 15 else (-0.5, 15)
         scales, mins, L = make_qkx_quants(xs, w, nmax, rmin, 0.1, nstep, False, False)
         scales, mins = scales.reshape(B, 8), mins.reshape(B, 8)
-        max_scale = np.maximum(_F(0), np.max(scales, axis=1))
-        max_min = np.maximum(_F(0), np.max(mins, axis=1))
+        max_scale, max_min = _running_max(scales), _running_max(mins)
         with np.errstate(all="ignore"):
             inv_s = np.where(max_scale > 0, _div(_F(63), max_scale), _F(0)).astype(_F)
             inv_m = np.where(max_min > 0, _div(_F(63), max_min), _F(0)).astype(_F)
@@ -347,8 +352,7 @@ def _q2_k(x, qw):
         w = np.abs(xs)
         scales, mins, L = make_qkx_quants(xs, w, 3, -0.5, 0.1, 15, True, False)
         scales, mins = scales.reshape(B, 16), mins.reshape(B, 16)
-        max_scale = np.maximum(_F(0), np.max(scales, axis=1))
-        max_min = np.maximum(_F(0), np.max(mins, axis=1))
+        max_scale, max_min = _running_max(scales), _running_max(mins)
         with np.errstate(all="ignore"):
             isc = _div(_F(15), max_scale)
             imn = _div(_F(15), max_min)
