@@ -325,8 +325,8 @@ def _q45_k(x, qw, nmax):
         with np.errstate(all="ignore"):
             inv_s = np.where(max_scale > 0, _div(_F(63), max_scale), _F(0)).astype(_F)
             inv_m = np.where(max_min > 0, _div(_F(63), max_min), _F(0)).astype(_F)
-        sc = np.minimum(63, nearest_int(inv_s[:, None] * scales) & 0xFF)
-        mc = np.minimum(63, nearest_int(inv_m[:, None] * mins) & 0xFF)
+            sc = np.minimum(63, nearest_int(inv_s[:, None] * scales) & 0xFF)
+            mc = np.minimum(63, nearest_int(inv_m[:, None] * mins) & 0xFF)
         d = _f16(_div(max_scale, _F(63)))
         dmin = _f16(_div(max_min, _F(63)))
     else:

@@ -1,0 +1,266 @@
+"""GGUF k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) as qcore specs (docs/numerics.md, "GGUF k-quants").
+
+Oracles: llama.cpp's own quantizer, ``ggml_quantize_chunk`` from llama-cpp-python's ``libggml-base`` through
+ctypes (``qcore.testing.ggml``; skipped without the library): qcore's bytes must equal it, with and without an
+importance matrix; and gguf-py's ``gguf.quants.dequantize`` (skipped without gguf): qcore's values must equal
+it bit for bit, on llama.cpp's bytes and on random bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import qcore
+from qcore import PerGroup, dequantize, fake_quantize, make_spec, quantize
+from qcore.packing import pack_gguf_kquant, unpack_gguf_kquant
+from qcore.testing import probes
+from qcore.testing.ggml import ggml_library, ggml_quantize
+
+KQ = ["q4_k", "q6_k", "q5_k", "q3_k", "q2_k"]
+SIZE = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+
+needs_ggml = pytest.mark.skipif(ggml_library() is None, reason="llama.cpp's libggml-base is not installed")
+
+
+def _gguf():
+    gq = pytest.importorskip("gguf.quants")
+    import gguf
+
+    return gq, gguf
+
+
+def _inputs(seed: int = 0) -> np.ndarray:
+    """(rows, 512) float32: two super-blocks per row, one distribution per row."""
+    rng = np.random.default_rng(seed)
+    n = 512
+    rows = [
+        rng.standard_normal(n),                                   # normal
+        rng.standard_t(1.5, n),                                   # heavy-tailed
+        np.concatenate([np.zeros(256), rng.standard_normal(256)]),  # an all-zero super-block
+        np.concatenate([np.full(256, 0.7), np.full(256, -1.25)]),   # constant super-blocks
+        np.concatenate([np.full(32, 3.0), rng.standard_normal(224), np.zeros(16), rng.random(240)]),  # const/zero subs
+        rng.standard_normal(n) * 1e-6,                            # tiny
+        rng.standard_normal(n) * 1e-30,                           # d underflows fp16
+        rng.standard_normal(n) * 3e4,                             # huge
+        rng.random(n) + 5.0,                                      # all positive, offset
+        -rng.random(n) - 5.0,                                     # all negative
+        np.round(rng.standard_normal(n) * 4) / 4,                 # ties on a grid
+        np.where(rng.random(n) < 0.05, rng.standard_normal(n) * 20, 0.0),  # sparse with outliers
+        rng.standard_normal(n).astype(np.float16),                # fp16 weights
+        np.concatenate([rng.standard_normal(256) * 1e3, rng.standard_normal(256) * 1e-3]),
+    ]
+    return np.stack(rows).astype(np.float32)
+
+
+def _probe_rows() -> np.ndarray:
+    """The oracle kit's probe values (finite ones), cut into rows of 256."""
+    v = np.concatenate([probes(f).reshape(-1) for f in ("mxfp4", "nvfp4", "int8", "uint4")])
+    v = v[np.isfinite(v)]
+    v = v[np.abs(v) < 1e6].astype(np.float32)
+    n = len(v) // 256 * 256
+    return v[:n].reshape(-1, 256)
+
+
+def _imatrices(n: int, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    return {"none": None, "ones": np.ones(n, np.float32), "random": (rng.random(n) ** 3).astype(np.float32),
+            "sq": (rng.standard_normal(n) ** 2).astype(np.float32)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bytes == llama.cpp's
+
+
+@needs_ggml
+@pytest.mark.parametrize("name", KQ)
+@pytest.mark.parametrize("imx", ["none", "ones", "random", "sq"])
+def test_bytes_equal_ggml(name, imx):
+    x = _inputs()
+    qw = _imatrices(x.shape[1])[imx]
+    q = quantize(x, name, imatrix=qw)
+    ours = pack_gguf_kquant(q)
+    ref = ggml_quantize(x, name, qw)
+    assert ours.shape == ref.shape == (x.shape[0], 2 * SIZE[name])
+    bad = np.nonzero((ours != ref).any(axis=1))[0]
+    assert bad.size == 0, f"{name} imatrix={imx}: rows {bad.tolist()} differ from ggml_quantize_chunk"
+
+
+@needs_ggml
+@pytest.mark.parametrize("name", KQ)
+@pytest.mark.parametrize("seed", [3, 4])
+def test_bytes_equal_ggml_random(name, seed):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((48, 768)) * np.exp(rng.uniform(-8, 8, (48, 1)))).astype(np.float32)
+    qw = (rng.random(768) * 2).astype(np.float32)
+    for w in (None, qw):
+        assert np.array_equal(pack_gguf_kquant(quantize(x, name, imatrix=w)), ggml_quantize(x, name, w))
+
+
+@needs_ggml
+@pytest.mark.parametrize("name", KQ)
+def test_bytes_equal_ggml_on_probes(name):
+    x = _probe_rows()
+    assert x.shape[0] >= 4
+    for w in (None, np.linspace(0.01, 3, 256, dtype=np.float32)):
+        assert np.array_equal(pack_gguf_kquant(quantize(x, name, imatrix=w)), ggml_quantize(x, name, w))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# values == gguf-py's dequantize; pack / unpack
+
+
+@needs_ggml
+@pytest.mark.parametrize("name", KQ)
+def test_dequantize_equals_gguf_py(name):
+    gq, gguf = _gguf()
+    t = getattr(gguf.GGMLQuantizationType, name.upper())
+    x = _inputs(5)
+    for w in (None, _imatrices(512)["random"]):
+        ref_bytes = ggml_quantize(x, name, w)
+        want = gq.dequantize(ref_bytes, t)
+        q = quantize(x, name, imatrix=w)
+        got = dequantize(q)
+        assert got.dtype == np.float32 and got.shape == x.shape
+        assert np.array_equal(got.view(np.int32), want.view(np.int32))
+        assert np.array_equal(fake_quantize(x, name, imatrix=w).view(np.int32), want.view(np.int32))
+        assert np.array_equal(dequantize(unpack_gguf_kquant(ref_bytes, name)).view(np.int32), want.view(np.int32))
+
+
+def _random_blocks(name, rows, nb, rng):
+    """Random GGUF bytes whose fp16 super-scales are finite (no NaN payloads to compare)."""
+    b = rng.integers(0, 256, (rows, nb, SIZE[name]), dtype=np.uint8)
+    offs = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}[name]
+    for o in offs:
+        b[..., o + 1] &= 0x7B  # exponent field never all ones
+    return b.reshape(rows, nb * SIZE[name])
+
+
+@pytest.mark.parametrize("name", KQ)
+def test_unpack_pack_round_trip_random_bytes(name):
+    rng = np.random.default_rng(7)
+    data = _random_blocks(name, 5, 3, rng)
+    q = unpack_gguf_kquant(data, name)
+    assert q.codes.shape == (5, 768)
+    assert np.array_equal(pack_gguf_kquant(q), data)
+    gq, gguf = _gguf()
+    want = gq.dequantize(data, getattr(gguf.GGMLQuantizationType, name.upper()))
+    got = dequantize(q)
+    assert np.array_equal(got.view(np.int32), want.view(np.int32))
+
+
+@pytest.mark.parametrize("name", KQ)
+def test_pack_unpack_round_trip_parts(name):
+    x = _inputs(2).reshape(2, 7, 512)
+    q = quantize(x, name)
+    back = unpack_gguf_kquant(pack_gguf_kquant(q), name)
+    assert back.codes.shape == x.shape and back.codes.dtype == q.codes.dtype
+    assert np.array_equal(back.codes, q.codes)
+    for f in ("d", "dmin", "scale_codes", "min_codes"):
+        a, b = getattr(q.super_scales, f), getattr(back.super_scales, f)
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert np.array_equal(a, b), f
+    assert np.array_equal(back.scales, q.scales)
+    assert (q.offsets is None) == (name in ("q3_k", "q6_k"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the spec
+
+
+def test_spec_and_table():
+    s = make_spec("Q4_K")
+    assert s == make_spec("q4_k") and s.superblock == "q4_k" and s.name == "q4_k"
+    assert s.dtype.name == "uint4" and s.granularity == PerGroup(32, -1) and s.symmetric is False
+    assert make_spec("q6_k").dtype.name == "int6" and make_spec("q6_k").symmetric is True
+    assert make_spec("q3_k").granularity == PerGroup(16, -1)
+    assert [make_spec(n).bits_per_element() for n in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")] == \
+        [2.625, 3.4375, 4.5, 5.5, 6.5625]
+    assert make_spec("q4_k").bits_per_element((3, 512)) == 4.5
+    assert set(qcore.dtypes.SUPERBLOCK_DTYPES) == set(KQ)
+    assert "q4_k" not in qcore.DTYPES  # its own table (not an element or block format)
+
+
+def test_spec_refuses_other_fields():
+    with pytest.raises(ValueError, match="superblock='q4_k' fixes dtype"):
+        make_spec("q4_k", dtype="uint8")
+    with pytest.raises(ValueError, match="PerGroup\\(32\\)"):
+        make_spec("q4_k", granularity=PerGroup(64))
+    with pytest.raises(ValueError, match="one of q2_k"):
+        make_spec("int4", superblock="q7_k")
+    with pytest.raises(ValueError, match="make_spec\\('q4_k'\\)"):
+        qcore.QuantSpec("q4_k")
+
+
+@pytest.mark.parametrize("shape", [(4, 100), (300,), (2, 3, 320)])
+def test_shape_not_multiple_of_256(shape):
+    x = np.ones(shape, np.float32)
+    with pytest.raises(ValueError, match=r"multiple of 256.*" + str(shape).replace("(", r"\(").replace(")", r"\)")):
+        quantize(x, "q4_k")
+    with pytest.raises(ValueError, match="multiple of 256"):
+        fake_quantize(x, "q6_k")
+
+
+def test_argument_errors():
+    x = np.random.default_rng(0).standard_normal((2, 256)).astype(np.float32)
+    with pytest.raises(ValueError, match="last axis"):
+        quantize(x.T.copy().reshape(256, 2), "q4_k", axis=0)
+    with pytest.raises(ValueError, match=r"imatrix must have shape \(256,\)"):
+        quantize(x, "q4_k", imatrix=np.ones(128))
+    with pytest.raises(ValueError, match="non-negative"):
+        quantize(x, "q4_k", imatrix=-np.ones(256))
+    with pytest.raises(ValueError, match="k-quant specs"):
+        quantize(x, "int4", imatrix=np.ones(256))
+    with pytest.raises(ValueError, match="scale="):
+        quantize(x, "q4_k", scale=np.ones((2, 8)))
+    y = x.copy()
+    y[1, 3] = np.nan
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize(y, "q5_k")
+    with pytest.raises(ValueError, match="fake_quantizer"):
+        qcore.fake_quantizer("q4_k", shape=(2, 256), scale=np.ones((2, 8)))
+
+
+def test_dequantize_checks_parts():
+    x = _inputs(1)
+    q = quantize(x, "q4_k")
+    import dataclasses
+
+    bad_scales = dataclasses.replace(q, scales=q.scales * 2)
+    with pytest.raises(ValueError, match="QTensor.scales must equal"):
+        dequantize(bad_scales)
+    bad_codes = dataclasses.replace(q, codes=q.codes + np.uint8(16))
+    with pytest.raises(ValueError, match=r"QTensor.codes must lie in \[0, 15\]"):
+        dequantize(bad_codes)
+    ss = dataclasses.replace(q.super_scales, d=q.super_scales.d + np.float32(1e-7))
+    with pytest.raises(ValueError, match="float16 values"):
+        dequantize(dataclasses.replace(q, super_scales=ss))
+    with pytest.raises(ValueError, match="offsets"):
+        dequantize(dataclasses.replace(q, offsets=None))
+    with pytest.raises(ValueError, match="offsets / super_scales"):
+        dequantize(dataclasses.replace(quantize(x, "int4"), offsets=np.zeros(1, np.float32)))
+
+
+def test_value_formula_and_empty():
+    x = _inputs(3)
+    q = quantize(x, "q5_k")
+    v = q.codes.astype(np.float32).reshape(x.shape[0], -1, 32) * q.scales[..., None] + q.offsets[..., None]
+    assert np.array_equal(v.reshape(x.shape), dequantize(q))
+    e = quantize(np.zeros((0, 512), np.float32), "q4_k")
+    assert e.codes.shape == (0, 512) and dequantize(e).shape == (0, 512)
+
+
+def test_torch_path():
+    torch = pytest.importorskip("torch")
+    x = _inputs(4)
+    t = torch.from_numpy(x.copy()).requires_grad_(True)
+    y = fake_quantize(t, "q4_k")
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.float32
+    assert np.array_equal(y.detach().numpy(), fake_quantize(x, "q4_k"))
+    y.sum().backward()
+    assert torch.equal(t.grad, torch.ones_like(t))  # straight-through
+    q = quantize(t, "q6_k", imatrix=torch.ones(512))
+    assert isinstance(q.codes, torch.Tensor) and isinstance(q.super_scales.d, torch.Tensor)
+    assert np.array_equal(dequantize(q).numpy(), dequantize(quantize(x, "q6_k", imatrix=np.ones(512))))
+    assert np.array_equal(pack_gguf_kquant(q), pack_gguf_kquant(quantize(x, "q6_k", imatrix=np.ones(512))))
