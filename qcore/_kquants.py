@@ -8,7 +8,7 @@ vectorized over sub-blocks: every float operation is a float32 operation in the 
 ``tests/qcore/test_kquants.py`` (through ``qcore.testing.ggml``).
 
 The result of ``quantize_kquant`` is the *parts* of the GGUF blocks, before packing (``qcore.packing``
-``pack_gguf_kquant`` lays them out in GGUF's block bytes): the element codes and a ``SuperBlockScales``:
+``pack_gguf_kquant`` lays them out in GGUF's block bytes): the element codes and a ``GGUFScales``:
 
 - ``codes``: element codes, x's shape, the values of the spec's element dtype: unsigned ``L`` (Q2_K 0..3,
   Q4_K 0..15, Q5_K 0..31, uint8) for the formats with mins, signed ``L - 4`` / ``L - 32`` (Q3_K -4..3,
@@ -35,7 +35,7 @@ _EPS = _F(1e-15)
 
 
 @dataclass(frozen=True)
-class SuperBlockScales:
+class GGUFScales:
     """The stored scales of k-quant super-blocks (``QTensor.super_scales``): ``d`` and ``dmin`` (float32 arrays
     holding float16 values, shape (..., n / 256); ``dmin`` None for Q3_K/Q6_K), ``scale_codes`` and
     ``min_codes`` (integer arrays, shape (..., n / sub); ``min_codes`` None for Q3_K/Q6_K). A sub-block's scale
@@ -426,7 +426,7 @@ def _q6_k(x, qw):
 def quantize_kquant(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = None):
     """llama.cpp's quantization of float32 ``x`` (..., n), n a multiple of 256, to the k-quant ``name``
     (``"q2_k"`` ... ``"q6_k"``); ``imatrix``: None or per-column importance weights of shape (n,) (llama.cpp's
-    ``quant_weights``: the ``quantize_row_*_impl`` path) -> (codes, ``SuperBlockScales``). Arguments are
+    ``quant_weights``: the ``quantize_row_*_impl`` path) -> (codes, ``GGUFScales``). Arguments are
     validated by the caller."""
     shape = x.shape
     n = shape[-1]
@@ -458,7 +458,7 @@ def quantize_kquant(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = No
     else:  # pragma: no cover - the caller resolves names
         raise ValueError(f"unknown k-quant {name!r}")
     ns = n // sub
-    return codes.reshape(shape), SuperBlockScales(
+    return codes.reshape(shape), GGUFScales(
         d=np.asarray(d, dtype=_F).reshape(*lead, nsb),
         dmin=None if dmin is None else np.asarray(dmin, dtype=_F).reshape(*lead, nsb),
         scale_codes=np.asarray(sc).astype(np.int16).reshape(*lead, ns),
@@ -466,7 +466,7 @@ def quantize_kquant(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = No
     )
 
 
-def sub_scales(p: SuperBlockScales, sub: int):
+def sub_scales(p: GGUFScales, sub: int):
     """(scales, offsets) per sub-block, float32, exact: ``d * scale_code`` and ``-(dmin * min_code)`` (None
     without mins)."""
     rep = QK_K // sub
@@ -478,7 +478,7 @@ def sub_scales(p: SuperBlockScales, sub: int):
     return scale, off
 
 
-def dequantize_kquant(codes, p: SuperBlockScales, sub: int) -> np.ndarray:
+def dequantize_kquant(codes, p: GGUFScales, sub: int) -> np.ndarray:
     """Float32 values: ``(d * scale_code) * code - (dmin * min_code)`` per sub-block (ggml's order; the products
     are exact, the subtraction rounds once)."""
     shape = codes.shape

@@ -35,8 +35,8 @@ __all__ = [
     "IntDType",
     "FloatDType",
     "BlockDType",
-    "SuperBlockDType",
-    "SUPERBLOCK_DTYPES",
+    "GGUFDType",
+    "GGUF_DTYPES",
     "ScaleMode",
     "TensorScale",
     "DType",
@@ -311,7 +311,7 @@ class BlockDType:
 
 
 @dataclass(frozen=True)
-class SuperBlockDType:
+class GGUFDType:
     """A GGUF k-quant (llama.cpp's Q2_K ... Q6_K): super-blocks of ``block_size`` (256) elements along a row,
     cut into sub-blocks of ``subblock_size`` (16 or 32) elements. Each sub-block has an integer scale code
     (``scale_bits`` wide: 4, 6, or 8 for Q6_K's int8) and, when ``min_bits`` > 0, an integer min code; both are
@@ -337,7 +337,7 @@ class SuperBlockDType:
 
     def __post_init__(self) -> None:
         if self.block_size % self.subblock_size:
-            raise ValueError(f"SuperBlockDType {self.name!r}: subblock_size must divide block_size")
+            raise ValueError(f"GGUFDType {self.name!r}: subblock_size must divide block_size")
 
     @property
     def has_mins(self) -> bool:
@@ -353,7 +353,7 @@ class SuperBlockDType:
         return False
 
 
-DType = Union[IntDType, FloatDType, BlockDType, SuperBlockDType]
+DType = Union[IntDType, FloatDType, BlockDType, GGUFDType]
 
 
 def _ints() -> list[IntDType]:
@@ -439,16 +439,16 @@ DTYPES: dict[str, DType] = {d.name: d for d in _all()}
 """The one table of named formats. Keys are the canonical names (ml_dtypes spelling for elements)."""
 
 
-def _superblocks() -> list[SuperBlockDType]:
+def _gguf_types() -> list[GGUFDType]:
     u, i = (lambda b: IntDType(f"uint{b}", b, False)), (lambda b: IntDType(f"int{b}", b, True))
     # name, element, sub-block, scale bits, min bits, ggml_type, bytes per 256 (ggml-common.h's block_q*_K)
     rows = [("q2_k", u(2), 16, 4, 4, 10, 84), ("q3_k", i(3), 16, 6, 0, 11, 110), ("q4_k", u(4), 32, 6, 6, 12, 144),
             ("q5_k", u(5), 32, 6, 6, 13, 176), ("q6_k", i(6), 16, 8, 0, 14, 210)]
-    return [SuperBlockDType(n, el, sub, sb, mb, t, size, description="GGUF k-quant (llama.cpp)")
+    return [GGUFDType(n, el, sub, sb, mb, t, size, description="GGUF k-quant (llama.cpp)")
             for n, el, sub, sb, mb, t, size in rows]
 
 
-SUPERBLOCK_DTYPES: dict[str, SuperBlockDType] = {d.name: d for d in _superblocks()}
+GGUF_DTYPES: dict[str, GGUFDType] = {d.name: d for d in _gguf_types()}
 """The GGUF k-quants (``q2_k`` ... ``q6_k``, llama.cpp's names in lower case; ``get_dtype`` also takes
 ``"Q4_K"``). A table of its own: they are not element or block formats, and ``DTYPES``' users (the oracle kit's
 ``formats``, conformance) iterate over those."""
@@ -465,18 +465,18 @@ _ALIASES = {
 
 def get_dtype(dtype: Union[str, DType]) -> DType:
     """Resolve a name (or pass a dtype object through). Unknown names raise ``ValueError`` listing choices."""
-    if isinstance(dtype, (IntDType, FloatDType, BlockDType, SuperBlockDType)):
+    if isinstance(dtype, (IntDType, FloatDType, BlockDType, GGUFDType)):
         return dtype
     if not isinstance(dtype, str):
         raise TypeError(f"dtype must be a name or a qcore dtype, got {type(dtype).__name__}")
     key = dtype.strip().lower()
     key = _ALIASES.get(key, key)
-    if key in SUPERBLOCK_DTYPES:
-        return SUPERBLOCK_DTYPES[key]
+    if key in GGUF_DTYPES:
+        return GGUF_DTYPES[key]
     try:
         return DTYPES[key]
     except KeyError:
         raise ValueError(
             f"unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPES))}, GGUF k-quants: "
-            f"{', '.join(SUPERBLOCK_DTYPES)} (aliases: {', '.join(sorted(_ALIASES))})"
+            f"{', '.join(GGUF_DTYPES)} (aliases: {', '.join(sorted(_ALIASES))})"
         ) from None

@@ -664,10 +664,10 @@ def _f16_from(b):
 
 
 def _kq_type(fmt):
-    from qcore.dtypes import SuperBlockDType
+    from qcore.dtypes import GGUFDType
 
-    d = fmt.superblock_dtype if hasattr(fmt, "superblock_dtype") else get_dtype(fmt)
-    if not isinstance(d, SuperBlockDType):
+    d = fmt.gguf_dtype if hasattr(fmt, "gguf_dtype") else get_dtype(fmt)
+    if not isinstance(d, GGUFDType):
         raise ValueError(f"a GGUF k-quant (q2_k ... q6_k) is needed, got {getattr(d, 'name', fmt)!r}")
     return d
 
@@ -677,7 +677,7 @@ def pack_gguf_kquant(q) -> np.ndarray:
     row, exactly what llama.cpp's ``ggml_quantize_chunk`` writes. numpy (torch parts are read on the host)."""
     from qcore.quantize import QTensor, _np_view
 
-    if not isinstance(q, QTensor) or not getattr(q.spec, "superblock", ""):
+    if not isinstance(q, QTensor) or not getattr(q.spec, "gguf", ""):
         raise TypeError(f"pack_gguf_kquant takes a k-quant QTensor (quantize(x, 'q4_k')), got {type(q).__name__}"
                         + ("" if not isinstance(q, QTensor) else f" with spec {q.spec.name or q.spec.dtype.name!r}"))
     t = _kq_type(q.spec)
@@ -770,7 +770,7 @@ def unpack_gguf_kquant(data: ArrayLike, fmt) -> Any:
         sc = s16.view(np.int8)
     codes = (L.astype(np.int16) + t.element.min).astype(np.int8 if t.element.signed else np.uint8)
     ns = 256 // t.subblock_size
-    ss = _kquants.SuperBlockScales(
+    ss = _kquants.GGUFScales(
         d=_f16_from(d).reshape(*lead, nb),
         dmin=None if dmin is None else _f16_from(dmin).reshape(*lead, nb),
         scale_codes=np.asarray(sc).astype(np.int16).reshape(*lead, nb * ns),

@@ -27,7 +27,7 @@ from ._two_level import (_F32_MIN_NORMAL, _f32_const, _two_level_multipliers,  #
                          _two_level_scales, tensor_scale_from_amax)
 from ._microexp import dequant_microexp_blocks, quantize_microexp_blocks
 from .cast import cast, decode, encode
-from .dtypes import (SUPERBLOCK_DTYPES, BlockDType, FloatDType, IntDType, ScaleMode, SuperBlockDType, TensorScale,
+from .dtypes import (GGUF_DTYPES, BlockDType, FloatDType, IntDType, ScaleMode, GGUFDType, TensorScale,
                      get_dtype)
 from .granularity import (Granularity, PerBlock, PerChannel, PerGroup, PerTensor, as_int, check_granularity,
                           from_blocks, scales_to_blocked, to_blocks)
@@ -69,7 +69,7 @@ class QuantSpec:
         ``scale_dtype`` relative to a per-tensor float32 scale that is 1 (ONE), computed from the tensor's amax
         (AMAX) or passed at the call as ``tensor_scale=`` (GIVEN). Float elements, a non-power-of-two
         ``scale_dtype`` narrower than float32.
-    superblock: a GGUF k-quant (``"q2_k"`` ... ``"q6_k"``, ``qcore.SUPERBLOCK_DTYPES``), or "" (default). Set by
+    gguf: a GGUF type whose llama.cpp quantizer the spec follows: a k-quant (``"q2_k"`` ... ``"q6_k"``, ``qcore.GGUF_DTYPES``), or "" (default). Set by
         ``make_spec("q4_k")``, which also sets the fields it implies: ``dtype`` the code format (uint4 for Q4_K),
         ``granularity=PerGroup(sub-block size)`` along the last axis (rows; 32 for Q4_K/Q5_K, 16 for the others),
         ``symmetric`` False exactly for the formats with mins (Q2_K/Q4_K/Q5_K), whose offsets are FLOAT
@@ -93,12 +93,12 @@ class QuantSpec:
     subblock_shift_bits: int = 0
     bump_on_overflow: bool = False
     tensor_scale_mode: TensorScale = TensorScale.NONE
-    superblock: str = ""
+    gguf: str = ""
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
         d = get_dtype(self.dtype)
-        if isinstance(d, (BlockDType, SuperBlockDType)):
+        if isinstance(d, (BlockDType, GGUFDType)):
             raise ValueError(f"QuantSpec.dtype is the element format; build block formats with make_spec({d.name!r})")
         object.__setattr__(self, "dtype", d)
         sd = get_dtype(self.scale_dtype)
@@ -154,12 +154,12 @@ class QuantSpec:
         if self.bump_on_overflow and not (self.pow2_scale and isinstance(d, IntDType)):
             raise ValueError("bump_on_overflow needs integer elements and power-of-two scales")
         _check_two_level_spec(self)
-        _check_superblock_spec(self)
+        _check_gguf_spec(self)
 
     @property
-    def superblock_dtype(self) -> Optional[SuperBlockDType]:
-        """The ``SuperBlockDType`` of a k-quant spec (``superblock``), else None."""
-        return SUPERBLOCK_DTYPES[self.superblock] if self.superblock else None
+    def gguf_dtype(self) -> Optional[GGUFDType]:
+        """The ``GGUFDType`` of a k-quant spec (``gguf``), else None."""
+        return GGUF_DTYPES[self.gguf] if self.gguf else None
 
     @property
     def qmin(self) -> float:
@@ -193,8 +193,8 @@ class QuantSpec:
         the shape, are left out (fp8 per tensor: 8.0). With it the figure is exact for that shape.
         GGUF k-quants: the bytes of a super-block over its 256 elements (Q4_K: 144 * 8 / 256 = 4.5).
         """
-        if self.superblock:
-            return self.superblock_dtype.bits_per_element
+        if self.gguf:
+            return self.gguf_dtype.bits_per_element
         bits = float(self.dtype.bits) + self.subblock_shift_bits / self.subblock_size
         per_scale = self.scale_dtype.bits + (0 if self.symmetric else self.dtype.bits)
         g = self.granularity
@@ -215,27 +215,27 @@ class QuantSpec:
         return bits
 
 
-def _check_superblock_spec(spec: QuantSpec):
-    """Validation of ``QuantSpec.superblock`` (called from ``__post_init__``): the k-quant's implied fields."""
-    name = spec.superblock
+def _check_gguf_spec(spec: QuantSpec):
+    """Validation of ``QuantSpec.gguf`` (called from ``__post_init__``): the k-quant's implied fields."""
+    name = spec.gguf
     if not isinstance(name, str):
-        raise TypeError(f"QuantSpec.superblock must be a str (a GGUF k-quant name or ''), got {name!r}")
+        raise TypeError(f"QuantSpec.gguf must be a str (a GGUF k-quant name or ''), got {name!r}")
     if not name:
         return
-    if name not in SUPERBLOCK_DTYPES:
-        raise ValueError(f"QuantSpec.superblock must be one of {', '.join(SUPERBLOCK_DTYPES)} (or ''), got {name!r}")
-    sb = SUPERBLOCK_DTYPES[name]
+    if name not in GGUF_DTYPES:
+        raise ValueError(f"QuantSpec.gguf must be one of {', '.join(GGUF_DTYPES)} (or ''), got {name!r}")
+    sb = GGUF_DTYPES[name]
     g = spec.granularity
     want = dict(dtype=sb.element, symmetric=not sb.has_mins, scale_dtype=get_dtype("float32"), pow2_scale=False,
                 rounding=RoundingMode.NEAREST_EVEN, saturate=True, narrow_range=False, unit_exponent=0,
                 subblock_size=1, subblock_shift_bits=0, bump_on_overflow=False, tensor_scale_mode=TensorScale.NONE)
     for k, v in want.items():
         if getattr(spec, k) != v:
-            raise ValueError(f"superblock={name!r} fixes {k}={getattr(v, 'name', v)!r} (llama.cpp's {name.upper()}); "
+            raise ValueError(f"gguf={name!r} fixes {k}={getattr(v, 'name', v)!r} (llama.cpp's {name.upper()}); "
                              f"got {k}={getattr(getattr(spec, k), 'name', getattr(spec, k))!r}. Build it with "
                              f"make_spec({name!r})")
     if not (isinstance(g, PerGroup) and g.size == sb.subblock_size):
-        raise ValueError(f"superblock={name!r} needs granularity PerGroup({sb.subblock_size}) along the rows (the "
+        raise ValueError(f"gguf={name!r} needs granularity PerGroup({sb.subblock_size}) along the rows (the "
                          f"last axis), got {g!r}")
 
 
@@ -303,9 +303,9 @@ def make_spec(fmt: SpecLike, *, axis: Optional[int] = None, **overrides: Any) ->
             overrides["granularity"] = _granularity_with_axis(spec.granularity, axis, "the spec's granularity")
         return dataclasses.replace(spec, **overrides) if overrides else spec
     d = get_dtype(fmt)
-    if isinstance(d, SuperBlockDType):
+    if isinstance(d, GGUFDType):
         base = dict(dtype=d.element, granularity=PerGroup(d.subblock_size, -1 if axis is None else axis),
-                    symmetric=not d.has_mins, superblock=d.name, name=d.name)
+                    symmetric=not d.has_mins, gguf=d.name, name=d.name)
     elif isinstance(d, BlockDType):
         el = d.element
         unit = -el.emax if isinstance(el, IntDType) else 0
@@ -340,8 +340,8 @@ class QTensor:
     They are not integer zero points (``zero_points`` stays None): llama.cpp's offsets are fp16 numbers that
     need not be a multiple of the scale.
 
-    ``super_scales`` (k-quant specs only, ``spec.superblock``): the stored form of the scales, a
-    ``SuperBlockScales`` (fp16 ``d``/``dmin`` per 256 elements, integer ``scale_codes``/``min_codes`` per
+    ``super_scales`` (k-quant specs only, ``spec.gguf``): the stored form of the scales, a
+    ``GGUFScales`` (fp16 ``d``/``dmin`` per 256 elements, integer ``scale_codes``/``min_codes`` per
     sub-block) from which ``scales`` (``d * scale_code``) and ``offsets`` are derived exactly; it is what GGUF
     files hold (``qcore.packing.pack_gguf_kquant``) and what ``dequantize`` reads.
     """
@@ -758,15 +758,15 @@ def quantize(x: ArrayLike, spec: SpecLike, *, axis: Optional[int] = None, scale:
     - Two-level scales (NVFP4, ``spec.tensor_scale_mode`` not ``TensorScale.NONE``): block scales in a narrow
       float format under a float32 tensor scale ``g``, with torchao's arithmetic; ``_two_level_scales`` holds
       the whole rule (docs/numerics.md, "Two-level scales").
-    - GGUF k-quants (``"q2_k"`` ... ``"q6_k"``, ``spec.superblock``): llama.cpp's scale search, bit for bit
+    - GGUF k-quants (``"q2_k"`` ... ``"q6_k"``, ``spec.gguf``): llama.cpp's scale search, bit for bit
       (``qcore._kquants``), along the last axis, which must be a multiple of 256; ``imatrix=`` (k-quants only)
       is the per-column importance (shape ``(x.shape[-1],)``, finite, >= 0): llama.cpp's ``quant_weights``
       path. The QTensor carries ``super_scales`` and, for Q2_K/Q4_K/Q5_K, float ``offsets``. Computed on host
       numpy (torch tensors are copied there and back).
     """
     spec = _spec_of(spec, axis, overrides)
-    if spec.superblock or imatrix is not None:
-        return _quantize_superblock(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix)
+    if spec.gguf or imatrix is not None:
+        return _quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix)
     key = check_mode(spec.rounding, key)
     x, o = to_array(x)
     if o.name == "torch":
@@ -800,8 +800,8 @@ def dequantize(q: QTensor) -> Array:
     """
     if not isinstance(q, QTensor):
         raise TypeError(f"dequantize takes a QTensor, got {type(q).__name__}")
-    if isinstance(q.spec, QuantSpec) and q.spec.superblock:
-        return _dequantize_superblock(q)
+    if isinstance(q.spec, QuantSpec) and q.spec.gguf:
+        return _dequantize_gguf(q)
     if q.offsets is not None or q.super_scales is not None:
         raise ValueError("QTensor.offsets / super_scales are set, but the spec has no float offsets or super-blocks "
                          f"(spec {q.spec.name or q.spec.dtype.name!r})")
@@ -852,14 +852,14 @@ def fake_quantize(x: ArrayLike, spec: SpecLike, *, axis: Optional[int] = None, s
     no gradient (they are treated as constants).
     """
     if scale is not None and key is None and tensor_scale is None and compile is False and axis is None \
-            and not overrides and type(spec) is QuantSpec and not spec.superblock and imatrix is None:
+            and not overrides and type(spec) is QuantSpec and not spec.gguf and imatrix is None:
         # Small tensors with given parameters (GPTQ's column step): the same checks, cheaper (qcore._given).
         out = _given.fake_quantize_given(x, spec, scale, zero_point)
         if out is not None:
             return out
     spec = _spec_of(spec, axis, overrides)
-    if spec.superblock or imatrix is not None:
-        return _fake_quantize_superblock(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix)
+    if spec.gguf or imatrix is not None:
+        return _fake_quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix)
     key = check_mode(spec.rounding, key)
     x, o = to_array(x)
     x = o.astype(x, o.float32)
@@ -904,7 +904,7 @@ def fake_quantizer(spec: SpecLike, *, shape: tuple[int, ...], scale: ArrayLike, 
     (use ``fake_quantize`` for training).
     """
     spec = _spec_of(spec, axis, overrides)
-    if spec.superblock:
+    if spec.gguf:
         raise ValueError(f"fake_quantizer: spec {spec.name!r} is a GGUF k-quant, whose scales come from llama.cpp's "
                          "search per call; use fake_quantize")
     if spec.rounding is RoundingMode.STOCHASTIC or spec.two_level:
@@ -937,15 +937,15 @@ def fake_quantizer(spec: SpecLike, *, shape: tuple[int, ...], scale: ArrayLike, 
     return f
 
 
-# -- GGUF k-quants (spec.superblock): llama.cpp's search in qcore/_kquants.py ---------------------------------
+# -- GGUF k-quants (spec.gguf): llama.cpp's search in qcore/_kquants.py ---------------------------------
 
-def _superblock_inputs(x, spec: QuantSpec, scale, zero_point, key, tensor_scale, compile, imatrix):
+def _gguf_inputs(x, spec: QuantSpec, scale, zero_point, key, tensor_scale, compile, imatrix):
     """Check a k-quant call's arguments before any work; returns (host float32 x, host imatrix or None, ops,
     the original array)."""
-    if not spec.superblock:
+    if not spec.gguf:
         raise ValueError(f"imatrix= applies to GGUF k-quant specs (q2_k ... q6_k) only; spec "
                          f"{spec.name or spec.dtype.name!r} has no super-blocks")
-    name = spec.superblock
+    name = spec.gguf
     for arg, v in (("scale", scale), ("zero_point", zero_point), ("tensor_scale", tensor_scale), ("key", key)):
         if v is not None:
             raise ValueError(f"{arg}=: {name} takes its scales from llama.cpp's search (and rounds to nearest); "
@@ -987,25 +987,25 @@ def _to_kind(a, o, like):
     return o.t.from_numpy(np.ascontiguousarray(a)).to(like.device)
 
 
-def _quantize_superblock(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix) -> QTensor:
+def _quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix) -> QTensor:
     from . import _kquants
 
-    xn, qw, o, xa = _superblock_inputs(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix)
-    codes, ss = _kquants.quantize_kquant(xn, spec.superblock, qw)
+    xn, qw, o, xa = _gguf_inputs(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix)
+    codes, ss = _kquants.quantize_kquant(xn, spec.gguf, qw)
     scales, offsets = _kquants.sub_scales(ss, spec.granularity.size)
     if o.name == "torch":
-        ss = _kquants.SuperBlockScales(*(_to_kind(getattr(ss, f.name), o, xa) for f in dataclasses.fields(ss)))
+        ss = _kquants.GGUFScales(*(_to_kind(getattr(ss, f.name), o, xa) for f in dataclasses.fields(ss)))
     return QTensor(_to_kind(codes, o, xa), _to_kind(scales, o, xa), None, spec, None, None,
                    _to_kind(offsets, o, xa), ss)
 
 
-def _fake_quantize_superblock(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix):
+def _fake_quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix):
     from . import _kquants
 
-    xn, qw, o, xa = _superblock_inputs(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix)
+    xn, qw, o, xa = _gguf_inputs(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix)
 
     def run(x_, scale_, zero_point_, key_):
-        codes, ss = _kquants.quantize_kquant(xn, spec.superblock, qw)
+        codes, ss = _kquants.quantize_kquant(xn, spec.gguf, qw)
         return _to_kind(_kquants.dequantize_kquant(codes, ss, spec.granularity.size), o, xa)
 
     if o.name == "torch" and xa.requires_grad and o.t.is_grad_enabled():
@@ -1015,12 +1015,12 @@ def _fake_quantize_superblock(x, spec, scale, zero_point, key, tensor_scale, com
     return run(xa, None, None, None)
 
 
-def _dequantize_superblock(q: QTensor):
+def _dequantize_gguf(q: QTensor):
     """k-quant dequantization from ``q.super_scales`` after checking every part (ValueError/TypeError naming it)."""
     from . import _kquants
 
     spec = q.spec
-    sb = spec.superblock_dtype
+    sb = spec.gguf_dtype
     name = sb.name
     codes = q.codes
     if not (is_torch(codes) or isinstance(codes, np.ndarray)):
@@ -1037,8 +1037,8 @@ def _dequantize_superblock(q: QTensor):
         raise ValueError(f"{name}: QTensor.codes must lie in [{el.min}, {el.max}] ({el.name}), got "
                          f"{int(c.min()) if c.min() < el.min else int(c.max())}")
     ss = q.super_scales
-    if not isinstance(ss, _kquants.SuperBlockScales):
-        raise TypeError(f"{name}: QTensor.super_scales must be a SuperBlockScales (d, dmin, scale_codes, min_codes), "
+    if not isinstance(ss, _kquants.GGUFScales):
+        raise TypeError(f"{name}: QTensor.super_scales must be a GGUFScales (d, dmin, scale_codes, min_codes), "
                         f"got {type(ss).__name__}")
     lead = shape[:-1]
     nsb, ns = shape[-1] // 256, shape[-1] // sb.subblock_size
@@ -1073,7 +1073,7 @@ def _dequantize_superblock(q: QTensor):
             if not np.array_equal(f16, a, equal_nan=True):
                 raise ValueError(f"{name}: QTensor.super_scales.{fname} must hold float16 values (GGUF stores fp16)")
         parts[fname] = a
-    ss_np = _kquants.SuperBlockScales(**parts)
+    ss_np = _kquants.GGUFScales(**parts)
     scales, offsets = _kquants.sub_scales(ss_np, sb.subblock_size)
     for fname, want, got in (("scales", scales, q.scales), ("offsets", offsets, q.offsets)):
         if want is None:

@@ -171,24 +171,24 @@ def test_pack_unpack_round_trip_parts(name):
 
 def test_spec_and_table():
     s = make_spec("Q4_K")
-    assert s == make_spec("q4_k") and s.superblock == "q4_k" and s.name == "q4_k"
+    assert s == make_spec("q4_k") and s.gguf == "q4_k" and s.name == "q4_k"
     assert s.dtype.name == "uint4" and s.granularity == PerGroup(32, -1) and s.symmetric is False
     assert make_spec("q6_k").dtype.name == "int6" and make_spec("q6_k").symmetric is True
     assert make_spec("q3_k").granularity == PerGroup(16, -1)
     assert [make_spec(n).bits_per_element() for n in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")] == \
         [2.625, 3.4375, 4.5, 5.5, 6.5625]
     assert make_spec("q4_k").bits_per_element((3, 512)) == 4.5
-    assert set(qcore.dtypes.SUPERBLOCK_DTYPES) == set(KQ)
+    assert set(qcore.dtypes.GGUF_DTYPES) == set(KQ)
     assert "q4_k" not in qcore.DTYPES  # its own table (not an element or block format)
 
 
 def test_spec_refuses_other_fields():
-    with pytest.raises(ValueError, match="superblock='q4_k' fixes dtype"):
+    with pytest.raises(ValueError, match="gguf='q4_k' fixes dtype"):
         make_spec("q4_k", dtype="uint8")
     with pytest.raises(ValueError, match="PerGroup\\(32\\)"):
         make_spec("q4_k", granularity=PerGroup(64))
     with pytest.raises(ValueError, match="one of q2_k"):
-        make_spec("int4", superblock="q7_k")
+        make_spec("int4", gguf="q7_k")
     with pytest.raises(ValueError, match="make_spec\\('q4_k'\\)"):
         qcore.QuantSpec("q4_k")
 
