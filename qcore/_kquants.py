@@ -36,10 +36,13 @@ _EPS = _F(1e-15)
 
 @dataclass(frozen=True)
 class GGUFScales:
-    """The stored scales of k-quant super-blocks (``QTensor.super_scales``): ``d`` and ``dmin`` (float32 arrays
-    holding float16 values, shape (..., n / 256); ``dmin`` None for Q3_K/Q6_K), ``scale_codes`` and
-    ``min_codes`` (integer arrays, shape (..., n / sub); ``min_codes`` None for Q3_K/Q6_K). A sub-block's scale
-    is ``d * scale_code`` and its float offset ``-(dmin * min_code)`` (the value of code 0)."""
+    """The stored scales of GGUF blocks (``QTensor.super_scales``).
+
+    k-quants: ``d`` and ``dmin`` (float32 arrays holding float16 values, shape (..., n / 256); ``dmin`` None for
+    Q3_K/Q6_K), ``scale_codes`` and ``min_codes`` (integer arrays, shape (..., n / sub); ``min_codes`` None for
+    Q3_K/Q6_K). A sub-block's scale is ``d * scale_code`` and its float offset ``-(dmin * min_code)`` (the
+    value of code 0). 32-element types (Q4_0 ... Q8_0): ``d`` per block of 32 is the scale, ``dmin`` holds
+    Q4_1/Q5_1's fp16 offset ``m`` (None otherwise), ``scale_codes`` and ``min_codes`` are None."""
 
     d: np.ndarray
     dmin: Optional[np.ndarray]
@@ -423,20 +426,95 @@ def _q6_k(x, qw):
     return L - 32, d, sc
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# the 32-element types: quantize_row_q{4_0,4_1,5_0,5_1,8_0}_ref and the quantize_row_*_impl imatrix variants
+
+def _seq_min_max(x):
+    """``if (v < min) min = v; if (v > max) max = v;`` from FLT_MAX / -FLT_MAX: the first of equal extremes (so
+    the sign of a zero is C's)."""
+    mn = np.full(x.shape[0], np.finfo(_F).max, dtype=_F)
+    mx = -mn
+    for i in range(x.shape[1]):
+        v = x[:, i]
+        mn = np.where(v < mn, v, mn)
+        mx = np.where(v > mx, v, mx)
+    return mn, mx
+
+
+def _trunc_int(v):
+    """C's float -> integer conversion (truncation toward zero); the values here are small and finite."""
+    with np.errstate(all="ignore"):
+        return np.trunc(np.where(np.isfinite(v), v, 0)).astype(np.int64)
+
+
+def _legacy(x, row_len, qw, name):
+    """x (B, 32) float32 blocks, ``row_len`` elements per row (for the imatrix path's sigma2) -> (L (B, 32) stored
+    unsigned codes, d (B,), m (B,) or None)."""
+    B = x.shape[0]
+    nmax = {"q4_0": 8, "q4_1": 15, "q5_0": 16, "q5_1": 31, "q8_0": 127}[name]
+    with np.errstate(all="ignore"):
+        if qw is not None and name != "q8_0":
+            rows = x.reshape(-1, row_len)
+            sigma2 = (_seqsum((rows * rows).astype(_F)) / _F(row_len)).astype(_F)
+            s2 = np.repeat(sigma2, row_len // 32)
+            w = (qw * np.sqrt((s2[:, None] + (x * x).astype(_F)).astype(_F))).astype(_F)
+            if name in ("q4_0", "q5_0"):
+                d, L = make_qx_quants(x, nmax, w)
+                return L, _f16(d), None
+            d, the_min, L = make_qkx_quants(x, w, nmax, -0.9, 0.05, 36, False, True)
+            return L, _f16(d), _f16(-the_min)
+        if name == "q8_0":
+            amax = np.max(np.abs(x), axis=1)
+            d = (amax / _F(127)).astype(_F)
+            idv = np.where(d != 0, _div(_F(1), d), _F(0)).astype(_F)
+            v = (x * idv[:, None]).astype(_F).astype(np.float64)
+            q = np.sign(v) * np.floor(np.abs(v) + 0.5)  # roundf: half away from zero, exact in float64
+            return q.astype(np.int64) + 128, _f16(d), None
+        if name in ("q4_0", "q5_0"):
+            amax, mx = _first_absmax(x)
+            mx = np.where(amax > 0, mx, _F(0)).astype(_F)  # C keeps max = +0 when no |v| exceeds 0 (a -0 block)
+            d = (mx / _F(-nmax)).astype(_F)
+            idv = np.where(d != 0, _div(_F(1), d), _F(0)).astype(_F)
+            v = ((x * idv[:, None]).astype(_F) + _F(nmax + 0.5)).astype(_F)
+            L = np.minimum(2 * nmax - 1, _trunc_int(v) & 0xFF)  # (int8_t) then MIN
+            return L, _f16(d), None
+        mn, mx = _seq_min_max(x)
+        d = ((mx - mn).astype(_F) / _F(nmax)).astype(_F)
+        idv = np.where(d != 0, _div(_F(1), d), _F(0)).astype(_F)
+        v = (((x - mn[:, None]).astype(_F) * idv[:, None]).astype(_F) + _F(0.5)).astype(_F)
+        L = _trunc_int(v) & 0xFF
+        if name == "q4_1":
+            L = np.minimum(15, L)
+        return L, _f16(d), _f16(mn)
+    del B
+
+
 def quantize_kquant(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = None):
-    """llama.cpp's quantization of float32 ``x`` (..., n), n a multiple of 256, to the k-quant ``name``
-    (``"q2_k"`` ... ``"q6_k"``); ``imatrix``: None or per-column importance weights of shape (n,) (llama.cpp's
+    """llama.cpp's quantization of float32 ``x`` (..., n) to the GGUF type ``name`` (``"q2_k"`` ... ``"q6_k"``: n a
+    multiple of 256; ``"q4_0"`` ... ``"q8_0"``: of 32); ``imatrix``: None or per-column importance weights of shape (n,) (llama.cpp's
     ``quant_weights``: the ``quantize_row_*_impl`` path) -> (codes, ``GGUFScales``). Arguments are
     validated by the caller."""
     shape = x.shape
     n = shape[-1]
     lead = shape[:-1]
-    B = int(np.prod(shape, dtype=np.int64)) // QK_K
-    xb = np.ascontiguousarray(x, dtype=_F).reshape(B, QK_K)
+    rows = int(np.prod(lead, dtype=np.int64))
     qw = None
     if imatrix is not None:
-        qw = np.broadcast_to(np.asarray(imatrix, dtype=_F).reshape(1, n), (int(np.prod(lead, dtype=np.int64)), n))
-        qw = np.ascontiguousarray(qw).reshape(B, QK_K)
+        qw = np.ascontiguousarray(np.broadcast_to(np.asarray(imatrix, dtype=_F).reshape(1, n), (rows, n)))
+    if name in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"):
+        B32 = rows * (n // 32)
+        xb = np.ascontiguousarray(x, dtype=_F).reshape(B32, 32)
+        L, d, m = _legacy(xb, n, None if qw is None else qw.reshape(B32, 32), name)
+        bias = {"q4_0": 8, "q5_0": 16, "q8_0": 128}.get(name, 0)
+        codes = (L - bias).astype(np.int8 if bias else np.uint8)
+        return codes.reshape(shape), GGUFScales(
+            d=np.asarray(d, dtype=_F).reshape(*lead, n // 32),
+            dmin=None if m is None else np.asarray(m, dtype=_F).reshape(*lead, n // 32),
+            scale_codes=None, min_codes=None)
+    B = rows * (n // QK_K)
+    xb = np.ascontiguousarray(x, dtype=_F).reshape(B, QK_K)
+    if qw is not None:
+        qw = qw.reshape(B, QK_K)
     nsb = n // QK_K
     dmin = mc = None
     if name in ("q4_k", "q5_k"):
@@ -467,10 +545,12 @@ def quantize_kquant(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = No
 
 
 def sub_scales(p: GGUFScales, sub: int):
-    """(scales, offsets) per sub-block, float32, exact: ``d * scale_code`` and ``-(dmin * min_code)`` (None
-    without mins)."""
-    rep = QK_K // sub
+    """(scales, offsets) per sub-block, float32, exact: k-quants ``d * scale_code`` and ``-(dmin * min_code)``;
+    32-element types ``d`` and ``m`` (held in ``dmin``). Offsets None without mins."""
     with np.errstate(all="ignore"):
+        if p.scale_codes is None:
+            return np.asarray(p.d, dtype=_F), None if p.dmin is None else np.asarray(p.dmin, dtype=_F)
+        rep = QK_K // sub
         scale = (np.repeat(p.d, rep, axis=-1) * p.scale_codes.astype(_F)).astype(_F)
         off = None
         if p.dmin is not None:
@@ -480,7 +560,7 @@ def sub_scales(p: GGUFScales, sub: int):
 
 def dequantize_kquant(codes, p: GGUFScales, sub: int) -> np.ndarray:
     """Float32 values: ``(d * scale_code) * code - (dmin * min_code)`` per sub-block (ggml's order; the products
-    are exact, the subtraction rounds once)."""
+    are exact, the subtraction rounds once); 32-element types ``d * code + m``."""
     shape = codes.shape
     scale, off = sub_scales(p, sub)
     with np.errstate(all="ignore"):

@@ -672,9 +672,59 @@ def _kq_type(fmt):
     return d
 
 
+def _pack_gguf32(t, codes, ss, host):
+    """Q4_0 ``d qs[16]``, Q4_1 ``d m qs[16]``, Q5_0 ``d qh[4] qs[16]``, Q5_1 ``d m qh[4] qs[16]``, Q8_0 ``d qs[32]``:
+    byte ``j`` of ``qs`` holds elements ``j`` (low nibble) and ``j + 16``; ``qh`` bit ``j`` is element ``j``'s fifth
+    bit (little-endian uint32)."""
+    L = codes.reshape(-1, 32) - t.element.min
+    parts = [_f16_bytes(host(ss.d))]
+    if t.offset16:
+        parts.append(_f16_bytes(host(ss.dmin)))
+    if t.name == "q8_0":
+        parts.append((L - 128).astype(np.int8).view(np.uint8))
+    else:
+        if t.element.bits == 5:
+            bits = ((L >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
+            qh = np.bitwise_or.reduce(bits, axis=1).astype("<u4")
+            parts.append(np.ascontiguousarray(qh).view(np.uint8).reshape(-1, 4))
+        parts.append(((L[:, :16] & 0xF) | ((L[:, 16:] & 0xF) << 4)).astype(np.uint8))
+    return np.concatenate(parts, axis=1)
+
+
+def _unpack_gguf32(t, spec, b):
+    from qcore import _kquants
+    from qcore.quantize import QTensor
+
+    lead = b.shape[:-1]
+    nb = b.shape[-1] // t.type_size
+    blk = np.ascontiguousarray(b).reshape(-1, t.type_size)
+    d = _f16_from(blk[:, 0:2])
+    pos = 2
+    m = None
+    if t.offset16:
+        m = _f16_from(blk[:, 2:4])
+        pos = 4
+    if t.name == "q8_0":
+        L = blk[:, pos:].view(np.int8).astype(np.int64) + 128
+    else:
+        hi = np.zeros((blk.shape[0], 32), dtype=np.int64)
+        if t.element.bits == 5:
+            qh = np.ascontiguousarray(blk[:, pos:pos + 4]).view("<u4").reshape(-1, 1).astype(np.int64)
+            hi = ((qh >> np.arange(32)) & 1) << 4
+            pos += 4
+        qs = blk[:, pos:pos + 16].astype(np.int64)
+        L = np.concatenate([qs & 0xF, qs >> 4], axis=1) | hi
+    codes = (L + t.element.min).astype(np.int8 if t.element.signed else np.uint8)
+    ss = _kquants.GGUFScales(d=d.reshape(*lead, nb), dmin=None if m is None else m.reshape(*lead, nb),
+                             scale_codes=None, min_codes=None)
+    scales, offsets = _kquants.sub_scales(ss, 32)
+    return QTensor(codes.reshape(*lead, nb * 32), scales, None, spec, None, None, offsets, ss)
+
+
 def pack_gguf_kquant(q) -> np.ndarray:
-    """A k-quant ``QTensor`` (``quantize(x, "q4_k")``) -> uint8 (..., n / 256 * type_size): the GGUF bytes of each
-    row, exactly what llama.cpp's ``ggml_quantize_chunk`` writes. numpy (torch parts are read on the host)."""
+    """A ``QTensor`` of a GGUF type spec (``quantize(x, "q4_k")``, ``"q5_0"``, ...) -> uint8 (..., n / block *
+    type_size): the GGUF bytes of each row, exactly what llama.cpp's ``ggml_quantize_chunk`` writes. numpy (torch
+    parts are read on the host)."""
     from qcore.quantize import QTensor, _np_view
 
     if not isinstance(q, QTensor) or not getattr(q.spec, "gguf", ""):
@@ -688,6 +738,8 @@ def pack_gguf_kquant(q) -> np.ndarray:
     ss = q.super_scales
     shape = codes.shape
     lead, n = shape[:-1], shape[-1]
+    if not t.is_kquant:
+        return _pack_gguf32(t, codes, ss, _np_view).reshape(*lead, n // 32 * t.type_size)
     B = codes.size // 256
     L = codes.reshape(B, 256) - t.element.min  # unsigned stored codes
     d = _f16_bytes(_np_view(ss.d))
@@ -733,6 +785,8 @@ def unpack_gguf_kquant(data: ArrayLike, fmt) -> Any:
     t = _kq_type(fmt)
     spec = fmt if isinstance(fmt, QuantSpec) else make_spec(t.name)
     b = np.asarray(data)
+    if b.dtype == np.uint8 and b.ndim and b.shape[-1] % t.type_size == 0 and not t.is_kquant:
+        return _unpack_gguf32(t, spec, b)
     if b.dtype != np.uint8:
         raise TypeError(f"data must be a uint8 array of GGUF bytes, got dtype {b.dtype}")
     if b.ndim == 0 or b.shape[-1] % t.type_size:

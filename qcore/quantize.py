@@ -946,6 +946,7 @@ def _gguf_inputs(x, spec: QuantSpec, scale, zero_point, key, tensor_scale, compi
         raise ValueError(f"imatrix= applies to GGUF k-quant specs (q2_k ... q6_k) only; spec "
                          f"{spec.name or spec.dtype.name!r} has no super-blocks")
     name = spec.gguf
+    bs = spec.gguf_dtype.block_size
     for arg, v in (("scale", scale), ("zero_point", zero_point), ("tensor_scale", tensor_scale), ("key", key)):
         if v is not None:
             raise ValueError(f"{arg}=: {name} takes its scales from llama.cpp's search (and rounds to nearest); "
@@ -955,17 +956,17 @@ def _gguf_inputs(x, spec: QuantSpec, scale, zero_point, key, tensor_scale, compi
     xa, o = to_array(x)
     shape = tuple(xa.shape)
     if len(shape) == 0:
-        raise ValueError(f"{name}: x must have at least one axis (rows of a multiple of 256), got shape {shape}")
+        raise ValueError(f"{name}: x must have at least one axis (rows of a multiple of {bs}), got shape {shape}")
     if spec.granularity.axis % len(shape) != len(shape) - 1:
-        raise ValueError(f"{name}: k-quant super-blocks run along the last axis (rows); spec axis "
+        raise ValueError(f"{name}: GGUF blocks run along the last axis (rows); spec axis "
                          f"{spec.granularity.axis} is not the last axis of x with shape {shape}")
-    if shape[-1] % 256:
-        raise ValueError(f"{name}: the last axis of x must be a multiple of 256 (GGUF super-blocks), got x of shape "
-                         f"{shape}")
+    if shape[-1] % bs:
+        raise ValueError(f"{name}: the last axis of x must be a multiple of {bs} (GGUF {'super-' if bs == 256 else ''}"
+                         f"blocks), got x of shape {shape}")
     xn = _np_view(xa.detach() if o.name == "torch" else xa)
     xn = np.ascontiguousarray(np.asarray(xn), dtype=np.float32)
     if not np.isfinite(xn).all():
-        raise ValueError(f"{name}: x holds NaN or Inf, which k-quants cannot encode (llama.cpp writes garbage "
+        raise ValueError(f"{name}: x holds NaN or Inf, which {name} cannot encode (llama.cpp writes garbage "
                          "blocks for them)")
     qw = None
     if imatrix is not None:
@@ -1030,8 +1031,9 @@ def _dequantize_gguf(q: QTensor):
     shape = c.shape
     if c.dtype.kind not in "iu":
         raise TypeError(f"QTensor.codes must be an integer array, got dtype {c.dtype}")
-    if len(shape) == 0 or shape[-1] % 256:
-        raise ValueError(f"{name}: QTensor.codes must have a last axis that is a multiple of 256, got shape {shape}")
+    bs = sb.block_size
+    if len(shape) == 0 or shape[-1] % bs:
+        raise ValueError(f"{name}: QTensor.codes must have a last axis that is a multiple of {bs}, got shape {shape}")
     el = sb.element
     if c.size and (c.min() < el.min or c.max() > el.max):
         raise ValueError(f"{name}: QTensor.codes must lie in [{el.min}, {el.max}] ({el.name}), got "
@@ -1041,19 +1043,19 @@ def _dequantize_gguf(q: QTensor):
         raise TypeError(f"{name}: QTensor.super_scales must be a GGUFScales (d, dmin, scale_codes, min_codes), "
                         f"got {type(ss).__name__}")
     lead = shape[:-1]
-    nsb, ns = shape[-1] // 256, shape[-1] // sb.subblock_size
+    nsb, ns = shape[-1] // bs, shape[-1] // sb.subblock_size
     parts = {}
     for fname, want_shape, is_code in (("d", (*lead, nsb), False), ("dmin", (*lead, nsb), False),
                                        ("scale_codes", (*lead, ns), True), ("min_codes", (*lead, ns), True)):
         v = getattr(ss, fname)
-        needed = sb.has_mins or fname in ("d", "scale_codes")
+        needed = {"d": True, "dmin": sb.has_mins, "scale_codes": sb.scale_bits > 0, "min_codes": sb.min_bits > 0}[fname]
         if v is None:
             if needed:
                 raise ValueError(f"{name}: QTensor.super_scales.{fname} is None; it needs shape {want_shape}")
             parts[fname] = None
             continue
         if not needed:
-            raise ValueError(f"{name}: QTensor.super_scales.{fname} must be None ({name} has no mins)")
+            raise ValueError(f"{name}: QTensor.super_scales.{fname} must be None for {name}")
         a = np.asarray(_np_view(v))
         if a.shape != want_shape:
             raise ValueError(f"{name}: QTensor.super_scales.{fname} has shape {a.shape}; codes of shape {shape} need "
@@ -1084,8 +1086,8 @@ def _dequantize_gguf(q: QTensor):
         if g is None or g.shape != want.shape or not np.array_equal(g.astype(np.float32).view(np.int32),
                                                                     want.view(np.int32)):
             raise ValueError(f"{name}: QTensor.{fname} must equal the sub-block {fname} of super_scales "
-                             f"({'d * scale_codes' if fname == 'scales' else '-(dmin * min_codes)'}), shape "
-                             f"{want.shape}")
+                             f"({'d * scale_codes' if fname == 'scales' else '-(dmin * min_codes)'}; 32-element "
+                             f"types: d, m), shape {want.shape}")
     if q.zero_points is not None or q.subblock_shifts is not None or q.tensor_scale is not None:
         raise ValueError(f"{name}: QTensor.zero_points / subblock_shifts / tensor_scale must be None for a k-quant")
     y = _kquants.dequantize_kquant(c, ss_np, sb.subblock_size)
