@@ -157,8 +157,7 @@ def make_q3_quants(x, nmax: int):
 
 def _qkx_common(x, w, nmax):
     with np.errstate(all="ignore"):
-        mn = np.min(x, axis=-1)
-        mx = np.max(x, axis=-1)
+        mn, mx = _seq_min_max(x)  # C's strict comparisons from x[0]: the sign of a zero min is C's
         sum_w = _seqsum(w)
         sum_x = _seqsum((w * x).astype(_F))
     mn = np.where(mn > 0, _F(0), mn).astype(_F)

@@ -1,4 +1,5 @@
-"""GGUF k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) as qcore specs (docs/numerics.md, "GGUF k-quants").
+"""GGUF k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and the 32-element types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) as qcore
+specs with llama.cpp's quantizer (docs/numerics.md, "GGUF k-quants").
 
 Oracles: llama.cpp's own quantizer, ``ggml_quantize_chunk`` from llama-cpp-python's ``libggml-base`` through
 ctypes (``qcore.testing.ggml``; skipped without the library): qcore's bytes must equal it, with and without an
@@ -18,7 +19,11 @@ from qcore.testing import probes
 from qcore.testing.ggml import ggml_library, ggml_quantize
 
 KQ = ["q4_k", "q6_k", "q5_k", "q3_k", "q2_k"]
-SIZE = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+LEGACY = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]
+ALL = KQ + LEGACY
+SIZE = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210,
+        "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34}
+BLOCK = {n: 256 if n in KQ else 32 for n in ALL}
 
 needs_ggml = pytest.mark.skipif(ggml_library() is None, reason="llama.cpp's libggml-base is not installed")
 
@@ -73,7 +78,7 @@ def _imatrices(n: int, seed: int = 1):
 
 
 @needs_ggml
-@pytest.mark.parametrize("name", KQ)
+@pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("imx", ["none", "ones", "random", "sq"])
 def test_bytes_equal_ggml(name, imx):
     x = _inputs()
@@ -81,24 +86,25 @@ def test_bytes_equal_ggml(name, imx):
     q = quantize(x, name, imatrix=qw)
     ours = pack_gguf_kquant(q)
     ref = ggml_quantize(x, name, qw)
-    assert ours.shape == ref.shape == (x.shape[0], 2 * SIZE[name])
+    assert ours.shape == ref.shape == (x.shape[0], 512 // BLOCK[name] * SIZE[name])
     bad = np.nonzero((ours != ref).any(axis=1))[0]
     assert bad.size == 0, f"{name} imatrix={imx}: rows {bad.tolist()} differ from ggml_quantize_chunk"
 
 
 @needs_ggml
-@pytest.mark.parametrize("name", KQ)
+@pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("seed", [3, 4])
 def test_bytes_equal_ggml_random(name, seed):
     rng = np.random.default_rng(seed)
-    x = (rng.standard_normal((48, 768)) * np.exp(rng.uniform(-8, 8, (48, 1)))).astype(np.float32)
-    qw = (rng.random(768) * 2).astype(np.float32)
+    n = 768 if name in KQ else 576  # SmolLM2's rows: not a multiple of 256, whole blocks of 32
+    x = (rng.standard_normal((48, n)) * np.exp(rng.uniform(-8, 8, (48, 1)))).astype(np.float32)
+    qw = (rng.random(n) * 2).astype(np.float32)
     for w in (None, qw):
         assert np.array_equal(pack_gguf_kquant(quantize(x, name, imatrix=w)), ggml_quantize(x, name, w))
 
 
 @needs_ggml
-@pytest.mark.parametrize("name", KQ)
+@pytest.mark.parametrize("name", ALL)
 def test_bytes_equal_ggml_on_probes(name):
     x = _probe_rows()
     assert x.shape[0] >= 4
@@ -111,7 +117,7 @@ def test_bytes_equal_ggml_on_probes(name):
 
 
 @needs_ggml
-@pytest.mark.parametrize("name", KQ)
+@pytest.mark.parametrize("name", ALL)
 def test_dequantize_equals_gguf_py(name):
     gq, gguf = _gguf()
     t = getattr(gguf.GGMLQuantizationType, name.upper())
@@ -130,18 +136,19 @@ def test_dequantize_equals_gguf_py(name):
 def _random_blocks(name, rows, nb, rng):
     """Random GGUF bytes whose fp16 super-scales are finite (no NaN payloads to compare)."""
     b = rng.integers(0, 256, (rows, nb, SIZE[name]), dtype=np.uint8)
-    offs = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}[name]
+    offs = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "q4_0": (0,),
+            "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,)}[name]
     for o in offs:
         b[..., o + 1] &= 0x7B  # exponent field never all ones
     return b.reshape(rows, nb * SIZE[name])
 
 
-@pytest.mark.parametrize("name", KQ)
+@pytest.mark.parametrize("name", ALL)
 def test_unpack_pack_round_trip_random_bytes(name):
     rng = np.random.default_rng(7)
     data = _random_blocks(name, 5, 3, rng)
     q = unpack_gguf_kquant(data, name)
-    assert q.codes.shape == (5, 768)
+    assert q.codes.shape == (5, 3 * BLOCK[name])
     assert np.array_equal(pack_gguf_kquant(q), data)
     gq, gguf = _gguf()
     want = gq.dequantize(data, getattr(gguf.GGMLQuantizationType, name.upper()))
@@ -149,7 +156,7 @@ def test_unpack_pack_round_trip_random_bytes(name):
     assert np.array_equal(got.view(np.int32), want.view(np.int32))
 
 
-@pytest.mark.parametrize("name", KQ)
+@pytest.mark.parametrize("name", ALL)
 def test_pack_unpack_round_trip_parts(name):
     x = _inputs(2).reshape(2, 7, 512)
     q = quantize(x, name)
@@ -162,7 +169,7 @@ def test_pack_unpack_round_trip_parts(name):
         if a is not None:
             assert np.array_equal(a, b), f
     assert np.array_equal(back.scales, q.scales)
-    assert (q.offsets is None) == (name in ("q3_k", "q6_k"))
+    assert (q.offsets is None) == (name in ("q3_k", "q6_k", "q4_0", "q5_0", "q8_0"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -178,7 +185,10 @@ def test_spec_and_table():
     assert [make_spec(n).bits_per_element() for n in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")] == \
         [2.625, 3.4375, 4.5, 5.5, 6.5625]
     assert make_spec("q4_k").bits_per_element((3, 512)) == 4.5
-    assert set(qcore.dtypes.GGUF_DTYPES) == set(KQ)
+    assert set(qcore.dtypes.GGUF_DTYPES) == set(ALL)
+    assert [make_spec(n).bits_per_element() for n in LEGACY] == [4.5, 5.0, 5.5, 6.0, 8.5]
+    assert make_spec("q5_0").dtype.name == "int5" and make_spec("q5_1").symmetric is False
+    assert make_spec("q8_0").granularity == PerGroup(32, -1)
     assert "q4_k" not in qcore.DTYPES  # its own table (not an element or block format)
 
 
@@ -264,3 +274,36 @@ def test_torch_path():
     assert isinstance(q.codes, torch.Tensor) and isinstance(q.super_scales.d, torch.Tensor)
     assert np.array_equal(dequantize(q).numpy(), dequantize(quantize(x, "q6_k", imatrix=np.ones(512))))
     assert np.array_equal(pack_gguf_kquant(q), pack_gguf_kquant(quantize(x, "q6_k", imatrix=np.ones(512))))
+
+
+@pytest.mark.parametrize("name", LEGACY)
+def test_legacy_equals_gguf_py_quantize(name):
+    """gguf-py quantizes the 32-element types too: its bytes equal qcore's (and ggml's) on these inputs."""
+    gq, gguf = _gguf()
+    x = _inputs(6)
+    x = np.concatenate([x, x[:, :96].copy()], axis=1)  # 608 columns: not a multiple of 256
+    assert np.array_equal(pack_gguf_kquant(quantize(x, name)), gq.quantize(x, getattr(gguf.GGMLQuantizationType,
+                                                                                       name.upper())))
+
+
+@needs_ggml
+@pytest.mark.parametrize("name", ["q4_0", "q5_0"])
+def test_negative_zero_block_follows_ggml_not_gguf_py(name):
+    """A block of -0: ggml keeps max = +0 (no |v| exceeds 0), d = +0 / -8 = -0 (fp16 0x8000); gguf-py takes the
+    first element (-0), d = +0. qcore writes ggml's bytes."""
+    gq, gguf = _gguf()
+    x = np.full((1, 32), -0.0, np.float32)
+    ours = pack_gguf_kquant(quantize(x, name))
+    assert np.array_equal(ours, ggml_quantize(x, name))
+    assert ours[0, 1] == 0x80
+    assert gq.quantize(x, getattr(gguf.GGMLQuantizationType, name.upper()))[0, 1] == 0x00
+
+
+def test_legacy_value_formula():
+    x = _inputs(8)
+    q = quantize(x, "q5_1")
+    assert np.array_equal(q.offsets, q.super_scales.dmin) and np.array_equal(q.scales, q.super_scales.d)
+    v = q.codes.astype(np.float32).reshape(x.shape[0], -1, 32) * q.scales[..., None] + q.offsets[..., None]
+    assert np.array_equal(v.reshape(x.shape), dequantize(q))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(np.ones((2, 48), np.float32), "q8_0")
