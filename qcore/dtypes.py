@@ -451,7 +451,12 @@ DTYPES: dict[str, DType] = {d.name: d for d in _all()}
 
 
 def _gguf_types() -> list[GGUFDType]:
-    u, i = (lambda b: IntDType(f"uint{b}", b, False)), (lambda b: IntDType(f"int{b}", b, True))
+    def u(b: int) -> IntDType:
+        return IntDType(f"uint{b}", b, False)
+
+    def i(b: int) -> IntDType:
+        return IntDType(f"int{b}", b, True)
+
     # name, element, sub-block, scale bits, min bits, ggml_type, bytes per 256 (ggml-common.h's block_q*_K)
     rows = [("q2_k", u(2), 16, 4, 4, 10, 84), ("q3_k", i(3), 16, 6, 0, 11, 110), ("q4_k", u(4), 32, 6, 6, 12, 144),
             ("q5_k", u(5), 32, 6, 6, 13, 176), ("q6_k", i(6), 16, 8, 0, 14, 210)]

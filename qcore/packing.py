@@ -721,7 +721,7 @@ def _unpack_gguf32(t, spec, b):
     return QTensor(codes.reshape(*lead, nb * 32), scales, None, spec, None, None, offsets, ss)
 
 
-def pack_gguf_kquant(q) -> np.ndarray:
+def pack_gguf_kquant(q: Any) -> np.ndarray:
     """A ``QTensor`` of a GGUF type spec (``quantize(x, "q4_k")``, ``"q5_0"``, ...) -> uint8 (..., n / block *
     type_size): the GGUF bytes of each row, exactly what llama.cpp's ``ggml_quantize_chunk`` writes. numpy (torch
     parts are read on the host)."""
@@ -775,7 +775,7 @@ def pack_gguf_kquant(q) -> np.ndarray:
     return blocks.reshape(*lead, n // 256 * t.type_size)
 
 
-def unpack_gguf_kquant(data: ArrayLike, fmt) -> Any:
+def unpack_gguf_kquant(data: ArrayLike, fmt: Any) -> Any:
     """Inverse of ``pack_gguf_kquant``: uint8 (..., nb * type_size) GGUF bytes of the k-quant ``fmt`` (a name such
     as ``"q4_k"`` or a k-quant ``QuantSpec``) -> the ``QTensor`` (numpy parts, codes of shape (..., nb * 256)),
     which ``dequantize`` turns into llama.cpp's values and ``pack_gguf_kquant`` into the same bytes."""

@@ -307,3 +307,20 @@ def test_legacy_value_formula():
     assert np.array_equal(v.reshape(x.shape), dequantize(q))
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize(np.ones((2, 48), np.float32), "q8_0")
+
+
+def test_oracle_kit():
+    """qcore.testing compares a kernel's k-quant output (values, or QTensor parts incl. float offsets)."""
+    import dataclasses
+
+    from qcore.testing import Op, assert_matches_oracle
+
+    x = _inputs(9)
+    w = _imatrices(512)["random"]
+    q = quantize(x, "q4_k", imatrix=w)
+    assert_matches_oracle(q, x, "q4_k", op=Op.QUANTIZE, imatrix=w)
+    assert_matches_oracle(dequantize(q), q, "q4_k", op=Op.DEQUANTIZE)
+    assert_matches_oracle(fake_quantize(x, "q5_1"), x, "q5_1", op=Op.FAKE_QUANTIZE)
+    with pytest.raises(AssertionError, match="offsets"):
+        assert_matches_oracle(dataclasses.replace(q, offsets=q.offsets * 2), x, "q4_k", op=Op.QUANTIZE, imatrix=w)
+
