@@ -488,6 +488,57 @@ def _legacy(x, row_len, qw, name):
     del B
 
 
+def _best_index(levels, v):
+    """``best_index_int8(16, values, v)``: the level whose midpoint interval holds v (2v against the sums of
+    neighbouring levels, a branch-free binary search)."""
+    lv = np.asarray(levels, dtype=np.int64)
+    thr = np.concatenate([[0], lv[:-1] + lv[1:]]).astype(_F)  # thr[j] = val[j-1] + val[j]
+    x2 = (v + v).astype(_F)
+    idx = np.zeros(v.shape, dtype=np.int64)
+    step = len(lv) >> 1
+    while step > 0:
+        j = idx + step
+        idx = np.where(x2 >= thr[j], j, idx)
+        step >>= 1
+    return idx
+
+
+def _iq4_nl(x, qw, levels):
+    """``quantize_iq4_nl`` (what llama.cpp writes to files): ``quantize_row_iq4_nl_impl(32, 32, 16, ...)`` with
+    ntry 7, weights ``x^2`` without an imatrix (``quantize_row_iq4_nl_ref``'s ntry -1 is not what files get)."""
+    vals = np.asarray(levels, dtype=_F)
+    ntry = 7
+    with np.errstate(all="ignore"):
+        sigma2 = (_seqsum((x * x).astype(_F)) * _F(2.0 / 32)).astype(_F)
+        w = (qw * np.sqrt((sigma2[:, None] + (x * x).astype(_F)).astype(_F))).astype(_F) if qw is not None \
+            else (x * x).astype(_F)
+        amax, mx = _first_absmax(x)
+        zero = amax < _EPS
+        d = _div(-mx if ntry > 0 else mx, vals[0])
+
+        def sums(idv):
+            L = _best_index(levels, (idv[:, None] * x).astype(_F))
+            q = vals[L]
+            wq = (w * q).astype(_F)
+            return L, _seqsum((wq * x).astype(_F)), _seqsum((wq * q).astype(_F))
+
+        L, sumqx, sumq2 = sums(_div(_F(1), d))
+        d = np.where(sumq2 > 0, _div(sumqx, sumq2), _F(0)).astype(_F)
+        best = (d * sumqx).astype(_F)
+        for itry in range(-ntry, ntry + 1):
+            _, sqx, sq2 = sums(_div(_F(itry + int(levels[0])), mx))
+            take = (sq2 > 0) & ((sqx * sqx).astype(_F) > (best * sq2).astype(_F))
+            nd = _div(sqx, sq2)
+            d = np.where(take, nd, d)
+            best = np.where(take, (nd * sqx).astype(_F), best)
+        d = np.where(zero, _F(0), d).astype(_F)
+        L = np.where(zero[:, None], 0, L)
+        if ntry > 0:
+            idv = np.where(d != 0, _div(_F(1), d), _F(0)).astype(_F)
+            L = _best_index(levels, (idv[:, None] * x).astype(_F))
+    return L, _f16(d)
+
+
 def quantize_kquant(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = None):
     """llama.cpp's quantization of float32 ``x`` (..., n) to the GGUF type ``name`` (``"q2_k"`` ... ``"q6_k"``: n a
     multiple of 256; ``"q4_0"`` ... ``"q8_0"``: of 32); ``imatrix``: None or per-column importance weights of shape (n,) (llama.cpp's
@@ -500,10 +551,16 @@ def quantize_kquant(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = No
     qw = None
     if imatrix is not None:
         qw = np.ascontiguousarray(np.broadcast_to(np.asarray(imatrix, dtype=_F).reshape(1, n), (rows, n)))
-    if name in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"):
+    if name in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl"):
         B32 = rows * (n // 32)
         xb = np.ascontiguousarray(x, dtype=_F).reshape(B32, 32)
-        L, d, m = _legacy(xb, n, None if qw is None else qw.reshape(B32, 32), name)
+        if name == "iq4_nl":
+            from .dtypes import GGUF_DTYPES
+
+            L, d = _iq4_nl(xb, None if qw is None else qw.reshape(B32, 32), GGUF_DTYPES[name].levels)
+            m = None
+        else:
+            L, d, m = _legacy(xb, n, None if qw is None else qw.reshape(B32, 32), name)
         bias = {"q4_0": 8, "q5_0": 16, "q8_0": 128}.get(name, 0)
         codes = (L - bias).astype(np.int8 if bias else np.uint8)
         return codes.reshape(shape), GGUFScales(
@@ -557,11 +614,13 @@ def sub_scales(p: GGUFScales, sub: int):
     return scale, off
 
 
-def dequantize_kquant(codes, p: GGUFScales, sub: int) -> np.ndarray:
+def dequantize_kquant(codes, p: GGUFScales, sub: int, levels: tuple = ()) -> np.ndarray:
     """Float32 values: ``(d * scale_code) * code - (dmin * min_code)`` per sub-block (ggml's order; the products
-    are exact, the subtraction rounds once); 32-element types ``d * code + m``."""
+    are exact, the subtraction rounds once); 32-element types ``d * code + m``; IQ4_NL ``d * levels[code]``."""
     shape = codes.shape
     scale, off = sub_scales(p, sub)
+    if levels:
+        codes = np.asarray(levels, dtype=_F)[codes.astype(np.int64)]
     with np.errstate(all="ignore"):
         c = codes.astype(_F).reshape(*shape[:-1], shape[-1] // sub, sub)
         y = (scale[..., None] * c).astype(_F)

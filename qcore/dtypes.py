@@ -313,7 +313,7 @@ class BlockDType:
 @dataclass(frozen=True)
 class GGUFDType:
     """A GGUF block type with llama.cpp's own quantizer: the k-quants (Q2_K ... Q6_K) and the 32-element types
-    (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
+    (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL).
 
     k-quants: super-blocks of ``block_size`` (256) elements along a row, cut into sub-blocks of
     ``subblock_size`` (16 or 32) elements. Each sub-block has an integer scale code (``scale_bits`` wide: 4, 6,
@@ -321,6 +321,8 @@ class GGUFDType:
     super-block scales ``d`` (and ``dmin``). A value is ``(d * scale_code) * code - (dmin * min_code)``.
     32-element types (``scale_bits == 0``): one block of 32 is its own sub-block and its fp16 ``d`` is the scale;
     with ``offset16`` (Q4_1, Q5_1) the block also stores its fp16 offset ``m``: a value is ``d * code + m``.
+    ``levels`` (IQ4_NL): the codes are indices into this non-uniform grid of integers: a value is
+    ``d * levels[code]``.
 
     The mins and ``m`` are FLOAT offsets of the block (``QTensor.offsets``: the value of code 0), not integer
     zero points. ``element`` is the code format as qcore holds the codes: unsigned (uint2/uint4/uint5) for the
@@ -339,6 +341,7 @@ class GGUFDType:
     type_size: int
     block_size: int = 256
     offset16: bool = False
+    levels: tuple = ()
     super_scale: FloatDType = field(default_factory=lambda: _F16)
     description: str = field(default="", compare=False)
 
@@ -467,12 +470,16 @@ def _gguf_types() -> list[GGUFDType]:
               ("q5_1", u(5), 7, 24, True), ("q8_0", i(8), 8, 34, False)]
     out += [GGUFDType(n, el, 32, 0, 0, t, size, block_size=32, offset16=off, description="GGUF (llama.cpp)")
             for n, el, t, size, off in rows32]
+    # IQ4_NL: 4-bit indices into a non-uniform grid (ggml-common.h's kvalues_iq4nl), one fp16 d per 32
+    iq4nl = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+    out.append(GGUFDType("iq4_nl", u(4), 32, 0, 0, 20, 18, block_size=32, levels=iq4nl,
+                         description="GGUF non-linear 4-bit (llama.cpp)"))
     return out
 
 
 GGUF_DTYPES: dict[str, GGUFDType] = {d.name: d for d in _gguf_types()}
 """The GGUF types with llama.cpp's quantizer: k-quants ``q2_k`` ... ``q6_k`` and ``q4_0``, ``q4_1``, ``q5_0``,
-``q5_1``, ``q8_0`` (llama.cpp's names in lower case; ``get_dtype`` also takes ``"Q4_K"``). A table of its own: they are not element or block formats, and ``DTYPES``' users (the oracle kit's
+``q5_1``, ``q8_0``, ``iq4_nl`` (llama.cpp's names in lower case; ``get_dtype`` also takes ``"Q4_K"``). A table of its own: they are not element or block formats, and ``DTYPES``' users (the oracle kit's
 ``formats``, conformance) iterate over those."""
 
 # Short aliases people type; each maps to exactly one canonical entry.

@@ -1007,7 +1007,7 @@ def _fake_quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, 
 
     def run(x_, scale_, zero_point_, key_):
         codes, ss = _kquants.quantize_kquant(xn, spec.gguf, qw)
-        return _to_kind(_kquants.dequantize_kquant(codes, ss, spec.granularity.size), o, xa)
+        return _to_kind(_kquants.dequantize_kquant(codes, ss, spec.granularity.size, spec.gguf_dtype.levels), o, xa)
 
     if o.name == "torch" and xa.requires_grad and o.t.is_grad_enabled():
         from ._grad import straight_through
@@ -1090,5 +1090,5 @@ def _dequantize_gguf(q: QTensor):
                              f"types: d, m), shape {want.shape}")
     if q.zero_points is not None or q.subblock_shifts is not None or q.tensor_scale is not None:
         raise ValueError(f"{name}: QTensor.zero_points / subblock_shifts / tensor_scale must be None for a k-quant")
-    y = _kquants.dequantize_kquant(c, ss_np, sb.subblock_size)
+    y = _kquants.dequantize_kquant(c, ss_np, sb.subblock_size, sb.levels)
     return _to_kind(y, o, codes)

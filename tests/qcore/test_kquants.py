@@ -20,9 +20,9 @@ from qcore.testing.ggml import ggml_library, ggml_quantize
 
 KQ = ["q4_k", "q6_k", "q5_k", "q3_k", "q2_k"]
 LEGACY = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]
-ALL = KQ + LEGACY
+ALL = KQ + LEGACY + ["iq4_nl"]
 SIZE = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210,
-        "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34}
+        "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34, "iq4_nl": 18}
 BLOCK = {n: 256 if n in KQ else 32 for n in ALL}
 
 needs_ggml = pytest.mark.skipif(ggml_library() is None, reason="llama.cpp's libggml-base is not installed")
@@ -137,7 +137,7 @@ def _random_blocks(name, rows, nb, rng):
     """Random GGUF bytes whose fp16 super-scales are finite (no NaN payloads to compare)."""
     b = rng.integers(0, 256, (rows, nb, SIZE[name]), dtype=np.uint8)
     offs = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "q4_0": (0,),
-            "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,)}[name]
+            "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,), "iq4_nl": (0,)}[name]
     for o in offs:
         b[..., o + 1] &= 0x7B  # exponent field never all ones
     return b.reshape(rows, nb * SIZE[name])
@@ -169,7 +169,7 @@ def test_pack_unpack_round_trip_parts(name):
         if a is not None:
             assert np.array_equal(a, b), f
     assert np.array_equal(back.scales, q.scales)
-    assert (q.offsets is None) == (name in ("q3_k", "q6_k", "q4_0", "q5_0", "q8_0"))
+    assert (q.offsets is None) == (name in ("q3_k", "q6_k", "q4_0", "q5_0", "q8_0", "iq4_nl"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -189,6 +189,8 @@ def test_spec_and_table():
     assert [make_spec(n).bits_per_element() for n in LEGACY] == [4.5, 5.0, 5.5, 6.0, 8.5]
     assert make_spec("q5_0").dtype.name == "int5" and make_spec("q5_1").symmetric is False
     assert make_spec("q8_0").granularity == PerGroup(32, -1)
+    assert make_spec("iq4_nl").dtype.name == "uint4" and make_spec("iq4_nl").symmetric is True
+    assert make_spec("iq4_nl").bits_per_element() == 4.5
     assert "q4_k" not in qcore.DTYPES  # its own table (not an element or block format)
 
 
@@ -324,3 +326,11 @@ def test_oracle_kit():
     with pytest.raises(AssertionError, match="offsets"):
         assert_matches_oracle(dataclasses.replace(q, offsets=q.offsets * 2), x, "q4_k", op=Op.QUANTIZE, imatrix=w)
 
+
+
+def test_iq4_nl_values_are_grid_levels():
+    x = _inputs(10)
+    q = quantize(x, "iq4_nl")
+    levels = np.array(qcore.dtypes.GGUF_DTYPES["iq4_nl"].levels, np.float32)
+    v = levels[q.codes.astype(np.int64)].reshape(x.shape[0], -1, 32) * q.scales[..., None]
+    assert np.array_equal(v.reshape(x.shape), dequantize(q))
