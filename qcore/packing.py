@@ -432,6 +432,9 @@ def default_layout(dtype: Union[str, DType]) -> Layout:
     d = get_dtype(dtype)
     if isinstance(d, BlockDType):
         d = d.element
+    if not isinstance(d, (IntDType, FloatDType)):
+        raise ValueError(f"dtype {d.name!r} is a GGUF block type: its bytes are whole blocks, "
+                         "qcore.packing.pack_gguf_kquant(qtensor) / unpack_gguf_kquant(data, name)")
     signed = isinstance(d, IntDType) and d.signed
     if d.bits > 16:
         raise ValueError(f"dtype {d.name} has {d.bits}-bit codes; qcore packs formats of 16 bits or fewer")

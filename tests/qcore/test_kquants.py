@@ -334,3 +334,15 @@ def test_iq4_nl_values_are_grid_levels():
     levels = np.array(qcore.dtypes.GGUF_DTYPES["iq4_nl"].levels, np.float32)
     v = levels[q.codes.astype(np.int64)].reshape(x.shape[0], -1, 32) * q.scales[..., None]
     assert np.array_equal(v.reshape(x.shape), dequantize(q))
+
+
+def test_other_entry_points_refuse_gguf_names():
+    x = np.ones((2, 256), np.float32)
+    for f in (lambda: qcore.cast(x, "q4_k"), lambda: qcore.encode(x, "q6_k"),
+              lambda: qcore.decode(np.zeros(3, np.uint8), "q8_0")):
+        with pytest.raises(ValueError, match="block format"):
+            f()
+    with pytest.raises(ValueError, match="GGUF block type"):
+        qcore.packing.pack(np.zeros(4, np.uint8), "q4_k")
+    with pytest.raises(ValueError, match="GGUF specs"):
+        qcore.stats.mse_clip(x, "q4_k")
