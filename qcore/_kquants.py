@@ -1,4 +1,5 @@
-"""GGUF k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): llama.cpp's scale search, bit for bit, in numpy.
+"""GGUF k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL: llama.cpp's quantizer,
+bit for bit, in numpy.
 
 Each function here is a transcription of the function of the same name in llama.cpp's ``ggml/src/ggml-quants.c``
 (``nearest_int``, ``make_qx_quants``, ``make_q3_quants``, ``make_qkx2_quants``, ``make_qkx3_quants``,
@@ -540,10 +541,10 @@ def _iq4_nl(x, qw, levels):
 
 
 def quantize_kquant(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = None):
-    """llama.cpp's quantization of float32 ``x`` (..., n) to the GGUF type ``name`` (``"q2_k"`` ... ``"q6_k"``: n a
-    multiple of 256; ``"q4_0"`` ... ``"q8_0"``: of 32); ``imatrix``: None or per-column importance weights of shape (n,) (llama.cpp's
-    ``quant_weights``: the ``quantize_row_*_impl`` path) -> (codes, ``GGUFScales``). Arguments are
-    validated by the caller."""
+    """llama.cpp's quantization of float32 ``x`` (..., n) to the GGUF type ``name`` (``"q2_k"`` ... ``"q6_k"``: n
+    a multiple of 256; ``"q4_0"`` ... ``"q8_0"``, ``"iq4_nl"``: of 32). ``imatrix``: None or per-column importance
+    weights of shape (n,) (llama.cpp's ``quant_weights``: the ``quantize_row_*_impl`` path) -> (codes,
+    ``GGUFScales``). Arguments are validated by the caller."""
     shape = x.shape
     n = shape[-1]
     lead = shape[:-1]

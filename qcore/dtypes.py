@@ -479,8 +479,9 @@ def _gguf_types() -> list[GGUFDType]:
 
 GGUF_DTYPES: dict[str, GGUFDType] = {d.name: d for d in _gguf_types()}
 """The GGUF types with llama.cpp's quantizer: k-quants ``q2_k`` ... ``q6_k`` and ``q4_0``, ``q4_1``, ``q5_0``,
-``q5_1``, ``q8_0``, ``iq4_nl`` (llama.cpp's names in lower case; ``get_dtype`` also takes ``"Q4_K"``). A table of its own: they are not element or block formats, and ``DTYPES``' users (the oracle kit's
-``formats``, conformance) iterate over those."""
+``q5_1``, ``q8_0``, ``iq4_nl`` (llama.cpp's names in lower case; ``get_dtype`` also takes ``"Q4_K"``). A table
+of its own: they are not element or block formats, and ``DTYPES``' users (the oracle kit's ``formats``,
+conformance) iterate over those."""
 
 # Short aliases people type; each maps to exactly one canonical entry.
 _ALIASES = {

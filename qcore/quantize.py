@@ -69,13 +69,14 @@ class QuantSpec:
         ``scale_dtype`` relative to a per-tensor float32 scale that is 1 (ONE), computed from the tensor's amax
         (AMAX) or passed at the call as ``tensor_scale=`` (GIVEN). Float elements, a non-power-of-two
         ``scale_dtype`` narrower than float32.
-    gguf: a GGUF type whose llama.cpp quantizer the spec follows: a k-quant (``"q2_k"`` ... ``"q6_k"``, ``qcore.GGUF_DTYPES``), or "" (default). Set by
-        ``make_spec("q4_k")``, which also sets the fields it implies: ``dtype`` the code format (uint4 for Q4_K),
-        ``granularity=PerGroup(sub-block size)`` along the last axis (rows; 32 for Q4_K/Q5_K, 16 for the others),
-        ``symmetric`` False exactly for the formats with mins (Q2_K/Q4_K/Q5_K), whose offsets are FLOAT
-        (``QTensor.offsets``), not integer zero points, and float32 ``scale_dtype`` (the sub-block scales
-        ``d * scale_code`` are exact float32 values). Scales are llama.cpp's search, bit for bit
-        (docs/numerics.md, "GGUF k-quants").
+    gguf: a GGUF type whose llama.cpp quantizer the spec follows (``qcore.dtypes.GGUF_DTYPES``): a k-quant
+        (``"q2_k"`` ... ``"q6_k"``), ``"q4_0"``, ``"q4_1"``, ``"q5_0"``, ``"q5_1"``, ``"q8_0"`` or ``"iq4_nl"``; or
+        "" (default). Set by ``make_spec("q4_k")``, which also sets the fields it implies: ``dtype`` the code
+        format (uint4 for Q4_K), ``granularity=PerGroup(sub-block size)`` along the last axis (rows; 32 for
+        Q4_K/Q5_K and the 32-element types, 16 for the other k-quants), ``symmetric`` False exactly for the
+        formats with offsets (Q2_K/Q4_K/Q5_K, Q4_1/Q5_1), whose offsets are FLOAT (``QTensor.offsets``), not
+        integer zero points, and float32 ``scale_dtype`` (the sub-block scales ``d * scale_code`` are exact
+        float32 values). Scales are llama.cpp's, bit for bit (docs/numerics.md, "GGUF k-quants").
     name: the format name this spec came from (for messages and exporters), or "".
     """
 
@@ -219,7 +220,7 @@ def _check_gguf_spec(spec: QuantSpec):
     """Validation of ``QuantSpec.gguf`` (called from ``__post_init__``): the k-quant's implied fields."""
     name = spec.gguf
     if not isinstance(name, str):
-        raise TypeError(f"QuantSpec.gguf must be a str (a GGUF k-quant name or ''), got {name!r}")
+        raise TypeError(f"QuantSpec.gguf must be a str (a GGUF type name or ''), got {name!r}")
     if not name:
         return
     if name not in GGUF_DTYPES:
@@ -758,11 +759,12 @@ def quantize(x: ArrayLike, spec: SpecLike, *, axis: Optional[int] = None, scale:
     - Two-level scales (NVFP4, ``spec.tensor_scale_mode`` not ``TensorScale.NONE``): block scales in a narrow
       float format under a float32 tensor scale ``g``, with torchao's arithmetic; ``_two_level_scales`` holds
       the whole rule (docs/numerics.md, "Two-level scales").
-    - GGUF k-quants (``"q2_k"`` ... ``"q6_k"``, ``spec.gguf``): llama.cpp's scale search, bit for bit
-      (``qcore._kquants``), along the last axis, which must be a multiple of 256; ``imatrix=`` (k-quants only)
-      is the per-column importance (shape ``(x.shape[-1],)``, finite, >= 0): llama.cpp's ``quant_weights``
-      path. The QTensor carries ``super_scales`` and, for Q2_K/Q4_K/Q5_K, float ``offsets``. Computed on host
-      numpy (torch tensors are copied there and back).
+    - GGUF types (``"q2_k"`` ... ``"q6_k"``, ``"q4_0"`` ... ``"q8_0"``, ``"iq4_nl"``; ``spec.gguf``): llama.cpp's
+      quantizer, bit for bit (``qcore._kquants``), along the last axis, which must be a multiple of the block
+      (256 for k-quants, 32 otherwise); ``imatrix=`` (GGUF specs only) is the per-column importance (shape
+      ``(x.shape[-1],)``, finite, >= 0): llama.cpp's ``quant_weights`` path. The QTensor carries
+      ``super_scales`` and, for the formats with offsets, float ``offsets``. Computed on host numpy (torch
+      tensors are copied there and back; ``compile=`` changes nothing).
     """
     spec = _spec_of(spec, axis, overrides)
     if spec.gguf or imatrix is not None:
@@ -943,7 +945,7 @@ def _gguf_inputs(x, spec: QuantSpec, scale, zero_point, key, tensor_scale, compi
     """Check a k-quant call's arguments before any work; returns (host float32 x, host imatrix or None, ops,
     the original array)."""
     if not spec.gguf:
-        raise ValueError(f"imatrix= applies to GGUF k-quant specs (q2_k ... q6_k) only; spec "
+        raise ValueError(f"imatrix= applies to GGUF specs (q2_k ... q6_k, q4_0 ... q8_0, iq4_nl) only; spec "
                          f"{spec.name or spec.dtype.name!r} has no super-blocks")
     name = spec.gguf
     bs = spec.gguf_dtype.block_size
