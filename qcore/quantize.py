@@ -946,7 +946,7 @@ def _gguf_inputs(x, spec: QuantSpec, scale, zero_point, key, tensor_scale, compi
     the original array)."""
     if not spec.gguf:
         raise ValueError(f"imatrix= applies to GGUF specs (q2_k ... q6_k, q4_0 ... q8_0, iq4_nl) only; spec "
-                         f"{spec.name or spec.dtype.name!r} has no super-blocks")
+                         f"{spec.name or spec.dtype.name!r} is not one")
     name = spec.gguf
     bs = spec.gguf_dtype.block_size
     for arg, v in (("scale", scale), ("zero_point", zero_point), ("tensor_scale", tensor_scale), ("key", key)):

@@ -222,7 +222,7 @@ def test_argument_errors():
         quantize(x, "q4_k", imatrix=np.ones(128))
     with pytest.raises(ValueError, match="non-negative"):
         quantize(x, "q4_k", imatrix=-np.ones(256))
-    with pytest.raises(ValueError, match="k-quant specs"):
+    with pytest.raises(ValueError, match="applies to GGUF specs"):
         quantize(x, "int4", imatrix=np.ones(256))
     with pytest.raises(ValueError, match="scale="):
         quantize(x, "q4_k", scale=np.ones((2, 8)))
