@@ -628,3 +628,44 @@ def dequantize_kquant(codes, p: GGUFScales, sub: int, levels: tuple = ()) -> np.
         if off is not None:
             y = (y + off[..., None]).astype(_F)  # a + (-b) == a - b in IEEE arithmetic
     return y.reshape(shape)
+
+
+def requantize(x: np.ndarray, p: GGUFScales, name: str) -> np.ndarray:
+    """Codes of float32 ``x`` (..., n) under GIVEN stored scales ``p`` (a ``GGUFScales`` of x's blocks): the
+    element step of llama.cpp's quantizer with the scales fixed, what GPTQ needs column by column.
+
+    k-quants: llama.cpp's final requantization, ``clamp(nearest_int((x + dmin*m) / (d*sc)), 0, nmax)``
+    (``x / (d*sc)`` and ``[-4, 3]`` / ``[-32, 31]`` for Q3_K / Q6_K), so ``requantize(x, quantize(x).super_scales)``
+    gives llama.cpp's codes wherever ``d * sc`` is not 0 (there: code 0, value = the offset). 32-element types:
+    the ``_ref`` rules with the stored fp16 ``d`` (``id = 1/d``, 0 when d is 0): Q4_0/Q5_0
+    ``min(2*nmax - 1, trunc(x*id + nmax + 0.5))``, Q4_1/Q5_1 ``clamp(trunc((x - m)*id + 0.5), 0, nmax)``, Q8_0
+    ``roundf(x*id)``, IQ4_NL the nearest level of ``x*id``."""
+    from .dtypes import GGUF_DTYPES
+
+    t = GGUF_DTYPES[name]
+    shape = x.shape
+    sub = t.subblock_size
+    x = np.ascontiguousarray(x, dtype=_F).reshape(-1, sub)
+    scale, off = sub_scales(p, sub)
+    scale = np.asarray(scale, dtype=_F).reshape(-1)
+    off = None if off is None else np.asarray(off, dtype=_F).reshape(-1)
+    lo, hi = t.element.min, t.element.max
+    with np.errstate(all="ignore"):
+        idv = np.where(scale != 0, _div(_F(1), scale), _F(0)).astype(_F)[:, None]
+        if t.is_kquant:
+            num = x if off is None else (x - off[:, None]).astype(_F)  # x + dmin*m
+            c = np.clip(nearest_int(_div(num, scale[:, None])), lo, hi)
+            c = np.where((scale != 0)[:, None], c, 0)
+        elif t.levels:
+            c = _best_index(t.levels, (x * idv).astype(_F))
+        elif name == "q8_0":
+            v = (x * idv).astype(_F).astype(np.float64)
+            c = np.clip(np.sign(v) * np.floor(np.abs(v) + 0.5), lo, hi)
+        elif off is None:  # q4_0, q5_0
+            nmax = -lo
+            v = ((x * idv).astype(_F) + _F(nmax + 0.5)).astype(_F)
+            c = np.clip(_trunc_int(v), 0, 2 * nmax - 1) - nmax
+        else:  # q4_1, q5_1
+            v = (((x - off[:, None]).astype(_F) * idv).astype(_F) + _F(0.5)).astype(_F)
+            c = np.clip(_trunc_int(v), 0, hi)
+    return c.astype(np.int8 if t.element.signed else np.uint8).reshape(shape)

@@ -346,3 +346,18 @@ def test_other_entry_points_refuse_gguf_names():
         qcore.packing.pack(np.zeros(4, np.uint8), "q4_k")
     with pytest.raises(ValueError, match="GGUF specs"):
         qcore.stats.mse_clip(x, "q4_k")
+
+
+@pytest.mark.parametrize("name", KQ)
+def test_requantize_with_given_scales_is_llama_cpp_element_step(name):
+    """GPTQ's building block: codes under fixed stored scales. For k-quants llama.cpp's final codes ARE this
+    requantization, wherever the sub-block scale is not 0."""
+    from qcore._kquants import requantize
+
+    x = _inputs(11)
+    for w in (None, _imatrices(512)["random"]):
+        q = quantize(x, name, imatrix=w)
+        c = requantize(x, q.super_scales, name)
+        live = np.repeat(q.scales, q.spec.granularity.size, axis=-1) != 0
+        assert np.array_equal(c[live], q.codes[live])
+        assert c.dtype == q.codes.dtype
