@@ -61,7 +61,11 @@ def nearest_int(v):
 
 def _seqsum(a):
     """Sum along the last axis in order, in float32 (``float s = 0; for (...) s += a[i];``)."""
-    return np.add.accumulate(a, axis=-1, dtype=_F)[..., -1] + _F(0)
+    a = np.asarray(a, dtype=_F)
+    s = a[..., 0] + _F(0)
+    for i in range(1, a.shape[-1]):
+        s += a[..., i]
+    return s
 
 
 def _f16(v):
@@ -156,61 +160,72 @@ def make_q3_quants(x, nmax: int):
     return np.where(zero, _F(0), scale).astype(_F), np.where(zero[:, None], 0, L + nmax)
 
 
-def _qkx_common(x, w, nmax):
-    with np.errstate(all="ignore"):
-        mn, mx = _seq_min_max(x)  # C's strict comparisons from x[0]: the sign of a zero min is C's
-        sum_w = _seqsum(w)
-        sum_x = _seqsum((w * x).astype(_F))
-    mn = np.where(mn > 0, _F(0), mn).astype(_F)
-    return mn, mx, sum_w, sum_x
+def _rowsum(a, *, from_zero: bool = True):
+    """Sequential float32 sum over the rows of ``a`` (n, N): ``float s = 0; for (...) s += a[i];``
+    (``from_zero=False``: ``float s = a[0]; for (i = 1; ...)``)."""
+    s = a[0] + _F(0) if from_zero else a[0].copy()
+    for i in range(1, a.shape[0]):
+        s += a[i]
+    return s
 
 
-def _err(scale, L, mn, x, w, use_mad):
+def _errT(scale, L, mn, xt, wt, use_mad):
     with np.errstate(all="ignore"):
-        diff = ((scale[:, None] * L.astype(_F)).astype(_F) + mn[:, None]).astype(_F) - x
+        diff = ((scale[None, :] * L.astype(_F)).astype(_F) + mn[None, :]).astype(_F) - xt
         diff = np.abs(diff) if use_mad else (diff * diff).astype(_F)
-        return _seqsum((w * diff).astype(_F))
+        return _rowsum((wt * diff).astype(_F))
 
 
 def make_qkx_quants(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool, v3: bool):
     """``make_qkx2_quants`` (``v3=False``) / ``make_qkx3_quants`` (``v3=True``) with weights ``w``
-    -> (scale (N,), the_min (N,) = -min >= 0, L (N, n) in 0..nmax)."""
-    mn, mx, sum_w, sum_x = _qkx_common(x, w, nmax)
+    -> (scale (N,), the_min (N,) = -min >= 0, L (N, n) in 0..nmax). Computed on the transposed (n, N) layout
+    (the sequential sums are then n contiguous vector additions)."""
+    xt = np.ascontiguousarray(x.T, dtype=_F)
+    wt = np.ascontiguousarray(w.T, dtype=_F)
+    n = xt.shape[0]
+    with np.errstate(all="ignore"):
+        mn, mx = xt[0].copy(), xt[0].copy()  # C's strict comparisons from x[0]: the sign of a zero min is C's
+        for i in range(1, n):
+            mn = np.where(xt[i] < mn, xt[i], mn)
+            mx = np.where(xt[i] > mx, xt[i], mx)
+        sum_w = _rowsum(wt, from_zero=False)
+        sum_x = _rowsum((wt * xt).astype(_F), from_zero=False)
+    mn = np.where(mn > 0, _F(0), mn).astype(_F)
     degenerate = (mx <= mn) if v3 else (mx == mn)
     with np.errstate(all="ignore"):
         rng = (mx - mn).astype(_F)
         iscale = _div(_F(nmax), rng)
         scale = _div(_F(1), iscale)
-        L = np.clip(nearest_int((iscale[:, None] * (x - mn[:, None]).astype(_F)).astype(_F)), 0, nmax)
-        best = _err(scale, L, mn, x, w, use_mad)
+        L = np.clip(nearest_int((iscale[None, :] * (xt - mn[None, :]).astype(_F)).astype(_F)), 0, nmax)
+        best = _errT(scale, L, mn, xt, wt, use_mad)
         for is_ in range(nstep + 1):
             # min is the best fit so far: the C code divides by (max - min) with the updated min
             iscale = _div((_F(rmin) + _F(rdelta) * _F(is_)).astype(_F) + _F(nmax), (mx - mn).astype(_F))
-            v = (iscale[:, None] * (x - mn[:, None]).astype(_F)).astype(_F)
+            v = (iscale[None, :] * (xt - mn[None, :]).astype(_F)).astype(_F)
             if v3:
                 la = np.where(v > 0, nearest_int(np.where(v < _F(nmax), v, _F(nmax))), 0)
             else:
                 la = np.clip(nearest_int(v), 0, nmax)
             lf = la.astype(_F)
-            wl = (w * lf).astype(_F)
-            sum_l = _seqsum(wl)
-            sum_l2 = _seqsum((wl * lf).astype(_F))
-            sum_xl = _seqsum((wl * x).astype(_F))
+            wl = (wt * lf).astype(_F)
+            sum_l = _rowsum(wl)
+            sum_l2 = _rowsum((wl * lf).astype(_F))
+            sum_xl = _rowsum((wl * xt).astype(_F))
             D = ((sum_w * sum_l2).astype(_F) - (sum_l * sum_l).astype(_F)).astype(_F)
             this_scale = _div(((sum_w * sum_xl).astype(_F) - (sum_x * sum_l).astype(_F)).astype(_F), D)
             this_min = _div(((sum_l2 * sum_x).astype(_F) - (sum_l * sum_xl).astype(_F)).astype(_F), D)
             pos = this_min > 0
             this_scale = np.where(pos, _div(sum_xl, sum_l2), this_scale).astype(_F)
             this_min = np.where(pos, _F(0), this_min).astype(_F)
-            cur = _err(this_scale, la, this_min, x, w, use_mad)
+            cur = _errT(this_scale, la, this_min, xt, wt, use_mad)
             better = (D > 0) & (cur < best)
-            L = np.where(better[:, None], la, L)
+            L = np.where(better[None, :], la, L)
             best = np.where(better, cur, best)
             scale = np.where(better, this_scale, scale)
             mn = np.where(better, this_min, mn)
     scale = np.where(degenerate, _F(0), scale).astype(_F)
-    L = np.where(degenerate[:, None], 0, L)
-    return scale, (-mn).astype(_F), L
+    L = np.where(degenerate[None, :], 0, L)
+    return scale, (-mn).astype(_F), np.ascontiguousarray(L.T)
 
 
 def make_qp_quants(x, nmax: int, qw):
