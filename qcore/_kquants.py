@@ -647,30 +647,42 @@ def dequantize_kquant(codes, p: GGUFScales, sub: int, levels: tuple = ()) -> np.
 
 def requantize(x: np.ndarray, p: GGUFScales, name: str) -> np.ndarray:
     """Codes of float32 ``x`` (..., n) under GIVEN stored scales ``p`` (a ``GGUFScales`` of x's blocks): the
-    element step of llama.cpp's quantizer with the scales fixed, what GPTQ needs column by column.
+    element step of llama.cpp's quantizer with the scales fixed (``element_codes`` per sub-block).
+    ``requantize(x, quantize(x, k-quant).super_scales)`` gives llama.cpp's codes wherever ``d * sc`` is not 0
+    (there: code 0, value = the offset); for the 32-element types llama.cpp's codes come from the unrounded d,
+    so a few codes may differ from requantizing with the stored fp16 d."""
+    from .dtypes import GGUF_DTYPES
 
-    k-quants: llama.cpp's final requantization, ``clamp(nearest_int((x + dmin*m) / (d*sc)), 0, nmax)``
-    (``x / (d*sc)`` and ``[-4, 3]`` / ``[-32, 31]`` for Q3_K / Q6_K), so ``requantize(x, quantize(x).super_scales)``
-    gives llama.cpp's codes wherever ``d * sc`` is not 0 (there: code 0, value = the offset). 32-element types:
-    the ``_ref`` rules with the stored fp16 ``d`` (``id = 1/d``, 0 when d is 0): Q4_0/Q5_0
-    ``min(2*nmax - 1, trunc(x*id + nmax + 0.5))``, Q4_1/Q5_1 ``clamp(trunc((x - m)*id + 0.5), 0, nmax)``, Q8_0
-    ``roundf(x*id)``, IQ4_NL the nearest level of ``x*id``."""
+    sub = GGUF_DTYPES[name].subblock_size
+    shape = x.shape
+    scale, off = sub_scales(p, sub)
+    xs = np.ascontiguousarray(x, dtype=_F).reshape(-1, sub)
+    scale = np.asarray(scale, dtype=_F).reshape(-1, 1)
+    off = None if off is None else np.asarray(off, dtype=_F).reshape(-1, 1)
+    return element_codes(xs, scale, off, name).reshape(shape)
+
+
+def element_codes(x, scale, offset, name: str) -> np.ndarray:
+    """llama.cpp's element rule of GGUF type ``name`` with a given sub-block ``scale`` and float ``offset``
+    (float32 arrays broadcasting against ``x``; ``offset`` None for the types without): what GPTQ needs column
+    by column. A value is ``scale * code + offset`` (IQ4_NL: ``scale * levels[code]``).
+
+    k-quants: ``clamp(nearest_int((x - offset) / scale), lo, hi)`` (llama.cpp's final requantization), code 0
+    where the scale is 0. 32-element types, with ``id = 1/scale`` (0 when the scale is 0): Q4_0/Q5_0
+    ``min(2*nmax - 1, trunc(x*id + nmax + 0.5)) - nmax``, Q4_1/Q5_1 ``clamp(trunc((x - offset)*id + 0.5), 0,
+    nmax)``, Q8_0 ``roundf(x*id)``, IQ4_NL the level whose midpoint interval holds ``x*id``."""
     from .dtypes import GGUF_DTYPES
 
     t = GGUF_DTYPES[name]
-    shape = x.shape
-    sub = t.subblock_size
-    x = np.ascontiguousarray(x, dtype=_F).reshape(-1, sub)
-    scale, off = sub_scales(p, sub)
-    scale = np.asarray(scale, dtype=_F).reshape(-1)
-    off = None if off is None else np.asarray(off, dtype=_F).reshape(-1)
+    x = np.asarray(x, dtype=_F)
+    scale = np.asarray(scale, dtype=_F)
+    off = None if offset is None else np.asarray(offset, dtype=_F)
     lo, hi = t.element.min, t.element.max
     with np.errstate(all="ignore"):
-        idv = np.where(scale != 0, _div(_F(1), scale), _F(0)).astype(_F)[:, None]
+        idv = np.where(scale != 0, _div(_F(1), scale), _F(0)).astype(_F)
         if t.is_kquant:
-            num = x if off is None else (x - off[:, None]).astype(_F)  # x + dmin*m
-            c = np.clip(nearest_int(_div(num, scale[:, None])), lo, hi)
-            c = np.where((scale != 0)[:, None], c, 0)
+            num = x if off is None else (x - off).astype(_F)  # x + dmin*m
+            c = np.where(scale != 0, np.clip(nearest_int(_div(num, scale)), lo, hi), 0)
         elif t.levels:
             c = _best_index(t.levels, (x * idv).astype(_F))
         elif name == "q8_0":
@@ -681,6 +693,6 @@ def requantize(x: np.ndarray, p: GGUFScales, name: str) -> np.ndarray:
             v = ((x * idv).astype(_F) + _F(nmax + 0.5)).astype(_F)
             c = np.clip(_trunc_int(v), 0, 2 * nmax - 1) - nmax
         else:  # q4_1, q5_1
-            v = (((x - off[:, None]).astype(_F) * idv).astype(_F) + _F(0.5)).astype(_F)
+            v = (((x - off).astype(_F) * idv).astype(_F) + _F(0.5)).astype(_F)
             c = np.clip(_trunc_int(v), 0, hi)
-    return c.astype(np.int8 if t.element.signed else np.uint8).reshape(shape)
+    return np.asarray(c).astype(np.int8 if t.element.signed else np.uint8)

@@ -361,3 +361,19 @@ def test_requantize_with_given_scales_is_llama_cpp_element_step(name):
         live = np.repeat(q.scales, q.spec.granularity.size, axis=-1) != 0
         assert np.array_equal(c[live], q.codes[live])
         assert c.dtype == q.codes.dtype
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_element_codes_column_by_column(name):
+    """GPTQ's column step: element_codes on one column with that column's sub-block scale/offset per row equals
+    requantizing the whole row."""
+    from qcore._kquants import element_codes, requantize
+
+    x = _inputs(12)
+    q = quantize(x, name)
+    whole = requantize(x, q.super_scales, name)
+    sub = q.spec.granularity.size
+    for j in (0, 17, 300, 511):
+        s = q.scales[:, j // sub]
+        o = None if q.offsets is None else q.offsets[:, j // sub]
+        assert np.array_equal(element_codes(x[:, j], s, o, name), whole[:, j])
