@@ -75,11 +75,17 @@ def _f16(v):
 
 
 def _first_absmax(x):
-    """(amax, max): the first element of largest |x| along the last axis and its signed value."""
-    ax = np.abs(x)
-    i = np.argmax(ax, axis=-1)
-    mx = np.take_along_axis(x, i[..., None], axis=-1)[..., 0]
-    return np.abs(mx), mx
+    """(amax, max): ``float amax = 0, max = 0; for (...) if (fabsf(v) > amax) { amax = fabsf(v); max = v; }``
+    along the last axis: the first element of largest |x|, NaNs never taken, (0, 0) when nothing exceeds 0."""
+    amax = np.zeros(x.shape[:-1], dtype=_F)
+    mx = np.zeros(x.shape[:-1], dtype=_F)
+    for i in range(x.shape[-1]):
+        v = x[..., i]
+        a = np.abs(v)
+        take = a > amax
+        amax = np.where(take, a, amax)
+        mx = np.where(take, v, mx)
+    return amax, mx
 
 
 def _div(a, b):
@@ -486,8 +492,7 @@ def _legacy(x, row_len, qw, name):
             q = np.sign(v) * np.floor(np.abs(v) + 0.5)  # roundf: half away from zero, exact in float64
             return q.astype(np.int64) + 128, _f16(d), None
         if name in ("q4_0", "q5_0"):
-            amax, mx = _first_absmax(x)
-            mx = np.where(amax > 0, mx, _F(0)).astype(_F)  # C keeps max = +0 when no |v| exceeds 0 (a -0 block)
+            _, mx = _first_absmax(x)  # max = +0 when no |v| exceeds 0 (a block of -0: d = -0, as in C)
             d = (mx / _F(-nmax)).astype(_F)
             idv = np.where(d != 0, _div(_F(1), d), _F(0)).astype(_F)
             v = ((x * idv[:, None]).astype(_F) + _F(nmax + 0.5)).astype(_F)

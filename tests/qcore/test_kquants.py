@@ -377,3 +377,19 @@ def test_element_codes_column_by_column(name):
         s = q.scales[:, j // sub]
         o = None if q.offsets is None else q.offsets[:, j // sub]
         assert np.array_equal(element_codes(x[:, j], s, o, name), whole[:, j])
+
+
+@needs_ggml
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("magnitude", [1e13, 1e30])
+def test_overflowing_magnitudes_follow_ggml(magnitude):
+    """Where llama.cpp's float32 search overflows (x^3 terms, Inf/NaN block scales), qcore still writes its bytes:
+    C's comparisons skip NaNs (the first-absmax scans), which np.argmax would not. iq4_nl is exact up to ~1e13
+    only (NaN scales whose sign differs)."""
+    rng = np.random.default_rng(13)
+    x = (rng.standard_normal((4, 512)) * magnitude).astype(np.float32)
+    for name in ALL:
+        if name == "iq4_nl" and magnitude > 1e13:
+            continue
+        for w in (None, np.ones(512, np.float32)):
+            assert np.array_equal(pack_gguf_kquant(quantize(x, name, imatrix=w)), ggml_quantize(x, name, w)), name
