@@ -471,7 +471,6 @@ def _trunc_int(v):
 def _legacy(x, row_len, qw, name):
     """x (B, 32) float32 blocks, ``row_len`` elements per row (for the imatrix path's sigma2) -> (L (B, 32) stored
     unsigned codes, d (B,), m (B,) or None)."""
-    B = x.shape[0]
     nmax = {"q4_0": 8, "q4_1": 15, "q5_0": 16, "q5_1": 31, "q8_0": 127}[name]
     with np.errstate(all="ignore"):
         if qw is not None and name != "q8_0":
@@ -506,7 +505,6 @@ def _legacy(x, row_len, qw, name):
         if name == "q4_1":
             L = np.minimum(15, L)
         return L, _f16(d), _f16(mn)
-    del B
 
 
 def _best_index(levels, v):
