@@ -9,7 +9,7 @@ vectorized over sub-blocks: every float operation is a float32 operation in the 
 ``tests/qcore/test_kquants.py`` (through ``qcore.testing.ggml``).
 
 The result of ``quantize_kquant`` is the *parts* of the GGUF blocks, before packing (``qcore.packing``
-``pack_gguf_kquant`` lays them out in GGUF's block bytes): the element codes and a ``GGUFScales``:
+``pack_gguf_blocks`` lays them out in GGUF's block bytes): the element codes and a ``GGUFScales``:
 
 - ``codes``: element codes, x's shape, the values of the spec's element dtype: unsigned ``L`` (Q2_K 0..3,
   Q4_K 0..15, Q5_K 0..31, uint8) for the formats with mins, signed ``L - 4`` / ``L - 32`` (Q3_K -4..3,

@@ -329,7 +329,7 @@ class GGUFDType:
     formats with offsets, signed for the symmetric ones (int3/int4/int5/int6: the stored ``L - 4`` / ``L - 8``
     / ``L - 16`` / ``L - 32``; int8 for Q8_0). ``ggml_type`` is the ggml_type / GGMLQuantizationType number and
     ``type_size`` the bytes of one block in a GGUF file. The quantizer is llama.cpp's (``qcore._kquants``); the
-    byte layout is ``qcore.packing.pack_gguf_kquant``'s.
+    byte layout is ``qcore.packing.pack_gguf_blocks``'s.
     """
 
     name: str

@@ -36,11 +36,11 @@ Layouts (``axis`` picks the packed axis, default the last; other axes are carrie
                     little-endian int32). Values 0..7 -> 0x75316420 (reorder), 0x76543210 (order).
 ``pack_gguf_q4``    GGUF Q4 nibbles: in each block of 32 codes, byte ``j`` holds element ``j`` (low nibble) and
                     element ``j + 16`` (high nibble); 32 codes -> 16 bytes; the length must be a multiple of 32.
-``pack_gguf_kquant`` a k-quant ``QTensor`` (Q2_K ... Q6_K) -> GGUF's block bytes, llama.cpp's ``block_q*_K``
+``pack_gguf_blocks`` a k-quant ``QTensor`` (Q2_K ... Q6_K) -> GGUF's block bytes, llama.cpp's ``block_q*_K``
                     structs (ggml-common.h) back to back along the last axis: Q2_K ``scales[16] qs[64] d dmin``
                     (84 bytes), Q3_K ``hmask[32] qs[64] scales[12] d`` (110), Q4_K ``d dmin scales[12] qs[128]``
                     (144), Q5_K ``d dmin scales[12] qh[32] qs[128]`` (176), Q6_K ``ql[128] qh[64] scales[16] d``
-                    (210); fp16 little-endian. ``unpack_gguf_kquant`` is its inverse (numpy only).
+                    (210); fp16 little-endian. ``unpack_gguf_blocks`` is its inverse (numpy only).
 ================== =================================================================================================
 
 Ragged lengths: the packers pad the last group with code 0; the unpackers return every element of the packed
@@ -91,8 +91,8 @@ __all__ = [
     "unpack_int4_int32",
     "pack_gguf_q4",
     "unpack_gguf_q4",
-    "pack_gguf_kquant",
-    "unpack_gguf_kquant",
+    "pack_gguf_blocks",
+    "unpack_gguf_blocks",
 ]
 
 _SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -434,7 +434,7 @@ def default_layout(dtype: Union[str, DType]) -> Layout:
         d = d.element
     if not isinstance(d, (IntDType, FloatDType)):
         raise ValueError(f"dtype {d.name!r} is a GGUF block type: its bytes are whole blocks, "
-                         "qcore.packing.pack_gguf_kquant(qtensor) / unpack_gguf_kquant(data, name)")
+                         "qcore.packing.pack_gguf_blocks(qtensor) / unpack_gguf_blocks(data, name)")
     signed = isinstance(d, IntDType) and d.signed
     if d.bits > 16:
         raise ValueError(f"dtype {d.name} has {d.bits}-bit codes; qcore packs formats of 16 bits or fewer")
@@ -724,14 +724,14 @@ def _unpack_gguf32(t, spec, b):
     return QTensor(codes.reshape(*lead, nb * 32), scales, None, spec, None, None, offsets, ss)
 
 
-def pack_gguf_kquant(q: Any) -> np.ndarray:
+def pack_gguf_blocks(q: Any) -> np.ndarray:
     """A ``QTensor`` of a GGUF type spec (``quantize(x, "q4_k")``, ``"q5_0"``, ...) -> uint8 (..., n / block *
     type_size): the GGUF bytes of each row, exactly what llama.cpp's ``ggml_quantize_chunk`` writes. numpy (torch
     parts are read on the host)."""
     from qcore.quantize import QTensor, _np_view
 
     if not isinstance(q, QTensor) or not getattr(q.spec, "gguf", ""):
-        raise TypeError(f"pack_gguf_kquant takes a k-quant QTensor (quantize(x, 'q4_k')), got {type(q).__name__}"
+        raise TypeError(f"pack_gguf_blocks takes a k-quant QTensor (quantize(x, 'q4_k')), got {type(q).__name__}"
                         + ("" if not isinstance(q, QTensor) else f" with spec {q.spec.name or q.spec.dtype.name!r}"))
     t = _kq_type(q.spec)
     from qcore.quantize import dequantize
@@ -778,10 +778,10 @@ def pack_gguf_kquant(q: Any) -> np.ndarray:
     return blocks.reshape(*lead, n // 256 * t.type_size)
 
 
-def unpack_gguf_kquant(data: ArrayLike, fmt: Any) -> Any:
-    """Inverse of ``pack_gguf_kquant``: uint8 (..., nb * type_size) GGUF bytes of the k-quant ``fmt`` (a name such
+def unpack_gguf_blocks(data: ArrayLike, fmt: Any) -> Any:
+    """Inverse of ``pack_gguf_blocks``: uint8 (..., nb * type_size) GGUF bytes of the k-quant ``fmt`` (a name such
     as ``"q4_k"`` or a k-quant ``QuantSpec``) -> the ``QTensor`` (numpy parts, codes of shape (..., nb * 256)),
-    which ``dequantize`` turns into llama.cpp's values and ``pack_gguf_kquant`` into the same bytes."""
+    which ``dequantize`` turns into llama.cpp's values and ``pack_gguf_blocks`` into the same bytes."""
     from qcore import _kquants
     from qcore.quantize import QTensor, QuantSpec, make_spec
 

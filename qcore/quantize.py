@@ -344,7 +344,7 @@ class QTensor:
     ``super_scales`` (k-quant specs only, ``spec.gguf``): the stored form of the scales, a
     ``GGUFScales`` (fp16 ``d``/``dmin`` per 256 elements, integer ``scale_codes``/``min_codes`` per
     sub-block) from which ``scales`` (``d * scale_code``) and ``offsets`` are derived exactly; it is what GGUF
-    files hold (``qcore.packing.pack_gguf_kquant``) and what ``dequantize`` reads.
+    files hold (``qcore.packing.pack_gguf_blocks``) and what ``dequantize`` reads.
     """
 
     codes: Any

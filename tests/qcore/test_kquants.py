@@ -14,7 +14,7 @@ import pytest
 
 import qcore
 from qcore import PerGroup, dequantize, fake_quantize, make_spec, quantize
-from qcore.packing import pack_gguf_kquant, unpack_gguf_kquant
+from qcore.packing import pack_gguf_blocks, unpack_gguf_blocks
 from qcore.testing import probes
 from qcore.testing.ggml import ggml_library, ggml_quantize
 
@@ -84,7 +84,7 @@ def test_bytes_equal_ggml(name, imx):
     x = _inputs()
     qw = _imatrices(x.shape[1])[imx]
     q = quantize(x, name, imatrix=qw)
-    ours = pack_gguf_kquant(q)
+    ours = pack_gguf_blocks(q)
     ref = ggml_quantize(x, name, qw)
     assert ours.shape == ref.shape == (x.shape[0], 512 // BLOCK[name] * SIZE[name])
     bad = np.nonzero((ours != ref).any(axis=1))[0]
@@ -100,7 +100,7 @@ def test_bytes_equal_ggml_random(name, seed):
     x = (rng.standard_normal((48, n)) * np.exp(rng.uniform(-8, 8, (48, 1)))).astype(np.float32)
     qw = (rng.random(n) * 2).astype(np.float32)
     for w in (None, qw):
-        assert np.array_equal(pack_gguf_kquant(quantize(x, name, imatrix=w)), ggml_quantize(x, name, w))
+        assert np.array_equal(pack_gguf_blocks(quantize(x, name, imatrix=w)), ggml_quantize(x, name, w))
 
 
 @needs_ggml
@@ -109,7 +109,7 @@ def test_bytes_equal_ggml_on_probes(name):
     x = _probe_rows()
     assert x.shape[0] >= 4
     for w in (None, np.linspace(0.01, 3, 256, dtype=np.float32)):
-        assert np.array_equal(pack_gguf_kquant(quantize(x, name, imatrix=w)), ggml_quantize(x, name, w))
+        assert np.array_equal(pack_gguf_blocks(quantize(x, name, imatrix=w)), ggml_quantize(x, name, w))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -130,7 +130,7 @@ def test_dequantize_equals_gguf_py(name):
         assert got.dtype == np.float32 and got.shape == x.shape
         assert np.array_equal(got.view(np.int32), want.view(np.int32))
         assert np.array_equal(fake_quantize(x, name, imatrix=w).view(np.int32), want.view(np.int32))
-        assert np.array_equal(dequantize(unpack_gguf_kquant(ref_bytes, name)).view(np.int32), want.view(np.int32))
+        assert np.array_equal(dequantize(unpack_gguf_blocks(ref_bytes, name)).view(np.int32), want.view(np.int32))
 
 
 def _random_blocks(name, rows, nb, rng):
@@ -147,9 +147,9 @@ def _random_blocks(name, rows, nb, rng):
 def test_unpack_pack_round_trip_random_bytes(name):
     rng = np.random.default_rng(7)
     data = _random_blocks(name, 5, 3, rng)
-    q = unpack_gguf_kquant(data, name)
+    q = unpack_gguf_blocks(data, name)
     assert q.codes.shape == (5, 3 * BLOCK[name])
-    assert np.array_equal(pack_gguf_kquant(q), data)
+    assert np.array_equal(pack_gguf_blocks(q), data)
     gq, gguf = _gguf()
     want = gq.dequantize(data, getattr(gguf.GGMLQuantizationType, name.upper()))
     got = dequantize(q)
@@ -160,7 +160,7 @@ def test_unpack_pack_round_trip_random_bytes(name):
 def test_pack_unpack_round_trip_parts(name):
     x = _inputs(2).reshape(2, 7, 512)
     q = quantize(x, name)
-    back = unpack_gguf_kquant(pack_gguf_kquant(q), name)
+    back = unpack_gguf_blocks(pack_gguf_blocks(q), name)
     assert back.codes.shape == x.shape and back.codes.dtype == q.codes.dtype
     assert np.array_equal(back.codes, q.codes)
     for f in ("d", "dmin", "scale_codes", "min_codes"):
@@ -275,7 +275,7 @@ def test_torch_path():
     q = quantize(t, "q6_k", imatrix=torch.ones(512))
     assert isinstance(q.codes, torch.Tensor) and isinstance(q.super_scales.d, torch.Tensor)
     assert np.array_equal(dequantize(q).numpy(), dequantize(quantize(x, "q6_k", imatrix=np.ones(512))))
-    assert np.array_equal(pack_gguf_kquant(q), pack_gguf_kquant(quantize(x, "q6_k", imatrix=np.ones(512))))
+    assert np.array_equal(pack_gguf_blocks(q), pack_gguf_blocks(quantize(x, "q6_k", imatrix=np.ones(512))))
 
 
 @pytest.mark.parametrize("name", LEGACY)
@@ -284,7 +284,7 @@ def test_legacy_equals_gguf_py_quantize(name):
     gq, gguf = _gguf()
     x = _inputs(6)
     x = np.concatenate([x, x[:, :96].copy()], axis=1)  # 608 columns: not a multiple of 256
-    assert np.array_equal(pack_gguf_kquant(quantize(x, name)), gq.quantize(x, getattr(gguf.GGMLQuantizationType,
+    assert np.array_equal(pack_gguf_blocks(quantize(x, name)), gq.quantize(x, getattr(gguf.GGMLQuantizationType,
                                                                                        name.upper())))
 
 
@@ -295,7 +295,7 @@ def test_negative_zero_block_follows_ggml_not_gguf_py(name):
     first element (-0), d = +0. qcore writes ggml's bytes."""
     gq, gguf = _gguf()
     x = np.full((1, 32), -0.0, np.float32)
-    ours = pack_gguf_kquant(quantize(x, name))
+    ours = pack_gguf_blocks(quantize(x, name))
     assert np.array_equal(ours, ggml_quantize(x, name))
     assert ours[0, 1] == 0x80
     assert gq.quantize(x, getattr(gguf.GGMLQuantizationType, name.upper()))[0, 1] == 0x00
@@ -392,4 +392,4 @@ def test_overflowing_magnitudes_follow_ggml(magnitude):
         if name == "iq4_nl" and magnitude > 1e13:
             continue
         for w in (None, np.ones(512, np.float32)):
-            assert np.array_equal(pack_gguf_kquant(quantize(x, name, imatrix=w)), ggml_quantize(x, name, w)), name
+            assert np.array_equal(pack_gguf_blocks(quantize(x, name, imatrix=w)), ggml_quantize(x, name, w)), name
