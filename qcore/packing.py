@@ -36,11 +36,13 @@ Layouts (``axis`` picks the packed axis, default the last; other axes are carrie
                     little-endian int32). Values 0..7 -> 0x75316420 (reorder), 0x76543210 (order).
 ``pack_gguf_q4``    GGUF Q4 nibbles: in each block of 32 codes, byte ``j`` holds element ``j`` (low nibble) and
                     element ``j + 16`` (high nibble); 32 codes -> 16 bytes; the length must be a multiple of 32.
-``pack_gguf_blocks`` a k-quant ``QTensor`` (Q2_K ... Q6_K) -> GGUF's block bytes, llama.cpp's ``block_q*_K``
-                    structs (ggml-common.h) back to back along the last axis: Q2_K ``scales[16] qs[64] d dmin``
-                    (84 bytes), Q3_K ``hmask[32] qs[64] scales[12] d`` (110), Q4_K ``d dmin scales[12] qs[128]``
-                    (144), Q5_K ``d dmin scales[12] qh[32] qs[128]`` (176), Q6_K ``ql[128] qh[64] scales[16] d``
-                    (210); fp16 little-endian. ``unpack_gguf_blocks`` is its inverse (numpy only).
+``pack_gguf_blocks`` a ``QTensor`` of a GGUF spec (``qcore.GGUF_DTYPES``) -> llama.cpp's block bytes, the
+                    ``block_*`` structs of ggml-common.h back to back along the last axis: Q2_K ``scales[16] qs[64]
+                    d dmin`` (84 bytes), Q3_K ``hmask[32] qs[64] scales[12] d`` (110), Q4_K ``d dmin scales[12]
+                    qs[128]`` (144), Q5_K ``d dmin scales[12] qh[32] qs[128]`` (176), Q6_K ``ql[128] qh[64]
+                    scales[16] d`` (210); Q4_0 / IQ4_NL ``d qs[16]`` (18), Q4_1 ``d m qs[16]`` (20), Q5_0 ``d
+                    qh[4] qs[16]`` (22), Q5_1 ``d m qh[4] qs[16]`` (24), Q8_0 ``d qs[32]`` (34); fp16 little-endian.
+                    ``unpack_gguf_blocks`` is its inverse (numpy only).
 ================== =================================================================================================
 
 Ragged lengths: the packers pad the last group with code 0; the unpackers return every element of the packed
