@@ -3,23 +3,26 @@ bit for bit, in numpy.
 
 Each function here is a transcription of the function of the same name in llama.cpp's ``ggml/src/ggml-quants.c``
 (``nearest_int``, ``make_qx_quants``, ``make_q3_quants``, ``make_qkx2_quants``, ``make_qkx3_quants``,
-``make_qp_quants``, ``quantize_row_q*_K_ref`` and the ``quantize_row_q*_K_impl`` importance-weighted variants),
-vectorized over sub-blocks: every float operation is a float32 operation in the C order (sums are sequential,
-``np.add.accumulate``, never pairwise), so the bytes equal ``ggml_quantize_chunk``'s. The oracle test is
-``tests/qcore/test_kquants.py`` (through ``qcore.testing.ggml``).
+``make_qp_quants``, ``best_index_int8``, ``quantize_row_*_ref`` and the ``quantize_row_*_impl``
+importance-weighted variants, ``quantize_iq4_nl``), vectorized over blocks: every float operation is a float32
+operation in the C order (sums are sequential, never pairwise; max/min scans use C's strict comparisons from
+C's start values), so the bytes equal ``ggml_quantize_chunk``'s. The oracle tests are
+``tests/qcore/test_kquants.py`` and ``properties/test_prop_gguf.py`` (through ``qcore.testing.ggml``).
 
 The result of ``quantize_kquant`` is the *parts* of the GGUF blocks, before packing (``qcore.packing``
 ``pack_gguf_blocks`` lays them out in GGUF's block bytes): the element codes and a ``GGUFScales``:
 
 - ``codes``: element codes, x's shape, the values of the spec's element dtype: unsigned ``L`` (Q2_K 0..3,
-  Q4_K 0..15, Q5_K 0..31, uint8) for the formats with mins, signed ``L - 4`` / ``L - 32`` (Q3_K -4..3,
-  Q6_K -32..31, int8) for the symmetric ones;
-- ``d`` (and ``dmin``): the fp16 super-block scale(s) as float32 values, shape (..., n / 256);
-- ``scale_codes`` (and ``min_codes``): the integer sub-block scale (and min) codes, shape (..., n / sub):
-  Q4_K/Q5_K 0..63, Q2_K 0..15, Q3_K -32..31 (stored biased by 32), Q6_K -128..127 (int8).
+  Q4_K/Q4_1 0..15, Q5_K/Q5_1 0..31; IQ4_NL: indices 0..15 into its levels; uint8) for the formats with offsets,
+  signed ``L - bias`` (Q3_K -4..3, Q6_K -32..31, Q4_0 -8..7, Q5_0 -16..15, Q8_0 int8) for the symmetric ones;
+- ``d`` (and ``dmin``): the fp16 (super-)block scale(s) as float32 values, shape (..., n / block); for Q4_1/Q5_1
+  ``dmin`` holds the fp16 offset ``m``;
+- k-quants: ``scale_codes`` (and ``min_codes``): the integer sub-block scale (and min) codes, shape
+  (..., n / sub): Q4_K/Q5_K 0..63, Q2_K 0..15, Q3_K -32..31 (stored biased by 32), Q6_K -128..127 (int8).
 
-A value is ``(d * scale_code) * code - (dmin * min_code)``: every product is exact in float32 (fp16 times a
-6-bit code times a 6-bit code fits 24 bits), so only the final subtraction rounds, as in ggml's dequantize.
+A k-quant value is ``(d * scale_code) * code - (dmin * min_code)``: every product is exact in float32 (fp16
+times a 6-bit code times a 6-bit code fits 24 bits), so only the final subtraction rounds, as in ggml's
+dequantize; 32-element types ``d * code + m`` (IQ4_NL ``d * levels[code]``).
 """
 
 from __future__ import annotations
