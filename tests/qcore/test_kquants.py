@@ -393,3 +393,15 @@ def test_overflowing_magnitudes_follow_ggml(magnitude):
             continue
         for w in (None, np.ones(512, np.float32)):
             assert np.array_equal(pack_gguf_blocks(quantize(x, name, imatrix=w)), ggml_quantize(x, name, w)), name
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_round_trip_keeps_nan_and_inf_scales(name):
+    """Import as codes and export back is byte-identical even for fp16 scales that are Inf or NaN (quiet or
+    signaling payloads)."""
+    rng = np.random.default_rng(14)
+    data = _random_blocks(name, 4, 1, rng)
+    off = {"q2_k": 80, "q3_k": 108, "q6_k": 208}.get(name, 0)
+    for row, pattern in enumerate(([0x01, 0x7C], [0x00, 0x7E], [0x55, 0xFD], [0x00, 0xFC])):
+        data[row, off:off + 2] = pattern
+    assert np.array_equal(pack_gguf_blocks(unpack_gguf_blocks(data, name)), data)
