@@ -405,3 +405,11 @@ def test_round_trip_keeps_nan_and_inf_scales(name):
     for row, pattern in enumerate(([0x01, 0x7C], [0x00, 0x7E], [0x55, 0xFD], [0x00, 0xFC])):
         data[row, off:off + 2] = pattern
     assert np.array_equal(pack_gguf_blocks(unpack_gguf_blocks(data, name)), data)
+
+
+def test_nearest_int_is_round_half_even():
+    """llama.cpp's nearest_int (add 1.5 * 2**23, read the mantissa) rounds ties to EVEN, not away from zero."""
+    from qcore._kquants import nearest_int
+
+    v = np.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.4999998, 4194303.0, -4194303.0], np.float32)
+    assert nearest_int(v).tolist() == [0, 2, 2, 0, -2, -2, 3, 4194303, -4194303]
