@@ -511,38 +511,39 @@ def _legacy(x, row_len, qw, name):
 
 
 def _best_index(levels, v):
-    """``best_index_int8(16, values, v)``: the level whose midpoint interval holds v (2v against the sums of
-    neighbouring levels, a branch-free binary search)."""
+    """``best_index_int8(16, values, v)``: the largest j with ``2v >= values[j-1] + values[j]`` (C's branch-free
+    binary search over the sorted levels), 0 for NaN."""
     lv = np.asarray(levels, dtype=np.int64)
-    thr = np.concatenate([[0], lv[:-1] + lv[1:]]).astype(_F)  # thr[j] = val[j-1] + val[j]
     x2 = (v + v).astype(_F)
-    idx = np.zeros(v.shape, dtype=np.int64)
-    step = len(lv) >> 1
-    while step > 0:
-        j = idx + step
-        idx = np.where(x2 >= thr[j], j, idx)
-        step >>= 1
-    return idx
+    idx = np.zeros(x2.shape, dtype=np.int8)
+    for t in (lv[:-1] + lv[1:]).astype(_F):  # increasing midpoint sums: idx counts those <= 2v (NaN: none)
+        idx += x2 >= t
+    return idx.astype(np.int64)
 
 
 def _iq4_nl(x, qw, levels):
     """``quantize_iq4_nl`` (what llama.cpp writes to files): ``quantize_row_iq4_nl_impl(32, 32, 16, ...)`` with
-    ntry 7, weights ``x^2`` without an imatrix (``quantize_row_iq4_nl_ref``'s ntry -1 is not what files get)."""
+    ntry 7, weights ``x^2`` without an imatrix (``quantize_row_iq4_nl_ref``'s ntry -1 is not what files get).
+    Computed on the transposed (32, B) layout (sequential sums as contiguous vector additions)."""
     vals = np.asarray(levels, dtype=_F)
     ntry = 7
+    xt = np.ascontiguousarray(x.T, dtype=_F)
     with np.errstate(all="ignore"):
-        sigma2 = (_seqsum((x * x).astype(_F)) * _F(2.0 / 32)).astype(_F)
-        w = (qw * np.sqrt((sigma2[:, None] + (x * x).astype(_F)).astype(_F))).astype(_F) if qw is not None \
-            else (x * x).astype(_F)
+        sigma2 = (_rowsum((xt * xt).astype(_F)) * _F(2.0 / 32)).astype(_F)
+        if qw is not None:
+            wt = (np.ascontiguousarray(qw.T, dtype=_F) * np.sqrt((sigma2[None, :] + (xt * xt).astype(_F)).astype(_F)))
+        else:
+            wt = xt * xt
+        wt = wt.astype(_F)
         amax, mx = _first_absmax(x)
         zero = amax < _EPS
         d = _div(-mx if ntry > 0 else mx, vals[0])
 
         def sums(idv):
-            L = _best_index(levels, (idv[:, None] * x).astype(_F))
+            L = _best_index(levels, (idv[None, :] * xt).astype(_F))
             q = vals[L]
-            wq = (w * q).astype(_F)
-            return L, _seqsum((wq * x).astype(_F)), _seqsum((wq * q).astype(_F))
+            wq = (wt * q).astype(_F)
+            return L, _rowsum((wq * xt).astype(_F)), _rowsum((wq * q).astype(_F))
 
         L, sumqx, sumq2 = sums(_div(_F(1), d))
         d = np.where(sumq2 > 0, _div(sumqx, sumq2), _F(0)).astype(_F)
@@ -554,11 +555,11 @@ def _iq4_nl(x, qw, levels):
             d = np.where(take, nd, d)
             best = np.where(take, (nd * sqx).astype(_F), best)
         d = np.where(zero, _F(0), d).astype(_F)
-        L = np.where(zero[:, None], 0, L)
+        L = np.where(zero[None, :], 0, L)
         if ntry > 0:
             idv = np.where(d != 0, _div(_F(1), d), _F(0)).astype(_F)
-            L = _best_index(levels, (idv[:, None] * x).astype(_F))
-    return L, _f16(d)
+            L = _best_index(levels, (idv[None, :] * xt).astype(_F))
+    return np.ascontiguousarray(L.T), _f16(d)
 
 
 def quantize_kquant(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = None):
