@@ -562,11 +562,34 @@ def _iq4_nl(x, qw, levels):
     return np.ascontiguousarray(L.T), _f16(d)
 
 
+_CHUNK = 1 << 20  # elements per piece: the search keeps ~10 float32 temporaries of a piece alive
+
+
 def quantize_kquant(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = None):
     """llama.cpp's quantization of float32 ``x`` (..., n) to the GGUF type ``name`` (``"q2_k"`` ... ``"q6_k"``: n
     a multiple of 256; ``"q4_0"`` ... ``"q8_0"``, ``"iq4_nl"``: of 32). ``imatrix``: None or per-column importance
     weights of shape (n,) (llama.cpp's ``quant_weights``: the ``quantize_row_*_impl`` path) -> (codes,
-    ``GGUFScales``). Arguments are validated by the caller."""
+    ``GGUFScales``). Arguments are validated by the caller. Rows are independent: large tensors run in pieces
+    of whole rows (about ``_CHUNK`` elements), which bounds the memory of the search's temporaries."""
+    shape = x.shape
+    n = shape[-1]
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    per = max(1, _CHUNK // max(n, 1))
+    if rows > per:
+        x2 = x.reshape(rows, n)
+        parts = [_quantize_rows(x2[r:r + per], name, imatrix) for r in range(0, rows, per)]
+        codes = np.concatenate([p[0] for p in parts]).reshape(shape)
+
+        def cat(field):
+            vals = [getattr(p[1], field) for p in parts]
+            return None if vals[0] is None else np.concatenate(vals).reshape(*shape[:-1], -1)
+
+        return codes, GGUFScales(d=cat("d"), dmin=cat("dmin"), scale_codes=cat("scale_codes"),
+                                 min_codes=cat("min_codes"))
+    return _quantize_rows(x, name, imatrix)
+
+
+def _quantize_rows(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = None):
     shape = x.shape
     n = shape[-1]
     lead = shape[:-1]

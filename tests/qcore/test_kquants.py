@@ -413,3 +413,18 @@ def test_nearest_int_is_round_half_even():
 
     v = np.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.4999998, 4194303.0, -4194303.0], np.float32)
     assert nearest_int(v).tolist() == [0, 2, 2, 0, -2, -2, 3, 4194303, -4194303]
+
+
+@needs_ggml
+def test_large_tensors_run_in_pieces_of_rows(monkeypatch):
+    """Rows are independent: quantize_kquant splits a large tensor into pieces of whole rows (bounded memory);
+    the bytes are the same."""
+    import qcore._kquants as K
+
+    x = _inputs(15).reshape(2, 7, 512)
+    w = _imatrices(512)["sq"]
+    monkeypatch.setattr(K, "_CHUNK", 1024)  # two rows per piece
+    for name in ("q4_k", "q6_k", "q4_1", "iq4_nl"):
+        q = quantize(x, name, imatrix=w)
+        assert q.super_scales.d.shape[:2] == (2, 7)
+        assert np.array_equal(pack_gguf_blocks(q).reshape(14, -1), ggml_quantize(x.reshape(14, 512), name, w))
