@@ -254,6 +254,9 @@ class TensorConfig:
             raise ValueError("TensorConfig: shared-microexponent specs (mx9/mx6/mx4) take MinMax() only")
         if self.spec.two_level and not isinstance(self.observer, MinMax):
             raise ValueError("TensorConfig: two-level (NVFP4) specs take MinMax() only")
+        if self.spec.gguf:  # the core has them (qcore.quantize, qcore.packing.pack_gguf_kquant); modules do not yet
+            raise ValueError(f"TensorConfig.spec: GGUF type {self.spec.gguf!r} is not supported by the adapters yet "
+                             "(their modules do not carry float offsets and super-block scales)")
         g = self.spec.granularity
         sizes = (g.size,) if isinstance(g, PerGroup) else tuple(g.shape) if isinstance(g, PerBlock) else ()
         if any(n > MAX_GROUP_SIZE for n in sizes):

@@ -15,7 +15,7 @@ import numpy as np
 from . import _fast
 from ._typing import Array, ArrayLike, FormatLike, KeyLike
 from ._backend import ops, to_array
-from .dtypes import BlockDType, FloatDType, IntDType, Specials, get_dtype
+from .dtypes import BlockDType, FloatDType, GGUFDType, IntDType, Specials, get_dtype
 from .rounding import RoundingMode, _round_sig, check_mode, decompose, pow2, round_to_integral
 
 __all__ = ["cast", "encode", "decode", "code_dtype_bits"]
@@ -23,7 +23,7 @@ __all__ = ["cast", "encode", "decode", "code_dtype_bits"]
 
 def _element_dtype(dtype, what: str):
     d = get_dtype(dtype)
-    if isinstance(d, BlockDType):
+    if isinstance(d, (BlockDType, GGUFDType)):
         raise ValueError(
             f"{what}: {d.name!r} is a block format (elements share scales); use qcore.quantize / "
             f"qcore.fake_quantize for it, or {d.element.name!r} for its elements"

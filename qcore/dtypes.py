@@ -35,6 +35,8 @@ __all__ = [
     "IntDType",
     "FloatDType",
     "BlockDType",
+    "GGUFDType",
+    "GGUF_DTYPES",
     "ScaleMode",
     "TensorScale",
     "DType",
@@ -308,7 +310,64 @@ class BlockDType:
         return False
 
 
-DType = Union[IntDType, FloatDType, BlockDType]
+@dataclass(frozen=True)
+class GGUFDType:
+    """A GGUF block type with llama.cpp's own quantizer: the k-quants (Q2_K ... Q6_K) and the 32-element types
+    (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL).
+
+    k-quants: super-blocks of ``block_size`` (256) elements along a row, cut into sub-blocks of
+    ``subblock_size`` (16 or 32) elements. Each sub-block has an integer scale code (``scale_bits`` wide: 4, 6,
+    or 8 for Q6_K's int8) and, when ``min_bits`` > 0, an integer min code; both are multiplied by fp16
+    super-block scales ``d`` (and ``dmin``). A value is ``(d * scale_code) * code - (dmin * min_code)``.
+    32-element types (``scale_bits == 0``): one block of 32 is its own sub-block and its fp16 ``d`` is the scale;
+    with ``offset16`` (Q4_1, Q5_1) the block also stores its fp16 offset ``m``: a value is ``d * code + m``.
+    ``levels`` (IQ4_NL): the codes are indices into this non-uniform grid of integers: a value is
+    ``d * levels[code]``.
+
+    The mins and ``m`` are FLOAT offsets of the block (``QTensor.offsets``: the value of code 0), not integer
+    zero points. ``element`` is the code format as qcore holds the codes: unsigned (uint2/uint4/uint5) for the
+    formats with offsets, signed for the symmetric ones (int3/int4/int5/int6: the stored ``L - 4`` / ``L - 8``
+    / ``L - 16`` / ``L - 32``; int8 for Q8_0). ``ggml_type`` is the ggml_type / GGMLQuantizationType number and
+    ``type_size`` the bytes of one block in a GGUF file. The quantizer is llama.cpp's (``qcore._kquants``); the
+    byte layout is ``qcore.packing.pack_gguf_blocks``'s.
+    """
+
+    name: str
+    element: IntDType
+    subblock_size: int
+    scale_bits: int
+    min_bits: int
+    ggml_type: int
+    type_size: int
+    block_size: int = 256
+    offset16: bool = False
+    levels: tuple = ()
+    super_scale: FloatDType = field(default_factory=lambda: _F16)
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.block_size % self.subblock_size:
+            raise ValueError(f"GGUFDType {self.name!r}: subblock_size must divide block_size")
+
+    @property
+    def has_mins(self) -> bool:
+        """True when blocks carry float offsets (k-quant min codes under ``dmin``, or Q4_1/Q5_1's fp16 ``m``)."""
+        return self.min_bits > 0 or self.offset16
+
+    @property
+    def is_kquant(self) -> bool:
+        return self.block_size == 256
+
+    @property
+    def bits_per_element(self) -> float:
+        return self.type_size * 8 / self.block_size
+
+    @property
+    def is_float(self) -> bool:
+        return False
+
+
+DType = Union[IntDType, FloatDType, BlockDType, GGUFDType]
 
 
 def _ints() -> list[IntDType]:
@@ -349,6 +408,7 @@ _FLOATS = [
 ]
 
 _F = {d.name: d for d in _FLOATS}
+_F16 = _F["float16"]
 
 
 def _blocks() -> list[BlockDType]:
@@ -392,6 +452,37 @@ def _all() -> list[DType]:
 DTYPES: dict[str, DType] = {d.name: d for d in _all()}
 """The one table of named formats. Keys are the canonical names (ml_dtypes spelling for elements)."""
 
+
+def _gguf_types() -> list[GGUFDType]:
+    def u(b: int) -> IntDType:
+        return IntDType(f"uint{b}", b, False)
+
+    def i(b: int) -> IntDType:
+        return IntDType(f"int{b}", b, True)
+
+    # name, element, sub-block, scale bits, min bits, ggml_type, bytes per 256 (ggml-common.h's block_q*_K)
+    rows = [("q2_k", u(2), 16, 4, 4, 10, 84), ("q3_k", i(3), 16, 6, 0, 11, 110), ("q4_k", u(4), 32, 6, 6, 12, 144),
+            ("q5_k", u(5), 32, 6, 6, 13, 176), ("q6_k", i(6), 16, 8, 0, 14, 210)]
+    out = [GGUFDType(n, el, sub, sb, mb, t, size, description="GGUF k-quant (llama.cpp)")
+           for n, el, sub, sb, mb, t, size in rows]
+    # name, element, ggml_type, bytes per 32, stores an fp16 offset m (ggml-common.h's block_q4_0 ... block_q8_0)
+    rows32 = [("q4_0", i(4), 2, 18, False), ("q4_1", u(4), 3, 20, True), ("q5_0", i(5), 6, 22, False),
+              ("q5_1", u(5), 7, 24, True), ("q8_0", i(8), 8, 34, False)]
+    out += [GGUFDType(n, el, 32, 0, 0, t, size, block_size=32, offset16=off, description="GGUF (llama.cpp)")
+            for n, el, t, size, off in rows32]
+    # IQ4_NL: 4-bit indices into a non-uniform grid (ggml-common.h's kvalues_iq4nl), one fp16 d per 32
+    iq4nl = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+    out.append(GGUFDType("iq4_nl", u(4), 32, 0, 0, 20, 18, block_size=32, levels=iq4nl,
+                         description="GGUF non-linear 4-bit (llama.cpp)"))
+    return out
+
+
+GGUF_DTYPES: dict[str, GGUFDType] = {d.name: d for d in _gguf_types()}
+"""The GGUF types with llama.cpp's quantizer: k-quants ``q2_k`` ... ``q6_k`` and ``q4_0``, ``q4_1``, ``q5_0``,
+``q5_1``, ``q8_0``, ``iq4_nl`` (llama.cpp's names in lower case; ``get_dtype`` also takes ``"Q4_K"``). A table
+of its own: they are not element or block formats, and ``DTYPES``' users (the oracle kit's ``formats``,
+conformance) iterate over those."""
+
 # Short aliases people type; each maps to exactly one canonical entry.
 _ALIASES = {
     "fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "half": "float16",
@@ -404,15 +495,18 @@ _ALIASES = {
 
 def get_dtype(dtype: Union[str, DType]) -> DType:
     """Resolve a name (or pass a dtype object through). Unknown names raise ``ValueError`` listing choices."""
-    if isinstance(dtype, (IntDType, FloatDType, BlockDType)):
+    if isinstance(dtype, (IntDType, FloatDType, BlockDType, GGUFDType)):
         return dtype
     if not isinstance(dtype, str):
         raise TypeError(f"dtype must be a name or a qcore dtype, got {type(dtype).__name__}")
     key = dtype.strip().lower()
     key = _ALIASES.get(key, key)
+    if key in GGUF_DTYPES:
+        return GGUF_DTYPES[key]
     try:
         return DTYPES[key]
     except KeyError:
         raise ValueError(
-            f"unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPES))} (aliases: {', '.join(sorted(_ALIASES))})"
+            f"unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPES))}, GGUF k-quants: "
+            f"{', '.join(GGUF_DTYPES)} (aliases: {', '.join(sorted(_ALIASES))})"
         ) from None

@@ -36,6 +36,13 @@ Layouts (``axis`` picks the packed axis, default the last; other axes are carrie
                     little-endian int32). Values 0..7 -> 0x75316420 (reorder), 0x76543210 (order).
 ``pack_gguf_q4``    GGUF Q4 nibbles: in each block of 32 codes, byte ``j`` holds element ``j`` (low nibble) and
                     element ``j + 16`` (high nibble); 32 codes -> 16 bytes; the length must be a multiple of 32.
+``pack_gguf_blocks`` a ``QTensor`` of a GGUF spec (``qcore.GGUF_DTYPES``) -> llama.cpp's block bytes, the
+                    ``block_*`` structs of ggml-common.h back to back along the last axis: Q2_K ``scales[16] qs[64]
+                    d dmin`` (84 bytes), Q3_K ``hmask[32] qs[64] scales[12] d`` (110), Q4_K ``d dmin scales[12]
+                    qs[128]`` (144), Q5_K ``d dmin scales[12] qh[32] qs[128]`` (176), Q6_K ``ql[128] qh[64]
+                    scales[16] d`` (210); Q4_0 / IQ4_NL ``d qs[16]`` (18), Q4_1 ``d m qs[16]`` (20), Q5_0 ``d
+                    qh[4] qs[16]`` (22), Q5_1 ``d m qh[4] qs[16]`` (24), Q8_0 ``d qs[32]`` (34); fp16 little-endian.
+                    ``unpack_gguf_blocks`` is its inverse (numpy only).
 ================== =================================================================================================
 
 Ragged lengths: the packers pad the last group with code 0; the unpackers return every element of the packed
@@ -86,6 +93,8 @@ __all__ = [
     "unpack_int4_int32",
     "pack_gguf_q4",
     "unpack_gguf_q4",
+    "pack_gguf_blocks",
+    "unpack_gguf_blocks",
 ]
 
 _SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -425,6 +434,9 @@ def default_layout(dtype: Union[str, DType]) -> Layout:
     d = get_dtype(dtype)
     if isinstance(d, BlockDType):
         d = d.element
+    if not isinstance(d, (IntDType, FloatDType)):
+        raise ValueError(f"dtype {d.name!r} is a GGUF block type: its bytes are whole blocks, "
+                         "qcore.packing.pack_gguf_blocks(qtensor) / unpack_gguf_blocks(data, name)")
     signed = isinstance(d, IntDType) and d.signed
     if d.bits > 16:
         raise ValueError(f"dtype {d.name} has {d.bits}-bit codes; qcore packs formats of 16 bits or fewer")
@@ -590,3 +602,237 @@ def unpack_gguf_q4(packed: ArrayLike, *, axis: int = -1) -> Array:
     v = (x >> _shifts(o, 2, 4, x)[:, None]) & 0xF  # (..., nb, 2, 16): low nibbles then high nibbles
     out = o.astype(o.reshape(v, lead + (2 * m,)), o.uint8)
     return _from_end(out, o, axis)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GGUF k-quants (Q2_K ... Q6_K): whole super-blocks, numpy only
+
+def _kq_lowbits(L, shifts, group):
+    """Bytes of ``len(shifts)`` planes: byte ``l`` of each ``group``-sized chunk ORs ``L[c*group*len + k*group + l]
+    << shifts[k]`` (llama.cpp's ``qs`` loops). L: (B, 256) small ints."""
+    B = L.shape[0]
+    k = len(shifts)
+    t = L.reshape(B, -1, k, group).astype(np.uint8)
+    out = np.zeros((B, t.shape[1], group), dtype=np.uint8)
+    for i, sh in enumerate(shifts):
+        out |= (t[:, :, i, :] << np.uint8(sh)).astype(np.uint8)
+    return out.reshape(B, -1)
+
+
+def _kq_lowbits_inv(qs, shifts, group, mask):
+    B = qs.shape[0]
+    t = qs.reshape(B, -1, 1, group)
+    planes = [(t >> np.uint8(sh)) & np.uint8(mask) for sh in shifts]
+    return np.concatenate(planes, axis=2).reshape(B, -1)
+
+
+def _k4_scales(sc, mc):
+    """Q4_K/Q5_K's 12 scale bytes from 8 six-bit scales and mins (llama.cpp's packing, get_scale_min_k4)."""
+    sc = sc.astype(np.uint8)
+    mc = mc.astype(np.uint8)
+    out = np.zeros((sc.shape[0], 12), dtype=np.uint8)
+    out[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = mc[:, 0:4] | ((mc[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:8] & 0xF) | ((mc[:, 4:8] & 0xF) << 4)
+    return out
+
+
+def _k4_scales_inv(b):
+    sc = np.concatenate([b[:, 0:4] & 63, (b[:, 8:12] & 0xF) | ((b[:, 0:4] >> 6) << 4)], axis=1)
+    mc = np.concatenate([b[:, 4:8] & 63, (b[:, 8:12] >> 4) | ((b[:, 4:8] >> 6) << 4)], axis=1)
+    return sc, mc
+
+
+def _k3_scales(s6):
+    """Q3_K's 12 scale bytes from 16 six-bit (biased) scales."""
+    s6 = s6.astype(np.uint8)
+    out = np.zeros((s6.shape[0], 12), dtype=np.uint8)
+    out[:, 0:8] = (s6[:, 0:8] & 0xF) | ((s6[:, 8:16] & 0xF) << 4)
+    hi = (s6 >> 4).reshape(-1, 4, 4)  # [j // 4, j % 4]
+    for g in range(4):
+        out[:, 8:12] |= (hi[:, g, :] << np.uint8(2 * g)).astype(np.uint8)
+    return out
+
+
+def _k3_scales_inv(b):
+    lo = np.concatenate([b[:, 0:8] & 0xF, b[:, 0:8] >> 4], axis=1)
+    hi = np.concatenate([(b[:, 8:12] >> np.uint8(2 * g)) & 3 for g in range(4)], axis=1)
+    return lo | (hi << 4)
+
+
+def _f16_bytes(v):
+    return np.ascontiguousarray(np.asarray(v, dtype=np.float32).astype(np.float16)).view(np.uint8).reshape(-1, 2)
+
+
+def _f16_from(b):
+    return np.ascontiguousarray(b).view(np.float16).reshape(-1).astype(np.float32)
+
+
+def _kq_type(fmt):
+    from qcore.dtypes import GGUFDType
+
+    d = fmt.gguf_dtype if hasattr(fmt, "gguf_dtype") else get_dtype(fmt)
+    if not isinstance(d, GGUFDType):
+        raise ValueError(f"a GGUF k-quant (q2_k ... q6_k) is needed, got {getattr(d, 'name', fmt)!r}")
+    return d
+
+
+def _pack_gguf32(t, codes, ss, host):
+    """Q4_0 ``d qs[16]``, Q4_1 ``d m qs[16]``, Q5_0 ``d qh[4] qs[16]``, Q5_1 ``d m qh[4] qs[16]``, Q8_0 ``d qs[32]``:
+    byte ``j`` of ``qs`` holds elements ``j`` (low nibble) and ``j + 16``; ``qh`` bit ``j`` is element ``j``'s fifth
+    bit (little-endian uint32)."""
+    L = codes.reshape(-1, 32) - t.element.min
+    parts = [_f16_bytes(host(ss.d))]
+    if t.offset16:
+        parts.append(_f16_bytes(host(ss.dmin)))
+    if t.name == "q8_0":
+        parts.append((L - 128).astype(np.int8).view(np.uint8))
+    else:
+        if t.element.bits == 5:
+            bits = ((L >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
+            qh = np.bitwise_or.reduce(bits, axis=1).astype("<u4")
+            parts.append(np.ascontiguousarray(qh).view(np.uint8).reshape(-1, 4))
+        parts.append(((L[:, :16] & 0xF) | ((L[:, 16:] & 0xF) << 4)).astype(np.uint8))
+    return np.concatenate(parts, axis=1)
+
+
+def _unpack_gguf32(t, spec, b):
+    from qcore import _kquants
+    from qcore.quantize import QTensor
+
+    lead = b.shape[:-1]
+    nb = b.shape[-1] // t.type_size
+    blk = np.ascontiguousarray(b).reshape(-1, t.type_size)
+    d = _f16_from(blk[:, 0:2])
+    pos = 2
+    m = None
+    if t.offset16:
+        m = _f16_from(blk[:, 2:4])
+        pos = 4
+    if t.name == "q8_0":
+        L = blk[:, pos:].view(np.int8).astype(np.int64) + 128
+    else:
+        hi = np.zeros((blk.shape[0], 32), dtype=np.int64)
+        if t.element.bits == 5:
+            qh = np.ascontiguousarray(blk[:, pos:pos + 4]).view("<u4").reshape(-1, 1).astype(np.int64)
+            hi = ((qh >> np.arange(32)) & 1) << 4
+            pos += 4
+        qs = blk[:, pos:pos + 16].astype(np.int64)
+        L = np.concatenate([qs & 0xF, qs >> 4], axis=1) | hi
+    codes = (L + t.element.min).astype(np.int8 if t.element.signed else np.uint8)
+    ss = _kquants.GGUFScales(d=d.reshape(*lead, nb), dmin=None if m is None else m.reshape(*lead, nb),
+                             scale_codes=None, min_codes=None)
+    scales, offsets = _kquants.sub_scales(ss, 32)
+    return QTensor(codes.reshape(*lead, nb * 32), scales, None, spec, None, None, offsets, ss)
+
+
+def pack_gguf_blocks(q: Any) -> np.ndarray:
+    """A ``QTensor`` of a GGUF type spec (``quantize(x, "q4_k")``, ``"q5_0"``, ...) -> uint8 (..., n / block *
+    type_size): the GGUF bytes of each row, exactly what llama.cpp's ``ggml_quantize_chunk`` writes. numpy (torch
+    parts are read on the host)."""
+    from qcore.quantize import QTensor, _np_view
+
+    if not isinstance(q, QTensor) or not getattr(q.spec, "gguf", ""):
+        raise TypeError(f"pack_gguf_blocks takes a k-quant QTensor (quantize(x, 'q4_k')), got {type(q).__name__}"
+                        + ("" if not isinstance(q, QTensor) else f" with spec {q.spec.name or q.spec.dtype.name!r}"))
+    t = _kq_type(q.spec)
+    from qcore.quantize import dequantize
+
+    dequantize(q)  # validates every part (codes range, scale codes, fp16 d, scales == d * codes) before packing
+    codes = np.asarray(_np_view(q.codes)).astype(np.int64)
+    ss = q.super_scales
+    shape = codes.shape
+    lead, n = shape[:-1], shape[-1]
+    if not t.is_kquant:
+        return _pack_gguf32(t, codes, ss, _np_view).reshape(*lead, n // 32 * t.type_size)
+    B = codes.size // 256
+    L = codes.reshape(B, 256) - t.element.min  # unsigned stored codes
+    d = _f16_bytes(_np_view(ss.d))
+    sc = np.asarray(_np_view(ss.scale_codes)).astype(np.int64).reshape(B, -1)
+    if t.has_mins:
+        dmin = _f16_bytes(_np_view(ss.dmin))
+        mc = np.asarray(_np_view(ss.min_codes)).astype(np.int64).reshape(B, -1)
+    name = t.name
+    if name == "q2_k":
+        parts = [(sc | (mc << 4)).astype(np.uint8), _kq_lowbits(L, (0, 2, 4, 6), 32), d, dmin]
+    elif name == "q3_k":
+        hm = np.zeros((B, 32), dtype=np.uint8)
+        high = (L > 3).reshape(B, 8, 32)
+        for bit in range(8):
+            hm |= (high[:, bit, :].astype(np.uint8) << np.uint8(bit)).astype(np.uint8)
+        parts = [hm, _kq_lowbits(L & 3, (0, 2, 4, 6), 32), _k3_scales(sc + 32), d]
+    elif name == "q4_k":
+        parts = [d, dmin, _k4_scales(sc, mc), _kq_lowbits(L, (0, 4), 32)]
+    elif name == "q5_k":
+        qh = np.zeros((B, 32), dtype=np.uint8)
+        high = (L >> 4).reshape(B, 8, 32).astype(np.uint8)
+        for bit in range(8):
+            qh |= (high[:, bit, :] << np.uint8(bit)).astype(np.uint8)
+        parts = [d, dmin, _k4_scales(sc, mc), qh, _kq_lowbits(L & 0xF, (0, 4), 32)]
+    else:  # q6_k
+        h = L.reshape(B, 2, 4, 32)  # halves of 128, quarters of 32
+        ql = np.concatenate([(h[:, :, 0] & 0xF) | ((h[:, :, 2] & 0xF) << 4),
+                             (h[:, :, 1] & 0xF) | ((h[:, :, 3] & 0xF) << 4)], axis=2).reshape(B, 128)
+        qh = ((h[:, :, 0] >> 4) | ((h[:, :, 1] >> 4) << 2) | ((h[:, :, 2] >> 4) << 4)
+              | ((h[:, :, 3] >> 4) << 6)).reshape(B, 64)
+        parts = [ql.astype(np.uint8), qh.astype(np.uint8), (sc & 0xFF).astype(np.uint8), d]
+    blocks = np.concatenate(parts, axis=1)
+    return blocks.reshape(*lead, n // 256 * t.type_size)
+
+
+def unpack_gguf_blocks(data: ArrayLike, fmt: Any) -> Any:
+    """Inverse of ``pack_gguf_blocks``: uint8 (..., nb * type_size) GGUF bytes of the k-quant ``fmt`` (a name such
+    as ``"q4_k"`` or a k-quant ``QuantSpec``) -> the ``QTensor`` (numpy parts, codes of shape (..., nb * 256)),
+    which ``dequantize`` turns into llama.cpp's values and ``pack_gguf_blocks`` into the same bytes."""
+    from qcore import _kquants
+    from qcore.quantize import QTensor, QuantSpec, make_spec
+
+    t = _kq_type(fmt)
+    spec = fmt if isinstance(fmt, QuantSpec) else make_spec(t.name)
+    b = np.asarray(data)
+    if b.dtype == np.uint8 and b.ndim and b.shape[-1] % t.type_size == 0 and not t.is_kquant:
+        return _unpack_gguf32(t, spec, b)
+    if b.dtype != np.uint8:
+        raise TypeError(f"data must be a uint8 array of GGUF bytes, got dtype {b.dtype}")
+    if b.ndim == 0 or b.shape[-1] % t.type_size:
+        raise ValueError(f"data has shape {b.shape}; {t.name} rows are whole blocks of {t.type_size} bytes")
+    lead = b.shape[:-1]
+    nb = b.shape[-1] // t.type_size
+    B = int(np.prod(lead, dtype=np.int64)) * nb
+    blk = np.ascontiguousarray(b).reshape(B, t.type_size)
+    dmin = mc = None
+    name = t.name
+    if name == "q2_k":
+        sb, qs, d, dmin = blk[:, :16], blk[:, 16:80], blk[:, 80:82], blk[:, 82:84]
+        sc, mc = sb & 0xF, sb >> 4
+        L = _kq_lowbits_inv(qs, (0, 2, 4, 6), 32, 3)
+    elif name == "q3_k":
+        hm, qs, s12, d = blk[:, :32], blk[:, 32:96], blk[:, 96:108], blk[:, 108:110]
+        high = np.concatenate([(hm >> np.uint8(bit)) & 1 for bit in range(8)], axis=1)
+        L = _kq_lowbits_inv(qs, (0, 2, 4, 6), 32, 3) | (high << 2)
+        sc = _k3_scales_inv(s12).astype(np.int16) - 32
+    elif name == "q4_k":
+        d, dmin, s12, qs = blk[:, 0:2], blk[:, 2:4], blk[:, 4:16], blk[:, 16:144]
+        sc, mc = _k4_scales_inv(s12)
+        L = _kq_lowbits_inv(qs, (0, 4), 32, 0xF)
+    elif name == "q5_k":
+        d, dmin, s12, qh, qs = blk[:, 0:2], blk[:, 2:4], blk[:, 4:16], blk[:, 16:48], blk[:, 48:176]
+        sc, mc = _k4_scales_inv(s12)
+        high = np.concatenate([(qh >> np.uint8(bit)) & 1 for bit in range(8)], axis=1)
+        L = _kq_lowbits_inv(qs, (0, 4), 32, 0xF) | (high << 4)
+    else:  # q6_k
+        ql, qh, s16, d = blk[:, :128].reshape(B, 2, 64), blk[:, 128:192].reshape(B, 2, 32), blk[:, 192:208], \
+            blk[:, 208:210]
+        q = [(ql[:, :, 0:32] & 0xF) | (((qh >> 0) & 3) << 4), (ql[:, :, 32:64] & 0xF) | (((qh >> 2) & 3) << 4),
+             (ql[:, :, 0:32] >> 4) | (((qh >> 4) & 3) << 4), (ql[:, :, 32:64] >> 4) | (((qh >> 6) & 3) << 4)]
+        L = np.stack(q, axis=2).reshape(B, 256)
+        sc = s16.view(np.int8)
+    codes = (L.astype(np.int16) + t.element.min).astype(np.int8 if t.element.signed else np.uint8)
+    ns = 256 // t.subblock_size
+    ss = _kquants.GGUFScales(
+        d=_f16_from(d).reshape(*lead, nb),
+        dmin=None if dmin is None else _f16_from(dmin).reshape(*lead, nb),
+        scale_codes=np.asarray(sc).astype(np.int16).reshape(*lead, nb * ns),
+        min_codes=None if mc is None else np.asarray(mc).astype(np.int16).reshape(*lead, nb * ns))
+    scales, offsets = _kquants.sub_scales(ss, t.subblock_size)
+    return QTensor(codes.reshape(*lead, nb * 256), scales, None, spec, None, None, offsets, ss)

@@ -27,7 +27,8 @@ from ._two_level import (_F32_MIN_NORMAL, _f32_const, _two_level_multipliers,  #
                          _two_level_scales, tensor_scale_from_amax)
 from ._microexp import dequant_microexp_blocks, quantize_microexp_blocks
 from .cast import cast, decode, encode
-from .dtypes import BlockDType, FloatDType, IntDType, ScaleMode, TensorScale, get_dtype
+from .dtypes import (GGUF_DTYPES, BlockDType, FloatDType, IntDType, ScaleMode, GGUFDType, TensorScale,
+                     get_dtype)
 from .granularity import (Granularity, PerBlock, PerChannel, PerGroup, PerTensor, as_int, check_granularity,
                           from_blocks, scales_to_blocked, to_blocks)
 from .granularity import scale_shape as _scale_shape
@@ -68,6 +69,14 @@ class QuantSpec:
         ``scale_dtype`` relative to a per-tensor float32 scale that is 1 (ONE), computed from the tensor's amax
         (AMAX) or passed at the call as ``tensor_scale=`` (GIVEN). Float elements, a non-power-of-two
         ``scale_dtype`` narrower than float32.
+    gguf: a GGUF type whose llama.cpp quantizer the spec follows (``qcore.dtypes.GGUF_DTYPES``): a k-quant
+        (``"q2_k"`` ... ``"q6_k"``), ``"q4_0"``, ``"q4_1"``, ``"q5_0"``, ``"q5_1"``, ``"q8_0"`` or ``"iq4_nl"``; or
+        "" (default). Set by ``make_spec("q4_k")``, which also sets the fields it implies: ``dtype`` the code
+        format (uint4 for Q4_K), ``granularity=PerGroup(sub-block size)`` along the last axis (rows; 32 for
+        Q4_K/Q5_K and the 32-element types, 16 for the other k-quants), ``symmetric`` False exactly for the
+        formats with offsets (Q2_K/Q4_K/Q5_K, Q4_1/Q5_1), whose offsets are FLOAT (``QTensor.offsets``), not
+        integer zero points, and float32 ``scale_dtype`` (the sub-block scales ``d * scale_code`` are exact
+        float32 values). Scales are llama.cpp's, bit for bit (docs/numerics.md, "GGUF k-quants").
     name: the format name this spec came from (for messages and exporters), or "".
     """
 
@@ -85,11 +94,12 @@ class QuantSpec:
     subblock_shift_bits: int = 0
     bump_on_overflow: bool = False
     tensor_scale_mode: TensorScale = TensorScale.NONE
+    gguf: str = ""
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
         d = get_dtype(self.dtype)
-        if isinstance(d, BlockDType):
+        if isinstance(d, (BlockDType, GGUFDType)):
             raise ValueError(f"QuantSpec.dtype is the element format; build block formats with make_spec({d.name!r})")
         object.__setattr__(self, "dtype", d)
         sd = get_dtype(self.scale_dtype)
@@ -145,6 +155,12 @@ class QuantSpec:
         if self.bump_on_overflow and not (self.pow2_scale and isinstance(d, IntDType)):
             raise ValueError("bump_on_overflow needs integer elements and power-of-two scales")
         _check_two_level_spec(self)
+        _check_gguf_spec(self)
+
+    @property
+    def gguf_dtype(self) -> Optional[GGUFDType]:
+        """The ``GGUFDType`` of a k-quant spec (``gguf``), else None."""
+        return GGUF_DTYPES[self.gguf] if self.gguf else None
 
     @property
     def qmin(self) -> float:
@@ -176,7 +192,10 @@ class QuantSpec:
         shape: the tensor's shape. Without it, per-group and per-block scales are amortised over their groups
         and blocks, but per-tensor and per-channel scales (and a two-level tensor scale), whose share depends on
         the shape, are left out (fp8 per tensor: 8.0). With it the figure is exact for that shape.
+        GGUF k-quants: the bytes of a super-block over its 256 elements (Q4_K: 144 * 8 / 256 = 4.5).
         """
+        if self.gguf:
+            return self.gguf_dtype.bits_per_element
         bits = float(self.dtype.bits) + self.subblock_shift_bits / self.subblock_size
         per_scale = self.scale_dtype.bits + (0 if self.symmetric else self.dtype.bits)
         g = self.granularity
@@ -195,6 +214,30 @@ class QuantSpec:
         if self.two_level:
             bits += 32 / numel
         return bits
+
+
+def _check_gguf_spec(spec: QuantSpec):
+    """Validation of ``QuantSpec.gguf`` (called from ``__post_init__``): the k-quant's implied fields."""
+    name = spec.gguf
+    if not isinstance(name, str):
+        raise TypeError(f"QuantSpec.gguf must be a str (a GGUF type name or ''), got {name!r}")
+    if not name:
+        return
+    if name not in GGUF_DTYPES:
+        raise ValueError(f"QuantSpec.gguf must be one of {', '.join(GGUF_DTYPES)} (or ''), got {name!r}")
+    sb = GGUF_DTYPES[name]
+    g = spec.granularity
+    want = dict(dtype=sb.element, symmetric=not sb.has_mins, scale_dtype=get_dtype("float32"), pow2_scale=False,
+                rounding=RoundingMode.NEAREST_EVEN, saturate=True, narrow_range=False, unit_exponent=0,
+                subblock_size=1, subblock_shift_bits=0, bump_on_overflow=False, tensor_scale_mode=TensorScale.NONE)
+    for k, v in want.items():
+        if getattr(spec, k) != v:
+            raise ValueError(f"gguf={name!r} fixes {k}={getattr(v, 'name', v)!r} (llama.cpp's {name.upper()}); "
+                             f"got {k}={getattr(getattr(spec, k), 'name', getattr(spec, k))!r}. Build it with "
+                             f"make_spec({name!r})")
+    if not (isinstance(g, PerGroup) and g.size == sb.subblock_size):
+        raise ValueError(f"gguf={name!r} needs granularity PerGroup({sb.subblock_size}) along the rows (the "
+                         f"last axis), got {g!r}")
 
 
 def _check_two_level_spec(spec: QuantSpec):
@@ -261,7 +304,10 @@ def make_spec(fmt: SpecLike, *, axis: Optional[int] = None, **overrides: Any) ->
             overrides["granularity"] = _granularity_with_axis(spec.granularity, axis, "the spec's granularity")
         return dataclasses.replace(spec, **overrides) if overrides else spec
     d = get_dtype(fmt)
-    if isinstance(d, BlockDType):
+    if isinstance(d, GGUFDType):
+        base = dict(dtype=d.element, granularity=PerGroup(d.subblock_size, -1 if axis is None else axis),
+                    symmetric=not d.has_mins, gguf=d.name, name=d.name)
+    elif isinstance(d, BlockDType):
         el = d.element
         unit = -el.emax if isinstance(el, IntDType) else 0
         base = dict(
@@ -288,6 +334,17 @@ class QTensor:
 
     Codes are bit patterns (uint8, or int32 for > 8-bit formats) for float elements and integer values for
     integer elements (int8/uint8 up to 8 bits, else int32), as ``qcore.encode`` returns them.
+
+    Float offsets (``offsets``, same shape as ``scales``, float32; None unless the spec has them): a value is
+    ``code * scale + offset``, the offset being the value of code 0 of the block. GGUF k-quants with mins
+    (Q2_K/Q4_K/Q5_K) have ``offset = -(dmin * min_code)``; llama.cpp's Q4_1/Q5_1 ``m`` is the same concept.
+    They are not integer zero points (``zero_points`` stays None): llama.cpp's offsets are fp16 numbers that
+    need not be a multiple of the scale.
+
+    ``super_scales`` (k-quant specs only, ``spec.gguf``): the stored form of the scales, a
+    ``GGUFScales`` (fp16 ``d``/``dmin`` per 256 elements, integer ``scale_codes``/``min_codes`` per
+    sub-block) from which ``scales`` (``d * scale_code``) and ``offsets`` are derived exactly; it is what GGUF
+    files hold (``qcore.packing.pack_gguf_blocks``) and what ``dequantize`` reads.
     """
 
     codes: Any
@@ -296,6 +353,8 @@ class QTensor:
     spec: QuantSpec
     subblock_shifts: Any = None
     tensor_scale: Any = None
+    offsets: Any = None
+    super_scales: Any = None
 
     @property
     def shape(self) -> tuple:
@@ -664,7 +723,7 @@ def _check_qtensor(q: QTensor):
 
 def quantize(x: ArrayLike, spec: SpecLike, *, axis: Optional[int] = None, scale: Optional[ArrayLike] = None,
              zero_point: Optional[ArrayLike] = None, key: KeyLike = None, tensor_scale: Optional[ArrayLike] = None,
-             compile: bool = False, **overrides: Any) -> QTensor:
+             compile: bool = False, imatrix: Optional[ArrayLike] = None, **overrides: Any) -> QTensor:
     """Quantize ``x`` (float array) with ``spec`` (a QuantSpec, a format name or a dtype) -> ``QTensor``.
 
     ``scale``/``zero_point``: calibrated parameters of shape ``spec.scale_shape(x.shape)`` (static
@@ -700,8 +759,16 @@ def quantize(x: ArrayLike, spec: SpecLike, *, axis: Optional[int] = None, scale:
     - Two-level scales (NVFP4, ``spec.tensor_scale_mode`` not ``TensorScale.NONE``): block scales in a narrow
       float format under a float32 tensor scale ``g``, with torchao's arithmetic; ``_two_level_scales`` holds
       the whole rule (docs/numerics.md, "Two-level scales").
+    - GGUF types (``"q2_k"`` ... ``"q6_k"``, ``"q4_0"`` ... ``"q8_0"``, ``"iq4_nl"``; ``spec.gguf``): llama.cpp's
+      quantizer, bit for bit (``qcore._kquants``), along the last axis, which must be a multiple of the block
+      (256 for k-quants, 32 otherwise); ``imatrix=`` (GGUF specs only) is the per-column importance (shape
+      ``(x.shape[-1],)``, finite, >= 0): llama.cpp's ``quant_weights`` path. The QTensor carries
+      ``super_scales`` and, for the formats with offsets, float ``offsets``. Computed on host numpy (torch
+      tensors are copied there and back; ``compile=`` changes nothing).
     """
     spec = _spec_of(spec, axis, overrides)
+    if spec.gguf or imatrix is not None:
+        return _quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix)
     key = check_mode(spec.rounding, key)
     x, o = to_array(x)
     if o.name == "torch":
@@ -735,6 +802,11 @@ def dequantize(q: QTensor) -> Array:
     """
     if not isinstance(q, QTensor):
         raise TypeError(f"dequantize takes a QTensor, got {type(q).__name__}")
+    if isinstance(q.spec, QuantSpec) and q.spec.gguf:
+        return _dequantize_gguf(q)
+    if q.offsets is not None or q.super_scales is not None:
+        raise ValueError("QTensor.offsets / super_scales are set, but the spec has no float offsets or super-blocks "
+                         f"(spec {q.spec.name or q.spec.dtype.name!r})")
     codes, scales, zp, shifts = _check_qtensor(q)
     spec = q.spec
     o = ops(codes)
@@ -773,7 +845,8 @@ def _dequant_blocks(vb, scales, zp, shifts, blocked, spec, o):
 
 def fake_quantize(x: ArrayLike, spec: SpecLike, *, axis: Optional[int] = None, scale: Optional[ArrayLike] = None,
                   zero_point: Optional[ArrayLike] = None, key: KeyLike = None,
-                  tensor_scale: Optional[ArrayLike] = None, compile: bool = False, **overrides: Any) -> Array:
+                  tensor_scale: Optional[ArrayLike] = None, compile: bool = False, imatrix: Optional[ArrayLike] = None,
+                  **overrides: Any) -> Array:
     """``dequantize(quantize(x, spec, ...))``, bit for bit, without building codes. Same arguments as quantize.
 
     Gradients (torch tensors that require grad): straight-through, ``d out / d x`` is the identity, whatever
@@ -781,12 +854,14 @@ def fake_quantize(x: ArrayLike, spec: SpecLike, *, axis: Optional[int] = None, s
     no gradient (they are treated as constants).
     """
     if scale is not None and key is None and tensor_scale is None and compile is False and axis is None \
-            and not overrides and type(spec) is QuantSpec:
+            and not overrides and type(spec) is QuantSpec and not spec.gguf and imatrix is None:
         # Small tensors with given parameters (GPTQ's column step): the same checks, cheaper (qcore._given).
         out = _given.fake_quantize_given(x, spec, scale, zero_point)
         if out is not None:
             return out
     spec = _spec_of(spec, axis, overrides)
+    if spec.gguf or imatrix is not None:
+        return _fake_quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix)
     key = check_mode(spec.rounding, key)
     x, o = to_array(x)
     x = o.astype(x, o.float32)
@@ -831,6 +906,9 @@ def fake_quantizer(spec: SpecLike, *, shape: tuple[int, ...], scale: ArrayLike, 
     (use ``fake_quantize`` for training).
     """
     spec = _spec_of(spec, axis, overrides)
+    if spec.gguf:
+        raise ValueError(f"fake_quantizer: spec {spec.name!r} is a GGUF k-quant, whose scales come from llama.cpp's "
+                         "search per call; use fake_quantize")
     if spec.rounding is RoundingMode.STOCHASTIC or spec.two_level:
         raise ValueError(f"fake_quantizer: spec {spec.name or spec.dtype.name!r} needs a key or a tensor scale per "
                          "call; use fake_quantize")
@@ -859,3 +937,160 @@ def fake_quantizer(spec: SpecLike, *, shape: tuple[int, ...], scale: ArrayLike, 
         return _fake_quantize_default(x, s, zp, None, spec=spec)
 
     return f
+
+
+# -- GGUF k-quants (spec.gguf): llama.cpp's search in qcore/_kquants.py ---------------------------------
+
+def _gguf_inputs(x, spec: QuantSpec, scale, zero_point, key, tensor_scale, compile, imatrix):
+    """Check a k-quant call's arguments before any work; returns (host float32 x, host imatrix or None, ops,
+    the original array)."""
+    if not spec.gguf:
+        raise ValueError(f"imatrix= applies to GGUF specs (q2_k ... q6_k, q4_0 ... q8_0, iq4_nl) only; spec "
+                         f"{spec.name or spec.dtype.name!r} is not one")
+    name = spec.gguf
+    bs = spec.gguf_dtype.block_size
+    for arg, v in (("scale", scale), ("zero_point", zero_point), ("tensor_scale", tensor_scale), ("key", key)):
+        if v is not None:
+            raise ValueError(f"{arg}=: {name} takes its scales from llama.cpp's search (and rounds to nearest); "
+                             f"given parameters are not supported, got {arg}={_brief(v)}")
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be a bool, got {compile!r}")
+    xa, o = to_array(x)
+    shape = tuple(xa.shape)
+    if len(shape) == 0:
+        raise ValueError(f"{name}: x must have at least one axis (rows of a multiple of {bs}), got shape {shape}")
+    if spec.granularity.axis % len(shape) != len(shape) - 1:
+        raise ValueError(f"{name}: GGUF blocks run along the last axis (rows); spec axis "
+                         f"{spec.granularity.axis} is not the last axis of x with shape {shape}")
+    if shape[-1] % bs:
+        raise ValueError(f"{name}: the last axis of x must be a multiple of {bs} (GGUF {'super-' if bs == 256 else ''}"
+                         f"blocks), got x of shape {shape}")
+    xn = _np_view(xa.detach() if o.name == "torch" else xa)
+    xn = np.ascontiguousarray(np.asarray(xn), dtype=np.float32)
+    if not np.isfinite(xn).all():
+        raise ValueError(f"{name}: x holds NaN or Inf, which {name} cannot encode (llama.cpp writes garbage "
+                         "blocks for them)")
+    qw = None
+    if imatrix is not None:
+        qw = np.asarray(_np_view(imatrix))
+        if qw.dtype.kind not in "fiu":
+            raise TypeError(f"imatrix must be a float array, got dtype {qw.dtype}")
+        qw = qw.astype(np.float32)
+        if qw.shape != (shape[-1],):
+            raise ValueError(f"imatrix must have shape ({shape[-1]},) (one weight per column of x with shape "
+                             f"{shape}), got shape {qw.shape}")
+        if not (np.isfinite(qw).all() and (qw >= 0).all()):
+            raise ValueError("imatrix must hold finite, non-negative weights")
+    return xn, qw, o, xa
+
+
+def _to_kind(a, o, like):
+    if a is None or o.name == "numpy":
+        return a
+    return o.t.from_numpy(np.ascontiguousarray(a)).to(like.device)
+
+
+def _quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix) -> QTensor:
+    from . import _kquants
+
+    xn, qw, o, xa = _gguf_inputs(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix)
+    codes, ss = _kquants.quantize_kquant(xn, spec.gguf, qw)
+    scales, offsets = _kquants.sub_scales(ss, spec.granularity.size)
+    if o.name == "torch":
+        ss = _kquants.GGUFScales(*(_to_kind(getattr(ss, f.name), o, xa) for f in dataclasses.fields(ss)))
+    return QTensor(_to_kind(codes, o, xa), _to_kind(scales, o, xa), None, spec, None, None,
+                   _to_kind(offsets, o, xa), ss)
+
+
+def _fake_quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix):
+    from . import _kquants
+
+    xn, qw, o, xa = _gguf_inputs(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix)
+
+    def run(x_, scale_, zero_point_, key_):
+        codes, ss = _kquants.quantize_kquant(xn, spec.gguf, qw)
+        return _to_kind(_kquants.dequantize_kquant(codes, ss, spec.granularity.size, spec.gguf_dtype.levels), o, xa)
+
+    if o.name == "torch" and xa.requires_grad and o.t.is_grad_enabled():
+        from ._grad import straight_through
+
+        return straight_through(run, xa, None, None, None)
+    return run(xa, None, None, None)
+
+
+def _dequantize_gguf(q: QTensor):
+    """k-quant dequantization from ``q.super_scales`` after checking every part (ValueError/TypeError naming it)."""
+    from . import _kquants
+
+    spec = q.spec
+    sb = spec.gguf_dtype
+    name = sb.name
+    codes = q.codes
+    if not (is_torch(codes) or isinstance(codes, np.ndarray)):
+        raise TypeError(f"QTensor.codes must be a numpy array or a torch tensor, got {type(codes).__name__}")
+    o = ops(codes)
+    c = np.asarray(_np_view(codes))
+    shape = c.shape
+    if c.dtype.kind not in "iu":
+        raise TypeError(f"QTensor.codes must be an integer array, got dtype {c.dtype}")
+    bs = sb.block_size
+    if len(shape) == 0 or shape[-1] % bs:
+        raise ValueError(f"{name}: QTensor.codes must have a last axis that is a multiple of {bs}, got shape {shape}")
+    el = sb.element
+    if c.size and (c.min() < el.min or c.max() > el.max):
+        raise ValueError(f"{name}: QTensor.codes must lie in [{el.min}, {el.max}] ({el.name}), got "
+                         f"{int(c.min()) if c.min() < el.min else int(c.max())}")
+    ss = q.super_scales
+    if not isinstance(ss, _kquants.GGUFScales):
+        raise TypeError(f"{name}: QTensor.super_scales must be a GGUFScales (d, dmin, scale_codes, min_codes), "
+                        f"got {type(ss).__name__}")
+    lead = shape[:-1]
+    nsb, ns = shape[-1] // bs, shape[-1] // sb.subblock_size
+    parts = {}
+    for fname, want_shape, is_code in (("d", (*lead, nsb), False), ("dmin", (*lead, nsb), False),
+                                       ("scale_codes", (*lead, ns), True), ("min_codes", (*lead, ns), True)):
+        v = getattr(ss, fname)
+        needed = {"d": True, "dmin": sb.has_mins, "scale_codes": sb.scale_bits > 0, "min_codes": sb.min_bits > 0}[fname]
+        if v is None:
+            if needed:
+                raise ValueError(f"{name}: QTensor.super_scales.{fname} is None; it needs shape {want_shape}")
+            parts[fname] = None
+            continue
+        if not needed:
+            raise ValueError(f"{name}: QTensor.super_scales.{fname} must be None for {name}")
+        a = np.asarray(_np_view(v))
+        if a.shape != want_shape:
+            raise ValueError(f"{name}: QTensor.super_scales.{fname} has shape {a.shape}; codes of shape {shape} need "
+                             f"{want_shape}")
+        if is_code:
+            if a.dtype.kind not in "iu":
+                raise TypeError(f"{name}: QTensor.super_scales.{fname} must be an integer array, got dtype {a.dtype}")
+            bits = sb.scale_bits if fname == "scale_codes" else sb.min_bits
+            lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if el.signed else (0, (1 << bits) - 1)
+            if a.size and (a.min() < lo or a.max() > hi):
+                raise ValueError(f"{name}: QTensor.super_scales.{fname} must lie in [{lo}, {hi}], got "
+                                 f"{int(a.min()) if a.min() < lo else int(a.max())}")
+        else:
+            a = _exact_f32(a, ops(a), f"QTensor.super_scales.{fname}")
+            with np.errstate(all="ignore"):
+                f16 = a.astype(np.float16).astype(np.float32)
+            if not np.array_equal(f16, a, equal_nan=True):
+                raise ValueError(f"{name}: QTensor.super_scales.{fname} must hold float16 values (GGUF stores fp16)")
+        parts[fname] = a
+    ss_np = _kquants.GGUFScales(**parts)
+    scales, offsets = _kquants.sub_scales(ss_np, sb.subblock_size)
+    for fname, want, got in (("scales", scales, q.scales), ("offsets", offsets, q.offsets)):
+        if want is None:
+            if got is not None:
+                raise ValueError(f"{name}: QTensor.{fname} must be None ({name} has no float offsets)")
+            continue
+        g = None if got is None else np.asarray(_np_view(got))
+        if g is None or g.shape != want.shape or not np.array_equal(g.astype(np.float32).view(np.int32),
+                                                                    want.view(np.int32)):
+            raise ValueError(f"{name}: QTensor.{fname} must equal the sub-block {fname} of super_scales "
+                             f"({'d * scale_codes' if fname == 'scales' else '-(dmin * min_codes)'}; 32-element "
+                             f"types: d, m), shape {want.shape}")
+    if q.zero_points is not None or q.subblock_shifts is not None or q.tensor_scale is not None:
+        raise ValueError(f"{name}: QTensor.zero_points / subblock_shifts / tensor_scale must be None for a k-quant")
+    y = _kquants.dequantize_kquant(c, ss_np, sb.subblock_size, sb.levels)
+    return _to_kind(y, o, codes)

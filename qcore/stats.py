@@ -216,6 +216,9 @@ def _as_spec(spec: SpecLike) -> "QuantSpec":
         raise ValueError(f"two-level specs ({spec.name or spec.dtype.name}, tensor_scale_mode="
                          f"{spec.tensor_scale_mode.name}) are not supported: calibrate the tensor scale (e.g. "
                          "absmax / (6 * 448) for NVFP4) and pass it as tensor_scale= to quantize")
+    if spec.gguf:
+        raise ValueError(f"GGUF specs ({spec.gguf}) are not supported: their scales come from llama.cpp's search "
+                         "over the weights (quantize(x, spec, imatrix=...)), not from a block statistic")
     return spec
 
 

@@ -39,6 +39,7 @@ numpy only: torch tensors are read through their methods, torch is never importe
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import replace
 from typing import Any, Optional, Union
@@ -100,7 +101,11 @@ def _host_qtensor(q: QTensor) -> QTensor:
     def h(v):
         return None if v is None else to_numpy(v)
 
-    return QTensor(h(q.codes), h(q.scales), h(q.zero_points), q.spec, h(q.subblock_shifts), h(q.tensor_scale))
+    ss = q.super_scales
+    if ss is not None and dataclasses.is_dataclass(ss):  # GGUF types' stored scales: their arrays on the host
+        ss = dataclasses.replace(ss, **{f.name: h(getattr(ss, f.name)) for f in dataclasses.fields(ss)})
+    return QTensor(h(q.codes), h(q.scales), h(q.zero_points), q.spec, h(q.subblock_shifts), h(q.tensor_scale),
+                   h(q.offsets), ss)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -265,16 +270,17 @@ def _code_note(report: Report, d) -> Report:
 
 
 def _parts(actual) -> dict:
-    names = ("codes", "scales", "zero_points", "subblock_shifts", "tensor_scale")
+    names = ("codes", "scales", "zero_points", "subblock_shifts", "tensor_scale", "offsets")
     if isinstance(actual, dict):
         unknown = set(actual) - set(names)
         if unknown:
             raise TypeError(f"actual: unknown QTensor part(s) {', '.join(sorted(unknown))}; use {names}")
         return {k: actual.get(k) for k in names}
     if isinstance(actual, (tuple, list)):
-        if not 2 <= len(actual) <= 5:
-            raise TypeError("actual: a tuple (codes, scales[, zero_points[, subblock_shifts[, tensor_scale]]])")
-        vals = list(actual) + [None] * (5 - len(actual))
+        if not 2 <= len(actual) <= 6:
+            raise TypeError("actual: a tuple (codes, scales[, zero_points[, subblock_shifts[, tensor_scale[, "
+                            "offsets]]]])")
+        vals = list(actual) + [None] * (6 - len(actual))
         return dict(zip(names, vals))
     if hasattr(actual, "codes") and hasattr(actual, "scales"):
         return {k: getattr(actual, k, None) for k in names}
@@ -393,6 +399,14 @@ def _check(actual, x, fmt_or_spec, *, op, ulps, max_report, kinds, nan_equal, si
                                                            "spec) but actual gives none", title=title))
         else:
             r = compare_arrays(parts["zero_points"], q.zero_points, component="zero_points", kinds=labels,
+                               row_of=lambda r: r * tile0, title=title, **{**opts, "ulps": 0})
+            reports.append(_with_blocks(r, blocks, scale_component=True))
+    if q.offsets is not None:  # float block offsets (GGUF Q2_K/Q4_K/Q5_K, Q4_1/Q5_1): compared bit for bit
+        if parts["offsets"] is None:
+            reports.append(Report(False, 0, 0, [], problem="offsets: the oracle has float block offsets but actual "
+                                                           "gives none", title=title))
+        else:
+            r = compare_arrays(parts["offsets"], q.offsets, component="offsets", kinds=labels,
                                row_of=lambda r: r * tile0, title=title, **{**opts, "ulps": 0})
             reports.append(_with_blocks(r, blocks, scale_component=True))
     if q.subblock_shifts is not None and parts["subblock_shifts"] is not None:
