@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -135,7 +135,7 @@ class _Math:
 
 
 def hqq(weight: Any, spec: QuantSpec, *, p: float = 0.7, beta: float = 10.0, kappa: float = 1.01,
-        iters: int = 20, precision: str = "float32") -> QTensor:
+        iters: int = 20, precision: str = "float32", error_p: Optional[float] = None) -> QTensor:
     """The HQQ-fitted ``QTensor`` of ``weight`` under ``spec`` (module docstring).
 
     weight: a float numpy array or torch tensor of a shape ``spec``'s granularity fits (a Linear's ``[out, in]``).
@@ -144,6 +144,8 @@ def hqq(weight: Any, spec: QuantSpec, *, p: float = 0.7, beta: float = 10.0, kap
     precision: "float32" or "float64" arithmetic for the iterations."""
     check_hqq_spec(spec)
     check_hqq_options(p, beta, kappa, iters, precision)
+    if error_p is not None:
+        _opt(error_p, "error_p", 0.0, 8.0, lo_open=True)
     if not (is_torch(weight) or isinstance(weight, np.ndarray)):
         raise TypeError(f"weight must be a numpy array or a torch tensor, got {type(weight).__name__}")
     if is_torch(weight) and (weight.is_complex() or not weight.is_floating_point()):
@@ -163,11 +165,11 @@ def hqq(weight: Any, spec: QuantSpec, *, p: float = 0.7, beta: float = 10.0, kap
     if iters == 0:
         return start
     s, z = _fit(x32, spec, start.scales, start.zero_points, m, p=p, beta=beta, kappa=kappa, iters=int(iters),
-                precision=precision)
+                precision=precision, error_p=p if error_p is None else float(error_p))
     return qcore.quantize(x32, spec, scale=s, zero_point=z)
 
 
-def _fit(x32, spec: QuantSpec, s0, z0, m: _Math, *, p, beta, kappa, iters, precision):
+def _fit(x32, spec: QuantSpec, s0, z0, m: _Math, *, p, beta, kappa, iters, precision, error_p):
     """The iterations on the blocked weight; returns the best (scale, zero point or None) per block, float32 in
     ``spec.scale_shape``."""
     o = m.o
@@ -196,7 +198,10 @@ def _fit(x32, spec: QuantSpec, s0, z0, m: _Math, *, p, beta, kappa, iters, preci
             d = x - s * u
             ad = o.abs(d)
             w = m.pow(ad, p - 1.0)  # |D|^(p-1): inf at D == 0, where the shrinkage and the error are 0
-            err = mean(o.where(ad > 0, ad * w, m.zeros_like(ad)) if p != 1.0 else ad)
+            if error_p == p and p != 1.0:
+                err = mean(o.where(ad > 0, ad * w, m.zeros_like(ad)))  # |D|^p from |D|^(p-1), already there
+            else:
+                err = mean(ad if error_p == 1.0 else ad * ad if error_p == 2.0 else m.pow(ad, error_p))
         if best_err is None:
             best_err = err
         else:
