@@ -127,6 +127,28 @@ class _Math:
     def relu(self, x):
         return self.o.t.clamp(x, min=0) if self.torch else np.maximum(x, x.dtype.type(0))
 
+    def rint_(self, x):
+        return x.round_() if self.torch else np.rint(x, out=x)
+
+    def clip_(self, x, lo, hi):
+        return x.clamp_(lo, hi) if self.torch else np.clip(x, lo, hi, out=x)
+
+    def relu_(self, x):
+        return x.clamp_(min=0) if self.torch else np.maximum(x, x.dtype.type(0), out=x)
+
+    def copysign_(self, x, sign_of):
+        return x.copysign_(sign_of) if self.torch else np.copysign(x, sign_of, out=x)
+
+    def rsub_(self, x, y):
+        """``y - x``, written into ``x``."""
+        return self.o.t.sub(y, x, out=x) if self.torch else np.subtract(y, x, out=x)
+
+    def floor_tiny(self, x):
+        """``max(x, smallest normal)``: a new array."""
+        if self.torch:
+            return x.clamp(min=float(self.o.t.finfo(x.dtype).tiny))
+        return np.maximum(x, np.finfo(x.dtype).tiny)
+
     def ones_like(self, x):
         return self.o.t.ones_like(x) if self.torch else np.ones_like(x)
 
@@ -171,18 +193,19 @@ def hqq(weight: Any, spec: QuantSpec, *, p: float = 0.7, beta: float = 10.0, kap
 
 def _fit(x32, spec: QuantSpec, s0, z0, m: _Math, *, p, beta, kappa, iters, precision, error_p):
     """The iterations on the blocked weight; returns the best (scale, zero point or None) per block, float32 in
-    ``spec.scale_shape``."""
+    ``spec.scale_shape``. The least-squares step reads four sums per group (``sum c``, ``sum t``, ``sum c^2``,
+    ``sum c t``); full-size temporaries are updated in place."""
     o = m.o
     x, blk = to_blocks(m.cast(x32, precision), spec.granularity, o)
     ax = blk.reduce_axes
     ragged = tuple(blk.padded) != tuple(blk.shape)
     mask = to_blocks(m.ones_like(m.cast(x32, precision)), spec.granularity, o)[0] if ragged else None
-    count = o.sum(mask, ax) if ragged else float(math.prod(blk.tile))
+    n = o.sum(mask, ax) if ragged else float(math.prod(blk.tile))
     sym = bool(spec.symmetric)
     qmin, qmax = float(spec.qmin), float(spec.qmax)
 
-    def mean(v):
-        return o.sum(v if mask is None else v * mask, ax) / count
+    def total(v):
+        return o.sum(v, ax)
 
     def rounded(s_new):  # float32 scale of the spec's scale dtype (what the export stores), in the compute dtype
         s32 = m.cast(s_new, "float32")
@@ -191,17 +214,26 @@ def _fit(x32, spec: QuantSpec, s0, z0, m: _Math, *, p, beta, kappa, iters, preci
     s = m.cast(o.reshape(s0, blk.scale_blocked_shape), precision)
     z = None if sym else m.cast(o.reshape(z0, blk.scale_blocked_shape), precision)
     best_s, best_z, best_err = s, z, None
-    for _ in range(iters + 1):
+    for it in range(iters + 1):
         with o.quiet():
-            c = o.clip(o.rint(x / s) if sym else o.rint(x / s) + z, qmin, qmax)
-            u = c if sym else c - z
-            d = x - s * u
+            c = m.rint_(x / s)                                   # W_q = clip(rint(W / s) + z, qmin, qmax)
+            if not sym:
+                c += z
+            c = m.clip_(c, qmin, qmax)
+            if mask is not None:
+                c *= mask  # padding: code 0 and target 0 below, so it adds nothing to the sums
+            d = c - z if not sym else c * 1.0                    # D = W - W_r = W - s (W_q - z)
+            d *= s
+            d = m.rsub_(d, x)
             ad = o.abs(d)
-            w = m.pow(ad, p - 1.0)  # |D|^(p-1): inf at D == 0, where the shrinkage and the error are 0
+            if mask is not None:
+                ad *= mask
+            if p != 1.0:  # |D|^(p-1), finite at D == 0 (|D| floored at the smallest normal number: the shrinkage
+                w = m.pow(m.floor_tiny(ad), p - 1.0)  # and |D|^p are still 0 there, and equal elsewhere)
             if error_p == p and p != 1.0:
-                err = mean(o.where(ad > 0, ad * w, m.zeros_like(ad)))  # |D|^p from |D|^(p-1), already there
+                err = total(ad * w) / n  # |D|^p from |D|^(p-1)
             else:
-                err = mean(ad if error_p == 1.0 else ad * ad if error_p == 2.0 else m.pow(ad, error_p))
+                err = total(ad if error_p == 1.0 else ad * ad if error_p == 2.0 else m.pow(ad, error_p)) / n
         if best_err is None:
             best_err = err
         else:
@@ -210,24 +242,29 @@ def _fit(x32, spec: QuantSpec, s0, z0, m: _Math, *, p, beta, kappa, iters, preci
             best_s = o.where(better, s, best_s)
             if not sym:
                 best_z = o.where(better, z, best_z)
-        if _ == iters:
+        if it == iters:
             break
         with o.quiet():
-            e = m.sign(d) * m.relu(ad - w / beta) if p != 1.0 else m.sign(d) * m.relu(ad - 1.0 / beta)
-            t = x - e
-            if mask is not None:
-                t, c = t * mask, c * mask
-            if sym:
-                num, den = o.sum(c * t, ax), o.sum(c * c, ax)
-                s_new = num / den
+            # W_e = shrink_p(D, beta) = sign(D) relu(|D| - |D|^(p-1) / beta); the target T = W - W_e
+            if p != 1.0:
+                w /= beta
+                e = m.rsub_(w, ad)
             else:
-                cm, tm = mean(c), mean(t)
-                cc = c - cm if mask is None else (c - cm) * mask
-                var, cov = o.sum(cc * cc, ax), o.sum(cc * (t - tm), ax)
+                e = ad - 1.0 / beta
+            e = m.copysign_(m.relu_(e), d)
+            t = m.rsub_(e, x)
+            if mask is not None:
+                t *= mask
+            sc, st, scc, sct = total(c), total(t), total(c * c), total(c * t)
+            if sym:                                              # min_s ||T - s W_q||^2
+                num, den = sct, scc
+                s_new = num / den
+            else:                                                # min_{s, z} ||T - s (W_q - z)||^2, z integer
+                var, cov = scc - sc * sc / n, sct - sc * st / n
                 s_ls = o.where(o.logical_and(var > 0, cov > 0), cov / var, s)
-                z_new = o.clip(o.rint(cm - tm / s_ls), qmin, qmax)
-                uu = c - z_new if mask is None else (c - z_new) * mask
-                num, den = o.sum(uu * t, ax), o.sum(uu * uu, ax)
+                z_new = o.clip(o.rint(sc / n - st / n / s_ls), qmin, qmax)
+                num = sct - z_new * st                           # <W_q - z, T>
+                den = scc - 2.0 * z_new * sc + n * z_new * z_new  # <W_q - z, W_q - z>
                 s_new = num / den
             ok = o.logical_and(o.logical_and(den > 0, num > 0), o.isfinite(s_new))
             s_new = rounded(o.where(ok, s_new, s))  # a degenerate group keeps its parameters
