@@ -30,9 +30,11 @@ parameters (``quantize``'s own rule, i.e. round-to-nearest)::
     s, z = the quadratic step above on T = W - W_e
     beta = beta * kappa
 
-Each group keeps its best iterate by the ``Lp`` error ``mean |W - W_r|^p`` (the min/max start is iterate 0, so
-the result is never worse than round-to-nearest by that measure); HQQ stops the whole tensor when its mean error
-grows, here every group keeps its own best over ``iters`` iterations. The ``QTensor`` is
+Each group keeps its best iterate by ``mean |W - W_r|^error_p`` (default 2, the squared error; the min/max start
+is iterate 0, so the result is never worse than round-to-nearest by that measure). HQQ stops the whole tensor when
+its mean absolute error grows (``error_p=1``); here every group keeps its own best over ``iters`` iterations, and
+by the squared error: on SmolLM2 choosing by the ``Lp`` error itself (``error_p=p``, 0.7) gave a perplexity no
+better than round-to-nearest (bench/ALGORITHMS_HQQ.md), the shrinkage favouring clipped outliers. The ``QTensor`` is
 ``qcore.quantize(W, spec, scale=s, zero_point=z)`` with the chosen parameters: exporting it (Quark HF, the qcore
 layout) writes exactly these codes, scales and integer zero points, and reloading reproduces them bit for bit.
 
@@ -157,17 +159,18 @@ class _Math:
 
 
 def hqq(weight: Any, spec: QuantSpec, *, p: float = 0.7, beta: float = 10.0, kappa: float = 1.01,
-        iters: int = 20, precision: str = "float32", error_p: Optional[float] = None) -> QTensor:
+        iters: int = 20, error_p: float = 2.0, precision: str = "float32") -> QTensor:
     """The HQQ-fitted ``QTensor`` of ``weight`` under ``spec`` (module docstring).
 
     weight: a float numpy array or torch tensor of a shape ``spec``'s granularity fits (a Linear's ``[out, in]``).
     p: the ``Lp`` norm of the error, in (0, 1] (HQQ: 0.7). beta, kappa: the half-quadratic coupling and its
     growth per iteration (HQQ: 10, 1.01). iters: iterations (HQQ: 20; 0 gives round-to-nearest).
-    precision: "float32" or "float64" arithmetic for the iterations."""
+    error_p: the norm each group's best iterate is chosen by, ``mean |W - W_r|^error_p`` (default 2: the mean
+    squared error; HQQ's own early stop reads the mean absolute error, 1). precision: "float32" or "float64"
+    arithmetic for the iterations."""
     check_hqq_spec(spec)
     check_hqq_options(p, beta, kappa, iters, precision)
-    if error_p is not None:
-        _opt(error_p, "error_p", 0.0, 8.0, lo_open=True)
+    _opt(error_p, "error_p", 0.0, 8.0, lo_open=True)
     if not (is_torch(weight) or isinstance(weight, np.ndarray)):
         raise TypeError(f"weight must be a numpy array or a torch tensor, got {type(weight).__name__}")
     if is_torch(weight) and (weight.is_complex() or not weight.is_floating_point()):
@@ -187,7 +190,7 @@ def hqq(weight: Any, spec: QuantSpec, *, p: float = 0.7, beta: float = 10.0, kap
     if iters == 0:
         return start
     s, z = _fit(x32, spec, start.scales, start.zero_points, m, p=p, beta=beta, kappa=kappa, iters=int(iters),
-                precision=precision, error_p=p if error_p is None else float(error_p))
+                precision=precision, error_p=float(error_p))
     return qcore.quantize(x32, spec, scale=s, zero_point=z)
 
 

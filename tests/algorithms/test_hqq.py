@@ -25,11 +25,12 @@ def _weights(shape, seed=0):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _reference_group(w, s, z, qmin, qmax, symmetric, p, beta, kappa, iters):
-    """One group ``w`` (float64 vector) from scale ``s`` and zero point ``z``; returns the best (s, z)."""
+def _reference_group(w, s, z, qmin, qmax, symmetric, p, beta, kappa, iters, error_p):
+    """One group ``w`` (float64 vector) from scale ``s`` and zero point ``z``; returns the best (s, z) by
+    ``mean |error|^error_p``."""
     def lp_error(s, z):
         wq = np.clip(np.rint(w / s) + z, qmin, qmax)
-        return np.mean(np.abs(w - s * (wq - z)) ** p)
+        return np.mean(np.abs(w - s * (wq - z)) ** error_p)
 
     best = (s, z, lp_error(s, z))
     for _ in range(iters):
@@ -60,7 +61,7 @@ def _reference_group(w, s, z, qmin, qmax, symmetric, p, beta, kappa, iters):
     return best[0], best[1]
 
 
-def _reference_hqq(w, spec, *, p=0.7, beta=10.0, kappa=1.01, iters=20):
+def _reference_hqq(w, spec, *, p=0.7, beta=10.0, kappa=1.01, iters=20, error_p=2.0):
     """HQQ of a 2-D weight under a per-group (axis 1) or per-channel (axis 0) spec, group by group."""
     start = qcore.quantize(w, spec)  # the min/max start (qcore's round-to-nearest parameters)
     s0 = np.asarray(start.scales, np.float64)
@@ -73,7 +74,7 @@ def _reference_hqq(w, spec, *, p=0.7, beta=10.0, kappa=1.01, iters=20):
         for j in range(s0.shape[1]):
             grp = w64[r, j * size:(j + 1) * size]
             s_out[r, j], z_out[r, j] = _reference_group(grp, s0[r, j], z0[r, j], float(spec.qmin), float(spec.qmax),
-                                                        spec.symmetric, p, beta, kappa, iters)
+                                                        spec.symmetric, p, beta, kappa, iters, error_p)
     zp = None if spec.symmetric else z_out.astype(np.float32)
     return qcore.quantize(w, spec, scale=s_out.astype(np.float32), zero_point=zp)
 
@@ -83,21 +84,23 @@ SPECS = [UINT4_G, QuantSpec("int4", PerGroup(16, axis=1)), QuantSpec("uint3", Pe
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.dtype.name}-{s.granularity}")
-def test_hqq_equals_the_float64_transcription(spec):
+@pytest.mark.parametrize("error_p", [2.0, 0.7, 1.0])
+def test_hqq_equals_the_float64_transcription(spec, error_p):
     w = _weights((12, 48), seed=1)
-    ref = _reference_hqq(w, spec)
-    got = hqq(w, spec, precision="float64")
+    ref = _reference_hqq(w, spec, error_p=error_p)
+    got = hqq(w, spec, precision="float64", error_p=error_p)
     np.testing.assert_array_equal(got.scales, ref.scales)
     if not spec.symmetric:
         np.testing.assert_array_equal(got.zero_points, ref.zero_points)
     np.testing.assert_array_equal(got.codes, ref.codes)
     # float32 arithmetic (the default): the iteration is discontinuous (a code that flips changes the next
     # least-squares step), so a group's float32 trajectory may leave the float64 one; most groups end on the same
-    # parameters, and the error reached is the same within 2 percent (either way)
-    f32 = hqq(w, spec)
+    # parameters, and the error reached is no more than 5 percent above (in these cases it is within 3 percent,
+    # either way)
+    f32 = hqq(w, spec, error_p=error_p)
     assert np.mean(np.isclose(f32.scales, ref.scales, rtol=1e-4)) > 0.75
-    lp = lambda q: np.mean(np.abs(w.astype(np.float64) - qcore.dequantize(q)) ** 0.7)  # noqa: E731
-    assert abs(lp(f32) - lp(ref)) < 2e-2 * lp(ref)
+    lp = lambda q: np.mean(np.abs(w.astype(np.float64) - qcore.dequantize(q)) ** error_p)  # noqa: E731
+    assert lp(f32) < 1.05 * lp(ref)
 
 
 def test_the_transcription_moves_the_parameters():
@@ -110,17 +113,20 @@ def test_the_transcription_moves_the_parameters():
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.dtype.name}-{s.granularity}")
 def test_hqq_error_is_below_round_to_nearest(spec):
     w = _weights((64, 96), seed=3)
-    rtn, got = qcore.quantize(w, spec), hqq(w, spec)
+    rtn, got, by_lp = qcore.quantize(w, spec), hqq(w, spec), hqq(w, spec, error_p=0.7)
     e_rtn, e_hqq = w - qcore.dequantize(rtn), w - qcore.dequantize(got)
     size = w.shape[1] if isinstance(spec.granularity, PerChannel) else spec.granularity.size
 
     def per_group(e, f):  # per group mean of f(e) (ragged last group included)
         return np.array([[f(e[r, j:j + size]).mean() for j in range(0, w.shape[1], size)] for r in range(w.shape[0])])
+    sq = lambda e: e.astype(np.float64) ** 2  # noqa: E731
     lp = lambda e: np.abs(e.astype(np.float64)) ** 0.7  # noqa: E731
-    # the objective HQQ minimises: never worse than its start (round-to-nearest) in any group
-    assert np.all(per_group(e_hqq, lp) <= per_group(e_rtn, lp) * (1 + 1e-5))
-    assert lp(e_hqq).mean() < lp(e_rtn).mean() * 0.995
-    assert np.mean(e_hqq.astype(np.float64) ** 2) < np.mean(e_rtn.astype(np.float64) ** 2)  # and the MSE falls
+    # the error each group's iterate is chosen by: never worse than the start (round-to-nearest) in any group
+    assert np.all(per_group(e_hqq, sq) <= per_group(e_rtn, sq) * (1 + 1e-5))
+    assert sq(e_hqq).mean() < sq(e_rtn).mean() * 0.995
+    e_lp = w - qcore.dequantize(by_lp)  # chosen by the Lp error HQQ's splitting minimises
+    assert np.all(per_group(e_lp, lp) <= per_group(e_rtn, lp) * (1 + 1e-5))
+    assert lp(e_lp).mean() < lp(e_rtn).mean() * 0.995
 
 
 def test_numpy_and_torch_agree_and_zero_iterations_is_round_to_nearest():
@@ -169,7 +175,7 @@ def test_specs_it_cannot_take_are_refused(spec, match):
 @pytest.mark.parametrize("kw, match", [
     (dict(p=0.0), "p must be in"), (dict(p=1.5), "p must be in"), (dict(beta=0), "beta must be in"),
     (dict(kappa=0.5), "kappa must be in"), (dict(iters=-1), "iters must be"), (dict(iters=2.5), "iters must be"),
-    (dict(precision="float16"), "precision must be"), (dict(p=math.nan), "finite"),
+    (dict(precision="float16"), "precision must be"), (dict(p=math.nan), "finite"), (dict(error_p=-1), "error_p"),
 ])
 def test_bad_options_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -197,15 +203,16 @@ def test_bad_weights_are_refused():
 
 
 def test_config_round_trips_and_has_no_quark_entry():
-    c = HQQConfig(p=0.5, beta=20, kappa=1.05, iters=10)
+    c = HQQConfig(p=0.5, beta=20, kappa=1.05, iters=10, error_p=1)
     assert parse_algorithm(c.to_dict()) == c and c.beta == 20.0
     assert parse_algorithm("hqq") == HQQConfig() and HQQConfig().to_dict() == {
-        "name": "hqq", "p": 0.7, "beta": 10.0, "kappa": 1.01, "iters": 20}
+        "name": "hqq", "p": 0.7, "beta": 10.0, "kappa": 1.01, "iters": 20, "error_p": 2.0}
     assert parse_algorithm({"name": "hqq", "lp_norm": 0.6}).p == 0.6  # mobiusml/hqq's opt_params key
     assert c.to_quark() is None and HQQConfig.data_free  # Quark has no HQQ (and refuses unknown names)
     assert parse_algorithms("awq,hqq")[1] == HQQConfig()
     for kw, match in ((dict(p=0), "HQQConfig.p"), (dict(kappa=0.9), "HQQConfig.kappa"),
-                      (dict(iters=-1), "HQQConfig.iters"), (dict(beta=-1.0), "HQQConfig.beta")):
+                      (dict(iters=-1), "HQQConfig.iters"), (dict(beta=-1.0), "HQQConfig.beta"),
+                      (dict(error_p=0), "HQQConfig.error_p")):
         with pytest.raises(ValueError, match=match):
             HQQConfig(**kw)
     with pytest.raises(ValueError, match="unknown key 'lr'"):
