@@ -16,7 +16,7 @@
 - ``QuaRotConfig(key=0, heads=True, online=("mlp.down_proj", "self_attn.o_proj"), decoder_layers=None)`` and
   ``SpinQuantConfig(..., steps=100, lr=1.5, batch=1, train_weights=None)``; Quark's ``{"name": "rotation", r1, r2, r4, random_r1,
   trainable, ...}`` (r3, online R1, block-sized rotations and trained smoothing are refused).
-- ``HQQConfig(p=0.7, beta=10.0, kappa=1.01, iters=20, error_p=2.0)``: no Quark algorithm (``to_quark()`` is None);
+- ``HQQConfig(p=0.7, beta=10.0, kappa=1.01, iters=20, error_p=2.0, decoder_layers=None)``: no Quark algorithm (``to_quark()`` is None);
   mobiusml/hqq's ``lp_norm`` reads as ``p``.
 
 Unknown keys are refused (naming the key and the known ones), except Quark bookkeeping keys that change nothing
@@ -374,6 +374,7 @@ class HQQConfig:
     kappa: float = 1.01
     iters: int = 20
     error_p: float = 2.0
+    decoder_layers: Optional[str] = None  # only where the layer runner runs it (streaming); quantize_model: all
     name: str = field(default="hqq", init=False)
     data_free: ClassVar[bool] = True  # quantize_model and the CLI need no calibration batches for it
 
@@ -383,10 +384,11 @@ class HQQConfig:
         object.__setattr__(self, "kappa", _real(self.kappa, "HQQConfig.kappa", 1.0, 100.0))
         object.__setattr__(self, "iters", _int(self.iters, "HQQConfig.iters", lo=0))
         object.__setattr__(self, "error_p", _real(self.error_p, "HQQConfig.error_p", 0.0, 8.0, lo_open=True))
+        _layers_path(self.decoder_layers, "HQQConfig.decoder_layers")
 
     def to_dict(self) -> dict:
         return {"name": "hqq", "p": self.p, "beta": self.beta, "kappa": self.kappa, "iters": self.iters,
-                "error_p": self.error_p}
+                "error_p": self.error_p, "decoder_layers": self.decoder_layers}
 
     def to_quark(self) -> None:
         return None
@@ -426,7 +428,7 @@ _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {
     # [qronos]
 
     # [hqq]
-    "hqq": (HQQConfig, {"lp_norm": "p"}),  # mobiusml/hqq's opt_params spelling of p
+    "hqq": (HQQConfig, {"lp_norm": "p", "model_decoder_layers": "decoder_layers"}),  # lp_norm: mobiusml/hqq's p
 
     # [svdquant]
 

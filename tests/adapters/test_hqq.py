@@ -115,3 +115,20 @@ def test_the_command_line_quantizes_with_hqq_without_calibration(lm_dir, tmp_pat
     assert qc["quant_method"] == "quark" and qc["qcore"]["config"]["algorithms"][0]["name"] == "hqq"
     back = from_pretrained(out)
     assert isinstance(back.model.layers[0].mlp.down_proj, qcore.adapters.QuantLinear)
+
+
+def test_the_layer_runner_hook_fits_the_decoder_layers_linears(setup, zoo):
+    """sequential._BINDINGS["hqq"] (check / run per decoder layer, for passes that run the layer algorithms
+    themselves): the same QTensors as the data-free pass, for the Linears of the decoder layers."""
+    from qcore.adapters.passes import sequential
+    from qcore.adapters.quantizer import plan_model
+    model, _ = setup
+    m = copy.deepcopy(model)
+    cfg = _uint4()
+    pinned = sequential.run_algorithms(m, plan_model(m, cfg), cfg.algorithms, zoo.token_batches(1, seed=1, batch=1,
+                                                                                                  seq=8), progress=False)
+    assert len(pinned) == 14 and all(n.startswith("model.layers.") for n in pinned)
+    for name, q in pinned.items():
+        w = model.get_submodule(name).weight
+        assert torch.equal(q.codes, hqq(w.detach(), q.spec).codes), name
+        assert torch.equal(m.get_submodule(name).weight, qcore.dequantize(q))  # the float weight rewritten
