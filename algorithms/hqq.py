@@ -159,18 +159,21 @@ class _Math:
 
 
 def hqq(weight: Any, spec: QuantSpec, *, p: float = 0.7, beta: float = 10.0, kappa: float = 1.01,
-        iters: int = 20, error_p: float = 2.0, precision: str = "float32") -> QTensor:
+        iters: int = 20, error_p: float = 2.0, scale_floor: float = 1.0, precision: str = "float32") -> QTensor:
     """The HQQ-fitted ``QTensor`` of ``weight`` under ``spec`` (module docstring).
 
     weight: a float numpy array or torch tensor of a shape ``spec``'s granularity fits (a Linear's ``[out, in]``).
     p: the ``Lp`` norm of the error, in (0, 1] (HQQ: 0.7). beta, kappa: the half-quadratic coupling and its
     growth per iteration (HQQ: 10, 1.01). iters: iterations (HQQ: 20; 0 gives round-to-nearest).
     error_p: the norm each group's best iterate is chosen by, ``mean |W - W_r|^error_p`` (default 2: the mean
-    squared error; HQQ's own early stop reads the mean absolute error, 1). precision: "float32" or "float64"
-    arithmetic for the iterations."""
+    squared error; HQQ's own early stop reads the mean absolute error, 1). scale_floor: each group's scale stays
+    at least this times its min/max scale (default 1: the range is never narrower than round-to-nearest's, as
+    in the paper, where the scale does not move; 0: free). precision: "float32" or "float64" arithmetic for the
+    iterations."""
     check_hqq_spec(spec)
     check_hqq_options(p, beta, kappa, iters, precision)
     _opt(error_p, "error_p", 0.0, 8.0, lo_open=True)
+    _opt(scale_floor, "scale_floor", 0.0, 1.0)
     if not (is_torch(weight) or isinstance(weight, np.ndarray)):
         raise TypeError(f"weight must be a numpy array or a torch tensor, got {type(weight).__name__}")
     if is_torch(weight) and (weight.is_complex() or not weight.is_floating_point()):
@@ -190,11 +193,11 @@ def hqq(weight: Any, spec: QuantSpec, *, p: float = 0.7, beta: float = 10.0, kap
     if iters == 0:
         return start
     s, z = _fit(x32, spec, start.scales, start.zero_points, m, p=p, beta=beta, kappa=kappa, iters=int(iters),
-                precision=precision, error_p=float(error_p))
+                precision=precision, error_p=float(error_p), scale_floor=float(scale_floor))
     return qcore.quantize(x32, spec, scale=s, zero_point=z)
 
 
-def _fit(x32, spec: QuantSpec, s0, z0, m: _Math, *, p, beta, kappa, iters, precision, error_p):
+def _fit(x32, spec: QuantSpec, s0, z0, m: _Math, *, p, beta, kappa, iters, precision, error_p, scale_floor):
     """The iterations on the blocked weight; returns the best (scale, zero point or None) per block, float32 in
     ``spec.scale_shape``. The least-squares step reads four sums per group (``sum c``, ``sum t``, ``sum c^2``,
     ``sum c t``); full-size temporaries are updated in place."""
@@ -215,6 +218,7 @@ def _fit(x32, spec: QuantSpec, s0, z0, m: _Math, *, p, beta, kappa, iters, preci
         return m.cast(_round_scale(s32, spec.scale_dtype, o, positive=s32 > 0), precision)
 
     s = m.cast(o.reshape(s0, blk.scale_blocked_shape), precision)
+    s_floor = None if not scale_floor else s * scale_floor  # the min/max scale times scale_floor
     z = None if sym else m.cast(o.reshape(z0, blk.scale_blocked_shape), precision)
     best_s, best_z, best_err = s, z, None
     for it in range(iters + 1):
@@ -270,6 +274,8 @@ def _fit(x32, spec: QuantSpec, s0, z0, m: _Math, *, p, beta, kappa, iters, preci
                 den = scc - 2.0 * z_new * sc + n * z_new * z_new  # <W_q - z, W_q - z>
                 s_new = num / den
             ok = o.logical_and(o.logical_and(den > 0, num > 0), o.isfinite(s_new))
+            if s_floor is not None:
+                s_new = o.maximum(s_new, s_floor)
             s_new = rounded(o.where(ok, s_new, s))  # a degenerate group keeps its parameters
             if not sym:
                 z = o.where(ok, z_new, z)

@@ -94,7 +94,8 @@ def check_model(model: nn.Module, plans: list, algo) -> None:
 
 def _fit(m: nn.Module, spec, algo):
     w = linear_weight(m).detach().float().contiguous()  # float32 [out, in]
-    return hqq(w, spec, p=algo.p, beta=algo.beta, kappa=algo.kappa, iters=algo.iters, error_p=algo.error_p)
+    return hqq(w, spec, p=algo.p, beta=algo.beta, kappa=algo.kappa, iters=algo.iters, error_p=algo.error_p,
+               scale_floor=algo.scale_floor)
 
 
 def apply_hqq(model: nn.Module, plans: list, algo, pinned: dict, *, reference: Optional[dict] = None,
