@@ -20,21 +20,22 @@ scale ``s`` and an integer zero point ``z`` (per group, codes ``c = W_q`` fixed,
 
 by least squares in ``(s, b = s z)`` (``s = cov(c, T) / var(c)``, ``b = s mean(c) - mean(T)``, the paper's
 zero-point step is this with ``s`` held), then ``z = clip(rint(b / s), qmin, qmax)`` and the scale re-solved
-for that integer ``z`` (``s = <c - z, T> / <c - z, c - z>``), rounded to the spec's scale dtype (what the export
-stores). A symmetric spec has no zero point (``z = 0``): only the scale moves. One iteration, from the min/max
+for that integer ``z`` (``s = <c - z, T> / <c - z, c - z>``), kept at least ``scale_floor`` times the min/max
+scale (default 1: the paper never moves the scale, so never narrows the range; a free scale shrinks to clip the
+largest weights, which lowered the weight error but raised SmolLM2's perplexity above round-to-nearest's),
+rounded to the spec's scale dtype (what the export stores). A symmetric spec has no zero point (``z = 0``): only the scale moves. One iteration, from the min/max
 parameters (``quantize``'s own rule, i.e. round-to-nearest)::
 
     W_q = clip(rint(W / s) + z, qmin, qmax)           # quantize's codes (z integer: rint(W/s + z) == rint(W/s) + z)
     W_r = s (W_q - z)                                 # dequantized
     W_e = shrink_p(W - W_r, beta) = sign(D) relu(|D| - |D|^(p-1) / beta),  D = W - W_r
-    s, z = the quadratic step above on T = W - W_e
+    s, z = the quadratic step above on T = W - W_e    # s >= scale_floor * (the min/max scale)
     beta = beta * kappa
 
 Each group keeps its best iterate by ``mean |W - W_r|^error_p`` (default 2, the squared error; the min/max start
 is iterate 0, so the result is never worse than round-to-nearest by that measure). HQQ stops the whole tensor when
 its mean absolute error grows (``error_p=1``); here every group keeps its own best over ``iters`` iterations, and
-by the squared error: on SmolLM2 choosing by the ``Lp`` error itself (``error_p=p``, 0.7) gave a perplexity no
-better than round-to-nearest (bench/ALGORITHMS_HQQ.md), the shrinkage favouring clipped outliers. The ``QTensor`` is
+by the squared error (docs/algorithms.md "HQQ" has the trials on SmolLM2). The ``QTensor`` is
 ``qcore.quantize(W, spec, scale=s, zero_point=z)`` with the chosen parameters: exporting it (Quark HF, the qcore
 layout) writes exactly these codes, scales and integer zero points, and reloading reproduces them bit for bit.
 
