@@ -16,7 +16,8 @@
 - ``QuaRotConfig(key=0, heads=True, online=("mlp.down_proj", "self_attn.o_proj"), decoder_layers=None)`` and
   ``SpinQuantConfig(..., steps=100, lr=1.5, batch=1, train_weights=None)``; Quark's ``{"name": "rotation", r1, r2, r4, random_r1,
   trainable, ...}`` (r3, online R1, block-sized rotations and trained smoothing are refused).
-- ``HQQConfig(p=0.7, beta=10.0, kappa=1.01, iters=20, error_p=2.0, scale_floor=1.0, decoder_layers=None)``: no Quark algorithm (``to_quark()`` is None);
+- ``HQQConfig(p=0.7, beta=10.0, kappa=1.01, iters=20, error_p=2.0, scale_floor=1.0, decoder_layers=None)``: no
+  Quark algorithm (``to_quark()`` is None);
   mobiusml/hqq's ``lp_norm`` reads as ``p``.
 
 Unknown keys are refused (naming the key and the known ones), except Quark bookkeeping keys that change nothing

@@ -23,7 +23,8 @@ zero-point step is this with ``s`` held), then ``z = clip(rint(b / s), qmin, qma
 for that integer ``z`` (``s = <c - z, T> / <c - z, c - z>``), kept at least ``scale_floor`` times the min/max
 scale (default 1: the paper never moves the scale, so never narrows the range; a free scale shrinks to clip the
 largest weights, which lowered the weight error but raised SmolLM2's perplexity above round-to-nearest's),
-rounded to the spec's scale dtype (what the export stores). A symmetric spec has no zero point (``z = 0``): only the scale moves. One iteration, from the min/max
+rounded to the spec's scale dtype (what the export stores). A symmetric spec has no zero point (``z = 0``):
+only the scale moves. One iteration, from the min/max
 parameters (``quantize``'s own rule, i.e. round-to-nearest)::
 
     W_q = clip(rint(W / s) + z, qmin, qmax)           # quantize's codes (z integer: rint(W/s + z) == rint(W/s) + z)
@@ -53,7 +54,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 

@@ -104,7 +104,8 @@ def test_scaling_before_hqq_and_a_rotation_before_hqq(setup, zoo):
 def test_the_command_line_quantizes_with_hqq_without_calibration(lm_dir, tmp_path, capsys):
     out, rep = tmp_path / "ckpt", tmp_path / "r.json"
     argv = ["quantize", "--model", str(lm_dir), "--scheme", "w_uint4_per_group_asym", "--group-size", "32",
-            "--algo", "hqq", "--calib-samples", "0", "--seq-len", "32", "--eval", "none", "--output", str(out), "--export", "hf", "--report", str(rep),
+            "--algo", "hqq", "--calib-samples", "0", "--seq-len", "32", "--eval", "none", "--output", str(out),
+            "--export", "hf", "--report", str(rep),
             "--no-progress"]
     code = main(argv)
     o = capsys.readouterr()
@@ -125,8 +126,8 @@ def test_the_layer_runner_hook_fits_the_decoder_layers_linears(setup, zoo):
     model, _ = setup
     m = copy.deepcopy(model)
     cfg = _uint4()
-    pinned = sequential.run_algorithms(m, plan_model(m, cfg), cfg.algorithms, zoo.token_batches(1, seed=1, batch=1,
-                                                                                                  seq=8), progress=False)
+    data = zoo.token_batches(1, seed=1, batch=1, seq=8)
+    pinned = sequential.run_algorithms(m, plan_model(m, cfg), cfg.algorithms, data, progress=False)
     assert len(pinned) == 14 and all(n.startswith("model.layers.") for n in pinned)
     for name, q in pinned.items():
         w = model.get_submodule(name).weight

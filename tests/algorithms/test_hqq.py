@@ -213,7 +213,8 @@ def test_config_round_trips_and_has_no_quark_entry():
     c = HQQConfig(p=0.5, beta=20, kappa=1.05, iters=10, error_p=1, scale_floor=0)
     assert parse_algorithm(c.to_dict()) == c and c.beta == 20.0
     assert parse_algorithm("hqq") == HQQConfig() and HQQConfig().to_dict() == {
-        "name": "hqq", "p": 0.7, "beta": 10.0, "kappa": 1.01, "iters": 20, "error_p": 2.0, "scale_floor": 1.0, "decoder_layers": None}
+        "name": "hqq", "p": 0.7, "beta": 10.0, "kappa": 1.01, "iters": 20, "error_p": 2.0, "scale_floor": 1.0,
+        "decoder_layers": None}
     assert parse_algorithm({"name": "hqq", "lp_norm": 0.6}).p == 0.6  # mobiusml/hqq's opt_params key
     assert c.to_quark() is None and HQQConfig.data_free  # Quark has no HQQ (and refuses unknown names)
     assert parse_algorithms("awq,hqq")[1] == HQQConfig()
