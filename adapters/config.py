@@ -755,7 +755,7 @@ def config_to_quark(config: ModelConfig, *, model_dtype: str = "float32", pack_m
                                                lk(lambda q: q.layer_quant_config, pat))
     exclude = ("lm_head",) if config.exclude is None else tuple(config.exclude)
     exclude += tuple(n for n, v in config.by_name.items() if v is None and n not in exclude)
-    algos = [_algo_to_quark(a) for a in config.algorithms] or None
+    algos = [e for e in map(_algo_to_quark, config.algorithms) if e is not None] or None  # None: no Quark entry
     if like is not None and algos is None and not like.algo_config:
         algos = like.algo_config  # [] and null both mean none
     export = QuarkExport(kv_cache_group=tuple(kv), weight_format=weight_format, pack_method=pack_method)
@@ -779,7 +779,8 @@ def config_to_quark(config: ModelConfig, *, model_dtype: str = "float32", pack_m
 
 
 def _algo_to_quark(a) -> dict:
-    """One algorithm entry in Quark's ``algo_config`` schema (entries qcore cannot read are kept as given)."""
+    """One algorithm entry in Quark's ``algo_config`` schema (entries qcore cannot read are kept as given); None for
+    an algorithm Quark has no entry for and whose checkpoint needs none to load (HQQ)."""
     from qcore.algorithms.config import parse_algorithm
     try:
         return parse_algorithm(a).to_quark()

@@ -435,7 +435,7 @@ def build_config(scheme, *, group_size=None, kv_cache_dtype=None, exclude=None,
 
 def _needs_calibration(config: ModelConfig, names: _Names = CLI) -> list[str]:
     """What in ``config`` reads calibration windows: static activation scales, the KV cache, the algorithms
-    (all but QuaRot); empty when nothing does."""
+    (all but QuaRot and the data-free HQQ); empty when nothing does."""
     need = []
     layers = [(names("scheme"), config.layer), *((f"by_type {k}", v) for k, v in config.by_type.items()),
               *((f"by_name {k!r}", v) for k, v in config.by_name.items())]
@@ -448,7 +448,8 @@ def _needs_calibration(config: ModelConfig, names: _Names = CLI) -> list[str]:
         need.append("KV-cache scales")
     if config.algorithms:
         from qcore.algorithms.config import QuaRotConfig, parse_algorithms
-        need += [f"algorithm {a.name}" for a in parse_algorithms(config.algorithms) if not isinstance(a, QuaRotConfig)]
+        need += [f"algorithm {a.name}" for a in parse_algorithms(config.algorithms)
+                 if not isinstance(a, QuaRotConfig) and not getattr(a, "data_free", False)]  # HQQ: data-free
     return need
 
 

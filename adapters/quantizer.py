@@ -632,12 +632,17 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         if qat:
             raise ValueError("qat=True keeps float master weights; the algorithms write quantized weights (use "
                              "qat=False with algorithms)")
+        from .passes.hqq import split_hqq
+        hq, algos = split_hqq(algos)  # HQQ (data-free) runs last, outside the layer runner: every Linear weight
         needs = [a.name for a in algos] + ([rot.name] if isinstance(rot, SpinQuantConfig) else [])
         if data is None and needs:
             raise ValueError(f"the algorithms {needs} need calibration data; pass calibration batches as data=")
         if data is not None:
             data = list(data)  # read more than once: by the algorithms and by calibration
             _check_batches(model, data)
+        if hq is not None:
+            from .passes.hqq import check_model
+            check_model(model, plans, hq)
         if rot is not None:
             from .passes.rotation import check_rotation
             from .passes.spinquant import apply_rotation
@@ -658,6 +663,14 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
             with moe_calibration(model, all_experts=moe_all_experts, warn=False) as moe, moe.counting(False):
                 pinned = run_algorithms(model, plans, algos, data, progress=progress, reduce=distributed,
                                         reference=reference, work=work)
+        if hq is not None:
+            from .passes.hqq import apply_hqq
+            try:
+                apply_hqq(model, plans, hq, pinned, reference=reference, progress=progress)
+            except BaseException:
+                if rot is not None or algos:
+                    model._qcore_partial = True  # the algorithms before it rewrote the float weights
+                raise
     wrappers = [(p.name, model.get_submodule(p.name), wrap(model.get_submodule(p.name), p.config, name=p.name,
                                                            qat=qat)) for p in plans]
     for name, _, new in wrappers:

@@ -16,6 +16,9 @@
 - ``QuaRotConfig(key=0, heads=True, online=("mlp.down_proj", "self_attn.o_proj"), decoder_layers=None)`` and
   ``SpinQuantConfig(..., steps=100, lr=1.5, batch=1, train_weights=None)``; Quark's ``{"name": "rotation", r1, r2, r4, random_r1,
   trainable, ...}`` (r3, online R1, block-sized rotations and trained smoothing are refused).
+- ``HQQConfig(p=0.7, beta=10.0, kappa=1.01, iters=20, error_p=2.0, scale_floor=1.0, decoder_layers=None)``: no
+  Quark algorithm (``to_quark()`` is None);
+  mobiusml/hqq's ``lp_norm`` reads as ``p``.
 
 Unknown keys are refused (naming the key and the known ones), except Quark bookkeeping keys that change nothing
 here (listed in ``_IGNORED``). ``to_dict()`` gives qcore's dict back (``parse_algorithm(c.to_dict()) == c``);
@@ -28,7 +31,7 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, ClassVar, Mapping, Optional, Sequence, Union
 
 from .smoothquant import SmoothLoss
 
@@ -355,6 +358,46 @@ def _from_quark_rotation(d: Mapping) -> "QuaRotConfig":
 # [hqq] (its config class goes below this line)
 
 
+@dataclass(frozen=True)
+class HQQConfig:
+    """HQQ (half-quadratic quantization, ``qcore.algorithms.hqq``): each quantized Linear weight's scales and
+    integer zero points fitted to the weight alone by half-quadratic splitting on the ``Lp`` error (``p``), the
+    coupling ``beta`` growing by ``kappa`` over ``iters`` iterations, each group keeping its iterate of least
+    ``mean |error|^error_p`` (2: squared error), its scale never below ``scale_floor`` times the min/max one.
+    Needs no calibration data (``data_free``).
+
+    Quark has no HQQ, and loading an HQQ checkpoint needs nothing beyond its codes, scales and zero points (a
+    plain integer checkpoint): ``to_quark()`` is None, no ``algo_config`` entry (amd-quark refuses algorithm
+    names it does not know, which would make the checkpoint unloadable there); the qcore block of an export
+    keeps ``to_dict()``."""
+
+    p: float = 0.7
+    beta: float = 10.0
+    kappa: float = 1.01
+    iters: int = 20
+    error_p: float = 2.0
+    scale_floor: float = 1.0
+    decoder_layers: Optional[str] = None  # only where the layer runner runs it (streaming); quantize_model: all
+    name: str = field(default="hqq", init=False)
+    data_free: ClassVar[bool] = True  # quantize_model and the CLI need no calibration batches for it
+
+    def __post_init__(self):
+        object.__setattr__(self, "p", _real(self.p, "HQQConfig.p", 0.0, 1.0, lo_open=True))
+        object.__setattr__(self, "beta", _real(self.beta, "HQQConfig.beta", 0.0, 1e12, lo_open=True))
+        object.__setattr__(self, "kappa", _real(self.kappa, "HQQConfig.kappa", 1.0, 100.0))
+        object.__setattr__(self, "iters", _int(self.iters, "HQQConfig.iters", lo=0))
+        object.__setattr__(self, "error_p", _real(self.error_p, "HQQConfig.error_p", 0.0, 8.0, lo_open=True))
+        object.__setattr__(self, "scale_floor", _real(self.scale_floor, "HQQConfig.scale_floor", 0.0, 1.0))
+        _layers_path(self.decoder_layers, "HQQConfig.decoder_layers")
+
+    def to_dict(self) -> dict:
+        return {"name": "hqq", "p": self.p, "beta": self.beta, "kappa": self.kappa, "iters": self.iters,
+                "error_p": self.error_p, "scale_floor": self.scale_floor, "decoder_layers": self.decoder_layers}
+
+    def to_quark(self) -> None:
+        return None
+
+
 # [svdquant] (its config class goes below this line)
 
 
@@ -363,7 +406,7 @@ def _from_quark_rotation(d: Mapping) -> "QuaRotConfig":
 # ---------------------------------------------------------------------------------------------------------------
 
 AlgorithmConfig = Union[GPTQConfig, AWQConfig, SmoothQuantConfig, AutoSmoothQuantConfig, QuaRotConfig,
-                        SpinQuantConfig]
+                        SpinQuantConfig, HQQConfig]
 ROTATION_CONFIGS = (QuaRotConfig, SpinQuantConfig)
 
 
@@ -389,6 +432,7 @@ _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {
     # [qronos]
 
     # [hqq]
+    "hqq": (HQQConfig, {"lp_norm": "p", "model_decoder_layers": "decoder_layers"}),  # lp_norm: mobiusml/hqq's p
 
     # [svdquant]
 
