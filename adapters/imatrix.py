@@ -1,0 +1,212 @@
+"""Importance matrices of a torch model (llama.cpp's ``llama-imatrix``): collection, files, quantizer weights.
+
+``collect_imatrix(model, data)`` runs the calibration batches through the whole model (one forward per batch,
+no gradients) with a forward pre-hook on every Linear-like module (``nn.Linear`` and its qcore subclasses,
+transformers' ``Conv1D``), and returns ``{name: ImatrixStats}``: per module, the sum over calibration tokens of
+each input column's square, and the token count (``qcore.algorithms.imatrix``). Names (``names=``):
+``"gguf"`` (default) the llama.cpp tensor names ``blk.3.attn_q.weight`` (``qcore.adapters.io.gguf.gguf_names``,
+the map the GGUF export writes with), so the result is the file ``llama-imatrix`` would write for the same
+model; ``"module"`` the torch module names (``model.layers.3.self_attn.q_proj``) for any model.
+
+What is counted, as llama.cpp does: every token of every batch, except padding (a dict batch's
+``attention_mask`` zeros are left out wherever a module's input has the mask's ``[batch, tokens]`` shape). The
+output head (``output.weight``) is left out unless ``process_output=True`` (``llama-imatrix --process-output``);
+the token embedding is a lookup, not a matrix product, so it has no statistic. Fused MoE experts are not
+collected yet (their modules are not Linear: ``ffn_*_exps`` entries are absent, and the quantizer then uses no
+importance for them, as llama.cpp does for any tensor missing from the file); the pure statistic already has
+the per-expert form (``update_imatrix(..., expert_ids=)``).
+
+``save_imatrix(stats, path)`` writes llama.cpp's file (GGUF for ``.gguf``, legacy for ``.dat``;
+``qcore.formats.imatrix``); ``load_imatrix(path)`` reads either back as ``{name: ImatrixStats}``.
+``module_quant_weights(model, stats)`` turns collected or loaded statistics into ``{module name: float32
+weights}``: the ``imatrix=`` argument of ``qcore.quantize(module.weight (canonical [out, in]), gguf_spec,
+imatrix=...)``, i.e. llama.cpp's ``quant_weights`` for that tensor.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from qcore.algorithms.imatrix import ImatrixStats, quant_weights
+
+from ._batches import _call, _device_of, _progress, _to
+
+__all__ = ["collect_imatrix", "save_imatrix", "load_imatrix", "module_quant_weights", "linear_modules"]
+
+_NAMES = ("gguf", "module")
+
+
+def _in_features(m: nn.Module) -> Optional[int]:
+    if isinstance(m, nn.Linear):
+        return int(m.in_features)
+    if type(m).__name__ in ("Conv1D", "QuantConv1D") and getattr(m, "weight", None) is not None \
+            and m.weight.dim() == 2:
+        return int(m.weight.shape[0])  # transformers' Conv1D: weight [in, out]
+    return None
+
+
+def linear_modules(model: nn.Module) -> dict:
+    """Module name -> input features, for every Linear-like module of ``model``."""
+    return {n: k for n, m in model.named_modules() if (k := _in_features(m)) is not None}
+
+
+def _key_map(model: nn.Module, names: str, process_output: bool) -> dict:
+    """Module name -> the statistic's name, for the modules collected."""
+    lin = linear_modules(model)
+    if names == "module":
+        head = _head_name(model)
+        return {n: n for n in lin if process_output or n != head}
+    from .io.gguf import gguf_names
+
+    g = gguf_names(model)
+    return {n: f"{g[n]}.weight" for n in lin if n in g and (process_output or g[n] != "output")}
+
+
+def _head_name(model: nn.Module) -> Optional[str]:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None:
+        return None
+    for n, m in model.named_modules():
+        if m is head:
+            return n
+    return None
+
+
+def collect_imatrix(model: nn.Module, data: Iterable, *, names: str = "gguf", process_output: bool = False,
+                    progress: bool = True) -> dict:
+    """``{name: ImatrixStats}`` of every Linear-like module of ``model`` over the calibration batches ``data``
+    (tensors of token ids, dicts such as a tokenizer's output, or tuples: what ``model(batch)`` takes). See
+    the module docstring for ``names`` and what is counted."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch nn.Module, got {type(model).__name__}")
+    if names not in _NAMES:
+        raise ValueError(f"names must be one of {_NAMES}, got {names!r}")
+    if isinstance(data, (torch.Tensor, Mapping)) or data is None:
+        raise TypeError(f"data must be an iterable of calibration batches (a list of tensors or dicts), got "
+                        f"{type(data).__name__}")
+    keys = _key_map(model, names, process_output)
+    if not keys:
+        raise ValueError("collect_imatrix: the model has no Linear-like module to collect (nn.Linear, Conv1D)")
+    batches = list(data)
+    if not batches:
+        raise ValueError("collect_imatrix: data holds no calibration batch")
+    dev = _device_of(model)
+    sums: dict = {}
+    counts: dict = {}
+    mask: list = [None]
+
+    def hook(mod_name):
+        def pre(mod, args, kwargs):
+            x = args[0] if args else next(iter(kwargs.values()))
+            x = x.detach()
+            m = mask[0]
+            if m is not None and tuple(x.shape[:-1]) == tuple(m.shape):
+                x = x[m]
+            rows = x.reshape(-1, x.shape[-1]).to(torch.float64)
+            s = (rows * rows).sum(0)
+            if not bool(torch.isfinite(s).all()):
+                raise ValueError(f"collect_imatrix: non-finite activations reach {mod_name!r} "
+                                 f"({keys[mod_name]!r})")
+            if mod_name in sums:
+                sums[mod_name] += s
+                counts[mod_name] += int(rows.shape[0])
+            else:
+                sums[mod_name], counts[mod_name] = s, int(rows.shape[0])
+        return pre
+
+    handles = [model.get_submodule(n).register_forward_pre_hook(hook(n), with_kwargs=True) for n in keys]
+    try:
+        with torch.no_grad():
+            for b in _progress(batches, total=len(batches), desc="imatrix", enabled=progress):
+                b = _to(b, dev)
+                am = b.get("attention_mask") if isinstance(b, Mapping) else None
+                mask[0] = None if am is None or bool((am != 0).all()) else (am != 0)
+                _call(model, b)
+    finally:
+        for h in handles:
+            h.remove()
+        mask[0] = None
+    out = {}
+    for n, k in keys.items():
+        if n not in sums:  # never called (e.g. a branch the batches never reach): zero tokens
+            s = torch.zeros(linear_modules(model)[n], dtype=torch.float64)
+            c = 0
+        else:
+            s, c = sums[n], counts[n]
+        out[k] = ImatrixStats(s.reshape(1, -1).cpu().numpy(), np.array([c], np.int64))
+    return dict(sorted(out.items()))
+
+
+def _format(path, format: Optional[str]) -> str:
+    if format is None:
+        ext = os.fspath(path).rsplit(".", 1)[-1].lower() if "." in os.path.basename(os.fspath(path)) else ""
+        if ext not in ("gguf", "dat"):
+            raise ValueError(f"path {os.fspath(path)!r}: give format='gguf' or 'dat' (or a .gguf / .dat name)")
+        return ext
+    if format not in ("gguf", "dat"):
+        raise ValueError(f"format must be 'gguf' or 'dat', got {format!r}")
+    return format
+
+
+def save_imatrix(stats: Mapping[str, ImatrixStats], path, *, format: Optional[str] = None, datasets=(),
+                 chunk_size: int = 512, overwrite: bool = False) -> None:
+    """Write ``{name: ImatrixStats}`` as llama.cpp's imatrix file: ``format`` ``"gguf"`` (``imatrix.gguf``,
+    llama.cpp's default) or ``"dat"`` (legacy), by default from the file name. ``datasets``: the calibration
+    data's name(s); ``chunk_size``: tokens per chunk (llama.cpp's ``n_ctx``: the chunk count stored, and the
+    legacy format's ``ncall``, derive from it)."""
+    from qcore.formats.imatrix import ImatrixDat, ImatrixGGUF, write_imatrix
+
+    fmt = _format(path, format)
+    if not isinstance(stats, Mapping) or not stats:
+        raise ValueError("stats must be a non-empty {name: ImatrixStats} mapping")
+    ds = (datasets,) if isinstance(datasets, str) else tuple(datasets)
+    if fmt == "gguf":
+        obj = ImatrixGGUF.from_stats(stats, datasets=ds, chunk_size=chunk_size)
+    else:
+        obj = ImatrixDat.from_stats(stats, chunk_size=chunk_size, dataset=ds[-1] if ds else "")
+    write_imatrix(obj, path, overwrite=overwrite)
+
+
+def load_imatrix(path, *, chunk_size: int = 512) -> dict:
+    """``{name: ImatrixStats}`` from a llama.cpp imatrix file of either format (``chunk_size``: for the legacy
+    format, which does not store it; the quantizer's weights do not depend on it)."""
+    from qcore.formats.imatrix import ImatrixDat, read_imatrix
+
+    obj = read_imatrix(path)
+    return obj.stats(chunk_size=chunk_size) if isinstance(obj, ImatrixDat) else obj.stats()
+
+
+def module_quant_weights(model: nn.Module, stats: Mapping[str, ImatrixStats]) -> dict:
+    """``{module name: float32 quant_weights}`` for the Linear-like modules of ``model`` that ``stats`` (keyed by
+    GGUF tensor names or by module names, as ``collect_imatrix`` / ``load_imatrix`` give) has an entry for:
+    the ``imatrix=`` argument of ``qcore.quantize`` for that module's canonical ``[out, in]`` weight. Modules
+    without an entry are absent (llama.cpp then quantizes without importance). An entry whose width is not the
+    module's input width is refused (an imatrix of another model)."""
+    if not isinstance(stats, Mapping):
+        raise TypeError(f"stats must be a mapping of name -> ImatrixStats, got {type(stats).__name__}")
+    lin = linear_modules(model)
+    try:
+        from .io.gguf import gguf_names
+
+        g = {f"{v}.weight": k for k, v in gguf_names(model).items() if k in lin}
+    except (TypeError, ValueError):
+        g = {}
+    out = {}
+    for key, st in stats.items():
+        mod = g.get(key, key if key in lin else None)
+        if mod is None:
+            continue
+        if not isinstance(st, ImatrixStats):
+            raise TypeError(f"stats[{key!r}] must be an ImatrixStats, got {type(st).__name__}")
+        if st.n != lin[mod] or st.n_mat != 1:
+            raise ValueError(f"stats[{key!r}] has {st.n_mat} x {st.n} values; module {mod!r} takes {lin[mod]} "
+                             f"inputs (an importance matrix of another model?)")
+        out[mod] = quant_weights(st)
+    return out
