@@ -178,12 +178,14 @@ def merge_imatrices(a: ImatrixStats, b: ImatrixStats) -> ImatrixStats:
 
 
 def quant_weights(stats: ImatrixStats) -> np.ndarray:
-    """llama.cpp's ``quant_weights`` (float32): ``sums / count`` per matrix (the mean of ``x**2``), 1 for a matrix
+    """llama.cpp's ``quant_weights`` (float32): ``sums / count`` per matrix (the mean of ``x**2``; the sums rounded to
+    float32 and divided in float32, as ``llama-quantize`` does with the file's values), 1 for a matrix
     that saw no token; shape ``[n]`` for a dense matrix, ``[n_expert, n]`` for experts. The argument
     ``qcore.quantize(w, spec, imatrix=...)`` takes (row ``e`` for expert ``e``)."""
     if not isinstance(stats, ImatrixStats):
         raise TypeError(f"stats must be an ImatrixStats, got {type(stats).__name__}")
     s = stats.numpy()
-    c = s.counts.astype(np.float64)[:, None]
-    out = np.where(c > 0, s.sums / np.where(c > 0, c, 1.0), 1.0).astype(np.float32)
+    c = s.counts.astype(np.float32)[:, None]  # float32 sums / float32 count: llama-quantize on the file's values
+    one = np.float32(1)
+    out = np.where(c > 0, s.sums.astype(np.float32) / np.where(c > 0, c, one), one).astype(np.float32)
     return out[0] if s.n_mat == 1 else out
