@@ -109,3 +109,22 @@ def test_imatrix_lowers_llama_cpp_weighted_error():
                 out.append(float(((x @ (w - q).T) ** 2).mean(dtype=np.float64)))
             assert err[1] < 0.9 * err[0], (name, t, err)
             assert out[1] < out[0], (name, t, out)
+
+
+def test_cli_imatrix(lm_dir, tmp_path, capsys):
+    from qcore.cli import main
+
+    out = tmp_path / "m.gguf"
+    argv = ["imatrix", "--model", str(lm_dir), "--eval-text", str(lm_dir.parent / "text.txt"), "--seq-len", "64",
+            "--calib-samples", "2", "--output", str(out), "--no-progress"]
+    assert main(argv) == 0
+    assert "14 tensors over 2 windows (128 tokens)" in capsys.readouterr().out
+    st = load_imatrix(out)
+    assert len(st) == 14 and all(s.counts.tolist() == [128] for s in st.values())
+    from qcore.formats.imatrix import read_imatrix
+
+    g = read_imatrix(out)
+    assert g.chunk_size == 64 and g.chunk_count == 2 and g.datasets == (str(lm_dir.parent / "text.txt"),)
+    assert main(argv) == 2 and "exists" in capsys.readouterr().err  # no --overwrite
+    assert main(argv[:-3] + ["--output", str(tmp_path / "m.bin"), "--no-progress"]) == 2
+    assert "'gguf' or 'dat'" in capsys.readouterr().err and not (tmp_path / "m.bin").exists()
