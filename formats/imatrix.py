@@ -132,8 +132,9 @@ class ImatrixGGUF:
     def __eq__(self, o) -> bool:
         if not isinstance(o, ImatrixGGUF):
             return NotImplemented
+        # entries compare as a mapping: the file stores them sorted by name whatever the order given
         return (self.datasets == o.datasets and self.chunk_count == o.chunk_count and self.chunk_size == o.chunk_size
-                and list(self.entries) == list(o.entries) and all(self.entries[k] == o.entries[k] for k in self.entries))
+                and set(self.entries) == set(o.entries) and all(self.entries[k] == o.entries[k] for k in self.entries))
 
     # -- conversions ------------------------------------------------------------------------------------------
 

@@ -219,3 +219,81 @@ def test_write_is_staged(tmp_path, monkeypatch):
     assert calls and p.read_bytes() == before and sorted(x.name for x in tmp_path.iterdir()) == ["m.gguf"]
     with pytest.raises(TypeError, match="ImatrixGGUF or an ImatrixDat"):
         write_imatrix({"a": 1}, tmp_path / "x.gguf")
+
+
+def _llama_cpp_writer():
+    """llama.cpp's own GGUF writer (libggml-base's gguf_* / ggml_* through ctypes), driven with the calls of
+    tools/imatrix/imatrix.cpp save_imatrix in its order; None when libggml-base is not installed."""
+    import ctypes as C
+
+    from qcore.testing.ggml import ggml_library
+
+    lib = ggml_library()
+    if lib is None or not hasattr(lib, "gguf_write_to_file"):
+        return None
+
+    class InitParams(C.Structure):
+        _fields_ = [("mem_size", C.c_size_t), ("mem_buffer", C.c_void_p), ("no_alloc", C.c_bool)]
+
+    class GParams(C.Structure):
+        _fields_ = [("no_alloc", C.c_bool), ("ctx", C.POINTER(C.c_void_p))]
+
+    lib.ggml_init.restype = C.c_void_p; lib.ggml_init.argtypes = [InitParams]
+    lib.gguf_init_empty.restype = C.c_void_p
+    lib.gguf_set_val_str.argtypes = [C.c_void_p, C.c_char_p, C.c_char_p]
+    lib.gguf_set_arr_str.argtypes = [C.c_void_p, C.c_char_p, C.POINTER(C.c_char_p), C.c_size_t]
+    lib.gguf_set_val_u32.argtypes = [C.c_void_p, C.c_char_p, C.c_uint32]
+    lib.ggml_new_tensor_2d.restype = C.c_void_p; lib.ggml_new_tensor_2d.argtypes = [C.c_void_p, C.c_int, C.c_int64, C.c_int64]
+    lib.ggml_set_name.restype = C.c_void_p; lib.ggml_set_name.argtypes = [C.c_void_p, C.c_char_p]
+    lib.ggml_get_data.restype = C.c_void_p; lib.ggml_get_data.argtypes = [C.c_void_p]
+    lib.gguf_add_tensor.argtypes = [C.c_void_p, C.c_void_p]
+    lib.gguf_write_to_file.restype = C.c_bool; lib.gguf_write_to_file.argtypes = [C.c_void_p, C.c_char_p, C.c_bool]
+    lib.gguf_free.argtypes = [C.c_void_p]; lib.ggml_free.argtypes = [C.c_void_p]
+    lib.ggml_tensor_overhead.restype = C.c_size_t
+
+    def write(path, entries, datasets, chunk_count, chunk_size):
+        """save_imatrix's calls, in its order."""
+        size = sum(2 * (lib.ggml_tensor_overhead() + 4 * a.size + 64) for a, c in entries.values()) + 4096
+        ctx = lib.ggml_init(InitParams(size, None, False))
+        g = lib.gguf_init_empty()
+        lib.gguf_set_val_str(g, b"general.type", b"imatrix")
+        arr = (C.c_char_p * len(datasets))(*[d.encode() for d in datasets])
+        lib.gguf_set_arr_str(g, b"imatrix.datasets", arr, len(datasets))
+        lib.gguf_set_val_u32(g, b"imatrix.chunk_count", chunk_count)
+        lib.gguf_set_val_u32(g, b"imatrix.chunk_size", chunk_size)
+        for name in sorted(entries):
+            s, c = entries[name]
+            nmat, n = s.shape
+            t1 = lib.ggml_new_tensor_2d(ctx, 0, n, nmat)
+            t2 = lib.ggml_new_tensor_2d(ctx, 0, 1, nmat)
+            lib.ggml_set_name(t1, f"{name}.in_sum2".encode()); lib.ggml_set_name(t2, f"{name}.counts".encode())
+            C.memmove(lib.ggml_get_data(t1), np.ascontiguousarray(s, np.float32).ctypes.data, 4 * s.size)
+            C.memmove(lib.ggml_get_data(t2), np.ascontiguousarray(c, np.float32).ctypes.data, 4 * c.size)
+            lib.gguf_add_tensor(g, t1); lib.gguf_add_tensor(g, t2)
+        ok = lib.gguf_write_to_file(g, str(path).encode(), False)
+        lib.gguf_free(g); lib.ggml_free(ctx)
+        assert ok
+    return write
+
+
+def test_gguf_bytes_equal_llama_cpp_save_imatrix(tmp_path):
+    """The file llama.cpp's save_imatrix writes (its gguf writer, its calls) and qcore's are the same bytes, and
+    qcore reads llama.cpp's back to the same values."""
+    write = _llama_cpp_writer()
+    if write is None:
+        pytest.skip("libggml-base (llama-cpp-python) is not installed")
+    rng = np.random.default_rng(0)
+    ent = {"blk.0.attn_q.weight": ((rng.random((1, 64)) * 9).astype(np.float32), np.float32([40])),
+           "blk.1.ffn_up_exps.weight": (rng.random((4, 32)).astype(np.float32), np.float32([3, 0, 5, 7])),
+           "blk.0.attn_k.weight": (rng.random((1, 256)).astype(np.float32), np.float32([1e6]))}
+    p = tmp_path / "llama.gguf"
+    write(p, ent, ["wiki.train.raw", "more.txt"], 3, 512)
+    ours = ImatrixGGUF({k: GGUFEntry(s, c) for k, (s, c) in ent.items()}, ("wiki.train.raw", "more.txt"), 3, 512)
+    assert p.read_bytes() == ours.to_bytes()
+    assert read_imatrix(p) == ours
+    # and from collected statistics
+    st = _stats(4)
+    g = ImatrixGGUF.from_stats(st, datasets=["c.txt"], chunk_size=64)
+    write(tmp_path / "st.gguf", {k: (e.in_sum2, e.counts) for k, e in g.entries.items()}, ["c.txt"],
+          g.chunk_count, 64)
+    assert (tmp_path / "st.gguf").read_bytes() == g.to_bytes()
