@@ -11,10 +11,13 @@ model; ``"module"`` the torch module names (``model.layers.3.self_attn.q_proj``)
 What is counted, as llama.cpp does: every token of every batch, except padding (a dict batch's
 ``attention_mask`` zeros are left out wherever a module's input has the mask's ``[batch, tokens]`` shape). The
 output head (``output.weight``) is left out unless ``process_output=True`` (``llama-imatrix --process-output``);
-the token embedding is a lookup, not a matrix product, so it has no statistic. Fused MoE experts are not
-collected yet (their modules are not Linear: ``ffn_*_exps`` entries are absent, and the quantizer then uses no
-importance for them, as llama.cpp does for any tensor missing from the file); the pure statistic already has
-the per-expert form (``update_imatrix(..., expert_ids=)``).
+the token embedding is a lookup, not a matrix product, so it has no statistic. Fused MoE experts of
+transformers' standard layout (``_plain_experts``: Mixtral, Qwen2/3-MoE, OLMoE) give per-expert statistics over
+the tokens routed to each expert (llama.cpp's ``mul_mat_id`` branch): ``ffn_gate_exps`` / ``ffn_up_exps`` (the
+experts' input) and ``ffn_down_exps`` (``act(gate) * up``, recomputed from the expert's weights); module names
+``<experts>.gate_up_proj`` / ``<experts>.down_proj``. Other experts, and routers that are not ``nn.Linear``
+(llama.cpp's ``ffn_gate_inp``), get no entry (the quantizer then uses no importance for them, as llama.cpp does
+for any tensor missing from the file).
 
 ``save_imatrix(stats, path)`` writes llama.cpp's file (GGUF for ``.gguf``, legacy for ``.dat``;
 ``qcore.formats.imatrix``); ``load_imatrix(path)`` reads either back as ``{name: ImatrixStats}``.
@@ -79,6 +82,64 @@ def _head_name(model: nn.Module) -> Optional[str]:
     return None
 
 
+
+def _plain_experts(model: nn.Module) -> dict:
+    """Fused experts modules whose math qcore recomputes: ``{experts module name: MoEBlock}`` for transformers'
+    standard fused layout (Mixtral, Qwen2/3-MoE, OLMoE, ...: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``
+    plain parameters, ``act_fn``, no biases), each token ``act_fn(x @ gate.T) * (x @ up.T)`` into ``down_proj``.
+    Other experts (biased or interleaved gpt-oss experts, qcore's quantized experts) are not collected."""
+    from .moe import find_moe_blocks
+
+    out = {}
+    for b in find_moe_blocks(model):
+        name = f"{b.name}.{b.experts}" if b.name else b.experts
+        ex = model.get_submodule(name)
+        gu, dn = ex._parameters.get("gate_up_proj"), ex._parameters.get("down_proj")
+        if gu is None or dn is None or gu.dim() != 3 or dn.dim() != 3 or not callable(getattr(ex, "act_fn", None)):
+            continue
+        e, i2, h = gu.shape
+        if i2 % 2 or tuple(dn.shape) != (e, h, i2 // 2) or e != b.num_experts \
+                or any("bias" in k for k in ex._parameters) or getattr(ex, "is_transposed", False):
+            continue
+        out[name] = b
+    return out
+
+
+def _expert_keys(model: nn.Module, experts: dict, names: str) -> dict:
+    """Experts module name -> (gate, up, down) statistic names."""
+    if names == "module":
+        return {n: (f"{n}.gate_up_proj", f"{n}.gate_up_proj", f"{n}.down_proj") for n in experts}
+    from .io.gguf import _expert_names
+
+    g = _expert_names(model)
+    return {n: tuple(f"{g[n]}.{t}.weight" for t in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+            for n in experts if n in g}
+
+
+def _collect_experts(ex: nn.Module, x: torch.Tensor, index: torch.Tensor, acc: dict, key: str) -> None:
+    """Add one call's tokens to the experts' sums: ``x`` [T, H] (float64 squares), ``index`` [T, k] the routed
+    experts. ``acc[key] = [in sums [E, H], in counts [E], down sums [E, I], down counts [E]]``."""
+    e_n = ex.gate_up_proj.shape[0]
+    if key not in acc:
+        acc[key] = [torch.zeros(e_n, x.shape[-1], dtype=torch.float64, device=x.device),
+                    torch.zeros(e_n, dtype=torch.int64),
+                    torch.zeros(e_n, ex.down_proj.shape[-1], dtype=torch.float64, device=x.device),
+                    torch.zeros(e_n, dtype=torch.int64)]
+    a = acc[key]
+    xd = x.to(torch.float64)
+    for e in range(e_n):
+        tok = (index == e).any(-1).nonzero().reshape(-1)  # a token listing expert e (once: top-k are distinct)
+        if tok.numel() == 0:
+            continue
+        cur = x[tok]
+        a[0][e] += (xd[tok] * xd[tok]).sum(0)
+        a[1][e] += int(tok.numel())
+        gate, up = nn.functional.linear(cur, ex.gate_up_proj[e]).chunk(2, dim=-1)
+        hid = (ex.act_fn(gate) * up).to(torch.float64)
+        a[2][e] += (hid * hid).sum(0)
+        a[3][e] += int(tok.numel())
+
+
 def collect_imatrix(model: nn.Module, data: Iterable, *, names: str = "gguf", process_output: bool = False,
                     progress: bool = True) -> dict:
     """``{name: ImatrixStats}`` of every Linear-like module of ``model`` over the calibration batches ``data``
@@ -92,7 +153,7 @@ def collect_imatrix(model: nn.Module, data: Iterable, *, names: str = "gguf", pr
         raise TypeError(f"data must be an iterable of calibration batches (a list of tensors or dicts), got "
                         f"{type(data).__name__}")
     keys = _key_map(model, names, process_output)
-    if not keys:
+    if not keys and not _plain_experts(model):
         raise ValueError("collect_imatrix: the model has no Linear-like module to collect (nn.Linear, Conv1D)")
     batches = list(data)
     if not batches:
@@ -121,7 +182,26 @@ def collect_imatrix(model: nn.Module, data: Iterable, *, names: str = "gguf", pr
                 sums[mod_name], counts[mod_name] = s, int(rows.shape[0])
         return pre
 
+    experts = _plain_experts(model)
+    ekeys = _expert_keys(model, experts, names)
+    eacc: dict = {}
+
+    def ehook(mod_name):
+        def pre(mod, args, kwargs):
+            vals = list(args) + [kwargs[k] for k in ("hidden_states", "top_k_index") if k in kwargs]
+            x, index = vals[0].detach(), vals[1].detach()
+            m = mask[0]
+            if m is not None and m.numel() == x.shape[0]:
+                keep = m.reshape(-1)
+                x, index = x[keep], index[keep]
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError(f"collect_imatrix: non-finite activations reach {mod_name!r}")
+            with torch.no_grad():
+                _collect_experts(mod, x, index, eacc, mod_name)
+        return pre
+
     handles = [model.get_submodule(n).register_forward_pre_hook(hook(n), with_kwargs=True) for n in keys]
+    handles += [model.get_submodule(n).register_forward_pre_hook(ehook(n), with_kwargs=True) for n in ekeys]
     try:
         with torch.no_grad():
             for b in _progress(batches, total=len(batches), desc="imatrix", enabled=progress):
@@ -141,6 +221,16 @@ def collect_imatrix(model: nn.Module, data: Iterable, *, names: str = "gguf", pr
         else:
             s, c = sums[n], counts[n]
         out[k] = ImatrixStats(s.reshape(1, -1).cpu().numpy(), np.array([c], np.int64))
+    for n, (kg, ku, kd) in ekeys.items():
+        ex = model.get_submodule(n)
+        e_n, _, h = ex.gate_up_proj.shape
+        a = eacc.get(n) or [torch.zeros(e_n, h, dtype=torch.float64), torch.zeros(e_n, dtype=torch.int64),
+                            torch.zeros(e_n, ex.down_proj.shape[-1], dtype=torch.float64),
+                            torch.zeros(e_n, dtype=torch.int64)]
+        inp = ImatrixStats(a[0].cpu().numpy(), a[1].numpy())
+        out[kg] = inp
+        out[ku] = inp
+        out[kd] = ImatrixStats(a[2].cpu().numpy(), a[3].numpy())
     return dict(sorted(out.items()))
 
 

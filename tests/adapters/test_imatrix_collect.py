@@ -128,3 +128,42 @@ def test_cli_imatrix(lm_dir, tmp_path, capsys):
     assert main(argv) == 2 and "exists" in capsys.readouterr().err  # no --overwrite
     assert main(argv[:-3] + ["--output", str(tmp_path / "m.bin"), "--no-progress"]) == 2
     assert "'gguf' or 'dat'" in capsys.readouterr().err and not (tmp_path / "m.bin").exists()
+
+
+def test_experts_per_expert_routed_tokens(zoo):
+    """Mixtral's fused experts: per expert, only the tokens routed to it (llama.cpp's mul_mat_id branch), for
+    ffn_gate_exps / ffn_up_exps (the expert's input) and ffn_down_exps (act(gate) * up, recomputed: checked by
+    rebuilding the experts module's output from it)."""
+    m = zoo.tiny_family("mixtral")
+    batches = zoo.token_batches(2, seed=1)
+    st = collect_imatrix(m, batches, progress=False)
+    ex = m.model.layers[1].mlp.experts
+    calls = []
+    h = ex.register_forward_hook(lambda mod, a, out: calls.append((a[0].detach(), a[1].detach(), a[2].detach(),
+                                                                   out.detach())))
+    with torch.no_grad():
+        for b in batches:
+            m(b)
+    h.remove()
+    E, H, I = 4, ex.gate_up_proj.shape[2], ex.down_proj.shape[2]
+    s_in, s_dn, cnt = np.zeros((E, H)), np.zeros((E, I)), np.zeros(E, np.int64)
+    for x, idx, w, out in calls:
+        rebuilt = torch.zeros_like(out)
+        for t in range(x.shape[0]):
+            for slot in range(idx.shape[1]):
+                e = int(idx[t, slot])
+                g, u = (ex.gate_up_proj[e].detach() @ x[t]).chunk(2)
+                hid = ex.act_fn(g) * u
+                rebuilt[t] += w[t, slot] * (ex.down_proj[e].detach() @ hid)
+                cnt[e] += 1
+                s_in[e] += x[t].double().numpy() ** 2
+                s_dn[e] += hid.double().numpy() ** 2
+        torch.testing.assert_close(rebuilt, out, rtol=1e-5, atol=1e-6)
+    assert cnt.sum() == 32 * 2
+    for t in ("ffn_gate_exps", "ffn_up_exps"):
+        np.testing.assert_allclose(st[f"blk.1.{t}.weight"].sums, s_in, rtol=1e-6)
+        assert st[f"blk.1.{t}.weight"].counts.tolist() == cnt.tolist()
+    np.testing.assert_allclose(st["blk.1.ffn_down_exps.weight"].sums, s_dn, rtol=1e-5)
+    assert st["blk.1.ffn_down_exps.weight"].counts.tolist() == cnt.tolist()
+    qw = quant_weights(st["blk.1.ffn_down_exps.weight"])
+    assert qw.shape == (4, I)  # row e: expert e's quant_weights
