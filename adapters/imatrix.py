@@ -67,7 +67,11 @@ def _key_map(model: nn.Module, names: str, process_output: bool) -> dict:
         return {n: n for n in lin if process_output or n != head}
     from .io.gguf import gguf_names
 
-    g = gguf_names(model)
+    try:
+        g = gguf_names(model)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"collect_imatrix: names='gguf' needs a model qcore writes as GGUF ({e}); pass "
+                         f"names='module' for module names") from None
     return {n: f"{g[n]}.weight" for n in lin if n in g and (process_output or g[n] != "output")}
 
 

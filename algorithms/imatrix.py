@@ -138,8 +138,11 @@ def update_imatrix(stats: ImatrixStats, x: Any, *, expert_ids: Any = None) -> Im
         ids = _np(expert_ids)
         if ids.dtype.kind not in "iu":
             raise TypeError(f"expert_ids must be integers, got {ids.dtype}")
-        ids = ids.astype(np.int64).reshape(rows.shape[0], -1) if ids.size or rows.shape[0] == 0 else ids.reshape(0, 1)
-        if ids.shape[0] != rows.shape[0] or ids.size and (ids.min() < 0 or ids.max() >= stats.n_mat):
+        t = int(rows.shape[0])
+        if (t == 0) != (ids.size == 0) or (t and ids.size % t):
+            raise ValueError(f"expert_ids must have one row per token ({t}), got shape {ids.shape}")
+        ids = ids.astype(np.int64).reshape(t, -1) if t else np.zeros((0, 1), np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= stats.n_mat):
             raise ValueError(f"expert_ids must have one row per token ({rows.shape[0]}) of expert indices in "
                              f"[0, {stats.n_mat}), got shape {ids.shape}"
                              + (f" with values {ids.min()}..{ids.max()}" if ids.size else ""))

@@ -114,6 +114,8 @@ class ImatrixGGUF:
 
     def __post_init__(self):
         ent = dict(self.entries)
+        if not ent:
+            raise ValueError("ImatrixGGUF: no entries (llama.cpp refuses an imatrix file without data)")
         for k, v in ent.items():
             if not isinstance(k, str) or not k:
                 raise ValueError(f"ImatrixGGUF: entry names must be non-empty strings, got {k!r}")

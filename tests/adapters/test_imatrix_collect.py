@@ -167,3 +167,11 @@ def test_experts_per_expert_routed_tokens(zoo):
     assert st["blk.1.ffn_down_exps.weight"].counts.tolist() == cnt.tolist()
     qw = quant_weights(st["blk.1.ffn_down_exps.weight"])
     assert qw.shape == (4, I)  # row e: expert e's quant_weights
+
+
+def test_names_gguf_needs_a_gguf_family(zoo):
+    m = zoo.tiny_bert()
+    with pytest.raises(ValueError, match="names='module'"):
+        collect_imatrix(m, zoo.token_batches(1, seed=1), progress=False)
+    st = collect_imatrix(m, zoo.token_batches(1, seed=1), names="module", progress=False)
+    assert st and all(s.counts.tolist() == [16] for s in st.values())

@@ -119,3 +119,13 @@ def test_refusals_before_work():
         quant_weights({"a": 1})
     # no token: llama.cpp's loader gives weights 1
     np.testing.assert_array_equal(quant_weights(s), np.ones(8, np.float32))
+
+
+def test_expert_ids_shape_refused():
+    s = ImatrixStats.empty(4, experts=3)
+    with pytest.raises(ValueError, match="one row per token"):
+        update_imatrix(s, np.ones((3, 4), np.float32), expert_ids=np.array([0, 1, 2, 0]))
+    with pytest.raises(TypeError, match="integers"):
+        update_imatrix(s, np.ones((3, 4), np.float32), expert_ids=np.zeros(3))
+    empty = update_imatrix(s, np.ones((0, 4), np.float32), expert_ids=np.zeros((0, 2), np.int64))
+    assert empty.counts.tolist() == [0, 0, 0]
