@@ -174,4 +174,5 @@ def test_names_gguf_needs_a_gguf_family(zoo):
     with pytest.raises(ValueError, match="names='module'"):
         collect_imatrix(m, zoo.token_batches(1, seed=1), progress=False)
     st = collect_imatrix(m, zoo.token_batches(1, seed=1), names="module", progress=False)
-    assert st and all(s.counts.tolist() == [16] for s in st.values())
+    enc = {k: s for k, s in st.items() if k.startswith("encoder.layer.")}
+    assert enc and all(s.counts.tolist() == [16] for s in enc.values())  # (the pooler sees one token a sequence)
