@@ -357,6 +357,11 @@ def _add_imatrix(p) -> None:
                      "square of each input column over the calibration tokens) and write llama.cpp's file "
                      "(Python: qcore.adapters.imatrix.imatrix_file).")
     _add_model_args(p)
+    for a in p._actions:  # the shared model flags, as this command uses them
+        if "--eval-text" in a.option_strings:
+            a.help = "calibrate on this text file (its windows after the evaluation windows) instead of the protocol text"
+        elif "--no-cache" in a.option_strings:
+            a.help = argparse.SUPPRESS  # no perplexity here: accepted, no effect
     p.add_argument("--output", required=True, metavar="FILE", help="the imatrix file: FILE.gguf (llama.cpp's "
                    "default format) or FILE.dat (legacy)")
     p.add_argument("--calib-samples", type=_positive, default=32, help="calibration windows (default 32)")
