@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch

@@ -235,9 +235,6 @@ def _llama_cpp_writer():
     class InitParams(C.Structure):
         _fields_ = [("mem_size", C.c_size_t), ("mem_buffer", C.c_void_p), ("no_alloc", C.c_bool)]
 
-    class GParams(C.Structure):
-        _fields_ = [("no_alloc", C.c_bool), ("ctx", C.POINTER(C.c_void_p))]
-
     lib.ggml_init.restype = C.c_void_p; lib.ggml_init.argtypes = [InitParams]
     lib.gguf_init_empty.restype = C.c_void_p
     lib.gguf_set_val_str.argtypes = [C.c_void_p, C.c_char_p, C.c_char_p]
