@@ -305,11 +305,24 @@ def convert_command(args) -> int:
     return 0
 
 
+def imatrix_command(args) -> int:
+    """``qcore imatrix``: the flags -> ``qcore.adapters.imatrix.imatrix_file`` -> one summary line."""
+    from .imatrix import imatrix_file
+
+    t0 = time.perf_counter()
+    r = imatrix_file(args.model, args.output, calib_samples=args.calib_samples, seq_len=args.seq_len,
+                     eval_text=args.eval_text, process_output=args.process_output, device=args.device,
+                     dtype=args.dtype, overwrite=args.overwrite, progress=not args.no_progress)
+    print(f"qcore imatrix: {r['entries']} tensors over {r['windows']} windows ({r['tokens']} tokens) of "
+          f"{r['model']} -> {r['path']} ({r['format']}, {time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
 def run(args) -> int:
     """Entry from ``qcore/cli.py``: one-line errors (``--debug``: the traceback) and exit code 2."""
     try:
         return {"quantize": quantize_command, "eval": eval_command, "schemes": schemes_command,
-                "convert": convert_command}[args.command](args)
+                "convert": convert_command, "imatrix": imatrix_command}[args.command](args)
     except KeyboardInterrupt:
         print(f"qcore {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -334,8 +347,27 @@ def run(args) -> int:
 def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     """The flags of model command ``name`` (quantize, eval, schemes, convert) on ``parser``, which qcore/cli.py
     created (and lists in ``qcore --help`` without importing torch); ``run`` runs the parsed command."""
-    {"quantize": _add_quantize, "eval": _add_eval, "schemes": _add_schemes, "convert": _add_convert}[name](parser)
+    {"quantize": _add_quantize, "eval": _add_eval, "schemes": _add_schemes, "convert": _add_convert,
+     "imatrix": _add_imatrix}[name](parser)
     parser.set_defaults(func=run)
+
+
+def _add_imatrix(p) -> None:
+    p.description = ("Compute a causal LM's importance matrix (llama.cpp's imatrix: per weight tensor, the mean "
+                     "square of each input column over the calibration tokens) and write llama.cpp's file "
+                     "(Python: qcore.adapters.imatrix.imatrix_file).")
+    _add_model_args(p)
+    for a in p._actions:  # the shared model flags, as this command uses them
+        if "--eval-text" in a.option_strings:
+            a.help = "calibrate on this text file (its windows after the evaluation windows) instead of the protocol text"
+        elif "--no-cache" in a.option_strings:
+            a.help = argparse.SUPPRESS  # no perplexity here: accepted, no effect
+    p.add_argument("--output", required=True, metavar="FILE", help="the imatrix file: FILE.gguf (llama.cpp's "
+                   "default format) or FILE.dat (legacy)")
+    p.add_argument("--calib-samples", type=_positive, default=32, help="calibration windows (default 32)")
+    p.add_argument("--process-output", action="store_true", help="also collect output.weight (llama-imatrix "
+                   "--process-output)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
 
 
 def _add_model_args(p) -> None:

@@ -170,6 +170,7 @@ _MODEL_COMMANDS = {
     "schemes": "list the quantization presets",
     "convert": "convert a quantized checkpoint between formats (hf, gguf, compressed-tensors, onnx), lossless "
                "where both hold the grid",
+    "imatrix": "compute a model's importance matrix on the calibration windows; write llama.cpp's imatrix file",
 }
 
 
@@ -228,6 +229,7 @@ _COMMANDS = (
     ("eval", _model_command("eval")),
     ("schemes", _model_command("schemes")),
     ("convert", _model_command("convert")),
+    ("imatrix", _model_command("imatrix")),
     ("inspect", _add_inspect),
     ("conformance", _add_conformance),
 )
