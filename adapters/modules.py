@@ -632,9 +632,19 @@ class _QuantMixin:
                 self._param("bias")  # a quantized bias (qat: still the float master) is fake-quantized in place, once
 
     def _freeze_gguf(self, w: torch.Tensor, wc: torch.Tensor, spec: QuantSpec) -> None:
-        """freeze for a GGUF spec: the weight's codes under the super-scales kept when it was fake-quantized
-        (llama.cpp's element rule, ``qcore._kquants.requantize``), stored as ggml's block bytes ``weight_packed``
-        (uint8 ``[rows, blocks * type_size]``: codes, scales, offsets and super-scales as the file holds them)."""
+        """freeze for a GGUF spec: ggml's block bytes of the fake-quantized weight (``_gguf_blocks_of``) stored as
+        ``weight_packed`` (uint8 ``[rows, blocks * type_size]``: codes, scales, offsets and super-scales as the
+        file holds them)."""
+        blocks = torch.from_numpy(self._gguf_blocks_of(w, wc, spec)).to(w.device)
+        self._set_gguf_frozen(blocks, tuple(wc.shape), w.dtype)
+        if "bias" in self._qspecs:
+            with torch.no_grad():
+                self._param("bias")
+
+    def _gguf_blocks_of(self, w: torch.Tensor, wc: torch.Tensor, spec: QuantSpec) -> np.ndarray:
+        """ggml's block bytes of the fake-quantized weight ``w`` (``wc``: canonical, float32): its codes under
+        the super-scales kept when it was fake-quantized (llama.cpp's element rule, ``_kquants.requantize``),
+        checked to reproduce ``w`` bit for bit."""
         from qcore import _kquants
 
         x = wc.detach().cpu().numpy().astype(np.float32)
@@ -649,11 +659,7 @@ class _QuantMixin:
                            w.view(torch.int16 if w.element_size() == 2 else torch.int32)):
             raise RuntimeError(f"freeze {self.qname!r}: the {spec.gguf} blocks do not reproduce the fake-quantized "
                                f"weight exactly (a qcore bug; please report it)")
-        blocks = torch.from_numpy(np.ascontiguousarray(qcore.packing.pack_gguf_blocks(q))).to(w.device)
-        self._set_gguf_frozen(blocks, tuple(x.shape), w.dtype)
-        if "bias" in self._qspecs:
-            with torch.no_grad():
-                self._param("bias")
+        return np.ascontiguousarray(qcore.packing.pack_gguf_blocks(q))
 
     def _set_gguf_frozen(self, blocks: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
         self._parameters.pop("weight", None)
@@ -697,11 +703,17 @@ class _QuantMixin:
         self._set_gguf_frozen(torch.from_numpy(b.copy()).to(device), shape, dtype)
 
     def gguf_blocks(self) -> np.ndarray:
-        """A frozen GGUF-spec module's weight as ggml's block bytes (uint8 ``[rows, blocks * type_size]``)."""
+        """The weight of a module with a GGUF weight spec as ggml's block bytes (uint8 ``[rows, blocks *
+        type_size]``, canonical layout): a frozen module's stored bytes, else those of its fake-quantized weight
+        (what ``freeze`` would store; nothing changes)."""
         spec = self._qspecs.get("weight")
-        if self._qmode != _FROZEN or spec is None or not spec.gguf:
-            raise ValueError(f"gguf_blocks {self.qname!r}: the module is not frozen with a GGUF weight spec")
-        return self.weight_packed.detach().cpu().numpy()
+        if spec is None or not spec.gguf:
+            raise ValueError(f"gguf_blocks {self.qname!r}: the module's weight spec is not a GGUF type")
+        if self._qmode == _FROZEN:
+            return self.weight_packed.detach().cpu().numpy()
+        with torch.no_grad():
+            w = self._param("weight").detach()
+        return self._gguf_blocks_of(w, self._canon(w).float(), spec)
 
     def load_frozen(self, parts, *, shape: tuple, dtype: torch.dtype, device: Any = None) -> None:
         """Make this module frozen from a weight's qcore parts (``qcore.formats.quark_layout.WeightParts``:

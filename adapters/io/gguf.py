@@ -296,6 +296,17 @@ def _exactness(data: np.ndarray, kind: str, how: str, ref: np.ndarray) -> tuple[
 def _encode_quantized(name: str, gbase: str, m: _QuantMixin, strict: bool) -> tuple[np.ndarray, str, TensorReport]:
     from .quark_hf import weight_parts
     spec = m.specs["weight"]
+    if spec.gguf:  # a GGUF spec: its own ggml type, the stored block bytes as they are (no re-quantization)
+        kind = G.GGUF_KIND_OF[spec.gguf]
+        data = m.gguf_blocks()
+        shape = m.weight_shape if m.frozen else tuple(_in_memory_weight(m).shape)
+        if len(shape) != 2:
+            raise ValueError(f"export_gguf: {name!r} has a weight of shape {list(shape)}; GGUF holds 2-D matrices")
+        exact, diff = _exactness(data, kind, "codes", _in_memory_weight(m))
+        if not exact:
+            raise RuntimeError(f"export_gguf: {name}.weight: the {kind} blocks do not reproduce the module's weight "
+                               f"(a qcore bug; please report it)")
+        return data, kind, TensorReport(f"{name}.weight", f"{gbase}.weight", kind, True, 0.0, "codes")
     parts, shape = weight_parts(m)
     ref = _in_memory_weight(m)
     if ref.shape != tuple(shape):
@@ -662,7 +673,7 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
         for k, v, vt, sub in tok or []:
             w.add_key_value(k, v, vt, sub_type=sub)
         for gname, data, kind in tensors:
-            if kind in G.TYPE_BYTES:
+            if kind in G.BLOCK_KINDS:
                 w.add_tensor(gname, data, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
             else:
                 w.add_tensor(gname, data)
@@ -843,7 +854,7 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, 
             if shape != want:
                 raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} has shape {list(shape)}; the model's "
                                              f"experts {mod_name} need {list(want)}")
-            if kind not in _FLOAT_TYPES and kind not in G.TYPE_BYTES and (strict or not dequantize_other):
+            if kind not in _FLOAT_TYPES and kind not in G.BLOCK_KINDS and (strict or not dequantize_other):
                 raise ValueError(f"from_gguf: tensor {t.name!r} is {kind}, which no qcore grid holds; qcore imports "
                                  f"Q4_0, Q4_1, Q8_0, MXFP4 and F32/F16/BF16 (from Python, from_gguf(..., "
                                  f"dequantize_other=True) imports it as its float32 dequantization)")
@@ -869,13 +880,13 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, 
             raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} has shape {list(shape)}; the model's "
                                          f"{hf} is {list(want)}")
         mod_name, _, leaf = hf.rpartition(".")
-        if kind not in _FLOAT_TYPES and kind not in G.TYPE_BYTES:
+        if kind not in _FLOAT_TYPES and kind not in G.BLOCK_KINDS:
             if strict or not dequantize_other:
                 raise ValueError(f"from_gguf: tensor {t.name!r} is {kind}, which no qcore grid holds; qcore imports "
                                  f"Q4_0, Q4_1, Q8_0, MXFP4 and F32/F16/BF16 (from Python, from_gguf(..., "
                                  f"dequantize_other=True) imports it as its float32 dequantization; qcore convert "
                                  f"has no such option)")
-        elif kind in G.TYPE_BYTES and (leaf != "weight" or len(shape) != 2):
+        elif kind in G.BLOCK_KINDS and (leaf != "weight" or len(shape) != 2):
             raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} ({hf}) is {kind}; qcore imports block types "
                                          f"for 2-D weights only")
         out.append((t, hf, mod_name, kind, shape))
@@ -1101,13 +1112,19 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
             continue
         module = model.get_submodule(mod_name)
         spec, parts, reason = None, None, ""
-        if kind in G.TYPE_BYTES:
+        if kind in G.BLOCK_KINDS:
             if isinstance(module, nn.Embedding) and tied:
                 reason = "the token embedding is tied to the output head (a frozen module has no float weight to share)"
             elif type(module) not in QUANT_CLASSES:
                 reason = f"{type(module).__name__} modules are not quantized by qcore"
-            else:
+            elif kind in G.TYPE_BYTES:
                 spec, parts, reason = G.import_blocks(data, kind, shape, where=t.name)
+            if spec is None and kind in G.GGUF_SPEC_KINDS and type(module) in QUANT_CLASSES \
+                    and not (isinstance(module, nn.Embedding) and tied):
+                # qcore's GGUF spec of the type (k-quants, Q5_0/Q5_1, IQ4_NL; Q4_1 with float offsets m, Q8_0
+                # blocks no int8 grid holds): the block bytes as they are
+                spec, parts, reason = qcore.make_spec(G.GGUF_SPEC_KINDS[kind]), G.gguf_spec_blocks(
+                    data, kind, shape, where=t.name), ""
             ref = G.dequantize(data, kind, shape, where=t.name)
         else:
             reason = f"{kind} is a block type no qcore grid holds"
@@ -1123,12 +1140,18 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
             reports.append(ImportedTensor(hf, t.name, kind, "dequantized", None, exact, diff, reason))
             float_blocks.append(t.name)
             continue
-        got = qcore.dequantize(qcore.QTensor(parts.codes, parts.scales, parts.zero_points, spec))
+        q = QUANT_CLASSES[type(module)].from_module(module, LayerConfig(weight=TensorConfig(spec)), name=mod_name)
+        if spec.gguf:
+            q.load_frozen_gguf(parts, shape=shape, dtype=torch.float32, device=torch.device("cpu"))
+            got = q._frozen_weight().numpy()
+            q._frozen_meta["dtype"] = dtype
+        else:
+            got = qcore.dequantize(qcore.QTensor(parts.codes, parts.scales, parts.zero_points, spec))
         if not np.array_equal(got, ref):
             raise RuntimeError(f"from_gguf: {t.name!r}: the imported {spec.name} codes do not reproduce ggml's "
                                f"values (a qcore bug; please report it)")
-        q = QUANT_CLASSES[type(module)].from_module(module, LayerConfig(weight=TensorConfig(spec)), name=mod_name)
-        q.load_frozen(parts, shape=shape, dtype=dtype, device=torch.device("cpu"))
+        if not spec.gguf:
+            q.load_frozen(parts, shape=shape, dtype=dtype, device=torch.device("cpu"))
         q.eval()
         _set_module(model, mod_name, q)
         specs[mod_name] = spec
