@@ -722,6 +722,7 @@ def export_gguf_dir(model: nn.Module, directory: Union[str, os.PathLike], *, ove
 # ---------------------------------------------------------------------------------------------------------------
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
+_HELD = ", ".join(sorted(G.BLOCK_KINDS))  # the block types from_gguf imports as qcore codes
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _HOW = ("codes", "dequantized", "float")
 
@@ -856,7 +857,7 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, 
                                              f"experts {mod_name} need {list(want)}")
             if kind not in _FLOAT_TYPES and kind not in G.BLOCK_KINDS and (strict or not dequantize_other):
                 raise ValueError(f"from_gguf: tensor {t.name!r} is {kind}, which no qcore grid holds; qcore imports "
-                                 f"Q4_0, Q4_1, Q8_0, MXFP4 and F32/F16/BF16 (from Python, from_gguf(..., "
+                                 f"{_HELD} and F32/F16/BF16 (from Python, from_gguf(..., "
                                  f"dequantize_other=True) imports it as its float32 dequantization)")
             experts[mod_name][role] = t
             if len(experts[mod_name]) == len(G.EXPERT_TENSORS):
@@ -883,7 +884,7 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, 
         if kind not in _FLOAT_TYPES and kind not in G.BLOCK_KINDS:
             if strict or not dequantize_other:
                 raise ValueError(f"from_gguf: tensor {t.name!r} is {kind}, which no qcore grid holds; qcore imports "
-                                 f"Q4_0, Q4_1, Q8_0, MXFP4 and F32/F16/BF16 (from Python, from_gguf(..., "
+                                 f"{_HELD} and F32/F16/BF16 (from Python, from_gguf(..., "
                                  f"dequantize_other=True) imports it as its float32 dequantization; qcore convert "
                                  f"has no such option)")
         elif kind in G.BLOCK_KINDS and (leaf != "weight" or len(shape) != 2):
