@@ -68,11 +68,15 @@ tensor, so the model computes with exactly the values transformers' own GGUF loa
 What has no exact qcore grid is imported as a float weight holding ggml's dequantization and listed in a
 warning and in the report (``how="dequantized"``), or refused with ``strict=True``:
 
-- Q4_1 tensors whose offsets ``m`` are not ``-d * k`` for integer zero points ``k`` (ggml's own quantizer writes
-  ``m = min(x)``; qcore's zero points are integer codes): llama.cpp's Q4_1 files are generally such;
 - a quantized token embedding tied to the output head (an untied one becomes a frozen ``QuantEmbedding``);
-- other block types (Q4_K, Q5_0, Q6_K, IQ*, ...): refused (ValueError naming the tensor) unless
-  ``dequantize_other=True``.
+- block types qcore has no spec for (IQ2_*, IQ3_*, TQ*, ...; k-quants etc. of fused experts): refused
+  (ValueError naming the tensor) unless ``dequantize_other=True``.
+
+Q2_K..Q6_K, Q5_0, Q5_1, IQ4_NL, Q4_1 tensors whose offsets ``m`` are not ``-d * k`` for integer zero points
+(ggml's quantizer writes ``m = min(x)``) and Q8_0 tensors no int8 grid holds become frozen modules of qcore's GGUF
+spec of their type (``make_spec("q4_k")``, ...) holding the file's block bytes as they are
+(``load_frozen_gguf``); a module with a GGUF spec is written as its type from those bytes, so such files
+export back byte for byte.
 
 F32 / F16 / BF16 tensors stay float (in ``dtype``). In ``llama`` files ``attn_q`` / ``attn_k`` rows are put back
 from llama.cpp's rotary order into transformers' (``formats.gguf.unpermute_qk``; codes and scales move with their
@@ -855,9 +859,10 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, 
             if shape != want:
                 raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} has shape {list(shape)}; the model's "
                                              f"experts {mod_name} need {list(want)}")
-            if kind not in _FLOAT_TYPES and kind not in G.BLOCK_KINDS and (strict or not dequantize_other):
-                raise ValueError(f"from_gguf: tensor {t.name!r} is {kind}, which no qcore grid holds; qcore imports "
-                                 f"{_HELD} and F32/F16/BF16 (from Python, from_gguf(..., "
+            if kind not in _FLOAT_TYPES and kind not in G.TYPE_BYTES and (strict or not dequantize_other):
+                raise ValueError(f"from_gguf: tensor {t.name!r} is {kind}, which no qcore grid of fused experts "
+                                 f"holds; qcore imports experts in {', '.join(sorted(G.TYPE_BYTES))} and F32/F16/BF16 "
+                                 f"(from Python, from_gguf(..., "
                                  f"dequantize_other=True) imports it as its float32 dequantization)")
             experts[mod_name][role] = t
             if len(experts[mod_name]) == len(G.EXPERT_TENSORS):
