@@ -240,3 +240,23 @@ def test_llama_cpp_q4_k_m_imports_as_codes_and_exports_the_same_tensors(tmp_path
     # llama.cpp's Q4_K tensors are qcore's q4_k of the same (fp8-valued) weights, rows in llama.cpp's order
     fq = m.model.layers[0].mlp.up_proj.effective("weight").numpy()
     assert src["blk.0.ffn_up.weight"][1] == bytes(qcore.packing.pack_gguf_blocks(qcore.quantize(fq, "q4_k")))
+
+
+def test_convert_to_hf_names_the_gguf_tensors_it_dequantizes(tmp_path):
+    """HF (Quark) checkpoints have no float offsets: GGUF-spec tensors go out as float weights holding their
+    exact values, each named in the report; the others stay codes; strict refuses."""
+    from qcore.adapters.io.convert import convert
+    m = tiny_llama256()
+    q8 = qcore.make_spec("int8", granularity=qcore.PerGroup(32, axis=-1), scale_dtype="float16")
+    cfg = ModelConfig(LayerConfig(weight=q8), by_name={"model.layers.0.mlp.down_proj": LayerConfig(weight="q4_k")})
+    quantize_model(m, cfg, [torch.randint(0, 128, (1, 8))], progress=False)
+    export_gguf(m, tmp_path / "a.gguf", tokenizer=_tokenizer())
+    with pytest.raises(ValueError, match=r"not lossless, 1 tensors change: model\.layers\.0\.mlp\.down_proj\.weight"):
+        convert(tmp_path / "a.gguf", tmp_path / "s", to="hf", strict=True)
+    info = convert(tmp_path / "a.gguf", tmp_path / "hf", to="hf")
+    assert [(t.name, t.what) for t in info.tensors] == [("model.layers.0.mlp.down_proj.weight", "dequantized")]
+    assert "GGUF q4_k" in info.tensors[0].source and info.quantized == 6
+    from qcore.adapters import from_pretrained
+    back = from_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        assert torch.equal(back(_ids()).logits, m(_ids()).logits)
