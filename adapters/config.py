@@ -637,6 +637,9 @@ def _layer_from_quark(ls: QuarkLayerSpec, where: str, model_dtype: str) -> Layer
 def _tc_to_quark(tc: Optional[TensorConfig], role: str, where: str, model_dtype: str, like=None):
     if tc is None:
         return None
+    if tc.spec.gguf:
+        raise ValueError(f"{where}: GGUF type {tc.spec.gguf!r} has no Quark spelling (Quark has no float block "
+                         f"offsets or super-block scales); such configs are qcore's own (to_dict) and GGUF's")
     if like is not None:  # keep the source's spelling of the same numerics
         try:
             if _tc_from_quark(like, role, where, model_dtype) == tc:

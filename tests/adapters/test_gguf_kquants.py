@@ -260,3 +260,10 @@ def test_convert_to_hf_names_the_gguf_tensors_it_dequantizes(tmp_path):
     back = from_pretrained(tmp_path / "hf")
     with torch.no_grad():
         assert torch.equal(back(_ids()).logits, m(_ids()).logits)
+
+
+def test_quark_spelling_refused_by_name():
+    """No presets for GGUF types: Quark has no spelling for them (the config round trips through to_dict only)."""
+    c = ModelConfig(LayerConfig(weight=qcore.make_spec("q6_k")))
+    with pytest.raises(ValueError, match="GGUF type 'q6_k' has no Quark spelling"):
+        c.to_quark()

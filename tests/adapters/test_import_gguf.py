@@ -346,9 +346,9 @@ def test_import_blocks_refuses_nan_scales_naming_the_tensor(zoo, tmp_path):
 
 @pytest.mark.real_model
 def test_smollm2_gguf_imports_with_transformers_logits(smollm2):
-    """SmolLM2's shipped file is llama.cpp's Q4_1 (m = min, no qcore grid: all 210 dequantized) plus a Q8_0 token
-    embedding tied to the head (dequantized); every value is held exactly, so the logits equal transformers'
-    float load of the same file."""
+    """SmolLM2's shipped file is llama.cpp's Q4_1 (m = min: all 210 import as codes of the GGUF spec q4_1, float
+    offsets) plus a Q8_0 token embedding tied to the head (dequantized); every value is held exactly, so the
+    logits equal transformers' float load of the same file."""
     from qcore.adapters.eval.models import smollm2_path
     b, warned = _import(smollm2_path())
     rep = b.qcore_gguf_report
@@ -356,8 +356,9 @@ def test_smollm2_gguf_imports_with_transformers_logits(smollm2):
     counts = {}
     for r in rep.tensors:
         counts[(r.gguf_type, r.how)] = counts.get((r.gguf_type, r.how), 0) + 1
-    assert counts == {("F32", "float"): 61, ("Q4_1", "dequantized"): 210, ("Q8_0", "dequantized"): 1}
-    assert "211 block-quantized tensor(s)" in warned[0]
+    assert counts == {("F32", "float"): 61, ("Q4_1", "codes"): 210, ("Q8_0", "dequantized"): 1}
+    assert {r.spec.gguf for r in rep.codes} == {"q4_1"}
+    assert "1 block-quantized tensor(s)" in warned[0] and "token_embd.weight" in warned[0]
     ids = torch.randint(0, 49152, (1, 48), generator=torch.Generator().manual_seed(0))
     assert torch.equal(_logits(b, ids), _logits(smollm2[0], ids))
 
