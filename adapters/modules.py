@@ -648,17 +648,20 @@ class _QuantMixin:
         from qcore import _kquants
 
         x = wc.detach().cpu().numpy().astype(np.float32)
-        q = None
+        bits = torch.int16 if w.element_size() == 2 else torch.int32
+
+        def same(q) -> bool:  # the blocks give the module's weight bit for bit (in its dtype)
+            back = self._uncanon(torch.from_numpy(np.asarray(qcore.dequantize(q))).to(w.device)).to(w.dtype)
+            return torch.equal(back.view(bits), w.view(bits))
         kept = self.__dict__.get("_gguf_kept", {}).get("weight")
+        q = None
         if kept is not None and kept.d.shape[:-1] == x.shape[:-1]:
             q = _gguf_qtensor(_kquants.requantize(x, kept, spec.gguf), kept, spec)
-        if q is None or not np.array_equal(qcore.dequantize(q), x):
-            q = qcore.quantize(x, spec)  # e.g. a tied module's weight: llama.cpp's search again, checked below
-        back = self._uncanon(torch.from_numpy(np.asarray(qcore.dequantize(q))).to(w.device)).to(w.dtype)
-        if not torch.equal(back.view(torch.int16 if w.element_size() == 2 else torch.int32),
-                           w.view(torch.int16 if w.element_size() == 2 else torch.int32)):
-            raise RuntimeError(f"freeze {self.qname!r}: the {spec.gguf} blocks do not reproduce the fake-quantized "
-                               f"weight exactly (a qcore bug; please report it)")
+        if q is None or not same(q):
+            q = qcore.quantize(x, spec)  # e.g. a tied module's weight: llama.cpp's search again, checked
+            if not same(q):
+                raise RuntimeError(f"freeze {self.qname!r}: the {spec.gguf} blocks do not reproduce the "
+                                   f"fake-quantized weight exactly (a qcore bug; please report it)")
         return np.ascontiguousarray(qcore.packing.pack_gguf_blocks(q))
 
     def _set_gguf_frozen(self, blocks: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:

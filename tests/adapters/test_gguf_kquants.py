@@ -267,3 +267,14 @@ def test_quark_spelling_refused_by_name():
     c = ModelConfig(LayerConfig(weight=qcore.make_spec("q6_k")))
     with pytest.raises(ValueError, match="GGUF type 'q6_k' has no Quark spelling"):
         c.to_quark()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["q4_k", "q4_1"])
+def test_half_precision_modules_freeze_exactly(name, dtype):
+    torch.manual_seed(0)
+    m = wrap(nn.Linear(256, 4).to(dtype), LayerConfig(weight=name), name="l")
+    x = torch.randn(2, 256, dtype=dtype)
+    y = m(x)
+    m.freeze()
+    assert torch.equal(m(x), y) and m._w().dtype == dtype
