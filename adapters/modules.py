@@ -262,6 +262,11 @@ class _QuantMixin:
             except (ValueError, TypeError) as e:
                 raise ValueError(f"{where}: weight spec {g!r} does not fit its weight of shape "
                                  f"{list(canon_shape)}: {e}") from None
+            t = plan["weight"].gguf_dtype if plan["weight"].gguf else None
+            if t is not None and (len(canon_shape) != 2 or canon_shape[-1] % t.block_size):
+                raise ValueError(f"{where}: GGUF type {t.name!r} needs a 2-D weight whose rows are a multiple of "
+                                 f"{t.block_size} (its blocks run along the input axis); the weight has shape "
+                                 f"{list(canon_shape)} (choose another type for it, e.g. by_name)")
             if not w.is_meta and not bool(torch.isfinite(w).all()):
                 raise ValueError(f"{where}: the weight holds NaN or Inf; refusing to quantize it")
         if config.bias is not None:

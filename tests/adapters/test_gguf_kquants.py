@@ -278,3 +278,12 @@ def test_half_precision_modules_freeze_exactly(name, dtype):
     y = m(x)
     m.freeze()
     assert torch.equal(m(x), y) and m._w().dtype == dtype
+
+
+def test_rows_not_a_multiple_of_the_block_refused_before_any_change():
+    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2)).eval()
+    with pytest.raises(ValueError, match=r"GGUF type 'q4_k' needs a 2-D weight whose rows are a multiple of 256"):
+        quantize_model(m, ModelConfig(LayerConfig(weight="q4_k")), None, progress=False)
+    assert type(m.model.layers[0].self_attn.q_proj) is nn.Linear
