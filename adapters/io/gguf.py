@@ -1147,16 +1147,16 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
             float_blocks.append(t.name)
             continue
         q = QUANT_CLASSES[type(module)].from_module(module, LayerConfig(weight=TensorConfig(spec)), name=mod_name)
-        if spec.gguf:
-            q.load_frozen_gguf(parts, shape=shape, dtype=torch.float32, device=torch.device("cpu"))
-            got = q._frozen_weight().numpy()
-            q._frozen_meta["dtype"] = dtype
+        if spec.gguf:  # the file's bytes as they are (``ref`` is their dequantization: qcore's = ggml's)
+            q.load_frozen_gguf(parts, shape=shape, dtype=dtype, device=torch.device("cpu"))
+            if not np.array_equal(q.gguf_blocks(), parts):
+                raise RuntimeError(f"from_gguf: {t.name!r}: the module does not hold the file's {kind} blocks (a "
+                                   f"qcore bug; please report it)")
         else:
             got = qcore.dequantize(qcore.QTensor(parts.codes, parts.scales, parts.zero_points, spec))
-        if not np.array_equal(got, ref):
-            raise RuntimeError(f"from_gguf: {t.name!r}: the imported {spec.name} codes do not reproduce ggml's "
-                               f"values (a qcore bug; please report it)")
-        if not spec.gguf:
+            if not np.array_equal(got, ref):
+                raise RuntimeError(f"from_gguf: {t.name!r}: the imported {spec.name} codes do not reproduce ggml's "
+                                   f"values (a qcore bug; please report it)")
             q.load_frozen(parts, shape=shape, dtype=dtype, device=torch.device("cpu"))
         q.eval()
         _set_module(model, mod_name, q)
