@@ -254,9 +254,10 @@ class TensorConfig:
             raise ValueError("TensorConfig: shared-microexponent specs (mx9/mx6/mx4) take MinMax() only")
         if self.spec.two_level and not isinstance(self.observer, MinMax):
             raise ValueError("TensorConfig: two-level (NVFP4) specs take MinMax() only")
-        if self.spec.gguf:  # the core has them (qcore.quantize, qcore.packing.pack_gguf_kquant); modules do not yet
-            raise ValueError(f"TensorConfig.spec: GGUF type {self.spec.gguf!r} is not supported by the adapters yet "
-                             "(their modules do not carry float offsets and super-block scales)")
+        if self.spec.gguf and (self.dynamic or not isinstance(self.observer, MinMax)):
+            raise ValueError(f"TensorConfig: GGUF type {self.spec.gguf!r} takes llama.cpp's own scale search: "
+                             f"static (dynamic=False) with observer MinMax(); got dynamic={self.dynamic!r}, "
+                             f"observer {self.observer!r}")
         g = self.spec.granularity
         sizes = (g.size,) if isinstance(g, PerGroup) else tuple(g.shape) if isinstance(g, PerBlock) else ()
         if any(n > MAX_GROUP_SIZE for n in sizes):
@@ -286,6 +287,9 @@ class TensorConfig:
 
 def _check_activation(tc: TensorConfig, role: str):
     g = tc.spec.granularity
+    if tc.spec.gguf:
+        raise ValueError(f"LayerConfig.{role}: GGUF type {tc.spec.gguf!r} is a weight format (llama.cpp stores "
+                         f"weights in it); activations take another spec")
     if tc.spec.two_level and not tc.dynamic:
         raise ValueError(f"LayerConfig.{role}: two-level (NVFP4) activations have per-call block scales: "
                          f"dynamic=True, with tensor_scale_mode AMAX (tensor scale per call), GIVEN (tensor scale "
@@ -312,6 +316,9 @@ def _check_activation(tc: TensorConfig, role: str):
 
 def _check_weight(tc: TensorConfig, role: str):
     g = tc.spec.granularity
+    if tc.spec.gguf and role != "weight":
+        raise ValueError(f"LayerConfig.{role}: GGUF type {tc.spec.gguf!r} is a weight format; the {role} takes "
+                         f"another spec")
     axes = (g.axis,) if isinstance(g, (PerChannel, PerGroup)) else tuple(g.axes or ()) if isinstance(g, PerBlock) \
         else ()
     if any(not -_WEIGHT_NDIM <= a < _WEIGHT_NDIM for a in axes):
@@ -630,6 +637,9 @@ def _layer_from_quark(ls: QuarkLayerSpec, where: str, model_dtype: str) -> Layer
 def _tc_to_quark(tc: Optional[TensorConfig], role: str, where: str, model_dtype: str, like=None):
     if tc is None:
         return None
+    if tc.spec.gguf:
+        raise ValueError(f"{where}: GGUF type {tc.spec.gguf!r} has no Quark spelling (Quark has no float block "
+                         f"offsets or super-block scales); such configs are qcore's own (to_dict) and GGUF's")
     if like is not None:  # keep the source's spelling of the same numerics
         try:
             if _tc_from_quark(like, role, where, model_dtype) == tc:

@@ -262,6 +262,11 @@ class _QuantMixin:
             except (ValueError, TypeError) as e:
                 raise ValueError(f"{where}: weight spec {g!r} does not fit its weight of shape "
                                  f"{list(canon_shape)}: {e}") from None
+            t = plan["weight"].gguf_dtype if plan["weight"].gguf else None
+            if t is not None and (len(canon_shape) != 2 or canon_shape[-1] % t.block_size):
+                raise ValueError(f"{where}: GGUF type {t.name!r} needs a 2-D weight whose rows are a multiple of "
+                                 f"{t.block_size} (its blocks run along the input axis); the weight has shape "
+                                 f"{list(canon_shape)} (choose another type for it, e.g. by_name)")
             if not w.is_meta and not bool(torch.isfinite(w).all()):
                 raise ValueError(f"{where}: the weight holds NaN or Inf; refusing to quantize it")
         if config.bias is not None:
@@ -374,6 +379,13 @@ class _QuantMixin:
                 self._buffers[key].copy_(v)
             else:
                 self.register_buffer(key, v.clone())
+        if self._qspecs[role].gguf:  # llama.cpp's stored scales (what freeze requantizes the weight with)
+            ss = getattr(q, "super_scales", None)
+            kept = self.__dict__.setdefault("_gguf_kept", {})
+            if ss is None:
+                kept.pop(role, None)
+            else:
+                kept[role] = _gguf_numpy(ss)
 
     def _inplace_quantize(self, role: str) -> None:
         p = getattr(self, role)
@@ -393,7 +405,7 @@ class _QuantMixin:
 
     def _mark(self, p: torch.Tensor, role: str, q) -> None:
         """Record on the tensor itself (shared by tied modules) that its current values are fake-quantized."""
-        kept = _Kept(q.scales, q.zero_points, q.tensor_scale)
+        kept = _Kept(q.scales, q.zero_points, q.tensor_scale, getattr(q, "super_scales", None))
         p._qcore_inplace = ((p._version, p.data_ptr()), (self._qspecs[role], getattr(self.qconfig, role).observer),
                             kept)
 
@@ -590,6 +602,9 @@ class _QuantMixin:
             w = self._param("weight").detach()
         spec = self._qspecs["weight"]
         wc = self._canon(w).float()
+        if spec.gguf:
+            self._freeze_gguf(w, wc, spec)
+            return
         kw: dict[str, Any] = {"scale": self.weight_scale}
         if not spec.symmetric:
             kw["zero_point"] = self.weight_zero_point
@@ -621,6 +636,93 @@ class _QuantMixin:
             with torch.no_grad():
                 self._param("bias")  # a quantized bias (qat: still the float master) is fake-quantized in place, once
 
+    def _freeze_gguf(self, w: torch.Tensor, wc: torch.Tensor, spec: QuantSpec) -> None:
+        """freeze for a GGUF spec: ggml's block bytes of the fake-quantized weight (``_gguf_blocks_of``) stored as
+        ``weight_packed`` (uint8 ``[rows, blocks * type_size]``: codes, scales, offsets and super-scales as the
+        file holds them)."""
+        blocks = torch.from_numpy(self._gguf_blocks_of(w, wc, spec)).to(w.device)
+        self._set_gguf_frozen(blocks, tuple(wc.shape), w.dtype)
+        if "bias" in self._qspecs:
+            with torch.no_grad():
+                self._param("bias")
+
+    def _gguf_blocks_of(self, w: torch.Tensor, wc: torch.Tensor, spec: QuantSpec) -> np.ndarray:
+        """ggml's block bytes of the fake-quantized weight ``w`` (``wc``: canonical, float32): its codes under
+        the super-scales kept when it was fake-quantized (llama.cpp's element rule, ``_kquants.requantize``),
+        checked to reproduce ``w`` bit for bit."""
+        from qcore import _kquants
+
+        x = wc.detach().cpu().numpy().astype(np.float32)
+        bits = torch.int16 if w.element_size() == 2 else torch.int32
+
+        def same(q) -> bool:  # the blocks give the module's weight bit for bit (in its dtype)
+            back = self._uncanon(torch.from_numpy(np.asarray(qcore.dequantize(q))).to(w.device)).to(w.dtype)
+            return torch.equal(back.view(bits), w.view(bits))
+        kept = self.__dict__.get("_gguf_kept", {}).get("weight")
+        q = None
+        if kept is not None and kept.d.shape[:-1] == x.shape[:-1]:
+            q = _gguf_qtensor(_kquants.requantize(x, kept, spec.gguf), kept, spec)
+        if q is None or not same(q):
+            q = qcore.quantize(x, spec)  # e.g. a tied module's weight: llama.cpp's search again, checked
+            if not same(q):
+                raise RuntimeError(f"freeze {self.qname!r}: the {spec.gguf} blocks do not reproduce the "
+                                   f"fake-quantized weight exactly (a qcore bug; please report it)")
+        return np.ascontiguousarray(qcore.packing.pack_gguf_blocks(q))
+
+    def _set_gguf_frozen(self, blocks: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
+        self._parameters.pop("weight", None)
+        for k in ("weight_packed", "weight_scale", "weight_zero_point", "weight_subblock_shifts",
+                  "weight_tensor_scale"):
+            self._buffers.pop(k, None)
+        self.register_buffer("weight_packed", blocks)
+        self.__dict__.pop("_gguf_kept", None)
+        self.__dict__.pop("_dequantized", None)
+        self._frozen_meta = {"shape": tuple(shape), "dtype": dtype}
+        self._qmode = _FROZEN
+
+    def load_frozen_gguf(self, blocks: Any, *, shape: tuple, dtype: torch.dtype, device: Any = None) -> None:
+        """Make this module frozen from ggml's block bytes of its GGUF weight spec (``spec.gguf``): ``blocks``
+        uint8 ``[rows, blocks * type_size]`` (a GGUF file's tensor data, ``qcore.packing.pack_gguf_blocks``) of
+        the canonical ``shape`` ``[rows, cols]``; kept as they are (export writes the same bytes). ``dtype``: the
+        dtype the forward dequantizes to. ValueError (before any change) when the bytes do not fit the shape or
+        do not decode (codes out of range)."""
+        spec = self._qspecs.get("weight")
+        if spec is None or not spec.gguf:
+            raise ValueError(f"load_frozen_gguf {self.qname!r}: the module's weight spec is not a GGUF type "
+                             f"({None if spec is None else spec.name or spec.dtype.name})")
+        t = spec.gguf_dtype
+        b = blocks.detach().cpu().numpy() if isinstance(blocks, torch.Tensor) else np.asarray(blocks)
+        shape = tuple(int(n) for n in shape)
+        if len(shape) != 2 or shape[1] % t.block_size:
+            raise ValueError(f"load_frozen_gguf {self.qname!r}: shape {list(shape)} is not [rows, cols] with cols a "
+                             f"multiple of {t.block_size} ({spec.gguf})")
+        want = (shape[0], shape[1] // t.block_size * t.type_size)
+        if b.dtype != np.uint8 or b.size != want[0] * want[1]:
+            raise ValueError(f"load_frozen_gguf {self.qname!r}: blocks of {b.size} {b.dtype} values, expected "
+                             f"{want[0] * want[1]} uint8 ({spec.gguf}, shape {list(shape)})")
+        b = np.ascontiguousarray(b).reshape(want)
+        try:
+            qcore.dequantize(qcore.packing.unpack_gguf_blocks(b[:1], spec.gguf))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"load_frozen_gguf {self.qname!r}: {e}") from None
+        if device is None:
+            w = self._parameters.get("weight")
+            device = w.device if w is not None and not w.is_meta else torch.device("cpu")
+        self._set_gguf_frozen(torch.from_numpy(b.copy()).to(device), shape, dtype)
+
+    def gguf_blocks(self) -> np.ndarray:
+        """The weight of a module with a GGUF weight spec as ggml's block bytes (uint8 ``[rows, blocks *
+        type_size]``, canonical layout): a frozen module's stored bytes, else those of its fake-quantized weight
+        (what ``freeze`` would store; nothing changes)."""
+        spec = self._qspecs.get("weight")
+        if spec is None or not spec.gguf:
+            raise ValueError(f"gguf_blocks {self.qname!r}: the module's weight spec is not a GGUF type")
+        if self._qmode == _FROZEN:
+            return self.weight_packed.detach().cpu().numpy()
+        with torch.no_grad():
+            w = self._param("weight").detach()
+        return self._gguf_blocks_of(w, self._canon(w).float(), spec)
+
     def load_frozen(self, parts, *, shape: tuple, dtype: torch.dtype, device: Any = None) -> None:
         """Make this module frozen from a weight's qcore parts (``qcore.formats.quark_layout.WeightParts``:
         codes, float32 scales, zero points, shifts, tensor scale of the canonical ``shape``), as importers of
@@ -630,6 +732,9 @@ class _QuantMixin:
             raise ValueError(f"load_frozen {self.qname!r}: the module has no weight quantization spec")
         spec = self._qspecs["weight"]
         el = spec.dtype
+        if spec.gguf:
+            raise ValueError(f"load_frozen {self.qname!r}: a GGUF weight spec ({spec.gguf}) is loaded from its block "
+                             f"bytes (load_frozen_gguf)")
         if tuple(parts.codes.shape) != tuple(shape):
             raise ValueError(f"load_frozen {self.qname!r}: codes of shape {list(parts.codes.shape)}, expected "
                              f"{list(shape)}")
@@ -683,11 +788,16 @@ class _QuantMixin:
         return out
 
     def _frozen_weight(self) -> torch.Tensor:
+        if self._qspecs["weight"].gguf:
+            v = torch.from_numpy(np.asarray(qcore.dequantize(self._frozen_qtensor())))
+            return self._uncanon(v.to(self.weight_packed.device)).to(self._frozen_meta["dtype"])
         return self._uncanon(_dequantize(self._frozen_qtensor())).to(self._frozen_meta["dtype"])
 
     def _frozen_qtensor(self) -> "qcore.QTensor":
         spec = self._qspecs["weight"]
         meta = self._frozen_meta
+        if spec.gguf:  # numpy parts, from ggml's bytes
+            return qcore.packing.unpack_gguf_blocks(self.weight_packed.detach().cpu().numpy(), spec.gguf)
         codes = qcore.packing.unpack(self.weight_packed, spec.dtype, axis=-1, length=meta["shape"][-1])
         sc = self.weight_scale
         scales = sc if sc.dtype == torch.float32 else qcore.decode(sc, spec.scale_dtype)
@@ -709,6 +819,8 @@ class _QuantMixin:
 
         spec = self._qspecs["weight"]
         meta = self._frozen_meta
+        if spec.gguf:
+            return None
         if not kernels.available(x) or x.dtype != meta["dtype"] or len(meta["shape"]) != 2 \
                 or kernels.w4_format(spec) is None:
             return None
@@ -901,6 +1013,24 @@ class _Kept(NamedTuple):
     scales: Any
     zero_points: Any
     tensor_scale: Any
+    super_scales: Any = None  # GGUF specs: llama.cpp's stored scales
+
+
+def _gguf_numpy(ss):
+    """A ``GGUFScales`` with numpy fields (torch inputs give torch fields)."""
+    from qcore._kquants import GGUFScales
+
+    def np_(v):
+        return None if v is None else v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+    return GGUFScales(*(np_(getattr(ss, f.name)) for f in dataclasses.fields(ss)))
+
+
+def _gguf_qtensor(codes: np.ndarray, ss, spec: QuantSpec) -> "qcore.QTensor":
+    """The QTensor of GGUF ``codes`` under stored scales ``ss`` (scales and offsets derived from them)."""
+    from qcore._kquants import sub_scales
+
+    scales, offsets = sub_scales(ss, spec.granularity.size)
+    return qcore.QTensor(codes, scales, None, spec, None, None, offsets, ss)
 
 
 def _fake_quantize(x: torch.Tensor, spec: QuantSpec, **kw) -> torch.Tensor:
@@ -1194,6 +1324,9 @@ def experts_weight_spec(module: nn.Module, config: LayerConfig, name: str, proj:
         raise ValueError(f"proj must be one of {list(EXPERT_PROJS)}, got {proj!r}")
     if not isinstance(config, LayerConfig) or config.weight is None:
         raise ValueError(f"experts {name!r}: the config quantizes no weight")
+    if config.weight.spec.gguf:
+        raise ValueError(f"experts {name!r}: GGUF weight specs ({config.weight.spec.gguf}) are not supported on fused "
+                         f"experts yet (Linear and Embedding modules take them)")
     w = module._parameters[proj]
     g = _norm_weight_granularity(config.weight.spec.granularity, "experts", f"{name}.{proj}", 2, tuple(w.shape[1:]))
     return _with_granularity(config.weight.spec, g)

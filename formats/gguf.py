@@ -83,6 +83,14 @@ BLOCK = 32
 TYPES = {"F32": (0, None), "F16": (1, None), "Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34), "BF16": (30, None),
          "MXFP4": (39, 17)}
 TYPE_BYTES = {k: v[1] for k, v in TYPES.items() if v[1] is not None}
+# ggml block types held exactly by qcore's GGUF specs (``QuantSpec.gguf``, ``qcore.GGUF_DTYPES``): ggml type name
+# -> qcore's name. A module with such a spec is written as that type from its block bytes
+# (``qcore.packing.pack_gguf_blocks``), and such a tensor imports as codes of that spec (byte for byte).
+GGUF_SPEC_KINDS = {"Q2_K": "q2_k", "Q3_K": "q3_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "Q4_0": "q4_0",
+                   "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q8_0": "q8_0", "IQ4_NL": "iq4_nl"}
+GGUF_KIND_OF = {v: k for k, v in GGUF_SPEC_KINDS.items()}
+# every block type qcore reads and writes
+BLOCK_KINDS = frozenset(TYPE_BYTES) | frozenset(GGUF_SPEC_KINDS)
 _BY_ID = {v[0]: k for k, v in TYPES.items()}
 
 # OCP E2M1 code -> value, times 2 (ggml's kvalues_mxfp4)
@@ -240,8 +248,31 @@ def _f16(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float16).astype(np.float32).reshape(-1)
 
 
+def gguf_spec_blocks(data: np.ndarray, kind: str, shape: tuple, *, where: str = "tensor") -> np.ndarray:
+    """``kind`` block bytes (a ``GGUF_SPEC_KINDS`` type) of a ``[rows, cols]`` tensor as uint8 ``[rows, bytes per
+    row]``; CorruptCheckpointError naming ``where`` when the sizes do not match."""
+    t = qcore.GGUF_DTYPES[GGUF_SPEC_KINDS[kind]]
+    rows, cols = shape
+    if cols % t.block_size:
+        raise CorruptCheckpointError(f"{where}: {cols} columns is not a multiple of the {kind} block of "
+                                     f"{t.block_size}")
+    data = np.asarray(data)
+    per_row = cols // t.block_size * t.type_size
+    if data.dtype != np.uint8 or data.size != rows * per_row:
+        raise CorruptCheckpointError(f"{where}: {kind} data of {data.size} {data.dtype} values, expected "
+                                     f"{rows * per_row} uint8 for shape {list(shape)}")
+    return np.ascontiguousarray(data).reshape(rows, per_row)
+
+
 def dequantize(data: np.ndarray, kind: str, shape: tuple, *, where: str = "tensor") -> np.ndarray:
     """ggml's dequantization of ``kind`` blocks to float32 ``shape`` (bit for bit ``gguf.quants.dequantize``)."""
+    if kind not in TYPE_BYTES and kind in GGUF_SPEC_KINDS:  # qcore's GGUF specs: ggml's values bit for bit
+        b = gguf_spec_blocks(data, kind, shape, where=where)
+        try:
+            q = qcore.packing.unpack_gguf_blocks(b, GGUF_SPEC_KINDS[kind])
+            return np.asarray(qcore.dequantize(q), np.float32).reshape(shape)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{where}: {e}") from None
     b = _blocks(data, kind, shape, where)
     n = b.shape[0]
     if kind == "Q4_0":

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -313,6 +314,44 @@ def _import_changes(model: nn.Module) -> list:
                          float(r.max_abs_diff)) for r in rep.dequantized]
 
 
+def _gguf_specs_to_float(model: nn.Module, to: str) -> list:
+    """A destination other than GGUF has no float block offsets or super-block scales: every module with a GGUF
+    weight spec (k-quants, llama.cpp's Q4_1, ... imported as codes) becomes its float module holding the exact
+    dequantized weight (in the model's dtype), each one a ``TensorChange`` (``what="dequantized"``), and
+    ``model.qcore_config`` describes the modules left quantized."""
+    from .._batches import _set_module
+    from .gguf import _model_config
+    changes, left = [], {}
+    for name, m in list(model.named_modules()):
+        if not isinstance(m, _QuantMixin) or "weight" not in m.specs:
+            continue
+        spec = m.specs["weight"]
+        if not spec.gguf:
+            left[name] = spec
+            continue
+        w = m.effective("weight").detach()
+        if isinstance(m, nn.Embedding):
+            f = nn.Embedding(m.num_embeddings, m.embedding_dim, padding_idx=m.padding_idx, device="meta")
+        elif isinstance(m, nn.Linear):
+            f = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+            if m.bias is not None:
+                f.bias = nn.Parameter(m.bias.detach().clone(), requires_grad=False)
+        else:
+            raise ValueError(f"convert to {to}: {name!r} ({type(m).__name__}) has a GGUF weight spec "
+                             f"({spec.gguf}) that {to} cannot hold")
+        f.weight = nn.Parameter(w.clone(), requires_grad=False)
+        _set_module(model, name, f.eval())
+        changes.append(TensorChange(f"{name}.weight", "dequantized", f"GGUF {spec.gguf} (float block offsets)",
+                                    f"float ({to} has no float offsets or super-block scales)", 0.0))
+    if changes:
+        cfg = _model_config(model, left)
+        # exclude=None (the output head, float here anyway): the spelling that survives the checkpoint's
+        # to_dict/from_dict round trip with float Linears listed by name (exclude=() reads back as None, and
+        # Quark's exclude list would then come in another order)
+        model.qcore_config = None if cfg is None else dataclasses.replace(cfg, exclude=None)
+    return changes
+
+
 def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src_fmt: str, dst: pathlib.Path, to: str, *,
             overwrite: bool, tokenizer_pre: str, progress: bool = False, onnx_unsupported: str = "error") -> tuple:
     """Write ``model`` in format ``to`` at ``dst``; ``(path written, notes, exporter report or None)``."""
@@ -484,8 +523,8 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
             tok_note = tok_dropped
         else:
             tok_note = None
+        imported = _import_changes(model) + ([] if to == "gguf" else _gguf_specs_to_float(model, to))
         nq = sum(1 for m in model.modules() if isinstance(m, _QuantMixin) and "weight" in m.specs)
-        imported = _import_changes(model)
         if nq == 0:
             raise ValueError(f"src {str(src_p)!r}: no weight could be loaded onto a qcore grid"
                              + (f" ({len(imported)} block-quantized tensors have none, e.g. "

@@ -68,11 +68,15 @@ tensor, so the model computes with exactly the values transformers' own GGUF loa
 What has no exact qcore grid is imported as a float weight holding ggml's dequantization and listed in a
 warning and in the report (``how="dequantized"``), or refused with ``strict=True``:
 
-- Q4_1 tensors whose offsets ``m`` are not ``-d * k`` for integer zero points ``k`` (ggml's own quantizer writes
-  ``m = min(x)``; qcore's zero points are integer codes): llama.cpp's Q4_1 files are generally such;
 - a quantized token embedding tied to the output head (an untied one becomes a frozen ``QuantEmbedding``);
-- other block types (Q4_K, Q5_0, Q6_K, IQ*, ...): refused (ValueError naming the tensor) unless
-  ``dequantize_other=True``.
+- block types qcore has no spec for (IQ2_*, IQ3_*, TQ*, ...; k-quants etc. of fused experts): refused
+  (ValueError naming the tensor) unless ``dequantize_other=True``.
+
+Q2_K..Q6_K, Q5_0, Q5_1, IQ4_NL, Q4_1 tensors whose offsets ``m`` are not ``-d * k`` for integer zero points
+(ggml's quantizer writes ``m = min(x)``) and Q8_0 tensors no int8 grid holds become frozen modules of qcore's GGUF
+spec of their type (``make_spec("q4_k")``, ...) holding the file's block bytes as they are
+(``load_frozen_gguf``); a module with a GGUF spec is written as its type from those bytes, so such files
+export back byte for byte.
 
 F32 / F16 / BF16 tensors stay float (in ``dtype``). In ``llama`` files ``attn_q`` / ``attn_k`` rows are put back
 from llama.cpp's rotary order into transformers' (``formats.gguf.unpermute_qk``; codes and scales move with their
@@ -296,6 +300,17 @@ def _exactness(data: np.ndarray, kind: str, how: str, ref: np.ndarray) -> tuple[
 def _encode_quantized(name: str, gbase: str, m: _QuantMixin, strict: bool) -> tuple[np.ndarray, str, TensorReport]:
     from .quark_hf import weight_parts
     spec = m.specs["weight"]
+    if spec.gguf:  # a GGUF spec: its own ggml type, the stored block bytes as they are (no re-quantization)
+        kind = G.GGUF_KIND_OF[spec.gguf]
+        data = m.gguf_blocks()
+        shape = m.weight_shape if m.frozen else tuple(_in_memory_weight(m).shape)
+        if len(shape) != 2:
+            raise ValueError(f"export_gguf: {name!r} has a weight of shape {list(shape)}; GGUF holds 2-D matrices")
+        exact, diff = _exactness(data, kind, "codes", _in_memory_weight(m))
+        if not exact:
+            raise RuntimeError(f"export_gguf: {name}.weight: the {kind} blocks do not reproduce the module's weight "
+                               f"(a qcore bug; please report it)")
+        return data, kind, TensorReport(f"{name}.weight", f"{gbase}.weight", kind, True, 0.0, "codes")
     parts, shape = weight_parts(m)
     ref = _in_memory_weight(m)
     if ref.shape != tuple(shape):
@@ -662,7 +677,7 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
         for k, v, vt, sub in tok or []:
             w.add_key_value(k, v, vt, sub_type=sub)
         for gname, data, kind in tensors:
-            if kind in G.TYPE_BYTES:
+            if kind in G.BLOCK_KINDS:
                 w.add_tensor(gname, data, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
             else:
                 w.add_tensor(gname, data)
@@ -711,6 +726,7 @@ def export_gguf_dir(model: nn.Module, directory: Union[str, os.PathLike], *, ove
 # ---------------------------------------------------------------------------------------------------------------
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
+_HELD = ", ".join(sorted(G.BLOCK_KINDS))  # the block types from_gguf imports as qcore codes
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _HOW = ("codes", "dequantized", "float")
 
@@ -844,8 +860,9 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, 
                 raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} has shape {list(shape)}; the model's "
                                              f"experts {mod_name} need {list(want)}")
             if kind not in _FLOAT_TYPES and kind not in G.TYPE_BYTES and (strict or not dequantize_other):
-                raise ValueError(f"from_gguf: tensor {t.name!r} is {kind}, which no qcore grid holds; qcore imports "
-                                 f"Q4_0, Q4_1, Q8_0, MXFP4 and F32/F16/BF16 (from Python, from_gguf(..., "
+                raise ValueError(f"from_gguf: tensor {t.name!r} is {kind}, which no qcore grid of fused experts "
+                                 f"holds; qcore imports experts in {', '.join(sorted(G.TYPE_BYTES))} and F32/F16/BF16 "
+                                 f"(from Python, from_gguf(..., "
                                  f"dequantize_other=True) imports it as its float32 dequantization)")
             experts[mod_name][role] = t
             if len(experts[mod_name]) == len(G.EXPERT_TENSORS):
@@ -869,13 +886,13 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, 
             raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} has shape {list(shape)}; the model's "
                                          f"{hf} is {list(want)}")
         mod_name, _, leaf = hf.rpartition(".")
-        if kind not in _FLOAT_TYPES and kind not in G.TYPE_BYTES:
+        if kind not in _FLOAT_TYPES and kind not in G.BLOCK_KINDS:
             if strict or not dequantize_other:
                 raise ValueError(f"from_gguf: tensor {t.name!r} is {kind}, which no qcore grid holds; qcore imports "
-                                 f"Q4_0, Q4_1, Q8_0, MXFP4 and F32/F16/BF16 (from Python, from_gguf(..., "
+                                 f"{_HELD} and F32/F16/BF16 (from Python, from_gguf(..., "
                                  f"dequantize_other=True) imports it as its float32 dequantization; qcore convert "
                                  f"has no such option)")
-        elif kind in G.TYPE_BYTES and (leaf != "weight" or len(shape) != 2):
+        elif kind in G.BLOCK_KINDS and (leaf != "weight" or len(shape) != 2):
             raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} ({hf}) is {kind}; qcore imports block types "
                                          f"for 2-D weights only")
         out.append((t, hf, mod_name, kind, shape))
@@ -1101,13 +1118,19 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
             continue
         module = model.get_submodule(mod_name)
         spec, parts, reason = None, None, ""
-        if kind in G.TYPE_BYTES:
+        if kind in G.BLOCK_KINDS:
             if isinstance(module, nn.Embedding) and tied:
                 reason = "the token embedding is tied to the output head (a frozen module has no float weight to share)"
             elif type(module) not in QUANT_CLASSES:
                 reason = f"{type(module).__name__} modules are not quantized by qcore"
-            else:
+            elif kind in G.TYPE_BYTES:
                 spec, parts, reason = G.import_blocks(data, kind, shape, where=t.name)
+            if spec is None and kind in G.GGUF_SPEC_KINDS and type(module) in QUANT_CLASSES \
+                    and not (isinstance(module, nn.Embedding) and tied):
+                # qcore's GGUF spec of the type (k-quants, Q5_0/Q5_1, IQ4_NL; Q4_1 with float offsets m, Q8_0
+                # blocks no int8 grid holds): the block bytes as they are
+                spec, parts, reason = qcore.make_spec(G.GGUF_SPEC_KINDS[kind]), G.gguf_spec_blocks(
+                    data, kind, shape, where=t.name), ""
             ref = G.dequantize(data, kind, shape, where=t.name)
         else:
             reason = f"{kind} is a block type no qcore grid holds"
@@ -1123,12 +1146,18 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
             reports.append(ImportedTensor(hf, t.name, kind, "dequantized", None, exact, diff, reason))
             float_blocks.append(t.name)
             continue
-        got = qcore.dequantize(qcore.QTensor(parts.codes, parts.scales, parts.zero_points, spec))
-        if not np.array_equal(got, ref):
-            raise RuntimeError(f"from_gguf: {t.name!r}: the imported {spec.name} codes do not reproduce ggml's "
-                               f"values (a qcore bug; please report it)")
         q = QUANT_CLASSES[type(module)].from_module(module, LayerConfig(weight=TensorConfig(spec)), name=mod_name)
-        q.load_frozen(parts, shape=shape, dtype=dtype, device=torch.device("cpu"))
+        if spec.gguf:  # the file's bytes as they are (``ref`` is their dequantization: qcore's = ggml's)
+            q.load_frozen_gguf(parts, shape=shape, dtype=dtype, device=torch.device("cpu"))
+            if not np.array_equal(q.gguf_blocks(), parts):
+                raise RuntimeError(f"from_gguf: {t.name!r}: the module does not hold the file's {kind} blocks (a "
+                                   f"qcore bug; please report it)")
+        else:
+            got = qcore.dequantize(qcore.QTensor(parts.codes, parts.scales, parts.zero_points, spec))
+            if not np.array_equal(got, ref):
+                raise RuntimeError(f"from_gguf: {t.name!r}: the imported {spec.name} codes do not reproduce ggml's "
+                                   f"values (a qcore bug; please report it)")
+            q.load_frozen(parts, shape=shape, dtype=dtype, device=torch.device("cpu"))
         q.eval()
         _set_module(model, mod_name, q)
         specs[mod_name] = spec

@@ -162,6 +162,10 @@ def weight_parts(m: _QuantMixin) -> tuple[L.WeightParts, tuple]:
     (a fake-quantized weight is quantized again with its own scales, exactly as ``freeze`` does, nothing
     changes)."""
     spec = m.specs["weight"]
+    if spec.gguf:
+        raise ValueError(f"{m.qname!r}: its weight is GGUF {spec.gguf} (float block offsets and super-block scales), "
+                         f"which only GGUF files hold; export it with export_gguf, or quantize the float model "
+                         f"with another spec for this format")
     if m.frozen:
         shape = m.weight_shape
         codes = qcore.packing.unpack(m.weight_packed.cpu(), spec.dtype, axis=-1, length=shape[-1])

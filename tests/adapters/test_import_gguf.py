@@ -153,22 +153,22 @@ def test_asymmetric_uint4_exact_offsets_import_as_codes(zoo, tmp_path):
     assert torch.equal(_logits(b), _logits(m))
 
 
-def test_inexact_q4_1_offsets_import_dequantized_and_reported(zoo, tmp_path):
-    """An asymmetric export whose m = -scale * zp was rounded to float16 is not a qcore grid any more: imported as
-    ggml's dequantization (the values transformers' loader gives), warned, refused by strict=True."""
+def test_inexact_q4_1_offsets_import_as_float_offset_codes(zoo, tmp_path):
+    """An asymmetric export whose m = -scale * zp was rounded to float16 is not an integer-zero-point grid any
+    more: such tensors import as codes of the GGUF spec q4_1 (float block offsets m), exactly, and the file
+    converts back to the same bytes (issue 25; before, ggml's dequantization as float weights)."""
     m = _quantized(zoo, qcore.make_spec("uint4", granularity=PerGroup(32, axis=-1), scale_dtype="float16",
                                         symmetric=False))
     info = export_gguf(m, tmp_path / "m.gguf")
     assert not info.lossless
     b, warned = _import(tmp_path / "m.gguf")
     rep = b.qcore_gguf_report
-    assert warned and "no exact qcore grid" in warned[0]
-    assert rep.dequantized and all("integer zero point" in r.reason for r in rep.dequantized)
-    assert rep.exact  # float32 holds ggml's dequantized values
+    assert not warned and not rep.dequantized and rep.exact
+    assert any(r.spec.gguf == "q4_1" for r in rep.codes)
     assert torch.equal(_logits(b), _logits(_hf_gguf(tmp_path / "m.gguf")))
-    bad = rep.dequantized[0].gguf_name
-    with pytest.raises(ValueError, match=rf"strict=True\): tensor '{bad}' \(Q4_1\) cannot be imported as qcore"):
-        from_gguf(tmp_path / "m.gguf", strict=True)
+    from_gguf(tmp_path / "m.gguf", strict=True)
+    export_gguf(b, tmp_path / "n.gguf")
+    assert (tmp_path / "n.gguf").read_bytes() == (tmp_path / "m.gguf").read_bytes()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -197,16 +197,21 @@ def test_ggml_quantized_file_imports_as_codes(zoo, tmp_path, kind):
         assert back[k][0] == t and np.array_equal(back[k][1], a), k
 
 
-def test_ggml_q4_1_file_is_dequantized_with_a_warning(zoo, tmp_path):
+def test_ggml_q4_1_file_imports_as_float_offset_codes(zoo, tmp_path):
+    """ggml's Q4_1 (m = min(x), not -d * k): codes of the GGUF spec q4_1 (issue 25; before, float weights)."""
     path = _ggml_file(zoo.tiny_llama(0), tmp_path / "g.gguf", "Q4_1")
     b, warned = _import(path)
     rep = b.qcore_gguf_report
-    assert len(rep.dequantized) == 15 and not rep.codes and rep.exact
-    assert "15 block-quantized tensor(s)" in warned[0] and "blk.0.attn_k.weight" in warned[0]
-    assert b.qcore_config is None  # nothing quantized
-    assert isinstance(b.model.layers[0].self_attn.q_proj, torch.nn.Linear)
-    assert not isinstance(b.model.layers[0].self_attn.q_proj, _QuantMixin)
+    assert len(rep.codes) == 15 and not rep.dequantized and rep.exact and not warned
+    assert {r.spec.gguf for r in rep.codes} == {"q4_1"}
+    q = b.model.layers[0].self_attn.q_proj
+    assert isinstance(q, _QuantMixin) and q.frozen and q.specs["weight"].gguf == "q4_1"
     assert torch.equal(_logits(b), _logits(_hf_gguf(path)))
+    export_gguf(b, tmp_path / "n.gguf")
+    assert _tensors(tmp_path / "n.gguf").keys() == _tensors(path).keys()
+    for k, (t, a) in _tensors(path).items():
+        got = _tensors(tmp_path / "n.gguf")[k]
+        assert got[0] == t and np.array_equal(got[1], a), k
 
 
 def test_ggml_file_to_hf_checkpoint_and_back(zoo, tmp_path):
@@ -248,14 +253,25 @@ def test_tied_quantized_embedding_is_dequantized(zoo, tmp_path):
     assert torch.equal(_logits(b), _logits(_hf_gguf(path)))
 
 
-def test_other_block_types_refused_or_dequantized(zoo, tmp_path):
+def test_q5_0_file_imports_as_codes(zoo, tmp_path):
     path = _ggml_file(zoo.tiny_llama(0), tmp_path / "g.gguf", "Q5_0")
-    with pytest.raises(ValueError, match=r"tensor 'blk.0.attn_q.weight' is Q5_0, which no qcore grid holds"):
+    b, warned = _import(path)
+    assert {(r.how, r.spec.gguf) for r in b.qcore_gguf_report.tensors if r.gguf_type == "Q5_0"} == {("codes", "q5_0")}
+    assert not warned
+    assert torch.equal(_logits(b), _logits(_hf_gguf(path)))
+
+
+def test_other_block_types_refused_or_dequantized(tmp_path):
+    t = transformers
+    cfg = t.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    path = _ggml_file(t.LlamaForCausalLM(cfg).eval(), tmp_path / "g.gguf", "TQ2_0")
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.attn_q.weight' is TQ2_0, which no qcore grid holds"):
         from_gguf(path)
     b, warned = _import(path, dequantize_other=True)
-    assert {r.how for r in b.qcore_gguf_report.tensors if r.gguf_type == "Q5_0"} == {"dequantized"}
+    assert {r.how for r in b.qcore_gguf_report.tensors if r.gguf_type == "TQ2_0"} == {"dequantized"}
     assert warned
-    assert torch.equal(_logits(b), _logits(_hf_gguf(path)))
 
 
 def test_dtype_bfloat16(zoo, tmp_path):
@@ -330,9 +346,9 @@ def test_import_blocks_refuses_nan_scales_naming_the_tensor(zoo, tmp_path):
 
 @pytest.mark.real_model
 def test_smollm2_gguf_imports_with_transformers_logits(smollm2):
-    """SmolLM2's shipped file is llama.cpp's Q4_1 (m = min, no qcore grid: all 210 dequantized) plus a Q8_0 token
-    embedding tied to the head (dequantized); every value is held exactly, so the logits equal transformers'
-    float load of the same file."""
+    """SmolLM2's shipped file is llama.cpp's Q4_1 (m = min: all 210 import as codes of the GGUF spec q4_1, float
+    offsets) plus a Q8_0 token embedding tied to the head (dequantized); every value is held exactly, so the
+    logits equal transformers' float load of the same file."""
     from qcore.adapters.eval.models import smollm2_path
     b, warned = _import(smollm2_path())
     rep = b.qcore_gguf_report
@@ -340,8 +356,9 @@ def test_smollm2_gguf_imports_with_transformers_logits(smollm2):
     counts = {}
     for r in rep.tensors:
         counts[(r.gguf_type, r.how)] = counts.get((r.gguf_type, r.how), 0) + 1
-    assert counts == {("F32", "float"): 61, ("Q4_1", "dequantized"): 210, ("Q8_0", "dequantized"): 1}
-    assert "211 block-quantized tensor(s)" in warned[0]
+    assert counts == {("F32", "float"): 61, ("Q4_1", "codes"): 210, ("Q8_0", "dequantized"): 1}
+    assert {r.spec.gguf for r in rep.codes} == {"q4_1"}
+    assert "1 block-quantized tensor(s)" in warned[0] and "token_embd.weight" in warned[0]
     ids = torch.randint(0, 49152, (1, 48), generator=torch.Generator().manual_seed(0))
     assert torch.equal(_logits(b, ids), _logits(smollm2[0], ids))
 
