@@ -17,7 +17,7 @@ second is the least-squares correction of the later columns for column ``q``'s i
 ``w_q (X_q - X~_q)``, ``H_{FF}`` the damped ``H~`` restricted to the later columns; ``alpha`` scales it, 0.25 by
 default as in the paper, Quark and GPTQModel). With ``U`` the upper Cholesky factor of ``H^-1`` (GPTQ's), row
 ``q`` of ``H_{q:}^-1`` is ``U_qq U_{q,q:}`` and ``H_{FF}^-1 = U_FF^T U_FF``, so both terms come from ``U`` and one
-matrix computed once, ``P = alpha * triu(dXXT U^T, 1) U`` (row ``q`` of ``P`` is ``alpha dXXT_{q,F} H_FF^-1``):
+matrix computed once, ``P = alpha * triu(dXXT U^T, 1) U`` (row ``q`` of ``P`` is ``alpha dXXT_{q,F} H_FF^-1``; float32 products of the float64 statistics and factor):
 
     dw_{q:} = -((w_q - q(w_q)) / U_qq) U_{q,q:} + w_q P_{q,q:}
 
@@ -38,8 +38,10 @@ and the result a ``GPTQResult`` whose QTensor dequantizes to the loop's values b
 (``dXXT == 0``) or ``alpha == 0`` the result equals ``gptq``'s on numpy inputs (the same float32 operations; a
 subtracted ``0`` is the only difference).
 
-The column loop runs on the CPU in numpy (torch inputs, also GPU ones, are copied to the CPU for it and the
-result is returned on the weight's device); torch is never imported here.
+As in GPTQ's CPU loop, the matrix work (factorisations, ``P``, the block products) runs in the input's own
+library (numpy, or torch on the CPU) and the per-column steps as numpy operations on views of the same memory;
+torch GPU inputs are copied to the CPU for the loop and the result is returned on the weight's device. torch is
+never imported here.
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ from qcore import PerChannel, QuantSpec
 from qcore._backend import is_torch
 
 from ._paired import PairedStats
-from .gptq import (GPTQResult, _Np, _as_array, _assemble, _check_positive, _damped, _group_width, _per_row,
-                   _symmetrize_, _to_numpy, check_gptq_spec)
+from .gptq import (GPTQResult, _as_array, _assemble, _check_positive, _damped, _group_width, _lib, _np_view,
+                   _per_row, _symmetrize_, _to_numpy, check_gptq_spec)
 
 __all__ = ["gptaq"]
 
@@ -69,8 +71,17 @@ def _check_alpha(alpha) -> float:
     return float(alpha)
 
 
-def _stats_arrays(stats, n: int):
-    """``(H~, dXXT)`` as float64 numpy arrays (scaled as ``PairedStats.scaled``)."""
+def _cpu_f64(a, torch_like: bool):
+    """``a`` as a new float64 array of the weight's kind, on the CPU."""
+    if torch_like:
+        import torch
+        t = a if is_torch(a) else torch.from_numpy(np.asarray(a))
+        return t.detach().to(device="cpu", dtype=torch.float64, copy=True)
+    return _to_numpy(a).astype(np.float64, copy=True)
+
+
+def _stats_arrays(stats, n: int, torch_like: bool):
+    """``(H~, dXXT)`` as new float64 CPU arrays of the weight's kind (scaled as ``PairedStats.scaled``)."""
     if isinstance(stats, PairedStats):
         h, d = stats.scaled()
     elif isinstance(stats, tuple) and len(stats) == 2:
@@ -78,14 +89,20 @@ def _stats_arrays(stats, n: int):
     else:
         raise TypeError(f"stats must be a PairedStats or a pair (H~, dXXT) of [in, in] arrays, got "
                         f"{type(stats).__name__}")
-    h, d = _to_numpy(h).astype(np.float64, copy=True), _to_numpy(d).astype(np.float64, copy=True)
+    out = []
     for name, a in (("H~", h), ("dXXT", d)):
-        if a.shape != (n, n):
+        if tuple(a.shape) != (n, n):
             raise ValueError(f"stats {name} must be [{n}, {n}] for a weight with {n} input columns, got "
                              f"{list(a.shape)}")
-        if not np.isfinite(a).all():
+        a = _cpu_f64(a, torch_like)
+        if not _lib(a).finite(a):
             raise ValueError(f"stats {name} holds NaN or Inf")
-    return h, d
+        out.append(a)
+    return out
+
+
+def _triu1(x):
+    return x.triu(1) if is_torch(x) else np.triu(x, 1)
 
 
 def gptaq(weight: Any, stats: Any, spec: QuantSpec, *, alpha: float = 0.25, block_size: int = 128,
@@ -111,16 +128,22 @@ def gptaq(weight: Any, stats: Any, spec: QuantSpec, *, alpha: float = 0.25, bloc
     if scale_fn is not None and not callable(scale_fn):
         raise TypeError(f"scale_fn must be callable or None, got {type(scale_fn).__name__}")
     n_out, n = shape
-    H, D = _stats_arrays(stats, n)
-    W = _to_numpy(weight).astype(np.float32, copy=True)
-    if not np.isfinite(W).all():
+    tl = is_torch(weight)
+    H, D = _stats_arrays(stats, n, tl)
+    lib = _lib(H)
+    if tl:
+        import torch
+        device = weight.device
+        W = weight.detach().to(device="cpu", dtype=torch.float32, copy=True)
+    else:
+        W = np.asarray(weight).astype(np.float32, copy=True)
+    if not lib.finite(W):
         raise ValueError("weight holds NaN or Inf")
-    torch_like = weight if is_torch(weight) else None
 
     _symmetrize_(H)
-    dead = np.diagonal(H) == 0
-    if dead.any():
-        idx = np.flatnonzero(dead)
+    dead = lib.diag(H) == 0
+    if bool(dead.any()):
+        idx = lib.index(np.flatnonzero(_to_numpy(dead)), W)
         H[idx, idx] = 1.0
         W[:, idx] = 0.0
         D[:, idx] = 0.0
@@ -131,19 +154,13 @@ def gptaq(weight: Any, stats: Any, spec: QuantSpec, *, alpha: float = 0.25, bloc
 
     def params_of(part):
         if scale_fn is not None:
-            kw = {k: _to_numpy(v) if is_torch(v) else v for k, v in dict(scale_fn(_part_like(part))).items()}
+            kw = dict(scale_fn(part))
         else:
             q = qcore.quantize(part, spec, tensor_scale=tensor_scale) if two_level else qcore.quantize(part, spec)
             kw = {"scale": q.scales, "zero_point": q.zero_points}
         if two_level:
             kw["tensor_scale"] = tensor_scale
         return kw
-
-    def _part_like(part):  # the scale rule sees the weight's kind of array (the binding's rules are torch or numpy)
-        if torch_like is None:
-            return part
-        import torch
-        return torch.from_numpy(np.ascontiguousarray(part))
 
     ngroups = 1 if width is None else -(-n // width)
     group_params: list = [None] * ngroups
@@ -155,20 +172,23 @@ def gptaq(weight: Any, stats: Any, spec: QuantSpec, *, alpha: float = 0.25, bloc
 
     perm = None
     if act_order:
-        perm = np.argsort(-np.diagonal(H), kind="stable")
+        perm = lib.argsort_desc(lib.diag(H))
         W = W[:, perm]
-        H = H[perm][:, perm]
-        D = D[perm][:, perm]
-    mean_diag = float(np.diagonal(H).mean())
+        H = H[perm]
+        H = H[:, perm]
+        D = D[perm]
+        D = D[:, perm]
+    perm_np = None if perm is None else _to_numpy(perm)
+    mean_diag = float(lib.diag(H).mean())
 
     rel = float(damp)
     U = None
     for _ in range(int(max_retries) + 1):
-        low = _Np.cholesky_lower(_damped(H, rel * mean_diag, _Np))
+        low = lib.cholesky_lower(_damped(H, rel * mean_diag, lib))
         if low is not None:
-            U = _Np.upper_chol(_Np.chol_inverse(low))
+            U = lib.upper_chol(lib.chol_inverse(low))
             low = None
-        if U is not None and np.isfinite(U).all():
+        if U is not None and lib.finite(U):
             break
         U = None
         rel = max(rel * 10.0, 1e-6)
@@ -176,32 +196,30 @@ def gptaq(weight: Any, stats: Any, spec: QuantSpec, *, alpha: float = 0.25, bloc
     if U is None:
         raise ValueError(f"GPTAQ: the Hessian is not positive definite even with damping {rel:g} x mean(diag); "
                          f"check the calibration data")
-    # row q of P: alpha * dXXT[q, F] (H_FF)^-1 over the later columns F (module docstring), in float64
-    P = alpha * (np.triu(D @ U.T, 1) @ U)
+    U = U.to(lib.f32) if tl else U.astype(np.float32)
+    # row q of P: alpha * dXXT[q, F] (H_FF)^-1 over the later columns F (module docstring); float32 products
+    # (P is a correction used in float32 by the loop; two [n, n] float64 products cost as much as the rest)
+    D = D.to(lib.f32) if tl else D.astype(np.float32)
+    P = _triu1(D @ U.T) @ U
+    P *= np.float32(alpha) if not tl else alpha
     D = None
-    if not np.isfinite(P).all():
+    if not lib.finite(P):
         raise ValueError("GPTAQ: the input-mismatch correction overflowed (dXXT much larger than H~?)")
-    U = U.astype(np.float32)
-    P = P.astype(np.float32)
 
-    orig = np.arange(n) if perm is None else perm
+    orig = np.arange(n) if perm_np is None else perm_np
     group_of = np.zeros(n, np.int64) if width is None else orig // width
     pos_of = np.empty(n, np.int64)
     pos_of[orig] = np.arange(n)
-    Q, loss = _columns(W, U, P, n_out, n, block_size, width, group_of, pos_of, group_params, params_of, spec,
+    Q, loss = _columns(W, U, P, lib, n_out, n, block_size, width, group_of, pos_of, group_params, params_of, spec,
                        two_level)
     if perm is not None:
         inv = np.empty(n, np.int64)
-        inv[perm] = np.arange(n)
-        Q = Q[:, inv]
-    if torch_like is not None:
-        import torch
-        Q = torch.from_numpy(np.ascontiguousarray(Q)).to(torch_like.device)
-        group_params = [{k: (None if v is None else torch.as_tensor(np.asarray(_to_numpy(v) if is_torch(v) else v),
-                                                                    device=torch_like.device))
-                         for k, v in p.items()} for p in group_params]
-        if tensor_scale is not None:
-            tensor_scale = torch.as_tensor(np.asarray(tensor_scale), device=torch_like.device)
+        inv[perm_np] = np.arange(n)
+        Q = Q[:, lib.index(inv, Q)]
+    if tl and device.type != "cpu":
+        Q = Q.to(device)
+        group_params = [{k: (v.to(device) if is_torch(v) else v) for k, v in p.items()} for p in group_params]
+        tensor_scale = tensor_scale.to(device) if is_torch(tensor_scale) else tensor_scale
     final = _assemble(Q, spec, group_params, width, two_level, tensor_scale)
     deq = qcore.dequantize(final)
     same = bool((deq == Q).all()) if is_torch(Q) else bool(np.array_equal(deq, Q))
@@ -211,11 +229,13 @@ def gptaq(weight: Any, stats: Any, spec: QuantSpec, *, alpha: float = 0.25, bloc
     return GPTQResult(final, deq, rel, loss)
 
 
-def _columns(W, U, P, n_out, n, block_size, width, group_of, pos_of, group_params, params_of, spec, two_level):
-    """The column loop (numpy, float32, CPU): GPTQ's ``_columns_fast`` with the input-mismatch term. ``W`` is
-    updated in place; returns ``(Q, loss)`` (``loss``: GPTQ's ``sum(err^2) / 2`` of the scaled errors)."""
+def _columns(W, U, P, lib, n_out, n, block_size, width, group_of, pos_of, group_params, params_of, spec, two_level):
+    """The column loop on the CPU: GPTQ's ``_columns_fast`` with the input-mismatch term (per-column steps as numpy
+    operations on views, block products in the arrays' own library). ``W`` is updated in place; returns
+    ``(Q, loss)`` (``loss``: GPTQ's ``sum(err^2) / 2`` of the scaled errors)."""
     row_spec = dataclasses.replace(spec, granularity=PerChannel(0))
     quantizers: dict = {}
+    tl = is_torch(W)
 
     def quantizer(gi):
         f = quantizers.get(gi)
@@ -223,7 +243,8 @@ def _columns(W, U, P, n_out, n, block_size, width, group_of, pos_of, group_param
             kw = group_params[gi]
             if two_level:
                 def f(col, kw=kw):
-                    return np.asarray(qcore.fake_quantize(col, spec, **kw))
+                    c = lib.t.from_numpy(col) if tl else col
+                    return _np_view(qcore.fake_quantize(c, spec, **kw))
             else:
                 zp = kw.get("zero_point")
                 f = qcore.fake_quantizer(row_spec, shape=(n_out, 1), scale=_to_numpy(_per_row(kw["scale"], n_out)),
@@ -231,21 +252,24 @@ def _columns(W, U, P, n_out, n, block_size, width, group_of, pos_of, group_param
             quantizers[gi] = f
         return f
 
-    Q = np.zeros((n_out, n), np.float32)
+    Un, Pn = _np_view(U), _np_view(P)
+    Q = lib.zeros((n_out, n), lib.f32, W)
     loss = 0.0
     for i1 in range(0, n, block_size):
         i2 = min(i1 + block_size, n)
         b = i2 - i1
-        w1t = np.ascontiguousarray(W[:, i1:i2].T)  # the block, transposed: column i is a contiguous row
-        q1t = np.zeros((b, n_out), np.float32)
-        e1 = np.zeros((n_out, b), np.float32)  # scaled errors (w - q) / U_ii
-        w01 = np.zeros((n_out, b), np.float32)  # each column's value when it was quantized (the P term's factor)
-        U1, P1 = U[i1:i2, i1:i2], P[i1:i2, i1:i2]
+        W1T = lib.zeros((b, n_out), lib.f32, W)  # the block, transposed: column i is a contiguous row
+        W1T[:] = W[:, i1:i2].T
+        Q1T = lib.zeros((b, n_out), lib.f32, W)
+        Err1 = lib.zeros((n_out, b), lib.f32, W)  # scaled errors (w - q) / U_ii
+        W01 = lib.zeros((n_out, b), lib.f32, W)  # each column's value when it was quantized (the P term's factor)
+        w1t, q1t, e1, w01 = _np_view(W1T), _np_view(Q1T), _np_view(Err1), _np_view(W01)
+        U1, P1 = Un[i1:i2, i1:i2], Pn[i1:i2, i1:i2]
         for i in range(b):
             gi = int(group_of[i1 + i])
             if group_params[gi] is None:
-                group_params[gi] = params_of(_first_touch(gi, i, i1, i2, W, w1t, e1, w01, U, P, n_out, n, width,
-                                                          pos_of))
+                group_params[gi] = params_of(_first_touch(gi, i, i1, i2, W, W1T, Err1, W01, U, P, lib, n_out, n,
+                                                          width, pos_of))
             w = w1t[i].reshape(n_out, 1)
             q = quantizer(gi)(w)
             q1t[i] = q[:, 0]
@@ -254,28 +278,28 @@ def _columns(W, U, P, n_out, n, block_size, width, group_of, pos_of, group_param
             w01[:, i] = w[:, 0]
             if i + 1 < b:
                 w1t[i + 1:] -= U1[i, i + 1:, None] * err[:, 0][None, :] - P1[i, i + 1:, None] * w[:, 0][None, :]
-        Q[:, i1:i2] = q1t.T
-        e64 = e1.astype(np.float64)
+        Q[:, i1:i2] = Q1T.T
+        e64 = lib.cast(Err1, lib.f64)
         loss += 0.5 * float((e64 * e64).sum())
         if i2 < n:
-            W[:, i2:] -= e1 @ U[i1:i2, i2:] - w01 @ P[i1:i2, i2:]
+            W[:, i2:] -= Err1 @ U[i1:i2, i2:] - W01 @ P[i1:i2, i2:]
     return Q, loss
 
 
-def _first_touch(gi, i, i1, i2, W, w1t, e1, w01, U, P, n_out, n, width, pos_of):
+def _first_touch(gi, i, i1, i2, W, W1T, Err1, W01, U, P, lib, n_out, n, width, pos_of):
     """The current values of group ``gi``'s columns when the loop first reaches one of them (block column ``i``
     of ``[i1, i2)``): block columns from the block's working copy, later columns from ``W`` with the updates of
     this block's columns so far, which the lazy batch has not applied yet (both terms)."""
     cols = np.arange(gi * width, min(n, (gi + 1) * width))
     p = pos_of[cols]
-    part = np.zeros((n_out, len(cols)), np.float32)
+    part = lib.zeros((n_out, len(cols)), lib.f32, W)
     inb = (p >= i1) & (p < i2)
     if inb.any():
-        part[:, np.flatnonzero(inb)] = w1t[p[inb] - i1].T
+        part[:, lib.index(np.flatnonzero(inb), W)] = W1T[lib.index(p[inb] - i1, W)].T
     if (~inb).any():
-        pp = p[~inb]
+        pp = lib.index(p[~inb], W)
         cur = W[:, pp]
         if i > 0:
-            cur = cur - (e1[:, :i] @ U[i1:i1 + i][:, pp] - w01[:, :i] @ P[i1:i1 + i][:, pp])
-        part[:, np.flatnonzero(~inb)] = cur
+            cur = cur - (Err1[:, :i] @ U[i1:i1 + i][:, pp] - W01[:, :i] @ P[i1:i1 + i][:, pp])
+        part[:, lib.index(np.flatnonzero(~inb), W)] = cur
     return part
