@@ -24,4 +24,8 @@ def configs(calib, preset) -> dict:
         "uint3 weight-only g64 asym + GPTAQ (true sequential)": preset(
             "w_uint4_per_group_asym", calib, algorithms=({"name": "gptaq", "true_sequential": True},), **u3),
         "int4 weight-only g32 sym + GPTAQ": preset("int4_wo_32", calib, algorithms=GPTAQ),
+        "int4 weight-only g32 sym + GPTAQ (true sequential)": preset(
+            "int4_wo_32", calib, algorithms=({"name": "gptaq", "true_sequential": True},)),
+        "int4 weight-only g32 sym + GPTAQ (alpha 1)": preset(
+            "int4_wo_32", calib, algorithms=({"name": "gptaq", "alpha": 1.0},)),
     }
