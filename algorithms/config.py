@@ -352,6 +352,47 @@ def _from_quark_rotation(d: Mapping) -> "QuaRotConfig":
 # [gptaq] (its config class goes below this line)
 
 
+@dataclass(frozen=True)
+class GPTAQConfig:
+    """GPTAQ settings (``qcore.algorithms.gptaq``: GPTQ against the float model's inputs, ``||W X - Q X~||``).
+    ``alpha``: the weight of the input-mismatch correction (0.25, the paper's, Quark's and GPTQModel's
+    default; 0 gives GPTQ on the quantized stream); every other key is ``GPTQConfig``'s, with its defaults.
+    Quark keys (``GPTAQConfig``): ``block_size``, ``damp_percent``, ``alpha``, ``desc_act``, ``static_groups``,
+    ``inside_layer_modules``, ``model_decoder_layers`` (a Quark dict without ``static_groups`` gets qcore's
+    default, False; ``to_quark()`` always writes it)."""
+
+    block_size: int = 128
+    damp: float = 0.01
+    alpha: float = 0.25
+    act_order: bool = True
+    static_groups: bool = False
+    true_sequential: bool = False
+    modules: tuple = ()
+    decoder_layers: Optional[str] = None
+    name: str = field(default="gptaq", init=False)
+
+    def __post_init__(self):
+        _int(self.block_size, "GPTAQConfig.block_size")
+        _real(self.damp, "GPTAQConfig.damp", 0.0, 1e6)
+        _real(self.alpha, "GPTAQConfig.alpha", 0.0, 1e6)
+        _bool(self.act_order, "GPTAQConfig.act_order")
+        _bool(self.static_groups, "GPTAQConfig.static_groups")
+        _bool(self.true_sequential, "GPTAQConfig.true_sequential")
+        object.__setattr__(self, "modules", _names(self.modules, "GPTAQConfig.modules"))
+        _layers_path(self.decoder_layers, "GPTAQConfig.decoder_layers")
+
+    def to_dict(self) -> dict:
+        return {"name": "gptaq", "block_size": self.block_size, "damp": self.damp, "alpha": self.alpha,
+                "act_order": self.act_order, "static_groups": self.static_groups,
+                "true_sequential": self.true_sequential, "modules": list(self.modules),
+                "decoder_layers": self.decoder_layers}
+
+    def to_quark(self) -> dict:
+        return {"name": "gptaq", "block_size": self.block_size, "damp_percent": self.damp, "alpha": self.alpha,
+                "desc_act": self.act_order, "static_groups": self.static_groups,
+                "inside_layer_modules": list(self.modules), "model_decoder_layers": self.decoder_layers or ""}
+
+
 # [qronos] (its config class goes below this line)
 
 
@@ -428,6 +469,8 @@ _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {
     # [autoround]
 
     # [gptaq]
+    "gptaq": (GPTAQConfig, {"damp_percent": "damp", "desc_act": "act_order", "inside_layer_modules": "modules",
+                            "model_decoder_layers": "decoder_layers"}),
 
     # [qronos]
 

@@ -1,0 +1,85 @@
+"""GPTAQ on a decoder layer (``qcore.algorithms.gptaq``; ``sequential._BINDINGS["gptaq"]``).
+
+The layer's targets, stages and groups are GPTQ's (``sequential._gptq_targets``, ``_stages``; ``modules``,
+``true_sequential`` as ``GPTQConfig``'s): for each stage, the paired statistics of each group's shared input
+(``_paired.collect_paired``: ``X~`` from the layer as it is now over the quantized stream, ``X`` from a float
+copy of the layer taken before its first rewrite over the float model's stream), then GPTAQ on each module;
+rows of modules sharing an input and a concatenable spec run as one stacked weight (as GPTQ's
+``_gptq_group``). The QTensors go into ``pinned`` (exported as they are); the dequantized weights replace the
+float ones (``sequential._write``).
+
+Fused MoE experts are not handled (``sequential.check_experts_algorithms`` refuses them by name before any work).
+Distributed calibration: the paired sums are reduced with the GPTQ reducer (``_paired.reduce_paired``); the
+layer-parallel split of GPTQ is not used (every rank computes every module).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import qcore
+from qcore.algorithms.gptaq import gptaq
+from qcore.algorithms._paired import PairedStats
+
+from ..modules import is_fused_experts, linear_weight, linear_weight_spec
+from ._paired import collect_paired, float_copy, reduce_paired
+from .sequential import _concat_ok, _gptq_targets, _scale_fn, _stages, _write
+
+__all__ = ["check", "run"]
+
+
+def check(layer: nn.Module, lplans: dict, algo, prefix: str, *, family=None) -> None:
+    """Every check before any weight changes: GPTQ's (targets, specs) and no fused experts."""
+    targets = _gptq_targets(layer, lplans, algo, prefix)
+    fused = [n for n in targets if is_fused_experts(layer.get_submodule(n))]
+    if fused:
+        raise ValueError(f"gptaq: {prefix}.{fused[0]} are fused MoE experts, which GPTAQ does not handle (GPTQ "
+                         f"does); quantize them with gptq, or keep them float")
+
+
+def run(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, pinned: dict, *, floats=None, reduce=None,
+        reference=None, family=None) -> None:
+    """GPTAQ on the layer's quantized Linears (module docstring)."""
+    if floats is None:
+        raise ValueError("gptaq needs the float model's stream of this layer's inputs (floats=)")
+    check(layer, lplans, algo, prefix, family=family)
+    targets = _gptq_targets(layer, lplans, algo, prefix)
+    if not targets:
+        return
+    stages = _stages(layer, targets, inputs, algo.true_sequential)
+    fl = float_copy(layer)  # the float weights, for the float stream's internal activations
+    try:
+        for stage in stages:
+            with torch.no_grad():
+                stats = collect_paired(layer, stage, inputs, floats, float_layer=fl, stop_after=stage[-1][0])
+                for group in stage:
+                    _group(layer, group, reduce_paired(stats.pop(group[0]), reduce), lplans, algo, prefix, pinned,
+                           reference)
+    finally:
+        del fl
+
+
+def _group(layer, names: list[str], st: PairedStats, lplans: dict, algo, prefix: str, pinned: dict,
+           reference) -> None:
+    mods = [layer.get_submodule(n) for n in names]
+    specs = [linear_weight_spec(m, lplans[n], f"{prefix}.{n}") for m, n in zip(mods, names)]
+    fns = [_scale_fn(lplans[n], s) for n, s in zip(names, specs)]
+    kw = dict(alpha=algo.alpha, block_size=algo.block_size, damp=algo.damp, act_order=algo.act_order,
+              static_groups=algo.static_groups)
+    if len(mods) > 1 and _concat_ok(specs) and all(f is None for f in fns):
+        # rows sharing an input and a per-row / per-group spec are independent under the same statistics
+        w = torch.cat([linear_weight(m).detach().float() for m in mods], 0)
+        r = gptaq(w, st, specs[0], **kw)
+        q = r.qtensor
+        rows = 0
+        for n, m in zip(names, mods):
+            k = linear_weight(m).shape[0]
+            part = qcore.quantize(r.weight[rows:rows + k], specs[0], scale=q.scales[rows:rows + k],
+                                  zero_point=None if q.zero_points is None else q.zero_points[rows:rows + k])
+            _write(m, part, pinned, f"{prefix}.{n}", reference)
+            rows += k
+        return
+    for n, m, spec, fn in zip(names, mods, specs, fns):
+        r = gptaq(linear_weight(m).detach().float().contiguous(), st, spec, scale_fn=fn, **kw)
+        _write(m, r.qtensor, pinned, f"{prefix}.{n}", reference)
