@@ -151,31 +151,27 @@ def scale_zero_point(w, spec, min_scale=None, max_scale=None) -> tuple:
     return s, zp
 
 
-def _expand(p, w, spec):
-    """Per-block ``p`` (scale shape) broadcast to ``w``'s [out, in] layout."""
-    g = spec.granularity
-    if isinstance(g, qcore.PerGroup):
-        return p.repeat_interleave(g.size, dim=1)
-    return p.expand(w.shape) if isinstance(g, qcore.PerChannel) else p.reshape(1, 1).expand(w.shape)
-
-
 def _codes(w, spec, value, min_scale, max_scale):
+    """``(codes, scale, zero point)`` in the grouped layout [rows, groups, group size] (scale and zero point
+    [rows, groups, 1]; zero point None when symmetric), and the scale and zero point in the spec's scale shape."""
     torch = _torch()
     s, zp = scale_zero_point(w, spec, min_scale, max_scale)
-    se = _expand(s, w, spec)
+    wg = _grouped(w, spec)
+    sg = s.reshape(wg.shape[0], wg.shape[1], 1)
+    v = value.reshape(wg.shape) if isinstance(value, torch.Tensor) else value
     qmin, qmax = _int_range(spec)
-    r = _round_ste(w / se + value)
+    r = _round_ste(wg / sg + v)
     if zp is None:
-        return torch.clamp(r, qmin, qmax), se, None, s, zp
-    ze = _expand(zp, w, spec)
-    return torch.clamp(r + ze, qmin, qmax), se, ze, s, zp
+        return torch.clamp(r, qmin, qmax), sg, None, s, zp
+    zg = zp.reshape(sg.shape)
+    return torch.clamp(r + zg, qmin, qmax), sg, zg, s, zp
 
 
 def fake_quantize_rounded(w, spec, value=None, min_scale=None, max_scale=None):
     """``w`` [out, in] quantized and dequantized with rounding offsets ``value`` (None: 0) and range factors (None:
     1), differentiable in them (straight-through rounding)."""
-    q, se, ze, _, _ = _codes(w, spec, 0.0 if value is None else value, min_scale, max_scale)
-    return se * (q if ze is None else q - ze)
+    q, sg, zg, _, _ = _codes(w, spec, 0.0 if value is None else value, min_scale, max_scale)
+    return (sg * (q if zg is None else q - zg)).reshape(w.shape)
 
 
 def quantize_rounded(w, spec, value=None, min_scale=None, max_scale=None):
@@ -184,10 +180,10 @@ def quantize_rounded(w, spec, value=None, min_scale=None, max_scale=None):
     torch = _torch()
     check_autoround_spec(spec, tuple(w.shape))
     with torch.no_grad():
-        q, se, ze, s, zp = _codes(w.float(), spec, 0.0 if value is None else value.float(),
+        q, sg, zg, s, zp = _codes(w.float(), spec, 0.0 if value is None else value.float(),
                                   None if min_scale is None else min_scale.float(),
                                   None if max_scale is None else max_scale.float())
-        deq = se * (q if ze is None else q - ze)
+        deq = (sg * (q if zg is None else q - zg)).reshape(w.shape)
         kw = {"scale": s.contiguous()}
         if zp is not None:
             kw["zero_point"] = zp.contiguous()

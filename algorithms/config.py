@@ -373,7 +373,7 @@ class AutoRoundConfig:
         _int(self.batch_size, "AutoRoundConfig.batch_size")
         _int(self.key, "AutoRoundConfig.key", lo=0)
         object.__setattr__(self, "modules", _names(self.modules, "AutoRoundConfig.modules"))
-        _layers_path(self.decoder_layers, "AutoRoundConfig.decoder_layers")
+        object.__setattr__(self, "decoder_layers", _layers_path(self.decoder_layers, "AutoRoundConfig.decoder_layers"))
 
     @property
     def step_lr(self) -> float:
