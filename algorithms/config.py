@@ -17,6 +17,10 @@
   ``SpinQuantConfig(..., steps=100, lr=1.5, batch=1, train_weights=None)``; Quark's ``{"name": "rotation", r1, r2, r4, random_r1,
   trainable, ...}`` (r3, online R1, block-sized rotations and trained smoothing are refused).
 
+- ``AutoRoundConfig(iters=200, lr=None, minmax_lr=None, enable_minmax_tuning=True, batch_size=8, key=0, modules=(),
+  decoder_layers=None)``; Quark keys ``iters``, ``lr``, ``minmax_lr``, ``enable_minmax_tuning``, ``batch_size``,
+  ``inside_layer_modules``, ``model_decoder_layers``.
+
 Unknown keys are refused (naming the key and the known ones), except Quark bookkeeping keys that change nothing
 here (listed in ``_IGNORED``). ``to_dict()`` gives qcore's dict back (``parse_algorithm(c.to_dict()) == c``);
 ``to_quark()`` gives Quark's schema. Pure data: no torch.

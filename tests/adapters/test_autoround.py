@@ -104,3 +104,20 @@ def test_fused_experts_are_refused_by_name():
     plans = [SimpleNamespace(name="model.layers.0.mlp.experts", type="Experts")]
     with pytest.raises(ValueError, match="autoround: the plan quantizes fused MoE experts"):
         sequential.check_experts_algorithms(plans, parse_algorithms(["autoround"]))
+
+
+def test_the_cli_takes_autoround_by_name_and_exports_quarks_algo_config(lm_dir, tmp_path, capsys):
+    from qcore.cli import main
+    out, rep = tmp_path / "ckpt", tmp_path / "r.json"
+    argv = ["quantize", "--model", str(lm_dir), "--scheme", "w_uint4_per_group_asym", "--group-size", "32",
+            "--exclude", "lm_head", "--algo", "autoround", "--calib-samples", "2", "--seq-len", "32",
+            "--output", str(out), "--export", "hf", "--report", str(rep), "--device", "cpu", "--dtype", "float32",
+            "--no-progress"]
+    code = main(argv)
+    assert code == 0, capsys.readouterr().err
+    assert json.loads(rep.read_text())["algorithms"] == ["autoround"]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    ac = qc["algo_config"][0]
+    assert ac["name"] == "autoround" and ac["iters"] == 200 and ac["lr"] == 0.005 and ac["batch_size"] == 8
+    back = from_pretrained(out)
+    assert all(torch.isfinite(p).all() for p in back.parameters())
