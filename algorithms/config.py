@@ -20,6 +20,10 @@
   Quark algorithm (``to_quark()`` is None);
   mobiusml/hqq's ``lp_norm`` reads as ``p``.
 
+- ``AutoRoundConfig(iters=200, lr=None, minmax_lr=None, enable_minmax_tuning=True, batch_size=8, key=0, modules=(),
+  decoder_layers=None)``; Quark keys ``iters``, ``lr``, ``minmax_lr``, ``enable_minmax_tuning``, ``batch_size``,
+  ``inside_layer_modules``, ``model_decoder_layers``.
+
 Unknown keys are refused (naming the key and the known ones), except Quark bookkeeping keys that change nothing
 here (listed in ``_IGNORED``). ``to_dict()`` gives qcore's dict back (``parse_algorithm(c.to_dict()) == c``);
 ``to_quark()`` gives Quark's schema. Pure data: no torch.
@@ -36,7 +40,7 @@ from typing import Any, ClassVar, Mapping, Optional, Sequence, Union
 from .smoothquant import SmoothLoss
 
 __all__ = ["GPTQConfig", "AWQConfig", "SmoothQuantConfig", "AutoSmoothQuantConfig", "QuaRotConfig",
-           "SpinQuantConfig", "ROTATION_CONFIGS", "split_rotation", "AlgorithmConfig",
+           "SpinQuantConfig", "AutoRoundConfig", "ROTATION_CONFIGS", "split_rotation", "AlgorithmConfig",
            "parse_algorithm", "parse_algorithms", "ALGORITHM_NAMES"]
 
 # Quark keys that carry no setting qcore uses (device placement, Quark-internal switches)
@@ -347,6 +351,54 @@ def _from_quark_rotation(d: Mapping) -> "QuaRotConfig":
 # ---------------------------------------------------------------------------------------------------------------
 
 # [autoround] (its config class goes below this line)
+@dataclass(frozen=True)
+class AutoRoundConfig:
+    """AutoRound / SignRound (arXiv 2309.05516): per decoder layer, rounding offsets and min/max range factors
+    learnt by signed gradient descent over ``iters`` steps (``lr``: the offsets' step, default ``1 / iters``,
+    decayed linearly to 0; ``minmax_lr``: the range factors', default ``lr``; ``enable_minmax_tuning``: learn the
+    range factors), each step on ``batch_size`` calibration batches drawn in an order seeded by ``key``;
+    ``modules``: names (relative to the layer), default all quantized Linears. Quark keys: ``iters``, ``lr``,
+    ``minmax_lr``, ``enable_minmax_tuning``, ``batch_size``, ``inside_layer_modules``, ``model_decoder_layers``
+    (Quark's dataclass defaults ``lr = minmax_lr = 1/200``, ours at the default 200 iterations)."""
+
+    iters: int = 200
+    lr: Optional[float] = None
+    minmax_lr: Optional[float] = None
+    enable_minmax_tuning: bool = True
+    batch_size: int = 8
+    key: int = 0
+    modules: tuple = ()
+    decoder_layers: Optional[str] = None
+    name: str = field(default="autoround", init=False)
+
+    def __post_init__(self):
+        _int(self.iters, "AutoRoundConfig.iters", lo=0)
+        for k in ("lr", "minmax_lr"):
+            if getattr(self, k) is not None:
+                _real(getattr(self, k), f"AutoRoundConfig.{k}", 0.0, 1.0, lo_open=True)
+        _bool(self.enable_minmax_tuning, "AutoRoundConfig.enable_minmax_tuning")
+        _int(self.batch_size, "AutoRoundConfig.batch_size")
+        _int(self.key, "AutoRoundConfig.key", lo=0)
+        object.__setattr__(self, "modules", _names(self.modules, "AutoRoundConfig.modules"))
+        object.__setattr__(self, "decoder_layers", _layers_path(self.decoder_layers, "AutoRoundConfig.decoder_layers"))
+
+    @property
+    def step_lr(self) -> float:
+        """The offsets' initial step size (``lr``, else ``1 / iters``)."""
+        return self.lr if self.lr is not None else 1.0 / max(self.iters, 1)
+
+    def to_dict(self) -> dict:
+        return {"name": "autoround", "iters": self.iters, "lr": self.lr, "minmax_lr": self.minmax_lr,
+                "enable_minmax_tuning": self.enable_minmax_tuning, "batch_size": self.batch_size, "key": self.key,
+                "modules": list(self.modules), "decoder_layers": self.decoder_layers}
+
+    def to_quark(self) -> dict:
+        return {"name": "autoround", "iters": self.iters, "lr": self.step_lr,
+                "enable_minmax_tuning": self.enable_minmax_tuning,
+                "minmax_lr": self.minmax_lr if self.minmax_lr is not None else self.step_lr,
+                "batch_size": self.batch_size, "inside_layer_modules": list(self.modules),
+                "model_decoder_layers": self.decoder_layers or ""}
+
 
 
 # [gptaq] (its config class goes below this line)
@@ -447,7 +499,7 @@ class HQQConfig:
 # ---------------------------------------------------------------------------------------------------------------
 
 AlgorithmConfig = Union[GPTQConfig, AWQConfig, SmoothQuantConfig, AutoSmoothQuantConfig, QuaRotConfig,
-                        SpinQuantConfig, HQQConfig]
+                        SpinQuantConfig, HQQConfig, AutoRoundConfig]
 ROTATION_CONFIGS = (QuaRotConfig, SpinQuantConfig)
 
 
@@ -467,6 +519,7 @@ _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {
     "quarot": (QuaRotConfig, {}),
     "spinquant": (SpinQuantConfig, {}),
     # [autoround]
+    "autoround": (AutoRoundConfig, {"inside_layer_modules": "modules", "model_decoder_layers": "decoder_layers"}),
 
     # [gptaq]
     "gptaq": (GPTAQConfig, {"damp_percent": "damp", "desc_act": "act_order", "inside_layer_modules": "modules",
