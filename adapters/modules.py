@@ -1005,10 +1005,12 @@ def add_low_rank_branch(m: nn.Module, down: torch.Tensor, up: torch.Tensor, smoo
                          f"[{n_in}]")
     for k in _BRANCH_BUFFERS:
         m._buffers.pop(k, None)
-    m.register_buffer("lowrank_down", down.detach().clone())
-    m.register_buffer("lowrank_up", up.detach().clone())
+    # contiguous copies: a loaded checkpoint's tensors are contiguous, and the matmul's summation order (so its
+    # bits) follows the layout
+    m.register_buffer("lowrank_down", down.detach().clone(memory_format=torch.contiguous_format))
+    m.register_buffer("lowrank_up", up.detach().clone(memory_format=torch.contiguous_format))
     if smoothing is not None:
-        m.register_buffer("input_smoothing", smoothing.detach().clone())
+        m.register_buffer("input_smoothing", smoothing.detach().clone(memory_format=torch.contiguous_format))
 
 
 def low_rank_modules(model: nn.Module) -> list[str]:
