@@ -44,7 +44,7 @@ from .scaling_bind import _ispec
 __all__ = ["check", "run"]
 
 _log = logging.getLogger("qcore.adapters")
-_SAMPLE_ROWS = 2048  # token rows of the alpha search's sample, per group input
+_SAMPLE_ROWS = 512  # token rows of the alpha search's sample, per group input
 
 
 def _targets(layer: nn.Module, lplans: dict, prefix: str, algo) -> list[str]:
@@ -180,7 +180,7 @@ def run(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, pinned: dict,
             p0 = lplans[g.layers[0]]
             ispec = _ispec(p0) if p0.config.input is not None else None
             x = torch.cat(rec.rows, 0)
-            r = search_alpha(x, ws, specs, rec.absmax, rank=algo.rank, alphas=alphas, input_spec=ispec)
+            r = search_alpha(x, ws, specs, rec.absmax, rank=algo.rank, alphas=alphas, input_spec=ispec, exact=False)
             s = r.scales
             _log.debug("svdquant %s.%s: alpha %.2f", prefix, g.inp, r.alpha)
         else:
