@@ -129,3 +129,54 @@ def test_errors_before_work():
         svdquant(w, -np.ones(w.shape[1], np.float32), _spec())
     with pytest.raises(ValueError, match="alphas"):
         search_alpha(x, w, _spec(), amax, alphas=(1.5,))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the config: qcore's dict and Quark's algo_config (quark.torch.quantization.config.config.SVDQuantConfig)
+# ---------------------------------------------------------------------------------------------------------------
+
+#: Quark 0.13's SVDQuantConfig fields and defaults (config.py, class SVDQuantConfig)
+QUARK_DEFAULTS = {"name": "svdquant", "svd_rank": 32, "smooth_alpha": 0.5, "search_alpha": True,
+                  "alpha_candidates": None, "alpha_search_max_samples": 8,
+                  "exclude_patterns": ["time_embedding", "add_time_proj", "conv_in", "conv_out", "time_proj"],
+                  "min_layer_size": 256, "use_gptq": False, "gptq_n_bits": 4, "gptq_symmetric": True,
+                  "gptq_group_size": -1, "gptq_blocksize": 128, "gptq_percdamp": 0.01, "gptq_actorder": False}
+
+
+def test_config_round_trips_and_reads_and_writes_quarks_spelling():
+    from qcore.algorithms.config import SVDQuantConfig, parse_algorithm, parse_algorithms
+    c = SVDQuantConfig(rank=16, alpha=0.4, search_alpha=False, alpha_candidates=[0.2, 0.7], search_samples=3,
+                       use_gptq=True, block_size=64, damp=0.02, act_order=True)
+    assert parse_algorithm(c.to_dict()) == c
+    assert parse_algorithm(c.to_quark()) == c
+    q = c.to_quark()
+    assert set(q) <= set(QUARK_DEFAULTS)
+    assert q["svd_rank"] == 16 and q["smooth_alpha"] == 0.4 and q["gptq_percdamp"] == 0.02 and q["gptq_actorder"]
+    assert parse_algorithm(QUARK_DEFAULTS) == SVDQuantConfig() == parse_algorithm("svdquant")
+    assert parse_algorithms("svdquant")[0].rank == 32
+    assert SVDQuantConfig().to_quark()["alpha_candidates"] is None  # Quark's "default grid"
+    with pytest.raises(ValueError, match="unknown key 'svd_ranks'"):
+        parse_algorithm({"name": "svdquant", "svd_ranks": 4})
+    with pytest.raises(ValueError, match="rank"):
+        SVDQuantConfig(rank=0)
+    with pytest.raises(ValueError, match="alpha_candidates"):
+        SVDQuantConfig(alpha_candidates=[1.5])
+    with pytest.raises(TypeError, match="use_gptq"):
+        SVDQuantConfig(use_gptq="yes")
+
+
+def test_quark_defaults_match_quarks_source():
+    """Where Quark 0.13's source is installed (the interop venv), its SVDQuantConfig's fields are the ones above."""
+    import ast
+    import pathlib
+    path = next(pathlib.Path("~/.cache/qcore/interop/quark-0.13").expanduser().glob(
+        "lib/python3*/site-packages/quark/torch/quantization/config/config.py"), None)
+    if path is None:
+        pytest.skip("amd-quark 0.13 is not installed in the interop cache")
+    tree = ast.parse(path.read_text())
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "SVDQuantConfig")
+    fields = [s.target.id for s in cls.body if isinstance(s, ast.AnnAssign)]
+    assert fields == list(QUARK_DEFAULTS)
+    for s in cls.body:
+        if isinstance(s, ast.AnnAssign) and isinstance(s.value, ast.Constant):
+            assert QUARK_DEFAULTS[s.target.id] == s.value.value
