@@ -9,7 +9,7 @@ For a Linear ``y = x W^T`` (``W``: [out, in]) with per-input-channel activation 
    activations' outliers into the weights;
 2. the low-rank branch (eq. 5): the rank-``r`` truncated SVD of the smoothed weight, ``W_hat ~ L2 L1`` with
    ``L1 = diag(S_r) V_r^T`` ([r, in]) and ``L2 = U_r`` ([out, r]) (Quark's ``correction.l1`` / ``l2``), computed
-   in float64 and kept in high precision;
+   in float64 (eigenvectors of the smaller Gram matrix) and kept in high precision;
 3. the residual ``R = W_hat - L2 L1`` (its outliers absorbed by the branch) is quantized to the layer's weight
    spec, by round-to-nearest or by GPTQ (``hessian=``: the Hessian of the *smoothed* inputs,
    ``diag(1/s) H diag(1/s)``).
@@ -52,7 +52,8 @@ def _check_rank(rank: Any) -> int:
 
 def low_rank(weight: Any, rank: int) -> tuple:
     """``(L1, L2)``: the rank-``rank`` truncated SVD of ``weight`` ([out, in]) as ``L2 @ L1`` with ``L1 =
-    diag(S_r) V_r^T`` ([r, in]) and ``L2 = U_r`` ([out, r]); float64 SVD, float32 results of the input's kind
+    diag(S_r) V_r^T`` ([r, in]) and ``L2 = U_r`` ([out, r]); float64 (from the eigenvectors of the smaller Gram
+    matrix), float32 results of the input's kind
     and device. ``rank`` above ``min(out, in)`` is cut to it (the branch then holds the whole weight)."""
     r = _check_rank(rank)
     w, o = u.as_float_array(weight, "weight", ndim=2)

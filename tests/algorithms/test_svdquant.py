@@ -180,3 +180,20 @@ def test_quark_defaults_match_quarks_source():
     for s in cls.body:
         if isinstance(s, ast.AnnAssign) and isinstance(s.value, ast.Constant):
             assert QUARK_DEFAULTS[s.target.id] == s.value.value
+
+
+def test_the_searchs_randomized_svd_is_close_to_the_exact_one():
+    from qcore._backend import ops
+    from qcore.algorithms.svdquant import _sketch_low_rank
+    rng = np.random.default_rng(4)
+    w = (rng.standard_normal((96, 80)) * np.logspace(0, -2, 80)[None, :]).astype(np.float32)
+    a1, a2 = _sketch_low_rank(w, 8, ops(w))
+    b1, b2 = low_rank(w, 8)
+    ra, rb = np.linalg.norm(w - a2 @ a1), np.linalg.norm(w - b2 @ b1)
+    assert rb <= ra <= 1.01 * rb
+    x, _, amax = _data(5, out=96, inp=80)
+    spec = _spec()
+    s = np.ones(80, np.float32)
+    e1 = svdquant_error(x, w, spec, s, rank=8, exact=False)
+    e2 = svdquant_error(x, w, spec, s, rank=8)
+    assert abs(e1 - e2) <= 0.05 * e2
