@@ -131,7 +131,8 @@ def svdquant(weight: Any, scales: Any, spec: QuantSpec, *, rank: int = 32, hessi
     smoothing): the low-rank branch of ``W_hat = W diag(scales)`` and its residual quantized to ``spec`` by
     round-to-nearest, or by GPTQ when ``hessian`` (``HessianStats`` or [in, in] of the *unsmoothed* inputs) is
     given: it is turned into the smoothed inputs' ``diag(1/s) H diag(1/s)`` here (``block_size``, ``damp``,
-    ``act_order``, ``scale_fn``: ``qcore.algorithms.gptq.gptq``'s)."""
+    ``act_order``: ``qcore.algorithms.gptq.gptq``'s). ``scale_fn(part) -> dict``: the scale rule (``quantize``
+    keyword arguments) of the residual or, under GPTQ, of its column groups; None: the spec's own."""
     spec = u.as_spec(spec, "spec")
     r = _check_rank(rank)
     w_hat, o = _smoothed(weight, scales)
@@ -141,7 +142,7 @@ def svdquant(weight: Any, scales: Any, spec: QuantSpec, *, rank: int = 32, hessi
     l1, l2 = _sketch_low_rank(w_hat, r, o) if _sketch else low_rank(w_hat, r)
     res = u.to32(u.to64(w_hat, o) - u.matmul(u.to64(l2, o), u.to64(l1, o)), o)
     if hessian is None:
-        q = qcore.quantize(res, spec)
+        q = qcore.quantize(res, spec, **(scale_fn(res) if scale_fn is not None else {}))
         return SVDQuantResult(l1, l2, q, qcore.dequantize(q))
     from .gptq import HessianStats, gptq
     inv = 1.0 / u.to64(scales, o)
