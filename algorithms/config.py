@@ -40,7 +40,8 @@ from typing import Any, ClassVar, Mapping, Optional, Sequence, Union
 from .smoothquant import SmoothLoss
 
 __all__ = ["GPTQConfig", "AWQConfig", "SmoothQuantConfig", "AutoSmoothQuantConfig", "QuaRotConfig",
-           "SpinQuantConfig", "AutoRoundConfig", "ROTATION_CONFIGS", "split_rotation", "AlgorithmConfig",
+           "SpinQuantConfig", "AutoRoundConfig", "SVDQuantConfig", "ROTATION_CONFIGS", "split_rotation",
+           "AlgorithmConfig",
            "parse_algorithm", "parse_algorithms", "ALGORITHM_NAMES"]
 
 # Quark keys that carry no setting qcore uses (device placement, Quark-internal switches)
@@ -493,13 +494,76 @@ class HQQConfig:
 
 # [svdquant] (its config class goes below this line)
 
+@dataclass(frozen=True)
+class SVDQuantConfig:
+    """SVDQuant (qcore.algorithms.svdquant): per Linear, smoothing scales (``alpha``, searched per input group
+    among ``alpha_candidates`` (empty: 0.05, ..., 0.95) when ``search_alpha``, on the tokens of the first
+    ``search_samples`` calibration batches), a rank-``rank`` high-precision branch, the residual quantized by
+    round-to-nearest or, ``use_gptq``, by GPTQ (``block_size``, ``damp``, ``act_order``) with the smoothed inputs'
+    Hessian. Quark keys: ``svd_rank``, ``smooth_alpha``, ``search_alpha``, ``alpha_candidates``,
+    ``alpha_search_max_samples``, ``use_gptq``, ``gptq_blocksize``, ``gptq_percdamp``, ``gptq_actorder``;
+    Quark's ``exclude_patterns``, ``min_layer_size``, ``gptq_n_bits``, ``gptq_symmetric`` and ``gptq_group_size``
+    are accepted and not used: the model config's exclude list and weight specs decide which Linears and which
+    residual format (Quark's defaults skip Linears with a side under 256 and quantize the GPTQ residual to its
+    own int4)."""
+
+    rank: int = 32
+    alpha: float = 0.5
+    search_alpha: bool = True
+    alpha_candidates: tuple = ()
+    search_samples: int = 8
+    use_gptq: bool = False
+    block_size: int = 128
+    damp: float = 0.01
+    act_order: bool = False
+    decoder_layers: Optional[str] = None
+    name: str = field(default="svdquant", init=False)
+
+    def __post_init__(self):
+        _int(self.rank, "SVDQuantConfig.rank")
+        _real(self.alpha, "SVDQuantConfig.alpha", 0.0, 1.0)
+        _bool(self.search_alpha, "SVDQuantConfig.search_alpha")
+        c = self.alpha_candidates
+        if c is None:
+            c = ()
+        if isinstance(c, (str, bytes)) or not isinstance(c, (list, tuple)):
+            raise TypeError(f"SVDQuantConfig.alpha_candidates must be a list of numbers in [0, 1], got {c!r}")
+        for a in c:
+            _real(a, "SVDQuantConfig.alpha_candidates[]", 0.0, 1.0)
+        object.__setattr__(self, "alpha_candidates", tuple(float(a) for a in c))
+        _int(self.search_samples, "SVDQuantConfig.search_samples")
+        _bool(self.use_gptq, "SVDQuantConfig.use_gptq")
+        _int(self.block_size, "SVDQuantConfig.block_size")
+        _real(self.damp, "SVDQuantConfig.damp", 0.0, 1e6)
+        _bool(self.act_order, "SVDQuantConfig.act_order")
+        _layers_path(self.decoder_layers, "SVDQuantConfig.decoder_layers")
+
+    def to_dict(self) -> dict:
+        return {"name": "svdquant", "rank": self.rank, "alpha": self.alpha, "search_alpha": self.search_alpha,
+                "alpha_candidates": list(self.alpha_candidates), "search_samples": self.search_samples,
+                "use_gptq": self.use_gptq, "block_size": self.block_size, "damp": self.damp,
+                "act_order": self.act_order, "decoder_layers": self.decoder_layers}
+
+    def to_quark(self) -> dict:
+        return {"name": "svdquant", "svd_rank": self.rank, "smooth_alpha": self.alpha,
+                "search_alpha": self.search_alpha,
+                "alpha_candidates": list(self.alpha_candidates) if self.alpha_candidates else None,
+                "alpha_search_max_samples": self.search_samples, "use_gptq": self.use_gptq,
+                "gptq_blocksize": self.block_size, "gptq_percdamp": self.damp, "gptq_actorder": self.act_order}
+
+
+# Quark SVDQuantConfig keys qcore takes from elsewhere: read only where they change nothing (the exclude list, the
+# residual's format and the layer size limit come from the model config)
+_SVDQUANT_QUARK_NOOPS = frozenset({"exclude_patterns", "min_layer_size", "gptq_n_bits", "gptq_symmetric",
+                                   "gptq_group_size"})
+
 
 # [distill] (its config class goes below this line)
 
 # ---------------------------------------------------------------------------------------------------------------
 
 AlgorithmConfig = Union[GPTQConfig, AWQConfig, SmoothQuantConfig, AutoSmoothQuantConfig, QuaRotConfig,
-                        SpinQuantConfig, HQQConfig, AutoRoundConfig]
+                        SpinQuantConfig, HQQConfig, AutoRoundConfig, SVDQuantConfig]
 ROTATION_CONFIGS = (QuaRotConfig, SpinQuantConfig)
 
 
@@ -531,6 +595,9 @@ _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {
     "hqq": (HQQConfig, {"lp_norm": "p", "model_decoder_layers": "decoder_layers"}),  # lp_norm: mobiusml/hqq's p
 
     # [svdquant]
+    "svdquant": (SVDQuantConfig, {"svd_rank": "rank", "smooth_alpha": "alpha", "alpha_search_max_samples":
+                                  "search_samples", "gptq_blocksize": "block_size", "gptq_percdamp": "damp",
+                                  "gptq_actorder": "act_order", "model_decoder_layers": "decoder_layers"}),
 
     # [distill]
 
@@ -566,7 +633,7 @@ def parse_algorithm(d: Union[Mapping, AlgorithmConfig, str]) -> AlgorithmConfig:
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     kwargs: dict[str, Any] = {}
     for k, v in d.items():
-        if k == "name" or k in _IGNORED:
+        if k == "name" or k in _IGNORED or (key == "svdquant" and k in _SVDQUANT_QUARK_NOOPS):
             continue
         arg = renames.get(k, k)
         if arg not in fields:

@@ -243,6 +243,7 @@ def module_records(name: str, m: _QuantMixin, layout: str, cache: dict, pack_met
         records.append(_record(prefix + suffix, dt, arr, shp))
     for n, (dt, a) in _activation_records(m, layout).items():
         records.append(_record(prefix + n, dt, lambda a=a: a, a.shape))
+    records.extend(_branch_records(prefix, m))
     bias = m._parameters.get("bias")
     if bias is not None:
         if "bias" in m.specs:  # the fake-quantized bias the model computes with, as floats
@@ -250,6 +251,33 @@ def module_records(name: str, m: _QuantMixin, layout: str, cache: dict, pack_met
         else:
             records.append(_tensor_record(prefix + "bias", bias))
     return records
+
+
+#: SVDQuant's branch in a checkpoint: qcore's names (Quark 0.13 has no export layout for it: its
+#: ErrorCorrectedModule's correction.l1 / l2 stay in memory), float32, only in ``quant_method: "qcore"`` checkpoints
+BRANCH_TENSORS = ("lowrank_down", "lowrank_up", "input_smoothing")
+
+
+def _branch_records(prefix: str, m: nn.Module) -> list[TensorRecord]:
+    br = getattr(m, "low_rank_branch", None)
+    if br is None:
+        return []
+    out = [_tensor_record(prefix + "lowrank_down", br.down.detach().float()),
+           _tensor_record(prefix + "lowrank_up", br.up.detach().float())]
+    if br.smoothing is not None:
+        out.append(_tensor_record(prefix + "input_smoothing", br.smoothing.detach().float()))
+    return out
+
+
+def branch_shapes(model: nn.Module) -> dict:
+    """``{module name: [rank, smoothing kept in the module]}`` of the modules carrying SVDQuant's branch (the
+    ``quantization_config.qcore.low_rank`` entry a loader rebuilds them from)."""
+    out = {}
+    for n, m in model.named_modules():
+        br = getattr(m, "low_rank_branch", None)
+        if isinstance(m, QuantLinear) and br is not None:
+            out[n] = [int(br.down.shape[0]), br.smoothing is not None]
+    return out
 
 
 def _plan_tensors(model: nn.Module, pack_method: str = "reorder", *, own: bool = False
@@ -326,7 +354,9 @@ def export_units(model: nn.Module, config: ModelConfig) -> list[ExportUnit]:
 def refuse_conv1d(model: nn.Module, config: Optional[ModelConfig], who: str) -> None:
     """Before any work: ValueError naming the first module that is (or, for a float model and ``config``, will be)
     a quantized transformers ``Conv1D`` (GPT-2's projections): ``who`` (the GGUF, ONNX and compressed-tensors
-    exporters and their up-front checks) has no writer for them yet (docs/adapters.md); ``export_hf`` writes them."""
+    exporters and their up-front checks) has no writer for them yet (docs/adapters.md); ``export_hf`` writes them.
+    These exporters refuse SVDQuant's low-rank branches the same way, first (``refuse_low_rank``)."""
+    refuse_low_rank(model, config, who)
     names = [n for n, m in model.named_modules()
              if isinstance(m, _QuantMixin) and type(m).__bases__[1].__name__ == "Conv1D"]
     if not names and isinstance(config, ModelConfig) and not any(isinstance(m, _QuantMixin) for m in model.modules()) \
@@ -334,6 +364,24 @@ def refuse_conv1d(model: nn.Module, config: Optional[ModelConfig], who: str) -> 
         names = [u.name for u in export_units(model, config) if u.type == "Conv1D"]
     if names:
         raise ValueError(conv1d_error(who, names))
+
+
+def refuse_low_rank(model: nn.Module, config: Optional[ModelConfig], who: str) -> None:
+    """Before any work: ValueError naming the first module that carries (or, for a float model and ``config`` with
+    SVDQuant, will carry) SVDQuant's low-rank branch: ``who`` (GGUF, ONNX, compressed-tensors) has no way to
+    write the branch, and dropping it would change the model's function; ``export_hf`` writes it."""
+    from ..modules import low_rank_modules
+    names = low_rank_modules(model)
+    if not names and isinstance(config, ModelConfig) and not any(isinstance(m, _QuantMixin) for m in model.modules()):
+        from qcore.algorithms.config import parse_algorithms
+        if any(a.name == "svdquant" for a in parse_algorithms(config.algorithms)):
+            names = ["every Linear SVDQuant quantizes"]
+    if names:
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+        raise ValueError(f"{who}: {names[0]!r}{more} carries SVDQuant's low-rank branch (a high-precision side "
+                         f"matmul beside the quantized one), which this format cannot represent; export_hf writes it "
+                         f"(quant_method 'qcore', qcore.adapters.from_pretrained loads it), or quantize without "
+                         f"svdquant")
 
 
 def conv1d_error(who: str, names: list) -> str:
@@ -409,7 +457,15 @@ def checkpoint_method(model: nn.Module, config: ModelConfig) -> str:
                if u.type != "Experts" else _experts_unit_layout(u) for u in units]
     quark_ok = all(v != "qcore" for v in layouts) and not will_rotate_online(model, config) and not any(
         u.type == "Experts" for u in units)  # quantized fused experts: quant_method "qcore" (see _quantization_config)
+    quark_ok = quark_ok and not _low_rank(model, config)  # SVDQuant's branch: no Quark layout (BRANCH_TENSORS)
     return "quark" if quark_ok else "qcore"
+
+
+def _low_rank(model: nn.Module, config: ModelConfig) -> bool:
+    """Whether the model carries (or, quantized with ``config``, will carry) SVDQuant's low-rank branches."""
+    from qcore.algorithms.config import parse_algorithms
+    from ..modules import low_rank_modules
+    return bool(low_rank_modules(model)) or any(a.name == "svdquant" for a in parse_algorithms(config.algorithms))
 
 
 def _experts_unit_layout(u: ExportUnit) -> str:
@@ -433,6 +489,8 @@ def _quantization_config(model: nn.Module, config: ModelConfig, layouts: dict[st
     # quantized fused MoE experts: transformers' Quark integration (amd-quark 0.13) does not read them (it merges the
     # per-expert codes into float parameters and drops their scales: checked), so qcore's loader is their reader
     quark_ok = quark_ok and not any(isinstance(m, QuantExperts) for m in model.modules())
+    branches = branch_shapes(model)
+    quark_ok = quark_ok and not branches  # SVDQuant's branch: a Quark loader would drop it silently
     mixed = sorted(n for n, v in layouts.items() if v != "qcore")
     if not quark_ok and mixed:  # a "qcore" checkpoint holds no Quark layout (checkpoint_method decides it up front)
         raise RuntimeError(f"export: quant_method 'qcore' but {mixed[0]!r} is planned in Quark's {layouts[mixed[0]]!r} "
@@ -444,6 +502,8 @@ def _quantization_config(model: nn.Module, config: ModelConfig, layouts: dict[st
     q["quant_method"] = "quark" if quark_ok else "qcore"
     q["qcore"] = {"format_version": QCORE_FORMAT_VERSION, "qcore_version": qcore.__version__,
                   "config": config.to_dict(), "layouts": dict(sorted(layouts.items()))}
+    if branches:
+        q["qcore"]["low_rank"] = dict(sorted(branches.items()))
     return q
 
 
@@ -705,7 +765,7 @@ class _Shell(nn.Module):
     typed as the checkpoint stores them (on meta until loaded). ``own``: the weight is in qcore's extension
     (``"qcore"`` layout) whatever its format (``layer_layout``)."""
 
-    def __init__(self, name: str, m: nn.Module, config, *, own: bool = False):
+    def __init__(self, name: str, m: nn.Module, config, *, own: bool = False, branch: Optional[list] = None):
         super().__init__()
         q = QUANT_CLASSES[type(m)].from_module(m, config, name=name)  # on meta: planned here, filled in _build
         object.__setattr__(self, "_wrapper", q)  # not a submodule: its float weight is not in the checkpoint
@@ -718,6 +778,17 @@ class _Shell(nn.Module):
             self.expected.update(L.expected_activation(role, q.specs[role], q.static_scale_shape(role),
                                                        layout=self.layout))
         self.qname = name
+        self.branch = None
+        if branch is not None:  # SVDQuant's low-rank branch (quantization_config.qcore.low_rank): [rank, smoothing]
+            if not isinstance(q, QuantLinear):
+                raise CorruptCheckpointError(f"layer {name!r}: quantization_config.qcore.low_rank names it, but it is "
+                                             f"a {type(m).__name__}; the branch is carried by Linears only")
+            rank, smooth = branch
+            n_out, n_in = q.weight_shape
+            self.branch = {"lowrank_down": ("F32", (rank, n_in)), "lowrank_up": ("F32", (n_out, rank))}
+            if smooth:
+                self.branch["input_smoothing"] = ("F32", (n_in,))
+            self.expected.update(self.branch)
         for n, (dt, shape) in self.expected.items():
             self.register_parameter(n, nn.Parameter(torch.empty(shape, dtype=_ST_TORCH[dt], device="meta"),
                                                     requires_grad=False))
@@ -818,7 +889,8 @@ def _build(sh: _Shell, pack_method: str, dtype: torch.dtype) -> nn.Module:
     missing = [n for n in sh.expected if params[n].is_meta]
     if missing:
         raise CorruptCheckpointError(f"{where}: tensors {missing} were not loaded from the checkpoint")
-    arrays = {n: _np(params[n]) for n in sh.expected}
+    branch = getattr(sh, "branch", None) or {}
+    arrays = {n: _np(params[n]) for n in sh.expected if n not in branch}
     q, shape = sh._wrapper, sh.shape
     spec = q.specs["weight"]
     parts = L.decode_weight(arrays, spec, shape, layout=sh.layout, pack_method=pack_method, where=where)
@@ -833,6 +905,12 @@ def _build(sh: _Shell, pack_method: str, dtype: torch.dtype) -> nn.Module:
                 q.load_static_scales(role, tensor_scale=a["tensor_scale"], device=device)
             else:
                 q.load_static_scales(role, scale=a["scale"], zero_point=a["zero_point"], device=device)
+    if branch:
+        vals = {n: params[n].detach() for n in branch}
+        if not all(bool(torch.isfinite(v).all()) for v in vals.values()) or (
+                "input_smoothing" in vals and not bool((vals["input_smoothing"] > 0).all())):
+            raise CorruptCheckpointError(f"{where}: its low-rank branch holds NaN or Inf, or a smoothing scale <= 0")
+        q.set_low_rank_branch(vals["lowrank_down"], vals["lowrank_up"], vals.get("input_smoothing"))
     left = [n for n, t in list(q.named_parameters()) + list(q.named_buffers()) if t is not None and t.is_meta]
     if left:
         raise RuntimeError(f"{where}: {left} stayed unloaded (a qcore bug; please report it)")
@@ -849,6 +927,25 @@ def own_layout(method: Any, stated: Optional[dict], name: str) -> bool:
     if method != "qcore":
         return False
     return stated is None or stated.get(name, "qcore") == "qcore"
+
+
+def _low_rank_entries(raw: dict, method: Any) -> dict:
+    """``quantization_config.qcore.low_rank`` (SVDQuant's branches: ``{layer: [rank, smoothing kept]}``), checked;
+    only in a ``"qcore"`` checkpoint."""
+    own = raw.get("qcore") if isinstance(raw.get("qcore"), dict) else {}
+    lr = own.get("low_rank")
+    if lr is None:
+        return {}
+    if method != "qcore":
+        raise CorruptCheckpointError("quantization_config: low-rank branches (qcore.low_rank) in a checkpoint whose "
+                                     "quant_method is not 'qcore'")
+    ok = isinstance(lr, dict) and all(
+        isinstance(v, list) and len(v) == 2 and isinstance(v[0], int) and not isinstance(v[0], bool) and v[0] > 0
+        and isinstance(v[1], bool) for v in lr.values())
+    if not ok:
+        raise CorruptCheckpointError(f"quantization_config.qcore.low_rank must map layer names to [rank, bool], got "
+                                     f"{lr!r}"[:300])
+    return dict(lr)
 
 
 def _make_classes():
@@ -901,6 +998,7 @@ def _make_classes():
             from .experts import stored_float_experts
             self._float_experts = stored_float_experts(model, config, checkpoint_files)  # Quark 0.13's MoE exports
             method = raw.get("source_method", raw.get("quant_method"))
+            low_rank = _low_rank_entries(raw, method)
             for p in plan_model(model, config, _check_float=False):  # a saved config, as it was saved
                 if p.name in self._float_experts:
                     continue
@@ -909,7 +1007,8 @@ def _make_classes():
                     from .experts import ExpertsShell
                     sh = ExpertsShell(model, p.name, model.get_submodule(p.name), p.config, own=own)
                 else:
-                    sh = _Shell(p.name, model.get_submodule(p.name), p.config, own=own)
+                    sh = _Shell(p.name, model.get_submodule(p.name), p.config, own=own,
+                                branch=low_rank.pop(p.name, None))
                 layout = sh.layout
                 if stated is not None and stated.get(p.name, layout) != layout:
                     raise CorruptCheckpointError(f"layer {p.name!r}: the checkpoint says layout "
@@ -920,6 +1019,9 @@ def _make_classes():
                                                  f"quant_method 'qcore')")
                 _set_module(model, p.name, sh)
                 self._shells[p.name] = sh
+            if low_rank:
+                raise CorruptCheckpointError(f"quantization_config.qcore.low_rank names {sorted(low_rank)[:3]}, which "
+                                             f"the config does not quantize")
             if not checkpoint_files:
                 raise CorruptCheckpointError("transformers found no checkpoint files to load")
             check_tensors(list(checkpoint_files), model, self._shells)
