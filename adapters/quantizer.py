@@ -701,6 +701,9 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         for name, _, new in wrappers:
             if name not in pinned and "weight" in new.specs and not isinstance(new, QuantExperts):  # experts:
                 reference[name] = new.weight.detach().to("cpu", copy=True)  # not in layer_report yet (docs/adapters.md)
+    if teacher is not None:  # what round-to-nearest rounded: the trained weights start there (distill's docs)
+        distill_init = {name: new.weight.detach().clone() for name, _, new in wrappers
+                        if name not in pinned and "weight" in new.specs and not isinstance(new, QuantExperts)}
     if not qat:
         # Past this point the model is quantized: writing the weights in place cannot be undone without a second
         # copy of them. If it is interrupted, the wrappers not yet written stay in their pending mode, which
@@ -710,7 +713,8 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     if teacher is not None:
         from .passes.distill import run_distill
         try:
-            model.qcore_distill = run_distill(model, teacher, distill_data, dist, progress=progress)
+            model.qcore_distill = run_distill(model, teacher, distill_data, dist, progress=progress,
+                                              init=distill_init)
         except BaseException:
             model._qcore_partial = True  # trained part of the way (the weights are on their grids)
             raise

@@ -5,12 +5,15 @@
 and the calibration of static activation scales. The teacher is a copy of the float model taken before any of
 them (a rotation does not change the float model's function, so it is also the rotated float model's teacher).
 
-What is trained: the weight of every quantized module (the committed, on-grid values are the start: GPTQ's
-decisions are kept at step 0), through the fake quantization with the module's committed scales held FIXED and
+What is trained: the weight of every quantized module, through the fake quantization with the module's committed scales held FIXED and
 straight-through gradients (``qcore.fake_quantize``); with ``train_scales`` also those scales (float32 scales
 of integer formats: the learned-step-size gradient of Esser et al. 2019, "LSQ"). Everything else (embeddings,
 norms, a float output head, biases, static activation scales) stays as it is; a weight tied between quantized
-modules is one trained tensor. At the end each trained weight is rounded once more with its (fixed or trained)
+modules is one trained tensor. The trained (latent) weight starts where the weight was rounded from: for a
+weight round-to-nearest quantized, the float weight itself (so a weight near a rounding boundary flips code after
+a small step, as in ordinary quantization-aware training; the model at step 0 is the round-to-nearest one); for a
+weight an algorithm decided (GPTQ's pinned codes), its committed on-grid values (GPTQ's decisions are the start;
+a code changes once the weight has moved half a grid step). At the end each trained weight is rounded once more with its (fixed or trained)
 scales and written in place with them, so the module's weight lies on the grid of its stored scales: the
 exported checkpoint (``export_hf``) holds exactly the codes the trained fake-quantized model computes with.
 """
@@ -179,11 +182,14 @@ def _lr_at(algo, step: int, seconds: float) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(done, 1.0)))
 
 
-def run_distill(model: nn.Module, teacher: nn.Module, data: list, algo, *, progress: bool = True) -> dict:
+def run_distill(model: nn.Module, teacher: nn.Module, data: list, algo, *, progress: bool = True,
+                init: Optional[dict] = None) -> dict:
     """Train ``model`` (quantized, weights committed) against ``teacher`` (its float original) on ``data`` per
     ``algo`` (``DistillConfig``); returns ``{"steps", "tokens", "seconds", "loss_first", "loss_last",
     "eval_before", "eval_after"}`` (``eval_*``: the mean loss over the first ``eval_batches`` batches, None
-    without). The weights are written (on the grid of their stored scales) at the end, also when interrupted."""
+    without). The weights are written (on the grid of their stored scales) at the end, also when interrupted.
+    ``init``: ``{module name: the float weight its committed value was rounded to nearest from}``: the trained
+    weight starts there (it rounds to the committed value with the stored scales)."""
     from qcore.algorithms.distill import data_order, distill_loss
 
     if not data:
@@ -191,11 +197,18 @@ def run_distill(model: nn.Module, teacher: nn.Module, data: list, algo, *, progr
     if algo.eval_batches > len(data):
         raise ValueError(f"distill: eval_batches={algo.eval_batches} but there are {len(data)} batches")
     groups: dict = {}
-    for _, m in _targets(model):
+    starts: dict = {}
+    for name, m in _targets(model):
+        if init is not None and name in init:
+            starts.setdefault(id(m.weight), init[name])
         if isinstance(m, QuantExperts):
             raise ValueError(f"distill: {m.qname!r} is fused MoE experts, which distillation does not train yet")
         groups.setdefault(id(m.weight), []).append(m)
     trainees = [_Trainee(ms, algo.train_scales) for ms in groups.values()]
+    with torch.no_grad():
+        for k, tr in zip(groups, trainees):
+            if k in starts:
+                tr.weight.copy_(starts[k].to(tr.weight.device, tr.weight.dtype))
     device = next(model.parameters()).device
     req = {p: p.requires_grad for p in model.parameters()}
     was_training = model.training
