@@ -27,9 +27,12 @@ def _distill_rows():
              {"lr": 1e-4, "max_seconds": 60 * _MINUTES}),
         "int4 weight-only g64 sym + GPTQ + distill":
             ("int4_wo_64", {}, ({"name": "gptq"},), {"lr": 5e-5, "max_seconds": 60 * min(_MINUTES, 20.0)}),
+        "uint4 weight-only g64 asym + GPTQ + distill":
+            ("w_uint4_per_group_asym", {"group_size": 64}, ({"name": "gptq"},),
+             {"lr": 1e-4, "max_seconds": 60 * min(_MINUTES, 20.0)}),
         "uint4 weight-only g64 asym + GPTQ + distill (train_scales)":
             ("w_uint4_per_group_asym", {"group_size": 64}, ({"name": "gptq"},),
-             {"lr": 5e-5, "train_scales": True, "max_seconds": 60 * min(_MINUTES, 20.0)}),
+             {"lr": 5e-5, "train_scales": True, "scale_lr": 1e-6, "max_seconds": 60 * min(_MINUTES, 20.0)}),
     }
 
 
