@@ -90,18 +90,19 @@ def test_distill_data_is_what_it_trains_on(zoo):
     assert m.qcore_distill["tokens"] == 3 * 2 * 16
 
 
-def test_cli_quantizes_with_distill_and_exports(lm_dir, tmp_path, capsys):
+@pytest.mark.parametrize("algo", ["distill", "quarot,gptq,distill"])
+def test_cli_quantizes_with_distill_and_exports(algo, lm_dir, tmp_path, capsys):
     from qcore.cli import main
     text, out, rep = lm_dir.parent / "text.txt", tmp_path / "ckpt", tmp_path / "r.json"
     argv = ["quantize", "--model", str(lm_dir), "--scheme", "w_uint4_per_group_asym", "--group-size", "32",
-            "--algo", "gptq,distill", "--calib-samples", "2", "--seq-len", "32", "--eval", "ppl", "--eval-text",
+            "--algo", algo, "--calib-samples", "2", "--seq-len", "32", "--eval", "ppl", "--eval-text",
             str(text), "--output", str(out), "--export", "hf", "--report", str(rep), "--device", "cpu",
             "--no-progress"]
     code = main(argv)
     o = capsys.readouterr()
     assert code == 0, o.err
     r = json.loads(rep.read_text())
-    assert r["algorithms"] == ["gptq", "distill"]
+    assert r["algorithms"] == algo.split(",")
     assert main(["eval", "--model", str(out), "--eval-text", str(text), "--seq-len", "32", "--no-progress"]) == 0
     ppl = float(capsys.readouterr().out.split("perplexity")[1].split()[0])
     assert abs(ppl - r["ppl"]) < 1e-3 * r["ppl"]
