@@ -90,6 +90,7 @@ def test_distill_data_is_what_it_trains_on(zoo):
     assert m.qcore_distill["tokens"] == 3 * 2 * 16
 
 
+@pytest.mark.slow  # about 15 s each on the loaded 2-core machine
 @pytest.mark.parametrize("algo", ["distill", "quarot,gptq,distill"])
 def test_cli_quantizes_with_distill_and_exports(algo, lm_dir, tmp_path, capsys):
     from qcore.cli import main
