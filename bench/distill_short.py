@@ -48,7 +48,8 @@ def main() -> None:
            "load_average": os.getloadavg(), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "landed_rtn_ppl": 18.2068}
     print(json.dumps(row, indent=1))
-    (ROOT / "bench" / "ALGORITHMS_DISTILL_SHORT.json").write_text(json.dumps(row, indent=1) + "\n")
+    out = os.environ.get("QCORE_DISTILL_OUT", "ALGORITHMS_DISTILL_SHORT.json")
+    (ROOT / "bench" / out).write_text(json.dumps(row, indent=1) + "\n")
 
 
 if __name__ == "__main__":
