@@ -3,6 +3,8 @@
 GPTQ (and QuaRot) calibrate on the protocol's 32 calibration windows (20..51) as in the landed rows; the
 distillation trains on the calibration windows 20..219 (the protocol's 200 calibration windows: never the
 evaluation windows 0..19), bounded by the wall clock (``max_seconds``), one 512-token window per step.
+Peak memory is about 5-6 GB per row (the bench's float model and its quantized copy, the teacher, AdamW's states);
+on the shared machine two such runs were ended by the out-of-memory killer (bench/ALGORITHMS_DISTILL.md).
 The training's figures (steps, tokens, seconds, first/last loss) are printed and kept in ``LAST_RUNS``.
 """
 
@@ -27,6 +29,8 @@ def _distill_rows():
              {"lr": 1e-4, "max_seconds": 60 * _MINUTES}),
         "int4 weight-only g64 sym + GPTQ + distill":
             ("int4_wo_64", {}, ({"name": "gptq"},), {"lr": 5e-5, "max_seconds": 60 * min(_MINUTES, 20.0)}),
+        "uint4 weight-only g64 asym RTN + distill":
+            ("w_uint4_per_group_asym", {"group_size": 64}, (), {"lr": 1e-4, "max_seconds": 60 * min(_MINUTES, 20.0)}),
         "uint4 weight-only g64 asym + GPTQ + distill":
             ("w_uint4_per_group_asym", {"group_size": 64}, ({"name": "gptq"},),
              {"lr": 1e-4, "max_seconds": 60 * min(_MINUTES, 20.0)}),
