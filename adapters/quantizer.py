@@ -554,7 +554,7 @@ def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distri
 def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], data: Optional[Iterable] = None, *,
                    qat: bool = False, progress: bool = True, distributed: Any = None,
                    reference: Optional[dict] = None, moe_all_experts: bool = True, work_dir=None,
-                   resume: bool = False) -> nn.Module:
+                   resume: bool = False, distill_data: Optional[Iterable] = None) -> nn.Module:
     """Quantize ``model`` in place per ``config`` (a ``ModelConfig``, a preset name or a config dict) and return it.
 
     data: calibration batches (see ``calibrate``); needed when the config has static activation scales.
@@ -576,6 +576,7 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         ``work_dir`` after each decoder layer; ``resume=True`` continues a run saved there (same model, config and
         data: refused otherwise) to the same weights an uninterrupted run gives (``qcore.adapters.passes.
         checkpointing``; docs/adapters.md "Long runs: a work directory"). Not with ``distributed``.
+    distill_data: the batches a ``distill`` algorithm trains on (default: ``data``).
 
     All or nothing: on any error the original modules are put back and the weights are untouched. With
     algorithms (``config.algorithms``: a rotation first, QuaRot or SpinQuant, on the whole float model,
@@ -623,6 +624,22 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
                                      n_batches=len(data) if data is not None else 1)
     pinned: dict = {}
     algos = config_algorithms(config)
+    from qcore.algorithms.config import split_distill
+    dist, algos = split_distill(algos)  # quantization-aware distillation: last, on the whole quantized model
+    teacher = None
+    if dist is not None:
+        from .passes.distill import check_distill, make_teacher
+        if qat or distributed is not None:
+            raise ValueError("distill trains the committed quantized model on one process: not with qat=True or "
+                             "distributed=")
+        if distill_data is None and data is None:
+            raise ValueError("the algorithm distill needs training batches; pass calibration batches as data=")
+        distill_data = list(data if distill_data is None else distill_data)
+        _check_batches(model, distill_data)
+        check_distill(model, plans, dist)
+        teacher = make_teacher(model)  # the float model (a rotation keeps its function)
+    elif distill_data is not None:
+        raise ValueError("distill_data= is for the algorithm distill, which the config does not run")
     if work_dir is not None and data is not None:
         data = list(data)  # read by the fingerprint, then by the run
     work = _work_dir(model, config, algos, data, work_dir, resume, distributed, reference is not None)
@@ -697,12 +714,25 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         for name, _, new in wrappers:
             if name not in pinned and "weight" in new.specs and not isinstance(new, QuantExperts):  # experts:
                 reference[name] = new.weight.detach().to("cpu", copy=True)  # not in layer_report yet (docs/adapters.md)
+    if teacher is not None:  # what round-to-nearest rounded: the trained weights start there (distill's docs)
+        distill_init = {name: new.weight.detach().clone() for name, _, new in wrappers
+                        if name not in pinned and "weight" in new.specs and not isinstance(new, QuantExperts)}
     if not qat:
         # Past this point the model is quantized: writing the weights in place cannot be undone without a second
         # copy of them. If it is interrupted, the wrappers not yet written stay in their pending mode, which
         # fake-quantizes at the forward: the model is fully quantized either way.
         for _, _, new in _progress(wrappers, desc="quantizing weights", enabled=progress):
             new.commit()
+    if teacher is not None:
+        from .passes.distill import run_distill
+        try:
+            model.qcore_distill = run_distill(model, teacher, distill_data, dist, progress=progress,
+                                              init=distill_init)
+        except BaseException:
+            model._qcore_partial = True  # trained part of the way (the weights are on their grids)
+            raise
+        finally:
+            del teacher
     model.qcore_config = config  # what exporters write (qcore.adapters.export_hf)
     return model
 

@@ -559,11 +559,88 @@ _SVDQUANT_QUARK_NOOPS = frozenset({"exclude_patterns", "min_layer_size", "gptq_n
 
 
 # [distill] (its config class goes below this line)
+@dataclass(frozen=True)
+class DistillConfig:
+    """Quantization-aware distillation (``qcore.algorithms.distill``, ``qcore.adapters.passes.distill``): after
+    the other algorithms (it comes last), the fake-quantized model is trained against the float model's logits.
+
+    ``steps`` optimizer steps of ``batch`` calibration batches each (gradients accumulated), drawn in epochs in the
+    order ``key`` gives; ``lr``: the weights' learning rate (``optimizer`` ``"adamw"`` or ``"sgd"``, ``schedule``
+    ``"cosine"`` decays it to 0 over the steps, ``"constant"`` keeps it), ``weight_decay``; ``loss`` ``"kl"`` or
+    ``"jsd"`` at ``temperature``, blended with the next-token cross entropy by ``alpha`` (1 = pure distillation);
+    ``train_scales``: also train the weights' float32 scales (integer weight formats; learned-step-size gradient)
+    at ``scale_lr`` (default ``lr``); ``max_seconds``: stop earlier when the training has run that long (wall
+    clock); ``eval_batches``: batches (of the calibration data) whose loss is reported before and after.
+    Quark has no ``algo_config`` entry for it (its ``QADTrainer`` is a trainer): ``to_quark()`` gives that
+    trainer's keyword spelling (``kd_loss_type``, ``temperature``, ``kd_alpha``, ``learning_rate``,
+    ``max_steps``, ``per_device_train_batch_size``, ``weight_decay``), which ``parse_algorithm`` reads too."""
+
+    steps: int = 100
+    lr: float = 1e-5
+    batch: int = 1
+    loss: str = "kl"
+    temperature: float = 1.0
+    alpha: float = 1.0
+    train_scales: bool = False
+    scale_lr: Optional[float] = None
+    optimizer: str = "adamw"
+    schedule: str = "cosine"
+    weight_decay: float = 0.0
+    max_seconds: Optional[float] = None
+    eval_batches: int = 0
+    key: int = 0
+    name: str = field(default="distill", init=False)
+
+    def __post_init__(self):
+        _int(self.steps, "DistillConfig.steps")
+        _real(self.lr, "DistillConfig.lr", 0.0, 1.0, lo_open=True)
+        _int(self.batch, "DistillConfig.batch")
+        if self.loss not in ("kl", "jsd"):
+            raise ValueError(f"DistillConfig.loss must be 'kl' or 'jsd', got {self.loss!r}")
+        _real(self.temperature, "DistillConfig.temperature", 0.0, 1e3, lo_open=True)
+        _real(self.alpha, "DistillConfig.alpha", 0.0, 1.0)
+        _bool(self.train_scales, "DistillConfig.train_scales")
+        if self.scale_lr is not None:
+            _real(self.scale_lr, "DistillConfig.scale_lr", 0.0, 1.0, lo_open=True)
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"DistillConfig.optimizer must be 'adamw' or 'sgd', got {self.optimizer!r}")
+        if self.schedule not in ("cosine", "constant"):
+            raise ValueError(f"DistillConfig.schedule must be 'cosine' or 'constant', got {self.schedule!r}")
+        _real(self.weight_decay, "DistillConfig.weight_decay", 0.0, 1.0)
+        if self.max_seconds is not None:
+            _real(self.max_seconds, "DistillConfig.max_seconds", 0.0, 1e9, lo_open=True)
+        _int(self.eval_batches, "DistillConfig.eval_batches", 0)
+        if isinstance(self.key, bool) or not isinstance(self.key, numbers.Integral):
+            raise TypeError(f"DistillConfig.key must be an int, got {self.key!r}")
+        for f in ("lr", "temperature", "alpha", "weight_decay"):
+            object.__setattr__(self, f, float(getattr(self, f)))
+
+    def to_dict(self) -> dict:
+        return {"name": "distill", **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}}
+
+    def to_quark(self) -> dict:
+        """Quark's ``QADTrainer`` / transformers ``TrainingArguments`` spelling of the keys that map (the rest in
+        qcore's spelling)."""
+        d = self.to_dict()
+        for ours, theirs in _DISTILL_QUARK.items():
+            d[theirs] = d.pop(ours)
+        return d
+
+
+_DISTILL_QUARK = {"loss": "kd_loss_type", "alpha": "kd_alpha", "lr": "learning_rate", "steps": "max_steps",
+                  "batch": "per_device_train_batch_size"}
+
+
+def split_distill(algorithms: Sequence) -> tuple:
+    """``(the distillation config or None, the other algorithms)`` (``parse_algorithms`` puts it last)."""
+    d = [a for a in algorithms if isinstance(a, DistillConfig)]
+    return (d[0] if d else None), tuple(a for a in algorithms if not isinstance(a, DistillConfig))
+
 
 # ---------------------------------------------------------------------------------------------------------------
 
 AlgorithmConfig = Union[GPTQConfig, AWQConfig, SmoothQuantConfig, AutoSmoothQuantConfig, QuaRotConfig,
-                        SpinQuantConfig, HQQConfig, AutoRoundConfig, SVDQuantConfig]
+                        SpinQuantConfig, AutoRoundConfig, GPTAQConfig, HQQConfig, SVDQuantConfig, DistillConfig]
 ROTATION_CONFIGS = (QuaRotConfig, SpinQuantConfig)
 
 
@@ -600,6 +677,7 @@ _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {
                                   "gptq_actorder": "act_order", "model_decoder_layers": "decoder_layers"}),
 
     # [distill]
+    "distill": (DistillConfig, {v: k for k, v in _DISTILL_QUARK.items()}),
 
 }
 _ALIASES = {"smooth": "smoothquant", "smooth_quant": "smoothquant", "auto_smoothquant": "autosmoothquant"}
@@ -656,4 +734,8 @@ def parse_algorithms(items) -> tuple:
     if len(rot) > 1 or (rot and rot[0] != 0):
         raise ValueError(f"algorithms {[a.name for a in out]}: a rotation (quarot / spinquant) must come first, "
                          f"and only one")
+    dist = [i for i, a in enumerate(out) if isinstance(a, DistillConfig)]
+    if len(dist) > 1 or (dist and dist[0] != len(out) - 1):
+        raise ValueError(f"algorithms {[a.name for a in out]}: distill trains the quantized model the other "
+                         f"algorithms produced, so it must come last, and only once")
     return out
