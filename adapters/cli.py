@@ -399,9 +399,10 @@ def _add_quantize(q) -> None:
                    "experts, Conv1D: docs/adapters.md) (repeatable; replaces the default: the output head)")
     q.add_argument("--algo", action="append", default=None, metavar="NAMES",
                    help="algorithms to run before rounding, in order, comma-separated or repeated: quarot or "
-                   "spinquant (first), gptq, awq, smoothquant, autosmoothquant (e.g. --algo quarot,gptq); an entry "
-                   "may be a JSON object with settings, e.g. --algo '{\"name\": \"spinquant\", \"steps\": 50}'; "
-                   "they use the calibration windows")
+                   "spinquant (first), gptq, gptaq, qronos, autoround, awq, smoothquant, autosmoothquant, svdquant, "
+                   "hqq (data-free; last but for distill), distill (last) (e.g. --algo quarot,gptq or --algo "
+                   "quarot,gptq,distill); an entry may be a JSON object with settings, e.g. --algo '{\"name\": "
+                   "\"spinquant\", \"steps\": 50}'; all but hqq use the calibration windows (docs/algorithms.md)")
     q.add_argument("--calib-samples", type=_count, default=32, help="calibration windows (default 32)")
     q.add_argument("--amp", default=None, metavar="SCHEMES",
                    help="layerwise mixed precision instead of --scheme: comma-separated presets (and 'float') to "

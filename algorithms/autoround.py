@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import qcore
 from qcore.dtypes import IntDType
@@ -318,7 +318,7 @@ def signround(weights: Mapping, specs: Mapping, forward: Callable, batches: Sequ
     ``lr``); enable_minmax_tuning: learn the range factors; batch_size: batches per step (at most all); key: seed of
     the minibatch order. progress(t, loss): called after each iteration.
     """
-    torch = _torch()
+    _torch()  # torch is needed from here on (imported on first use)
     _check_common(weights, specs, forward, batches, targets)
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
         raise ValueError(f"iters must be an int >= 0, got {iters!r}")

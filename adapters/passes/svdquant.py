@@ -31,7 +31,6 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-import qcore
 from qcore.algorithms.gptq import HessianStats, _HessianSum, check_gptq_spec
 from qcore.algorithms.smoothquant import smoothquant_scales, weight_absmax
 from qcore.algorithms.svdquant import DEFAULT_ALPHAS, search_alpha, svdquant
