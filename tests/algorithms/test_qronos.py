@@ -99,8 +99,9 @@ def test_equals_the_papers_iteration(case, block_size, damp_scale):
         agree.append(np.isclose(q, q_ref, rtol=1e-5, atol=1e-6).mean())
         # the objective the paper minimises: within float rounding of the transcription's
         assert _asym(x, xt, w, q) == pytest.approx(_asym(x, xt, w, q_ref), rel=2e-2)
-    # float32 loop vs float64 least squares: a value on a rounding boundary may round the other way (rare)
-    assert min(agree) >= 0.97 and np.mean(agree) >= 0.99, agree
+    # float32 loop vs float64 least squares: every code the same on these seeds (a value exactly on a rounding
+    # boundary could round the other way; none is here)
+    assert min(agree) == 1.0, agree
 
 
 def test_unperturbed_inputs_give_gptq():
@@ -131,7 +132,7 @@ def test_better_than_gptq_on_the_asymmetric_objective():
         e_rtn = _asym(x, xt, w, np.asarray(qcore.fake_quantize(w, spec)))
         assert e_q < e_gt and e_q < e_gf and e_q < e_rtn, (seed, e_q, e_gt, e_gf, e_rtn)
         gains.append(e_gt / e_q)
-    assert np.mean(gains) > 1.05, gains
+    assert np.mean(gains) > 1.2, gains  # about 1.35 on these seeds
 
 
 SPECS = {
