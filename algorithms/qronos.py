@@ -35,8 +35,8 @@ Quark's ``alpha`` rule, by 30 power iterations from the ones vector) or ``damp *
 When ``X == X~`` (``C == H~``; no error before the layer), ``v_1 = w_1`` and step 3 is GPTQ's update: Qronos
 is GPTQ (with the same damping), up to float rounding.
 
-Statistics: ``stats`` = ``(H~, C)`` as arrays with one normalisation (e.g. both ``sum / count``), or an object
-with ``hessian()`` and ``cross()`` (the paired statistics of ``qcore.algorithms.gptaq``, when present). Every
+Statistics: ``stats`` = ``(H~, C)`` as arrays with one normalisation (e.g. both ``sum / count``), or the paired
+statistics ``qcore.algorithms._paired.PairedStats`` (``hessian`` = ``sum X~^T X~``, ``cross()`` = ``sum X^T X~``). Every
 spec GPTQ takes (``check_gptq_spec``). Two-level specs (NVFP4): the tensor scale is GPTQ's, from the weight
 after step 3, so column 1 is re-rounded under it by the loop (its error fed forward as for any column).
 """
@@ -61,8 +61,12 @@ DAMP_SCALES = ("max_eigenvalue", "mean_diagonal")
 
 def _paired(stats, n: int, like):
     """``(H~, C)`` from the accepted forms (arrays as given, not yet copied)."""
-    if hasattr(stats, "hessian") and hasattr(stats, "cross") and callable(stats.cross):
-        h, c = stats.hessian(), stats.cross()
+    from ._paired import PairedStats
+
+    if isinstance(stats, PairedStats):
+        if stats.count == 0:
+            raise ValueError("stats: no calibration rows were added (count == 0)")
+        h, c = stats.hessian, stats.cross()  # raw sums: one normalisation
     elif isinstance(stats, (tuple, list)) and len(stats) == 2:
         h, c = stats
         if isinstance(h, HessianStats):
@@ -70,7 +74,7 @@ def _paired(stats, n: int, like):
                             "hessian() is 2 * sum / count; C must be scaled the same way)")
     else:
         raise TypeError(f"stats must be (H~, C) (two [n, n] arrays: sum X~^T X~ and sum X^T X~, one normalisation) "
-                        f"or paired statistics with hessian() and cross(), got {type(stats).__name__}")
+                        f"or a qcore.algorithms._paired.PairedStats, got {type(stats).__name__}")
     h, c = _as_array(h, "stats[0] (H~)"), _as_array(c, "stats[1] (C)")
     for name, v in (("H~", h), ("C", c)):
         if tuple(v.shape) != (n, n):
