@@ -40,8 +40,8 @@ from typing import Any, ClassVar, Mapping, Optional, Sequence, Union
 from .smoothquant import SmoothLoss
 
 __all__ = ["GPTQConfig", "AWQConfig", "SmoothQuantConfig", "AutoSmoothQuantConfig", "QuaRotConfig",
-           "SpinQuantConfig", "AutoRoundConfig", "SVDQuantConfig", "ROTATION_CONFIGS", "split_rotation",
-           "AlgorithmConfig",
+           "SpinQuantConfig", "AutoRoundConfig", "GPTAQConfig", "QronosConfig", "HQQConfig", "SVDQuantConfig",
+           "DistillConfig", "ROTATION_CONFIGS", "split_rotation", "AlgorithmConfig",
            "parse_algorithm", "parse_algorithms", "ALGORITHM_NAMES"]
 
 # Quark keys that carry no setting qcore uses (device placement, Quark-internal switches)
@@ -447,6 +447,56 @@ class GPTAQConfig:
 
 
 # [qronos] (its config class goes below this line)
+@dataclass(frozen=True)
+class QronosConfig:
+    """Qronos settings (``qcore.algorithms.qronos``): GPTQ's ``block_size``, ``act_order``, ``static_groups``,
+    ``true_sequential``, ``modules``, ``decoder_layers``; ``damp``: the damping relative to ``damp_scale``
+    (``"max_eigenvalue"`` of ``H~``, Quark's ``alpha``, default 1e-3 as Quark's code; or ``"mean_diagonal"``,
+    GPTQ's rule); ``beta``: Quark's Cholesky conditioning factor (it scales ``H~^-1`` before a float32
+    factorisation and back; qcore factors in float64, where it changes nothing: kept for the round trip).
+    ``true_sequential`` defaults to True here: each stage's inputs ``X~`` include this layer's modules already
+    quantized (the error Qronos corrects). Quark keys: ``alpha``, ``beta``, ``desc_act``, ``static_groups``,
+    ``block_size``, ``inside_layer_modules``, ``model_decoder_layers`` (a Quark dict without ``static_groups``
+    gets Quark's default, True)."""
+
+    block_size: int = 128
+    damp: float = 1e-3
+    damp_scale: str = "max_eigenvalue"
+    beta: float = 1e4
+    act_order: bool = True
+    static_groups: bool = False
+    true_sequential: bool = True
+    modules: tuple = ()
+    decoder_layers: Optional[str] = None
+    name: str = field(default="qronos", init=False)
+
+    def __post_init__(self):
+        _int(self.block_size, "QronosConfig.block_size")
+        _real(self.damp, "QronosConfig.damp", 0.0, 1e6)
+        if self.damp_scale not in ("max_eigenvalue", "mean_diagonal"):
+            raise ValueError(f"QronosConfig.damp_scale must be 'max_eigenvalue' or 'mean_diagonal', got "
+                             f"{self.damp_scale!r}")
+        _real(self.beta, "QronosConfig.beta", 0.0, 1e30, lo_open=True)
+        _bool(self.act_order, "QronosConfig.act_order")
+        _bool(self.static_groups, "QronosConfig.static_groups")
+        _bool(self.true_sequential, "QronosConfig.true_sequential")
+        object.__setattr__(self, "modules", _names(self.modules, "QronosConfig.modules"))
+        _layers_path(self.decoder_layers, "QronosConfig.decoder_layers")
+
+    def to_dict(self) -> dict:
+        return {"name": "qronos", "block_size": self.block_size, "damp": self.damp, "damp_scale": self.damp_scale,
+                "beta": self.beta, "act_order": self.act_order, "static_groups": self.static_groups,
+                "true_sequential": self.true_sequential, "modules": list(self.modules),
+                "decoder_layers": self.decoder_layers}
+
+    def to_quark(self) -> dict:
+        if self.damp_scale != "max_eigenvalue":
+            raise ValueError(f"QronosConfig.to_quark: Quark's alpha damps relative to the largest eigenvalue; "
+                             f"damp_scale={self.damp_scale!r} has no Quark spelling")
+        return {"name": "qronos", "block_size": self.block_size, "desc_act": self.act_order,
+                "static_groups": self.static_groups, "alpha": self.damp, "beta": self.beta,
+                "inside_layer_modules": list(self.modules), "model_decoder_layers": self.decoder_layers or ""}
+
 
 
 # [hqq] (its config class goes below this line)
@@ -640,7 +690,8 @@ def split_distill(algorithms: Sequence) -> tuple:
 # ---------------------------------------------------------------------------------------------------------------
 
 AlgorithmConfig = Union[GPTQConfig, AWQConfig, SmoothQuantConfig, AutoSmoothQuantConfig, QuaRotConfig,
-                        SpinQuantConfig, AutoRoundConfig, GPTAQConfig, HQQConfig, SVDQuantConfig, DistillConfig]
+                        SpinQuantConfig, AutoRoundConfig, GPTAQConfig, QronosConfig, HQQConfig, SVDQuantConfig,
+                        DistillConfig]
 ROTATION_CONFIGS = (QuaRotConfig, SpinQuantConfig)
 
 
@@ -667,6 +718,8 @@ _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {
                             "model_decoder_layers": "decoder_layers"}),
 
     # [qronos]
+    "qronos": (QronosConfig, {"alpha": "damp", "desc_act": "act_order", "inside_layer_modules": "modules",
+                              "model_decoder_layers": "decoder_layers"}),
 
     # [hqq]
     "hqq": (HQQConfig, {"lp_norm": "p", "model_decoder_layers": "decoder_layers"}),  # lp_norm: mobiusml/hqq's p
@@ -721,6 +774,8 @@ def parse_algorithm(d: Union[Mapping, AlgorithmConfig, str]) -> AlgorithmConfig:
         kwargs[arg] = v
     if key == "gptq" and "static_groups" not in kwargs and any(k in d for k in renames):
         kwargs["static_groups"] = True  # a Quark recipe gets Quark's default (its export needs static groups)
+    if key == "qronos" and "static_groups" not in kwargs and any(k in d for k in renames):
+        kwargs["static_groups"] = True  # Quark's QronosConfig default, as for gptq
     return cls(**kwargs)
 
 

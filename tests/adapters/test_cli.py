@@ -147,7 +147,7 @@ def test_quantize_a_model_directory_writes_the_report(llama_dir, tmp_path, capsy
     (["--model", "/nonexistent/m.gguf"], "--model /nonexistent/m.gguf: no such GGUF file"),
     (["--algo", "gptq,quarot"], "--algo gptq,quarot: algorithms ['gptq', 'quarot']: a rotation (quarot / "
                                 "spinquant) must come first"),
-    (["--algo", "qronos"], "--algo qronos: algorithm 'qronos' is not available"),
+    (["--algo", "nosuchalgo"], "--algo nosuchalgo: algorithm 'nosuchalgo' is not available"),
     (["--export", "hf"], "--export hf needs --output DIR"),
     (["--max-shard-size", "huge", "--output", "/tmp/qcore-never-written"], "max_shard_size 'huge' is not a size"),
     (["--scheme", "fp8", "--group-size", "64"], "'fp8' has no per-group or block role"),

@@ -44,7 +44,7 @@ def test_names_list_as_the_command_line_gives_it():
 
 
 @pytest.mark.parametrize("bad, err, match", [
-    ({"name": "qronos"}, ValueError, "'qronos' is not available; known"),
+    ({"name": "nosuchalgo"}, ValueError, "'nosuchalgo' is not available; known"),
     ({"alpha": 0.5}, ValueError, "has no 'name'"),
     ({"name": "gptq", "dampp": 0.1}, ValueError, "unknown key 'dampp'"),
     ({"name": "gptq", "damp": -0.1}, ValueError, "GPTQConfig.damp"),
