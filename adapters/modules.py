@@ -498,6 +498,31 @@ class _QuantMixin:
         self._wcache = None
         self._qmode = _INPLACE
 
+    def replace_weight(self, q: "qcore.QTensor") -> None:
+        """Write an already quantized weight (a ``QTensor`` of this module's weight spec in the canonical layout)
+        into a committed (in-place) module, with its scales, as ``commit(weight=q)`` does for a pending one: e.g.
+        the weights a training pass re-rounded (``qcore.adapters.passes.distill``). Tied modules each take it."""
+        if self._qmode != _INPLACE:
+            raise ValueError(f"{self.qname!r}: replace_weight needs a committed module (mode {self._qmode!r}); a "
+                             f"pending one takes commit(weight=...), a frozen one cannot change")
+        self._check_given_weight(q)
+        p = self.weight
+        with torch.no_grad():
+            p.copy_(self._uncanon(qcore.dequantize(q)).to(p.dtype))
+            self._keep_params("weight", q)
+        self._mark(p, "weight", q)
+        self._set_ver("weight", p)
+        self._wcache = None
+
+    def to_canonical(self, w: torch.Tensor) -> torch.Tensor:
+        """A weight-shaped tensor in the canonical ``[out, in/groups, *kernel]`` layout the weight spec is given on
+        (differentiable; a view except for grouped transposed convolutions)."""
+        return self._canon(w)
+
+    def from_canonical(self, w: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``to_canonical``."""
+        return self._uncanon(w)
+
     def _check_given_weight(self, q) -> None:
         spec = self._qspecs.get("weight")
         if spec is None:

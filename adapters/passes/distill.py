@@ -40,7 +40,7 @@ __all__ = ["check_distill", "run_distill", "make_teacher"]
 
 def _targets(model: nn.Module) -> list:
     """``[(name, module)]`` of the quantized modules with a quantized weight, in model order."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantMixin) and "weight" in m._qspecs]
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantMixin) and "weight" in m.specs]
 
 
 def _scale_trainable(spec) -> Optional[str]:
@@ -107,7 +107,7 @@ class _Trainee:
         self.mods = mods
         m = mods[0]
         self.weight = m.weight
-        self.spec = m._qspecs["weight"]
+        self.spec = m.specs["weight"]
         b = m._buffers
         self.scale = b["weight_scale"].detach().clone()
         self.zero = b.get("weight_zero_point")
@@ -127,7 +127,7 @@ class _Trainee:
     def fake(self, m: _QuantMixin) -> torch.Tensor:
         """The weight the forward uses: fake-quantized with the scales, straight-through to the weight (and the
         LSQ gradient to a trained scale)."""
-        w = m._canon(self.weight)
+        w = m.to_canonical(self.weight)
         wf = w.float()
         if self.train_scale is None:
             fq = qcore.fake_quantize(wf, self.spec, **self.kw(self.scale))
@@ -144,21 +144,16 @@ class _Trainee:
                 inside = ((u >= lo - 0.5) & (u <= hi + 0.5)).to(wf.dtype)
                 g = (fq.detach() / sde) - inside * (wf.detach() / sde)  # d fq / d s: (q - z) - [inside] w / s
             fq = fq + (se - sde) * g
-        return m._uncanon(fq).to(self.weight.dtype)
+        return m.from_canonical(fq).to(self.weight.dtype)
 
     @torch.no_grad()
     def write(self) -> None:
         """Round the weight once more with its final scales and write it (and the scales) in place."""
         scale = self.scale if self.train_scale is None else self.train_scale.detach().clone()
         m0 = self.mods[0]
-        q = qcore.quantize(m0._canon(self.weight).detach().float(), self.spec, **self.kw(scale))
-        self.weight.copy_(m0._uncanon(qcore.dequantize(q)).to(self.weight.dtype))
-        for m in self.mods:
-            m._keep_params("weight", q)
-            m._wcache = None
-        m0._mark(self.weight, "weight", q)
-        for m in self.mods:
-            m._set_ver("weight", self.weight)
+        q = qcore.quantize(m0.to_canonical(self.weight).detach().float(), self.spec, **self.kw(scale))
+        for m in self.mods:  # tied modules share the tensor: each keeps the scales
+            m.replace_weight(q)
 
 
 def _expand(s: torch.Tensor, shape: tuple) -> torch.Tensor:

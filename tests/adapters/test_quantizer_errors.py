@@ -148,8 +148,8 @@ def test_already_quantized_and_unknown_algorithms():
     quantize_model(m, ModelConfig(LayerConfig(weight="int8")), progress=False)
     with pytest.raises(ValueError, match="already holds qcore quantized modules"):
         quantize_model(m, ModelConfig(LayerConfig(weight="int8")), progress=False)
-    with pytest.raises(ValueError, match="algorithm 'qronos' is not available; known: .*gptq"):
-        quantize_model(_net(), ModelConfig(LayerConfig(weight="int8"), algorithms=[{"name": "qronos"}]), progress=False)
+    with pytest.raises(ValueError, match="algorithm 'nosuchalgo' is not available; known: .*gptq"):
+        quantize_model(_net(), ModelConfig(LayerConfig(weight="int8"), algorithms=[{"name": "nosuchalgo"}]), progress=False)
     net = _net()
     before = {k: v.clone() for k, v in net.state_dict().items()}
     with pytest.raises(ValueError, match="Net is not a Llama-like causal LM"):  # checked before any change
