@@ -25,7 +25,7 @@ from qcore.algorithms.autoround import check_autoround_spec, signround
 
 from ..modules import is_fused_experts, linear_weight, linear_weight_spec
 from .runner import hidden_of
-from .sequential import _write
+from .sequential import _write, named_targets
 
 _log = logging.getLogger("qcore.adapters")
 
@@ -33,19 +33,8 @@ __all__ = ["check", "run"]
 
 
 def _targets(layer: nn.Module, lplans: dict, algo, prefix: str) -> list:
-    names = list(algo.modules) if algo.modules else [n for n, p in lplans.items() if p.config.weight is not None]
     out = []
-    for n in names:
-        try:
-            m = layer.get_submodule(n)
-        except AttributeError:
-            raise ValueError(f"autoround modules: {n!r} is not a module of decoder layer {prefix!r}; its Linears: "
-                             f"{[k for k, v in layer.named_modules() if isinstance(v, nn.Linear)][:8]}") from None
-        plan = lplans.get(n)
-        if plan is None or plan.config.weight is None:
-            if algo.modules:
-                raise ValueError(f"autoround modules: {prefix}.{n} gets no weight quantization from the config")
-            continue
+    for n, m, plan in named_targets(layer, lplans, algo, prefix):
         if is_fused_experts(m):
             raise ValueError(f"autoround: {prefix}.{n} holds fused MoE experts, which autoround does not handle "
                              f"(GPTQ does); exclude them or use gptq")

@@ -26,11 +26,7 @@ __all__ = ["check", "run"]
 
 
 def _targets(layer: nn.Module, lplans: dict, algo, prefix: str) -> list[str]:
-    try:
-        names = _gptq_targets(layer, lplans, algo, prefix)
-    except ValueError as e:
-        msg = str(e)
-        raise ValueError("qronos" + msg[4:] if msg.startswith("gptq") else f"qronos: {msg}") from None
+    names = _gptq_targets(layer, lplans, algo, prefix)  # its errors name the algorithm (algo.name)
     experts = [n for n in names if is_fused_experts(layer.get_submodule(n))]
     if experts:
         raise ValueError(f"qronos: {prefix}.{experts[0]} are fused MoE experts, which Qronos does not handle yet "

@@ -84,27 +84,37 @@ def _scale_fn(plan, spec):
     return f
 
 
-def _gptq_targets(layer: nn.Module, lplans: dict, algo: GPTQConfig, prefix: str) -> list[str]:
+def named_targets(layer: nn.Module, lplans: dict, algo, prefix: str) -> list:
+    """``[(name, module, plan)]`` of the modules a layer algorithm acts on: those ``algo.modules`` names (relative to
+    the decoder layer; each must exist and be quantized by the config), or by default every module of the layer
+    whose weight the config quantizes. Errors name the algorithm, the module and the layer."""
     names = list(algo.modules) if algo.modules else [n for n, p in lplans.items() if p.config.weight is not None]
     out = []
     for n in names:
         try:
             m = layer.get_submodule(n)
         except AttributeError:
-            raise ValueError(f"gptq modules: {n!r} is not a module of decoder layer {prefix!r}; its Linears: "
+            raise ValueError(f"{algo.name} modules: {n!r} is not a module of decoder layer {prefix!r}; its Linears: "
                              f"{[k for k, v in layer.named_modules() if isinstance(v, nn.Linear)][:8]}") from None
         plan = lplans.get(n)
         if plan is None or plan.config.weight is None:
             if algo.modules:
-                raise ValueError(f"gptq modules: {prefix}.{n} gets no weight quantization from the config")
+                raise ValueError(f"{algo.name} modules: {prefix}.{n} gets no weight quantization from the config")
             continue
+        out.append((n, m, plan))
+    return out
+
+
+def _gptq_targets(layer: nn.Module, lplans: dict, algo: GPTQConfig, prefix: str) -> list[str]:
+    out = []
+    for n, m, plan in named_targets(layer, lplans, algo, prefix):
         if is_fused_experts(m):  # fused MoE experts: GPTQ per expert slice (_gptq_experts)
             for proj in EXPERT_PROJS:
                 spec = experts_weight_spec(m, plan.config, f"{prefix}.{n}", proj)
                 try:
                     check_gptq_spec(spec, tuple(m._parameters[proj].shape[1:]))
                 except ValueError as e:
-                    raise ValueError(f"gptq: {prefix}.{n}.{proj} (each expert's slice): {e}") from None
+                    raise ValueError(f"{algo.name}: {prefix}.{n}.{proj} (each expert's slice): {e}") from None
             out.append(n)
             continue
         if linear_weight(m) is None:
@@ -113,7 +123,7 @@ def _gptq_targets(layer: nn.Module, lplans: dict, algo: GPTQConfig, prefix: str)
         try:
             check_gptq_spec(spec, tuple(linear_weight(m).shape))
         except ValueError as e:
-            raise ValueError(f"gptq: {prefix}.{n}: {e}") from None
+            raise ValueError(f"{algo.name}: {prefix}.{n}: {e}") from None
         out.append(n)
     return out
 
