@@ -58,8 +58,8 @@ from qcore import PerChannel, QuantSpec
 from qcore._backend import is_torch
 
 from ._paired import PairedStats
-from .gptq import (GPTQResult, _as_array, _assemble, _check_positive, _damped, _group_width, _lib, _np_view,
-                   _per_row, _symmetrize_, _to_numpy, check_gptq_spec)
+from .gptq import (GPTQResult, _as_array, _assemble, _check_loop_options, _dead_inputs, _group_setup, _lib,
+                   _np_view, _per_row, _symmetrize_, _to_numpy, _upper_factor, check_gptq_spec)
 
 __all__ = ["gptaq"]
 
@@ -117,11 +117,7 @@ def gptaq(weight: Any, stats: Any, spec: QuantSpec, *, alpha: float = 0.25, bloc
     shape = tuple(int(s) for s in weight.shape)
     check_gptq_spec(spec, shape)
     alpha = _check_alpha(alpha)
-    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    _check_positive(damp, "damp", allow_zero=True)
-    if isinstance(max_retries, bool) or not isinstance(max_retries, numbers.Integral) or max_retries < 0:
-        raise ValueError(f"max_retries must be a non-negative int, got {max_retries!r}")
+    _check_loop_options(block_size, damp, max_retries)
     for name, v in (("act_order", act_order), ("static_groups", static_groups)):
         if not isinstance(v, bool):
             raise TypeError(f"{name} must be a bool, got {v!r}")
@@ -141,34 +137,10 @@ def gptaq(weight: Any, stats: Any, spec: QuantSpec, *, alpha: float = 0.25, bloc
         raise ValueError("weight holds NaN or Inf")
 
     _symmetrize_(H)
-    dead = lib.diag(H) == 0
-    if bool(dead.any()):
-        idx = lib.index(np.flatnonzero(_to_numpy(dead)), W)
-        H[idx, idx] = 1.0
-        W[:, idx] = 0.0
+    idx = _dead_inputs(W, H, lib)
+    if idx is not None:
         D[:, idx] = 0.0
-
-    two_level = bool(spec.two_level)
-    tensor_scale = qcore.quantize(W, spec).tensor_scale if two_level else None
-    width = _group_width(spec, n)
-
-    def params_of(part):
-        if scale_fn is not None:
-            kw = dict(scale_fn(part))
-        else:
-            q = qcore.quantize(part, spec, tensor_scale=tensor_scale) if two_level else qcore.quantize(part, spec)
-            kw = {"scale": q.scales, "zero_point": q.zero_points}
-        if two_level:
-            kw["tensor_scale"] = tensor_scale
-        return kw
-
-    ngroups = 1 if width is None else -(-n // width)
-    group_params: list = [None] * ngroups
-    if width is None:
-        group_params[0] = params_of(W)
-    elif static_groups:
-        for gi in range(ngroups):
-            group_params[gi] = params_of(W[:, gi * width:min(n, (gi + 1) * width)])
+    two_level, tensor_scale, width, params_of, group_params = _group_setup(W, spec, n, scale_fn, static_groups)
 
     perm = None
     if act_order:
@@ -179,24 +151,8 @@ def gptaq(weight: Any, stats: Any, spec: QuantSpec, *, alpha: float = 0.25, bloc
         D = D[perm]
         D = D[:, perm]
     perm_np = None if perm is None else _to_numpy(perm)
-    mean_diag = float(lib.diag(H).mean())
-
-    rel = float(damp)
-    U = None
-    for _ in range(int(max_retries) + 1):
-        low = lib.cholesky_lower(_damped(H, rel * mean_diag, lib))
-        if low is not None:
-            U = lib.upper_chol(lib.chol_inverse(low))
-            low = None
-        if U is not None and lib.finite(U):
-            break
-        U = None
-        rel = max(rel * 10.0, 1e-6)
+    U, rel = _upper_factor(H, damp, max_retries, lib, who="GPTAQ")
     H = None
-    if U is None:
-        raise ValueError(f"GPTAQ: the Hessian is not positive definite even with damping {rel:g} x mean(diag); "
-                         f"check the calibration data")
-    U = U.to(lib.f32) if tl else U.astype(np.float32)
     # row q of P: alpha * dXXT[q, F] (H_FF)^-1 over the later columns F (module docstring); float32 products
     # (P is a correction used in float32 by the loop; two [n, n] float64 products cost as much as the rest)
     D = D.to(lib.f32) if tl else D.astype(np.float32)

@@ -433,6 +433,79 @@ def _reference_gptq(weight: Any, hessian: Any, spec: QuantSpec, **kw) -> GPTQRes
     return _gptq(weight, hessian, spec, reference=True, **kw)
 
 
+def _check_loop_options(block_size, damp, max_retries) -> None:
+    """The column loop's options (GPTQ's, shared by GPTAQ and Qronos), checked before any work."""
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    _check_positive(damp, "damp", allow_zero=True)
+    if isinstance(max_retries, bool) or not isinstance(max_retries, numbers.Integral) or max_retries < 0:
+        raise ValueError(f"max_retries must be a non-negative int, got {max_retries!r}")
+
+
+def _dead_inputs(W, H, lib):
+    """Dead inputs (``H[j, j] == 0``: the feature is always zero) get ``H[j, j] = 1`` and a zero weight column,
+    in place; returns their index (or None)."""
+    dead = lib.diag(H) == 0
+    if not bool(dead.any()):
+        return None
+    idx = lib.index(np.flatnonzero(_to_numpy(dead)), W)
+    H[idx, idx] = 1.0
+    W[:, idx] = 0.0
+    return idx
+
+
+def _group_setup(W, spec: QuantSpec, n: int, scale_fn, static_groups: bool):
+    """``(two_level, tensor_scale, width, params_of, group_params)``: the scale rule the column loop uses (module
+    docstring): ``params_of(part)`` gives the quantize() keyword arguments fixing the scales of ``part`` (whole
+    groups of the weight); ``group_params[g]`` is filled here for whole-row scales and static groups, else when
+    the loop first reaches group ``g``."""
+    two_level = bool(spec.two_level)
+    tensor_scale = qcore.quantize(W, spec).tensor_scale if two_level else None
+    width = _group_width(spec, n)
+
+    def params_of(part):
+        if scale_fn is not None:
+            kw = dict(scale_fn(part))
+        else:
+            q = qcore.quantize(part, spec, tensor_scale=tensor_scale) if two_level else qcore.quantize(part, spec)
+            kw = {"scale": q.scales, "zero_point": q.zero_points}
+        if two_level:
+            kw["tensor_scale"] = tensor_scale
+        return kw
+
+    ngroups = 1 if width is None else -(-n // width)
+    group_params: list = [None] * ngroups
+    if width is None:
+        group_params[0] = params_of(W)
+    elif static_groups:
+        for gi in range(ngroups):
+            group_params[gi] = params_of(W[:, gi * width:min(n, (gi + 1) * width)])
+    return two_level, tensor_scale, width, params_of, group_params
+
+
+def _upper_factor(H, damp: float, max_retries: int, lib, *, who: str):
+    """``(U, rel)``: the upper Cholesky factor of ``(H + rel * mean(diag H) * I)^-1`` in float32, with the damping
+    ``rel`` grown tenfold until it factors (module docstring); ValueError naming ``who`` when it never does."""
+    mean_diag = float(lib.diag(H).mean())
+    rel = float(damp)
+    U = None
+    for attempt in range(int(max_retries) + 1):
+        low = lib.cholesky_lower(_damped(H, rel * mean_diag, lib))  # H + eye * (rel * mean_diag)
+        if low is not None:
+            hinv = lib.chol_inverse(low)
+            low = None
+            U = lib.upper_chol(hinv)
+            hinv = None
+        if U is not None and lib.finite(U):
+            break
+        U = None
+        rel = max(rel * 10.0, 1e-6)
+    if U is None:
+        raise ValueError(f"{who}: the Hessian is not positive definite even with damping {rel:g} x mean(diag); "
+                         f"check the calibration data")
+    return (U.to(lib.f32) if is_torch(U) else U.astype(np.float32)), rel
+
+
 def _gptq(weight, hessian, spec, *, block_size: int = 128, damp: float = 0.01, act_order: bool = False,
           static_groups: bool = False, max_retries: int = 8, scale_fn=None, reference: bool = False) -> GPTQResult:
     weight = _as_array(weight, "weight")
@@ -449,11 +522,7 @@ def _gptq(weight, hessian, spec, *, block_size: int = 128, damp: float = 0.01, a
                          f"{list(h_in.shape)}")
     if is_torch(h_in) != is_torch(weight):
         raise TypeError("weight and hessian must be the same kind of array (both numpy or both torch)")
-    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    _check_positive(damp, "damp", allow_zero=True)
-    if isinstance(max_retries, bool) or not isinstance(max_retries, numbers.Integral) or max_retries < 0:
-        raise ValueError(f"max_retries must be a non-negative int, got {max_retries!r}")
+    _check_loop_options(block_size, damp, max_retries)
     lib = _lib(weight)
     if is_torch(weight):
         h_in = h_in.to(weight.device)
@@ -473,35 +542,8 @@ def _gptq(weight, hessian, spec, *, block_size: int = 128, damp: float = 0.01, a
         H = lib.cast(h_in, lib.f64)
     h_in = None
     _symmetrize_(H)  # H = (H + H.T) * 0.5
-    dg = lib.diag(H)
-    dead = dg == 0
-    if bool(dead.any()):
-        idx = lib.index(np.flatnonzero(_to_numpy(dead)), W)
-        H[idx, idx] = 1.0
-        W[:, idx] = 0.0
-
-    two_level = bool(spec.two_level)
-    tensor_scale = qcore.quantize(W, spec).tensor_scale if two_level else None
-    width = _group_width(spec, n)
-
-    def params_of(part):
-        """quantize() keyword arguments fixing the scales of ``part`` (whole groups of the weight)."""
-        if scale_fn is not None:
-            kw = dict(scale_fn(part))
-        else:
-            q = qcore.quantize(part, spec, tensor_scale=tensor_scale) if two_level else qcore.quantize(part, spec)
-            kw = {"scale": q.scales, "zero_point": q.zero_points}
-        if two_level:
-            kw["tensor_scale"] = tensor_scale
-        return kw
-
-    ngroups = 1 if width is None else -(-n // width)
-    group_params: list = [None] * ngroups
-    if width is None:
-        group_params[0] = params_of(W)
-    elif static_groups:
-        for gi in range(ngroups):
-            group_params[gi] = params_of(W[:, gi * width:min(n, (gi + 1) * width)])
+    _dead_inputs(W, H, lib)
+    two_level, tensor_scale, width, params_of, group_params = _group_setup(W, spec, n, scale_fn, static_groups)
 
     perm = None
     if act_order:
@@ -510,26 +552,8 @@ def _gptq(weight, hessian, spec, *, block_size: int = 128, damp: float = 0.01, a
         H = H[perm]  # H[perm][:, perm] in two steps: the first copy is freed before the second is made
         H = H[:, perm]
     perm_np = None if perm is None else _to_numpy(perm)
-    mean_diag = float(lib.diag(H).mean())
-
-    rel = float(damp)
-    U = None
-    for attempt in range(int(max_retries) + 1):
-        low = lib.cholesky_lower(_damped(H, rel * mean_diag, lib))  # H + eye * (rel * mean_diag)
-        if low is not None:
-            hinv = lib.chol_inverse(low)
-            low = None
-            U = lib.upper_chol(hinv)
-            hinv = None
-        if U is not None and lib.finite(U):
-            break
-        U = None
-        rel = max(rel * 10.0, 1e-6)
+    U, rel = _upper_factor(H, damp, max_retries, lib, who="GPTQ")
     H = None
-    if U is None:
-        raise ValueError(f"GPTQ: the Hessian is not positive definite even with damping {rel:g} x mean(diag); "
-                         f"check the calibration data")
-    U = U.to(lib.f32) if is_torch(U) else U.astype(np.float32)
 
     # column j (in processing order) -> original column, group
     orig = np.arange(n) if perm_np is None else perm_np

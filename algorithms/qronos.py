@@ -43,7 +43,6 @@ after step 3, so column 1 is re-rounded under it by the loop (its error fed forw
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -51,7 +50,7 @@ import numpy as np
 import qcore
 from qcore._backend import is_torch
 
-from .gptq import (GPTQResult, HessianStats, _as_array, _check_positive, _damped, _gptq, _group_width, _lib,
+from .gptq import (GPTQResult, HessianStats, _as_array, _check_loop_options, _damped, _gptq, _group_width, _lib,
                    _per_row, _symmetrize_, _to_numpy, check_gptq_spec)
 
 __all__ = ["qronos", "DAMP_SCALES"]
@@ -123,13 +122,9 @@ def _qronos(weight, stats, spec, *, block_size, damp, damp_scale, act_order, sta
     check_gptq_spec(spec, shape)
     n_out, n = shape
     h_in, c_in = _paired(stats, n, weight)
-    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    _check_positive(damp, "damp", allow_zero=True)
+    _check_loop_options(block_size, damp, max_retries)
     if damp_scale not in DAMP_SCALES:
         raise ValueError(f"damp_scale must be one of {DAMP_SCALES}, got {damp_scale!r}")
-    if isinstance(max_retries, bool) or not isinstance(max_retries, numbers.Integral) or max_retries < 0:
-        raise ValueError(f"max_retries must be a non-negative int, got {max_retries!r}")
     for name, v in (("act_order", act_order), ("static_groups", static_groups)):
         if not isinstance(v, bool):
             raise TypeError(f"{name} must be a bool, got {v!r}")
