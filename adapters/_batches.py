@@ -51,6 +51,20 @@ def _to(batch, device):
     return batch
 
 
+def logits_of(out: Any, *, missing: str) -> "torch.Tensor":
+    """The logits of a model's output: a tensor, ``.logits``, or the first item of a tuple. ``missing``: the
+    TypeError's message (what needs them) when there are none; ``{type}`` in it becomes the output's type name."""
+    import torch
+    if isinstance(out, torch.Tensor):
+        return out
+    lg = getattr(out, "logits", None)
+    if isinstance(lg, torch.Tensor):
+        return lg
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TypeError(missing.format(type=type(out).__name__))
+
+
 def _call(model: nn.Module, batch: Any):
     """``model(batch)``, ``model(**batch)`` or ``model(*batch)`` for a tensor, a dict or a tuple/list batch."""
     if isinstance(batch, torch.Tensor):

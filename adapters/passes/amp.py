@@ -60,7 +60,7 @@ from qcore.algorithms.mixed_precision import DEFAULT_RESOLUTION, MixedPrecision,
 
 from ..config import LayerConfig, ModelConfig
 from ..modules import _norm_weight_granularity, _QuantMixin, _with_granularity, calibrating, wrap
-from .._batches import _check_batch, _describe, _device_of, _progress, _set_module, _to
+from .._batches import _check_batch, _describe, _device_of, _progress, _set_module, _to, logits_of
 from ..quantizer import plan_model
 
 __all__ = ["Metric", "Sensitivity", "layer_sensitivity", "amp_config", "config_from_choice", "DEFAULT_TIE", "FLOAT"]
@@ -215,15 +215,8 @@ def _batches_arg(model, batches) -> list:
 
 
 def _logits(out) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    lg = getattr(out, "logits", None)
-    if isinstance(lg, torch.Tensor):
-        return lg
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    raise TypeError(f"the model's output ({type(out).__name__}) has no logits: layer_sensitivity needs a model "
-                    f"returning logits (a tensor, .logits, or a tuple starting with them)")
+    return logits_of(out, missing="the model's output ({type}) has no logits: layer_sensitivity needs a model "
+                                  "returning logits (a tensor, .logits, or a tuple starting with them)")
 
 
 def _input_ids(batch) -> torch.Tensor:

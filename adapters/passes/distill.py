@@ -30,7 +30,7 @@ from torch import nn
 
 import qcore
 
-from .._batches import _call, _progress, _to
+from .._batches import _call, _progress, _to, logits_of
 from ..modules import QuantExperts, _QuantMixin
 
 _log = logging.getLogger("qcore.adapters")
@@ -79,16 +79,9 @@ def make_teacher(model: nn.Module) -> nn.Module:
     return teacher
 
 
-def _logits(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    lg = getattr(out, "logits", None)
-    if isinstance(lg, torch.Tensor):
-        return lg
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    raise TypeError(f"distill: the model's output ({type(out).__name__}) has no logits; distillation needs a model "
-                    f"returning logits (a causal LM)")
+def _logits(out) -> torch.Tensor:
+    return logits_of(out, missing="distill: the model's output ({type}) has no logits; distillation needs a model "
+                                  "returning logits (a causal LM)")
 
 
 def _ids_and_mask(batch: Any) -> tuple:

@@ -18,13 +18,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import qcore
 from qcore.algorithms.gptaq import gptaq
 from qcore.algorithms._paired import PairedStats
 
-from ..modules import is_fused_experts, linear_weight, linear_weight_spec
+from ..modules import is_fused_experts
 from ._paired import collect_paired, float_copy, reduce_paired
-from .sequential import _concat_ok, _gptq_targets, _scale_fn, _stages, _write
+from .sequential import _gptq_targets, _stages, solve_group
 
 __all__ = ["check", "run"]
 
@@ -62,24 +61,7 @@ def run(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, pinned: dict,
 
 def _group(layer, names: list[str], st: PairedStats, lplans: dict, algo, prefix: str, pinned: dict,
            reference) -> None:
-    mods = [layer.get_submodule(n) for n in names]
-    specs = [linear_weight_spec(m, lplans[n], f"{prefix}.{n}") for m, n in zip(mods, names)]
-    fns = [_scale_fn(lplans[n], s) for n, s in zip(names, specs)]
     kw = dict(alpha=algo.alpha, block_size=algo.block_size, damp=algo.damp, act_order=algo.act_order,
               static_groups=algo.static_groups)
-    if len(mods) > 1 and _concat_ok(specs) and all(f is None for f in fns):
-        # rows sharing an input and a per-row / per-group spec are independent under the same statistics
-        w = torch.cat([linear_weight(m).detach().float() for m in mods], 0)
-        r = gptaq(w, st, specs[0], **kw)
-        q = r.qtensor
-        rows = 0
-        for n, m in zip(names, mods):
-            k = linear_weight(m).shape[0]
-            part = qcore.quantize(r.weight[rows:rows + k], specs[0], scale=q.scales[rows:rows + k],
-                                  zero_point=None if q.zero_points is None else q.zero_points[rows:rows + k])
-            _write(m, part, pinned, f"{prefix}.{n}", reference)
-            rows += k
-        return
-    for n, m, spec, fn in zip(names, mods, specs, fns):
-        r = gptaq(linear_weight(m).detach().float().contiguous(), st, spec, scale_fn=fn, **kw)
-        _write(m, r.qtensor, pinned, f"{prefix}.{n}", reference)
+    solve_group(layer, names, lplans, prefix, pinned, reference,
+                lambda w, spec, fn: gptaq(w, st, spec, scale_fn=fn, **kw))

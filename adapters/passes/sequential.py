@@ -291,19 +291,27 @@ def _gptq_group(layer, names: list[str], hess: HessianStats, lplans: dict, algo:
                 pinned: dict, reduce=None, reference: Optional[dict] = None) -> None:
     if reduce is not None:
         hess = reduce(hess)
+    kw = dict(block_size=algo.block_size, damp=algo.damp, act_order=algo.act_order, static_groups=algo.static_groups)
+    solve_group(layer, names, lplans, prefix, pinned, reference,
+                lambda w, spec, fn: gptq(w, hess, spec, scale_fn=fn, **kw))
+
+
+def solve_group(layer, names: list[str], lplans: dict, prefix: str, pinned: dict, reference: Optional[dict],
+                solve) -> None:
+    """The Linears ``names`` of one input group through a GPTQ-like column solver, ``solve(weight [out, in],
+    spec, scale_fn) -> GPTQResult`` (GPTQ, GPTAQ), their QTensors written (``_write``). Rows of weights sharing
+    an input and a per-row / per-group spec are independent under one set of statistics: one run over the
+    stacked rows equals the runs one by one, and is what runs when the specs allow it."""
     mods = [layer.get_submodule(n) for n in names]
     specs = [linear_weight_spec(m, lplans[n], f"{prefix}.{n}") for m, n in zip(mods, names)]
     fns = [_scale_fn(lplans[n], s) for n, s in zip(names, specs)]
-    kw = dict(block_size=algo.block_size, damp=algo.damp, act_order=algo.act_order, static_groups=algo.static_groups)
     if len(mods) > 1 and _concat_ok(specs) and all(f is None for f in fns):
-        # rows of weights sharing an input and a per-row/per-group spec are independent under one Hessian:
-        # one GPTQ run over the stacked rows equals the runs one by one
         w = torch.cat([linear_weight(m).detach().float() for m in mods], 0)
-        r = gptq(w, hess, specs[0], **kw)
+        r = solve(w, specs[0], None)
+        q = r.qtensor
         rows = 0
         for n, m in zip(names, mods):
             k = linear_weight(m).shape[0]
-            q = r.qtensor
             part = qcore.quantize(r.weight[rows:rows + k], specs[0],
                                   scale=q.scales[rows:rows + k],
                                   zero_point=None if q.zero_points is None else q.zero_points[rows:rows + k])
@@ -311,7 +319,7 @@ def _gptq_group(layer, names: list[str], hess: HessianStats, lplans: dict, algo:
             rows += k
         return
     for n, m, spec, fn in zip(names, mods, specs, fns):
-        r = gptq(linear_weight(m).detach().float().contiguous(), hess, spec, scale_fn=fn, **kw)
+        r = solve(linear_weight(m).detach().float().contiguous(), spec, fn)
         _write(m, r.qtensor, pinned, f"{prefix}.{n}", reference)
 
 
