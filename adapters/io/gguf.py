@@ -171,9 +171,11 @@ def _family_problem(fam) -> Optional[str]:
     if fam.experts is not None and arch.moe_layer is None:
         return (f"model_type {mt!r} is not supported: its mixture-of-experts layers ({fam.experts.path}) have no "
                 f"place in llama.cpp's {arch.name!r} graph; qcore writes GGUF for {_writable()}")
-    if fam.norm not in ("rms", "rms_unit_offset") or (fam.norm == "rms_unit_offset") != (arch.norm_offset == 1.0):
+    if fam.norm != arch.family_norm:  # the graph's norm kind (Arch.norm, norm_offset) against the record's
+        how = ("a LayerNorm (weight and bias)" if arch.norm == "layernorm" else
+               f"an RMS norm times the stored weight{' + 1' if arch.norm_offset else ''}")
         return (f"model_type {mt!r} is not supported: its norms are {fam.norm!r}, llama.cpp's {arch.name!r} graph "
-                f"multiplies by the stored weight{' + 1' if arch.norm_offset else ''} after an RMS norm")
+                f"computes {how}")
     return None
 
 
@@ -228,6 +230,10 @@ def gguf_family(model: nn.Module):
     if lacking:
         raise ValueError(f"export_gguf: model_type {fam.model_type!r}: llama.cpp's {arch.name!r} graph needs "
                          f"{lacking}, which the {fam.name} record does not name")
+    if (fam.pos_embed is not None) != arch.position_embd:
+        raise ValueError(f"export_gguf: model_type {fam.model_type!r}: llama.cpp's {arch.name!r} graph "
+                         f"{'adds' if arch.position_embd else 'has no'} learned positions (position_embd); the "
+                         f"{fam.name} record's pos_embed is {fam.pos_embed!r}")
     loc = locate(model, what="export_gguf")
     if loc.prefix != fam.backbone:
         where = ("a bare backbone without its head" if loc.prefix == "" else
@@ -245,6 +251,8 @@ def gguf_names(model: nn.Module) -> dict:
     fam, loc, arch = gguf_family(model)
     n_layers = len(model.get_submodule(loc.layers))
     out = {loc.embed: "token_embd"}
+    if loc.pos_embed is not None:
+        out[loc.pos_embed] = "position_embd"
     if loc.final_norm is not None:
         out[loc.final_norm] = "output_norm"
     if loc.lm_head is not None:
@@ -448,9 +456,9 @@ def check_gguf(model: nn.Module, config: Optional[ModelConfig] = None, *, drop_a
     """Before any work: ValueError if ``export_gguf`` would refuse ``model`` quantized with ``config`` (default
     ``model.qcore_config``) for reasons the architecture and the config already decide (``qcore quantize
     --export gguf`` calls it before the baseline evaluation; ``export_gguf`` itself too)."""
-    from .quark_hf import export_units, refuse_conv1d, will_rotate_online
+    from .quark_hf import export_units, refuse_low_rank, will_rotate_online
     config = config if config is not None else getattr(model, "qcore_config", None)
-    refuse_conv1d(model, config, "export_gguf")
+    refuse_low_rank(model, config, "export_gguf")  # quantized Conv1D (GPT-2) is written as the Linear it is
     try:
         fam, arch, _, _ = _arch(model)
     except TypeError as e:
@@ -469,8 +477,8 @@ def check_gguf(model: nn.Module, config: Optional[ModelConfig] = None, *, drop_a
 
 
 def _check_model(model: nn.Module, drop_activations: bool) -> tuple:
-    from .quark_hf import refuse_conv1d
-    refuse_conv1d(model, None, "export_gguf")
+    from .quark_hf import refuse_low_rank
+    refuse_low_rank(model, None, "export_gguf")
     fam, arch, meta, d = _arch(model)
     from ..passes.rotation import input_rotations
     rot = input_rotations(model)
@@ -563,8 +571,10 @@ def _check_bias(name: str, role: str, arch) -> None:
 
 def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[TensorReport]]:
     """``[(gguf name, array, type name)]`` in state-dict order, and the reports of the quantized weights."""
-    n_head = int(cfg["num_attention_heads"])
-    n_kv = int(cfg.get("num_key_value_heads") or n_head)
+    from ..modules import linear_weight
+    n_head = int(model.config.num_attention_heads)  # the config's attribute (GPT-2's n_head: attribute_map)
+    n_kv = int(getattr(model.config, "num_key_value_heads", None) or n_head)
+    per_head_qkv = gguf_family(model)[0].qkv_layout == "per_head"
     names = gguf_names(model)
     experts = _expert_names(model)
     mods = {n: m for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
@@ -606,11 +616,12 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
             name = f"{base}.{leaf}"
             if leaf == "bias":
                 _check_bias(k, role, arch)
-            if name == "output.weight" and emb is not None and t is emb:
+            if name == "output.weight" and emb is not None and t is emb and not arch.output_required:
                 continue  # tied output head: llama.cpp uses token_embd
             if name == "output.weight" and not arch.output:
                 raise ValueError(_head_refusal(mod, arch))
-            a = t.detach().float().cpu().numpy()
+            lw = linear_weight(model.get_submodule(mod)) if leaf == "weight" else None
+            a = (t if lw is None else lw).detach().float().cpu().numpy()  # Conv1D's [in, out]: as a Linear's
             if role in G.NORM_TENSORS and arch.norm_offset:
                 a = a + np.float32(arch.norm_offset)  # transformers computes x * (1 + w) in float32: the same value
             if a.ndim == 1 or t.dtype != torch.float16 or role in ("ffn_gate_inp", "ffn_gate_inp_shexp"):
@@ -619,12 +630,15 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
                 data, kind = a.astype(np.float16), "F16"
         if arch.permute_qk and role in ("attn_q", "attn_k"):
             data = G.permute_qk(data, n_head if role == "attn_q" else n_kv)
+        if per_head_qkv and role == "attn_qkv":  # rows (weight, bias, blocks) per head -> [q | k | v]
+            data = G.qkv_heads_to_gguf(data, n_head)
         tensors.append((name, np.ascontiguousarray(data), kind))
         bias = getattr(mods[mod], "bias", None) if k in owned else None
         if bias is not None:
             _check_bias(f"{mod}.bias", role, arch)
-            tensors.append((f"{base}.bias", np.ascontiguousarray(bias.detach().float().cpu().numpy(), np.float32),
-                            "F32"))
+            b = bias.detach().float().cpu().numpy()
+            tensors.append((f"{base}.bias", np.ascontiguousarray(
+                G.qkv_heads_to_gguf(b, n_head) if per_head_qkv and role == "attn_qkv" else b, np.float32), "F32"))
     if set(mods) - done:
         raise ValueError(f"export_gguf: quantized modules without tensors in the state dict: "
                          f"{sorted(set(mods) - done)[:3]}")
@@ -632,7 +646,7 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
 
 
 def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: Any = None,
-                tokenizer_pre: str = "default", strict: bool = False, drop_activations: bool = False,
+                tokenizer_pre: Optional[str] = None, strict: bool = False, drop_activations: bool = False,
                 overwrite: bool = False, name: Optional[str] = None) -> GGUFExportInfo:
     """Write ``model`` (a transformers Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Gemma3, Phi-3, Mixtral,
     Qwen2-MoE or Qwen3-MoE quantized with
@@ -642,7 +656,8 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
     tokenizer: a transformers BPE fast tokenizer, or the path of a GGUF file to copy ``tokenizer.*`` from
         (llama.cpp needs a tokenizer; transformers' GGUF model loader does not).
     tokenizer_pre: llama.cpp's pre-tokenizer name for a converted tokenizer (``"default"``, ``"smollm"``,
-        ``"llama-bpe"``, ...).
+        ``"llama-bpe"``, ``"gpt-2"``, ...); None: the architecture's (``formats.gguf.Arch.tokenizer_pre``:
+        ``"gpt-2"`` for GPT-2 and GPT-NeoX, else ``"default"``).
     strict: refuse (ValueError naming the tensor) any quantized weight that is not lossless.
     drop_activations: write a model with activation quantization, without it (else ValueError).
     overwrite: replace an existing file (else FileExistsError, before any work).
@@ -652,8 +667,8 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
     for k, v in (("strict", strict), ("drop_activations", drop_activations), ("overwrite", overwrite)):
         if not isinstance(v, bool):
             raise TypeError(f"{k} must be a bool, got {v!r}")
-    if not isinstance(tokenizer_pre, str) or not tokenizer_pre:
-        raise TypeError(f"tokenizer_pre must be a non-empty str, got {tokenizer_pre!r}")
+    if tokenizer_pre is not None and (not isinstance(tokenizer_pre, str) or not tokenizer_pre):
+        raise TypeError(f"tokenizer_pre must be a non-empty str or None, got {tokenizer_pre!r}")
     path = pathlib.Path(path)
     if path.suffix != ".gguf":
         raise ValueError(f"path must name a .gguf file, got {str(path)!r}")
@@ -662,12 +677,13 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
     if not any(isinstance(m, _QuantMixin) for m in model.modules()):
         raise ValueError("export_gguf: the model has no qcore quantized modules; run quantize_model first")
     arch, meta, cfg, dropped = _check_model(model, drop_activations)
-    tok = None if tokenizer is None else _tokenizer_fields(tokenizer, int(cfg["vocab_size"]), tokenizer_pre)
+    tok = None if tokenizer is None else _tokenizer_fields(tokenizer, int(cfg["vocab_size"]),
+                                                           tokenizer_pre or arch.tokenizer_pre)
     tensors, reports = _plan(model, cfg, arch, strict)
 
     import gguf
     V = gguf.GGUFValueType
-    kinds = {"u32": V.UINT32, "f32": V.FLOAT32, "str": V.STRING}
+    kinds = {"u32": V.UINT32, "f32": V.FLOAT32, "str": V.STRING, "bool": V.BOOL}
     with staged_file(path, recheck=lambda: check_file_destination(path, overwrite, ())) as tmp:
         w = gguf.GGUFWriter(tmp, arch=arch.name)
         w.add_name(name or _published_name(cfg))
@@ -882,6 +898,8 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, 
                              f"describes (e.g. a bias the config does not have)")
         shape = _shape(t)
         want = tuple(params[hf].shape)
+        if _conv1d_weight(model, hf):
+            want = want[::-1]  # Conv1D's [in, out] parameter: the GGUF tensor is the Linear's [out, in]
         if shape != want:
             raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} has shape {list(shape)}; the model's "
                                          f"{hf} is {list(want)}")
@@ -904,9 +922,19 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, 
     return out, experts
 
 
+def _conv1d_weight(model: nn.Module, hf: str) -> bool:
+    """Whether ``hf`` is the weight of a float transformers ``Conv1D`` (GPT-2): stored ``[in, out]``, the transpose
+    of the GGUF tensor (a Linear's ``[out, in]``)."""
+    from ..modules import _Conv1D
+    mod_name, _, leaf = hf.rpartition(".")
+    return leaf == "weight" and _Conv1D is not None and type(model.get_submodule(mod_name)) is _Conv1D
+
+
 def _set_param(model: nn.Module, hf: str, value: torch.Tensor) -> None:
     mod_name, _, leaf = hf.rpartition(".")
     m = model.get_submodule(mod_name)
+    if _conv1d_weight(model, hf):
+        value = value.t().contiguous()  # the GGUF tensor is the Linear's [out, in]
     m._parameters[leaf] = nn.Parameter(value, requires_grad=value.is_floating_point())
 
 
@@ -1096,6 +1124,7 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
     arch = arch.contents() if arch is not None else None
     cfg, model, names = _skeleton(reader, arch, dtype)
     a = G.ARCHS[arch]
+    per_head_qkv = gguf_family(model)[0].qkv_layout == "per_head"  # llama.cpp's [q | k | v] back to per head
     plan, experts = _plan_import_gguf(reader, model, cfg, names, strict, dequantize_other)
     n_head = int(cfg.num_attention_heads)
     n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_head)
@@ -1107,6 +1136,8 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
         role = t.name.split(".")[-2]
         if a.permute_qk and role in ("attn_q", "attn_k"):
             data = G.unpermute_qk(data, n_head if role == "attn_q" else n_kv)
+        if per_head_qkv and role == "attn_qkv":  # rows (weight, bias, blocks): codes and scales move with them
+            data = G.qkv_heads_from_gguf(data, n_head)
         if kind in _FLOAT_TYPES:
             vals = _float_values(data, kind, shape, t.name)
             if a.norm_offset and role in G.NORM_TENSORS:
@@ -1119,14 +1150,14 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
         module = model.get_submodule(mod_name)
         spec, parts, reason = None, None, ""
         if kind in G.BLOCK_KINDS:
-            if isinstance(module, nn.Embedding) and tied:
+            if isinstance(module, nn.Embedding) and tied and role == "token_embd":
                 reason = "the token embedding is tied to the output head (a frozen module has no float weight to share)"
             elif type(module) not in QUANT_CLASSES:
                 reason = f"{type(module).__name__} modules are not quantized by qcore"
             elif kind in G.TYPE_BYTES:
                 spec, parts, reason = G.import_blocks(data, kind, shape, where=t.name)
             if spec is None and kind in G.GGUF_SPEC_KINDS and type(module) in QUANT_CLASSES \
-                    and not (isinstance(module, nn.Embedding) and tied):
+                    and not (isinstance(module, nn.Embedding) and tied and role == "token_embd"):
                 # qcore's GGUF spec of the type (k-quants, Q5_0/Q5_1, IQ4_NL; Q4_1 with float offsets m, Q8_0
                 # blocks no int8 grid holds): the block bytes as they are
                 spec, parts, reason = qcore.make_spec(G.GGUF_SPEC_KINDS[kind]), G.gguf_spec_blocks(
@@ -1137,6 +1168,8 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
             ref = np.asarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), np.float32).reshape(shape)
             if a.permute_qk and role in ("attn_q", "attn_k"):
                 ref = G.unpermute_qk(ref, n_head if role == "attn_q" else n_kv)
+            if per_head_qkv and role == "attn_qkv":
+                ref = G.qkv_heads_from_gguf(ref, n_head)
         if spec is None:
             if strict:
                 raise ValueError(f"from_gguf(strict=True): tensor {t.name!r} ({kind}) cannot be imported as qcore "
