@@ -516,7 +516,8 @@ class Arch:
     - ``layer``: the per-layer tensors its graph reads (``LAYER_TENSORS``);
     - ``permute_qk``: ``attn_q`` / ``attn_k`` rows in llama.cpp's rotary order (``permute_qk``; the converter
       permutes for ``llama`` only; Qwen2/Qwen3/Gemma/Phi-3 keep transformers' order);
-    - ``biases``: the tensors that may carry a ``.bias`` (Qwen2's q/k/v); a bias anywhere else is refused;
+    - ``biases``: the tensors that may carry a ``.bias`` (Qwen2's q/k/v); a bias anywhere else is refused (the
+      norms of a ``layernorm`` graph always carry theirs);
     - ``norm_offset``: added to every stored norm weight (Gemma: transformers computes ``x * (1 + w)``, the
       converter stores ``1 + w``; the embedding's ``sqrt(hidden)`` scale is inside llama.cpp's Gemma graph);
     - ``output``: whether the graph reads an ``output`` head (Gemma: always ``token_embd``);
@@ -607,6 +608,7 @@ _QWEN3MOE_LAYER = _ATTN_LAYER + ("attn_q_norm", "attn_k_norm") + _MOE_FFN
 _LLAMA_LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
                 "ffn_down")
 _FUSED_LAYER = ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down")
+_FUSED_PROJ = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
 _GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu")
 _LN_EPS = ("attention.layer_norm_epsilon", "layer_norm_eps", "f32")
 _LN_SKIP = ("attention.head_count_kv", "attention.key_length", "attention.value_length",
@@ -644,13 +646,13 @@ ARCHS = {
     "phi3": Arch("phi3", _FUSED_LAYER),
     # LayerNorm (weight and bias) everywhere, biases on every projection, fused attn_qkv [q | k | v] rows, a GELU
     # MLP (llama.cpp's ggml_gelu: the tanh form; transformers' exact "gelu" differs by < 1e-3 of a unit)
-    "gpt2": Arch("gpt2", _FUSED_LAYER, biases=_FUSED_LAYER + ("output_norm",), norm="layernorm", acts=_GELUS,
+    "gpt2": Arch("gpt2", _FUSED_LAYER, biases=_FUSED_PROJ, norm="layernorm", acts=_GELUS,
                  config_aliases=_GPT2_ALIASES, skip_hparams=_LN_SKIP + _ROPE_KEYS, ffn_mult=4,
                  hparams=(_LN_EPS,), position_embd=True, tokenizer_pre="gpt-2",
                  requires=(("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                            ("add_cross_attention", False))),
     # rope on the first rope.dimension_count features of each head (NeoX halves); parallel or sequential residual
-    "gptneox": Arch("gptneox", _FUSED_LAYER, biases=_FUSED_LAYER + ("output_norm",), norm="layernorm", acts=_GELUS,
+    "gptneox": Arch("gptneox", _FUSED_LAYER, biases=_FUSED_PROJ, norm="layernorm", acts=_GELUS,
                     skip_hparams=_LN_SKIP, partial_rotary=True, output_required=True, tokenizer_pre="gpt-2",
                     hparams=(_LN_EPS, ("use_parallel_residual", "use_parallel_residual", "bool")),
                     requires=(("attention_bias", True),)),

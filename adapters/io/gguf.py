@@ -565,7 +565,7 @@ def _head_refusal(name: str, arch) -> str:
 
 
 def _check_bias(name: str, role: str, arch) -> None:
-    if role not in arch.biases:
+    if role not in arch.biases and not (arch.norm == "layernorm" and role in G.NORM_TENSORS):
         raise ValueError(f"export_gguf: {name}: llama.cpp's {arch.name!r} graph has no {role} bias")
 
 

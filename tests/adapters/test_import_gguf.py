@@ -406,15 +406,16 @@ def test_head_dim_from_key_length(zoo, tmp_path):
 
 def test_architecture_qcore_does_not_read_is_refused(zoo, tmp_path):
     path = tmp_path / "g.gguf"
-    w = gguf.GGUFWriter(path, arch="gptneox")
+    w = gguf.GGUFWriter(path, arch="bloom")
     w.add_block_count(2)
     w.add_tensor("token_embd.weight", np.zeros((128, 64), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match=r"general.architecture is 'gptneox'; qcore imports \['gemma', 'gemma2', "
-                                         r"'gemma3', 'llama', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe'\]"):
+    with pytest.raises(ValueError, match=r"general.architecture is 'bloom'; qcore imports \['gemma', 'gemma2', "
+                                         r"'gemma3', 'gpt2', 'gptneox', 'llama', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', "
+                                         r"'qwen3moe'\]"):
         from_gguf(path)
     w = gguf.GGUFWriter(tmp_path / "q.gguf", arch="qwen3")  # an architecture qcore reads, without its metadata
     w.add_tensor("token_embd.weight", np.zeros((128, 64), np.float32))
