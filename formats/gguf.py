@@ -49,10 +49,11 @@ scales of ``spec.scale_shape``) to and from block bytes; ``quantize_float`` is g
 weights no GGUF type holds exactly); ``dequantize`` is ggml's dequantizer.
 
 The architectures (``ARCHS``, keyed by llama.cpp's ``general.architecture``: ``llama`` (also Mistral, and Mixtral
-with experts), ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``, ``qwen2moe``, ``qwen3moe``): the
-tensors each graph reads (with experts: ``Arch.moe_layer``, ``EXPERT_TENSORS``), q/k row order, biases, norm
+with experts), ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``, ``qwen2moe``, ``qwen3moe``,
+``gpt2``, ``gptneox``): the tensors each graph reads (with experts: ``Arch.moe_layer``, ``EXPERT_TENSORS``), q/k row order, biases, norm
 offsets, expert metadata and routing (``Arch``); the hyperparameters (``metadata`` / ``config_from_metadata``, one table ``HPARAMS`` both ways);
-``permute_qk`` / ``unpermute_qk`` (llama.cpp's row order of ``attn_q`` / ``attn_k`` for ``llama``: rotary pairs
+``qkv_heads_to_gguf`` / ``qkv_heads_from_gguf`` (GPT-NeoX's per-head fused qkv rows to llama.cpp's ``[q | k | v]``
+and back); ``permute_qk`` / ``unpermute_qk`` (llama.cpp's row order of ``attn_q`` / ``attn_k`` for ``llama``: rotary pairs
 interleaved instead of split in halves); ``hf_to_gguf_name`` (transformers' Llama names; other families name their
 modules through their record, ``qcore.adapters.io.gguf.gguf_names``).
 """

@@ -7,7 +7,14 @@ head tied to ``token_embd``), Gemma2 (``gemma2``: also its sandwich norms, soft-
 (``gemma3``: also q/k norms, a rope base per layer type), Phi-3
 (``phi3``: fused ``attn_qkv`` and ``ffn_up`` holding gate and up), and the mixtures of experts: Mixtral
 (``llama`` with experts), Qwen2-MoE (``qwen2moe``, with its shared expert ``ffn_*_shexp``), Qwen3-MoE
-(``qwen3moe``). The tensor names come from the record (``gguf_names``; the fused experts module of each layer,
+(``qwen3moe``), GPT-2 (``gpt2``) and GPT-NeoX (``gptneox``): LayerNorms written with their biases
+(``formats.gguf.Arch.norm``), biases on every projection, the fused ``attn_qkv``; GPT-2's learned positions
+(``position_embd``, the record's ``pos_embed``) and its transformers ``Conv1D`` projections (weights stored
+``[in, out]``) written as the Linear ``[out, in]`` they are (quantized: their canonical layout already; float:
+transposed); GPT-NeoX's ``query_key_value`` rows, interleaved per head (the record's ``qkv_layout``
+``per_head``), reordered to llama.cpp's ``[q | k | v]`` (``formats.gguf.qkv_heads_to_gguf``: weights, biases,
+block bytes, codes and scales move with their rows), its partial rotary as ``rope.dimension_count``, its head
+written even when tied (llama.cpp's graph always reads ``output``). The tensor names come from the record (``gguf_names``; the fused experts module of each layer,
 ``_expert_names``, as the 3-D ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` ``[E, out, in]``: gate and
 up are the two halves of each expert's ``gate_up_proj`` rows); every other family is refused before any work
 (``check_gguf``), naming its model_type and what is missing. Each expert's block matrix is encoded as a Linear
@@ -28,7 +35,8 @@ distance from the in-memory model is reported. ``strict=True`` refuses anything 
 Float tensors: norms F32 (as llama.cpp expects), other float matrices F16 if the model holds float16, else F32.
 For ``llama`` files ``attn_q`` / ``attn_k`` rows are permuted to llama.cpp's rotary order
 (``formats.gguf.permute_qk``; llama.cpp's converter does this for ``llama`` only). A tied output head is not
-written (llama.cpp and transformers reuse ``token_embd``).
+written (llama.cpp and transformers reuse ``token_embd``), except where the graph needs one
+(``Arch.output_required``: ``gptneox``).
 
 **Activation quantization is not part of GGUF** (llama.cpp quantizes activations its own way inside its
 kernels). A model with quantized inputs or outputs (static or dynamic, incl. a KV cache) is refused unless
@@ -36,7 +44,8 @@ kernels). A model with quantized inputs or outputs (static or dynamic, incl. a K
 Online rotations (QuaRot / SpinQuant hooks) are refused: llama.cpp's graphs cannot run them.
 
 Tokenizer (llama.cpp needs one): ``tokenizer=`` a transformers BPE (byte-level, GPT-2 style) tokenizer, converted
-to ``tokenizer.ggml.*`` (model ``gpt2``, pre-tokenizer ``tokenizer_pre``), or the path of a GGUF file whose
+to ``tokenizer.ggml.*`` (model ``gpt2``, pre-tokenizer ``tokenizer_pre``, by default the architecture's
+``Arch.tokenizer_pre``: ``gpt-2`` for GPT-2 and GPT-NeoX, ``default`` elsewhere), or the path of a GGUF file whose
 ``tokenizer.*`` fields are copied verbatim (e.g. the file the model was loaded from).
 
 Guarantees: no pickle; the write is atomic (a hidden temporary sibling file renamed into place with
@@ -48,7 +57,10 @@ Import a GGUF file (llama.cpp's format) into a transformers model with frozen qc
 
 Architectures: those qcore writes (``qcore.formats.gguf.ARCHS``): ``llama`` (Llama, and Mistral, which llama.cpp
 writes as ``llama``: it comes back as a Llama), ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``,
-and with experts ``llama`` (``expert_count`` in the metadata: Mixtral), ``qwen2moe``, ``qwen3moe``; fused experts
+``gpt2`` (GPT-2's projections come back as transformers ``Conv1D``: quantized ones as ``QuantConv1D`` from the
+blocks, float ones transposed back to ``[in, out]``), ``gptneox`` (``attn_qkv`` rows put back per head,
+``formats.gguf.qkv_heads_from_gguf``; ``partial_rotary_factor`` from ``rope.dimension_count``; a head written
+for a tied model comes back untied, with the same values), and with experts ``llama`` (``expert_count`` in the metadata: Mixtral), ``qwen2moe``, ``qwen3moe``; fused experts
 come back as a frozen ``QuantExperts`` built from the blocks when their three tensors share one block type and
 one qcore spec (``_import_experts``), else as float experts holding ggml's dequantization (reported).
 The model is built from the file's metadata (``formats.gguf.config_from_metadata``) as the transformers family
@@ -649,7 +661,7 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
                 tokenizer_pre: Optional[str] = None, strict: bool = False, drop_activations: bool = False,
                 overwrite: bool = False, name: Optional[str] = None) -> GGUFExportInfo:
     """Write ``model`` (a transformers Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Gemma3, Phi-3, Mixtral,
-    Qwen2-MoE or Qwen3-MoE quantized with
+    Qwen2-MoE, Qwen3-MoE, GPT-2 or GPT-NeoX quantized with
     ``quantize_model``, frozen or not) to the GGUF file ``path``. See the module docstring for what is written
     and when it is lossless.
 
