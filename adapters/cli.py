@@ -475,8 +475,9 @@ def _add_convert(c) -> None:
     c.add_argument("--overwrite", action="store_true", help="replace an existing dst")
     c.add_argument("--dtype", default=None, help="float dtype to load in: float32, bfloat16 or float16 (default: "
                    "the checkpoint's)")
-    c.add_argument("--tokenizer-pre", default="default", metavar="NAME", help="llama.cpp pre-tokenizer name when a "
-                   "transformers tokenizer is converted for GGUF (default 'default'; SmolLM2: smollm)")
+    c.add_argument("--tokenizer-pre", default=None, metavar="NAME", help="llama.cpp pre-tokenizer name when a "
+                   "transformers tokenizer is converted for GGUF (default: the architecture's, 'gpt-2' for GPT-2 and "
+                   "GPT-NeoX, else 'default'; SmolLM2: smollm)")
     c.add_argument("--no-verify", action="store_true", help="do not load dst back to compare (faster; then "
                    "nothing is measured)")
     c.add_argument("--onnx-unsupported", choices=["error", "dequantize"], default="error", help="with --to onnx: "
