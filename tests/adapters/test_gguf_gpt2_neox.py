@@ -201,6 +201,21 @@ def test_export_import_export_same_bytes_and_logits(tmp_path, name, spec, hidden
     assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
 
 
+@pytest.mark.parametrize("name", ["gpt2", "neox"])
+def test_convert_hf_checkpoint_to_gguf_and_back(tmp_path, name):
+    """``qcore convert`` (Python API) between export_hf's checkpoint and GGUF: lossless both ways, the same logits."""
+    from qcore.adapters.io.convert import convert
+    from qcore.adapters.io.quark_hf import export_hf, from_pretrained
+    m = quantized(name)
+    export_hf(m, tmp_path / "hf")
+    info = convert(tmp_path / "hf", tmp_path / "m.gguf", to="gguf")
+    assert info.lossless
+    back = from_gguf(tmp_path / "m.gguf")
+    assert torch.equal(_logits(back), _logits(m))
+    assert convert(tmp_path / "m.gguf", tmp_path / "hf2", to="hf").lossless
+    assert torch.equal(_logits(from_pretrained(tmp_path / "hf2")), _logits(m))
+
+
 def test_config_from_metadata_gives_the_familys_own_keys():
     gpt2 = tiny("gpt2").config
     meta = G.metadata("gpt2", gpt2.to_dict())
