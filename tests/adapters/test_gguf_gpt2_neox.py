@@ -176,7 +176,7 @@ def test_tied_neox_head_written_as_its_own_tensor(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,spec,hidden", [
-    ("gpt2", Q8_0, 64), ("neox", Q8_0, 64), ("neox_seq", Q4_0, 64),
+    ("gpt2", Q8_0, 64), ("neox", Q8_0, 64), ("neox_seq", Q4_0, 64), ("gpt2", qcore.make_spec("mxfp4", axis=-1), 64),
     ("gpt2", qcore.make_spec("q4_k"), 256), ("neox", qcore.make_spec("q6_k"), 256)])
 def test_export_import_export_same_bytes_and_logits(tmp_path, name, spec, hidden):
     """from_gguf puts NeoX's qkv rows back per head and GPT-2's weights back into Conv1D layout (a quantized Conv1D
