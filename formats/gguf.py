@@ -50,10 +50,11 @@ weights no GGUF type holds exactly); ``dequantize`` is ggml's dequantizer.
 
 The architectures (``ARCHS``, keyed by llama.cpp's ``general.architecture``: ``llama`` (also Mistral, and Mixtral
 with experts), ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``, ``qwen2moe``, ``qwen3moe``,
-``gpt2``, ``gptneox``): the tensors each graph reads (with experts: ``Arch.moe_layer``, ``EXPERT_TENSORS``), q/k row order, biases, norm
-offsets, expert metadata and routing (``Arch``); the hyperparameters (``metadata`` / ``config_from_metadata``, one table ``HPARAMS`` both ways);
-``qkv_heads_to_gguf`` / ``qkv_heads_from_gguf`` (GPT-NeoX's per-head fused qkv rows to llama.cpp's ``[q | k | v]``
-and back); ``permute_qk`` / ``unpermute_qk`` (llama.cpp's row order of ``attn_q`` / ``attn_k`` for ``llama``: rotary pairs
+``gpt2``, ``gptneox``): the tensors each graph reads (with experts: ``Arch.moe_layer``, ``EXPERT_TENSORS``), q/k
+row order, biases, norm kind and offsets, expert metadata and routing (``Arch``); the hyperparameters
+(``metadata`` / ``config_from_metadata``, one table ``HPARAMS`` both ways); ``qkv_heads_to_gguf`` /
+``qkv_heads_from_gguf`` (GPT-NeoX's per-head fused qkv rows to llama.cpp's ``[q | k | v]`` and back);
+``permute_qk`` / ``unpermute_qk`` (llama.cpp's row order of ``attn_q`` / ``attn_k`` for ``llama``: rotary pairs
 interleaved instead of split in halves); ``hf_to_gguf_name`` (transformers' Llama names; other families name their
 modules through their record, ``qcore.adapters.io.gguf.gguf_names``).
 """
@@ -756,10 +757,11 @@ def metadata(arch: str, cfg: dict, *, experts: bool = False) -> dict:
     ``config.to_dict()``; kind is ``u32``, ``f32``, ``bool`` or ``str``. ValueError naming the setting the graph
     cannot run (rope scaling other than none/linear, biases it has no tensor for, another activation, a partial
     rotary factor outside ``Arch.partial_rotary``, a setting other than ``Arch.requires``). Config keys spelled the
-    family's own way are read through ``Arch.config_aliases``; ``Arch.skip_hparams`` are not written. A sliding attention
-    window narrower than ``max_position_embeddings`` is written as is where llama.cpp's graph slides it on the
-    same layers (``Arch.swa_pattern``, Gemma2); elsewhere (Mistral as ``llama``, Phi-3) it caps ``context_length``
-    to the window: within it sliding attention is full attention, which is what llama.cpp's graph computes.
+    family's own way are read through ``Arch.config_aliases``; ``Arch.skip_hparams`` are not written. A sliding
+    attention window narrower than ``max_position_embeddings`` is written as is where llama.cpp's graph slides it
+    on the same layers (``Arch.swa_pattern``, Gemma2); elsewhere (Mistral as ``llama``, Phi-3) it caps
+    ``context_length`` to the window: within it sliding attention is full attention, which is what llama.cpp's
+    graph computes.
     ``experts``: the model has mixture-of-experts layers (``Arch.moe_layer``): the expert metadata
     (``Arch.moe_hparams``) is written, and routing the graph does not compute is refused (``norm_topk_prob``
     other than ``Arch.moe_norm_topk``, dense layers among the sparse ones)."""
@@ -821,7 +823,8 @@ def metadata(arch: str, cfg: dict, *, experts: bool = False) -> dict:
         ctx = min(ctx, int(window))
     ffn = cfg.get("intermediate_size")
     vals = {"max_position_embeddings": ctx, "hidden_size": hidden, "num_hidden_layers": need("num_hidden_layers"),
-            "intermediate_size": need("intermediate_size") if ffn is not None or not a.ffn_mult else a.ffn_mult * hidden,
+            "intermediate_size": (need("intermediate_size") if ffn is not None or not a.ffn_mult
+                                  else a.ffn_mult * hidden),
             "num_attention_heads": n_head, "num_key_value_heads": cfg.get("num_key_value_heads") or n_head,
             "head_dim": head_dim, "rotary_dim": int(head_dim * rotary), "rope_theta": theta,
             "vocab_size": need("vocab_size")}

@@ -353,7 +353,8 @@ def _gguf_specs_to_float(model: nn.Module, to: str) -> list:
 
 
 def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src_fmt: str, dst: pathlib.Path, to: str, *,
-            overwrite: bool, tokenizer_pre: Optional[str], progress: bool = False, onnx_unsupported: str = "error") -> tuple:
+            overwrite: bool, tokenizer_pre: Optional[str], progress: bool = False,
+            onnx_unsupported: str = "error") -> tuple:
     """Write ``model`` in format ``to`` at ``dst``; ``(path written, notes, exporter report or None)``."""
     notes: list[str] = []
     if to == "hf":

@@ -14,8 +14,9 @@ head tied to ``token_embd``), Gemma2 (``gemma2``: also its sandwich norms, soft-
 transposed); GPT-NeoX's ``query_key_value`` rows, interleaved per head (the record's ``qkv_layout``
 ``per_head``), reordered to llama.cpp's ``[q | k | v]`` (``formats.gguf.qkv_heads_to_gguf``: weights, biases,
 block bytes, codes and scales move with their rows), its partial rotary as ``rope.dimension_count``, its head
-written even when tied (llama.cpp's graph always reads ``output``). The tensor names come from the record (``gguf_names``; the fused experts module of each layer,
-``_expert_names``, as the 3-D ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` ``[E, out, in]``: gate and
+written even when tied (llama.cpp's graph always reads ``output``). The tensor names come from the record
+(``gguf_names``; the fused experts module of each layer, ``_expert_names``, as the 3-D ``ffn_gate_exps`` /
+``ffn_up_exps`` / ``ffn_down_exps`` ``[E, out, in]``: gate and
 up are the two halves of each expert's ``gate_up_proj`` rows); every other family is refused before any work
 (``check_gguf``), naming its model_type and what is missing. Each expert's block matrix is encoded as a Linear
 of the same spec would be (one GGUF type per tensor), and reported per tensor.
@@ -60,8 +61,9 @@ writes as ``llama``: it comes back as a Llama), ``qwen2``, ``qwen3``, ``gemma``,
 ``gpt2`` (GPT-2's projections come back as transformers ``Conv1D``: quantized ones as ``QuantConv1D`` from the
 blocks, float ones transposed back to ``[in, out]``), ``gptneox`` (``attn_qkv`` rows put back per head,
 ``formats.gguf.qkv_heads_from_gguf``; ``partial_rotary_factor`` from ``rope.dimension_count``; a head written
-for a tied model comes back untied, with the same values), and with experts ``llama`` (``expert_count`` in the metadata: Mixtral), ``qwen2moe``, ``qwen3moe``; fused experts
-come back as a frozen ``QuantExperts`` built from the blocks when their three tensors share one block type and
+for a tied model comes back untied, with the same values), and with experts ``llama`` (``expert_count`` in the
+metadata: Mixtral), ``qwen2moe``, ``qwen3moe``; fused experts come back as a frozen ``QuantExperts`` built from
+the blocks when their three tensors share one block type and
 one qcore spec (``_import_experts``), else as float experts holding ggml's dequantization (reported).
 The model is built from the file's metadata (``formats.gguf.config_from_metadata``) as the transformers family
 whose record (``qcore.adapters.families``) names that ``gguf_arch``, and the tensor names come from the record
