@@ -343,6 +343,37 @@ def test_llama_cpp_loads_with_the_same_logits(tmp_path, name, kind):
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
 
 
+@pytest.mark.gguf_client
+@pytest.mark.parametrize("name", ["gpt2", "neox"])
+def test_llama_cpp_q4_k_m_imports_as_codes_and_exports_the_same_tensors(tmp_path, name):
+    """llama.cpp's own quantizer (``llama_model_quantize``, Q4_K_M) on an F32 export (hidden 256; GPT-2 untied: a
+    quantized token embedding tied to the head imports as floats): every Q4_K / Q6_K tensor it writes (qkv, MLP,
+    embeddings, head) imports as codes (``strict=True``), qcore's export has the same tensors byte for byte, and
+    qcore's logits are llama.cpp's within 3% (measured 1.2% GPT-2, 1.5% NeoX: llama.cpp's q8_K activations)."""
+    import ctypes
+    llama_cpp = pytest.importorskip("llama_cpp")
+    m = quantized(name, qcore.make_spec("float8_e4m3fn"), hidden=256, tie_word_embeddings=False)
+    export_gguf(m, tmp_path / "f.gguf", tokenizer=_tokenizer())
+    p = llama_cpp.llama_model_quantize_default_params()
+    p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    p.nthread = 1
+    assert llama_cpp.llama_model_quantize(str(tmp_path / "f.gguf").encode(), str(tmp_path / "q.gguf").encode(),
+                                          ctypes.byref(p)) == 0
+
+    def tensors(path):
+        return {t.name: (t.tensor_type.name, bytes(np.asarray(t.data))) for t in gguf.GGUFReader(path).tensors}
+    src = tensors(tmp_path / "q.gguf")
+    assert {v[0] for v in src.values()} == {"Q4_K", "Q6_K", "F32"}
+    back = from_gguf(tmp_path / "q.gguf", strict=True)
+    rep = {r.gguf_name: r for r in back.qcore_gguf_report.tensors}
+    assert all(rep[k].how == "codes" for k, (kind, _) in src.items() if kind != "F32")
+    export_gguf(back, tmp_path / "b.gguf", tokenizer=tmp_path / "q.gguf")
+    assert tensors(tmp_path / "b.gguf") == src
+    ref = _logits(back)[0].numpy()
+    got = _llama_cpp_logits(tmp_path / "q.gguf", _ids())
+    assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max()
+
+
 def _digit_tokenizer():
     """A 128-token byte-level BPE tokenizer whose merges join digits (``1234`` is one token): llama.cpp's
     ``default`` pre-tokenizer cuts digit runs into threes, its ``gpt-2`` (transformers' ByteLevel regex) does not."""
