@@ -1,0 +1,198 @@
+"""llama.cpp's quantization mixes (Q4_K_M, Q3_K_M, Q2_K, ...) on a transformers model: ``gguf_mix``.
+
+``gguf_mix(model, "Q4_K_M")`` gives the GGUF type llama.cpp's own quantizer (``llama_model_quantize``) would give
+each tensor of the model's F16 / F32 GGUF export (``qcore.formats.gguf_mixes.tensor_types``: the rules as data,
+from llama.cpp's ``llama_tensor_get_type``), and the qcore ``ModelConfig`` that quantizes each module with that
+type (``LayerConfig(weight=qcore.make_spec("q6_k"))``, ...), so that ``quantize_model(model, mix.config)`` then
+``export_gguf`` writes a file whose every tensor has the type llama.cpp's ``Q4_K_M`` file has.
+``quantize_model(model, "gguf_q4_k_m")`` does the same by preset name (``GGUF_MIX_PRESETS``).
+
+The tensor names are the model's GGUF names (``qcore.adapters.io.gguf.gguf_names``), so every family qcore writes
+as GGUF works. A tied head (SmolLM2, Gemma) has no ``output.weight`` in the file: llama.cpp quantizes
+``token_embd`` as the output (Q6_K, or Q8_0 where its rows are not a multiple of 256: SmolLM2's 576) and computes
+the head with it; the config gives the head module the embedding's spec, so the tied modules share one quantized
+weight (the same scales: ``adapters/modules.py`` ``_inplace_quantize``) and the model computes what llama.cpp
+computes. A tensor llama.cpp writes as F16 (rows not a multiple of 32) stays float in qcore.
+
+Fused MoE experts (``QuantExperts``) hold one spec for the gate/up and down projections: a mix that gives
+``ffn_down_exps`` another type than ``ffn_gate_exps`` / ``ffn_up_exps`` in a layer (Q4_K_M, Q2_K, ...) is refused
+for them by name (exclude them, ``exclude=["*experts*"]``, or use a mix with one type per layer such as Q4_K_S
+where it holds, Q5_K_S, Q6_K, Q8_0, Q4_0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+from torch import nn
+
+import qcore
+from qcore.formats import gguf as G
+from qcore.formats import gguf_mixes as GM
+
+from .config import LayerConfig, ModelConfig
+
+__all__ = ["GGUFMix", "gguf_mix", "GGUF_MIX_PRESETS", "mix_of_preset"]
+
+#: preset names (``quantize_model(model, "gguf_q4_k_m")``, ``qcore quantize --scheme gguf_q4_k_m``) -> mix
+GGUF_MIX_PRESETS = {f"gguf_{m.lower()}": m for m in GM.MIX_NAMES}
+
+
+def mix_of_preset(name) -> Optional[str]:
+    """The llama.cpp mix a preset name stands for (``"gguf_q4_k_m"`` -> ``"Q4_K_M"``), or None."""
+    return GGUF_MIX_PRESETS.get(name) if isinstance(name, str) else None
+
+
+@dataclass(frozen=True)
+class GGUFMix:
+    """llama.cpp's mix ``mix`` resolved on one model.
+
+    config: the ``ModelConfig`` (a ``by_name`` entry per quantized module, embedding and head included).
+    types: ``{module name: GGUF type}`` (``"Q4_K"``, ..., ``"F16"`` for a module llama.cpp writes as F16, which
+        stays float here; excluded modules are absent).
+    choices: ``{GGUF tensor name: Choice}`` for every tensor of the file (kept ones too), with the reason and any
+        fallback.
+    tensors: ``{module name: GGUF tensor name}`` of the modules in ``types``.
+    """
+
+    mix: str
+    config: ModelConfig
+    types: Mapping[str, str]
+    choices: Mapping[str, GM.Choice]
+    tensors: Mapping[str, str] = field(default_factory=dict)
+
+    def counts(self) -> dict:
+        """``{GGUF type: number of quantized tensors}`` of the file, most common first."""
+        return GM.type_counts(self.choices)
+
+    def fallbacks(self) -> dict:
+        """``{GGUF tensor name: Choice}`` of the tensors whose rows the mix's type does not fit."""
+        return {n: c for n, c in self.choices.items() if c.quantized and c.fallback}
+
+    def summary(self) -> str:
+        """A short table: the number of tensors of each type, then each fallback (rows the wanted type's block
+        does not divide), grouped by role."""
+        lines = [f"llama.cpp {self.mix}: " + ", ".join(f"{t} x{n}" for t, n in self.counts().items())]
+        groups: dict = {}
+        for n, c in self.fallbacks().items():
+            role = n.split(".", 2)[-1] if n.startswith("blk.") else n
+            groups.setdefault((role, c.wanted, c.type), []).append(n)
+        for (role, wanted, typ), ns in groups.items():
+            lines.append(f"  fallback {wanted} -> {typ}: {role}" + (f" ({len(ns)} layers)" if len(ns) > 1 else ""))
+        floats = [m for m, t in self.types.items() if t in ("F16", "F32")]
+        if floats:
+            lines.append(f"  kept float (llama.cpp writes F16): {', '.join(floats[:4])}"
+                         + (" ..." if len(floats) > 4 else ""))
+        return "\n".join(lines)
+
+
+def _file_tensors(model: nn.Module) -> tuple[dict, dict, dict]:
+    """What ``export_gguf`` would write, as shapes: ``({GGUF tensor name: shape}, {module: GGUF base name},
+    {experts module: GGUF layer prefix})``, and the tied head (module name) if the file has none."""
+    import torch
+
+    from .io.gguf import _expert_names, gguf_family, gguf_names
+    fam, loc, arch = gguf_family(model)
+    names, experts = gguf_names(model), _expert_names(model)
+    sd = model.state_dict(keep_vars=True)
+    emb = sd.get(f"{loc.embed}.weight")
+    shapes: dict = {}
+    for k, t in sd.items():
+        mod, _, leaf = k.rpartition(".")
+        if mod in experts:
+            e, two_i, h = model.get_submodule(mod).gate_up_proj.shape
+            blk = experts[mod]
+            d = model.get_submodule(mod).down_proj.shape
+            shapes.update({f"{blk}.{G.EXPERT_TENSORS[0]}.weight": (e, two_i // 2, h),
+                           f"{blk}.{G.EXPERT_TENSORS[1]}.weight": (e, two_i // 2, h),
+                           f"{blk}.{G.EXPERT_TENSORS[2]}.weight": tuple(d)})
+            continue
+        base = names.get(mod)
+        if base is None or leaf not in ("weight", "bias") or not isinstance(t, torch.Tensor):
+            continue
+        if base == "output" and leaf == "weight" and (t is emb or not arch.output):
+            continue  # a tied head: llama.cpp computes it with token_embd
+        shapes[f"{base}.{leaf}"] = tuple(t.shape)
+    return shapes, names, experts
+
+
+def _hparams(model: nn.Module) -> dict:
+    from .io.gguf import gguf_family
+    fam, loc, arch = gguf_family(model)
+    cfg = model.config.to_dict()
+    try:
+        meta = G.metadata(arch.name, cfg, experts=fam.experts is not None)
+    except ValueError as e:
+        raise ValueError(f"gguf_mix: model_type {fam.model_type!r} ({arch.name!r} in GGUF): {e}") from None
+    a = arch.name
+
+    def get(key, default=None):
+        v = meta.get(f"{a}.{key}")
+        return default if v is None else int(v[0])
+    n_layer = len(model.get_submodule(loc.layers))
+    n_head = get("attention.head_count", int(cfg["num_attention_heads"]))
+    return dict(arch=a, n_layer=get("block_count", n_layer), n_head=n_head,
+                n_head_kv=get("attention.head_count_kv", n_head), n_expert=get("expert_count", 0))
+
+
+def gguf_mix(model: nn.Module, mix: str, *, exclude: Optional[Sequence[str]] = None,
+             imatrix: bool = False) -> GGUFMix:
+    """llama.cpp's mix ``mix`` (``"Q4_K_M"``, ``"Q3_K_M"``, ``"Q2_K"``, ...; ``qcore.formats.gguf_mixes.MIX_NAMES``,
+    case-insensitive) resolved on ``model`` (a transformers causal LM of a family qcore writes as GGUF): the type of
+    every tensor, the reason, and the ``ModelConfig`` that quantizes each module with its type. Pure: the model is
+    not changed. ValueError (before any work) for an unknown mix, a family qcore does not write as GGUF, rows
+    llama.cpp itself refuses, or fused experts whose projections the mix types differently.
+
+    exclude: module names / patterns (glob or ``"re:..."``, as ``ModelConfig.exclude``) left float (default:
+        none: llama.cpp quantizes the head too). Excluding one of a tied embedding / head excludes both.
+    imatrix: the types llama.cpp gives when it is given an importance matrix (only Q4_0 / Q5_0 change: their
+        first n/8 ``ffn_down`` layers get Q4_1 / Q5_1).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    mix = GM.mix_name(mix)
+    if exclude is not None and (isinstance(exclude, str) or not all(isinstance(p, str) for p in exclude)):
+        raise TypeError(f"exclude must be a list of module names / patterns, got {exclude!r}")
+    if not isinstance(imatrix, bool):
+        raise TypeError(f"imatrix must be a bool, got {imatrix!r}")
+    from .quantizer import _match_tree
+    shapes, names, experts = _file_tensors(model)
+    hp = _hparams(model)
+    choices = GM.tensor_types(mix, shapes, imatrix=imatrix, **hp)
+    patterns = list(exclude or ())
+    from .io.gguf import gguf_family
+    _, loc, _ = gguf_family(model)
+    tied = loc.lm_head is not None and "output.weight" not in shapes
+    tie = {loc.embed, loc.lm_head} if tied else set()
+
+    def excluded(n):
+        return any(_match_tree(p, m) for p in patterns for m in ({n} | (tie if n in tie else set())))
+    types, tensors = {}, {}
+    for mod, base in names.items():
+        if f"{base}.weight" in shapes:
+            c = choices[f"{base}.weight"]
+        elif mod == loc.lm_head and tied:
+            c = choices["token_embd.weight"]
+            base = "token_embd"
+        else:
+            continue
+        if not c.quantized or excluded(mod):
+            continue
+        types[mod], tensors[mod] = c.type, f"{base}.weight"
+    for mod, blk in experts.items():
+        if excluded(mod):
+            continue
+        ts = {r: choices[f"{blk}.{r}.weight"].type for r in G.EXPERT_TENSORS}
+        if len(set(ts.values())) > 1:
+            raise ValueError(f"gguf_mix: llama.cpp's {mix} gives the experts of {blk} different types ({ts}); "
+                             f"qcore's fused experts module {mod!r} holds one spec for all three: exclude it "
+                             f"(exclude=['*experts*'] keeps the experts float) or use a mix that gives them one type "
+                             f"(Q5_K_S, Q6_K, Q8_0, Q4_0, ...)")
+        types[mod], tensors[mod] = next(iter(ts.values())), f"{blk}.{G.EXPERT_TENSORS[0]}.weight"
+    by_name = {m: LayerConfig(weight=qcore.make_spec(t.lower())) for m, t in types.items()
+               if t not in ("F16", "F32", "BF16")}
+    ex = tuple(patterns) + tuple(sorted(m for m in tie if patterns and excluded(m) and
+                                        not any(_match_tree(p, m) for p in patterns)))
+    config = ModelConfig(LayerConfig(), by_name=by_name, exclude=ex)
+    return GGUFMix(mix, config, types, choices, tensors)
