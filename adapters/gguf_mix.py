@@ -33,7 +33,7 @@ from qcore.formats import gguf_mixes as GM
 
 from .config import LayerConfig, ModelConfig
 
-__all__ = ["GGUFMix", "gguf_mix", "GGUF_MIX_PRESETS", "mix_of_preset"]
+__all__ = ["GGUFMix", "gguf_mix", "gguf_file_types", "GGUF_MIX_PRESETS", "mix_of_preset"]
 
 #: preset names (``quantize_model(model, "gguf_q4_k_m")``, ``qcore quantize --scheme gguf_q4_k_m``) -> mix
 GGUF_MIX_PRESETS = {f"gguf_{m.lower()}": m for m in GM.MIX_NAMES}
@@ -49,11 +49,13 @@ class GGUFMix:
     """llama.cpp's mix ``mix`` resolved on one model.
 
     config: the ``ModelConfig`` (a ``by_name`` entry per quantized module, embedding and head included).
-    types: ``{module name: GGUF type}`` (``"Q4_K"``, ..., ``"F16"`` for a module llama.cpp writes as F16, which
-        stays float here; excluded modules are absent).
+    types: ``{module name: GGUF type}`` of the modules the config quantizes (``"Q4_K"``, ...; the type each has
+        in the exported file).
     choices: ``{GGUF tensor name: Choice}`` for every tensor of the file (kept ones too), with the reason and any
         fallback.
     tensors: ``{module name: GGUF tensor name}`` of the modules in ``types``.
+    kept_float: ``{module name: why}`` of the modules llama.cpp quantizes and this config leaves float (rows it
+        writes as F16, ``exclude``, a module type qcore does not wrap such as Gemma's scaled embedding).
     """
 
     mix: str
@@ -61,6 +63,7 @@ class GGUFMix:
     types: Mapping[str, str]
     choices: Mapping[str, GM.Choice]
     tensors: Mapping[str, str] = field(default_factory=dict)
+    kept_float: Mapping[str, str] = field(default_factory=dict)
 
     def counts(self) -> dict:
         """``{GGUF type: number of quantized tensors}`` of the file, most common first."""
@@ -80,10 +83,10 @@ class GGUFMix:
             groups.setdefault((role, c.wanted, c.type), []).append(n)
         for (role, wanted, typ), ns in groups.items():
             lines.append(f"  fallback {wanted} -> {typ}: {role}" + (f" ({len(ns)} layers)" if len(ns) > 1 else ""))
-        floats = [m for m, t in self.types.items() if t in ("F16", "F32")]
-        if floats:
-            lines.append(f"  kept float (llama.cpp writes F16): {', '.join(floats[:4])}"
-                         + (" ..." if len(floats) > 4 else ""))
+        for m, why in list(self.kept_float.items())[:4]:
+            lines.append(f"  kept float: {m} ({why})")
+        if len(self.kept_float) > 4:
+            lines.append(f"  kept float: ... ({len(self.kept_float)} modules)")
         return "\n".join(lines)
 
 
@@ -136,6 +139,18 @@ def _hparams(model: nn.Module) -> dict:
                 n_head_kv=get("attention.head_count_kv", n_head), n_expert=get("expert_count", 0))
 
 
+def gguf_file_types(model: nn.Module, mix: str, *, imatrix: bool = False) -> dict:
+    """``{GGUF tensor name: Choice}``: the type llama.cpp's quantizer gives each tensor of the model's float GGUF
+    export (``export_gguf`` of the float model) in ``mix``, and why (``qcore.formats.gguf_mixes.tensor_types``
+    on the model's GGUF names, shapes and hyperparameters). Fused experts included; nothing is refused but what
+    llama.cpp refuses."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    mix = GM.mix_name(mix)
+    shapes, _, _ = _file_tensors(model)
+    return GM.tensor_types(mix, shapes, imatrix=imatrix, **_hparams(model))
+
+
 def gguf_mix(model: nn.Module, mix: str, *, exclude: Optional[Sequence[str]] = None,
              imatrix: bool = False) -> GGUFMix:
     """llama.cpp's mix ``mix`` (``"Q4_K_M"``, ``"Q3_K_M"``, ``"Q2_K"``, ...; ``qcore.formats.gguf_mixes.MIX_NAMES``,
@@ -158,8 +173,7 @@ def gguf_mix(model: nn.Module, mix: str, *, exclude: Optional[Sequence[str]] = N
         raise TypeError(f"imatrix must be a bool, got {imatrix!r}")
     from .quantizer import _match_tree
     shapes, names, experts = _file_tensors(model)
-    hp = _hparams(model)
-    choices = GM.tensor_types(mix, shapes, imatrix=imatrix, **hp)
+    choices = GM.tensor_types(mix, shapes, imatrix=imatrix, **_hparams(model))
     patterns = list(exclude or ())
     from .io.gguf import gguf_family
     _, loc, _ = gguf_family(model)
@@ -168,7 +182,11 @@ def gguf_mix(model: nn.Module, mix: str, *, exclude: Optional[Sequence[str]] = N
 
     def excluded(n):
         return any(_match_tree(p, m) for p in patterns for m in ({n} | (tie if n in tie else set())))
-    types, tensors = {}, {}
+    from .quantizer import _tname
+    unwrapped = {m for m in names if _tname(model.get_submodule(m)) is None}
+    if tie & unwrapped:  # a tied pair stays float together (one weight, one config)
+        unwrapped |= tie
+    types, tensors, kept = {}, {}, {}
     for mod, base in names.items():
         if f"{base}.weight" in shapes:
             c = choices[f"{base}.weight"]
@@ -177,11 +195,18 @@ def gguf_mix(model: nn.Module, mix: str, *, exclude: Optional[Sequence[str]] = N
             base = "token_embd"
         else:
             continue
-        if not c.quantized or excluded(mod):
+        if not c.quantized:
+            continue
+        if excluded(mod) or mod in unwrapped or c.type in ("F16", "F32", "BF16"):
+            kept[mod] = f"llama.cpp: {c.type}; " + (
+                "excluded" if excluded(mod) else "rows of no block type: F16" if mod not in unwrapped else
+                f"qcore does not quantize {type(model.get_submodule(mod)).__name__}" if _tname(
+                    model.get_submodule(mod)) is None else "tied to a module qcore does not quantize")
             continue
         types[mod], tensors[mod] = c.type, f"{base}.weight"
     for mod, blk in experts.items():
         if excluded(mod):
+            kept[mod] = "excluded"
             continue
         ts = {r: choices[f"{blk}.{r}.weight"].type for r in G.EXPERT_TENSORS}
         if len(set(ts.values())) > 1:
@@ -190,9 +215,8 @@ def gguf_mix(model: nn.Module, mix: str, *, exclude: Optional[Sequence[str]] = N
                              f"(exclude=['*experts*'] keeps the experts float) or use a mix that gives them one type "
                              f"(Q5_K_S, Q6_K, Q8_0, Q4_0, ...)")
         types[mod], tensors[mod] = next(iter(ts.values())), f"{blk}.{G.EXPERT_TENSORS[0]}.weight"
-    by_name = {m: LayerConfig(weight=qcore.make_spec(t.lower())) for m, t in types.items()
-               if t not in ("F16", "F32", "BF16")}
+    by_name = {m: LayerConfig(weight=qcore.make_spec(t.lower())) for m, t in types.items()}
     ex = tuple(patterns) + tuple(sorted(m for m in tie if patterns and excluded(m) and
                                         not any(_match_tree(p, m) for p in patterns)))
     config = ModelConfig(LayerConfig(), by_name=by_name, exclude=ex)
-    return GGUFMix(mix, config, types, choices, tensors)
+    return GGUFMix(mix, config, types, choices, tensors, kept)

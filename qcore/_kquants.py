@@ -689,7 +689,14 @@ def requantize(x: np.ndarray, p: GGUFScales, name: str) -> np.ndarray:
     xs = np.ascontiguousarray(x, dtype=_F).reshape(-1, sub)
     scale = np.asarray(scale, dtype=_F).reshape(-1, 1)
     off = None if off is None else np.asarray(off, dtype=_F).reshape(-1, 1)
-    return element_codes(xs, scale, off, name).reshape(shape)
+    codes = element_codes(xs, scale, off, name)
+    t = GGUF_DTYPES[name]
+    if t.is_kquant and t.element.min < 0:  # Q3_K / Q6_K: an all-zero super-block (d = 0) is llama.cpp's zero
+        zero = np.repeat(np.asarray(p.d).reshape(-1) == 0, t.block_size // sub)  # bytes: codes at their lowest
+        if zero.any():
+            codes = np.array(codes)
+            codes[zero] = t.element.min
+    return codes.reshape(shape)
 
 
 def element_codes(x, scale, offset, name: str) -> np.ndarray:
