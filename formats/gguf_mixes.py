@@ -84,7 +84,8 @@ class Mix:
 _MORE = "use_more_bits"
 # attn_output of an 8-expert model (Mixtral) in these mixes: Q5_K (llama.cpp: "n_expert == 8" branch)
 _AO8 = _r("experts_8 not_falcon", "Q5_K", "attn_output of an 8-expert model")
-_AO8_KEEP = _r("experts_8 not_falcon", "", "attn_output of an 8-expert model: the default")  # "" = the mix's default type
+# "" = the mix's default type
+_AO8_KEEP = _r("experts_8 not_falcon", "", "attn_output of an 8-expert model: the default")
 
 #: the mixes: default type and the rules per role (llama.cpp's llama_tensor_get_type_impl, one ftype at a time)
 MIXES: dict[str, Mix] = {m.name: m for m in (
@@ -298,7 +299,7 @@ def tensor_types(mix: str, tensors: Mapping[str, Sequence[int]], *, arch: str, n
         role = tensor_role(name)
         ncols = shape[-1]
         if role == "output" or (tied and role == "token_embd"):
-            rules, what = OUTPUT_RULES, role if role == "output" else "token_embd (tied: the output head)"
+            rules, what = OUTPUT_RULES, "output" if role == "output" else "token_embd (tied: the output head)"
         else:
             rules, what = spec.rules.get(role, ()) if role != "token_embd" else (), role or "other"
         idx = None
@@ -321,6 +322,8 @@ def tensor_types(mix: str, tensors: Mapping[str, Sequence[int]], *, arch: str, n
         for rule in rules:
             if all(_holds(c, local) for c in rule.when):
                 wanted, why = (rule.type or spec.default), rule.why
+                if rules is OUTPUT_RULES and role == "token_embd":
+                    why = "token_embd (tied: the output head)" + why[len("output"):]
                 break
         for rule in POST_RULES.get(role, ()):
             local["type_q3_k_or_q4_k"] = wanted in ("Q3_K", "Q4_K")
