@@ -28,7 +28,8 @@ What llama.cpp does, in order, per tensor (``llama_tensor_get_type``):
    8-expert bumps of ``attn_v`` / ``attn_k``).
 4. **Fallback** when the row length ``ne0`` (the input features: a numpy shape's last axis) is not a multiple
    of the chosen type's block (``FALLBACK``: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K -> Q4_0;
-   F16 when even 32 does not divide it; llama.cpp refuses the file for a 32-block type with no fallback).
+   F16 when even 32 does not divide it). The stored source throws for a 32-block type ("no tensor type fallback
+   is defined"); the vendored library writes F16 there (its own quantizer's files, tested), and so does qcore.
 
 Counters: ``use_more_bits(i, n)`` (``i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2``) runs over the index ``i`` of
 the ``attn_v`` tensor among all of them (llama.cpp counts them in its tensor order: by layer, then by name) and,
@@ -51,7 +52,7 @@ BLOCK_SIZES = {"Q2_K": 256, "Q3_K": 256, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, 
                "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "IQ4_NL": 32, "F16": 1, "BF16": 1, "F32": 1}
 
 #: llama.cpp's ``tensor_type_fallback``: a type whose block does not divide the row length -> this type (F16 when
-#: its block does not divide it either); the 32-block types have none (llama.cpp refuses such a tensor)
+#: its block does not divide it either); the 32-block types go to F16 directly
 FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
@@ -335,11 +336,7 @@ def tensor_types(mix: str, tensors: Mapping[str, Sequence[int]], *, arch: str, n
             counters[role] += 1
         typ = wanted
         if ncols % BLOCK_SIZES[wanted]:
-            if wanted not in FALLBACK:
-                raise ValueError(f"tensors[{name!r}]: rows of {ncols} are not a multiple of {wanted}'s "
-                                 f"{BLOCK_SIZES[wanted]}, and llama.cpp has no fallback for {wanted} (it refuses "
-                                 f"to quantize this model as {mix})")
-            typ = FALLBACK[wanted]
+            typ = FALLBACK.get(wanted, "F16")
             if ncols % BLOCK_SIZES[typ]:
                 typ = "F16"
             why += f"; {ncols} columns not a multiple of {BLOCK_SIZES[wanted]}: {wanted} -> {typ}"

@@ -129,7 +129,7 @@ def test_experts_and_70b_rules():
     assert set(_types(b65, "attn_v")) == {"Q3_K"}
 
 
-def test_fallbacks_f16_and_refusal():
+def test_fallbacks_and_f16():
     t = {"output.weight": (32, 256), **_layers(2, 256, 336, 256)}  # 336: not a multiple of 32
     c = tensor_types("Q4_K_M", t, arch="llama", n_layer=2)
     # n = 2: use_more_bits holds for layer 1 only (i >= 7n/8)
@@ -140,8 +140,8 @@ def test_fallbacks_f16_and_refusal():
     assert q2["blk.0.ffn_down.weight"].type == "Q4_0" and q2["blk.0.ffn_down.weight"].wanted == "Q3_K"
     q5 = tensor_types("Q5_K_S", {"output.weight": (32, 256), **_layers(2, 256, 320, 256)}, arch="llama", n_layer=2)
     assert q5["blk.0.ffn_down.weight"].type == "Q5_1"
-    with pytest.raises(ValueError, match=r"blk.0.ffn_down.weight.*336.*no fallback for Q4_0"):
-        tensor_types("Q4_0", t, arch="llama", n_layer=2)
+    q4 = tensor_types("Q4_0", t, arch="llama", n_layer=2)  # 32-block types: F16 directly
+    assert q4["blk.0.ffn_down.weight"] == GM.Choice("F16", "Q4_0", q4["blk.0.ffn_down.weight"].reason)
 
 
 def test_kept_tensors():
@@ -335,8 +335,9 @@ def test_every_mix_chooses_llama_cpps_type_for_every_tensor(tmp_path, family):
 
 
 @pytest.mark.gguf_client
-def test_f16_fallback_and_refusal_like_llama_cpp(tmp_path):
-    """Rows of 336 (not a multiple of 32): llama.cpp writes ffn_down F16 in Q4_K_M and refuses Q4_0; so does qcore."""
+def test_f16_fallback_like_llama_cpp(tmp_path):
+    """Rows of 336 (not a multiple of 32): llama.cpp writes ffn_down F16 (Q4_K_M: Q6_K / Q4_K wanted, no fallback
+    fits; Q4_0: directly); so does qcore, which keeps those modules float."""
     pytest.importorskip("llama_cpp")
     torch.manual_seed(0)
     m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -349,9 +350,10 @@ def test_f16_fallback_and_refusal_like_llama_cpp(tmp_path):
     r = gguf_mix(m, "Q4_K_M")
     assert {k: c.type for k, c in r.choices.items()} == got
     assert r.kept_float["model.layers.0.mlp.down_proj"] == "llama.cpp: F16; rows of no block type: F16"
-    assert _llama_quantize(src, tmp_path / "q0.gguf", "Q4_0") != 0
-    with pytest.raises(ValueError, match="no fallback for Q4_0"):
-        gguf_mix(m, "Q4_0")
+    assert _llama_quantize(src, tmp_path / "q0.gguf", "Q4_0") == 0
+    r0 = gguf_mix(m, "Q4_0")
+    assert {k: c.type for k, c in r0.choices.items()} == _file_types(tmp_path / "q0.gguf")
+    assert "model.layers.1.mlp.down_proj" in r0.kept_float
 
 
 @pytest.mark.gguf_client
