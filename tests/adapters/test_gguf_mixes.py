@@ -413,3 +413,23 @@ def test_smollm2_mix_types_are_llama_cpps(tmp_path, smollm2, mix):
     mine = {k: c.type for k, c in r.choices.items()}
     assert mine == theirs
     print(f"\nSmolLM2 {mix}: {GM.type_counts(r.choices)}\n{r.summary()}")
+
+
+def test_cli_quantize_with_a_mix(lm_dir, tmp_path, capsys):
+    """``qcore quantize --scheme gguf_q4_k_m --export gguf``: the printed summary names the types; the file has
+    them; a bad --group-size and a misspelt mix are refused before any work."""
+    from qcore.cli import main
+    out = tmp_path / "out"
+    assert main(["quantize", "--model", str(lm_dir), "--scheme", "gguf_q4_k_m", "--eval", "none", "--output",
+                 str(out), "--export", "gguf", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "gguf types" in printed and "Q5_0 x" in printed  # 64-wide rows: Q4_K -> Q5_0
+    assert "fallback Q4_K -> Q5_0" in printed
+    types = _file_types(out / "model.gguf")
+    # 2 layers: use_more_bits holds for layer 1 (attn_v Q6_K wanted); 64-wide rows: Q8_0
+    assert types["blk.1.attn_v.weight"] == "Q8_0" and types["output.weight"] == "Q8_0"
+    for bad, why in ((["--group-size", "32"], "does not apply"), (["--scheme", "gguf_q4_km"], "did you mean")):
+        args = ["quantize", "--model", str(lm_dir), "--scheme", "gguf_q4_k_m", "--eval", "none"]
+        args = args[:3] + (bad if bad[0] == "--scheme" else args[3:5] + bad) + args[5:]
+        assert main(args) != 0
+        assert why in capsys.readouterr().err
