@@ -121,13 +121,9 @@ def _file_tensors(model: nn.Module) -> tuple[dict, dict, dict]:
 
 
 def _hparams(model: nn.Module) -> dict:
-    from .io.gguf import gguf_family
-    fam, loc, arch = gguf_family(model)
-    cfg = model.config.to_dict()
-    try:
-        meta = G.metadata(arch.name, cfg, experts=fam.experts is not None)
-    except ValueError as e:
-        raise ValueError(f"gguf_mix: model_type {fam.model_type!r} ({arch.name!r} in GGUF): {e}") from None
+    from .io.gguf import _arch, gguf_family
+    _, loc, _ = gguf_family(model)
+    fam, arch, meta, cfg = _arch(model)  # what export_gguf refuses for the architecture alone, refused here too
     a = arch.name
 
     def get(key, default=None):
