@@ -154,6 +154,12 @@ def test_kept_tensors():
     assert "1-D" in c["blk.0.ffn_gate_inp_shexp.weight"].reason  # ggml_n_dims: a [1, n] tensor is 1-D
 
 
+def test_rules_module_is_numpy_only(numpy_only):
+    numpy_only("from qcore.formats.gguf_mixes import tensor_types\n"
+               "c = tensor_types('Q4_K_M', {'output.weight': (8, 576)}, arch='llama', n_layer=1)\n"
+               "assert c['output.weight'].type == 'Q8_0'\n")
+
+
 def test_arguments_checked():
     t = {"output.weight": (32, 256)}
     with pytest.raises(ValueError, match=r"unknown llama.cpp mix 'Q4_KM'; did you mean Q4_K_M.*Q2_K, Q3_K_S"):
