@@ -725,7 +725,8 @@ def quantize_and_report(model: Union[None, str, os.PathLike, nn.Module] = None,
 
     ``model``: None (the embedded SmolLM2-135M-Instruct), an HF model directory, a ``.gguf`` file, a hub id, or
     an ``nn.Module`` (with its ``tokenizer`` where evaluation or calibration needs one), which is quantized and
-    frozen in place. ``scheme``: None (``DEFAULT_SCHEME``), a preset name (``qcore schemes``), a JSON config file
+    frozen in place. ``scheme``: None (``DEFAULT_SCHEME``), a preset name (``qcore schemes``; llama.cpp's mixes
+    ``gguf_q4_k_m``, ... are resolved on the loaded model, ``report.gguf_mix``), a JSON config file
     (a qcore ModelConfig or a Quark ``quantization_config``) or a ``ModelConfig``; ``group_size``,
     ``kv_cache_dtype="fp8"`` and ``exclude`` (module names or patterns left float, replacing the default: the
     output head) adjust it. ``algorithms``: run before rounding, in order (names, dicts with a ``"name"`` and

@@ -560,6 +560,8 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
                    reference: Optional[dict] = None, moe_all_experts: bool = True, work_dir=None,
                    resume: bool = False, distill_data: Optional[Iterable] = None) -> nn.Module:
     """Quantize ``model`` in place per ``config`` (a ``ModelConfig``, a preset name or a config dict) and return it.
+    llama.cpp's mixes are preset names too (``"gguf_q4_k_m"``, ...: ``qcore.adapters.gguf_mix``, one GGUF type per
+    tensor from the model's shapes and layers, exactly llama.cpp's choice).
 
     data: calibration batches (see ``calibrate``); needed when the config has static activation scales.
     qat: keep float master weights (trainable, straight-through gradients) instead of writing the fake-quantized
