@@ -14,10 +14,10 @@ the head with it; the config gives the head module the embedding's spec, so the 
 weight (the same scales: ``adapters/modules.py`` ``_inplace_quantize``) and the model computes what llama.cpp
 computes. A tensor llama.cpp writes as F16 (rows not a multiple of 32) stays float in qcore.
 
-Fused MoE experts (``QuantExperts``) hold one spec for the gate/up and down projections: a mix that gives
-``ffn_down_exps`` another type than ``ffn_gate_exps`` / ``ffn_up_exps`` in a layer (Q4_K_M, Q2_K, ...) is refused
-for them by name (exclude them, ``exclude=["*experts*"]``, or use a mix with one type per layer such as Q4_K_S
-where it holds, Q5_K_S, Q6_K, Q8_0, Q4_0).
+Fused MoE experts (``QuantExperts``) take no GGUF spec yet (and hold one spec for the gate/up and down
+projections, where llama.cpp's Q4_K_M, Q2_K, ... type ``ffn_down_exps`` apart): ``gguf_mix`` refuses a model with
+fused experts by name unless they are excluded (``exclude=["*experts*"]``: float experts, every other tensor
+llama.cpp's type). ``gguf_file_types`` still gives llama.cpp's types for them.
 """
 
 from __future__ import annotations
@@ -205,12 +205,11 @@ def gguf_mix(model: nn.Module, mix: str, *, exclude: Optional[Sequence[str]] = N
             kept[mod] = "excluded"
             continue
         ts = {r: choices[f"{blk}.{r}.weight"].type for r in G.EXPERT_TENSORS}
-        if len(set(ts.values())) > 1:
-            raise ValueError(f"gguf_mix: llama.cpp's {mix} gives the experts of {blk} different types ({ts}); "
-                             f"qcore's fused experts module {mod!r} holds one spec for all three: exclude it "
-                             f"(exclude=['*experts*'] keeps the experts float) or use a mix that gives them one type "
-                             f"(Q5_K_S, Q6_K, Q8_0, Q4_0, ...)")
-        types[mod], tensors[mod] = next(iter(ts.values())), f"{blk}.{G.EXPERT_TENSORS[0]}.weight"
+        raise ValueError(f"gguf_mix: llama.cpp's {mix} gives the experts of {blk} the types {ts}; qcore's fused "
+                         f"experts ({mod!r}) take no GGUF spec yet" + (
+                             " (and hold one spec for all three)" if len(set(ts.values())) > 1 else "")
+                         + ": exclude them (exclude=['*experts*'] keeps the experts float; every other tensor gets "
+                           "llama.cpp's type)")
     by_name = {m: LayerConfig(weight=qcore.make_spec(t.lower())) for m, t in types.items()}
     ex = tuple(patterns) + tuple(sorted(m for m in tie if patterns and excluded(m) and
                                         not any(_match_tree(p, m) for p in patterns)))

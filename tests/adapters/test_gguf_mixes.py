@@ -244,19 +244,23 @@ def test_tied_head_shares_the_embeddings_type_and_export_writes_no_output(tmp_pa
                                                              if k.endswith("weight") and v != "F32"}
 
 
-def test_modules_qcore_does_not_wrap_stay_float_and_experts_refused_by_name():
+def test_modules_qcore_does_not_wrap_stay_float_and_experts_refused_unless_excluded():
     g = gguf_mix(tiny("gemma", layers=2), "Q4_K_M")  # Gemma's scaled embedding (an nn.Embedding subclass)
     assert g.choices["token_embd.weight"].type == "Q8_0"  # llama.cpp's: tied, 288 % 256
     assert "model.embed_tokens" not in g.types and "lm_head" not in g.types
     assert "qcore does not quantize GemmaTextScaledWordEmbedding" in g.kept_float["model.embed_tokens"]
     assert "kept float: model.embed_tokens" in g.summary()
     mx = tiny("mixtral", layers=4)
-    with pytest.raises(ValueError, match=r"Q4_K_M gives the experts of blk.2 different types.*exclude=\['\*experts"
-                                         r"\*'\]"):
+    with pytest.raises(ValueError, match=r"Q4_K_M gives the experts of blk.0 the types .*'ffn_down_exps': 'Q4_K'.*"
+                                         r"take no GGUF spec yet: exclude them \(exclude=\['\*experts\*'\]"):
         gguf_mix(mx, "Q4_K_M")
+    with pytest.raises(ValueError, match=r"blk.0 the types .*Q6_K.*take no GGUF spec yet: exclude"):
+        gguf_mix(mx, "Q6_K")
+    assert gguf_file_types(mx, "Q6_K")["blk.0.ffn_down_exps.weight"].type == "Q6_K"
     ok = gguf_mix(mx, "Q4_K_M", exclude=["*experts*"])
     assert ok.kept_float["model.layers.0.mlp.experts"] == "excluded"
-    assert gguf_mix(mx, "Q6_K").types["model.layers.0.mlp.experts"] == "Q6_K"
+    quantize_model(mx, ok.config, progress=False)  # experts float, the rest llama.cpp's types
+    assert mx.model.layers[0].self_attn.v_proj.specs["weight"].gguf == "q8_0"  # 8 experts: attn_v Q8_0
 
 
 def test_preset_names_and_errors():
