@@ -92,7 +92,8 @@ class GGUFMix:
 
 def _file_tensors(model: nn.Module) -> tuple[dict, dict, dict]:
     """What ``export_gguf`` would write, as shapes: ``({GGUF tensor name: shape}, {module: GGUF base name},
-    {experts module: GGUF layer prefix})``, and the tied head (module name) if the file has none."""
+    {experts module: GGUF layer prefix})``; a head tied to the embedding has no tensor (llama.cpp computes it with
+    ``token_embd``)."""
     import torch
 
     from .io.gguf import _expert_names, gguf_family, gguf_names
@@ -123,7 +124,7 @@ def _file_tensors(model: nn.Module) -> tuple[dict, dict, dict]:
 def _hparams(model: nn.Module) -> dict:
     from .io.gguf import _arch, gguf_family
     _, loc, _ = gguf_family(model)
-    fam, arch, meta, cfg = _arch(model)  # what export_gguf refuses for the architecture alone, refused here too
+    _, arch, meta, cfg = _arch(model)  # what export_gguf refuses for the architecture alone, refused here too
     a = arch.name
 
     def get(key, default=None):
@@ -152,8 +153,8 @@ def gguf_mix(model: nn.Module, mix: str, *, exclude: Optional[Sequence[str]] = N
     """llama.cpp's mix ``mix`` (``"Q4_K_M"``, ``"Q3_K_M"``, ``"Q2_K"``, ...; ``qcore.formats.gguf_mixes.MIX_NAMES``,
     case-insensitive) resolved on ``model`` (a transformers causal LM of a family qcore writes as GGUF): the type of
     every tensor, the reason, and the ``ModelConfig`` that quantizes each module with its type. Pure: the model is
-    not changed. ValueError (before any work) for an unknown mix, a family qcore does not write as GGUF, rows
-    llama.cpp itself refuses, or fused experts whose projections the mix types differently.
+    not changed. ValueError (before any work) for an unknown mix, a family or config qcore does not write as GGUF,
+    or fused MoE experts that ``exclude`` does not name (qcore's fused experts take no GGUF spec yet).
 
     exclude: module names / patterns (glob or ``"re:..."``, as ``ModelConfig.exclude``) left float (default:
         none: llama.cpp quantizes the head too). Excluding one of a tied embedding / head excludes both.
