@@ -7,10 +7,11 @@ rules below, held as data in one table (``MIXES`` and the shared ``OUTPUT_RULES`
 
 Transcribed from llama.cpp's ``src/llama-quant.cpp`` (ggml-org/llama.cpp, the revision stored as commit
 ``007dbbf3fd17eefe9b47fee45f48f7ba5e62b714``, which has ``llama_quant_compute_types`` and the fallback table
-below) = the library llama-cpp-python 0.3.36 vendors (its ``libggml`` reports ``ggml_version`` 0.25.3,
-``ggml_commit`` 0c1e570; its ``libllama`` holds the same strings: the Q2_K/Q3_K -> Q4_0 fallback, DeepSeek-V4's
-``ffn_gate_tid2eid``). The tests (``tests/adapters/test_gguf_mixes.py``, marker ``gguf_client``) run that
-library's own quantizer on tiny models of several families and compare every tensor's type.
+below), checked against the library llama-cpp-python 0.3.36 vendors (its ``libggml`` reports ``ggml_version``
+0.25.3, ``ggml_commit`` 0c1e570; its ``libllama`` holds the same strings: the Q2_K/Q3_K -> Q4_0 fallback,
+DeepSeek-V4's ``ffn_gate_tid2eid``): the tests (``tests/adapters/test_gguf_mixes.py``, marker ``gguf_client``)
+run that library's own quantizer on tiny models of several families and compare every tensor's type, which is
+where the one difference from the stored source showed (the F16 fallback of 32-block types, step 4).
 
 What llama.cpp does, in order, per tensor (``llama_tensor_get_type``):
 
