@@ -443,3 +443,30 @@ def test_cli_quantize_with_a_mix(lm_dir, tmp_path, capsys):
         args = args[:3] + (bad if bad[0] == "--scheme" else args[3:5] + bad) + args[5:]
         assert main(args) != 0
         assert why in capsys.readouterr().err
+
+
+@pytest.mark.gguf_client
+def test_imatrix_types_like_llama_cpp(tmp_path):
+    """Given an importance matrix, llama.cpp's Q4_0 / Q5_0 give the first n/8 ffn_down Q4_1 / Q5_1 and the k-quant
+    mixes do not change: ``gguf_mix(..., imatrix=True)`` says the same."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    m = tiny("llama")
+    src = _float_gguf(m, tmp_path / "f.gguf")
+    shapes = {t.name: [int(d) for d in t.shape] for t in gguf.GGUFReader(src).tensors}  # ne order
+    names = [n for n, s in shapes.items() if len(s) == 2]
+    arrays = [np.ones(shapes[n][0], np.float32) for n in names]  # one weight per input column
+    entries = (llama_cpp.llama_model_imatrix_data * (len(names) + 1))()
+    for e, n, a in zip(entries, names, arrays):
+        e.name, e.data, e.size = n.encode(), a.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), a.size
+    entries[len(names)].name = None  # the terminator
+    for mix in ("Q4_0", "Q5_0", "Q4_K_M"):
+        p = llama_cpp.llama_model_quantize_default_params()
+        p.ftype, p.nthread = GM.MIXES[mix].ftype, 1
+        p.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+        assert llama_cpp.llama_model_quantize(str(src).encode(), str(tmp_path / "q.gguf").encode(),
+                                              ctypes.byref(p)) == 0
+        got = _file_types(tmp_path / "q.gguf")
+        assert {k: c.type for k, c in gguf_mix(m, mix, imatrix=True).choices.items()} == got, mix
+        if mix != "Q4_K_M":
+            assert got["blk.0.ffn_down.weight"] == {"Q4_0": "Q4_1", "Q5_0": "Q5_1"}[mix]
+            assert got["blk.1.ffn_down.weight"] == mix
