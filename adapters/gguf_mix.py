@@ -80,9 +80,11 @@ class GGUFMix:
         groups: dict = {}
         for n, c in self.fallbacks().items():
             role = n.split(".", 2)[-1] if n.startswith("blk.") else n
-            groups.setdefault((role, c.wanted, c.type), []).append(n)
-        for (role, wanted, typ), ns in groups.items():
-            lines.append(f"  fallback {wanted} -> {typ}: {role}" + (f" ({len(ns)} layers)" if len(ns) > 1 else ""))
+            roles = groups.setdefault((c.wanted, c.type), {})
+            roles[role.removesuffix(".weight")] = roles.get(role.removesuffix(".weight"), 0) + 1
+        for (wanted, typ), roles in groups.items():
+            lines.append(f"  fallback {wanted} -> {typ} (rows not a multiple of {GM.BLOCK_SIZES[wanted]}): "
+                         + ", ".join(f"{r} x{k}" for r, k in sorted(roles.items())))
         for m, why in list(self.kept_float.items())[:4]:
             lines.append(f"  kept float: {m} ({why})")
         if len(self.kept_float) > 4:

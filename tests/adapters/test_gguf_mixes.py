@@ -221,7 +221,8 @@ def test_gguf_mix_config_types_and_summary():
     assert r.config.by_name["lm_head"].weight.spec == qcore.make_spec("q6_k")
     s = r.summary()
     assert s.splitlines()[0] == "llama.cpp Q4_K_M: Q4_K x45, Q6_K x5, Q5_0 x4, Q8_0 x4"
-    assert "fallback Q6_K -> Q8_0: ffn_down.weight (4 layers)" in s and len(s.splitlines()) == 3
+    assert s.splitlines()[1:] == ["  fallback Q6_K -> Q8_0 (rows not a multiple of 256): ffn_down x4",
+                                  "  fallback Q4_K -> Q5_0 (rows not a multiple of 256): ffn_down x4"]
     # quantize_model with the preset name: the same config, the same specs
     quantize_model(m, "gguf_q4_k_m", progress=False)
     assert m.qcore_config == r.config
@@ -434,7 +435,7 @@ def test_cli_quantize_with_a_mix(lm_dir, tmp_path, capsys):
                  str(out), "--export", "gguf", "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "gguf types" in printed and "Q5_0 x" in printed  # 64-wide rows: Q4_K -> Q5_0
-    assert "fallback Q4_K -> Q5_0" in printed
+    assert "fallback Q4_K -> Q5_0 (rows not a multiple of 256): attn_k x2, attn_output x2" in printed
     types = _file_types(out / "model.gguf")
     # 2 layers: use_more_bits holds for layer 1 (attn_v Q6_K wanted); 64-wide rows: Q8_0
     assert types["blk.1.attn_v.weight"] == "Q8_0" and types["output.weight"] == "Q8_0"
