@@ -99,6 +99,9 @@ def _summary_rows(r: J.QuantizeReport, *, report: bool) -> list[tuple[str, str]]
     """The rows ``qcore quantize`` prints for report ``r`` (``report``: whether --report was given)."""
     look = "the report's {} lists them)" if report else "--report FILE.json lists them)"
     rows = [("model", r.model), ("scheme", r.scheme), ("layers quantized", str(r.layers_quantized))]
+    if r.gguf_mix is not None:  # llama.cpp's mix: the types it chose (the report's gguf_mix lists each tensor's)
+        head, *rest = r.gguf_mix.summary().splitlines()
+        rows += [("gguf types", head.split(": ", 1)[1])] + [("", line.strip()) for line in rest]
     kept = r.kept_float
     if kept:
         rows += [("kept float (excluded)", f"{len(kept)} weight(s): {', '.join(w.name for w in kept[:3])}"
@@ -250,6 +253,10 @@ def schemes_command(args) -> int:
                 why.append(f"each {spec.subblock_shift_bits}-bit shared-exponent shift in a byte")
             note = f" (the spec needs {own:.2f}; the {layout} layout stores {' and '.join(why) or 'more'})"
         print(f"{name:42s} {'; '.join(parts):60s} {bits:.2f} bits/weight{note}")
+    from qcore.formats.gguf_mixes import MIXES
+    from .gguf_mix import GGUF_MIX_PRESETS
+    for name, mix in GGUF_MIX_PRESETS.items():  # types per tensor from the model's shapes and layers (docs/gguf.md)
+        print(f"{name:42s} W llama.cpp {mix}: {MIXES[mix].default} and per-tensor types (GGUF export)")
     return 0
 
 

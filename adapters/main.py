@@ -31,7 +31,8 @@ from torch import nn
 from .eval import evaluate as E
 from .eval import models as M
 from . import quantizer as Q
-from .config import ModelConfig
+from .config import LayerConfig, ModelConfig
+from .gguf_mix import GGUF_MIX_PRESETS, gguf_mix, mix_of_preset
 from .presets import PRESETS, preset
 
 __all__ = ["quantize_and_report", "QuantizeReport", "CommandError", "DEFAULT_SCHEME", "LAYER_ERROR_WINDOWS"]
@@ -130,6 +131,7 @@ class QuantizeReport:
     moe_coverage: Any = None  # qcore.adapters.moe.ExpertCoverage of static calibration (MoE models), or None
     qcore_version: str = ""
     command: Optional[str] = None
+    gguf_mix: Any = None  # qcore.adapters.gguf_mix.GGUFMix of a llama.cpp mix scheme (gguf_q4_k_m, ...), or None
     quantized_model: Any = field(default=None, compare=False, repr=False)
     tokenizer: Any = field(default=None, compare=False, repr=False)
 
@@ -183,6 +185,10 @@ class QuantizeReport:
                 "rtn": "the same scheme by round-to-nearest without the algorithms (with --algo and --report/--plot)",
                 "ranked_by": "output SQNR" if self.ranked_by_output else "weight SQNR (no calibration windows)"},
             "moe_coverage": None if self.moe_coverage is None else self.moe_coverage.to_dict(),
+            "gguf_mix": None if self.gguf_mix is None else {
+                "mix": self.gguf_mix.mix, "counts": self.gguf_mix.counts(), "types": dict(self.gguf_mix.types),
+                "fallbacks": {n: {"wanted": c.wanted, "type": c.type}
+                              for n, c in self.gguf_mix.fallbacks().items()}},
             "qcore_version": self.qcore_version,
             "command": self.command,
         }
@@ -321,7 +327,7 @@ def read_eval_text(path: Optional[str], *, names: _Names = CLI) -> Optional[str]
 
 def _did_you_mean(name: str) -> str:
     import difflib
-    close = difflib.get_close_matches(name.lower(), PRESETS, n=3)
+    close = difflib.get_close_matches(name.lower(), [*PRESETS, *GGUF_MIX_PRESETS], n=3)
     return f"; did you mean {', '.join(close)}?" if close else ""
 
 
@@ -412,6 +418,14 @@ def build_config(scheme, *, group_size=None, kv_cache_dtype=None, exclude=None,
         if group_size is not None:
             raise CommandError(f"{names('group_size')} applies to a preset {names('scheme')}, not to a "
                                f"{'JSON ' if not isinstance(scheme, ModelConfig) else ''}config (set it there)")
+        if kv_cache_dtype:
+            from .config import KVCacheConfig
+            config = config.replace(kv_cache=KVCacheConfig())
+    elif mix_of_preset(scheme) is not None:  # llama.cpp's mix: resolved on the model once it is loaded (_run)
+        if group_size is not None:
+            raise CommandError(f"{names('group_size')} does not apply to {names.arg('scheme', scheme)}: llama.cpp's "
+                               f"mixes fix each type's blocks")
+        config = ModelConfig(LayerConfig())
         if kv_cache_dtype:
             from .config import KVCacheConfig
             config = config.replace(kv_cache=KVCacheConfig())
@@ -711,7 +725,8 @@ def quantize_and_report(model: Union[None, str, os.PathLike, nn.Module] = None,
 
     ``model``: None (the embedded SmolLM2-135M-Instruct), an HF model directory, a ``.gguf`` file, a hub id, or
     an ``nn.Module`` (with its ``tokenizer`` where evaluation or calibration needs one), which is quantized and
-    frozen in place. ``scheme``: None (``DEFAULT_SCHEME``), a preset name (``qcore schemes``), a JSON config file
+    frozen in place. ``scheme``: None (``DEFAULT_SCHEME``), a preset name (``qcore schemes``; llama.cpp's mixes
+    ``gguf_q4_k_m``, ... are resolved on the loaded model, ``report.gguf_mix``), a JSON config file
     (a qcore ModelConfig or a Quark ``quantization_config``) or a ``ModelConfig``; ``group_size``,
     ``kv_cache_dtype="fp8"`` and ``exclude`` (module names or patterns left float, replacing the default: the
     output head) adjust it. ``algorithms``: run before rounding, in order (names, dicts with a ``"name"`` and
@@ -827,6 +842,13 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
     else:
         with loading_bars(progress):
             model, tok, desc = load_model(model_in, dtype=dtype, device=device, names=names)
+    mix = None
+    if amp_schemes is None and mix_of_preset(scheme_in) is not None:  # llama.cpp's mix: types from the model
+        try:
+            mix = gguf_mix(model, mix_of_preset(scheme_in), exclude=o["exclude"])
+        except (ValueError, TypeError) as e:
+            raise CommandError(f"{names.arg('scheme', scheme_in)}: {e}") from None
+        config = mix.config.replace(kv_cache=config.kv_cache, algorithms=config.algorithms)
     plans = Q.plan_model(model, config)  # all config errors before any evaluation
     weightless = [p.name for p in plans if p.config.weight is None]
     if out_dir is not None and weightless and (export or "hf") != "onnx":  # before any evaluation
@@ -932,7 +954,8 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
         calibration_samples=0 if calib is None else len(calib), quantize_seconds=quantize_s,
         total_seconds=time.perf_counter() - t_start, peak_rss_bytes=peak, model_bytes_before=size_before,
         model_bytes_frozen=size_after, layer_errors=errors, rtn_layer_errors=rtn_errors, static_scales=static_scales,
-        **exported, moe_coverage=getattr(model, "qcore_moe_coverage", None), qcore_version=qcore.__version__,
+        **exported, moe_coverage=getattr(model, "qcore_moe_coverage", None), gguf_mix=mix,
+        qcore_version=qcore.__version__,
         command=o["command"] if o["command"] is not None else _python_call(o),
         quantized_model=model, tokenizer=tok)
     if o["report"]:

@@ -89,9 +89,13 @@ def default_exclude(model: nn.Module) -> list[str]:
     return _output_head(model) + non_language_modules(model)
 
 
-def _as_config(config: Any) -> ModelConfig:
+def _as_config(config: Any, model: Optional[nn.Module] = None) -> ModelConfig:
     if isinstance(config, ModelConfig):
         return config
+    if model is not None and isinstance(config, str):  # llama.cpp's mixes: resolved on the model
+        from .gguf_mix import gguf_mix, mix_of_preset
+        if mix_of_preset(config) is not None:
+            return gguf_mix(model, mix_of_preset(config)).config
     if isinstance(config, str):
         from .presets import preset
         return preset(config)
@@ -115,7 +119,7 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
     (``_check_float=False``: the checkpoint loaders, which resolve a saved config on a float skeleton.)"""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    config = _as_config(config)
+    config = _as_config(config, model)
     mods = dict(model.named_modules())
     if _quantized_ok:  # exporters: resolve the config on a quantized model as on its float original
         mods = {n: _FloatView(m) if is_quantized_module(m) else m for n, m in mods.items()}
@@ -365,7 +369,7 @@ def _walk_config(model: nn.Module, config: Any) -> tuple[ModelConfig, dict, list
         if config is None:
             raise ValueError("config: the model was not quantized by quantize_model (it has no qcore_config); "
                              "pass the config it was quantized with")
-    config = _as_config(config)
+    config = _as_config(config, model)
     mods = dict(model.named_modules())
     exclude = default_exclude(model) if config.exclude is None else list(config.exclude)
     return config, mods, exclude
@@ -556,6 +560,8 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
                    reference: Optional[dict] = None, moe_all_experts: bool = True, work_dir=None,
                    resume: bool = False, distill_data: Optional[Iterable] = None) -> nn.Module:
     """Quantize ``model`` in place per ``config`` (a ``ModelConfig``, a preset name or a config dict) and return it.
+    llama.cpp's mixes are preset names too (``"gguf_q4_k_m"``, ...: ``qcore.adapters.gguf_mix``, one GGUF type per
+    tensor from the model's shapes and layers, exactly llama.cpp's choice).
 
     data: calibration batches (see ``calibrate``); needed when the config has static activation scales.
     qat: keep float master weights (trainable, straight-through gradients) instead of writing the fake-quantized
@@ -593,7 +599,9 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     if reference is not None and not isinstance(reference, dict):
         raise TypeError(f"reference must be a dict (filled with the float weights) or None, got "
                         f"{type(reference).__name__}")
-    config = _as_config(config)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    config = _as_config(config, model)
     plans = plan_model(model, config)
     meta = [n for n, t in model.named_parameters() if t.is_meta]
     if meta:

@@ -679,8 +679,8 @@ def requantize(x: np.ndarray, p: GGUFScales, name: str) -> np.ndarray:
     """Codes of float32 ``x`` (..., n) under GIVEN stored scales ``p`` (a ``GGUFScales`` of x's blocks): the
     element step of llama.cpp's quantizer with the scales fixed (``element_codes`` per sub-block).
     ``requantize(x, quantize(x, k-quant).super_scales)`` gives llama.cpp's codes wherever ``d * sc`` is not 0
-    (there: code 0, value = the offset); for the 32-element types llama.cpp's codes come from the unrounded d,
-    so a few codes may differ from requantizing with the stored fp16 d."""
+    (there: code 0, Q3_K / Q6_K their lowest; value = the offset); for the 32-element types llama.cpp's codes
+    come from the unrounded d, so a few codes may differ from requantizing with the stored fp16 d."""
     from .dtypes import GGUF_DTYPES
 
     sub = GGUF_DTYPES[name].subblock_size
@@ -698,7 +698,8 @@ def element_codes(x, scale, offset, name: str) -> np.ndarray:
     by column. A value is ``scale * code + offset`` (IQ4_NL: ``scale * levels[code]``).
 
     k-quants: ``clamp(nearest_int((x - offset) / scale), lo, hi)`` (llama.cpp's final requantization), code 0
-    where the scale is 0. 32-element types, with ``id = 1/scale`` (0 when the scale is 0): Q4_0/Q5_0
+    where the scale is 0 (Q3_K / Q6_K: their lowest code, the zeroed bytes of an all-zero super-block).
+    32-element types, with ``id = 1/scale`` (0 when the scale is 0): Q4_0/Q5_0
     ``min(2*nmax - 1, trunc(x*id + nmax + 0.5)) - nmax``, Q4_1/Q5_1 ``clamp(trunc((x - offset)*id + 0.5), 0,
     nmax)``, Q8_0 ``roundf(x*id)``, IQ4_NL the level whose midpoint interval holds ``x*id``."""
     from .dtypes import GGUF_DTYPES
@@ -712,7 +713,9 @@ def element_codes(x, scale, offset, name: str) -> np.ndarray:
         idv = np.where(scale != 0, _div(_F(1), scale), _F(0)).astype(_F)
         if t.is_kquant:
             num = x if off is None else (x - off).astype(_F)  # x + dmin*m
-            c = np.where(scale != 0, np.clip(nearest_int(_div(num, scale)), lo, hi), 0)
+            # a zero scale: code 0, or for Q3_K / Q6_K (signed codes) the lowest code, as the zeroed bytes of
+            # llama.cpp's all-zero super-block (d = 0) hold (the value is 0 either way, the sign of 0 follows it)
+            c = np.where(scale != 0, np.clip(nearest_int(_div(num, scale)), lo, hi), min(lo, 0))
         elif t.levels:
             c = _best_index(t.levels, (x * idv).astype(_F))
         elif name == "q8_0":

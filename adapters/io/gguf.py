@@ -481,12 +481,14 @@ def check_gguf(model: nn.Module, config: Optional[ModelConfig] = None, *, drop_a
         return  # export_gguf reads the modules themselves
     if will_rotate_online(model, config):
         raise ValueError("export_gguf: the model carries online rotations; llama.cpp's graphs cannot apply them")
-    for u in export_units(model, config):
+    units = export_units(model, config)
+    gguf_of = {u.name: _gguf_weight(u.config) for u in units}
+    for u in units:
         why = _unit_problem(u.name, [r for r in ("weight", "input", "output", "bias")
                                      if getattr(u.config, r) is not None], drop_activations)
         if why:
             raise ValueError(f"export_gguf: {why}")
-        if u.name == fam.lm_head and not arch.output:
+        if u.name == fam.lm_head and not arch.output and not _tied_gguf_head(model, u.name, gguf_of):
             raise ValueError(_head_refusal(u.name, arch))
 
 
@@ -573,6 +575,22 @@ def _tokenizer_fields(tokenizer: Any, vocab_size: int, pre: str) -> list[tuple[s
     return out
 
 
+def _gguf_weight(lc) -> Optional[str]:
+    w = getattr(lc, "weight", None)
+    return None if w is None else w.spec.gguf
+
+
+def _tied_gguf_head(model: nn.Module, head: str, gguf_of: dict) -> bool:
+    """The head ``head`` shares the token embedding's weight (``tie_word_embeddings``) and both are quantized with
+    the same GGUF type (``gguf_of``: module name -> GGUF spec name or None): llama.cpp computes the head with
+    ``token_embd``, so no ``output`` tensor is written (``qcore.adapters.gguf_mix`` quantizes them so)."""
+    from ..families import locate
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return False
+    emb = locate(model, what="export_gguf").embed
+    return gguf_of.get(head) is not None and gguf_of.get(head) == gguf_of.get(emb)
+
+
 def _head_refusal(name: str, arch) -> str:
     return (f"export_gguf: {name}: llama.cpp's {arch.name!r} graph computes the head with token_embd (the head "
             f"must be tied to the embedding and not quantized apart from it; exclude {name!r})")
@@ -621,6 +639,9 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
             if mod in done:  # frozen modules hold weight_packed / weight_scale / ... instead of weight
                 continue
             done.add(mod)
+            if base == "output" and _tied_gguf_head(model, mod, {n: m.specs["weight"].gguf for n, m in mods.items()
+                                                                 if "weight" in m.specs}):
+                continue  # tied to token_embd with the same GGUF type: llama.cpp computes the head with it
             if base == "output" and not arch.output:
                 raise ValueError(_head_refusal(mod, arch))
             data, kind, rep = _encode_quantized(mod, base, mods[mod], strict)
