@@ -36,7 +36,9 @@ kernels). A model with quantized inputs or outputs (static or dynamic, incl. a K
 Online rotations (QuaRot / SpinQuant hooks) are refused: llama.cpp's graphs cannot run them.
 
 Tokenizer (llama.cpp needs one): ``tokenizer=`` a transformers BPE (byte-level, GPT-2 style) tokenizer, converted
-to ``tokenizer.ggml.*`` (model ``gpt2``, pre-tokenizer ``tokenizer_pre``), or the path of a GGUF file whose
+to ``tokenizer.ggml.*`` (model ``gpt2``, pre-tokenizer ``tokenizer_pre``), a SentencePiece tokenizer (Llama-2,
+Mistral, Gemma, Phi-3: a slow one with ``sp_model``, or a fast one whose BPE has byte fallback; model ``llama``
+with scores and piece types, ``adapters/io/_gguf_tokenizer.py``), or the path of a GGUF file whose
 ``tokenizer.*`` fields are copied verbatim (e.g. the file the model was loaded from).
 
 Guarantees: no pickle; the write is atomic (a hidden temporary sibling file renamed into place with
@@ -507,6 +509,12 @@ def _tokenizer_fields(tokenizer: Any, vocab_size: int, pre: str) -> list[tuple[s
             raise ValueError(f"export_gguf: the tokenizer of {str(tokenizer)!r} has "
                              f"{len(toks[0]) if toks else 0} tokens, the model's vocab_size is {vocab_size}")
         return out
+    from ._gguf_tokenizer import sentencepiece_fields_of
+    spm = sentencepiece_fields_of(tokenizer, vocab_size)
+    if spm is not None:  # SentencePiece (Llama-2, Mistral, Gemma, Phi-3): llama.cpp's "llama" tokenizer
+        kinds = {"str": (V.STRING, None), "u32": (V.UINT32, None), "bool": (V.BOOL, None),
+                 "[str]": (V.ARRAY, V.STRING), "[f32]": (V.ARRAY, V.FLOAT32), "[i32]": (V.ARRAY, V.INT32)}
+        return [(k, v, *kinds[kind]) for k, v, kind in spm]
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise TypeError(f"export_gguf: tokenizer must be a transformers fast tokenizer or the path of a GGUF file, "
@@ -639,7 +647,8 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
     ``quantize_model``, frozen or not) to the GGUF file ``path``. See the module docstring for what is written
     and when it is lossless.
 
-    tokenizer: a transformers BPE fast tokenizer, or the path of a GGUF file to copy ``tokenizer.*`` from
+    tokenizer: a transformers BPE fast tokenizer (byte-level, or SentencePiece's with byte fallback), a
+        SentencePiece tokenizer (``sp_model``), or the path of a GGUF file to copy ``tokenizer.*`` from
         (llama.cpp needs a tokenizer; transformers' GGUF model loader does not).
     tokenizer_pre: llama.cpp's pre-tokenizer name for a converted tokenizer (``"default"``, ``"smollm"``,
         ``"llama-bpe"``, ...).
