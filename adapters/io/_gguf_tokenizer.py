@@ -157,6 +157,7 @@ def _from_json(tokenizer: Any, spec: dict, vocab_size: int) -> list:
     vocab = model.get("vocab") or {}
     if not isinstance(vocab, dict) or not vocab:
         raise ValueError("export_gguf: the tokenizer's BPE model has no vocabulary")
+    _check_bytes(list(vocab), "the tokenizer's vocabulary")
     prefix = _space_prefix(spec)
     if prefix is None:
         raise ValueError(f"export_gguf: the tokenizer's normalizer {json.dumps(spec.get('normalizer'))[:120]} and "
@@ -171,7 +172,6 @@ def _from_json(tokenizer: Any, spec: dict, vocab_size: int) -> list:
     unk = model.get("unk_token")
     if unk in vocab:
         types[vocab[unk]] = GT.TOKEN_TYPES["unknown"]
-    _check_bytes(pieces, "the tokenizer's vocabulary")
     return _fields(pieces, scores, types, tokenizer, vocab_size, prefix)
 
 
