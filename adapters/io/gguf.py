@@ -67,10 +67,14 @@ integer zero points (symmetric when they are all 0), MXFP4 -> mxfp4; float16 sca
 checked: ``qcore.dequantize`` of the imported parts equals ggml's dequantization (gguf-py's, bit for bit) of the
 tensor, so the model computes with exactly the values transformers' own GGUF loader would give it (in float32).
 
+A quantized token embedding becomes a frozen ``QuantEmbedding``; when the output head is tied to it
+(``tie_word_embeddings``, no ``output`` tensor) the head becomes a frozen module of the same spec sharing the
+embedding's buffers (``_tied_head_of``): llama.cpp's head multiplies by the same quantized matrix, and
+``export_gguf`` writes such a head as no tensor (``_shares_weight``), so the file goes back byte for byte.
+
 What has no exact qcore grid is imported as a float weight holding ggml's dequantization and listed in a
 warning and in the report (``how="dequantized"``), or refused with ``strict=True``:
 
-- a quantized token embedding tied to the output head (an untied one becomes a frozen ``QuantEmbedding``);
 - block types qcore has no spec for (IQ2_*, IQ3_*, TQ*, ...; k-quants etc. of fused experts): refused
   (ValueError naming the tensor) unless ``dequantize_other=True``.
 
@@ -466,8 +470,19 @@ def check_gguf(model: nn.Module, config: Optional[ModelConfig] = None, *, drop_a
                                      if getattr(u.config, r) is not None], drop_activations)
         if why:
             raise ValueError(f"export_gguf: {why}")
-        if u.name == fam.lm_head and not arch.output:
+        if u.name == fam.lm_head and not arch.output and not _tied_same_config(model, config, u):
             raise ValueError(_head_refusal(u.name, arch))
+
+
+def _tied_same_config(model: nn.Module, config: ModelConfig, head_unit) -> bool:
+    """The head is tied to the token embedding and the config gives the embedding the head's weight config."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return False
+    from .quark_hf import export_units
+    emb = model.get_input_embeddings()
+    name = next((n for n, m in model.named_modules() if m is emb), None)
+    u = next((x for x in export_units(model, config) if x.name == name), None)
+    return u is not None and u.config.weight == head_unit.config.weight
 
 
 def _check_model(model: nn.Module, drop_activations: bool) -> tuple:
@@ -605,6 +620,8 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
             if mod in done:  # frozen modules hold weight_packed / weight_scale / ... instead of weight
                 continue
             done.add(mod)
+            if base == "output" and _shares_weight(mods[mod], mods.get(emb_name)):
+                continue  # tied to the quantized token embedding: llama.cpp computes the head with token_embd
             if base == "output" and not arch.output:
                 raise ValueError(_head_refusal(mod, arch))
             data, kind, rep = _encode_quantized(mod, base, mods[mod], strict)
@@ -1077,6 +1094,42 @@ def _same_q4_spec(s1, p1, s2, p2):
     return s1, p1, s2, p2
 
 
+def _tied_head_of(model: nn.Module, emb: nn.Module, spec, parts, shape: tuple, dtype: torch.dtype,
+                  q: _QuantMixin) -> Optional[str]:
+    """The output head tied to the quantized token embedding ``q`` (imported from ``emb``) as a frozen module of
+    the same spec sharing ``q``'s weight buffers (llama.cpp's head multiplies by the same quantized matrix); its
+    module name, or None when the model has no separate head module."""
+    head = model.get_output_embeddings()
+    name = next((n for n, m in model.named_modules() if m is head), None)
+    if head is None or name is None or head is emb or type(head) not in QUANT_CLASSES:
+        return None
+    h = QUANT_CLASSES[type(head)].from_module(head, LayerConfig(weight=TensorConfig(spec)), name=name)
+    if spec.gguf:
+        h.load_frozen_gguf(parts, shape=shape, dtype=dtype, device=torch.device("cpu"))
+    else:
+        h.load_frozen(parts, shape=shape, dtype=dtype, device=torch.device("cpu"))
+    for k, v in q._buffers.items():  # one copy of the blocks: the head's buffers are the embedding's
+        if k.startswith("weight_"):
+            h._buffers[k] = v
+    h.eval()
+    _set_module(model, name, h)
+    return name
+
+
+def _shares_weight(head: Optional[nn.Module], emb: Optional[nn.Module]) -> bool:
+    """The quantized head holds the quantized token embedding's weight itself (tied: the same parameter, or the
+    same frozen buffers) with the same spec: llama.cpp computes it with ``token_embd``."""
+    if not isinstance(head, _QuantMixin) or not isinstance(emb, _QuantMixin) \
+            or head.specs.get("weight") != emb.specs.get("weight"):
+        return False
+    hw, ew = head._parameters.get("weight"), emb._parameters.get("weight")
+    if hw is not None or ew is not None:
+        return hw is ew
+    hb = {k: v for k, v in head._buffers.items() if k.startswith("weight_")}
+    eb = {k: v for k, v in emb._buffers.items() if k.startswith("weight_")}
+    return bool(hb) and hb.keys() == eb.keys() and all(hb[k] is eb[k] for k in hb)
+
+
 def from_gguf(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = None, strict: bool = False,
               dequantize_other: bool = False) -> nn.Module:
     """Load the GGUF file ``path`` (architectures: the module docstring) as a transformers model whose
@@ -1128,14 +1181,11 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
         module = model.get_submodule(mod_name)
         spec, parts, reason = None, None, ""
         if kind in G.BLOCK_KINDS:
-            if isinstance(module, nn.Embedding) and tied:
-                reason = "the token embedding is tied to the output head (a frozen module has no float weight to share)"
-            elif type(module) not in QUANT_CLASSES:
+            if type(module) not in QUANT_CLASSES:
                 reason = f"{type(module).__name__} modules are not quantized by qcore"
             elif kind in G.TYPE_BYTES:
                 spec, parts, reason = G.import_blocks(data, kind, shape, where=t.name)
-            if spec is None and kind in G.GGUF_SPEC_KINDS and type(module) in QUANT_CLASSES \
-                    and not (isinstance(module, nn.Embedding) and tied):
+            if spec is None and kind in G.GGUF_SPEC_KINDS and type(module) in QUANT_CLASSES:
                 # qcore's GGUF spec of the type (k-quants, Q5_0/Q5_1, IQ4_NL; Q4_1 with float offsets m, Q8_0
                 # blocks no int8 grid holds): the block bytes as they are
                 spec, parts, reason = qcore.make_spec(G.GGUF_SPEC_KINDS[kind]), G.gguf_spec_blocks(
@@ -1171,11 +1221,15 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
         _set_module(model, mod_name, q)
         specs[mod_name] = spec
         reports.append(ImportedTensor(hf, t.name, kind, "codes", spec, True, 0.0))
+        if tied and isinstance(module, nn.Embedding):
+            head = _tied_head_of(model, module, spec, parts, shape, dtype, q)
+            if head is not None:
+                specs[head] = spec
 
     for mod_name, ts in experts.items():
         _import_experts(model, mod_name, ts, dtype, strict, reports, specs, float_blocks)
 
-    if tied:
+    if tied and not any(isinstance(m, _QuantMixin) for m in [model.get_output_embeddings()]):
         model.tie_weights()
         out, emb = model.get_output_embeddings(), model.get_input_embeddings()
         if out is not None and out.weight is not emb.weight:
