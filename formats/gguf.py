@@ -310,6 +310,7 @@ def dequantize(data: np.ndarray, kind: str, shape: tuple, *, where: str = "tenso
 def decode(data: np.ndarray, kind: str, spec: QuantSpec, shape: tuple, *, where: str = "tensor") -> WeightParts:
     """``kind`` blocks -> qcore parts for ``spec`` (a ``PerGroup(32)`` spec whose ``gguf_type`` is ``kind``):
     codes in the canonical layout, float32 scales (and zero points) of ``spec.scale_shape(shape)``.
+    A block with ``d = 0`` (ggml's all-zero block, as ``encode`` writes one) gets scale 1 and codes of value 0.
     CorruptCheckpointError (naming ``where``) for scales that are not finite and positive, an E8M0 byte 255, or
     a Q4_1 offset that is not ``-d * k`` for an integer code ``k`` (qcore's zero points are integer codes)."""
     rows, cols = shape
@@ -329,20 +330,28 @@ def decode(data: np.ndarray, kind: str, spec: QuantSpec, shape: tuple, *, where:
         codes = _unpack_nibbles(b[:, 1:])
     else:
         scales = _f16(b[:, :2])
+        zero = scales == 0  # ggml's all-zero blocks (``encode`` writes them so): scale 1, codes of value 0
         if kind == "Q8_0":
-            codes = np.ascontiguousarray(b[:, 2:]).view(np.int8)
+            codes = np.where(zero[:, None], 0, np.ascontiguousarray(b[:, 2:]).view(np.int8)).astype(np.int8)
         elif kind == "Q4_0":
-            codes = _unpack_nibbles(b[:, 2:]).astype(np.int8) - np.int8(8)
+            codes = np.where(zero[:, None], 0, _unpack_nibbles(b[:, 2:]).astype(np.int8) - np.int8(8)).astype(
+                np.int8)
         else:
             m = _f16(b[:, 2:4])
             off = 8 if spec.dtype.signed else 0
+            if bool(np.any(zero & (m != 0))):
+                raise CorruptCheckpointError(f"{where}: Q4_1 blocks with d = 0 and m != 0 (import_blocks holds "
+                                             f"them; decode gives the zero blocks only)")
+            b = b.copy()
+            b[zero, 4:] = 0
             with np.errstate(divide="ignore", invalid="ignore"):
-                k = -m.astype(np.float64) / scales.astype(np.float64)
+                k = np.where(zero, 0.0, -m.astype(np.float64) / np.where(zero, 1.0, scales.astype(np.float64)))
             if not bool(np.all(np.isfinite(k) & (k == np.round(k)) & (k >= 0) & (k <= 15))):
                 raise CorruptCheckpointError(f"{where}: Q4_1 offsets m that are not -d * k for an integer code k in "
                                              f"[0, 15]; qcore's integer zero points cannot hold them exactly")
             zp = (k - off).astype(np.float32).reshape(rows, nb)
             codes = (_unpack_nibbles(b[:, 4:]).astype(np.int16) - off).astype(np.int8 if off else np.uint8)
+        scales = np.where(zero, np.float32(1), scales).astype(np.float32)
     if not bool(np.all(np.isfinite(scales) & (scales > 0))):
         raise CorruptCheckpointError(f"{where}: {kind} block scales that are not finite and positive")
     return WeightParts(codes=np.ascontiguousarray(codes.reshape(shape)), scales=scales.reshape(rows, nb).copy(),
