@@ -95,3 +95,21 @@ def test_from_gguf_config_with_float_linears_survives_dict_and_export_hf(tmp_pat
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(r(ids).logits, back(ids).logits)
+
+
+@pytest.mark.parametrize("name", ["q6_k", "q3_k", "q4_k", "q2_k", "q5_k"])
+def test_kquant_embedding_with_a_zero_row_freezes_to_ggmls_bytes(name):
+    """A padding row (all zero) is a k-quant block ggml writes as zero bytes, whose values are -0.0 for the signed
+    types (q3_k, q6_k); freeze requantizes the fake-quantized weight under the kept scales and gets the same
+    bits (it raised "do not reproduce the fake-quantized weight" before)."""
+    from torch import nn
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Embedding(8, 256, padding_idx=0))
+    x = seq[0].weight.detach().numpy().copy()
+    layer = LayerConfig(weight=name)
+    quantize_model(seq, ModelConfig(layer, by_type={"Embedding": layer}, exclude=()), None, progress=False)
+    want = bytes(qcore.packing.pack_gguf_blocks(qcore.quantize(x, name)))
+    y = seq(torch.arange(8))
+    assert bytes(seq[0].gguf_blocks()) == want
+    seq[0].freeze()
+    assert bytes(seq[0].gguf_blocks()) == want and torch.equal(seq(torch.arange(8)), y)
