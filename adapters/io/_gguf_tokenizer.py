@@ -90,6 +90,8 @@ def _fields(pieces, scores, types, tokenizer, vocab_size, add_space_prefix) -> l
                          f"{vocab_size}")
     add_bos, add_eos = _adds(tokenizer)
     sid = _special_ids(tokenizer)
+    if sid["unk"] is not None and 0 <= sid["unk"] < len(types):
+        types[sid["unk"]] = GT.TOKEN_TYPES["unknown"]  # llama.cpp's converter: the unknown piece is UNKNOWN
     tmpl = getattr(tokenizer, "chat_template", None)
     return GT.sentencepiece_fields(pieces, scores, types, vocab_size=vocab_size, bos_id=sid["bos"],
                                    eos_id=sid["eos"], unk_id=sid["unk"], pad_id=sid["pad"], add_bos=add_bos,
