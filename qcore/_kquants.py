@@ -699,9 +699,10 @@ def element_codes(x, scale, offset, name: str) -> np.ndarray:
 
     k-quants: ``clamp(nearest_int((x - offset) / scale), lo, hi)`` (llama.cpp's final requantization); where the
     scale is 0 code 0, or for q3_k / q6_k the lowest code where that gives the sign of ``x`` (so that the zero
-    values of a fake-quantized weight, -0.0 in ggml's all-zero blocks, requantize bit for bit). 32-element types, with ``id = 1/scale`` (0 when the scale is 0): Q4_0/Q5_0
-    ``min(2*nmax - 1, trunc(x*id + nmax + 0.5)) - nmax``, Q4_1/Q5_1 ``clamp(trunc((x - offset)*id + 0.5), 0,
-    nmax)``, Q8_0 ``roundf(x*id)``, IQ4_NL the level whose midpoint interval holds ``x*id``."""
+    values of a fake-quantized weight, -0.0 in ggml's all-zero blocks, requantize bit for bit). 32-element types,
+    with ``id = 1/scale`` (0 when the scale is 0): Q4_0/Q5_0 ``min(2*nmax - 1, trunc(x*id + nmax + 0.5)) -
+    nmax``, Q4_1/Q5_1 ``clamp(trunc((x - offset)*id + 0.5), 0, nmax)``, Q8_0 ``roundf(x*id)``, IQ4_NL the level
+    whose midpoint interval holds ``x*id``."""
     from .dtypes import GGUF_DTYPES
 
     t = GGUF_DTYPES[name]

@@ -13,13 +13,14 @@ Two kinds of tokenizer are read:
   from its merges (``formats.gguf_tokenizer.scores_from_merges``), the space prefix from its ``Metaspace``
   pre-tokenizer or its ``Prepend("▁")`` normalizer.
 
-What llama.cpp's tokenizer cannot reproduce is refused (ValueError) rather than written to tokenize differently:
-a Unigram model (llama.cpp's ``"llama"`` tokenizer merges like SentencePiece's BPE), a vocabulary without the 256
-byte pieces ``<0x00>``..``<0xFF>``, normalizers other than the space rules above (NFKC, removing extra
-whitespace), pre-tokenizers that split words. transformers' ``Metaspace`` (``prepend_scheme="first"``) puts no
-``"▁"`` before a text that already begins with a space, SentencePiece and llama.cpp do: such a tokenizer is written
-with ``add_space_prefix`` and a warning says that texts beginning with a space get one more ``"▁"`` in llama.cpp. ``add_bos`` / ``add_eos`` are what the tokenizer does: whether
-``tokenizer("a")`` puts its BOS / EOS around ``tokenizer("a", add_special_tokens=False)``.
+What llama.cpp's tokenizer cannot reproduce is refused (ValueError) rather than written to tokenize differently: a
+Unigram model (llama.cpp's ``"llama"`` tokenizer merges like SentencePiece's BPE), a vocabulary without the 256
+byte pieces ``<0x00>``..``<0xFF>``, normalizers other than the space rules above (NFKC, removing extra whitespace),
+pre-tokenizers that split words. transformers' ``Metaspace`` (``prepend_scheme="first"``) puts no ``"▁"`` before a
+text that already begins with a space, SentencePiece and llama.cpp do: such a tokenizer is written with
+``add_space_prefix`` and a warning says that texts beginning with a space get one more ``"▁"`` in llama.cpp.
+``add_bos`` / ``add_eos`` are what the tokenizer does: whether ``tokenizer("a")`` puts its BOS / EOS around
+``tokenizer("a", add_special_tokens=False)``.
 """
 
 from __future__ import annotations
