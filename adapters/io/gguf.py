@@ -312,7 +312,12 @@ def _encode_quantized(name: str, gbase: str, m: _QuantMixin, strict: bool) -> tu
         shape = m.weight_shape if m.frozen else tuple(_in_memory_weight(m).shape)
         if len(shape) != 2:
             raise ValueError(f"export_gguf: {name!r} has a weight of shape {list(shape)}; GGUF holds 2-D matrices")
-        exact, diff = _exactness(data, kind, "codes", _in_memory_weight(m))
+        ref = _in_memory_weight(m)
+        if m.weight_dtype != torch.float32:  # a model cast to float16 / bfloat16 computes with the blocks' values
+            vals = torch.from_numpy(G.dequantize(data, kind, ref.shape))  # rounded to its dtype
+            exact = torch.equal(vals.to(m.weight_dtype).float(), torch.from_numpy(ref))
+        else:
+            exact, diff = _exactness(data, kind, "codes", ref)
         if not exact:
             raise RuntimeError(f"export_gguf: {name}.weight: the {kind} blocks do not reproduce the module's weight "
                                f"(a qcore bug; please report it)")
@@ -620,7 +625,8 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
             if mod in done:  # frozen modules hold weight_packed / weight_scale / ... instead of weight
                 continue
             done.add(mod)
-            if base == "output" and _shares_weight(mods[mod], mods.get(emb_name)):
+            if base == "output" and _shares_weight(mods[mod], mods.get(emb_name),
+                                                   bool(cfg.get("tie_word_embeddings"))):
                 continue  # tied to the quantized token embedding: llama.cpp computes the head with token_embd
             if base == "output" and not arch.output:
                 raise ValueError(_head_refusal(mod, arch))
@@ -1116,18 +1122,22 @@ def _tied_head_of(model: nn.Module, emb: nn.Module, spec, parts, shape: tuple, d
     return name
 
 
-def _shares_weight(head: Optional[nn.Module], emb: Optional[nn.Module]) -> bool:
+def _shares_weight(head: Optional[nn.Module], emb: Optional[nn.Module], tied: bool = False) -> bool:
     """The quantized head holds the quantized token embedding's weight itself (tied: the same parameter, or the
-    same frozen buffers) with the same spec: llama.cpp computes it with ``token_embd``."""
+    same frozen buffers; on a ``tied`` model also equal ones, e.g. after a device move copied the buffers) with
+    the same spec: llama.cpp computes it with ``token_embd``."""
     if not isinstance(head, _QuantMixin) or not isinstance(emb, _QuantMixin) \
             or head.specs.get("weight") != emb.specs.get("weight"):
         return False
+
+    def same(x, y):
+        return x is y or (tied and x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y.to(x.device)))
     hw, ew = head._parameters.get("weight"), emb._parameters.get("weight")
     if hw is not None or ew is not None:
-        return hw is ew
+        return hw is not None and ew is not None and same(hw, ew)
     hb = {k: v for k, v in head._buffers.items() if k.startswith("weight_")}
     eb = {k: v for k, v in emb._buffers.items() if k.startswith("weight_")}
-    return bool(hb) and hb.keys() == eb.keys() and all(hb[k] is eb[k] for k in hb)
+    return bool(hb) and hb.keys() == eb.keys() and all(same(hb[k], eb[k]) for k in hb)
 
 
 def from_gguf(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = None, strict: bool = False,

@@ -116,3 +116,17 @@ def test_llama_cpp_quantized_tied_model_imports_as_codes_and_goes_back_byte_for_
     finally:
         llm.close()
     assert np.abs(got - ref).max() <= 0.02 * np.abs(ref).max()
+
+
+def test_tied_head_with_copied_buffers_and_bfloat16_still_goes_back(tmp_path):
+    """A model cast to bfloat16 (frozen GGUF blocks then compute in bfloat16) and a tied head whose buffers are
+    equal copies of the embedding's (as a device move leaves them) export the same tensors."""
+    m = quantized_tied("q6_k")
+    export_gguf(m, tmp_path / "a.gguf")
+    back = from_gguf(tmp_path / "a.gguf").to(torch.bfloat16)
+    head = back.get_output_embeddings()
+    for k in [k for k in head._buffers if k.startswith("weight_")]:
+        head._buffers[k] = head._buffers[k].clone()
+    assert head.weight_packed is not back.get_input_embeddings().weight_packed
+    export_gguf(back, tmp_path / "b.gguf")
+    assert _tensors(tmp_path / "b.gguf") == _tensors(tmp_path / "a.gguf")
