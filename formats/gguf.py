@@ -204,24 +204,38 @@ def encode(parts: WeightParts, spec: QuantSpec, *, kind: str) -> np.ndarray:
     n = rows * cols // BLOCK
     c = codes.reshape(n, BLOCK).astype(np.int32)
     s = block_scales(parts.scales, spec, shape).reshape(n)
+    # Blocks whose values are all 0 (Q4_1: all one value v) are written as ggml's quantizer writes them, d = 0
+    # (Q4_0: -0.0, ggml's x[argmax |x|] / -8 of +0; Q4_1: m = v where v is a float16), so that such blocks of an
+    # imported file (``import_blocks`` gives them scale 1) go back byte for byte; the values are the same.
     if q40 and not spec.symmetric:  # zero point 8: d = s, q = c; zero point 7: d = -s, q = 15 - c
         off = 8 if spec.dtype.signed else 0
         z = block_scales(parts.zero_points, spec, shape).reshape(n) + off
         c = c + off
+        zero = np.all(c == z[:, None], axis=1)
         flip = z == 7
         c = np.where(flip[:, None], 15 - c, c)
-        s = np.where(flip, -s, s).astype(np.float32)
+        c = np.where(zero[:, None], 8, c)
+        s = np.where(zero, np.float32(-0.0), np.where(flip, -s, s)).astype(np.float32)
         return np.concatenate([_f16_bytes(s), _pack_nibbles(c.astype(np.uint8))], axis=1).reshape(rows, -1)
     if kind == "Q4_0":
+        s = np.where(np.all(c == 0, axis=1), np.float32(-0.0), s).astype(np.float32)
         return np.concatenate([_f16_bytes(s), _pack_nibbles((c + 8).astype(np.uint8))], axis=1).reshape(rows, -1)
     if kind == "Q4_1":
         off = 8 if spec.dtype.signed else 0
         z = (np.zeros(n, np.float32) if parts.zero_points is None
              else block_scales(parts.zero_points, spec, shape).reshape(n))
         m = -(s.astype(np.float64) * (z.astype(np.float64) + off))  # exact: both have few bits
-        return np.concatenate([_f16_bytes(s), _f16_bytes(m.astype(np.float32)), _pack_nibbles((c + off).astype(
+        c = c + off
+        k = c - (z.astype(np.int32) + off)[:, None]  # code minus zero point
+        v = s.astype(np.float64) * k[:, 0]
+        const = np.all(k == k[:, :1], axis=1) & (v.astype(np.float16).astype(np.float64) == v)
+        s = np.where(const, np.float32(0), s).astype(np.float32)
+        m = np.where(const, v, m)
+        c = np.where(const[:, None], 0, c)
+        return np.concatenate([_f16_bytes(s), _f16_bytes(m.astype(np.float32)), _pack_nibbles(c.astype(
             np.uint8))], axis=1).reshape(rows, -1)
     if kind == "Q8_0":
+        s = np.where(np.all(c == 0, axis=1), np.float32(0), s).astype(np.float32)
         return np.concatenate([_f16_bytes(s), c.astype(np.int8).view(np.uint8)], axis=1).reshape(rows, -1)
     # MXFP4: the E8M0 byte of a power-of-two float32 scale
     bits = s.view(np.uint32)
@@ -299,6 +313,7 @@ def dequantize(data: np.ndarray, kind: str, shape: tuple, *, where: str = "tenso
 def decode(data: np.ndarray, kind: str, spec: QuantSpec, shape: tuple, *, where: str = "tensor") -> WeightParts:
     """``kind`` blocks -> qcore parts for ``spec`` (a ``PerGroup(32)`` spec whose ``gguf_type`` is ``kind``):
     codes in the canonical layout, float32 scales (and zero points) of ``spec.scale_shape(shape)``.
+    A block with ``d = 0`` (ggml's all-zero block, as ``encode`` writes one) gets scale 1 and codes of value 0.
     CorruptCheckpointError (naming ``where``) for scales that are not finite and positive, an E8M0 byte 255, or
     a Q4_1 offset that is not ``-d * k`` for an integer code ``k`` (qcore's zero points are integer codes)."""
     rows, cols = shape
@@ -318,20 +333,28 @@ def decode(data: np.ndarray, kind: str, spec: QuantSpec, shape: tuple, *, where:
         codes = _unpack_nibbles(b[:, 1:])
     else:
         scales = _f16(b[:, :2])
+        zero = scales == 0  # ggml's all-zero blocks (``encode`` writes them so): scale 1, codes of value 0
         if kind == "Q8_0":
-            codes = np.ascontiguousarray(b[:, 2:]).view(np.int8)
+            codes = np.where(zero[:, None], 0, np.ascontiguousarray(b[:, 2:]).view(np.int8)).astype(np.int8)
         elif kind == "Q4_0":
-            codes = _unpack_nibbles(b[:, 2:]).astype(np.int8) - np.int8(8)
+            codes = np.where(zero[:, None], 0, _unpack_nibbles(b[:, 2:]).astype(np.int8) - np.int8(8)).astype(
+                np.int8)
         else:
             m = _f16(b[:, 2:4])
             off = 8 if spec.dtype.signed else 0
+            if bool(np.any(zero & (m != 0))):
+                raise CorruptCheckpointError(f"{where}: Q4_1 blocks with d = 0 and m != 0 (import_blocks holds "
+                                             f"them; decode gives the zero blocks only)")
+            b = b.copy()
+            b[zero, 4:] = 0
             with np.errstate(divide="ignore", invalid="ignore"):
-                k = -m.astype(np.float64) / scales.astype(np.float64)
+                k = np.where(zero, 0.0, -m.astype(np.float64) / np.where(zero, 1.0, scales.astype(np.float64)))
             if not bool(np.all(np.isfinite(k) & (k == np.round(k)) & (k >= 0) & (k <= 15))):
                 raise CorruptCheckpointError(f"{where}: Q4_1 offsets m that are not -d * k for an integer code k in "
                                              f"[0, 15]; qcore's integer zero points cannot hold them exactly")
             zp = (k - off).astype(np.float32).reshape(rows, nb)
             codes = (_unpack_nibbles(b[:, 4:]).astype(np.int16) - off).astype(np.int8 if off else np.uint8)
+        scales = np.where(zero, np.float32(1), scales).astype(np.float32)
     if not bool(np.all(np.isfinite(scales) & (scales > 0))):
         raise CorruptCheckpointError(f"{where}: {kind} block scales that are not finite and positive")
     return WeightParts(codes=np.ascontiguousarray(codes.reshape(shape)), scales=scales.reshape(rows, nb).copy(),
@@ -374,7 +397,8 @@ def import_blocks(data: np.ndarray, kind: str, shape: tuple, *, where: str = "te
       ``m = min(x)``, generally not such a multiple: then no grid (qcore's zero points are integer codes).
     - MXFP4: the E8M0 byte is the scale, the nibbles the E2M1 codes (exact always).
     - A block with ``d = 0`` (all values 0, or ``m`` for Q4_1) gets scale 1 and codes of value 0 (Q4_1 with
-      ``m != 0``: scale ``|m|`` and code minus zero point ``sign(m)``): exact in value, not byte for byte.
+      ``m != 0``: scale ``|m|`` and code minus zero point ``sign(m)``): exact in value; ``encode`` writes such
+      blocks back as ggml does (``d = 0``), so byte for byte too.
 
     CorruptCheckpointError (naming ``where``) for NaN / Inf ``d`` or ``m`` and the E8M0 NaN byte 255."""
     rows, cols = shape

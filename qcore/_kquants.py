@@ -697,11 +697,12 @@ def element_codes(x, scale, offset, name: str) -> np.ndarray:
     (float32 arrays broadcasting against ``x``; ``offset`` None for the types without): what GPTQ needs column
     by column. A value is ``scale * code + offset`` (IQ4_NL: ``scale * levels[code]``).
 
-    k-quants: ``clamp(nearest_int((x - offset) / scale), lo, hi)`` (llama.cpp's final requantization), code 0
-    where the scale is 0 (Q3_K / Q6_K: their lowest code, the zeroed bytes of an all-zero super-block).
-    32-element types, with ``id = 1/scale`` (0 when the scale is 0): Q4_0/Q5_0
-    ``min(2*nmax - 1, trunc(x*id + nmax + 0.5)) - nmax``, Q4_1/Q5_1 ``clamp(trunc((x - offset)*id + 0.5), 0,
-    nmax)``, Q8_0 ``roundf(x*id)``, IQ4_NL the level whose midpoint interval holds ``x*id``."""
+    k-quants: ``clamp(nearest_int((x - offset) / scale), lo, hi)`` (llama.cpp's final requantization); where the
+    scale is 0 code 0, or for q3_k / q6_k the lowest code where that gives the sign of ``x`` (so that the zero
+    values of a fake-quantized weight, -0.0 in ggml's all-zero blocks, requantize bit for bit). 32-element types,
+    with ``id = 1/scale`` (0 when the scale is 0): Q4_0/Q5_0 ``min(2*nmax - 1, trunc(x*id + nmax + 0.5)) -
+    nmax``, Q4_1/Q5_1 ``clamp(trunc((x - offset)*id + 0.5), 0, nmax)``, Q8_0 ``roundf(x*id)``, IQ4_NL the level
+    whose midpoint interval holds ``x*id``."""
     from .dtypes import GGUF_DTYPES
 
     t = GGUF_DTYPES[name]
@@ -713,9 +714,10 @@ def element_codes(x, scale, offset, name: str) -> np.ndarray:
         idv = np.where(scale != 0, _div(_F(1), scale), _F(0)).astype(_F)
         if t.is_kquant:
             num = x if off is None else (x - off).astype(_F)  # x + dmin*m
-            # a zero scale: code 0, or for Q3_K / Q6_K (signed codes) the lowest code, as the zeroed bytes of
-            # llama.cpp's all-zero super-block (d = 0) hold (the value is 0 either way, the sign of 0 follows it)
-            c = np.where(scale != 0, np.clip(nearest_int(_div(num, scale)), lo, hi), min(lo, 0))
+            # a zero scale: any code gives a zero value; signed types (q3_k, q6_k) take lo where that keeps the
+            # sign of x (ggml's all-zero blocks are memset to stored code 0 = lo: -0.0 values), else 0
+            neg = (np.signbit(x) != np.signbit(scale)) if lo < 0 and off is None else False
+            c = np.where(scale != 0, np.clip(nearest_int(_div(num, scale)), lo, hi), np.where(neg, lo, 0))
         elif t.levels:
             c = _best_index(t.levels, (x * idv).astype(_F))
         elif name == "q8_0":

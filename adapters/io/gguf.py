@@ -46,7 +46,9 @@ Online rotations (QuaRot / SpinQuant hooks) are refused: llama.cpp's graphs cann
 
 Tokenizer (llama.cpp needs one): ``tokenizer=`` a transformers BPE (byte-level, GPT-2 style) tokenizer, converted
 to ``tokenizer.ggml.*`` (model ``gpt2``, pre-tokenizer ``tokenizer_pre``, by default the architecture's
-``Arch.tokenizer_pre``: ``gpt-2`` for GPT-2 and GPT-NeoX, ``default`` elsewhere), or the path of a GGUF file whose
+``Arch.tokenizer_pre``: ``gpt-2`` for GPT-2 and GPT-NeoX, ``default`` elsewhere), a SentencePiece tokenizer
+(Llama-2, Mistral, Gemma, Phi-3: a slow one with ``sp_model``, or a fast one whose BPE has byte fallback; model
+``llama`` with scores and piece types, ``adapters/io/_gguf_tokenizer.py``), or the path of a GGUF file whose
 ``tokenizer.*`` fields are copied verbatim (e.g. the file the model was loaded from).
 
 Guarantees: no pickle; the write is atomic (a hidden temporary sibling file renamed into place with
@@ -79,10 +81,14 @@ integer zero points (symmetric when they are all 0), MXFP4 -> mxfp4; float16 sca
 checked: ``qcore.dequantize`` of the imported parts equals ggml's dequantization (gguf-py's, bit for bit) of the
 tensor, so the model computes with exactly the values transformers' own GGUF loader would give it (in float32).
 
+A quantized token embedding becomes a frozen ``QuantEmbedding``; when the output head is tied to it
+(``tie_word_embeddings``, no ``output`` tensor) the head becomes a frozen module of the same spec sharing the
+embedding's buffers (``_tied_head_of``): llama.cpp's head multiplies by the same quantized matrix, and
+``export_gguf`` writes such a head as no tensor (``_shares_weight``), so the file goes back byte for byte.
+
 What has no exact qcore grid is imported as a float weight holding ggml's dequantization and listed in a
 warning and in the report (``how="dequantized"``), or refused with ``strict=True``:
 
-- a quantized token embedding tied to the output head (an untied one becomes a frozen ``QuantEmbedding``);
 - block types qcore has no spec for (IQ2_*, IQ3_*, TQ*, ...; k-quants etc. of fused experts): refused
   (ValueError naming the tensor) unless ``dequantize_other=True``.
 
@@ -328,7 +334,12 @@ def _encode_quantized(name: str, gbase: str, m: _QuantMixin, strict: bool) -> tu
         shape = m.weight_shape if m.frozen else tuple(_in_memory_weight(m).shape)
         if len(shape) != 2:
             raise ValueError(f"export_gguf: {name!r} has a weight of shape {list(shape)}; GGUF holds 2-D matrices")
-        exact, diff = _exactness(data, kind, "codes", _in_memory_weight(m))
+        ref = _in_memory_weight(m)
+        if m.weight_dtype != torch.float32:  # a model cast to float16 / bfloat16 computes with the blocks' values
+            vals = torch.from_numpy(G.dequantize(data, kind, ref.shape))  # rounded to its dtype
+            exact = torch.equal(vals.to(m.weight_dtype).float(), torch.from_numpy(ref))
+        else:
+            exact, diff = _exactness(data, kind, "codes", ref)
         if not exact:
             raise RuntimeError(f"export_gguf: {name}.weight: the {kind} blocks do not reproduce the module's weight "
                                f"(a qcore bug; please report it)")
@@ -482,14 +493,24 @@ def check_gguf(model: nn.Module, config: Optional[ModelConfig] = None, *, drop_a
     if will_rotate_online(model, config):
         raise ValueError("export_gguf: the model carries online rotations; llama.cpp's graphs cannot apply them")
     units = export_units(model, config)
-    gguf_of = {u.name: _gguf_weight(u.config) for u in units}
     for u in units:
         why = _unit_problem(u.name, [r for r in ("weight", "input", "output", "bias")
                                      if getattr(u.config, r) is not None], drop_activations)
         if why:
             raise ValueError(f"export_gguf: {why}")
-        if u.name == fam.lm_head and not arch.output and not _tied_gguf_head(model, u.name, gguf_of):
+        if u.name == fam.lm_head and not arch.output and not _tied_same_config(model, config, u):
             raise ValueError(_head_refusal(u.name, arch))
+
+
+def _tied_same_config(model: nn.Module, config: ModelConfig, head_unit) -> bool:
+    """The head is tied to the token embedding and the config gives the embedding the head's weight config."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return False
+    from .quark_hf import export_units
+    emb = model.get_input_embeddings()
+    name = next((n for n, m in model.named_modules() if m is emb), None)
+    u = next((x for x in export_units(model, config) if x.name == name), None)
+    return u is not None and u.config.weight == head_unit.config.weight
 
 
 def _check_model(model: nn.Module, drop_activations: bool) -> tuple:
@@ -531,6 +552,12 @@ def _tokenizer_fields(tokenizer: Any, vocab_size: int, pre: str) -> list[tuple[s
             raise ValueError(f"export_gguf: the tokenizer of {str(tokenizer)!r} has "
                              f"{len(toks[0]) if toks else 0} tokens, the model's vocab_size is {vocab_size}")
         return out
+    from ._gguf_tokenizer import sentencepiece_fields_of
+    spm = sentencepiece_fields_of(tokenizer, vocab_size)
+    if spm is not None:  # SentencePiece (Llama-2, Mistral, Gemma, Phi-3): llama.cpp's "llama" tokenizer
+        kinds = {"str": (V.STRING, None), "u32": (V.UINT32, None), "bool": (V.BOOL, None),
+                 "[str]": (V.ARRAY, V.STRING), "[f32]": (V.ARRAY, V.FLOAT32), "[i32]": (V.ARRAY, V.INT32)}
+        return [(k, v, *kinds[kind]) for k, v, kind in spm]
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise TypeError(f"export_gguf: tokenizer must be a transformers fast tokenizer or the path of a GGUF file, "
@@ -573,22 +600,6 @@ def _tokenizer_fields(tokenizer: Any, vocab_size: int, pre: str) -> list[tuple[s
     if isinstance(tmpl, str):
         out.append(("tokenizer.chat_template", tmpl, V.STRING, None))
     return out
-
-
-def _gguf_weight(lc) -> Optional[str]:
-    w = getattr(lc, "weight", None)
-    return None if w is None else w.spec.gguf
-
-
-def _tied_gguf_head(model: nn.Module, head: str, gguf_of: dict) -> bool:
-    """The head ``head`` shares the token embedding's weight (``tie_word_embeddings``) and both are quantized with
-    the same GGUF type (``gguf_of``: module name -> GGUF spec name or None): llama.cpp computes the head with
-    ``token_embd``, so no ``output`` tensor is written (``qcore.adapters.gguf_mix`` quantizes them so)."""
-    from ..families import locate
-    if not getattr(model.config, "tie_word_embeddings", False):
-        return False
-    emb = locate(model, what="export_gguf").embed
-    return gguf_of.get(head) is not None and gguf_of.get(head) == gguf_of.get(emb)
 
 
 def _head_refusal(name: str, arch) -> str:
@@ -639,9 +650,9 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
             if mod in done:  # frozen modules hold weight_packed / weight_scale / ... instead of weight
                 continue
             done.add(mod)
-            if base == "output" and _tied_gguf_head(model, mod, {n: m.specs["weight"].gguf for n, m in mods.items()
-                                                                 if "weight" in m.specs}):
-                continue  # tied to token_embd with the same GGUF type: llama.cpp computes the head with it
+            if base == "output" and _shares_weight(mods[mod], mods.get(emb_name),
+                                                   bool(cfg.get("tie_word_embeddings"))):
+                continue  # tied to the quantized token embedding: llama.cpp computes the head with token_embd
             if base == "output" and not arch.output:
                 raise ValueError(_head_refusal(mod, arch))
             data, kind, rep = _encode_quantized(mod, base, mods[mod], strict)
@@ -688,7 +699,8 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
     ``quantize_model``, frozen or not) to the GGUF file ``path``. See the module docstring for what is written
     and when it is lossless.
 
-    tokenizer: a transformers BPE fast tokenizer, or the path of a GGUF file to copy ``tokenizer.*`` from
+    tokenizer: a transformers BPE fast tokenizer (byte-level, or SentencePiece's with byte fallback), a
+        SentencePiece tokenizer (``sp_model``), or the path of a GGUF file to copy ``tokenizer.*`` from
         (llama.cpp needs a tokenizer; transformers' GGUF model loader does not).
     tokenizer_pre: llama.cpp's pre-tokenizer name for a converted tokenizer (``"default"``, ``"smollm"``,
         ``"llama-bpe"``, ``"gpt-2"``, ...); None: the architecture's (``formats.gguf.Arch.tokenizer_pre``:
@@ -1131,6 +1143,46 @@ def _same_q4_spec(s1, p1, s2, p2):
     return s1, p1, s2, p2
 
 
+def _tied_head_of(model: nn.Module, emb: nn.Module, spec, parts, shape: tuple, dtype: torch.dtype,
+                  q: _QuantMixin) -> Optional[str]:
+    """The output head tied to the quantized token embedding ``q`` (imported from ``emb``) as a frozen module of
+    the same spec sharing ``q``'s weight buffers (llama.cpp's head multiplies by the same quantized matrix); its
+    module name, or None when the model has no separate head module."""
+    head = model.get_output_embeddings()
+    name = next((n for n, m in model.named_modules() if m is head), None)
+    if head is None or name is None or head is emb or type(head) not in QUANT_CLASSES:
+        return None
+    h = QUANT_CLASSES[type(head)].from_module(head, LayerConfig(weight=TensorConfig(spec)), name=name)
+    if spec.gguf:
+        h.load_frozen_gguf(parts, shape=shape, dtype=dtype, device=torch.device("cpu"))
+    else:
+        h.load_frozen(parts, shape=shape, dtype=dtype, device=torch.device("cpu"))
+    for k, v in q._buffers.items():  # one copy of the blocks: the head's buffers are the embedding's
+        if k.startswith("weight_"):
+            h._buffers[k] = v
+    h.eval()
+    _set_module(model, name, h)
+    return name
+
+
+def _shares_weight(head: Optional[nn.Module], emb: Optional[nn.Module], tied: bool = False) -> bool:
+    """The quantized head holds the quantized token embedding's weight itself (tied: the same parameter, or the
+    same frozen buffers; on a ``tied`` model also equal ones, e.g. after a device move copied the buffers) with
+    the same spec: llama.cpp computes it with ``token_embd``."""
+    if not isinstance(head, _QuantMixin) or not isinstance(emb, _QuantMixin) \
+            or head.specs.get("weight") != emb.specs.get("weight"):
+        return False
+
+    def same(x, y):
+        return x is y or (tied and x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y.to(x.device)))
+    hw, ew = head._parameters.get("weight"), emb._parameters.get("weight")
+    if hw is not None or ew is not None:
+        return hw is not None and ew is not None and same(hw, ew)
+    hb = {k: v for k, v in head._buffers.items() if k.startswith("weight_")}
+    eb = {k: v for k, v in emb._buffers.items() if k.startswith("weight_")}
+    return bool(hb) and hb.keys() == eb.keys() and all(same(hb[k], eb[k]) for k in hb)
+
+
 def from_gguf(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = None, strict: bool = False,
               dequantize_other: bool = False) -> nn.Module:
     """Load the GGUF file ``path`` (architectures: the module docstring) as a transformers model whose
@@ -1185,14 +1237,11 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
         module = model.get_submodule(mod_name)
         spec, parts, reason = None, None, ""
         if kind in G.BLOCK_KINDS:
-            if isinstance(module, nn.Embedding) and tied and role == "token_embd":
-                reason = "the token embedding is tied to the output head (a frozen module has no float weight to share)"
-            elif type(module) not in QUANT_CLASSES:
+            if type(module) not in QUANT_CLASSES:
                 reason = f"{type(module).__name__} modules are not quantized by qcore"
             elif kind in G.TYPE_BYTES:
                 spec, parts, reason = G.import_blocks(data, kind, shape, where=t.name)
-            if spec is None and kind in G.GGUF_SPEC_KINDS and type(module) in QUANT_CLASSES \
-                    and not (isinstance(module, nn.Embedding) and tied and role == "token_embd"):
+            if spec is None and kind in G.GGUF_SPEC_KINDS and type(module) in QUANT_CLASSES:
                 # qcore's GGUF spec of the type (k-quants, Q5_0/Q5_1, IQ4_NL; Q4_1 with float offsets m, Q8_0
                 # blocks no int8 grid holds): the block bytes as they are
                 spec, parts, reason = qcore.make_spec(G.GGUF_SPEC_KINDS[kind]), G.gguf_spec_blocks(
@@ -1230,11 +1279,15 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
         _set_module(model, mod_name, q)
         specs[mod_name] = spec
         reports.append(ImportedTensor(hf, t.name, kind, "codes", spec, True, 0.0))
+        if tied and isinstance(module, nn.Embedding):
+            head = _tied_head_of(model, module, spec, parts, shape, dtype, q)
+            if head is not None:
+                specs[head] = spec
 
     for mod_name, ts in experts.items():
         _import_experts(model, mod_name, ts, dtype, strict, reports, specs, float_blocks)
 
-    if tied:
+    if tied and not any(isinstance(m, _QuantMixin) for m in [model.get_output_embeddings()]):
         model.tie_weights()
         out, emb = model.get_output_embeddings(), model.get_input_embeddings()
         if out is not None and out.weight is not emb.weight:
