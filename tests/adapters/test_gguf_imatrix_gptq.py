@@ -74,7 +74,8 @@ def _linear_inputs(model, data):
 # ---------------------------------------------------------------------------------------------------------------
 
 @needs_ggml
-@pytest.mark.parametrize("name", ["q4_k", "q3_k", "q6_k", "q5_0", "iq4_nl"])
+@pytest.mark.parametrize("name", ["q4_k", "q5_0", *(pytest.param(n, marks=pytest.mark.slow)
+                                                   for n in ("q3_k", "q6_k", "iq4_nl"))])
 def test_imatrix_blocks_are_ggml_quantize_chunk_with_the_imatrix(name):
     m = tiny_llama256()
     data = _data(2)
@@ -131,7 +132,8 @@ def test_qat_keeps_the_importance_until_freeze():
 # GPTQ to GGUF specs
 # ---------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["q4_k", "q3_k", "q2_k", "q6_k", "q5_0"])
+@pytest.mark.parametrize("name", ["q4_k", "q5_0", *(pytest.param(n, marks=pytest.mark.slow)
+                                                   for n in ("q3_k", "q2_k", "q6_k"))])
 def test_gptq_beats_rtn_and_rtn_with_imatrix_on_layer_outputs(name):
     data = _data()
     base = tiny_llama256()
@@ -188,8 +190,8 @@ def test_gptq_with_a_diagonal_hessian_is_llama_cpp_quantizer(name):
     """No error to spread (U diagonal): the blocks' scales are llama.cpp's search with imatrix = diag(H) / 2 and
     the codes its element rule under them (k-quants: its codes too). Float64 Hessians, identity and random."""
     rng = np.random.default_rng(3)
-    w = (rng.normal(size=(12, 512)) * np.exp(rng.normal(size=512) * 0.5)).astype(np.float32)
-    for diag in (np.ones(512), rng.uniform(0.2, 3.0, size=512)):
+    w = (rng.normal(size=(8, 256)) * np.exp(rng.normal(size=256) * 0.5)).astype(np.float32)
+    for diag in (np.ones(256), rng.uniform(0.2, 3.0, size=256)):
         h = np.diag(diag).astype(np.float64)
         r = gptq(w, h, qcore.make_spec(name), damp=0.0)
         ref = qcore.quantize(w, name, imatrix=(diag / 2).astype(np.float32))
