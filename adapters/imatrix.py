@@ -373,6 +373,18 @@ def _read_stats(imatrix) -> Mapping:
                     f"of an imatrix file, got {type(imatrix).__name__}")
 
 
+def check_importance_algorithms(algorithms) -> None:
+    """ValueError when the algorithms change the layers' inputs (rotations, smoothing): an importance matrix of
+    the float model no longer describes them."""
+    from qcore.algorithms.config import ROTATION_CONFIGS, AutoSmoothQuantConfig, AWQConfig, SmoothQuantConfig
+
+    changers = [a.name for a in algorithms if isinstance(a, ROTATION_CONFIGS + (AWQConfig, SmoothQuantConfig,
+                                                                               AutoSmoothQuantConfig))]
+    if changers:
+        raise ValueError(f"imatrix= with the algorithms {changers}: they change the layers' inputs, so an importance "
+                         f"matrix of the float model no longer describes them; quantize with imatrix= without them")
+
+
 def model_importance(model: nn.Module, plans: list, imatrix, algorithms=()) -> dict:
     """``{module name: float32 quant_weights}`` for the planned modules whose weight spec is a GGUF type, from
     ``imatrix`` (``{name: ImatrixStats}`` keyed by GGUF tensor names or module names, or an imatrix file's path),
@@ -381,13 +393,7 @@ def model_importance(model: nn.Module, plans: list, imatrix, algorithms=()) -> d
     entry (the output head excepted: ``llama-imatrix`` leaves it out unless ``--process-output``; embeddings are
     lookups and never have one; both are quantized without importance, as llama.cpp does), when an entry's width
     is not its module's input width, or with algorithms that change the layers' inputs (rotations, smoothing)."""
-    from qcore.algorithms.config import ROTATION_CONFIGS, AutoSmoothQuantConfig, AWQConfig, SmoothQuantConfig
-
-    changers = [a.name for a in algorithms if isinstance(a, ROTATION_CONFIGS + (AWQConfig, SmoothQuantConfig,
-                                                                               AutoSmoothQuantConfig))]
-    if changers:
-        raise ValueError(f"imatrix= with the algorithms {changers}: they change the layers' inputs, so an importance "
-                         f"matrix of the float model no longer describes them; quantize with imatrix= without them")
+    check_importance_algorithms(algorithms)
     stats = _read_stats(imatrix)
     gguf = [p for p in plans if p.config.weight is not None and p.config.weight.spec.gguf]
     if not gguf:
