@@ -273,3 +273,38 @@ def test_refusals_name_the_module_and_change_nothing(tmp_path):
         gptq(np.zeros((2, 256), np.float32), np.eye(256), qcore.make_spec("int4"), imatrix=np.ones(256))
     with pytest.raises(ValueError, match=r"imatrix must have shape \(256,\)"):
         gptq(np.zeros((2, 256), np.float32), np.eye(256), qcore.make_spec("q4_k"), imatrix=np.ones(3))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qcore quantize --imatrix
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_cli_imatrix_calib_and_file_with_gptq_and_gguf_export(lm_dir, tmp_path, capsys):
+    import json
+
+    import gguf as gguf_py
+
+    from qcore.adapters.imatrix import load_imatrix
+    from qcore.cli import main
+
+    scheme = tmp_path / "q5_0.json"
+    scheme.write_text(json.dumps(ModelConfig(LayerConfig(weight=qcore.make_spec("q5_0"))).to_dict()))
+    common = ["--model", str(lm_dir), "--scheme", str(scheme), "--eval", "none", "--eval-text",
+              str(lm_dir.parent / "text.txt"), "--seq-len", "32", "--calib-samples", "3", "--no-progress"]
+    assert main(["imatrix", "--model", str(lm_dir), "--output", str(tmp_path / "i.gguf"), "--eval-text",
+                 str(lm_dir.parent / "text.txt"), "--seq-len", "32", "--calib-samples", "3", "--no-progress"]) == 0
+    outs = {}
+    for key, extra in (("calib", ["--imatrix", "calib"]), ("file", ["--imatrix", str(tmp_path / "i.gguf")])):
+        assert main(["quantize", *common, *extra, "--algo", "gptq", "--export", "gguf", "--output",
+                     str(tmp_path / key), "--report", str(tmp_path / f"{key}.json")]) == 0
+        r = json.loads((tmp_path / f"{key}.json").read_text())
+        assert r["algorithms"] == ["gptq"] and r["imatrix"] == ("calib (3 windows)" if key == "calib"
+                                                                else str(tmp_path / "i.gguf"))
+        outs[key] = {t.name: bytes(np.asarray(t.data)) for t in gguf_py.GGUFReader(tmp_path / key / "model.gguf").tensors}
+    assert outs["calib"] == outs["file"]  # the same windows: the same importance, the same GPTQ codes
+    assert len(load_imatrix(tmp_path / "i.gguf")) == 14
+    capsys.readouterr()
+    assert main(["quantize", *common, "--imatrix", str(tmp_path / "missing.gguf")]) == 2
+    assert "--imatrix" in capsys.readouterr().err
+    assert main(["quantize", *common[:3], "uint4_wo_32", *common[4:], "--imatrix", "calib"]) == 2
+    assert "GGUF type" in capsys.readouterr().err
