@@ -279,6 +279,27 @@ def test_refusals_name_the_module_and_change_nothing(tmp_path):
 # qcore quantize --imatrix
 # ---------------------------------------------------------------------------------------------------------------
 
+def _scheme(tmp_path):
+    import json
+    scheme = tmp_path / "q5_0.json"
+    scheme.write_text(json.dumps(ModelConfig(LayerConfig(weight=qcore.make_spec("q5_0"))).to_dict()))
+    return scheme
+
+
+def test_cli_imatrix_refusals_before_any_work(lm_dir, tmp_path, capsys):
+    from qcore.cli import main
+
+    common = ["--model", str(lm_dir), "--scheme", str(_scheme(tmp_path)), "--eval", "none", "--eval-text",
+              str(lm_dir.parent / "text.txt"), "--seq-len", "32", "--calib-samples", "3", "--no-progress"]
+    assert main(["quantize", *common, "--imatrix", str(tmp_path / "missing.gguf")]) == 2
+    assert "--imatrix" in capsys.readouterr().err
+    assert main(["quantize", *common[:3], "uint4_wo_32", *common[4:], "--imatrix", "calib"]) == 2
+    assert "GGUF type" in capsys.readouterr().err
+    assert main(["quantize", *common, "--imatrix", "calib", "--calib-samples", "0"]) == 2
+    assert "--imatrix calib" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_cli_imatrix_calib_and_file_with_gptq_and_gguf_export(lm_dir, tmp_path, capsys):
     import json
 
@@ -287,9 +308,7 @@ def test_cli_imatrix_calib_and_file_with_gptq_and_gguf_export(lm_dir, tmp_path, 
     from qcore.adapters.imatrix import load_imatrix
     from qcore.cli import main
 
-    scheme = tmp_path / "q5_0.json"
-    scheme.write_text(json.dumps(ModelConfig(LayerConfig(weight=qcore.make_spec("q5_0"))).to_dict()))
-    common = ["--model", str(lm_dir), "--scheme", str(scheme), "--eval", "none", "--eval-text",
+    common = ["--model", str(lm_dir), "--scheme", str(_scheme(tmp_path)), "--eval", "none", "--eval-text",
               str(lm_dir.parent / "text.txt"), "--seq-len", "32", "--calib-samples", "3", "--no-progress"]
     assert main(["imatrix", "--model", str(lm_dir), "--output", str(tmp_path / "i.gguf"), "--eval-text",
                  str(lm_dir.parent / "text.txt"), "--seq-len", "32", "--calib-samples", "3", "--no-progress"]) == 0
@@ -303,8 +322,3 @@ def test_cli_imatrix_calib_and_file_with_gptq_and_gguf_export(lm_dir, tmp_path, 
         outs[key] = {t.name: bytes(np.asarray(t.data)) for t in gguf_py.GGUFReader(tmp_path / key / "model.gguf").tensors}
     assert outs["calib"] == outs["file"]  # the same windows: the same importance, the same GPTQ codes
     assert len(load_imatrix(tmp_path / "i.gguf")) == 14
-    capsys.readouterr()
-    assert main(["quantize", *common, "--imatrix", str(tmp_path / "missing.gguf")]) == 2
-    assert "--imatrix" in capsys.readouterr().err
-    assert main(["quantize", *common[:3], "uint4_wo_32", *common[4:], "--imatrix", "calib"]) == 2
-    assert "GGUF type" in capsys.readouterr().err
