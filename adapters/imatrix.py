@@ -40,7 +40,8 @@ from qcore.algorithms.imatrix import ImatrixStats, quant_weights
 
 from ._batches import _call, _device_of, _progress, _to
 
-__all__ = ["collect_imatrix", "save_imatrix", "load_imatrix", "module_quant_weights", "linear_modules", "imatrix_file"]
+__all__ = ["collect_imatrix", "save_imatrix", "load_imatrix", "module_quant_weights", "linear_modules", "imatrix_file",
+           "model_importance"]
 
 _NAMES = ("gguf", "module")
 

@@ -56,10 +56,10 @@ def _importance(imatrix, hessian, n: int) -> np.ndarray:
         if not (np.isfinite(qw).all() and (qw >= 0).all()):
             raise ValueError("imatrix must hold finite, non-negative weights")
         return qw
-    if isinstance(hessian, HessianStats):
-        d = np.diagonal(_to_numpy(hessian.sum)).astype(np.float64) / max(hessian.count, 1)
+    if isinstance(hessian, HessianStats):  # the diagonal taken where the sum lives (no [n, n] copy to the host)
+        d = np.asarray(_to_numpy(hessian.sum.diagonal())).astype(np.float64) / max(hessian.count, 1)
     else:
-        d = np.diagonal(_to_numpy(hessian)).astype(np.float64) / 2.0
+        d = np.asarray(_to_numpy(hessian.diagonal())).astype(np.float64) / 2.0
     return np.maximum(d, 0.0).astype(np.float32)
 
 
