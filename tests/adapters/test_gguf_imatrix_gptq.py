@@ -322,3 +322,21 @@ def test_cli_imatrix_calib_and_file_with_gptq_and_gguf_export(lm_dir, tmp_path, 
         outs[key] = {t.name: bytes(np.asarray(t.data)) for t in gguf_py.GGUFReader(tmp_path / key / "model.gguf").tensors}
     assert outs["calib"] == outs["file"]  # the same windows: the same importance, the same GPTQ codes
     assert len(load_imatrix(tmp_path / "i.gguf")) == 14
+
+
+def test_work_dir_resume_keeps_the_gguf_codes_and_is_tied_to_the_imatrix(tmp_path):
+    data = _data(2)
+    m = tiny_llama256()
+    stats = collect_imatrix(m, data, progress=False)
+    cfg = _config("q4_k", gptq_=True, embedding=False)
+    quantize_model(m, cfg, data, imatrix=stats, work_dir=tmp_path / "w", progress=False)
+    freeze(m)
+    again = tiny_llama256()
+    quantize_model(again, cfg, data, imatrix=stats, work_dir=tmp_path / "w", resume=True, progress=False)
+    freeze(again)  # the saved QTensors carry their super-scales: freeze writes the same blocks
+    for n in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"):
+        assert bytes(again.get_submodule(n).gguf_blocks()) == bytes(m.get_submodule(n).gguf_blocks())
+    other = {k: type(v)(v.sums * 2 + 1, v.counts) for k, v in stats.items()}
+    with pytest.raises(ValueError, match="work_dir"):
+        quantize_model(tiny_llama256(), cfg, data, imatrix=other, work_dir=tmp_path / "w", resume=True,
+                       progress=False)
