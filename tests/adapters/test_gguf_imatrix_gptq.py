@@ -74,8 +74,7 @@ def _linear_inputs(model, data):
 # ---------------------------------------------------------------------------------------------------------------
 
 @needs_ggml
-@pytest.mark.parametrize("name", ["q4_k", "q5_0", *(pytest.param(n, marks=pytest.mark.slow)
-                                                   for n in ("q3_k", "q6_k", "iq4_nl"))])
+@pytest.mark.parametrize("name", ["q4_k", "q3_k", "q6_k", "q5_0", "iq4_nl"])
 def test_imatrix_blocks_are_ggml_quantize_chunk_with_the_imatrix(name):
     m = tiny_llama256()
     data = _data(2)
@@ -132,8 +131,7 @@ def test_qat_keeps_the_importance_until_freeze():
 # GPTQ to GGUF specs
 # ---------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["q4_k", "q5_0", *(pytest.param(n, marks=pytest.mark.slow)
-                                                   for n in ("q3_k", "q2_k", "q6_k"))])
+@pytest.mark.parametrize("name", ["q4_k", "q3_k", "q2_k", "q6_k", "q5_0"])
 def test_gptq_beats_rtn_and_rtn_with_imatrix_on_layer_outputs(name):
     data = _data()
     base = tiny_llama256()
@@ -299,7 +297,6 @@ def test_cli_imatrix_refusals_before_any_work(lm_dir, tmp_path, capsys):
     assert "--imatrix calib" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_cli_imatrix_calib_and_file_with_gptq_and_gguf_export(lm_dir, tmp_path, capsys):
     import json
 
