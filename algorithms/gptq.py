@@ -434,8 +434,9 @@ def gptq(weight: Any, hessian: Any, spec: QuantSpec, *, block_size: int = 128, d
         return gptq_gguf(weight, hessian, spec, imatrix=imatrix, block_size=block_size, damp=damp,
                          act_order=act_order, static_groups=static_groups, max_retries=max_retries)
     if imatrix is not None:
+        what = getattr(spec, "name", "") or getattr(getattr(spec, "dtype", None), "name", spec)
         raise ValueError(f"imatrix= applies to GGUF specs (q2_k ... q6_k, q4_0 ... q8_0, iq4_nl) only; spec "
-                         f"{getattr(spec, 'name', '') or getattr(getattr(spec, 'dtype', None), 'name', spec)!r} is not one")
+                         f"{what!r} is not one")
     return _gptq(weight, hessian, spec, block_size=block_size, damp=damp, act_order=act_order,
                  static_groups=static_groups, max_retries=max_retries, scale_fn=scale_fn, reference=False)
 

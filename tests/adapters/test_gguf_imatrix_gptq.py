@@ -148,8 +148,9 @@ def test_gptq_beats_rtn_and_rtn_with_imatrix_on_layer_outputs(name):
         return total
 
     res = {}
+    gq = _config(name, gptq_=True)
     for key, cfg, imat in (("rtn", _config(name), None), ("rtn+imatrix", _config(name), stats),
-                           ("gptq", _config(name, gptq_=True), None), ("gptq+imatrix", _config(name, gptq_=True), stats)):
+                           ("gptq", gq, None), ("gptq+imatrix", gq, stats)):
         m = tiny_llama256()
         quantize_model(m, cfg, data, imatrix=imat, progress=False)
         res[key] = err(m)
@@ -316,7 +317,8 @@ def test_cli_imatrix_calib_and_file_with_gptq_and_gguf_export(lm_dir, tmp_path, 
         r = json.loads((tmp_path / f"{key}.json").read_text())
         assert r["algorithms"] == ["gptq"] and r["imatrix"] == ("calib (3 windows)" if key == "calib"
                                                                 else str(tmp_path / "i.gguf"))
-        outs[key] = {t.name: bytes(np.asarray(t.data)) for t in gguf_py.GGUFReader(tmp_path / key / "model.gguf").tensors}
+        reader = gguf_py.GGUFReader(tmp_path / key / "model.gguf")
+        outs[key] = {t.name: bytes(np.asarray(t.data)) for t in reader.tensors}
     assert outs["calib"] == outs["file"]  # the same windows: the same importance, the same GPTQ codes
     assert len(load_imatrix(tmp_path / "i.gguf")) == 14
 
