@@ -339,3 +339,20 @@ def test_work_dir_resume_keeps_the_gguf_codes_and_is_tied_to_the_imatrix(tmp_pat
     with pytest.raises(ValueError, match="work_dir"):
         quantize_model(tiny_llama256(), cfg, data, imatrix=other, work_dir=tmp_path / "w", resume=True,
                        progress=False)
+
+
+def test_tied_embedding_and_head_get_one_importance_or_none():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=True)
+    data = _data(2)
+    layer = LayerConfig(weight=qcore.make_spec("q6_k"))
+    config = ModelConfig(layer, by_type={"Embedding": layer}, exclude=[])
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    w = m.lm_head.weight.detach().clone()
+    stats = collect_imatrix(m, data, process_output=True, progress=False)  # output.weight: the head's inputs
+    with pytest.warns(UserWarning, match="tied weight.*quantized without"):
+        quantize_model(m, config, data, imatrix=stats, progress=False)
+    want = torch.from_numpy(np.asarray(qcore.dequantize(qcore.quantize(w.numpy(), "q6_k"))))
+    assert torch.equal(m.lm_head.weight.detach(), want) and m.lm_head.weight is m.model.embed_tokens.weight
