@@ -81,7 +81,8 @@ def quantize_command(args) -> int:
         onnx_unsupported=args.onnx_unsupported, drop_activations=args.drop_activations, overwrite=args.overwrite,
         max_shard_size=args.max_shard_size, report=args.report or None, plot=args.plot or None,
         progress=not args.no_progress, command="qcore " + " ".join(shlex.quote(a) for a in (args.argv or [])),
-        work_dir=args.work_dir or None, resume=args.resume, cache=not args.no_cache),
+        work_dir=args.work_dir or None, resume=args.resume, cache=not args.no_cache,
+        imatrix=getattr(args, "imatrix", None) or None),
         J.CLI)
     if r.onnx_dequantized:
         print(f"qcore quantize: --onnx-unsupported dequantize: {len(r.onnx_dequantized)} weight(s) "
@@ -411,6 +412,11 @@ def _add_quantize(q) -> None:
                    "quarot,gptq,distill); an entry may be a JSON object with settings, e.g. --algo '{\"name\": "
                    "\"spinquant\", \"steps\": 50}'; all but hqq use the calibration windows (docs/algorithms.md)")
     q.add_argument("--calib-samples", type=_count, default=32, help="calibration windows (default 32)")
+    q.add_argument("--imatrix", default=None, metavar="FILE|calib",
+                   help="importance matrix for GGUF weight types (k-quants, q4_0 ... q8_0, iq4_nl): llama.cpp's "
+                   "imatrix file (.gguf or .dat, e.g. from qcore imatrix or llama-imatrix), or 'calib' to collect it "
+                   "on the calibration windows first; llama.cpp's weighted scale search uses it (and --algo gptq's "
+                   "per-block search); see docs/gguf.md")
     q.add_argument("--amp", default=None, metavar="SCHEMES",
                    help="layerwise mixed precision instead of --scheme: comma-separated presets (and 'float') to "
                    "choose from per layer, e.g. w_mxfp4_a_mxfp4,w_fp8_a_fp8; needs --target-bits or --max-loss")

@@ -471,14 +471,18 @@ def _trunc_int(v):
         return np.trunc(np.where(np.isfinite(v), v, 0)).astype(np.int64)
 
 
-def _legacy(x, row_len, qw, name):
+def _legacy(x, row_len, qw, name, row_sigma2=None):
     """x (B, 32) float32 blocks, ``row_len`` elements per row (for the imatrix path's sigma2) -> (L (B, 32) stored
-    unsigned codes, d (B,), m (B,) or None)."""
+    unsigned codes, d (B,), m (B,) or None). ``row_sigma2``: the rows' sigma2 given (one per row of ``row_len``
+    elements) instead of computed from ``x`` (``search_blocks``)."""
     nmax = {"q4_0": 8, "q4_1": 15, "q5_0": 16, "q5_1": 31, "q8_0": 127}[name]
     with np.errstate(all="ignore"):
         if qw is not None and name != "q8_0":
             rows = x.reshape(-1, row_len)
-            sigma2 = (_seqsum((rows * rows).astype(_F)) / _F(row_len)).astype(_F)
+            if row_sigma2 is None:
+                sigma2 = (_seqsum((rows * rows).astype(_F)) / _F(row_len)).astype(_F)
+            else:
+                sigma2 = np.asarray(row_sigma2, dtype=_F).reshape(-1)
             s2 = np.repeat(sigma2, row_len // 32)
             w = (qw * np.sqrt((s2[:, None] + (x * x).astype(_F)).astype(_F))).astype(_F)
             if name in ("q4_0", "q5_0"):
@@ -644,6 +648,33 @@ def _quantize_rows(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = Non
         scale_codes=np.asarray(sc).astype(np.int16).reshape(*lead, ns),
         min_codes=None if mc is None else np.asarray(mc).astype(np.int16).reshape(*lead, ns),
     )
+
+
+def row_sigma2(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's ``sigma2`` of the 32-element types' importance-weighted search: ``sum(x^2) / n_per_row`` per row
+    of ``x`` (..., n), float32, summed in order."""
+    x = np.ascontiguousarray(x, dtype=_F)
+    with np.errstate(all="ignore"):
+        return (_seqsum((x * x).astype(_F)) / _F(x.shape[-1])).astype(_F)
+
+
+def search_blocks(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = None, *, sigma2=None):
+    """``quantize_kquant`` of ``x`` (rows, k whole blocks) with the 32-element types' ``sigma2`` given per row
+    (``row_sigma2`` of the whole rows these blocks belong to) rather than computed from ``x``: llama.cpp's search
+    of some blocks of a wider row, as GPTQ runs it one block at a time. k-quants' sigma2 is per super-block, so
+    for them this is ``quantize_kquant``."""
+    if sigma2 is None or imatrix is None or name not in ("q4_0", "q4_1", "q5_0", "q5_1"):
+        return quantize_kquant(x, name, imatrix)
+    rows, n = x.shape
+    xb = np.ascontiguousarray(x, dtype=_F).reshape(rows * (n // 32), 32)
+    qw = np.ascontiguousarray(np.broadcast_to(np.asarray(imatrix, dtype=_F).reshape(1, n), (rows, n)))
+    L, d, m = _legacy(xb, n, qw.reshape(-1, 32), name, row_sigma2=sigma2)
+    bias = {"q4_0": 8, "q5_0": 16}.get(name, 0)
+    codes = (L - bias).astype(np.int8 if bias else np.uint8)
+    return codes.reshape(rows, n), GGUFScales(
+        d=np.asarray(d, dtype=_F).reshape(rows, n // 32),
+        dmin=None if m is None else np.asarray(m, dtype=_F).reshape(rows, n // 32),
+        scale_codes=None, min_codes=None)
 
 
 def sub_scales(p: GGUFScales, sub: int):
