@@ -471,3 +471,17 @@ def test_imatrix_types_like_llama_cpp(tmp_path):
         if mix != "Q4_K_M":
             assert got["blk.0.ffn_down.weight"] == {"Q4_0": "Q4_1", "Q5_0": "Q5_1"}[mix]
             assert got["blk.1.ffn_down.weight"] == mix
+
+
+def test_a_mix_with_an_imatrix_resolves_as_llama_cpp_does_with_one():
+    """``quantize_model(model, "gguf_q4_0", data, imatrix=...)`` takes the types llama.cpp's Q4_0 takes with an
+    imatrix (the first ffn_down Q4_1), not the types without."""
+    from qcore.adapters.imatrix import collect_imatrix
+    m = tiny("llama", layers=8)
+    data = [torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    stats = collect_imatrix(m, data, progress=False)
+    want = gguf_mix(m, "Q4_0", imatrix=True).types
+    assert want != gguf_mix(m, "Q4_0").types
+    quantize_model(m, "gguf_q4_0", data, imatrix=stats, progress=False)
+    got = {n: mod.specs["weight"].gguf.upper() for n, mod in m.named_modules() if n in want}
+    assert got == want
