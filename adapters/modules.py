@@ -1432,10 +1432,12 @@ def experts_weight_spec(module: nn.Module, config: LayerConfig, name: str, proj:
         raise ValueError(f"proj must be one of {list(EXPERT_PROJS)}, got {proj!r}")
     if not isinstance(config, LayerConfig) or config.weight is None:
         raise ValueError(f"experts {name!r}: the config quantizes no weight")
-    if config.weight.spec.gguf:
-        raise ValueError(f"experts {name!r}: GGUF weight specs ({config.weight.spec.gguf}) are not supported on fused "
-                         f"experts yet (Linear and Embedding modules take them)")
     w = module._parameters[proj]
+    t = config.weight.spec.gguf_dtype if config.weight.spec.gguf else None
+    if t is not None and w.shape[-1] % t.block_size:
+        raise ValueError(f"experts {name!r}: GGUF type {t.name!r} needs each expert's {proj} rows to be a multiple of "
+                         f"{t.block_size} (its blocks run along the input axis); {proj} has shape {list(w.shape)} "
+                         f"(choose another type for the experts, e.g. by_name)")
     g = _norm_weight_granularity(config.weight.spec.granularity, "experts", f"{name}.{proj}", 2, tuple(w.shape[1:]))
     return _with_granularity(config.weight.spec, g)
 
@@ -1588,20 +1590,36 @@ class QuantExperts(_QuantMixin):
     # -- weights -------------------------------------------------------------------------------------------
 
     def _quantize_slice(self, w: torch.Tensor):
-        """QTensor of one expert's [out, in] slice, as ``QuantLinear`` quantizes its weight (float32 math)."""
-        return _quantize_observed(w.detach(), self._qspecs["weight"], self.qconfig.weight.observer)
+        """QTensor of one expert's [out, in] slice, as ``QuantLinear`` quantizes its weight (float32 math); a GGUF
+        spec by llama.cpp's search (``qcore.quantize``)."""
+        spec = self._qspecs["weight"]
+        if spec.gguf:
+            return qcore.quantize(w.detach().float(), spec)
+        return _quantize_observed(w.detach(), spec, self.qconfig.weight.observer)
 
     def _fq_proj(self, w: torch.Tensor) -> tuple[torch.Tensor, list]:
+        spec = self._qspecs["weight"]
+        if spec.gguf:  # rows are independent: every expert's [out, in] at once, then one QTensor per expert
+            e_, o, i = w.shape
+            q = qcore.quantize(w.detach().float().reshape(e_ * o, i), spec)
+            return (qcore.dequantize(q).reshape(e_, o, i).to(w.dtype),
+                    [_gguf_expert(q, e * o, (e + 1) * o) for e in range(e_)])
         qs = [self._quantize_slice(w[e]) for e in range(w.shape[0])]
         fq = torch.stack([qcore.dequantize(q) for q in qs]).to(w.dtype)
         return fq, qs
 
     def _keep_proj(self, proj: str, qs: list) -> None:
+        if self._qspecs["weight"].gguf:  # llama.cpp's stored scales per expert (what freeze requantizes with)
+            from qcore._kquants import GGUFScales
+            ss = [_gguf_numpy(q.super_scales) for q in qs]
+            self.__dict__.setdefault("_gguf_kept", {})[proj] = GGUFScales(*(
+                None if getattr(ss[0], f.name) is None else np.stack([getattr(x, f.name) for x in ss])
+                for f in dataclasses.fields(ss[0])))
         for suffix, vals in (("scale", [q.scales for q in qs]), ("zero_point", [q.zero_points for q in qs]),
                              ("tensor_scale", [q.tensor_scale for q in qs])):
             if vals[0] is None:
                 continue
-            v = torch.stack([t.detach().to(torch.float32).reshape(vals[0].shape) for t in vals])
+            v = torch.stack([torch.as_tensor(t).detach().to(torch.float32).reshape(vals[0].shape) for t in vals])
             key = f"{proj}_{suffix}"
             if key in self._buffers and self._buffers[key] is not None and self._buffers[key].shape == v.shape:
                 self._buffers[key].copy_(v.to(self._buffers[key].device))
@@ -1655,7 +1673,8 @@ class QuantExperts(_QuantMixin):
                 par = self._parameters[p]
                 with torch.no_grad():
                     qs = [q if q is not None else self._quantize_slice(par[e]) for e, q in enumerate(given[p])]
-                    par.copy_(torch.stack([qcore.dequantize(q).to(par.device) for q in qs]).to(par.dtype))
+                    par.copy_(torch.stack([torch.as_tensor(qcore.dequantize(q)).to(par.device)
+                                           for q in qs]).to(par.dtype))
                     self._keep_proj(p, qs)
                 self._wver[p] = (par._version, par.data_ptr())
         self._wcache = None
@@ -1723,7 +1742,11 @@ class QuantExperts(_QuantMixin):
     def expert_qtensors(self, proj: str) -> list:
         """Every expert's weight of ``proj`` as a ``qcore.QTensor`` of the layer's spec ([out, in]), frozen or not
         (a committed weight is quantized again with its own scales, exactly as ``freeze`` does: nothing
-        changes). What ``freeze`` and the exporters read."""
+        changes). What ``freeze`` and the exporters read. A GGUF spec: ``gguf_blocks(proj)`` unpacked (numpy)."""
+        spec = self._qspecs.get("weight")
+        if spec is not None and spec.gguf:
+            b = self.gguf_blocks(proj)
+            return [qcore.packing.unpack_gguf_blocks(b[e], spec) for e in range(b.shape[0])]
         return [self.expert_qtensor(proj, e) for e in range(self.expert_shape(proj)[0])]
 
     def expert_qtensor(self, proj: str, e: int) -> "qcore.QTensor":
@@ -1734,6 +1757,8 @@ class QuantExperts(_QuantMixin):
             return self._frozen_qtensor_e(proj, e)
         if self._qmode == _PENDING:
             self.commit()
+        if self._qspecs["weight"].gguf:
+            return qcore.packing.unpack_gguf_blocks(self.gguf_blocks(proj)[e], self._qspecs["weight"])
         with torch.no_grad():
             w = self._proj(proj)[e].detach()
             q = qcore.quantize(w.float(), self._qspecs["weight"], **self._given(proj, e))
@@ -1751,6 +1776,14 @@ class QuantExperts(_QuantMixin):
         if self._qmode == _FROZEN or "weight" not in self._qspecs:
             return
         dtype = self._parameters[EXPERT_PROJS[0]].dtype
+        if self._qspecs["weight"].gguf:
+            if self._qmode == _PENDING:
+                self.commit()
+            blocks = {p: self.gguf_blocks(p) for p in EXPERT_PROJS}  # every check before anything is dropped
+            dev = self._parameters[EXPERT_PROJS[0]].device
+            self._set_gguf_experts({p: torch.from_numpy(b).to(dev) for p, b in blocks.items()},
+                                   {p: self.expert_shape(p) for p in EXPERT_PROJS}, dtype)
+            return
         qts = {p: self.expert_qtensors(p) for p in EXPERT_PROJS}  # every check before anything is dropped
         shapes = {p: self.expert_shape(p) for p in EXPERT_PROJS}
         with torch.no_grad():
@@ -1824,8 +1857,104 @@ class QuantExperts(_QuantMixin):
         self._qmode = _FROZEN
         self.__dict__.pop("_dequantized", None)
 
+    # -- GGUF weight specs: ggml's block bytes per projection ---------------------------------------------------
+
+    def gguf_blocks(self, proj: str) -> np.ndarray:  # type: ignore[override]
+        """``proj``'s weights, for a module with a GGUF weight spec, as ggml's block bytes: uint8 ``[E, out, blocks *
+        type_size]`` (each expert's ``[out, in]`` rows, as a GGUF file's 3-D expert tensor holds them): a frozen
+        module's stored bytes, else those of its fake-quantized weights (what ``freeze`` would store; the codes
+        under the super-scales kept when they were quantized, checked to reproduce the weights bit for bit)."""
+        spec = self._qspecs.get("weight")
+        if spec is None or not spec.gguf:
+            raise ValueError(f"gguf_blocks {self.qname!r}: the experts' weight spec is not a GGUF type")
+        if proj not in EXPERT_PROJS:
+            raise ValueError(f"gguf_blocks: proj must be one of {list(EXPERT_PROJS)}, got {proj!r}")
+        if self._qmode == _FROZEN:
+            return self._buffers[f"{proj}_packed"].detach().cpu().numpy()
+        from qcore import _kquants
+        with torch.no_grad():
+            w = self._proj(proj).detach()
+        e_, o, i = w.shape
+        x = w.float().cpu().numpy().reshape(e_ * o, i)
+        bits = torch.int16 if w.element_size() == 2 else torch.int32
+
+        def same(q) -> bool:
+            back = torch.from_numpy(np.asarray(qcore.dequantize(q))).reshape(e_, o, i).to(w.dtype)
+            return torch.equal(back.view(bits), w.cpu().view(bits))
+        kept = self.__dict__.get("_gguf_kept", {}).get(proj)
+        q = None
+        if kept is not None and kept.d.shape[:-1] == (e_, o):
+            from qcore._kquants import GGUFScales
+            kept = GGUFScales(*(None if v is None else v.reshape(e_ * o, -1) for v in dataclasses.astuple(kept)))
+            q = _gguf_qtensor(_kquants.requantize(x, kept, spec.gguf), kept, spec)
+        if q is None or not same(q):
+            q = qcore.quantize(x, spec)  # e.g. weights loaded from a checkpoint: llama.cpp's search again, checked
+            if not same(q):
+                raise RuntimeError(f"experts {self.qname!r}: {proj}'s {spec.gguf} blocks do not reproduce its "
+                                   f"fake-quantized weights exactly (were they changed after quantize_model without "
+                                   f"a forward?)")
+        return np.ascontiguousarray(qcore.packing.pack_gguf_blocks(q)).reshape(e_, o, -1)
+
+    def _set_gguf_experts(self, blocks: dict, shapes: dict, dtype: torch.dtype) -> None:
+        for p in EXPERT_PROJS:
+            self._parameters.pop(p, None)
+            for suffix in ("_packed", "_scale", "_zero_point", "_subblock_shifts", "_tensor_scale"):
+                self._buffers.pop(f"{p}{suffix}", None)
+            self.register_buffer(f"{p}_packed", blocks[p])
+        for k in ("_gguf_kept", "_dequantized"):
+            self.__dict__.pop(k, None)
+        self._frozen_meta = {"shapes": {p: tuple(shapes[p]) for p in EXPERT_PROJS}, "dtype": dtype}
+        self._qmode = _FROZEN
+
+    def load_frozen_gguf(self, blocks: Any, *, dtype: torch.dtype, device: Any = None  # type: ignore[override]
+                         ) -> None:
+        """Make this module frozen from ggml's block bytes of its GGUF weight spec: ``blocks[proj]`` uint8 ``[E,
+        out, blocks * type_size]`` for both ``EXPERT_PROJS`` (a GGUF file's expert tensors; ``gate_up_proj``'s
+        rows are the gate rows then the up rows of each expert), kept as they are (export writes the same bytes).
+        ``dtype``: the dtype the forward dequantizes to. ValueError (before any change) when the bytes do not fit
+        the experts' shapes or do not decode."""
+        spec = self._qspecs.get("weight")
+        if spec is None or not spec.gguf:
+            raise ValueError(f"load_frozen_gguf {self.qname!r}: the experts' weight spec is not a GGUF type "
+                             f"({None if spec is None else spec.name or spec.dtype.name})")
+        if not isinstance(blocks, Mapping) or set(blocks) != set(EXPERT_PROJS):
+            raise ValueError(f"load_frozen_gguf {self.qname!r}: blocks must map {list(EXPERT_PROJS)} to uint8 [E, out, "
+                             f"bytes], got {sorted(blocks) if isinstance(blocks, Mapping) else type(blocks).__name__}")
+        t = spec.gguf_dtype
+        shapes = {p: self.expert_shape(p) for p in EXPERT_PROJS}
+        out = {}
+        for p in EXPERT_PROJS:
+            b = blocks[p]
+            b = b.detach().cpu().numpy() if isinstance(b, torch.Tensor) else np.asarray(b)
+            e_, o, i = shapes[p]
+            want = (e_, o, i // t.block_size * t.type_size)
+            if b.dtype != np.uint8 or b.size != int(np.prod(want)):
+                raise ValueError(f"load_frozen_gguf {self.qname!r}: {p}: blocks of {b.size} {b.dtype} values, "
+                                 f"expected {int(np.prod(want))} uint8 ({spec.gguf}, experts {[e_, o, i]})")
+            b = np.ascontiguousarray(b).reshape(want)
+            try:
+                qcore.dequantize(qcore.packing.unpack_gguf_blocks(b.reshape(e_ * o, -1), spec.gguf))
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"load_frozen_gguf {self.qname!r}: {p}: {err}") from None
+            out[p] = b.copy()
+        if device is None:
+            w = self._parameters.get(EXPERT_PROJS[0])
+            device = w.device if w is not None and not w.is_meta else torch.device("cpu")
+        self._set_gguf_experts({p: torch.from_numpy(b).to(device) for p, b in out.items()}, shapes, dtype)
+
+    def _frozen_dense_e(self, proj: str, e: int) -> torch.Tensor:
+        """Expert ``e``'s dequantized ``proj`` weight ([out, in], the frozen dtype, on the codes' device)."""
+        dtype = self._frozen_meta["dtype"]
+        if self._qspecs["weight"].gguf:
+            b = self._buffers[f"{proj}_packed"]
+            v = qcore.dequantize(qcore.packing.unpack_gguf_blocks(b[e].detach().cpu().numpy(), self._qspecs["weight"]))
+            return torch.from_numpy(np.asarray(v)).to(b.device).to(dtype)
+        return _dequantize(self._frozen_qtensor_e(proj, e)).to(dtype)
+
     def _frozen_qtensor_e(self, proj: str, e: int) -> "qcore.QTensor":
         spec = self._qspecs["weight"]
+        if spec.gguf:
+            return qcore.packing.unpack_gguf_blocks(self._buffers[f"{proj}_packed"][e].detach().cpu().numpy(), spec)
         _, o, i = self._frozen_meta["shapes"][proj]
         codes = qcore.packing.unpack(self._buffers[f"{proj}_packed"][e], spec.dtype, axis=-1, length=i)
         sc = self._buffers[f"{proj}_scale"][e]
@@ -1842,8 +1971,7 @@ class QuantExperts(_QuantMixin):
         cache = self.__dict__.get("_dequantized")
         if cache is not None and proj in cache:
             return cache[proj]
-        w = torch.stack([_dequantize(self._frozen_qtensor_e(proj, e))
-                         for e in range(self._frozen_meta["shapes"][proj][0])]).to(self._frozen_meta["dtype"])
+        w = torch.stack([self._frozen_dense_e(proj, e) for e in range(self._frozen_meta["shapes"][proj][0])])
         if getattr(self, "keep_dequantized", False):
             self.__dict__.setdefault("_dequantized", {})[proj] = w
         return w
@@ -1913,8 +2041,7 @@ class QuantExperts(_QuantMixin):
         """``e -> expert e's [out, in] weight``: a frozen module dequantizes the experts that are hit only (unless
         ``keep_dequantized``)."""
         if self._qmode == _FROZEN and not getattr(self, "keep_dequantized", False):
-            dtype = self._frozen_meta["dtype"]
-            return lambda e: _dequantize(self._frozen_qtensor_e(proj, e)).to(dtype)
+            return lambda e: self._frozen_dense_e(proj, e)
         w = self._proj(proj)
         return lambda e: w[e]
 
@@ -1946,6 +2073,17 @@ class QuantExperts(_QuantMixin):
                           for r in ("weight", "input", "output") if r in self._qspecs)
         shapes = {p: list(self.expert_shape(p)) for p in EXPERT_PROJS}
         return f"experts={shapes}, quant=[{roles}], qmode={self._qmode}"
+
+
+def _gguf_expert(q, a: int, b: int) -> "qcore.QTensor":
+    """Rows ``a:b`` (one expert's ``[out, in]``) of a GGUF-spec QTensor of all experts' rows ``[E * out, in]``."""
+    from qcore._kquants import GGUFScales
+
+    ss = q.super_scales
+    return qcore.QTensor(q.codes[a:b], q.scales[a:b], None, q.spec, None, None,
+                         None if q.offsets is None else q.offsets[a:b],
+                         GGUFScales(*(None if getattr(ss, f.name) is None else getattr(ss, f.name)[a:b]
+                                      for f in dataclasses.fields(ss))))
 
 
 def _obs_key(proj: str, role: str, e: int) -> str:
