@@ -409,6 +409,9 @@ def _encode_experts(name: str, blk: str, m: nn.Module, strict: bool) -> tuple[li
     """The three 3-D expert tensors of the experts module ``name`` (``[(gguf name, data, type)]``) and their
     reports: code for code where the grid is a GGUF type (every expert the same type), else requantized with
     ggml's reference quantizer, else float (see ``_encode_quantized``)."""
+    from ..modules import QuantExperts
+    if isinstance(m, QuantExperts) and "weight" in m.specs and m.specs["weight"].gguf:
+        return _encode_gguf_experts(name, blk, m)
     mats, parts, spec = _expert_mats(m)
     tensors, reports = [], []
     for role in G.EXPERT_TENSORS:
@@ -445,6 +448,29 @@ def _encode_experts(name: str, blk: str, m: nn.Module, strict: bool) -> tuple[li
                              f"pass strict=False to accept the difference")
         tensors.append((gname, np.ascontiguousarray(data), kind))
         reports.append(rep)
+    return tensors, reports
+
+
+def _encode_gguf_experts(name: str, blk: str, m: nn.Module) -> tuple[list, list]:
+    """``_encode_experts`` of experts with a GGUF weight spec: their own type, the stored block bytes as they are
+    (``QuantExperts.gguf_blocks``; gate and up are the first and second half of each expert's ``gate_up_proj``
+    rows, whose blocks run along the row), checked to reproduce the module's weights."""
+    kind = G.GGUF_KIND_OF[m.specs["weight"].gguf]
+    gate, up, down = G.EXPERT_TENSORS
+    tensors, reports = [], []
+    for proj, roles in (("gate_up_proj", (gate, up)), ("down_proj", (down,))):
+        data = m.gguf_blocks(proj)
+        e_, o, i = m.expert_shape(proj)
+        with torch.no_grad():
+            ref = m._proj(proj).detach()
+        vals = torch.from_numpy(G.dequantize(data.reshape(e_ * o, -1), kind, (e_ * o, i)).reshape(e_, o, i))
+        if not torch.equal(vals.to(ref.dtype).float(), ref.float().cpu()):
+            raise RuntimeError(f"export_gguf: {name}.{proj}: the {kind} blocks do not reproduce the experts' weights "
+                               f"(a qcore bug; please report it)")
+        half = o // len(roles)
+        for k, role in enumerate(roles):
+            tensors.append((f"{blk}.{role}.weight", np.ascontiguousarray(data[:, k * half:(k + 1) * half]), kind))
+            reports.append(TensorReport(f"{name}.{proj}", f"{blk}.{role}.weight", kind, True, 0.0, "codes"))
     return tensors, reports
 
 
@@ -922,9 +948,9 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, 
             if shape != want:
                 raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} has shape {list(shape)}; the model's "
                                              f"experts {mod_name} need {list(want)}")
-            if kind not in _FLOAT_TYPES and kind not in G.TYPE_BYTES and (strict or not dequantize_other):
+            if kind not in _FLOAT_TYPES and kind not in G.BLOCK_KINDS and (strict or not dequantize_other):
                 raise ValueError(f"from_gguf: tensor {t.name!r} is {kind}, which no qcore grid of fused experts "
-                                 f"holds; qcore imports experts in {', '.join(sorted(G.TYPE_BYTES))} and F32/F16/BF16 "
+                                 f"holds; qcore imports experts in {', '.join(sorted(G.BLOCK_KINDS))} and F32/F16/BF16 "
                                  f"(from Python, from_gguf(..., "
                                  f"dequantize_other=True) imports it as its float32 dequantization)")
             experts[mod_name][role] = t
@@ -1066,11 +1092,14 @@ def _import_experts(model: nn.Module, mod_name: str, ts: dict, dtype: torch.dtyp
         reason = f"the expert tensors have different types {sorted(set(kinds.values()))} (qcore: one spec per experts module)"
     elif kind in _FLOAT_TYPES:
         reason = "float"
-    elif kind not in G.TYPE_BYTES:
+    elif kind not in G.BLOCK_KINDS:
         reason = f"{kind} is a block type no qcore grid holds"
     elif not (isinstance(module, nn.Module) and is_fused_experts(module)):
         reason = f"{type(module).__name__} is not a fused experts module qcore quantizes"
     spec = None
+    if not reason and kind not in G.TYPE_BYTES:  # a GGUF spec's type (k-quants, Q5_x, IQ4_NL): its bytes as they are
+        _import_gguf_experts(model, module, mod_name, ts, kind, dtype, reports, specs)
+        return
     if not reason:
         gu_blocks = np.concatenate([rows(gate), rows(up)])  # [gate of every expert; up of every expert]
         s1, p1, why1 = G.import_blocks(gu_blocks, kind, (2 * e_ * i_, h_), where=f"{ts[gate].name} + {ts[up].name}")
@@ -1081,6 +1110,9 @@ def _import_experts(model: nn.Module, mod_name: str, ts: dict, dtype: torch.dtyp
             if s1 != s2:
                 reason = f"the gate/up and down blocks need different qcore specs ({s1.name}, {s2.name})"
         spec = None if reason else s1
+        if spec is None and kind in G.GGUF_SPEC_KINDS:  # Q4_1 with float offsets, ...: qcore's GGUF spec of the type
+            _import_gguf_experts(model, module, mod_name, ts, kind, dtype, reports, specs)
+            return
     if spec is None:
         if strict and reason != "float":
             raise ValueError(f"from_gguf(strict=True): experts {mod_name} ({ts[gate].name}, ...) cannot be imported as "
@@ -1123,6 +1155,36 @@ def _import_experts(model: nn.Module, mod_name: str, ts: dict, dtype: torch.dtyp
     specs[mod_name] = spec
     for r, t in ts.items():
         reports.append(ImportedTensor(names[r], t.name, kinds[r], "codes", spec, True, 0.0))
+
+
+def _import_gguf_experts(model: nn.Module, module: nn.Module, mod_name: str, ts: dict, kind: str,
+                         dtype: torch.dtype, reports: list, specs: dict) -> None:
+    """``_import_experts`` of three expert tensors of one ``G.GGUF_SPEC_KINDS`` type: a frozen ``QuantExperts``
+    with that GGUF spec holding the file's block bytes (``load_frozen_gguf``; gate then up rows of each expert)."""
+    from ..modules import QuantExperts
+    gate, up, down = G.EXPERT_TENSORS
+    spec = qcore.make_spec(G.GGUF_SPEC_KINDS[kind])
+
+    def blocks(r):
+        e, o, i = _shape(ts[r])
+        return G.gguf_spec_blocks(np.asarray(ts[r].data).reshape(e * o, -1), kind, (e * o, i),
+                                  where=ts[r].name).reshape(e, o, -1)
+    b = {"gate_up_proj": np.concatenate([blocks(gate), blocks(up)], axis=1), "down_proj": blocks(down)}
+    q = QuantExperts.from_module(module, LayerConfig(weight=TensorConfig(spec)), name=mod_name)
+    try:
+        q.load_frozen_gguf(b, dtype=dtype, device=torch.device("cpu"))
+    except ValueError as e:
+        raise CorruptCheckpointError(f"from_gguf: experts {mod_name} ({ts[gate].name}, ...): {e}") from None
+    for p in b:
+        if not np.array_equal(q.gguf_blocks(p), b[p]):
+            raise RuntimeError(f"from_gguf: experts {mod_name}: the module does not hold the file's {kind} blocks "
+                               f"(a qcore bug; please report it)")
+    q.eval()
+    _set_module(model, mod_name, q)
+    specs[mod_name] = spec
+    names = {gate: f"{mod_name}.gate_up_proj", up: f"{mod_name}.gate_up_proj", down: f"{mod_name}.down_proj"}
+    for r, t in ts.items():
+        reports.append(ImportedTensor(names[r], t.name, kind, "codes", spec, True, 0.0))
 
 
 def _same_q4_spec(s1, p1, s2, p2):
