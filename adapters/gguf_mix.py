@@ -14,10 +14,11 @@ the head with it; the config gives the head module the embedding's spec, so the 
 weight (the same scales: ``adapters/modules.py`` ``_inplace_quantize``) and the model computes what llama.cpp
 computes. A tensor llama.cpp writes as F16 (rows not a multiple of 32) stays float in qcore.
 
-Fused MoE experts (``QuantExperts``) take no GGUF spec yet (and hold one spec for the gate/up and down
-projections, where llama.cpp's Q4_K_M, Q2_K, ... type ``ffn_down_exps`` apart): ``gguf_mix`` refuses a model with
-fused experts by name unless they are excluded (``exclude=["*experts*"]``: float experts, every other tensor
-llama.cpp's type). ``gguf_file_types`` still gives llama.cpp's types for them.
+Fused MoE experts (``QuantExperts``) take a GGUF spec but hold one spec for the gate/up and down projections:
+where llama.cpp's mix types the three expert tensors of a layer alike (Q4_K_S, Q6_K, ...) the experts get that
+type; where it types ``ffn_down_exps`` apart (Q4_K_M's ``use_more_bits`` layers, Q3_K_M, Q2_K, ...) ``gguf_mix``
+refuses a model with fused experts by name unless they are excluded (``exclude=["*experts*"]``: float experts,
+every other tensor llama.cpp's type). ``gguf_file_types`` still gives llama.cpp's types for them.
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ def gguf_mix(model: nn.Module, mix: str, *, exclude: Optional[Sequence[str]] = N
     case-insensitive) resolved on ``model`` (a transformers causal LM of a family qcore writes as GGUF): the type of
     every tensor, the reason, and the ``ModelConfig`` that quantizes each module with its type. Pure: the model is
     not changed. ValueError (before any work) for an unknown mix, a family or config qcore does not write as GGUF,
-    or fused MoE experts that ``exclude`` does not name (qcore's fused experts take no GGUF spec yet).
+    or fused MoE experts that ``exclude`` does not name and the mix types apart (their gate/up and down tensors:
+    qcore's fused experts hold one GGUF spec).
 
     exclude: module names / patterns (glob or ``"re:..."``, as ``ModelConfig.exclude``) left float (default:
         none: llama.cpp quantizes the head too). Excluding one of a tied embedding / head excludes both.
@@ -208,11 +210,13 @@ def gguf_mix(model: nn.Module, mix: str, *, exclude: Optional[Sequence[str]] = N
             kept[mod] = "excluded"
             continue
         ts = {r: choices[f"{blk}.{r}.weight"].type for r in G.EXPERT_TENSORS}
+        if len(set(ts.values())) == 1 and next(iter(ts.values())).lower() in qcore.GGUF_DTYPES:
+            types[mod], tensors[mod] = next(iter(ts.values())), f"{blk}.{G.EXPERT_TENSORS[0]}.weight"
+            continue  # one GGUF spec for the three expert tensors (QuantExperts)
         raise ValueError(f"gguf_mix: llama.cpp's {mix} gives the experts of {blk} the types {ts}; qcore's fused "
-                         f"experts ({mod!r}) take no GGUF spec yet" + (
-                             " (and hold one spec for all three)" if len(set(ts.values())) > 1 else "")
-                         + ": exclude them (exclude=['*experts*'] keeps the experts float; every other tensor gets "
-                           "llama.cpp's type)")
+                         f"experts ({mod!r}) hold one GGUF spec for all three (gate/up and down) yet: exclude them "
+                         f"(exclude=['*experts*'] keeps the experts float; every other tensor gets llama.cpp's "
+                         f"type), or choose a mix that types them alike (e.g. Q4_K_S, Q5_K_S, Q6_K)")
     by_name = {m: LayerConfig(weight=qcore.make_spec(t.lower())) for m, t in types.items()}
     ex = tuple(patterns) + tuple(sorted(m for m in tie if patterns and excluded(m) and
                                         not any(_match_tree(p, m) for p in patterns)))

@@ -252,12 +252,12 @@ def test_modules_qcore_does_not_wrap_stay_float_and_experts_refused_unless_exclu
     assert "qcore does not quantize GemmaTextScaledWordEmbedding" in g.kept_float["model.embed_tokens"]
     assert "kept float: model.embed_tokens" in g.summary()
     mx = tiny("mixtral", layers=4)
-    with pytest.raises(ValueError, match=r"Q4_K_M gives the experts of blk.0 the types .*'ffn_down_exps': 'Q4_K'.*"
-                                         r"take no GGUF spec yet: exclude them \(exclude=\['\*experts\*'\]"):
-        gguf_mix(mx, "Q4_K_M")
-    with pytest.raises(ValueError, match=r"blk.0 the types .*Q6_K.*take no GGUF spec yet: exclude"):
-        gguf_mix(mx, "Q6_K")
+    with pytest.raises(ValueError, match=r"Q4_K_M gives the experts of blk.2 the types .*'ffn_down_exps': 'Q6_K'.*"
+                                         r"hold one GGUF spec for all three .* exclude them \(exclude=\['\*experts\*'\]"):
+        gguf_mix(mx, "Q4_K_M")  # blk.0, blk.1: Q4_K alike; blk.2 (use_more_bits): ffn_down_exps Q6_K
     assert gguf_file_types(mx, "Q6_K")["blk.0.ffn_down_exps.weight"].type == "Q6_K"
+    q6 = gguf_mix(mx, "Q6_K")  # the three expert tensors alike: the experts get that GGUF spec
+    assert q6.types["model.layers.0.mlp.experts"] == "Q6_K"
     ok = gguf_mix(mx, "Q4_K_M", exclude=["*experts*"])
     assert ok.kept_float["model.layers.0.mlp.experts"] == "excluded"
     quantize_model(mx, ok.config, progress=False)  # experts float, the rest llama.cpp's types
