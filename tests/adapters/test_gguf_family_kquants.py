@@ -1,6 +1,6 @@
 """k-quants per family (issue 25): for each family qcore writes GGUF for (Llama, Mistral, Qwen2, Qwen3, Gemma,
-Gemma2, Gemma3, Phi-3; Mixtral / Qwen2-MoE / Qwen3-MoE with their fused experts left float, since fused experts
-refuse GGUF specs), a tiny model with 256-wide rows quantized with ``q4_k`` (``q6_k`` for the token embedding
+Gemma2, Gemma3, Phi-3; Mixtral / Qwen2-MoE / Qwen3-MoE with their fused experts left float here: k-quant
+experts are test_gguf_moe_kquants.py's), a tiny model with 256-wide rows quantized with ``q4_k`` (``q6_k`` for the token embedding
 and an untied head, as llama.cpp's Q4_K_M mix does; Gemma's scaled embedding is no module qcore quantizes, so its
 tied head stays float) is exported, imported back by ``from_gguf`` as codes (same logits) and re-exported
 byte for byte; llama.cpp (marker ``gguf_client``) loads each export with the logits of the qcore model."""
@@ -111,10 +111,11 @@ def test_kquant_family_export_imports_as_codes_and_goes_back_byte_for_byte(tmp_p
     assert _tensors(tmp_path / "b.gguf") == t
 
 
-def test_fused_experts_refuse_kquants():
-    """qcore's fused experts take no GGUF spec yet (adapters/modules.py ``experts_weight_spec``)."""
-    m = tiny256("mixtral")
-    with pytest.raises(ValueError, match="GGUF weight specs .* not supported on fused experts"):
+def test_fused_experts_refuse_kquants_on_rows_not_a_multiple_of_256():
+    """Fused experts take GGUF specs (test_gguf_moe_kquants.py) where each expert's rows are whole blocks; this
+    Qwen3-MoE's 32-wide expert rows are refused by name (adapters/modules.py ``experts_weight_spec``)."""
+    m = tiny256("qwen3_moe")
+    with pytest.raises(ValueError, match="GGUF type 'q4_k' needs each expert's down_proj rows to be a multiple of 256"):
         quantize_model(m, ModelConfig(LayerConfig(weight=qcore.make_spec("q4_k"))), None, progress=False)
 
 
