@@ -1269,16 +1269,21 @@ def is_quantized_module(m: nn.Module) -> bool:
     return isinstance(m, _QuantMixin)
 
 
-def wrap(module: nn.Module, config: LayerConfig, *, name: str = "", qat: bool = False) -> nn.Module:
+def wrap(module: nn.Module, config: LayerConfig, *, name: str = "", qat: bool = False,
+         proj_weights: Any = ()) -> nn.Module:
     """The quantized wrapper of ``module`` (exact type match: Linear, Conv2d, ConvTranspose2d, Embedding,
     EmbeddingBag, transformers' Conv1D; or fused MoE experts of a known layout, ``QuantExperts``) for ``config``;
-    ``module`` itself is not modified."""
+    ``module`` itself is not modified. ``proj_weights``: fused experts only, per-projection weight specs
+    (``LayerPlan.proj_weights``; ``QuantExperts.from_module``)."""
     cls = QUANT_CLASSES.get(type(module))
     if cls is None and isinstance(module._parameters.get("gate_up_proj"), torch.Tensor):  # fused MoE experts
-        return QuantExperts.from_module(module, config, name=name, qat=qat)
+        return QuantExperts.from_module(module, config, name=name, qat=qat, proj_weights=proj_weights)
     if cls is None:
         raise TypeError(f"{name or 'module'}: cannot quantize a {type(module).__name__}; supported: "
                         f"{[c.__name__ for c in QUANT_CLASSES]}")
+    if proj_weights:
+        raise ValueError(f"{name or 'module'}: proj_weights applies to fused MoE experts only, not to a "
+                         f"{type(module).__name__}")
     return cls.from_module(module, config, name=name, qat=qat)
 
 
@@ -1488,7 +1493,11 @@ class QuantExperts(_QuantMixin):
         return q
 
     @classmethod
-    def from_module(cls, module: nn.Module, config: LayerConfig, *, name: str = "", qat: bool = False):
+    def from_module(cls, module: nn.Module, config: LayerConfig, *, name: str = "", qat: bool = False,
+                    proj_weights: Any = ()):
+        """``proj_weights``: ``{projection: TensorConfig or QuantSpec}`` (or its items) giving one projection
+        (``"down_proj"`` or ``"gate_up_proj"``) its own weight spec, where it and ``config``'s weight spec are GGUF
+        types (llama.cpp's mixes type ``ffn_down_exps`` apart); ``weight_spec(proj)`` reads it back."""
         if not isinstance(config, LayerConfig):
             raise TypeError(f"config must be a LayerConfig, got {type(config).__name__}")
         why = experts_layout_problem(module)
@@ -1497,8 +1506,20 @@ class QuantExperts(_QuantMixin):
         if qat:
             raise ValueError(f"experts {name!r}: qat=True is not supported for fused MoE experts yet "
                              f"(docs/adapters.md); quantize with qat=False, or exclude the experts")
+        own = _proj_weight_specs(module, config, name, proj_weights)
         qcls = QuantExperts.class_for(type(module))
-        return _QuantMixin.from_module.__func__(qcls, module, config, name=name, qat=False)
+        q = _QuantMixin.from_module.__func__(qcls, module, config, name=name, qat=False)
+        for p, (tc, spec) in own.items():
+            q._wspecs[p] = spec
+            q._proj_tcs[p] = tc
+            w = q._parameters[p]
+            for k in (f"{p}_scale", f"{p}_zero_point"):
+                q._buffers.pop(k, None)
+            shape = (w.shape[0], *spec.scale_shape(tuple(w.shape[1:])))
+            q.register_buffer(f"{p}_scale", torch.full(shape, float("nan"), device=w.device))
+            if not spec.symmetric:
+                q.register_buffer(f"{p}_zero_point", torch.zeros(shape, device=w.device))
+        return q
 
     @classmethod
     def _plan(cls, module, config: LayerConfig, name: str) -> dict:
@@ -1532,6 +1553,8 @@ class QuantExperts(_QuantMixin):
         self.qconfig = config
         self.qname = name
         self._qspecs = plan
+        self._wspecs = {p: plan["weight"] for p in EXPERT_PROJS} if "weight" in plan else {}  # weight_spec(proj)
+        self._proj_tcs: dict = {}  # projections with their own weight spec (proj_weights)
         self._qmode = _PENDING
         self._wcache = None  # {proj: (version key, fake-quantized [E, out, in])} while pending
         self._wver: dict = {}  # proj -> weight version after the last in-place quantization
@@ -1564,6 +1587,21 @@ class QuantExperts(_QuantMixin):
 
     # -- layout --------------------------------------------------------------------------------------------
 
+    def weight_spec(self, proj: str) -> QuantSpec:
+        """The weight spec of each expert's ``[out, in]`` slice of ``proj``: ``specs["weight"]``, or the
+        projection's own (``proj_weights``: a GGUF type llama.cpp's mix gives ``ffn_down_exps`` apart)."""
+        if proj not in EXPERT_PROJS:
+            raise ValueError(f"weight_spec: proj must be one of {list(EXPERT_PROJS)}, got {proj!r}")
+        if "weight" not in self._qspecs:
+            raise ValueError(f"weight_spec: experts {self.qname!r} quantize no weight")
+        return self._wspecs[proj]
+
+    @property
+    def proj_weights(self) -> tuple:
+        """``((projection, TensorConfig), ...)``: the projections with their own weight spec (as
+        ``LayerPlan.proj_weights``); empty when both take the config's."""
+        return tuple(sorted(self._proj_tcs.items()))
+
     def mark_static_scales_loaded(self) -> None:
         """The importer (``qcore.adapters.io.experts``) has written every static activation scale buffer of every
         expert from a checkpoint: the roles count as calibrated (``is_calibrated``)."""
@@ -1589,27 +1627,27 @@ class QuantExperts(_QuantMixin):
 
     # -- weights -------------------------------------------------------------------------------------------
 
-    def _quantize_slice(self, w: torch.Tensor):
-        """QTensor of one expert's [out, in] slice, as ``QuantLinear`` quantizes its weight (float32 math); a GGUF
-        spec by llama.cpp's search (``qcore.quantize``)."""
-        spec = self._qspecs["weight"]
+    def _quantize_slice(self, w: torch.Tensor, proj: str = "gate_up_proj"):
+        """QTensor of one expert's [out, in] slice of ``proj``, as ``QuantLinear`` quantizes its weight (float32
+        math); a GGUF spec by llama.cpp's search (``qcore.quantize``)."""
+        spec = self._wspecs[proj]
         if spec.gguf:
             return qcore.quantize(w.detach().float(), spec)
         return _quantize_observed(w.detach(), spec, self.qconfig.weight.observer)
 
-    def _fq_proj(self, w: torch.Tensor) -> tuple[torch.Tensor, list]:
-        spec = self._qspecs["weight"]
+    def _fq_proj(self, w: torch.Tensor, proj: str) -> tuple[torch.Tensor, list]:
+        spec = self._wspecs[proj]
         if spec.gguf:  # rows are independent: every expert's [out, in] at once, then one QTensor per expert
             e_, o, i = w.shape
             q = qcore.quantize(w.detach().float().reshape(e_ * o, i), spec)
             return (qcore.dequantize(q).reshape(e_, o, i).to(w.dtype),
                     [_gguf_expert(q, e * o, (e + 1) * o) for e in range(e_)])
-        qs = [self._quantize_slice(w[e]) for e in range(w.shape[0])]
+        qs = [self._quantize_slice(w[e], proj) for e in range(w.shape[0])]
         fq = torch.stack([qcore.dequantize(q) for q in qs]).to(w.dtype)
         return fq, qs
 
     def _keep_proj(self, proj: str, qs: list) -> None:
-        if self._qspecs["weight"].gguf:  # llama.cpp's stored scales per expert (what freeze requantizes with)
+        if self._wspecs[proj].gguf:  # llama.cpp's stored scales per expert (what freeze requantizes with)
             from qcore._kquants import GGUFScales
             ss = [_gguf_numpy(q.super_scales) for q in qs]
             self.__dict__.setdefault("_gguf_kept", {})[proj] = GGUFScales(*(
@@ -1629,7 +1667,7 @@ class QuantExperts(_QuantMixin):
     def _inplace_proj(self, proj: str) -> None:
         p = self._parameters[proj]
         with torch.no_grad():
-            fq, qs = self._fq_proj(p)
+            fq, qs = self._fq_proj(p, proj)
             p.copy_(fq)
             self._keep_proj(proj, qs)
         self._wver[proj] = (p._version, p.data_ptr())
@@ -1649,7 +1687,7 @@ class QuantExperts(_QuantMixin):
         cache = self._wcache or {}
         if cache.get(proj, (None,))[0] != key:
             with torch.no_grad():
-                fq, _ = self._fq_proj(p)
+                fq, _ = self._fq_proj(p, proj)
             cache[proj] = (key, fq)
             self._wcache = cache
         return cache[proj][1]
@@ -1672,7 +1710,7 @@ class QuantExperts(_QuantMixin):
                     continue
                 par = self._parameters[p]
                 with torch.no_grad():
-                    qs = [q if q is not None else self._quantize_slice(par[e]) for e, q in enumerate(given[p])]
+                    qs = [q if q is not None else self._quantize_slice(par[e], p) for e, q in enumerate(given[p])]
                     par.copy_(torch.stack([torch.as_tensor(qcore.dequantize(q)).to(par.device)
                                            for q in qs]).to(par.dtype))
                     self._keep_proj(p, qs)
@@ -1693,6 +1731,7 @@ class QuantExperts(_QuantMixin):
         out = {}
         for p in EXPERT_PROJS:
             e_, o, i = self.expert_shape(p)
+            spec = self._wspecs[p]
             qs = weight[p]
             if isinstance(qs, (str, bytes, Mapping)) or not isinstance(qs, Sequence) or len(qs) != e_:
                 raise ValueError(f"{where}: {p} must be a sequence of {e_} entries (one per expert), got "
@@ -1743,7 +1782,7 @@ class QuantExperts(_QuantMixin):
         """Every expert's weight of ``proj`` as a ``qcore.QTensor`` of the layer's spec ([out, in]), frozen or not
         (a committed weight is quantized again with its own scales, exactly as ``freeze`` does: nothing
         changes). What ``freeze`` and the exporters read. A GGUF spec: ``gguf_blocks(proj)`` unpacked (numpy)."""
-        spec = self._qspecs.get("weight")
+        spec = self._wspecs.get(proj)
         if spec is not None and spec.gguf:
             b = self.gguf_blocks(proj)
             return [qcore.packing.unpack_gguf_blocks(b[e], spec) for e in range(b.shape[0])]
@@ -1757,8 +1796,8 @@ class QuantExperts(_QuantMixin):
             return self._frozen_qtensor_e(proj, e)
         if self._qmode == _PENDING:
             self.commit()
-        if self._qspecs["weight"].gguf:
-            return qcore.packing.unpack_gguf_blocks(self.gguf_blocks(proj)[e], self._qspecs["weight"])
+        if self._wspecs[proj].gguf:
+            return qcore.packing.unpack_gguf_blocks(self.gguf_blocks(proj)[e], self._wspecs[proj])
         with torch.no_grad():
             w = self._proj(proj)[e].detach()
             q = qcore.quantize(w.float(), self._qspecs["weight"], **self._given(proj, e))
@@ -1776,7 +1815,7 @@ class QuantExperts(_QuantMixin):
         if self._qmode == _FROZEN or "weight" not in self._qspecs:
             return
         dtype = self._parameters[EXPERT_PROJS[0]].dtype
-        if self._qspecs["weight"].gguf:
+        if self._wspecs[EXPERT_PROJS[0]].gguf:
             if self._qmode == _PENDING:
                 self.commit()
             blocks = {p: self.gguf_blocks(p) for p in EXPERT_PROJS}  # every check before anything is dropped
@@ -1864,11 +1903,11 @@ class QuantExperts(_QuantMixin):
         type_size]`` (each expert's ``[out, in]`` rows, as a GGUF file's 3-D expert tensor holds them): a frozen
         module's stored bytes, else those of its fake-quantized weights (what ``freeze`` would store; the codes
         under the super-scales kept when they were quantized, checked to reproduce the weights bit for bit)."""
-        spec = self._qspecs.get("weight")
-        if spec is None or not spec.gguf:
-            raise ValueError(f"gguf_blocks {self.qname!r}: the experts' weight spec is not a GGUF type")
         if proj not in EXPERT_PROJS:
             raise ValueError(f"gguf_blocks: proj must be one of {list(EXPERT_PROJS)}, got {proj!r}")
+        spec = self._wspecs.get(proj)
+        if spec is None or not spec.gguf:
+            raise ValueError(f"gguf_blocks {self.qname!r}: the experts' {proj} weight spec is not a GGUF type")
         if self._qmode == _FROZEN:
             return self._buffers[f"{proj}_packed"].detach().cpu().numpy()
         from qcore import _kquants
@@ -1913,17 +1952,17 @@ class QuantExperts(_QuantMixin):
         rows are the gate rows then the up rows of each expert), kept as they are (export writes the same bytes).
         ``dtype``: the dtype the forward dequantizes to. ValueError (before any change) when the bytes do not fit
         the experts' shapes or do not decode."""
-        spec = self._qspecs.get("weight")
-        if spec is None or not spec.gguf:
-            raise ValueError(f"load_frozen_gguf {self.qname!r}: the experts' weight spec is not a GGUF type "
-                             f"({None if spec is None else spec.name or spec.dtype.name})")
+        bad = [p for p in EXPERT_PROJS if p not in self._wspecs or not self._wspecs[p].gguf]
+        if bad:
+            raise ValueError(f"load_frozen_gguf {self.qname!r}: the experts' {bad[0]} weight spec is not a GGUF type")
         if not isinstance(blocks, Mapping) or set(blocks) != set(EXPERT_PROJS):
             raise ValueError(f"load_frozen_gguf {self.qname!r}: blocks must map {list(EXPERT_PROJS)} to uint8 [E, out, "
                              f"bytes], got {sorted(blocks) if isinstance(blocks, Mapping) else type(blocks).__name__}")
-        t = spec.gguf_dtype
         shapes = {p: self.expert_shape(p) for p in EXPERT_PROJS}
         out = {}
         for p in EXPERT_PROJS:
+            spec = self._wspecs[p]
+            t = spec.gguf_dtype
             b = blocks[p]
             b = b.detach().cpu().numpy() if isinstance(b, torch.Tensor) else np.asarray(b)
             e_, o, i = shapes[p]
@@ -1945,14 +1984,14 @@ class QuantExperts(_QuantMixin):
     def _frozen_dense_e(self, proj: str, e: int) -> torch.Tensor:
         """Expert ``e``'s dequantized ``proj`` weight ([out, in], the frozen dtype, on the codes' device)."""
         dtype = self._frozen_meta["dtype"]
-        if self._qspecs["weight"].gguf:
+        if self._wspecs[proj].gguf:
             b = self._buffers[f"{proj}_packed"]
-            v = qcore.dequantize(qcore.packing.unpack_gguf_blocks(b[e].detach().cpu().numpy(), self._qspecs["weight"]))
+            v = qcore.dequantize(qcore.packing.unpack_gguf_blocks(b[e].detach().cpu().numpy(), self._wspecs[proj]))
             return torch.from_numpy(np.asarray(v)).to(b.device).to(dtype)
         return _dequantize(self._frozen_qtensor_e(proj, e)).to(dtype)
 
     def _frozen_qtensor_e(self, proj: str, e: int) -> "qcore.QTensor":
-        spec = self._qspecs["weight"]
+        spec = self._wspecs[proj]
         if spec.gguf:
             return qcore.packing.unpack_gguf_blocks(self._buffers[f"{proj}_packed"][e].detach().cpu().numpy(), spec)
         _, o, i = self._frozen_meta["shapes"][proj]
@@ -2071,8 +2110,32 @@ class QuantExperts(_QuantMixin):
         roles = ", ".join(f"{r}={self._qspecs[r].name or self._qspecs[r].dtype.name}"
                           + ("(dyn)" if r in ("input", "output") and getattr(self.qconfig, r).dynamic else "")
                           for r in ("weight", "input", "output") if r in self._qspecs)
+        roles += "".join(f", {p}.weight={tc.spec.name or tc.spec.dtype.name}" for p, tc in self.proj_weights)
         shapes = {p: list(self.expert_shape(p)) for p in EXPERT_PROJS}
         return f"experts={shapes}, quant=[{roles}], qmode={self._qmode}"
+
+
+def _proj_weight_specs(module: nn.Module, config: LayerConfig, name: str, proj_weights) -> dict:
+    """``{proj: (TensorConfig, spec)}`` of ``QuantExperts.from_module``'s ``proj_weights``, checked: a projection's
+    own weight spec is a GGUF type, as is the config's weight spec, and fits each expert's rows."""
+    items = list(proj_weights.items()) if isinstance(proj_weights, Mapping) else list(proj_weights or ())
+    out = {}
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise TypeError(f"experts {name!r}: proj_weights must map a projection to a TensorConfig, got {item!r}")
+        proj, tc = item
+        if proj not in EXPERT_PROJS:
+            raise ValueError(f"experts {name!r}: proj_weights names {proj!r}; the projections are {list(EXPERT_PROJS)}")
+        if not isinstance(tc, TensorConfig):
+            tc = LayerConfig(weight=tc).weight  # a QuantSpec or format name, as LayerConfig takes it
+        if config.weight is None or not config.weight.spec.gguf or not tc.spec.gguf:
+            raise ValueError(f"experts {name!r}: proj_weights gives {proj} its own weight spec ({tc.spec.name}); a "
+                             f"projection takes its own spec only when it and the experts' weight spec "
+                             f"({'none' if config.weight is None else config.weight.spec.name}) are GGUF types")
+        if proj in out:
+            raise ValueError(f"experts {name!r}: proj_weights names {proj!r} twice")
+        out[proj] = (tc, experts_weight_spec(module, LayerConfig(weight=tc), name, proj))
+    return out
 
 
 def _gguf_expert(q, a: int, b: int) -> "qcore.QTensor":

@@ -38,6 +38,9 @@ class LayerPlan:
     name: str
     type: str
     config: LayerConfig
+    # fused MoE experts only: ((projection, TensorConfig), ...) weight specs of single projections that differ from
+    # the module's (a ModelConfig.by_name entry naming ``<experts>.down_proj``; GGUF specs: llama.cpp's mixes)
+    proj_weights: tuple = ()
 
     def __repr__(self) -> str:
         roles = []
@@ -48,6 +51,7 @@ class LayerPlan:
                 g = type(spec.granularity).__name__
                 mode = "" if r in ("weight", "bias") else (" dynamic" if tc.dynamic else " static")
                 roles.append(f"{r}={spec.name or spec.dtype.name} {g}{mode}")
+        roles += [f"{p}.weight={tc.spec.name or tc.spec.dtype.name}" for p, tc in self.proj_weights]
         return f"LayerPlan({self.name!r}, {self.type}, {', '.join(roles)})"
 
 
@@ -159,8 +163,9 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
         tname = _tname(m)
         named = next((p for p in config.by_name if _match_tree(p, name)), None)
         excluded = any(_match_tree(p, name) for p in exclude)
+        proj_weights: dict = {}
         if name in experts:  # fused experts: patterns may name the module or both of its parameters
-            named, excluded = _experts_patterns(name, experts[name], config, exclude, named, excluded)
+            named, excluded, proj_weights = _experts_patterns(name, experts[name], config, exclude, named, excluded)
         if tname is None:
             if named is not None and config.by_name[named] is not None and not any(
                     _match_tree(named, n) and _tname(mods[n]) is not None for n in names):
@@ -193,9 +198,19 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
                 raise ValueError(f"{name!r}: the layer config quantizes its output and the KV-cache config too; "
                                  f"give one of them")
             lc = LayerConfig(weight=base.weight, input=base.input, output=config.kv_cache.output, bias=base.bias)
+        if proj_weights:
+            lc_w = None if lc is None else lc.weight
+            bad = [p for p, (_, tc) in proj_weights.items() if tc.spec.gguf == "" or lc_w is None or not lc_w.spec.gguf]
+            if bad:
+                pat = proj_weights[bad[0]][0]
+                raise ValueError(f"ModelConfig.by_name pattern {pat!r} gives {name}.{bad[0]} its own weight spec "
+                                 f"({proj_weights[bad[0]][1].spec.name}); a projection of fused MoE experts takes its "
+                                 f"own spec only when it and the experts' weight spec "
+                                 f"({'none' if lc_w is None else lc_w.spec.name}) are GGUF types (llama.cpp's mixes)")
         if lc is None or lc.empty:
             continue
-        plans.append(LayerPlan(name, tname, lc))
+        plans.append(LayerPlan(name, tname, lc, tuple((p, tc) for p, (_, tc) in sorted(proj_weights.items())
+                                                      if tc != lc.weight)))
     if skipped:
         warnings.warn(f"qcore.adapters: {len(skipped)} module(s) subclass a supported type but are not exactly it "
                       f"and are left in float (their forward may not go through the module's weight as nn.Linear "
@@ -212,24 +227,31 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
 
 
 def _experts_patterns(name: str, params: list, config: ModelConfig, exclude: list, named, excluded) -> tuple:
-    """(by_name pattern, excluded) of the fused experts module ``name``: a pattern naming the module (or a parent)
-    or both its parameters applies; one naming one parameter only is refused (the experts are quantized together)."""
+    """(by_name pattern, excluded, {projection: (pattern, TensorConfig)}) of the fused experts module ``name``: a
+    pattern naming the module (or a parent) or both its parameters applies; one naming one parameter only gives
+    that projection its own weight spec when its config quantizes the weight only (GGUF types: checked by the
+    caller), and is refused otherwise (the experts are quantized together)."""
     def hits(p):
         return [q for q in params if _match(p, q)]
 
     def refuse(what, got):
         return ValueError(f"{what} names {got} but not {[q for q in params if q not in got]}: the fused MoE experts "
-                          f"{name!r} are quantized together; name the module {name!r} (or all of its parameters)")
+                          f"{name!r} are quantized together; name the module {name!r} (or all of its parameters), "
+                          f"or give the one projection a weight-only config of a GGUF type")
+    proj_weights: dict = {}
     for p in config.by_name:
         if 0 < len(hits(p)) < len(params) and not _match_tree(p, name):
-            raise refuse(f"ModelConfig.by_name pattern {p!r}", hits(p))
+            lc = config.by_name[p]
+            if lc is None or lc.weight is None or any(getattr(lc, r) is not None for r in ("input", "output", "bias")):
+                raise refuse(f"ModelConfig.by_name pattern {p!r}", hits(p))
+            proj_weights.setdefault(hits(p)[0].rsplit(".", 1)[1], (p, lc.weight))
     dropped = sorted({q for p in exclude for q in hits(p)})
     if not excluded and 0 < len(dropped) < len(params):
         raise refuse(f"ModelConfig.exclude {[p for p in exclude if hits(p)]}", dropped)
     excluded = excluded or len(dropped) == len(params)
     if named is None:
         named = next((p for p in config.by_name if len(hits(p)) == len(params)), None)
-    return named, excluded
+    return named, excluded, proj_weights
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -418,8 +440,8 @@ def excluded_weights(model: nn.Module, config: Union[ModelConfig, str, Mapping, 
         named = next((p for p in config.by_name if _match_tree(p, name)), None)
         if _tname(m) == "Experts":
             params = [f"{name}.{p}" for p in EXPERT_PROJS]
-            named, excl = _experts_patterns(name, params, config, exclude, named,
-                                            any(_match_tree(p, name) for p in exclude))
+            named, excl, _ = _experts_patterns(name, params, config, exclude, named,
+                                               any(_match_tree(p, name) for p in exclude))
             if excl or (named is not None and config.by_name[named] is None):
                 out += [FloatWeight(f"{name}.{p}", name, type(m).__name__, tuple(getattr(m, p).shape),
                                     "excluded by the config") for p in EXPERT_PROJS]
@@ -722,7 +744,7 @@ def _quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], 
                     model._qcore_partial = True  # the algorithms before it rewrote the float weights
                 raise
     wrappers = [(p.name, model.get_submodule(p.name), wrap(model.get_submodule(p.name), p.config, name=p.name,
-                                                           qat=qat)) for p in plans]
+                                                           qat=qat, proj_weights=p.proj_weights)) for p in plans]
     for name, _, new in wrappers:
         _set_module(model, name, new)
     for name, _, new in wrappers:  # weights the algorithms quantized are committed as they are, before calibration

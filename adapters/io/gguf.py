@@ -410,7 +410,7 @@ def _encode_experts(name: str, blk: str, m: nn.Module, strict: bool) -> tuple[li
     reports: code for code where the grid is a GGUF type (every expert the same type), else requantized with
     ggml's reference quantizer, else float (see ``_encode_quantized``)."""
     from ..modules import QuantExperts
-    if isinstance(m, QuantExperts) and "weight" in m.specs and m.specs["weight"].gguf:
+    if isinstance(m, QuantExperts) and "weight" in m.specs and m.weight_spec("down_proj").gguf:
         return _encode_gguf_experts(name, blk, m)
     mats, parts, spec = _expert_mats(m)
     tensors, reports = [], []
@@ -455,10 +455,10 @@ def _encode_gguf_experts(name: str, blk: str, m: nn.Module) -> tuple[list, list]
     """``_encode_experts`` of experts with a GGUF weight spec: their own type, the stored block bytes as they are
     (``QuantExperts.gguf_blocks``; gate and up are the first and second half of each expert's ``gate_up_proj``
     rows, whose blocks run along the row), checked to reproduce the module's weights."""
-    kind = G.GGUF_KIND_OF[m.specs["weight"].gguf]
     gate, up, down = G.EXPERT_TENSORS
     tensors, reports = [], []
     for proj, roles in (("gate_up_proj", (gate, up)), ("down_proj", (down,))):
+        kind = G.GGUF_KIND_OF[m.weight_spec(proj).gguf]  # down_proj may have its own (llama.cpp's mixes)
         data = m.gguf_blocks(proj)
         e_, o, i = m.expert_shape(proj)
         with torch.no_grad():
@@ -1088,8 +1088,14 @@ def _import_experts(model: nn.Module, mod_name: str, ts: dict, dtype: torch.dtyp
     names = {gate: f"{mod_name}.gate_up_proj", up: f"{mod_name}.gate_up_proj", down: f"{mod_name}.down_proj"}
     kind = kinds[gate]
     reason = ""
+    if len(set(kinds.values())) != 1 and kinds[gate] == kinds[up] and set(kinds.values()) <= set(G.GGUF_SPEC_KINDS) \
+            and isinstance(module, nn.Module) and is_fused_experts(module):
+        # llama.cpp's mixes type ffn_down_exps apart: GGUF specs, down_proj its own (QuantExperts proj_weights)
+        _import_gguf_experts(model, module, mod_name, ts, kinds[gate], dtype, reports, specs, down_kind=kinds[down])
+        return
     if len(set(kinds.values())) != 1:
-        reason = f"the expert tensors have different types {sorted(set(kinds.values()))} (qcore: one spec per experts module)"
+        reason = (f"the expert tensors have different types {kinds} (qcore: gate and up share one spec; down_proj "
+                  f"may have its own GGUF type)")
     elif kind in _FLOAT_TYPES:
         reason = "float"
     elif kind not in G.BLOCK_KINDS:
@@ -1158,19 +1164,23 @@ def _import_experts(model: nn.Module, mod_name: str, ts: dict, dtype: torch.dtyp
 
 
 def _import_gguf_experts(model: nn.Module, module: nn.Module, mod_name: str, ts: dict, kind: str,
-                         dtype: torch.dtype, reports: list, specs: dict) -> None:
-    """``_import_experts`` of three expert tensors of one ``G.GGUF_SPEC_KINDS`` type: a frozen ``QuantExperts``
-    with that GGUF spec holding the file's block bytes (``load_frozen_gguf``; gate then up rows of each expert)."""
+                         dtype: torch.dtype, reports: list, specs: dict, down_kind: Optional[str] = None) -> None:
+    """``_import_experts`` of expert tensors of ``G.GGUF_SPEC_KINDS`` types (gate and up ``kind``; down ``kind`` or
+    ``down_kind``, its own spec: ``QuantExperts`` ``proj_weights``): a frozen ``QuantExperts`` with those GGUF
+    specs holding the file's block bytes (``load_frozen_gguf``; gate then up rows of each expert)."""
     from ..modules import QuantExperts
     gate, up, down = G.EXPERT_TENSORS
+    down_kind = down_kind or kind
     spec = qcore.make_spec(G.GGUF_SPEC_KINDS[kind])
+    kinds = {gate: kind, up: kind, down: down_kind}
 
     def blocks(r):
         e, o, i = _shape(ts[r])
-        return G.gguf_spec_blocks(np.asarray(ts[r].data).reshape(e * o, -1), kind, (e * o, i),
+        return G.gguf_spec_blocks(np.asarray(ts[r].data).reshape(e * o, -1), kinds[r], (e * o, i),
                                   where=ts[r].name).reshape(e, o, -1)
     b = {"gate_up_proj": np.concatenate([blocks(gate), blocks(up)], axis=1), "down_proj": blocks(down)}
-    q = QuantExperts.from_module(module, LayerConfig(weight=TensorConfig(spec)), name=mod_name)
+    own = {} if down_kind == kind else {"down_proj": TensorConfig(qcore.make_spec(G.GGUF_SPEC_KINDS[down_kind]))}
+    q = QuantExperts.from_module(module, LayerConfig(weight=TensorConfig(spec)), name=mod_name, proj_weights=own)
     try:
         q.load_frozen_gguf(b, dtype=dtype, device=torch.device("cpu"))
     except ValueError as e:
@@ -1182,9 +1192,12 @@ def _import_gguf_experts(model: nn.Module, module: nn.Module, mod_name: str, ts:
     q.eval()
     _set_module(model, mod_name, q)
     specs[mod_name] = spec
+    if own:
+        specs[f"{mod_name}.down_proj"] = own["down_proj"].spec  # by name in the model's config (_model_config)
     names = {gate: f"{mod_name}.gate_up_proj", up: f"{mod_name}.gate_up_proj", down: f"{mod_name}.down_proj"}
     for r, t in ts.items():
-        reports.append(ImportedTensor(names[r], t.name, kind, "codes", spec, True, 0.0))
+        reports.append(ImportedTensor(names[r], t.name, kinds[r], "codes", q.weight_spec(names[r].rsplit(".", 1)[1]),
+                                      True, 0.0))
 
 
 def _same_q4_spec(s1, p1, s2, p2):

@@ -518,6 +518,13 @@ def _check_config_describes(model: nn.Module, config: ModelConfig) -> None:
             raise ValueError(f"export: config does not describe the model: {name!r} is {got} in the model but the "
                              f"config gives {'float' if name not in want else repr(want[name])}; pass the config "
                              f"the model was quantized with")
+    own = {p.name: p.proj_weights for p in plan_model(model, config, _quantized_ok=True) if p.proj_weights}
+    have_own = {n: m.proj_weights for n, m in model.named_modules() if getattr(m, "proj_weights", ())}
+    for name in sorted(set(own) | set(have_own)):  # fused experts' per-projection weight specs
+        if own.get(name, ()) != have_own.get(name, ()):
+            raise ValueError(f"export: config does not describe the model: the experts {name!r} have the "
+                             f"per-projection weight specs {have_own.get(name, ())} but the config gives "
+                             f"{own.get(name, ())}; pass the config the model was quantized with")
 
 
 def _shards(records: list[TensorRecord], max_bytes: int) -> list[list[TensorRecord]]:

@@ -34,6 +34,7 @@ is refused (reload it).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -110,7 +111,7 @@ def _gptq_targets(layer: nn.Module, lplans: dict, algo: GPTQConfig, prefix: str)
     for n, m, plan in named_targets(layer, lplans, algo, prefix):
         if is_fused_experts(m):  # fused MoE experts: GPTQ per expert slice (_gptq_experts)
             for proj in EXPERT_PROJS:
-                spec = experts_weight_spec(m, plan.config, f"{prefix}.{n}", proj)
+                spec = experts_weight_spec(m, _proj_config(plan, proj), f"{prefix}.{n}", proj)
                 try:
                     check_gptq_spec(spec, tuple(m._parameters[proj].shape[1:]))
                 except ValueError as e:
@@ -224,6 +225,15 @@ def _hessian_rows(rows: list, n: int, like: torch.Tensor) -> HessianStats:
     return st.stats()
 
 
+def _proj_config(plan, proj: str):
+    """The LayerConfig of fused experts' projection ``proj``: the plan's, with the projection's own weight spec
+    when it has one (``LayerPlan.proj_weights``)."""
+    own = dict(getattr(plan, "proj_weights", ()) or ()).get(proj)
+    if own is None:
+        return plan.config
+    return dataclasses.replace(plan.config, weight=own)
+
+
 def _gptq_experts(layer, name: str, calls: list, lplans: dict, algo: GPTQConfig, prefix: str, pinned: dict,
                   reduce=None) -> None:
     """GPTQ on every expert's slice of both projections of the fused experts ``layer.<name>``, from its captured
@@ -236,7 +246,7 @@ def _gptq_experts(layer, name: str, calls: list, lplans: dict, algo: GPTQConfig,
     m = layer.get_submodule(name)
     full = f"{prefix}.{name}"
     plan = lplans[name]
-    specs = {p: experts_weight_spec(m, plan.config, full, p) for p in EXPERT_PROJS}
+    specs = {p: experts_weight_spec(m, _proj_config(plan, p), full, p) for p in EXPERT_PROJS}
     fns = {p: _scale_fn(plan, specs[p]) for p in EXPERT_PROJS}
     kw = dict(block_size=algo.block_size, damp=algo.damp, act_order=algo.act_order, static_groups=algo.static_groups)
     gu, dn = m._parameters["gate_up_proj"], m._parameters["down_proj"]

@@ -418,7 +418,7 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
     alg_in = runner.capture(data) if algos else None
     outer = []
     for p in outer_plans:
-        w = wrap(model.get_submodule(p.name), p.config, name=p.name)
+        w = wrap(model.get_submodule(p.name), p.config, name=p.name, proj_weights=p.proj_weights)
         _set_module(model, p.name, w)
         outer.append(w)
     cal_in = None
@@ -456,7 +456,7 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
             mine = [p for p in plans if layer_of.get(p.name) == i]
             wrappers = []
             for p in mine:
-                w = wrap(model.get_submodule(p.name), p.config, name=p.name)
+                w = wrap(model.get_submodule(p.name), p.config, name=p.name, proj_weights=p.proj_weights)
                 _set_module(model, p.name, w)
                 wrappers.append(w)
                 if p.name in pinned:
