@@ -14,11 +14,10 @@ the head with it; the config gives the head module the embedding's spec, so the 
 weight (the same scales: ``adapters/modules.py`` ``_inplace_quantize``) and the model computes what llama.cpp
 computes. A tensor llama.cpp writes as F16 (rows not a multiple of 32) stays float in qcore.
 
-Fused MoE experts (``QuantExperts``) take a GGUF spec but hold one spec for the gate/up and down projections:
-where llama.cpp's mix types the three expert tensors of a layer alike (Q4_K_S, Q6_K, ...) the experts get that
-type; where it types ``ffn_down_exps`` apart (Q4_K_M's ``use_more_bits`` layers, Q3_K_M, Q2_K, ...) ``gguf_mix``
-refuses a model with fused experts by name unless they are excluded (``exclude=["*experts*"]``: float experts,
-every other tensor llama.cpp's type). ``gguf_file_types`` still gives llama.cpp's types for them.
+Fused MoE experts (``QuantExperts``) get llama.cpp's types: the module the type of ``ffn_gate_exps`` /
+``ffn_up_exps`` and, where the mix types ``ffn_down_exps`` apart (Q4_K_M's ``use_more_bits`` layers, Q3_K_M, Q2_K,
+...), ``<experts>.down_proj`` its own (a ``by_name`` entry: the experts' per-projection weight spec, in ``types``
+under that name). ``exclude=["*experts*"]`` keeps them float.
 """
 
 from __future__ import annotations
@@ -51,7 +50,8 @@ class GGUFMix:
 
     config: the ``ModelConfig`` (a ``by_name`` entry per quantized module, embedding and head included).
     types: ``{module name: GGUF type}`` of the modules the config quantizes (``"Q4_K"``, ...; the type each has
-        in the exported file).
+        in the exported file); fused experts: their gate/up type, and ``<experts>.down_proj`` where the mix types
+        ``ffn_down_exps`` apart.
     choices: ``{GGUF tensor name: Choice}`` for every tensor of the file (kept ones too), with the reason and any
         fallback.
     tensors: ``{module name: GGUF tensor name}`` of the modules in ``types``.
@@ -157,8 +157,8 @@ def gguf_mix(model: nn.Module, mix: str, *, exclude: Optional[Sequence[str]] = N
     case-insensitive) resolved on ``model`` (a transformers causal LM of a family qcore writes as GGUF): the type of
     every tensor, the reason, and the ``ModelConfig`` that quantizes each module with its type. Pure: the model is
     not changed. ValueError (before any work) for an unknown mix, a family or config qcore does not write as GGUF,
-    or fused MoE experts that ``exclude`` does not name and the mix types apart (their gate/up and down tensors:
-    qcore's fused experts hold one GGUF spec).
+    or fused MoE experts whose llama.cpp types qcore cannot hold (gate and up apart, or a type with no GGUF spec)
+    that ``exclude`` does not name.
 
     exclude: module names / patterns (glob or ``"re:..."``, as ``ModelConfig.exclude``) left float (default:
         none: llama.cpp quantizes the head too). Excluding one of a tied embedding / head excludes both.
@@ -209,14 +209,19 @@ def gguf_mix(model: nn.Module, mix: str, *, exclude: Optional[Sequence[str]] = N
         if excluded(mod):
             kept[mod] = "excluded"
             continue
+        gate, up, down = G.EXPERT_TENSORS
         ts = {r: choices[f"{blk}.{r}.weight"].type for r in G.EXPERT_TENSORS}
-        if len(set(ts.values())) == 1 and next(iter(ts.values())).lower() in qcore.GGUF_DTYPES:
-            types[mod], tensors[mod] = next(iter(ts.values())), f"{blk}.{G.EXPERT_TENSORS[0]}.weight"
-            continue  # one GGUF spec for the three expert tensors (QuantExperts)
-        raise ValueError(f"gguf_mix: llama.cpp's {mix} gives the experts of {blk} the types {ts}; qcore's fused "
-                         f"experts ({mod!r}) hold one GGUF spec for all three (gate/up and down) yet: exclude them "
-                         f"(exclude=['*experts*'] keeps the experts float; every other tensor gets llama.cpp's "
-                         f"type), or choose a mix that types them alike (e.g. Q4_K_S, Q5_K_S, Q6_K)")
+        if ts[gate] == ts[up] and all(t.lower() in qcore.GGUF_DTYPES for t in ts.values()):
+            # the experts' GGUF spec is gate/up's; down_proj its own when llama.cpp types ffn_down_exps apart
+            # (by_name "<experts>.down_proj": QuantExperts' per-projection weight spec)
+            types[mod], tensors[mod] = ts[gate], f"{blk}.{gate}.weight"
+            if ts[down] != ts[gate]:
+                types[f"{mod}.down_proj"], tensors[f"{mod}.down_proj"] = ts[down], f"{blk}.{down}.weight"
+            continue
+        raise ValueError(f"gguf_mix: llama.cpp's {mix} gives the experts of {blk} the types {ts}, which qcore's fused "
+                         f"experts ({mod!r}) cannot hold (gate and up share one spec; every type a GGUF spec): "
+                         f"exclude them (exclude=['*experts*'] keeps the experts float; every other tensor gets "
+                         f"llama.cpp's type)")
     by_name = {m: LayerConfig(weight=qcore.make_spec(t.lower())) for m, t in types.items()}
     ex = tuple(patterns) + tuple(sorted(m for m in tie if patterns and excluded(m) and
                                         not any(_match_tree(p, m) for p in patterns)))

@@ -973,6 +973,8 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, 
         want = tuple(params[hf].shape)
         if _conv1d_weight(model, hf):
             want = want[::-1]  # Conv1D's [in, out] parameter: the GGUF tensor is the Linear's [out, in]
+        if shape != want and want == (1, *shape) and kind in _FLOAT_TYPES:
+            shape = want  # llama.cpp's quantizer writes a float [1, n] matrix (qwen2moe's ffn_gate_inp_shexp) 1-D
         if shape != want:
             raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} has shape {list(shape)}; the model's "
                                          f"{hf} is {list(want)}")

@@ -245,16 +245,16 @@ def test_tied_head_shares_the_embeddings_type_and_export_writes_no_output(tmp_pa
                                                              if k.endswith("weight") and v != "F32"}
 
 
-def test_modules_qcore_does_not_wrap_stay_float_and_experts_refused_unless_excluded():
+def test_modules_qcore_does_not_wrap_stay_float_and_experts_get_llama_cpps_types():
     g = gguf_mix(tiny("gemma", layers=2), "Q4_K_M")  # Gemma's scaled embedding (an nn.Embedding subclass)
     assert g.choices["token_embd.weight"].type == "Q8_0"  # llama.cpp's: tied, 288 % 256
     assert "model.embed_tokens" not in g.types and "lm_head" not in g.types
     assert "qcore does not quantize GemmaTextScaledWordEmbedding" in g.kept_float["model.embed_tokens"]
     assert "kept float: model.embed_tokens" in g.summary()
     mx = tiny("mixtral", layers=4)
-    with pytest.raises(ValueError, match=r"Q4_K_M gives the experts of blk.2 the types .*'ffn_down_exps': 'Q6_K'.*"
-                                         r"hold one GGUF spec for all three .* exclude them \(exclude=\['\*experts\*'\]"):
-        gguf_mix(mx, "Q4_K_M")  # blk.0, blk.1: Q4_K alike; blk.2 (use_more_bits): ffn_down_exps Q6_K
+    q4 = gguf_mix(mx, "Q4_K_M")  # blk.0, blk.1: Q4_K alike; blk.2 (use_more_bits): ffn_down_exps Q6_K
+    assert q4.types["model.layers.2.mlp.experts"] == "Q4_K" and q4.types["model.layers.2.mlp.experts.down_proj"] \
+        == "Q6_K" and "model.layers.1.mlp.experts.down_proj" not in q4.types
     assert gguf_file_types(mx, "Q6_K")["blk.0.ffn_down_exps.weight"].type == "Q6_K"
     q6 = gguf_mix(mx, "Q6_K")  # the three expert tensors alike: the experts get that GGUF spec
     assert q6.types["model.layers.0.mlp.experts"] == "Q6_K"

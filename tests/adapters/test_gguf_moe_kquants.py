@@ -15,10 +15,10 @@ import qcore
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from qcore.adapters import quantize_model  # noqa: E402
+from qcore.adapters import plan_model, quantize_model  # noqa: E402
 from qcore.adapters.config import LayerConfig, ModelConfig  # noqa: E402
 from qcore.adapters.io.gguf import export_gguf, from_gguf  # noqa: E402
-from qcore.adapters.modules import QuantExperts  # noqa: E402
+from qcore.adapters.modules import QuantExperts, wrap  # noqa: E402
 
 from test_export_gguf import _ids, _router_margins, _tiny_specs, tiny_tokenizer  # noqa: E402
 
@@ -178,6 +178,51 @@ def test_kquant_experts_export_as_their_type_import_as_codes_and_go_back_byte_fo
     assert _tensors(tmp_path / "b.gguf") == t
 
 
+def test_down_proj_takes_its_own_gguf_type_by_name(tmp_path):
+    """``by_name={"<experts>.down_proj": LayerConfig(weight=q6_k)}``: the experts' down_proj gets its own GGUF spec
+    (``LayerPlan.proj_weights``, ``QuantExperts.weight_spec``), GPTQ quantizes to it, export writes
+    ``ffn_down_exps`` as Q6_K, and the file imports back as codes (the model's config names the projection) and
+    re-exports byte for byte."""
+    m = tiny_moe("mixtral", layers=2)
+    q4, q6 = LayerConfig(weight=qcore.make_spec("q4_k")), LayerConfig(weight=qcore.make_spec("q6_k"))
+    down = "model.layers.1.mlp.experts.down_proj"
+    cfg = ModelConfig(q4, by_type={"Embedding": None}, by_name={"lm_head": None, down: q6},
+                      algorithms=[{"name": "gptq"}])
+    plans = {p.name: p for p in plan_model(m, cfg)}
+    assert plans["model.layers.1.mlp.experts"].proj_weights == (("down_proj", q6.weight),)
+    assert plans["model.layers.0.mlp.experts"].proj_weights == ()
+    quantize_model(m, cfg, [torch.randint(0, 128, (1, 16))], progress=False)
+    (_, e0), (_, e1) = experts_of(m)
+    assert e1.weight_spec("down_proj").gguf == "q6_k" and e1.weight_spec("gate_up_proj").gguf == "q4_k"
+    assert e0.weight_spec("down_proj").gguf == "q4_k" and "down_proj.weight=q6_k" in repr(e1)
+    export_gguf(m, tmp_path / "a.gguf", tokenizer=tiny_tokenizer())
+    t = _tensors(tmp_path / "a.gguf")
+    assert t["blk.1.ffn_down_exps.weight"][0] == "Q6_K" and t["blk.1.ffn_up_exps.weight"][0] == "Q4_K"
+    assert t["blk.0.ffn_down_exps.weight"][0] == "Q4_K"
+    back = from_gguf(tmp_path / "a.gguf")
+    assert not back.qcore_gguf_report.dequantized
+    assert back.qcore_config.by_name[down] == q6
+    ids = _ids(12)
+    assert torch.equal(_logits(back, ids), _logits(m, ids))
+    export_gguf(back, tmp_path / "b.gguf", tokenizer=tmp_path / "a.gguf")
+    assert _tensors(tmp_path / "b.gguf") == t
+
+
+def test_a_projection_of_its_own_is_refused_unless_weight_only_gguf():
+    m = tiny_moe("mixtral")
+    q4 = LayerConfig(weight=qcore.make_spec("q4_k"))
+    down = "model.layers.0.mlp.experts.down_proj"
+    with pytest.raises(ValueError, match=r"gives model.layers.0.mlp.experts.down_proj its own weight spec \(int4.*"
+                                         r"GGUF types"):
+        plan_model(m, ModelConfig(q4, by_name={down: LayerConfig(weight="int4")}))
+    with pytest.raises(ValueError, match=r"are quantized together.*weight-only config of a GGUF type"):
+        plan_model(m, ModelConfig(q4, by_name={down: LayerConfig(weight=qcore.make_spec("q6_k"), input="fp8_e4m3")}))
+    with pytest.raises(ValueError, match=r"its own weight spec \(q6_k\).*experts' weight spec \(none\)"):
+        plan_model(m, ModelConfig(q4, by_name={"*.experts": None, down: LayerConfig(weight=qcore.make_spec("q6_k"))}))
+    with pytest.raises(ValueError, match="proj_weights applies to fused MoE experts only"):
+        wrap(m.lm_head, q4, name="lm_head", proj_weights={"down_proj": qcore.make_spec("q6_k")})
+
+
 def test_q5_0_experts_round_trip(tmp_path):
     m, _ = quantized("qwen2_moe", "q5_0")
     export_gguf(m, tmp_path / "a.gguf", tokenizer=tiny_tokenizer())
@@ -225,24 +270,37 @@ def _llama_quantize(src, dst, mix):
     assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(p)) == 0
 
 
-@pytest.mark.gguf_client
-@pytest.mark.parametrize("fam", ["mixtral", "qwen3_moe"])
-def test_llama_cpp_kquant_moe_files_import_as_codes(tmp_path, fam):
-    """llama.cpp's own Q4_K_S of a float MoE export (the three expert tensors of each layer Q4_K) imports as
-    codes, with ggml's values, and re-exports byte for byte."""
-    m = tiny_moe(fam, layers=2)
-    f = __import__("copy").deepcopy(m)
+def _float_moe_gguf(fam, path, layers=2):
+    """The float GGUF of the tiny MoE model: F32 experts, fp8-valued Linears (as test_gguf_mixes' _float_gguf)."""
+    f = tiny_moe(fam, layers=layers)
     quantize_model(f, ModelConfig(LayerConfig(weight="fp8_e4m3"), by_name={"*.experts": None}), progress=False)
-    export_gguf(f, tmp_path / "f.gguf", tokenizer=tiny_tokenizer())  # F32 experts, fp8-valued Linears
-    _llama_quantize(tmp_path / "f.gguf", tmp_path / "q.gguf", "Q4_K_S")
+    export_gguf(f, path, tokenizer=tiny_tokenizer())
+    return path
+
+
+@pytest.mark.gguf_client
+@pytest.mark.parametrize("fam,mix", [("mixtral", "Q4_K_S"), ("qwen3_moe", "Q4_K_S"), ("mixtral", "Q4_K_M"),
+                                     ("qwen3_moe", "Q3_K_M"), ("qwen2_moe", "Q2_K")])
+def test_llama_cpp_kquant_moe_files_import_as_codes(tmp_path, fam, mix):
+    """llama.cpp's own k-quant mixes of a float MoE export import as codes, with ggml's values, and re-export byte
+    for byte: Q4_K_S types the three expert tensors of each layer alike (Q4_K); Q4_K_M gives the last layer's
+    ``ffn_down_exps`` Q6_K (``use_more_bits``), Q3_K_M and Q2_K every layer's (Q4_K / Q3_K: down_proj's own
+    spec)."""
+    _llama_quantize(_float_moe_gguf(fam, tmp_path / "f.gguf"), tmp_path / "q.gguf", mix)
     t = _tensors(tmp_path / "q.gguf")
-    assert {k for n, (k, _) in t.items() if "_exps" in n} == {"Q4_K"}
+    kinds = {n: k for n, (k, _) in t.items() if "_exps" in n}
+    if mix == "Q4_K_S":
+        assert set(kinds.values()) == {"Q4_K"}
+    else:
+        assert kinds["blk.1.ffn_down_exps.weight"] != kinds["blk.1.ffn_gate_exps.weight"]
     back = from_gguf(tmp_path / "q.gguf")
     rep = back.qcore_gguf_report
     assert rep.exact and not rep.dequantized
-    assert {r.gguf_name for r in rep.codes} >= {n for n in t if "_exps" in n}
+    assert {r.gguf_name for r in rep.codes} >= set(kinds)
     for name, ex in experts_of(back):
-        assert ex.frozen and ex.specs["weight"].gguf == "q4_k"
+        blk = f"blk.{name.split('.')[2]}"
+        assert ex.frozen and ex.weight_spec("gate_up_proj").gguf == kinds[f"{blk}.ffn_gate_exps.weight"].lower()
+        assert ex.weight_spec("down_proj").gguf == kinds[f"{blk}.ffn_down_exps.weight"].lower()
     reader = gguf.GGUFReader(tmp_path / "q.gguf")
     down = next(x for x in reader.tensors if x.name == "blk.1.ffn_down_exps.weight")
     want = gguf.quants.dequantize(np.asarray(down.data), down.tensor_type).reshape(_shape_of(down))
@@ -250,6 +308,24 @@ def test_llama_cpp_kquant_moe_files_import_as_codes(tmp_path, fam):
     assert np.array_equal(ex1._frozen_proj("down_proj").float().numpy(), want)  # ggml's values
     export_gguf(back, tmp_path / "b.gguf", tokenizer=tmp_path / "q.gguf")
     assert _tensors(tmp_path / "b.gguf") == t
+
+
+@pytest.mark.gguf_client
+@pytest.mark.parametrize("fam,mix", [("mixtral", "Q4_K_M"), ("qwen2_moe", "Q3_K_M"), ("qwen3_moe", "Q2_K")])
+def test_gguf_mix_gives_moe_llama_cpps_types_and_bytes(tmp_path, fam, mix):
+    """``quantize_model(model, "gguf_q4_k_m")`` on a MoE model: every tensor of the export has llama.cpp's type
+    (experts included, ``ffn_down_exps`` apart where llama.cpp types it so), and the expert tensors (float in
+    both sources) hold the bytes llama.cpp's quantizer writes."""
+    _llama_quantize(_float_moe_gguf(fam, tmp_path / "f.gguf", layers=3), tmp_path / "l.gguf", mix)
+    theirs = _tensors(tmp_path / "l.gguf")
+    m = tiny_moe(fam, layers=3)
+    quantize_model(m, f"gguf_{mix.lower()}", progress=False)
+    export_gguf(m, tmp_path / "q.gguf", tokenizer=tiny_tokenizer())
+    ours = _tensors(tmp_path / "q.gguf")
+    assert {n: k for n, (k, _) in ours.items()} == {n: k for n, (k, _) in theirs.items()}
+    exps = [n for n in theirs if "_exps" in n]
+    assert len({theirs[n][0] for n in exps}) > 1
+    assert all(ours[n][1] == theirs[n][1] for n in exps)
 
 
 def _shape_of(t):
