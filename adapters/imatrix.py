@@ -307,6 +307,44 @@ def module_quant_weights(model: nn.Module, stats: Mapping[str, ImatrixStats]) ->
     return out
 
 
+def experts_quant_weights(model: nn.Module, stats: Mapping[str, ImatrixStats]) -> dict:
+    """``{experts module name: {"gate_up_proj": float32 [E, 2, H], "down_proj": float32 [E, 1, I]}}`` for the fused
+    experts of ``model`` (float or ``QuantExperts``) that ``stats`` has entries for (GGUF names ``blk.N.ffn_gate_exps
+    .weight`` / ``ffn_up_exps`` / ``ffn_down_exps``, or module names ``<experts>.gate_up_proj`` / ``.down_proj``):
+    llama.cpp's per-expert ``quant_weights``, the gate rows' and the up rows' of ``gate_up_proj`` apart (one
+    statistic each in llama.cpp's file; the same input, so equal when collected together). An entry whose shape is
+    not ``[E, in]`` of its experts is refused; experts with any of their entries missing are absent."""
+    from .modules import EXPERT_PROJS, QuantExperts, is_fused_experts
+
+    exps = {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts) or is_fused_experts(m)}
+    keys = {n: [_expert_keys(model, exps, "module")[n]] for n in exps}
+    try:
+        for n, k in _expert_keys(model, exps, "gguf").items():
+            keys[n].insert(0, k)
+    except (TypeError, ValueError):
+        pass
+    out = {}
+    for n, m in exps.items():
+        shapes = {p: (m.expert_shape(p) if isinstance(m, QuantExperts) else tuple(m._parameters[p].shape))
+                  for p in EXPERT_PROJS}
+        for gate, up, down in keys[n]:
+            if not all(k in stats for k in (gate, up, down)):
+                continue
+            w = {}
+            for k, proj in ((gate, "gate_up_proj"), (up, "gate_up_proj"), (down, "down_proj")):
+                st = stats[k]
+                if not isinstance(st, ImatrixStats):
+                    raise TypeError(f"stats[{k!r}] must be an ImatrixStats, got {type(st).__name__}")
+                e_, _, i = shapes[proj]
+                if st.n != i or st.n_mat != e_:
+                    raise ValueError(f"stats[{k!r}] has {st.n_mat} x {st.n} values; the experts {n!r} take {e_} x {i} "
+                                     f"({proj}; an importance matrix of another model?)")
+                w.setdefault(proj, []).append(np.asarray(quant_weights(st), np.float32).reshape(e_, i))
+            out[n] = {p: np.ascontiguousarray(np.stack(v, axis=1)) for p, v in w.items()}
+            break
+    return out
+
+
 def imatrix_file(model=None, output=None, *, calib_samples: int = 32, seq_len: int = 512, eval_text=None,
                  process_output: bool = False, device: str = "cpu", dtype: str = "float32", overwrite: bool = False,
                  progress: bool = True) -> dict:
@@ -390,8 +428,8 @@ def model_importance(model: nn.Module, plans: list, imatrix, algorithms=()) -> d
     """``{module name: float32 quant_weights}`` for the planned modules whose weight spec is a GGUF type, from
     ``imatrix`` (``{name: ImatrixStats}`` keyed by GGUF tensor names or module names, or an imatrix file's path),
     checked before any work (``quantize_model(..., imatrix=)``; docs/gguf.md "Importance matrices and GPTQ for
-    GGUF types"). ValueError when no planned module has a GGUF weight spec, when a Linear with a GGUF spec has no
-    entry (the output head excepted: ``llama-imatrix`` leaves it out unless ``--process-output``; embeddings are
+    GGUF types"; fused experts: ``experts_quant_weights``, ``{proj: [E, halves, in]}``). ValueError when no planned
+    module has a GGUF weight spec, when a Linear or fused experts with a GGUF spec have no entry (the output head excepted: ``llama-imatrix`` leaves it out unless ``--process-output``; embeddings are
     lookups and never have one; both are quantized without importance, as llama.cpp does), when an entry's width
     is not its module's input width, or with algorithms that change the layers' inputs (rotations, smoothing)."""
     check_importance_algorithms(algorithms)
@@ -401,13 +439,14 @@ def model_importance(model: nn.Module, plans: list, imatrix, algorithms=()) -> d
         raise ValueError("imatrix= applies to modules whose weight spec is a GGUF type (q2_k ... q6_k, q4_0 ... q8_0, "
                          "iq4_nl); the config gives none")
     weights = module_quant_weights(model, stats)
+    weights.update(experts_quant_weights(model, stats))  # fused experts: {proj: [E, halves, in]}
     head = _head_name(model)
     lin = linear_modules(model)
     out, missing = {}, []
     for p in gguf:
         if p.name in weights:
             out[p.name] = weights[p.name]
-        elif p.name in lin and p.name != head:
+        elif (p.name in lin and p.name != head) or p.type == "Experts":
             missing.append(p.name)
     if missing:
         try:
@@ -443,7 +482,8 @@ class attached_importance:
     when they are made); removed from those float modules on exit."""
 
     def __init__(self, model: nn.Module, importance: Mapping):
-        self._mods = [(model.get_submodule(n), np.ascontiguousarray(w, dtype=np.float32))
+        self._mods = [(model.get_submodule(n), {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in w.items()}
+                       if isinstance(w, Mapping) else np.ascontiguousarray(w, dtype=np.float32))
                       for n, w in importance.items()]
 
     def __enter__(self):
@@ -467,5 +507,6 @@ def importance_digest(model: nn.Module) -> Optional[str]:
         w = m.__dict__.get(IMPORTANCE_ATTR)
         if w is not None:
             any_ = True
-            h.update(n.encode() + b"\0" + np.ascontiguousarray(w, dtype=np.float32).tobytes())
+            for k, v in (sorted(w.items()) if isinstance(w, Mapping) else [("", w)]):  # fused experts: per proj
+                h.update(n.encode() + k.encode() + b"\0" + np.ascontiguousarray(v, dtype=np.float32).tobytes())
     return h.hexdigest() if any_ else None

@@ -1637,6 +1637,13 @@ class QuantExperts(_QuantMixin):
 
     def _fq_proj(self, w: torch.Tensor, proj: str) -> tuple[torch.Tensor, list]:
         spec = self._wspecs[proj]
+        imp = (self.__dict__.get("_gguf_importance") or {}).get(proj) if spec.gguf else None
+        if imp is not None:  # quantize_model(..., imatrix=): each expert (gate and up rows apart) with its importance
+            e_, o, i = w.shape
+            k = imp.shape[1]
+            qs = [_gguf_cat([qcore.quantize(w[e, h * (o // k):(h + 1) * (o // k)].detach().float(), spec,
+                                            imatrix=imp[e, h]) for h in range(k)]) for e in range(e_)]
+            return torch.stack([torch.as_tensor(qcore.dequantize(q)) for q in qs]).to(w.dtype), qs
         if spec.gguf:  # rows are independent: every expert's [out, in] at once, then one QTensor per expert
             e_, o, i = w.shape
             q = qcore.quantize(w.detach().float().reshape(e_ * o, i), spec)
@@ -1717,6 +1724,7 @@ class QuantExperts(_QuantMixin):
                 self._wver[p] = (par._version, par.data_ptr())
         self._wcache = None
         self._qmode = _INPLACE
+        self.__dict__.pop("_gguf_importance", None)  # used: the weights are written with it
 
     def _check_given_experts(self, weight) -> dict:
         where = f"experts {self.qname!r}: commit(weight=...)"
@@ -1940,7 +1948,7 @@ class QuantExperts(_QuantMixin):
             for suffix in ("_packed", "_scale", "_zero_point", "_subblock_shifts", "_tensor_scale"):
                 self._buffers.pop(f"{p}{suffix}", None)
             self.register_buffer(f"{p}_packed", blocks[p])
-        for k in ("_gguf_kept", "_dequantized"):
+        for k in ("_gguf_kept", "_dequantized", "_gguf_importance"):
             self.__dict__.pop(k, None)
         self._frozen_meta = {"shapes": {p: tuple(shapes[p]) for p in EXPERT_PROJS}, "dtype": dtype}
         self._qmode = _FROZEN
@@ -2136,6 +2144,20 @@ def _proj_weight_specs(module: nn.Module, config: LayerConfig, name: str, proj_w
             raise ValueError(f"experts {name!r}: proj_weights names {proj!r} twice")
         out[proj] = (tc, experts_weight_spec(module, LayerConfig(weight=tc), name, proj))
     return out
+
+
+def _gguf_cat(qs: list) -> "qcore.QTensor":
+    """GGUF-spec QTensors of consecutive rows (torch parts) as one."""
+    if len(qs) == 1:
+        return qs[0]
+    from qcore._kquants import GGUFScales
+
+    def cat(vals):
+        return None if vals[0] is None else torch.cat(vals)
+    ss = [q.super_scales for q in qs]
+    return qcore.QTensor(cat([q.codes for q in qs]), cat([q.scales for q in qs]), None, qs[0].spec, None, None,
+                         cat([q.offsets for q in qs]),
+                         GGUFScales(*(cat([getattr(x, f.name) for x in ss]) for f in dataclasses.fields(ss[0]))))
 
 
 def _gguf_expert(q, a: int, b: int) -> "qcore.QTensor":

@@ -40,6 +40,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -250,6 +251,7 @@ def _gptq_experts(layer, name: str, calls: list, lplans: dict, algo: GPTQConfig,
     fns = {p: _scale_fn(plan, specs[p]) for p in EXPERT_PROJS}
     kw = dict(block_size=algo.block_size, damp=algo.damp, act_order=algo.act_order, static_groups=algo.static_groups)
     gu, dn = m._parameters["gate_up_proj"], m._parameters["down_proj"]
+    imp = m.__dict__.get("_gguf_importance")  # quantize_model(..., imatrix=): {proj: [E, halves, in]}
     n_exp = gu.shape[0]
     out: dict = {p: [None] * n_exp for p in EXPERT_PROJS}
     every_token = None  # the gate_up statistics of all tokens (shared by the experts that computed on all of them)
@@ -270,7 +272,7 @@ def _gptq_experts(layer, name: str, calls: list, lplans: dict, algo: GPTQConfig,
             starved.append(e)
             continue
         w0 = gu[e].detach().to(torch.float32, copy=True)
-        q = gptq(w0.clone(), h_gu, specs["gate_up_proj"], scale_fn=fns["gate_up_proj"], **kw).qtensor
+        q = _experts_gptq(w0.clone(), h_gu, specs["gate_up_proj"], fns["gate_up_proj"], kw, imp, "gate_up_proj", e)
         gu[e].copy_(qcore.dequantize(q).to(gu.dtype))
         out["gate_up_proj"][e] = q
         w_in = gu[e] if algo.true_sequential else w0.to(gu.dtype)
@@ -281,14 +283,30 @@ def _gptq_experts(layer, name: str, calls: list, lplans: dict, algo: GPTQConfig,
         h_dn = _hessian_rows(acts, dn.shape[2], dn)
         if reduce is not None:
             h_dn = reduce(h_dn)
-        q = gptq(dn[e].detach().to(torch.float32, copy=True), h_dn, specs["down_proj"], scale_fn=fns["down_proj"],
-                 **kw).qtensor
+        q = _experts_gptq(dn[e].detach().to(torch.float32, copy=True), h_dn, specs["down_proj"], fns["down_proj"],
+                          kw, imp, "down_proj", e)
         dn[e].copy_(qcore.dequantize(q).to(dn.dtype))
         out["down_proj"][e] = q
     if starved:
         _log.warning("gptq: %s: experts %s computed on no calibration token (routed-only calibration); they are "
                      "rounded to nearest", full, starved)
     pinned[full] = out
+
+
+def _experts_gptq(w, hess, spec, fn, kw: dict, imp, proj: str, e: int):
+    """GPTQ's QTensor of expert ``e``'s ``proj`` slice ``w``; with an importance (GGUF specs,
+    ``quantize_model(..., imatrix=)``) llama.cpp's weighted search per block, the gate and up rows of
+    ``gate_up_proj`` each with theirs (rows are independent under one Hessian: two runs when they differ)."""
+    rows = None if imp is None or not spec.gguf else imp.get(proj)
+    if rows is None:
+        return gptq(w, hess, spec, scale_fn=fn, **kw).qtensor
+    rows = rows[e]
+    if all(np.array_equal(rows[0], r) for r in rows[1:]):
+        return gptq(w, hess, spec, scale_fn=fn, imatrix=rows[0], **kw).qtensor
+    from ..modules import _gguf_cat
+    k = w.shape[0] // len(rows)
+    return _gguf_cat([gptq(w[h * k:(h + 1) * k].contiguous(), hess, spec, scale_fn=fn, imatrix=r, **kw).qtensor
+                      for h, r in enumerate(rows)])
 
 
 def _concat_ok(specs: list) -> bool:

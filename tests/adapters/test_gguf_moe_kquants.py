@@ -223,6 +223,45 @@ def test_a_projection_of_its_own_is_refused_unless_weight_only_gguf():
         wrap(m.lm_head, q4, name="lm_head", proj_weights={"down_proj": qcore.make_spec("q6_k")})
 
 
+def test_imatrix_weights_each_expert_and_gptq_uses_it():
+    """``quantize_model(..., imatrix=)``: each expert's slice is quantized by llama.cpp's search weighted by its own
+    row of the experts' statistic (``experts_quant_weights``: the gate rows of ``gate_up_proj`` by
+    ``ffn_gate_exps``', the up rows by ``ffn_up_exps``'), freeze keeps those bytes; GPTQ uses it too; an imatrix
+    without the experts' entries is refused by name."""
+    from qcore.adapters.imatrix import collect_imatrix, experts_quant_weights
+    m = tiny_moe("mixtral")
+    data = [torch.randint(0, 128, (1, 16)) for _ in range(2)]
+    stats = collect_imatrix(m, data, progress=False)
+    name = "model.layers.0.mlp.experts"
+    imp = experts_quant_weights(m, stats)[name]
+    assert imp["gate_up_proj"].shape == (4, 2, 256) and imp["down_proj"].shape == (4, 1, 256)
+    floats = {p: m.get_submodule(name)._parameters[p].detach().clone() for p in ("gate_up_proj", "down_proj")}
+    cfg = ModelConfig(LayerConfig(weight=qcore.make_spec("q4_k")), by_type={"Embedding": None},
+                      by_name={"lm_head": None})
+    quantize_model(m, cfg, data, imatrix=stats, progress=False)
+    (_, ex), = experts_of(m)
+    spec = qcore.make_spec("q4_k")
+    for p, w in floats.items():
+        k = imp[p].shape[1]
+        o = w.shape[1] // k
+        want = torch.stack([torch.cat([torch.as_tensor(qcore.dequantize(qcore.quantize(
+            w[e, h * o:(h + 1) * o], spec, imatrix=imp[p][e, h]))) for h in range(k)]) for e in range(len(w))])
+        plain = torch.stack([torch.as_tensor(qcore.dequantize(qcore.quantize(w[e], spec))) for e in range(len(w))])
+        assert torch.equal(ex._proj(p), want) and not torch.equal(want, plain)
+    blocks = ex.gguf_blocks("down_proj")
+    ex.freeze()
+    assert np.array_equal(ex.gguf_blocks("down_proj"), blocks)
+    gcfg = cfg.replace(algorithms=({"name": "gptq"},))
+    with_imp, without = tiny_moe("mixtral"), tiny_moe("mixtral")
+    quantize_model(with_imp, gcfg, data, imatrix=stats, progress=False)
+    quantize_model(without, gcfg, data, progress=False)
+    assert not np.array_equal(experts_of(with_imp)[0][1].gguf_blocks("down_proj"),
+                              experts_of(without)[0][1].gguf_blocks("down_proj"))
+    no_experts = {k: v for k, v in stats.items() if "_exps" not in k}
+    with pytest.raises(ValueError, match=r"imatrix has no entry for 1 module.*model.layers.0.mlp.experts"):
+        quantize_model(tiny_moe("mixtral"), cfg, data, imatrix=no_experts, progress=False)
+
+
 def test_q5_0_experts_round_trip(tmp_path):
     m, _ = quantized("qwen2_moe", "q5_0")
     export_gguf(m, tmp_path / "a.gguf", tokenizer=tiny_tokenizer())
