@@ -1596,6 +1596,37 @@ class QuantExperts(_QuantMixin):
             raise ValueError(f"weight_spec: experts {self.qname!r} quantize no weight")
         return self._wspecs[proj]
 
+    def effective_proj(self, proj: str) -> torch.Tensor:
+        """Every expert's ``proj`` weight ``[E, out, in]`` as the forward computes with it, detached: fake-quantized,
+        or dequantized from the frozen codes (the experts' ``effective("weight")``)."""
+        if proj not in EXPERT_PROJS:
+            raise ValueError(f"effective_proj: proj must be one of {list(EXPERT_PROJS)}, got {proj!r}")
+        with torch.no_grad():
+            return self._proj(proj).detach()
+
+    def to_float(self) -> nn.Module:
+        """A float module of the original experts class computing with this module's effective weights
+        (``effective_proj``; the model's dtype): what a destination without this module's weight format holds
+        (``qcore convert`` of GGUF k-quant experts to an HF checkpoint). This module is not changed."""
+        base = self.float_type
+        f = base.__new__(base)
+        mine = set(QuantExperts.__new__(type(self)).__dict__) | {
+            "qconfig", "qname", "_qspecs", "_wspecs", "_proj_tcs", "_qmode", "_wcache", "_wver", "_observers",
+            "_frozen_meta", "quant_enabled", "_calibrated", "_gguf_kept", "_dequantized", "_gguf_importance",
+            "_keep_dequantized"}
+        f.__dict__.update({k: v for k, v in self.__dict__.items() if k not in mine})
+        f._parameters = {k: v for k, v in self._parameters.items() if k not in EXPERT_PROJS}
+        f._buffers = {k: v for k, v in self._buffers.items() if not k.startswith(EXPERT_PROJS)}
+        f._non_persistent_buffers_set = {k for k in self._non_persistent_buffers_set if k in f._buffers}
+        f._modules = dict(self._modules)
+        for p in EXPERT_PROJS:
+            f._parameters[p] = nn.Parameter(self.effective_proj(p).clone(), requires_grad=False)
+        return f
+
+    def effective(self, role: str, *, canonical: bool = False) -> Optional[torch.Tensor]:  # type: ignore[override]
+        raise ValueError(f"experts {self.qname!r}: effective() reads a single weight; fused experts have one per "
+                         f"projection: effective_proj('gate_up_proj') / effective_proj('down_proj')")
+
     @property
     def proj_weights(self) -> tuple:
         """``((projection, TensorConfig), ...)``: the projections with their own weight spec (as

@@ -41,7 +41,7 @@ from torch import nn
 
 from qcore._fsutil import check_not_source, staged_path
 
-from ..modules import _QuantMixin
+from ..modules import EXPERT_PROJS, QuantExperts, _QuantMixin
 
 __all__ = ["convert", "ConvertInfo", "TensorChange", "FORMATS", "detect_format", "load_quantized",
            "compare_models"]
@@ -226,9 +226,13 @@ def _effective(model: nn.Module) -> dict:
     out: dict[str, tuple] = {}
     for mname, m in model.named_modules(remove_duplicate=False):
         pre = f"{mname}." if mname else ""
+        experts = isinstance(m, QuantExperts)
         if isinstance(m, _QuantMixin):
             spec = m.specs.get("weight")
-            if spec is not None:
+            if spec is not None and experts:  # fused MoE experts: one weight per projection
+                for p in EXPERT_PROJS:
+                    out[pre + p] = ("weight", m.effective_proj(p), _spec_desc(m.weight_spec(p)))
+            elif spec is not None:
                 with torch.no_grad():
                     w = m.effective("weight")
                 out[pre + "weight"] = ("weight", w.detach(), _spec_desc(spec))
@@ -241,7 +245,8 @@ def _effective(model: nn.Module) -> dict:
                 sc = m.scales(role).scale
                 out[f"{pre}{role}_quant"] = ("activation", None if tc.dynamic or sc is None else sc.detach(), desc)
         for n, t in m._parameters.items():
-            if t is None or (isinstance(m, _QuantMixin) and n == "weight"):
+            if t is None or (isinstance(m, _QuantMixin) and n == "weight") or (
+                    experts and n in EXPERT_PROJS and "weight" in m.specs):
                 continue
             out[pre + n] = ("tensor", t.detach(), str(t.dtype).replace("torch.", ""))
     return out
@@ -328,6 +333,12 @@ def _gguf_specs_to_float(model: nn.Module, to: str) -> list:
         spec = m.specs["weight"]
         if not spec.gguf:
             left[name] = spec
+            continue
+        if isinstance(m, QuantExperts):  # fused MoE experts: float experts of the same class
+            _set_module(model, name, m.to_float().eval())
+            changes += [TensorChange(f"{name}.{p}", "dequantized", f"GGUF {m.weight_spec(p).gguf} (float block "
+                                     f"offsets)", f"float ({to} has no float offsets or super-block scales)", 0.0)
+                        for p in EXPERT_PROJS]
             continue
         w = m.effective("weight").detach()
         if isinstance(m, nn.Embedding):

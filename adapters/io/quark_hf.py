@@ -474,6 +474,10 @@ def _experts_unit_layout(u: ExportUnit) -> str:
     from ..modules import _norm_weight_granularity, _with_granularity
     e, o, i = u.shape
     spec = u.config.weight.spec
+    if spec.gguf:
+        raise ValueError(f"export_hf: experts {u.name!r}: their weights are GGUF {spec.gguf} (float block offsets "
+                         f"and super-block scales), which only GGUF files hold; export them with export_gguf, or "
+                         f"quantize the float model with another spec for this format")
     spec = _with_granularity(spec, _norm_weight_granularity(spec.granularity, "experts", u.name, 2, (o, i)))
     shapes = {"gate_up_proj": (e, o, i), "down_proj": (e, i, o // 2)}
     problem = split_problem(spec, shapes)

@@ -262,6 +262,31 @@ def test_imatrix_weights_each_expert_and_gptq_uses_it():
         quantize_model(tiny_moe("mixtral"), cfg, data, imatrix=no_experts, progress=False)
 
 
+def test_export_hf_refuses_gguf_experts_by_name(tmp_path):
+    from qcore.adapters.io.quark_hf import export_hf
+    m, _ = quantized("qwen3_moe")
+    with pytest.raises(ValueError, match=r"experts 'model.layers.0.mlp.experts': their weights are GGUF q4_k .* "
+                                         r"export_gguf"):
+        export_hf(m, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_convert_keeps_kquant_experts_and_dequantizes_them_for_hf(tmp_path):
+    """``qcore convert``: GGUF -> GGUF keeps the experts' blocks (the same tensors); GGUF -> HF (no float offsets or
+    super-block scales) writes them as float experts with their exact values, each projection listed."""
+    from qcore.adapters.io.convert import convert
+    m = tiny_moe("mixtral")
+    quantize_model(m, ModelConfig(LayerConfig(weight="int4"), by_name={"*.experts": LayerConfig(
+        weight=qcore.make_spec("q4_k"))}), progress=False)
+    export_gguf(m, tmp_path / "a.gguf", tokenizer=tiny_tokenizer())
+    info = convert(tmp_path / "a.gguf", tmp_path / "b.gguf", to="gguf")
+    assert info.lossless and _tensors(tmp_path / "b.gguf") == _tensors(tmp_path / "a.gguf")
+    info = convert(tmp_path / "a.gguf", tmp_path / "hf", to="hf")
+    assert {(c.name, c.what) for c in info.tensors} == {(f"model.layers.0.mlp.experts.{p}", "dequantized")
+                                                         for p in ("gate_up_proj", "down_proj")}
+    assert all(c.max_abs_diff == 0 for c in info.tensors)
+
+
 def test_q5_0_experts_round_trip(tmp_path):
     m, _ = quantized("qwen2_moe", "q5_0")
     export_gguf(m, tmp_path / "a.gguf", tokenizer=tiny_tokenizer())
