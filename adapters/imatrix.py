@@ -429,8 +429,9 @@ def model_importance(model: nn.Module, plans: list, imatrix, algorithms=()) -> d
     ``imatrix`` (``{name: ImatrixStats}`` keyed by GGUF tensor names or module names, or an imatrix file's path),
     checked before any work (``quantize_model(..., imatrix=)``; docs/gguf.md "Importance matrices and GPTQ for
     GGUF types"; fused experts: ``experts_quant_weights``, ``{proj: [E, halves, in]}``). ValueError when no planned
-    module has a GGUF weight spec, when a Linear or fused experts with a GGUF spec have no entry (the output head excepted: ``llama-imatrix`` leaves it out unless ``--process-output``; embeddings are
-    lookups and never have one; both are quantized without importance, as llama.cpp does), when an entry's width
+    module has a GGUF weight spec, when a Linear or fused experts with a GGUF spec have no entry (the output head
+    excepted: ``llama-imatrix`` leaves it out unless ``--process-output``; embeddings are lookups and never have
+    one; both are quantized without importance, as llama.cpp does), when an entry's width
     is not its module's input width, or with algorithms that change the layers' inputs (rotations, smoothing)."""
     check_importance_algorithms(algorithms)
     stats = _read_stats(imatrix)

@@ -1432,7 +1432,7 @@ def experts_weight_spec(module: nn.Module, config: LayerConfig, name: str, proj:
     """The weight spec of ``config`` (a ``LayerConfig`` quantizing weights) on each expert's ``[out, in]`` slice of
     the fused experts ``module``'s ``proj`` (``EXPERT_PROJS``): the granularity normalised to that layout, as for a
     Linear weight. What ``QuantExperts`` quantizes every slice with, and what GPTQ on experts quantizes to;
-    ``name`` names the module in errors."""
+    ``name`` names the module in errors. A GGUF type needs each expert's rows to be whole blocks (ValueError)."""
     if proj not in EXPERT_PROJS:
         raise ValueError(f"proj must be one of {list(EXPERT_PROJS)}, got {proj!r}")
     if not isinstance(config, LayerConfig) or config.weight is None:
@@ -1469,6 +1469,12 @@ class QuantExperts(_QuantMixin):
     ``qcore.adapters.calibrate``. During calibration every expert sees every token
     (``calibrate_all_experts``, the peers' practice: no expert is left without statistics), and the block's
     output is that of the routed top-k only.
+
+    GGUF weight specs (``qcore.make_spec("q4_k")``, ...; each expert's rows whole blocks): every expert's slice is
+    quantized by llama.cpp's search (weighted by the experts' importance under ``quantize_model(..., imatrix=)``),
+    the super-scales are kept, and ``freeze`` stores ggml's block bytes per projection (``gate_up_proj_packed``
+    uint8 ``[E, out, bytes]``; ``gguf_blocks(proj)``, ``load_frozen_gguf``). With GGUF specs one projection may
+    have its own type (``proj_weights``, ``weight_spec(proj)``: llama.cpp's mixes type ``ffn_down_exps`` apart).
 
     Life cycle as the Linear wrappers: pending (fake-quantized on the fly) -> ``commit()`` (weights written in
     place; ``commit(weight={proj: [QTensor per expert]})`` commits an algorithm's result, GPTQ's, as it is) ->

@@ -19,7 +19,8 @@ written even when tied (llama.cpp's graph always reads ``output``). The tensor n
 ``ffn_up_exps`` / ``ffn_down_exps`` ``[E, out, in]``: gate and
 up are the two halves of each expert's ``gate_up_proj`` rows); every other family is refused before any work
 (``check_gguf``), naming its model_type and what is missing. Each expert's block matrix is encoded as a Linear
-of the same spec would be (one GGUF type per tensor), and reported per tensor.
+of the same spec would be (one GGUF type per tensor), and reported per tensor; experts with a GGUF weight spec
+are written as their type (``down_proj`` its own where it has one), byte for byte (``_encode_gguf_experts``).
 
 Each quantized weight whose qcore grid is a GGUF block type (``qcore.formats.gguf.gguf_type``: int4 symmetric ->
 Q4_0, uint4 / int4 asymmetric -> Q4_1 (Q4_0 when every zero point is 7 or 8, ``gguf.q4_0_holds``: what ggml's
@@ -66,7 +67,10 @@ blocks, float ones transposed back to ``[in, out]``), ``gptneox`` (``attn_qkv`` 
 for a tied model comes back untied, with the same values), and with experts ``llama`` (``expert_count`` in the
 metadata: Mixtral), ``qwen2moe``, ``qwen3moe``; fused experts come back as a frozen ``QuantExperts`` built from
 the blocks when their three tensors share one block type and
-one qcore spec (``_import_experts``), else as float experts holding ggml's dequantization (reported).
+one qcore spec (``_import_experts``), or when they are of GGUF spec types with gate and up alike
+(``_import_gguf_experts``: k-quants, Q5_x, IQ4_NL, float-offset Q4_1; ``ffn_down_exps`` may have its own type, as
+llama.cpp's mixes write it: the experts' per-projection spec), else as float experts holding ggml's
+dequantization (reported).
 The model is built from the file's metadata (``formats.gguf.config_from_metadata``) as the transformers family
 whose record (``qcore.adapters.families``) names that ``gguf_arch``, and the tensor names come from the record
 (``export_gguf.gguf_names``), as on export. Gemma's (Gemma2's, Gemma3's) norms are stored as ``s = 1 + w`` and
@@ -89,7 +93,7 @@ embedding's buffers (``_tied_head_of``): llama.cpp's head multiplies by the same
 What has no exact qcore grid is imported as a float weight holding ggml's dequantization and listed in a
 warning and in the report (``how="dequantized"``), or refused with ``strict=True``:
 
-- block types qcore has no spec for (IQ2_*, IQ3_*, TQ*, ...; k-quants etc. of fused experts): refused
+- block types qcore has no spec for (IQ2_*, IQ3_*, TQ*, ...): refused
   (ValueError naming the tensor) unless ``dequantize_other=True``.
 
 Q2_K..Q6_K, Q5_0, Q5_1, IQ4_NL, Q4_1 tensors whose offsets ``m`` are not ``-d * k`` for integer zero points

@@ -1,9 +1,9 @@
 """k-quants per family (issue 25): for each family qcore writes GGUF for (Llama, Mistral, Qwen2, Qwen3, Gemma,
 Gemma2, Gemma3, Phi-3; Mixtral / Qwen2-MoE / Qwen3-MoE with their fused experts left float here: k-quant
-experts are test_gguf_moe_kquants.py's), a tiny model with 256-wide rows quantized with ``q4_k`` (``q6_k`` for the token embedding
-and an untied head, as llama.cpp's Q4_K_M mix does; Gemma's scaled embedding is no module qcore quantizes, so its
-tied head stays float) is exported, imported back by ``from_gguf`` as codes (same logits) and re-exported
-byte for byte; llama.cpp (marker ``gguf_client``) loads each export with the logits of the qcore model."""
+experts are test_gguf_moe_kquants.py's), a tiny model with 256-wide rows quantized with ``q4_k`` (``q6_k`` for the
+token embedding and an untied head, as llama.cpp's Q4_K_M mix does; Gemma's scaled embedding is no module qcore
+quantizes, so its tied head stays float) is exported, imported back by ``from_gguf`` as codes (same logits) and
+re-exported byte for byte; llama.cpp (marker ``gguf_client``) loads each export with the logits of the qcore model."""
 
 import functools
 
