@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["GGML_TYPES", "ggml_library", "ggml_quantize", "ggml_row_size"]
+__all__ = ["GGML_TYPES", "ggml_library", "ggml_quantize", "ggml_row_size", "llama_cpp_logits"]
 
 # ggml_type enum values (ggml.h; the same numbers as gguf.GGMLQuantizationType).
 GGML_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q2_k": 10, "q3_k": 11, "q4_k": 12,
@@ -105,3 +105,17 @@ def ggml_quantize(x, type_name: str, imatrix=None) -> np.ndarray:
     if int(got) != rows * size:
         raise RuntimeError(f"ggml_quantize_chunk wrote {got} bytes, expected {rows * size}")
     return out
+
+
+def llama_cpp_logits(path, ids, *, n_ctx: int = 64, threads: int = 1) -> np.ndarray:
+    """llama.cpp's float32 logits ``(len(ids), n_vocab)`` of the token ids ``ids`` (a list of ints) for the GGUF file
+    ``path``: ``llama_cpp.Llama(..., logits_all=True).eval(ids)``, the model closed after. Needs llama-cpp-python
+    (ImportError otherwise; tests skip on ``pytest.importorskip("llama_cpp")`` first)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=n_ctx, n_threads=threads, verbose=False)
+    try:
+        llm.eval(list(ids))
+        return np.array(llm.scores[:llm.n_tokens])
+    finally:
+        llm.close()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import qcore
+from qcore.testing.ggml import llama_cpp_logits
 from qcore import PerGroup
 from qcore.formats import gguf as G
 
@@ -185,19 +186,13 @@ def test_tokenizer_converted(zoo, tmp_path):
 def test_llama_cpp_loads_and_logits_match(zoo, tmp_path, kind):
     """llama.cpp computes with activations quantized to 8 bits inside its dot products, so its logits differ
     slightly from the in-memory model's: measured max abs error about 0.5% of the largest logit; asserted 2%."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     m = _quantized(zoo, SPECS[kind]())
     export_gguf(m, tmp_path / "m.gguf", tokenizer=tiny_tokenizer())
     ids = _ids()
     with torch.no_grad():
         ref = m(ids).logits[0].numpy()
-    llm = llama_cpp.Llama(model_path=str(tmp_path / "m.gguf"), logits_all=True, n_ctx=64, n_threads=1,
-                          verbose=False)
-    try:
-        llm.eval(ids[0].tolist())
-        got = np.array(llm.scores[:llm.n_tokens])
-    finally:
-        llm.close()
+    got = llama_cpp_logits(str(tmp_path / "m.gguf"), ids[0].tolist())
     assert got.shape == ref.shape
     assert np.abs(got - ref).max() <= 0.02 * np.abs(ref).max()
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
@@ -362,20 +357,14 @@ def test_llama_cpp_loads_each_family_with_the_same_logits(zoo, tmp_path, fam, ki
     rows in the wrong order (Qwen2 permuted as llama) it is 13%. ``F32``:
     fp8 weights written dequantized as F32 (no block type near), where llama.cpp does not quantize activations:
     the graphs agree to 0.003% (Gemma) to 0.054% (Gemma2); asserted 0.2%."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     spec = qcore.make_spec("float8_e4m3fn") if kind == "F32" else SPECS[kind]()
     m = family_quantized(zoo, fam, spec)
     export_gguf(m, tmp_path / "m.gguf", tokenizer=tiny_tokenizer())
     ids = _ids()
     with torch.no_grad():
         ref = m(ids).logits[0].numpy()
-    llm = llama_cpp.Llama(model_path=str(tmp_path / "m.gguf"), logits_all=True, n_ctx=64, n_threads=1,
-                          verbose=False)
-    try:
-        llm.eval(ids[0].tolist())
-        got = np.array(llm.scores[:llm.n_tokens])
-    finally:
-        llm.close()
+    got = llama_cpp_logits(str(tmp_path / "m.gguf"), ids[0].tolist())
     assert got.shape == ref.shape
     tol = 0.002 if kind == "F32" else 0.03 if fam == "gemma3_text" else 0.02
     assert np.abs(got - ref).max() <= tol * np.abs(ref).max()
@@ -435,20 +424,14 @@ def test_gemma2_sliding_window_written_where_llama_cpp_slides_the_same_layers(tm
 def test_llama_cpp_gemma2_sliding_window_same_logits(tmp_path):
     """A window of 4 over 16 tokens (it changes the logits by more than 100% of the largest): llama.cpp's gemma2
     graph with float weights agrees to 0.035% of the largest logit; asserted 0.2%."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     m = _gemma2(sliding_window=4)
     quantize_model(m, ModelConfig(LayerConfig(weight=qcore.make_spec("float8_e4m3fn"))), None, progress=False)
     export_gguf(m, tmp_path / "m.gguf", tokenizer=tiny_tokenizer())
     ids = _ids()
     with torch.no_grad():
         ref = m(ids).logits[0].numpy()
-    llm = llama_cpp.Llama(model_path=str(tmp_path / "m.gguf"), logits_all=True, n_ctx=64, n_threads=1,
-                          verbose=False)
-    try:
-        llm.eval(ids[0].tolist())
-        got = np.array(llm.scores[:llm.n_tokens])
-    finally:
-        llm.close()
+    got = llama_cpp_logits(str(tmp_path / "m.gguf"), ids[0].tolist())
     assert np.abs(got - ref).max() <= 0.002 * np.abs(ref).max()
 
 
@@ -456,7 +439,7 @@ def test_llama_cpp_gemma2_sliding_window_same_logits(tmp_path):
 def test_llama_cpp_gemma3_local_and_global_layers_same_logits(tmp_path):
     """Seven layers (layer 5 global, rope base 1e6; the others sliding, base 1e4, window 4 over 16 tokens), float
     weights: llama.cpp's gemma3 graph agrees to 0.1% of the largest logit; asserted 0.3%."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     kw = dict(_tiny_specs()["gemma3_text"][1], query_pre_attn_scalar=16, sliding_window=4,
               num_hidden_layers=7)
     torch.manual_seed(0)
@@ -471,13 +454,7 @@ def test_llama_cpp_gemma3_local_and_global_layers_same_logits(tmp_path):
     ids = _ids()
     with torch.no_grad():
         ref = m(ids).logits[0].numpy()
-    llm = llama_cpp.Llama(model_path=str(tmp_path / "m.gguf"), logits_all=True, n_ctx=64, n_threads=1,
-                          verbose=False)
-    try:
-        llm.eval(ids[0].tolist())
-        got = np.array(llm.scores[:llm.n_tokens])
-    finally:
-        llm.close()
+    got = llama_cpp_logits(str(tmp_path / "m.gguf"), ids[0].tolist())
     assert np.abs(got - ref).max() <= 0.003 * np.abs(ref).max()
 
 
@@ -608,7 +585,7 @@ def test_llama_cpp_loads_moe_with_the_same_logits(zoo, tmp_path, fam, kind):
     Mixtral Q8_0 variant without this test's norm offsets: 4.8% at the one position of margin 1e-4). Measured
     here on all positions: Q4_0 / Q8_0 0.47% (Qwen2-MoE Q4_0) to 0.91% (Qwen3-MoE Q8_0) of the largest logit;
     F32 0.016% (Qwen2-MoE) to 0.033% (Qwen3-MoE)."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     spec = qcore.make_spec("float8_e4m3fn") if kind == "F32" else SPECS[kind]()
     m = family_quantized(zoo, fam, spec)
     export_gguf(m, tmp_path / "m.gguf", tokenizer=tiny_tokenizer())
@@ -618,13 +595,7 @@ def test_llama_cpp_loads_moe_with_the_same_logits(zoo, tmp_path, fam, kind):
     margins = _router_margins(m, ids)
     keep = margins >= 0.002
     assert keep.mean() >= 0.5
-    llm = llama_cpp.Llama(model_path=str(tmp_path / "m.gguf"), logits_all=True, n_ctx=64, n_threads=1,
-                          verbose=False)
-    try:
-        llm.eval(ids[0].tolist())
-        got = np.array(llm.scores[:llm.n_tokens])
-    finally:
-        llm.close()
+    got = llama_cpp_logits(str(tmp_path / "m.gguf"), ids[0].tolist())
     assert got.shape == ref.shape
     tol = 0.002 if kind == "F32" else 0.02
     err = np.abs(got - ref).max(-1) / np.abs(ref).max()

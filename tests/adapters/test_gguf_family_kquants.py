@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import qcore
+from qcore.testing.ggml import llama_cpp_logits
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -127,20 +128,14 @@ def test_llama_cpp_loads_each_kquant_family_with_the_same_logits(tmp_path, fam):
     model's. Measured max |logit diff| / max |logit|: 1.29% (Gemma3) to 2.02% (Qwen2; Llama 1.50%, Phi-3 1.78%,
     the MoE models 1.47% to 1.57%), Gemma (float head) 0.06%; asserted 2.5% (Gemma3 3%). MoE on the positions
     whose routing is not a near-tie, as test_llama_cpp_loads_moe_with_the_same_logits."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     m = quantized(fam)
     export_gguf(m, tmp_path / "m.gguf", tokenizer=tiny_tokenizer())
     ids = _ids()
     ref = _logits(m, ids).numpy()
     keep = _router_margins(m, ids) >= 0.002 if fam in MOE else np.ones(len(ref), bool)
     assert keep.mean() >= 0.5
-    llm = llama_cpp.Llama(model_path=str(tmp_path / "m.gguf"), logits_all=True, n_ctx=64, n_threads=1,
-                          verbose=False)
-    try:
-        llm.eval(ids[0].tolist())
-        got = np.array(llm.scores[:llm.n_tokens])
-    finally:
-        llm.close()
+    got = llama_cpp_logits(str(tmp_path / "m.gguf"), ids[0].tolist())
     assert got.shape == ref.shape
     tol = 0.03 if fam == "gemma3_text" else 0.025
     err = np.abs(got - ref).max(-1) / np.abs(ref).max()

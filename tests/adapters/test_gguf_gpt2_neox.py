@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import qcore
+from qcore.testing.ggml import llama_cpp_logits
 from qcore import PerGroup
 from qcore.formats import gguf as G
 
@@ -312,13 +313,8 @@ def test_norm_kind_is_data_the_record_must_match():
 # ---------------------------------------------------------------------------------------------------------------
 
 def _llama_cpp_logits(path, ids):
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=64, n_threads=1, verbose=False)
-    try:
-        llm.eval(ids[0].tolist())
-        return np.array(llm.scores[:llm.n_tokens])
-    finally:
-        llm.close()
+    pytest.importorskip("llama_cpp")
+    return llama_cpp_logits(path, ids[0].tolist())
 
 
 @pytest.mark.gguf_client

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import qcore
+from qcore.testing.ggml import llama_cpp_logits
 from qcore.formats import gguf as G
 
 gguf = pytest.importorskip("gguf")
@@ -174,13 +175,8 @@ def test_k_quant_import_is_refused_by_strict_only_for_misfits(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 def _llama_logits(path, ids):
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=64, n_threads=1, verbose=False)
-    try:
-        llm.eval(ids[0].tolist())
-        return np.array(llm.scores[:llm.n_tokens])
-    finally:
-        llm.close()
+    pytest.importorskip("llama_cpp")
+    return llama_cpp_logits(path, ids[0].tolist())
 
 
 def _tokenizer():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import qcore
+from qcore.testing.ggml import llama_cpp_logits
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -305,20 +306,14 @@ def test_llama_cpp_loads_the_q4_k_moe_export_with_the_same_logits(tmp_path, fam)
     quantizes the activations of its k-quant dot products to Q8_K, so its logits differ slightly). Measured max
     |logit diff| / max |logit| on the positions whose routing is not a near-tie: Mixtral 0.92%, Qwen2-MoE 1.32%,
     Qwen3-MoE 1.52%; asserted 2.5% (as the k-quant families)."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     m, _ = quantized(fam)
     export_gguf(m, tmp_path / "m.gguf", tokenizer=tiny_tokenizer())
     ids = _ids()
     ref = _logits(m, ids).numpy()
     keep = _router_margins(m, ids) >= 0.002
     assert keep.mean() >= 0.5
-    llm = llama_cpp.Llama(model_path=str(tmp_path / "m.gguf"), logits_all=True, n_ctx=64, n_threads=1,
-                          verbose=False)
-    try:
-        llm.eval(ids[0].tolist())
-        got = np.array(llm.scores[:llm.n_tokens])
-    finally:
-        llm.close()
+    got = llama_cpp_logits(str(tmp_path / "m.gguf"), ids[0].tolist())
     assert got.shape == ref.shape
     err = np.abs(got - ref).max(-1) / np.abs(ref).max()
     assert err[keep].max() <= 0.025, err.max()

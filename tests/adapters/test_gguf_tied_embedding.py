@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import qcore
+from qcore.testing.ggml import llama_cpp_logits
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -108,13 +109,7 @@ def test_llama_cpp_quantized_tied_model_imports_as_codes_and_goes_back_byte_for_
     ids = _ids()
     with torch.no_grad():
         ref = back(ids).logits[0].numpy()
-    llm = llama_cpp.Llama(model_path=str(tmp_path / "q.gguf"), logits_all=True, n_ctx=64, n_threads=1,
-                          verbose=False)
-    try:
-        llm.eval(ids[0].tolist())
-        got = np.array(llm.scores[:llm.n_tokens])
-    finally:
-        llm.close()
+    got = llama_cpp_logits(str(tmp_path / "q.gguf"), ids[0].tolist())
     assert np.abs(got - ref).max() <= 0.02 * np.abs(ref).max()
 
 
