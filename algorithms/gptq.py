@@ -520,17 +520,10 @@ def _upper_factor(H, damp: float, max_retries: int, lib, *, who: str):
     return (U.to(lib.f32) if is_torch(U) else U.astype(np.float32)), rel
 
 
-def _gptq(weight, hessian, spec, *, block_size: int = 128, damp: float = 0.01, act_order: bool = False,
-          static_groups: bool = False, max_retries: int = 8, scale_fn=None, reference: bool = False) -> GPTQResult:
-    weight = _as_array(weight, "weight")
-    if not (weight.dtype.is_floating_point if is_torch(weight) else np.issubdtype(weight.dtype, np.floating)):
-        raise TypeError(f"weight must be floating point, got dtype {weight.dtype}")
-    shape = tuple(int(s) for s in weight.shape)
-    check_gptq_spec(spec, shape)
-    if isinstance(hessian, HessianStats):
-        h_in = hessian.hessian()
-    else:
-        h_in = _as_array(hessian, "hessian")
+def _checked_hessian(weight, hessian, shape: tuple, block_size, damp, max_retries) -> tuple:
+    """The Hessian of a ``[out, in]`` weight as an array on the weight's device, and the weight's array library,
+    after every check GPTQ's loop needs (shape, kind, loop options, finite values); shared by every GPTQ flavour."""
+    h_in = hessian.hessian() if isinstance(hessian, HessianStats) else _as_array(hessian, "hessian")
     if tuple(h_in.shape) != (shape[1], shape[1]):
         raise ValueError(f"hessian must be [{shape[1]}, {shape[1]}] for a weight of shape {list(shape)}, got "
                          f"{list(h_in.shape)}")
@@ -544,6 +537,17 @@ def _gptq(weight, hessian, spec, *, block_size: int = 128, damp: float = 0.01, a
         raise ValueError("hessian holds NaN or Inf")
     if not lib.finite(weight):
         raise ValueError("weight holds NaN or Inf")
+    return h_in, lib
+
+
+def _gptq(weight, hessian, spec, *, block_size: int = 128, damp: float = 0.01, act_order: bool = False,
+          static_groups: bool = False, max_retries: int = 8, scale_fn=None, reference: bool = False) -> GPTQResult:
+    weight = _as_array(weight, "weight")
+    if not (weight.dtype.is_floating_point if is_torch(weight) else np.issubdtype(weight.dtype, np.floating)):
+        raise TypeError(f"weight must be floating point, got dtype {weight.dtype}")
+    shape = tuple(int(s) for s in weight.shape)
+    check_gptq_spec(spec, shape)
+    h_in, lib = _checked_hessian(weight, hessian, shape, block_size, damp, max_retries)
 
     n_out, n = shape
     W = lib.cast(weight, lib.f32)

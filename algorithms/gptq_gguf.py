@@ -78,8 +78,8 @@ def gptq_gguf(weight: Any, hessian: Any, spec: QuantSpec, *, imatrix: Any = None
     ``qcore.algorithms.gptq.GPTQResult``."""
     from qcore import _kquants
 
-    from .gptq import (GPTQResult, HessianStats, _as_array, _check_loop_options, _dead_inputs, _group_first_touch,
-                       _lib, _symmetrize_, _upper_factor)
+    from .gptq import (GPTQResult, HessianStats, _as_array, _checked_hessian, _dead_inputs, _group_first_touch,
+                       _symmetrize_, _upper_factor)
 
     if not isinstance(spec, QuantSpec) or not spec.gguf:
         raise ValueError(f"gptq_gguf takes a GGUF spec (q2_k ... q6_k, q4_0 ... q8_0, iq4_nl), got {spec!r}")
@@ -94,22 +94,10 @@ def gptq_gguf(weight: Any, hessian: Any, spec: QuantSpec, *, imatrix: Any = None
         raise ValueError(f"GPTQ {name}: weight must be 2-D [out, in] with in a multiple of {bs} (GGUF blocks run "
                          f"along the input axis), got shape {shape}")
     n_out, n = shape
-    h_in = hessian.hessian() if isinstance(hessian, HessianStats) else _as_array(hessian, "hessian")
-    if tuple(h_in.shape) != (n, n):
-        raise ValueError(f"hessian must be [{n}, {n}] for a weight of shape {list(shape)}, got {list(h_in.shape)}")
-    if is_torch(h_in) != is_torch(weight):
-        raise TypeError("weight and hessian must be the same kind of array (both numpy or both torch)")
-    _check_loop_options(block_size, damp, max_retries)
+    h_in, lib = _checked_hessian(weight, hessian, shape, block_size, damp, max_retries)
     for k, v in (("act_order", act_order), ("static_groups", static_groups)):
         if not isinstance(v, bool):
             raise TypeError(f"{k} must be a bool, got {v!r}")
-    lib = _lib(weight)
-    if is_torch(weight):
-        h_in = h_in.to(weight.device)
-    if not lib.finite(h_in):
-        raise ValueError("hessian holds NaN or Inf")
-    if not lib.finite(weight):
-        raise ValueError("weight holds NaN or Inf")
     qw = _importance(imatrix, hessian if isinstance(hessian, HessianStats) else h_in, n)
 
     H = lib.cast(h_in, lib.f64)
