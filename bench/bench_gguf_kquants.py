@@ -1,15 +1,15 @@
 """qcore's k-quant mixes against llama.cpp's own quantizer on SmolLM2-135M-Instruct: perplexity measured in
 llama.cpp on the protocol's windows, with file sizes (issue 25; bench/GGUF.md, bench/GGUF_KQUANTS.json).
 
-    python bench/bench_gguf_kquants.py [--mixes Q4_K_M,Q3_K_M,Q2_K] [--rows f16,llama,rtn,imatrix,gptq]
+    python bench/bench_gguf_kquants.py [--mixes Q4_K_M,Q3_K_M,Q2_K] [--rows f16,llama,rtn,imatrix,gptq,gptq_only]
         [--windows 20] [--calib 32] [--threads 2] [--json FILE] [--md FILE] [--keep DIR]
 
 Both quantizers start from the same numbers: SmolLM2 (qcore's default model, loaded by transformers from the
 shipped Q4_1 GGUF) with every weight rounded to float16 (``model.half()``).
 
-- ``f16`` (the ceiling; the file is always written, the row measured when named): ``export_gguf`` of the float16 model (every Linear under an exact float16 grid, so the
-  file holds the float16 weights as F16; the tied head is not written; tokenizer fields copied from the shipped
-  file, as bench/bench_gguf.py does).
+- ``f16`` (the ceiling; the file is always written, the row measured when named): ``export_gguf`` of the
+  float16 model (every Linear under an exact float16 grid, so the file holds the float16 weights as F16; the
+  tied head is not written; tokenizer fields copied from the shipped file, as bench/bench_gguf.py does).
 - ``llama.cpp``: ``llama_cpp.llama_model_quantize(F16 file, out, params)`` with
   ``llama_model_quantize_default_params()``, ``ftype`` ``LLAMA_FTYPE_MOSTLY_<mix>``, ``nthread`` 2 (no imatrix).
   ``quantize s`` is that call's wall time. Its ``qcore ppl`` is qcore's evaluation of that file imported with
@@ -24,7 +24,8 @@ shipped Q4_1 GGUF) with every weight rounded to float16 (``model.half()``).
     imatrix=stats)``; where quantize_model has no ``imatrix=`` yet: ``qcore.quantize(w, spec, imatrix=...)`` per
     module, frozen into the module with ``load_frozen_gguf``);
   - ``gptq``: ``algorithms=({"name": "gptq"},)`` on the k-quant specs, with the imatrix too (needs
-    ``quantize_model(..., imatrix=)``; refused otherwise).
+    ``quantize_model(..., imatrix=)``; skipped otherwise); ``gptq_only`` (not in the default rows): GPTQ without
+    the imatrix (its block search weighted by the Hessian's diagonal).
 
   ``quantize s``: wall time of the quantization (the imatrix collection is timed apart, ``imatrix s``);
   ``qcore ppl``: qcore's own perplexity of the in-memory model (``adapters.eval.evaluate.perplexity``);
@@ -63,10 +64,12 @@ sys.path.insert(0, str(ROOT))  # this checkout's qcore, however the script is st
 sys.path.insert(0, str(ROOT / "bench"))
 
 MIXES = ("Q4_K_M", "Q3_K_M", "Q2_K")
-ROWS = ("f16", "llama", "rtn", "imatrix", "gptq")
+ROWS = ("f16", "llama", "rtn", "imatrix", "gptq", "gptq_only")
+DEFAULT_ROWS = ROWS[:-1]
 SECTION = "## Issue 25: k-quant mixes against llama.cpp's quantizer (SmolLM2-135M)"
 QUANTIZER = {"f16": "F16 (no quantization)", "llama": "llama.cpp", "rtn": "qcore RTN",
-             "imatrix": "qcore + imatrix", "gptq": "qcore + GPTQ"}
+             "imatrix": "qcore + imatrix", "gptq": "qcore + imatrix + GPTQ",
+             "gptq_only": "qcore + GPTQ"}
 
 
 def _loadavg():
@@ -296,12 +299,15 @@ def run(args) -> dict:
         llama_types = None if ref_tensors is None else {k: v[0] for k, v in ref_tensors.items()}
         config, source = mix_config(base, mix, llama_types)
         meta.setdefault("types_from", {})[mix] = source
-        for kind in ("rtn", "imatrix", "gptq"):
+        for kind in ("rtn", "imatrix", "gptq", "gptq_only"):
             if kind not in args.rows:
                 continue
             row = dict(mix=mix, quantizer=kind)
-            m = copy.deepcopy(base)
             kw = {}
+            if kind in ("gptq", "gptq_only") and not _imatrix_kw():
+                print(f"{mix} {kind}: skipped (this qcore has no GPTQ to GGUF types: quantize_model has no imatrix=)",
+                      flush=True)
+                continue
             if kind in ("imatrix", "gptq"):
                 if stats is None:
                     from qcore.adapters.imatrix import collect_imatrix
@@ -310,11 +316,11 @@ def run(args) -> dict:
                     meta["imatrix_s"] = round(time.perf_counter() - t, 1)
                 if _imatrix_kw():
                     kw["imatrix"] = stats
-                elif kind == "gptq":
-                    print(f"{mix} gptq: skipped (quantize_model has no imatrix= here)", flush=True)
-                    continue
-            cfg = config.replace(algorithms=({"name": "gptq"},)) if kind == "gptq" else config
-            data = calib if kind == "gptq" else None
+                    row["imatrix_path"] = "quantize_model(imatrix=)"
+            m = copy.deepcopy(base)
+            gptq = kind in ("gptq", "gptq_only")
+            cfg = config.replace(algorithms=({"name": "gptq"},)) if gptq else config
+            data = calib if gptq else None
             floats = {}
             if kind == "imatrix" and not kw:
                 floats = {n: mod.weight.detach().float().numpy().copy() for n, mod in m.named_modules()
@@ -322,9 +328,10 @@ def run(args) -> dict:
             t = time.perf_counter()
             A.quantize_model(m, cfg, data, progress=False, **kw)
             if kind == "imatrix" and not kw:
-                row["imatrix_path"] = f"qcore.quantize(imatrix=) per module ({_manual_imatrix(m, stats, floats)} modules)"
+                n = _manual_imatrix(m, stats, floats)
+                row["imatrix_path"] = f"qcore.quantize(imatrix=) per module ({n} modules)"
             row["quantize_s"] = time.perf_counter() - t
-            if kind != "rtn":
+            if kind in ("imatrix", "gptq"):
                 row["imatrix_s"] = meta["imatrix_s"]
             row["qcore_ppl"], row["qcore_eval_s"] = qppl(m)
             path = work / f"smollm2-{mix}-{kind}.gguf"
@@ -405,7 +412,8 @@ def write_markdown(path: pathlib.Path, text: str, reading: str = "") -> None:
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mixes", default=",".join(MIXES), help=f"llama.cpp mixes (default {','.join(MIXES)})")
-    p.add_argument("--rows", default=",".join(ROWS), help=f"quantizers per mix among {','.join(ROWS)} (all)")
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS),
+                   help=f"rows among {','.join(ROWS)} (default {','.join(DEFAULT_ROWS)})")
     p.add_argument("--windows", type=int, default=20, help="evaluation windows 0..N-1 (protocol: 20)")
     p.add_argument("--calib", type=int, default=32, help="calibration windows from window 20 (default 32)")
     p.add_argument("--threads", type=int, default=2)
