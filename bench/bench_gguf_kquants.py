@@ -222,7 +222,7 @@ def _bytes_same(a: dict, b: dict) -> tuple[int, int]:
     return sum(a[k][0] == b[k][0] and a[k][2] == b[k][2] for k in common), len(common)
 
 
-def run(args) -> dict:
+def run(args, command: str = "") -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
@@ -236,7 +236,7 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     meta = dict(python=platform.python_version(), torch=torch.__version__, llama_cpp=llama_cpp.__version__,
                 threads=args.threads, cpus=os.cpu_count(), commit=_commit(), windows=args.windows,
-                calibration_windows=args.calib, loadavg_start=_loadavg(), loadavg=[])
+                calibration_windows=args.calib, command=command, loadavg_start=_loadavg(), loadavg=[])
     model, tok = models.load_smollm2()
     base = model.half().float()  # the float16-rounded weights, in float32: qcore's starting point
     ids = E.protocol_token_ids(tok)
@@ -368,6 +368,17 @@ def _line(r) -> str:
             f"{_hist_text(r['types'])}")
 
 
+def _same(r: dict) -> str:
+    s = r.get("same_bytes_as_llama")
+    return "-" if s is None else f"{s[0]}/{s[1]} matrices"
+
+
+def _loads(m: dict) -> str:
+    runs = m.get("runs") or [m]
+    return "; ".join(f"{'run ' + str(i + 1) + ': ' if len(runs) > 1 else ''}{r.get('loadavg_start')} at the start, "
+                     f"{r.get('loadavg_end')} at the end, {r.get('elapsed_s')} s" for i, r in enumerate(runs))
+
+
 def markdown(res: dict, command: str) -> str:
     m = res["meta"]
     out = [SECTION, "",
@@ -377,12 +388,12 @@ def markdown(res: dict, command: str) -> str:
            f"protocol's windows 0..{m['windows'] - 1} of 512 tokens, in llama.cpp and in qcore (in memory; for "
            f"llama.cpp's files: `from_gguf` of the file); calibration (imatrix, GPTQ) on windows 20.."
            f"{20 + m['calibration_windows'] - 1}. gap = llama.cpp / qcore - 1. Types: the matrices' GGUF types "
-           f"(count). {m['cpus']} CPUs, {m['threads']} threads, qcore at commit {m['commit']}; load average "
-           f"{m['loadavg_start']} at the start, {m.get('loadavg_end')} at the end (per row in GGUF_KQUANTS.json); "
-           f"whole run {m.get('elapsed_s')} s.", "",
+           f"(count). {m['cpus']} CPUs, {m['threads']} threads, qcore at commit "
+           f"{', '.join(sorted({r.get('commit') or '?' for r in m.get('runs') or [m]}))}; load average "
+           + _loads(m) + " (per row in GGUF_KQUANTS.json).", "",
            "```", command, "```", "",
-           "| mix | quantizer | types (histogram) | file MB | quantize s | qcore ppl | llama.cpp ppl | gap |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| mix | quantizer | types (histogram) | file MB | quantize s | qcore ppl | llama.cpp ppl | gap | "
+           "same bytes as llama.cpp |", "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         qs = r.get("quantize_s")
         if qs is not None and r.get("imatrix_s") is not None:
@@ -391,7 +402,7 @@ def markdown(res: dict, command: str) -> str:
             qs_txt = _f(qs, ".1f")
         out.append(f"| {r['mix']} | {QUANTIZER[r['quantizer']]} | {_hist_text(r['types'])} | {r['file_mb']:.2f} | "
                    f"{qs_txt} | {_f(r.get('qcore_ppl'), '.4f')} | {_f(r['llama_ppl'], '.4f')} | "
-                   f"{_f(r.get('gap_pct'), '+.2f')}% |")
+                   f"{_f(r.get('gap_pct'), '+.2f')}% | {_same(r)} |")
     out.append("")
     return "\n".join(out)
 
@@ -421,6 +432,9 @@ def parse_args(argv):
     p.add_argument("--md", default=None, help="put the table as the issue-25 section of this markdown file")
     p.add_argument("--reading", default="", help="text appended under the table in --md")
     p.add_argument("--keep", default=None, help="keep the GGUF files in this folder")
+    p.add_argument("--from-json", default=None,
+                   help="measure nothing: merge the rows of these comma-separated JSON files (a later file's row "
+                        "replaces an earlier one of the same mix and quantizer) and write --md / --json")
     args = p.parse_args(argv)
     args.mixes = [m.strip() for m in args.mixes.split(",") if m.strip()]
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -437,16 +451,39 @@ def parse_args(argv):
     return args
 
 
+def merge_runs(paths: list) -> dict:
+    """One result from several runs' JSON files: rows in table order (F16, then per mix in MIXES order, the
+    quantizers in ROWS order), a later file's row replacing an earlier one; meta of the first, with each run's
+    command, commit, load averages and duration under ``runs``."""
+    runs = [json.loads(pathlib.Path(p).read_text()) for p in paths]
+    rows = {}
+    for r in runs:
+        for row in r["rows"]:
+            rows[(row["mix"], row["quantizer"])] = row
+    order = {m: i for i, m in enumerate(("F16",) + MIXES)}
+    keyed = sorted(rows, key=lambda k: (order.get(k[0], len(order)), k[0], ROWS.index(k[1])))
+    meta = dict(runs[0]["meta"])
+    meta["runs"] = [{k: r["meta"].get(k) for k in ("command", "commit", "loadavg_start", "loadavg_end", "elapsed_s",
+                                                   "windows", "calibration_windows")} for r in runs]
+    if len({(r["windows"], r["calibration_windows"]) for r in meta["runs"]}) > 1:
+        raise ValueError(f"--from-json: the runs used different windows: {meta['runs']}")
+    return dict(meta=meta, rows=[rows[k] for k in keyed])
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    res = run(args)
-    print(f"whole run {res['meta']['elapsed_s']} s, load average {res['meta']['loadavg_end']}")
+    command = "python bench/bench_gguf_kquants.py " + " ".join(argv)
+    if args.from_json:
+        res = merge_runs(args.from_json.split(","))
+        command = "\n".join(r["command"] or "?" for r in res["meta"]["runs"])
+    else:
+        res = run(args, command)
+        print(f"whole run {res['meta']['elapsed_s']} s, load average {res['meta']['loadavg_end']}")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
     if args.md:
-        write_markdown(pathlib.Path(args.md), markdown(res, "python bench/bench_gguf_kquants.py " + " ".join(argv)),
-                       args.reading)
+        write_markdown(pathlib.Path(args.md), markdown(res, command), args.reading)
     return 0
 
 
