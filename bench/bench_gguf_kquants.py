@@ -463,8 +463,8 @@ def merge_runs(paths: list) -> dict:
     order = {m: i for i, m in enumerate(("F16",) + MIXES)}
     keyed = sorted(rows, key=lambda k: (order.get(k[0], len(order)), k[0], ROWS.index(k[1])))
     meta = dict(runs[0]["meta"])
-    meta["runs"] = [{k: r["meta"].get(k) for k in ("command", "commit", "loadavg_start", "loadavg_end", "elapsed_s",
-                                                   "windows", "calibration_windows")} for r in runs]
+    keys = ("command", "commit", "loadavg_start", "loadavg_end", "elapsed_s", "windows", "calibration_windows")
+    meta["runs"] = [run for r in runs for run in r["meta"].get("runs") or [{k: r["meta"].get(k) for k in keys}]]
     if len({(r["windows"], r["calibration_windows"]) for r in meta["runs"]}) > 1:
         raise ValueError(f"--from-json: the runs used different windows: {meta['runs']}")
     return dict(meta=meta, rows=[rows[k] for k in keyed])
