@@ -2,7 +2,8 @@
 llama.cpp on the protocol's windows, with file sizes (issue 25; bench/GGUF.md, bench/GGUF_KQUANTS.json).
 
     python bench/bench_gguf_kquants.py [--mixes Q4_K_M,Q3_K_M,Q2_K] [--rows f16,llama,rtn,imatrix,gptq,gptq_only]
-        [--windows 20] [--calib 32] [--threads 2] [--json FILE] [--md FILE] [--keep DIR]
+        [--windows 20] [--calib 32] [--threads 2] [--json FILE] [--md FILE] [--keep DIR] [--imatrix-file F]
+    python bench/bench_gguf_kquants.py --from-json A.json,B.json --json C.json --md bench/GGUF.md
 
 Both quantizers start from the same numbers: SmolLM2 (qcore's default model, loaded by transformers from the
 shipped Q4_1 GGUF) with every weight rounded to float16 (``model.half()``).
@@ -216,6 +217,23 @@ def _manual_imatrix(model, stats, floats: dict) -> int:
     return n
 
 
+def _imatrix(model, calib, path, meta: dict):
+    """``collect_imatrix`` of ``model`` on ``calib`` (timed into ``meta["imatrix_s"]``), or the imatrix file
+    ``path`` when it exists (written there after a collection otherwise)."""
+    from qcore.adapters.imatrix import collect_imatrix, load_imatrix, save_imatrix
+
+    if path and pathlib.Path(path).exists():
+        meta["imatrix_file"] = f"{path} (loaded)"
+        return load_imatrix(path)
+    t = time.perf_counter()
+    stats = collect_imatrix(model, calib, progress=False)
+    meta["imatrix_s"] = round(time.perf_counter() - t, 1)
+    if path:
+        save_imatrix(stats, path, datasets=("pydoc protocol windows 20..",))
+        meta["imatrix_file"] = f"{path} (written)"
+    return stats
+
+
 def _bytes_same(a: dict, b: dict) -> tuple[int, int]:
     """How many matrices of ``b`` have the same type and bytes in ``a`` (of those in both)."""
     common = [k for k in b if k in a and len(b[k][1]) == 2 and b[k][1][1] > 1]
@@ -310,10 +328,7 @@ def run(args, command: str = "") -> dict:
                 continue
             if kind in ("imatrix", "gptq"):
                 if stats is None:
-                    from qcore.adapters.imatrix import collect_imatrix
-                    t = time.perf_counter()
-                    stats = collect_imatrix(base, calib, progress=False)
-                    meta["imatrix_s"] = round(time.perf_counter() - t, 1)
+                    stats = _imatrix(base, calib, args.imatrix_file, meta)
                 if _imatrix_kw():
                     kw["imatrix"] = stats
                     row["imatrix_path"] = "quantize_model(imatrix=)"
@@ -331,7 +346,7 @@ def run(args, command: str = "") -> dict:
                 n = _manual_imatrix(m, stats, floats)
                 row["imatrix_path"] = f"qcore.quantize(imatrix=) per module ({n} modules)"
             row["quantize_s"] = time.perf_counter() - t
-            if kind in ("imatrix", "gptq"):
+            if kind in ("imatrix", "gptq") and "imatrix_s" in meta:
                 row["imatrix_s"] = meta["imatrix_s"]
             row["qcore_ppl"], row["qcore_eval_s"] = qppl(m)
             path = work / f"smollm2-{mix}-{kind}.gguf"
@@ -432,6 +447,9 @@ def parse_args(argv):
     p.add_argument("--md", default=None, help="put the table as the issue-25 section of this markdown file")
     p.add_argument("--reading", default="", help="text appended under the table in --md")
     p.add_argument("--keep", default=None, help="keep the GGUF files in this folder")
+    p.add_argument("--imatrix-file", default=None,
+                   help="an imatrix file (.gguf / .dat): loaded when it exists, else written after the collection "
+                        "(the calibration windows must be the same: --calib)")
     p.add_argument("--from-json", default=None,
                    help="measure nothing: merge the rows of these comma-separated JSON files (a later file's row "
                         "replaces an earlier one of the same mix and quantizer) and write --md / --json")
