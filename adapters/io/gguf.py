@@ -561,12 +561,6 @@ def _check_bias(name: str, role: str, arch) -> None:
         raise ValueError(f"export_gguf: {name}: llama.cpp's {arch.name!r} graph has no {role} bias")
 
 
-def _same_weight_spec(a: Optional[nn.Module], b: nn.Module) -> bool:
-    """Whether the quantized modules ``a`` and ``b`` quantize their weight alike (tied weights hold one tensor)."""
-    return isinstance(a, _QuantMixin) and a.specs.get("weight") is not None and \
-        a.specs.get("weight") == b.specs.get("weight")
-
-
 def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[TensorReport]]:
     """``[(gguf name, array, type name)]`` in state-dict order, and the reports of the quantized weights."""
     n_head = int(cfg["num_attention_heads"])
@@ -603,9 +597,6 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
             if mod in done:  # frozen modules hold weight_packed / weight_scale / ... instead of weight
                 continue
             done.add(mod)
-            if base == "output" and emb is not None and getattr(mods[mod], "weight", None) is emb and \
-                    _same_weight_spec(mods.get(emb_name), mods[mod]):
-                continue  # a quantized head tied to a token_embd of the same type: llama.cpp uses token_embd
             if base == "output" and not arch.output:
                 raise ValueError(_head_refusal(mod, arch))
             data, kind, rep = _encode_quantized(mod, base, mods[mod], strict)
