@@ -24,6 +24,7 @@ from .io.quark_hf import ExportInfo, export_hf
 from .io import from_pretrained
 from .io.quark_hf import CorruptCheckpointError, load_quark, register_with_transformers
 from .io.gguf import GGUFImportReport, from_gguf
+from .gguf_mix import GGUF_MIX_PRESETS, GGUFMix, gguf_mix
 from .distributed import Distributed
 from .passes.streaming import quantize_checkpoint
 from .main import QuantizeReport, quantize_and_report
@@ -37,7 +38,7 @@ __all__ = [
     "CalibrationError", "quantize_model", "plan_model", "calibrate", "freeze", "model_bytes", "quantized_modules",
     "unquantized_weights", "excluded_weights", "FloatWeight",
     "export_hf", "ExportInfo", "from_pretrained", "load_quark", "CorruptCheckpointError", "register_with_transformers",
-    "from_gguf", "GGUFImportReport",
+    "from_gguf", "GGUFImportReport", "gguf_mix", "GGUFMix", "GGUF_MIX_PRESETS",
     "Distributed", "quantize_checkpoint",
     "quantize_and_report", "QuantizeReport",
 ]

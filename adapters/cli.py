@@ -81,7 +81,8 @@ def quantize_command(args) -> int:
         onnx_unsupported=args.onnx_unsupported, drop_activations=args.drop_activations, overwrite=args.overwrite,
         max_shard_size=args.max_shard_size, report=args.report or None, plot=args.plot or None,
         progress=not args.no_progress, command="qcore " + " ".join(shlex.quote(a) for a in (args.argv or [])),
-        work_dir=args.work_dir or None, resume=args.resume, cache=not args.no_cache),
+        work_dir=args.work_dir or None, resume=args.resume, cache=not args.no_cache,
+        imatrix=getattr(args, "imatrix", None) or None),
         J.CLI)
     if r.onnx_dequantized:
         print(f"qcore quantize: --onnx-unsupported dequantize: {len(r.onnx_dequantized)} weight(s) "
@@ -99,6 +100,9 @@ def _summary_rows(r: J.QuantizeReport, *, report: bool) -> list[tuple[str, str]]
     """The rows ``qcore quantize`` prints for report ``r`` (``report``: whether --report was given)."""
     look = "the report's {} lists them)" if report else "--report FILE.json lists them)"
     rows = [("model", r.model), ("scheme", r.scheme), ("layers quantized", str(r.layers_quantized))]
+    if r.gguf_mix is not None:  # llama.cpp's mix: the types it chose (the report's gguf_mix lists each tensor's)
+        head, *rest = r.gguf_mix.summary().splitlines()
+        rows += [("gguf types", head.split(": ", 1)[1])] + [("", line.strip()) for line in rest]
     kept = r.kept_float
     if kept:
         rows += [("kept float (excluded)", f"{len(kept)} weight(s): {', '.join(w.name for w in kept[:3])}"
@@ -250,6 +254,10 @@ def schemes_command(args) -> int:
                 why.append(f"each {spec.subblock_shift_bits}-bit shared-exponent shift in a byte")
             note = f" (the spec needs {own:.2f}; the {layout} layout stores {' and '.join(why) or 'more'})"
         print(f"{name:42s} {'; '.join(parts):60s} {bits:.2f} bits/weight{note}")
+    from qcore.formats.gguf_mixes import MIXES
+    from .gguf_mix import GGUF_MIX_PRESETS
+    for name, mix in GGUF_MIX_PRESETS.items():  # types per tensor from the model's shapes and layers (docs/gguf.md)
+        print(f"{name:42s} W llama.cpp {mix}: {MIXES[mix].default} and per-tensor types (GGUF export)")
     return 0
 
 
@@ -404,6 +412,11 @@ def _add_quantize(q) -> None:
                    "quarot,gptq,distill); an entry may be a JSON object with settings, e.g. --algo '{\"name\": "
                    "\"spinquant\", \"steps\": 50}'; all but hqq use the calibration windows (docs/algorithms.md)")
     q.add_argument("--calib-samples", type=_count, default=32, help="calibration windows (default 32)")
+    q.add_argument("--imatrix", default=None, metavar="FILE|calib",
+                   help="importance matrix for GGUF weight types (k-quants, q4_0 ... q8_0, iq4_nl): llama.cpp's "
+                   "imatrix file (.gguf or .dat, e.g. from qcore imatrix or llama-imatrix), or 'calib' to collect it "
+                   "on the calibration windows first; llama.cpp's weighted scale search uses it (and --algo gptq's "
+                   "per-block search); see docs/gguf.md")
     q.add_argument("--amp", default=None, metavar="SCHEMES",
                    help="layerwise mixed precision instead of --scheme: comma-separated presets (and 'float') to "
                    "choose from per layer, e.g. w_mxfp4_a_mxfp4,w_fp8_a_fp8; needs --target-bits or --max-loss")
@@ -475,8 +488,9 @@ def _add_convert(c) -> None:
     c.add_argument("--overwrite", action="store_true", help="replace an existing dst")
     c.add_argument("--dtype", default=None, help="float dtype to load in: float32, bfloat16 or float16 (default: "
                    "the checkpoint's)")
-    c.add_argument("--tokenizer-pre", default="default", metavar="NAME", help="llama.cpp pre-tokenizer name when a "
-                   "transformers tokenizer is converted for GGUF (default 'default'; SmolLM2: smollm)")
+    c.add_argument("--tokenizer-pre", default=None, metavar="NAME", help="llama.cpp pre-tokenizer name when a "
+                   "transformers tokenizer is converted for GGUF (default: the architecture's, 'gpt-2' for GPT-2 and "
+                   "GPT-NeoX, else 'default'; SmolLM2: smollm)")
     c.add_argument("--no-verify", action="store_true", help="do not load dst back to compare (faster; then "
                    "nothing is measured)")
     c.add_argument("--onnx-unsupported", choices=["error", "dequantize"], default="error", help="with --to onnx: "

@@ -764,7 +764,9 @@ def config_to_quark(config: ModelConfig, *, model_dtype: str = "float32", pack_m
                 by_name[pat] = _layer_to_quark(merged, f"kv_cache[{pat!r}]", model_dtype,
                                                lk(lambda q: q.layer_quant_config, pat))
     exclude = ("lm_head",) if config.exclude is None else tuple(config.exclude)
-    exclude += tuple(n for n, v in config.by_name.items() if v is None and n not in exclude)
+    # by_name entries left float, in sorted order: a config read back from JSON (written with sorted keys) spells
+    # the same exclude list as the one in memory (from_gguf's configs name float Linears this way)
+    exclude += tuple(sorted(n for n, v in config.by_name.items() if v is None and n not in exclude))
     algos = [e for e in map(_algo_to_quark, config.algorithms) if e is not None] or None  # None: no Quark entry
     if like is not None and algos is None and not like.algo_config:
         algos = like.algo_config  # [] and null both mean none

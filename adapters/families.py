@@ -205,6 +205,7 @@ class Family:
     - ``experts``: the MoE block (``Experts``), or None.
     - ``gguf_arch``: llama.cpp's architecture name (``general.architecture``), or None.
     - ``causal``: a decoder (False: an encoder such as BERT).
+    - ``pos_embed``: a learned absolute position embedding (relative to the backbone: GPT-2's ``wpe``), or None.
     """
 
     model_type: str
@@ -234,6 +235,7 @@ class Family:
     experts: Optional[Experts] = None
     gguf_arch: Optional[str] = None
     causal: bool = True
+    pos_embed: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_type, str) or not re.match(r"^[a-z0-9_]+$", self.model_type):
@@ -244,7 +246,7 @@ class Family:
         _check_name(self.backbone, "Family.backbone", empty_ok=True)
         for f in ("layers", "embed", "attn_out", "act", "mlp_norm"):
             _check_name(getattr(self, f), f"Family.{f}")
-        for f in ("final_norm", "lm_head", "attn_norm"):
+        for f in ("final_norm", "lm_head", "attn_norm", "pos_embed"):
             if getattr(self, f) is not None:
                 _check_name(getattr(self, f), f"Family.{f}")
         object.__setattr__(self, "attn_in", _check_names(self.attn_in, "Family.attn_in"))
@@ -406,7 +408,8 @@ FAMILIES: tuple = (
                  ScalingRule(_sg("post_attention_layernorm", ("mlp.gate_up_proj",), m2i="mlp"))),
         scaling_note="v -> o and up -> down are not folded: v and up are row slices of the fused qkv_proj and "
                      "gate_up_proj")),
-    Family("gpt2", "GPT-2", gguf_arch="gpt2", backbone="transformer", layers="h", embed="wte", final_norm="ln_f",
+    Family("gpt2", "GPT-2", gguf_arch="gpt2", backbone="transformer", layers="h", embed="wte", pos_embed="wpe",
+           final_norm="ln_f",
            lm_head="lm_head", attn_in=("attn.c_attn",), qkv_layout="concat", attn_out="attn.c_proj",
            mlp_in=("mlp.c_fc",), mlp_out="mlp.c_proj", act="mlp.act", attn_norm="ln_1", mlp_norm="ln_2",
            norm="layernorm", linear="conv1d", fused_units=(),
@@ -520,6 +523,7 @@ class Located:
     embed: str = field(init=False)
     final_norm: Optional[str] = field(init=False)
     lm_head: Optional[str] = field(init=False)
+    pos_embed: Optional[str] = field(init=False)
 
     def __post_init__(self) -> None:
         j = (lambda n: f"{self.prefix}.{n}" if self.prefix else n)
@@ -528,6 +532,7 @@ class Located:
         object.__setattr__(self, "embed", j(f.embed))
         object.__setattr__(self, "final_norm", None if f.final_norm is None else j(f.final_norm))
         object.__setattr__(self, "lm_head", f.lm_head)
+        object.__setattr__(self, "pos_embed", None if f.pos_embed is None else j(f.pos_embed))
 
 
 def _get(model: Any, name: str) -> Any:

@@ -40,7 +40,8 @@ from qcore.algorithms.imatrix import ImatrixStats, quant_weights
 
 from ._batches import _call, _device_of, _progress, _to
 
-__all__ = ["collect_imatrix", "save_imatrix", "load_imatrix", "module_quant_weights", "linear_modules", "imatrix_file"]
+__all__ = ["collect_imatrix", "save_imatrix", "load_imatrix", "module_quant_weights", "linear_modules", "imatrix_file",
+           "model_importance"]
 
 _NAMES = ("gguf", "module")
 
@@ -346,3 +347,125 @@ def imatrix_file(model=None, output=None, *, calib_samples: int = 32, seq_len: i
                  chunk_size=seq_len, overwrite=overwrite)
     return {"path": os.fspath(output), "format": fmt, "entries": len(stats), "windows": n, "tokens": n * seq_len,
             "model": desc}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# quantize_model(..., imatrix=): the importance of each module with a GGUF weight spec
+# ---------------------------------------------------------------------------------------------------------------
+
+IMPORTANCE_ATTR = "_gguf_importance"  # module-local state: float32 [in] weights of a GGUF-spec module
+
+
+def _read_stats(imatrix) -> Mapping:
+    if isinstance(imatrix, (str, os.PathLike)):
+        path = os.fspath(imatrix)
+        if not os.path.isfile(path):
+            raise ValueError(f"imatrix={path!r}: no such file (an imatrix file: llama.cpp's .gguf or legacy .dat)")
+        try:
+            return load_imatrix(path)
+        except (ValueError, TypeError, OSError) as e:
+            raise ValueError(f"imatrix={path!r}: not a readable imatrix file: {e}") from None
+    if isinstance(imatrix, Mapping):
+        if not imatrix:
+            raise ValueError("imatrix: an empty mapping (expected {name: ImatrixStats} from collect_imatrix or "
+                             "load_imatrix)")
+        return imatrix
+    raise TypeError(f"imatrix must be a mapping of name -> ImatrixStats (collect_imatrix / load_imatrix) or the path "
+                    f"of an imatrix file, got {type(imatrix).__name__}")
+
+
+def check_importance_algorithms(algorithms) -> None:
+    """ValueError when the algorithms change the layers' inputs (rotations, smoothing): an importance matrix of
+    the float model no longer describes them."""
+    from qcore.algorithms.config import ROTATION_CONFIGS, AutoSmoothQuantConfig, AWQConfig, SmoothQuantConfig
+
+    changers = [a.name for a in algorithms if isinstance(a, ROTATION_CONFIGS + (AWQConfig, SmoothQuantConfig,
+                                                                               AutoSmoothQuantConfig))]
+    if changers:
+        raise ValueError(f"imatrix= with the algorithms {changers}: they change the layers' inputs, so an importance "
+                         f"matrix of the float model no longer describes them; quantize with imatrix= without them")
+
+
+def model_importance(model: nn.Module, plans: list, imatrix, algorithms=()) -> dict:
+    """``{module name: float32 quant_weights}`` for the planned modules whose weight spec is a GGUF type, from
+    ``imatrix`` (``{name: ImatrixStats}`` keyed by GGUF tensor names or module names, or an imatrix file's path),
+    checked before any work (``quantize_model(..., imatrix=)``; docs/gguf.md "Importance matrices and GPTQ for
+    GGUF types"). ValueError when no planned module has a GGUF weight spec, when a Linear with a GGUF spec has no
+    entry (the output head excepted: ``llama-imatrix`` leaves it out unless ``--process-output``; embeddings are
+    lookups and never have one; both are quantized without importance, as llama.cpp does), when an entry's width
+    is not its module's input width, or with algorithms that change the layers' inputs (rotations, smoothing)."""
+    check_importance_algorithms(algorithms)
+    stats = _read_stats(imatrix)
+    gguf = [p for p in plans if p.config.weight is not None and p.config.weight.spec.gguf]
+    if not gguf:
+        raise ValueError("imatrix= applies to modules whose weight spec is a GGUF type (q2_k ... q6_k, q4_0 ... q8_0, "
+                         "iq4_nl); the config gives none")
+    weights = module_quant_weights(model, stats)
+    head = _head_name(model)
+    lin = linear_modules(model)
+    out, missing = {}, []
+    for p in gguf:
+        if p.name in weights:
+            out[p.name] = weights[p.name]
+        elif p.name in lin and p.name != head:
+            missing.append(p.name)
+    if missing:
+        try:
+            from .io.gguf import gguf_names
+            g = gguf_names(model)
+            shown = [f"{n} ({g[n]}.weight)" if n in g else n for n in missing[:5]]
+        except (TypeError, ValueError):
+            shown = missing[:5]
+        raise ValueError(f"imatrix has no entry for {len(missing)} module(s) with a GGUF weight spec: "
+                         f"{', '.join(shown)}{' ...' if len(missing) > 5 else ''} (entries look like "
+                         f"{list(stats)[:3]}); an importance matrix of another model, or collected with other names?")
+    # tied weights: one tensor, one importance (or none)
+    by_tensor: dict = {}
+    for p in gguf:
+        w = getattr(model.get_submodule(p.name), "weight", None)
+        if isinstance(w, torch.Tensor):
+            by_tensor.setdefault(id(w), []).append(p.name)
+    for names in by_tensor.values():
+        vals = [out.get(n) for n in names]
+        if len(names) > 1 and any(v is not None for v in vals) and not all(
+                v is not None and np.array_equal(v, vals[0]) for v in vals):
+            import warnings
+            warnings.warn(f"imatrix: the tied weight of {names} has an importance for some of its modules only; it is "
+                          f"quantized without (llama.cpp writes one tensor for them)", stacklevel=3)
+            for n in names:
+                out.pop(n, None)
+    return out
+
+
+class attached_importance:
+    """Context manager: ``{module name: weights}`` set as module-local state (``IMPORTANCE_ATTR``) on the
+    modules of ``model`` while ``quantize_model`` runs (GPTQ reads it from the float module, the wrappers copy it
+    when they are made); removed from those float modules on exit."""
+
+    def __init__(self, model: nn.Module, importance: Mapping):
+        self._mods = [(model.get_submodule(n), np.ascontiguousarray(w, dtype=np.float32))
+                      for n, w in importance.items()]
+
+    def __enter__(self):
+        for m, w in self._mods:
+            m.__dict__[IMPORTANCE_ATTR] = w
+        return self
+
+    def __exit__(self, *exc):
+        for m, _ in self._mods:
+            m.__dict__.pop(IMPORTANCE_ATTR, None)
+        return False
+
+
+def importance_digest(model: nn.Module) -> Optional[str]:
+    """A digest of the importance attached to ``model``'s modules (None without): what ties a work directory to
+    the imatrix of the run."""
+    import hashlib
+
+    h, any_ = hashlib.sha256(), False
+    for n, m in model.named_modules():
+        w = m.__dict__.get(IMPORTANCE_ATTR)
+        if w is not None:
+            any_ = True
+            h.update(n.encode() + b"\0" + np.ascontiguousarray(w, dtype=np.float32).tobytes())
+    return h.hexdigest() if any_ else None

@@ -31,7 +31,8 @@ from torch import nn
 from .eval import evaluate as E
 from .eval import models as M
 from . import quantizer as Q
-from .config import ModelConfig
+from .config import LayerConfig, ModelConfig
+from .gguf_mix import GGUF_MIX_PRESETS, gguf_mix, mix_of_preset
 from .presets import PRESETS, preset
 
 __all__ = ["quantize_and_report", "QuantizeReport", "CommandError", "DEFAULT_SCHEME", "LAYER_ERROR_WINDOWS"]
@@ -129,7 +130,9 @@ class QuantizeReport:
     onnx_dequantized: tuple = ()
     moe_coverage: Any = None  # qcore.adapters.moe.ExpertCoverage of static calibration (MoE models), or None
     qcore_version: str = ""
+    imatrix: Optional[str] = None  # the importance matrix the GGUF-spec modules used: its file, or "calib (N windows)"
     command: Optional[str] = None
+    gguf_mix: Any = None  # qcore.adapters.gguf_mix.GGUFMix of a llama.cpp mix scheme (gguf_q4_k_m, ...), or None
     quantized_model: Any = field(default=None, compare=False, repr=False)
     tokenizer: Any = field(default=None, compare=False, repr=False)
 
@@ -183,7 +186,12 @@ class QuantizeReport:
                 "rtn": "the same scheme by round-to-nearest without the algorithms (with --algo and --report/--plot)",
                 "ranked_by": "output SQNR" if self.ranked_by_output else "weight SQNR (no calibration windows)"},
             "moe_coverage": None if self.moe_coverage is None else self.moe_coverage.to_dict(),
+            "gguf_mix": None if self.gguf_mix is None else {
+                "mix": self.gguf_mix.mix, "counts": self.gguf_mix.counts(), "types": dict(self.gguf_mix.types),
+                "fallbacks": {n: {"wanted": c.wanted, "type": c.type}
+                              for n, c in self.gguf_mix.fallbacks().items()}},
             "qcore_version": self.qcore_version,
+            "imatrix": self.imatrix,
             "command": self.command,
         }
 
@@ -321,7 +329,7 @@ def read_eval_text(path: Optional[str], *, names: _Names = CLI) -> Optional[str]
 
 def _did_you_mean(name: str) -> str:
     import difflib
-    close = difflib.get_close_matches(name.lower(), PRESETS, n=3)
+    close = difflib.get_close_matches(name.lower(), [*PRESETS, *GGUF_MIX_PRESETS], n=3)
     return f"; did you mean {', '.join(close)}?" if close else ""
 
 
@@ -412,6 +420,14 @@ def build_config(scheme, *, group_size=None, kv_cache_dtype=None, exclude=None,
         if group_size is not None:
             raise CommandError(f"{names('group_size')} applies to a preset {names('scheme')}, not to a "
                                f"{'JSON ' if not isinstance(scheme, ModelConfig) else ''}config (set it there)")
+        if kv_cache_dtype:
+            from .config import KVCacheConfig
+            config = config.replace(kv_cache=KVCacheConfig())
+    elif mix_of_preset(scheme) is not None:  # llama.cpp's mix: resolved on the model once it is loaded (_run)
+        if group_size is not None:
+            raise CommandError(f"{names('group_size')} does not apply to {names.arg('scheme', scheme)}: llama.cpp's "
+                               f"mixes fix each type's blocks")
+        config = ModelConfig(LayerConfig())
         if kv_cache_dtype:
             from .config import KVCacheConfig
             config = config.replace(kv_cache=KVCacheConfig())
@@ -552,7 +568,7 @@ def write_report(path: str, report: dict) -> None:
         tmp.write_text(json.dumps(report, indent=1) + "\n")
 
 
-def _rtn_errors(model, config, calib, *, progress: bool):
+def _rtn_errors(model, config, calib, *, progress: bool, imatrix=None):
     """``{name: LayerError}`` of round-to-nearest by ``config`` without its algorithms, on a deep copy of the float
     ``model`` (what the algorithms are compared with; ``qcore.adapters.eval.layer_report``)."""
     import copy
@@ -560,7 +576,8 @@ def _rtn_errors(model, config, calib, *, progress: bool):
     from .eval import layer_report as LR
     rtn = copy.deepcopy(model)
     reference: dict = {}
-    Q.quantize_model(rtn, config.replace(algorithms=()), calib, progress=progress, reference=reference)
+    Q.quantize_model(rtn, config.replace(algorithms=()), calib, progress=progress, reference=reference,
+                     imatrix=imatrix)
     return LR.measure(rtn, reference, calib, max_batches=LAYER_ERROR_WINDOWS, progress=progress)
 
 
@@ -631,7 +648,7 @@ def _check_types(o: dict) -> dict:
     for name in ("drop_activations", "overwrite", "progress", "cache"):
         if not isinstance(o[name], bool):
             bad(name, "True or False")
-    for name in ("eval_text", "output", "report", "plot", "work_dir"):
+    for name in ("eval_text", "output", "report", "plot", "work_dir", "imatrix"):
         path_or_none(name)
     if not isinstance(o["resume"], bool):
         bad("resume", "True or False")
@@ -705,13 +722,14 @@ def quantize_and_report(model: Union[None, str, os.PathLike, nn.Module] = None,
                         report: Union[None, str, os.PathLike] = None, plot: Union[None, str, os.PathLike] = None,
                         progress: bool = True, command: Optional[str] = None,
                         work_dir: Union[None, str, os.PathLike] = None, resume: bool = False,
-                        cache: bool = True) -> QuantizeReport:
+                        cache: bool = True, imatrix: Union[None, str, os.PathLike] = None) -> QuantizeReport:
     """Quantize ``model`` with ``scheme``, evaluate it before and after, export it, and return the report:
     what ``qcore quantize`` does (each argument is the flag of the same name; ``algorithms`` is ``--algo``).
 
     ``model``: None (the embedded SmolLM2-135M-Instruct), an HF model directory, a ``.gguf`` file, a hub id, or
     an ``nn.Module`` (with its ``tokenizer`` where evaluation or calibration needs one), which is quantized and
-    frozen in place. ``scheme``: None (``DEFAULT_SCHEME``), a preset name (``qcore schemes``), a JSON config file
+    frozen in place. ``scheme``: None (``DEFAULT_SCHEME``), a preset name (``qcore schemes``; llama.cpp's mixes
+    ``gguf_q4_k_m``, ... are resolved on the loaded model, ``report.gguf_mix``), a JSON config file
     (a qcore ModelConfig or a Quark ``quantization_config``) or a ``ModelConfig``; ``group_size``,
     ``kv_cache_dtype="fp8"`` and ``exclude`` (module names or patterns left float, replacing the default: the
     output head) adjust it. ``algorithms``: run before rounding, in order (names, dicts with a ``"name"`` and
@@ -730,7 +748,10 @@ def quantize_and_report(model: Union[None, str, os.PathLike, nn.Module] = None,
     interrupted run (``qcore.adapters.passes.checkpointing``; docs/adapters.md "Long runs: a work directory").
     ``cache``: read the float model's perplexity from the on-disk cache when an earlier run measured the same
     weights on the same windows, and store it there otherwise (``qcore.adapters.eval.ppl_cache``); False (the
-    flag ``--no-cache``) measures it again and leaves the cache alone.
+    flag ``--no-cache``) measures it again and leaves the cache alone. ``imatrix``: an importance matrix for the
+    modules whose weight spec is a GGUF type: an imatrix file (llama.cpp's ``.gguf`` or legacy ``.dat``), or
+    ``"calib"`` to collect it on the calibration windows first (``quantize_model(..., imatrix=)``; with
+    ``algorithms=["gptq"]`` GPTQ weights its per-block scale search by it; docs/gguf.md).
 
     Every argument is checked before any work: a bad one raises ``ValueError`` / ``TypeError`` naming it, and
     nothing is loaded, evaluated or written.
@@ -760,6 +781,10 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
         if o[name] != default and export != fmt:  # an option that would change nothing is a mistake
             raise CommandError(f"{names(name)} applies to {names.arg('export', fmt)}" + (
                 "" if export is None else f", not {names.arg('export', export)}"))
+    imatrix_in = o["imatrix"]
+    if imatrix_in is not None and imatrix_in != "calib" and not os.path.isfile(imatrix_in):
+        raise CommandError(f"{names.arg('imatrix', imatrix_in)}: no such file (an imatrix file, .gguf or .dat, or "
+                           f"'calib' to collect one on the calibration windows)")
     out_dir = pathlib.Path(output) if output else None
     seq_len, needs_eval = o["seq_len"], o["eval"] == "ppl"
     if needs_eval and seq_len < 2:
@@ -809,7 +834,8 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
     if algos:
         config = config.replace(algorithms=tuple(a.to_dict() for a in algos))
     needs = _needs_calibration(config, names) + ([f"{names('amp')}'s layer sensitivities"]
-                                                  if amp_schemes is not None else [])
+                                                  if amp_schemes is not None else []) + (
+        [names.arg("imatrix", "calib")] if imatrix_in == "calib" else [])
     work = _work_dirs(o, names, config, amp_schemes is not None)
     if needs and o["calib_samples"] == 0:
         raise CommandError(f"{names.arg('calib_samples', 0)}: {', '.join(needs)} need calibration windows; give "
@@ -827,6 +853,14 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
     else:
         with loading_bars(progress):
             model, tok, desc = load_model(model_in, dtype=dtype, device=device, names=names)
+    mix = None
+    if amp_schemes is None and mix_of_preset(scheme_in) is not None:  # llama.cpp's mix: types from the model
+        try:
+            mix = gguf_mix(model, mix_of_preset(scheme_in), exclude=o["exclude"],
+                           imatrix=o["imatrix"] is not None)
+        except (ValueError, TypeError) as e:
+            raise CommandError(f"{names.arg('scheme', scheme_in)}: {e}") from None
+        config = mix.config.replace(kv_cache=config.kv_cache, algorithms=config.algorithms)
     plans = Q.plan_model(model, config)  # all config errors before any evaluation
     weightless = [p.name for p in plans if p.config.weight is None]
     if out_dir is not None and weightless and (export or "hf") != "onnx":  # before any evaluation
@@ -851,7 +885,24 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
             check_experts_algorithms(plans, parse_algorithms(config.algorithms))
         except (ValueError, TypeError) as e:
             raise CommandError(str(e)) from None
-    uses_windows = needs_eval or amp_schemes is not None or bool(config.algorithms) or \
+    imatrix_stats = None
+    if imatrix_in is not None:  # checked against the model and the plan before any evaluation
+        if amp_schemes is not None:
+            raise CommandError(f"{names('imatrix')} with {names('amp')}: the AMP schemes have no GGUF types")
+        from qcore.algorithms.config import parse_algorithms
+
+        from .imatrix import check_importance_algorithms, load_imatrix, model_importance
+        try:
+            if imatrix_in != "calib":
+                imatrix_stats = load_imatrix(imatrix_in)
+                model_importance(model, plans, imatrix_stats, parse_algorithms(config.algorithms))
+            elif check_importance_algorithms(parse_algorithms(config.algorithms)) or not any(
+                    p.config.weight is not None and p.config.weight.spec.gguf for p in plans):
+                raise ValueError("applies to modules whose weight spec is a GGUF type (q2_k ... q6_k, q4_0 ... "
+                                 "q8_0, iq4_nl); the scheme gives none")
+        except (ValueError, TypeError, OSError) as e:
+            raise CommandError(f"{names.arg('imatrix', imatrix_in)}: {e}") from None
+    uses_windows = imatrix_in == "calib" or needs_eval or amp_schemes is not None or bool(config.algorithms) or \
         config.kv_cache is not None or any(getattr(p.config, r) is not None and getattr(p.config, r).calibrated
                                            for p in plans for r in ("input", "output"))
     if uses_windows:  # windows past max_position_embeddings measure a model outside what it was trained for
@@ -899,14 +950,18 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
                 f"{names.arg('target_bits', o['target_bits'])} leaves room for it" if o["max_loss"] is None else
                 f"{names.arg('max_loss', o['max_loss'])}") + f"): nothing to quantize; give fewer bits, or leave "
                 f"'float' out of {names('amp')}") from None
+    if imatrix_in == "calib":
+        from .imatrix import collect_imatrix
+        imatrix_stats = collect_imatrix(model, calib, progress=progress)
     # round-to-nearest on a copy first when an algorithm runs: the report shows before and after
-    rtn_errors = _rtn_errors(model, config, calib, progress=progress) if config.algorithms and (
+    rtn_errors = _rtn_errors(model, config, calib, progress=progress, imatrix=imatrix_stats) if config.algorithms and (
         o["plot"] or o["report"]) else None
     size_before = Q.model_bytes(model)
     t0 = time.perf_counter()
     reference: dict = {}
     Q.quantize_model(model, config, calib, progress=progress, reference=reference,
-                     work_dir=work.get("algorithms"), resume=o["resume"] and "algorithms" in work)
+                     work_dir=work.get("algorithms"), resume=o["resume"] and "algorithms" in work,
+                     imatrix=imatrix_stats)
     quantize_s = time.perf_counter() - t0
     kept = Q.excluded_weights(model, config)  # what stays float by an exclusion: in the summary and the report
     from .eval import layer_report as LR
@@ -932,7 +987,10 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
         calibration_samples=0 if calib is None else len(calib), quantize_seconds=quantize_s,
         total_seconds=time.perf_counter() - t_start, peak_rss_bytes=peak, model_bytes_before=size_before,
         model_bytes_frozen=size_after, layer_errors=errors, rtn_layer_errors=rtn_errors, static_scales=static_scales,
-        **exported, moe_coverage=getattr(model, "qcore_moe_coverage", None), qcore_version=qcore.__version__,
+        **exported, moe_coverage=getattr(model, "qcore_moe_coverage", None), gguf_mix=mix,
+        qcore_version=qcore.__version__,
+        imatrix=None if imatrix_in is None else (imatrix_in if imatrix_in != "calib" else
+                                                 f"calib ({0 if calib is None else len(calib)} windows)"),
         command=o["command"] if o["command"] is not None else _python_call(o),
         quantized_model=model, tokenizer=tok)
     if o["report"]:

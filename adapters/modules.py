@@ -357,8 +357,13 @@ class _QuantMixin:
     # -- weights -------------------------------------------------------------------------------------------
 
     def _quantize_param(self, w: torch.Tensor, role: str):
-        """QTensor of the parameter in the canonical layout (float32 math), by the role's observer."""
+        """QTensor of the parameter in the canonical layout (float32 math), by the role's observer; a GGUF weight
+        spec with an importance (``quantize_model(..., imatrix=)``, module-local ``_gguf_importance`` until the
+        weight is committed or frozen) by llama.cpp's importance-weighted search."""
         x = self._canon(w).detach() if role == "weight" else w.detach()
+        imp = self.__dict__.get("_gguf_importance") if role == "weight" else None
+        if imp is not None and self._qspecs[role].gguf:
+            return qcore.quantize(x, self._qspecs[role], imatrix=imp)
         return _quantize_observed(x, self._qspecs[role], getattr(self.qconfig, role).observer)
 
     def _fq_param(self, w: torch.Tensor, role: str) -> tuple[torch.Tensor, Any]:
@@ -497,6 +502,7 @@ class _QuantMixin:
                 self._inplace_quantize(role)
         self._wcache = None
         self._qmode = _INPLACE
+        self.__dict__.pop("_gguf_importance", None)  # used: the weight is written with it
 
     def replace_weight(self, q: "qcore.QTensor") -> None:
         """Write an already quantized weight (a ``QTensor`` of this module's weight spec in the canonical layout)
@@ -688,6 +694,10 @@ class _QuantMixin:
         q = None
         if kept is not None and kept.d.shape[:-1] == x.shape[:-1]:
             q = _gguf_qtensor(_kquants.requantize(x, kept, spec.gguf), kept, spec)
+        if (q is None or not same(q)) and self.__dict__.get("_gguf_importance") is not None \
+                and self._qmode in (_PENDING, _QAT) and "weight" in self._parameters:
+            xf = self._canon(self._parameters["weight"]).detach().float().cpu().numpy()  # w: its fake-quantized weight
+            q = qcore.quantize(xf, spec, imatrix=self.__dict__["_gguf_importance"])
         if q is None or not same(q):
             q = qcore.quantize(x, spec)  # e.g. a tied module's weight: llama.cpp's search again, checked
             if not same(q):
@@ -702,6 +712,7 @@ class _QuantMixin:
             self._buffers.pop(k, None)
         self.register_buffer("weight_packed", blocks)
         self.__dict__.pop("_gguf_kept", None)
+        self.__dict__.pop("_gguf_importance", None)
         self.__dict__.pop("_dequantized", None)
         self._frozen_meta = {"shape": tuple(shape), "dtype": dtype}
         self._qmode = _FROZEN

@@ -95,6 +95,8 @@ _KV = {"fp8": _FP8, "float8_e4m3fn": _FP8, "fp8_e4m3": _FP8}
 
 
 def preset_names() -> list[str]:
+    """The names ``preset`` builds a config from. llama.cpp's mixes (``gguf_q4_k_m``, ...) are presets of
+    ``quantize_model`` too, resolved on the model: ``qcore.adapters.gguf_mix.GGUF_MIX_PRESETS``."""
     return list(PRESETS)
 
 
@@ -134,11 +136,17 @@ def preset(name: str, *, group_size: Optional[int] = None, kv_cache: Optional[st
     exclude: module names/patterns left in float (default: the model's output head).
     scale_mode: the E8M0 rule of MX block scales (default ``EVEN``, Quark's; ``FLOOR`` is OCP's).
     """
+    from .gguf_mix import GGUF_MIX_PRESETS
+    if name in GGUF_MIX_PRESETS:
+        raise ValueError(f"preset {name!r} (llama.cpp's {GGUF_MIX_PRESETS[name]}) chooses a GGUF type per tensor from "
+                         f"the model's shapes and layer count: give it to quantize_model(model, {name!r}) or use "
+                         f"qcore.adapters.gguf_mix(model, {GGUF_MIX_PRESETS[name]!r}).config")
     if name not in PRESETS:
         import difflib
-        close = difflib.get_close_matches(str(name).lower(), PRESETS, n=3)
+        close = difflib.get_close_matches(str(name).lower(), [*PRESETS, *GGUF_MIX_PRESETS], n=3)
         raise ValueError(f"unknown preset {name!r}" + (f"; did you mean {close}?" if close else "")
-                         + f" Known presets: {', '.join(PRESETS)}")
+                         + f" Known presets: {', '.join(PRESETS)}; llama.cpp's mixes (resolved on a model by "
+                         f"quantize_model): {', '.join(GGUF_MIX_PRESETS)}")
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     if not isinstance(scale_mode, ScaleMode):

@@ -89,9 +89,13 @@ def default_exclude(model: nn.Module) -> list[str]:
     return _output_head(model) + non_language_modules(model)
 
 
-def _as_config(config: Any) -> ModelConfig:
+def _as_config(config: Any, model: Optional[nn.Module] = None, *, imatrix: bool = False) -> ModelConfig:
     if isinstance(config, ModelConfig):
         return config
+    if model is not None and isinstance(config, str):  # llama.cpp's mixes: resolved on the model (and on whether
+        from .gguf_mix import gguf_mix, mix_of_preset  # an imatrix is used: llama.cpp's Q4_0 / Q5_0 mixes differ)
+        if mix_of_preset(config) is not None:
+            return gguf_mix(model, mix_of_preset(config), imatrix=imatrix).config
     if isinstance(config, str):
         from .presets import preset
         return preset(config)
@@ -115,7 +119,7 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
     (``_check_float=False``: the checkpoint loaders, which resolve a saved config on a float skeleton.)"""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    config = _as_config(config)
+    config = _as_config(config, model)
     mods = dict(model.named_modules())
     if _quantized_ok:  # exporters: resolve the config on a quantized model as on its float original
         mods = {n: _FloatView(m) if is_quantized_module(m) else m for n, m in mods.items()}
@@ -365,7 +369,7 @@ def _walk_config(model: nn.Module, config: Any) -> tuple[ModelConfig, dict, list
         if config is None:
             raise ValueError("config: the model was not quantized by quantize_model (it has no qcore_config); "
                              "pass the config it was quantized with")
-    config = _as_config(config)
+    config = _as_config(config, model)
     mods = dict(model.named_modules())
     exclude = default_exclude(model) if config.exclude is None else list(config.exclude)
     return config, mods, exclude
@@ -552,10 +556,21 @@ def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distri
 
 
 def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], data: Optional[Iterable] = None, *,
-                   qat: bool = False, progress: bool = True, distributed: Any = None,
+                   imatrix: Any = None, qat: bool = False, progress: bool = True, distributed: Any = None,
                    reference: Optional[dict] = None, moe_all_experts: bool = True, work_dir=None,
                    resume: bool = False, distill_data: Optional[Iterable] = None) -> nn.Module:
     """Quantize ``model`` in place per ``config`` (a ``ModelConfig``, a preset name or a config dict) and return it.
+    llama.cpp's mixes are preset names too (``"gguf_q4_k_m"``, ...: ``qcore.adapters.gguf_mix``, one GGUF type per
+    tensor from the model's shapes and layers, exactly llama.cpp's choice).
+
+    imatrix: an importance matrix for the modules whose weight spec is a GGUF type (llama.cpp's imatrix): the
+        ``{name: ImatrixStats}`` of ``qcore.adapters.imatrix.collect_imatrix`` / ``load_imatrix`` (GGUF tensor
+        names or module names), or the path of an imatrix file (``.gguf`` or legacy ``.dat``). Each such module is
+        quantized by llama.cpp's importance-weighted search (``qcore.quantize(w, spec, imatrix=...)``, the bytes of
+        ``ggml_quantize_chunk`` with that imatrix); GPTQ weights its per-block scale search by it. Modules with
+        other specs ignore it; embeddings and the output head without an entry are quantized without (as
+        llama.cpp); any other GGUF-spec Linear without an entry, or with an entry of another width, is an error
+        before any work (``qcore.adapters.imatrix.model_importance``; docs/gguf.md).
 
     data: calibration batches (see ``calibrate``); needed when the config has static activation scales.
     qat: keep float master weights (trainable, straight-through gradients) instead of writing the fake-quantized
@@ -584,6 +599,22 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     every check still runs first, then the algorithms rewrite the weights; an error after that point leaves the
     model marked as partly rewritten (quantizing it again is refused; reload it).
     """
+    kw = dict(qat=qat, progress=progress, distributed=distributed, reference=reference,
+              moe_all_experts=moe_all_experts, work_dir=work_dir, resume=resume, distill_data=distill_data)
+    if imatrix is None:
+        return _quantize_model(model, config, data, **kw)
+    from .imatrix import attached_importance, model_importance
+    config = _as_config(config, model, imatrix=True)
+    importance = model_importance(model, plan_model(model, config), imatrix, config_algorithms(config))
+    with attached_importance(model, importance):
+        return _quantize_model(model, config, data, **kw)
+
+
+def _quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], data: Optional[Iterable] = None, *,
+                    qat: bool = False, progress: bool = True, distributed: Any = None,
+                    reference: Optional[dict] = None, moe_all_experts: bool = True, work_dir=None,
+                    resume: bool = False, distill_data: Optional[Iterable] = None) -> nn.Module:
+    """``quantize_model`` without ``imatrix`` (the importance, if any, is attached to the modules)."""
     if not isinstance(qat, bool):
         raise TypeError(f"qat must be a bool, got {qat!r}")
     if not isinstance(progress, bool):
@@ -593,7 +624,9 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     if reference is not None and not isinstance(reference, dict):
         raise TypeError(f"reference must be a dict (filled with the float weights) or None, got "
                         f"{type(reference).__name__}")
-    config = _as_config(config)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    config = _as_config(config, model)
     plans = plan_model(model, config)
     meta = [n for n, t in model.named_parameters() if t.is_meta]
     if meta:
@@ -756,9 +789,11 @@ def _work_dir(model, config, algos, data, work_dir, resume, distributed, keeps_r
     from .passes.runner import find_decoder_layers
     from .passes.sequential import _layers_path
     n = len(find_decoder_layers(model, _layers_path(layer_algos))[1])
+    from .imatrix import importance_digest
+    imp = importance_digest(model)
     fp = fingerprint(what="quantize_model", model=digest_model(model), config=config.to_dict(),
                      data=list(data) if data is not None else None, n_layers=n,
-                     extra={"reference weights kept": keeps_reference})
+                     extra={"reference weights kept": keeps_reference, **({"imatrix": imp} if imp else {})})
     return WorkDir(path, fp, resume=resume)
 
 

@@ -416,13 +416,27 @@ def _check_positive(v, name, *, allow_zero=False):
 
 def gptq(weight: Any, hessian: Any, spec: QuantSpec, *, block_size: int = 128, damp: float = 0.01,
          act_order: bool = False, static_groups: bool = False, max_retries: int = 8,
-         scale_fn: Optional[Callable[[Any], dict]] = None) -> GPTQResult:
+         scale_fn: Optional[Callable[[Any], dict]] = None, imatrix: Any = None) -> GPTQResult:
     """Quantize ``weight`` ([out, in], numpy or torch) with GPTQ against ``hessian`` (a ``HessianStats`` or an
     ``[in, in]`` array) to ``spec``. See the module docstring for the algorithm.
 
     ``scale_fn(w_part) -> dict``: optional scale rule (``quantize`` keyword arguments: ``scale``,
     ``zero_point``) for a slice of the weight covering whole scale groups, used instead of the spec's own rule
-    (e.g. an MSE-clipped scale); ``tensor_scale`` of two-level specs is always the spec's own."""
+    (e.g. an MSE-clipped scale); ``tensor_scale`` of two-level specs is always the spec's own.
+
+    GGUF specs (``spec.gguf``: k-quants, Q4_0 ... Q8_0, IQ4_NL) run llama.cpp's scale search per block inside the
+    loop (``qcore.algorithms.gptq_gguf``), weighted by ``imatrix`` (per-column importance, llama.cpp's
+    ``quant_weights``) when given, else by the Hessian's diagonal; ``scale_fn`` does not apply to them."""
+    if isinstance(spec, QuantSpec) and spec.gguf:
+        if scale_fn is not None:
+            raise ValueError(f"scale_fn: a GGUF spec ({spec.gguf}) takes its scales from llama.cpp's search")
+        from .gptq_gguf import gptq_gguf
+        return gptq_gguf(weight, hessian, spec, imatrix=imatrix, block_size=block_size, damp=damp,
+                         act_order=act_order, static_groups=static_groups, max_retries=max_retries)
+    if imatrix is not None:
+        what = getattr(spec, "name", "") or getattr(getattr(spec, "dtype", None), "name", spec)
+        raise ValueError(f"imatrix= applies to GGUF specs (q2_k ... q6_k, q4_0 ... q8_0, iq4_nl) only; spec "
+                         f"{what!r} is not one")
     return _gptq(weight, hessian, spec, block_size=block_size, damp=damp, act_order=act_order,
                  static_groups=static_groups, max_retries=max_retries, scale_fn=scale_fn, reference=False)
 

@@ -49,9 +49,11 @@ scales of ``spec.scale_shape``) to and from block bytes; ``quantize_float`` is g
 weights no GGUF type holds exactly); ``dequantize`` is ggml's dequantizer.
 
 The architectures (``ARCHS``, keyed by llama.cpp's ``general.architecture``: ``llama`` (also Mistral, and Mixtral
-with experts), ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``, ``qwen2moe``, ``qwen3moe``): the
-tensors each graph reads (with experts: ``Arch.moe_layer``, ``EXPERT_TENSORS``), q/k row order, biases, norm
-offsets, expert metadata and routing (``Arch``); the hyperparameters (``metadata`` / ``config_from_metadata``, one table ``HPARAMS`` both ways);
+with experts), ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``, ``qwen2moe``, ``qwen3moe``,
+``gpt2``, ``gptneox``): the tensors each graph reads (with experts: ``Arch.moe_layer``, ``EXPERT_TENSORS``), q/k
+row order, biases, norm kind and offsets, expert metadata and routing (``Arch``); the hyperparameters
+(``metadata`` / ``config_from_metadata``, one table ``HPARAMS`` both ways); ``qkv_heads_to_gguf`` /
+``qkv_heads_from_gguf`` (GPT-NeoX's per-head fused qkv rows to llama.cpp's ``[q | k | v]`` and back);
 ``permute_qk`` / ``unpermute_qk`` (llama.cpp's row order of ``attn_q`` / ``attn_k`` for ``llama``: rotary pairs
 interleaved instead of split in halves); ``hf_to_gguf_name`` (transformers' Llama names; other families name their
 modules through their record, ``qcore.adapters.io.gguf.gguf_names``).
@@ -75,6 +77,7 @@ from .safetensors_io import CorruptCheckpointError
 __all__ = ["BLOCK", "TYPES", "TYPE_BYTES", "gguf_type", "block_scales", "encode", "decode", "import_blocks",
            "import_spec", "q4_0_holds", "dequantize",
            "quantize_float", "is_exact", "hf_to_gguf_name", "gguf_to_hf_name", "permute_qk", "unpermute_qk",
+           "qkv_heads_to_gguf", "qkv_heads_from_gguf",
            "llama_metadata", "metadata", "config_from_metadata", "Arch", "ARCHS", "HPARAMS", "LAYER_TENSORS",
            "TOP_TENSORS", "NORM_TENSORS", "EXPERT_TENSORS", "CorruptCheckpointError", "check_file", "TensorSpan", "GGML_SIZES"]
 
@@ -201,24 +204,38 @@ def encode(parts: WeightParts, spec: QuantSpec, *, kind: str) -> np.ndarray:
     n = rows * cols // BLOCK
     c = codes.reshape(n, BLOCK).astype(np.int32)
     s = block_scales(parts.scales, spec, shape).reshape(n)
+    # Blocks whose values are all 0 (Q4_1: all one value v) are written as ggml's quantizer writes them, d = 0
+    # (Q4_0: -0.0, ggml's x[argmax |x|] / -8 of +0; Q4_1: m = v where v is a float16), so that such blocks of an
+    # imported file (``import_blocks`` gives them scale 1) go back byte for byte; the values are the same.
     if q40 and not spec.symmetric:  # zero point 8: d = s, q = c; zero point 7: d = -s, q = 15 - c
         off = 8 if spec.dtype.signed else 0
         z = block_scales(parts.zero_points, spec, shape).reshape(n) + off
         c = c + off
+        zero = np.all(c == z[:, None], axis=1)
         flip = z == 7
         c = np.where(flip[:, None], 15 - c, c)
-        s = np.where(flip, -s, s).astype(np.float32)
+        c = np.where(zero[:, None], 8, c)
+        s = np.where(zero, np.float32(-0.0), np.where(flip, -s, s)).astype(np.float32)
         return np.concatenate([_f16_bytes(s), _pack_nibbles(c.astype(np.uint8))], axis=1).reshape(rows, -1)
     if kind == "Q4_0":
+        s = np.where(np.all(c == 0, axis=1), np.float32(-0.0), s).astype(np.float32)
         return np.concatenate([_f16_bytes(s), _pack_nibbles((c + 8).astype(np.uint8))], axis=1).reshape(rows, -1)
     if kind == "Q4_1":
         off = 8 if spec.dtype.signed else 0
         z = (np.zeros(n, np.float32) if parts.zero_points is None
              else block_scales(parts.zero_points, spec, shape).reshape(n))
         m = -(s.astype(np.float64) * (z.astype(np.float64) + off))  # exact: both have few bits
-        return np.concatenate([_f16_bytes(s), _f16_bytes(m.astype(np.float32)), _pack_nibbles((c + off).astype(
+        c = c + off
+        k = c - (z.astype(np.int32) + off)[:, None]  # code minus zero point
+        v = s.astype(np.float64) * k[:, 0]
+        const = np.all(k == k[:, :1], axis=1) & (v.astype(np.float16).astype(np.float64) == v)
+        s = np.where(const, np.float32(0), s).astype(np.float32)
+        m = np.where(const, v, m)
+        c = np.where(const[:, None], 0, c)
+        return np.concatenate([_f16_bytes(s), _f16_bytes(m.astype(np.float32)), _pack_nibbles(c.astype(
             np.uint8))], axis=1).reshape(rows, -1)
     if kind == "Q8_0":
+        s = np.where(np.all(c == 0, axis=1), np.float32(0), s).astype(np.float32)
         return np.concatenate([_f16_bytes(s), c.astype(np.int8).view(np.uint8)], axis=1).reshape(rows, -1)
     # MXFP4: the E8M0 byte of a power-of-two float32 scale
     bits = s.view(np.uint32)
@@ -296,6 +313,7 @@ def dequantize(data: np.ndarray, kind: str, shape: tuple, *, where: str = "tenso
 def decode(data: np.ndarray, kind: str, spec: QuantSpec, shape: tuple, *, where: str = "tensor") -> WeightParts:
     """``kind`` blocks -> qcore parts for ``spec`` (a ``PerGroup(32)`` spec whose ``gguf_type`` is ``kind``):
     codes in the canonical layout, float32 scales (and zero points) of ``spec.scale_shape(shape)``.
+    A block with ``d = 0`` (ggml's all-zero block, as ``encode`` writes one) gets scale 1 and codes of value 0.
     CorruptCheckpointError (naming ``where``) for scales that are not finite and positive, an E8M0 byte 255, or
     a Q4_1 offset that is not ``-d * k`` for an integer code ``k`` (qcore's zero points are integer codes)."""
     rows, cols = shape
@@ -315,20 +333,28 @@ def decode(data: np.ndarray, kind: str, spec: QuantSpec, shape: tuple, *, where:
         codes = _unpack_nibbles(b[:, 1:])
     else:
         scales = _f16(b[:, :2])
+        zero = scales == 0  # ggml's all-zero blocks (``encode`` writes them so): scale 1, codes of value 0
         if kind == "Q8_0":
-            codes = np.ascontiguousarray(b[:, 2:]).view(np.int8)
+            codes = np.where(zero[:, None], 0, np.ascontiguousarray(b[:, 2:]).view(np.int8)).astype(np.int8)
         elif kind == "Q4_0":
-            codes = _unpack_nibbles(b[:, 2:]).astype(np.int8) - np.int8(8)
+            codes = np.where(zero[:, None], 0, _unpack_nibbles(b[:, 2:]).astype(np.int8) - np.int8(8)).astype(
+                np.int8)
         else:
             m = _f16(b[:, 2:4])
             off = 8 if spec.dtype.signed else 0
+            if bool(np.any(zero & (m != 0))):
+                raise CorruptCheckpointError(f"{where}: Q4_1 blocks with d = 0 and m != 0 (import_blocks holds "
+                                             f"them; decode gives the zero blocks only)")
+            b = b.copy()
+            b[zero, 4:] = 0
             with np.errstate(divide="ignore", invalid="ignore"):
-                k = -m.astype(np.float64) / scales.astype(np.float64)
+                k = np.where(zero, 0.0, -m.astype(np.float64) / np.where(zero, 1.0, scales.astype(np.float64)))
             if not bool(np.all(np.isfinite(k) & (k == np.round(k)) & (k >= 0) & (k <= 15))):
                 raise CorruptCheckpointError(f"{where}: Q4_1 offsets m that are not -d * k for an integer code k in "
                                              f"[0, 15]; qcore's integer zero points cannot hold them exactly")
             zp = (k - off).astype(np.float32).reshape(rows, nb)
             codes = (_unpack_nibbles(b[:, 4:]).astype(np.int16) - off).astype(np.int8 if off else np.uint8)
+        scales = np.where(zero, np.float32(1), scales).astype(np.float32)
     if not bool(np.all(np.isfinite(scales) & (scales > 0))):
         raise CorruptCheckpointError(f"{where}: {kind} block scales that are not finite and positive")
     return WeightParts(codes=np.ascontiguousarray(codes.reshape(shape)), scales=scales.reshape(rows, nb).copy(),
@@ -371,7 +397,8 @@ def import_blocks(data: np.ndarray, kind: str, shape: tuple, *, where: str = "te
       ``m = min(x)``, generally not such a multiple: then no grid (qcore's zero points are integer codes).
     - MXFP4: the E8M0 byte is the scale, the nibbles the E2M1 codes (exact always).
     - A block with ``d = 0`` (all values 0, or ``m`` for Q4_1) gets scale 1 and codes of value 0 (Q4_1 with
-      ``m != 0``: scale ``|m|`` and code minus zero point ``sign(m)``): exact in value, not byte for byte.
+      ``m != 0``: scale ``|m|`` and code minus zero point ``sign(m)``): exact in value; ``encode`` writes such
+      blocks back as ggml does (``d = 0``), so byte for byte too.
 
     CorruptCheckpointError (naming ``where``) for NaN / Inf ``d`` or ``m`` and the E8M0 NaN byte 255."""
     rows, cols = shape
@@ -501,8 +528,8 @@ LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_ou
 #: lists them in ggml's order ``[in, out, E]``): the gate and up halves of transformers' fused ``gate_up_proj``
 #: (``[E, 2I, H]``: gate = the first ``I`` rows of each expert) and ``down_proj`` (``[E, H, I]``)
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-#: the model-level tensors: token embedding, final norm, output head
-TOP_TENSORS = ("token_embd", "output_norm", "output")
+#: the model-level tensors: token embedding, final norm, output head, learned positions (``Arch.position_embd``)
+TOP_TENSORS = ("token_embd", "output_norm", "output", "position_embd")
 #: the norms among them (``Arch.norm_offset`` applies to these)
 NORM_TENSORS = ("attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm",
                 "output_norm")
@@ -515,7 +542,8 @@ class Arch:
     - ``layer``: the per-layer tensors its graph reads (``LAYER_TENSORS``);
     - ``permute_qk``: ``attn_q`` / ``attn_k`` rows in llama.cpp's rotary order (``permute_qk``; the converter
       permutes for ``llama`` only; Qwen2/Qwen3/Gemma/Phi-3 keep transformers' order);
-    - ``biases``: the tensors that may carry a ``.bias`` (Qwen2's q/k/v); a bias anywhere else is refused;
+    - ``biases``: the tensors that may carry a ``.bias`` (Qwen2's q/k/v); a bias anywhere else is refused (the
+      norms of a ``layernorm`` graph always carry theirs);
     - ``norm_offset``: added to every stored norm weight (Gemma: transformers computes ``x * (1 + w)``, the
       converter stores ``1 + w``; the embedding's ``sqrt(hidden)`` scale is inside llama.cpp's Gemma graph);
     - ``output``: whether the graph reads an ``output`` head (Gemma: always ``token_embd``);
@@ -537,6 +565,28 @@ class Arch:
     - ``moe_norm_topk``: whether the graph renormalizes the routed top-k weights to sum to 1 (llama's and
       qwen3moe's do, qwen2moe's does not); a config whose ``norm_topk_prob`` differs is refused (Mixtral has no
       such key: transformers always renormalizes).
+    - ``norm``: the graph's norms: ``rms`` (RMSNorm, weight only; the family record's ``norm`` is ``rms``, or
+      ``rms_unit_offset`` with ``norm_offset`` 1) or ``layernorm`` (LayerNorm: mean subtracted, weight and
+      ``.bias``; the record's ``layernorm``; GPT-2, GPT-NeoX). What a family record must say to be written.
+    - ``config_aliases``: ``(qcore's config key, the family's own key)``: the transformers config spells the
+      hyperparameter its own way (GPT-2's ``n_embd`` for ``hidden_size``); ``metadata`` reads it under either
+      name, ``config_from_metadata`` gives it back under the family's.
+    - ``skip_hparams``: ``HPARAMS`` keys the graph does not read (llama.cpp's converter does not write them, e.g.
+      no rope for GPT-2, no ``head_count_kv`` or RMS epsilon for the LayerNorm graphs): neither written nor read.
+    - ``requires``: ``(config key, value)`` settings the graph assumes; a config setting another value is refused
+      (GPT-2's ``scale_attn_by_inverse_layer_idx``, GPT-NeoX without attention biases).
+    - ``partial_rotary``: the graph rotates the first ``rope.dimension_count`` features of each head only
+      (GPT-NeoX's ``partial_rotary_factor`` / ``rotary_pct``); elsewhere a partial rotary factor is refused.
+    - ``ffn_mult``: ``intermediate_size`` is this times ``hidden_size`` when the config gives none (GPT-2's
+      ``n_inner=None``); 0: the config must give it.
+    - ``position_embd``: the graph adds learned absolute positions (``position_embd``, ``[context_length,
+      hidden]``: GPT-2's ``wpe``), the family record's ``pos_embed``.
+    - ``output_required``: the graph always reads an ``output`` head (GPT-NeoX): a head tied to the embedding is
+      written as its own tensor (the same values; imported back untied).
+    - ``tokenizer_pre``: llama.cpp's pre-tokenizer (``tokenizer.ggml.pre``) for a converted byte-level BPE
+      tokenizer when ``export_gguf`` is given none: ``gpt-2`` for GPT-2 and GPT-NeoX (transformers' ByteLevel
+      split is GPT-2's regex; llama.cpp's ``olmo`` and ``mpt`` pre-tokenizers use the same one), ``default``
+      elsewhere.
     """
 
     name: str
@@ -553,6 +603,22 @@ class Arch:
     moe_layer: Optional[tuple] = None
     moe_hparams: tuple = ()
     moe_norm_topk: Optional[bool] = None
+    norm: str = "rms"
+    config_aliases: tuple = ()
+    skip_hparams: tuple = ()
+    requires: tuple = ()
+    partial_rotary: bool = False
+    ffn_mult: int = 0
+    position_embd: bool = False
+    output_required: bool = False
+    tokenizer_pre: str = "default"
+
+    @property
+    def family_norm(self) -> str:
+        """The family record's ``norm`` (``qcore.adapters.families.NORM_KINDS``) this graph computes."""
+        if self.norm == "layernorm":
+            return "layernorm"
+        return "rms_unit_offset" if self.norm_offset == 1.0 else "rms"
 
 
 _ATTN_LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output")
@@ -567,6 +633,16 @@ _QWEN2MOE_LAYER = _ATTN_LAYER + _MOE_FFN + ("ffn_gate_inp_shexp", "ffn_gate_shex
 _QWEN3MOE_LAYER = _ATTN_LAYER + ("attn_q_norm", "attn_k_norm") + _MOE_FFN
 _LLAMA_LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
                 "ffn_down")
+_FUSED_LAYER = ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down")
+_FUSED_PROJ = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
+_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu")
+_LN_EPS = ("attention.layer_norm_epsilon", "layer_norm_eps", "f32")
+_LN_SKIP = ("attention.head_count_kv", "attention.key_length", "attention.value_length",
+            "attention.layer_norm_rms_epsilon")
+_ROPE_KEYS = ("rope.dimension_count", "rope.freq_base")
+_GPT2_ALIASES = (("hidden_size", "n_embd"), ("num_hidden_layers", "n_layer"), ("num_attention_heads", "n_head"),
+                 ("max_position_embeddings", "n_positions"), ("intermediate_size", "n_inner"),
+                 ("layer_norm_eps", "layer_norm_epsilon"), ("hidden_act", "activation_function"))
 ARCHS = {
     # Mixtral: llama with experts (expert_count / expert_used_count; feed_forward_length is the expert size)
     "llama": Arch("llama", _LLAMA_LAYER, permute_qk=True, moe_layer=_ATTN_LAYER + _MOE_FFN,
@@ -593,7 +669,19 @@ ARCHS = {
                    hparams=(("attention.sliding_window", "sliding_window", "u32"),),
                    head_dim_keys=("query_pre_attn_scalar",), swa_pattern=6, swa_rope_theta=10000.0),
     # fused attn_qkv [q | k | v] rows and ffn_up [gate | up] rows (llama.cpp splits them as views)
-    "phi3": Arch("phi3", ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down")),
+    "phi3": Arch("phi3", _FUSED_LAYER),
+    # LayerNorm (weight and bias) everywhere, biases on every projection, fused attn_qkv [q | k | v] rows, a GELU
+    # MLP (llama.cpp's ggml_gelu: the tanh form; transformers' exact "gelu" differs by < 1e-3 of a unit)
+    "gpt2": Arch("gpt2", _FUSED_LAYER, biases=_FUSED_PROJ, norm="layernorm", acts=_GELUS,
+                 config_aliases=_GPT2_ALIASES, skip_hparams=_LN_SKIP + _ROPE_KEYS, ffn_mult=4,
+                 hparams=(_LN_EPS,), position_embd=True, tokenizer_pre="gpt-2",
+                 requires=(("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                           ("add_cross_attention", False))),
+    # rope on the first rope.dimension_count features of each head (NeoX halves); parallel or sequential residual
+    "gptneox": Arch("gptneox", _FUSED_LAYER, biases=_FUSED_PROJ, norm="layernorm", acts=_GELUS,
+                    skip_hparams=_LN_SKIP, partial_rotary=True, output_required=True, tokenizer_pre="gpt-2",
+                    hparams=(_LN_EPS, ("use_parallel_residual", "use_parallel_residual", "bool")),
+                    requires=(("attention_bias", True),)),
 }
 
 # the Llama layout by transformers names (LlamaForCausalLM), for the module-name helpers below
@@ -649,6 +737,27 @@ def unpermute_qk(rows: np.ndarray, n_head: int) -> np.ndarray:
                                 .reshape(rows.shape))
 
 
+def qkv_heads_to_gguf(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's row order of a fused ``attn_qkv`` from one interleaved per head (the family record's
+    ``qkv_layout`` ``per_head``: GPT-NeoX's ``query_key_value``, rows ``[n_head, 3 (q, k, v), head_dim]``): all q
+    rows, then all k, then all v (``[3, n_head, head_dim]``, convert_hf_to_gguf's GPTNeoXModel). Works on any array
+    whose first axis is the output rows (floats, biases, block bytes, per-row scales)."""
+    r = rows.shape[0]
+    if r % (3 * n_head):
+        raise ValueError(f"qkv_heads_to_gguf: {r} rows do not split into {n_head} heads of q, k and v")
+    return np.ascontiguousarray(rows.reshape(n_head, 3, r // n_head // 3, *rows.shape[1:]).swapaxes(0, 1)
+                                .reshape(rows.shape))
+
+
+def qkv_heads_from_gguf(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of ``qkv_heads_to_gguf``: ``[3, n_head, head_dim]`` rows back to ``[n_head, 3, head_dim]``."""
+    r = rows.shape[0]
+    if r % (3 * n_head):
+        raise ValueError(f"qkv_heads_from_gguf: {r} rows do not split into {n_head} heads of q, k and v")
+    return np.ascontiguousarray(rows.reshape(3, n_head, r // n_head // 3, *rows.shape[1:]).swapaxes(0, 1)
+                                .reshape(rows.shape))
+
+
 # (GGUF key after "{arch}.", transformers config key, kind): written by ``metadata``, read back by
 # ``config_from_metadata``
 HPARAMS = (
@@ -660,7 +769,7 @@ HPARAMS = (
     ("attention.head_count_kv", "num_key_value_heads", "u32"),
     ("attention.key_length", "head_dim", "u32"),
     ("attention.value_length", "head_dim", "u32"),
-    ("rope.dimension_count", "head_dim", "u32"),
+    ("rope.dimension_count", "rotary_dim", "u32"),  # head_dim, times partial_rotary_factor (Arch.partial_rotary)
     ("rope.freq_base", "rope_theta", "f32"),
     ("attention.layer_norm_rms_epsilon", "rms_norm_eps", "f32"),
     ("vocab_size", "vocab_size", "u32"),
@@ -669,17 +778,21 @@ HPARAMS = (
 
 def metadata(arch: str, cfg: dict, *, experts: bool = False) -> dict:
     """``{gguf key: (value, kind)}`` of the hyperparameters llama.cpp's ``arch`` graph reads, from a transformers
-    ``config.to_dict()``; kind is ``u32``, ``f32`` or ``str``. ValueError naming the setting the graph cannot run
-    (rope scaling other than none/linear, biases it has no tensor for, another activation). A sliding attention
-    window narrower than ``max_position_embeddings`` is written as is where llama.cpp's graph slides it on the
-    same layers (``Arch.swa_pattern``, Gemma2); elsewhere (Mistral as ``llama``, Phi-3) it caps ``context_length``
-    to the window: within it sliding attention is full attention, which is what llama.cpp's graph computes.
+    ``config.to_dict()``; kind is ``u32``, ``f32``, ``bool`` or ``str``. ValueError naming the setting the graph
+    cannot run (rope scaling other than none/linear, biases it has no tensor for, another activation, a partial
+    rotary factor outside ``Arch.partial_rotary``, a setting other than ``Arch.requires``). Config keys spelled the
+    family's own way are read through ``Arch.config_aliases``; ``Arch.skip_hparams`` are not written. A sliding
+    attention window narrower than ``max_position_embeddings`` is written as is where llama.cpp's graph slides it
+    on the same layers (``Arch.swa_pattern``, Gemma2); elsewhere (Mistral as ``llama``, Phi-3) it caps
+    ``context_length`` to the window: within it sliding attention is full attention, which is what llama.cpp's
+    graph computes.
     ``experts``: the model has mixture-of-experts layers (``Arch.moe_layer``): the expert metadata
     (``Arch.moe_hparams``) is written, and routing the graph does not compute is refused (``norm_topk_prob``
     other than ``Arch.moe_norm_topk``, dense layers among the sparse ones)."""
     if arch not in ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not one qcore writes; expected one of {sorted(ARCHS)}")
     a = ARCHS[arch]
+    cfg = _canonical_config(a, cfg)
 
     def need(k):
         if cfg.get(k) is None:
@@ -688,7 +801,11 @@ def metadata(arch: str, cfg: dict, *, experts: bool = False) -> dict:
     n_head = int(need("num_attention_heads"))
     hidden = int(need("hidden_size"))
     head_dim = int(cfg.get("head_dim") or hidden // n_head)
-    if cfg.get("attention_bias") and "attn_q" not in a.biases:
+    for k, want in a.requires:
+        if cfg.get(k) is not None and cfg[k] != want:
+            raise ValueError(f"the model config sets {k}={cfg[k]!r}; llama.cpp's {arch} graph computes the model "
+                             f"{k}={want!r} describes")
+    if cfg.get("attention_bias") and not {"attn_q", "attn_qkv"} & set(a.biases):
         raise ValueError(f"the model config sets attention_bias=True; llama.cpp's {arch} graph has no attention "
                          f"biases")
     if cfg.get("mlp_bias"):
@@ -710,9 +827,11 @@ def metadata(arch: str, cfg: dict, *, experts: bool = False) -> dict:
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     if rtype not in ("default", "linear"):
         raise ValueError(f"rope scaling {rope!r} is not written to GGUF by qcore (only plain and linear rope)")
-    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+    rotary = float(rope.get("partial_rotary_factor", 1.0))
+    if rotary != 1.0 and not a.partial_rotary:
         raise ValueError(f"the model config rotates part of each head (partial_rotary_factor "
-                         f"{rope['partial_rotary_factor']}); qcore writes full rotary only")
+                         f"{rope['partial_rotary_factor']}); qcore writes full rotary only for llama.cpp's {arch} "
+                         f"graph")
     for k in a.head_dim_keys:
         if cfg.get(k) is not None and int(cfg[k]) != head_dim:
             raise ValueError(f"the model config's {k} is {cfg[k]}; llama.cpp's {arch} graph scales q by "
@@ -726,22 +845,43 @@ def metadata(arch: str, cfg: dict, *, experts: bool = False) -> dict:
                          f"(every {a.swa_pattern}th layer global)")
     if window and not _same_swa_layers(a, cfg):
         ctx = min(ctx, int(window))
+    ffn = cfg.get("intermediate_size")
     vals = {"max_position_embeddings": ctx, "hidden_size": hidden, "num_hidden_layers": need("num_hidden_layers"),
-            "intermediate_size": need("intermediate_size"), "num_attention_heads": n_head,
-            "num_key_value_heads": cfg.get("num_key_value_heads") or n_head, "head_dim": head_dim,
-            "rope_theta": theta, "rms_norm_eps": need("rms_norm_eps"), "vocab_size": need("vocab_size")}
+            "intermediate_size": (need("intermediate_size") if ffn is not None or not a.ffn_mult
+                                  else a.ffn_mult * hidden),
+            "num_attention_heads": n_head, "num_key_value_heads": cfg.get("num_key_value_heads") or n_head,
+            "head_dim": head_dim, "rotary_dim": int(head_dim * rotary), "rope_theta": theta,
+            "vocab_size": need("vocab_size")}
     out = {}
     for key, hf, kind in HPARAMS:
-        if key in ("attention.key_length", "attention.value_length") and head_dim == hidden // n_head:
+        if key in a.skip_hparams or (key in ("attention.key_length", "attention.value_length")
+                                     and head_dim == hidden // n_head):
             continue
-        out[f"{arch}.{key}"] = (int(vals[hf]) if kind == "u32" else float(vals[hf]), kind)
+        v = vals[hf] if hf in vals else need(hf)
+        out[f"{arch}.{key}"] = (_kind_value(v, kind), kind)
     for key, hf, kind in a.hparams:
-        out[f"{arch}.{key}"] = (int(need(hf)) if kind == "u32" else float(need(hf)), kind)
+        out[f"{arch}.{key}"] = (_kind_value(need(hf), kind), kind)
     for key, hf, kind in (a.moe_hparams if experts else ()):
         out[f"{arch}.{key}"] = (int(need(hf)), kind)
     if rtype == "linear":
         out[f"{arch}.rope.scaling.type"] = ("linear", "str")
         out[f"{arch}.rope.scaling.factor"] = (float(rope["factor"]), "f32")
+    return out
+
+
+def _kind_value(v, kind: str):
+    return int(v) if kind == "u32" else bool(v) if kind == "bool" else float(v)
+
+
+def _canonical_config(a: Arch, cfg: dict) -> dict:
+    """``cfg`` with the hyperparameters the family spells its own way (``Arch.config_aliases``) also under
+    qcore's names (GPT-2's ``n_embd`` as ``hidden_size``)."""
+    if not a.config_aliases:
+        return cfg
+    out = dict(cfg)
+    for canon, own in a.config_aliases:
+        if out.get(own) is not None:
+            out[canon] = out[own]
     return out
 
 
@@ -776,23 +916,28 @@ def llama_metadata(cfg: dict) -> dict:
 
 def config_from_metadata(arch: str, fields: dict) -> dict:
     """The transformers config arguments of a GGUF file's ``{arch}.*`` metadata (``fields``: key -> value), the
-    inverse of ``metadata`` (``rope_parameters`` for the rope; ``head_dim`` from ``attention.key_length``, else
-    ``hidden_size / head_count``; with ``{arch}.expert_count`` the expert keys ``Arch.moe_hparams`` and
-    ``norm_topk_prob``). ValueError naming a missing key or a rope scaling qcore does not read."""
+    inverse of ``metadata`` (``rope_parameters`` for the rope, with ``partial_rotary_factor`` where
+    ``rope.dimension_count`` is less than ``head_dim`` and the graph rotates part of each head; ``head_dim`` from
+    ``attention.key_length``, else ``hidden_size / head_count``; with ``{arch}.expert_count`` the expert keys
+    ``Arch.moe_hparams`` and ``norm_topk_prob``); keys the family spells its own way (``Arch.config_aliases``)
+    under its names, none for ``Arch.skip_hparams``. ValueError naming a missing key or a rope qcore does not
+    read."""
     out = {}
-    extra = ARCHS[arch].hparams if arch in ARCHS else ()
-    moe = arch in ARCHS and f"{arch}.expert_count" in fields
+    a = ARCHS.get(arch)
+    extra = a.hparams if a is not None else ()
+    skip = a.skip_hparams if a is not None else ()
+    moe = a is not None and f"{arch}.expert_count" in fields
     if moe:
-        extra = extra + ARCHS[arch].moe_hparams
-        out["norm_topk_prob"] = ARCHS[arch].moe_norm_topk
-        for key, hf, _ in ARCHS[arch].moe_hparams:
+        extra = extra + a.moe_hparams
+        out["norm_topk_prob"] = a.moe_norm_topk
+        for key, hf, _ in a.moe_hparams:
             if fields.get(f"{arch}.{key}") is None:
                 raise ValueError(f"the file has {arch}.expert_count but no {arch}.{key} metadata")
     for key, hf, kind in HPARAMS + extra:
         v = fields.get(f"{arch}.{key}")
-        if v is None:
+        if v is None or key in skip:
             continue
-        out.setdefault(hf, int(v) if kind == "u32" else float(v))
+        out.setdefault(hf, _kind_value(v, kind))
     for hf in ("max_position_embeddings", "hidden_size", "num_hidden_layers", "intermediate_size",
                "num_attention_heads"):
         if hf not in out:
@@ -800,18 +945,33 @@ def config_from_metadata(arch: str, fields: dict) -> dict:
             raise ValueError(f"the file has no {arch}.{key!s} metadata")
     if f"{arch}.attention.key_length" not in fields:
         out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
-    out.setdefault("num_key_value_heads", out["num_attention_heads"])
-    for k in (ARCHS[arch].head_dim_keys if arch in ARCHS else ()):
-        out[k] = out["head_dim"]
+    head_dim = out["head_dim"]
+    rotary = out.pop("rotary_dim", head_dim)
+    if "attention.key_length" in skip:
+        del out["head_dim"]
+    if "attention.head_count_kv" not in skip:
+        out.setdefault("num_key_value_heads", out["num_attention_heads"])
+    for k in (a.head_dim_keys if a is not None else ()):
+        out[k] = head_dim
     rope = {"rope_type": "default", "rope_theta": out.pop("rope_theta", 10000.0)}
+    if rotary != head_dim:
+        f = rotary / head_dim
+        if a is None or not a.partial_rotary or not 0 < rotary < head_dim or int(head_dim * f) != rotary:
+            raise ValueError(f"{arch}.rope.dimension_count is {rotary} for heads of {head_dim}; qcore reads partial "
+                             f"rotary for {sorted(n for n, x in ARCHS.items() if x.partial_rotary)} only")
+        rope["partial_rotary_factor"] = f
     st = fields.get(f"{arch}.rope.scaling.type")
     if st not in (None, "none", "linear"):
         raise ValueError(f"{arch}.rope.scaling.type is {st!r}; qcore reads plain and linear rope")
     if st == "linear":
         rope.update(rope_type="linear", factor=float(fields[f"{arch}.rope.scaling.factor"]))
-    swa = ARCHS[arch].swa_rope_theta if arch in ARCHS else None
-    out["rope_parameters"] = rope if swa is None else {
-        "full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": swa}}
+    swa = a.swa_rope_theta if a is not None else None
+    if "rope.freq_base" not in skip:
+        out["rope_parameters"] = rope if swa is None else {
+            "full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": swa}}
+    for canon, own in (a.config_aliases if a is not None else ()):
+        if canon in out:
+            out[own] = out.pop(canon)
     return out
 
 

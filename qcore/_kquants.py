@@ -471,14 +471,18 @@ def _trunc_int(v):
         return np.trunc(np.where(np.isfinite(v), v, 0)).astype(np.int64)
 
 
-def _legacy(x, row_len, qw, name):
+def _legacy(x, row_len, qw, name, row_sigma2=None):
     """x (B, 32) float32 blocks, ``row_len`` elements per row (for the imatrix path's sigma2) -> (L (B, 32) stored
-    unsigned codes, d (B,), m (B,) or None)."""
+    unsigned codes, d (B,), m (B,) or None). ``row_sigma2``: the rows' sigma2 given (one per row of ``row_len``
+    elements) instead of computed from ``x`` (``search_blocks``)."""
     nmax = {"q4_0": 8, "q4_1": 15, "q5_0": 16, "q5_1": 31, "q8_0": 127}[name]
     with np.errstate(all="ignore"):
         if qw is not None and name != "q8_0":
             rows = x.reshape(-1, row_len)
-            sigma2 = (_seqsum((rows * rows).astype(_F)) / _F(row_len)).astype(_F)
+            if row_sigma2 is None:
+                sigma2 = (_seqsum((rows * rows).astype(_F)) / _F(row_len)).astype(_F)
+            else:
+                sigma2 = np.asarray(row_sigma2, dtype=_F).reshape(-1)
             s2 = np.repeat(sigma2, row_len // 32)
             w = (qw * np.sqrt((s2[:, None] + (x * x).astype(_F)).astype(_F))).astype(_F)
             if name in ("q4_0", "q5_0"):
@@ -646,6 +650,33 @@ def _quantize_rows(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = Non
     )
 
 
+def row_sigma2(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's ``sigma2`` of the 32-element types' importance-weighted search: ``sum(x^2) / n_per_row`` per row
+    of ``x`` (..., n), float32, summed in order."""
+    x = np.ascontiguousarray(x, dtype=_F)
+    with np.errstate(all="ignore"):
+        return (_seqsum((x * x).astype(_F)) / _F(x.shape[-1])).astype(_F)
+
+
+def search_blocks(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = None, *, sigma2=None):
+    """``quantize_kquant`` of ``x`` (rows, k whole blocks) with the 32-element types' ``sigma2`` given per row
+    (``row_sigma2`` of the whole rows these blocks belong to) rather than computed from ``x``: llama.cpp's search
+    of some blocks of a wider row, as GPTQ runs it one block at a time. k-quants' sigma2 is per super-block, so
+    for them this is ``quantize_kquant``."""
+    if sigma2 is None or imatrix is None or name not in ("q4_0", "q4_1", "q5_0", "q5_1"):
+        return quantize_kquant(x, name, imatrix)
+    rows, n = x.shape
+    xb = np.ascontiguousarray(x, dtype=_F).reshape(rows * (n // 32), 32)
+    qw = np.ascontiguousarray(np.broadcast_to(np.asarray(imatrix, dtype=_F).reshape(1, n), (rows, n)))
+    L, d, m = _legacy(xb, n, qw.reshape(-1, 32), name, row_sigma2=sigma2)
+    bias = {"q4_0": 8, "q5_0": 16}.get(name, 0)
+    codes = (L - bias).astype(np.int8 if bias else np.uint8)
+    return codes.reshape(rows, n), GGUFScales(
+        d=np.asarray(d, dtype=_F).reshape(rows, n // 32),
+        dmin=None if m is None else np.asarray(m, dtype=_F).reshape(rows, n // 32),
+        scale_codes=None, min_codes=None)
+
+
 def sub_scales(p: GGUFScales, sub: int):
     """(scales, offsets) per sub-block, float32, exact: k-quants ``d * scale_code`` and ``-(dmin * min_code)``;
     32-element types ``d`` and ``m`` (held in ``dmin``). Offsets None without mins."""
@@ -679,8 +710,8 @@ def requantize(x: np.ndarray, p: GGUFScales, name: str) -> np.ndarray:
     """Codes of float32 ``x`` (..., n) under GIVEN stored scales ``p`` (a ``GGUFScales`` of x's blocks): the
     element step of llama.cpp's quantizer with the scales fixed (``element_codes`` per sub-block).
     ``requantize(x, quantize(x, k-quant).super_scales)`` gives llama.cpp's codes wherever ``d * sc`` is not 0
-    (there: code 0, value = the offset); for the 32-element types llama.cpp's codes come from the unrounded d,
-    so a few codes may differ from requantizing with the stored fp16 d."""
+    (there: code 0, Q3_K / Q6_K their lowest; value = the offset); for the 32-element types llama.cpp's codes
+    come from the unrounded d, so a few codes may differ from requantizing with the stored fp16 d."""
     from .dtypes import GGUF_DTYPES
 
     sub = GGUF_DTYPES[name].subblock_size
@@ -697,10 +728,12 @@ def element_codes(x, scale, offset, name: str) -> np.ndarray:
     (float32 arrays broadcasting against ``x``; ``offset`` None for the types without): what GPTQ needs column
     by column. A value is ``scale * code + offset`` (IQ4_NL: ``scale * levels[code]``).
 
-    k-quants: ``clamp(nearest_int((x - offset) / scale), lo, hi)`` (llama.cpp's final requantization), code 0
-    where the scale is 0. 32-element types, with ``id = 1/scale`` (0 when the scale is 0): Q4_0/Q5_0
-    ``min(2*nmax - 1, trunc(x*id + nmax + 0.5)) - nmax``, Q4_1/Q5_1 ``clamp(trunc((x - offset)*id + 0.5), 0,
-    nmax)``, Q8_0 ``roundf(x*id)``, IQ4_NL the level whose midpoint interval holds ``x*id``."""
+    k-quants: ``clamp(nearest_int((x - offset) / scale), lo, hi)`` (llama.cpp's final requantization); where the
+    scale is 0 code 0, or for q3_k / q6_k the lowest code where that gives the sign of ``x`` (so that the zero
+    values of a fake-quantized weight, -0.0 in ggml's all-zero blocks, requantize bit for bit). 32-element types,
+    with ``id = 1/scale`` (0 when the scale is 0): Q4_0/Q5_0 ``min(2*nmax - 1, trunc(x*id + nmax + 0.5)) -
+    nmax``, Q4_1/Q5_1 ``clamp(trunc((x - offset)*id + 0.5), 0, nmax)``, Q8_0 ``roundf(x*id)``, IQ4_NL the level
+    whose midpoint interval holds ``x*id``."""
     from .dtypes import GGUF_DTYPES
 
     t = GGUF_DTYPES[name]
@@ -712,7 +745,10 @@ def element_codes(x, scale, offset, name: str) -> np.ndarray:
         idv = np.where(scale != 0, _div(_F(1), scale), _F(0)).astype(_F)
         if t.is_kquant:
             num = x if off is None else (x - off).astype(_F)  # x + dmin*m
-            c = np.where(scale != 0, np.clip(nearest_int(_div(num, scale)), lo, hi), 0)
+            # a zero scale: any code gives a zero value; signed types (q3_k, q6_k) take lo where that keeps the
+            # sign of x (ggml's all-zero blocks are memset to stored code 0 = lo: -0.0 values), else 0
+            neg = (np.signbit(x) != np.signbit(scale)) if lo < 0 and off is None else False
+            c = np.where(scale != 0, np.clip(nearest_int(_div(num, scale)), lo, hi), np.where(neg, lo, 0))
         elif t.levels:
             c = _best_index(t.levels, (x * idv).astype(_F))
         elif name == "q8_0":

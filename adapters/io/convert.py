@@ -353,7 +353,8 @@ def _gguf_specs_to_float(model: nn.Module, to: str) -> list:
 
 
 def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src_fmt: str, dst: pathlib.Path, to: str, *,
-            overwrite: bool, tokenizer_pre: str, progress: bool = False, onnx_unsupported: str = "error") -> tuple:
+            overwrite: bool, tokenizer_pre: Optional[str], progress: bool = False,
+            onnx_unsupported: str = "error") -> tuple:
     """Write ``model`` in format ``to`` at ``dst``; ``(path written, notes, exporter report or None)``."""
     notes: list[str] = []
     if to == "hf":
@@ -465,7 +466,7 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
 
 
 def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to: str, overwrite: bool = False,
-            strict: bool = False, dtype: Optional[torch.dtype] = None, tokenizer_pre: str = "default",
+            strict: bool = False, dtype: Optional[torch.dtype] = None, tokenizer_pre: Optional[str] = None,
             verify: bool = True, progress: bool = False, onnx_unsupported: str = "error") -> ConvertInfo:
     """Convert the quantized checkpoint ``src`` into format ``to`` at ``dst`` (see the module docstring).
 
@@ -475,7 +476,8 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
     strict: refuse (ValueError listing the changed tensors) a conversion that is not lossless; ``dst`` is left as
         it was.
     dtype: the float dtype the model is loaded in (default: the checkpoint's).
-    tokenizer_pre: llama.cpp's pre-tokenizer name when a transformers tokenizer is converted for GGUF.
+    tokenizer_pre: llama.cpp's pre-tokenizer name when a transformers tokenizer is converted for GGUF (None: the
+        architecture's, ``formats.gguf.Arch.tokenizer_pre``).
     verify: load the destination back and compare every tensor (default; ONNX: the exporter's report).
     progress: show progress bars (one over the stages: load, write, load back and compare, move into place; the
         exporters' bars over tensors / shards where they have them). ``qcore convert`` shows them unless

@@ -7,8 +7,16 @@ head tied to ``token_embd``), Gemma2 (``gemma2``: also its sandwich norms, soft-
 (``gemma3``: also q/k norms, a rope base per layer type), Phi-3
 (``phi3``: fused ``attn_qkv`` and ``ffn_up`` holding gate and up), and the mixtures of experts: Mixtral
 (``llama`` with experts), Qwen2-MoE (``qwen2moe``, with its shared expert ``ffn_*_shexp``), Qwen3-MoE
-(``qwen3moe``). The tensor names come from the record (``gguf_names``; the fused experts module of each layer,
-``_expert_names``, as the 3-D ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` ``[E, out, in]``: gate and
+(``qwen3moe``), GPT-2 (``gpt2``) and GPT-NeoX (``gptneox``): LayerNorms written with their biases
+(``formats.gguf.Arch.norm``), biases on every projection, the fused ``attn_qkv``; GPT-2's learned positions
+(``position_embd``, the record's ``pos_embed``) and its transformers ``Conv1D`` projections (weights stored
+``[in, out]``) written as the Linear ``[out, in]`` they are (quantized: their canonical layout already; float:
+transposed); GPT-NeoX's ``query_key_value`` rows, interleaved per head (the record's ``qkv_layout``
+``per_head``), reordered to llama.cpp's ``[q | k | v]`` (``formats.gguf.qkv_heads_to_gguf``: weights, biases,
+block bytes, codes and scales move with their rows), its partial rotary as ``rope.dimension_count``, its head
+written even when tied (llama.cpp's graph always reads ``output``). The tensor names come from the record
+(``gguf_names``; the fused experts module of each layer, ``_expert_names``, as the 3-D ``ffn_gate_exps`` /
+``ffn_up_exps`` / ``ffn_down_exps`` ``[E, out, in]``: gate and
 up are the two halves of each expert's ``gate_up_proj`` rows); every other family is refused before any work
 (``check_gguf``), naming its model_type and what is missing. Each expert's block matrix is encoded as a Linear
 of the same spec would be (one GGUF type per tensor), and reported per tensor.
@@ -28,7 +36,8 @@ distance from the in-memory model is reported. ``strict=True`` refuses anything 
 Float tensors: norms F32 (as llama.cpp expects), other float matrices F16 if the model holds float16, else F32.
 For ``llama`` files ``attn_q`` / ``attn_k`` rows are permuted to llama.cpp's rotary order
 (``formats.gguf.permute_qk``; llama.cpp's converter does this for ``llama`` only). A tied output head is not
-written (llama.cpp and transformers reuse ``token_embd``).
+written (llama.cpp and transformers reuse ``token_embd``), except where the graph needs one
+(``Arch.output_required``: ``gptneox``).
 
 **Activation quantization is not part of GGUF** (llama.cpp quantizes activations its own way inside its
 kernels). A model with quantized inputs or outputs (static or dynamic, incl. a KV cache) is refused unless
@@ -36,7 +45,10 @@ kernels). A model with quantized inputs or outputs (static or dynamic, incl. a K
 Online rotations (QuaRot / SpinQuant hooks) are refused: llama.cpp's graphs cannot run them.
 
 Tokenizer (llama.cpp needs one): ``tokenizer=`` a transformers BPE (byte-level, GPT-2 style) tokenizer, converted
-to ``tokenizer.ggml.*`` (model ``gpt2``, pre-tokenizer ``tokenizer_pre``), or the path of a GGUF file whose
+to ``tokenizer.ggml.*`` (model ``gpt2``, pre-tokenizer ``tokenizer_pre``, by default the architecture's
+``Arch.tokenizer_pre``: ``gpt-2`` for GPT-2 and GPT-NeoX, ``default`` elsewhere), a SentencePiece tokenizer
+(Llama-2, Mistral, Gemma, Phi-3: a slow one with ``sp_model``, or a fast one whose BPE has byte fallback; model
+``llama`` with scores and piece types, ``adapters/io/_gguf_tokenizer.py``), or the path of a GGUF file whose
 ``tokenizer.*`` fields are copied verbatim (e.g. the file the model was loaded from).
 
 Guarantees: no pickle; the write is atomic (a hidden temporary sibling file renamed into place with
@@ -48,8 +60,12 @@ Import a GGUF file (llama.cpp's format) into a transformers model with frozen qc
 
 Architectures: those qcore writes (``qcore.formats.gguf.ARCHS``): ``llama`` (Llama, and Mistral, which llama.cpp
 writes as ``llama``: it comes back as a Llama), ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``,
-and with experts ``llama`` (``expert_count`` in the metadata: Mixtral), ``qwen2moe``, ``qwen3moe``; fused experts
-come back as a frozen ``QuantExperts`` built from the blocks when their three tensors share one block type and
+``gpt2`` (GPT-2's projections come back as transformers ``Conv1D``: quantized ones as ``QuantConv1D`` from the
+blocks, float ones transposed back to ``[in, out]``), ``gptneox`` (``attn_qkv`` rows put back per head,
+``formats.gguf.qkv_heads_from_gguf``; ``partial_rotary_factor`` from ``rope.dimension_count``; a head written
+for a tied model comes back untied, with the same values), and with experts ``llama`` (``expert_count`` in the
+metadata: Mixtral), ``qwen2moe``, ``qwen3moe``; fused experts come back as a frozen ``QuantExperts`` built from
+the blocks when their three tensors share one block type and
 one qcore spec (``_import_experts``), else as float experts holding ggml's dequantization (reported).
 The model is built from the file's metadata (``formats.gguf.config_from_metadata``) as the transformers family
 whose record (``qcore.adapters.families``) names that ``gguf_arch``, and the tensor names come from the record
@@ -65,10 +81,14 @@ integer zero points (symmetric when they are all 0), MXFP4 -> mxfp4; float16 sca
 checked: ``qcore.dequantize`` of the imported parts equals ggml's dequantization (gguf-py's, bit for bit) of the
 tensor, so the model computes with exactly the values transformers' own GGUF loader would give it (in float32).
 
+A quantized token embedding becomes a frozen ``QuantEmbedding``; when the output head is tied to it
+(``tie_word_embeddings``, no ``output`` tensor) the head becomes a frozen module of the same spec sharing the
+embedding's buffers (``_tied_head_of``): llama.cpp's head multiplies by the same quantized matrix, and
+``export_gguf`` writes such a head as no tensor (``_shares_weight``), so the file goes back byte for byte.
+
 What has no exact qcore grid is imported as a float weight holding ggml's dequantization and listed in a
 warning and in the report (``how="dequantized"``), or refused with ``strict=True``:
 
-- a quantized token embedding tied to the output head (an untied one becomes a frozen ``QuantEmbedding``);
 - block types qcore has no spec for (IQ2_*, IQ3_*, TQ*, ...; k-quants etc. of fused experts): refused
   (ValueError naming the tensor) unless ``dequantize_other=True``.
 
@@ -171,9 +191,11 @@ def _family_problem(fam) -> Optional[str]:
     if fam.experts is not None and arch.moe_layer is None:
         return (f"model_type {mt!r} is not supported: its mixture-of-experts layers ({fam.experts.path}) have no "
                 f"place in llama.cpp's {arch.name!r} graph; qcore writes GGUF for {_writable()}")
-    if fam.norm not in ("rms", "rms_unit_offset") or (fam.norm == "rms_unit_offset") != (arch.norm_offset == 1.0):
+    if fam.norm != arch.family_norm:  # the graph's norm kind (Arch.norm, norm_offset) against the record's
+        how = ("a LayerNorm (weight and bias)" if arch.norm == "layernorm" else
+               f"an RMS norm times the stored weight{' + 1' if arch.norm_offset else ''}")
         return (f"model_type {mt!r} is not supported: its norms are {fam.norm!r}, llama.cpp's {arch.name!r} graph "
-                f"multiplies by the stored weight{' + 1' if arch.norm_offset else ''} after an RMS norm")
+                f"computes {how}")
     return None
 
 
@@ -228,6 +250,10 @@ def gguf_family(model: nn.Module):
     if lacking:
         raise ValueError(f"export_gguf: model_type {fam.model_type!r}: llama.cpp's {arch.name!r} graph needs "
                          f"{lacking}, which the {fam.name} record does not name")
+    if (fam.pos_embed is not None) != arch.position_embd:
+        raise ValueError(f"export_gguf: model_type {fam.model_type!r}: llama.cpp's {arch.name!r} graph "
+                         f"{'adds' if arch.position_embd else 'has no'} learned positions (position_embd); the "
+                         f"{fam.name} record's pos_embed is {fam.pos_embed!r}")
     loc = locate(model, what="export_gguf")
     if loc.prefix != fam.backbone:
         where = ("a bare backbone without its head" if loc.prefix == "" else
@@ -245,6 +271,8 @@ def gguf_names(model: nn.Module) -> dict:
     fam, loc, arch = gguf_family(model)
     n_layers = len(model.get_submodule(loc.layers))
     out = {loc.embed: "token_embd"}
+    if loc.pos_embed is not None:
+        out[loc.pos_embed] = "position_embd"
     if loc.final_norm is not None:
         out[loc.final_norm] = "output_norm"
     if loc.lm_head is not None:
@@ -306,7 +334,12 @@ def _encode_quantized(name: str, gbase: str, m: _QuantMixin, strict: bool) -> tu
         shape = m.weight_shape if m.frozen else tuple(_in_memory_weight(m).shape)
         if len(shape) != 2:
             raise ValueError(f"export_gguf: {name!r} has a weight of shape {list(shape)}; GGUF holds 2-D matrices")
-        exact, diff = _exactness(data, kind, "codes", _in_memory_weight(m))
+        ref = _in_memory_weight(m)
+        if m.weight_dtype != torch.float32:  # a model cast to float16 / bfloat16 computes with the blocks' values
+            vals = torch.from_numpy(G.dequantize(data, kind, ref.shape))  # rounded to its dtype
+            exact = torch.equal(vals.to(m.weight_dtype).float(), torch.from_numpy(ref))
+        else:
+            exact, diff = _exactness(data, kind, "codes", ref)
         if not exact:
             raise RuntimeError(f"export_gguf: {name}.weight: the {kind} blocks do not reproduce the module's weight "
                                f"(a qcore bug; please report it)")
@@ -448,9 +481,9 @@ def check_gguf(model: nn.Module, config: Optional[ModelConfig] = None, *, drop_a
     """Before any work: ValueError if ``export_gguf`` would refuse ``model`` quantized with ``config`` (default
     ``model.qcore_config``) for reasons the architecture and the config already decide (``qcore quantize
     --export gguf`` calls it before the baseline evaluation; ``export_gguf`` itself too)."""
-    from .quark_hf import export_units, refuse_conv1d, will_rotate_online
+    from .quark_hf import export_units, refuse_low_rank, will_rotate_online
     config = config if config is not None else getattr(model, "qcore_config", None)
-    refuse_conv1d(model, config, "export_gguf")
+    refuse_low_rank(model, config, "export_gguf")  # quantized Conv1D (GPT-2) is written as the Linear it is
     try:
         fam, arch, _, _ = _arch(model)
     except TypeError as e:
@@ -459,18 +492,30 @@ def check_gguf(model: nn.Module, config: Optional[ModelConfig] = None, *, drop_a
         return  # export_gguf reads the modules themselves
     if will_rotate_online(model, config):
         raise ValueError("export_gguf: the model carries online rotations; llama.cpp's graphs cannot apply them")
-    for u in export_units(model, config):
+    units = export_units(model, config)
+    for u in units:
         why = _unit_problem(u.name, [r for r in ("weight", "input", "output", "bias")
                                      if getattr(u.config, r) is not None], drop_activations)
         if why:
             raise ValueError(f"export_gguf: {why}")
-        if u.name == fam.lm_head and not arch.output:
+        if u.name == fam.lm_head and not arch.output and not _tied_same_config(model, config, u):
             raise ValueError(_head_refusal(u.name, arch))
 
 
+def _tied_same_config(model: nn.Module, config: ModelConfig, head_unit) -> bool:
+    """The head is tied to the token embedding and the config gives the embedding the head's weight config."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return False
+    from .quark_hf import export_units
+    emb = model.get_input_embeddings()
+    name = next((n for n, m in model.named_modules() if m is emb), None)
+    u = next((x for x in export_units(model, config) if x.name == name), None)
+    return u is not None and u.config.weight == head_unit.config.weight
+
+
 def _check_model(model: nn.Module, drop_activations: bool) -> tuple:
-    from .quark_hf import refuse_conv1d
-    refuse_conv1d(model, None, "export_gguf")
+    from .quark_hf import refuse_low_rank
+    refuse_low_rank(model, None, "export_gguf")
     fam, arch, meta, d = _arch(model)
     from ..passes.rotation import input_rotations
     rot = input_rotations(model)
@@ -507,6 +552,12 @@ def _tokenizer_fields(tokenizer: Any, vocab_size: int, pre: str) -> list[tuple[s
             raise ValueError(f"export_gguf: the tokenizer of {str(tokenizer)!r} has "
                              f"{len(toks[0]) if toks else 0} tokens, the model's vocab_size is {vocab_size}")
         return out
+    from ._gguf_tokenizer import sentencepiece_fields_of
+    spm = sentencepiece_fields_of(tokenizer, vocab_size)
+    if spm is not None:  # SentencePiece (Llama-2, Mistral, Gemma, Phi-3): llama.cpp's "llama" tokenizer
+        kinds = {"str": (V.STRING, None), "u32": (V.UINT32, None), "bool": (V.BOOL, None),
+                 "[str]": (V.ARRAY, V.STRING), "[f32]": (V.ARRAY, V.FLOAT32), "[i32]": (V.ARRAY, V.INT32)}
+        return [(k, v, *kinds[kind]) for k, v, kind in spm]
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise TypeError(f"export_gguf: tokenizer must be a transformers fast tokenizer or the path of a GGUF file, "
@@ -557,14 +608,16 @@ def _head_refusal(name: str, arch) -> str:
 
 
 def _check_bias(name: str, role: str, arch) -> None:
-    if role not in arch.biases:
+    if role not in arch.biases and not (arch.norm == "layernorm" and role in G.NORM_TENSORS):
         raise ValueError(f"export_gguf: {name}: llama.cpp's {arch.name!r} graph has no {role} bias")
 
 
 def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[TensorReport]]:
     """``[(gguf name, array, type name)]`` in state-dict order, and the reports of the quantized weights."""
-    n_head = int(cfg["num_attention_heads"])
-    n_kv = int(cfg.get("num_key_value_heads") or n_head)
+    from ..modules import linear_weight
+    n_head = int(model.config.num_attention_heads)  # the config's attribute (GPT-2's n_head: attribute_map)
+    n_kv = int(getattr(model.config, "num_key_value_heads", None) or n_head)
+    per_head_qkv = gguf_family(model)[0].qkv_layout == "per_head"
     names = gguf_names(model)
     experts = _expert_names(model)
     mods = {n: m for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
@@ -597,6 +650,9 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
             if mod in done:  # frozen modules hold weight_packed / weight_scale / ... instead of weight
                 continue
             done.add(mod)
+            if base == "output" and _shares_weight(mods[mod], mods.get(emb_name),
+                                                   bool(cfg.get("tie_word_embeddings"))):
+                continue  # tied to the quantized token embedding: llama.cpp computes the head with token_embd
             if base == "output" and not arch.output:
                 raise ValueError(_head_refusal(mod, arch))
             data, kind, rep = _encode_quantized(mod, base, mods[mod], strict)
@@ -606,11 +662,12 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
             name = f"{base}.{leaf}"
             if leaf == "bias":
                 _check_bias(k, role, arch)
-            if name == "output.weight" and emb is not None and t is emb:
+            if name == "output.weight" and emb is not None and t is emb and not arch.output_required:
                 continue  # tied output head: llama.cpp uses token_embd
             if name == "output.weight" and not arch.output:
                 raise ValueError(_head_refusal(mod, arch))
-            a = t.detach().float().cpu().numpy()
+            lw = linear_weight(model.get_submodule(mod)) if leaf == "weight" else None
+            a = (t if lw is None else lw).detach().float().cpu().numpy()  # Conv1D's [in, out]: as a Linear's
             if role in G.NORM_TENSORS and arch.norm_offset:
                 a = a + np.float32(arch.norm_offset)  # transformers computes x * (1 + w) in float32: the same value
             if a.ndim == 1 or t.dtype != torch.float16 or role in ("ffn_gate_inp", "ffn_gate_inp_shexp"):
@@ -619,12 +676,15 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
                 data, kind = a.astype(np.float16), "F16"
         if arch.permute_qk and role in ("attn_q", "attn_k"):
             data = G.permute_qk(data, n_head if role == "attn_q" else n_kv)
+        if per_head_qkv and role == "attn_qkv":  # rows (weight, bias, blocks) per head -> [q | k | v]
+            data = G.qkv_heads_to_gguf(data, n_head)
         tensors.append((name, np.ascontiguousarray(data), kind))
         bias = getattr(mods[mod], "bias", None) if k in owned else None
         if bias is not None:
             _check_bias(f"{mod}.bias", role, arch)
-            tensors.append((f"{base}.bias", np.ascontiguousarray(bias.detach().float().cpu().numpy(), np.float32),
-                            "F32"))
+            b = bias.detach().float().cpu().numpy()
+            tensors.append((f"{base}.bias", np.ascontiguousarray(
+                G.qkv_heads_to_gguf(b, n_head) if per_head_qkv and role == "attn_qkv" else b, np.float32), "F32"))
     if set(mods) - done:
         raise ValueError(f"export_gguf: quantized modules without tensors in the state dict: "
                          f"{sorted(set(mods) - done)[:3]}")
@@ -632,17 +692,19 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
 
 
 def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: Any = None,
-                tokenizer_pre: str = "default", strict: bool = False, drop_activations: bool = False,
+                tokenizer_pre: Optional[str] = None, strict: bool = False, drop_activations: bool = False,
                 overwrite: bool = False, name: Optional[str] = None) -> GGUFExportInfo:
     """Write ``model`` (a transformers Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Gemma3, Phi-3, Mixtral,
-    Qwen2-MoE or Qwen3-MoE quantized with
+    Qwen2-MoE, Qwen3-MoE, GPT-2 or GPT-NeoX quantized with
     ``quantize_model``, frozen or not) to the GGUF file ``path``. See the module docstring for what is written
     and when it is lossless.
 
-    tokenizer: a transformers BPE fast tokenizer, or the path of a GGUF file to copy ``tokenizer.*`` from
+    tokenizer: a transformers BPE fast tokenizer (byte-level, or SentencePiece's with byte fallback), a
+        SentencePiece tokenizer (``sp_model``), or the path of a GGUF file to copy ``tokenizer.*`` from
         (llama.cpp needs a tokenizer; transformers' GGUF model loader does not).
     tokenizer_pre: llama.cpp's pre-tokenizer name for a converted tokenizer (``"default"``, ``"smollm"``,
-        ``"llama-bpe"``, ...).
+        ``"llama-bpe"``, ``"gpt-2"``, ...); None: the architecture's (``formats.gguf.Arch.tokenizer_pre``:
+        ``"gpt-2"`` for GPT-2 and GPT-NeoX, else ``"default"``).
     strict: refuse (ValueError naming the tensor) any quantized weight that is not lossless.
     drop_activations: write a model with activation quantization, without it (else ValueError).
     overwrite: replace an existing file (else FileExistsError, before any work).
@@ -652,8 +714,8 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
     for k, v in (("strict", strict), ("drop_activations", drop_activations), ("overwrite", overwrite)):
         if not isinstance(v, bool):
             raise TypeError(f"{k} must be a bool, got {v!r}")
-    if not isinstance(tokenizer_pre, str) or not tokenizer_pre:
-        raise TypeError(f"tokenizer_pre must be a non-empty str, got {tokenizer_pre!r}")
+    if tokenizer_pre is not None and (not isinstance(tokenizer_pre, str) or not tokenizer_pre):
+        raise TypeError(f"tokenizer_pre must be a non-empty str or None, got {tokenizer_pre!r}")
     path = pathlib.Path(path)
     if path.suffix != ".gguf":
         raise ValueError(f"path must name a .gguf file, got {str(path)!r}")
@@ -662,12 +724,13 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
     if not any(isinstance(m, _QuantMixin) for m in model.modules()):
         raise ValueError("export_gguf: the model has no qcore quantized modules; run quantize_model first")
     arch, meta, cfg, dropped = _check_model(model, drop_activations)
-    tok = None if tokenizer is None else _tokenizer_fields(tokenizer, int(cfg["vocab_size"]), tokenizer_pre)
+    tok = None if tokenizer is None else _tokenizer_fields(tokenizer, int(cfg["vocab_size"]),
+                                                           tokenizer_pre or arch.tokenizer_pre)
     tensors, reports = _plan(model, cfg, arch, strict)
 
     import gguf
     V = gguf.GGUFValueType
-    kinds = {"u32": V.UINT32, "f32": V.FLOAT32, "str": V.STRING}
+    kinds = {"u32": V.UINT32, "f32": V.FLOAT32, "str": V.STRING, "bool": V.BOOL}
     with staged_file(path, recheck=lambda: check_file_destination(path, overwrite, ())) as tmp:
         w = gguf.GGUFWriter(tmp, arch=arch.name)
         w.add_name(name or _published_name(cfg))
@@ -882,6 +945,8 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, 
                              f"describes (e.g. a bias the config does not have)")
         shape = _shape(t)
         want = tuple(params[hf].shape)
+        if _conv1d_weight(model, hf):
+            want = want[::-1]  # Conv1D's [in, out] parameter: the GGUF tensor is the Linear's [out, in]
         if shape != want:
             raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} has shape {list(shape)}; the model's "
                                          f"{hf} is {list(want)}")
@@ -904,9 +969,19 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, 
     return out, experts
 
 
+def _conv1d_weight(model: nn.Module, hf: str) -> bool:
+    """Whether ``hf`` is the weight of a float transformers ``Conv1D`` (GPT-2): stored ``[in, out]``, the transpose
+    of the GGUF tensor (a Linear's ``[out, in]``)."""
+    from ..modules import _Conv1D
+    mod_name, _, leaf = hf.rpartition(".")
+    return leaf == "weight" and _Conv1D is not None and type(model.get_submodule(mod_name)) is _Conv1D
+
+
 def _set_param(model: nn.Module, hf: str, value: torch.Tensor) -> None:
     mod_name, _, leaf = hf.rpartition(".")
     m = model.get_submodule(mod_name)
+    if _conv1d_weight(model, hf):
+        value = value.t().contiguous()  # the GGUF tensor is the Linear's [out, in]
     m._parameters[leaf] = nn.Parameter(value, requires_grad=value.is_floating_point())
 
 
@@ -1068,6 +1143,46 @@ def _same_q4_spec(s1, p1, s2, p2):
     return s1, p1, s2, p2
 
 
+def _tied_head_of(model: nn.Module, emb: nn.Module, spec, parts, shape: tuple, dtype: torch.dtype,
+                  q: _QuantMixin) -> Optional[str]:
+    """The output head tied to the quantized token embedding ``q`` (imported from ``emb``) as a frozen module of
+    the same spec sharing ``q``'s weight buffers (llama.cpp's head multiplies by the same quantized matrix); its
+    module name, or None when the model has no separate head module."""
+    head = model.get_output_embeddings()
+    name = next((n for n, m in model.named_modules() if m is head), None)
+    if head is None or name is None or head is emb or type(head) not in QUANT_CLASSES:
+        return None
+    h = QUANT_CLASSES[type(head)].from_module(head, LayerConfig(weight=TensorConfig(spec)), name=name)
+    if spec.gguf:
+        h.load_frozen_gguf(parts, shape=shape, dtype=dtype, device=torch.device("cpu"))
+    else:
+        h.load_frozen(parts, shape=shape, dtype=dtype, device=torch.device("cpu"))
+    for k, v in q._buffers.items():  # one copy of the blocks: the head's buffers are the embedding's
+        if k.startswith("weight_"):
+            h._buffers[k] = v
+    h.eval()
+    _set_module(model, name, h)
+    return name
+
+
+def _shares_weight(head: Optional[nn.Module], emb: Optional[nn.Module], tied: bool = False) -> bool:
+    """The quantized head holds the quantized token embedding's weight itself (tied: the same parameter, or the
+    same frozen buffers; on a ``tied`` model also equal ones, e.g. after a device move copied the buffers) with
+    the same spec: llama.cpp computes it with ``token_embd``."""
+    if not isinstance(head, _QuantMixin) or not isinstance(emb, _QuantMixin) \
+            or head.specs.get("weight") != emb.specs.get("weight"):
+        return False
+
+    def same(x, y):
+        return x is y or (tied and x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y.to(x.device)))
+    hw, ew = head._parameters.get("weight"), emb._parameters.get("weight")
+    if hw is not None or ew is not None:
+        return hw is not None and ew is not None and same(hw, ew)
+    hb = {k: v for k, v in head._buffers.items() if k.startswith("weight_")}
+    eb = {k: v for k, v in emb._buffers.items() if k.startswith("weight_")}
+    return bool(hb) and hb.keys() == eb.keys() and all(same(hb[k], eb[k]) for k in hb)
+
+
 def from_gguf(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = None, strict: bool = False,
               dequantize_other: bool = False) -> nn.Module:
     """Load the GGUF file ``path`` (architectures: the module docstring) as a transformers model whose
@@ -1096,6 +1211,7 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
     arch = arch.contents() if arch is not None else None
     cfg, model, names = _skeleton(reader, arch, dtype)
     a = G.ARCHS[arch]
+    per_head_qkv = gguf_family(model)[0].qkv_layout == "per_head"  # llama.cpp's [q | k | v] back to per head
     plan, experts = _plan_import_gguf(reader, model, cfg, names, strict, dequantize_other)
     n_head = int(cfg.num_attention_heads)
     n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_head)
@@ -1107,6 +1223,8 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
         role = t.name.split(".")[-2]
         if a.permute_qk and role in ("attn_q", "attn_k"):
             data = G.unpermute_qk(data, n_head if role == "attn_q" else n_kv)
+        if per_head_qkv and role == "attn_qkv":  # rows (weight, bias, blocks): codes and scales move with them
+            data = G.qkv_heads_from_gguf(data, n_head)
         if kind in _FLOAT_TYPES:
             vals = _float_values(data, kind, shape, t.name)
             if a.norm_offset and role in G.NORM_TENSORS:
@@ -1119,14 +1237,11 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
         module = model.get_submodule(mod_name)
         spec, parts, reason = None, None, ""
         if kind in G.BLOCK_KINDS:
-            if isinstance(module, nn.Embedding) and tied:
-                reason = "the token embedding is tied to the output head (a frozen module has no float weight to share)"
-            elif type(module) not in QUANT_CLASSES:
+            if type(module) not in QUANT_CLASSES:
                 reason = f"{type(module).__name__} modules are not quantized by qcore"
             elif kind in G.TYPE_BYTES:
                 spec, parts, reason = G.import_blocks(data, kind, shape, where=t.name)
-            if spec is None and kind in G.GGUF_SPEC_KINDS and type(module) in QUANT_CLASSES \
-                    and not (isinstance(module, nn.Embedding) and tied):
+            if spec is None and kind in G.GGUF_SPEC_KINDS and type(module) in QUANT_CLASSES:
                 # qcore's GGUF spec of the type (k-quants, Q5_0/Q5_1, IQ4_NL; Q4_1 with float offsets m, Q8_0
                 # blocks no int8 grid holds): the block bytes as they are
                 spec, parts, reason = qcore.make_spec(G.GGUF_SPEC_KINDS[kind]), G.gguf_spec_blocks(
@@ -1137,6 +1252,8 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
             ref = np.asarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), np.float32).reshape(shape)
             if a.permute_qk and role in ("attn_q", "attn_k"):
                 ref = G.unpermute_qk(ref, n_head if role == "attn_q" else n_kv)
+            if per_head_qkv and role == "attn_qkv":
+                ref = G.qkv_heads_from_gguf(ref, n_head)
         if spec is None:
             if strict:
                 raise ValueError(f"from_gguf(strict=True): tensor {t.name!r} ({kind}) cannot be imported as qcore "
@@ -1162,11 +1279,15 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
         _set_module(model, mod_name, q)
         specs[mod_name] = spec
         reports.append(ImportedTensor(hf, t.name, kind, "codes", spec, True, 0.0))
+        if tied and isinstance(module, nn.Embedding):
+            head = _tied_head_of(model, module, spec, parts, shape, dtype, q)
+            if head is not None:
+                specs[head] = spec
 
     for mod_name, ts in experts.items():
         _import_experts(model, mod_name, ts, dtype, strict, reports, specs, float_blocks)
 
-    if tied:
+    if tied and not any(isinstance(m, _QuantMixin) for m in [model.get_output_embeddings()]):
         model.tie_weights()
         out, emb = model.get_output_embeddings(), model.get_input_embeddings()
         if out is not None and out.weight is not emb.weight:

@@ -353,7 +353,7 @@ def export_units(model: nn.Module, config: ModelConfig) -> list[ExportUnit]:
 
 def refuse_conv1d(model: nn.Module, config: Optional[ModelConfig], who: str) -> None:
     """Before any work: ValueError naming the first module that is (or, for a float model and ``config``, will be)
-    a quantized transformers ``Conv1D`` (GPT-2's projections): ``who`` (the GGUF, ONNX and compressed-tensors
+    a quantized transformers ``Conv1D`` (GPT-2's projections): ``who`` (the ONNX and compressed-tensors
     exporters and their up-front checks) has no writer for them yet (docs/adapters.md); ``export_hf`` writes them.
     These exporters refuse SVDQuant's low-rank branches the same way, first (``refuse_low_rank``)."""
     refuse_low_rank(model, config, who)

@@ -418,13 +418,22 @@ def restore_layer_state(layer: nn.Module, saved: Mapping) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 _QFIELDS = ("codes", "scales", "zero_points", "subblock_shifts", "tensor_scale")
+_GGUF_FIELDS = ("offsets", "ss_d", "ss_dmin", "ss_scale_codes", "ss_min_codes")  # GGUF specs: offsets, super_scales
+
+
+def _field(q, f):
+    if f.startswith("ss_"):
+        ss = getattr(q, "super_scales", None)
+        return None if ss is None else getattr(ss, f[3:])
+    return getattr(q, f, None)
 
 
 def qtensor_state(q) -> dict:
-    """A QTensor as plain tensors (numpy arrays marked) and its spec's repr."""
+    """A QTensor as plain tensors (numpy arrays marked) and its spec's repr (GGUF specs: with the offsets and the
+    super-scales' fields)."""
     out: dict = {"spec": repr(q.spec), "numpy": []}
-    for f in _QFIELDS:
-        v = getattr(q, f)
+    for f in _QFIELDS + (_GGUF_FIELDS if getattr(q.spec, "gguf", "") else ()):
+        v = _field(q, f)
         if isinstance(v, np.ndarray):
             out["numpy"].append(f)
             v = torch.from_numpy(np.array(v, copy=True))
@@ -441,9 +450,14 @@ def qtensor_from_state(saved: Mapping, spec, device=None) -> Any:
     if repr(spec) != saved["spec"]:
         raise ValueError(f"work_dir: a saved QTensor has spec {saved['spec']}; this run's is {spec!r}")
     vals = {f: (saved[f].numpy() if f in saved["numpy"] and saved[f] is not None else
-                saved[f] if saved[f] is None or device is None else saved[f].to(device)) for f in _QFIELDS}
+                saved[f] if saved[f] is None or device is None else saved[f].to(device))
+            for f in _QFIELDS + _GGUF_FIELDS if f in saved}
+    ss = None
+    if "ss_d" in vals:
+        from qcore._kquants import GGUFScales
+        ss = GGUFScales(vals["ss_d"], vals["ss_dmin"], vals["ss_scale_codes"], vals["ss_min_codes"])
     return QTensor(vals["codes"], vals["scales"], vals["zero_points"], spec, subblock_shifts=vals["subblock_shifts"],
-                   tensor_scale=vals["tensor_scale"])
+                   tensor_scale=vals["tensor_scale"], offsets=vals.get("offsets"), super_scales=ss)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -120,6 +120,9 @@ def _gptq_targets(layer: nn.Module, lplans: dict, algo: GPTQConfig, prefix: str)
         if linear_weight(m) is None:
             continue  # GPTQ here covers Linear (and Conv1D) layers and fused experts; other types: round-to-nearest
         spec = linear_weight_spec(m, plan, f"{prefix}.{n}")
+        if spec.gguf and algo.name != "gptq":
+            raise ValueError(f"{algo.name}: {prefix}.{n}: GGUF weight specs ({spec.gguf}) are quantized by llama.cpp's "
+                             f"search inside GPTQ only (qcore.algorithms.gptq_gguf); use gptq, or round-to-nearest")
         try:
             check_gptq_spec(spec, tuple(linear_weight(m).shape))
         except ValueError as e:
@@ -283,7 +286,7 @@ def _concat_ok(specs: list) -> bool:
     if any(s != s0 for s in specs):
         return False
     g = s0.granularity
-    return not s0.two_level and not isinstance(g, (qcore.PerTensor, qcore.PerBlock)) and not (
+    return not s0.two_level and not s0.gguf and not isinstance(g, (qcore.PerTensor, qcore.PerBlock)) and not (
         isinstance(g, qcore.PerGroup) and g.axis % 2 == 0)
 
 
@@ -293,7 +296,7 @@ def _gptq_group(layer, names: list[str], hess: HessianStats, lplans: dict, algo:
         hess = reduce(hess)
     kw = dict(block_size=algo.block_size, damp=algo.damp, act_order=algo.act_order, static_groups=algo.static_groups)
     solve_group(layer, names, lplans, prefix, pinned, reference,
-                lambda w, spec, fn: gptq(w, hess, spec, scale_fn=fn, **kw))
+                lambda w, spec, fn, **imp: gptq(w, hess, spec, scale_fn=fn, **imp, **kw))
 
 
 def solve_group(layer, names: list[str], lplans: dict, prefix: str, pinned: dict, reference: Optional[dict],
@@ -319,7 +322,9 @@ def solve_group(layer, names: list[str], lplans: dict, prefix: str, pinned: dict
             rows += k
         return
     for n, m, spec, fn in zip(names, mods, specs, fns):
-        r = solve(linear_weight(m).detach().float().contiguous(), spec, fn)
+        imp = m.__dict__.get("_gguf_importance") if spec.gguf else None  # quantize_model(..., imatrix=)
+        r = solve(linear_weight(m).detach().float().contiguous(), spec, fn,
+                  **({} if imp is None else {"imatrix": imp}))
         _write(m, r.qtensor, pinned, f"{prefix}.{n}", reference)
 
 

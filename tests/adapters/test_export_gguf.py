@@ -310,7 +310,6 @@ def test_mistral_sliding_window_caps_the_context(zoo, tmp_path):
 
 UNSUPPORTED = {  # model_type -> what the refusal names
     "opt": "llama.cpp has no architecture for it", "bert": "does not write llama.cpp's 'bert'",
-    "gpt_neox": "does not write llama.cpp's 'gptneox'",
     "llava": "vision-language model", "gemma3": "vision-language model",
     "qwen2_vl": "does not write llama.cpp's 'qwen2vl'",
 }

@@ -240,7 +240,9 @@ def test_quantized_untied_embedding_becomes_quant_embedding(zoo, tmp_path):
     assert torch.equal(_logits(from_pretrained(tmp_path / "hf")), _logits(m))
 
 
-def test_tied_quantized_embedding_is_dequantized(zoo, tmp_path):
+def test_tied_quantized_embedding_imports_as_codes_the_head_shares(zoo, tmp_path):
+    """A quantized token_embd tied to the head: a frozen QuantEmbedding and a frozen head holding the same buffers
+    (llama.cpp's head multiplies by the same quantized matrix); the values are ggml's, as transformers' load."""
     t = transformers
     cfg = t.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
@@ -248,9 +250,13 @@ def test_tied_quantized_embedding_is_dequantized(zoo, tmp_path):
     path = _ggml_file(t.LlamaForCausalLM(cfg).eval(), tmp_path / "g.gguf", "Q8_0", embed=True)
     b, warned = _import(path)
     r = {x.gguf_name: x for x in b.qcore_gguf_report.tensors}["token_embd.weight"]
-    assert r.how == "dequantized" and "tied" in r.reason and r.exact
-    assert b.lm_head.weight is b.model.embed_tokens.weight
+    assert r.how == "codes" and r.exact and not warned
+    assert type(b.model.embed_tokens) is QuantEmbedding and type(b.lm_head) is QuantLinear
+    assert b.lm_head.weight_packed is b.model.embed_tokens.weight_packed
     assert torch.equal(_logits(b), _logits(_hf_gguf(path)))
+    export_gguf(b, tmp_path / "b.gguf")
+    assert {x.name for x in gguf.GGUFReader(tmp_path / "b.gguf").tensors} == {
+        x.name for x in gguf.GGUFReader(path).tensors}
 
 
 def test_q5_0_file_imports_as_codes(zoo, tmp_path):
@@ -347,8 +353,8 @@ def test_import_blocks_refuses_nan_scales_naming_the_tensor(zoo, tmp_path):
 @pytest.mark.real_model
 def test_smollm2_gguf_imports_with_transformers_logits(smollm2):
     """SmolLM2's shipped file is llama.cpp's Q4_1 (m = min: all 210 import as codes of the GGUF spec q4_1, float
-    offsets) plus a Q8_0 token embedding tied to the head (dequantized); every value is held exactly, so the
-    logits equal transformers' float load of the same file."""
+    offsets) plus a Q8_0 token embedding tied to the head (codes, shared by the head); every value is held
+    exactly, so the logits equal transformers' float load of the same file."""
     from qcore.adapters.eval.models import smollm2_path
     b, warned = _import(smollm2_path())
     rep = b.qcore_gguf_report
@@ -356,9 +362,8 @@ def test_smollm2_gguf_imports_with_transformers_logits(smollm2):
     counts = {}
     for r in rep.tensors:
         counts[(r.gguf_type, r.how)] = counts.get((r.gguf_type, r.how), 0) + 1
-    assert counts == {("F32", "float"): 61, ("Q4_1", "codes"): 210, ("Q8_0", "dequantized"): 1}
-    assert {r.spec.gguf for r in rep.codes} == {"q4_1"}
-    assert "1 block-quantized tensor(s)" in warned[0] and "token_embd.weight" in warned[0]
+    assert counts == {("F32", "float"): 61, ("Q4_1", "codes"): 210, ("Q8_0", "codes"): 1}
+    assert {r.spec.gguf for r in rep.codes if r.gguf_type == "Q4_1"} == {"q4_1"} and not warned
     ids = torch.randint(0, 49152, (1, 48), generator=torch.Generator().manual_seed(0))
     assert torch.equal(_logits(b, ids), _logits(smollm2[0], ids))
 
@@ -406,15 +411,16 @@ def test_head_dim_from_key_length(zoo, tmp_path):
 
 def test_architecture_qcore_does_not_read_is_refused(zoo, tmp_path):
     path = tmp_path / "g.gguf"
-    w = gguf.GGUFWriter(path, arch="gptneox")
+    w = gguf.GGUFWriter(path, arch="bloom")
     w.add_block_count(2)
     w.add_tensor("token_embd.weight", np.zeros((128, 64), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match=r"general.architecture is 'gptneox'; qcore imports \['gemma', 'gemma2', "
-                                         r"'gemma3', 'llama', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe'\]"):
+    with pytest.raises(ValueError, match=r"general.architecture is 'bloom'; qcore imports \['gemma', 'gemma2', "
+                                         r"'gemma3', 'gpt2', 'gptneox', 'llama', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', "
+                                         r"'qwen3moe'\]"):
         from_gguf(path)
     w = gguf.GGUFWriter(tmp_path / "q.gguf", arch="qwen3")  # an architecture qcore reads, without its metadata
     w.add_tensor("token_embd.weight", np.zeros((128, 64), np.float32))
