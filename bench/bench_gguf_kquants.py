@@ -54,6 +54,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import warnings
 
@@ -397,7 +398,7 @@ def _loads(m: dict) -> str:
 def markdown(res: dict, command: str) -> str:
     m = res["meta"]
     out = [SECTION, "",
-           f"SmolLM2-135M-Instruct with its weights rounded to float16; llama.cpp's quantizer "
+           textwrap.fill(f"SmolLM2-135M-Instruct with its weights rounded to float16; llama.cpp's quantizer "
            f"(llama-cpp-python {m['llama_cpp']}, `llama_model_quantize`, default params, nthread 2, no imatrix) "
            f"from the F16 GGUF of those weights, qcore from the same weights in float32. Perplexity over the "
            f"protocol's windows 0..{m['windows'] - 1} of 512 tokens, in llama.cpp and in qcore (in memory; for "
@@ -405,7 +406,7 @@ def markdown(res: dict, command: str) -> str:
            f"{20 + m['calibration_windows'] - 1}. gap = llama.cpp / qcore - 1. Types: the matrices' GGUF types "
            f"(count). {m['cpus']} CPUs, {m['threads']} threads, qcore at commit "
            f"{', '.join(sorted({r.get('commit') or '?' for r in m.get('runs') or [m]}))}; load average "
-           + _loads(m) + " (per row in GGUF_KQUANTS.json).", "",
+           + _loads(m) + " (per row in GGUF_KQUANTS.json).", width=118), "",
            "```", command, "```", "",
            "| mix | quantizer | types (histogram) | file MB | quantize s | qcore ppl | llama.cpp ppl | gap | "
            "same bytes as llama.cpp |", "|---|---|---|---|---|---|---|---|---|"]
