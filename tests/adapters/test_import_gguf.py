@@ -528,22 +528,23 @@ def test_moe_ggml_quantized_experts_import_as_codes(zoo, tmp_path):
 
 
 def test_moe_mixed_expert_types_dequantized_or_refused(zoo, tmp_path):
-    """Gate/up and down of different block types have no one qcore spec: imported as float experts holding
-    ggml's dequantization, with a warning and in the report; strict=True refuses naming the experts."""
+    """Gate and up of different block types have no one qcore spec (down may differ from them: its own GGUF spec,
+    tests/adapters/test_gguf_moe_kquants.py): imported as float experts holding ggml's dequantization, with a
+    warning and in the report; strict=True refuses naming the experts."""
     from test_export_gguf import family_quantized
     from qcore.adapters.modules import QuantExperts
     m = family_quantized(zoo, "mixtral")
     export_gguf(m, tmp_path / "m.gguf")
 
     def edit(name, t, data):
-        if name == "blk.0.ffn_down_exps.weight":
-            e, o, i = 4, 64, 128
+        if name == "blk.0.ffn_up_exps.weight":
+            e, o, i = data.shape[0], data.shape[1], 64
             vals = G.dequantize(data.reshape(e * o, -1), t, (e * o, i))
             return G.quantize_float(vals, "Q8_0").reshape(e, o, -1), "Q8_0"
         return data, t
     path = _rewrite(tmp_path / "m.gguf", tmp_path / "x.gguf", edit)
     b, warned = _import(path)
-    assert len(warned) == 1 and "blk.0.ffn_gate_exps.weight" in warned[0]
+    assert len(warned) == 1 and "blk.0.ffn_gate_exps.weight" in warned[0], warned
     assert not isinstance(b.model.layers[0].mlp.experts, QuantExperts)
     assert isinstance(b.model.layers[1].mlp.experts, QuantExperts)
     deq = b.qcore_gguf_report.dequantized
