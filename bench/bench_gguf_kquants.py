@@ -1,7 +1,8 @@
 """qcore's k-quant mixes against llama.cpp's own quantizer on SmolLM2-135M-Instruct: perplexity measured in
 llama.cpp on the protocol's windows, with file sizes (issue 25; bench/GGUF.md, bench/GGUF_KQUANTS.json).
 
-    python bench/bench_gguf_kquants.py [--mixes Q4_K_M,Q3_K_M,Q2_K] [--rows f16,llama,rtn,imatrix,gptq,gptq_only]
+    python bench/bench_gguf_kquants.py [--mixes Q4_K_M,Q3_K_M,Q2_K]
+        [--rows f16,llama,llama_imatrix,rtn,imatrix,gptq,gptq_only]
         [--windows 20] [--calib 32] [--threads 2] [--json FILE] [--md FILE] [--keep DIR] [--imatrix-file F]
     python bench/bench_gguf_kquants.py --from-json A.json,B.json --json C.json --md bench/GGUF.md
 
@@ -15,6 +16,11 @@ shipped Q4_1 GGUF) with every weight rounded to float16 (``model.half()``).
   ``llama_model_quantize_default_params()``, ``ftype`` ``LLAMA_FTYPE_MOSTLY_<mix>``, ``nthread`` 2 (no imatrix).
   ``quantize s`` is that call's wall time. Its ``qcore ppl`` is qcore's evaluation of that file imported with
   ``from_gguf`` (its k-quant / Q5_0 / Q4_0 / Q8_0 tensors as codes: exactly the file's values).
+- ``llama_imatrix`` (not in the default rows; needs ``--imatrix-file``): the same call with ``params.imatrix`` set
+  to the importance matrix of that file, the values ``llama-quantize`` passes (``in_sum2 / counts`` in float32 per
+  tensor name, ``.weight`` included: ``qcore.formats.imatrix.read_imatrix(f).quant_weights()``), so llama.cpp and
+  qcore's ``imatrix`` / ``gptq`` rows (which load the same file) quantize with identical statistics. The qcore
+  rows of a run that also has this row record ``same_bytes_as_llama_imatrix``.
 - qcore rows, each the float32 copy of the float16-rounded weights with one GGUF type per tensor: the type
   llama.cpp's quantizer chose for that tensor (read from llama.cpp's own file of the mix with gguf-py, mapped to
   module names with ``gguf_names``; the tied token embedding / head as one module pair of the embedding's type),
@@ -66,10 +72,11 @@ sys.path.insert(0, str(ROOT))  # this checkout's qcore, however the script is st
 sys.path.insert(0, str(ROOT / "bench"))
 
 MIXES = ("Q4_K_M", "Q3_K_M", "Q2_K")
-ROWS = ("f16", "llama", "rtn", "imatrix", "gptq", "gptq_only")
-DEFAULT_ROWS = ROWS[:-1]
+ROWS = ("f16", "llama", "llama_imatrix", "rtn", "imatrix", "gptq", "gptq_only")
+DEFAULT_ROWS = ("f16", "llama", "rtn", "imatrix", "gptq")
 SECTION = "## Issue 25: k-quant mixes against llama.cpp's quantizer (SmolLM2-135M)"
-QUANTIZER = {"f16": "F16 (no quantization)", "llama": "llama.cpp", "rtn": "qcore RTN",
+QUANTIZER = {"f16": "F16 (no quantization)", "llama": "llama.cpp", "llama_imatrix": "llama.cpp + imatrix",
+             "rtn": "qcore RTN",
              "imatrix": "qcore + imatrix", "gptq": "qcore + imatrix + GPTQ",
              "gptq_only": "qcore + GPTQ"}
 
@@ -107,17 +114,45 @@ def _quiet_fds(log: pathlib.Path):
                 os.close(fd)
 
 
-def llama_quantize(src: pathlib.Path, dst: pathlib.Path, mix: str, *, nthread: int = 2) -> float:
+def llama_imatrix_entries(path) -> tuple:
+    """The importance matrix of the imatrix file ``path`` (.gguf or legacy .dat) as llama.cpp's quantizer takes
+    it: a ctypes array of ``llama_model_imatrix_data`` (tensor name, float32 values, count; ended by a null name)
+    holding exactly the values ``llama-quantize`` computes from the file (``in_sum2 / counts`` in float32, 1 where
+    a count is 0). Returns ``(array, keep)``: ``keep`` owns the memory the array points into."""
+    import numpy as np
+    import llama_cpp
+    from qcore.formats.imatrix import read_imatrix
+
+    qw = read_imatrix(path).quant_weights()
+    if not qw:
+        raise ValueError(f"imatrix file {path} holds no entries")
+    names = sorted(qw)
+    arrays = [np.ascontiguousarray(qw[n], dtype=np.float32).reshape(-1) for n in names]
+    raw = [n.encode() for n in names]
+    entries = (llama_cpp.llama_model_imatrix_data * (len(names) + 1))()
+    for e, n, a in zip(entries, raw, arrays):
+        e.name, e.data, e.size = n, a.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), a.size
+    entries[len(names)].name = None  # the terminator
+    return entries, (arrays, raw)
+
+
+def llama_quantize(src: pathlib.Path, dst: pathlib.Path, mix: str, *, nthread: int = 2, imatrix=None) -> float:
     """llama.cpp's quantizer (llama-cpp-python's ``llama_model_quantize``) of the GGUF ``src`` to ``mix``
-    (``"Q4_K_M"``, ...) with the default params; seconds. RuntimeError if it fails."""
+    (``"Q4_K_M"``, ...) with the default params, and the importance matrix of the imatrix file ``imatrix`` when
+    given (``llama_imatrix_entries``); seconds. RuntimeError if it fails."""
     import llama_cpp
 
     ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{mix}", None)
     if ftype is None:
         raise ValueError(f"mix must be one of llama.cpp's ftypes (e.g. Q4_K_M), got {mix!r}")
+    if imatrix is not None and not pathlib.Path(imatrix).is_file():
+        raise ValueError(f"imatrix must be an existing imatrix file, got {imatrix!r}")
     p = llama_cpp.llama_model_quantize_default_params()
     p.ftype = ftype
     p.nthread = nthread
+    if imatrix is not None:
+        entries, keep = llama_imatrix_entries(imatrix)
+        p.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
     t = time.perf_counter()
     with _quiet_fds(dst.with_suffix(".log")):
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(p))
@@ -300,10 +335,11 @@ def run(args, command: str = "") -> dict:
         finish(row, f16)
 
     stats = None
+    qcore_rows = {"rtn", "imatrix", "gptq", "gptq_only"} & set(args.rows)
     for mix in args.mixes:
         ref = work / f"smollm2-{mix}-llama.gguf"
         ref_tensors = None
-        if "llama" in args.rows or not hasattr(A, "gguf_mix"):
+        if "llama" in args.rows or qcore_rows or not hasattr(A, "gguf_mix"):  # a few seconds: same_bytes_as_llama
             secs = llama_quantize(f16, ref, mix, nthread=2)
             ref_tensors = gguf_tensors(ref)
         if "llama" in args.rows:
@@ -315,6 +351,24 @@ def run(args, command: str = "") -> dict:
             row["qcore_ppl"], row["qcore_eval_s"] = qppl(back)
             del back
             finish(row, ref)
+        refi_tensors = None
+        if "llama_imatrix" in args.rows:
+            if stats is None:  # the file exists unless this run writes it: collect (and write) it first
+                stats = _imatrix(base, calib, args.imatrix_file, meta)
+            refi = work / f"smollm2-{mix}-llama_imatrix.gguf"
+            secs = llama_quantize(f16, refi, mix, nthread=2, imatrix=args.imatrix_file)
+            refi_tensors = gguf_tensors(refi)
+            row = dict(mix=mix, quantizer="llama_imatrix", quantize_s=secs, types=type_summary(refi_tensors),
+                       imatrix_file=str(args.imatrix_file))
+            if ref_tensors is not None:
+                row["same_bytes_as_llama"] = _bytes_same(ref_tensors, refi_tensors)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                back = A.from_gguf(refi)
+            row["import"] = back.qcore_gguf_report.summary()
+            row["qcore_ppl"], row["qcore_eval_s"] = qppl(back)
+            del back
+            finish(row, refi)
         llama_types = None if ref_tensors is None else {k: v[0] for k, v in ref_tensors.items()}
         config, source = mix_config(base, mix, llama_types)
         meta.setdefault("types_from", {})[mix] = source
@@ -358,6 +412,12 @@ def run(args, command: str = "") -> dict:
             row["lossless"] = info.lossless
             if ref_tensors is not None:
                 row["same_bytes_as_llama"] = _bytes_same(ref_tensors, tensors)
+            if refi_tensors is not None:
+                row["same_bytes_as_llama_imatrix"] = _bytes_same(refi_tensors, tensors)
+                if row["same_bytes_as_llama_imatrix"][0] < row["same_bytes_as_llama_imatrix"][1]:
+                    row["differing_from_llama_imatrix"] = sorted(
+                        k for k in tensors if k in refi_tensors and len(tensors[k][1]) == 2 and tensors[k][1][1] > 1
+                        and (tensors[k][0], tensors[k][2]) != (refi_tensors[k][0], refi_tensors[k][2]))
             del tensors
             finish(row, path)
     meta["loadavg_end"] = _loadavg()
@@ -370,7 +430,7 @@ def run(args, command: str = "") -> dict:
     return dict(meta=meta, rows=rows)
 
 
-_HEAD = (f"{'mix':<7} {'quantizer':<16} {'MB':>7} {'quant s':>8} {'qcore ppl':>10} {'llama.cpp':>10} {'gap %':>7}  "
+_HEAD = (f"{'mix':<7} {'quantizer':<22} {'MB':>7} {'quant s':>8} {'qcore ppl':>10} {'llama.cpp':>10} {'gap %':>7}  "
          f"types")
 
 
@@ -379,14 +439,17 @@ def _f(v, spec):
 
 
 def _line(r) -> str:
-    return (f"{r['mix']:<7} {QUANTIZER[r['quantizer']]:<16} {r['file_mb']:>7.2f} {_f(r.get('quantize_s'), '8.1f')} "
+    return (f"{r['mix']:<7} {QUANTIZER[r['quantizer']]:<22} {r['file_mb']:>7.2f} {_f(r.get('quantize_s'), '8.1f')} "
             f"{_f(r.get('qcore_ppl'), '10.4f')} {_f(r['llama_ppl'], '10.4f')} {_f(r.get('gap_pct'), '+7.2f')}  "
             f"{_hist_text(r['types'])}")
 
 
 def _same(r: dict) -> str:
-    s = r.get("same_bytes_as_llama")
-    return "-" if s is None else f"{s[0]}/{s[1]} matrices"
+    s, si = r.get("same_bytes_as_llama"), r.get("same_bytes_as_llama_imatrix")
+    out = [] if s is None else [f"{s[0]}/{s[1]} matrices"]
+    if si is not None:
+        out.append(f"{si[0]}/{si[1]} as llama.cpp + imatrix")
+    return "; ".join(out) or "-"
 
 
 def _loads(m: dict) -> str:
@@ -399,7 +462,8 @@ def markdown(res: dict, command: str) -> str:
     m = res["meta"]
     out = [SECTION, "",
            textwrap.fill(f"SmolLM2-135M-Instruct with its weights rounded to float16; llama.cpp's quantizer "
-           f"(llama-cpp-python {m['llama_cpp']}, `llama_model_quantize`, default params, nthread 2, no imatrix) "
+           f"(llama-cpp-python {m['llama_cpp']}, `llama_model_quantize`, default params, nthread 2; row llama.cpp: no imatrix; llama.cpp + imatrix: "
+           f"`params.imatrix` from the imatrix file the qcore rows read, the values `llama-quantize` computes) "
            f"from the F16 GGUF of those weights, qcore from the same weights in float32. Perplexity over the "
            f"protocol's windows 0..{m['windows'] - 1} of 512 tokens, in llama.cpp and in qcore (in memory; for "
            f"llama.cpp's files: `from_gguf` of the file); calibration (imatrix, GPTQ) on windows 20.."
@@ -467,6 +531,8 @@ def parse_args(argv):
         p.error(f"--windows must be 1..20 (the evaluation windows), got {args.windows}")
     if not 1 <= args.calib <= 200:
         p.error(f"--calib must be 1..200, got {args.calib}")
+    if "llama_imatrix" in args.rows and not args.imatrix_file and not args.from_json:
+        p.error("--rows llama_imatrix needs --imatrix-file (loaded when it exists, else written by the collection)")
     return args
 
 
