@@ -473,7 +473,7 @@ def markdown(res: dict, command: str) -> str:
            + _loads(m) + " (per row in GGUF_KQUANTS.json).", width=118), "",
            "```", command, "```", "",
            "| mix | quantizer | types (histogram) | file MB | quantize s | qcore ppl | llama.cpp ppl | gap | "
-           "same bytes as llama.cpp |", "|---|---|---|---|---|---|---|---|---|"]
+           "same bytes as llama.cpp (no imatrix) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         qs = r.get("quantize_s")
         if qs is not None and r.get("imatrix_s") is not None:
