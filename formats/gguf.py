@@ -718,23 +718,28 @@ def gguf_to_hf_name(name: str) -> Optional[str]:
     return None
 
 
+def _regroup_rows(rows: np.ndarray, n_head: int, k: int, dims: str, axes: tuple, who: str, what: str) -> np.ndarray:
+    """The rows (first axis) of ``n_head`` heads of ``k`` parts of ``m`` rows each, viewed as ``dims`` (a
+    permutation of ``"hkm"``: heads, parts, rows per part) with the two ``axes`` swapped: one rule for the four
+    row orders below (any array whose first axis is the rows)."""
+    r = rows.shape[0]
+    if r % (k * n_head):
+        raise ValueError(f"{who}: {r} rows do not split into {n_head} heads of {what}")
+    size = {"h": n_head, "k": k, "m": r // n_head // k}
+    return np.ascontiguousarray(rows.reshape(*(size[c] for c in dims), *rows.shape[1:]).swapaxes(*axes)
+                                .reshape(rows.shape))
+
+
 def permute_qk(rows: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's row order of ``attn_q`` (``n_head`` heads) / ``attn_k`` (``n_head_kv``): within each head,
     the rows of the two rotary halves are interleaved (convert_hf_to_gguf's ``permute``). Works on any array whose
     first axis is the output rows (floats, block bytes, per-row scales)."""
-    r = rows.shape[0]
-    if r % (2 * n_head):
-        raise ValueError(f"permute_qk: {r} rows do not split into {n_head} heads of two rotary halves")
-    return np.ascontiguousarray(rows.reshape(n_head, 2, r // n_head // 2, *rows.shape[1:]).swapaxes(1, 2)
-                                .reshape(rows.shape))
+    return _regroup_rows(rows, n_head, 2, "hkm", (1, 2), "permute_qk", "two rotary halves")
 
 
 def unpermute_qk(rows: np.ndarray, n_head: int) -> np.ndarray:
-    r = rows.shape[0]
-    if r % (2 * n_head):
-        raise ValueError(f"unpermute_qk: {r} rows do not split into {n_head} heads of two rotary halves")
-    return np.ascontiguousarray(rows.reshape(n_head, r // n_head // 2, 2, *rows.shape[1:]).swapaxes(1, 2)
-                                .reshape(rows.shape))
+    """The inverse of ``permute_qk``."""
+    return _regroup_rows(rows, n_head, 2, "hmk", (1, 2), "unpermute_qk", "two rotary halves")
 
 
 def qkv_heads_to_gguf(rows: np.ndarray, n_head: int) -> np.ndarray:
@@ -742,20 +747,12 @@ def qkv_heads_to_gguf(rows: np.ndarray, n_head: int) -> np.ndarray:
     ``qkv_layout`` ``per_head``: GPT-NeoX's ``query_key_value``, rows ``[n_head, 3 (q, k, v), head_dim]``): all q
     rows, then all k, then all v (``[3, n_head, head_dim]``, convert_hf_to_gguf's GPTNeoXModel). Works on any array
     whose first axis is the output rows (floats, biases, block bytes, per-row scales)."""
-    r = rows.shape[0]
-    if r % (3 * n_head):
-        raise ValueError(f"qkv_heads_to_gguf: {r} rows do not split into {n_head} heads of q, k and v")
-    return np.ascontiguousarray(rows.reshape(n_head, 3, r // n_head // 3, *rows.shape[1:]).swapaxes(0, 1)
-                                .reshape(rows.shape))
+    return _regroup_rows(rows, n_head, 3, "hkm", (0, 1), "qkv_heads_to_gguf", "q, k and v")
 
 
 def qkv_heads_from_gguf(rows: np.ndarray, n_head: int) -> np.ndarray:
     """The inverse of ``qkv_heads_to_gguf``: ``[3, n_head, head_dim]`` rows back to ``[n_head, 3, head_dim]``."""
-    r = rows.shape[0]
-    if r % (3 * n_head):
-        raise ValueError(f"qkv_heads_from_gguf: {r} rows do not split into {n_head} heads of q, k and v")
-    return np.ascontiguousarray(rows.reshape(3, n_head, r // n_head // 3, *rows.shape[1:]).swapaxes(0, 1)
-                                .reshape(rows.shape))
+    return _regroup_rows(rows, n_head, 3, "khm", (0, 1), "qkv_heads_from_gguf", "q, k and v")
 
 
 # (GGUF key after "{arch}.", transformers config key, kind): written by ``metadata``, read back by
