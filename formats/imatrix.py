@@ -56,6 +56,20 @@ def _stats_cls():
     return ImatrixStats
 
 
+def _checked_entries(entries: Mapping, owner: str, kind: type, empty_why: str) -> dict:
+    """``entries`` as a dict (file order) after the checks both file classes make: at least one, names non-empty
+    strings, values of the file's entry class ``kind``."""
+    ent = dict(entries)
+    if not ent:
+        raise ValueError(f"{owner}: no entries ({empty_why})")
+    for k, v in ent.items():
+        if not isinstance(k, str) or not k:
+            raise ValueError(f"{owner}: entry names must be non-empty strings, got {k!r}")
+        if not isinstance(v, kind):
+            raise TypeError(f"{owner}: entry {k!r} must be a {kind.__name__}, got {type(v).__name__}")
+    return ent
+
+
 def _f32(a, what: str) -> np.ndarray:
     a = np.asarray(a)
     if a.dtype.kind not in "fiu":
@@ -113,14 +127,8 @@ class ImatrixGGUF:
     chunk_size: int = 512
 
     def __post_init__(self):
-        ent = dict(self.entries)
-        if not ent:
-            raise ValueError("ImatrixGGUF: no entries (llama.cpp refuses an imatrix file without data)")
-        for k, v in ent.items():
-            if not isinstance(k, str) or not k:
-                raise ValueError(f"ImatrixGGUF: entry names must be non-empty strings, got {k!r}")
-            if not isinstance(v, GGUFEntry):
-                raise TypeError(f"ImatrixGGUF: entry {k!r} must be a GGUFEntry, got {type(v).__name__}")
+        ent = _checked_entries(self.entries, "ImatrixGGUF", GGUFEntry,
+                               "llama.cpp refuses an imatrix file without data")
         ds = (self.datasets,) if isinstance(self.datasets, str) else tuple(self.datasets)
         if not all(isinstance(d, str) for d in ds):
             raise TypeError(f"ImatrixGGUF: datasets must be strings, got {ds!r}")
@@ -403,14 +411,7 @@ class ImatrixDat:
     dataset: Optional[str] = None
 
     def __post_init__(self):
-        ent = dict(self.entries)
-        if not ent:
-            raise ValueError("ImatrixDat: no entries (llama.cpp refuses a file with n_entries < 1)")
-        for k, v in ent.items():
-            if not isinstance(k, str) or not k:
-                raise ValueError(f"ImatrixDat: entry names must be non-empty strings, got {k!r}")
-            if not isinstance(v, DatEntry):
-                raise TypeError(f"ImatrixDat: entry {k!r} must be a DatEntry, got {type(v).__name__}")
+        ent = _checked_entries(self.entries, "ImatrixDat", DatEntry, "llama.cpp refuses a file with n_entries < 1")
         if (self.last_call is None) != (self.dataset is None):
             raise ValueError("ImatrixDat: last_call and dataset are the file's trailer: give both or neither, got "
                              f"last_call={self.last_call!r}, dataset={self.dataset!r}")
