@@ -66,6 +66,8 @@ from qcore.granularity import to_blocks
 from qcore.rounding import RoundingMode
 from qcore.scales import _round_scale
 
+from .config import _real
+
 __all__ = ["hqq", "check_hqq_spec"]
 
 _PRECISIONS = ("float32", "float64")
@@ -89,20 +91,11 @@ def check_hqq_spec(spec: Any) -> QuantSpec:
     return spec
 
 
-def _opt(v, name, lo, hi, *, lo_open=False) -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-        raise ValueError(f"{name} must be a finite number, got {v!r}")
-    v = float(v)
-    if v < lo or v > hi or (lo_open and v == lo):
-        raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}")
-    return v
-
-
 def check_hqq_options(p, beta, kappa, iters, precision) -> None:
     """ValueError for an option out of range (shared by ``hqq`` and the config)."""
-    _opt(p, "p", 0.0, 1.0, lo_open=True)
-    _opt(beta, "beta", 0.0, 1e12, lo_open=True)
-    _opt(kappa, "kappa", 1.0, 100.0)
+    _real(p, "p", 0.0, 1.0, lo_open=True)
+    _real(beta, "beta", 0.0, 1e12, lo_open=True)
+    _real(kappa, "kappa", 1.0, 100.0)
     if isinstance(iters, bool) or not isinstance(iters, numbers.Integral) or iters < 0:
         raise ValueError(f"iters must be an int >= 0, got {iters!r}")
     if precision not in _PRECISIONS:
@@ -174,8 +167,8 @@ def hqq(weight: Any, spec: QuantSpec, *, p: float = 0.7, beta: float = 10.0, kap
     iterations."""
     check_hqq_spec(spec)
     check_hqq_options(p, beta, kappa, iters, precision)
-    _opt(error_p, "error_p", 0.0, 8.0, lo_open=True)
-    _opt(scale_floor, "scale_floor", 0.0, 1.0)
+    _real(error_p, "error_p", 0.0, 8.0, lo_open=True)
+    _real(scale_floor, "scale_floor", 0.0, 1.0)
     if not (is_torch(weight) or isinstance(weight, np.ndarray)):
         raise TypeError(f"weight must be a numpy array or a torch tensor, got {type(weight).__name__}")
     if is_torch(weight) and (weight.is_complex() or not weight.is_floating_point()):
