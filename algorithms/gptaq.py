@@ -59,7 +59,7 @@ from qcore._backend import is_torch
 
 from ._paired import PairedStats
 from .gptq import (GPTQResult, _as_array, _assemble, _check_loop_options, _dead_inputs, _group_setup, _lib,
-                   _np_view, _per_row, _symmetrize_, _to_numpy, _upper_factor, check_gptq_spec)
+                   _np_view, _numpy_column_quantizers, _symmetrize_, _to_numpy, _upper_factor, check_gptq_spec)
 
 __all__ = ["gptaq"]
 
@@ -190,24 +190,7 @@ def _columns(W, U, P, lib, n_out, n, block_size, width, group_of, pos_of, group_
     operations on views, block products in the arrays' own library). ``W`` is updated in place; returns
     ``(Q, loss)`` (``loss``: GPTQ's ``sum(err^2) / 2`` of the scaled errors)."""
     row_spec = dataclasses.replace(spec, granularity=PerChannel(0))
-    quantizers: dict = {}
-    tl = is_torch(W)
-
-    def quantizer(gi):
-        f = quantizers.get(gi)
-        if f is None:
-            kw = group_params[gi]
-            if two_level:
-                def f(col, kw=kw):
-                    c = lib.t.from_numpy(col) if tl else col
-                    return _np_view(qcore.fake_quantize(c, spec, **kw))
-            else:
-                zp = kw.get("zero_point")
-                f = qcore.fake_quantizer(row_spec, shape=(n_out, 1), scale=_to_numpy(_per_row(kw["scale"], n_out)),
-                                         zero_point=None if zp is None else _to_numpy(_per_row(zp, n_out)))
-            quantizers[gi] = f
-        return f
-
+    quantizer = _numpy_column_quantizers(W, lib, n_out, group_params, spec, two_level, row_spec)
     Un, Pn = _np_view(U), _np_view(P)
     Q = lib.zeros((n_out, n), lib.f32, W)
     loss = 0.0

@@ -695,20 +695,11 @@ def _np_view(x):
     return x.numpy() if is_torch(x) else x
 
 
-def _columns_fast(W, U, lib, n_out, n, block_size, width, group_of, pos_of, group_params, params_of,
-                  col_quantizer, spec, two_level, row_spec):
-    """``_columns_reference`` on the CPU with the same bits and far fewer operations per column.
-
-    The per-column steps (quantize the column, its error, the rank-1 update of the block's later columns) are
-    element-wise: each result element is one correctly rounded float32 operation (the rank-1 "matmul" has one
-    product per element), so they run as numpy operations on views of the same memory, which cost about a
-    microsecond each instead of a torch dispatch (and never wake a second thread: on a loaded machine every
-    parallel region of a tiny op waited for a descheduled thread). The block working copy is kept transposed
-    (column ``i`` is a contiguous row) and only the columns after ``i`` are updated (column ``i`` is not read
-    again). Every matrix product (the lazy batch update, a group's pending updates at its first touch) and every
-    scale computation is the reference's own call on the same arrays in the same layout."""
-    Q = lib.zeros((n_out, n), lib.f32, W)
-    loss = 0.0
+def _numpy_column_quantizers(W, lib, n_out, group_params, spec, two_level, row_spec):
+    """``quantizer(group index)`` -> the fake-quantizer of one numpy column ``(n_out, 1)`` of that group (built once
+    per group): each element by its row's scale (``row_spec``, the direct per-row kernel), or for two-level specs
+    ``qcore.fake_quantize`` with the group's parameters on the weight's array kind. The CPU column loops'
+    quantizers (GPTQ's ``_columns_fast``, GPTAQ's ``_columns``)."""
     quantizers: dict = {}
 
     def quantizer(gi):
@@ -725,7 +716,24 @@ def _columns_fast(W, U, lib, n_out, n, block_size, width, group_of, pos_of, grou
                                                      _to_numpy(_per_row(kw["zero_point"], n_out))))
             quantizers[gi] = f
         return f
+    return quantizer
 
+
+def _columns_fast(W, U, lib, n_out, n, block_size, width, group_of, pos_of, group_params, params_of,
+                  col_quantizer, spec, two_level, row_spec):
+    """``_columns_reference`` on the CPU with the same bits and far fewer operations per column.
+
+    The per-column steps (quantize the column, its error, the rank-1 update of the block's later columns) are
+    element-wise: each result element is one correctly rounded float32 operation (the rank-1 "matmul" has one
+    product per element), so they run as numpy operations on views of the same memory, which cost about a
+    microsecond each instead of a torch dispatch (and never wake a second thread: on a loaded machine every
+    parallel region of a tiny op waited for a descheduled thread). The block working copy is kept transposed
+    (column ``i`` is a contiguous row) and only the columns after ``i`` are updated (column ``i`` is not read
+    again). Every matrix product (the lazy batch update, a group's pending updates at its first touch) and every
+    scale computation is the reference's own call on the same arrays in the same layout."""
+    Q = lib.zeros((n_out, n), lib.f32, W)
+    loss = 0.0
+    quantizer = _numpy_column_quantizers(W, lib, n_out, group_params, spec, two_level, row_spec)
     Un = _np_view(U)
     for i1 in range(0, n, block_size):
         i2 = min(i1 + block_size, n)
