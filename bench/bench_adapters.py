@@ -28,7 +28,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 

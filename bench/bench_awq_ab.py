@@ -35,7 +35,7 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--md", default=None)
     args = p.parse_args()
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "src"))
     import torch
 
     from qcore.adapters import preset, quantize_model

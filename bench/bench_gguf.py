@@ -32,7 +32,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's qcore, however the script is started
+sys.path.insert(0, str(ROOT / "src"))  # this checkout's qcore, however the script is started
 
 
 def llama_cpp_perplexity(path: pathlib.Path, ids, spans, threads: int) -> tuple[float, float]:

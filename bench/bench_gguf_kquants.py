@@ -68,7 +68,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's qcore, however the script is started
+sys.path.insert(0, str(ROOT / "src"))  # this checkout's qcore, however the script is started
 sys.path.insert(0, str(ROOT / "bench"))
 
 MIXES = ("Q4_K_M", "Q3_K_M", "Q2_K")

@@ -32,7 +32,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's qcore, however the script is started
+sys.path.insert(0, str(ROOT / "src"))  # this checkout's qcore, however the script is started
 
 
 def _parse(argv):

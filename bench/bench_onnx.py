@@ -1,5 +1,5 @@
 """ONNX export of SmolLM2-135M: perplexity and speed in onnxruntime (CPU) against the quantized torch model it
-was exported from, on the evaluation protocol (adapters/eval/evaluate.py: 512-token windows of pydoc_data.topics).
+was exported from, on the evaluation protocol (src/qcore/adapters/eval/evaluate.py: 512-token windows of pydoc_data.topics).
 
     python bench/bench_onnx.py [--scheme uint4_wo_64] [--formats qdq,matmulnbits] [--windows 20] [--threads 2]
                                [--json FILE]
@@ -94,5 +94,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "src"))
     main()

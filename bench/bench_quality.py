@@ -45,7 +45,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported: see the module docstring
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's qcore, however the script is started
+sys.path.insert(0, str(ROOT / "src"))  # this checkout's qcore, however the script is started
 
 import torch  # noqa: E402
 

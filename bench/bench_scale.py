@@ -44,7 +44,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HERE = pathlib.Path(__file__).resolve()
-sys.path.insert(0, str(ROOT))  # qcore from this checkout (also when not installed)
+sys.path.insert(0, str(ROOT / "src"))  # qcore from this checkout (also when not installed)
 GiB = 1024 ** 3
 
 

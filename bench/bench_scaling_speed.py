@@ -176,7 +176,7 @@ def _commit(root) -> str | None:
 def main():
     args = _parse()
     root = pathlib.Path(args.qcore_from).resolve() if args.qcore_from else ROOT
-    sys.path.insert(0, str(root))
+    sys.path.insert(0, str(root / "src") if (root / "src" / "qcore").is_dir() else str(root))  # older: qcore/ at the root
     import torch
 
     from qcore.adapters import preset, quantize_model

@@ -115,7 +115,7 @@ def _run_child(python, mode, a, b, record) -> dict:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1")
     env.pop("PYTHONPATH", None)  # each interpreter imports its own checkout's qcore
     subprocess.run([python, "-c", _CHILD, mode, str(a), str(b), str(record)], check=True, env=env,
-                   cwd=str(pathlib.Path(record).parent))  # not a checkout: its qcore/ would shadow the install
+                   cwd=str(pathlib.Path(record).parent))  # not a checkout: its src/qcore/ would shadow the install
     return json.loads(pathlib.Path(record).read_text())
 
 

@@ -1,4 +1,4 @@
-"""``qcore quantize`` and ``qcore schemes`` (listed by qcore/cli.py; parsers and commands in adapters/cli.py)."""
+"""``qcore quantize`` and ``qcore schemes`` (listed by src/qcore/cli.py; parsers and commands in src/qcore/adapters/cli.py)."""
 
 import json
 

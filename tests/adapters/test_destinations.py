@@ -316,9 +316,9 @@ def test_fsutil_replace_handles_files_links_and_failures(tmp_path):
 
 
 def test_the_writers_share_one_staged_writer():
-    """No writer hand-rolls its own staging: only qcore/_fsutil.py builds '.tmp-' / '.old-' names."""
-    root = pathlib.Path(qcore.__file__).resolve().parent.parent
-    hits = [str(p.relative_to(root)) for d in ("qcore", "adapters", "formats") for p in (root / d).rglob("*.py")
+    """No writer hand-rolls its own staging: only src/qcore/_fsutil.py builds '.tmp-' / '.old-' names."""
+    root = pathlib.Path(qcore.__file__).resolve().parent
+    hits = [str(p.relative_to(root)) for p in root.rglob("*.py")
             if p.name != "_fsutil.py" and (".tmp-" in p.read_text() or ".old-" in p.read_text()
                                            or "mkdtemp" in p.read_text())]
     assert hits == []

@@ -1,4 +1,4 @@
-"""Importance matrices of torch models (adapters/imatrix.py): collection against inputs captured by plain hooks,
+"""Importance matrices of torch models (src/qcore/adapters/imatrix.py): collection against inputs captured by plain hooks,
 padding left out, llama.cpp's names and files, and the point of it all: llama.cpp's weighted error with the
 collected imatrix is lower than without."""
 

@@ -1,7 +1,7 @@
 """The public read API of quantized modules (``_QuantMixin``: specs, float_type, weight_shape, weight_dtype,
 effective, scales, is_calibrated, static_scale_shape, observers, fake_quantize_activation, load_static_scales,
 load_bias) on every wrapper type, before and after commit and freeze; and a source check that nothing under
-adapters/ but modules.py reads a quantized module's private state."""
+src/qcore/adapters/ but modules.py reads a quantized module's private state."""
 
 import pathlib
 import re
@@ -186,7 +186,7 @@ def test_load_bias():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# nothing under adapters/ but modules.py reads a quantized module's private state
+# nothing under src/qcore/adapters/ but modules.py reads a quantized module's private state
 # ---------------------------------------------------------------------------------------------------------------
 
 #: the private members of ``_QuantMixin`` (its state and helpers); the public API stands for them
@@ -222,7 +222,7 @@ def test_no_private_module_state_outside_modules_py():
     assert len(files) > 20
     bad = [f"{p.relative_to(ADAPTERS.parent)}:{i}: {what}" for p in files for i, what in _private_reads(p.read_text())]
     assert not bad, ("read a quantized module through its public API (specs, effective, scales, ...; "
-                     "adapters/modules.py), not its private state:\n" + "\n".join(bad))
+                     "src/qcore/adapters/modules.py), not its private state:\n" + "\n".join(bad))
 
 
 def test_frozen_quantized_bias_is_quantized_once():

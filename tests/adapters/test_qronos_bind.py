@@ -1,4 +1,4 @@
-"""Qronos bound to models (adapters/passes/qronos.py): on a tiny Llama it beats round-to-nearest and GPTQ on the
+"""Qronos bound to models (src/qcore/adapters/passes/qronos.py): on a tiny Llama it beats round-to-nearest and GPTQ on the
 model output, commits its codes, exports and reloads with equal logits; ``qcore quantize --algo qronos`` works end
 to end; refusals (unknown modules, fused MoE experts) come before any weight changes."""
 

@@ -12,7 +12,7 @@ from qcore.adapters import PRESETS, LayerConfig, ModelConfig, MSE, TensorConfig,
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "formats" / "data" / "quark_configs"
 FIXTURES = sorted(p.stem for p in DATA.glob("*.json"))
-# Quark-only numerics qcore refuses (see formats/quark_hf.py): E5M3 saturating at 114688, MXINT8's 8-bit 'even',
+# Quark-only numerics qcore refuses (see src/qcore/formats/quark_hf.py): E5M3 saturating at 114688, MXINT8's 8-bit 'even',
 # progressive fp8 -> int4 weights
 NOT_CONVERTIBLE = {"amdfp4", "amdfp4_g32", "amdfp4_global16", "amdfp4_global32", "w_mxint8", "int4_fp8"}
 

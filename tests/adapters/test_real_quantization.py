@@ -1,4 +1,4 @@
-"""quantize_model on the real models, under the project's evaluation protocol (adapters/eval/evaluate.py).
+"""quantize_model on the real models, under the project's evaluation protocol (src/qcore/adapters/eval/evaluate.py).
 
 Bounds a broken quantizer cannot meet (a wrong scale rule, a wrong axis, unquantized or doubly quantized
 weights, activations calibrated on the wrong tensor all move these figures by far more than the margins), and

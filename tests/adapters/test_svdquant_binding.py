@@ -1,4 +1,4 @@
-"""SVDQuant bound to models (adapters/passes/svdquant.py): the low-rank branch on QuantLinear (fake-quantized and
+"""SVDQuant bound to models (src/qcore/adapters/passes/svdquant.py): the low-rank branch on QuantLinear (fake-quantized and
 frozen, straight-through gradients), export_hf + from_pretrained with equal logits, the exporters that cannot
 write the branch refuse it, and ``qcore quantize --algo svdquant``."""
 

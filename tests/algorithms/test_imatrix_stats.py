@@ -1,4 +1,4 @@
-"""The importance-matrix statistic (algorithms/imatrix.py) against a direct transcription of llama.cpp's
+"""The importance-matrix statistic (src/qcore/algorithms/imatrix.py) against a direct transcription of llama.cpp's
 IMatrixCollector::collect_imatrix (tools/imatrix/imatrix.cpp) and quantize.cpp's load_imatrix."""
 
 import numpy as np

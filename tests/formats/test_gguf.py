@@ -1,4 +1,4 @@
-"""formats/gguf.py: block codecs checked byte for byte against gguf-py 0.19 (ggml's reference quantizers and
+"""src/qcore/formats/gguf.py: block codecs checked byte for byte against gguf-py 0.19 (ggml's reference quantizers and
 dequantizers), and qcore grids that map exactly."""
 
 import numpy as np

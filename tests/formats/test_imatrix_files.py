@@ -1,4 +1,4 @@
-"""llama.cpp's imatrix files (formats/imatrix.py): round trips, gguf-py as the GGUF oracle, legacy bytes built by
+"""llama.cpp's imatrix files (src/qcore/formats/imatrix.py): round trips, gguf-py as the GGUF oracle, legacy bytes built by
 hand following tools/imatrix/imatrix.cpp (save_imatrix_legacy) and tools/quantize/quantize.cpp
 (load_legacy_imatrix / load_imatrix), malformed files refused."""
 

@@ -209,7 +209,7 @@ def test_inspect_of_a_gguf_file_imports_no_torch(tmp_path):
     assert "Q4_0 14" in r.stdout
 
 
-# ---- MoE checkpoints: fused experts written as per-expert Linears (adapters/io/experts.py) ----
+# ---- MoE checkpoints: fused experts written as per-expert Linears (src/qcore/adapters/io/experts.py) ----
 
 def _zoo():
     """tests/adapters/conftest.py, loaded by path (its tiny random models of TINY_SPECS)."""

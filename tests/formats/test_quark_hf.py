@@ -497,7 +497,7 @@ def test_layer_to_qcore_and_building_a_config():
 
 
 def test_imports_only_qcore_numpy_and_stdlib(numpy_only):
-    src = (pathlib.Path(__file__).resolve().parents[2] / "formats" / "quark_hf.py").read_text()
+    src = (pathlib.Path(__file__).resolve().parents[2] / "src" / "qcore" / "formats" / "quark_hf.py").read_text()
     roots = set()
     for node in ast.walk(ast.parse(src)):
         if isinstance(node, ast.Import):

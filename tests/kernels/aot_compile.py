@@ -10,7 +10,7 @@ import pathlib
 import re
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "src"))
 os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402

@@ -18,7 +18,7 @@ def test_py_typed_is_in_the_package_and_shipped():
     try:
         import tomllib  # Python 3.11+
     except ImportError:
-        assert "[tool.setuptools.package-data]" in text and 'qcore = ["py.typed"]' in text
+        assert "[tool.setuptools.package-data]" in text and 'qcore = ["py.typed"]' in text  # pragma: no cover
     else:
         assert "py.typed" in tomllib.loads(text)["tool"]["setuptools"]["package-data"]["qcore"]
 
@@ -42,6 +42,6 @@ def test_public_functions_have_annotations():
 def test_mypy_strict_on_typed_core_modules(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", "--no-error-summary",
-         "--cache-dir", str(tmp_path / "mypy_cache"), "qcore/dtypes.py", "qcore/granularity.py"],
+         "--cache-dir", str(tmp_path / "mypy_cache"), "src/qcore/dtypes.py", "src/qcore/granularity.py"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr

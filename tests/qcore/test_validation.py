@@ -582,7 +582,7 @@ def _imports(path):
 
 def test_microexp_and_elements_do_not_import_quantize():
     for mod in ("_microexp.py", "_elements.py"):
-        assert not {".quantize", "qcore.quantize"} & _imports(ROOT / "qcore" / mod), mod
+        assert not {".quantize", "qcore.quantize"} & _imports(ROOT / "src" / "qcore" / mod), mod
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -372,7 +372,7 @@ def imatrix_file(model=None, output=None, *, calib_samples: int = 32, seq_len: i
     if tok is None:
         raise ValueError(f"model {desc!r} has no tokenizer: the calibration windows need one")
     ids = E.protocol_token_ids(tok, text=text)
-    # the windows qcore quantize calibrates on (adapters/main.py _run): after the evaluation windows
+    # the windows qcore quantize calibrates on (src/qcore/adapters/main.py _run): after the evaluation windows
     n_eval = min(len(E.EVAL_WINDOWS), ids.numel() // seq_len)
     start = max(n_eval, E.CALIBRATION_START_WINDOW) if text is None else n_eval
     n = min(calib_samples, ids.numel() // seq_len - start)

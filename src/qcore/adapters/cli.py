@@ -1,7 +1,7 @@
 """The model commands of the ``qcore`` command line: ``qcore quantize``, ``qcore eval``, ``qcore schemes`` and
 ``qcore convert``: their parsers and the functions that run them.
 
-``qcore/cli.py`` (numpy only, so ``qcore conformance`` and ``qcore inspect`` work without torch) lists these
+``src/qcore/cli.py`` (numpy only, so ``qcore conformance`` and ``qcore inspect`` work without torch) lists these
 commands in ``qcore --help`` and imports this module only when one of them is parsed (``add_arguments``).
 ``qcore quantize`` is a thin parser over ``qcore.adapters.main.quantize_and_report``: it turns the flags into
 its arguments, prints the returned report and writes nothing itself.
@@ -327,7 +327,7 @@ def imatrix_command(args) -> int:
 
 
 def run(args) -> int:
-    """Entry from ``qcore/cli.py``: one-line errors (``--debug``: the traceback) and exit code 2."""
+    """Entry from ``src/qcore/cli.py``: one-line errors (``--debug``: the traceback) and exit code 2."""
     try:
         return {"quantize": quantize_command, "eval": eval_command, "schemes": schemes_command,
                 "convert": convert_command, "imatrix": imatrix_command}[args.command](args)
@@ -348,12 +348,12 @@ def run(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the parsers (qcore/cli.py lists the commands and calls add_arguments when one of them is parsed)
+# the parsers (src/qcore/cli.py lists the commands and calls add_arguments when one of them is parsed)
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
-    """The flags of model command ``name`` (quantize, eval, schemes, convert) on ``parser``, which qcore/cli.py
+    """The flags of model command ``name`` (quantize, eval, schemes, convert) on ``parser``, which src/qcore/cli.py
     created (and lists in ``qcore --help`` without importing torch); ``run`` runs the parsed command."""
     {"quantize": _add_quantize, "eval": _add_eval, "schemes": _add_schemes, "convert": _add_convert,
      "imatrix": _add_imatrix}[name](parser)

@@ -448,7 +448,7 @@ def _bump(xb, blocked, s, spec, key, o):
     return o.minimum(s + o.reshape(anyover, tuple(s.shape)), smax)
 
 
-# -- two-level scales (NVFP4): the rules are in qcore/_two_level.py ------------------------------------------
+# -- two-level scales (NVFP4): the rules are in src/qcore/_two_level.py ------------------------------------------
 
 def _tensor_scale(x, spec: QuantSpec, given, o):
     """The per-tensor float32 scale ``g`` (0-d) of a two-level spec: the validated ``given`` one, 1 (ONE), or
@@ -939,7 +939,7 @@ def fake_quantizer(spec: SpecLike, *, shape: tuple[int, ...], scale: ArrayLike, 
     return f
 
 
-# -- GGUF k-quants (spec.gguf): llama.cpp's search in qcore/_kquants.py ---------------------------------
+# -- GGUF k-quants (spec.gguf): llama.cpp's search in src/qcore/_kquants.py ---------------------------------
 
 def _gguf_inputs(x, spec: QuantSpec, scale, zero_point, key, tensor_scale, compile, imatrix):
     """Check a k-quant call's arguments before any work; returns (host float32 x, host imatrix or None, ops,

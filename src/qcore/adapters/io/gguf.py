@@ -49,7 +49,7 @@ Tokenizer (llama.cpp needs one): ``tokenizer=`` a transformers BPE (byte-level, 
 to ``tokenizer.ggml.*`` (model ``gpt2``, pre-tokenizer ``tokenizer_pre``, by default the architecture's
 ``Arch.tokenizer_pre``: ``gpt-2`` for GPT-2 and GPT-NeoX, ``default`` elsewhere), a SentencePiece tokenizer
 (Llama-2, Mistral, Gemma, Phi-3: a slow one with ``sp_model``, or a fast one whose BPE has byte fallback; model
-``llama`` with scores and piece types, ``adapters/io/_gguf_tokenizer.py``), or the path of a GGUF file whose
+``llama`` with scores and piece types, ``src/qcore/adapters/io/_gguf_tokenizer.py``), or the path of a GGUF file whose
 ``tokenizer.*`` fields are copied verbatim (e.g. the file the model was loaded from).
 
 Guarantees: no pickle; the write is atomic (a hidden temporary sibling file renamed into place with

@@ -1,5 +1,0 @@
-"""``python -m qcore ...``: the same command line as the ``qcore`` script (see qcore/cli.py)."""
-
-from .cli import main
-
-raise SystemExit(main())
