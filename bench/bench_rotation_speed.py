@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from qcore.adapters import preset, quantize_model  # noqa: E402
 from qcore.adapters.passes import rotation as R  # noqa: E402
 from qcore.adapters.passes import spinquant as S  # noqa: E402
-from qcore.adapters.quantizer import plan_model  # noqa: E402
+from qcore.adapters.plan import plan_model  # noqa: E402
 from qcore.algorithms.config import SpinQuantConfig  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent

@@ -143,7 +143,7 @@ ADAPTER_LAYERS = [
                 "qcore.adapters._device", "qcore.adapters.gguf_names"]),
     ("modules", ["qcore.adapters.modules", "qcore.adapters.plan", "qcore.adapters.moe", "qcore.adapters._calib_tail",
                  "qcore.adapters.distributed", "qcore.adapters.triton", "qcore.adapters.gguf_mix",
-                 "qcore.adapters.imatrix", "qcore.adapters.calibrate"]),
+                 "qcore.adapters.imatrix", "qcore.adapters.calibration"]),
     ("io/eval", ["qcore.adapters.io", "qcore.adapters.eval"]),
     ("passes", ["qcore.adapters.passes", "qcore.adapters.quantizer"]),
     ("jobs", ["qcore.adapters.jobs", "qcore.adapters.cli", "qcore.adapters"]),

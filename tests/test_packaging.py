@@ -142,7 +142,7 @@ def test_installed_wheel_end_to_end(tmp_path):
     py = venv / "bin" / "python"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(HF_HUB_OFFLINE="1", QCORE_CACHE_DIR=str(tmp_path / "cache"))
-    r = subprocess.run([str(py), "-m", "pip", "install", "-q", "torch==2.13.0", f"{whl}[hf,onnx]"], env=env,
+    r = subprocess.run([str(py), "-m", "pip", "install", "-q", "torch==2.13.0", f"{whl}[hf,onnx]", "pytest"], env=env,
                        capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     work = tmp_path / "outside"  # not the checkout, not a folder that holds it

@@ -193,7 +193,7 @@ def test_smoothquant_leaves_the_float_function_unchanged(outliers):
     """With nothing quantized but the (unused) scaling, the folded model computes the same function."""
     model, data, test, ref = outliers
     m = copy.deepcopy(model)
-    from qcore.adapters.quantizer import plan_model
+    from qcore.adapters.plan import plan_model
     plans = plan_model(m, preset("int8"))
     sequential.run_algorithms(m, plans, [{"name": "smoothquant", "alpha": 0.7}], data, progress=False)
     assert not torch.equal(m.model.layers[0].input_layernorm.weight, model.model.layers[0].input_layernorm.weight)

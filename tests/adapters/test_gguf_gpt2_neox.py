@@ -299,12 +299,12 @@ def test_norm_kind_is_data_the_record_must_match():
     """What a family record must say to be written comes from the architecture (``Arch.family_norm``): a GPT-2
     record claiming RMS norms, or a Llama one claiming LayerNorms, is refused naming both."""
     from qcore.adapters.families import BY_MODEL_TYPE
-    from qcore.adapters.io.gguf import _family_problem
-    assert _family_problem(BY_MODEL_TYPE["gpt2"]) is None and _family_problem(BY_MODEL_TYPE["gpt_neox"]) is None
+    from qcore.adapters.gguf_names import family_problem
+    assert family_problem(BY_MODEL_TYPE["gpt2"]) is None and family_problem(BY_MODEL_TYPE["gpt_neox"]) is None
     assert G.ARCHS["gpt2"].family_norm == "layernorm" and G.ARCHS["gemma"].family_norm == "rms_unit_offset"
-    why = _family_problem(dataclasses.replace(BY_MODEL_TYPE["gpt2"], norm="rms"))
+    why = family_problem(dataclasses.replace(BY_MODEL_TYPE["gpt2"], norm="rms"))
     assert "its norms are 'rms', llama.cpp's 'gpt2' graph computes a LayerNorm (weight and bias)" in why
-    why = _family_problem(dataclasses.replace(BY_MODEL_TYPE["llama"], norm="layernorm"))
+    why = family_problem(dataclasses.replace(BY_MODEL_TYPE["llama"], norm="layernorm"))
     assert "its norms are 'layernorm', llama.cpp's 'llama' graph computes an RMS norm times the stored weight" in why
 
 

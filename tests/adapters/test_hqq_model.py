@@ -122,7 +122,7 @@ def test_the_layer_runner_hook_fits_the_decoder_layers_linears(setup, zoo):
     """sequential._BINDINGS["hqq"] (check / run per decoder layer, for passes that run the layer algorithms
     themselves): the same QTensors as the data-free pass, for the Linears of the decoder layers."""
     from qcore.adapters.passes import sequential
-    from qcore.adapters.quantizer import plan_model
+    from qcore.adapters.plan import plan_model
     model, _ = setup
     m = copy.deepcopy(model)
     cfg = _uint4()

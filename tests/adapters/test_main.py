@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from qcore.adapters import QuantizeReport, from_pretrained, quantize_and_report  # noqa: E402
 from qcore.adapters import main as J  # noqa: E402
 from qcore.adapters.presets import preset  # noqa: E402
-from qcore.adapters.quantizer import quantized_modules  # noqa: E402
+from qcore.adapters.plan import quantized_modules  # noqa: E402
 from qcore.cli import main  # noqa: E402
 
 TIMES = ("quantize_seconds", "total_seconds", "peak_rss_bytes")  # measured: differ between two runs

@@ -315,7 +315,7 @@ def test_gptq_collects_every_experts_statistics():
     m = _starved_linear_mixtral()
     data = [_ids(10)]
     algo = {"algorithms": [{"name": "gptq", "decoder_layers": "model.layers"}]}
-    from qcore.adapters.quantizer import _as_config
+    from qcore.adapters.plan import resolve_config as _as_config
     cfg = _as_config("w_int4_per_group_sym").replace(algorithms=tuple(algo["algorithms"]))
     m2 = copy.deepcopy(m)
     quantize_model(m, cfg, data, progress=False)

@@ -45,7 +45,7 @@ def test_after_gptq_the_report_shows_the_committed_weights_not_rtn(lm_dir, gptq_
 def test_reported_sqnr_equals_the_sqnr_of_the_exported_weights(lm_dir, gptq_run):
     r, out = gptq_run
     from qcore.adapters import from_pretrained
-    from qcore.adapters.quantizer import quantized_modules
+    from qcore.adapters.plan import quantized_modules
     float_model = transformers.AutoModelForCausalLM.from_pretrained(lm_dir, dtype=torch.float32)
     q = from_pretrained(out, dtype=torch.float32)
     mods = quantized_modules(q)

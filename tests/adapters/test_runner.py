@@ -100,7 +100,7 @@ def test_a_pass_sees_the_layers_before_it_as_it_left_them(zoo):
 
 def test_gptq_equals_a_direct_computation_from_full_model_forwards(zoo):
     from qcore.adapters import preset
-    from qcore.adapters.quantizer import plan_model
+    from qcore.adapters.plan import plan_model
     from qcore.adapters.modules import linear_weight_spec
     from qcore.adapters.passes.sequential import run_algorithms
     from qcore.algorithms.gptq import HessianStats, gptq, update_hessian
@@ -146,7 +146,8 @@ def test_amp_sensitivity_equals_a_direct_full_forward(zoo):
     from qcore.adapters import ModelConfig, preset
     from qcore.adapters.passes.amp import layer_sensitivity
     from qcore.adapters.modules import wrap
-    from qcore.adapters.quantizer import _set_module, plan_model
+    from qcore.adapters._batches import _set_module
+    from qcore.adapters.plan import plan_model
 
     model = zoo.tiny_llama()
     data = zoo.token_batches(2, seed=6)

@@ -18,8 +18,9 @@ from .config import (MSE, KVCacheConfig, LayerConfig, MinMax, ModelConfig, Perce
 from .modules import (CalibrationError, QuantConv2d, QuantConvTranspose2d, QuantEmbedding, QuantEmbeddingBag,
                       QuantLinear, wrap)
 from .presets import PRESETS, preset, preset_names
-from .quantizer import (FloatWeight, calibrate, excluded_weights, freeze, model_bytes, plan_model, quantize_model,
-                        quantized_modules, unquantized_weights)
+from .plan import FloatWeight, excluded_weights, plan_model, quantized_modules, unquantized_weights
+from .calibration import calibrate, freeze, model_bytes
+from .quantizer import quantize_model
 from .io.quark_hf import ExportInfo, export_hf
 from .io import from_pretrained
 from .io.quark_hf import CorruptCheckpointError, load_quark, register_with_transformers

@@ -32,7 +32,7 @@ from .main import read_scheme_file as _read_scheme_file  # noqa: F401
 from .main import torch_dtype as _dtype
 from .main import write_report as _write_report
 from .presets import PRESETS, preset
-from .quantizer import quantized_modules
+from .plan import quantized_modules
 
 
 def _eval_text(args):

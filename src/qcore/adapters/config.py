@@ -33,6 +33,7 @@ matching ``n`` (in insertion order), then ``by_type[T]``, then ``layer`` (which 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import re
 from dataclasses import dataclass, field
@@ -798,3 +799,21 @@ def _algo_to_quark(a) -> dict:
         return parse_algorithm(a).to_quark()
     except (ValueError, TypeError):
         return dict(a)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# name patterns (exclude, by_name, KV-cache targets): glob or "re:<regex>"
+# ---------------------------------------------------------------------------------------------------------------
+
+def match_name(pattern: str, name: str) -> bool:
+    """Whether the module or parameter ``name`` matches ``pattern`` (a glob, ``fnmatch``, or ``"re:<regex>"``, a full
+    match)."""
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], name) is not None
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def match_tree(pattern: str, name: str) -> bool:
+    """``pattern`` matches ``name`` or one of its parent modules (a pattern naming a block covers the block)."""
+    parts = name.split(".")
+    return any(match_name(pattern, ".".join(parts[:i])) for i in range(len(parts), 0, -1))

@@ -7,7 +7,7 @@ type (``LayerConfig(weight=qcore.make_spec("q6_k"))``, ...), so that ``quantize_
 ``export_gguf`` writes a file whose every tensor has the type llama.cpp's ``Q4_K_M`` file has.
 ``quantize_model(model, "gguf_q4_k_m")`` does the same by preset name (``GGUF_MIX_PRESETS``).
 
-The tensor names are the model's GGUF names (``qcore.adapters.io.gguf.gguf_names``), so every family qcore writes
+The tensor names are the model's GGUF names (``qcore.adapters.gguf_names.gguf_names``), so every family qcore writes
 as GGUF works. A tied head (SmolLM2, Gemma) has no ``output.weight`` in the file: llama.cpp quantizes
 ``token_embd`` as the output (Q6_K, or Q8_0 where its rows are not a multiple of 256: SmolLM2's 576) and computes
 the head with it; the config gives the head module the embedding's spec, so the tied modules share one quantized
@@ -31,18 +31,12 @@ import qcore
 from qcore.formats import gguf as G
 from qcore.formats import gguf_mixes as GM
 
-from .config import LayerConfig, ModelConfig
+from .config import LayerConfig, ModelConfig, match_tree
+from .gguf_names import expert_names, gguf_arch, gguf_family, gguf_names
+from .modules import quantizable_type
+from .presets import GGUF_MIX_PRESETS, mix_of_preset  # noqa: F401  (re-exported: the preset names of the mixes)
 
 __all__ = ["GGUFMix", "gguf_mix", "gguf_file_types", "GGUF_MIX_PRESETS", "mix_of_preset"]
-
-#: preset names (``quantize_model(model, "gguf_q4_k_m")``, ``qcore quantize --scheme gguf_q4_k_m``) -> mix
-GGUF_MIX_PRESETS = {f"gguf_{m.lower()}": m for m in GM.MIX_NAMES}
-
-
-def mix_of_preset(name) -> Optional[str]:
-    """The llama.cpp mix a preset name stands for (``"gguf_q4_k_m"`` -> ``"Q4_K_M"``), or None."""
-    return GGUF_MIX_PRESETS.get(name) if isinstance(name, str) else None
-
 
 @dataclass(frozen=True)
 class GGUFMix:
@@ -99,9 +93,8 @@ def _file_tensors(model: nn.Module) -> tuple[dict, dict, dict]:
     ``token_embd``)."""
     import torch
 
-    from .io.gguf import _expert_names, gguf_family, gguf_names
     fam, loc, arch = gguf_family(model)
-    names, experts = gguf_names(model), _expert_names(model)
+    names, experts = gguf_names(model), expert_names(model)
     sd = model.state_dict(keep_vars=True)
     emb = sd.get(f"{loc.embed}.weight")
     shapes: dict = {}
@@ -125,9 +118,8 @@ def _file_tensors(model: nn.Module) -> tuple[dict, dict, dict]:
 
 
 def _hparams(model: nn.Module) -> dict:
-    from .io.gguf import _arch, gguf_family
     _, loc, _ = gguf_family(model)
-    _, arch, meta, cfg = _arch(model)  # what export_gguf refuses for the architecture alone, refused here too
+    _, arch, meta, cfg = gguf_arch(model)  # what export_gguf refuses for the architecture alone, refused here too
     a = arch.name
 
     def get(key, default=None):
@@ -172,19 +164,16 @@ def gguf_mix(model: nn.Module, mix: str, *, exclude: Optional[Sequence[str]] = N
         raise TypeError(f"exclude must be a list of module names / patterns, got {exclude!r}")
     if not isinstance(imatrix, bool):
         raise TypeError(f"imatrix must be a bool, got {imatrix!r}")
-    from .quantizer import _match_tree
     shapes, names, experts = _file_tensors(model)
     choices = GM.tensor_types(mix, shapes, imatrix=imatrix, **_hparams(model))
     patterns = list(exclude or ())
-    from .io.gguf import gguf_family
     _, loc, _ = gguf_family(model)
     tied = loc.lm_head is not None and "output.weight" not in shapes
     tie = {loc.embed, loc.lm_head} if tied else set()
 
     def excluded(n):
-        return any(_match_tree(p, m) for p in patterns for m in ({n} | (tie if n in tie else set())))
-    from .quantizer import _tname
-    unwrapped = {m for m in names if _tname(model.get_submodule(m)) is None}
+        return any(match_tree(p, m) for p in patterns for m in ({n} | (tie if n in tie else set())))
+    unwrapped = {m for m in names if quantizable_type(model.get_submodule(m)) is None}
     if tie & unwrapped:  # a tied pair stays float together (one weight, one config)
         unwrapped |= tie
     types, tensors, kept = {}, {}, {}
@@ -201,7 +190,7 @@ def gguf_mix(model: nn.Module, mix: str, *, exclude: Optional[Sequence[str]] = N
         if excluded(mod) or mod in unwrapped or c.type in ("F16", "F32", "BF16"):
             kept[mod] = f"llama.cpp: {c.type}; " + (
                 "excluded" if excluded(mod) else "rows of no block type: F16" if mod not in unwrapped else
-                f"qcore does not quantize {type(model.get_submodule(mod)).__name__}" if _tname(
+                f"qcore does not quantize {type(model.get_submodule(mod)).__name__}" if quantizable_type(
                     model.get_submodule(mod)) is None else "tied to a module qcore does not quantize")
             continue
         types[mod], tensors[mod] = c.type, f"{base}.weight"
@@ -224,6 +213,6 @@ def gguf_mix(model: nn.Module, mix: str, *, exclude: Optional[Sequence[str]] = N
                          f"llama.cpp's type)")
     by_name = {m: LayerConfig(weight=qcore.make_spec(t.lower())) for m, t in types.items()}
     ex = tuple(patterns) + tuple(sorted(m for m in tie if patterns and excluded(m) and
-                                        not any(_match_tree(p, m) for p in patterns)))
+                                        not any(match_tree(p, m) for p in patterns)))
     config = ModelConfig(LayerConfig(), by_name=by_name, exclude=ex)
     return GGUFMix(mix, config, types, choices, tensors, kept)

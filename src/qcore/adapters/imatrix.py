@@ -4,7 +4,7 @@
 no gradients) with a forward pre-hook on every Linear-like module (``nn.Linear`` and its qcore subclasses,
 transformers' ``Conv1D``), and returns ``{name: ImatrixStats}``: per module, the sum over calibration tokens of
 each input column's square, and the token count (``qcore.algorithms.imatrix``). Names (``names=``):
-``"gguf"`` (default) the llama.cpp tensor names ``blk.3.attn_q.weight`` (``qcore.adapters.io.gguf.gguf_names``,
+``"gguf"`` (default) the llama.cpp tensor names ``blk.3.attn_q.weight`` (``qcore.adapters.gguf_names.gguf_names``,
 the map the GGUF export writes with), so the result is the file ``llama-imatrix`` would write for the same
 model; ``"module"`` the torch module names (``model.layers.3.self_attn.q_proj``) for any model.
 
@@ -39,6 +39,7 @@ from torch import nn
 from qcore.algorithms.imatrix import ImatrixStats, quant_weights
 
 from ._batches import _call, _device_of, _progress, _to
+from .gguf_names import expert_names, gguf_names
 
 __all__ = ["collect_imatrix", "save_imatrix", "load_imatrix", "module_quant_weights", "linear_modules", "imatrix_file",
            "model_importance"]
@@ -66,7 +67,6 @@ def _key_map(model: nn.Module, names: str, process_output: bool) -> dict:
     if names == "module":
         head = _head_name(model)
         return {n: n for n in lin if process_output or n != head}
-    from .io.gguf import gguf_names
 
     try:
         g = gguf_names(model)
@@ -114,9 +114,8 @@ def _expert_keys(model: nn.Module, experts: dict, names: str) -> dict:
     """Experts module name -> (gate, up, down) statistic names."""
     if names == "module":
         return {n: (f"{n}.gate_up_proj", f"{n}.gate_up_proj", f"{n}.down_proj") for n in experts}
-    from .io.gguf import _expert_names
 
-    g = _expert_names(model)
+    g = expert_names(model)
     return {n: tuple(f"{g[n]}.{t}.weight" for t in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
             for n in experts if n in g}
 
@@ -288,7 +287,6 @@ def module_quant_weights(model: nn.Module, stats: Mapping[str, ImatrixStats]) ->
         raise TypeError(f"stats must be a mapping of name -> ImatrixStats, got {type(stats).__name__}")
     lin = linear_modules(model)
     try:
-        from .io.gguf import gguf_names
 
         g = {f"{v}.weight": k for k, v in gguf_names(model).items() if k in lin}
     except (TypeError, ValueError):
@@ -451,7 +449,6 @@ def model_importance(model: nn.Module, plans: list, imatrix, algorithms=()) -> d
             missing.append(p.name)
     if missing:
         try:
-            from .io.gguf import gguf_names
             g = gguf_names(model)
             shown = [f"{n} ({g[n]}.weight)" if n in g else n for n in missing[:5]]
         except (TypeError, ValueError):

@@ -31,6 +31,8 @@ from torch import nn
 from .eval import evaluate as E
 from .eval import models as M
 from . import quantizer as Q
+from . import plan as P
+from . import calibration as C
 from .config import LayerConfig, ModelConfig
 from .gguf_mix import GGUF_MIX_PRESETS, gguf_mix, mix_of_preset
 from .presets import PRESETS, preset
@@ -861,7 +863,7 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
         except (ValueError, TypeError) as e:
             raise CommandError(f"{names.arg('scheme', scheme_in)}: {e}") from None
         config = mix.config.replace(kv_cache=config.kv_cache, algorithms=config.algorithms)
-    plans = Q.plan_model(model, config)  # all config errors before any evaluation
+    plans = P.plan_model(model, config)  # all config errors before any evaluation
     weightless = [p.name for p in plans if p.config.weight is None]
     if out_dir is not None and weightless and (export or "hf") != "onnx":  # before any evaluation
         from .io.quark_hf import weightless_error
@@ -942,7 +944,7 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
                             work_dir=work.get("amp"), resume=o["resume"] and "amp" in work).replace(
             kv_cache=config.kv_cache, algorithms=config.algorithms)
         try:
-            plans = Q.plan_model(model, config)
+            plans = P.plan_model(model, config)
         except ValueError as e:
             if "quantizes no module" not in str(e):
                 raise
@@ -956,24 +958,24 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
     # round-to-nearest on a copy first when an algorithm runs: the report shows before and after
     rtn_errors = _rtn_errors(model, config, calib, progress=progress, imatrix=imatrix_stats) if config.algorithms and (
         o["plot"] or o["report"]) else None
-    size_before = Q.model_bytes(model)
+    size_before = C.model_bytes(model)
     t0 = time.perf_counter()
     reference: dict = {}
     Q.quantize_model(model, config, calib, progress=progress, reference=reference,
                      work_dir=work.get("algorithms"), resume=o["resume"] and "algorithms" in work,
                      imatrix=imatrix_stats)
     quantize_s = time.perf_counter() - t0
-    kept = Q.excluded_weights(model, config)  # what stays float by an exclusion: in the summary and the report
+    kept = P.excluded_weights(model, config)  # what stays float by an exclusion: in the summary and the report
     from .eval import layer_report as LR
     errors = LR.measure(model, reference, calib, max_batches=LAYER_ERROR_WINDOWS, progress=progress)
     del reference
     ppl = E.perplexity(model, tok, token_ids=ids, seq_len=seq_len, windows=windows,
                        progress=progress) if needs_eval else None
-    qmods = Q.quantized_modules(model)
+    qmods = P.quantized_modules(model)
     n_layers = len(qmods)
     static_scales = bool(calib) and any(m.static_roles() for m in qmods.values())
-    Q.freeze(model)
-    size_after = Q.model_bytes(model)
+    C.freeze(model)
+    size_after = C.model_bytes(model)
     exported: dict = {}
     if out_dir is not None:
         exported = _export(model, out_dir, export or "hf", config=config, tok=tok, model_in=model_in, o=o,

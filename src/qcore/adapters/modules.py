@@ -2242,3 +2242,12 @@ def is_fused_experts(m: nn.Module) -> bool:
     """Whether ``m`` is a fused experts module ``QuantExperts`` can quantize (float; see ``experts_layout_problem``)."""
     return (not isinstance(m, _QuantMixin) and type(m).__name__.endswith("Experts") and isinstance(
         m._parameters.get("gate_up_proj"), torch.Tensor) and experts_layout_problem(m) is None)
+
+
+def quantizable_type(m: nn.Module) -> Optional[str]:
+    """The config's type name of module ``m`` (``"Linear"``, ``"Conv2d"``, ..., ``"Conv1D"``; ``"Experts"`` for fused
+    MoE experts of a known layout and ``QuantExperts``), or None for a module qcore does not quantize (a subclass of
+    a supported type included: only the exact classes of ``QUANT_CLASSES``)."""
+    if isinstance(m, QuantExperts) or is_fused_experts(m):
+        return "Experts"
+    return next((c.__name__ for c in QUANT_CLASSES if type(m) is c), None)

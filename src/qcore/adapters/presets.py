@@ -28,10 +28,11 @@ from typing import Any, Optional
 import qcore
 from qcore import PerChannel, PerGroup, PerTensor, ScaleMode, TensorScale
 from qcore.dtypes import BlockDType, FloatDType
+from qcore.formats import gguf_mixes as GM
 
 from .config import KVCacheConfig, LayerConfig, ModelConfig, TensorConfig
 
-__all__ = ["PRESETS", "DEFAULT_GROUP_SIZE", "preset", "preset_names"]
+__all__ = ["PRESETS", "DEFAULT_GROUP_SIZE", "GGUF_MIX_PRESETS", "mix_of_preset", "preset", "preset_names"]
 
 DEFAULT_GROUP_SIZE = 128
 
@@ -94,9 +95,19 @@ PRESETS: dict[str, dict[str, tuple]] = {
 _KV = {"fp8": _FP8, "float8_e4m3fn": _FP8, "fp8_e4m3": _FP8}
 
 
+#: llama.cpp's mixes as preset names (``quantize_model(model, "gguf_q4_k_m")``, ``qcore quantize --scheme
+#: gguf_q4_k_m``) -> the mix; resolved on a model by ``qcore.adapters.gguf_mix.gguf_mix`` (a type per tensor)
+GGUF_MIX_PRESETS = {f"gguf_{m.lower()}": m for m in GM.MIX_NAMES}
+
+
+def mix_of_preset(name) -> Optional[str]:
+    """The llama.cpp mix a preset name stands for (``"gguf_q4_k_m"`` -> ``"Q4_K_M"``), or None."""
+    return GGUF_MIX_PRESETS.get(name) if isinstance(name, str) else None
+
+
 def preset_names() -> list[str]:
     """The names ``preset`` builds a config from. llama.cpp's mixes (``gguf_q4_k_m``, ...) are presets of
-    ``quantize_model`` too, resolved on the model: ``qcore.adapters.gguf_mix.GGUF_MIX_PRESETS``."""
+    ``quantize_model`` too, resolved on the model: ``GGUF_MIX_PRESETS``."""
     return list(PRESETS)
 
 
@@ -136,7 +147,6 @@ def preset(name: str, *, group_size: Optional[int] = None, kv_cache: Optional[st
     exclude: module names/patterns left in float (default: the model's output head).
     scale_mode: the E8M0 rule of MX block scales (default ``EVEN``, Quark's; ``FLOOR`` is OCP's).
     """
-    from .gguf_mix import GGUF_MIX_PRESETS
     if name in GGUF_MIX_PRESETS:
         raise ValueError(f"preset {name!r} (llama.cpp's {GGUF_MIX_PRESETS[name]}) chooses a GGUF type per tensor from "
                          f"the model's shapes and layer count: give it to quantize_model(model, {name!r}) or use "

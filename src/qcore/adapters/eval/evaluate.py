@@ -31,6 +31,8 @@ from tqdm.auto import tqdm
 
 from qcore.algorithms.metrics import mean_cosine, perplexity_from_nll, token_windows
 
+from ..plan import quantized_modules
+
 __all__ = [
     "pydoc_text", "protocol_token_ids", "perplexity", "calibration_batches", "sentence_embeddings",
     "embedding_similarity", "mean_cosine", "split_sentences", "calibration_sentences", "evaluation_sentences",
@@ -169,8 +171,7 @@ def perplexity(model, tokenizer, *, text: str | None = None, token_ids: torch.Te
     ids = _token_ids_arg(tokenizer, text, token_ids)
     spans = token_windows(ids.numel(), seq_len=seq_len, windows=windows)
 
-    from .. import quantizer as Q
-    qmods = list(Q.quantized_modules(model).values())
+    qmods = list(quantized_modules(model).values())
     key = None
     if cache and not qmods:
         from . import ppl_cache

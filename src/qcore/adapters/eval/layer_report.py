@@ -30,6 +30,8 @@ from torch import nn
 
 from qcore.algorithms.metrics import sqnr_db, sqnr_db_of_sums
 
+from ..plan import quantized_modules
+
 __all__ = ["LayerError", "measure", "ranked", "block_and_kind", "figure", "save_plot"]
 
 
@@ -64,7 +66,6 @@ def measure(model: nn.Module, reference: dict, batches: Optional[list] = None, *
     dict) in ``model`` (quantized, committed; not yet frozen). ``batches``: calibration batches (the first
     ``max_batches`` are run through the model); None or empty: output SQNRs are None."""
     from .._batches import _call, _device_of, _progress, _to
-    from ..quantizer import quantized_modules
 
     if not isinstance(reference, dict):
         raise TypeError(f"reference must be a dict of float weights, got {type(reference).__name__}")

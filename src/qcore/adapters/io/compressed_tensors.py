@@ -49,11 +49,12 @@ from qcore.formats import compressed_tensors as CT
 from qcore.formats.quark_layout import WeightParts
 from qcore.formats.safetensors_io import TensorRecord, CorruptCheckpointError, SafetensorsFile
 
-from ..config import ModelConfig, KVCacheConfig, LayerConfig, TensorConfig
+from ..config import ModelConfig, KVCacheConfig, LayerConfig, TensorConfig, match_name
 from ._records import _TORCH_ST, _record, _tensor_record, untied_state
 from .quark_hf import (QCORE_FORMAT_VERSION, _check_config_describes, _online_rotations, check_destination,
                        model_config, parse_size, weight_parts, write_checkpoint)
 from ..modules import QuantLinear, _QuantMixin, QUANT_CLASSES
+from ..plan import plan_model
 
 __all__ = ['export_compressed_tensors', 'check_ct', 'CTExportInfo', 'TensorReport', 'ct_quantization_config',
            'load_compressed_tensors', 'config_from_ct']
@@ -119,8 +120,7 @@ def _kv_role(name: str, m: _QuantMixin, config: ModelConfig) -> Optional[str]:
     kv = config.kv_cache
     if kv is None or m.qconfig.output is None or m.qconfig.output != kv.output:
         return None
-    from ..quantizer import _match
-    if not any(_match(p, name) for p in kv.targets):
+    if not any(match_name(p, name) for p in kv.targets):
         return None
     leaf = name.rsplit(".", 1)[-1]
     if leaf not in ("k_proj", "v_proj"):
@@ -606,7 +606,6 @@ def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Modu
     own = ctc.qcore if isinstance(ctc.qcore, dict) and "config" in ctc.qcore else None
     config = ModelConfig.from_dict(own["config"]) if own is not None else config_from_ct(model, ctc)
     from .._batches import _set_module
-    from ..quantizer import plan_model
     plans = plan_model(model, config, _check_float=False)  # a saved config, as it was saved
     which = _module_groups(model, ctc)
     float_here = sorted(set(which) - {p.name for p in plans if p.config.weight is not None})

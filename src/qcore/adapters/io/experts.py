@@ -32,6 +32,7 @@ from qcore.formats import quark_layout as L
 from qcore.formats.safetensors_io import CorruptCheckpointError, TensorRecord
 
 from ..modules import EXPERT_PROJS, QuantExperts, _QuantMixin, is_fused_experts
+from ..plan import default_exclude, plan_model, resolve_config
 
 __all__ = ["disk_names", "experts_layout", "experts_records", "ExpertsShell", "check_no_experts",
            "drop_expert_converters"]
@@ -53,13 +54,12 @@ def _experts_named(model: nn.Module, config: Any) -> list[str]:
         return names
     import warnings
 
-    from ..quantizer import _as_config, plan_model
     if not any(is_fused_experts(m) for m in model.modules()):
         return []
     try:
         with warnings.catch_warnings():  # plan_model's own warnings are the quantizer's to give, once
             warnings.simplefilter("ignore")
-            plans = plan_model(model, _as_config(config))
+            plans = plan_model(model, resolve_config(config))
     except (ValueError, TypeError):
         return []  # the caller's own checks say what is wrong with the config
     return [p.name for p in plans if p.type == "Experts"]
@@ -459,7 +459,6 @@ def stored_float_experts(model: nn.Module, config, checkpoint_files) -> list[str
     (AMD Quark 0.13 leaves transformers 5's fused experts float, whatever its config says): loaded float."""
     from qcore.formats.safetensors_io import SafetensorsFile
 
-    from ..quantizer import plan_model
     import warnings
     if not checkpoint_files or not any(is_fused_experts(m) for m in model.modules()):
         return []
@@ -476,6 +475,5 @@ def stored_float_experts(model: nn.Module, config, checkpoint_files) -> list[str
 
 def exclude_float_experts(model: nn.Module, config, names: list):
     """``config`` with the fused experts ``names`` (stored float) excluded: what the loaded model holds."""
-    from ..quantizer import default_exclude
     exclude = list(config.exclude) if config.exclude is not None else default_exclude(model)
     return config.replace(exclude=tuple(exclude) + tuple(n for n in names if n not in exclude))

@@ -68,7 +68,7 @@ from ._records import _ST_TORCH, _TORCH_ST, _np, _record, _tensor_record, untied
 from ..config import ModelConfig
 from ..modules import QuantExperts, QuantLinear, _QuantMixin, QUANT_CLASSES
 from .._batches import _set_module
-from ..quantizer import plan_model
+from ..plan import plan_model
 
 __all__ = ['export_hf', 'ExportInfo', 'parse_size', 'QCORE_FORMAT_VERSION', 'from_pretrained', 'load_quark',
            'register_with_transformers', 'CorruptCheckpointError']
@@ -340,7 +340,7 @@ def export_units(model: nn.Module, config: ModelConfig) -> list[ExportUnit]:
     if mods:
         return [ExportUnit(n, "Experts" if isinstance(m, QuantExperts) else m.float_type.__name__,
                            canonical_shape(m), m.qconfig) for n, m in mods]
-    from ..quantizer import plan_model
+    from ..plan import plan_model
     out = []
     for p in plan_model(model, config):
         w = getattr(model.get_submodule(p.name), "weight" if p.type != "Experts" else "gate_up_proj", None)
@@ -513,7 +513,7 @@ def _quantization_config(model: nn.Module, config: ModelConfig, layouts: dict[st
 
 def _check_config_describes(model: nn.Module, config: ModelConfig) -> None:
     """The config written must give exactly the model's quantized modules (a loader rebuilds them from it)."""
-    from ..quantizer import plan_model
+    from ..plan import plan_model
     want = {p.name: p.config for p in plan_model(model, config, _quantized_ok=True)}
     have = {n: m.qconfig for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
     for name in sorted(set(want) | set(have)):

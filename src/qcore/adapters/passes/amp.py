@@ -61,7 +61,7 @@ from qcore.algorithms.mixed_precision import DEFAULT_RESOLUTION, MixedPrecision,
 from ..config import LayerConfig, ModelConfig
 from ..modules import _norm_weight_granularity, _QuantMixin, _with_granularity, calibrating, wrap
 from .._batches import _check_batch, _describe, _device_of, _progress, _set_module, _to, logits_of
-from ..quantizer import plan_model
+from ..plan import plan_model
 
 __all__ = ["Metric", "Sensitivity", "layer_sensitivity", "amp_config", "config_from_choice", "DEFAULT_TIE", "FLOAT"]
 

@@ -430,7 +430,7 @@ def _layer_parallel(layer, stage, stats, experts, lplans, algo, prefix, reduce, 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _layers_path(algos) -> Optional[str]:
+def layers_path(algos) -> Optional[str]:
     paths = {a.decoder_layers for a in algos if a.decoder_layers is not None}
     if len(paths) > 1:
         raise ValueError(f"the algorithm configs name different decoder layers: {sorted(paths)}")
@@ -442,7 +442,7 @@ def layer_plans(model: nn.Module, plans: list, algos) -> tuple[str, nn.ModuleLis
     """``(path, layers, by_layer)``: the decoder layers the algorithms act on and, per layer, ``{name relative to
     the layer: LayerPlan}`` of its quantized modules (``qcore.adapters.passes.streaming`` shares this)."""
     check_experts_algorithms(plans, algos)  # fused MoE experts: refused by name, before any work (issue 22)
-    path, layers = find_decoder_layers(model, _layers_path(algos))
+    path, layers = find_decoder_layers(model, layers_path(algos))
     by_layer: list[dict] = [{} for _ in layers]
     for p in plans:
         if p.name.startswith(path + "."):

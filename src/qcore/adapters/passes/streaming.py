@@ -64,7 +64,8 @@ from ..io.quark_hf import checkpoint_method
 from ..io._records import _ST_TORCH
 from ..modules import calibrating, wrap
 from .._batches import _set_module
-from ..quantizer import _as_config, config_algorithms, plan_model
+from ..plan import plan_model, resolve_config
+from ..quantizer import config_algorithms
 from .runner import LayerRunner, Spill, find_decoder_layers, forward_layer
 
 _log = logging.getLogger("qcore.adapters")
@@ -274,7 +275,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
     from .._device import check_device
     device = check_device(device, what="device")
     max_bytes = parse_size(max_shard_size)
-    cfg = _as_config(config)
+    cfg = resolve_config(config)
     if data is not None:
         if isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable):
             raise TypeError(f"data must be an iterable of batches (a list or a DataLoader), got "
