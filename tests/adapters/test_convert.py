@@ -1,4 +1,4 @@
-"""``qcore.adapters.io.convert`` / ``qcore convert``: format detection, conversions measured by loading the destination
+"""``qcore.adapters.jobs.convert`` / ``qcore convert``: format detection, conversions measured by loading the destination
 back (lossless where both formats hold the grid, each changed tensor named otherwise), strict refusals that leave
 the destination untouched, the errors and the command line."""
 
@@ -15,7 +15,8 @@ pytest.importorskip("gguf")
 
 import qcore  # noqa: E402
 import qcore.adapters as A  # noqa: E402
-from qcore.adapters.io.convert import compare_models, convert, detect_format  # noqa: E402
+from qcore.adapters.io.formats import detect_format
+from qcore.adapters.jobs.convert import compare_models, convert  # noqa: E402
 
 from test_export_gguf import tiny_tokenizer  # noqa: E402
 
@@ -51,9 +52,9 @@ def _q4_1_exact():
 
 def test_detect_format(tmp_path):
     _hf_checkpoint(tmp_path / "hf", "uint4_wo_64")
-    assert detect_format(tmp_path / "hf") == "hf"
+    assert detect_format(tmp_path / "hf").name == "hf"
     (tmp_path / "x.gguf").write_bytes(b"GGUF")
-    assert detect_format(tmp_path / "x.gguf") == "gguf"
+    assert detect_format(tmp_path / "x.gguf").name == "gguf"
     plain = tmp_path / "plain"
     _llama().save_pretrained(plain)
     with pytest.raises(ValueError, match="not quantized"):

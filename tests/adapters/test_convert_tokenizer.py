@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 import qcore.adapters as A  # noqa: E402
-from qcore.adapters.io.convert import convert, load_quantized  # noqa: E402
+from qcore.adapters.jobs.convert import convert, load_quantized  # noqa: E402
 from qcore.adapters.io.gguf import export_gguf  # noqa: E402
 from qcore.cli import main  # noqa: E402
 

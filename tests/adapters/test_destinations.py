@@ -20,8 +20,8 @@ import qcore  # noqa: E402
 import qcore.adapters as A  # noqa: E402
 from qcore import _fsutil, conformance  # noqa: E402
 from qcore.adapters import cli as C  # noqa: E402
-from qcore.adapters import main as J  # noqa: E402
-from qcore.adapters.io.convert import convert  # noqa: E402
+from qcore.adapters.jobs import quantize as J  # noqa: E402
+from qcore.adapters.jobs.convert import convert  # noqa: E402
 from qcore.adapters.io.compressed_tensors import export_compressed_tensors  # noqa: E402
 from qcore.adapters.io.gguf import export_gguf, export_gguf_dir  # noqa: E402
 from qcore.adapters.io.gguf import from_gguf  # noqa: E402
@@ -338,7 +338,7 @@ def model_dirs(tmp_path_factory):
 
 
 def _no_loading(monkeypatch):
-    """Loading a model fails the test (qcore quantize loads through qcore.adapters.main, the others here)."""
+    """Loading a model fails the test (qcore quantize loads through qcore.adapters.jobs.quantize, the others here)."""
     for where in (C, J):
         monkeypatch.setattr(where, "load_model", lambda *a, **k: pytest.fail("the model was loaded before refusing"))
 
@@ -349,7 +349,7 @@ def no_work(monkeypatch):
     def fail(*a, **k):
         pytest.fail("evaluation or quantization ran before the refusal")
     monkeypatch.setattr(C.E, "perplexity", fail)
-    monkeypatch.setattr(J.Q, "quantize_model", fail)  # what qcore quantize calls (qcore.adapters.main)
+    monkeypatch.setattr(J.quantizer, "quantize_model", fail)  # what qcore quantize calls (qcore.adapters.jobs.quantize)
     from qcore.adapters.eval import layer_report
     monkeypatch.setattr(layer_report, "measure", fail)
 
@@ -453,7 +453,7 @@ def test_eval_and_convert_refuse_before_any_work(model_dirs, world, tmp_path, ca
     _no_loading(monkeypatch)
     code = main(["eval", "--model", str(model_dirs / "llama"), "--device", "nope"])
     assert code == 2 and "--device nope" in capsys.readouterr().err
-    import qcore.adapters.io.convert as CV
+    import qcore.adapters.jobs.convert as CV
     monkeypatch.setattr(CV, "load_quantized", lambda *a, **k: pytest.fail("the source was loaded before refusing"))
     before = _tree(world.root)
     for report, needle in ((tmp_path / "no" / "r.json", "does not exist"),

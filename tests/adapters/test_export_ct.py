@@ -428,7 +428,7 @@ def test_cli_export_compressed_tensors(tmp_path, capsys):
 
 def test_from_pretrained_and_cli_models_route_compressed_tensors(exports):
     from qcore.adapters import from_pretrained
-    from qcore.adapters.cli import load_model
+    from qcore.adapters.jobs.common import load_model
     m, ref, d, _ = exports["w4a16_sym_g32"]
     assert torch.equal(_logits(from_pretrained(d)), ref)
     with pytest.raises(TypeError, match="device_map"):

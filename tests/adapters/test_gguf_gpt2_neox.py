@@ -234,7 +234,7 @@ def test_llama_cpp_reads_quantized_position_embeddings(tmp_path):
 @pytest.mark.parametrize("name", ["gpt2", "neox"])
 def test_convert_hf_checkpoint_to_gguf_and_back(tmp_path, name):
     """``qcore convert`` (Python API) between export_hf's checkpoint and GGUF: lossless both ways, the same logits."""
-    from qcore.adapters.io.convert import convert
+    from qcore.adapters.jobs.convert import convert
     from qcore.adapters.io.quark_hf import export_hf, from_pretrained
     m = quantized(name)
     export_hf(m, tmp_path / "hf")

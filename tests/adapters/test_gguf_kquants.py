@@ -155,7 +155,7 @@ def test_frozen_and_fake_quantized_write_the_same_file(tmp_path):
 
 
 def test_convert_gguf_to_gguf_same_bytes(tmp_path):
-    from qcore.adapters.io.convert import convert
+    from qcore.adapters.jobs.convert import convert
     m = _quantized("q5_k")
     export_gguf(m, tmp_path / "a.gguf", tokenizer=_tokenizer())
     convert(tmp_path / "a.gguf", tmp_path / "b.gguf", to="gguf")
@@ -241,7 +241,7 @@ def test_llama_cpp_q4_k_m_imports_as_codes_and_exports_the_same_tensors(tmp_path
 def test_convert_to_hf_names_the_gguf_tensors_it_dequantizes(tmp_path):
     """HF (Quark) checkpoints have no float offsets: GGUF-spec tensors go out as float weights holding their
     exact values, each named in the report; the others stay codes; strict refuses."""
-    from qcore.adapters.io.convert import convert
+    from qcore.adapters.jobs.convert import convert
     m = tiny_llama256()
     q8 = qcore.make_spec("int8", granularity=qcore.PerGroup(32, axis=-1), scale_dtype="float16")
     cfg = ModelConfig(LayerConfig(weight=q8), by_name={"model.layers.0.mlp.down_proj": LayerConfig(weight="q4_k")})

@@ -275,7 +275,7 @@ def test_export_hf_refuses_gguf_experts_by_name(tmp_path):
 def test_convert_keeps_kquant_experts_and_dequantizes_them_for_hf(tmp_path):
     """``qcore convert``: GGUF -> GGUF keeps the experts' blocks (the same tensors); GGUF -> HF (no float offsets or
     super-block scales) writes them as float experts with their exact values, each projection listed."""
-    from qcore.adapters.io.convert import convert
+    from qcore.adapters.jobs.convert import convert
     m = tiny_moe("mixtral")
     quantize_model(m, ModelConfig(LayerConfig(weight="int4"), by_name={"*.experts": LayerConfig(
         weight=qcore.make_spec("q4_k"))}), progress=False)

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from qcore.adapters import QuantizeReport, from_pretrained, quantize_and_report  # noqa: E402
-from qcore.adapters import main as J  # noqa: E402
+from qcore.adapters.jobs import quantize as J  # noqa: E402
 from qcore.adapters.presets import preset  # noqa: E402
 from qcore.adapters.plan import quantized_modules  # noqa: E402
 from qcore.cli import main  # noqa: E402
@@ -97,8 +97,8 @@ def no_work(monkeypatch):
         pytest.fail("work started before the refusal")
     monkeypatch.setattr(J, "load_model", fail)
     monkeypatch.setattr(J.E, "perplexity", fail)
-    monkeypatch.setattr(J.Q, "quantize_model", fail)
-    monkeypatch.setattr(J.Q, "plan_model", fail)
+    monkeypatch.setattr(J.quantizer, "quantize_model", fail)
+    monkeypatch.setattr(J, "plan_model", fail)
 
 
 def _bad(lm_dir, tmp):

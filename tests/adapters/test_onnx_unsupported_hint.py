@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("onnx")
 
 import qcore.adapters as A  # noqa: E402
-from qcore.adapters.io.convert import convert  # noqa: E402
+from qcore.adapters.jobs.convert import convert  # noqa: E402
 from qcore.adapters.io.onnx import UnsupportedWeightError, export_onnx  # noqa: E402
 from qcore.cli import main  # noqa: E402
 

@@ -28,7 +28,7 @@ from .io.gguf import GGUFImportReport, from_gguf
 from .gguf_mix import GGUF_MIX_PRESETS, GGUFMix, gguf_mix
 from .distributed import Distributed
 from .passes.streaming import quantize_checkpoint
-from .main import QuantizeReport, quantize_and_report
+from .jobs.quantize import QuantizeJob, QuantizeReport, quantize_and_report
 
 register_with_transformers()  # the one registration qcore makes (documented above); a no-op without transformers
 

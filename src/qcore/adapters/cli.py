@@ -3,8 +3,9 @@
 
 ``src/qcore/cli.py`` (numpy only, so ``qcore conformance`` and ``qcore inspect`` work without torch) lists these
 commands in ``qcore --help`` and imports this module only when one of them is parsed (``add_arguments``).
-``qcore quantize`` is a thin parser over ``qcore.adapters.main.quantize_and_report``: it turns the flags into
-its arguments, prints the returned report and writes nothing itself.
+``qcore quantize`` is a thin parser over the main job (``qcore.adapters.jobs.quantize``): it turns the flags into
+the same ``QuantizeJob`` that ``quantize_and_report`` builds from its arguments, runs it, prints the returned report
+and writes nothing itself. ``qcore convert`` and ``qcore imatrix`` call their jobs the same way.
 """
 
 from __future__ import annotations
@@ -21,23 +22,34 @@ import torch
 
 from qcore._argtypes import _count, _csv, _nonnegative_number, _positive, _positive_number
 
+from qcore._fsutil import check_not_source, overlap
+from qcore.algorithms.config import parse_algorithms
+from qcore.formats.gguf_mixes import MIXES
+from qcore.formats.inspect import layout_bits_per_weight
+from qcore.formats.quark_layout import expected_weight
+
 from .eval import evaluate as E
-from . import main as J
-from .main import CommandError, load_float_model, load_model  # noqa: F401  (importable here as before)
-from .main import check_device as _check_device
-from .main import check_seq_len as _check_seq_len
-from .main import check_writable_file as _check_writable_file
-from .main import loading_bars as _loading_bars
-from .main import read_scheme_file as _read_scheme_file  # noqa: F401
-from .main import torch_dtype as _dtype
-from .main import write_report as _write_report
-from .presets import PRESETS, preset
+from .eval import lm_eval_tasks as LT
+from .io.formats import FORMATS, format_named
+from .io.onnx import UnsupportedWeightError
+from .jobs.common import CLI, CommandError, load_model, read_eval_text
+from .jobs.common import check_device as _check_device
+from .jobs.common import check_seq_len as _check_seq_len
+from .jobs.common import check_writable_file as _check_writable_file
+from .jobs.common import loading_bars as _loading_bars
+from .jobs.common import torch_dtype as _dtype
+from .jobs.common import write_report as _write_report
+from .jobs.convert import convert
+from .jobs.imatrix import imatrix_file
+from .jobs.quantize import QuantizeJob, QuantizeReport, run as run_job
+from .modules import _norm_weight_granularity, _with_granularity
 from .plan import quantized_modules
+from .presets import GGUF_MIX_PRESETS, PRESETS, preset
 
 
 def _eval_text(args):
     """The text of ``--eval-text``, or None (the protocol text)."""
-    return J.read_eval_text(args.eval_text)
+    return read_eval_text(args.eval_text)
 
 
 
@@ -48,7 +60,6 @@ def _table(rows: list[tuple[str, str]]) -> str:
 
 def _algorithms(flags: list) -> tuple:
     """``--algo`` entries (comma-separated names, or a JSON object with settings; repeated) -> algorithm configs."""
-    from qcore.algorithms.config import parse_algorithms
     try:
         items: list = []
         for a in flags:
@@ -69,10 +80,10 @@ def _algorithms(flags: list) -> tuple:
 
 
 def quantize_command(args) -> int:
-    """``qcore quantize``: the flags -> ``quantize_and_report`` (errors naming the flags) -> the printed summary."""
+    """``qcore quantize``: the flags -> the main job (errors naming the flags) -> the printed summary."""
     algos = _algorithms(args.algo) if args.algo else None
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
-    r = J._run(dict(
+    job = QuantizeJob.from_arguments(names=CLI, **dict(
         model=args.model, scheme=args.scheme, tokenizer=None, group_size=args.group_size,
         kv_cache_dtype=args.kv_cache_dtype, exclude=args.exclude, algorithms=algos, calib_samples=args.calib_samples,
         amp=args.amp, target_bits=args.target_bits, max_loss=args.max_loss, amp_samples=args.amp_samples,
@@ -82,8 +93,8 @@ def quantize_command(args) -> int:
         max_shard_size=args.max_shard_size, report=args.report or None, plot=args.plot or None,
         progress=not args.no_progress, command="qcore " + " ".join(shlex.quote(a) for a in (args.argv or [])),
         work_dir=args.work_dir or None, resume=args.resume, cache=not args.no_cache,
-        imatrix=getattr(args, "imatrix", None) or None),
-        J.CLI)
+        imatrix=getattr(args, "imatrix", None) or None))
+    r = run_job(job.check())
     if r.onnx_dequantized:
         print(f"qcore quantize: --onnx-unsupported dequantize: {len(r.onnx_dequantized)} weight(s) "
               f"onnxruntime cannot dequantize are written as dequantized float32 (e.g. "
@@ -96,7 +107,7 @@ def quantize_command(args) -> int:
     return 0
 
 
-def _summary_rows(r: J.QuantizeReport, *, report: bool) -> list[tuple[str, str]]:
+def _summary_rows(r: QuantizeReport, *, report: bool) -> list[tuple[str, str]]:
     """The rows ``qcore quantize`` prints for report ``r`` (``report``: whether --report was given)."""
     look = "the report's {} lists them)" if report else "--report FILE.json lists them)"
     rows = [("model", r.model), ("scheme", r.scheme), ("layers quantized", str(r.layers_quantized))]
@@ -174,7 +185,6 @@ def eval_command(args) -> int:
     if ppl and args.seq_len < 2:
         raise CommandError(f"--seq-len {args.seq_len}: perplexity needs windows of 2 tokens or more")
     if args.tasks:  # lm_eval present, tasks known and their documents read: all before the model loads
-        from .eval import lm_eval_tasks as LT
         try:
             LT.require_lm_eval()
             tasks = LT.load_tasks(args.tasks, num_fewshot=args.num_fewshot, progress=not args.no_progress)
@@ -223,7 +233,6 @@ def schemes_command(args) -> int:
     Linear weight (codes, scales, zero points, shared exponents; ``qcore.formats.inspect.layout_bits_per_weight``,
     the count ``qcore inspect`` makes from a checkpoint), and the spec's own count where the layout stores more
     (Quark's int8 and int4 layouts store zero points of symmetric specs)."""
-    from qcore.formats.inspect import layout_bits_per_weight
     for name in PRESETS:
         c = preset(name)
         parts = []
@@ -238,13 +247,11 @@ def schemes_command(args) -> int:
             mode = "" if role == "weight" else (" dynamic" if tc.dynamic else " static")
             parts.append(f"{role[0].upper()} {s.name or s.dtype.name} {g}{mode}")
         spec = c.layer.weight.spec
-        from .modules import _norm_weight_granularity, _with_granularity
         spec = _with_granularity(spec, _norm_weight_granularity(spec.granularity, "Linear", name, 2, SCHEMES_SHAPE))
         layout, bits = layout_bits_per_weight(spec, SCHEMES_SHAPE)
         own = spec.bits_per_element(SCHEMES_SHAPE)
         note = ""
         if abs(own - bits) > 5e-3:
-            from qcore.formats.quark_layout import expected_weight
             t = expected_weight(spec, SCHEMES_SHAPE, layout=layout)
             why = []
             if "weight_zero_point" in t:
@@ -254,24 +261,20 @@ def schemes_command(args) -> int:
                 why.append(f"each {spec.subblock_shift_bits}-bit shared-exponent shift in a byte")
             note = f" (the spec needs {own:.2f}; the {layout} layout stores {' and '.join(why) or 'more'})"
         print(f"{name:42s} {'; '.join(parts):60s} {bits:.2f} bits/weight{note}")
-    from qcore.formats.gguf_mixes import MIXES
-    from .gguf_mix import GGUF_MIX_PRESETS
     for name, mix in GGUF_MIX_PRESETS.items():  # types per tensor from the model's shapes and layers (docs/gguf.md)
         print(f"{name:42s} W llama.cpp {mix}: {MIXES[mix].default} and per-tensor types (GGUF export)")
     return 0
 
 
 def convert_command(args) -> int:
-    """``qcore convert SRC DST --to FORMAT``: ``qcore.adapters.io.convert.convert`` plus a printed report."""
-    from .io.convert import FORMATS, _norm_format, convert
+    """``qcore convert SRC DST --to FORMAT``: ``qcore.adapters.jobs.convert.convert`` plus a printed report."""
     t0 = time.perf_counter()
     try:
-        _norm_format(args.to, "--to", FORMATS)
+        format_named(args.to, what="--to")
     except (ValueError, TypeError) as e:
         raise CommandError(f"{e} (aliases: quark = hf, ct = compressed-tensors)") from None
     dtype = None if args.dtype is None else _dtype(args.dtype)
     if args.report:
-        from qcore._fsutil import check_not_source, overlap
         rp = pathlib.Path(args.report)
         if rp.exists() and rp.is_dir():
             raise CommandError(f"--report {args.report}: is a directory")
@@ -314,9 +317,7 @@ def convert_command(args) -> int:
 
 
 def imatrix_command(args) -> int:
-    """``qcore imatrix``: the flags -> ``qcore.adapters.imatrix.imatrix_file`` -> one summary line."""
-    from .imatrix import imatrix_file
-
+    """``qcore imatrix``: the flags -> ``qcore.adapters.jobs.imatrix.imatrix_file`` -> one summary line."""
     t0 = time.perf_counter()
     r = imatrix_file(args.model, args.output, calib_samples=args.calib_samples, seq_len=args.seq_len,
                      eval_text=args.eval_text, process_output=args.process_output, device=args.device,
@@ -337,8 +338,7 @@ def run(args) -> int:
     except (CommandError, ValueError, TypeError, OSError, ModuleNotFoundError, RecursionError) as e:
         if getattr(args, "debug", False):
             raise
-        onnx_mod = sys.modules.get("qcore.adapters.io.onnx")
-        if onnx_mod is not None and isinstance(e, onnx_mod.UnsupportedWeightError):
+        if isinstance(e, UnsupportedWeightError):
             e = e.with_option("--onnx-unsupported dequantize")  # the flag, not the Python argument
         msg = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
         if isinstance(e, RecursionError):
@@ -363,7 +363,7 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
 def _add_imatrix(p) -> None:
     p.description = ("Compute a causal LM's importance matrix (llama.cpp's imatrix: per weight tensor, the mean "
                      "square of each input column over the calibration tokens) and write llama.cpp's file "
-                     "(Python: qcore.adapters.imatrix.imatrix_file).")
+                     "(Python: qcore.adapters.jobs.imatrix.imatrix_file).")
     _add_model_args(p)
     for a in p._actions:  # the shared model flags, as this command uses them
         if "--eval-text" in a.option_strings:
@@ -428,11 +428,8 @@ def _add_quantize(q) -> None:
                    help="--amp: calibration windows the per-layer sensitivities are measured on (default 2)")
     q.add_argument("--output", default=None, metavar="DIR", help="write the quantized checkpoint here (with --export; "
                    "default format hf); the directory must not exist or be empty unless --overwrite")
-    q.add_argument("--export", choices=["hf", "gguf", "onnx", "compressed-tensors"], default=None, help="checkpoint format: hf = AMD "
-                   "Quark's HF layout (config.json + safetensors; vLLM, transformers + amd-quark and qcore load it); "
-                   "gguf = DIR/model.gguf for llama.cpp (Llama models; Q4_0/Q4_1/Q8_0/MXFP4; see docs/export.md); "
-                   "onnx = DIR/model.onnx for onnxruntime (Llama models, KV cache; see docs/onnx.md); compressed-tensors "
-                   "= llm-compressor's layout (vLLM, transformers + compressed-tensors; see docs/compressed_tensors.md)")
+    q.add_argument("--export", choices=list(FORMATS), default=None, help="checkpoint format (default hf): "
+                   + "; ".join(f"{f.name} = {f.summary}" for f in FORMATS.values()))
     q.add_argument("--onnx-weights", choices=["qdq", "matmulnbits"], default="qdq", help="with --export onnx: "
                    "quantized weights as DequantizeLinear (qdq, default) or 4-bit MatMulNBits where it fits")
     q.add_argument("--onnx-unsupported", choices=["error", "dequantize"], default="error", help="with --export "
@@ -483,7 +480,8 @@ def _add_convert(c) -> None:
     c.add_argument("src", help="source checkpoint: HF directory (quark, qcore or compressed-tensors) or .gguf file")
     c.add_argument("dst", help="destination: a directory, or a .gguf / .onnx file")
     c.add_argument("--to", required=True, metavar="FORMAT",
-                   help="hf (AMD Quark's layout; alias quark), gguf, compressed-tensors (alias ct) or onnx")
+                   help=", ".join(f.name + (f" (alias {', '.join(f.aliases[:1])})" if f.aliases else "")
+                                  for f in FORMATS.values()))
     c.add_argument("--strict", action="store_true", help="refuse unless lossless (dst is then left untouched)")
     c.add_argument("--overwrite", action="store_true", help="replace an existing dst")
     c.add_argument("--dtype", default=None, help="float dtype to load in: float32, bfloat16 or float16 (default: "

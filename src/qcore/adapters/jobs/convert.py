@@ -29,9 +29,10 @@ Writes are atomic (each exporter stages and renames into place) and deterministi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
-import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -39,16 +40,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from qcore import PerChannel, PerGroup, PerTensor
 from qcore._fsutil import check_not_source, staged_path
+from qcore.formats.gguf import check_file
 
+from .._batches import _set_module
+from ..io.formats import FORMATS, ExportRequest, Format, detect_format, format_named, gguf_in_dir
+from ..io.gguf import _model_config
+from ..io.onnx import UnsupportedWeightError
 from ..modules import EXPERT_PROJS, QuantExperts, _QuantMixin
 
-__all__ = ["convert", "ConvertInfo", "TensorChange", "FORMATS", "detect_format", "load_quantized",
-           "compare_models"]
-
-FORMATS = ("hf", "gguf", "compressed-tensors", "onnx")
-_SOURCES = ("hf", "gguf", "compressed-tensors")
-_ALIASES = {"quark": "hf", "ct": "compressed-tensors", "compressed_tensors": "compressed-tensors"}
+__all__ = ["convert", "ConvertInfo", "TensorChange", "load_quantized", "compare_models"]
 
 
 @dataclass(frozen=True)
@@ -89,111 +91,31 @@ class ConvertInfo:
                             for t in self.tensors]}
 
 
-def _norm_format(fmt: Any, what: str, allowed: tuple) -> str:
-    if not isinstance(fmt, str):
-        raise TypeError(f"{what} must be a str, one of {list(allowed)}, got {fmt!r}")
-    f = _ALIASES.get(fmt.lower(), fmt.lower())
-    if f not in allowed:
-        raise ValueError(f"{what} must be one of {list(allowed)}, got {fmt!r}")
-    return f
-
-
-def _gguf_in_dir(p: pathlib.Path) -> Optional[pathlib.Path]:
-    files = sorted(p.glob("*.gguf"))
-    if len(files) > 1:
-        raise ValueError(f"src {str(p)!r} holds several GGUF files ({[f.name for f in files]}); name one")
-    return files[0] if files else None
-
-
-def detect_format(path: Union[str, pathlib.Path]) -> str:
-    """The checkpoint format of ``path`` (one of hf, gguf, compressed-tensors); ValueError when it is none."""
-    p = pathlib.Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"src {str(p)!r} does not exist")
-    if p.is_file():
-        if p.suffix == ".gguf":
-            return "gguf"
-        raise ValueError(f"src {str(p)!r} is a file but not a .gguf file; give a .gguf file or an HF checkpoint "
-                         f"directory")
-    cfg = p / "config.json"
-    if not cfg.is_file():
-        if _gguf_in_dir(p) is not None:
-            return "gguf"
-        raise ValueError(f"src {str(p)!r} has no config.json and no .gguf file: not a checkpoint")
-    from qcore.formats.safetensors_io import read_json_object
-    qc = read_json_object(cfg, what="the model config").get("quantization_config") or {}
-    if not isinstance(qc, dict):
-        raise ValueError(f"src {str(p)!r}: config.json's quantization_config must be a JSON object, got "
-                         f"{type(qc).__name__}")
-    method = qc.get("quant_method")
-    if method in ("quark", "qcore"):
-        return "hf"
-    if method == "compressed-tensors":
-        return "compressed-tensors"
-    if not qc:
-        raise ValueError(f"src {str(p)!r} is not quantized (config.json has no quantization_config); quantize it "
-                         f"with qcore quantize first")
-    raise ValueError(f"src {str(p)!r}: quant_method {method!r} is not one qcore reads (quark, qcore, "
-                     f"compressed-tensors)")
-
-
-_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                       "merges.txt", "spiece.model")
-
-
-def _held_tokenizer(p: pathlib.Path, fmt: str) -> Optional[str]:
-    """A description of the tokenizer the source holds, or None when it holds none."""
-    if fmt == "gguf":
-        import gguf
-        try:
-            fields = gguf.GGUFReader(p).fields
-        except (OSError, ValueError):
-            return None
-        tokens = fields.get("tokenizer.ggml.tokens")
-        n = len(tokens.data) if tokens is not None else 0
-        if n == 0:
-            return None
-        kind = fields.get("tokenizer.ggml.model")
-        kind = kind.contents() if kind is not None else "no tokenizer.ggml.model"
-        merges = fields.get("tokenizer.ggml.merges")
-        n_merges = len(merges.data) if merges is not None else 0
-        return f"{kind!r}, {n} tokens, {n_merges} merges"
-    files = [f for f in _HF_TOKENIZER_FILES if (p / f).is_file()]
-    return f"files {files}" if files else None
-
-
-def _tokenizer(p: pathlib.Path, fmt: str) -> tuple:
+def _tokenizer(p: pathlib.Path, fmt: Format) -> tuple:
     """``(tokenizer or None, why the source's tokenizer could not be loaded or None)``: a source without a
     tokenizer gives ``(None, None)``; one transformers cannot load is never dropped silently."""
-    from transformers import AutoTokenizer
     try:
-        if fmt == "gguf":
-            return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True), None
-        return AutoTokenizer.from_pretrained(p, local_files_only=True), None
+        return fmt.read_tokenizer(p), None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        held = _held_tokenizer(p, fmt)
+        held = fmt.held_tokenizer(p)
         if held is None:
             return None, None
         why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        if fmt == "gguf" and ", 0 merges" in held and isinstance(e, KeyError):
+        if ", 0 merges" in held and isinstance(e, KeyError):  # a GGUF BPE vocabulary without merges
             why = f"its GGUF reader needs merges (or scores) to build a BPE tokenizer ({why})"
         return None, f"tokenizer dropped: transformers cannot load the source's tokenizer ({held}): {why}"
+
+
+def _source_file(p: pathlib.Path, fmt: Format) -> pathlib.Path:
+    """The checkpoint itself: a directory holding one GGUF file stands for that file."""
+    return gguf_in_dir(p) if fmt.suffix == ".gguf" and p.is_dir() else p
 
 
 def _load_quantized(p: pathlib.Path, *, dtype: Optional[torch.dtype]) -> tuple:
     """``(model, tokenizer, format, why the source's tokenizer was dropped or None)``."""
     fmt = detect_format(p)
-    if fmt == "gguf":
-        from .gguf import from_gguf
-        if p.is_dir():
-            p = _gguf_in_dir(p)
-        model = from_gguf(p, dtype=dtype)
-    elif fmt == "hf":
-        from . import from_pretrained
-        model = from_pretrained(p, dtype=dtype)
-    else:
-        from .compressed_tensors import load_compressed_tensors
-        model = load_compressed_tensors(p, dtype=dtype)
+    p = _source_file(p, fmt)
+    model = fmt.load(p, dtype)
     tok, dropped = _tokenizer(p, fmt)
     return model, tok, fmt, dropped
 
@@ -204,14 +126,12 @@ def load_quantized(src: Union[str, pathlib.Path], *, dtype: Optional[torch.dtype
     holds one transformers cannot load)."""
     model, tok, fmt, dropped = _load_quantized(pathlib.Path(src), dtype=dtype)
     if dropped:
-        import warnings
         warnings.warn(f"load_quantized: {dropped}", UserWarning, stacklevel=2)
-    return model, tok, fmt
+    return model, tok, fmt.name
 
 
 def _spec_desc(spec) -> str:
     """``uint4 asym group 64 (float32 scales)``-style description of a weight spec."""
-    from qcore import PerChannel, PerGroup, PerTensor
     g = spec.granularity
     gran = (f"group {g.size}" if isinstance(g, PerGroup) else "per-channel" if isinstance(g, PerChannel)
             else "per-tensor" if isinstance(g, PerTensor) else type(g).__name__)
@@ -301,7 +221,6 @@ def _size(p: pathlib.Path) -> int:
 def _gguf_name(path: pathlib.Path) -> Optional[str]:
     """The ``general.name`` of a GGUF file (kept by a GGUF -> GGUF conversion), or None."""
     import gguf
-    from qcore.formats.gguf import check_file
     check_file(path)
     f = gguf.GGUFReader(str(path)).fields.get("general.name")
     if f is None or not f.data:
@@ -324,8 +243,6 @@ def _gguf_specs_to_float(model: nn.Module, to: str) -> list:
     weight spec (k-quants, llama.cpp's Q4_1, ... imported as codes) becomes its float module holding the exact
     dequantized weight (in the model's dtype), each one a ``TensorChange`` (``what="dequantized"``), and
     ``model.qcore_config`` describes the modules left quantized."""
-    from .._batches import _set_module
-    from .gguf import _model_config
     changes, left = [], {}
     for name, m in list(model.named_modules()):
         if not isinstance(m, _QuantMixin) or "weight" not in m.specs:
@@ -363,44 +280,22 @@ def _gguf_specs_to_float(model: nn.Module, to: str) -> list:
     return changes
 
 
-def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src_fmt: str, dst: pathlib.Path, to: str, *,
+def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src: Format, dst: pathlib.Path, to: Format, *,
             overwrite: bool, tokenizer_pre: Optional[str], progress: bool = False,
             onnx_unsupported: str = "error") -> tuple:
-    """Write ``model`` in format ``to`` at ``dst``; ``(path written, notes, exporter report or None)``."""
-    notes: list[str] = []
-    if to == "hf":
-        from .quark_hf import export_hf
-        info = export_hf(model, dst, tokenizer=tok, overwrite=overwrite, progress=progress)
-        notes.append(f"quant_method {info.quant_method!r}")
-        return dst, notes, None
-    if to == "gguf":
-        from .gguf import export_gguf, export_gguf_dir
-        # GGUF source: its tokenizer.* fields are copied verbatim; else the transformers tokenizer is converted
-        gtok = str(src_path) if src_fmt == "gguf" else tok
-        kw = dict(tokenizer=gtok, tokenizer_pre=tokenizer_pre, drop_activations=True, overwrite=overwrite)
-        if src_fmt == "gguf":
-            kw["name"] = _gguf_name(src_path)
-        info = export_gguf(model, dst, **kw) if dst.suffix == ".gguf" else export_gguf_dir(model, dst, **kw)
-        if gtok is None:
-            notes.append("no tokenizer in the source: the GGUF file has none (llama.cpp needs one)")
-        return pathlib.Path(info.path), notes, info
-    if to == "compressed-tensors":
-        from .compressed_tensors import export_compressed_tensors
-        info = export_compressed_tensors(model, dst, tokenizer=tok, overwrite=overwrite, progress=progress)
-        notes.append(f"format {info.format!r}")
-        notes.extend(info.notes)  # where compressed-tensors' loaders compute differently (e.g. KV after RoPE)
-        return dst, notes, info
-    from .onnx import UnsupportedWeightError, export_onnx, export_onnx_dir
-    import warnings
+    """Write ``model`` in format ``to`` at ``dst``; ``(path written, notes, exporter report)``."""
+    same = to.gguf_specs and src is to  # GGUF -> GGUF: the tokenizer.* fields and the name copied verbatim
+    request = ExportRequest(tokenizer=str(src_path) if same else tok, overwrite=overwrite, progress=progress,
+                            drop_activations=True, tokenizer_pre=tokenizer_pre, onnx_unsupported=onnx_unsupported,
+                            name=_gguf_name(src_path) if same else None, file_ok=True)
     try:
-        with warnings.catch_warnings():  # weights written dequantized are reported as changed tensors
-            warnings.simplefilter("ignore", UserWarning)
-            info = (export_onnx(model, dst, overwrite=overwrite, unsupported=onnx_unsupported)
-                    if dst.suffix == ".onnx" else
-                    export_onnx_dir(model, dst, tokenizer=tok, overwrite=overwrite, unsupported=onnx_unsupported))
+        written = to.write(model, dst, request)
     except UnsupportedWeightError as e:  # name convert's own argument (the command line names its flag)
         raise e.with_option("onnx_unsupported='dequantize'") from None
-    return pathlib.Path(info.path), notes, info
+    notes = list(written.notes)
+    if to.gguf_specs and request.tokenizer is None:
+        notes.append("no tokenizer in the source: the GGUF file has none (llama.cpp needs one)")
+    return written.path, notes, written.info
 
 
 class _Stages:
@@ -426,18 +321,10 @@ class _Stages:
             self.bar.close()
 
 
-def _reload(path: pathlib.Path, to: str, dtype: torch.dtype) -> nn.Module:
-    if to == "gguf":
-        import warnings
-        from .gguf import from_gguf
-        with warnings.catch_warnings():  # the tensors it warns about are compared and reported here
-            warnings.simplefilter("ignore", UserWarning)
-            return from_gguf(path, dtype=dtype)
-    if to == "hf":
-        from . import from_pretrained
-        return from_pretrained(path, dtype=dtype)
-    from .compressed_tensors import load_compressed_tensors
-    return load_compressed_tensors(path, dtype=dtype)
+def _reload(path: pathlib.Path, to: Format, dtype: torch.dtype) -> nn.Module:
+    with warnings.catch_warnings():  # the tensors a loader warns about are compared and reported here
+        warnings.simplefilter("ignore", UserWarning)
+        return to.load(path, dtype)
 
 
 def _describe(changes: list, info: Any) -> list:
@@ -497,7 +384,7 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
         (``"error"``, default) or written as dequantized float32 (``"dequantize"``; each one is reported as a
         changed tensor, so ``strict`` refuses it).
     """
-    to = _norm_format(to, "to", FORMATS)
+    to = format_named(to, what="to")
     for k, v in (("overwrite", overwrite), ("strict", strict), ("verify", verify), ("progress", progress)):
         if not isinstance(v, bool):
             raise TypeError(f"{k} must be a bool, got {v!r}")
@@ -505,8 +392,9 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
         raise TypeError(f"onnx_unsupported must be 'error' or 'dequantize', got {onnx_unsupported!r}")
     if onnx_unsupported not in ("error", "dequantize"):
         raise ValueError(f"onnx_unsupported must be 'error' or 'dequantize', got {onnx_unsupported!r}")
-    if onnx_unsupported != "error" and to != "onnx":
-        raise ValueError(f"onnx_unsupported={onnx_unsupported!r} applies to to='onnx', not to={to!r}")
+    if onnx_unsupported != "error" and "onnx_unsupported" not in dict(to.options):
+        owner = next(f.name for f in FORMATS.values() if "onnx_unsupported" in dict(f.options))
+        raise ValueError(f"onnx_unsupported={onnx_unsupported!r} applies to to={owner!r}, not to={to.name!r}")
     if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype!r}")
     for k, v in (("src", src), ("dst", dst)):
@@ -516,27 +404,26 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
     check_not_source(dst_p, [src_p], what="dst")  # with overwrite or not: replacing the source would delete it
     src_fmt = detect_format(src_p)
     _check_dst(dst_p, overwrite)
-    if to == "gguf" and dst_p.exists() and dst_p.is_dir() and dst_p.suffix == ".gguf":
-        raise ValueError(f"dst {str(dst_p)!r} is a directory named like a GGUF file")
+    if to.suffix is not None and dst_p.exists() and dst_p.is_dir() and dst_p.suffix == to.suffix:
+        raise ValueError(f"dst {str(dst_p)!r} is a directory named like a {to.name.upper()} file")
 
-    if to == "onnx" and dtype not in (None, torch.float32):
+    if to.float32_only and dtype not in (None, torch.float32):
         raise ValueError(f"dtype {dtype}: ONNX exports are float32 models (onnxruntime's quantized ops need "
                          f"float32 activations)")
-    stages = _Stages(3 + (verify and to != "onnx"), enabled=progress)
+    stages = _Stages(3 + (verify and to.load is not None), enabled=progress)
     try:  # the bar is closed before any message: an error starts on its own line
-        stages.next(f"convert: loading {src_fmt} source")
-        model, tok, _, tok_dropped = _load_quantized(src_p, dtype=torch.float32 if to == "onnx" else dtype)
-        if src_fmt == "gguf" and src_p.is_dir():
-            src_p = _gguf_in_dir(src_p)
+        stages.next(f"convert: loading {src_fmt.name} source")
+        model, tok, _, tok_dropped = _load_quantized(src_p, dtype=torch.float32 if to.float32_only else dtype)
+        src_p = _source_file(src_p, src_fmt)
         # a GGUF destination of a GGUF source copies the tokenizer fields verbatim; an .onnx file holds none
-        carried = (to == "gguf" and src_fmt == "gguf") or (to == "onnx" and dst_p.suffix == ".onnx")
+        carried = (to.gguf_specs and src_fmt is to) or (not to.file_holds_tokenizer and dst_p.suffix == to.suffix)
         if tok_dropped and not carried:
             if strict:
-                raise ValueError(f"convert to {to}: not lossless: {tok_dropped}; dst was not written")
+                raise ValueError(f"convert to {to.name}: not lossless: {tok_dropped}; dst was not written")
             tok_note = tok_dropped
         else:
             tok_note = None
-        imported = _import_changes(model) + ([] if to == "gguf" else _gguf_specs_to_float(model, to))
+        imported = _import_changes(model) + ([] if to.gguf_specs else _gguf_specs_to_float(model, to.name))
         nq = sum(1 for m in model.modules() if isinstance(m, _QuantMixin) and "weight" in m.specs)
         if nq == 0:
             raise ValueError(f"src {str(src_p)!r}: no weight could be loaded onto a qcore grid"
@@ -547,13 +434,13 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
 
         # write into a private staging place first: strict refusals and failed checks leave dst untouched
         with staged_path(dst_p, recheck=lambda: _check_dst(dst_p, overwrite)) as staged:
-            stages.next(f"convert: writing {to}")
+            stages.next(f"convert: writing {to.name}")
             written, notes, info = _export(model, tok, src_p, src_fmt, staged, to, overwrite=False,
                                            tokenizer_pre=tokenizer_pre, progress=progress,
                                            onnx_unsupported=onnx_unsupported)
             if tok_note:
                 notes.insert(0, tok_note)
-            if to == "onnx":
+            if to.load is None:  # no loader to read it back with (ONNX): the exporter's own report
                 changes, how = imported + _onnx_changes(info, model), "exporter"
             elif verify:
                 stages.next("convert: loading the result back to compare")
@@ -563,10 +450,11 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
                 changes, how = imported, "none"
             if strict and changes:
                 names = ", ".join(f"{c.name} ({c.source} -> {c.destination})" for c in changes[:8])
-                raise ValueError(f"convert to {to}: not lossless, {len(changes)} tensors change: {names}"
+                raise ValueError(f"convert to {to.name}: not lossless, {len(changes)} tensors change: {names}"
                                  f"{' ...' if len(changes) > 8 else ''}; dst was not written")
             stages.next("convert: moving into place")
         final = dst_p / written.relative_to(staged) if written != staged else dst_p
     finally:
         stages.close()
-    return ConvertInfo(str(src_p), src_fmt, str(final), to, _size(dst_p), nq, tuple(changes), how, tuple(notes))
+    return ConvertInfo(str(src_p), src_fmt.name, str(final), to.name, _size(dst_p), nq, tuple(changes), how,
+                       tuple(notes))

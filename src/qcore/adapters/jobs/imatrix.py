@@ -1,0 +1,51 @@
+"""``qcore imatrix`` as a function: ``imatrix_file`` loads a model, collects its importance matrix on the windows
+``qcore quantize`` calibrates on and writes llama.cpp's file (``qcore.adapters.imatrix`` collects and reads the
+statistic; this job only chooses the model, the text and the file)."""
+
+from __future__ import annotations
+
+import os
+
+from ..eval import evaluate as E
+from ..imatrix import collect_imatrix, imatrix_format, save_imatrix
+from .common import (PYTHON, calibration_windows, check_writable_file, load_model, protocol_windows, read_eval_text,
+                     torch_dtype)
+
+__all__ = ["imatrix_file"]
+
+
+def imatrix_file(model=None, output=None, *, calib_samples: int = 32, seq_len: int = 512, eval_text=None,
+                 process_output: bool = False, device: str = "cpu", dtype: str = "float32", overwrite: bool = False,
+                 progress: bool = True) -> dict:
+    """``qcore imatrix``: load ``model`` (an HF directory, a ``.gguf`` file, a hub id; None: the embedded
+    SmolLM2), collect its importance matrix on the calibration windows ``qcore quantize`` calibrates on
+    (``calib_samples`` windows of ``seq_len`` tokens of the protocol text, after its evaluation windows; or of
+    ``eval_text``), and write llama.cpp's file ``output`` (``.gguf`` or ``.dat``) with ``chunk_size =
+    seq_len``. Everything is checked before the model is loaded. Returns a summary (entries, tokens, path)."""
+
+    if output is None:
+        raise ValueError("output must be given: the imatrix file to write (.gguf or .dat)")
+    fmt = imatrix_format(output, None)
+    for name, v, lo in (("calib_samples", calib_samples, 1), ("seq_len", seq_len, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    if os.path.exists(output) and not overwrite:
+        raise FileExistsError(f"{os.fspath(output)!r} exists; pass overwrite=True (--overwrite) to replace it")
+    check_writable_file("output", os.fspath(output))
+    text = read_eval_text(eval_text, names=PYTHON)
+    m, tok, desc = load_model(None if model is None else os.fspath(model), dtype=torch_dtype(dtype, names=PYTHON),
+                              device=device, names=PYTHON)
+    if tok is None:
+        raise ValueError(f"model {desc!r} has no tokenizer: the calibration windows need one")
+    ids = E.protocol_token_ids(tok, text=text)
+    _, start = protocol_windows(ids, seq_len, text=text)  # the windows qcore quantize calibrates on
+    n = min(calib_samples, ids.numel() // seq_len - start)
+    if n <= 0:
+        raise ValueError(f"the text ({ids.numel()} tokens) has no calibration window of {seq_len} tokens left after "
+                         f"its {start} evaluation windows")
+    calib = calibration_windows(ids, seq_len, start, n)
+    stats = collect_imatrix(m, calib, process_output=process_output, progress=progress)
+    save_imatrix(stats, output, format=fmt, datasets=(os.fspath(eval_text) if eval_text else "pydoc_data.topics"),
+                 chunk_size=seq_len, overwrite=overwrite)
+    return {"path": os.fspath(output), "format": fmt, "entries": len(stats), "windows": n, "tokens": n * seq_len,
+            "model": desc}
