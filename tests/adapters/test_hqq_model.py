@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 import qcore  # noqa: E402
 from qcore.adapters import export_hf, from_pretrained, preset, quantize_model  # noqa: E402
 from qcore.adapters.config import MSE, LayerConfig, TensorConfig  # noqa: E402
+from qcore.algorithms.config import HQQConfig  # noqa: E402
 from qcore.algorithms.hqq import hqq  # noqa: E402
 from qcore.cli import main  # noqa: E402
 
@@ -52,10 +53,10 @@ def test_without_data_every_quantized_linear_gets_hqqs_codes_and_export_reloads_
     assert info.quant_method == "quark"  # a plain uint4 checkpoint Quark and vLLM load
     qc = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
     assert qc["algo_config"] is None  # Quark has no HQQ and refuses names it does not know
-    assert qc["qcore"]["config"]["algorithms"] == [{"name": "hqq"}]  # the qcore block keeps it
+    assert qc["qcore"]["config"]["algorithms"] == [HQQConfig().to_dict()]  # the qcore block keeps it
     back = from_pretrained(tmp_path / "ckpt")
     assert torch.equal(_logits(back, test), out)
-    assert [a["name"] for a in back.qcore_config.algorithms] == ["hqq"]
+    assert [a.name for a in back.qcore_config.algorithms] == ["hqq"]
 
 
 def test_hqq_lowers_the_weight_error_of_round_to_nearest(setup):

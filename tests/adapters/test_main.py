@@ -59,7 +59,7 @@ def test_the_function_reports_what_the_command_line_writes(both):
     assert [k["weight"] for k in d["kept_float"]] == ["lm_head.weight"]  # excluded, and said so
     assert d["per_layer_rtn_sqnr_db"] is not None  # gptq + report: round-to-nearest measured beside it
     # the value's own fields are what the JSON derives from
-    assert r.config.algorithms[0]["name"] == "gptq" and r.worst_layers == d["worst_layers"]
+    assert r.config.algorithms[0].name == "gptq" and r.worst_layers == d["worst_layers"]
     assert set(r.layer_errors) == set(d["per_layer_sqnr_db"]) and r.export_info.bytes_on_disk == d["bytes_on_disk"]
 
 

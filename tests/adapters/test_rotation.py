@@ -114,7 +114,7 @@ def test_quarot_through_quantize_model():
     q = quantize_model(copy.deepcopy(m), preset("w_int8_a_int8_per_token_dynamic").replace(algorithms=({"name": "quarot"},)),
                        progress=False)  # no data needed: QuaRot is data-free, dynamic activations
     assert len(input_rotations(q)) == 4
-    assert [a["name"] for a in q.qcore_config.algorithms] == ["quarot"]
+    assert [a.name for a in q.qcore_config.algorithms] == ["quarot"]
     with torch.no_grad():
         torch.testing.assert_close(q(x).logits, ref, rtol=0.05, atol=0.05)
     # QuaRot then GPTQ: the Hessians are taken from the rotated inputs (the hooks run before GPTQ's)

@@ -41,6 +41,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 
 import qcore
 from qcore import PerBlock, PerChannel, PerGroup, PerTensor, QuantSpec, RoundingMode, ScaleMode, TensorScale
+from qcore.algorithms.config import ALGORITHM_CONFIGS, ForeignAlgorithm, parse_algorithms, parse_quark_algorithm
 from qcore.formats.quark_hf import QuarkConfig, QuarkExport, QuarkLayerSpec, qcore_to_quark, quark_to_qcore
 
 __all__ = ["MinMax", "Percentile", "MSE", "Observer", "TensorConfig", "LayerConfig", "KVCacheConfig",
@@ -459,8 +460,10 @@ class ModelConfig:
         (``get_output_embeddings()`` for transformers models, nothing for other models) and a vision-language
         model's vision tower and projector (``qcore.adapters.quantizer.default_exclude``).
     kv_cache: ``KVCacheConfig`` or None.
-    algorithms: algorithm configs to run before rounding, in order (dicts with a ``"name"``; filled in by the
-        algorithm modules; an algorithm qcore does not implement yet is refused at quantize time).
+    algorithms: the algorithms to run before rounding, in order: their configs (``qcore.algorithms.config``:
+        ``GPTQConfig``, ...), given as configs, dicts with a ``"name"`` (qcore's or Quark's keys) or names, and held
+        as configs (dicts only in ``to_dict`` / ``from_dict``); an entry of a Quark config qcore cannot read is kept
+        as a ``ForeignAlgorithm`` (``from_quark``) and refused by anything that would run it.
     origin: the AMD Quark ``quantization_config`` this config was read from (``from_quark``), kept so that
         ``to_quark`` writes the source's spelling back where the numerics did not change; not compared, not in
         JSON.
@@ -497,12 +500,16 @@ class ModelConfig:
         if self.kv_cache is not None and not isinstance(self.kv_cache, KVCacheConfig):
             raise TypeError(f"ModelConfig.kv_cache must be a KVCacheConfig or None, got {type(self.kv_cache).__name__}")
         if isinstance(self.algorithms, (str, Mapping)) or not isinstance(self.algorithms, Iterable):
-            raise _err("ModelConfig.algorithms", self.algorithms, "a list of dicts with a 'name'")
+            raise _err("ModelConfig.algorithms", self.algorithms, "a list of algorithm configs or dicts with a 'name'")
         algos = tuple(self.algorithms)
         for a in algos:
-            if not isinstance(a, Mapping) or not isinstance(a.get("name"), str):
+            if isinstance(a, Mapping) and not isinstance(a.get("name"), str) or \
+                    not isinstance(a, (Mapping, str, ForeignAlgorithm, *ALGORITHM_CONFIGS)):
                 raise _err("ModelConfig.algorithms entry", a, "a dict with a 'name'")
-        object.__setattr__(self, "algorithms", tuple(_FrozenDict(a) for a in algos))
+        try:
+            object.__setattr__(self, "algorithms", parse_algorithms(algos))
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"ModelConfig.algorithms: {e}") from None
 
     def to_dict(self) -> dict:
         return {
@@ -511,7 +518,7 @@ class ModelConfig:
             "by_name": {k: (None if v is None else v.to_dict()) for k, v in self.by_name.items()},
             "exclude": None if self.exclude is None else list(self.exclude),
             "kv_cache": None if self.kv_cache is None else self.kv_cache.to_dict(),
-            "algorithms": [_plain(a) for a in self.algorithms],
+            "algorithms": [a.to_dict() for a in self.algorithms],
         }
 
     @classmethod
@@ -731,7 +738,7 @@ def config_from_quark(d: Any, *, model_dtype: str = "float32") -> ModelConfig:
         for a in items:
             if not isinstance(a, Mapping) or not isinstance(a.get("name"), str):
                 raise ValueError(f"quantization_config.algo_config: entry {a!r} has no 'name'")
-        algorithms = tuple(dict(a) for a in items)
+        algorithms = tuple(parse_quark_algorithm(a) for a in items)
     exclude = None if qc.exclude is None or tuple(qc.exclude) == ("lm_head",) else tuple(qc.exclude)
     return ModelConfig(layer, by_type=by_type, by_name=by_name, exclude=exclude, kv_cache=kv, algorithms=algorithms,
                        origin=qc.to_dict())
@@ -791,14 +798,10 @@ def config_to_quark(config: ModelConfig, *, model_dtype: str = "float32", pack_m
     return qc.to_dict()
 
 
-def _algo_to_quark(a) -> dict:
+def _algo_to_quark(a) -> Optional[dict]:
     """One algorithm entry in Quark's ``algo_config`` schema (entries qcore cannot read are kept as given); None for
     an algorithm Quark has no entry for and whose checkpoint needs none to load (HQQ)."""
-    from qcore.algorithms.config import parse_algorithm
-    try:
-        return parse_algorithm(a).to_quark()
-    except (ValueError, TypeError):
-        return dict(a)
+    return a.to_quark()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from qcore.algorithms.config import parse_algorithms
+from qcore.algorithms.config import check_runnable
 
 from .config import COMPUTE_TYPES, LayerConfig, ModelConfig, match_name, match_tree
 from .families import non_language_modules
@@ -117,7 +117,7 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
     names = [n for n in mods if n]
     if config.algorithms:
         try:
-            parse_algorithms(config.algorithms)
+            check_runnable(config.algorithms)
         except (ValueError, TypeError) as e:
             raise type(e)(f"ModelConfig.algorithms: {e}") from None
     if getattr(model, "_qcore_partial", False):

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from qcore._fsutil import model_sources
-from qcore.algorithms.config import ROTATION_CONFIGS, SpinQuantConfig, parse_algorithms, split_distill, split_rotation
+from qcore.algorithms.config import ROTATION_CONFIGS, SpinQuantConfig, split_distill, split_rotation
 
 from ._batches import _check_batches, _progress, _set_module
 from .calibration import calibrate
@@ -34,7 +34,7 @@ from .passes import sequential
 from .passes.spinquant import apply_rotation
 from .plan import plan_model, resolve_config
 
-__all__ = ["quantize_model", "config_algorithms"]
+__all__ = ["quantize_model"]
 
 
 def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], data: Optional[Iterable] = None, *,
@@ -86,7 +86,7 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     if imatrix is None:
         return _quantize_model(model, config, data, **kw)
     config = resolve_config(config, model, imatrix=True)
-    importance = model_importance(model, plan_model(model, config), imatrix, config_algorithms(config))
+    importance = model_importance(model, plan_model(model, config), imatrix, config.algorithms)
     with attached_importance(model, importance):
         return _quantize_model(model, config, data, **kw)
 
@@ -136,7 +136,7 @@ def _quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], 
         distributed.check_consistent(fingerprint=distributed_fingerprint(model, config, plans),
                                      n_batches=len(data) if data is not None else 1)
     pinned: dict = {}
-    algos = config_algorithms(config)
+    algos = config.algorithms
     dist, algos = split_distill(algos)  # quantization-aware distillation: last, on the whole quantized model
     teacher = None
     if dist is not None:
@@ -257,9 +257,5 @@ def _work_dir(model, config, algos, data, work_dir, resume, distributed, keeps_r
                      extra={"reference weights kept": keeps_reference, **({"imatrix": imp} if imp else {})})
     return WorkDir(path, fp, resume=resume)
 
-
-def config_algorithms(config) -> tuple:
-    """The algorithm configs of ``config`` (parsed; empty for round-to-nearest)."""
-    return parse_algorithms(resolve_config(config).algorithms)
 
 

@@ -31,7 +31,9 @@ here (listed in ``_IGNORED``). ``to_dict()`` gives qcore's dict back (``parse_al
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -42,7 +44,7 @@ from .smoothquant import SmoothLoss
 __all__ = ["GPTQConfig", "AWQConfig", "SmoothQuantConfig", "AutoSmoothQuantConfig", "QuaRotConfig",
            "SpinQuantConfig", "AutoRoundConfig", "GPTAQConfig", "QronosConfig", "HQQConfig", "SVDQuantConfig",
            "DistillConfig", "ROTATION_CONFIGS", "split_rotation", "AlgorithmConfig",
-           "parse_algorithm", "parse_algorithms", "ALGORITHM_NAMES"]
+           "parse_algorithm", "parse_algorithms", "ALGORITHM_NAMES", "ALGORITHM_CONFIGS", "ForeignAlgorithm", "parse_quark_algorithm", "check_runnable"]
 
 # Quark keys that carry no setting qcore uses (device placement, Quark-internal switches)
 _IGNORED = frozenset({"num_fewshot", "cuda_graph", "use_cuda_graph", "device", "compute_device"})
@@ -687,6 +689,44 @@ def split_distill(algorithms: Sequence) -> tuple:
     return (d[0] if d else None), tuple(a for a in algorithms if not isinstance(a, DistillConfig))
 
 
+@dataclass(frozen=True, eq=True)
+class ForeignAlgorithm:
+    """An entry of a Quark ``algo_config`` that qcore cannot read (an algorithm it does not implement, or settings
+    it does not know), kept as given: a checkpoint's config is written back as it was read. Anything that would
+    run it refuses it, saying ``why`` (``check_runnable``)."""
+
+    entry: Mapping
+    why: str = field(default="", compare=False)
+
+    @property
+    def name(self) -> str:
+        return str(self.entry.get("name"))
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.entry, sort_keys=True, default=repr))
+
+    def to_dict(self) -> dict:
+        return copy.deepcopy(dict(self.entry))
+
+    def to_quark(self) -> dict:
+        return copy.deepcopy(dict(self.entry))
+
+
+def parse_quark_algorithm(d: Mapping) -> Union["AlgorithmConfig", ForeignAlgorithm]:
+    """An entry of a Quark ``algo_config``: its config where qcore reads it, else a ``ForeignAlgorithm``."""
+    try:
+        return parse_algorithm(d)
+    except (ValueError, TypeError) as e:
+        return ForeignAlgorithm(copy.deepcopy(dict(d)), str(e))
+
+
+def check_runnable(algorithms: Sequence) -> None:
+    """ValueError for an entry qcore cannot run (a ``ForeignAlgorithm``), with why it cannot read it."""
+    for a in algorithms:
+        if isinstance(a, ForeignAlgorithm):
+            raise ValueError(a.why)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 AlgorithmConfig = Union[GPTQConfig, AWQConfig, SmoothQuantConfig, AutoSmoothQuantConfig, QuaRotConfig,
@@ -735,11 +775,13 @@ _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {
 }
 _ALIASES = {"smooth": "smoothquant", "smooth_quant": "smoothquant", "auto_smoothquant": "autosmoothquant"}
 ALGORITHM_NAMES = tuple(_SCHEMAS)
+#: the config classes (one per algorithm; SpinQuantConfig is a QuaRotConfig)
+ALGORITHM_CONFIGS = tuple(dict.fromkeys(cls for cls, _ in _SCHEMAS.values()))
 
 
 def parse_algorithm(d: Union[Mapping, AlgorithmConfig, str]) -> AlgorithmConfig:
     """One algorithm config from a dict with a ``"name"`` (qcore's or Quark's keys), a name alone, or a config."""
-    if isinstance(d, tuple(cls for cls, _ in _SCHEMAS.values())):
+    if isinstance(d, ALGORITHM_CONFIGS + (ForeignAlgorithm,)):
         return d
     if isinstance(d, str):
         d = {"name": d}

@@ -1057,8 +1057,7 @@ def _make_classes():
             from qcore.algorithms.config import parse_algorithms, split_rotation
             rot, _ = split_rotation(parse_algorithms(model.qcore_config.algorithms))
             if rot is not None and rot.online:  # the online transforms of the rotated weights (QuaRot / SpinQuant)
-                own = any(isinstance(a, dict) and a.get("name") in ("qcore_rotation", "quarot", "spinquant")
-                          for a in model.qcore_config.algorithms)
+                own = _own_rotation(model.qcore_config)
                 if not own:
                     raise CorruptCheckpointError(
                         f"quantization_config.algo_config: Quark's rotation with online transforms "
@@ -1099,6 +1098,16 @@ def quiet_optional_imports():
     finally:
         for lg, lv in zip(loggers, levels):
             lg.setLevel(lv)
+
+
+def _own_rotation(config: ModelConfig) -> bool:
+    """Whether the rotation of a checkpoint's config is qcore's (its entry named ``qcore_rotation``, ``quarot`` or
+    ``spinquant``, or a config read from qcore's own block), not Quark's ``rotation`` with its own Hadamard tables."""
+    if config.origin is None:  # qcore's block of the checkpoint
+        return True
+    entries = config.origin.get("algo_config") or ()
+    entries = [entries] if isinstance(entries, dict) else entries
+    return any(isinstance(a, dict) and a.get("name") in ("qcore_rotation", "quarot", "spinquant") for a in entries)
 
 
 def register_with_transformers() -> bool:

@@ -127,7 +127,7 @@ class QuantizeReport:
 
     @property
     def algorithms(self) -> list:
-        return [a["name"] for a in self.config.algorithms]
+        return [a.name for a in self.config.algorithms]
 
     @property
     def worst_layers(self) -> list:
@@ -267,8 +267,6 @@ def read_scheme_file(scheme: str, *, names: Names = CLI) -> ModelConfig:
             config = ModelConfig.from_dict(own["config"])
         else:
             config = ModelConfig.from_dict(d)
-        if config.algorithms:  # known names and settings, before any model loads
-            parse_algorithms(config.algorithms)
     except (ValueError, TypeError) as e:
         raise CommandError(f"{where}: {e}") from None
     return config
@@ -330,7 +328,7 @@ def _needs_calibration(config: ModelConfig, names: Names = CLI) -> list[str]:
     if config.kv_cache is not None:
         need.append("KV-cache scales")
     if config.algorithms:
-        need += [f"algorithm {a.name}" for a in parse_algorithms(config.algorithms)
+        need += [f"algorithm {a.name}" for a in config.algorithms
                  if not isinstance(a, QuaRotConfig) and not getattr(a, "data_free", False)]  # HQQ: data-free
     return need
 
@@ -818,7 +816,7 @@ def _check_scheme(job: QuantizeJob, fmt: Optional[Format]) -> tuple:
         label = f"amp {','.join(amp_schemes)} " + (f"at {s.target_bits} bits/weight" if s.max_loss is None
                                                    else f"within a summed KL of {s.max_loss}")
     if s.algorithms:
-        config = config.replace(algorithms=tuple(a.to_dict() for a in s.algorithms))
+        config = config.replace(algorithms=s.algorithms)
     return config, label, (None if amp_schemes is None else tuple(amp_schemes))
 
 
@@ -905,7 +903,7 @@ def _check_on_model(job: QuantizeJob, model, tok, config: ModelConfig, plans: tu
             raise CommandError(f"{names.arg('export', fmt.name)}: {e}") from None
     if config.algorithms:  # fused MoE experts: GPTQ / AWQ / SmoothQuant refuse them by name (issue 22)
         try:
-            check_experts_algorithms(list(plans), parse_algorithms(config.algorithms))
+            check_experts_algorithms(list(plans), config.algorithms)
         except (ValueError, TypeError) as e:
             raise CommandError(str(e)) from None
 
@@ -922,8 +920,8 @@ def _check_imatrix(job: QuantizeJob, model, config: ModelConfig, plans: tuple, a
     try:
         if im != "calib":
             stats = load_imatrix(im)
-            model_importance(model, list(plans), stats, parse_algorithms(config.algorithms))
-        elif check_importance_algorithms(parse_algorithms(config.algorithms)) or not any(
+            model_importance(model, list(plans), stats, config.algorithms)
+        elif check_importance_algorithms(config.algorithms) or not any(
                 p.config.weight is not None and p.config.weight.spec.gguf for p in plans):
             raise ValueError("applies to modules whose weight spec is a GGUF type (q2_k ... q6_k, q4_0 ... "
                              "q8_0, iq4_nl); the scheme gives none")
@@ -971,7 +969,7 @@ def _work_dirs(job: QuantizeJob, config: ModelConfig, amp: bool) -> dict:
         raise CommandError(str(e)) from None
     if path is None:
         return {}
-    layer = [a for a in parse_algorithms(config.algorithms) if not isinstance(a, ROTATION_CONFIGS)]
+    layer = [a for a in config.algorithms if not isinstance(a, ROTATION_CONFIGS)]
     if not layer and not amp:
         raise CommandError(f"{names.arg('work_dir', r.work_dir)}: this run has no layer-by-layer pass to save "
                            f"(the algorithms gptq, awq, smoothquant, autosmoothquant, or {names('amp')})")
@@ -1132,7 +1130,7 @@ def _report(plan: QuantizePlan, q: _Quantized, ppl_base, m: _Measured, exported:
         write_report(job.run.report, result.to_dict())
     if job.run.plot:
         title = f"{plan.description}: {plan.label}" + (
-            f" + {'+'.join(a['name'] for a in q.config.algorithms)}" if q.config.algorithms else "")
+            f" + {'+'.join(a.name for a in q.config.algorithms)}" if q.config.algorithms else "")
         if plan.needs_eval:
             title += f"\nperplexity {ppl_base:.3f} (float) -> {m.ppl:.3f}"
         layer_report.save_plot(layer_report.figure(q.errors, q.rtn_errors, title=title), job.run.plot)

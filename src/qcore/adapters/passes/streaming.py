@@ -65,7 +65,6 @@ from ..io._records import _ST_TORCH
 from ..modules import calibrating, wrap
 from .._batches import _set_module
 from ..plan import plan_model, resolve_config
-from ..quantizer import config_algorithms
 from .runner import LayerRunner, Spill, find_decoder_layers, forward_layer
 
 _log = logging.getLogger("qcore.adapters")
@@ -311,7 +310,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
         raise ValueError(weightless_error("quantize_checkpoint", weightless))
     static = [p for p in plans for r in ("input", "output")
               if isinstance(getattr(p.config, r), TensorConfig) and getattr(p.config, r).calibrated]
-    algos = config_algorithms(cfg)
+    algos = resolve_config(cfg).algorithms
     from qcore.algorithms.config import ROTATION_CONFIGS
     if any(isinstance(a, ROTATION_CONFIGS) for a in algos):
         raise ValueError(f"quantize_checkpoint: rotations ({[a.name for a in algos if isinstance(a, ROTATION_CONFIGS)]}) "
