@@ -223,7 +223,7 @@ def load_float_model(p: pathlib.Path, *, dtype: torch.dtype, names: _Names = CLI
     from transformers import AutoModelForCausalLM
     from qcore.formats.inspect import checkpoint_files
     from qcore.formats.safetensors_io import SafetensorsFile
-    from .io.quark_hf import hf_config
+    from .io.common import hf_config
     for f in checkpoint_files(p):  # a truncated or corrupted file fails here, naming the file and the tensor
         SafetensorsFile(f)
     config = hf_config(p)
@@ -394,7 +394,7 @@ def read_scheme_file(scheme: str, *, names: _Names = CLI) -> ModelConfig:
             if not (isinstance(own, dict) and isinstance(own.get("config"), dict)):
                 raise ValueError("a compressed-tensors quantization_config without a qcore block names its layers "
                                  "by module class, which only its model resolves; give a qcore or Quark config")
-            from .io.quark_hf import check_format_version
+            from .io.common import check_format_version
             check_format_version(own, "quantization_config")
             config = ModelConfig.from_dict(own["config"])
         else:
@@ -795,13 +795,13 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
     device = o["device"] if o["device"] is not None or is_module else "cpu"
     _check_outputs(names, model=model_in, eval_text=o["eval_text"], scheme=o["scheme"], output=output,
                    report=o["report"], plot=o["plot"], device=device)  # the model is never written over
-    from .io.quark_hf import parse_size
+    from .io.common import parse_size
     try:
         parse_size(o["max_shard_size"])
     except (ValueError, TypeError) as e:
         raise CommandError(f"{names.arg('max_shard_size', o['max_shard_size'])}: {e}") from None
     if out_dir is not None:  # before any work: an existing checkpoint is never replaced by accident
-        from .io.quark_hf import check_destination
+        from .io.common import check_destination
         try:
             check_destination(out_dir, o["overwrite"])
         except FileExistsError:
@@ -866,7 +866,7 @@ def _run(o: dict, names: _Names) -> QuantizeReport:
     plans = P.plan_model(model, config)  # all config errors before any evaluation
     weightless = [p.name for p in plans if p.config.weight is None]
     if out_dir is not None and weightless and (export or "hf") != "onnx":  # before any evaluation
-        from .io.quark_hf import weightless_error
+        from .io.common import weightless_error
         raise CommandError(weightless_error(names.arg("export", export or "hf"), weightless))
     if (needs_eval or needs) and tok is None:
         if is_module:
