@@ -64,7 +64,7 @@ def labelled(real, label):
 res = {}
 if mode == "rtn":
     import qcore.adapters.passes.streaming as st
-    import qcore.adapters.io.quark_hf as qh
+    import qcore.adapters.io.quark_hf as qh  # module_records looks weight_parts (io.common's) up here
     import qcore.adapters.modules as M
     import qcore.formats.quark_layout as L
     import qcore.adapters.passes.runner as R

@@ -168,7 +168,7 @@ def test_quant_conv1d_checks_before_any_work():
     # an importer's parts in Conv1D's own [in, out] layout instead of the Linear one
     good = wrap(Conv1D(24, 16), lc, name="c")
     good.commit()
-    from qcore.adapters.io.quark_hf import weight_parts
+    from qcore.adapters.io.common import weight_parts
     parts, shape = weight_parts(good)
     assert shape == (24, 16)
     fresh = wrap(Conv1D(24, 16), lc, name="c")

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from qcore.adapters import quantize_model  # noqa: E402
 from qcore.adapters.config import LayerConfig, ModelConfig  # noqa: E402
-from qcore.adapters.io.quark_hf import weight_parts  # noqa: E402
+from qcore.adapters.io.common import weight_parts  # noqa: E402
 from qcore.adapters.io.gguf import export_gguf  # noqa: E402
 
 

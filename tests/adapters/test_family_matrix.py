@@ -267,7 +267,7 @@ def test_export_compressed_tensors_real_client(family, family_model, zoo, tmp_pa
 
     import transformers
     from qcore.adapters.io.compressed_tensors import export_compressed_tensors
-    from qcore.adapters.io.quark_hf import model_class
+    from qcore.adapters.io.common import model_class
     model = _quantized(family, family_model, zoo)
     x = zoo.token_batches(1, seed=3)[0]
     want = zoo.model_output(model, x)

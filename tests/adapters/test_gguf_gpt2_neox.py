@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 from qcore.adapters import quantize_model  # noqa: E402
 from qcore.adapters.config import LayerConfig, ModelConfig  # noqa: E402
 from qcore.adapters.io.gguf import check_gguf, export_gguf, from_gguf  # noqa: E402
-from qcore.adapters.io.quark_hf import weight_parts  # noqa: E402
+from qcore.adapters.io.common import weight_parts  # noqa: E402
 
 Q8_0 = qcore.make_spec("int8", granularity=PerGroup(32, axis=-1), scale_dtype="float16")
 Q4_0 = qcore.make_spec("int4", granularity=PerGroup(32, axis=-1), scale_dtype="float16")

@@ -115,7 +115,7 @@ def test_config_round_trip_and_refusals():
 
 
 def test_other_exporters_refuse_gguf_weights(tmp_path):
-    from qcore.adapters.io.quark_hf import weight_parts
+    from qcore.adapters.io.common import weight_parts
     m = wrap(nn.Linear(256, 2), LayerConfig(weight="q5_k"), name="l")
     with pytest.raises(ValueError, match="only GGUF files hold"):
         weight_parts(m)

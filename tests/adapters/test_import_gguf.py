@@ -18,7 +18,7 @@ pytest.importorskip("accelerate")
 
 from qcore.adapters import export_hf, from_pretrained, quantize_model  # noqa: E402
 from qcore.adapters.config import LayerConfig, ModelConfig  # noqa: E402
-from qcore.adapters.io.quark_hf import weight_parts  # noqa: E402
+from qcore.adapters.io.common import weight_parts  # noqa: E402
 from qcore.adapters.io.gguf import export_gguf  # noqa: E402
 from qcore.adapters.io.gguf import from_gguf  # noqa: E402
 from qcore.adapters.modules import QuantEmbedding, QuantLinear, _QuantMixin  # noqa: E402

@@ -1,6 +1,6 @@
 """The slice-at-a-time encoding of streaming / export (issue 23, memory at 13B widths) writes the bytes the
 whole-tensor path writes: int4 packing by slices of rows in uint32 (``quark_layout._pack_int4_rows``) against
-``qcore.packing.pack_int4_int32``, ``quark_hf.weight_parts`` by slices of rows against the whole weight, and
+``qcore.packing.pack_int4_int32``, ``io.common.weight_parts`` by slices of rows against the whole weight, and
 ``quantize_checkpoint`` with tiny slices against the landed whole-tensor path (thresholds set out of reach)."""
 
 import pathlib
@@ -18,7 +18,7 @@ import stream_worker  # noqa: E402
 import qcore  # noqa: E402
 import qcore.adapters as A  # noqa: E402
 from qcore.adapters import LayerConfig, TensorConfig  # noqa: E402
-from qcore.adapters.io import quark_hf  # noqa: E402
+from qcore.adapters.io import common, quark_hf  # noqa: E402
 from qcore.adapters.passes.streaming import quantize_checkpoint  # noqa: E402
 from qcore.formats import quark_layout as L  # noqa: E402
 
@@ -63,8 +63,8 @@ def _configs():
 
 
 def _parts(w, big: bool, monkeypatch):
-    monkeypatch.setattr(quark_hf, "_PARTS_ROWS_ELEMENTS", HUGE if big else 200)
-    return quark_hf.weight_parts(w)
+    monkeypatch.setattr(common, "_PARTS_ROWS_ELEMENTS", HUGE if big else 200)
+    return common.weight_parts(w)
 
 
 @pytest.mark.parametrize("name", list(_configs()))
@@ -97,13 +97,13 @@ def test_weight_parts_by_rows_still_refuses_a_weight_off_its_grid(monkeypatch):
     off = w.effective("weight", canonical=True).clone()
     off[40, 5] += 1e-3  # off the grid, in a later slice of rows
     monkeypatch.setattr(w, "effective", lambda role, canonical=False: off)
-    monkeypatch.setattr(quark_hf, "_PARTS_ROWS_ELEMENTS", 200)
-    assert quark_hf._row_chunks(off, w.specs["weight"],
-                                {"scale": w.weight_scale, "zero_point": w.weight_zero_point}) > 0
+    monkeypatch.setattr(common, "_PARTS_ROWS_ELEMENTS", 200)
+    assert common._row_chunks(off, w.specs["weight"],
+                              {"scale": w.weight_scale, "zero_point": w.weight_zero_point}) > 0
     for n in (200, HUGE):  # by rows and whole: the same refusal
-        monkeypatch.setattr(quark_hf, "_PARTS_ROWS_ELEMENTS", n)
+        monkeypatch.setattr(common, "_PARTS_ROWS_ELEMENTS", n)
         with pytest.raises(RuntimeError, match="not on its quantization grid"):
-            quark_hf.weight_parts(w)
+            common.weight_parts(w)
 
 
 @pytest.mark.parametrize("cfg_name,dtype", [("uint4_wo_64", torch.bfloat16), ("uint4_g16_asym", torch.float32),
@@ -113,7 +113,7 @@ def test_quantize_checkpoint_by_slices_equals_the_whole_tensor_path(cfg_name, dt
     stream_worker.write_llama(src, hidden=64, intermediate=128, layers=2, dtype=dtype)
     cfg = _configs()[cfg_name]
     for tag, small in (("whole", False), ("slices", True)):
-        monkeypatch.setattr(quark_hf, "_PARTS_ROWS_ELEMENTS", 256 if small else HUGE)
+        monkeypatch.setattr(common, "_PARTS_ROWS_ELEMENTS", 256 if small else HUGE)
         monkeypatch.setattr(L, "_PACK_ROWS_ELEMENTS", 128 if small else HUGE)
         monkeypatch.setattr(L, "_pack_int4_slice", L._pack_int4_slice if small else
                             (lambda c, order: qcore.packing.pack_int4_int32(c, order=order, axis=-1)))

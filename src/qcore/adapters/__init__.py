@@ -41,5 +41,5 @@ __all__ = [
     "export_hf", "ExportInfo", "from_pretrained", "load_quark", "CorruptCheckpointError", "register_with_transformers",
     "from_gguf", "GGUFImportReport", "gguf_mix", "GGUFMix", "GGUF_MIX_PRESETS",
     "Distributed", "quantize_checkpoint",
-    "quantize_and_report", "QuantizeReport",
+    "quantize_and_report", "QuantizeJob", "QuantizeReport",
 ]

@@ -20,7 +20,7 @@ def from_pretrained(directory, *, dtype: Any = None, device_map: Any = None, **k
     (module docstring); the arguments as ``quark_hf.from_pretrained``'s."""
     if not isinstance(directory, (str, os.PathLike)):
         raise TypeError(f"from_pretrained: directory must be a str or os.PathLike, got {type(directory).__name__}")
-    from .quark_hf import read_config
+    from .common import read_config
     d = pathlib.Path(directory)
     _, raw = read_config(d)
     if isinstance(raw, dict) and raw.get("quant_method") == "compressed-tensors":

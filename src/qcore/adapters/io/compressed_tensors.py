@@ -46,13 +46,19 @@ from torch import nn
 import qcore
 from qcore._fsutil import model_sources
 from qcore.formats import compressed_tensors as CT
+from qcore.formats.inspect import checkpoint_files
 from qcore.formats.quark_layout import WeightParts
 from qcore.formats.safetensors_io import TensorRecord, CorruptCheckpointError, SafetensorsFile
 
 from ..config import ModelConfig, KVCacheConfig, LayerConfig, TensorConfig, match_name
 from ._records import _TORCH_ST, _record, _tensor_record, untied_state
-from .quark_hf import (QCORE_FORMAT_VERSION, _check_config_describes, _online_rotations, check_destination,
-                       model_config, parse_size, weight_parts, write_checkpoint)
+from .common import (QCORE_FORMAT_VERSION, canonical_shape, check_config_describes, check_destination,
+                     check_format_version, conv1d_error, export_units, hf_config, model_class, model_config,
+                     online_rotations, parse_size, read_config, refuse_conv1d, weight_parts, weightless_error,
+                     will_rotate_online)
+from .experts import check_no_experts
+from .quark_hf import write_checkpoint
+from .._batches import _set_module
 from ..modules import QuantLinear, _QuantMixin, QUANT_CLASSES
 from ..plan import plan_model
 
@@ -181,7 +187,6 @@ def _unit_check(name: str, type_name: str, lc: Any, config: ModelConfig) -> None
     """What compressed-tensors cannot store about one quantized module (its float type and ``LayerConfig``): the one
     rule for ``export_compressed_tensors`` and ``check_ct``."""
     if type_name == "Conv1D":
-        from .quark_hf import conv1d_error
         raise ValueError(conv1d_error("export_compressed_tensors", [name]))
     if type_name != "Linear":
         raise ValueError(f"export: {name!r} is a quantized {type_name}; compressed-tensors stores quantized Linear "
@@ -200,8 +205,6 @@ def check_ct(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
     (default ``model.qcore_config``) for reasons the model and the config already decide (the model dtype, module
     types, bias or weightless quantization, online rotations; ``qcore quantize --export compressed-tensors`` calls
     it before the baseline evaluation)."""
-    from .experts import check_no_experts
-    from .quark_hf import export_units, refuse_conv1d, will_rotate_online
     check_no_experts(model, config if config is not None else getattr(model, "qcore_config", None),
                      who="export_compressed_tensors")  # fused MoE experts: not written yet (docs/adapters.md)
     dtype = _model_dtype(model)
@@ -215,7 +218,6 @@ def check_ct(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
         raise ValueError(_ROTATION_REFUSAL)
     units = export_units(model, config)
     if units and all(u.config.weight is None for u in units):  # KV-cache-only or activation-only: no group
-        from .quark_hf import weightless_error
         raise ValueError(weightless_error("export_compressed_tensors", [u.name for u in units]))
     for u in units:
         _unit_check(u.name, u.type, u.config, config)
@@ -272,7 +274,6 @@ def _plan(model: nn.Module, config: ModelConfig) -> tuple[list[_Layer], dict, li
                 raise ValueError(f"export: {where} {role}: static activation scales must be per tensor in "
                                  f"compressed-tensors")
         fmt = CT.infer_format(w, inp)
-        from .quark_hf import canonical_shape
         shape = canonical_shape(m)
         CT.expected_weight(spec, shape, fmt=fmt, scale_dtype="F32", where=where)  # validates the layout
         key = (repr(w), repr(inp), repr(out), fmt)
@@ -418,8 +419,8 @@ def export_compressed_tensors(model: nn.Module, directory: Union[str, os.PathLik
     st = CT.SCALE_DTYPES[_MODEL_DTYPES[dtype]]
     directory = pathlib.Path(directory)
     check_destination(directory, overwrite, model_sources(model))
-    _check_config_describes(model, config)
-    if _online_rotations(model, config):
+    check_config_describes(model, config)
+    if online_rotations(model, config):
         raise ValueError(_ROTATION_REFUSAL)
     layers, groups, floats = _plan(model, config)
     ctc = _ct_config(layers, groups, floats, config)
@@ -521,7 +522,6 @@ _FLOAT_ST = ("F32", "BF16", "F16")
 
 class _Reader:
     def __init__(self, d: pathlib.Path):
-        from qcore.formats.inspect import checkpoint_files
         self.entries: dict = {}
         for f in checkpoint_files(d):
             sf = SafetensorsFile(f)
@@ -574,7 +574,6 @@ def load_compressed_tensors(directory: Union[str, os.PathLike], *, dtype: Option
 
 
 def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Module:
-    from .quark_hf import check_format_version, hf_config, model_class, read_config
     _, raw = read_config(d)
     if not isinstance(raw, dict) or raw.get("quant_method") != CT.QUANT_METHOD:
         got = raw.get("quant_method") if isinstance(raw, dict) else None
@@ -605,7 +604,6 @@ def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Modu
                                      f"got {raw.get('qcore')!r}"[:300])
     own = ctc.qcore if isinstance(ctc.qcore, dict) and "config" in ctc.qcore else None
     config = ModelConfig.from_dict(own["config"]) if own is not None else config_from_ct(model, ctc)
-    from .._batches import _set_module
     plans = plan_model(model, config, _check_float=False)  # a saved config, as it was saved
     which = _module_groups(model, ctc)
     float_here = sorted(set(which) - {p.name for p in plans if p.config.weight is not None})

@@ -21,7 +21,9 @@ their fused names (AMD Quark 0.13 leaves them float) are loaded float and exclud
 
 from __future__ import annotations
 
+import pathlib
 import re
+import warnings
 from typing import Any, Optional
 
 import numpy as np
@@ -29,8 +31,9 @@ import torch
 from torch import nn
 
 from qcore.formats import quark_layout as L
-from qcore.formats.safetensors_io import CorruptCheckpointError, TensorRecord
+from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile, TensorRecord
 
+from ._records import _ST_TORCH, _np, _record, _tensor_record
 from ..modules import EXPERT_PROJS, QuantExperts, _QuantMixin, is_fused_experts
 from ..plan import default_exclude, plan_model, resolve_config
 
@@ -52,8 +55,6 @@ def _experts_named(model: nn.Module, config: Any) -> list[str]:
     names = [n for n, m in model.named_modules() if isinstance(m, QuantExperts)]
     if names or any(isinstance(m, _QuantMixin) for m in model.modules()) or config is None:
         return names
-    import warnings
-
     if not any(is_fused_experts(m) for m in model.modules()):
         return []
     try:
@@ -203,7 +204,6 @@ def experts_records(model: nn.Module, name: str, m: QuantExperts, layout: str, p
     """The tensors of a quantized fused experts module in the checkpoint: per expert, its gate / up / down Linears
     (weight codes and scales in ``layout``, calibrated activation scales), as lazy records (one expert's encoded
     tensors at a time)."""
-    from ._records import _record
     spec = m.specs["weight"]
     problem = split_problem(spec, {p: m.expert_shape(p) for p in EXPERT_PROJS})
     if problem is not None:
@@ -249,7 +249,6 @@ class ExpertsShell(nn.Module):
 
     def __init__(self, model: nn.Module, name: str, m: nn.Module, config, *, own: bool = False):
         super().__init__()
-        from ._records import _ST_TORCH
         q = QuantExperts.from_module(m, config, name=name)  # planned here (on meta), filled by build()
         object.__setattr__(self, "_wrapper", q)
         if "weight" not in q.specs:
@@ -299,7 +298,6 @@ class ExpertsShell(nn.Module):
         device = next(iter(params.values())).device
         halves: dict = {}
         acts: dict = {}
-        from ._records import _np
         for rel, proj, e, half, rows, out, shape in self.linears:
             arrays = {k[len(rel) + 1:]: _np(params[k]) for k in self.expected if k.startswith(rel + ".")}
             lw = f"{where} ({self.disk[rel + '.weight']})"
@@ -413,7 +411,6 @@ def float_experts_split(model: nn.Module) -> dict[str, list]:
     written per expert under the names ``save_pretrained`` writes (and transformers' own conversion merges them
     back on load). Empty when the model has quantized fused experts (qcore's loader then reads the float ones
     under their fused names) or when the family's checkpoints have no per-expert names."""
-    from ..modules import is_fused_experts
     if any(isinstance(m, QuantExperts) for m in model.modules()):
         return {}
     out: dict[str, list] = {}
@@ -434,7 +431,6 @@ def float_experts_split(model: nn.Module) -> dict[str, list]:
 
 def float_experts_records(model: nn.Module, key: str, t: torch.Tensor, parts: list) -> list[TensorRecord]:
     """The per-expert float tensors of the fused parameter ``t`` (state-dict ``key``), lazily sliced."""
-    from ._records import _tensor_record
     return [_tensor_record(disk, t.detach()[e, rows[0]:rows[1]]) for disk, (proj, e, rows) in parts]
 
 
@@ -442,7 +438,6 @@ def check_split_experts(key: str, t: torch.Tensor, parts: list, entries: dict, w
     """A float fused experts parameter (state-dict ``key``, the model's tensor ``t``) stored per expert: every
     per-expert tensor present, in the checkpoint's float dtype, with its slice's shape (``CorruptCheckpointError``
     naming the tensor otherwise)."""
-    import pathlib
     for disk, (proj, e, rows) in parts:
         if disk not in entries:
             raise CorruptCheckpointError(f"tensor {key!r} of the model is missing from the checkpoint (neither it nor "
@@ -457,9 +452,6 @@ def check_split_experts(key: str, t: torch.Tensor, parts: list, entries: dict, w
 def stored_float_experts(model: nn.Module, config, checkpoint_files) -> list[str]:
     """The fused experts modules that ``config`` quantizes but the checkpoint stores float under their fused names
     (AMD Quark 0.13 leaves transformers 5's fused experts float, whatever its config says): loaded float."""
-    from qcore.formats.safetensors_io import SafetensorsFile
-
-    import warnings
     if not checkpoint_files or not any(is_fused_experts(m) for m in model.modules()):
         return []
     with warnings.catch_warnings():  # the loader's own plan_model gives them, once

@@ -131,10 +131,15 @@ from qcore import QuantSpec
 from qcore._fsutil import check_file_destination, model_sources, staged_dir, staged_file
 from qcore.dtypes import IntDType
 from qcore.formats import gguf as G
+from qcore.formats.gguf import check_file
+from qcore.formats.quark_layout import WeightParts
 from qcore.formats.safetensors_io import CorruptCheckpointError
 
+from ._gguf_tokenizer import sentencepiece_fields_of
+from .common import (check_config_describes, check_destination, export_units, refuse_low_rank, weight_parts,
+                     will_rotate_online)
 from ..config import ModelConfig, LayerConfig, TensorConfig
-from ..modules import _QuantMixin, QUANT_CLASSES
+from ..modules import _Conv1D, _QuantMixin, QUANT_CLASSES, QuantExperts, is_fused_experts, linear_weight
 from .._batches import _set_module
 from ..families import FAMILIES
 from ..gguf_names import expert_names, family_problem, gguf_arch, gguf_family, gguf_names
@@ -209,7 +214,6 @@ def _exactness(data: np.ndarray, kind: str, how: str, ref: np.ndarray) -> tuple[
 
 
 def _encode_quantized(name: str, gbase: str, m: _QuantMixin, strict: bool) -> tuple[np.ndarray, str, TensorReport]:
-    from .quark_hf import weight_parts
     spec = m.specs["weight"]
     if spec.gguf:  # a GGUF spec: its own ggml type, the stored block bytes as they are (no re-quantization)
         kind = G.GGUF_KIND_OF[spec.gguf]
@@ -258,8 +262,6 @@ def _encode_quantized(name: str, gbase: str, m: _QuantMixin, strict: bool) -> tu
 def _expert_mats(m: nn.Module) -> tuple[dict, Optional[dict], Any]:
     """``({gguf role: float32 [E, out, in]}, {gguf role: [per-expert WeightParts]} or None, spec)`` of a fused
     experts module: gate = the first half of each expert's ``gate_up_proj`` rows, up = the second, down."""
-    from qcore.formats.quark_layout import WeightParts
-    from ..modules import QuantExperts
     gate, up, down = G.EXPERT_TENSORS
     if not isinstance(m, QuantExperts) or "weight" not in m.specs:
         gu = m.gate_up_proj.detach().float().cpu().numpy()
@@ -292,7 +294,6 @@ def _encode_experts(name: str, blk: str, m: nn.Module, strict: bool) -> tuple[li
     """The three 3-D expert tensors of the experts module ``name`` (``[(gguf name, data, type)]``) and their
     reports: code for code where the grid is a GGUF type (every expert the same type), else requantized with
     ggml's reference quantizer, else float (see ``_encode_quantized``)."""
-    from ..modules import QuantExperts
     if isinstance(m, QuantExperts) and "weight" in m.specs and m.weight_spec("down_proj").gguf:
         return _encode_gguf_experts(name, blk, m)
     mats, parts, spec = _expert_mats(m)
@@ -374,7 +375,6 @@ def check_gguf(model: nn.Module, config: Optional[ModelConfig] = None, *, drop_a
     """Before any work: ValueError if ``export_gguf`` would refuse ``model`` quantized with ``config`` (default
     ``model.qcore_config``) for reasons the architecture and the config already decide (``qcore quantize
     --export gguf`` calls it before the baseline evaluation; ``export_gguf`` itself too)."""
-    from .quark_hf import export_units, refuse_low_rank, will_rotate_online
     config = config if config is not None else getattr(model, "qcore_config", None)
     refuse_low_rank(model, config, "export_gguf")  # quantized Conv1D (GPT-2) is written as the Linear it is
     try:
@@ -399,7 +399,6 @@ def _tied_same_config(model: nn.Module, config: ModelConfig, head_unit) -> bool:
     """The head is tied to the token embedding and the config gives the embedding the head's weight config."""
     if not getattr(model.config, "tie_word_embeddings", False):
         return False
-    from .quark_hf import export_units
     emb = model.get_input_embeddings()
     name = next((n for n, m in model.named_modules() if m is emb), None)
     u = next((x for x in export_units(model, config) if x.name == name), None)
@@ -407,7 +406,6 @@ def _tied_same_config(model: nn.Module, config: ModelConfig, head_unit) -> bool:
 
 
 def _check_model(model: nn.Module, drop_activations: bool) -> tuple:
-    from .quark_hf import refuse_low_rank
     refuse_low_rank(model, None, "export_gguf")
     fam, arch, meta, d = gguf_arch(model)
     from ..passes.rotation import input_rotations
@@ -431,7 +429,6 @@ def _tokenizer_fields(tokenizer: Any, vocab_size: int, pre: str) -> list[tuple[s
     import gguf
     V = gguf.GGUFValueType
     if isinstance(tokenizer, (str, os.PathLike)):
-        from qcore.formats.gguf import check_file
         check_file(tokenizer)
         r = gguf.GGUFReader(tokenizer)
         out = []
@@ -445,7 +442,6 @@ def _tokenizer_fields(tokenizer: Any, vocab_size: int, pre: str) -> list[tuple[s
             raise ValueError(f"export_gguf: the tokenizer of {str(tokenizer)!r} has "
                              f"{len(toks[0]) if toks else 0} tokens, the model's vocab_size is {vocab_size}")
         return out
-    from ._gguf_tokenizer import sentencepiece_fields_of
     spm = sentencepiece_fields_of(tokenizer, vocab_size)
     if spm is not None:  # SentencePiece (Llama-2, Mistral, Gemma, Phi-3): llama.cpp's "llama" tokenizer
         kinds = {"str": (V.STRING, None), "u32": (V.UINT32, None), "bool": (V.BOOL, None),
@@ -507,7 +503,6 @@ def _check_bias(name: str, role: str, arch) -> None:
 
 def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[TensorReport]]:
     """``[(gguf name, array, type name)]`` in state-dict order, and the reports of the quantized weights."""
-    from ..modules import linear_weight
     n_head = int(model.config.num_attention_heads)  # the config's attribute (GPT-2's n_head: attribute_map)
     n_kv = int(getattr(model.config, "num_key_value_heads", None) or n_head)
     per_head_qkv = gguf_family(model)[0].qkv_layout == "per_head"
@@ -664,7 +659,6 @@ def export_gguf_dir(model: nn.Module, directory: Union[str, os.PathLike], *, ove
     """``export_gguf`` into ``directory/model.gguf``, the directory written atomically like ``export_hf``'s (a
     staging sibling renamed into place; an existing non-empty directory needs ``overwrite=True``). ``kwargs``
     go to ``export_gguf``."""
-    from .quark_hf import check_destination
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
     directory = pathlib.Path(directory)
@@ -867,7 +861,6 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, 
 def _conv1d_weight(model: nn.Module, hf: str) -> bool:
     """Whether ``hf`` is the weight of a float transformers ``Conv1D`` (GPT-2): stored ``[in, out]``, the transpose
     of the GGUF tensor (a Linear's ``[out, in]``)."""
-    from ..modules import _Conv1D
     mod_name, _, leaf = hf.rpartition(".")
     return leaf == "weight" and _Conv1D is not None and type(model.get_submodule(mod_name)) is _Conv1D
 
@@ -885,7 +878,6 @@ def _model_config(model: nn.Module, specs: dict[str, QuantSpec]) -> Optional[Mod
     global layer, the others (and every float Linear, and a quantized embedding) by name."""
     if not specs:
         return None
-    from ..modules import QuantExperts, is_fused_experts
     linears = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantExperts)) or is_fused_experts(m)]
     counts = collections.Counter(specs[n] for n in linears if n in specs)
     common = counts.most_common(1)[0][0] if counts else None
@@ -934,8 +926,6 @@ def _import_experts(model: nn.Module, mod_name: str, ts: dict, dtype: torch.dtyp
     each projection (``G.import_blocks`` on all experts at once: gate and up rows together, down), else float
     ``gate_up_proj`` / ``down_proj`` (ggml's dequantization; block types listed as dequantized)."""
     import gguf
-    from qcore.formats.quark_layout import WeightParts
-    from ..modules import QuantExperts, is_fused_experts
     module = model.get_submodule(mod_name)
     gate, up, down = G.EXPERT_TENSORS
     kinds = {r: t.tensor_type.name for r, t in ts.items()}
@@ -1035,7 +1025,6 @@ def _import_gguf_experts(model: nn.Module, module: nn.Module, mod_name: str, ts:
     """``_import_experts`` of expert tensors of ``G.GGUF_SPEC_KINDS`` types (gate and up ``kind``; down ``kind`` or
     ``down_kind``, its own spec: ``QuantExperts`` ``proj_weights``): a frozen ``QuantExperts`` with those GGUF
     specs holding the file's block bytes (``load_frozen_gguf``; gate then up rows of each expert)."""
-    from ..modules import QuantExperts
     gate, up, down = G.EXPERT_TENSORS
     down_kind = down_kind or kind
     spec = qcore.make_spec(G.GGUF_SPEC_KINDS[kind])
@@ -1071,7 +1060,6 @@ def _same_q4_spec(s1, p1, s2, p2):
     """Q4_0 blocks read as int4 symmetric in one projection and uint4 with zero points 7 / 8 in the other
     (``G.import_blocks``: ggml's quantizer writes negative scales): both as the uint4 grid (code + 8, zero point
     8), which holds the same values. Other pairs are returned as they are."""
-    from qcore.formats.quark_layout import WeightParts
 
     def widen(p):
         return WeightParts(codes=(p.codes.astype(np.int16) + 8).astype(np.uint8), scales=p.scales,
@@ -1239,8 +1227,7 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
         raise CorruptCheckpointError(f"from_gguf: the file has no tensor for {left[:5]}")
     model.qcore_config = _model_config(model, specs)
     if model.qcore_config is not None:
-        from .quark_hf import _check_config_describes
-        _check_config_describes(model, model.qcore_config)  # a qcore bug if the config does not rebuild the model
+        check_config_describes(model, model.qcore_config)  # a qcore bug if the config does not rebuild the model
     model.qcore_gguf_report = GGUFImportReport(str(p), tuple(reports))
     if float_blocks:
         warnings.warn(f"from_gguf: {len(float_blocks)} block-quantized tensor(s) have no exact qcore grid and are "

@@ -51,6 +51,10 @@ from torch import nn
 from qcore.formats import onnx as X
 from qcore._fsutil import check_file_destination, model_sources, staged_dir
 
+from .common import canonical_shape, check_destination, export_units, refuse_conv1d, weight_parts, will_rotate_online
+from .experts import check_no_experts
+from ..config import ModelConfig
+from ..families import FAMILIES, locate, non_language_modules
 from ..modules import QuantConvTranspose2d, QuantEmbedding, QuantEmbeddingBag, QuantLinear, _QuantMixin
 
 __all__ = ["export_onnx", "WeightFormat", "Unsupported", "ONNXExportInfo", "TensorReport", "DECODER_TYPES",
@@ -67,7 +71,6 @@ def decoder_graph_fits(fam) -> bool:
 
 
 def _decoder_types() -> tuple:
-    from ..families import FAMILIES
     return tuple(f.model_type for f in FAMILIES if decoder_graph_fits(f))
 
 
@@ -175,7 +178,6 @@ class _Ctx:
 
     def weight(self, name: str, m: _QuantMixin, *, output: Optional[str] = None) -> str:
         """The float32 canonical weight of quantized module ``m`` (DequantizeLinear, or the dequantized floats)."""
-        from .quark_hf import weight_parts
         spec = m.specs["weight"]
         ref = _in_memory_weight(m)
         if not m.quant_enabled:  # quantization switched off: the module computes with its float weight
@@ -297,9 +299,6 @@ def check_onnx(model: nn.Module, config: Optional[Any] = None, *, inputs: Any = 
     ``model.qcore_config``) for reasons the model and the config already decide: not float32, no graph for its
     architecture without ``inputs``, formats onnxruntime cannot run (``qcore quantize --export onnx`` calls it
     before the baseline evaluation; ``export_onnx`` runs the same checks)."""
-    from ..config import ModelConfig
-    from .experts import check_no_experts
-    from .quark_hf import export_units, refuse_conv1d, will_rotate_online
     wf = _enum(WeightFormat, weight_format, "weight_format")
     un = _enum(Unsupported, unsupported, "unsupported")
     refuse_conv1d(model, config if config is not None else getattr(model, "qcore_config", None), "export_onnx")
@@ -325,7 +324,6 @@ def check_onnx(model: nn.Module, config: Optional[Any] = None, *, inputs: Any = 
 
 class _Decoder:
     def __init__(self, model: nn.Module, ctx: _Ctx):
-        from ..families import locate
         self.model, self.ctx, self.g = model, ctx, ctx.g
         self.loc = locate(model, what="export_onnx")  # names from the architecture record
         cfg = model.config
@@ -363,7 +361,6 @@ class _Decoder:
             y = g.node("MatMul", [x, self.float_param(f"{name}.weight.T", m.weight, transpose=True)], f"{name}_MatMul")
         else:
             spec = m.specs["weight"]
-            from .quark_hf import canonical_shape, weight_parts
             shape = canonical_shape(m)
             if (ctx.weight_format is WeightFormat.MATMULNBITS and X.matmulnbits_block(spec, shape) is not None):
                 parts, _ = weight_parts(m)
@@ -568,7 +565,6 @@ def _check_decoder(model: nn.Module) -> None:
     if rtype not in ("default", "linear", "llama3", "yarn"):
         raise ValueError(f"export_onnx: rope_type {rtype!r} changes with the sequence length; the ONNX decoder "
                          f"graph has fixed rotary frequencies")
-    from ..families import locate, non_language_modules
     loc = locate(model, what="export_onnx")
     if not decoder_graph_fits(loc.family) or non_language_modules(model):
         raise ValueError(f"export_onnx: the decoder graph does not compute {type(model).__name__} (the "
@@ -795,8 +791,6 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], *, inputs: Unio
     mods = [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantMixin)]
     if not mods:
         raise ValueError("export_onnx: the model has no qcore quantized modules; run quantize_model first")
-    from .experts import check_no_experts
-    from .quark_hf import refuse_conv1d
     refuse_conv1d(model, None, "export_onnx")
     check_no_experts(model, who="export_onnx")  # fused MoE experts: not written yet (docs/adapters.md)
     _check_float32(model)
@@ -849,7 +843,6 @@ def export_onnx_dir(model: nn.Module, directory: Union[str, os.PathLike], *, tok
     """``export_onnx`` into ``directory/model.onnx`` (with the tokenizer's files when ``tokenizer`` is given), the
     directory written atomically like ``export_hf``'s (a staging sibling renamed into place; an existing non-empty
     directory needs ``overwrite=True``). ``kwargs`` go to ``export_onnx``."""
-    from .quark_hf import check_destination
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
     directory = pathlib.Path(directory)

@@ -15,7 +15,7 @@ without qcore skips it with only a warning and loads the checkpoint as a float o
 parameter's name and shape (int8 / fp8 codes in Quark's ``[out, in]`` layout, e.g. a Mixtral's per-expert
 Linears) would load as a float weight, silently wrong; 1-D codes match no float weight's shape, so it fails
 instead (tests/adapters/test_qcore_layout_unreadable.py, tests/interop/test_family_interop.py).
-``_quantization_config`` refuses a ``"qcore"`` checkpoint that would hold a Quark layout (a qcore bug). Exports
+``quantization_config`` refuses a ``"qcore"`` checkpoint that would hold a Quark layout (a qcore bug). Exports
 written before this rule (format_version 1 as well: some "qcore" checkpoints held Quark-layout experts or Linears)
 still load: the loader reads a layer in the layout ``qcore.layouts`` states when it is qcore's or the one the
 config gives (``own_layout``). ``import qcore.adapters`` registers the method, and
@@ -41,6 +41,9 @@ Loading quantized checkpoints into qcore's modules through transformers (no amd-
 Loading checks every tensor against the config before any weight is read: names, dtypes and shapes (from the
 safetensors headers; a truncated or corrupted file fails here), then the values (scales finite and positive,
 e8m0 NaN codes, zero points in range); errors name the tensor and the layer.
+
+What every format's writer and loader shares (up-front checks, ``weight_parts``, reading a checkpoint directory)
+is in ``qcore.adapters.io.common``.
 """
 
 from __future__ import annotations
@@ -48,37 +51,43 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import pathlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable, NamedTuple, Optional, Union
+from typing import Any, Optional, Union
 
-import numpy as np
 import torch
 from torch import nn
 
 import qcore
-from qcore._fsutil import check_not_source, model_sources, staged_dir
+from qcore._fsutil import model_sources, staged_dir
+from qcore.algorithms.config import parse_algorithms, split_rotation
 from qcore.formats import quark_layout as L
-from qcore.formats.safetensors_io import (TensorRecord, write_file, CorruptCheckpointError, SafetensorsFile,
-                                          read_json_object)
+from qcore.formats.inspect import checkpoint_files
+from qcore.formats.safetensors_io import TensorRecord, write_file, CorruptCheckpointError, SafetensorsFile
 
 from ._records import _ST_TORCH, _TORCH_ST, _np, _record, _tensor_record, untied_state  # noqa: F401
+from .common import (QCORE_FORMAT_VERSION, ExportUnit, canonical_shape, check_config_describes, check_destination,
+                     check_format_version, export_units, hf_config, model_class, model_config, online_rotations,
+                     parse_size, read_config, unexpected_keys, weight_parts, weightless_error, will_rotate_online)
+from .experts import (ExpertsShell, check_split_experts, drop_expert_converters, exclude_float_experts,
+                      experts_layout, experts_records, float_experts_records, float_experts_split, split_problem,
+                      stored_float_experts)
 from ..config import ModelConfig
-from ..modules import QuantExperts, QuantLinear, _QuantMixin, QUANT_CLASSES
+from ..modules import (QuantExperts, QuantLinear, _QuantMixin, QUANT_CLASSES, _norm_weight_granularity,
+                       _with_granularity, low_rank_modules)
 from .._batches import _set_module
+from .._device import check_device
 from ..plan import plan_model
 
-__all__ = ['export_hf', 'ExportInfo', 'parse_size', 'QCORE_FORMAT_VERSION', 'from_pretrained', 'load_quark',
-           'register_with_transformers', 'CorruptCheckpointError']
+__all__ = ['export_hf', 'ExportInfo', 'from_pretrained', 'load_quark', 'register_with_transformers',
+           'CorruptCheckpointError']
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # export (formerly export.py)
 # ---------------------------------------------------------------------------------------------------------------
 
-QCORE_FORMAT_VERSION = 1
 
 @dataclass(frozen=True)
 class ExportInfo:
@@ -91,121 +100,8 @@ class ExportInfo:
     layers: dict = field(default_factory=dict)  # module name -> layout
 
 
-def parse_size(size: Union[int, str]) -> int:
-    """``5GB``, ``500MB``, ``2GiB``, ``1000000`` -> bytes (decimal units as transformers reads them)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        if size <= 0:
-            raise ValueError(f"max_shard_size must be positive, got {size}")
-        return size
-    if not isinstance(size, str):
-        raise TypeError(f"max_shard_size must be an int or a string like '5GB', got {type(size).__name__}")
-    s = size.strip().upper()
-    units = [("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)]
-    for u, f in units:
-        if s.endswith(u):
-            try:
-                v = float(s[:-len(u)])
-            except ValueError:
-                break
-            if math.isfinite(v) and v * f >= 1:  # at least one byte: '0.0000001B', 'infGB', 'nanMB' are not sizes
-                return int(v * f)
-            break
-    else:
-        if s.isdigit() and int(s) > 0:
-            return int(s)
-    raise ValueError(f"max_shard_size {size!r} is not a size; expected e.g. '5GB', '500MB', '2GiB' or a byte count")
-
-
-_PARTS_ROWS_ELEMENTS = 1 << 21  # weight elements weight_parts quantizes at once (_weight_parts_rows)
-
-
-def _row_chunks(w: torch.Tensor, spec, kw: dict) -> int:
-    """Rows of ``w`` that ``weight_parts`` may quantize at once (0: the whole weight in one call): a 2-D weight
-    larger than ``_PARTS_ROWS_ELEMENTS`` whose scales (and zero points) hold one row per weight row (per-channel,
-    per-group or block scales along the input axis), and a spec with nothing shared across rows (no tensor scale,
-    no micro-exponent shifts). Quantizing with given scales is elementwise, so the rows' codes are the whole
-    weight's, bit for bit."""
-    if w.dim() != 2 or w.numel() <= _PARTS_ROWS_ELEMENTS or spec.two_level or spec.subblock_shift_bits:
-        return 0
-    for k in ("scale", "zero_point"):
-        t = kw.get(k)
-        if t is not None and (t.dim() != 2 or t.shape[0] != w.shape[0]):
-            return 0
-    return max(1, _PARTS_ROWS_ELEMENTS // w.shape[1])
-
-
-def _weight_parts_rows(m, w: torch.Tensor, spec, kw: dict, step: int) -> L.WeightParts:
-    """``weight_parts`` of a non-frozen module ``step`` rows at a time (``_row_chunks``): the float32 copy, the
-    codes and their check cost one slice, not the whole weight several times over."""
-    codes = scales = zps = None
-    for i in range(0, w.shape[0], step):
-        wc = w[i:i + step].float().cpu()
-        part = {k: v[i:i + step] for k, v in kw.items()}
-        q = qcore.quantize(wc, spec, **part)
-        if not torch.equal(qcore.dequantize(q).to(w.dtype), wc.to(w.dtype)):
-            raise RuntimeError(f"export {m.qname!r}: the weight is not on its quantization grid (was it changed "
-                               f"after quantize_model without a forward?); run a forward or freeze the model first")
-        c, sc = _np(q.codes), _np(q.scales)
-        if codes is None:
-            codes = np.empty((w.shape[0],) + c.shape[1:], c.dtype)
-            scales = np.empty((w.shape[0],) + sc.shape[1:], sc.dtype)
-            if q.zero_points is not None:
-                zps = np.empty((w.shape[0],) + tuple(q.zero_points.shape[1:]), _np(q.zero_points).dtype)
-        codes[i:i + step], scales[i:i + step] = c, sc
-        if zps is not None:
-            zps[i:i + step] = _np(q.zero_points)
-    return L.WeightParts(codes=codes, scales=scales, zero_points=zps, shifts=None, tensor_scale=None)
-
-
-def weight_parts(m: _QuantMixin) -> tuple[L.WeightParts, tuple]:
-    """The qcore parts of a quantized module's weight (canonical layout) and the canonical shape; frozen or not
-    (a fake-quantized weight is quantized again with its own scales, exactly as ``freeze`` does, nothing
-    changes)."""
-    spec = m.specs["weight"]
-    if spec.gguf:
-        raise ValueError(f"{m.qname!r}: its weight is GGUF {spec.gguf} (float block offsets and super-block scales), "
-                         f"which only GGUF files hold; export it with export_gguf, or quantize the float model "
-                         f"with another spec for this format")
-    if m.frozen:
-        shape = m.weight_shape
-        codes = qcore.packing.unpack(m.weight_packed.cpu(), spec.dtype, axis=-1, length=shape[-1])
-        sc = m.weight_scale.cpu()
-        scales = sc.float() if sc.dtype == torch.float32 else qcore.decode(sc, spec.scale_dtype)
-        stored = m.scales("weight")
-        zp, sh, ts = stored.zero_point, stored.subblock_shifts, stored.tensor_scale
-        return L.WeightParts(codes=_np(codes), scales=_np(scales.float()),
-                             zero_points=None if zp is None else _np(zp.float()), shifts=None if sh is None else _np(sh),
-                             tensor_scale=None if ts is None else _np(ts.float())), shape
-    w = m.effective("weight", canonical=True)
-    kw: dict[str, Any] = {"scale": m.weight_scale.cpu()}
-    if not spec.symmetric:
-        kw["zero_point"] = m.weight_zero_point.cpu()
-    if spec.two_level:
-        kw["tensor_scale"] = m.weight_tensor_scale.cpu()
-    rows = _row_chunks(w, spec, kw)
-    if rows:
-        return _weight_parts_rows(m, w, spec, kw, rows), tuple(w.shape)
-    wc = w.float().cpu()
-    q = qcore.quantize(wc, spec, **kw)
-    back = qcore.dequantize(q).to(w.dtype)
-    if not torch.equal(back, wc.to(w.dtype)):
-        raise RuntimeError(f"export {m.qname!r}: the weight is not on its quantization grid (was it changed after "
-                           f"quantize_model without a forward?); run a forward or freeze the model first")
-    return L.WeightParts(codes=_np(q.codes), scales=_np(q.scales), zero_points=None if q.zero_points is None
-                         else _np(q.zero_points), shifts=None if q.subblock_shifts is None else _np(q.subblock_shifts),
-                         tensor_scale=None if q.tensor_scale is None else _np(q.tensor_scale)), tuple(wc.shape)
-
-
-def canonical_shape(m: _QuantMixin) -> tuple:
-    """The shape of a quantized module's weight in the canonical ``[out, in, *kernel]`` layout, frozen or not."""
-    if isinstance(m, QuantExperts):  # [E, 2I, H]: each expert's Linears are [I, H] (gate, up) and [H, I]
-        return m.expert_shape("gate_up_proj")
-    return m.weight_shape
-
-
 def module_layout(m: _QuantMixin) -> str:
     if isinstance(m, QuantExperts):
-        from .experts import experts_layout
         return experts_layout(m.specs["weight"], {p: m.expert_shape(p) for p in ("gate_up_proj", "down_proj")})
     return L.weight_layout(m.specs["weight"], canonical_shape(m), module="Linear" if type(m) is QuantLinear
                            else "other")
@@ -280,7 +176,7 @@ def branch_shapes(model: nn.Module) -> dict:
     return out
 
 
-def _plan_tensors(model: nn.Module, pack_method: str = "reorder", *, own: bool = False
+def plan_tensors(model: nn.Module, pack_method: str = "reorder", *, own: bool = False
                   ) -> tuple[list[TensorRecord], dict[str, str]]:
     """Every tensor to write, as lazy records (nothing converted yet), and the layout of each quantized module:
     Quark's where it has one, or, with ``own`` (a ``quant_method: "qcore"`` checkpoint: ``checkpoint_method``),
@@ -296,113 +192,13 @@ def _plan_tensors(model: nn.Module, pack_method: str = "reorder", *, own: bool =
         keys = [prefix + k for k in m.state_dict().keys()]
         owned.update(k for k in keys if "." not in k[len(prefix):])
         if isinstance(m, QuantExperts):  # per-expert Linears, under the family's checkpoint names
-            from .experts import experts_records
             records.extend(experts_records(model, name, m, layouts[name], pack_method))
             continue
         records.extend(module_records(name, m, layouts[name], cache, pack_method))
-    from .experts import float_experts_records, float_experts_split
     split = float_experts_split(model)  # float fused experts: per expert, as the family's checkpoints hold them
     for k, t in untied_state(model, owned):  # a tied weight: written once, as save_pretrained does
         records.extend(float_experts_records(model, k, t, split[k]) if k in split else [_tensor_record(k, t.detach())])
     return records, layouts
-
-
-def _online_rotations(model: nn.Module, config: ModelConfig) -> bool:
-    """Whether the model carries online rotations; ValueError if they are not what its config's rotation says
-    (a loader re-installs them from the config)."""
-    from qcore.algorithms.config import parse_algorithms, split_rotation
-    from ..passes.rotation import input_rotations, online_plan
-    have = {n: (h.size, h.key) for n, h in input_rotations(model).items()}
-    rot, _ = split_rotation(parse_algorithms(config.algorithms))
-    want = {n: (h.size, h.key) for n, h in online_plan(model, rot).items()} if rot is not None else {}
-    if have != want:
-        raise ValueError(f"export: the model's online rotations ({len(have)} modules, e.g. "
-                         f"{next(iter(have), None)!r}) are not the ones its config's algorithms give ({len(want)}, "
-                         f"e.g. {next(iter(want), None)!r}); rotate through quantize_model's algorithms (quarot, "
-                         f"spinquant) so that the checkpoint can re-install them")
-    return bool(have)
-
-
-class ExportUnit(NamedTuple):
-    """One module an exporter writes quantized: its name, float module type name (``"Linear"``, ...), weight shape
-    in the canonical ``[out, in, *kernel]`` layout, and ``LayerConfig``."""
-    name: str
-    type: str
-    shape: tuple
-    config: Any
-
-
-def export_units(model: nn.Module, config: ModelConfig) -> list[ExportUnit]:
-    """The quantized modules of ``model`` as they are, or, for a model not quantized yet, as ``quantize_model``
-    would make them from ``config`` (``plan_model``): what the exporters' up-front checks (``check_hf``,
-    ``check_gguf``, ``check_onnx``, ``check_ct``) look at, before any evaluation or quantization."""
-    mods = [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantMixin)]
-    if mods:
-        return [ExportUnit(n, "Experts" if isinstance(m, QuantExperts) else m.float_type.__name__,
-                           canonical_shape(m), m.qconfig) for n, m in mods]
-    from ..plan import plan_model
-    out = []
-    for p in plan_model(model, config):
-        w = getattr(model.get_submodule(p.name), "weight" if p.type != "Experts" else "gate_up_proj", None)
-        shape = tuple(w.shape) if w is not None else ()
-        if p.type in ("ConvTranspose2d", "Conv1D") and len(shape) >= 2:  # stored [in, out, ...]
-            shape = (shape[1], shape[0], *shape[2:])
-        out.append(ExportUnit(p.name, p.type, shape, p.config))
-    return out
-
-
-def refuse_conv1d(model: nn.Module, config: Optional[ModelConfig], who: str) -> None:
-    """Before any work: ValueError naming the first module that is (or, for a float model and ``config``, will be)
-    a quantized transformers ``Conv1D`` (GPT-2's projections): ``who`` (the ONNX and compressed-tensors
-    exporters and their up-front checks) has no writer for them yet (docs/adapters.md); ``export_hf`` writes them.
-    These exporters refuse SVDQuant's low-rank branches the same way, first (``refuse_low_rank``)."""
-    refuse_low_rank(model, config, who)
-    names = [n for n, m in model.named_modules()
-             if isinstance(m, _QuantMixin) and type(m).__bases__[1].__name__ == "Conv1D"]
-    if not names and isinstance(config, ModelConfig) and not any(isinstance(m, _QuantMixin) for m in model.modules()) \
-            and any(type(m).__name__ == "Conv1D" for m in model.modules()):  # models without one: not planned here
-        names = [u.name for u in export_units(model, config) if u.type == "Conv1D"]
-    if names:
-        raise ValueError(conv1d_error(who, names))
-
-
-def refuse_low_rank(model: nn.Module, config: Optional[ModelConfig], who: str) -> None:
-    """Before any work: ValueError naming the first module that carries (or, for a float model and ``config`` with
-    SVDQuant, will carry) SVDQuant's low-rank branch: ``who`` (GGUF, ONNX, compressed-tensors) has no way to
-    write the branch, and dropping it would change the model's function; ``export_hf`` writes it."""
-    from ..modules import low_rank_modules
-    names = low_rank_modules(model)
-    if not names and isinstance(config, ModelConfig) and not any(isinstance(m, _QuantMixin) for m in model.modules()):
-        from qcore.algorithms.config import parse_algorithms
-        if any(a.name == "svdquant" for a in parse_algorithms(config.algorithms)):
-            names = ["every Linear SVDQuant quantizes"]
-    if names:
-        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
-        raise ValueError(f"{who}: {names[0]!r}{more} carries SVDQuant's low-rank branch (a high-precision side "
-                         f"matmul beside the quantized one), which this format cannot represent; export_hf writes it "
-                         f"(quant_method 'qcore', qcore.adapters.from_pretrained loads it), or quantize without "
-                         f"svdquant")
-
-
-def conv1d_error(who: str, names: list) -> str:
-    """The refusal of an exporter with no writer for quantized transformers ``Conv1D`` modules (``names``)."""
-    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
-    return (f"{who}: {names[0]!r}{more} is a quantized transformers Conv1D (GPT-2's attention and MLP "
-            f"projections); this format has no writer for it yet (docs/adapters.md). export_hf writes it "
-            f"(qcore.adapters.from_pretrained loads it); or exclude these modules from the config to keep them float")
-
-
-def will_rotate_online(model: nn.Module, config: ModelConfig) -> bool:
-    """Whether the model carries (or, quantized with ``config``, will carry) online rotations."""
-    from ..passes.rotation import input_rotations
-    if input_rotations(model):
-        return True
-    from qcore.algorithms.config import parse_algorithms, split_rotation
-    rot, _ = split_rotation(parse_algorithms(config.algorithms))
-    if rot is None:
-        return False
-    from ..passes.rotation import online_plan
-    return bool(online_plan(model, rot))
 
 
 def _model_dtype_name(model: nn.Module) -> str:
@@ -421,19 +217,6 @@ def _quark_part(config: ModelConfig, model_dtype: str, quark_ok: bool) -> dict:
             raise ValueError(f"export: the config has no Quark spelling ({e}); Quark's loaders could not read the "
                              f"checkpoint") from None
         return {}
-
-
-def model_config(model: nn.Module, config: Optional[ModelConfig], *, who: str) -> ModelConfig:
-    """The ``ModelConfig`` an exporter writes: ``config``, or the model's own ``qcore_config`` (set by
-    ``quantize_model`` and the loaders); TypeError / ValueError naming ``who`` otherwise."""
-    if config is not None and not isinstance(config, ModelConfig):
-        raise TypeError(f"{who}: config must be a ModelConfig (ModelConfig.from_dict reads a dict), "
-                        f"got {type(config).__name__}")
-    config = config if config is not None else getattr(model, "qcore_config", None)
-    if not isinstance(config, ModelConfig):
-        raise ValueError(f"{who}: the model carries no qcore config (quantize it with "
-                         f"qcore.adapters.quantize_model, or pass config=)")
-    return config
 
 
 def check_hf(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
@@ -456,22 +239,18 @@ def checkpoint_method(model: nn.Module, config: ModelConfig) -> str:
     layouts = [L.weight_layout(u.config.weight.spec, u.shape, module="Linear" if u.type == "Linear" else "other")
                if u.type != "Experts" else _experts_unit_layout(u) for u in units]
     quark_ok = all(v != "qcore" for v in layouts) and not will_rotate_online(model, config) and not any(
-        u.type == "Experts" for u in units)  # quantized fused experts: quant_method "qcore" (see _quantization_config)
+        u.type == "Experts" for u in units)  # quantized fused experts: quant_method "qcore" (see quantization_config)
     quark_ok = quark_ok and not _low_rank(model, config)  # SVDQuant's branch: no Quark layout (BRANCH_TENSORS)
     return "quark" if quark_ok else "qcore"
 
 
 def _low_rank(model: nn.Module, config: ModelConfig) -> bool:
     """Whether the model carries (or, quantized with ``config``, will carry) SVDQuant's low-rank branches."""
-    from qcore.algorithms.config import parse_algorithms
-    from ..modules import low_rank_modules
     return bool(low_rank_modules(model)) or any(a.name == "svdquant" for a in parse_algorithms(config.algorithms))
 
 
 def _experts_unit_layout(u: ExportUnit) -> str:
     """The layout of a fused experts unit's per-expert Linears (ValueError where qcore cannot write them yet)."""
-    from .experts import experts_layout, split_problem
-    from ..modules import _norm_weight_granularity, _with_granularity
     e, o, i = u.shape
     spec = u.config.weight.spec
     if spec.gguf:
@@ -486,9 +265,9 @@ def _experts_unit_layout(u: ExportUnit) -> str:
     return experts_layout(spec, shapes)
 
 
-def _quantization_config(model: nn.Module, config: ModelConfig, layouts: dict[str, str], pack_method: str) -> dict:
+def quantization_config(model: nn.Module, config: ModelConfig, layouts: dict[str, str], pack_method: str) -> dict:
     # online rotations: Quark's and vLLM's loaders would not apply qcore's transforms; quant_method "qcore"
-    rotated = _online_rotations(model, config)  # (ValueError where they are not the ones the config gives)
+    rotated = online_rotations(model, config)  # (ValueError where they are not the ones the config gives)
     quark_ok = all(v != "qcore" for v in layouts.values()) and not rotated
     # quantized fused MoE experts: transformers' Quark integration (amd-quark 0.13) does not read them (it merges the
     # per-expert codes into float parameters and drops their scales: checked), so qcore's loader is their reader
@@ -511,26 +290,6 @@ def _quantization_config(model: nn.Module, config: ModelConfig, layouts: dict[st
     return q
 
 
-def _check_config_describes(model: nn.Module, config: ModelConfig) -> None:
-    """The config written must give exactly the model's quantized modules (a loader rebuilds them from it)."""
-    from ..plan import plan_model
-    want = {p.name: p.config for p in plan_model(model, config, _quantized_ok=True)}
-    have = {n: m.qconfig for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
-    for name in sorted(set(want) | set(have)):
-        if want.get(name) != have.get(name):
-            got = "float" if name not in have else "quantized"
-            raise ValueError(f"export: config does not describe the model: {name!r} is {got} in the model but the "
-                             f"config gives {'float' if name not in want else repr(want[name])}; pass the config "
-                             f"the model was quantized with")
-    own = {p.name: p.proj_weights for p in plan_model(model, config, _quantized_ok=True) if p.proj_weights}
-    have_own = {n: m.proj_weights for n, m in model.named_modules() if getattr(m, "proj_weights", ())}
-    for name in sorted(set(own) | set(have_own)):  # fused experts' per-projection weight specs
-        if own.get(name, ()) != have_own.get(name, ()):
-            raise ValueError(f"export: config does not describe the model: the experts {name!r} have the "
-                             f"per-projection weight specs {have_own.get(name, ())} but the config gives "
-                             f"{own.get(name, ())}; pass the config the model was quantized with")
-
-
 def _shards(records: list[TensorRecord], max_bytes: int) -> list[list[TensorRecord]]:
     shards: list[list[TensorRecord]] = [[]]
     size = 0
@@ -541,26 +300,6 @@ def _shards(records: list[TensorRecord], max_bytes: int) -> list[list[TensorReco
         shards[-1].append(r)
         size += r.nbytes
     return shards
-
-
-def check_destination(directory: pathlib.Path, overwrite: bool, sources: Iterable = ()) -> None:
-    """Before any work: ``directory`` is none of ``sources`` (nor contains, nor lies inside one:
-    ``qcore._fsutil.check_not_source``, with overwrite or not) and is absent, empty, or ``overwrite`` is given."""
-    check_not_source(directory, sources, what="export directory")
-    if directory.exists() and not directory.is_dir():
-        raise FileExistsError(f"export directory {str(directory)!r} exists and is not a directory")
-    if directory.is_dir() and any(directory.iterdir()) and not overwrite:
-        raise FileExistsError(f"export directory {str(directory)!r} exists and is not empty; pass overwrite=True "
-                              f"(--overwrite) to replace it")
-
-
-def weightless_error(what: str, names: list) -> str:
-    """The refusal of a checkpoint writer whose format stores quantized weights, for modules that quantize only
-    their activations or KV-cache outputs (a KV-cache-only or activation-only config)."""
-    return (f"{what}: {len(names)} module(s) quantize activations or KV-cache outputs but not their weight (e.g. "
-            f"{names[0]!r}); this checkpoint format stores quantized weights with their activation scales, so a "
-            f"KV-cache-only or activation-only config is not exported: quantize the weights too (e.g. the ptpc_fp8 "
-            f"preset with an fp8 KV cache), or export ONNX, which holds activation-only quantization")
 
 
 def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: Optional[ModelConfig] = None,
@@ -595,15 +334,15 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
                         "can be written as HF checkpoints")
     directory = pathlib.Path(directory)
     check_destination(directory, overwrite, model_sources(model))
-    _check_config_describes(model, config)
+    check_config_describes(model, config)
     check_hf(model, config)
 
-    records, layouts = _plan_tensors(model, pack_method, own=checkpoint_method(model, config) == "qcore")
-    qdict = _quantization_config(model, config, layouts, pack_method)
+    records, layouts = plan_tensors(model, pack_method, own=checkpoint_method(model, config) == "qcore")
+    qdict = quantization_config(model, config, layouts, pack_method)
 
     write_checkpoint(directory, model, hf_config, qdict, records, tokenizer=tokenizer, overwrite=overwrite,
                      max_bytes=max_bytes, progress=progress)
-    return _info(directory, qdict, layouts)
+    return export_info(directory, qdict, layouts)
 
 
 def write_checkpoint(directory: pathlib.Path, model: nn.Module, hf_config: Any, qdict: dict,
@@ -619,7 +358,7 @@ def write_checkpoint(directory: pathlib.Path, model: nn.Module, hf_config: Any, 
         write_shards(tmp, records, max_bytes, progress=progress)
 
 
-def _info(directory: pathlib.Path, qdict: dict, layouts: dict) -> ExportInfo:
+def export_info(directory: pathlib.Path, qdict: dict, layouts: dict) -> ExportInfo:
     files = tuple(sorted(p.name for p in directory.iterdir()))
     size = sum((directory / f).stat().st_size for f in files)
     return ExportInfo(str(directory), qdict["quant_method"], files, size, layouts)
@@ -680,19 +419,6 @@ _QUARK_KEYS = ("global_quant_config", "layer_quant_config", "layer_type_quant_co
                "exclude", "algo_config")
 
 
-def check_format_version(own: Any, where: str) -> None:
-    """Refuse a qcore block (``quantization_config["qcore"]``) written by a newer qcore: its ``format_version``
-    must be an int no greater than this reader's ``QCORE_FORMAT_VERSION``."""
-    if not isinstance(own, dict) or "format_version" not in own:
-        return
-    v = own["format_version"]
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise CorruptCheckpointError(f"{where}.qcore.format_version must be a positive int, got {v!r}")
-    if v > QCORE_FORMAT_VERSION:
-        raise CorruptCheckpointError(f"{where}.qcore.format_version is {v}; this qcore ({qcore.__version__}) reads "
-                                     f"format versions up to {QCORE_FORMAT_VERSION}: upgrade qcore to load it")
-
-
 def checkpoint_config(raw: dict) -> ModelConfig:
     """The ``ModelConfig`` of a checkpoint's ``quantization_config``: qcore's own when present, else Quark's."""
     if not isinstance(raw, dict):
@@ -744,33 +470,6 @@ def _first_difference(a: Any, b: Any, path: str = "") -> Optional[str]:
     return None if a == b else (path or "(root)")
 
 
-def read_config(d: pathlib.Path) -> tuple:
-    """``(config.json as a dict, its quantization_config)`` of the checkpoint directory ``d``, read safely (a
-    malformed or too deeply nested file is a ``CorruptCheckpointError`` naming it)."""
-    if not (d / "config.json").is_file():
-        raise FileNotFoundError(f"{str(d)!r} is not a checkpoint directory (no config.json)")
-    cfg = read_json_object(d / "config.json", what="the model config")
-    return cfg, cfg.get("quantization_config")
-
-
-def hf_config(d: pathlib.Path):
-    """transformers' ``AutoConfig`` of the checkpoint directory ``d``; a config.json transformers cannot read is a
-    ``CorruptCheckpointError`` naming the file, not transformers' traceback."""
-    from transformers import AutoConfig
-    bad: tuple = (ValueError, TypeError, KeyError, AttributeError, OSError, IndexError)
-    try:  # transformers 5 validates config fields with huggingface_hub's strict dataclasses
-        from huggingface_hub.errors import StrictDataclassError
-        bad += (StrictDataclassError,)
-    except ImportError:
-        pass
-    try:
-        return AutoConfig.from_pretrained(d, local_files_only=True)
-    except bad as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CorruptCheckpointError(f"{str(d / 'config.json')!r}: transformers cannot build the model config from "
-                                     f"it ({msg})") from None
-
-
 class _Shell(nn.Module):
     """Placeholder for one quantized module while transformers loads the checkpoint: parameters named, shaped and
     typed as the checkpoint stores them (on meta until loaded). ``own``: the weight is in qcore's extension
@@ -808,17 +507,6 @@ class _Shell(nn.Module):
 
 
 _FLOAT_ST = ("F32", "F16", "BF16")
-
-
-def unexpected_keys(model: nn.Module, names) -> list:
-    """The ``names`` (checkpoint tensors) that are not tensors of ``model``, sorted, leaving out those transformers
-    itself ignores on load: the model's ``_keys_to_ignore_on_load_unexpected`` and its non-persistent buffers
-    (older files store the rotary ``inv_freq``)."""
-    import re
-    state = model.state_dict(keep_vars=True)
-    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
-    transient = {f"{n}.{b}" if n else b for n, m in model.named_modules() for b in m._non_persistent_buffers_set}
-    return sorted(k for k in names if k not in state and k not in transient and not any(p.search(k) for p in ignore))
 
 
 def check_tensors(files: list, model: nn.Module, shells: dict[str, _Shell]) -> None:
@@ -859,7 +547,6 @@ def check_tensors(files: list, model: nn.Module, shells: dict[str, _Shell]) -> N
               if k in entries and t.is_floating_point()]
     want_float = max(set(floats), key=floats.count) if floats else None  # the checkpoint's float dtype
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})  # transformers' tied name -> its source
-    from .experts import check_split_experts, float_experts_split
     split = {k: v for k, v in float_experts_split(model).items() if k not in entries}  # float fused experts stored
     for keys in groups.values():  # per expert (as save_pretrained writes them; transformers merges them on load)
         present = [(k, t) for k, t in keys if k in entries]
@@ -1006,7 +693,6 @@ def _make_classes():
                                                                               for v in stated.values())):
                 raise CorruptCheckpointError(f"quantization_config.qcore.layouts must map layer names to layout "
                                              f"names, got {stated!r}"[:300])
-            from .experts import stored_float_experts
             self._float_experts = stored_float_experts(model, config, checkpoint_files)  # Quark 0.13's MoE exports
             method = raw.get("source_method", raw.get("quant_method"))
             low_rank = _low_rank_entries(raw, method)
@@ -1015,7 +701,6 @@ def _make_classes():
                     continue
                 own = own_layout(method, stated, p.name)
                 if p.type == "Experts":
-                    from .experts import ExpertsShell
                     sh = ExpertsShell(model, p.name, model.get_submodule(p.name), p.config, own=own)
                 else:
                     sh = _Shell(p.name, model.get_submodule(p.name), p.config, own=own,
@@ -1039,7 +724,7 @@ def _make_classes():
             return model
 
         def update_weight_conversions(self, weight_conversions, model):
-            from .experts import drop_expert_converters  # quantized fused experts load per expert, as stored
+            # quantized fused experts load per expert, as stored
             return super().update_weight_conversions(drop_expert_converters(weight_conversions, self._shells), model)
 
         def _process_model_after_weight_loading(self, model, **kwargs):
@@ -1052,9 +737,7 @@ def _make_classes():
             self._shells = {}
             model.qcore_config = checkpoint_config(self.quantization_config.raw)
             if getattr(self, "_float_experts", None):  # fused experts the checkpoint stores float: excluded, by name
-                from .experts import exclude_float_experts
                 model.qcore_config = exclude_float_experts(model, model.qcore_config, self._float_experts)
-            from qcore.algorithms.config import parse_algorithms, split_rotation
             rot, _ = split_rotation(parse_algorithms(model.qcore_config.algorithms))
             if rot is not None and rot.online:  # the online transforms of the rotated weights (QuaRot / SpinQuant)
                 own = _own_rotation(model.qcore_config)
@@ -1157,7 +840,6 @@ def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_ma
         checkpoint_config(raw)  # the quantization config, checked before any file is read
     except (ValueError, TypeError) as e:
         raise CorruptCheckpointError(f"{str(d / 'config.json')!r}: {e}") from None
-    from qcore.formats.inspect import checkpoint_files
     for f in checkpoint_files(d):  # headers first: a truncated or corrupted file fails here, naming the tensor
         SafetensorsFile(f)
     config = hf_config(d)
@@ -1174,22 +856,9 @@ def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_ma
         raise CorruptCheckpointError.naming(d, e) from None
 
 
-def model_class(config: Any):
-    """The transformers class a checkpoint's ``config`` was saved from: the first of ``config.architectures`` that
-    transformers has (a ``BertModel`` checkpoint loads as a ``BertModel``, not as the causal LM
-    ``AutoModelForCausalLM`` would build), else ``AutoModelForCausalLM``."""
-    import transformers
-    for name in getattr(config, "architectures", None) or ():
-        cls = getattr(transformers, name, None) if isinstance(name, str) else None
-        if isinstance(cls, type) and hasattr(cls, "from_pretrained"):
-            return cls
-    return transformers.AutoModelForCausalLM
-
-
 def _check_device_map(device_map: Any) -> None:
     """A ``device_map`` naming devices (a device, an index, or a dict of them) names ones this machine has
     (``ValueError`` before any file is read); accelerate's strategies ("auto", ...) are left to it."""
-    from .._device import check_device
     values = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
     for v in values:
         if isinstance(v, bool) or v is None or v in ("auto", "balanced", "balanced_low_0", "sequential", "disk"):

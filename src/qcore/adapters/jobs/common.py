@@ -22,7 +22,7 @@ from .._device import check_device as _check_device
 from ..eval import evaluate as E
 from ..eval import models as M
 from ..io import from_pretrained
-from ..io.quark_hf import hf_config
+from ..io.common import hf_config
 
 __all__ = ["DTYPES", "CommandError", "Names", "PYTHON", "CLI", "torch_dtype", "load_model", "load_float_model", "loading_bars",
            "read_eval_text", "protocol_windows", "calibration_windows", "check_writable_file", "check_device", "check_seq_len",

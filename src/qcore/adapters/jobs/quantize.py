@@ -45,7 +45,8 @@ from ..gguf_mix import gguf_mix
 from ..imatrix import check_importance_algorithms, collect_imatrix, load_imatrix, model_importance
 from ..io.formats import EXPORT_OPTION_DEFAULTS, FORMATS, ExportRequest, Format
 from ..io.onnx import UnsupportedWeightError
-from ..io.quark_hf import check_destination, check_format_version, checkpoint_config, parse_size, weightless_error
+from ..io.common import check_destination, check_format_version, parse_size, weightless_error
+from ..io.quark_hf import checkpoint_config
 from ..passes.amp import amp_config
 from ..passes.checkpointing import check_work_args
 from ..passes.sequential import check_experts_algorithms

@@ -58,9 +58,10 @@ from qcore.formats.safetensors_io import (CorruptCheckpointError, SafetensorsFil
                                          no_safetensors)
 
 from ..config import ModelConfig, TensorConfig
-from ..io.quark_hf import (ExportInfo, _info, _plan_tensors, _quantization_config, check_destination, parse_size,
-                     write_metadata, write_shards)
-from ..io.quark_hf import checkpoint_method
+from ..io.common import check_destination, parse_size, read_config, unexpected_keys, weightless_error
+from ..io.common import hf_config as read_hf_config
+from ..io.quark_hf import (ExportInfo, checkpoint_method, export_info, plan_tensors, quantization_config,
+                           write_metadata, write_shards)
 from ..io._records import _ST_TORCH
 from ..modules import calibrating, wrap
 from .._batches import _set_module
@@ -160,7 +161,6 @@ def _check_source(model: nn.Module, source: _Source) -> None:
         if shape != tuple(t.shape):
             raise CorruptCheckpointError(f"tensor {k!r} has shape {list(shape)} in the checkpoint; the model's "
                                          f"config gives {list(t.shape)}")
-    from ..io.quark_hf import unexpected_keys
     extra = unexpected_keys(model, source.where)  # what transformers itself ignores on load is let through
     if extra:
         raise CorruptCheckpointError(f"tensor {extra[0]!r} in {source.where[extra[0]].path.name} is not a tensor of "
@@ -209,7 +209,6 @@ def _skeleton(src: pathlib.Path, dtype: Optional[torch.dtype]):
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from ..io.quark_hf import hf_config as read_hf_config, read_config
     read_config(src)  # malformed or too deeply nested JSON: one error naming the file
     hf_config = read_hf_config(src)
     if getattr(hf_config, "quantization_config", None) is not None:
@@ -306,7 +305,6 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
     check_no_experts(model, cfg, who="quantize_checkpoint")  # fused MoE experts: not streamed yet (docs/adapters.md)
     weightless = [p.name for p in plans if p.config.weight is None]
     if weightless:  # the checkpoint stores quantized weights with their scales (as export_hf, which refuses too)
-        from ..io.quark_hf import weightless_error
         raise ValueError(weightless_error("quantize_checkpoint", weightless))
     static = [p for p in plans for r in ("input", "output")
               if isinstance(getattr(p.config, r), TensorConfig) and getattr(p.config, r).calibrated]
@@ -391,7 +389,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
                     return (0, module_order[owner])
                 return (1, state_order[r.name])
             records.sort(key=key)
-            qdict = _quantization_config(model, cfg, layouts, pack_method)
+            qdict = quantization_config(model, cfg, layouts, pack_method)
             write_metadata(tmp, model.config, qdict, type(model).__name__, gen)
             for f in _TOKENIZER_FILES:
                 if (src / f).is_file():
@@ -403,7 +401,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
         if spill is not None:
             spill.close()
     _log.info("quantize_checkpoint: %d layers in %.1f s", len(layers), time.perf_counter() - t0)
-    return _info(dst, qdict, layouts)
+    return export_info(dst, qdict, layouts)
 
 
 def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static, data, source, dtype, device,
@@ -476,7 +474,7 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
             for w in wrappers:
                 w.commit()
             if spill is not None:  # None: a distributed rank other than 0, which writes nothing
-                recs, lay = _plan_tensors(work, pack_method, own=own)
+                recs, lay = plan_tensors(work, pack_method, own=own)
                 for r in recs:
                     records.append(spill.add(r, f"{prefix}.{r.name}"))
                 layouts.update({f"{prefix}.{k}": v for k, v in lay.items()})
@@ -499,7 +497,7 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, nn.ModuleList())
     try:
-        recs, lay = _plan_tensors(model, pack_method, own=own)
+        recs, lay = plan_tensors(model, pack_method, own=own)
     finally:
         setattr(parent, child, layers)
     records.extend(recs)

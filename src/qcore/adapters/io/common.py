@@ -1,0 +1,360 @@
+"""What every format's writer and loader shares (``quark_hf``, ``compressed_tensors``, ``gguf``, ``onnx`` and the
+streaming writer, ``passes.streaming``).
+
+- Before any work (the exporters' up-front checks): the destination (``check_destination``), the shard size
+  (``parse_size``), the config written (``model_config``, ``check_config_describes``), the modules a format cannot
+  write (``refuse_conv1d``, ``refuse_low_rank``, ``conv1d_error``, ``weightless_error``), and what the model is or
+  will be once quantized (``export_units``, ``will_rotate_online``, ``online_rotations``).
+- A quantized module's weight as qcore parts on canonical axes (``weight_parts``, ``canonical_shape``).
+- Reading a checkpoint directory: ``read_config``, ``hf_config``, ``model_class``, ``check_format_version`` (the
+  qcore block's ``QCORE_FORMAT_VERSION``), ``unexpected_keys``.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import re
+from typing import Any, Iterable, NamedTuple, Optional, Union
+
+import numpy as np
+import torch
+from torch import nn
+
+import qcore
+from qcore._fsutil import check_not_source
+from qcore.algorithms.config import parse_algorithms, split_rotation
+from qcore.formats import quark_layout as L
+from qcore.formats.safetensors_io import CorruptCheckpointError, read_json_object
+
+from ._records import _np
+from ..config import ModelConfig
+from ..modules import QuantExperts, _QuantMixin, low_rank_modules
+from ..plan import plan_model
+
+__all__ = ['QCORE_FORMAT_VERSION', 'ExportUnit', 'canonical_shape', 'check_config_describes', 'check_destination',
+           'check_format_version', 'conv1d_error', 'export_units', 'hf_config', 'model_class', 'model_config',
+           'online_rotations', 'parse_size', 'read_config', 'refuse_conv1d', 'refuse_low_rank', 'unexpected_keys',
+           'weight_parts', 'weightless_error', 'will_rotate_online']
+
+
+QCORE_FORMAT_VERSION = 1
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """``5GB``, ``500MB``, ``2GiB``, ``1000000`` -> bytes (decimal units as transformers reads them)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size <= 0:
+            raise ValueError(f"max_shard_size must be positive, got {size}")
+        return size
+    if not isinstance(size, str):
+        raise TypeError(f"max_shard_size must be an int or a string like '5GB', got {type(size).__name__}")
+    s = size.strip().upper()
+    units = [("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)]
+    for u, f in units:
+        if s.endswith(u):
+            try:
+                v = float(s[:-len(u)])
+            except ValueError:
+                break
+            if math.isfinite(v) and v * f >= 1:  # at least one byte: '0.0000001B', 'infGB', 'nanMB' are not sizes
+                return int(v * f)
+            break
+    else:
+        if s.isdigit() and int(s) > 0:
+            return int(s)
+    raise ValueError(f"max_shard_size {size!r} is not a size; expected e.g. '5GB', '500MB', '2GiB' or a byte count")
+
+
+_PARTS_ROWS_ELEMENTS = 1 << 21  # weight elements weight_parts quantizes at once (_weight_parts_rows)
+
+
+def _row_chunks(w: torch.Tensor, spec, kw: dict) -> int:
+    """Rows of ``w`` that ``weight_parts`` may quantize at once (0: the whole weight in one call): a 2-D weight
+    larger than ``_PARTS_ROWS_ELEMENTS`` whose scales (and zero points) hold one row per weight row (per-channel,
+    per-group or block scales along the input axis), and a spec with nothing shared across rows (no tensor scale,
+    no micro-exponent shifts). Quantizing with given scales is elementwise, so the rows' codes are the whole
+    weight's, bit for bit."""
+    if w.dim() != 2 or w.numel() <= _PARTS_ROWS_ELEMENTS or spec.two_level or spec.subblock_shift_bits:
+        return 0
+    for k in ("scale", "zero_point"):
+        t = kw.get(k)
+        if t is not None and (t.dim() != 2 or t.shape[0] != w.shape[0]):
+            return 0
+    return max(1, _PARTS_ROWS_ELEMENTS // w.shape[1])
+
+
+def _weight_parts_rows(m, w: torch.Tensor, spec, kw: dict, step: int) -> L.WeightParts:
+    """``weight_parts`` of a non-frozen module ``step`` rows at a time (``_row_chunks``): the float32 copy, the
+    codes and their check cost one slice, not the whole weight several times over."""
+    codes = scales = zps = None
+    for i in range(0, w.shape[0], step):
+        wc = w[i:i + step].float().cpu()
+        part = {k: v[i:i + step] for k, v in kw.items()}
+        q = qcore.quantize(wc, spec, **part)
+        if not torch.equal(qcore.dequantize(q).to(w.dtype), wc.to(w.dtype)):
+            raise RuntimeError(f"export {m.qname!r}: the weight is not on its quantization grid (was it changed "
+                               f"after quantize_model without a forward?); run a forward or freeze the model first")
+        c, sc = _np(q.codes), _np(q.scales)
+        if codes is None:
+            codes = np.empty((w.shape[0],) + c.shape[1:], c.dtype)
+            scales = np.empty((w.shape[0],) + sc.shape[1:], sc.dtype)
+            if q.zero_points is not None:
+                zps = np.empty((w.shape[0],) + tuple(q.zero_points.shape[1:]), _np(q.zero_points).dtype)
+        codes[i:i + step], scales[i:i + step] = c, sc
+        if zps is not None:
+            zps[i:i + step] = _np(q.zero_points)
+    return L.WeightParts(codes=codes, scales=scales, zero_points=zps, shifts=None, tensor_scale=None)
+
+
+def weight_parts(m: _QuantMixin) -> tuple[L.WeightParts, tuple]:
+    """The qcore parts of a quantized module's weight (canonical layout) and the canonical shape; frozen or not
+    (a fake-quantized weight is quantized again with its own scales, exactly as ``freeze`` does, nothing
+    changes)."""
+    spec = m.specs["weight"]
+    if spec.gguf:
+        raise ValueError(f"{m.qname!r}: its weight is GGUF {spec.gguf} (float block offsets and super-block scales), "
+                         f"which only GGUF files hold; export it with export_gguf, or quantize the float model "
+                         f"with another spec for this format")
+    if m.frozen:
+        shape = m.weight_shape
+        codes = qcore.packing.unpack(m.weight_packed.cpu(), spec.dtype, axis=-1, length=shape[-1])
+        sc = m.weight_scale.cpu()
+        scales = sc.float() if sc.dtype == torch.float32 else qcore.decode(sc, spec.scale_dtype)
+        stored = m.scales("weight")
+        zp, sh, ts = stored.zero_point, stored.subblock_shifts, stored.tensor_scale
+        return L.WeightParts(codes=_np(codes), scales=_np(scales.float()),
+                             zero_points=None if zp is None else _np(zp.float()), shifts=None if sh is None else _np(sh),
+                             tensor_scale=None if ts is None else _np(ts.float())), shape
+    w = m.effective("weight", canonical=True)
+    kw: dict[str, Any] = {"scale": m.weight_scale.cpu()}
+    if not spec.symmetric:
+        kw["zero_point"] = m.weight_zero_point.cpu()
+    if spec.two_level:
+        kw["tensor_scale"] = m.weight_tensor_scale.cpu()
+    rows = _row_chunks(w, spec, kw)
+    if rows:
+        return _weight_parts_rows(m, w, spec, kw, rows), tuple(w.shape)
+    wc = w.float().cpu()
+    q = qcore.quantize(wc, spec, **kw)
+    back = qcore.dequantize(q).to(w.dtype)
+    if not torch.equal(back, wc.to(w.dtype)):
+        raise RuntimeError(f"export {m.qname!r}: the weight is not on its quantization grid (was it changed after "
+                           f"quantize_model without a forward?); run a forward or freeze the model first")
+    return L.WeightParts(codes=_np(q.codes), scales=_np(q.scales), zero_points=None if q.zero_points is None
+                         else _np(q.zero_points), shifts=None if q.subblock_shifts is None else _np(q.subblock_shifts),
+                         tensor_scale=None if q.tensor_scale is None else _np(q.tensor_scale)), tuple(wc.shape)
+
+
+def canonical_shape(m: _QuantMixin) -> tuple:
+    """The shape of a quantized module's weight in the canonical ``[out, in, *kernel]`` layout, frozen or not."""
+    if isinstance(m, QuantExperts):  # [E, 2I, H]: each expert's Linears are [I, H] (gate, up) and [H, I]
+        return m.expert_shape("gate_up_proj")
+    return m.weight_shape
+
+
+def online_rotations(model: nn.Module, config: ModelConfig) -> bool:
+    """Whether the model carries online rotations; ValueError if they are not what its config's rotation says
+    (a loader re-installs them from the config)."""
+    from ..passes.rotation import input_rotations, online_plan
+    have = {n: (h.size, h.key) for n, h in input_rotations(model).items()}
+    rot, _ = split_rotation(parse_algorithms(config.algorithms))
+    want = {n: (h.size, h.key) for n, h in online_plan(model, rot).items()} if rot is not None else {}
+    if have != want:
+        raise ValueError(f"export: the model's online rotations ({len(have)} modules, e.g. "
+                         f"{next(iter(have), None)!r}) are not the ones its config's algorithms give ({len(want)}, "
+                         f"e.g. {next(iter(want), None)!r}); rotate through quantize_model's algorithms (quarot, "
+                         f"spinquant) so that the checkpoint can re-install them")
+    return bool(have)
+
+
+class ExportUnit(NamedTuple):
+    """One module an exporter writes quantized: its name, float module type name (``"Linear"``, ...), weight shape
+    in the canonical ``[out, in, *kernel]`` layout, and ``LayerConfig``."""
+    name: str
+    type: str
+    shape: tuple
+    config: Any
+
+
+def export_units(model: nn.Module, config: ModelConfig) -> list[ExportUnit]:
+    """The quantized modules of ``model`` as they are, or, for a model not quantized yet, as ``quantize_model``
+    would make them from ``config`` (``plan_model``): what the exporters' up-front checks (``check_hf``,
+    ``check_gguf``, ``check_onnx``, ``check_ct``) look at, before any evaluation or quantization."""
+    mods = [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantMixin)]
+    if mods:
+        return [ExportUnit(n, "Experts" if isinstance(m, QuantExperts) else m.float_type.__name__,
+                           canonical_shape(m), m.qconfig) for n, m in mods]
+    out = []
+    for p in plan_model(model, config):
+        w = getattr(model.get_submodule(p.name), "weight" if p.type != "Experts" else "gate_up_proj", None)
+        shape = tuple(w.shape) if w is not None else ()
+        if p.type in ("ConvTranspose2d", "Conv1D") and len(shape) >= 2:  # stored [in, out, ...]
+            shape = (shape[1], shape[0], *shape[2:])
+        out.append(ExportUnit(p.name, p.type, shape, p.config))
+    return out
+
+
+def refuse_conv1d(model: nn.Module, config: Optional[ModelConfig], who: str) -> None:
+    """Before any work: ValueError naming the first module that is (or, for a float model and ``config``, will be)
+    a quantized transformers ``Conv1D`` (GPT-2's projections): ``who`` (the ONNX and compressed-tensors
+    exporters and their up-front checks) has no writer for them yet (docs/adapters.md); ``export_hf`` writes them.
+    These exporters refuse SVDQuant's low-rank branches the same way, first (``refuse_low_rank``)."""
+    refuse_low_rank(model, config, who)
+    names = [n for n, m in model.named_modules()
+             if isinstance(m, _QuantMixin) and type(m).__bases__[1].__name__ == "Conv1D"]
+    if not names and isinstance(config, ModelConfig) and not any(isinstance(m, _QuantMixin) for m in model.modules()) \
+            and any(type(m).__name__ == "Conv1D" for m in model.modules()):  # models without one: not planned here
+        names = [u.name for u in export_units(model, config) if u.type == "Conv1D"]
+    if names:
+        raise ValueError(conv1d_error(who, names))
+
+
+def refuse_low_rank(model: nn.Module, config: Optional[ModelConfig], who: str) -> None:
+    """Before any work: ValueError naming the first module that carries (or, for a float model and ``config`` with
+    SVDQuant, will carry) SVDQuant's low-rank branch: ``who`` (GGUF, ONNX, compressed-tensors) has no way to
+    write the branch, and dropping it would change the model's function; ``export_hf`` writes it."""
+    names = low_rank_modules(model)
+    if not names and isinstance(config, ModelConfig) and not any(isinstance(m, _QuantMixin) for m in model.modules()):
+        if any(a.name == "svdquant" for a in parse_algorithms(config.algorithms)):
+            names = ["every Linear SVDQuant quantizes"]
+    if names:
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+        raise ValueError(f"{who}: {names[0]!r}{more} carries SVDQuant's low-rank branch (a high-precision side "
+                         f"matmul beside the quantized one), which this format cannot represent; export_hf writes it "
+                         f"(quant_method 'qcore', qcore.adapters.from_pretrained loads it), or quantize without "
+                         f"svdquant")
+
+
+def conv1d_error(who: str, names: list) -> str:
+    """The refusal of an exporter with no writer for quantized transformers ``Conv1D`` modules (``names``)."""
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    return (f"{who}: {names[0]!r}{more} is a quantized transformers Conv1D (GPT-2's attention and MLP "
+            f"projections); this format has no writer for it yet (docs/adapters.md). export_hf writes it "
+            f"(qcore.adapters.from_pretrained loads it); or exclude these modules from the config to keep them float")
+
+
+def will_rotate_online(model: nn.Module, config: ModelConfig) -> bool:
+    """Whether the model carries (or, quantized with ``config``, will carry) online rotations."""
+    from ..passes.rotation import input_rotations
+    if input_rotations(model):
+        return True
+    rot, _ = split_rotation(parse_algorithms(config.algorithms))
+    if rot is None:
+        return False
+    from ..passes.rotation import online_plan
+    return bool(online_plan(model, rot))
+
+
+def model_config(model: nn.Module, config: Optional[ModelConfig], *, who: str) -> ModelConfig:
+    """The ``ModelConfig`` an exporter writes: ``config``, or the model's own ``qcore_config`` (set by
+    ``quantize_model`` and the loaders); TypeError / ValueError naming ``who`` otherwise."""
+    if config is not None and not isinstance(config, ModelConfig):
+        raise TypeError(f"{who}: config must be a ModelConfig (ModelConfig.from_dict reads a dict), "
+                        f"got {type(config).__name__}")
+    config = config if config is not None else getattr(model, "qcore_config", None)
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"{who}: the model carries no qcore config (quantize it with "
+                         f"qcore.adapters.quantize_model, or pass config=)")
+    return config
+
+
+def check_config_describes(model: nn.Module, config: ModelConfig) -> None:
+    """The config written must give exactly the model's quantized modules (a loader rebuilds them from it)."""
+    want = {p.name: p.config for p in plan_model(model, config, _quantized_ok=True)}
+    have = {n: m.qconfig for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
+    for name in sorted(set(want) | set(have)):
+        if want.get(name) != have.get(name):
+            got = "float" if name not in have else "quantized"
+            raise ValueError(f"export: config does not describe the model: {name!r} is {got} in the model but the "
+                             f"config gives {'float' if name not in want else repr(want[name])}; pass the config "
+                             f"the model was quantized with")
+    own = {p.name: p.proj_weights for p in plan_model(model, config, _quantized_ok=True) if p.proj_weights}
+    have_own = {n: m.proj_weights for n, m in model.named_modules() if getattr(m, "proj_weights", ())}
+    for name in sorted(set(own) | set(have_own)):  # fused experts' per-projection weight specs
+        if own.get(name, ()) != have_own.get(name, ()):
+            raise ValueError(f"export: config does not describe the model: the experts {name!r} have the "
+                             f"per-projection weight specs {have_own.get(name, ())} but the config gives "
+                             f"{own.get(name, ())}; pass the config the model was quantized with")
+
+
+def check_destination(directory: pathlib.Path, overwrite: bool, sources: Iterable = ()) -> None:
+    """Before any work: ``directory`` is none of ``sources`` (nor contains, nor lies inside one:
+    ``qcore._fsutil.check_not_source``, with overwrite or not) and is absent, empty, or ``overwrite`` is given."""
+    check_not_source(directory, sources, what="export directory")
+    if directory.exists() and not directory.is_dir():
+        raise FileExistsError(f"export directory {str(directory)!r} exists and is not a directory")
+    if directory.is_dir() and any(directory.iterdir()) and not overwrite:
+        raise FileExistsError(f"export directory {str(directory)!r} exists and is not empty; pass overwrite=True "
+                              f"(--overwrite) to replace it")
+
+
+def weightless_error(what: str, names: list) -> str:
+    """The refusal of a checkpoint writer whose format stores quantized weights, for modules that quantize only
+    their activations or KV-cache outputs (a KV-cache-only or activation-only config)."""
+    return (f"{what}: {len(names)} module(s) quantize activations or KV-cache outputs but not their weight (e.g. "
+            f"{names[0]!r}); this checkpoint format stores quantized weights with their activation scales, so a "
+            f"KV-cache-only or activation-only config is not exported: quantize the weights too (e.g. the ptpc_fp8 "
+            f"preset with an fp8 KV cache), or export ONNX, which holds activation-only quantization")
+
+
+def check_format_version(own: Any, where: str) -> None:
+    """Refuse a qcore block (``quantization_config["qcore"]``) written by a newer qcore: its ``format_version``
+    must be an int no greater than this reader's ``QCORE_FORMAT_VERSION``."""
+    if not isinstance(own, dict) or "format_version" not in own:
+        return
+    v = own["format_version"]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise CorruptCheckpointError(f"{where}.qcore.format_version must be a positive int, got {v!r}")
+    if v > QCORE_FORMAT_VERSION:
+        raise CorruptCheckpointError(f"{where}.qcore.format_version is {v}; this qcore ({qcore.__version__}) reads "
+                                     f"format versions up to {QCORE_FORMAT_VERSION}: upgrade qcore to load it")
+
+
+def read_config(d: pathlib.Path) -> tuple:
+    """``(config.json as a dict, its quantization_config)`` of the checkpoint directory ``d``, read safely (a
+    malformed or too deeply nested file is a ``CorruptCheckpointError`` naming it)."""
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"{str(d)!r} is not a checkpoint directory (no config.json)")
+    cfg = read_json_object(d / "config.json", what="the model config")
+    return cfg, cfg.get("quantization_config")
+
+
+def hf_config(d: pathlib.Path):
+    """transformers' ``AutoConfig`` of the checkpoint directory ``d``; a config.json transformers cannot read is a
+    ``CorruptCheckpointError`` naming the file, not transformers' traceback."""
+    from transformers import AutoConfig
+    bad: tuple = (ValueError, TypeError, KeyError, AttributeError, OSError, IndexError)
+    try:  # transformers 5 validates config fields with huggingface_hub's strict dataclasses
+        from huggingface_hub.errors import StrictDataclassError
+        bad += (StrictDataclassError,)
+    except ImportError:
+        pass
+    try:
+        return AutoConfig.from_pretrained(d, local_files_only=True)
+    except bad as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CorruptCheckpointError(f"{str(d / 'config.json')!r}: transformers cannot build the model config from "
+                                     f"it ({msg})") from None
+
+
+def unexpected_keys(model: nn.Module, names) -> list:
+    """The ``names`` (checkpoint tensors) that are not tensors of ``model``, sorted, leaving out those transformers
+    itself ignores on load: the model's ``_keys_to_ignore_on_load_unexpected`` and its non-persistent buffers
+    (older files store the rotary ``inv_freq``)."""
+    state = model.state_dict(keep_vars=True)
+    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+    transient = {f"{n}.{b}" if n else b for n, m in model.named_modules() for b in m._non_persistent_buffers_set}
+    return sorted(k for k in names if k not in state and k not in transient and not any(p.search(k) for p in ignore))
+
+
+def model_class(config: Any):
+    """The transformers class a checkpoint's ``config`` was saved from: the first of ``config.architectures`` that
+    transformers has (a ``BertModel`` checkpoint loads as a ``BertModel``, not as the causal LM
+    ``AutoModelForCausalLM`` would build), else ``AutoModelForCausalLM``."""
+    import transformers
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if isinstance(cls, type) and hasattr(cls, "from_pretrained"):
+            return cls
+    return transformers.AutoModelForCausalLM
