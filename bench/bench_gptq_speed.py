@@ -107,6 +107,7 @@ class Profile:
     def patched(self, impl: str):
         from qcore.adapters.passes import runner, sequential
         from qcore.algorithms import gptq as G
+        from qcore.algorithms import gptq_core
 
         saved = []
 
@@ -118,16 +119,17 @@ class Profile:
             def landed_add(self_, x):
                 st = G.update_hessian(self_.stats(), x)
                 self_.sum, self_.count = st.sum, st.count
-            setattr_(G, "_gram", lambda rows: rows.T @ rows)
-            setattr_(G._HessianSum, "add", landed_add)
+            setattr_(gptq_core, "gram", lambda rows: rows.T @ rows)
+            setattr_(gptq_core.HessianSum, "add", landed_add)
             setattr_(sequential, "gptq", G._reference_gptq)
         setattr_(runner.LayerRunner, "capture", self.wrap("capture", runner.LayerRunner.capture))
         setattr_(sequential, "_stages", self.wrap("stages", sequential._stages))
         setattr_(sequential, "_collect_hessians", self.wrap("_collect", sequential._collect_hessians))
-        setattr_(G._HessianSum, "add", self.wrap("Hessians x^T x", G._HessianSum.add))
+        setattr_(gptq_core.HessianSum, "add", self.wrap("Hessians x^T x", gptq_core.HessianSum.add))
         setattr_(sequential, "gptq", self.wrap("_gptq", sequential.gptq))
-        setattr_(G._Torch, "cholesky_lower", self.wrap("factorization", G._Torch.cholesky_lower))
-        setattr_(G._Torch, "inv_upper_chol", self.wrap("factorization", G._Torch.inv_upper_chol))
+        setattr_(gptq_core.TorchLib, "cholesky_lower", self.wrap("factorization", gptq_core.TorchLib.cholesky_lower))
+        setattr_(gptq_core.TorchLib, "inv_upper_chol",
+                 self.wrap("factorization", gptq_core.TorchLib.inv_upper_chol))
         setattr_(G, "_columns_fast", self.wrap("column loop", G._columns_fast))
         setattr_(G, "_columns_reference", self.wrap("column loop", G._columns_reference))
         setattr_(sequential, "_write", self.wrap("write", sequential._write))

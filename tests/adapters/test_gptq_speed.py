@@ -14,6 +14,7 @@ from qcore import ScaleMode  # noqa: E402
 from qcore.adapters import preset, quantize_model  # noqa: E402
 from qcore.adapters.passes import sequential  # noqa: E402
 from qcore.algorithms import gptq as G  # noqa: E402
+from qcore.algorithms import gptq_core  # noqa: E402
 
 
 def _landed(monkeypatch):
@@ -21,8 +22,8 @@ def _landed(monkeypatch):
         st = G.update_hessian(self.stats(), x)
         self.sum, self.count = st.sum, st.count
 
-    monkeypatch.setattr(G, "_gram", lambda rows: rows.T @ rows)
-    monkeypatch.setattr(G._HessianSum, "add", add)
+    monkeypatch.setattr(gptq_core, "gram", lambda rows: rows.T @ rows)
+    monkeypatch.setattr(gptq_core.HessianSum, "add", add)
     monkeypatch.setattr(sequential, "gptq", G._reference_gptq)
 
 

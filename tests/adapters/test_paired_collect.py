@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 
 from qcore.adapters.passes._paired import collect_paired, float_copy, reduce_paired  # noqa: E402
 from qcore.adapters.passes.runner import FloatStream, LayerRunner  # noqa: E402
-from qcore.algorithms._paired import PairedStats, update_paired  # noqa: E402
+from qcore.algorithms.paired import PairedStats, update_paired  # noqa: E402
 
 GROUPS = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
           ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]

@@ -11,7 +11,7 @@ import pytest
 
 import qcore
 from qcore import PerChannel, PerGroup, make_spec
-from qcore.algorithms._paired import PairedStats, update_paired
+from qcore.algorithms.paired import PairedStats, update_paired
 from qcore.algorithms.gptaq import gptaq
 from qcore import PerBlock, PerTensor
 from qcore.algorithms.gptq import gptq

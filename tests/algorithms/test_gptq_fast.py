@@ -11,6 +11,7 @@ import pytest
 import qcore
 from qcore import PerBlock, PerChannel, PerGroup, PerTensor, make_spec
 from qcore.algorithms import gptq as G
+from qcore.algorithms import gptq_core
 from qcore.algorithms.gptq import HessianStats, gptq, update_hessian
 
 torch = pytest.importorskip("torch")
@@ -96,12 +97,12 @@ def test_blocked_gram_is_the_one_product(n):
     g = torch.Generator().manual_seed(n)
     x = torch.randn(300, n, generator=g) * torch.rand(n, generator=g) * 4
     want = x.T @ x
-    got = G._gram(x)
+    got = gptq_core.gram(x)
     assert torch.allclose(got, want, rtol=1e-6, atol=0)
     # a GEMM's sum over its inner axis does not depend on how the output is tiled (MKL, OpenBLAS): same bits
     assert torch.equal(got, want)
     xn = x.numpy()
-    assert np.array_equal(G._gram(xn), xn.T @ xn)  # numpy: the one product
+    assert np.array_equal(gptq_core.gram(xn), xn.T @ xn)  # numpy: the one product
 
 
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
@@ -112,7 +113,7 @@ def test_in_place_hessian_sum_equals_update_hessian(kind):
         xs = [torch.from_numpy(x) for x in xs]
     like = xs[0] if kind == "torch" else None
     st = HessianStats.empty(600, like=like)
-    acc = G._HessianSum(600, like=like)
+    acc = gptq_core.HessianSum(600, like=like)
     for x in xs:
         st = update_hessian(st, x)
         acc.add(x)
@@ -125,7 +126,7 @@ def test_in_place_hessian_sum_equals_update_hessian(kind):
 
 
 def test_in_place_hessian_sum_refuses_bad_rows():
-    acc = G._HessianSum(8, like=torch.zeros(1))
+    acc = gptq_core.HessianSum(8, like=torch.zeros(1))
     with pytest.raises(ValueError, match="8 features"):
         acc.add(torch.zeros(4, 9))
     bad = torch.zeros(4, 8)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qcore.algorithms._paired import PairedStats, _PairedSum, merge_paired, update_paired
+from qcore.algorithms.paired import PairedStats, PairedSum, merge_paired, update_paired
 from qcore.algorithms.gptq import HessianStats, update_hessian
 
 
@@ -52,7 +52,7 @@ def test_values_in_place_sums_and_merges():
     assert a0.count == 0 and not np.any(a0.hessian) and not np.any(a0.delta)  # a value: unchanged
     b = update_paired(PairedStats.empty(16), x[150:], xq[150:])
     m = merge_paired(a, b)
-    s = _PairedSum(16)
+    s = PairedSum(16)
     s.add(x[:150], xq[:150])
     s.add(x[150:], xq[150:])
     inplace = s.stats()

@@ -4,7 +4,7 @@ Calibration", arXiv 2504.02692, "GPTQv2") as a pure function.
 GPTQ quantizes a layer against its inputs in the quantized model, ``X~``, minimising ``||(W - Q) X~||``: the
 error the earlier quantized layers left in ``X~`` is taken as the truth. GPTAQ minimises ``||W X - Q X~||``
 (``X``: the float model's inputs of the same module on the same tokens), so each column's quantization also
-absorbs that input mismatch. Statistics: ``qcore.algorithms._paired.PairedStats`` (``H~ = sum X~^T X~`` and
+absorbs that input mismatch. Statistics: ``qcore.algorithms.paired.PairedStats`` (``H~ = sum X~^T X~`` and
 ``dXXT = sum (X - X~)^T X~``, token rows; scaled by ``2 / count`` as GPTQ scales its Hessian).
 
 The update (activations as token rows, a weight row ``w`` over input columns; ``F``: the columns after ``q``):
@@ -57,9 +57,9 @@ import qcore
 from qcore import PerChannel, QuantSpec
 from qcore._backend import is_torch
 
-from ._paired import PairedStats
-from .gptq import (GPTQResult, _as_array, _assemble, _check_loop_options, _dead_inputs, _group_setup, _lib,
-                   _np_view, _numpy_column_quantizers, _symmetrize_, _to_numpy, _upper_factor, check_gptq_spec)
+from .gptq_core import (GPTQResult, as_array, assemble, check_gptq_spec, check_loop_options, dead_inputs, group_setup,
+                        lib_of, numpy_column_quantizers, numpy_view, symmetrize_, to_numpy, upper_factor)
+from .paired import PairedStats
 
 __all__ = ["gptaq"]
 
@@ -77,7 +77,7 @@ def _cpu_f64(a, torch_like: bool):
         import torch
         t = a if is_torch(a) else torch.from_numpy(np.asarray(a))
         return t.detach().to(device="cpu", dtype=torch.float64, copy=True)
-    return _to_numpy(a).astype(np.float64, copy=True)
+    return to_numpy(a).astype(np.float64, copy=True)
 
 
 def _stats_arrays(stats, n: int, torch_like: bool):
@@ -85,7 +85,7 @@ def _stats_arrays(stats, n: int, torch_like: bool):
     if isinstance(stats, PairedStats):
         h, d = stats.scaled()
     elif isinstance(stats, tuple) and len(stats) == 2:
-        h, d = (_as_array(stats[0], "stats[0] (H~)"), _as_array(stats[1], "stats[1] (dXXT)"))
+        h, d = (as_array(stats[0], "stats[0] (H~)"), as_array(stats[1], "stats[1] (dXXT)"))
     else:
         raise TypeError(f"stats must be a PairedStats or a pair (H~, dXXT) of [in, in] arrays, got "
                         f"{type(stats).__name__}")
@@ -95,7 +95,7 @@ def _stats_arrays(stats, n: int, torch_like: bool):
             raise ValueError(f"stats {name} must be [{n}, {n}] for a weight with {n} input columns, got "
                              f"{list(a.shape)}")
         a = _cpu_f64(a, torch_like)
-        if not _lib(a).finite(a):
+        if not lib_of(a).finite(a):
             raise ValueError(f"stats {name} holds NaN or Inf")
         out.append(a)
     return out
@@ -111,13 +111,13 @@ def gptaq(weight: Any, stats: Any, spec: QuantSpec, *, alpha: float = 0.25, bloc
     """Quantize ``weight`` ([out, in], numpy or torch) with GPTAQ to ``spec`` from the paired statistics
     ``stats`` (a ``PairedStats``, or a pair ``(H~, dXXT)`` of ``[in, in]`` arrays already scaled alike). See the
     module docstring; the options are ``gptq``'s, plus ``alpha`` (the weight of the input-mismatch term)."""
-    weight = _as_array(weight, "weight")
+    weight = as_array(weight, "weight")
     if not (weight.dtype.is_floating_point if is_torch(weight) else np.issubdtype(weight.dtype, np.floating)):
         raise TypeError(f"weight must be floating point, got dtype {weight.dtype}")
     shape = tuple(int(s) for s in weight.shape)
     check_gptq_spec(spec, shape)
     alpha = _check_alpha(alpha)
-    _check_loop_options(block_size, damp, max_retries)
+    check_loop_options(block_size, damp, max_retries)
     for name, v in (("act_order", act_order), ("static_groups", static_groups)):
         if not isinstance(v, bool):
             raise TypeError(f"{name} must be a bool, got {v!r}")
@@ -126,7 +126,7 @@ def gptaq(weight: Any, stats: Any, spec: QuantSpec, *, alpha: float = 0.25, bloc
     n_out, n = shape
     tl = is_torch(weight)
     H, D = _stats_arrays(stats, n, tl)
-    lib = _lib(H)
+    lib = lib_of(H)
     if tl:
         import torch
         device = weight.device
@@ -136,11 +136,11 @@ def gptaq(weight: Any, stats: Any, spec: QuantSpec, *, alpha: float = 0.25, bloc
     if not lib.finite(W):
         raise ValueError("weight holds NaN or Inf")
 
-    _symmetrize_(H)
-    idx = _dead_inputs(W, H, lib)
+    symmetrize_(H)
+    idx = dead_inputs(W, H, lib)
     if idx is not None:
         D[:, idx] = 0.0
-    two_level, tensor_scale, width, params_of, group_params = _group_setup(W, spec, n, scale_fn, static_groups)
+    two_level, tensor_scale, width, params_of, group_params = group_setup(W, spec, n, scale_fn, static_groups)
 
     perm = None
     if act_order:
@@ -150,8 +150,8 @@ def gptaq(weight: Any, stats: Any, spec: QuantSpec, *, alpha: float = 0.25, bloc
         H = H[:, perm]
         D = D[perm]
         D = D[:, perm]
-    perm_np = None if perm is None else _to_numpy(perm)
-    U, rel = _upper_factor(H, damp, max_retries, lib, who="GPTAQ")
+    perm_np = None if perm is None else to_numpy(perm)
+    U, rel = upper_factor(H, damp, max_retries, lib, who="GPTAQ")
     H = None
     # row q of P: alpha * dXXT[q, F] (H_FF)^-1 over the later columns F (module docstring); float32 products
     # (P is a correction used in float32 by the loop; two [n, n] float64 products cost as much as the rest)
@@ -176,7 +176,7 @@ def gptaq(weight: Any, stats: Any, spec: QuantSpec, *, alpha: float = 0.25, bloc
         Q = Q.to(device)
         group_params = [{k: (v.to(device) if is_torch(v) else v) for k, v in p.items()} for p in group_params]
         tensor_scale = tensor_scale.to(device) if is_torch(tensor_scale) else tensor_scale
-    final = _assemble(Q, spec, group_params, width, two_level, tensor_scale)
+    final = assemble(Q, spec, group_params, width, two_level, tensor_scale)
     deq = qcore.dequantize(final)
     same = bool((deq == Q).all()) if is_torch(Q) else bool(np.array_equal(deq, Q))
     if not same:
@@ -190,8 +190,8 @@ def _columns(W, U, P, lib, n_out, n, block_size, width, group_of, pos_of, group_
     operations on views, block products in the arrays' own library). ``W`` is updated in place; returns
     ``(Q, loss)`` (``loss``: GPTQ's ``sum(err^2) / 2`` of the scaled errors)."""
     row_spec = dataclasses.replace(spec, granularity=PerChannel(0))
-    quantizer = _numpy_column_quantizers(W, lib, n_out, group_params, spec, two_level, row_spec)
-    Un, Pn = _np_view(U), _np_view(P)
+    quantizer = numpy_column_quantizers(W, lib, n_out, group_params, spec, two_level, row_spec)
+    Un, Pn = numpy_view(U), numpy_view(P)
     Q = lib.zeros((n_out, n), lib.f32, W)
     loss = 0.0
     for i1 in range(0, n, block_size):
@@ -202,7 +202,7 @@ def _columns(W, U, P, lib, n_out, n, block_size, width, group_of, pos_of, group_
         Q1T = lib.zeros((b, n_out), lib.f32, W)
         Err1 = lib.zeros((n_out, b), lib.f32, W)  # scaled errors (w - q) / U_ii
         W01 = lib.zeros((n_out, b), lib.f32, W)  # each column's value when it was quantized (the P term's factor)
-        w1t, q1t, e1, w01 = _np_view(W1T), _np_view(Q1T), _np_view(Err1), _np_view(W01)
+        w1t, q1t, e1, w01 = numpy_view(W1T), numpy_view(Q1T), numpy_view(Err1), numpy_view(W01)
         U1, P1 = Un[i1:i2, i1:i2], Pn[i1:i2, i1:i2]
         for i in range(b):
             gi = int(group_of[i1 + i])

@@ -2,8 +2,9 @@
 search inside GPTQ's column loop (``qcore.algorithms.gptq.gptq`` dispatches here for ``spec.gguf``).
 
 GPTQ's loop (``qcore.algorithms.gptq``: dead inputs, ``act_order``, damping, the upper Cholesky factor of
-``H^-1``, lazy batches of ``block_size`` columns) with the scales of each GGUF block (256 columns for k-quants,
-32 otherwise) chosen the way llama.cpp chooses them:
+``H^-1``, lazy batches of ``block_size`` columns; the pieces from ``qcore.algorithms.gptq_core``, the only GPTQ
+module imported here) with the scales of each GGUF block (256 columns for k-quants, 32 otherwise) chosen the way
+llama.cpp chooses them:
 
 1. when the loop first reaches a column of a block, llama.cpp's search (``qcore._kquants``: ``make_qkx3_quants``
    / ``make_qx_quants`` / ... with importance weights, the ``quantize_row_*_impl`` path) runs on the block's
@@ -36,18 +37,19 @@ from typing import Any, Optional
 import numpy as np
 
 import qcore
-from qcore import QTensor, QuantSpec
+from qcore import QTensor, QuantSpec, _kquants
 from qcore._backend import is_torch
+
+from .gptq_core import (GPTQResult, HessianStats, NumpyLib, as_array, checked_hessian, dead_inputs,
+                        group_first_touch, symmetrize_, to_numpy, upper_factor)
 
 __all__ = ["gptq_gguf"]
 
 
 def _importance(imatrix, hessian, n: int) -> np.ndarray:
     """float32 [n]: the given imatrix (checked), else ``diag(H) / 2`` (``HessianStats``: ``diag(sum) / count``)."""
-    from .gptq import HessianStats, _to_numpy
-
     if imatrix is not None:
-        qw = np.asarray(_to_numpy(imatrix))
+        qw = np.asarray(to_numpy(imatrix))
         if qw.dtype.kind not in "fiu":
             raise TypeError(f"imatrix must be a float array, got dtype {qw.dtype}")
         if qw.shape != (n,):
@@ -57,15 +59,13 @@ def _importance(imatrix, hessian, n: int) -> np.ndarray:
             raise ValueError("imatrix must hold finite, non-negative weights")
         return qw
     if isinstance(hessian, HessianStats):  # the diagonal taken where the sum lives (no [n, n] copy to the host)
-        d = np.asarray(_to_numpy(hessian.sum.diagonal())).astype(np.float64) / max(hessian.count, 1)
+        d = np.asarray(to_numpy(hessian.sum.diagonal())).astype(np.float64) / max(hessian.count, 1)
     else:
-        d = np.asarray(_to_numpy(hessian.diagonal())).astype(np.float64) / 2.0
+        d = np.asarray(to_numpy(hessian.diagonal())).astype(np.float64) / 2.0
     return np.maximum(d, 0.0).astype(np.float32)
 
 
 def _search(part: np.ndarray, name: str, qw: np.ndarray, sigma2: Optional[np.ndarray]):
-    from qcore import _kquants
-
     return _kquants.search_blocks(part, name, qw, sigma2=sigma2)
 
 
@@ -75,15 +75,10 @@ def gptq_gguf(weight: Any, hessian: Any, spec: QuantSpec, *, imatrix: Any = None
     """GPTQ of ``weight`` ([out, in], numpy or torch) to the GGUF spec ``spec`` against ``hessian`` (a
     ``HessianStats`` or an ``[in, in]`` array), with llama.cpp's scale search per block weighted by ``imatrix``
     ([in], llama.cpp's ``quant_weights``) or the Hessian's diagonal. See the module docstring. Returns a
-    ``qcore.algorithms.gptq.GPTQResult``."""
-    from qcore import _kquants
-
-    from .gptq import (GPTQResult, HessianStats, _as_array, _checked_hessian, _dead_inputs, _group_first_touch,
-                       _symmetrize_, _upper_factor)
-
+    ``qcore.algorithms.gptq_core.GPTQResult``."""
     if not isinstance(spec, QuantSpec) or not spec.gguf:
         raise ValueError(f"gptq_gguf takes a GGUF spec (q2_k ... q6_k, q4_0 ... q8_0, iq4_nl), got {spec!r}")
-    weight = _as_array(weight, "weight")
+    weight = as_array(weight, "weight")
     if not (weight.dtype.is_floating_point if is_torch(weight) else np.issubdtype(weight.dtype, np.floating)):
         raise TypeError(f"weight must be floating point, got dtype {weight.dtype}")
     shape = tuple(int(s) for s in weight.shape)
@@ -94,7 +89,7 @@ def gptq_gguf(weight: Any, hessian: Any, spec: QuantSpec, *, imatrix: Any = None
         raise ValueError(f"GPTQ {name}: weight must be 2-D [out, in] with in a multiple of {bs} (GGUF blocks run "
                          f"along the input axis), got shape {shape}")
     n_out, n = shape
-    h_in, lib = _checked_hessian(weight, hessian, shape, block_size, damp, max_retries)
+    h_in, lib = checked_hessian(weight, hessian, shape, block_size, damp, max_retries)
     for k, v in (("act_order", act_order), ("static_groups", static_groups)):
         if not isinstance(v, bool):
             raise TypeError(f"{k} must be a bool, got {v!r}")
@@ -102,9 +97,9 @@ def gptq_gguf(weight: Any, hessian: Any, spec: QuantSpec, *, imatrix: Any = None
 
     H = lib.cast(h_in, lib.f64)
     h_in = None
-    _symmetrize_(H)
+    symmetrize_(H)
     W = lib.cast(weight, lib.f32)
-    _dead_inputs(W, H, lib)
+    dead_inputs(W, H, lib)
     Wn = W.detach().cpu().numpy().copy() if is_torch(W) else np.asarray(W, dtype=np.float32).copy()
     W = None
     legacy = name in ("q4_0", "q4_1", "q5_0", "q5_1")
@@ -130,7 +125,7 @@ def gptq_gguf(weight: Any, hessian: Any, spec: QuantSpec, *, imatrix: Any = None
         H = H[perm]
         H = H[:, perm]
     perm_np = None if perm is None else (perm.cpu().numpy() if is_torch(perm) else np.asarray(perm))
-    U, rel = _upper_factor(H, damp, max_retries, lib, who=f"GPTQ {name}")
+    U, rel = upper_factor(H, damp, max_retries, lib, who=f"GPTQ {name}")
     H = None
     Un = U.detach().cpu().numpy() if is_torch(U) else np.asarray(U)
     U = None
@@ -139,8 +134,6 @@ def gptq_gguf(weight: Any, hessian: Any, spec: QuantSpec, *, imatrix: Any = None
     orig = np.arange(n) if perm_np is None else perm_np
     pos_of = np.empty(n, np.int64)
     pos_of[orig] = np.arange(n)
-    from .gptq import _Np
-
     levels = np.asarray(t.levels, dtype=np.float32) if t.levels else None
     signed = t.element.signed
     Q = np.zeros((n_out, n), np.float32)
@@ -157,8 +150,8 @@ def gptq_gguf(weight: Any, hessian: Any, spec: QuantSpec, *, imatrix: Any = None
             c = int(orig[i1 + i])
             gi = c // bs
             if found[gi] is None:
-                take(gi, _group_first_touch(gi, i, i1, i2, Wn, lambda idx: W1T[idx].T, Err1, Un, _Np, n_out, n, bs,
-                                            pos_of))
+                take(gi, group_first_touch(gi, i, i1, i2, Wn, lambda idx: W1T[idx].T, Err1, Un, NumpyLib, n_out, n,
+                                           bs, pos_of))
             _, sc, off = found[gi]
             s = (c % bs) // sub
             scale = sc[:, s]

@@ -66,7 +66,7 @@ from qcore.granularity import to_blocks
 from qcore.rounding import RoundingMode
 from qcore.scales import _round_scale
 
-from .config import _real
+from .config import real_in_range
 
 __all__ = ["hqq", "check_hqq_spec"]
 
@@ -93,9 +93,9 @@ def check_hqq_spec(spec: Any) -> QuantSpec:
 
 def check_hqq_options(p, beta, kappa, iters, precision) -> None:
     """ValueError for an option out of range (shared by ``hqq`` and the config)."""
-    _real(p, "p", 0.0, 1.0, lo_open=True)
-    _real(beta, "beta", 0.0, 1e12, lo_open=True)
-    _real(kappa, "kappa", 1.0, 100.0)
+    real_in_range(p, "p", 0.0, 1.0, lo_open=True)
+    real_in_range(beta, "beta", 0.0, 1e12, lo_open=True)
+    real_in_range(kappa, "kappa", 1.0, 100.0)
     if isinstance(iters, bool) or not isinstance(iters, numbers.Integral) or iters < 0:
         raise ValueError(f"iters must be an int >= 0, got {iters!r}")
     if precision not in _PRECISIONS:
@@ -167,8 +167,8 @@ def hqq(weight: Any, spec: QuantSpec, *, p: float = 0.7, beta: float = 10.0, kap
     iterations."""
     check_hqq_spec(spec)
     check_hqq_options(p, beta, kappa, iters, precision)
-    _real(error_p, "error_p", 0.0, 8.0, lo_open=True)
-    _real(scale_floor, "scale_floor", 0.0, 1.0)
+    real_in_range(error_p, "error_p", 0.0, 8.0, lo_open=True)
+    real_in_range(scale_floor, "scale_floor", 0.0, 1.0)
     if not (is_torch(weight) or isinstance(weight, np.ndarray)):
         raise TypeError(f"weight must be a numpy array or a torch tensor, got {type(weight).__name__}")
     if is_torch(weight) and (weight.is_complex() or not weight.is_floating_point()):

@@ -36,7 +36,7 @@ When ``X == X~`` (``C == H~``; no error before the layer), ``v_1 = w_1`` and ste
 is GPTQ (with the same damping), up to float rounding.
 
 Statistics: ``stats`` = ``(H~, C)`` as arrays with one normalisation (e.g. both ``sum / count``), or the paired
-statistics ``qcore.algorithms._paired.PairedStats`` (``hessian`` = ``sum X~^T X~``, ``cross()`` = ``sum X^T X~``). Every
+statistics ``qcore.algorithms.paired.PairedStats`` (``hessian`` = ``sum X~^T X~``, ``cross()`` = ``sum X^T X~``). Every
 spec GPTQ takes (``check_gptq_spec``). Two-level specs (NVFP4): the tensor scale is GPTQ's, from the weight
 after step 3, so column 1 is re-rounded under it by the loop (its error fed forward as for any column).
 """
@@ -50,8 +50,10 @@ import numpy as np
 import qcore
 from qcore._backend import is_torch
 
-from .gptq import (GPTQResult, HessianStats, _as_array, _check_loop_options, _damped, _gptq, _group_width, _lib,
-                   _per_row, _symmetrize_, _to_numpy, check_gptq_spec)
+from .gptq import gptq_loop
+from .gptq_core import (GPTQResult, HessianStats, as_array, check_gptq_spec, check_loop_options, damped, group_width,
+                        lib_of, per_row, symmetrize_, to_numpy)
+from .paired import PairedStats
 
 __all__ = ["qronos", "DAMP_SCALES"]
 
@@ -60,8 +62,6 @@ DAMP_SCALES = ("max_eigenvalue", "mean_diagonal")
 
 def _paired(stats, n: int, like):
     """``(H~, C)`` from the accepted forms (arrays as given, not yet copied)."""
-    from ._paired import PairedStats
-
     if isinstance(stats, PairedStats):
         if stats.count == 0:
             raise ValueError("stats: no calibration rows were added (count == 0)")
@@ -73,8 +73,8 @@ def _paired(stats, n: int, like):
                             "hessian() is 2 * sum / count; C must be scaled the same way)")
     else:
         raise TypeError(f"stats must be (H~, C) (two [n, n] arrays: sum X~^T X~ and sum X^T X~, one normalisation) "
-                        f"or a qcore.algorithms._paired.PairedStats, got {type(stats).__name__}")
-    h, c = _as_array(h, "stats[0] (H~)"), _as_array(c, "stats[1] (C)")
+                        f"or a qcore.algorithms.paired.PairedStats, got {type(stats).__name__}")
+    h, c = as_array(h, "stats[0] (H~)"), as_array(c, "stats[1] (C)")
     for name, v in (("H~", h), ("C", c)):
         if tuple(v.shape) != (n, n):
             raise ValueError(f"stats: {name} must be [{n}, {n}] for a weight with {n} inputs, got {list(v.shape)}")
@@ -115,14 +115,14 @@ def qronos(weight: Any, stats: Any, spec: qcore.QuantSpec, *, block_size: int = 
 
 def _qronos(weight, stats, spec, *, block_size, damp, damp_scale, act_order, static_groups, max_retries, scale_fn,
             reference):
-    weight = _as_array(weight, "weight")
+    weight = as_array(weight, "weight")
     if not (weight.dtype.is_floating_point if is_torch(weight) else np.issubdtype(weight.dtype, np.floating)):
         raise TypeError(f"weight must be floating point, got dtype {weight.dtype}")
     shape = tuple(int(s) for s in weight.shape)
     check_gptq_spec(spec, shape)
     n_out, n = shape
     h_in, c_in = _paired(stats, n, weight)
-    _check_loop_options(block_size, damp, max_retries)
+    check_loop_options(block_size, damp, max_retries)
     if damp_scale not in DAMP_SCALES:
         raise ValueError(f"damp_scale must be one of {DAMP_SCALES}, got {damp_scale!r}")
     for name, v in (("act_order", act_order), ("static_groups", static_groups)):
@@ -130,7 +130,7 @@ def _qronos(weight, stats, spec, *, block_size, damp, damp_scale, act_order, sta
             raise TypeError(f"{name} must be a bool, got {v!r}")
     if scale_fn is not None and not callable(scale_fn):
         raise TypeError(f"scale_fn must be callable or None, got {type(scale_fn).__name__}")
-    lib = _lib(weight)
+    lib = lib_of(weight)
     if is_torch(weight):
         h_in, c_in = h_in.to(weight.device), c_in.to(weight.device)
     for name, v in (("stats H~", h_in), ("stats C", c_in), ("weight", weight)):
@@ -140,18 +140,18 @@ def _qronos(weight, stats, spec, *, block_size, damp, damp_scale, act_order, sta
     # ---- the same preparation as gptq (H~ symmetrised, dead inputs, order) -----------------------------------
     W0 = lib.cast(weight, lib.f64)  # the float target X w uses the weight as given
     H = lib.cast(h_in, lib.f64)
-    _symmetrize_(H)
+    symmetrize_(H)
     h_gptq = lib.cast(H, lib.f64)  # what gptq receives (it repeats these steps and finds the same order)
     C = lib.cast(c_in, lib.f64)
     W32 = lib.cast(weight, lib.f32)
     dead = lib.diag(H) == 0
     if bool(dead.any()):
-        idx = lib.index(np.flatnonzero(_to_numpy(dead)), W32)
+        idx = lib.index(np.flatnonzero(to_numpy(dead)), W32)
         H[idx, idx] = 1.0
         W32[:, idx] = 0.0
     W = lib.cast(W32, lib.f64)
     perm = lib.argsort_desc(lib.diag(H)) if act_order else lib.index(np.arange(n), W)
-    perm_np = _to_numpy(perm)
+    perm_np = to_numpy(perm)
     c0 = int(perm_np[0])  # the first column in processing order (original index)
     Hp = H[perm][:, perm]
     mean_diag = float(lib.diag(Hp).mean())  # as gptq computes it (after the permutation)
@@ -159,7 +159,7 @@ def _qronos(weight, stats, spec, *, block_size, damp, damp_scale, act_order, sta
     rel = float(damp) * ref / mean_diag  # damping relative to mean(diag), the unit gptq takes
     Hinv = None
     for _ in range(int(max_retries) + 1):
-        low = lib.cholesky_lower(_damped(Hp, rel * mean_diag, lib))
+        low = lib.cholesky_lower(damped(Hp, rel * mean_diag, lib))
         if low is not None:
             Hinv = lib.chol_inverse(low)
             low = None
@@ -171,7 +171,7 @@ def _qronos(weight, stats, spec, *, block_size, damp, damp_scale, act_order, sta
         raise ValueError(f"Qronos: H~ is not positive definite even with damping {rel:g} x mean(diag); check the "
                          f"calibration data")
     delta = rel * mean_diag
-    Hd = _damped(Hp, delta, lib)
+    Hd = damped(Hp, delta, lib)
     Wp, W0p = W[:, perm], W0[:, perm]
 
     # ---- step 1: correct the past (column 1 against the float target through the cross term) -------------------
@@ -179,7 +179,7 @@ def _qronos(weight, stats, spec, *, block_size, damp, damp_scale, act_order, sta
     v1 = (b[:, 0] - Wp[:, 1:] @ Hd[1:, 0]) / Hd[0, 0]
 
     two_level = bool(spec.two_level)
-    width = _group_width(spec, n)
+    width = group_width(spec, n)
 
     def own_params(part):
         if scale_fn is not None:
@@ -202,8 +202,8 @@ def _qronos(weight, stats, spec, *, block_size, damp, damp_scale, act_order, sta
             g0 = c0 // width
             presets = [own_params(cur[:, g0 * width:min(n, (g0 + 1) * width)])]
             kw = presets[0]
-        f = qcore.fake_quantizer(_row_spec(spec), shape=(n_out, 1), scale=_per_row(kw["scale"], n_out),
-                                 zero_point=_per_row(kw.get("zero_point"), n_out), like=W32 if is_torch(W32) else None)
+        f = qcore.fake_quantizer(_row_spec(spec), shape=(n_out, 1), scale=per_row(kw["scale"], n_out),
+                                 zero_point=per_row(kw.get("zero_point"), n_out), like=W32 if is_torch(W32) else None)
         q1 = f(cur[:, c0:c0 + 1])[:, 0]
         q1_64 = lib.cast(q1, lib.f64)
     else:
@@ -225,7 +225,7 @@ def _qronos(weight, stats, spec, *, block_size, damp, damp_scale, act_order, sta
     W_after = Wp_new[:, lib.index(inv, W)]
     W_after = W_after.to(lib.f32) if is_torch(W_after) else W_after.astype(np.float32)
     if bool(dead.any()):
-        W_after[:, lib.index(np.flatnonzero(_to_numpy(dead)), W_after)] = 0.0
+        W_after[:, lib.index(np.flatnonzero(to_numpy(dead)), W_after)] = 0.0
 
     # ---- the later columns: GPTQ on H~ (the first group's scales as decided above) -----------------------------
     pending = list(presets)
@@ -235,9 +235,9 @@ def _qronos(weight, stats, spec, *, block_size, damp, damp_scale, act_order, sta
             return pending.pop(0)
         return own_params(part)
 
-    r = _gptq(W_after, h_gptq, spec, block_size=block_size, damp=rel, act_order=act_order,
-              static_groups=static_groups, max_retries=max_retries,
-              scale_fn=None if two_level else loop_scale_fn, reference=reference)
+    r = gptq_loop(W_after, h_gptq, spec, block_size=block_size, damp=rel, act_order=act_order,
+                  static_groups=static_groups, max_retries=max_retries,
+                  scale_fn=None if two_level else loop_scale_fn, reference=reference)
     return r
 
 

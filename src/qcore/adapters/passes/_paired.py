@@ -1,6 +1,6 @@
 """Paired calibration statistics of a decoder layer's Linears (GPTAQ, Qronos): for each module, the quantized
 model's inputs ``X~`` and the float model's inputs ``X`` of that module on the same tokens
-(``qcore.algorithms._paired.PairedStats``: ``sum X~^T X~``, ``sum (X - X~)^T X~``, rows).
+(``qcore.algorithms.paired.PairedStats``: ``sum X~^T X~``, ``sum (X - X~)^T X~``, rows).
 
 ``collect_paired(layer, groups, inputs, floats, float_layer=...)``:
 
@@ -28,8 +28,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from qcore.algorithms._paired import PairedStats, _PairedSum
-from qcore.algorithms.gptq import HessianStats
+from qcore.algorithms.gptq_core import HessianStats
+from qcore.algorithms.paired import PairedStats, PairedSum
 
 from .runner import FloatStream, LayerInputs, Stop, forward_layer
 
@@ -80,7 +80,7 @@ def collect_paired(layer: nn.Module, groups: list[list[str]], inputs: LayerInput
     heads = [g[0] for g in groups]
     for h in heads:
         layer.get_submodule(h), float_layer.get_submodule(h)  # AttributeError names a missing module early
-    sums: dict[str, _PairedSum] = {}
+    sums: dict[str, PairedSum] = {}
     with torch.no_grad():
         for b in range(len(inputs)):
             xq = _capture(layer, heads, LayerInputs(inputs.args[b:b + 1], inputs.kwargs[b:b + 1]), stop_after)
@@ -96,7 +96,7 @@ def collect_paired(layer: nn.Module, groups: list[list[str]], inputs: LayerInput
                                          f"{tuple(a.shape)} and {tuple(q.shape)} in batch {b} (different tokens, "
                                          f"e.g. a changed routing); paired statistics need the same tokens")
                     if h not in sums:
-                        sums[h] = _PairedSum(q.shape[-1], like=q)
+                        sums[h] = PairedSum(q.shape[-1], like=q)
                     sums[h].add(a, q)
             del x, xq
     return {h: s.stats() for h, s in sums.items()}

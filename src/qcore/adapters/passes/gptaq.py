@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from qcore.algorithms.gptaq import gptaq
-from qcore.algorithms._paired import PairedStats
+from qcore.algorithms.paired import PairedStats
 
 from ..modules import is_fused_experts
 from ._paired import collect_paired, float_copy, reduce_paired

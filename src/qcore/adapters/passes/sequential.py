@@ -46,9 +46,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import qcore
-from qcore.algorithms.config import (AutoSmoothQuantConfig, AWQConfig, GPTQConfig, SmoothQuantConfig,
-                                     parse_algorithms)
-from qcore.algorithms.gptq import HessianStats, _HessianSum, check_gptq_spec, gptq
+from qcore.algorithms.config import (ROTATION_CONFIGS, AutoSmoothQuantConfig, AWQConfig, GPTQConfig,
+                                     SmoothQuantConfig, parse_algorithms)
+from qcore.algorithms.gptq import gptq
+from qcore.algorithms.gptq_core import HessianStats, HessianSum, check_gptq_spec
 from qcore.stats import RunningStats
 
 from ..config import MinMax, Percentile
@@ -172,7 +173,7 @@ def _collect_hessians(layer, groups: list[list[str]], inputs: LayerInputs, stop_
                       experts: frozenset = frozenset()):
     """``(stats, calls)``: the Hessian statistics of each Linear group's head, and for each fused experts head
     its calls ``[(hidden states [T, H], top-k index [T, k'])]`` (one per batch)."""
-    sums: dict[str, _HessianSum] = {}  # running sums updated in place (update_hessian's bits, no copy per batch)
+    sums: dict[str, HessianSum] = {}  # running sums updated in place (update_hessian's bits, no copy per batch)
     calls: dict[str, list] = {}
     heads = [g[0] for g in groups if g[0] not in experts]
 
@@ -180,7 +181,7 @@ def _collect_hessians(layer, groups: list[list[str]], inputs: LayerInputs, stop_
         def f(mod, args):
             x = args[0].detach()
             if name not in sums:
-                sums[name] = _HessianSum(x.shape[-1], like=x)
+                sums[name] = HessianSum(x.shape[-1], like=x)
             sums[name].add(x)
             if name == stop_after:
                 raise Stop
@@ -219,7 +220,7 @@ def _experts_call(args, kwargs, name: str) -> tuple:
 
 
 def _hessian_rows(rows: list, n: int, like: torch.Tensor) -> HessianStats:
-    st = _HessianSum(n, like=like)
+    st = HessianSum(n, like=like)
     for x in rows:
         if x.shape[0]:
             st.add(x)
@@ -460,7 +461,6 @@ def check_experts_algorithms(plans: list, algos, *, who: Optional[str] = None) -
     ``who``, e.g. AMP's sensitivities) would run on a model whose plan quantizes fused experts (they know Linear
     weights only; fused experts would be left to round-to-nearest without a word). GPTQ quantizes each expert
     (``_gptq_experts``); rotations act on the float model before it and are not concerned."""
-    from qcore.algorithms.config import ROTATION_CONFIGS
     layer = [a.name for a in algos if not isinstance(a, ROTATION_CONFIGS + (GPTQConfig,))] + ([who] if who else [])
     experts = [p.name for p in plans if p.type == "Experts"]
     if layer and experts:
@@ -562,7 +562,6 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
     algos = parse_algorithms(algorithms)
     if not algos:
         return {}
-    from qcore.algorithms.config import ROTATION_CONFIGS
     if any(isinstance(a, ROTATION_CONFIGS) for a in algos):
         raise ValueError("run_algorithms: rotations (quarot, spinquant) act on the whole model; run them through "
                          "quantize_model or qcore.adapters.passes.rotation.apply_rotation")

@@ -31,7 +31,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from qcore.algorithms.gptq import HessianStats, _HessianSum, check_gptq_spec
+from qcore.algorithms.gptq_core import HessianStats, HessianSum, check_gptq_spec
 from qcore.algorithms.smoothquant import smoothquant_scales, weight_absmax
 from qcore.algorithms.svdquant import DEFAULT_ALPHAS, search_alpha, svdquant
 
@@ -113,7 +113,7 @@ class _Recorder:
         self.rows: list = []
         self.calls = 0
         self.seen = 0
-        self.hess: Optional[_HessianSum] = None
+        self.hess: Optional[HessianSum] = None
 
     def __call__(self, mod, args):
         x = args[0].detach()
@@ -128,7 +128,7 @@ class _Recorder:
         self.calls += 1
         if self.gptq:
             if self.hess is None:
-                self.hess = _HessianSum(x.shape[-1], like=x)
+                self.hess = HessianSum(x.shape[-1], like=x)
             self.hess.add(x)
 
 

@@ -15,6 +15,7 @@ from qcore._backend import ops
 from qcore.quantize import (QTensor, _check_qtensor, _check_tensor_scale_arg, _prepare_params, _spec_of,
                             _two_level_multipliers, tensor_scale_from_amax)
 from qcore.granularity import PerGroup
+from qcore.algorithms.hadamard import dense_factor, fwht_plan
 from qcore.scales import inverse_pow2_scales
 
 from . import _kernels as K
@@ -408,8 +409,6 @@ def _sm_count(device) -> int:
 
 
 def fwht(x, *, axis: int = -1):
-    from qcore.algorithms.hadamard import _dense, fwht_plan
-
     x = _as_input(x)
     m, k2 = fwht_plan(tuple(x.shape), axis)
     n = int(x.shape[axis])
@@ -417,7 +416,7 @@ def fwht(x, *, axis: int = -1):
     rows = y.numel() // n if n else 0
     out = torch.empty(y.shape, dtype=torch.float32, device=y.device)
     if rows:
-        h = torch.as_tensor(_dense(m).astype(np.int32), device=y.device).contiguous()
+        h = torch.as_tensor(dense_factor(m).astype(np.int32), device=y.device).contiguous()
         rdiv = float(np.float32(math.sqrt(n)))
         with _quiet(y):
             K._fwht_kernel[(rows,)](y, h, out, rdiv, MD=m, MP=_next_pow2(m), K2=k2, LOGK2=k2.bit_length() - 1,

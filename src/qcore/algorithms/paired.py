@@ -8,7 +8,7 @@ activations of the same module on the same calibration tokens). Both as token ro
 ``PairedStats`` (a frozen value, float64 ``[n, n]`` sums and the row count):
 
 - ``hessian`` = ``sum X~^T X~`` (the quantized stream's Gram matrix: GPTQ's statistics of ``X~``, the same
-  bits as ``qcore.algorithms.gptq.update_hessian`` on ``X~``; ``hessian_stats()`` gives that ``HessianStats``);
+  bits as ``qcore.algorithms.gptq_core.update_hessian`` on ``X~``; ``hessian_stats()`` gives that ``HessianStats``);
 - ``delta`` = ``sum (X - X~)^T X~`` (element ``[i, j] = sum_t (x[t, i] - x~[t, i]) * x~[t, j]``: the row index is the float-minus-quantized difference, the column
   index the quantized input). This is GPTAQ's ``dXXT`` (Quark's ``delta_X_Xt``, GPTQModel's ``dXXT``; the papers
   write activations as columns, ``(X - X~) X~^T`` there is this same matrix);
@@ -24,8 +24,8 @@ accurate relative to itself as the Hessian is, and ``cross()`` (a float64 sum) i
 product. ``delta`` is exactly zero when ``X == X~`` (GPTAQ then equals GPTQ).
 
 Pure updates: ``PairedStats.empty(n, like=)``, ``update_paired(stats, x, xq)`` (a new value), and
-``merge_paired(a, b)`` (sums of both parts and the counts:: what ranks all-reduce). ``_PairedSum`` is the in-place accumulator for a pass that owns its sums
-(the layer binding's hooks), with the same additions and bits.
+``merge_paired(a, b)`` (sums of both parts and the counts: what ranks all-reduce). ``PairedSum`` is the in-place
+accumulator for a pass that owns its sums (the layer binding's hooks), with the same additions and bits.
 
 numpy arrays or torch tensors (CPU or GPU) through the same code; torch is never imported here.
 """
@@ -39,9 +39,9 @@ import numpy as np
 
 from qcore._backend import is_torch
 
-from .gptq import HessianStats, _as_array, _batch_gram, _lib
+from .gptq_core import HessianStats, as_array, batch_gram, lib_of
 
-__all__ = ["PairedStats", "update_paired", "merge_paired"]
+__all__ = ["PairedStats", "update_paired", "merge_paired", "PairedSum"]
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,8 @@ class PairedStats:
 
 
 def _check_pair(n: int, x: Any, xq: Any, like: Any):
-    x = _as_array(x, "x")
-    xq = _as_array(xq, "xq")
+    x = as_array(x, "x")
+    xq = as_array(xq, "xq")
     if tuple(x.shape) != tuple(xq.shape):
         raise ValueError(f"x (the float model's inputs) and xq (the quantized model's) must have the same shape "
                          f"(the same tokens), got {tuple(x.shape)} and {tuple(xq.shape)}")
@@ -97,7 +97,7 @@ def _check_pair(n: int, x: Any, xq: Any, like: Any):
 
 def _batch_delta(n: int, x: Any, xq: Any, like: Any):
     """``(X - X~)^T X~`` of one batch (float32 ``[n, n]``)."""
-    lib = _lib(x)
+    lib = lib_of(x)
     if is_torch(x):
         a = x.reshape(-1, n).detach().to(device=like.device, dtype=lib.f32)
         b = xq.reshape(-1, n).detach().to(device=like.device, dtype=lib.f32)
@@ -112,7 +112,7 @@ def _batch_delta(n: int, x: Any, xq: Any, like: Any):
 
 
 def _widen(prod):
-    return prod.to(_lib(prod).f64) if is_torch(prod) else prod.astype(np.float64)
+    return prod.to(lib_of(prod).f64) if is_torch(prod) else prod.astype(np.float64)
 
 
 def update_paired(stats: PairedStats, x: Any, xq: Any) -> PairedStats:
@@ -121,12 +121,12 @@ def update_paired(stats: PairedStats, x: Any, xq: Any) -> PairedStats:
     if not isinstance(stats, PairedStats):
         raise TypeError(f"stats must be a PairedStats, got {type(stats).__name__}")
     x, xq = _check_pair(stats.n, x, xq, stats.hessian)
-    gram, rows = _batch_gram(stats.n, xq, stats.hessian)
+    gram, rows = batch_gram(stats.n, xq, stats.hessian)
     d = _batch_delta(stats.n, x, xq, stats.hessian)
     return PairedStats(stats.hessian + _widen(gram), stats.delta + _widen(d), stats.count + rows)
 
 
-class _PairedSum:
+class PairedSum:
     """``update_paired`` in place (``add(x, xq)``; ``stats()`` shares the sums): the same additions, the same
     bits, no new ``[n, n]`` sums per batch."""
 
@@ -139,7 +139,7 @@ class _PairedSum:
     def add(self, x: Any, xq: Any) -> None:
         n = int(self.hessian.shape[0])
         x, xq = _check_pair(n, x, xq, self.hessian)
-        gram, rows = _batch_gram(n, xq, self.hessian)
+        gram, rows = batch_gram(n, xq, self.hessian)
         d = _batch_delta(n, x, xq, self.hessian)
         if is_torch(gram):
             self.hessian.add_(gram)
