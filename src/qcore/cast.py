@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from . import _fast
+from . import _inplace
 from ._typing import Array, ArrayLike, FormatLike, KeyLike
 from ._backend import ops, to_array
 from .dtypes import BlockDType, FloatDType, GGUFDType, IntDType, Specials, get_dtype
@@ -125,8 +125,8 @@ def cast(x: ArrayLike, dtype: FormatLike, *, rounding: RoundingMode = RoundingMo
     with o.quiet():
         if _is_fixed_point(d) and rounding in _DIRECT:
             return _cast_fixed_point(x, d, rounding, o)
-        if _fast.cast_ok(d, rounding) and not _fast._empty(x) and not _fast.tracing(o):
-            return _fast.run_cast(x, d, sat, o)
+        if _inplace.cast_ok(d, rounding) and not _inplace.is_empty(x) and not _inplace.tracing(o):
+            return _inplace.run_cast(x, d, sat, o)
         return _cast_float(x, d, rounding, sat, key, o)
 
 

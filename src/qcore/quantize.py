@@ -21,10 +21,8 @@ from . import _fast, _given
 from ._typing import Array, ArrayLike, KeyLike, SpecLike
 from ._backend import is_torch, ops, to_array
 from ._compiled import compiled
-from ._elements import _check_given_scale, _check_param, _elements, _int_clip  # noqa: F401 (re-exported)
-from ._elements import bump_from_extremes  # noqa: F401 (re-exported)
-from ._two_level import (_F32_MIN_NORMAL, _f32_const, _two_level_multipliers,  # noqa: F401
-                         _two_level_scales, tensor_scale_from_amax)
+from ._elements import bump_from_extremes, check_given_scale, check_param, int_clip, round_elements
+from ._two_level import F32_MIN_NORMAL, f32_const, tensor_scale_from_amax, two_level_multipliers, two_level_scales
 from ._microexp import dequant_microexp_blocks, quantize_microexp_blocks
 from .cast import cast, decode, encode
 from .dtypes import (GGUF_DTYPES, BlockDType, FloatDType, IntDType, ScaleMode, GGUFDType, TensorScale,
@@ -427,10 +425,10 @@ def _quantize_blocks(x, spec: QuantSpec, scale, zero_point, key, o):
         y = _scaled(xb, scales_to_blocked(inv, blocked, o), spec, o)
     else:
         y = _scaled(xb, scales_to_blocked(scales, blocked, o), spec, o)
-    v = _elements(y, spec, key, o)
+    v = round_elements(y, spec, key, o)
     if isinstance(spec.dtype, IntDType):
         zpb = None if zp is None else scales_to_blocked(zp, blocked, o)
-        v = _int_clip(v, spec, o, zpb)
+        v = int_clip(v, spec, o, zpb)
     return v, scales, zp, blocked, None
 
 
@@ -439,7 +437,7 @@ def _bump(xb, blocked, s, spec, key, o):
     if spec.rounding is RoundingMode.STOCHASTIC:
         # The random bits differ per element: round every element to see whether one overflows.
         sb = scales_to_blocked(s, blocked, o)
-        r = _elements(xb * pow2(o.clip(-sb, -127, 127), o, xb), spec, key, o)
+        r = round_elements(xb * pow2(o.clip(-sb, -127, 127), o, xb), spec, key, o)
         over = o.logical_or(r > np.float32(spec.qmax), r < np.float32(spec.qmin))
         anyover = o.amax(o.astype(over, o.int32), blocked.reduce_axes)
     else:
@@ -457,7 +455,7 @@ def _tensor_scale(x, spec: QuantSpec, given, o):
     if given is not None:
         return given
     if spec.tensor_scale_mode is TensorScale.ONE or math.prod(tuple(x.shape)) == 0:
-        return _f32_const(1.0, o, x)
+        return f32_const(1.0, o, x)
     return tensor_scale_from_amax(o.amax(o.reshape(o.abs(x), (-1,)), 0, keepdims=False), spec, o, x)
 
 
@@ -468,14 +466,14 @@ def _quantize_two_level(x, spec: QuantSpec, scale, tensor_scale, key, o):
     g = _tensor_scale(x, spec, tensor_scale, o)
     if scale is None:
         amax = o.reshape(o.amax(o.abs(xb), blocked.reduce_axes), blocked.scale_shape)
-        scales, q_mul, dq_mul = _two_level_scales(amax, g, spec, o)
+        scales, q_mul, dq_mul = two_level_scales(amax, g, spec, o)
     else:
-        scales = _check_param(scale, blocked.scale_shape, "scale", o, x)
-        _check_given_scale(scales, spec, o)
-        q_mul, dq_mul = _two_level_multipliers(scales, g, o)
+        scales = check_param(scale, blocked.scale_shape, "scale", o, x)
+        check_given_scale(scales, spec, o)
+        q_mul, dq_mul = two_level_multipliers(scales, g, o)
     with o.quiet():
         y = xb * scales_to_blocked(q_mul, blocked, o)
-    v = _elements(y, spec, key, o)
+    v = round_elements(y, spec, key, o)
     return v, scales, g, dq_mul, blocked
 
 
@@ -503,7 +501,7 @@ def _check_tensor_scale_arg(tensor_scale, spec: QuantSpec, o, like):
         raise ValueError(f"tensor_scale must be one value, got shape {tuple(g.shape)}")
     g = o.reshape(g, ())
     v = float(g)
-    if not (math.isfinite(v) and v >= float(_F32_MIN_NORMAL)):
+    if not (math.isfinite(v) and v >= float(F32_MIN_NORMAL)):
         raise ValueError(f"tensor_scale must be a finite float32 >= 2**-126 (a normal number), got {v!r}")
     return g
 
@@ -557,10 +555,10 @@ def _prepare_params(x, spec: QuantSpec, scale, zero_point, o):
             raise ValueError(f"zero_point={_brief(zero_point)} was given without scale=; a zero point belongs to a "
                              "calibrated scale: pass both (or neither, to compute them from x)")
         return None, None
-    s = _check_param(scale, sshape, "scale", o, x)
+    s = check_param(scale, sshape, "scale", o, x)
     if o.name == "torch":
         s = s.detach()
-    _check_given_scale(s, spec, o)
+    check_given_scale(s, spec, o)
     if not spec.pow2_scale:
         s = _round_scale(s, spec.scale_dtype, o, positive=s > 0)
     if spec.symmetric:
@@ -570,7 +568,7 @@ def _prepare_params(x, spec: QuantSpec, scale, zero_point, o):
         return s, None
     if zero_point is None:
         raise ValueError("an asymmetric spec with a given scale also needs zero_point=")
-    zp = _check_param(zero_point, sshape, "zero_point", o, x)
+    zp = check_param(zero_point, sshape, "zero_point", o, x)
     if o.name == "torch":
         zp = zp.detach()
     _check_zero_points(zp, spec, o, "zero_point")
@@ -678,7 +676,7 @@ def _check_qtensor(q: QTensor):
             raise ValueError(f"QTensor.{name} has shape {tuple(v.shape)}; spec {spec.name or spec.dtype.name!r} "
                              f"({spec.granularity!r}) needs {sshape} for codes of shape {shape}")
     scales = _exact_f32(q.scales, o, "QTensor.scales")
-    _check_given_scale(scales, spec, o, "QTensor.scales")
+    check_given_scale(scales, spec, o, "QTensor.scales")
     if not spec.pow2_scale and spec.scale_dtype.name != "float32":
         r = cast(scales, spec.scale_dtype, saturate=True)
         off = o.logical_not(o.logical_or(r == scales, o.isnan(scales)))
@@ -757,7 +755,7 @@ def quantize(x: ArrayLike, spec: SpecLike, *, axis: Optional[int] = None, scale:
     - Block formats with integer elements (MXINT8, bfp16, MX9/6/4) keep the OCP meaning of the scale: the element
       value is ``code * 2**unit_exponent`` (MXINT8: code/64), and the scale is the shared ``X = 2**s``.
     - Two-level scales (NVFP4, ``spec.tensor_scale_mode`` not ``TensorScale.NONE``): block scales in a narrow
-      float format under a float32 tensor scale ``g``, with torchao's arithmetic; ``_two_level_scales`` holds
+      float format under a float32 tensor scale ``g``, with torchao's arithmetic; ``two_level_scales`` holds
       the whole rule (docs/numerics.md, "Two-level scales").
     - GGUF types (``"q2_k"`` ... ``"q6_k"``, ``"q4_0"`` ... ``"q8_0"``, ``"iq4_nl"``; ``spec.gguf``): llama.cpp's
       quantizer, bit for bit (``qcore._kquants``), along the last axis, which must be a multiple of the block
@@ -820,7 +818,7 @@ def dequantize(q: QTensor) -> Array:
     vb, blocked = to_blocks(v, spec.granularity, o)
     if spec.two_level:
         g = o.reshape(o.asarray(q.tensor_scale, o.float32, v), ())
-        _, dq_mul = _two_level_multipliers(scales, g, o)
+        _, dq_mul = two_level_multipliers(scales, g, o)
         return from_blocks(_dequant_two_level(vb, dq_mul, blocked, o), blocked, o)
     return from_blocks(_dequant_blocks(vb, scales, zp, shifts, blocked, spec, o), blocked, o)
 

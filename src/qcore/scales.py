@@ -27,6 +27,7 @@ import numpy as np
 
 from ._backend import ops
 from ._typing import Array, ArrayLike
+from .cast import cast
 from .dtypes import FloatDType, IntDType, ScaleMode
 from .rounding import RoundingMode, _round_sig, decompose, pow2
 
@@ -151,8 +152,6 @@ def _round_scale(scale, scale_dtype: FloatDType, o, *, positive):
     """Cast float32 scales to ``scale_dtype`` (RNE, saturating). Where the statistic was positive (``positive``)
     a scale that underflowed to 0 (in the float32 division or in the cast) becomes the dtype's smallest
     positive value, so tiny blocks keep a usable, positive scale."""
-    from .cast import cast
-
     s = scale if scale_dtype.name == "float32" else cast(scale, scale_dtype, saturate=True)
     return o.where(o.logical_and(s == 0, positive), np.float32(scale_dtype.min_subnormal), s)
 

@@ -12,8 +12,8 @@ import triton
 
 import qcore
 from qcore._backend import ops
-from qcore.quantize import (QTensor, _check_qtensor, _check_tensor_scale_arg, _prepare_params, _spec_of,
-                            _two_level_multipliers, tensor_scale_from_amax)
+from qcore._two_level import tensor_scale_from_amax, two_level_multipliers
+from qcore.quantize import QTensor, _check_qtensor, _check_tensor_scale_arg, _prepare_params, _spec_of
 from qcore.granularity import PerGroup
 from qcore.scales import inverse_pow2_scales
 
@@ -271,7 +271,7 @@ def dequantize(q: QTensor) -> torch.Tensor:
     s = scales.float().contiguous().reshape(-1)
     if spec.two_level:
         gt = torch.as_tensor(q.tensor_scale, dtype=torch.float32, device=dev).reshape(())
-        _, dq = _two_level_multipliers(s, gt, ops(s))
+        _, dq = two_level_multipliers(s, gt, ops(s))
         dq = dq.contiguous()
     else:
         dq = s
