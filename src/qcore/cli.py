@@ -26,7 +26,10 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from . import __version__, conformance
 from ._argtypes import _count, _csv
+from .dtypes import DTYPES, BlockDType
+from .formats import inspect as fi  # numpy only: works without torch
 
 __all__ = ["main", "build_parser"]
 
@@ -63,8 +66,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _conformance_export(args) -> int:
-    from . import conformance
-
     for flag, check, value in (("--formats", conformance._normalize_formats, args.formats),
                                ("--modes", conformance._normalize_modes, args.modes)):
         try:  # each flag's own error names it, before anything is written
@@ -89,8 +90,6 @@ def _conformance_export(args) -> int:
 
 
 def _conformance_check(args) -> int:
-    from . import conformance
-
     r = conformance.check(args.vectors, args.outputs, ulps=args.ulps, formats=args.formats, cases=args.cases,
                           allow_missing=args.allow_missing, nan_equal=not args.strict_nan,
                           max_examples=args.max_examples)
@@ -102,9 +101,6 @@ def _conformance_check(args) -> int:
 
 
 def _conformance_modes(args) -> int:
-    from . import conformance
-    from .dtypes import DTYPES, BlockDType
-
     names = args.formats or [n for n, d in DTYPES.items() if isinstance(d, BlockDType)]
     for n in names:  # before printing anything: an unknown name is a usage error naming the flag
         try:
@@ -195,7 +191,6 @@ def _model_command(name: str):
 
 
 def _inspect(args) -> int:
-    from .formats import inspect as fi  # numpy only: works without torch
     try:
         info = fi.inspect_path(args.directory)
     except (OSError, ValueError, ModuleNotFoundError) as e:
@@ -236,8 +231,6 @@ _COMMANDS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-
     parser = _Parser(prog="qcore", description="qcore: exact low-precision numerics.")
     parser.add_argument("--version", action="version", version=f"qcore {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(n for n, _ in _COMMANDS) + "}",

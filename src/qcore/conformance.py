@@ -78,7 +78,7 @@ from .cast import cast, decode, encode
 from .dtypes import DTYPES, BlockDType, FloatDType, IntDType, ScaleMode, Specials, TensorScale, get_dtype
 from .quantize import dequantize, fake_quantize, make_spec, quantize
 from .rounding import RoundingMode
-from . import packing
+from . import __version__, packing, testing
 from ._fsutil import check_not_source, staged_dir
 
 __all__ = [
@@ -353,8 +353,6 @@ def _quantize_semantics(d: BlockDType, spec) -> str:
 
 
 def _probes(fmt, key: int) -> np.ndarray:
-    from . import testing  # the shared probe set (numpy only)
-
     return np.ascontiguousarray(np.asarray(testing.probes(fmt, key=key), dtype=np.float32))
 
 
@@ -570,8 +568,6 @@ def export(directory: Union[str, os.PathLike], formats: Union[FormatLike, Sequen
     ``ValueError``); everything is written to a temporary sibling first and renamed into place, so a failure
     leaves nothing half-written (and an existing directory untouched). Returns the ``Manifest``.
     """
-    from . import __version__
-
     directory = Path(os.fspath(directory)).absolute()
     if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or key < 0:
         raise ValueError(f"key must be a non-negative int, got {key!r}")
@@ -898,8 +894,6 @@ def check(vectors_dir: Union[str, os.PathLike], outputs_dir: Union[str, os.PathL
     shown per file. Expected files whose sha256 no longer matches the manifest are reported as errors (the
     vectors were modified after export).
     """
-    from . import testing
-
     if isinstance(ulps, bool) or not isinstance(ulps, (int, np.integer)) or ulps < 0:
         raise ValueError(f"ulps must be a non-negative int, got {ulps!r}")
     if not isinstance(nan_equal, bool):

@@ -17,9 +17,9 @@ import numpy as np
 
 from functools import partial
 
-from . import _fast, _given
+from . import _fast, _given, _kquants
 from ._typing import Array, ArrayLike, KeyLike, SpecLike
-from ._backend import is_torch, ops, to_array
+from ._backend import is_torch, np_view, ops, to_array
 from ._compiled import compiled
 from ._elements import bump_from_extremes, check_given_scale, check_param, int_clip, round_elements
 from ._two_level import F32_MIN_NORMAL, f32_const, tensor_scale_from_amax, two_level_multipliers, two_level_scales
@@ -547,7 +547,7 @@ def _prepare_params(x, spec: QuantSpec, scale, zero_point, o):
         # Few parameters of a CPU tensor: validate them with numpy (no per-check tensor dispatch); same checks,
         # same messages, same bits.
         stand_in = np.broadcast_to(np.float32(0), tuple(x.shape))
-        s, zp = _prepare_params(stand_in, spec, _np_view(scale), _np_view(zero_point), ops(stand_in))
+        s, zp = _prepare_params(stand_in, spec, np_view(scale), np_view(zero_point), ops(stand_in))
         return o.t.from_numpy(np.ascontiguousarray(s)), None if zp is None else o.t.from_numpy(np.ascontiguousarray(zp))
     sshape = spec.scale_shape(tuple(x.shape))
     if scale is None:
@@ -588,17 +588,6 @@ def _small_cpu_params(x, scale, zero_point, limit: int = 4096) -> bool:
         elif np.size(p) > limit:
             return False
     return True
-
-
-def _np_view(p):
-    """A torch tensor as a numpy array (no copy for a CPU tensor; a tensor on an accelerator is copied to the host:
-    parameters are small); anything else as it is."""
-    if p is not None and is_torch(p):
-        p = p.detach()
-        if p.device.type != "cpu":
-            p = p.cpu()
-        return (p.float() if p.dtype == p.new_empty(()).bfloat16().dtype else p).numpy()
-    return p
 
 
 def _brief(v) -> str:
@@ -912,7 +901,7 @@ def fake_quantizer(spec: SpecLike, *, shape: tuple[int, ...], scale: ArrayLike, 
                          "call; use fake_quantize")
     shape = tuple(as_int(v) for v in shape)
     stand_in = np.broadcast_to(np.float32(0), shape)
-    s, zp = _prepare_params(stand_in, spec, _np_view(scale), _np_view(zero_point), ops(stand_in))
+    s, zp = _prepare_params(stand_in, spec, np_view(scale), np_view(zero_point), ops(stand_in))
     if like is not None and is_torch(like):
         t = ops(like).t
         s = t.from_numpy(np.ascontiguousarray(s)).to(like.device)
@@ -963,14 +952,14 @@ def _gguf_inputs(x, spec: QuantSpec, scale, zero_point, key, tensor_scale, compi
     if shape[-1] % bs:
         raise ValueError(f"{name}: the last axis of x must be a multiple of {bs} (GGUF {'super-' if bs == 256 else ''}"
                          f"blocks), got x of shape {shape}")
-    xn = _np_view(xa.detach() if o.name == "torch" else xa)
+    xn = np_view(xa.detach() if o.name == "torch" else xa)
     xn = np.ascontiguousarray(np.asarray(xn), dtype=np.float32)
     if not np.isfinite(xn).all():
         raise ValueError(f"{name}: x holds NaN or Inf, which {name} cannot encode (llama.cpp writes garbage "
                          "blocks for them)")
     qw = None
     if imatrix is not None:
-        qw = np.asarray(_np_view(imatrix))
+        qw = np.asarray(np_view(imatrix))
         if qw.dtype.kind not in "fiu":
             raise TypeError(f"imatrix must be a float array, got dtype {qw.dtype}")
         qw = qw.astype(np.float32)
@@ -989,8 +978,6 @@ def _to_kind(a, o, like):
 
 
 def _quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix) -> QTensor:
-    from . import _kquants
-
     xn, qw, o, xa = _gguf_inputs(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix)
     codes, ss = _kquants.quantize_kquant(xn, spec.gguf, qw)
     scales, offsets = _kquants.sub_scales(ss, spec.granularity.size)
@@ -1001,8 +988,6 @@ def _quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, imatr
 
 
 def _fake_quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix):
-    from . import _kquants
-
     xn, qw, o, xa = _gguf_inputs(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix)
 
     def run(x_, scale_, zero_point_, key_):
@@ -1018,8 +1003,6 @@ def _fake_quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, 
 
 def _dequantize_gguf(q: QTensor):
     """k-quant dequantization from ``q.super_scales`` after checking every part (ValueError/TypeError naming it)."""
-    from . import _kquants
-
     spec = q.spec
     sb = spec.gguf_dtype
     name = sb.name
@@ -1027,7 +1010,7 @@ def _dequantize_gguf(q: QTensor):
     if not (is_torch(codes) or isinstance(codes, np.ndarray)):
         raise TypeError(f"QTensor.codes must be a numpy array or a torch tensor, got {type(codes).__name__}")
     o = ops(codes)
-    c = np.asarray(_np_view(codes))
+    c = np.asarray(np_view(codes))
     shape = c.shape
     if c.dtype.kind not in "iu":
         raise TypeError(f"QTensor.codes must be an integer array, got dtype {c.dtype}")
@@ -1056,7 +1039,7 @@ def _dequantize_gguf(q: QTensor):
             continue
         if not needed:
             raise ValueError(f"{name}: QTensor.super_scales.{fname} must be None for {name}")
-        a = np.asarray(_np_view(v))
+        a = np.asarray(np_view(v))
         if a.shape != want_shape:
             raise ValueError(f"{name}: QTensor.super_scales.{fname} has shape {a.shape}; codes of shape {shape} need "
                              f"{want_shape}")
@@ -1082,7 +1065,7 @@ def _dequantize_gguf(q: QTensor):
             if got is not None:
                 raise ValueError(f"{name}: QTensor.{fname} must be None ({name} has no float offsets)")
             continue
-        g = None if got is None else np.asarray(_np_view(got))
+        g = None if got is None else np.asarray(np_view(got))
         if g is None or g.shape != want.shape or not np.array_equal(g.astype(np.float32).view(np.int32),
                                                                     want.view(np.int32)):
             raise ValueError(f"{name}: QTensor.{fname} must equal the sub-block {fname} of super_scales "

@@ -35,6 +35,7 @@ import qcore
 from qcore.quantize import QTensor, QuantSpec
 
 from . import _scaling as u
+from .gptq import HessianStats, check_gptq_spec, gptq
 from .smoothquant import smoothquant_scales, weight_absmax
 
 __all__ = ["low_rank", "svdquant", "SVDQuantResult", "svdquant_error", "search_alpha", "AlphaSearch",
@@ -137,14 +138,12 @@ def svdquant(weight: Any, scales: Any, spec: QuantSpec, *, rank: int = 32, hessi
     r = _check_rank(rank)
     w_hat, o = _smoothed(weight, scales)
     if hessian is not None:
-        from .gptq import check_gptq_spec
         check_gptq_spec(spec, tuple(w_hat.shape))
     l1, l2 = _sketch_low_rank(w_hat, r, o) if _sketch else low_rank(w_hat, r)
     res = u.to32(u.to64(w_hat, o) - u.matmul(u.to64(l2, o), u.to64(l1, o)), o)
     if hessian is None:
         q = qcore.quantize(res, spec, **(scale_fn(res) if scale_fn is not None else {}))
         return SVDQuantResult(l1, l2, q, qcore.dequantize(q))
-    from .gptq import HessianStats, gptq
     inv = 1.0 / u.to64(scales, o)
     if isinstance(hessian, HessianStats):
         h = HessianStats(hessian.sum * inv[:, None] * inv[None, :], hessian.count)
