@@ -198,7 +198,7 @@ def _cat(parts, o, sshape):
 
 def params(x, spec, scale, zero_point, o, r):
     """(scales, inv or None, zero points or None) in the public scale shape, exactly as the generic path.
-    Given parameters were validated (and rounded to the scale dtype) by the caller (``_prepare_params``)."""
+    Given parameters were validated (and rounded to the scale dtype) by the caller (``prepare_params``)."""
     sshape = spec.scale_shape(tuple(x.shape))
     if scale is not None:
         scales = check_param(scale, sshape, "scale", o, x)

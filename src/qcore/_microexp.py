@@ -79,7 +79,7 @@ def quantize_microexp_blocks(xb, blocked, spec, scale, key, o):
                                      scale_dtype=spec.scale_dtype, unit_exponent=spec.unit_exponent)
         scales = o.reshape(o.where(bad, np.float32(math.nan), pow2(s, o, xb)), blocked.scale_shape)
     else:
-        scales = scale  # validated and of the scale shape (qcore.quantize._prepare_params)
+        scales = scale  # validated and of the scale shape (qcore.quantize.prepare_params)
         bad = o.isnan(scales_to_blocked(scales, blocked, o))
         s = o.where(bad, 0, floor_log2(o.where(bad, np.float32(1), scales_to_blocked(scales, blocked, o))))
     s_b = o.reshape(s, blocked.scale_blocked_shape)

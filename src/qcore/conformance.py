@@ -173,7 +173,9 @@ def _mode_problem(d, mode: str) -> Optional[str]:
     return None
 
 
-def _normalize_modes(modes) -> Optional[list]:
+def normalize_modes(modes) -> Optional[list]:
+    """``export``'s ``modes`` (None, ``"all"``, a comma-separated string or a sequence of names) as a list of
+    checked mode names, or None."""
     if modes is None:
         return None
     if isinstance(modes, str):
@@ -250,7 +252,9 @@ class DirectoryNotEmptyError(ValueError):
         super().__init__(f"directory {str(directory)!r} exists and is not empty; {hint}")
 
 
-def _normalize_formats(formats) -> list:
+def normalize_formats(formats) -> list:
+    """``export``'s ``formats`` (a comma-separated string, a dtype, or a sequence of them) as a list of checked
+    dtypes, without repeats; ValueError / TypeError name what is wrong."""
     if isinstance(formats, (str, IntDType, FloatDType, BlockDType)):
         formats = formats.split(",") if isinstance(formats, str) else [formats]
     try:
@@ -573,8 +577,8 @@ def export(directory: Union[str, os.PathLike], formats: Union[FormatLike, Sequen
         raise ValueError(f"key must be a non-negative int, got {key!r}")
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
-    dtypes = _normalize_formats(formats)
-    wanted = _normalize_modes(modes)
+    dtypes = normalize_formats(formats)
+    wanted = normalize_modes(modes)
     plan, skipped = [], []
     for d in dtypes:
         ms, sk = _modes_for(d, wanted)
@@ -907,7 +911,7 @@ def check(vectors_dir: Union[str, os.PathLike], outputs_dir: Union[str, os.PathL
                                                                    else "does not exist"))
     selected = manifest.cases
     if formats is not None:
-        names = [d.name for d in _normalize_formats(formats)]
+        names = [d.name for d in normalize_formats(formats)]
         present = sorted({c["format"] for c in selected})
         absent = [n for n in names if n not in present]
         if absent:

@@ -31,7 +31,7 @@ from .granularity import (Granularity, PerBlock, PerChannel, PerGroup, PerTensor
                           from_blocks, scales_to_blocked, to_blocks)
 from .granularity import scale_shape as _scale_shape
 from .rounding import RoundingMode, check_mode, pow2
-from .scales import (_round_scale, asymmetric_scale, inverse_pow2_scales, pow2_scale_exponent, scale_exponent_range,
+from .scales import (round_scale, asymmetric_scale, inverse_pow2_scales, pow2_scale_exponent, scale_exponent_range,
                      symmetric_scale)
 
 __all__ = ["QuantSpec", "QTensor", "make_spec", "quantize", "dequantize", "fake_quantize", "fake_quantizer"]
@@ -368,7 +368,8 @@ class QTensor:
         return encode(self.scales, self.spec.scale_dtype)
 
 
-def _spec_of(spec, axis, overrides) -> QuantSpec:
+def spec_of(spec, axis, overrides) -> QuantSpec:
+    """The spec of a call: ``spec`` itself, or ``make_spec(spec, axis=axis, **overrides)``."""
     if isinstance(spec, QuantSpec) and not overrides and axis is None:
         return spec
     return make_spec(spec, axis=axis, **overrides)
@@ -416,7 +417,7 @@ def _quantize_blocks(x, spec: QuantSpec, scale, zero_point, key, o):
         if zp is not None:
             zp = o.reshape(zp, sshape)
     else:
-        # Calibrated parameters arrive validated by _prepare_params: float32 arrays of the scale shape, scales
+        # Calibrated parameters arrive validated by prepare_params: float32 arrays of the scale shape, scales
         # rounded to the scale dtype, zero points integral and in range (None for symmetric specs).
         scales, zp = scale, zero_point
     if spec.pow2_scale:
@@ -477,7 +478,7 @@ def _quantize_two_level(x, spec: QuantSpec, scale, tensor_scale, key, o):
     return v, scales, g, dq_mul, blocked
 
 
-def _check_tensor_scale_arg(tensor_scale, spec: QuantSpec, o, like):
+def check_tensor_scale_arg(tensor_scale, spec: QuantSpec, o, like):
     """Validate the call's ``tensor_scale=`` against the spec; returns it as a 0-d float32 array/tensor on
     ``like``'s device, or None."""
     mode = spec.tensor_scale_mode
@@ -536,7 +537,7 @@ def _fake_quantize_pure(x, scale, zero_point, key, tensor_scale=None, *, spec):
     return from_blocks(_dequant_blocks(v, scales, zp, shifts, blocked, spec, o), blocked, o)
 
 
-def _prepare_params(x, spec: QuantSpec, scale, zero_point, o):
+def prepare_params(x, spec: QuantSpec, scale, zero_point, o):
     """Validate calibrated ``scale`` / ``zero_point`` against ``spec`` and ``x`` (float32) before any work.
 
     Returns (scale, zero_point) as float32 arrays of ``spec.scale_shape(x.shape)`` (broadcast if needed;
@@ -547,7 +548,7 @@ def _prepare_params(x, spec: QuantSpec, scale, zero_point, o):
         # Few parameters of a CPU tensor: validate them with numpy (no per-check tensor dispatch); same checks,
         # same messages, same bits.
         stand_in = np.broadcast_to(np.float32(0), tuple(x.shape))
-        s, zp = _prepare_params(stand_in, spec, np_view(scale), np_view(zero_point), ops(stand_in))
+        s, zp = prepare_params(stand_in, spec, np_view(scale), np_view(zero_point), ops(stand_in))
         return o.t.from_numpy(np.ascontiguousarray(s)), None if zp is None else o.t.from_numpy(np.ascontiguousarray(zp))
     sshape = spec.scale_shape(tuple(x.shape))
     if scale is None:
@@ -560,7 +561,7 @@ def _prepare_params(x, spec: QuantSpec, scale, zero_point, o):
         s = s.detach()
     check_given_scale(s, spec, o)
     if not spec.pow2_scale:
-        s = _round_scale(s, spec.scale_dtype, o, positive=s > 0)
+        s = round_scale(s, spec.scale_dtype, o, positive=s > 0)
     if spec.symmetric:
         if zero_point is not None:
             raise ValueError(f"zero_point={_brief(zero_point)} was given for a symmetric spec (no zero point); "
@@ -633,7 +634,7 @@ def _exact_f32(v, o, name: str):
                      "not represent exactly")
 
 
-def _check_qtensor(q: QTensor):
+def check_qtensor(q: QTensor):
     """Validate a QTensor's parts against its spec before dequantizing; returns (codes, scales, zero points,
     shifts) with scales and zero points as float32."""
     spec = q.spec
@@ -753,7 +754,7 @@ def quantize(x: ArrayLike, spec: SpecLike, *, axis: Optional[int] = None, scale:
       ``super_scales`` and, for the formats with offsets, float ``offsets``. Computed on host numpy (torch
       tensors are copied there and back; ``compile=`` changes nothing).
     """
-    spec = _spec_of(spec, axis, overrides)
+    spec = spec_of(spec, axis, overrides)
     if spec.gguf or imatrix is not None:
         return _quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix)
     key = check_mode(spec.rounding, key)
@@ -762,8 +763,8 @@ def quantize(x: ArrayLike, spec: SpecLike, *, axis: Optional[int] = None, scale:
         x = x.detach()
     x = o.astype(x, o.float32)
     use_compiled = _use_compiled(compile, x, spec)
-    tensor_scale = _check_tensor_scale_arg(tensor_scale, spec, o, x)
-    scale, zero_point = _prepare_params(x, spec, scale, zero_point, o)
+    tensor_scale = check_tensor_scale_arg(tensor_scale, spec, o, x)
+    scale, zero_point = prepare_params(x, spec, scale, zero_point, o)
     if not use_compiled:
         fast = _fast.run_quantize(x, spec, scale, zero_point, o, tensor_scale=tensor_scale)
         if fast is not None:
@@ -794,7 +795,7 @@ def dequantize(q: QTensor) -> Array:
     if q.offsets is not None or q.super_scales is not None:
         raise ValueError("QTensor.offsets / super_scales are set, but the spec has no float offsets or super-blocks "
                          f"(spec {q.spec.name or q.spec.dtype.name!r})")
-    codes, scales, zp, shifts = _check_qtensor(q)
+    codes, scales, zp, shifts = check_qtensor(q)
     spec = q.spec
     o = ops(codes)
     if spec.two_level and q.tensor_scale is None:
@@ -846,15 +847,15 @@ def fake_quantize(x: ArrayLike, spec: SpecLike, *, axis: Optional[int] = None, s
         out = _given.fake_quantize_given(x, spec, scale, zero_point)
         if out is not None:
             return out
-    spec = _spec_of(spec, axis, overrides)
+    spec = spec_of(spec, axis, overrides)
     if spec.gguf or imatrix is not None:
         return _fake_quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix)
     key = check_mode(spec.rounding, key)
     x, o = to_array(x)
     x = o.astype(x, o.float32)
     use_compiled = _use_compiled(compile, x, spec)
-    tensor_scale = _check_tensor_scale_arg(tensor_scale, spec, o, x)
-    scale, zero_point = _prepare_params(x, spec, scale, zero_point, o)
+    tensor_scale = check_tensor_scale_arg(tensor_scale, spec, o, x)
+    scale, zero_point = prepare_params(x, spec, scale, zero_point, o)
     if use_compiled:
         guarded = compiled(_fake_quantize_pure, spec)
 
@@ -892,7 +893,7 @@ def fake_quantizer(spec: SpecLike, *, shape: tuple[int, ...], scale: ArrayLike, 
     (default: numpy). Same bits as ``fake_quantize``; no stochastic rounding, no two-level specs, no gradient
     (use ``fake_quantize`` for training).
     """
-    spec = _spec_of(spec, axis, overrides)
+    spec = spec_of(spec, axis, overrides)
     if spec.gguf:
         raise ValueError(f"fake_quantizer: spec {spec.name!r} is a GGUF k-quant, whose scales come from llama.cpp's "
                          "search per call; use fake_quantize")
@@ -901,7 +902,7 @@ def fake_quantizer(spec: SpecLike, *, shape: tuple[int, ...], scale: ArrayLike, 
                          "call; use fake_quantize")
     shape = tuple(as_int(v) for v in shape)
     stand_in = np.broadcast_to(np.float32(0), shape)
-    s, zp = _prepare_params(stand_in, spec, np_view(scale), np_view(zero_point), ops(stand_in))
+    s, zp = prepare_params(stand_in, spec, np_view(scale), np_view(zero_point), ops(stand_in))
     if like is not None and is_torch(like):
         t = ops(like).t
         s = t.from_numpy(np.ascontiguousarray(s)).to(like.device)

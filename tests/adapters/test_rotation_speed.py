@@ -1,6 +1,6 @@
 """Issue 23, rotations made fast: each fast path against the landed one kept as a reference.
 
-- ``fwht`` on torch tensors (blocked, in place) is bit-identical to ``_reference_fwht`` (the landed transform);
+- ``fwht`` on torch tensors (blocked, in place) is bit-identical to ``reference_fwht`` (the landed transform);
 - ``InputRotation`` (cached signs, the adjoint transform as its backward) gives the landed forward bit for bit and
   its gradient within float rounding;
 - QuaRot + GPTQ gives the same bytes with the fast online transform as with the landed one;
@@ -22,7 +22,7 @@ from qcore.adapters import plan_model, preset, quantize_model  # noqa: E402
 from qcore.adapters.passes import rotation as R  # noqa: E402
 from qcore.adapters.passes import spinquant as S  # noqa: E402
 from qcore.algorithms.config import SpinQuantConfig  # noqa: E402
-from qcore.algorithms.hadamard import _reference_fwht, fwht, hadamard  # noqa: E402
+from qcore.algorithms.hadamard import reference_fwht, fwht, hadamard  # noqa: E402
 
 
 def _llama(hidden=72, heads=9, kv=3, inter=96, tie=True, vocab=96, seed=0):
@@ -47,17 +47,17 @@ def test_fast_fwht_is_bit_identical_to_the_landed_transform(n, dtype):
     g = torch.Generator().manual_seed(n)
     for rows in (0, 1, 5, 300):  # 300 rows of 576 features: several blocks, the last one partial
         x = (torch.randn(rows, n, generator=g) * 10 ** torch.randint(-3, 4, (rows, 1), generator=g)).to(dtype)
-        got, want = fwht(x), _reference_fwht(x)
+        got, want = fwht(x), reference_fwht(x)
         assert got.dtype == want.dtype == dtype and got.shape == want.shape
         assert torch.equal(got, want), (n, dtype, rows)
 
 
 def test_fast_fwht_axis_and_low_precision_inputs():
     x = torch.randn(3, 72, 5)
-    assert torch.equal(fwht(x, axis=1), _reference_fwht(x, axis=1))
+    assert torch.equal(fwht(x, axis=1), reference_fwht(x, axis=1))
     b = torch.randn(2, 4, 576).to(torch.bfloat16)
-    assert torch.equal(fwht(b), _reference_fwht(b)) and fwht(b).dtype == torch.float32
-    assert np.array_equal(fwht(x.numpy(), axis=1), _reference_fwht(x.numpy(), axis=1))  # numpy: the landed code
+    assert torch.equal(fwht(b), reference_fwht(b)) and fwht(b).dtype == torch.float32
+    assert np.array_equal(fwht(x.numpy(), axis=1), reference_fwht(x.numpy(), axis=1))  # numpy: the landed code
 
 
 @pytest.mark.parametrize("n", [16, 20, 36, 72, 1536])

@@ -90,7 +90,7 @@ def test_every_size_up_to_16384_gets_an_orthogonal_rotation():
     """Every multiple of 4 up to 16384 either has a construction (a Kronecker product of a dense Hadamard
     factor and a Sylvester one: the dense factors up to order 1024 are checked here in full; the fast transform
     is checked up to 16384 above) or gets the block-diagonal fallback, whose blocks are all constructible."""
-    from qcore.algorithms.hadamard import _blocks, _dense
+    from qcore.algorithms.hadamard import _blocks, base_hadamard
     dense = set()
     missing = []
     for n in range(4, 16385, 4):
@@ -104,5 +104,5 @@ def test_every_size_up_to_16384_gets_an_orthogonal_rotation():
             dense.add(m)
     assert missing[:3] == [92, 116, 156] and len(missing) < 2000
     for m in sorted(d for d in dense if d <= 1024):
-        h = _dense(m).astype(np.int64)
+        h = base_hadamard(m).astype(np.int64)
         assert np.array_equal(h @ h.T, m * np.eye(m, dtype=np.int64)), m

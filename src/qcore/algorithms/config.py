@@ -60,7 +60,9 @@ def _int(v, name, lo=1):
     return int(v)
 
 
-def _real(v, name, lo, hi, *, lo_open=False):
+def real_in_range(v, name, lo, hi, *, lo_open=False):
+    """``v`` as a float, checked: a finite real in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``); ValueError names
+    ``name``."""
     if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
         raise ValueError(f"{name} must be a finite number, got {v!r}")
     v = float(v)
@@ -126,7 +128,7 @@ class GPTQConfig:
 
     def __post_init__(self):
         _int(self.block_size, "GPTQConfig.block_size")
-        _real(self.damp, "GPTQConfig.damp", 0.0, 1e6)
+        real_in_range(self.damp, "GPTQConfig.damp", 0.0, 1e6)
         _bool(self.act_order, "GPTQConfig.act_order")
         _bool(self.static_groups, "GPTQConfig.static_groups")
         _bool(self.true_sequential, "GPTQConfig.true_sequential")
@@ -184,8 +186,8 @@ class SmoothQuantConfig:
     name: str = field(default="smoothquant", init=False)
 
     def __post_init__(self):
-        _real(self.alpha, "SmoothQuantConfig.alpha", 0.0, 1.0)
-        _real(self.clamp_min, "SmoothQuantConfig.clamp_min", 0.0, 1e6, lo_open=True)
+        real_in_range(self.alpha, "SmoothQuantConfig.alpha", 0.0, 1.0)
+        real_in_range(self.clamp_min, "SmoothQuantConfig.clamp_min", 0.0, 1e6, lo_open=True)
         object.__setattr__(self, "scaling_layers",
                            _scaling_layers(self.scaling_layers, "SmoothQuantConfig.scaling_layers"))
         _layers_path(self.decoder_layers, "SmoothQuantConfig.decoder_layers")
@@ -306,7 +308,7 @@ class SpinQuantConfig(QuaRotConfig):
     def __post_init__(self):
         super().__post_init__()
         _int(self.steps, "SpinQuantConfig.steps")
-        _real(self.lr, "SpinQuantConfig.lr", 0.0, 1e3, lo_open=True)
+        real_in_range(self.lr, "SpinQuantConfig.lr", 0.0, 1e3, lo_open=True)
         _int(self.batch, "SpinQuantConfig.batch")
         if self.train_weights is not None:
             _bool(self.train_weights, "SpinQuantConfig.train_weights")
@@ -376,7 +378,7 @@ class AutoRoundConfig:
         _int(self.iters, "AutoRoundConfig.iters", lo=0)
         for k in ("lr", "minmax_lr"):
             if getattr(self, k) is not None:
-                _real(getattr(self, k), f"AutoRoundConfig.{k}", 0.0, 1.0, lo_open=True)
+                real_in_range(getattr(self, k), f"AutoRoundConfig.{k}", 0.0, 1.0, lo_open=True)
         _bool(self.enable_minmax_tuning, "AutoRoundConfig.enable_minmax_tuning")
         _int(self.batch_size, "AutoRoundConfig.batch_size")
         _int(self.key, "AutoRoundConfig.key", lo=0)
@@ -426,8 +428,8 @@ class GPTAQConfig:
 
     def __post_init__(self):
         _int(self.block_size, "GPTAQConfig.block_size")
-        _real(self.damp, "GPTAQConfig.damp", 0.0, 1e6)
-        _real(self.alpha, "GPTAQConfig.alpha", 0.0, 1e6)
+        real_in_range(self.damp, "GPTAQConfig.damp", 0.0, 1e6)
+        real_in_range(self.alpha, "GPTAQConfig.alpha", 0.0, 1e6)
         _bool(self.act_order, "GPTAQConfig.act_order")
         _bool(self.static_groups, "GPTAQConfig.static_groups")
         _bool(self.true_sequential, "GPTAQConfig.true_sequential")
@@ -472,11 +474,11 @@ class QronosConfig:
 
     def __post_init__(self):
         _int(self.block_size, "QronosConfig.block_size")
-        _real(self.damp, "QronosConfig.damp", 0.0, 1e6)
+        real_in_range(self.damp, "QronosConfig.damp", 0.0, 1e6)
         if self.damp_scale not in ("max_eigenvalue", "mean_diagonal"):
             raise ValueError(f"QronosConfig.damp_scale must be 'max_eigenvalue' or 'mean_diagonal', got "
                              f"{self.damp_scale!r}")
-        _real(self.beta, "QronosConfig.beta", 0.0, 1e30, lo_open=True)
+        real_in_range(self.beta, "QronosConfig.beta", 0.0, 1e30, lo_open=True)
         _bool(self.act_order, "QronosConfig.act_order")
         _bool(self.static_groups, "QronosConfig.static_groups")
         _bool(self.true_sequential, "QronosConfig.true_sequential")
@@ -526,12 +528,12 @@ class HQQConfig:
     data_free: ClassVar[bool] = True  # quantize_model and the CLI need no calibration batches for it
 
     def __post_init__(self):
-        object.__setattr__(self, "p", _real(self.p, "HQQConfig.p", 0.0, 1.0, lo_open=True))
-        object.__setattr__(self, "beta", _real(self.beta, "HQQConfig.beta", 0.0, 1e12, lo_open=True))
-        object.__setattr__(self, "kappa", _real(self.kappa, "HQQConfig.kappa", 1.0, 100.0))
+        object.__setattr__(self, "p", real_in_range(self.p, "HQQConfig.p", 0.0, 1.0, lo_open=True))
+        object.__setattr__(self, "beta", real_in_range(self.beta, "HQQConfig.beta", 0.0, 1e12, lo_open=True))
+        object.__setattr__(self, "kappa", real_in_range(self.kappa, "HQQConfig.kappa", 1.0, 100.0))
         object.__setattr__(self, "iters", _int(self.iters, "HQQConfig.iters", lo=0))
-        object.__setattr__(self, "error_p", _real(self.error_p, "HQQConfig.error_p", 0.0, 8.0, lo_open=True))
-        object.__setattr__(self, "scale_floor", _real(self.scale_floor, "HQQConfig.scale_floor", 0.0, 1.0))
+        object.__setattr__(self, "error_p", real_in_range(self.error_p, "HQQConfig.error_p", 0.0, 8.0, lo_open=True))
+        object.__setattr__(self, "scale_floor", real_in_range(self.scale_floor, "HQQConfig.scale_floor", 0.0, 1.0))
         _layers_path(self.decoder_layers, "HQQConfig.decoder_layers")
 
     def to_dict(self) -> dict:
@@ -571,7 +573,7 @@ class SVDQuantConfig:
 
     def __post_init__(self):
         _int(self.rank, "SVDQuantConfig.rank")
-        _real(self.alpha, "SVDQuantConfig.alpha", 0.0, 1.0)
+        real_in_range(self.alpha, "SVDQuantConfig.alpha", 0.0, 1.0)
         _bool(self.search_alpha, "SVDQuantConfig.search_alpha")
         c = self.alpha_candidates
         if c is None:
@@ -579,12 +581,12 @@ class SVDQuantConfig:
         if isinstance(c, (str, bytes)) or not isinstance(c, (list, tuple)):
             raise TypeError(f"SVDQuantConfig.alpha_candidates must be a list of numbers in [0, 1], got {c!r}")
         for a in c:
-            _real(a, "SVDQuantConfig.alpha_candidates[]", 0.0, 1.0)
+            real_in_range(a, "SVDQuantConfig.alpha_candidates[]", 0.0, 1.0)
         object.__setattr__(self, "alpha_candidates", tuple(float(a) for a in c))
         _int(self.search_samples, "SVDQuantConfig.search_samples")
         _bool(self.use_gptq, "SVDQuantConfig.use_gptq")
         _int(self.block_size, "SVDQuantConfig.block_size")
-        _real(self.damp, "SVDQuantConfig.damp", 0.0, 1e6)
+        real_in_range(self.damp, "SVDQuantConfig.damp", 0.0, 1e6)
         _bool(self.act_order, "SVDQuantConfig.act_order")
         _layers_path(self.decoder_layers, "SVDQuantConfig.decoder_layers")
 
@@ -643,22 +645,22 @@ class DistillConfig:
 
     def __post_init__(self):
         _int(self.steps, "DistillConfig.steps")
-        _real(self.lr, "DistillConfig.lr", 0.0, 1.0, lo_open=True)
+        real_in_range(self.lr, "DistillConfig.lr", 0.0, 1.0, lo_open=True)
         _int(self.batch, "DistillConfig.batch")
         if self.loss not in ("kl", "jsd"):
             raise ValueError(f"DistillConfig.loss must be 'kl' or 'jsd', got {self.loss!r}")
-        _real(self.temperature, "DistillConfig.temperature", 0.0, 1e3, lo_open=True)
-        _real(self.alpha, "DistillConfig.alpha", 0.0, 1.0)
+        real_in_range(self.temperature, "DistillConfig.temperature", 0.0, 1e3, lo_open=True)
+        real_in_range(self.alpha, "DistillConfig.alpha", 0.0, 1.0)
         _bool(self.train_scales, "DistillConfig.train_scales")
         if self.scale_lr is not None:
-            _real(self.scale_lr, "DistillConfig.scale_lr", 0.0, 1.0, lo_open=True)
+            real_in_range(self.scale_lr, "DistillConfig.scale_lr", 0.0, 1.0, lo_open=True)
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"DistillConfig.optimizer must be 'adamw' or 'sgd', got {self.optimizer!r}")
         if self.schedule not in ("cosine", "constant"):
             raise ValueError(f"DistillConfig.schedule must be 'cosine' or 'constant', got {self.schedule!r}")
-        _real(self.weight_decay, "DistillConfig.weight_decay", 0.0, 1.0)
+        real_in_range(self.weight_decay, "DistillConfig.weight_decay", 0.0, 1.0)
         if self.max_seconds is not None:
-            _real(self.max_seconds, "DistillConfig.max_seconds", 0.0, 1e9, lo_open=True)
+            real_in_range(self.max_seconds, "DistillConfig.max_seconds", 0.0, 1e9, lo_open=True)
         _int(self.eval_batches, "DistillConfig.eval_batches", 0)
         if isinstance(self.key, bool) or not isinstance(self.key, numbers.Integral):
             raise TypeError(f"DistillConfig.key must be an int, got {self.key!r}")

@@ -171,7 +171,7 @@ def _paley2(q: int) -> np.ndarray:
 
 @lru_cache(maxsize=None)
 def _base(m: int) -> Optional[str]:
-    """How ``_dense`` builds an order-``m`` Hadamard matrix: ``"sylvester"`` (m = 1, 2), ``"paley1(q)"``,
+    """How ``base_hadamard`` builds an order-``m`` Hadamard matrix: ``"sylvester"`` (m = 1, 2), ``"paley1(q)"``,
     ``"paley2(q)"``; None if neither applies."""
     if m in (1, 2):
         return "sylvester"
@@ -213,7 +213,9 @@ def is_constructible(n: int) -> bool:
 
 
 @lru_cache(maxsize=64)
-def _dense(m: int) -> np.ndarray:
+def base_hadamard(m: int) -> np.ndarray:
+    """The order-``m`` Hadamard matrix (int8) of the construction ``_base(m)`` names (Sylvester for m = 1, 2, else
+    Paley I / II): the dense factor of ``hadamard`` and of the FWHT's dense stage."""
     c = _base(m)
     if c == "sylvester":
         return np.ones((1, 1), np.int8) if m == 1 else np.array([[1, 1], [1, -1]], np.int8)
@@ -235,7 +237,7 @@ def hadamard(n: int) -> np.ndarray:
     if f is None:
         raise ValueError(_no_hadamard(n))
     m, k2, _ = f
-    return np.kron(_dense(m), _sylvester(k2)).astype(np.int8)
+    return np.kron(base_hadamard(m), _sylvester(k2)).astype(np.int8)
 
 
 def _no_hadamard(n: int) -> str:
@@ -305,13 +307,13 @@ def fwht(x: Any, *, axis: int = -1, transpose: bool = False) -> Any:
     construction here. ``transpose``: times ``hadamard(n) / sqrt(n)`` instead (the transform's adjoint, for a
     backward pass; the same float order with the dense factor transposed).
 
-    torch tensors run ``_fwht_rows``: the same operations in the same order as ``_reference_fwht`` (the landed
+    torch tensors run ``_fwht_rows``: the same operations in the same order as ``reference_fwht`` (the landed
     code, bit for bit), in place on blocks of rows small enough to stay in cache (issue 23: the landed code made
     one full-size tensor per butterfly stage and per dense term, 40 passes over memory for 576 features)."""
     if not is_torch(x):
         if transpose:
             raise ValueError("fwht: transpose=True is for torch tensors")
-        return _reference_fwht(x, axis=axis)
+        return reference_fwht(x, axis=axis)
     import torch
     m, k2 = fwht_plan(tuple(x.shape), axis)
     n = int(x.shape[axis])
@@ -378,19 +380,19 @@ _DENSE_T: dict = {}
 
 
 def _dense_t(m: int, dtype, device, transpose: bool):
-    """``_dense(m)`` (or its transpose) as a torch tensor of ``dtype`` on ``device``, built once per (m, dtype,
-    device, transpose)."""
+    """``base_hadamard(m)`` (or its transpose) as a torch tensor of ``dtype`` on ``device``, built once per (m,
+    dtype, device, transpose)."""
     import torch
     k = (m, dtype, str(device), bool(transpose))
     t = _DENSE_T.get(k)
     if t is None:
-        d = _dense(m)
+        d = base_hadamard(m)
         t = torch.as_tensor(np.ascontiguousarray(d.T if transpose else d), dtype=dtype, device=device)
         _DENSE_T[k] = t
     return t
 
 
-def _reference_fwht(x: Any, *, axis: int = -1) -> Any:
+def reference_fwht(x: Any, *, axis: int = -1) -> Any:
     """The landed ``fwht`` (issue 11), kept as the reference the fast torch path is tested against bit for bit:
     one out-of-place tensor per butterfly stage and per term of the dense stage."""
     torch_in = is_torch(x)
@@ -402,12 +404,12 @@ def _reference_fwht(x: Any, *, axis: int = -1) -> Any:
         import torch
         f64 = x.dtype == torch.float64
         y = torch.movedim(x.to(torch.float64 if f64 else torch.float32), axis, -1).contiguous()
-        hm = torch.as_tensor(_dense(m), dtype=y.dtype, device=y.device)
+        hm = torch.as_tensor(base_hadamard(m), dtype=y.dtype, device=y.device)
         stack, moveaxis = torch.stack, torch.movedim
     else:
         dt = np.float64 if x.dtype == np.float64 else np.float32
         y = np.ascontiguousarray(np.moveaxis(x.astype(dt), axis, -1))
-        hm = _dense(m).astype(dt)
+        hm = base_hadamard(m).astype(dt)
         stack, moveaxis = np.stack, np.moveaxis
     lead = y.shape[:-1]
     y = y.reshape(-1, m, k2)

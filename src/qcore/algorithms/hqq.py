@@ -64,9 +64,9 @@ from qcore._backend import is_torch, ops
 from qcore.dtypes import IntDType
 from qcore.granularity import to_blocks
 from qcore.rounding import RoundingMode
-from qcore.scales import _round_scale
+from qcore.scales import round_scale
 
-from .config import _real
+from .config import real_in_range
 
 __all__ = ["hqq", "check_hqq_spec"]
 
@@ -93,9 +93,9 @@ def check_hqq_spec(spec: Any) -> QuantSpec:
 
 def check_hqq_options(p, beta, kappa, iters, precision) -> None:
     """ValueError for an option out of range (shared by ``hqq`` and the config)."""
-    _real(p, "p", 0.0, 1.0, lo_open=True)
-    _real(beta, "beta", 0.0, 1e12, lo_open=True)
-    _real(kappa, "kappa", 1.0, 100.0)
+    real_in_range(p, "p", 0.0, 1.0, lo_open=True)
+    real_in_range(beta, "beta", 0.0, 1e12, lo_open=True)
+    real_in_range(kappa, "kappa", 1.0, 100.0)
     if isinstance(iters, bool) or not isinstance(iters, numbers.Integral) or iters < 0:
         raise ValueError(f"iters must be an int >= 0, got {iters!r}")
     if precision not in _PRECISIONS:
@@ -167,8 +167,8 @@ def hqq(weight: Any, spec: QuantSpec, *, p: float = 0.7, beta: float = 10.0, kap
     iterations."""
     check_hqq_spec(spec)
     check_hqq_options(p, beta, kappa, iters, precision)
-    _real(error_p, "error_p", 0.0, 8.0, lo_open=True)
-    _real(scale_floor, "scale_floor", 0.0, 1.0)
+    real_in_range(error_p, "error_p", 0.0, 8.0, lo_open=True)
+    real_in_range(scale_floor, "scale_floor", 0.0, 1.0)
     if not (is_torch(weight) or isinstance(weight, np.ndarray)):
         raise TypeError(f"weight must be a numpy array or a torch tensor, got {type(weight).__name__}")
     if is_torch(weight) and (weight.is_complex() or not weight.is_floating_point()):
@@ -210,7 +210,7 @@ def _fit(x32, spec: QuantSpec, s0, z0, m: _Math, *, p, beta, kappa, iters, preci
 
     def rounded(s_new):  # float32 scale of the spec's scale dtype (what the export stores), in the compute dtype
         s32 = m.cast(s_new, "float32")
-        return m.cast(_round_scale(s32, spec.scale_dtype, o, positive=s32 > 0), precision)
+        return m.cast(round_scale(s32, spec.scale_dtype, o, positive=s32 > 0), precision)
 
     s = m.cast(o.reshape(s0, blk.scale_blocked_shape), precision)
     s_floor = None if not scale_floor else s * scale_floor  # the min/max scale times scale_floor

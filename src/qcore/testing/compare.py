@@ -423,6 +423,7 @@ def compare_arrays(actual: ArrayLike, expected: ArrayLike, *, ulps: int = 0, nan
 
 
 def check_opts(ulps, nan_equal, signed_zero, max_report):
+    """The comparison options every entry point takes (``compare``, ``assert_equal``, the oracle's checks)."""
     if isinstance(ulps, bool) or not isinstance(ulps, (int, np.integer)) or ulps < 0:
         raise ValueError(f"ulps must be a non-negative int, got {ulps!r}")
     for name, v in (("nan_equal", nan_equal), ("signed_zero", signed_zero)):

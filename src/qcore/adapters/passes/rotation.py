@@ -43,7 +43,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from qcore.algorithms.hadamard import _reference_fwht, fwht, is_constructible, random_signs, rotation
+from qcore.algorithms.hadamard import reference_fwht, fwht, is_constructible, random_signs, rotation
 
 from ..families import family_of
 
@@ -230,7 +230,7 @@ def _fwht(x: torch.Tensor) -> torch.Tensor:
 
 
 class _ReferenceInputRotation(InputRotation):
-    """The landed ``InputRotation.apply`` (issue 11): signs moved per call, ``_reference_fwht`` differentiated through
+    """The landed ``InputRotation.apply`` (issue 11): signs moved per call, ``reference_fwht`` differentiated through
     its elementwise graph; the reference SpinQuant (``spinquant._reference_spinquant``) is tested against."""
 
     __slots__ = ()
@@ -243,9 +243,9 @@ class _ReferenceInputRotation(InputRotation):
             if self.key is not None:
                 if self._signs is None:
                     self._signs = torch.from_numpy(random_signs(self.size, key=self.key))
-                y = _reference_fwht(x.to(ct) * self._signs.to(device=x.device, dtype=ct))
+                y = reference_fwht(x.to(ct) * self._signs.to(device=x.device, dtype=ct))
             else:
-                y = _reference_fwht(x.to(ct))
+                y = reference_fwht(x.to(ct))
         else:
             if self._dense is None:
                 self._dense = self.matrix()

@@ -13,7 +13,7 @@ import triton
 import qcore
 from qcore._backend import ops
 from qcore._two_level import tensor_scale_from_amax, two_level_multipliers
-from qcore.quantize import QTensor, _check_qtensor, _check_tensor_scale_arg, _prepare_params, _spec_of
+from qcore.quantize import QTensor, check_qtensor, check_tensor_scale_arg, prepare_params, spec_of
 from qcore.granularity import PerGroup
 from qcore.scales import inverse_pow2_scales
 
@@ -184,14 +184,14 @@ def _run(x, spec, *, scale=None, zero_point=None, tensor_scale=None, want_val=Tr
 
 
 def _prepare(x, spec, axis, overrides, scale, zero_point, tensor_scale):
-    spec = _spec_of(spec, axis, overrides)
+    spec = spec_of(spec, axis, overrides)
     x = _as_input(x)
     reason = why_not(spec, ndim=x.dim(), given_scale=scale is not None)
     if reason is not None:
         raise ValueError(f"the Triton kernels do not cover this spec: {reason}; use qcore (the core) instead")
     o = ops(x)
-    ts = _check_tensor_scale_arg(tensor_scale, spec, o, x)
-    s, zp = _prepare_params(x, spec, scale, zero_point, o)
+    ts = check_tensor_scale_arg(tensor_scale, spec, o, x)
+    s, zp = prepare_params(x, spec, scale, zero_point, o)
     if s is not None:
         s = s.to(x.device)
         zp = None if zp is None else zp.to(x.device)
@@ -252,7 +252,7 @@ def quantize_packed(x, spec, *, axis=None, tensor_scale=None, **overrides) -> Pa
 def dequantize(q: QTensor) -> torch.Tensor:
     if not isinstance(q, QTensor):
         raise TypeError(f"dequantize takes a QTensor, got {type(q).__name__}")
-    codes, scales, zp, _ = _check_qtensor(q)
+    codes, scales, zp, _ = check_qtensor(q)
     spec = q.spec
     if not isinstance(codes, torch.Tensor):
         raise TypeError("the Triton dequantize takes a QTensor of torch tensors")
@@ -408,7 +408,7 @@ def _sm_count(device) -> int:
 
 
 def fwht(x, *, axis: int = -1):
-    from qcore.algorithms.hadamard import _dense, fwht_plan
+    from qcore.algorithms.hadamard import base_hadamard, fwht_plan
 
     x = _as_input(x)
     m, k2 = fwht_plan(tuple(x.shape), axis)
@@ -417,7 +417,7 @@ def fwht(x, *, axis: int = -1):
     rows = y.numel() // n if n else 0
     out = torch.empty(y.shape, dtype=torch.float32, device=y.device)
     if rows:
-        h = torch.as_tensor(_dense(m).astype(np.int32), device=y.device).contiguous()
+        h = torch.as_tensor(base_hadamard(m).astype(np.int32), device=y.device).contiguous()
         rdiv = float(np.float32(math.sqrt(n)))
         with _quiet(y):
             K._fwht_kernel[(rows,)](y, h, out, rdiv, MD=m, MP=_next_pow2(m), K2=k2, LOGK2=k2.bit_length() - 1,
