@@ -61,7 +61,7 @@ Bit-identical (``bits``): on the full input, the torch default result equals num
 (``t~n``), ``dequantize(quantize(x))`` equals ``fake_quantize(x)`` on each backend (``q``), and the compiled
 result equals the default one (``c``); on the 512x512 top-left slice, both backends' default results equal the
 generic oracle ``qcore.quantize._fake_quantize_pure`` on numpy (``o``). ``qcore.cast``'s default path calls the
-fast cast kernel too, so the oracle runs with ``qcore._fast.cast_ok`` patched (in this process, for that call
+fast cast kernel too, so the oracle runs with ``qcore._inplace.cast_ok`` patched (in this process, for that call
 only) to refuse every format: the oracle is then the generic code alone. ``yes`` = all checks pass, else the
 failing ones are named.
 
@@ -298,8 +298,8 @@ def nbytes(v) -> int:
 def oracle(xs, spec):
     """The generic path alone (``_fake_quantize_pure`` with the fast cast kernel refused), numpy."""
     qmod = importlib.import_module("qcore.quantize")
-    fast = importlib.import_module("qcore._fast")
-    with mock.patch.object(fast, "cast_ok", lambda *a, **k: False):
+    inplace = importlib.import_module("qcore._inplace")
+    with mock.patch.object(inplace, "cast_ok", lambda *a, **k: False):
         return qmod._fake_quantize_pure(xs, None, None, None, None, spec=spec)
 
 

@@ -151,7 +151,10 @@ ADAPTER_LAYERS = [
 
 
 def layer_of(mod: str):
-    """``(rank, name)`` of ``mod``'s layer: the core, formats, algorithms, then the adapter layers."""
+    """``(rank, name)`` of ``mod``'s layer: the core, formats, algorithms, the numpy command line, then the adapter
+    layers."""
+    if mod in ("qcore.cli", "qcore.__main__"):
+        return 2.5, "cli"  # the numpy command line runs the core, formats (inspect) and conformance commands
     if mod.startswith("qcore.adapters"):
         best = None
         for rank, (name, prefixes) in enumerate(ADAPTER_LAYERS):

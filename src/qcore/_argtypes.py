@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["_csv", "_positive_number", "_nonnegative_number", "_count", "_positive"]
+__all__ = ["comma_list", "positive_number", "nonnegative_number", "nonnegative_int", "positive_int"]
 
 
-def _csv(text: str) -> list:
+def comma_list(text: str) -> list:
+    """A non-empty comma-separated list of names (argparse type)."""
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of names, got {text!r}")
@@ -28,15 +29,17 @@ def _number(text: str, *, positive: bool) -> float:
     return v
 
 
-def _positive_number(text: str) -> float:
+def positive_number(text: str) -> float:
+    """A positive finite float (argparse type)."""
     return _number(text, positive=True)
 
 
-def _nonnegative_number(text: str) -> float:
+def nonnegative_number(text: str) -> float:
+    """A non-negative finite float (argparse type)."""
     return _number(text, positive=False)
 
 
-def _count(text: str) -> int:
+def nonnegative_int(text: str) -> int:
     """A non-negative int (argparse type), so that range errors name the flag, not a Python argument."""
     try:
         v = int(text)
@@ -47,8 +50,9 @@ def _count(text: str) -> int:
     return v
 
 
-def _positive(text: str) -> int:
-    v = _count(text)
+def positive_int(text: str) -> int:
+    """A positive int (argparse type)."""
+    v = nonnegative_int(text)
     if v == 0:
         raise argparse.ArgumentTypeError("must be a positive int, got 0")
     return v

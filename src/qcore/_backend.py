@@ -28,6 +28,17 @@ def is_torch(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def np_view(p):
+    """A torch tensor as a numpy array (no copy for a CPU tensor; a tensor on an accelerator is copied to the host:
+    parameters are small); anything else as it is."""
+    if p is not None and is_torch(p):
+        p = p.detach()
+        if p.device.type != "cpu":
+            p = p.cpu()
+        return (p.float() if p.dtype == p.new_empty(()).bfloat16().dtype else p).numpy()
+    return p
+
+
 def _c(a, dtype) -> bool:
     """True if ``a`` is a C-contiguous numpy array of ``dtype`` (so a bit view needs no copy)."""
     return isinstance(a, np.ndarray) and a.dtype == dtype and a.flags.c_contiguous

@@ -1,11 +1,13 @@
-"""Helpers shared by ``qcore.quantize`` and ``qcore._microexp``. Dependencies point one way:
-``quantize -> _microexp -> _elements`` (and ``quantize -> _elements``); nothing here imports either.
+"""Helpers shared by ``qcore.quantize``, ``qcore._microexp``, ``qcore._fast`` and ``qcore.stats``. Dependencies
+point one way: ``quantize -> _microexp -> _elements`` (and ``quantize -> _elements``, ``_fast -> _elements``);
+``_elements -> cast``; nothing here imports any of its users.
 
-- ``_elements``: round scaled values to the element grid.
-- ``_int_clip``: clamp integer element values (plus zero point) to the code range.
-- ``_check_param``: a calibrated scale / zero point as a float32 array of the spec's scale shape.
-- ``_check_given_scale``: a calibrated scale is positive (NaN marks a NaN block) and, for power-of-two specs,
+- ``round_elements``: round scaled values to the element grid.
+- ``int_clip``: clamp integer element values (plus zero point) to the code range.
+- ``check_param``: a calibrated scale / zero point as a float32 array of the spec's scale shape.
+- ``check_given_scale``: a calibrated scale is positive (NaN marks a NaN block) and, for power-of-two specs,
   an exact power of two in range.
+- ``bump_from_extremes``: bfp16's exponent bump from each block's min and max.
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from .dtypes import FloatDType
 from .rounding import pow2, round_to_integral
 from .scales import floor_log2, scale_exponent_range
 
-__all__ = ["_elements", "_int_clip", "_check_param", "_check_given_scale"]
+__all__ = ["round_elements", "int_clip", "check_param", "check_given_scale", "bump_from_extremes"]
 
 
-def _elements(y, spec, key, o):
+def round_elements(y, spec, key, o):
     """Round scaled values to the element grid; returns element values (float32) in scale units."""
     d = spec.dtype
     if isinstance(d, FloatDType):
@@ -32,7 +34,7 @@ def _elements(y, spec, key, o):
     return round_to_integral(y, mode=spec.rounding, key=key)
 
 
-def _int_clip(r, spec, o, zp=None):
+def int_clip(r, spec, o, zp=None):
     """Clamp rounded integer values (plus zero point) to the code range; -0 becomes 0 (integer codes have no
     sign of zero, so fake_quantize must not keep one either)."""
     lo, hi = np.float32(spec.qmin), np.float32(spec.qmax)
@@ -42,7 +44,7 @@ def _int_clip(r, spec, o, zp=None):
     return o.where(r == 0, np.float32(0), r)
 
 
-def _check_given_scale(scales, spec, o, name="scale"):
+def check_given_scale(scales, spec, o, name="scale"):
     """A calibrated scale must be positive (NaN allowed: it marks a NaN block) and, for power-of-two specs,
     an exact power of two in the scale dtype's exponent range."""
     if o.any(scales <= 0) or o.any(o.isinf(scales)):
@@ -50,8 +52,6 @@ def _check_given_scale(scales, spec, o, name="scale"):
         raise ValueError(f"{name} must be positive and finite (NaN marks a NaN block), got {float(bad[0])!r} "
                          f"(among {tuple(bad.shape)[0]} such values)")
     if spec.two_level:
-        from .cast import cast
-
         fin = o.where(o.isnan(scales), np.float32(1), scales)
         if o.any(cast(fin, spec.scale_dtype, saturate=True) != fin):
             raise ValueError(f"{name}: two-level block scales must be values of {spec.scale_dtype.name}")
@@ -65,7 +65,7 @@ def _check_given_scale(scales, spec, o, name="scale"):
                              f"2**k with k in [{lo}, {hi}], got {float(fin[wrong][0])!r}")
 
 
-def _check_param(p, shape, name, o, like):
+def check_param(p, shape, name, o, like):
     if o.name == "numpy" and is_torch(p):
         raise TypeError(f"{name} is a torch tensor but x is a numpy array; pass {name} as a numpy array (or x as "
                         f"a tensor)")
@@ -83,8 +83,8 @@ def bump_from_extremes(s, lo, hi, spec, o):
     """bfp16's bump decided from each block's min ``lo`` and max ``hi`` (deterministic rounding only):
     rounding is monotone, so an element rounds past the range iff the block's max or min does."""
     inv = pow2(o.clip(-s, -127, 127), o, s)
-    rhi = _elements(o.reshape(hi, tuple(s.shape)) * inv, spec, None, o)
-    rlo = _elements(o.reshape(lo, tuple(s.shape)) * inv, spec, None, o)
+    rhi = round_elements(o.reshape(hi, tuple(s.shape)) * inv, spec, None, o)
+    rlo = round_elements(o.reshape(lo, tuple(s.shape)) * inv, spec, None, o)
     over = o.logical_or(rhi > np.float32(spec.qmax), rlo < np.float32(spec.qmin))
     _, smax = scale_exponent_range(spec.scale_dtype)
     return o.minimum(s + o.astype(over, o.int32), smax)

@@ -22,6 +22,10 @@ How (every step exact; tests/qcore/test_fast.py checks each against the generic 
    ``rint``; MX9/MX6/MX4 round each pair to ``2**-(m + d)`` by the same add-subtract, with per-element constants
    made by exponent shifts in int64 pairs (no broadcast over the pairs' tiny axis).
 
+Layers: the in-place primitives, the slab size, the add-subtract rounding of step 4 and the elementwise cast
+kernel live in ``qcore._inplace``, below ``qcore.cast`` (which dispatches to that kernel); this module sits above
+``cast``, ``_elements`` and ``_two_level``, whose rules it reuses.
+
 NaN outputs are NaN at the same positions as the generic path; their sign and payload are not specified (the
 kit's comparisons treat NaNs as equal). Everything else is bit-identical.
 
@@ -36,277 +40,18 @@ import math
 
 import numpy as np
 
-from .dtypes import FloatDType, IntDType, ScaleMode, Specials
+from ._elements import bump_from_extremes, check_param
+from ._inplace import (SLAB, f32_contiguous, float_kernel_ok, inplace_ops, is_empty, round_float_abs,
+                       slab_size)
+from ._two_level import f32_const, tensor_scale_from_amax, two_level_multipliers, two_level_scales
+from .cast import decode
+from .dtypes import FloatDType, IntDType, ScaleMode, Specials, TensorScale
 from .granularity import PerChannel, PerGroup, PerTensor, tile_shape
 from .rounding import RoundingMode
 from .scales import (asymmetric_scale, element_emax_and_max, inverse_pow2_scales, pow2_scale_exponent,
                      scale_exponent_range, symmetric_scale)
 
-__all__ = ["run_fake_quantize", "run_quantize", "run_dequantize", "run_cast", "cast_ok", "kernel_kind",
-           "small_given_prepared", "SLAB", "SLAB_TORCH"]
-
-SLAB = 1 << 18  # elements per slab on numpy: 1 MiB of float32, a few of which fit a CPU's L2/L3 caches
-SLAB_TORCH = 1 << 20  # torch: fewer, larger slabs (each op has dispatch and thread-pool costs); fits L3
-
-
-def slab_size(o) -> int:
-    return SLAB_TORCH if o.name == "torch" else SLAB
-
-_EXP_MASK = 0x7F800000
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Backends: the in-place primitives (numpy ``out=`` and torch ``out=`` / ``_`` methods).
-# ---------------------------------------------------------------------------------------------------------------
-class _NumpyIP:
-    name = "numpy"
-    f32 = np.float32
-    i32 = np.int32
-    u8 = np.uint8
-    i8 = np.int8
-
-    @staticmethod
-    def empty(n, dtype, like=None):
-        return np.empty(n, dtype=dtype)
-
-    @staticmethod
-    def flat(x):
-        return x.reshape(-1)
-
-    @staticmethod
-    def ibits(a):
-        return a.view(np.int32)
-
-    @staticmethod
-    def fbits(i):
-        return i.view(np.float32)
-
-    @staticmethod
-    def abs(a, out):
-        return np.abs(a, out=out)
-
-    @staticmethod
-    def mul(a, b, out):
-        return np.multiply(a, b, out=out)
-
-    @staticmethod
-    def div(a, b, out):
-        return np.divide(a, b, out=out)
-
-    @staticmethod
-    def add(a, b, out):
-        return np.add(a, b, out=out)
-
-    @staticmethod
-    def sub(a, b, out):
-        return np.subtract(a, b, out=out)
-
-    @staticmethod
-    def clamp_(a, lo, hi):
-        return np.clip(a, lo, hi, out=a)
-
-    @staticmethod
-    def min_(a, hi):
-        return np.minimum(a, hi, out=a)
-
-    @staticmethod
-    def max_(a, lo):
-        return np.maximum(a, lo, out=a)
-
-    @staticmethod
-    def rint_(a):
-        return np.rint(a, out=a)
-
-    @staticmethod
-    def band(a, m, out):
-        return np.bitwise_and(a, m, out=out)
-
-    @staticmethod
-    def bor(a, b, out):
-        return np.bitwise_or(a, b, out=out)
-
-    @staticmethod
-    def bxor(a, b, out):
-        return np.bitwise_xor(a, b, out=out)
-
-    @staticmethod
-    def shl(a, k, out):
-        return np.left_shift(a, k, out=out)
-
-    @staticmethod
-    def scalar64(v):
-        return np.int64(v)
-
-    @staticmethod
-    def i32view(a):
-        return a.view(np.int32)
-
-    @staticmethod
-    def min2(a, b, out):
-        return np.minimum(a, b, out=out)
-
-    @staticmethod
-    def max2(a, b, out):
-        return np.maximum(a, b, out=out)
-
-    @staticmethod
-    def shr(a, k, out):
-        return np.right_shift(a, k, out=out)
-
-    @staticmethod
-    def amax(a, axes):
-        return np.max(a, axis=axes, keepdims=True) if axes else a.copy()
-
-    @staticmethod
-    def amin(a, axes):
-        return np.min(a, axis=axes, keepdims=True) if axes else a.copy()
-
-    @staticmethod
-    def maximum(a, b):
-        return np.maximum(a, b)
-
-    @staticmethod
-    def minimum(a, b):
-        return np.minimum(a, b)
-
-    @staticmethod
-    def copy_to(dst, src):
-        np.copyto(dst, src, casting="unsafe")
-        return dst
-
-    @staticmethod
-    def fill_where(a, mask, value):
-        np.copyto(a, value, where=mask)
-        return a
-
-
-    @staticmethod
-    def contiguous(a):
-        return np.ascontiguousarray(a)
-
-
-
-class _TorchIP:
-    name = "torch"
-
-    def __init__(self, torch):
-        self.t = torch
-        self.f32, self.i32, self.u8, self.i8 = torch.float32, torch.int32, torch.uint8, torch.int8
-        self.i64 = torch.int64
-        self._scalars = {}
-
-    def empty(self, n, dtype, like):
-        return self.t.empty(n, dtype=dtype, device=like.device)
-
-    @staticmethod
-    def flat(x):
-        return x.reshape(-1)
-
-    def ibits(self, a):
-        return a.view(self.t.int32)
-
-    def fbits(self, i):
-        return i.view(self.t.float32)
-
-    def abs(self, a, out):
-        return self.t.abs(a, out=out)
-
-    # In place (``out is a``), the method form: same result, less dispatch than ``out=`` (no resize checks).
-    def mul(self, a, b, out):
-        return a.mul_(b) if out is a else self.t.mul(a, b, out=out)
-
-    def div(self, a, b, out):
-        return a.div_(b) if out is a else self.t.div(a, b, out=out)
-
-    def add(self, a, b, out):
-        return a.add_(b) if out is a else self.t.add(a, b, out=out)
-
-    def sub(self, a, b, out):
-        return a.sub_(b) if out is a else self.t.sub(a, b, out=out)
-
-    @staticmethod
-    def clamp_(a, lo, hi):
-        return a.clamp_(lo, hi)
-
-    @staticmethod
-    def min_(a, hi):
-        return a.clamp_(max=hi)
-
-    @staticmethod
-    def max_(a, lo):
-        return a.clamp_(min=lo)
-
-    @staticmethod
-    def rint_(a):
-        return a.round_()
-
-    def band(self, a, m, out):
-        return a.bitwise_and_(m) if out is a else self.t.bitwise_and(a, m, out=out)
-
-    def bor(self, a, b, out):
-        return a.bitwise_or_(b) if out is a else self.t.bitwise_or(a, b, out=out)
-
-    def bxor(self, a, b, out):
-        return self.t.bitwise_xor(a, b, out=out)
-
-    def shl(self, a, k, out):
-        return self.t.bitwise_left_shift(a, k, out=out)
-
-    def scalar64(self, v):
-        t = self._scalars.get(v)  # the few int64 constants of the kernels, made once (CPU; torch broadcasts a
-        if t is None:  # 0-dim CPU tensor against tensors on any device)
-            t = self._scalars[v] = self.t.tensor(v, dtype=self.t.int64)
-        return t
-
-    def i32view(self, a):
-        return a.view(self.t.int32)
-
-    def min2(self, a, b, out):
-        return self.t.minimum(a, b, out=out)
-
-    def max2(self, a, b, out):
-        return self.t.maximum(a, b, out=out)
-
-    def shr(self, a, k, out):
-        return self.t.bitwise_right_shift(a, k, out=out)
-
-    def amax(self, a, axes):
-        return self.t.amax(a, dim=axes, keepdim=True) if axes else a.clone()
-
-    def amin(self, a, axes):
-        return self.t.amin(a, dim=axes, keepdim=True) if axes else a.clone()
-
-    def maximum(self, a, b):
-        return self.t.maximum(a, b)
-
-    def minimum(self, a, b):
-        return self.t.minimum(a, b)
-
-    @staticmethod
-    def copy_to(dst, src):
-        return dst.copy_(src)
-
-    @staticmethod
-    def fill_where(a, mask, value):
-        return a.masked_fill_(mask, float(value))
-
-
-    @staticmethod
-    def contiguous(a):
-        return a.contiguous()
-
-
-
-_NP = _NumpyIP()
-_TORCH: list = []  # the one _TorchIP instance, made on first use (a memo, not configuration)
-
-
-def _ip(o):
-    if o.name == "numpy":
-        return _NP
-    if not _TORCH:
-        _TORCH.append(_TorchIP(o.t))
-    return _TORCH[0]
+__all__ = ["run_fake_quantize", "run_quantize", "run_dequantize", "kernel_kind", "small_given_prepared"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -374,10 +119,6 @@ def _blocked_view(a, ctile, rows):
 # ---------------------------------------------------------------------------------------------------------------
 # Which specs the fast kernels cover.
 # ---------------------------------------------------------------------------------------------------------------
-def _float_ok(d: FloatDType) -> bool:
-    """Small signed float formats with subnormals whose magic constant stays finite: 2**(emax + 1 + 23 - m)."""
-    return (isinstance(d, FloatDType) and d.signed and d.subnormals and d.mantissa_bits <= 21
-            and d.emax + 24 - d.mantissa_bits < 127 and d.emin > -126)
 
 
 def kernel_kind(spec):
@@ -392,7 +133,7 @@ def kernel_kind(spec):
         return None
     if isinstance(d, IntDType):
         return "int"
-    if _float_ok(d) and spec.saturate:
+    if float_kernel_ok(d) and spec.saturate:
         return "float"
     return None
 
@@ -457,17 +198,15 @@ def _cat(parts, o, sshape):
 
 def params(x, spec, scale, zero_point, o, r):
     """(scales, inv or None, zero points or None) in the public scale shape, exactly as the generic path.
-    Given parameters were validated (and rounded to the scale dtype) by the caller (``_prepare_params``)."""
-    from ._elements import _check_param
-
+    Given parameters were validated (and rounded to the scale dtype) by the caller (``prepare_params``)."""
     sshape = spec.scale_shape(tuple(x.shape))
     if scale is not None:
-        scales = _check_param(scale, sshape, "scale", o, x)
+        scales = check_param(scale, sshape, "scale", o, x)
         zp = None
         if not spec.symmetric:
             if zero_point is None:
                 raise ValueError("an asymmetric spec with a given scale also needs zero_point=")
-            zp = _check_param(zero_point, sshape, "zero_point", o, x)
+            zp = check_param(zero_point, sshape, "zero_point", o, x)
         inv = inverse_pow2_scales(scales, o, x) if spec.pow2_scale else None
         return scales, inv, zp, None
     need_minmax = (not spec.symmetric) or spec.bump_on_overflow
@@ -484,8 +223,6 @@ def params(x, spec, scale, zero_point, o, r):
 
 def _params_from_stats(amax, lo, hi, spec, o, like):
     """(scales, 2**-s or None, zero points or None) from block statistics (any shape): the generic rules."""
-    from ._elements import bump_from_extremes
-
     zp = None
     inv = None
     if spec.pow2_scale:
@@ -499,8 +236,8 @@ def _params_from_stats(amax, lo, hi, spec, o, like):
             # smallest exponent and is clamped there; field 255 is NaN/Inf.
             smin, smax = scale_exponent_range(spec.scale_dtype)
             field = o.astype(amax, o.float32)
-            field = _ip(o).shr(_ip(o).ibits(_ip(o).contiguous(field)), 23, None)
-            field = _ip(o).band(field, 0xFF, field)  # a NaN from torch.maximum can carry the sign bit
+            field = inplace_ops(o).shr(inplace_ops(o).ibits(inplace_ops(o).contiguous(field)), 23, None)
+            field = inplace_ops(o).band(field, 0xFF, field)  # a NaN from torch.maximum can carry the sign bit
             bad = field == 255
             s = o.clip(field - (127 + emax_eff), smin, smax)
         else:
@@ -557,7 +294,7 @@ def _floor_e8m0_params(amax, hi, emax_eff, spec, o):
     if bump and not (isinstance(d, IntDType) and d.signed and spec.symmetric and not spec.narrow_range
                      and unit == 2 - d.bits and spec.rounding is RoundingMode.NEAREST_EVEN and hi is not None):
         return None
-    ip = _ip(o)
+    ip = inplace_ops(o)
     field = ip.shr(ip.ibits(ip.contiguous(o.astype(amax, o.float32))), 23, None)
     ip.band(field, 0xFF, field)  # a NaN from torch.maximum can carry the sign bit
     if o.name == "torch":
@@ -590,7 +327,7 @@ def _floor_e8m0_params(amax, hi, emax_eff, spec, o):
 
 def _pow2_small(k, o):
     """2.0**k as float32 for int32 k in [-127, 127] (normal, or the one subnormal 2**-127), from bits."""
-    ip = _ip(o)
+    ip = inplace_ops(o)
     bits = o.where(k >= -126, (k + 127) << 23, 0x00400000)
     return ip.fbits(ip.contiguous(o.astype(bits, o.int32)))
 
@@ -688,11 +425,8 @@ def iter_slabs(x, spec, scale, zero_point, o, r):
     given scales) all parameters first, then the slabs."""
     fused = scale is None and all(b is None for _, _, b in r.plan)
     if spec.two_level and not fused:
-        from ._elements import _check_param
-        from ._two_level import _two_level_multipliers
-
-        scales = _check_param(scale, spec.scale_shape(tuple(x.shape)), "scale", o, x)
-        q_mul, dq_mul = _two_level_multipliers(scales, r.g, o)
+        scales = check_param(scale, spec.scale_shape(tuple(x.shape)), "scale", o, x)
+        q_mul, dq_mul = two_level_multipliers(scales, r.g, o)
         r.scales, r.zps = scales, None
         for r0, r1, brow in r.plan:
             yield (r0, r1, brow, r.slab_in(x, r0, r1), r.per_slab(dq_mul, r0, r1, brow),
@@ -728,10 +462,8 @@ def iter_slabs(x, spec, scale, zero_point, o, r):
             sc, inv = quick
             zp, pub = None, sc
         elif spec.two_level:  # the public scales are the block scales; the kernels take the two multipliers
-            from ._two_level import _two_level_scales
-
             amax, lo, hi = _slab_stats(xb, r, need_minmax)
-            pub, inv, sc = _two_level_scales(amax, r.g, spec, o)
+            pub, inv, sc = two_level_scales(amax, r.g, spec, o)
             zp = None
         else:
             amax, lo, hi = _slab_stats(xb, r, need_minmax)
@@ -762,16 +494,6 @@ def _slab_params(arr, cscale_shape, r0, r1, ctile, brow):
 # ---------------------------------------------------------------------------------------------------------------
 # Element kernels (one slab, blocked views; ``out`` may be the output slab).
 # ---------------------------------------------------------------------------------------------------------------
-def _round_float_abs(a, d: FloatDType, ip, ib):
-    """Round non-negative float32 ``a`` (<= max_finite or NaN) to ``d``'s grid in place, nearest-even."""
-    m = d.mantissa_bits
-    ip.band(ip.ibits(a), _EXP_MASK, ib)
-    ip.max_(ib, (d.emin + 127) << 23)
-    ip.add(ib, ((23 - m) << 23) | 0x400000, ib)
-    c = ip.fbits(ib)
-    ip.add(a, c, a)
-    ip.sub(a, c, a)
-    return a
 
 
 def _scale_abs(xb, inv, sc, spec, ip, a):
@@ -788,7 +510,7 @@ def _fake_float(xb, sc, inv, spec, ip, a, ib, out):
     d = spec.dtype
     _scale_abs(xb, inv, sc, spec, ip, a)
     ip.min_(a, np.float32(d.max_finite))
-    _round_float_abs(a, d, ip, ib)
+    round_float_abs(a, d, ip, ib)
     ip.band(ip.ibits(xb), -0x80000000, ib)  # x's sign bit back onto the rounded magnitude (-0 kept)
     ip.bor(ip.ibits(a), ib, ip.ibits(out))
     if d.specials is Specials.FNUZ:
@@ -1087,23 +809,13 @@ def _is_int_array(a) -> bool:
     return not (dt.is_floating_point or dt.is_complex or str(dt) == "torch.bool")
 
 
-def _empty(x) -> bool:
-    return any(int(s) == 0 for s in x.shape)
-
-
-def _prepare(x, o):
-    """float32, contiguous (a copy only where the input is not already so)."""
-    x = o.astype(x, o.float32)
-    return _NP.contiguous(x) if o.name == "numpy" else x.contiguous()
-
-
 def run_fake_quantize(x, spec, scale, zero_point, o, *, tensor_scale=None):
     """Fast fake_quantize, or None when the spec or layout is not covered (the caller uses the generic path)."""
     kind = kernel_kind(spec)
-    if kind is None or _empty(x) or (kind == "microexp" and not _group_last(spec, x)):
+    if kind is None or is_empty(x) or (kind == "microexp" and not _group_last(spec, x)):
         return None
-    ip = _ip(o)
-    x = _prepare(x, o)
+    ip = inplace_ops(o)
+    x = f32_contiguous(x, o)
     if scale is not None and kind != "microexp" and isinstance(spec.granularity, (PerTensor, PerChannel)) \
             and _numel(x) <= slab_size(o) and not spec.two_level:
         return _small_given(x, spec, scale, zero_point, kind, o, ip)
@@ -1145,7 +857,7 @@ def generic_rows(fn, x, spec, scale, zero_point, key, o, *, tensor_scale=None):
         return None
     rowsize = _numel(x) // shape[0]
     step = max(1, slab_size(o) // max(1, t0 * rowsize)) * t0
-    ip = _ip(o)
+    ip = inplace_ops(o)
     out = ip.empty(shape, ip.f32, x) if o.name == "torch" else np.empty(shape, np.float32)
     for r0 in range(0, shape[0], step):
         ip.copy_to(out[r0:r0 + step], fn(x[r0:r0 + step], None, None, key, spec=spec))
@@ -1163,16 +875,16 @@ def _small_given(x, spec, scale, zero_point, kind, o, ip):
     """Small tensors with given per-tensor or per-channel parameters (GPTQ's column step): the parameters
     already broadcast against x, so the kernels run on x directly, with no slab machinery."""
     scales, inv, zp, _ = params(x, spec, scale, zero_point, o, None)
-    return _small_kernels(x, spec, scales, inv, zp, kind, o, ip)
+    return small_kernels(x, spec, scales, inv, zp, kind, o, ip)
 
 
 def small_given_prepared(x, spec, scales, zp, kind, o):
     """``_small_given`` for parameters already validated and shaped (``qcore.fake_quantizer``)."""
     inv = inverse_pow2_scales(scales, o, x) if spec.pow2_scale else None
-    return _small_kernels(x, spec, scales, inv, zp, kind, o, _ip(o))
+    return small_kernels(x, spec, scales, inv, zp, kind, o, inplace_ops(o))
 
 
-def _small_kernels(x, spec, scales, inv, zp, kind, o, ip):
+def small_kernels(x, spec, scales, inv, zp, kind, o, ip):
     with o.quiet():
         if kind == "int":
             fwd, back, inv2 = _int_factors(spec, scales, inv, o)
@@ -1196,10 +908,10 @@ def _group_last(spec, x) -> bool:
 def run_quantize(x, spec, scale, zero_point, o, *, tensor_scale=None):
     """Fast quantize -> (codes, scales, zero points, shifts, tensor scale), or None (generic path)."""
     kind = kernel_kind(spec)
-    if kind is None or _empty(x) or (kind == "microexp" and not _group_last(spec, x)):
+    if kind is None or is_empty(x) or (kind == "microexp" and not _group_last(spec, x)):
         return None
-    ip = _ip(o)
-    x = _prepare(x, o)
+    ip = inplace_ops(o)
+    x = f32_contiguous(x, o)
     if scale is not None and o.any(o.isnan(x)):
         return None  # NaN elements under a given scale: the generic path encodes (or refuses) them
     r = _Run(x, spec, o, ip)
@@ -1237,13 +949,10 @@ def run_quantize(x, spec, scale, zero_point, o, *, tensor_scale=None):
 
 def _tensor_scale(x, spec, given, o, ip):
     """Two-level specs: the tensor scale g, with AMAX's tensor absmax as a slab-wise integer reduction."""
-    from .dtypes import TensorScale
-    from ._two_level import _f32_const, tensor_scale_from_amax
-
     if given is not None:
         return given
     if spec.tensor_scale_mode is TensorScale.ONE:
-        return _f32_const(1.0, o, x)
+        return f32_const(1.0, o, x)
     xf = ip.flat(x)
     n = _numel(x)
     step = slab_size(o)
@@ -1273,7 +982,7 @@ def _codes_float(xb, sc, inv, spec, ip, a, ib, cb):
     e, m = d.exponent_bits, d.mantissa_bits
     _scale_abs(xb, inv, sc, spec, ip, a)
     ip.min_(a, np.float32(d.max_finite))
-    _round_float_abs(a, d, ip, ib)
+    round_float_abs(a, d, ip, ib)
     # a * 2**(bias - 127) puts d's exponent field into float32's (d's subnormals become float32 subnormals with
     # the same mantissa bits); exact, since a is on d's grid.
     ip.mul(a, np.float32(2.0 ** (d.bias - 127)), a)
@@ -1298,10 +1007,10 @@ def run_dequantize(q, o):
     codes = q.codes
     if kind == "microexp" and not _group_last(spec, codes):
         return None
-    if _empty(codes) or not _is_int_array(codes):
+    if is_empty(codes) or not _is_int_array(codes):
         return None  # the generic path raises its errors (or handles empty arrays)
-    ip = _ip(o)
-    codes = _NP.contiguous(codes) if o.name == "numpy" else codes.contiguous()
+    ip = inplace_ops(o)
+    codes = ip.contiguous(codes)
     r = _Run(codes, spec, o, ip)
     d = spec.dtype
     out = ip.empty(tuple(codes.shape), ip.f32, codes) if o.name == "torch" else np.empty(codes.shape, np.float32)
@@ -1317,10 +1026,8 @@ def run_dequantize(q, o):
             if back is None:
                 return None
         if spec.two_level:
-            from ._two_level import _two_level_multipliers
-
             g = o.reshape(o.asarray(q.tensor_scale, o.float32, codes), ())
-            _, scales = _two_level_multipliers(scales, g, o)  # value = element * fl(g * block scale)
+            _, scales = two_level_multipliers(scales, g, o)  # value = element * fl(g * block scale)
         bad = _bad_blocks(scales, o)
         for r0, r1, brow in r.plan:
             cb = r.slab_in(codes, r0, r1)
@@ -1350,8 +1057,6 @@ def run_dequantize(q, o):
 
 
 def _code_table(d, o, like):
-    from .cast import decode
-
     n = 1 << d.bits
     if o.name == "torch":
         return decode(o.t.arange(n, dtype=o.t.int32, device=like.device), d)
@@ -1369,8 +1074,6 @@ def _check_code_range(codes, d, o):
     if full is not None and str(codes.dtype).endswith(full) and not str(codes.dtype).endswith("u" + full):
         return
     if o.any(o.amin(codes, None, keepdims=False) < lo) or o.any(o.amax(codes, None, keepdims=False) > hi):
-        from .cast import decode
-
         decode(codes, d)  # raises, naming the first bad code
         raise ValueError(f"codes out of range for {d.name}: valid codes are {lo}..{hi}")
 
@@ -1384,50 +1087,3 @@ def _lookup(table, cs, ob, ip, r):
     ip.t.index_select(table, 0, idx, out=ob.reshape(-1))
 
 
-def tracing(o) -> bool:
-    """True while torch.compile traces the generic functions (``compile=True``): the slab loop is for eager
-    calls; traced, the generic element-wise code fuses better."""
-    if o.name != "torch":
-        return False
-    comp = getattr(o.t, "compiler", None)
-    return bool(comp is not None and comp.is_compiling())
-
-
-def cast_ok(d, rounding) -> bool:
-    """Elementwise casts the fast kernel covers: nearest-even to small signed float formats with subnormals."""
-    return (rounding is RoundingMode.NEAREST_EVEN and _float_ok(d)
-            and d.emax + 26 - d.mantissa_bits < 127)
-
-
-def run_cast(x, d: FloatDType, saturate: bool, o):
-    """``cast`` to a small float format, nearest-even, slab by slab: |x| clamped (at max, or past every value
-    that overflows), rounded by the add-subtract of ``_round_float_abs``, overflow mapped to Inf/NaN, sign bit
-    back. NaN inputs come back as the same NaN (signalling NaNs quieted)."""
-    ip = _ip(o)
-    shape = tuple(x.shape)
-    x = _prepare(x, o)
-    xf = ip.flat(x)
-    n = xf.size if ip.name == "numpy" else xf.numel()
-    out = ip.empty(n, ip.f32, x)
-    step = slab_size(o)
-    m = min(n, step)
-    a, ib = ip.empty(m, ip.f32, x), ip.empty(m, ip.i32, x)
-    maxf = np.float32(d.max_finite)
-    if d.specials is Specials.IEEE:
-        over_val = np.float32(math.inf)
-    else:
-        over_val = np.float32(math.nan)
-    with o.quiet():
-        for i in range(0, n, step):
-            j = min(i + step, n)
-            xs, os_, aa, ii = xf[i:j], out[i:j], a[:j - i], ib[:j - i]
-            ip.band(ip.ibits(xs), 0x7FFFFFFF, ip.ibits(aa))
-            ip.min_(aa, maxf if saturate else np.float32(2.0 ** (d.emax + 2)))
-            _round_float_abs(aa, d, ip, ii)
-            if not saturate:
-                ip.fill_where(aa, aa > maxf, over_val)
-            ip.band(ip.ibits(xs), -0x80000000, ii)
-            ip.bor(ip.ibits(aa), ii, ip.ibits(os_))
-            if d.specials is Specials.FNUZ:
-                ip.add(os_, np.float32(0.0), os_)  # no -0 (NaN stays NaN)
-    return out.reshape(shape)

@@ -4,7 +4,7 @@
 ``(clamp(round(w / s) + z, lo, hi) - z) * s`` in argument handling: spec lookups, shape arithmetic, and checks of
 ``s`` and ``z`` written for any array (broadcasting, dtype conversion, rounding to the scale dtype), each one a
 few tensor operations. This module answers the common case with the same checks in a cheaper form and the same
-element kernel (``qcore._fast._small_kernels``), so the bits are those of the general path:
+element kernel (``qcore._fast.small_kernels``), so the bits are those of the general path:
 
 - Per-spec facts (does the case apply, the element kind, the scale shape for an input shape) are computed once
   per spec object and kept in a small memo keyed by ``id(spec)`` (the spec is kept alive by the memo, so its id
@@ -21,7 +21,7 @@ element kernel (``qcore._fast._small_kernels``), so the bits are those of the ge
 Covered: a torch CPU float32 tensor (not requiring grad under autograd) with torch CPU float32 parameters, or a
 numpy float32 array with numpy float32 parameters; per-tensor or per-channel specs with integer or float
 elements (``_fast.kernel_kind``), nearest-even rounding, float32 non-power-of-two scales; at most one slab of
-elements (``_fast.slab_size``). Everything else returns None (the caller runs the general path).
+elements (``_inplace.slab_size``). Everything else returns None (the caller runs the general path).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import sys
 
 import numpy as np
 
-from . import _fast
+from . import _fast, _inplace
 from ._backend import ops
+from .dtypes import FloatDType
 from .granularity import PerChannel, PerTensor
 
 __all__ = ["fake_quantize_given"]
@@ -44,8 +45,6 @@ _INF = np.float32(np.inf)
 
 def _facts(spec):
     """(kind, qmin, qmax, symmetric) where the fast path covers ``spec``, else None."""
-    from .dtypes import FloatDType
-
     if spec.two_level or spec.pow2_scale or not isinstance(spec.granularity, (PerTensor, PerChannel)):
         return None
     if not (isinstance(spec.scale_dtype, FloatDType) and spec.scale_dtype.name == "float32"):
@@ -106,7 +105,7 @@ def fake_quantize_given(x, spec, scale, zero_point):
     for v in shape:
         n *= v
     o = ops(x)
-    if n > _fast.slab_size(o):
+    if n > _inplace.slab_size(o):
         return None
     if (zero_point is None) is not symmetric:
         return None  # a missing or unexpected zero point: the general path says which
@@ -135,4 +134,4 @@ def fake_quantize_given(x, spec, scale, zero_point):
                 return None
             e[3] = seen
     x = x.contiguous() if torch_x else np.ascontiguousarray(x)
-    return _fast._small_kernels(x, spec, scale, None, zero_point, kind, o, _fast._ip(o))
+    return _fast.small_kernels(x, spec, scale, None, zero_point, kind, o, _inplace.inplace_ops(o))

@@ -32,6 +32,8 @@ from typing import Optional
 
 import numpy as np
 
+from .dtypes import GGUF_DTYPES
+
 QK_K = 256
 _F = np.float32
 _MAGIC = _F(12582912.0)
@@ -605,8 +607,6 @@ def _quantize_rows(x: np.ndarray, name: str, imatrix: Optional[np.ndarray] = Non
         B32 = rows * (n // 32)
         xb = np.ascontiguousarray(x, dtype=_F).reshape(B32, 32)
         if name == "iq4_nl":
-            from .dtypes import GGUF_DTYPES
-
             L, d = _iq4_nl(xb, None if qw is None else qw.reshape(B32, 32), GGUF_DTYPES[name].levels)
             m = None
         else:
@@ -712,8 +712,6 @@ def requantize(x: np.ndarray, p: GGUFScales, name: str) -> np.ndarray:
     ``requantize(x, quantize(x, k-quant).super_scales)`` gives llama.cpp's codes wherever ``d * sc`` is not 0
     (there: code 0, Q3_K / Q6_K their lowest; value = the offset); for the 32-element types llama.cpp's codes
     come from the unrounded d, so a few codes may differ from requantizing with the stored fp16 d."""
-    from .dtypes import GGUF_DTYPES
-
     sub = GGUF_DTYPES[name].subblock_size
     shape = x.shape
     scale, off = sub_scales(p, sub)
@@ -734,8 +732,6 @@ def element_codes(x, scale, offset, name: str) -> np.ndarray:
     with ``id = 1/scale`` (0 when the scale is 0): Q4_0/Q5_0 ``min(2*nmax - 1, trunc(x*id + nmax + 0.5)) -
     nmax``, Q4_1/Q5_1 ``clamp(trunc((x - offset)*id + 0.5), 0, nmax)``, Q8_0 ``roundf(x*id)``, IQ4_NL the level
     whose midpoint interval holds ``x*id``."""
-    from .dtypes import GGUF_DTYPES
-
     t = GGUF_DTYPES[name]
     x = np.asarray(x, dtype=_F)
     scale = np.asarray(scale, dtype=_F)

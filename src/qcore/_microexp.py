@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from ._elements import _elements, _int_clip
+from ._elements import int_clip, round_elements
 from .dtypes import IntDType
 from .granularity import scales_to_blocked
 from .rounding import mul_pow2, pow2
@@ -79,7 +79,7 @@ def quantize_microexp_blocks(xb, blocked, spec, scale, key, o):
                                      scale_dtype=spec.scale_dtype, unit_exponent=spec.unit_exponent)
         scales = o.reshape(o.where(bad, np.float32(math.nan), pow2(s, o, xb)), blocked.scale_shape)
     else:
-        scales = scale  # validated and of the scale shape (qcore.quantize._prepare_params)
+        scales = scale  # validated and of the scale shape (qcore.quantize.prepare_params)
         bad = o.isnan(scales_to_blocked(scales, blocked, o))
         s = o.where(bad, 0, floor_log2(o.where(bad, np.float32(1), scales_to_blocked(scales, blocked, o))))
     s_b = o.reshape(s, blocked.scale_blocked_shape)
@@ -102,9 +102,9 @@ def quantize_microexp_blocks(xb, blocked, spec, scale, key, o):
     # e_pair can be -128 (s = -127 shifted once): 2**128 is not a float32, so scale in two exact steps.
     e_el = _merge(o.broadcast_to(e_pair, tuple(xs.shape)), ax, o)
     y = mul_pow2(xb, -e_el, o)
-    v = _elements(y, spec, key, o)
+    v = round_elements(y, spec, key, o)
     if isinstance(spec.dtype, IntDType):
-        v = _int_clip(v, spec, o)
+        v = int_clip(v, spec, o)
     v = o.where(bad_b, np.float32(math.nan), v)
     shifts = _shifts_to_public(o.astype(d, o.int32), blocked, spec, o)
     return v, scales, None, blocked, shifts

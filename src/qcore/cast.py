@@ -12,11 +12,11 @@ import math
 
 import numpy as np
 
-from . import _fast
+from . import _inplace
 from ._typing import Array, ArrayLike, FormatLike, KeyLike
 from ._backend import ops, to_array
 from .dtypes import BlockDType, FloatDType, GGUFDType, IntDType, Specials, get_dtype
-from .rounding import RoundingMode, _round_sig, check_mode, decompose, pow2, round_to_integral
+from .rounding import RoundingMode, round_sig, check_mode, decompose, pow2, round_to_integral
 
 __all__ = ["cast", "encode", "decode", "code_dtype_bits"]
 
@@ -49,7 +49,7 @@ def _cast_float(x, d: FloatDType, rounding, saturate, key, o):
     neg, sig, exp, finite = decompose(x, o)
     m = d.mantissa_bits
     k = o.maximum(exp, d.emin) - m
-    r, exact = _round_sig(neg, sig, exp, k, rounding, key, o, x)
+    r, exact = round_sig(neg, sig, exp, k, rounding, key, o, x)
     # exact (d <= 0) only happens for values already on the grid; r * 2**k is then not needed.
     mag = o.where(exact, o.abs(x), o.astype(r, o.float32) * pow2(o.clip(k, -149, 127), o, x))
     f32 = np.float32
@@ -125,8 +125,8 @@ def cast(x: ArrayLike, dtype: FormatLike, *, rounding: RoundingMode = RoundingMo
     with o.quiet():
         if _is_fixed_point(d) and rounding in _DIRECT:
             return _cast_fixed_point(x, d, rounding, o)
-        if _fast.cast_ok(d, rounding) and not _fast._empty(x) and not _fast.tracing(o):
-            return _fast.run_cast(x, d, sat, o)
+        if _inplace.cast_ok(d, rounding) and not _inplace.is_empty(x) and not _inplace.tracing(o):
+            return _inplace.run_cast(x, d, sat, o)
         return _cast_float(x, d, rounding, sat, key, o)
 
 

@@ -26,7 +26,10 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from ._argtypes import _count, _csv
+from . import __version__, conformance
+from ._argtypes import nonnegative_int, comma_list
+from .dtypes import DTYPES, BlockDType
+from .formats import inspect as fi  # numpy only: works without torch
 
 __all__ = ["main", "build_parser"]
 
@@ -63,10 +66,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _conformance_export(args) -> int:
-    from . import conformance
-
-    for flag, check, value in (("--formats", conformance._normalize_formats, args.formats),
-                               ("--modes", conformance._normalize_modes, args.modes)):
+    for flag, check, value in (("--formats", conformance.normalize_formats, args.formats),
+                               ("--modes", conformance.normalize_modes, args.modes)):
         try:  # each flag's own error names it, before anything is written
             check(value)
         except (ValueError, TypeError) as e:
@@ -89,8 +90,6 @@ def _conformance_export(args) -> int:
 
 
 def _conformance_check(args) -> int:
-    from . import conformance
-
     r = conformance.check(args.vectors, args.outputs, ulps=args.ulps, formats=args.formats, cases=args.cases,
                           allow_missing=args.allow_missing, nan_equal=not args.strict_nan,
                           max_examples=args.max_examples)
@@ -102,9 +101,6 @@ def _conformance_check(args) -> int:
 
 
 def _conformance_modes(args) -> int:
-    from . import conformance
-    from .dtypes import DTYPES, BlockDType
-
     names = args.formats or [n for n, d in DTYPES.items() if isinstance(d, BlockDType)]
     for n in names:  # before printing anything: an unknown name is a usage error naming the flag
         try:
@@ -129,12 +125,13 @@ def _add_conformance(sub) -> None:
 
     e = csub.add_parser("export", help="write inputs and expected outputs (.npy, .bin, manifest.json/.tsv)")
     e.add_argument("directory", help="output directory (must not exist or be empty, unless --overwrite)")
-    e.add_argument("--formats", required=True, type=_csv, help="comma-separated format names, e.g. mxfp4,float8_e4m3fn")
-    e.add_argument("--modes", type=_csv, default=None,
+    e.add_argument("--formats", required=True, type=comma_list,
+                   help="comma-separated format names, e.g. mxfp4,float8_e4m3fn")
+    e.add_argument("--modes", type=comma_list, default=None,
                    help="comma-separated modes (element: nearest_even[_saturate|_nosaturate], nearest_away, "
                         "toward_zero, floor, ceil; block: scale_floor, scale_ceil, scale_even, scale_rceil; or all); "
                         "default: each format's defaults")
-    e.add_argument("--key", type=_count, default=0, help="seed of the random probes (default 0)")
+    e.add_argument("--key", type=nonnegative_int, default=0, help="seed of the random probes (default 0)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing non-empty directory")
     e.set_defaults(func=_conformance_export)
 
@@ -142,19 +139,19 @@ def _add_conformance(sub) -> None:
     c.add_argument("vectors", help="directory written by 'qcore conformance export'")
     c.add_argument("--outputs", required=True,
                    help="directory with the kernel's outputs: <case>/<expected file stem>.npy or .bin")
-    c.add_argument("--ulps", type=_count, default=0,
+    c.add_argument("--ulps", type=nonnegative_int, default=0,
                    help="tolerance in units in the last place for float files (default 0)")
-    c.add_argument("--formats", type=_csv, default=None, help="check only these formats' cases")
-    c.add_argument("--cases", type=_csv, default=None, help="check only these cases")
+    c.add_argument("--formats", type=comma_list, default=None, help="check only these formats' cases")
+    c.add_argument("--cases", type=comma_list, default=None, help="check only these cases")
     c.add_argument("--allow-missing", action="store_true", help="missing output files are not a failure")
     c.add_argument("--strict-nan", action="store_true",
                    help="NaN sign and payload bits must match too (default: any NaN matches any NaN)")
-    c.add_argument("--max-examples", type=_count, default=5, help="mismatches shown per file (default 5)")
+    c.add_argument("--max-examples", type=nonnegative_int, default=5, help="mismatches shown per file (default 5)")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=_conformance_check)
 
     m = csub.add_parser("modes", help="list the modes and each format's default modes")
-    m.add_argument("--formats", type=_csv, default=None)
+    m.add_argument("--formats", type=comma_list, default=None)
     m.set_defaults(func=_conformance_modes)
 
 
@@ -195,7 +192,6 @@ def _model_command(name: str):
 
 
 def _inspect(args) -> int:
-    from .formats import inspect as fi  # numpy only: works without torch
     try:
         info = fi.inspect_path(args.directory)
     except (OSError, ValueError, ModuleNotFoundError) as e:
@@ -236,8 +232,6 @@ _COMMANDS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-
     parser = _Parser(prog="qcore", description="qcore: exact low-precision numerics.")
     parser.add_argument("--version", action="version", version=f"qcore {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(n for n, _ in _COMMANDS) + "}",

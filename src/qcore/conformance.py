@@ -78,7 +78,7 @@ from .cast import cast, decode, encode
 from .dtypes import DTYPES, BlockDType, FloatDType, IntDType, ScaleMode, Specials, TensorScale, get_dtype
 from .quantize import dequantize, fake_quantize, make_spec, quantize
 from .rounding import RoundingMode
-from . import packing
+from . import __version__, packing, testing
 from ._fsutil import check_not_source, staged_dir
 
 __all__ = [
@@ -173,7 +173,9 @@ def _mode_problem(d, mode: str) -> Optional[str]:
     return None
 
 
-def _normalize_modes(modes) -> Optional[list]:
+def normalize_modes(modes) -> Optional[list]:
+    """``export``'s ``modes`` (None, ``"all"``, a comma-separated string or a sequence of names) as a list of
+    checked mode names, or None."""
     if modes is None:
         return None
     if isinstance(modes, str):
@@ -250,7 +252,9 @@ class DirectoryNotEmptyError(ValueError):
         super().__init__(f"directory {str(directory)!r} exists and is not empty; {hint}")
 
 
-def _normalize_formats(formats) -> list:
+def normalize_formats(formats) -> list:
+    """``export``'s ``formats`` (a comma-separated string, a dtype, or a sequence of them) as a list of checked
+    dtypes, without repeats; ValueError / TypeError name what is wrong."""
     if isinstance(formats, (str, IntDType, FloatDType, BlockDType)):
         formats = formats.split(",") if isinstance(formats, str) else [formats]
     try:
@@ -353,8 +357,6 @@ def _quantize_semantics(d: BlockDType, spec) -> str:
 
 
 def _probes(fmt, key: int) -> np.ndarray:
-    from . import testing  # the shared probe set (numpy only)
-
     return np.ascontiguousarray(np.asarray(testing.probes(fmt, key=key), dtype=np.float32))
 
 
@@ -570,15 +572,13 @@ def export(directory: Union[str, os.PathLike], formats: Union[FormatLike, Sequen
     ``ValueError``); everything is written to a temporary sibling first and renamed into place, so a failure
     leaves nothing half-written (and an existing directory untouched). Returns the ``Manifest``.
     """
-    from . import __version__
-
     directory = Path(os.fspath(directory)).absolute()
     if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or key < 0:
         raise ValueError(f"key must be a non-negative int, got {key!r}")
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
-    dtypes = _normalize_formats(formats)
-    wanted = _normalize_modes(modes)
+    dtypes = normalize_formats(formats)
+    wanted = normalize_modes(modes)
     plan, skipped = [], []
     for d in dtypes:
         ms, sk = _modes_for(d, wanted)
@@ -898,8 +898,6 @@ def check(vectors_dir: Union[str, os.PathLike], outputs_dir: Union[str, os.PathL
     shown per file. Expected files whose sha256 no longer matches the manifest are reported as errors (the
     vectors were modified after export).
     """
-    from . import testing
-
     if isinstance(ulps, bool) or not isinstance(ulps, (int, np.integer)) or ulps < 0:
         raise ValueError(f"ulps must be a non-negative int, got {ulps!r}")
     if not isinstance(nan_equal, bool):
@@ -913,7 +911,7 @@ def check(vectors_dir: Union[str, os.PathLike], outputs_dir: Union[str, os.PathL
                                                                    else "does not exist"))
     selected = manifest.cases
     if formats is not None:
-        names = [d.name for d in _normalize_formats(formats)]
+        names = [d.name for d in normalize_formats(formats)]
         present = sorted({c["format"] for c in selected})
         absent = [n for n in names if n not in present]
         if absent:

@@ -73,9 +73,11 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from qcore._backend import is_torch, ops
+from qcore import _kquants
+from qcore._backend import is_torch, np_view, ops
 from qcore._typing import Array, ArrayLike
-from qcore.dtypes import BlockDType, DType, FloatDType, IntDType, get_dtype
+from qcore.dtypes import BlockDType, DType, FloatDType, GGUFDType, IntDType, get_dtype
+from qcore.quantize import QTensor, QuantSpec, dequantize, make_spec
 
 __all__ = [
     "Layout",
@@ -669,8 +671,6 @@ def _f16_from(b):
 
 
 def _kq_type(fmt):
-    from qcore.dtypes import GGUFDType
-
     d = fmt.gguf_dtype if hasattr(fmt, "gguf_dtype") else get_dtype(fmt)
     if not isinstance(d, GGUFDType):
         raise ValueError(f"a GGUF k-quant (q2_k ... q6_k) is needed, got {getattr(d, 'name', fmt)!r}")
@@ -697,9 +697,6 @@ def _pack_gguf32(t, codes, ss, host):
 
 
 def _unpack_gguf32(t, spec, b):
-    from qcore import _kquants
-    from qcore.quantize import QTensor
-
     lead = b.shape[:-1]
     nb = b.shape[-1] // t.type_size
     blk = np.ascontiguousarray(b).reshape(-1, t.type_size)
@@ -730,28 +727,24 @@ def pack_gguf_blocks(q: Any) -> np.ndarray:
     """A ``QTensor`` of a GGUF type spec (``quantize(x, "q4_k")``, ``"q5_0"``, ...) -> uint8 (..., n / block *
     type_size): the GGUF bytes of each row, exactly what llama.cpp's ``ggml_quantize_chunk`` writes. numpy (torch
     parts are read on the host)."""
-    from qcore.quantize import QTensor, _np_view
-
     if not isinstance(q, QTensor) or not getattr(q.spec, "gguf", ""):
         raise TypeError(f"pack_gguf_blocks takes a k-quant QTensor (quantize(x, 'q4_k')), got {type(q).__name__}"
                         + ("" if not isinstance(q, QTensor) else f" with spec {q.spec.name or q.spec.dtype.name!r}"))
     t = _kq_type(q.spec)
-    from qcore.quantize import dequantize
-
     dequantize(q)  # validates every part (codes range, scale codes, fp16 d, scales == d * codes) before packing
-    codes = np.asarray(_np_view(q.codes)).astype(np.int64)
+    codes = np.asarray(np_view(q.codes)).astype(np.int64)
     ss = q.super_scales
     shape = codes.shape
     lead, n = shape[:-1], shape[-1]
     if not t.is_kquant:
-        return _pack_gguf32(t, codes, ss, _np_view).reshape(*lead, n // 32 * t.type_size)
+        return _pack_gguf32(t, codes, ss, np_view).reshape(*lead, n // 32 * t.type_size)
     B = codes.size // 256
     L = codes.reshape(B, 256) - t.element.min  # unsigned stored codes
-    d = _f16_bytes(_np_view(ss.d))
-    sc = np.asarray(_np_view(ss.scale_codes)).astype(np.int64).reshape(B, -1)
+    d = _f16_bytes(np_view(ss.d))
+    sc = np.asarray(np_view(ss.scale_codes)).astype(np.int64).reshape(B, -1)
     if t.has_mins:
-        dmin = _f16_bytes(_np_view(ss.dmin))
-        mc = np.asarray(_np_view(ss.min_codes)).astype(np.int64).reshape(B, -1)
+        dmin = _f16_bytes(np_view(ss.dmin))
+        mc = np.asarray(np_view(ss.min_codes)).astype(np.int64).reshape(B, -1)
     name = t.name
     if name == "q2_k":
         parts = [(sc | (mc << 4)).astype(np.uint8), _kq_lowbits(L, (0, 2, 4, 6), 32), d, dmin]
@@ -784,9 +777,6 @@ def unpack_gguf_blocks(data: ArrayLike, fmt: Any) -> Any:
     """Inverse of ``pack_gguf_blocks``: uint8 (..., nb * type_size) GGUF bytes of the k-quant ``fmt`` (a name such
     as ``"q4_k"`` or a k-quant ``QuantSpec``) -> the ``QTensor`` (numpy parts, codes of shape (..., nb * 256)),
     which ``dequantize`` turns into llama.cpp's values and ``pack_gguf_blocks`` into the same bytes."""
-    from qcore import _kquants
-    from qcore.quantize import QTensor, QuantSpec, make_spec
-
     t = _kq_type(fmt)
     spec = fmt if isinstance(fmt, QuantSpec) else make_spec(t.name)
     b = np.asarray(data)

@@ -17,14 +17,12 @@ import numpy as np
 
 from functools import partial
 
-from . import _fast, _given
+from . import _fast, _given, _kquants
 from ._typing import Array, ArrayLike, KeyLike, SpecLike
-from ._backend import is_torch, ops, to_array
+from ._backend import is_torch, np_view, ops, to_array
 from ._compiled import compiled
-from ._elements import _check_given_scale, _check_param, _elements, _int_clip  # noqa: F401 (re-exported)
-from ._elements import bump_from_extremes  # noqa: F401 (re-exported)
-from ._two_level import (_F32_MIN_NORMAL, _f32_const, _two_level_multipliers,  # noqa: F401
-                         _two_level_scales, tensor_scale_from_amax)
+from ._elements import bump_from_extremes, check_given_scale, check_param, int_clip, round_elements
+from ._two_level import F32_MIN_NORMAL, f32_const, tensor_scale_from_amax, two_level_multipliers, two_level_scales
 from ._microexp import dequant_microexp_blocks, quantize_microexp_blocks
 from .cast import cast, decode, encode
 from .dtypes import (GGUF_DTYPES, BlockDType, FloatDType, IntDType, ScaleMode, GGUFDType, TensorScale,
@@ -33,7 +31,7 @@ from .granularity import (Granularity, PerBlock, PerChannel, PerGroup, PerTensor
                           from_blocks, scales_to_blocked, to_blocks)
 from .granularity import scale_shape as _scale_shape
 from .rounding import RoundingMode, check_mode, pow2
-from .scales import (_round_scale, asymmetric_scale, inverse_pow2_scales, pow2_scale_exponent, scale_exponent_range,
+from .scales import (round_scale, asymmetric_scale, inverse_pow2_scales, pow2_scale_exponent, scale_exponent_range,
                      symmetric_scale)
 
 __all__ = ["QuantSpec", "QTensor", "make_spec", "quantize", "dequantize", "fake_quantize", "fake_quantizer"]
@@ -370,7 +368,8 @@ class QTensor:
         return encode(self.scales, self.spec.scale_dtype)
 
 
-def _spec_of(spec, axis, overrides) -> QuantSpec:
+def spec_of(spec, axis, overrides) -> QuantSpec:
+    """The spec of a call: ``spec`` itself, or ``make_spec(spec, axis=axis, **overrides)``."""
     if isinstance(spec, QuantSpec) and not overrides and axis is None:
         return spec
     return make_spec(spec, axis=axis, **overrides)
@@ -418,7 +417,7 @@ def _quantize_blocks(x, spec: QuantSpec, scale, zero_point, key, o):
         if zp is not None:
             zp = o.reshape(zp, sshape)
     else:
-        # Calibrated parameters arrive validated by _prepare_params: float32 arrays of the scale shape, scales
+        # Calibrated parameters arrive validated by prepare_params: float32 arrays of the scale shape, scales
         # rounded to the scale dtype, zero points integral and in range (None for symmetric specs).
         scales, zp = scale, zero_point
     if spec.pow2_scale:
@@ -427,10 +426,10 @@ def _quantize_blocks(x, spec: QuantSpec, scale, zero_point, key, o):
         y = _scaled(xb, scales_to_blocked(inv, blocked, o), spec, o)
     else:
         y = _scaled(xb, scales_to_blocked(scales, blocked, o), spec, o)
-    v = _elements(y, spec, key, o)
+    v = round_elements(y, spec, key, o)
     if isinstance(spec.dtype, IntDType):
         zpb = None if zp is None else scales_to_blocked(zp, blocked, o)
-        v = _int_clip(v, spec, o, zpb)
+        v = int_clip(v, spec, o, zpb)
     return v, scales, zp, blocked, None
 
 
@@ -439,7 +438,7 @@ def _bump(xb, blocked, s, spec, key, o):
     if spec.rounding is RoundingMode.STOCHASTIC:
         # The random bits differ per element: round every element to see whether one overflows.
         sb = scales_to_blocked(s, blocked, o)
-        r = _elements(xb * pow2(o.clip(-sb, -127, 127), o, xb), spec, key, o)
+        r = round_elements(xb * pow2(o.clip(-sb, -127, 127), o, xb), spec, key, o)
         over = o.logical_or(r > np.float32(spec.qmax), r < np.float32(spec.qmin))
         anyover = o.amax(o.astype(over, o.int32), blocked.reduce_axes)
     else:
@@ -457,7 +456,7 @@ def _tensor_scale(x, spec: QuantSpec, given, o):
     if given is not None:
         return given
     if spec.tensor_scale_mode is TensorScale.ONE or math.prod(tuple(x.shape)) == 0:
-        return _f32_const(1.0, o, x)
+        return f32_const(1.0, o, x)
     return tensor_scale_from_amax(o.amax(o.reshape(o.abs(x), (-1,)), 0, keepdims=False), spec, o, x)
 
 
@@ -468,18 +467,18 @@ def _quantize_two_level(x, spec: QuantSpec, scale, tensor_scale, key, o):
     g = _tensor_scale(x, spec, tensor_scale, o)
     if scale is None:
         amax = o.reshape(o.amax(o.abs(xb), blocked.reduce_axes), blocked.scale_shape)
-        scales, q_mul, dq_mul = _two_level_scales(amax, g, spec, o)
+        scales, q_mul, dq_mul = two_level_scales(amax, g, spec, o)
     else:
-        scales = _check_param(scale, blocked.scale_shape, "scale", o, x)
-        _check_given_scale(scales, spec, o)
-        q_mul, dq_mul = _two_level_multipliers(scales, g, o)
+        scales = check_param(scale, blocked.scale_shape, "scale", o, x)
+        check_given_scale(scales, spec, o)
+        q_mul, dq_mul = two_level_multipliers(scales, g, o)
     with o.quiet():
         y = xb * scales_to_blocked(q_mul, blocked, o)
-    v = _elements(y, spec, key, o)
+    v = round_elements(y, spec, key, o)
     return v, scales, g, dq_mul, blocked
 
 
-def _check_tensor_scale_arg(tensor_scale, spec: QuantSpec, o, like):
+def check_tensor_scale_arg(tensor_scale, spec: QuantSpec, o, like):
     """Validate the call's ``tensor_scale=`` against the spec; returns it as a 0-d float32 array/tensor on
     ``like``'s device, or None."""
     mode = spec.tensor_scale_mode
@@ -503,7 +502,7 @@ def _check_tensor_scale_arg(tensor_scale, spec: QuantSpec, o, like):
         raise ValueError(f"tensor_scale must be one value, got shape {tuple(g.shape)}")
     g = o.reshape(g, ())
     v = float(g)
-    if not (math.isfinite(v) and v >= float(_F32_MIN_NORMAL)):
+    if not (math.isfinite(v) and v >= float(F32_MIN_NORMAL)):
         raise ValueError(f"tensor_scale must be a finite float32 >= 2**-126 (a normal number), got {v!r}")
     return g
 
@@ -538,7 +537,7 @@ def _fake_quantize_pure(x, scale, zero_point, key, tensor_scale=None, *, spec):
     return from_blocks(_dequant_blocks(v, scales, zp, shifts, blocked, spec, o), blocked, o)
 
 
-def _prepare_params(x, spec: QuantSpec, scale, zero_point, o):
+def prepare_params(x, spec: QuantSpec, scale, zero_point, o):
     """Validate calibrated ``scale`` / ``zero_point`` against ``spec`` and ``x`` (float32) before any work.
 
     Returns (scale, zero_point) as float32 arrays of ``spec.scale_shape(x.shape)`` (broadcast if needed;
@@ -549,7 +548,7 @@ def _prepare_params(x, spec: QuantSpec, scale, zero_point, o):
         # Few parameters of a CPU tensor: validate them with numpy (no per-check tensor dispatch); same checks,
         # same messages, same bits.
         stand_in = np.broadcast_to(np.float32(0), tuple(x.shape))
-        s, zp = _prepare_params(stand_in, spec, _np_view(scale), _np_view(zero_point), ops(stand_in))
+        s, zp = prepare_params(stand_in, spec, np_view(scale), np_view(zero_point), ops(stand_in))
         return o.t.from_numpy(np.ascontiguousarray(s)), None if zp is None else o.t.from_numpy(np.ascontiguousarray(zp))
     sshape = spec.scale_shape(tuple(x.shape))
     if scale is None:
@@ -557,12 +556,12 @@ def _prepare_params(x, spec: QuantSpec, scale, zero_point, o):
             raise ValueError(f"zero_point={_brief(zero_point)} was given without scale=; a zero point belongs to a "
                              "calibrated scale: pass both (or neither, to compute them from x)")
         return None, None
-    s = _check_param(scale, sshape, "scale", o, x)
+    s = check_param(scale, sshape, "scale", o, x)
     if o.name == "torch":
         s = s.detach()
-    _check_given_scale(s, spec, o)
+    check_given_scale(s, spec, o)
     if not spec.pow2_scale:
-        s = _round_scale(s, spec.scale_dtype, o, positive=s > 0)
+        s = round_scale(s, spec.scale_dtype, o, positive=s > 0)
     if spec.symmetric:
         if zero_point is not None:
             raise ValueError(f"zero_point={_brief(zero_point)} was given for a symmetric spec (no zero point); "
@@ -570,7 +569,7 @@ def _prepare_params(x, spec: QuantSpec, scale, zero_point, o):
         return s, None
     if zero_point is None:
         raise ValueError("an asymmetric spec with a given scale also needs zero_point=")
-    zp = _check_param(zero_point, sshape, "zero_point", o, x)
+    zp = check_param(zero_point, sshape, "zero_point", o, x)
     if o.name == "torch":
         zp = zp.detach()
     _check_zero_points(zp, spec, o, "zero_point")
@@ -590,17 +589,6 @@ def _small_cpu_params(x, scale, zero_point, limit: int = 4096) -> bool:
         elif np.size(p) > limit:
             return False
     return True
-
-
-def _np_view(p):
-    """A torch tensor as a numpy array (no copy for a CPU tensor; a tensor on an accelerator is copied to the host:
-    parameters are small); anything else as it is."""
-    if p is not None and is_torch(p):
-        p = p.detach()
-        if p.device.type != "cpu":
-            p = p.cpu()
-        return (p.float() if p.dtype == p.new_empty(()).bfloat16().dtype else p).numpy()
-    return p
 
 
 def _brief(v) -> str:
@@ -646,7 +634,7 @@ def _exact_f32(v, o, name: str):
                      "not represent exactly")
 
 
-def _check_qtensor(q: QTensor):
+def check_qtensor(q: QTensor):
     """Validate a QTensor's parts against its spec before dequantizing; returns (codes, scales, zero points,
     shifts) with scales and zero points as float32."""
     spec = q.spec
@@ -678,7 +666,7 @@ def _check_qtensor(q: QTensor):
             raise ValueError(f"QTensor.{name} has shape {tuple(v.shape)}; spec {spec.name or spec.dtype.name!r} "
                              f"({spec.granularity!r}) needs {sshape} for codes of shape {shape}")
     scales = _exact_f32(q.scales, o, "QTensor.scales")
-    _check_given_scale(scales, spec, o, "QTensor.scales")
+    check_given_scale(scales, spec, o, "QTensor.scales")
     if not spec.pow2_scale and spec.scale_dtype.name != "float32":
         r = cast(scales, spec.scale_dtype, saturate=True)
         off = o.logical_not(o.logical_or(r == scales, o.isnan(scales)))
@@ -757,7 +745,7 @@ def quantize(x: ArrayLike, spec: SpecLike, *, axis: Optional[int] = None, scale:
     - Block formats with integer elements (MXINT8, bfp16, MX9/6/4) keep the OCP meaning of the scale: the element
       value is ``code * 2**unit_exponent`` (MXINT8: code/64), and the scale is the shared ``X = 2**s``.
     - Two-level scales (NVFP4, ``spec.tensor_scale_mode`` not ``TensorScale.NONE``): block scales in a narrow
-      float format under a float32 tensor scale ``g``, with torchao's arithmetic; ``_two_level_scales`` holds
+      float format under a float32 tensor scale ``g``, with torchao's arithmetic; ``two_level_scales`` holds
       the whole rule (docs/numerics.md, "Two-level scales").
     - GGUF types (``"q2_k"`` ... ``"q6_k"``, ``"q4_0"`` ... ``"q8_0"``, ``"iq4_nl"``; ``spec.gguf``): llama.cpp's
       quantizer, bit for bit (``qcore._kquants``), along the last axis, which must be a multiple of the block
@@ -766,7 +754,7 @@ def quantize(x: ArrayLike, spec: SpecLike, *, axis: Optional[int] = None, scale:
       ``super_scales`` and, for the formats with offsets, float ``offsets``. Computed on host numpy (torch
       tensors are copied there and back; ``compile=`` changes nothing).
     """
-    spec = _spec_of(spec, axis, overrides)
+    spec = spec_of(spec, axis, overrides)
     if spec.gguf or imatrix is not None:
         return _quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix)
     key = check_mode(spec.rounding, key)
@@ -775,8 +763,8 @@ def quantize(x: ArrayLike, spec: SpecLike, *, axis: Optional[int] = None, scale:
         x = x.detach()
     x = o.astype(x, o.float32)
     use_compiled = _use_compiled(compile, x, spec)
-    tensor_scale = _check_tensor_scale_arg(tensor_scale, spec, o, x)
-    scale, zero_point = _prepare_params(x, spec, scale, zero_point, o)
+    tensor_scale = check_tensor_scale_arg(tensor_scale, spec, o, x)
+    scale, zero_point = prepare_params(x, spec, scale, zero_point, o)
     if not use_compiled:
         fast = _fast.run_quantize(x, spec, scale, zero_point, o, tensor_scale=tensor_scale)
         if fast is not None:
@@ -807,7 +795,7 @@ def dequantize(q: QTensor) -> Array:
     if q.offsets is not None or q.super_scales is not None:
         raise ValueError("QTensor.offsets / super_scales are set, but the spec has no float offsets or super-blocks "
                          f"(spec {q.spec.name or q.spec.dtype.name!r})")
-    codes, scales, zp, shifts = _check_qtensor(q)
+    codes, scales, zp, shifts = check_qtensor(q)
     spec = q.spec
     o = ops(codes)
     if spec.two_level and q.tensor_scale is None:
@@ -820,7 +808,7 @@ def dequantize(q: QTensor) -> Array:
     vb, blocked = to_blocks(v, spec.granularity, o)
     if spec.two_level:
         g = o.reshape(o.asarray(q.tensor_scale, o.float32, v), ())
-        _, dq_mul = _two_level_multipliers(scales, g, o)
+        _, dq_mul = two_level_multipliers(scales, g, o)
         return from_blocks(_dequant_two_level(vb, dq_mul, blocked, o), blocked, o)
     return from_blocks(_dequant_blocks(vb, scales, zp, shifts, blocked, spec, o), blocked, o)
 
@@ -859,15 +847,15 @@ def fake_quantize(x: ArrayLike, spec: SpecLike, *, axis: Optional[int] = None, s
         out = _given.fake_quantize_given(x, spec, scale, zero_point)
         if out is not None:
             return out
-    spec = _spec_of(spec, axis, overrides)
+    spec = spec_of(spec, axis, overrides)
     if spec.gguf or imatrix is not None:
         return _fake_quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix)
     key = check_mode(spec.rounding, key)
     x, o = to_array(x)
     x = o.astype(x, o.float32)
     use_compiled = _use_compiled(compile, x, spec)
-    tensor_scale = _check_tensor_scale_arg(tensor_scale, spec, o, x)
-    scale, zero_point = _prepare_params(x, spec, scale, zero_point, o)
+    tensor_scale = check_tensor_scale_arg(tensor_scale, spec, o, x)
+    scale, zero_point = prepare_params(x, spec, scale, zero_point, o)
     if use_compiled:
         guarded = compiled(_fake_quantize_pure, spec)
 
@@ -905,7 +893,7 @@ def fake_quantizer(spec: SpecLike, *, shape: tuple[int, ...], scale: ArrayLike, 
     (default: numpy). Same bits as ``fake_quantize``; no stochastic rounding, no two-level specs, no gradient
     (use ``fake_quantize`` for training).
     """
-    spec = _spec_of(spec, axis, overrides)
+    spec = spec_of(spec, axis, overrides)
     if spec.gguf:
         raise ValueError(f"fake_quantizer: spec {spec.name!r} is a GGUF k-quant, whose scales come from llama.cpp's "
                          "search per call; use fake_quantize")
@@ -914,7 +902,7 @@ def fake_quantizer(spec: SpecLike, *, shape: tuple[int, ...], scale: ArrayLike, 
                          "call; use fake_quantize")
     shape = tuple(as_int(v) for v in shape)
     stand_in = np.broadcast_to(np.float32(0), shape)
-    s, zp = _prepare_params(stand_in, spec, _np_view(scale), _np_view(zero_point), ops(stand_in))
+    s, zp = prepare_params(stand_in, spec, np_view(scale), np_view(zero_point), ops(stand_in))
     if like is not None and is_torch(like):
         t = ops(like).t
         s = t.from_numpy(np.ascontiguousarray(s)).to(like.device)
@@ -965,14 +953,14 @@ def _gguf_inputs(x, spec: QuantSpec, scale, zero_point, key, tensor_scale, compi
     if shape[-1] % bs:
         raise ValueError(f"{name}: the last axis of x must be a multiple of {bs} (GGUF {'super-' if bs == 256 else ''}"
                          f"blocks), got x of shape {shape}")
-    xn = _np_view(xa.detach() if o.name == "torch" else xa)
+    xn = np_view(xa.detach() if o.name == "torch" else xa)
     xn = np.ascontiguousarray(np.asarray(xn), dtype=np.float32)
     if not np.isfinite(xn).all():
         raise ValueError(f"{name}: x holds NaN or Inf, which {name} cannot encode (llama.cpp writes garbage "
                          "blocks for them)")
     qw = None
     if imatrix is not None:
-        qw = np.asarray(_np_view(imatrix))
+        qw = np.asarray(np_view(imatrix))
         if qw.dtype.kind not in "fiu":
             raise TypeError(f"imatrix must be a float array, got dtype {qw.dtype}")
         qw = qw.astype(np.float32)
@@ -991,8 +979,6 @@ def _to_kind(a, o, like):
 
 
 def _quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix) -> QTensor:
-    from . import _kquants
-
     xn, qw, o, xa = _gguf_inputs(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix)
     codes, ss = _kquants.quantize_kquant(xn, spec.gguf, qw)
     scales, offsets = _kquants.sub_scales(ss, spec.granularity.size)
@@ -1003,8 +989,6 @@ def _quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, imatr
 
 
 def _fake_quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix):
-    from . import _kquants
-
     xn, qw, o, xa = _gguf_inputs(x, spec, scale, zero_point, key, tensor_scale, compile, imatrix)
 
     def run(x_, scale_, zero_point_, key_):
@@ -1020,8 +1004,6 @@ def _fake_quantize_gguf(x, spec, scale, zero_point, key, tensor_scale, compile, 
 
 def _dequantize_gguf(q: QTensor):
     """k-quant dequantization from ``q.super_scales`` after checking every part (ValueError/TypeError naming it)."""
-    from . import _kquants
-
     spec = q.spec
     sb = spec.gguf_dtype
     name = sb.name
@@ -1029,7 +1011,7 @@ def _dequantize_gguf(q: QTensor):
     if not (is_torch(codes) or isinstance(codes, np.ndarray)):
         raise TypeError(f"QTensor.codes must be a numpy array or a torch tensor, got {type(codes).__name__}")
     o = ops(codes)
-    c = np.asarray(_np_view(codes))
+    c = np.asarray(np_view(codes))
     shape = c.shape
     if c.dtype.kind not in "iu":
         raise TypeError(f"QTensor.codes must be an integer array, got dtype {c.dtype}")
@@ -1058,7 +1040,7 @@ def _dequantize_gguf(q: QTensor):
             continue
         if not needed:
             raise ValueError(f"{name}: QTensor.super_scales.{fname} must be None for {name}")
-        a = np.asarray(_np_view(v))
+        a = np.asarray(np_view(v))
         if a.shape != want_shape:
             raise ValueError(f"{name}: QTensor.super_scales.{fname} has shape {a.shape}; codes of shape {shape} need "
                              f"{want_shape}")
@@ -1084,7 +1066,7 @@ def _dequantize_gguf(q: QTensor):
             if got is not None:
                 raise ValueError(f"{name}: QTensor.{fname} must be None ({name} has no float offsets)")
             continue
-        g = None if got is None else np.asarray(_np_view(got))
+        g = None if got is None else np.asarray(np_view(got))
         if g is None or g.shape != want.shape or not np.array_equal(g.astype(np.float32).view(np.int32),
                                                                     want.view(np.int32)):
             raise ValueError(f"{name}: QTensor.{fname} must equal the sub-block {fname} of super_scales "

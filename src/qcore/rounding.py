@@ -153,7 +153,7 @@ def decompose(x, o):
     return neg, sig, exp, finite
 
 
-def _round_sig(neg, sig, exp, k, mode, key, o, like):
+def round_sig(neg, sig, exp, k, mode, key, o, like):
     """Round |x| = sig * 2**(exp-23) to a multiple of 2**k; returns (r, exact) with rounded |x| = r * 2**k.
 
     ``exact`` marks elements already on the grid (d <= 0), for which r is meaningless and |x| is the answer.
@@ -200,7 +200,7 @@ def round_to_step(x: ArrayLike, k: ArrayLike, *, mode: RoundingMode = RoundingMo
     x = o.astype(x, o.float32)
     neg, sig, exp, finite = decompose(x, o)
     k = o.asarray(k, o.int32, x) if not hasattr(k, "shape") else o.astype(k, o.int32)
-    r, exact = _round_sig(neg, sig, exp, k, mode, key, o, x)
+    r, exact = round_sig(neg, sig, exp, k, mode, key, o, x)
     with o.quiet():  # a result past float32's range is Inf, as documented
         mag = o.astype(r, o.float32) * pow2(k, o, x)
     ax = o.abs(x)

@@ -27,8 +27,9 @@ import numpy as np
 
 from ._backend import ops
 from ._typing import Array, ArrayLike
+from .cast import cast
 from .dtypes import FloatDType, IntDType, ScaleMode
-from .rounding import RoundingMode, _round_sig, decompose, pow2
+from .rounding import RoundingMode, round_sig, decompose, pow2
 
 __all__ = ["floor_log2", "pow2_scale_exponent", "symmetric_scale", "asymmetric_scale", "scale_exponent_range"]
 
@@ -91,7 +92,7 @@ def pow2_scale_exponent(amax: Array, *, element: Union[FloatDType, IntDType], mo
         s = e - emax + o.astype(sig != (1 << 23), o.int32)
     elif mode is ScaleMode.EVEN:
         mbits = element.mantissa_bits
-        r, exact = _round_sig(neg, sig, e, e - mbits, RoundingMode.NEAREST_EVEN, None, o, a)
+        r, exact = round_sig(neg, sig, e, e - mbits, RoundingMode.NEAREST_EVEN, None, o, a)
         # r counts steps of 2**(e - mbits); it reaches 2**(mbits + 1) exactly when amax rounds up a binade.
         carried = o.logical_and(o.logical_not(exact), r >= (1 << (mbits + 1)))
         s = e - emax + o.astype(carried, o.int32)
@@ -147,12 +148,10 @@ def _int_range(dtype: IntDType, narrow: bool):
     return qmin, dtype.max
 
 
-def _round_scale(scale, scale_dtype: FloatDType, o, *, positive):
+def round_scale(scale, scale_dtype: FloatDType, o, *, positive):
     """Cast float32 scales to ``scale_dtype`` (RNE, saturating). Where the statistic was positive (``positive``)
     a scale that underflowed to 0 (in the float32 division or in the cast) becomes the dtype's smallest
     positive value, so tiny blocks keep a usable, positive scale."""
-    from .cast import cast
-
     s = scale if scale_dtype.name == "float32" else cast(scale, scale_dtype, saturate=True)
     return o.where(o.logical_and(s == 0, positive), np.float32(scale_dtype.min_subnormal), s)
 
@@ -170,7 +169,7 @@ def symmetric_scale(amax: Array, *, dtype: Union[IntDType, FloatDType], scale_dt
         div = dtype.max_finite
     with o.quiet():
         s = a / np.float32(div)
-    s = _round_scale(s, scale_dtype, o, positive=a > 0)
+    s = round_scale(s, scale_dtype, o, positive=a > 0)
     s = o.where(a == 0, np.float32(1.0), s)
     return o.where(o.isfinite(a), s, np.float32(math.nan))
 
@@ -199,7 +198,7 @@ def asymmetric_scale(lo: Array, hi: Array, *, dtype: IntDType, scale_dtype: Floa
         wide = o.logical_and(o.isinf(width), o.logical_and(o.isfinite(lo), o.isfinite(hi)))
         half = (hi * np.float32(0.5) - lo * np.float32(0.5)) / np.float32((qmax - qmin) / 2.0)
         s = o.where(wide, o.minimum(half, np.float32(np.finfo(np.float32).max)), s)
-    s = _round_scale(s, scale_dtype, o, positive=width > 0)
+    s = round_scale(s, scale_dtype, o, positive=width > 0)
     s = o.where(width == 0, np.float32(1.0), s)
     finite = o.logical_and(o.isfinite(lo), o.isfinite(hi))
     s = o.where(finite, s, np.float32(math.nan))

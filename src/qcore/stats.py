@@ -43,6 +43,10 @@ Scales:
 Both scale functions return ``QParams(scale, zero_point)``, a named tuple (``zero_point`` is None for
 symmetric specs): ``quantize(x, spec, scale=p.scale, zero_point=p.zero_point)`` or ``**p.kwargs()``.
 
+Importance statistics: ``ImatrixStats``, llama.cpp's imatrix statistic of one weight (per input column, the sum of
+``x**2`` over calibration tokens, and the token counts) as a frozen value; ``qcore.algorithms.imatrix`` updates
+it, ``qcore.formats.imatrix`` reads and writes its files.
+
 Not supported: shared-microexponent specs (MX9/MX6/MX4, ``subblock_shift_bits > 0``), whose sub-block shifts
 depend on the data beyond a block statistic. float64 is used internally by ``percentile`` and ``mse_clip``
 (torch devices without float64, such as MPS, are not supported there).
@@ -54,21 +58,21 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from ._backend import ops, to_array
+from ._backend import is_torch, ops, to_array
+from ._elements import bump_from_extremes
 from ._typing import Array, ArrayLike, SpecLike
 from .granularity import (Blocked, Granularity, PerChannel, PerGroup, PerTensor, check_granularity,
                           to_blocks)
+from .quantize import QuantSpec, fake_quantize, make_spec
 from .rounding import RoundingMode, check_mode, pow2
 from .scales import asymmetric_scale, pow2_scale_exponent, symmetric_scale
 
-if TYPE_CHECKING:
-    from .quantize import QuantSpec
-
-__all__ = ["absmax", "minmax", "percentile", "mse_clip", "QParams", "RunningStats", "update", "scale_from_stats"]
+__all__ = ["absmax", "minmax", "percentile", "mse_clip", "QParams", "RunningStats", "update", "scale_from_stats",
+           "ImatrixStats"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -205,8 +209,6 @@ class QParams(NamedTuple):
 
 
 def _as_spec(spec: SpecLike) -> "QuantSpec":
-    from .quantize import QuantSpec, make_spec
-
     if not isinstance(spec, QuantSpec):
         spec = make_spec(spec)
     if spec.subblock_shift_bits:
@@ -224,8 +226,6 @@ def _as_spec(spec: SpecLike) -> "QuantSpec":
 
 def _params(amax, lo, hi, spec, o, like):
     """QParams from block statistics, by the same rule as dynamic quantize (``qcore.quantize``)."""
-    from ._elements import bump_from_extremes
-
     if spec.pow2_scale:
         s, bad = pow2_scale_exponent(amax, element=spec.dtype, mode=spec.scale_mode, scale_dtype=spec.scale_dtype,
                                      unit_exponent=spec.unit_exponent)
@@ -271,8 +271,6 @@ def mse_clip(x: ArrayLike, spec: SpecLike, *, grid: int = 100, lo: float = 0.5, 
     the grid. ``key``: for ``RoundingMode.STOCHASTIC`` specs (the same key for every candidate).
     Returns ``QParams(scale, zero_point)`` of ``spec.scale_shape(x.shape)``.
     """
-    from .quantize import fake_quantize
-
     spec = _as_spec(spec)
     if isinstance(grid, (bool, np.bool_)) or not isinstance(grid, numbers.Integral):
         raise TypeError(f"grid must be an int >= 1, got {grid!r}")
@@ -430,3 +428,70 @@ def scale_from_stats(stats: RunningStats, spec: SpecLike) -> QParams:
     o = ops(stats.absmax)
     _check_same_g(stats.granularity, spec.granularity, len(stats.absmax.shape), "scale_from_stats")
     return _params(stats.absmax, stats.lo, stats.hi, spec, o, stats.absmax)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Importance statistics (llama.cpp's imatrix): the value type; its updates are in qcore.algorithms.imatrix, its
+# files in qcore.formats.imatrix
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _host(x):
+    return x.detach().cpu().numpy() if is_torch(x) else np.asarray(x)
+
+
+@dataclass(frozen=True, eq=False)
+class ImatrixStats:
+    """Per input column: the sum of ``x**2`` over calibration tokens (float64 ``[n_mat, n]``) and the token
+    counts (int64 ``[n_mat]``; ``n_mat`` = 1 for a dense matrix, one per expert for experts)."""
+
+    sums: Any
+    counts: Any
+
+    def __post_init__(self):
+        s, c = self.sums, self.counts
+        if not (isinstance(s, np.ndarray) or is_torch(s)) or len(s.shape) != 2:
+            raise ValueError(f"ImatrixStats: sums must be a 2-D [n_mat, n] array, got "
+                             f"{type(s).__name__} of shape {getattr(s, 'shape', None)}")
+        if not (isinstance(c, np.ndarray) or is_torch(c)) or tuple(c.shape) != (s.shape[0],):
+            raise ValueError(f"ImatrixStats: counts must have shape ({s.shape[0]},) (one per matrix), got "
+                             f"{getattr(c, 'shape', None)}")
+
+    @classmethod
+    def empty(cls, n: int, *, experts: Optional[int] = None, like: Any = None) -> "ImatrixStats":
+        """No tokens yet, for ``n`` input columns; ``experts``: the expert count of a ``mul_mat_id`` weight (None
+        for a dense matrix); ``like``: a torch tensor whose device the sums live on (None: numpy)."""
+        for name, v in (("n", n), ("experts", experts)):
+            if v is None and name == "experts":
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        m = 1 if experts is None else int(experts)
+        if like is not None and is_torch(like):
+            import torch
+
+            return cls(torch.zeros((m, int(n)), dtype=torch.float64, device=like.device),
+                       torch.zeros((m,), dtype=torch.int64, device=like.device))
+        return cls(np.zeros((m, int(n)), np.float64), np.zeros((m,), np.int64))
+
+    @property
+    def n(self) -> int:
+        """Input columns."""
+        return int(self.sums.shape[1])
+
+    @property
+    def n_mat(self) -> int:
+        """Matrices: 1 for a dense weight, the expert count for experts."""
+        return int(self.sums.shape[0])
+
+    def numpy(self) -> "ImatrixStats":
+        """The same statistic as numpy arrays (host)."""
+        return ImatrixStats(_host(self.sums).astype(np.float64), _host(self.counts).astype(np.int64))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, ImatrixStats):
+            return NotImplemented
+        a, b = self.numpy(), other.numpy()
+        return a.sums.shape == b.sums.shape and bool((a.sums == b.sums).all()) and bool((a.counts == b.counts).all())
+
+    __hash__ = None

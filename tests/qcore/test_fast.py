@@ -14,7 +14,7 @@ import pytest
 
 import qcore
 from qcore import PerBlock, PerChannel, PerGroup, PerTensor, make_spec
-from qcore import _fast
+from qcore import _fast, _inplace
 from qcore._backend import ops
 from qcore.cast import decode, encode
 from qcore.granularity import from_blocks, to_blocks
@@ -104,13 +104,13 @@ def _generic_dequantize(q):
 
 
 def _generic_two_level_deq(q):
-    from qcore.quantize import _dequant_two_level, _two_level_multipliers
+    from qcore.quantize import _dequant_two_level, two_level_multipliers
 
     o = ops(q.codes)
     v = decode(q.codes, q.spec.dtype)
     vb, blocked = to_blocks(v, q.spec.granularity, o)
     g = o.reshape(o.asarray(q.tensor_scale, o.float32, v), ())
-    _, dq = _two_level_multipliers(q.scales, g, o)
+    _, dq = two_level_multipliers(q.scales, g, o)
     return from_blocks(_dequant_two_level(vb, dq, blocked, o), blocked, o)
 
 
@@ -206,8 +206,8 @@ def test_small_slabs_equal_one_slab(monkeypatch):
     for fmt, kw in [("float8_e4m3fn", {}), ("int8", {"granularity": PerChannel(1)}), ("int8", {"symmetric": False})]:
         spec = make_spec(fmt, **kw)
         ref = _generic_fake(x, spec)
-        monkeypatch.setattr(_fast, "SLAB", 100)
-        monkeypatch.setattr(_fast, "SLAB_TORCH", 100)
+        monkeypatch.setattr(_inplace, "SLAB", 100)
+        monkeypatch.setattr(_inplace, "SLAB_TORCH", 100)
         plan = _fast.slabs([64, 48], [64, 1] if kw.get("granularity") else [64, 48], target=100)
         assert len(plan) > 1
         got = _fast.run_fake_quantize(x, spec, None, None, ops(x))
@@ -291,8 +291,8 @@ def test_fast_cast_equals_generic(fmt, saturate, backend):
         x = torch.from_numpy(x)
     o = ops(x)
     sat = _resolve_saturate(d, saturate)
-    assert _fast.cast_ok(d, qcore.RoundingMode.NEAREST_EVEN)
-    got = _fast.run_cast(x, d, sat, o)
+    assert _inplace.cast_ok(d, qcore.RoundingMode.NEAREST_EVEN)
+    got = _inplace.run_cast(x, d, sat, o)
     with np.errstate(all="ignore"):
         ref = _cast_float(x, d, qcore.RoundingMode.NEAREST_EVEN, sat, None, o)
     _bits_equal(_np(got), _np(ref))
@@ -353,8 +353,8 @@ def test_generic_specs_run_in_row_slabs(monkeypatch, mode, fmt):
     kw = {"granularity": PerGroup(32)} if fmt == "int4" else ({"granularity": PerChannel(0)} if fmt == "bfloat16" else {})
     spec = make_spec(fmt, rounding=getattr(qcore.RoundingMode, mode), **kw)
     assert _fast.kernel_kind(spec) is None
-    monkeypatch.setattr(_fast, "SLAB", 500)
-    monkeypatch.setattr(_fast, "SLAB_TORCH", 500)
+    monkeypatch.setattr(_inplace, "SLAB", 500)
+    monkeypatch.setattr(_inplace, "SLAB_TORCH", 500)
     got = _fast.generic_rows(_fake_quantize_pure, x, spec, None, None, None, ops(x))
     assert got is not None
     _bits_equal(got, _generic_fake(x, spec))

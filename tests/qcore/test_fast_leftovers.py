@@ -25,7 +25,7 @@ import pytest
 
 import qcore
 from qcore import PerChannel, PerGroup, make_spec
-from qcore import _fast, _given
+from qcore import _fast, _given, _inplace
 from qcore._backend import ops
 
 from test_fast import _bits_equal, _generic_dequantize, _generic_quantize, _np  # noqa: E402 (tests/qcore is on sys.path via tests/conftest.py)
@@ -38,7 +38,7 @@ CORE = ["mx9", "mx6", "mx4", "bfp16", "mxint8", "mxfp4", "mxfp8_e4m3"]
 
 def _oracle(x, spec, scale=None, zp=None):
     """The generic path alone: ``_fake_quantize_pure`` with the fast cast kernel refused (as the bench does)."""
-    with mock.patch.object(_fast, "cast_ok", lambda *a, **k: False):
+    with mock.patch.object(_inplace, "cast_ok", lambda *a, **k: False):
         return _quantize_module._fake_quantize_pure(_np(x), None if scale is None else _np(scale),
                                                     None if zp is None else _np(zp), None, spec=spec)
 
@@ -131,8 +131,8 @@ def test_many_slabs_mixed_ordinary_and_not(fmt, backend, monkeypatch):
     specials = _special_rows(rows.shape[1])
     x = np.concatenate([rows, specials[:2], rows[::-1], specials[2:], rows]).astype(np.float32)
     ref = _oracle(x, make_spec(fmt))
-    monkeypatch.setattr(_fast, "SLAB", 128)
-    monkeypatch.setattr(_fast, "SLAB_TORCH", 128)
+    monkeypatch.setattr(_inplace, "SLAB", 128)
+    monkeypatch.setattr(_inplace, "SLAB_TORCH", 128)
     xx = _as(backend, x)
     assert len(_fast.slabs([x.shape[0], x.shape[1]], [1, 32], 128)) > 8
     _bits_equal(_np(qcore.fake_quantize(xx, make_spec(fmt))), ref)
@@ -206,7 +206,7 @@ def test_given_equals_general_path(backend, case):
     assert type(got) is type(xx)
     _bits_equal(_np(got), _np(_general(xx, spec, scale=ss, zero_point=zz)))
     _bits_equal(_np(got), _oracle(w, spec, s, z))
-    with mock.patch.object(_fast, "_small_kernels", wraps=_fast._small_kernels) as k:
+    with mock.patch.object(_fast, "small_kernels", wraps=_fast.small_kernels) as k:
         qcore.fake_quantize(xx, spec, scale=ss, zero_point=zz)
         assert k.called  # the covered case does take the small kernels
 
@@ -255,7 +255,7 @@ def test_given_refusals_match_general_path(backend, case):
     ss, zz = (_as(backend, s) if s is not None else None), (_as(backend, z) if z is not None else None)
     with pytest.raises((ValueError, TypeError)) as general:
         _general(x, spec, scale=ss, zero_point=zz)
-    with mock.patch.object(_fast, "_small_kernels", side_effect=AssertionError("work before the error")):
+    with mock.patch.object(_fast, "small_kernels", side_effect=AssertionError("work before the error")):
         with pytest.raises(type(general.value)) as fast:
             qcore.fake_quantize(x, spec, scale=ss, zero_point=zz)
     assert str(fast.value) == str(general.value)

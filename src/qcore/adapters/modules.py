@@ -800,7 +800,7 @@ class _QuantMixin:
         self._frozen_meta = {"shape": tuple(shape), "dtype": dtype}
         self._qmode = _FROZEN
         self.__dict__.pop("_dequantized", None)
-        from qcore.quantize import _check_qtensor
+        from qcore.quantize import check_qtensor as _check_qtensor
         try:  # the parts against the spec, as the first forward would check them (pow2 scales, shifts, ...)
             _check_qtensor(self._frozen_qtensor())
         except (ValueError, TypeError) as e:
@@ -1917,7 +1917,7 @@ class QuantExperts(_QuantMixin):
             w = self._parameters.get(EXPERT_PROJS[0])
             device = w.device if w is not None and not w.is_meta else torch.device("cpu")
         qts: dict = {}
-        from qcore.quantize import _check_qtensor
+        from qcore.quantize import check_qtensor as _check_qtensor
         for p in EXPERT_PROJS:
             e_, o, i = shapes[p]
             if len(parts[p]) != e_:

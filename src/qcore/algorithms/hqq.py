@@ -64,7 +64,7 @@ from qcore._backend import is_torch, ops
 from qcore.dtypes import IntDType
 from qcore.granularity import to_blocks
 from qcore.rounding import RoundingMode
-from qcore.scales import _round_scale
+from qcore.scales import round_scale
 
 from .config import real_in_range
 
@@ -210,7 +210,7 @@ def _fit(x32, spec: QuantSpec, s0, z0, m: _Math, *, p, beta, kappa, iters, preci
 
     def rounded(s_new):  # float32 scale of the spec's scale dtype (what the export stores), in the compute dtype
         s32 = m.cast(s_new, "float32")
-        return m.cast(_round_scale(s32, spec.scale_dtype, o, positive=s32 > 0), precision)
+        return m.cast(round_scale(s32, spec.scale_dtype, o, positive=s32 > 0), precision)
 
     s = m.cast(o.reshape(s0, blk.scale_blocked_shape), precision)
     s_floor = None if not scale_floor else s * scale_floor  # the min/max scale times scale_floor

@@ -14,7 +14,8 @@ of the ``k``); ``quant_weights`` is then ``[n_expert, in]``, row ``e`` for exper
 
 ``ImatrixStats(sums, counts)``: ``sums`` float64 ``[n_mat, n]`` (``n_mat`` = 1 for a dense matrix, the expert
 count for experts), ``counts`` int64 ``[n_mat]``; numpy, or torch when the updates are handed torch tensors
-(then the sums live on the tensors' device). Pure updates: ``update_imatrix(stats, x)``,
+(then the sums live on the tensors' device). The value type lives in ``qcore.stats`` (the file formats of
+``qcore.formats.imatrix`` share it); this module re-exports it. Pure updates: ``update_imatrix(stats, x)``,
 ``update_imatrix(stats, x, expert_ids=ids)`` and ``merge_imatrices(a, b)`` return new values.
 
 Precision: llama.cpp adds ``x*x`` token by token into float32 sums; qcore squares in float64 and sums each
@@ -24,76 +25,18 @@ agree to float32 rounding, relative ~1e-7 per addition; files store float32 eith
 
 from __future__ import annotations
 
-import numbers
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
 from qcore._backend import is_torch
+from qcore.stats import ImatrixStats
 
 __all__ = ["ImatrixStats", "update_imatrix", "merge_imatrices", "quant_weights"]
 
 
 def _np(x):
     return x.detach().cpu().numpy() if is_torch(x) else np.asarray(x)
-
-
-@dataclass(frozen=True, eq=False)
-class ImatrixStats:
-    """Per input column: the sum of ``x**2`` over calibration tokens (float64 ``[n_mat, n]``) and the token
-    counts (int64 ``[n_mat]``; ``n_mat`` = 1 for a dense matrix, one per expert for experts)."""
-
-    sums: Any
-    counts: Any
-
-    def __post_init__(self):
-        s, c = self.sums, self.counts
-        if not (isinstance(s, np.ndarray) or is_torch(s)) or len(s.shape) != 2:
-            raise ValueError(f"ImatrixStats: sums must be a 2-D [n_mat, n] array, got "
-                             f"{type(s).__name__} of shape {getattr(s, 'shape', None)}")
-        if not (isinstance(c, np.ndarray) or is_torch(c)) or tuple(c.shape) != (s.shape[0],):
-            raise ValueError(f"ImatrixStats: counts must have shape ({s.shape[0]},) (one per matrix), got "
-                             f"{getattr(c, 'shape', None)}")
-
-    @classmethod
-    def empty(cls, n: int, *, experts: Optional[int] = None, like: Any = None) -> "ImatrixStats":
-        """No tokens yet, for ``n`` input columns; ``experts``: the expert count of a ``mul_mat_id`` weight (None
-        for a dense matrix); ``like``: a torch tensor whose device the sums live on (None: numpy)."""
-        for name, v in (("n", n), ("experts", experts)):
-            if v is None and name == "experts":
-                continue
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        m = 1 if experts is None else int(experts)
-        if like is not None and is_torch(like):
-            import torch
-
-            return cls(torch.zeros((m, int(n)), dtype=torch.float64, device=like.device),
-                       torch.zeros((m,), dtype=torch.int64, device=like.device))
-        return cls(np.zeros((m, int(n)), np.float64), np.zeros((m,), np.int64))
-
-    @property
-    def n(self) -> int:
-        """Input columns."""
-        return int(self.sums.shape[1])
-
-    @property
-    def n_mat(self) -> int:
-        """Matrices: 1 for a dense weight, the expert count for experts."""
-        return int(self.sums.shape[0])
-
-    def numpy(self) -> "ImatrixStats":
-        """The same statistic as numpy arrays (host)."""
-        return ImatrixStats(_np(self.sums).astype(np.float64), _np(self.counts).astype(np.int64))
-
-    def __eq__(self, other) -> bool:
-        if not isinstance(other, ImatrixStats):
-            return NotImplemented
-        a, b = self.numpy(), other.numpy()
-        return a.sums.shape == b.sums.shape and bool((a.sums == b.sums).all()) and bool((a.counts == b.counts).all())
-
-    __hash__ = None
 
 
 def _rows(n: int, x: Any, name: str = "x"):

@@ -25,7 +25,7 @@ rebuilds sums and counts as llama.cpp's imatrix tool does when it loads a ``.dat
 ``read_imatrix(path)`` picks the format by content (the GGUF magic), ``write_imatrix(obj, path)`` writes through
 the staged writer (nothing half-written on failure). Malformed files raise ``ValueError``
 (``CorruptCheckpointError``) naming the file and what is wrong. ``from_stats`` / ``stats()`` convert to and from
-``qcore.algorithms.imatrix.ImatrixStats`` (``{tensor name: stats}``).
+``qcore.stats.ImatrixStats`` (``{tensor name: stats}``; ``qcore.algorithms.imatrix`` makes them).
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
 import numpy as np
+
+from qcore._fsutil import check_file_destination, staged_file
+from qcore.stats import ImatrixStats
 
 from .safetensors_io import CorruptCheckpointError
 
@@ -48,12 +51,6 @@ _GGUF_VERSION = 3
 _U32, _I32, _F32, _BOOL, _STR, _ARR, _U64, _I64 = 4, 5, 6, 7, 8, 9, 10, 11
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _F32_TYPE = 0  # ggml type id of float32
-
-
-def _stats_cls():
-    from qcore.algorithms.imatrix import ImatrixStats
-
-    return ImatrixStats
 
 
 def _checked_entries(entries: Mapping, owner: str, kind: type, empty_why: str) -> dict:
@@ -153,11 +150,10 @@ class ImatrixGGUF:
                    chunk_count: Optional[int] = None) -> "ImatrixGGUF":
         """From ``{tensor name: ImatrixStats}``; ``chunk_count`` defaults to ``max(counts) // chunk_size``
         (llama.cpp's ``m_last_chunk``)."""
-        S = _stats_cls()
         ent, top = {}, 0
         for k in sorted(stats):
             st = stats[k]
-            if not isinstance(st, S):
+            if not isinstance(st, ImatrixStats):
                 raise TypeError(f"stats[{k!r}] must be an ImatrixStats, got {type(st).__name__}")
             st = st.numpy()
             ent[k] = GGUFEntry(st.sums.astype(np.float32), st.counts.astype(np.float32))
@@ -168,8 +164,8 @@ class ImatrixGGUF:
 
     def stats(self) -> dict:
         """``{tensor name: ImatrixStats}`` (float32 sums widened, counts rounded as llama.cpp's ``lround``)."""
-        S = _stats_cls()
-        return {k: S(e.in_sum2.astype(np.float64), np.floor(e.counts.astype(np.float64) + 0.5).astype(np.int64))
+        return {k: ImatrixStats(e.in_sum2.astype(np.float64),
+                                np.floor(e.counts.astype(np.float64) + 0.5).astype(np.int64))
                 for k, e in self.entries.items()}
 
     def quant_weights(self) -> dict:
@@ -435,13 +431,12 @@ class ImatrixDat:
         no token at all are skipped, names sorted, ``ncall = ceil(max(counts) / chunk_size)``, values
         ``(sum / count) * ncall`` in float32 (1 * ncall for an expert with no token); ``last_call`` defaults to
         ``max(counts) // chunk_size``."""
-        S = _stats_cls()
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         ent, top = {}, 0
         for k in sorted(stats):
             st = stats[k]
-            if not isinstance(st, S):
+            if not isinstance(st, ImatrixStats):
                 raise TypeError(f"stats[{k!r}] must be an ImatrixStats, got {type(st).__name__}")
             st = st.numpy()
             top = max(top, int(st.counts.max()))
@@ -461,8 +456,8 @@ class ImatrixDat:
         """``{tensor name: ImatrixStats}`` as llama.cpp's imatrix tool rebuilds them from a ``.dat`` (one count for
         all experts: the format has one ``ncall`` per entry): sums ``values * chunk_size``, count
         ``ncall * chunk_size``."""
-        S = _stats_cls()
-        return {k: S((e.values.astype(np.float64) * chunk_size)[None], np.array([e.ncall * chunk_size], np.int64))
+        return {k: ImatrixStats((e.values.astype(np.float64) * chunk_size)[None],
+                                np.array([e.ncall * chunk_size], np.int64))
                 for k, e in self.entries.items()}
 
     def quant_weights(self) -> dict:
@@ -543,8 +538,6 @@ def read_imatrix(path) -> Union[ImatrixGGUF, ImatrixDat]:
 def write_imatrix(obj: Union[ImatrixGGUF, ImatrixDat], path, *, overwrite: bool = False) -> None:
     """Write ``obj`` to ``path`` through the staged writer: a failure leaves nothing at ``path`` (or the old file
     untouched). ``overwrite``: replace an existing file."""
-    from qcore._fsutil import check_file_destination, staged_file
-
     if not isinstance(obj, (ImatrixGGUF, ImatrixDat)):
         raise TypeError(f"obj must be an ImatrixGGUF or an ImatrixDat, got {type(obj).__name__}")
     check_file_destination(path, overwrite, [])

@@ -11,6 +11,9 @@ from typing import Any, Mapping, Optional, Union
 
 from qcore import get_dtype
 
+from .compressed_tensors import CTConfig, CTFormat
+from .gguf import check_file
+from .quark_layout import expected_weight, weight_layout
 from .safetensors_io import (DTYPE_BYTES, CorruptCheckpointError, SafetensorsFile, index_shards, no_safetensors,
                              read_json_object)
 
@@ -61,7 +64,6 @@ def stored_bits_per_weight(tensors: Mapping[str, tuple], n_weights: int) -> floa
 def layout_bits_per_weight(spec, shape: tuple, *, module: str = "Linear") -> tuple[str, float]:
     """``(layout, bits per weight)`` of a weight of canonical ``shape`` quantized by ``spec`` as an HF export
     stores it (``quark_layout.weight_layout`` / ``expected_weight``, counted by ``stored_bits_per_weight``)."""
-    from .quark_layout import expected_weight, weight_layout
     layout = weight_layout(spec, tuple(shape), module=module)
     return layout, stored_bits_per_weight(expected_weight(spec, tuple(shape), layout=layout), math.prod(shape))
 
@@ -382,7 +384,6 @@ def _inspect_ct(d: pathlib.Path, cfg: dict, qc: dict) -> dict:
     """``inspect_checkpoint`` of a compressed-tensors checkpoint (``qcore.formats.compressed_tensors``)."""
     import re
 
-    from .compressed_tensors import CTConfig, CTFormat
 
     ct = CTConfig.from_dict(qc)
     files = checkpoint_files(d)
@@ -491,7 +492,6 @@ def inspect_gguf(path: Union[str, pathlib.Path]) -> dict:
         import gguf
     except ModuleNotFoundError:
         raise ModuleNotFoundError("qcore inspect of a GGUF file needs the gguf package (pip install gguf)") from None
-    from .gguf import check_file
     check_file(p)  # a truncated or corrupted file: the error names the file and the tensor
     try:
         r = gguf.GGUFReader(str(p))

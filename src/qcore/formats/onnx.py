@@ -42,6 +42,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from qcore import PerBlock, PerChannel, PerGroup, PerTensor, QuantSpec
+from qcore.cast import decode
 from qcore.dtypes import FloatDType, IntDType
 from qcore.rounding import RoundingMode
 from qcore._fsutil import staged_file
@@ -276,7 +277,6 @@ def _onnx_scales(parts: Any, spec: QuantSpec, shape: tuple) -> tuple[np.ndarray,
 def weight_onnx_values(parts: Any, spec: QuantSpec, shape: tuple) -> np.ndarray:
     """The float32 values ONNX's DequantizeLinear gives for the tensors ``weight_qdq`` writes (numpy; the
     report's reference)."""
-    from qcore.cast import decode
     s, zp, attrs = _onnx_scales(parts, spec, shape)
     el = spec.dtype
     v = (decode(np.asarray(parts.codes, np.uint8), el) if isinstance(el, FloatDType)

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import pytest
 
-if TYPE_CHECKING:
-    from qcore.testing.oracle import Oracle
+from qcore.testing.oracle import Oracle
 
 
 @pytest.fixture
-def qcore_oracle() -> "Oracle":
+def qcore_oracle() -> Oracle:
     """A ``qcore.testing.oracle.Oracle``: ``.probes(fmt)``, ``.probes_by_kind(fmt)``, ``.assert_matches(actual, x,
     fmt, op=Op...)``, ``.check(...)`` (the Report), ``.reference(x, fmt, op=...)``, ``.compare``,
     ``.assert_equal`` and ``.Op``."""
-    from qcore.testing.oracle import Oracle
-
     return Oracle()

@@ -371,7 +371,7 @@ def compare_arrays(actual: ArrayLike, expected: ArrayLike, *, ulps: int = 0, nan
     """``compare`` plus what the oracle needs: ``component`` (a label for every mismatch), ``row_of`` (maps the
     axis-0 indices of the compared array to input rows for ``kinds``) and ``kinds`` already resolved by
     ``kind_labels`` for the input (whose row count may differ from the compared array's)."""
-    _check_opts(ulps, nan_equal, signed_zero, max_report)
+    check_opts(ulps, nan_equal, signed_zero, max_report)
     a, e, kind, width, problem = _prepare(actual, expected)
     if problem is not None:
         return Report(False, 0, 0, [], ulps=ulps, problem=(f"{component}: " if component else "") + problem,
@@ -422,7 +422,8 @@ def compare_arrays(actual: ArrayLike, expected: ArrayLike, *, ulps: int = 0, nan
                   by_component={component: n_bad} if component and n_bad else {}, title=title)
 
 
-def _check_opts(ulps, nan_equal, signed_zero, max_report):
+def check_opts(ulps, nan_equal, signed_zero, max_report):
+    """The comparison options every entry point takes (``compare``, ``assert_equal``, the oracle's checks)."""
     if isinstance(ulps, bool) or not isinstance(ulps, (int, np.integer)) or ulps < 0:
         raise ValueError(f"ulps must be a non-negative int, got {ulps!r}")
     for name, v in (("nan_equal", nan_equal), ("signed_zero", signed_zero)):

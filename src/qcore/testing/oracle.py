@@ -52,8 +52,9 @@ from ..cast import cast, decode, encode
 from ..dtypes import BlockDType, FloatDType, IntDType, get_dtype
 from ..granularity import tile_shape
 from ..quantize import QTensor, QuantSpec, dequantize, fake_quantize, quantize
-from .compare import (BlockInfo, Kinds, Report, _check_opts, compare_arrays, float_bits, kind_labels, merge_reports,
-                      to_numpy)
+from .compare import (BlockInfo, Kinds, Report, assert_equal, check_opts, compare, compare_arrays, float_bits,
+                      kind_labels, merge_reports, to_numpy)
+from .probes import probes_by_kind
 
 __all__ = ["Op", "reference", "assert_matches_oracle", "check_against_oracle", "Oracle"]
 
@@ -316,7 +317,7 @@ def check_against_oracle(actual: Any, x: Union[ArrayLike, QTensor], fmt_or_spec:
 
 def _check(actual, x, fmt_or_spec, *, op, ulps, max_report, kinds, nan_equal, signed_zero, **overrides) -> Report:
     _check_op(op)
-    _check_opts(ulps, nan_equal, signed_zero, max_report)
+    check_opts(ulps, nan_equal, signed_zero, max_report)
     opts = dict(ulps=ulps, nan_equal=nan_equal, signed_zero=signed_zero, max_report=max_report)
     title = f"{op.name} {_fmt_name(fmt_or_spec)}"
 
@@ -486,16 +487,12 @@ class Oracle:
         self._kinds: dict[int, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
 
     def probes(self, fmt: SpecLike, **kw: Any) -> np.ndarray:
-        from .probes import probes_by_kind
-
         kinds = probes_by_kind(fmt, **kw)
         x = np.ascontiguousarray(np.concatenate(list(kinds.values()), axis=0), dtype=np.float32)
         self._kinds[id(x)] = (x, kinds)
         return x
 
     def probes_by_kind(self, fmt: SpecLike, **kw: Any) -> dict[str, np.ndarray]:
-        from .probes import probes_by_kind
-
         return probes_by_kind(fmt, **kw)
 
     def kinds_of(self, x: Any) -> Optional[dict[str, np.ndarray]]:
@@ -523,12 +520,8 @@ class Oracle:
 
     @staticmethod
     def compare(actual: ArrayLike, expected: ArrayLike, **kw: Any) -> Report:
-        from .compare import compare
-
         return compare(actual, expected, **kw)
 
     @staticmethod
     def assert_equal(actual: ArrayLike, expected: ArrayLike, **kw: Any) -> Report:
-        from .compare import assert_equal
-
         return assert_equal(actual, expected, **kw)

@@ -163,7 +163,7 @@ def _scale_params(amax, lo, hi, bad, g, SCALE: tl.constexpr, SDIV: tl.constexpr,
                   SMAX: tl.constexpr, SMODE: tl.constexpr, ELMAX: tl.constexpr, SM: tl.constexpr,
                   SEMIN: tl.constexpr, SBIAS: tl.constexpr, SMAXCODE: tl.constexpr, SMINNORM: tl.constexpr,
                   SMAXF: tl.constexpr):
-    """Scale parameters of blocks from their statistics (qcore.scales / quantize._two_level_scales):
+    """Scale parameters of blocks from their statistics (qcore.scales / qcore._two_level.two_level_scales):
     returns (scale, mul, dq, zp (int32), scale code (int32: E8M0 byte or narrow-float code)).
 
     SCALE 2: symmetric float scale ``amax / SDIV`` (float32 scale dtype); 3: asymmetric integer scale and zero

@@ -12,8 +12,8 @@ import triton
 
 import qcore
 from qcore._backend import ops
-from qcore.quantize import (QTensor, _check_qtensor, _check_tensor_scale_arg, _prepare_params, _spec_of,
-                            _two_level_multipliers, tensor_scale_from_amax)
+from qcore._two_level import tensor_scale_from_amax, two_level_multipliers
+from qcore.quantize import QTensor, check_qtensor, check_tensor_scale_arg, prepare_params, spec_of
 from qcore.granularity import PerGroup
 from qcore.algorithms.hadamard import dense_factor, fwht_plan
 from qcore.scales import inverse_pow2_scales
@@ -185,14 +185,14 @@ def _run(x, spec, *, scale=None, zero_point=None, tensor_scale=None, want_val=Tr
 
 
 def _prepare(x, spec, axis, overrides, scale, zero_point, tensor_scale):
-    spec = _spec_of(spec, axis, overrides)
+    spec = spec_of(spec, axis, overrides)
     x = _as_input(x)
     reason = why_not(spec, ndim=x.dim(), given_scale=scale is not None)
     if reason is not None:
         raise ValueError(f"the Triton kernels do not cover this spec: {reason}; use qcore (the core) instead")
     o = ops(x)
-    ts = _check_tensor_scale_arg(tensor_scale, spec, o, x)
-    s, zp = _prepare_params(x, spec, scale, zero_point, o)
+    ts = check_tensor_scale_arg(tensor_scale, spec, o, x)
+    s, zp = prepare_params(x, spec, scale, zero_point, o)
     if s is not None:
         s = s.to(x.device)
         zp = None if zp is None else zp.to(x.device)
@@ -253,7 +253,7 @@ def quantize_packed(x, spec, *, axis=None, tensor_scale=None, **overrides) -> Pa
 def dequantize(q: QTensor) -> torch.Tensor:
     if not isinstance(q, QTensor):
         raise TypeError(f"dequantize takes a QTensor, got {type(q).__name__}")
-    codes, scales, zp, _ = _check_qtensor(q)
+    codes, scales, zp, _ = check_qtensor(q)
     spec = q.spec
     if not isinstance(codes, torch.Tensor):
         raise TypeError("the Triton dequantize takes a QTensor of torch tensors")
@@ -272,7 +272,7 @@ def dequantize(q: QTensor) -> torch.Tensor:
     s = scales.float().contiguous().reshape(-1)
     if spec.two_level:
         gt = torch.as_tensor(q.tensor_scale, dtype=torch.float32, device=dev).reshape(())
-        _, dq = _two_level_multipliers(s, gt, ops(s))
+        _, dq = two_level_multipliers(s, gt, ops(s))
         dq = dq.contiguous()
     else:
         dq = s
