@@ -3,7 +3,7 @@
 Bounds a broken quantizer cannot meet (a wrong scale rule, a wrong axis, unquantized or doubly quantized
 weights, activations calibrated on the wrong tensor all move these figures by far more than the margins), and
 sanity floors a quantizer that does nothing cannot meet (the quantized model must differ from fp32). The full
-tables are in bench/QUALITY.md (python bench/bench_quality.py). Marked ``real_model`` (a few minutes on 2 cores).
+tables are in bench/results/QUALITY.md (python bench/bench_quality.py). Marked ``real_model`` (a few minutes on 2 cores).
 """
 
 import copy
