@@ -795,7 +795,10 @@ def main(argv=None):
             versions[mod] = None
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
         "/tmp", f"torchinductor_{os.environ.get('USER') or 'root'}")
-    meta = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "date": str(datetime.datetime.now()),
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), repo)  # as the repository names it, not this machine
+    meta = {"command": " ".join([os.path.basename(sys.executable), script] + sys.argv[1:]),
+            "date": str(datetime.datetime.now()),
             "versions": versions, "torch_threads": torch.get_num_threads(), "nproc": os.cpu_count(),
             "machine": platform.machine(), "processor": platform.processor(), "size": args.size,
             "repeat": args.repeat, "loadavg_start": loadavg(), "inductor_cache_existed": os.path.isdir(cache),

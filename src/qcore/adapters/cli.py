@@ -430,7 +430,8 @@ def _add_quantize(q) -> None:
                    "default format hf); the directory must not exist or be empty unless --overwrite")
     q.add_argument("--export", choices=["hf", "gguf", "onnx", "compressed-tensors"], default=None, help="checkpoint format: hf = AMD "
                    "Quark's HF layout (config.json + safetensors; vLLM, transformers + amd-quark and qcore load it); "
-                   "gguf = DIR/model.gguf for llama.cpp (Llama models; Q4_0/Q4_1/Q8_0/MXFP4; see docs/export.md); "
+                   "gguf = DIR/model.gguf for llama.cpp (Llama, Mistral, Qwen2/3, Gemma 1/2/3, Phi-3, GPT-2, GPT-NeoX, Mixtral, "
+                   "Qwen2/3-MoE; every k-quant and legacy type, MXFP4; see docs/gguf.md); "
                    "onnx = DIR/model.onnx for onnxruntime (Llama models, KV cache; see docs/onnx.md); compressed-tensors "
                    "= llm-compressor's layout (vLLM, transformers + compressed-tensors; see docs/compressed_tensors.md)")
     q.add_argument("--onnx-weights", choices=["qdq", "matmulnbits"], default="qdq", help="with --export onnx: "
