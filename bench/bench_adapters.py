@@ -10,7 +10,7 @@
   float vs fake-quantized (target <= 1.3x); ``model_bytes`` (parameters + buffers) float, fake-quantized and frozen; ``state_dict`` bytes of a
   frozen uint4 g64 model vs float32 (target ~1/7 on the quantized layers).
 
-Writes bench/ADAPTERS.md and bench/ADAPTERS.json. Nothing is asserted.
+Writes bench/results/ADAPTERS.md and bench/results/ADAPTERS.json. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -174,8 +174,8 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if not a.no_write:
-        (ROOT / "bench" / "ADAPTERS.md").write_text(text)
-        (ROOT / "bench" / "ADAPTERS.json").write_text(json.dumps(res, indent=1) + "\n")
+        (ROOT / "bench" / "results" / "ADAPTERS.md").write_text(text)
+        (ROOT / "bench" / "results" / "ADAPTERS.json").write_text(json.dumps(res, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 against uniform MXFP4 and uniform fp8, under the project's perplexity protocol.
 
     python bench/bench_amp.py [--targets 4.5,5,5.5,6] [--sens-windows 2] [--calib 32] [--threads 2]
-        [--sensitivity bench/AMP_sensitivity.json] [--remeasure] [--no-uniform] [--algo gptq] [--rotation quarot] [--json bench/AMP.json]
+        [--sensitivity bench/results/AMP_sensitivity.json] [--remeasure] [--no-uniform] [--algo gptq] [--rotation quarot] [--json bench/results/AMP.json]
 
 1. Sensitivity (``qcore.adapters.passes.amp.layer_sensitivity``, ``Metric.KL``): schemes ``w_mxfp4_a_mxfp4`` (MXFP4
    weights, dynamic MXFP4 activations, Quark's 'even' E8M0 rule) and ``w_fp8_a_fp8`` (fp8 e4m3 weights and static
@@ -58,11 +58,11 @@ def main(argv=None) -> int:
     ap.add_argument("--sens-windows", type=int, default=2)
     ap.add_argument("--calib", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sensitivity", default=str(ROOT / "bench" / "AMP_sensitivity.json"))
+    ap.add_argument("--sensitivity", default=str(ROOT / "bench" / "results" / "AMP_sensitivity.json"))
     ap.add_argument("--remeasure", action="store_true")
     ap.add_argument("--no-uniform", action="store_true", help="skip the uniform MXFP4 / fp8 rows")
     ap.add_argument("--algo", default="", help="algorithms before rounding for every row, e.g. gptq")
-    ap.add_argument("--json", default=str(ROOT / "bench" / "AMP.json"))
+    ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "AMP.json"))
     ap.add_argument("--rotation", choices=("none", "quarot"), default="none",
                     help="rotate the float model first (QuaRot, qcore.adapters.passes.rotation); sensitivities and every row "
                     "are then of the rotated model (use another --sensitivity file)")
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     model, tok = load_smollm2()
     if args.rotation == "quarot":
         from qcore.adapters.passes.rotation import rotate_model
-        rotate_model(model, key=None)  # the plain Hadamard (what bench/AMP.md reports)
+        rotate_model(model, key=None)  # the plain Hadamard (what bench/results/AMP.md reports)
     ids = E.protocol_token_ids(tok)
     calib = E.calibration_batches(None, token_ids=ids, n=args.calib)
     results = []
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     path = pathlib.Path(args.sensitivity)
     if path.exists() and not args.remeasure:
         sens = Sensitivity.from_dict(json.loads(path.read_text()))
-        emit({"sensitivity": "loaded", "file": str(path)})
+        emit({"sensitivity": "loaded", "file": os.path.relpath(path.resolve(), ROOT)})
     else:
         t0 = time.perf_counter()
         sens = layer_sensitivity(model, SCHEMES, calib[:args.sens_windows], progress=True)

@@ -13,13 +13,13 @@ against one float forward over the same tokens measured in the same run, with a 
   log-softmax, ``exp`` of the reference and four ``tokens x vocab`` temporaries per measurement) in the same
   process, back to back; the sensitivities of both must be equal (bit for bit; printed).
 - ``--compare FILE``: the sensitivities against a saved ``Sensitivity`` JSON (default
-  ``bench/AMP_sensitivity.json``, the landed run of ``bench/bench_amp.py`` on 2 windows): the largest difference
+  ``bench/results/AMP_sensitivity.json``, the landed run of ``bench/bench_amp.py`` on 2 windows): the largest difference
   and whether the chosen mixes for targets 4.5..7 bits are the same (full runs only; with ``--windows 1``: what
   measuring on half the tokens would change).
 - profile: the share of each phase (hooks and timers around the phases), in a separate run over
   ``--profile-units`` units (default 8, spread over the model).
 
-Writes ``--md`` (default ``bench/SPEED_AMP.md``) and ``--json`` (``bench/SPEED_AMP.json``). Nothing asserted.
+Writes ``--md`` (default ``bench/results/SPEED_AMP.md``) and ``--json`` (``bench/results/SPEED_AMP.json``). Nothing asserted.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from qcore.adapters.passes import amp  # noqa: E402
 
 SCHEMES = ["w_mxfp4_a_mxfp4", "w_fp8_a_fp8"]
 OLD = {"seconds": 987.0, "measurements": 240, "per_measurement_s": 4.1,
-       "source": "bench/AMP.md (Cost: 240 measurements, 987 s, 2 threads, load average 4 to 7)"}
+       "source": "bench/results/AMP.md (Cost: 240 measurements, 987 s, 2 threads, load average 4 to 7)"}
 TARGET_S = 120.0
 TARGETS = (4.5, 5.0, 5.5, 6.0, 6.5, 7.0)
 
@@ -172,9 +172,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-units", type=int, default=8,
                     help="units of the profiled run, spread over the model (0: those of --units)")
     ap.add_argument("--repeat", type=int, default=2, help="float forwards timed (best of)")
-    ap.add_argument("--compare", default=str(ROOT / "bench" / "AMP_sensitivity.json"))
-    ap.add_argument("--md", default=str(ROOT / "bench" / "SPEED_AMP.md"))
-    ap.add_argument("--json", default=str(ROOT / "bench" / "SPEED_AMP.json"))
+    ap.add_argument("--compare", default=str(ROOT / "bench" / "results" / "AMP_sensitivity.json"))
+    ap.add_argument("--md", default=str(ROOT / "bench" / "results" / "SPEED_AMP.md"))
+    ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "SPEED_AMP.json"))
     ap.add_argument("--kl-only", action="store_true", help="only the KL phase, landed against new (no model)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -2,14 +2,14 @@
 cache, and the large-vocabulary loss.
 
     python bench/bench_eval_speed.py [--windows 20] [--threads 2] [--schemes uint4_wo_64,...] [--no-smollm2]
-        [--no-gemma] [--gemma-layers 18] [--md bench/SPEED_EVAL.md] [--json bench/SPEED_EVAL.json] [--no-write]
+        [--no-gemma] [--gemma-layers 18] [--md bench/results/SPEED_EVAL.md] [--json bench/results/SPEED_EVAL.json] [--no-write]
 
 1. SmolLM2-135M-Instruct (the protocol: pydoc text, 512-token windows 0..windows-1): the float model's perplexity
    time, then for each scheme a deep copy quantized with ``quantize_model`` (2 calibration windows) and its
    perplexity time, each next to a float measurement taken right after it (``ratio`` = quantized / that float
    time; target <= 1.2). ``uint4_wo_64 frozen`` is the same model after ``freeze``: ``perplexity`` dequantizes
    the packed weights once per evaluation; ``landed loop`` is the landed evaluation loop on it (dequantized at
-   every forward). The perplexities are printed so the figures can be checked against bench/QUALITY.md.
+   every forward). The perplexities are printed so the figures can be checked against bench/results/QUALITY.md.
 2. The float-baseline cache (``qcore.adapters.eval.ppl_cache``, in a temporary folder): the model digest alone,
    a miss (digest + evaluation + write) and a hit (digest + read).
 3. A Gemma 3 270M-shaped model (Gemma3TextConfig: vocab 262144, hidden 640, 18 layers, 4 heads, 1 kv head,
@@ -251,8 +251,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-gemma", action="store_true")
     p.add_argument("--gemma-layers", type=int, default=18)
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
-    p.add_argument("--md", default=str(ROOT / "bench" / "SPEED_EVAL.md"))
-    p.add_argument("--json", default=str(ROOT / "bench" / "SPEED_EVAL.json"))
+    p.add_argument("--md", default=str(ROOT / "bench" / "results" / "SPEED_EVAL.md"))
+    p.add_argument("--json", default=str(ROOT / "bench" / "results" / "SPEED_EVAL.json"))
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--from-json", default=None, help=argparse.SUPPRESS)  # rewrite the markdown of a saved run
     args = p.parse_args(argv)

@@ -8,14 +8,14 @@
 ``--core``: the rows issue 23 names (MX9/MX6/MX4/bfp16 fake_quantize on torch and numpy, 4096x4096 float32, over
 clone/copy; ``fake_quantize`` on a 576-element column with given scale and zero point over the plain torch
 expression), no compile, no memory columns; it ends with the "core targets" table (new ratio, the landed ratio
-quoted from bench/RESULTS.md, the target) and writes it to bench/CORE_LEFTOVERS.md and .json (``--md`` /
+quoted from bench/results/RESULTS.md, the target) and writes it to bench/results/CORE_LEFTOVERS.md and .json (``--md`` /
 ``--json`` to change). The small rows include one whose parameters change at every call (two alternating sets),
 so ``qcore._given``'s memo of checked values never hits: the cost of the checks themselves.
 
 Prints one table per backend (rows: formats) and a table of small-tensor cases, then a summary of the targets.
 Nothing here asserts a time: the numbers are for people to read. On the 2-core development machine a default
 run takes about 5 minutes with a warm inductor cache and about 11 with a cold one (``compile=True`` of a
-float-element format then compiles for 33-45 s); ``--no-compile`` takes about 4. Results: bench/RESULTS.md.
+float-element format then compiles for 33-45 s); ``--no-compile`` takes about 4. Results: bench/results/RESULTS.md.
 
 Timing. Every figure is a ratio of two medians measured in the same run, the two functions called alternately
 (``paired``: fn, ref, fn, ref, ...) so both see the same machine state (allocator, caches, other people's load).
@@ -123,11 +123,11 @@ TARGETS = dict(torch_fake_x=3.0, torchao_speedup=10.0, numpy_fake_x=8.0, q_over_
                small_over_plain=2.0, small_torchao_speedup=3.0, mem_x=2.0)
 
 # Issue 23 ("Core leftovers"): targets and the landed figures they improve on. The landed figures are quoted from
-# bench/RESULTS.md (run of 2026-11-23, qcore at commit b384243, the idle 2-core development VM, torch 2 threads;
+# bench/results/RESULTS.md (run of 2026-11-23, qcore at commit b384243, the idle 2-core development VM, torch 2 threads;
 # the fake_quantizer rows from its "fake_quantizer" section).
 CORE_FORMATS = "mx9,mx6,mx4,bfp16"
 CORE_TARGETS = {"torch": 3.0, "numpy": 8.0, "small": 3.0}
-CORE_LANDED_SOURCE = "bench/RESULTS.md (2026-11-23, b384243, idle, 2 threads)"
+CORE_LANDED_SOURCE = "bench/results/RESULTS.md (2026-11-23, b384243, idle, 2 threads)"
 CORE_LANDED = {
     ("torch", "mx9"): 3.84, ("torch", "mx6"): 3.40, ("torch", "mx4"): 3.79, ("torch", "bfp16"): 4.53,
     ("numpy", "mx9"): 8.38, ("numpy", "mx6"): 6.82, ("numpy", "mx4"): 6.87, ("numpy", "bfp16"): 12.19,
@@ -751,12 +751,12 @@ def parse(argv):
     p.add_argument("--core", action="store_true",
                    help=f"issue 23's core leftovers only ({CORE_FORMATS}, the small rows; no compile, no memory), "
                         "ending with the core targets table, written to --md / --json (default "
-                        "bench/CORE_LEFTOVERS.md / .json)")
+                        "bench/results/CORE_LEFTOVERS.md / .json)")
     p.add_argument("--cpu-time", action="store_true",
                    help="time with this thread's CPU time instead of wall time (for a loaded machine; needs "
                         "--threads 1)")
     p.add_argument("--md", metavar="FILE", help="write the core targets table as markdown (default with --core: "
-                                                "bench/CORE_LEFTOVERS.md)")
+                                                "bench/results/CORE_LEFTOVERS.md)")
     p.add_argument("--memory-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.core:
@@ -764,8 +764,8 @@ def parse(argv):
             args.formats = CORE_FORMATS
         args.no_compile = args.no_memory = True
         here = os.path.dirname(os.path.abspath(__file__))
-        args.md = args.md or os.path.join(here, "CORE_LEFTOVERS.md")
-        args.json = args.json or os.path.join(here, "CORE_LEFTOVERS.json")
+        args.md = args.md or os.path.join(here, "results", "CORE_LEFTOVERS.md")
+        args.json = args.json or os.path.join(here, "results", "CORE_LEFTOVERS.json")
     if args.cpu_time and args.threads != 1:
         p.error("--cpu-time needs --threads 1 (the thread CPU time does not count torch's other threads)")
     unknown = [f for f in args.formats.split(",") if f not in FORMATS]
@@ -795,7 +795,10 @@ def main(argv=None):
             versions[mod] = None
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
         "/tmp", f"torchinductor_{os.environ.get('USER') or 'root'}")
-    meta = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "date": str(datetime.datetime.now()),
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), repo)  # as the repository names it, not this machine
+    meta = {"command": " ".join([os.path.basename(sys.executable), script] + sys.argv[1:]),
+            "date": str(datetime.datetime.now()),
             "versions": versions, "torch_threads": torch.get_num_threads(), "nproc": os.cpu_count(),
             "machine": platform.machine(), "processor": platform.processor(), "size": args.size,
             "repeat": args.repeat, "loadavg_start": loadavg(), "inductor_cache_existed": os.path.isdir(cache),

@@ -1,5 +1,5 @@
 """SmolLM2-135M quantized by qcore, exported to GGUF, evaluated in llama.cpp and in qcore on the protocol's 20
-windows (bench/GGUF.md).
+windows (bench/results/GGUF.md).
 
     python bench/bench_gguf.py [--scheme uint4|int4] [--windows 20] [--threads 2] [--json FILE]
 

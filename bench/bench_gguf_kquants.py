@@ -1,10 +1,10 @@
 """qcore's k-quant mixes against llama.cpp's own quantizer on SmolLM2-135M-Instruct: perplexity measured in
-llama.cpp on the protocol's windows, with file sizes (issue 25; bench/GGUF.md, bench/GGUF_KQUANTS.json).
+llama.cpp on the protocol's windows, with file sizes (issue 25; bench/results/GGUF.md, bench/results/GGUF_KQUANTS.json).
 
     python bench/bench_gguf_kquants.py [--mixes Q4_K_M,Q3_K_M,Q2_K]
         [--rows f16,llama,llama_imatrix,rtn,imatrix,gptq,gptq_only]
         [--windows 20] [--calib 32] [--threads 2] [--json FILE] [--md FILE] [--keep DIR] [--imatrix-file F]
-    python bench/bench_gguf_kquants.py --from-json A.json,B.json --json C.json --md bench/GGUF.md
+    python bench/bench_gguf_kquants.py --from-json A.json,B.json --json C.json --md bench/results/GGUF.md
 
 Both quantizers start from the same numbers: SmolLM2 (qcore's default model, loaded by transformers from the
 shipped Q4_1 GGUF) with every weight rounded to float16 (``model.half()``).

@@ -1,7 +1,7 @@
 """GPTQ speed: ``quantize_model`` with GPTQ on SmolLM2-135M under the anchors protocol, with a profile.
 
     python bench/bench_gptq_speed.py [--configs uint4,mxfp4] [--impl new|old|both] [--batches 32]
-        [--layers N] [--threads 2] [--windows 20] [--md bench/SPEED_GPTQ.md] [--json bench/SPEED_GPTQ.json]
+        [--layers N] [--threads 2] [--windows 20] [--md bench/results/SPEED_GPTQ.md] [--json bench/results/SPEED_GPTQ.json]
         [--no-write]
 
 For each config (``CONFIGS``: the rows "uint4 weight-only g64 asym + GPTQ" and "W MXFP4 weight-only (even) +
@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-# landed figures (idle machine: issue 23's text; loaded: bench/ALGORITHMS.md, load average 3.4 -> 5.8, qcore at
+# landed figures (idle machine: issue 23's text; loaded: bench/results/ALGORITHMS.md, load average 3.4 -> 5.8, qcore at
 # commit 8928d83). The landed code at be112ff (the base of issue 23) gives ppl 15.494582 for uint4 (measured
 # 2026-11-26 under the same protocol, 2 threads), as this checkout does: the change from 15.4622 came between
 # those commits, not from GPTQ's speed work.
@@ -277,7 +277,7 @@ def write_markdown(res: dict, path: pathlib.Path, argv: list[str]) -> None:
         f"landed code path reproduced in the same process (module docstring). Raw numbers: "
         f"{path.with_suffix('.json').name}.", "",
         "```", "python bench/bench_gptq_speed.py " + " ".join(argv), "```", "",
-        "| config | impl | GPTQ s | float fwd s | ratio | ppl | tensors equal to old | landed (bench/ALGORITHMS.md, "
+        "| config | impl | GPTQ s | float fwd s | ratio | ppl | tensors equal to old | landed (bench/results/ALGORITHMS.md, "
         "loaded) | landed idle (issue 23) | target |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -290,7 +290,7 @@ def write_markdown(res: dict, path: pathlib.Path, argv: list[str]) -> None:
                      f"ppl {o['old_ppl']} | {str(o['old_idle_s']) + ' s' if o['old_idle_s'] else '-'} | "
                      f"{'<= ' + str(o['target_s']) + ' s, ppl <= 15.46' if o['target_s'] else '-'} |")
     lines += ["", f"The landed code at {LANDED_HEAD['commit']} (issue 23's base) gives ppl {LANDED_HEAD['uint4_ppl']:.6f} "
-              "for the uint4 row (2 threads, the same protocol); 15.4622 in bench/ALGORITHMS.md was measured at "
+              "for the uint4 row (2 threads, the same protocol); 15.4622 in bench/results/ALGORITHMS.md was measured at "
               "commit 8928d83, before later changes of the landed code.",
               "", "Profile (seconds and share of the GPTQ time; phases in the module docstring):", ""]
     keys = list(res["results"])
@@ -318,8 +318,8 @@ def parse_args(argv):
     p.add_argument("--windows", type=int, default=20, help="perplexity windows 0..N-1 (protocol 20; 0: none)")
     p.add_argument("--ppl-old", action="store_true", help="also the perplexity of the old path's model (with "
                    "--impl both its weights are compared with the new path's bit for bit anyway)")
-    p.add_argument("--md", default=str(ROOT / "bench" / "SPEED_GPTQ.md"), help="markdown output")
-    p.add_argument("--json", default=str(ROOT / "bench" / "SPEED_GPTQ.json"), help="JSON output")
+    p.add_argument("--md", default=str(ROOT / "bench" / "results" / "SPEED_GPTQ.md"), help="markdown output")
+    p.add_argument("--json", default=str(ROOT / "bench" / "results" / "SPEED_GPTQ.json"), help="JSON output")
     p.add_argument("--no-write", action="store_true", help="print only")
     args = p.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]

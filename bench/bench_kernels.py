@@ -17,7 +17,7 @@ On a GPU (CUDA or ROCm) it measures:
 
 Every kernel result is also checked once against the core (bit for bit; the matmul within its tolerance). Times
 are CUDA-event medians after warm-up. With no GPU it prints that no GPU is present and exits 0: nothing is
-measured. Results: bench/KERNELS.md.
+measured. Results: bench/results/KERNELS.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Model quality of quantization configs: SmolLM2-135M-Instruct perplexity and MiniLM embedding similarity.
 
     python bench/bench_quality.py [--configs fp32,...] [--windows 20] [--batch-size 1] [--threads 2]
-        [--no-minilm] [--no-smollm2] [--md bench/QUALITY.md] [--json bench/QUALITY.json] [--no-write]
+        [--no-minilm] [--no-smollm2] [--md bench/results/QUALITY.md] [--json bench/results/QUALITY.json] [--no-write]
 
 For every config (``quantize_configs`` below: name -> ``quantize(model) -> model``):
 
@@ -315,8 +315,8 @@ def parse_args(argv):
     p.add_argument("--no-minilm", dest="minilm", action="store_false", help="skip MiniLM")
     p.add_argument("--no-smollm2", dest="smollm2", action="store_false", help="skip SmolLM2")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar during perplexity")
-    p.add_argument("--md", default=str(ROOT / "bench" / "QUALITY.md"), help="markdown output")
-    p.add_argument("--json", default=str(ROOT / "bench" / "QUALITY.json"), help="JSON output")
+    p.add_argument("--md", default=str(ROOT / "bench" / "results" / "QUALITY.md"), help="markdown output")
+    p.add_argument("--json", default=str(ROOT / "bench" / "results" / "QUALITY.json"), help="JSON output")
     p.add_argument("--no-write", action="store_true", help="print only")
     args = p.parse_args(argv)
     if not 1 <= args.windows <= 20:

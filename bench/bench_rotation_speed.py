@@ -11,7 +11,7 @@ SpinQuant seconds per step (``spinquant``, and the landed step ``_reference_spin
 with a profile of the fast step's phases; QuaRot + GPTQ (``quantize_model`` with ``[quarot, gptq]``) against GPTQ
 alone on the unrotated model over the same calibration windows, with the time spent in the online Hadamard
 transforms, and (``--old-gptq``) the same run with the landed online transform; perplexity of the QuaRot + GPTQ
-model (protocol windows). Writes bench/SPEED_ROTATIONS.md and .json (``--out``). Nothing asserted.
+model (protocol windows). Writes bench/results/SPEED_ROTATIONS.md and .json (``--out``). Nothing asserted.
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ from qcore.algorithms.config import SpinQuantConfig  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 OLD = {  # the landed figures, quoted
-    "spinquant_s_per_step": "15-41 s per step (issue 23, idle/loaded); 24-41 s under load (bench/ROTATIONS.md, 'Cost'); "
+    "spinquant_s_per_step": "15-41 s per step (issue 23, idle/loaded); 24-41 s under load (bench/results/ROTATIONS.md, 'Cost'); "
                             "3.6x the float forward + backward (landed code, full SmolLM2, 222.7 s per step against "
                             "61.1 s, loaded machine, issue 23's profile)",
-    "quarot_gptq_s": "GPTQ after a rotation 330+ s idle (issue 23); 817-1165 s under load (bench/ROTATIONS.md)",
-    "gptq_s": "GPTQ alone 120 s idle (issue 23, bench/ALGORITHMS.md)",
+    "quarot_gptq_s": "GPTQ after a rotation 330+ s idle (issue 23); 817-1165 s under load (bench/results/ROTATIONS.md)",
+    "gptq_s": "GPTQ alone 120 s idle (issue 23, bench/results/ALGORITHMS.md)",
 }
 TARGET = {"spinquant_s_per_step": 3.0, "quarot_gptq_s": 90.0}
 
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="spinquant,gptq", help="comma list of: spinquant, gptq")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3, help="repetitions of the float references (best of)")
-    ap.add_argument("--out", default=str(HERE / "SPEED_ROTATIONS"), help="output path without extension")
+    ap.add_argument("--out", default=str(HERE / "results" / "SPEED_ROTATIONS"), help="output path without extension")
     a = ap.parse_args(argv)
     only = {s.strip() for s in a.only.split(",") if s.strip()}
     if not only <= {"spinquant", "gptq"}:
@@ -256,7 +256,7 @@ def _markdown(r) -> str:
                      f"<= {TARGET['quarot_gptq_s']} s idle |")
         if "ppl" in r["quarot_gptq"]:
             lines += ["", f"Perplexity of the QuaRot + GPTQ model ({a['ppl_windows']} protocol windows): "
-                      f"**{r['quarot_gptq']['ppl']:.4f}** (bench/ROTATIONS.md: 24.70 at b72ff03, 25.49 by the CLI)."]
+                      f"**{r['quarot_gptq']['ppl']:.4f}** (bench/results/ROTATIONS.md: 24.70 at b72ff03, 25.49 by the CLI)."]
     if "spinquant" in r and "profile_s_per_step" in r["spinquant"]:
         lines += ["", "Profile of the fast SpinQuant step (seconds per step; nested phases overlap: the forward "
                   "contains the activations' fake-quantization and the online transforms):", "",

@@ -1,6 +1,6 @@
 """Larger than the machine, shown: quantize a synthetic 13B-shaped Llama checkpoint with ``quantize_checkpoint``.
 
-    python bench/bench_scale.py                       # 13B shapes on CPU (~26 GB under /tmp), writes bench/SCALE.md/.json
+    python bench/bench_scale.py                       # 13B shapes on CPU (~26 GB under /tmp), writes bench/results/SCALE.md/.json
     python bench/bench_scale.py --gpu-quick           # the same on one GPU, within ~6 minutes (no distributed part)
     python bench/bench_scale.py --layers 4 --hidden 1024 --intermediate 2816 --heads 16 --vocab 4096   # small
 
@@ -46,6 +46,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 HERE = pathlib.Path(__file__).resolve()
 sys.path.insert(0, str(ROOT / "src"))  # qcore from this checkout (also when not installed)
 GiB = 1024 ** 3
+
+
+def shown_path(p) -> str:
+    """``p`` as a record shows it: relative to the repository where it lies inside it, ``~/...`` under the home
+    folder, else as given (a record names no absolute path of the machine it was written on)."""
+    s = str(p)
+    if not os.path.isabs(s):
+        return s
+    full = pathlib.Path(s).resolve()
+    if full.is_relative_to(ROOT):
+        return os.path.relpath(full, ROOT)
+    home = pathlib.Path.home().resolve()
+    return "~/" + os.path.relpath(full, home) if full.is_relative_to(home) else s
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -392,7 +405,7 @@ def report(a, res: dict) -> str:
                   f"| RSS after imports | {_gb(r['rss_after_imports'])} GiB | |",
                   f"| checkpoint / peak RSS | {res['checkpoint']['bytes'] / max(1, r['peak_rss']):.1f}x | > 1 |", "",
                   "Where this memory and time go, by phase, and the landed code against this one on the same "
-                  "checkpoint: bench/SCALE_PHASES.md (`python bench/bench_stream_phases.py --old-python ...`).", ""]
+                  "checkpoint: bench/results/SCALE_PHASES.md (`python bench/bench_stream_phases.py --old-python ...`).", ""]
     if "gptq" in res:
         g, pl = res["gptq"], res["gptq_per_layer"]
         proj = res["gptq_projection"]
@@ -470,7 +483,7 @@ def parse(argv):
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: rtn, gptq, dp, lp")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--threads-per-process", type=int, default=0, help="default: max(1, threads // world)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "SCALE"), help="writes OUT.md and OUT.json")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "SCALE"), help="writes OUT.md and OUT.json")
     ap.add_argument("--report-only", metavar="JSON", help="rewrite OUT.md from a JSON this script wrote (no run)")
     # the children
     ap.add_argument("--child", choices=["rtn", "gptq", "rank"], help=argparse.SUPPRESS)
@@ -575,9 +588,10 @@ def main(argv=None) -> int:
         root = pathlib.Path(tempfile.mkdtemp(prefix="qcore-scale-", dir=root))  # ours to delete, whole
     res: dict = {"meta": {"machine": _machine(), "load_before": "%.2f %.2f %.2f" % os.getloadavg(),
                           "torch": torch.__version__, "ram_gib": _ram_gib(), "python": platform.python_version(),
-                          "command": "python bench/bench_scale.py " + " ".join(argv if argv is not None
-                                                                              else sys.argv[1:])},
-                 "args": {k: v for k, v in vars(a).items() if k not in ("skips",) and not k.startswith("child")},
+                          "command": "python bench/bench_scale.py " + " ".join(
+                              shown_path(x) for x in (argv if argv is not None else sys.argv[1:]))},
+                 "args": {k: shown_path(v) if k in ("dir", "out") and v else v for k, v in vars(a).items()
+                          if k not in ("skips",) and not k.startswith("child")},
                  "notes": []}
     src, work = root / "src", root / "work"
     failed = None

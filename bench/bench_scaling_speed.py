@@ -17,7 +17,7 @@ windows 0..19. For every config the script measures, in one process:
 
 ``--layers N`` / ``--batches B`` run a reduced problem (the first N decoder layers, B calibration windows) for
 quick iteration; the landed figures are quoted only for the full protocol. ``--qcore-from PATH`` imports qcore
-from another checkout (e.g. the landed code) to time it under the same load. Writes bench/SPEED_SCALING.md and
+from another checkout (e.g. the landed code) to time it under the same load. Writes bench/results/SPEED_SCALING.md and
 .json unless ``--no-write``.
 """
 
@@ -52,8 +52,8 @@ def _parse():
     p.add_argument("--no-ppl", dest="ppl", action="store_false", help="skip the perplexity check")
     p.add_argument("--ppl-for", default=None, help="measure the perplexity for these configs only (comma-separated)")
     p.add_argument("--qcore-from", default=None, help="import qcore from this checkout instead of this one")
-    p.add_argument("--md", default=str(ROOT / "bench" / "SPEED_SCALING.md"))
-    p.add_argument("--json", default=str(ROOT / "bench" / "SPEED_SCALING.json"))
+    p.add_argument("--md", default=str(ROOT / "bench" / "results" / "SPEED_SCALING.md"))
+    p.add_argument("--json", default=str(ROOT / "bench" / "results" / "SPEED_SCALING.json"))
     p.add_argument("--no-write", dest="write", action="store_false")
     return p.parse_args()
 
@@ -96,7 +96,7 @@ NOTES = """Where the time goes and what changed (issue 23):
   for the bit-exact finalists), the screen and the finalists; the per-layer forwards (statistics, replay) and
   ``awq_clip`` (~0.1 s per Linear) are the rest of the run.
 """
-LANDED_SOURCE = "bench/ALGORITHMS.md (landed, 2-core machine under load ~3.4-5.8)"
+LANDED_SOURCE = "bench/results/ALGORITHMS.md (landed, 2-core machine under load ~3.4-5.8)"
 
 
 class Phases:
@@ -190,7 +190,8 @@ def main():
     torch.set_num_threads(args.threads)
     import qcore
     meta = dict(python=platform.python_version(), torch=torch.__version__, threads=torch.get_num_threads(),
-                cpus=os.cpu_count(), qcore_from=str(pathlib.Path(qcore.__file__).parents[1]), commit=_commit(root),
+                cpus=os.cpu_count(), commit=_commit(root),
+                qcore_from=os.path.relpath(pathlib.Path(qcore.__file__).parents[1], ROOT),  # as the repository sees it
                 loadavg_start=_loadavg(), batches=args.batches, layers=args.layers, windows=args.windows)
     model, tok = models.load_smollm2()
     if args.layers is not None:

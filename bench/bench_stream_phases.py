@@ -1,7 +1,7 @@
 """Where streaming RTN's memory and time go, per phase, new code against the landed one on the same checkpoint;
 and the peak of GPTQ's Hessian work on one ``n``-wide Hessian (issue 23, "Larger than the machine").
 
-    python bench/bench_stream_phases.py --old-python /work/wt/venv-s/bin/python          # 13B widths, 4 layers
+    python bench/bench_stream_phases.py --old-python ../landed/.venv/bin/python          # 13B widths, 4 layers
     python bench/bench_stream_phases.py --hidden 2560 --intermediate 6912 --layers 3 --gptq-n 3000   # small
 
 1. writes a synthetic bf16 Llama checkpoint with ``bench_scale.write_checkpoint`` (default: the 13B widths,
@@ -140,7 +140,7 @@ def report(a, res) -> str:
              f"Checkpoint: synthetic Llama, hidden {a.hidden}, intermediate {a.intermediate}, {a.layers} layers, "
              f"vocab {a.vocab}, bf16: {res['checkpoint_bytes'] / 1e9:.2f} GB. RTN = `quantize_checkpoint` uint4 "
              f"g128. Target (issue 23): peak RSS <= 3 GiB for the 13B-shaped model (a 40-layer run peaks where "
-             f"these do: RSS at each layer's start settles after ~3 layers). Old figure (bench/SCALE.md, the first "
+             f"these do: RSS at each layer's start settles after ~3 layers). Old figure (bench/results/SCALE.md, the first "
              f"round's run of the landed code at 13B shapes): 3.53 GiB.", "",
              "| RTN | " + " | ".join(impls) + " |", "|---|" + "---|" * len(impls)]
     lines.append("| peak RSS (VmHWM) | " + " | ".join(g(res["rtn"][i]["peak_rss"]) + " GiB" for i in impls) + " |")
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--old-python", default=None, help="interpreter of the landed checkout (compared side by side)")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "SCALE_PHASES"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "SCALE_PHASES"))
     a = ap.parse_args(argv)
     sys.path.insert(0, str(HERE.parent))
     import bench_scale as bs
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     impls = {"new (this checkout)": sys.executable}
     if a.old_python:
         impls["old (--old-python)"] = a.old_python
-    res = {"argv": argv if argv is not None else sys.argv[1:], "machine": bs._machine(), "rtn": {}, "gptq": {}}
+    res = {"argv": [bs.shown_path(x) for x in (argv if argv is not None else sys.argv[1:])], "machine": bs._machine(), "rtn": {}, "gptq": {}}
     res["load"] = [os.getloadavg()[0]]
     try:
         src = work / "ckpt"

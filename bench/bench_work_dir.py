@@ -2,7 +2,7 @@
 random Llama without and with ``work_dir=``, a run interrupted after half its layers and resumed, and the disk the
 work directory holds; every result compared byte for byte with the uninterrupted run.
 
-    python bench/bench_work_dir.py          # hidden 512, 8 layers, 4 x 256 tokens; writes bench/WORK_DIR.md/.json
+    python bench/bench_work_dir.py          # hidden 512, 8 layers, 4 x 256 tokens; writes bench/results/WORK_DIR.md/.json
     python bench/bench_work_dir.py --hidden 256 --layers 4 --tokens 128 --out /tmp/wd
 
 Reference measured in the same run: one float forward of the model over the calibration batches. Timings are
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "WORK_DIR"), help="writes OUT.md and OUT.json")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "WORK_DIR"), help="writes OUT.md and OUT.json")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)

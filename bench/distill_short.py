@@ -1,6 +1,6 @@
 """A short distillation run on SmolLM2 in one lean process (no second copy of the model besides the teacher):
 uint4 g64 asym round-to-nearest + distill for QCORE_DISTILL_MINUTES (default 8) of training on calibration
-windows 20..219, then the protocol perplexity (windows 0..19). Writes bench/ALGORITHMS_DISTILL_SHORT.json.
+windows 20..219, then the protocol perplexity (windows 0..19). Writes bench/results/ALGORITHMS_DISTILL_SHORT.json.
 
     python bench/distill_short.py
 """
@@ -49,7 +49,7 @@ def main() -> None:
            "landed_rtn_ppl": 18.2068}
     print(json.dumps(row, indent=1))
     out = os.environ.get("QCORE_DISTILL_OUT", "ALGORITHMS_DISTILL_SHORT.json")
-    (ROOT / "bench" / out).write_text(json.dumps(row, indent=1) + "\n")
+    (ROOT / "bench" / "results" / out).write_text(json.dumps(row, indent=1) + "\n")
 
 
 if __name__ == "__main__":

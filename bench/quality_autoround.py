@@ -1,12 +1,12 @@
 """issue 24: AutoRound (SignRound) rows of bench/bench_quality.py, beside round-to-nearest and GPTQ at 3 bits.
 
-    python bench/bench_quality.py --configs "<row>,..." --md bench/ALGORITHMS_AUTOROUND.md \
-        --json bench/ALGORITHMS_AUTOROUND.json
+    python bench/bench_quality.py --configs "<row>,..." --md bench/results/ALGORITHMS_AUTOROUND.md \
+        --json bench/results/ALGORITHMS_AUTOROUND.json
 
 SmolLM2 rows run AutoRound with ``SMOLLM2_AUTOROUND`` (fewer iterations and one 512-token window per step: 200
 iterations of 8 windows per layer took ~1 s per window and step on this 2-core CPU at load average 1 to 10, 2.6 s
 under load 12 to 40: 13 to 35 hours for 30 layers;
-bench/ALGORITHMS_AUTOROUND.md); MiniLM rows run ``MINILM_AUTOROUND`` (50 iterations of 2 of its 4 sentence
+bench/results/ALGORITHMS_AUTOROUND.md); MiniLM rows run ``MINILM_AUTOROUND`` (50 iterations of 2 of its 4 sentence
 batches). Override with the environment variable ``QCORE_AUTOROUND_SMOLLM2`` (JSON, e.g.
 ``'{"iters": 200, "batch_size": 8}'``).
 """

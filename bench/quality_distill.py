@@ -4,7 +4,7 @@ GPTQ (and QuaRot) calibrate on the protocol's 32 calibration windows (20..51) as
 distillation trains on the calibration windows 20..219 (the protocol's 200 calibration windows: never the
 evaluation windows 0..19), bounded by the wall clock (``max_seconds``), one 512-token window per step.
 Peak memory is about 5-6 GB per row (the bench's float model and its quantized copy, the teacher, AdamW's states);
-on the shared machine two such runs were ended by the out-of-memory killer (bench/ALGORITHMS_DISTILL.md).
+on the shared machine two such runs were ended by the out-of-memory killer (bench/results/ALGORITHMS_DISTILL.md).
 The training's figures (steps, tokens, seconds, first/last loss) are printed and kept in ``LAST_RUNS``.
 """
 

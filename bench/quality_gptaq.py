@@ -2,7 +2,7 @@
 same run, and int4 g32 (the MiniLM column; GPTQ 0.990).
 
     python bench/bench_quality.py --no-minilm --configs "uint4 weight-only g64 asym + GPTAQ,..." \\
-        --md bench/ALGORITHMS_GPTAQ.md --json bench/ALGORITHMS_GPTAQ.json
+        --md bench/results/ALGORITHMS_GPTAQ.md --json bench/results/ALGORITHMS_GPTAQ.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """HQQ rows for bench/bench_quality.py (issue 24): data-free, so ``quantize_model`` gets no ``data=`` at all.
 
-    python bench/bench_quality.py --configs "uint4 weight-only g64 asym + HQQ,..." --md bench/ALGORITHMS_HQQ.md \
-        --json bench/ALGORITHMS_HQQ.json
+    python bench/bench_quality.py --configs "uint4 weight-only g64 asym + HQQ,..." --md bench/results/ALGORITHMS_HQQ.md \
+        --json bench/results/ALGORITHMS_HQQ.json
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ weight-only with Qronos (Quark's default damping, 1e-3 x the largest eigenvalue 
 mean diagonal), GPTQ at uint3 g64 for the comparison in the same run, and MiniLM's int4 g32 (preset int4_wo_32).
 
     python bench/bench_quality.py --no-minilm --configs "uint4 weight-only g64 asym + Qronos,..." \
-        --md bench/ALGORITHMS_QRONOS.md --json bench/ALGORITHMS_QRONOS.json
+        --md bench/results/ALGORITHMS_QRONOS.md --json bench/results/ALGORITHMS_QRONOS.json
 """
 
 QRONOS = ({"name": "qronos"},)

@@ -4,7 +4,7 @@ weight-only + SVDQuant for context. The alpha search runs over 3 candidates (Qua
 shared 2-core machine the full grid would take hours), on 512 token rows of the first 8 calibration windows.
 
     python bench/bench_quality.py --no-minilm --configs "W4A4 int g64 / per-token + SVDQuant,..." \\
-        --md bench/ALGORITHMS_SVDQUANT.md --json bench/ALGORITHMS_SVDQUANT.json
+        --md bench/results/ALGORITHMS_SVDQUANT.md --json bench/results/ALGORITHMS_SVDQUANT.json
 """
 
 W4A4 = ("w_int4_a_int4_per_token_dynamic", 64)

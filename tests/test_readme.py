@@ -15,8 +15,9 @@ def python_blocks():
 
 
 def test_readme_examples_run():
+    """The README's python examples, if it has any, run as written (its Python walk-through is docs/quickstart.md,
+    run by tests/test_docs_examples.py)."""
     blocks = python_blocks()
-    assert len(blocks) >= 2
     ns: dict = {}
     for block in blocks:
         if "import torch" in block:
@@ -41,3 +42,20 @@ def test_readme_main_command_installs_and_runs_qcore_quantize():
     from qcore.cli import build_parser
     args = build_parser().parse_args(cmd.split("&& qcore ")[-1].split())  # the command line the README runs
     assert args.command == "quantize" and args.model is None and args.scheme is None
+
+
+def test_readme_first_screen():
+    """What qcore is, the main command and its explanation fit in the first 40 lines; "Where to go next" follows."""
+    lines = README.splitlines()
+    nxt = lines.index("## Where to go next")
+    assert lines.index("<!-- main-command -->") < nxt <= 41, f"the first screen is {nxt} lines"
+    assert "docs/quickstart.md" in "\n".join(lines[nxt:nxt + 10])
+
+
+def test_readme_paths_exist():
+    """Every repository path the README names (docs, bench, src, tests, ...) exists in the tree."""
+    names = re.findall(r"`((?:src|tests|docs|bench|examples|properties)/[^`\s]*|DEVELOPERS\.md)`", README)
+    assert names
+    missing = sorted({n for n in names if not (ROOT / n.split("::")[0]).exists()})
+    assert not missing, missing
+

@@ -3,7 +3,7 @@
 Bounds a broken quantizer cannot meet (a wrong scale rule, a wrong axis, unquantized or doubly quantized
 weights, activations calibrated on the wrong tensor all move these figures by far more than the margins), and
 sanity floors a quantizer that does nothing cannot meet (the quantized model must differ from fp32). The full
-tables are in bench/QUALITY.md (python bench/bench_quality.py). Marked ``real_model`` (a few minutes on 2 cores).
+tables are in bench/results/QUALITY.md (python bench/bench_quality.py). Marked ``real_model`` (a few minutes on 2 cores).
 """
 
 import copy
@@ -132,8 +132,8 @@ def test_minilm_gptq_int4_group32_embeddings_closer_than_rtn(minilm_eval):
 
 
 def test_smollm2_gptq_uint4_group64_recovers_most_of_the_rtn_gap(smollm2, protocol_ids):
-    """Issue 10: GPTQ uint4 g64 on SmolLM2 with 8 calibration windows (the bench uses the protocol's 32: 15.46,
-    Quark 0.13 15.57); round-to-nearest is 18.21, fp32 14.01."""
+    """Issue 10: GPTQ uint4 g64 on SmolLM2 with 8 calibration windows (the bench uses the protocol's 32; its
+    figures, Quark 0.13's, round-to-nearest's and fp32's: bench/results/ALGORITHMS.md)."""
     from qcore.adapters.eval import evaluate as E
     from qcore.adapters import preset, quantize_model
     (model, tok), ids = smollm2, protocol_ids

@@ -173,7 +173,7 @@ def sqrt(a: Any, o: Any):
 
 #: Screening margin of the searches: a candidate is re-evaluated in float64 when its float32-product loss is
 #: within this relative distance of the smallest one. The float32 losses differ from the float64 ones by a few
-#: 1e-7 relative on SmolLM2-like data (bench/SPEED_SCALING.md), so the float64 winner is always among the finalists.
+#: 1e-7 relative on SmolLM2-like data (bench/results/SPEED_SCALING.md), so the float64 winner is always among the finalists.
 SCREEN_RTOL = 1e-4
 
 

@@ -254,7 +254,7 @@ class QuaRotConfig:
     """QuaRot: norms folded, Hadamard rotations fused into the weights (residual stream R1; per attention head R2
     when ``heads``), online Hadamard transforms before the Linears in ``online`` (``"mlp.down_proj"``: QuaRot's
     R4; ``"self_attn.o_proj"``: across heads). ``key``: random signs (randomised Hadamard, QuaRot's default and
-    better than the plain one on SmolLM2, bench/ROTATIONS.md; None: plain Hadamard). Runs
+    better than the plain one on SmolLM2, bench/results/ROTATIONS.md; None: plain Hadamard). Runs
     on the whole float model before the other algorithms (``qcore.adapters.passes.rotation``)."""
 
     key: Optional[int] = 0

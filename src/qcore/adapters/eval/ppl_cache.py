@@ -9,7 +9,7 @@ The key (``key()``) is a sha256 over everything that changes the figure: a diges
 tensor of its ``state_dict``, with names, dtypes and shapes, plus its class and config: never the path or a file's
 mtime, so a model re-saved elsewhere hits and a changed weight misses), the token ids (the text and the tokenizer),
 ``seq_len``, the windows, ``batch_size``, the device type and the loss computation's version. The digest reads
-every weight once: about 0.1-0.3 s per 100M float32 parameters on a CPU (bench/SPEED_EVAL.md measures it),
+every weight once: about 0.1-0.3 s per 100M float32 parameters on a CPU (bench/results/SPEED_EVAL.md measures it),
 against seconds per evaluation window.
 
 Entries are written atomically (``qcore._fsutil.staged_file``: a staged sibling, then a rename); an entry that cannot be

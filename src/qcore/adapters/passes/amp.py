@@ -35,14 +35,14 @@ schemes with static activation scales, one calibration pass through that decoder
 schemes / 2`` forwards of the whole model, the output head included (the KL needs every logit). The KL is
 computed 64 positions at a time, in cache (bit-identical to the whole-tensor expression). Without identifiable
 decoder layers (no ``nn.ModuleList`` of identical blocks) every measurement is a full forward. The model is left
-as it was (wrappers are removed, weights never written). Speed and profile: ``bench/SPEED_AMP.md``.
+as it was (wrappers are removed, weights never written). Speed and profile: ``bench/results/SPEED_AMP.md``.
 
 ``amp_config(model, schemes, batches, target_bits=... | max_loss=...)`` measures (or takes ``sensitivity=``),
 runs ``qcore.algorithms.mixed_precision.search`` and returns a ``ModelConfig`` whose ``by_name`` names every
 layer of every unit with its chosen scheme (exact names; ``export_hf`` writes them as Quark's
 ``layer_quant_config``, which vLLM's Quark loader reads per layer), the global layer config being the scheme that
 holds the most weights. The search adds the units' sensitivities (additive model): check the measured quality of
-the result (``bench/AMP.md``).
+the result (``bench/results/AMP.md``).
 """
 
 from __future__ import annotations
