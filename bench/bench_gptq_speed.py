@@ -105,7 +105,7 @@ class Profile:
 
     @contextlib.contextmanager
     def patched(self, impl: str):
-        from qcore.adapters.passes import runner, sequential
+        from qcore.adapters.passes import gptq as gptq_binding, runner
         from qcore.algorithms import gptq as G
         from qcore.algorithms import gptq_core
 
@@ -121,18 +121,18 @@ class Profile:
                 self_.sum, self_.count = st.sum, st.count
             setattr_(gptq_core, "gram", lambda rows: rows.T @ rows)
             setattr_(gptq_core.HessianSum, "add", landed_add)
-            setattr_(sequential, "gptq", G._reference_gptq)
+            setattr_(gptq_binding, "gptq", G._reference_gptq)
         setattr_(runner.LayerRunner, "capture", self.wrap("capture", runner.LayerRunner.capture))
-        setattr_(sequential, "_stages", self.wrap("stages", sequential._stages))
-        setattr_(sequential, "_collect_hessians", self.wrap("_collect", sequential._collect_hessians))
+        setattr_(gptq_binding, "input_stages", self.wrap("stages", gptq_binding.input_stages))
+        setattr_(gptq_binding, "_collect_hessians", self.wrap("_collect", gptq_binding._collect_hessians))
         setattr_(gptq_core.HessianSum, "add", self.wrap("Hessians x^T x", gptq_core.HessianSum.add))
-        setattr_(sequential, "gptq", self.wrap("_gptq", sequential.gptq))
+        setattr_(gptq_binding, "gptq", self.wrap("_gptq", gptq_binding.gptq))
         setattr_(gptq_core.TorchLib, "cholesky_lower", self.wrap("factorization", gptq_core.TorchLib.cholesky_lower))
         setattr_(gptq_core.TorchLib, "inv_upper_chol",
                  self.wrap("factorization", gptq_core.TorchLib.inv_upper_chol))
         setattr_(G, "_columns_fast", self.wrap("column loop", G._columns_fast))
         setattr_(G, "_columns_reference", self.wrap("column loop", G._columns_reference))
-        setattr_(sequential, "_write", self.wrap("write", sequential._write))
+        setattr_(gptq_binding, "write_pinned", self.wrap("write", gptq_binding.write_pinned))
         real_forward = runner.forward_layer
 
         def forward(layer, inputs, *, keep):

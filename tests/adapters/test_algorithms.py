@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 import qcore  # noqa: E402
 from qcore.adapters import ModelConfig, export_hf, from_pretrained, preset, quantize_model  # noqa: E402
+from qcore.adapters.passes import gptq as gptq_binding  # noqa: E402
 from qcore.adapters.passes import sequential  # noqa: E402
 from qcore.adapters.passes.runner import capture  # noqa: E402
 from qcore.adapters.passes.sequential import AlgorithmError, find_decoder_layers  # noqa: E402
@@ -107,7 +108,7 @@ def test_a_failure_half_way_is_reported_and_the_model_is_refused_afterwards(setu
     model, data, _, _ = setup
     m = copy.deepcopy(model)
     calls = []
-    real = sequential.gptq
+    real = gptq_binding.gptq
 
     def flaky(*a, **k):
         calls.append(1)
@@ -115,7 +116,7 @@ def test_a_failure_half_way_is_reported_and_the_model_is_refused_afterwards(setu
             raise ValueError("boom")
         return real(*a, **k)
 
-    monkeypatch.setattr(sequential, "gptq", flaky)
+    monkeypatch.setattr(gptq_binding, "gptq", flaky)
     with pytest.raises(AlgorithmError, match=r"boom .*decoder layer \d of 'model.layers'.*reload the model"):
         quantize_model(m, _uint4(algos=[{"name": "gptq"}]), data, progress=False)
     assert not any(qcore.adapters.modules.is_quantized_module(x) for x in m.modules())
@@ -130,7 +131,7 @@ def test_ctrl_c_stays_a_keyboard_interrupt(setup, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sequential, "gptq", interrupted)
+    monkeypatch.setattr(gptq_binding, "gptq", interrupted)
     with pytest.raises(KeyboardInterrupt):
         quantize_model(m, _uint4(algos=[{"name": "gptq"}]), data, progress=False)
     assert getattr(m, "_qcore_partial", False)

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from qcore import ScaleMode  # noqa: E402
 from qcore.adapters import preset, quantize_model  # noqa: E402
-from qcore.adapters.passes import sequential  # noqa: E402
+from qcore.adapters.passes import gptq as gptq_binding  # noqa: E402
 from qcore.algorithms import gptq as G  # noqa: E402
 from qcore.algorithms import gptq_core  # noqa: E402
 
@@ -24,7 +24,7 @@ def _landed(monkeypatch):
 
     monkeypatch.setattr(gptq_core, "gram", lambda rows: rows.T @ rows)
     monkeypatch.setattr(gptq_core.HessianSum, "add", add)
-    monkeypatch.setattr(sequential, "gptq", G._reference_gptq)
+    monkeypatch.setattr(gptq_binding, "gptq", G._reference_gptq)
 
 
 CONFIGS = {

@@ -120,7 +120,7 @@ def test_the_command_line_quantizes_with_hqq_without_calibration(lm_dir, tmp_pat
 
 
 def test_the_layer_runner_hook_fits_the_decoder_layers_linears(setup, zoo):
-    """sequential._BINDINGS["hqq"] (check / run per decoder layer, for passes that run the layer algorithms
+    """sequential.LAYER_BINDINGS[HQQConfig] (check / run per decoder layer, for passes that run the layer algorithms
     themselves): the same QTensors as the data-free pass, for the Linears of the decoder layers."""
     from qcore.adapters.passes import sequential
     from qcore.adapters.plan import plan_model

@@ -49,7 +49,7 @@ from ..io.common import check_destination, check_format_version, parse_size, wei
 from ..io.quark_hf import checkpoint_config
 from ..passes.amp import amp_config
 from ..passes.checkpointing import check_work_args
-from ..passes.sequential import check_experts_algorithms
+from ..passes.targets import check_experts_algorithms
 from ..plan import excluded_weights, plan_model, quantized_modules
 from ..presets import GGUF_MIX_PRESETS, PRESETS, mix_of_preset, preset
 from .common import (CLI, DTYPES, PYTHON, CommandError, Names, calibration_windows, check_device, check_seq_len,

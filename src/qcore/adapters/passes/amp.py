@@ -68,6 +68,7 @@ __all__ = ["Metric", "Sensitivity", "layer_sensitivity", "amp_config", "config_f
 #: sibling layers vLLM fuses into one GEMM (its Quark loader needs one scheme for all shards), for a model whose
 #: family has no architecture record; with a record, its ``fused_units`` (``qcore.adapters.families``)
 from ..families import DEFAULT_FUSED as DEFAULT_TIE  # noqa: E402
+from .targets import check_experts_algorithms
 #: the scheme name that leaves a layer in float when ``schemes`` is a list
 FLOAT = "float"
 
@@ -380,7 +381,6 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
             raise ValueError(f"schemes[{n!r}]: {e}") from None
     if not plans:
         raise ValueError(f"schemes: got {list(table)}; expected at least one that quantizes (not only float)")
-    from .sequential import check_experts_algorithms
     check_experts_algorithms([p for pl in plans.values() for p in pl.values()], (), who="amp")  # issue 22
     mods = dict(model.named_modules())
     names = [n for n in mods if all(n in p for p in plans.values())]

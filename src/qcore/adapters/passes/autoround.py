@@ -25,11 +25,13 @@ from qcore.algorithms.autoround import check_autoround_spec, signround
 
 from ..modules import is_fused_experts, linear_weight, linear_weight_spec
 from .runner import hidden_of
-from .sequential import _write, named_targets
+from .targets import named_targets, write_pinned
 
 _log = logging.getLogger("qcore.adapters")
 
 __all__ = ["check", "run"]
+
+FLOAT_STREAM = True  # reads the float model's stream beside the quantized one (LayerRunner.run(float_inputs=))
 
 
 def _targets(layer: nn.Module, lplans: dict, algo, prefix: str) -> list:
@@ -92,4 +94,4 @@ def run(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, pinned: dict,
     _log.info("autoround %s: %d iterations in %.1f s, loss %.3g (iteration 0) -> %.3g (iteration %d)", prefix,
               algo.iters, time.perf_counter() - t0, r.init_loss, r.best_loss, r.best_iter)
     for n, m, _ in targets:
-        _write(m, r.qtensors[n], pinned, f"{prefix}.{n}", reference)
+        write_pinned(m, r.qtensors[n], pinned, f"{prefix}.{n}", reference)

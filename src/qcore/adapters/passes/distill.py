@@ -32,6 +32,7 @@ import qcore
 
 from .._batches import _call, _progress, _to, logits_of
 from ..modules import QuantExperts, _QuantMixin
+from .targets import check_experts_algorithms
 
 _log = logging.getLogger("qcore.adapters")
 
@@ -57,7 +58,6 @@ def _scale_trainable(spec) -> Optional[str]:
 def check_distill(model: nn.Module, plans: list, algo) -> None:
     """Before any work: ValueError for what the distillation cannot train (fused MoE experts; ``train_scales``
     with weight formats whose scales are not free float32 values, e.g. MXFP4's E8M0 powers of two)."""
-    from .sequential import check_experts_algorithms
     check_experts_algorithms(plans, [algo])
     with_weight = [p for p in plans if p.config.weight is not None]
     if not with_weight:

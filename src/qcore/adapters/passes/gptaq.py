@@ -23,14 +23,17 @@ from qcore.algorithms.paired import PairedStats
 
 from ..modules import is_fused_experts
 from ._paired import collect_paired, float_copy, reduce_paired
-from .sequential import _gptq_targets, _stages, solve_group
+from .gptq import gptq_targets, solve_group
+from .targets import input_stages
 
 __all__ = ["check", "run"]
+
+FLOAT_STREAM = True  # reads the float model's stream beside the quantized one (LayerRunner.run(float_inputs=))
 
 
 def check(layer: nn.Module, lplans: dict, algo, prefix: str, *, family=None) -> None:
     """Every check before any weight changes: GPTQ's (targets, specs) and no fused experts."""
-    targets = _gptq_targets(layer, lplans, algo, prefix)
+    targets = gptq_targets(layer, lplans, algo, prefix)
     fused = [n for n in targets if is_fused_experts(layer.get_submodule(n))]
     if fused:
         raise ValueError(f"gptaq: {prefix}.{fused[0]} are fused MoE experts, which GPTAQ does not handle (GPTQ "
@@ -43,10 +46,10 @@ def run(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, pinned: dict,
     if floats is None:
         raise ValueError("gptaq needs the float model's stream of this layer's inputs (floats=)")
     check(layer, lplans, algo, prefix, family=family)
-    targets = _gptq_targets(layer, lplans, algo, prefix)
+    targets = gptq_targets(layer, lplans, algo, prefix)
     if not targets:
         return
-    stages = _stages(layer, targets, inputs, algo.true_sequential)
+    stages = input_stages(layer, targets, inputs, algo.true_sequential)
     fl = float_copy(layer)  # the float weights, for the float stream's internal activations
     try:
         for stage in stages:

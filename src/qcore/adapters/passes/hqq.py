@@ -33,10 +33,13 @@ from qcore.algorithms.hqq import check_hqq_spec, hqq
 from .._batches import _progress
 from ..config import MinMax
 from ..modules import linear_weight, linear_weight_spec
+from .targets import check_experts_algorithms, write_pinned
 
 _log = logging.getLogger("qcore.adapters")
 
 __all__ = ["split_hqq", "check_model", "apply_hqq", "check", "run"]
+
+FLOAT_STREAM = False  # reads the quantized stream only
 
 # what may run before HQQ: float rewrites of the weights (the rotations run first anyway)
 _BEFORE = (AWQConfig, SmoothQuantConfig, AutoSmoothQuantConfig)
@@ -86,7 +89,6 @@ def _targets(model: nn.Module, plans: list, *, who: str = "hqq") -> list:
 
 def check_model(model: nn.Module, plans: list, algo) -> None:
     """Every check ``apply_hqq`` makes, before any weight changes."""
-    from .sequential import check_experts_algorithms
     check_experts_algorithms(plans, (algo,))
     if not _targets(model, plans):
         raise ValueError("hqq: the config quantizes no Linear weight")
@@ -125,9 +127,8 @@ def check(layer: nn.Module, lplans: dict, algo, prefix: str, *, family=None) -> 
 
 def run(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, pinned: dict, *, floats=None, reduce=None,
         reference: Optional[dict] = None, family=None) -> None:
-    from .sequential import _write
     for name, m, spec in _targets(layer, [_rel(p, n) for n, p in lplans.items()], who=f"hqq ({prefix})"):
-        _write(m, _fit(m, spec, algo), pinned, f"{prefix}.{name}", reference)
+        write_pinned(m, _fit(m, spec, algo), pinned, f"{prefix}.{name}", reference)
 
 
 def _rel(plan, name: str):

@@ -20,13 +20,16 @@ from qcore.algorithms.qronos import qronos
 
 from ..modules import is_fused_experts, linear_weight, linear_weight_spec
 from ._paired import collect_paired, float_copy, reduce_paired
-from .sequential import _gptq_targets, _scale_fn, _stages, _write
+from .gptq import gptq_targets
+from .targets import input_stages, scale_fn, write_pinned
 
 __all__ = ["check", "run"]
 
+FLOAT_STREAM = True  # reads the float model's stream beside the quantized one (LayerRunner.run(float_inputs=))
+
 
 def _targets(layer: nn.Module, lplans: dict, algo, prefix: str) -> list[str]:
-    names = _gptq_targets(layer, lplans, algo, prefix)  # its errors name the algorithm (algo.name)
+    names = gptq_targets(layer, lplans, algo, prefix)  # its errors name the algorithm (algo.name)
     experts = [n for n in names if is_fused_experts(layer.get_submodule(n))]
     if experts:
         raise ValueError(f"qronos: {prefix}.{experts[0]} are fused MoE experts, which Qronos does not handle yet "
@@ -49,7 +52,7 @@ def run(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, pinned: dict,
     targets = _targets(layer, lplans, algo, prefix)
     if not targets:
         return
-    stages = _stages(layer, targets, inputs, algo.true_sequential)
+    stages = input_stages(layer, targets, inputs, algo.true_sequential)
     float_layer = float_copy(layer)  # before any rewrite of this layer: the float model's internal activations
     kw = dict(block_size=algo.block_size, damp=algo.damp, damp_scale=algo.damp_scale, act_order=algo.act_order,
               static_groups=algo.static_groups)
@@ -62,8 +65,8 @@ def run(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, pinned: dict,
                     m = layer.get_submodule(n)
                     spec = linear_weight_spec(m, lplans[n], f"{prefix}.{n}")
                     r = qronos(linear_weight(m).detach().float().contiguous(), st, spec,
-                               scale_fn=_scale_fn(lplans[n], spec), **kw)
-                    _write(m, r.qtensor, pinned, f"{prefix}.{n}", reference)
+                               scale_fn=scale_fn(lplans[n], spec), **kw)
+                    write_pinned(m, r.qtensor, pinned, f"{prefix}.{n}", reference)
             del stats
     finally:
         del float_layer

@@ -167,3 +167,16 @@ def apply_scaling(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, *, 
                 with torch.no_grad():
                     w = linear_view(m)  # a Conv1D's transposed view: the copy reaches its [in, out] parameter
                     w.copy_(clipped.to(w.dtype))
+
+
+FLOAT_STREAM = False  # reads the quantized stream only
+
+
+def check(layer: nn.Module, lplans: dict, algo, prefix: str, *, family=None) -> None:
+    """The binding ``qcore.adapters.passes.sequential`` calls for AWQ, SmoothQuant and AutoSmoothQuant configs."""
+    check_scaling(layer, lplans, algo, prefix, family=family)
+
+
+def run(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, pinned: dict, *, floats=None, reduce=None,
+        reference=None, family=None) -> None:
+    apply_scaling(layer, lplans, inputs, algo, prefix, reduce=reduce, family=family)

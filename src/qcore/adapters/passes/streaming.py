@@ -317,8 +317,9 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
         what = "the algorithms" if algos else "static activation scales"
         raise ValueError(f"{what} need calibration data; pass a non-empty list of batches as data=")
     from ..families import family_or_none
-    from .sequential import FLOAT_STREAM, check_layers, layer_plans
-    two = [a.name for a in algos if a.name in FLOAT_STREAM]
+    from .sequential import binding, check_layers
+    from .targets import layer_plans
+    two = [a.name for a in algos if binding(a).FLOAT_STREAM]
     if two:
         raise ValueError(f"quantize_checkpoint: {two} read the float model's layer inputs beside the quantized "
                          f"ones, which the streamed pass does not keep yet; use quantize_model")

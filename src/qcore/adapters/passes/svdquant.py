@@ -37,11 +37,13 @@ from qcore.algorithms.svdquant import DEFAULT_ALPHAS, search_alpha, svdquant
 
 from ..modules import add_low_rank_branch, linear_weight_spec
 from .runner import forward_layer
-from .sequential import _scale_fn
+from .targets import scale_fn
 from .scaling import NoScalingMap, ScalingGroup, check_fold, fold_scales, scaling_groups
 from .scaling_bind import _ispec
 
 __all__ = ["check", "run"]
+
+FLOAT_STREAM = False  # reads the quantized stream only
 
 _log = logging.getLogger("qcore.adapters")
 _SAMPLE_ROWS = 512  # token rows of the alpha search's sample, per group input
@@ -201,7 +203,7 @@ def run(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, pinned: dict,
             own = torch.ones_like(s) if folded else s  # folded: the weight is smoothed already
             hess = None if h is None else (_smoothed_hessian(h, s) if folded else h)
             res = svdquant(w, own, spec, rank=algo.rank, hessian=hess, block_size=algo.block_size, damp=algo.damp,
-                           act_order=algo.act_order, scale_fn=_scale_fn(lplans[n], spec))  # the weight observer
+                           act_order=algo.act_order, scale_fn=scale_fn(lplans[n], spec))  # the weight observer
             if reference is not None:  # the float residual the quantization started from
                 resid = w.double() * own.double()[None, :] - res.l2.double() @ res.l1.double()
                 reference[full] = resid.float().cpu()
