@@ -36,7 +36,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from qcore.algorithms.config import ROTATION_CONFIGS, AutoSmoothQuantConfig, AWQConfig, SmoothQuantConfig
 from qcore.algorithms.imatrix import ImatrixStats, quant_weights
+from qcore.formats.imatrix import ImatrixDat, ImatrixGGUF, read_imatrix, write_imatrix
 
 from ._batches import _call, _device_of, _progress, _to
 from .gguf_names import expert_names, gguf_names
@@ -255,7 +257,6 @@ def save_imatrix(stats: Mapping[str, ImatrixStats], path, *, format: Optional[st
     llama.cpp's default) or ``"dat"`` (legacy), by default from the file name. ``datasets``: the calibration
     data's name(s); ``chunk_size``: tokens per chunk (llama.cpp's ``n_ctx``: the chunk count stored, and the
     legacy format's ``ncall``, derive from it)."""
-    from qcore.formats.imatrix import ImatrixDat, ImatrixGGUF, write_imatrix
 
     fmt = imatrix_format(path, format)
     if not isinstance(stats, Mapping) or not stats:
@@ -271,7 +272,6 @@ def save_imatrix(stats: Mapping[str, ImatrixStats], path, *, format: Optional[st
 def load_imatrix(path, *, chunk_size: int = 512) -> dict:
     """``{name: ImatrixStats}`` from a llama.cpp imatrix file of either format (``chunk_size``: for the legacy
     format, which does not store it; the quantizer's weights do not depend on it)."""
-    from qcore.formats.imatrix import ImatrixDat, read_imatrix
 
     obj = read_imatrix(path)
     return obj.stats(chunk_size=chunk_size) if isinstance(obj, ImatrixDat) else obj.stats()
@@ -371,7 +371,6 @@ def _read_stats(imatrix) -> Mapping:
 def check_importance_algorithms(algorithms) -> None:
     """ValueError when the algorithms change the layers' inputs (rotations, smoothing): an importance matrix of
     the float model no longer describes them."""
-    from qcore.algorithms.config import ROTATION_CONFIGS, AutoSmoothQuantConfig, AWQConfig, SmoothQuantConfig
 
     changers = [a.name for a in algorithms if isinstance(a, ROTATION_CONFIGS + (AWQConfig, SmoothQuantConfig,
                                                                                AutoSmoothQuantConfig))]

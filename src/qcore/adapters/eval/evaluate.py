@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from qcore.algorithms.metrics import mean_cosine, perplexity_from_nll, token_windows
 
 from ..plan import quantized_modules
+from . import ppl_cache
 
 __all__ = [
     "pydoc_text", "protocol_token_ids", "perplexity", "calibration_batches", "sentence_embeddings",
@@ -174,7 +175,6 @@ def perplexity(model, tokenizer, *, text: str | None = None, token_ids: torch.Te
     qmods = list(quantized_modules(model).values())
     key = None
     if cache and not qmods:
-        from . import ppl_cache
         key = ppl_cache.key(model, ids, seq_len=seq_len, spans=spans, batch_size=batch_size, device=device)
         hit = ppl_cache.load(key)
         if hit is not None:

@@ -28,8 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qcore._fsutil import staged_file
 from qcore.algorithms.metrics import sqnr_db, sqnr_db_of_sums
 
+from .._batches import _call, _device_of, _progress, _to
 from ..plan import quantized_modules
 
 __all__ = ["LayerError", "measure", "ranked", "block_and_kind", "figure", "save_plot"]
@@ -65,7 +67,6 @@ def measure(model: nn.Module, reference: dict, batches: Optional[list] = None, *
     """``{module name: LayerError}`` of every module of ``reference`` (``quantize_model(..., reference=)``'s
     dict) in ``model`` (quantized, committed; not yet frozen). ``batches``: calibration batches (the first
     ``max_batches`` are run through the model); None or empty: output SQNRs are None."""
-    from .._batches import _call, _device_of, _progress, _to
 
     if not isinstance(reference, dict):
         raise TypeError(f"reference must be a dict of float weights, got {type(reference).__name__}")
@@ -199,6 +200,5 @@ def figure(after: dict[str, LayerError], before: Optional[dict[str, LayerError]]
 def save_plot(fig: Any, path: str) -> None:
     """Write ``fig`` as a PNG at ``path`` (staged beside it and renamed into place, ``qcore._fsutil.staged_file``:
     nothing half-written, nothing left behind)."""
-    from qcore._fsutil import staged_file
     with staged_file(path, recheck=lambda: None) as tmp:
         fig.savefig(tmp, format="png")

@@ -58,17 +58,23 @@ from torch import nn
 
 from qcore.algorithms.mixed_precision import DEFAULT_RESOLUTION, MixedPrecision, search
 
+from .._batches import _check_batch, _describe, _device_of, _progress, _set_module, _to, logits_of
 from ..config import LayerConfig, ModelConfig
 from ..modules import _norm_weight_granularity, _QuantMixin, _with_granularity, calibrating, wrap
-from .._batches import _check_batch, _describe, _device_of, _progress, _set_module, _to, logits_of
 from ..plan import plan_model
 
 __all__ = ["Metric", "Sensitivity", "layer_sensitivity", "amp_config", "config_from_choice", "DEFAULT_TIE", "FLOAT"]
 
 #: sibling layers vLLM fuses into one GEMM (its Quark loader needs one scheme for all shards), for a model whose
 #: family has no architecture record; with a record, its ``fused_units`` (``qcore.adapters.families``)
+from qcore._fsutil import model_sources
+
 from ..families import DEFAULT_FUSED as DEFAULT_TIE  # noqa: E402
+from ..presets import PRESETS, preset
+from .checkpointing import amp_work, check_work_args
+from .runner import LayerRunner
 from .targets import check_experts_algorithms
+
 #: the scheme name that leaves a layer in float when ``schemes`` is a list
 FLOAT = "float"
 
@@ -145,7 +151,6 @@ class Sensitivity:
 
 
 def _schemes_arg(schemes: Any) -> dict[str, Optional[LayerConfig]]:
-    from ..presets import PRESETS, preset
 
     def one(name, v):
         if v is None or (isinstance(v, LayerConfig) and v.empty):
@@ -278,7 +283,6 @@ class _Probe:
     (``qcore.adapters.passes.runner.LayerRunner.record``); forwards from decoder layer ``k`` on (``run_from``)."""
 
     def __init__(self, model, batches, metric, progress):
-        from .runner import LayerRunner
         self.model, self.batches, self.metric = model, batches, metric
         self.runner = LayerRunner(model, required=False, progress=progress)
         self.ref: list = []
@@ -360,9 +364,7 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
         raise TypeError(f"metric must be a qcore.adapters.passes.amp.Metric, got {metric!r}")
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be a bool, got {progress!r}")
-    from qcore._fsutil import model_sources
 
-    from .checkpointing import amp_work, check_work_args
     work_path = check_work_args(work_dir, resume, sources=model_sources(model))
     from ..families import family_or_none
     fam = family_or_none(model)

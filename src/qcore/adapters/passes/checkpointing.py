@@ -51,6 +51,15 @@ import numpy as np
 import torch
 from torch import nn
 
+import qcore
+from qcore._fsutil import check_not_source, staged_file
+from qcore._kquants import GGUFScales
+from qcore.formats.safetensors_io import TensorRecord
+from qcore.quantize import QTensor
+
+from .._batches import _to
+from .runner import LayerInputs
+
 _log = logging.getLogger("qcore.adapters")
 
 __all__ = ["WorkDir", "LayerCheckpoint", "fingerprint", "digest_data", "digest_model", "digest_source",
@@ -139,7 +148,6 @@ def fingerprint(*, what: str, model: str, config: Any, data: Optional[Sequence],
                 extra: Optional[Mapping] = None) -> dict:
     """The fingerprint a work directory is tied to: ``what`` (the pass), ``model`` (a digest: ``digest_model``
     / ``digest_source``), ``config`` (JSON-able), the calibration ``data``, ``n_layers``, qcore's version."""
-    import qcore
     cfg = json.dumps(config, sort_keys=True, default=repr)
     fp = {"pass": what, "model weights": model, "config": hashlib.sha256(cfg.encode()).hexdigest(),
           "calibration data": digest_data(data), "decoder layers": int(n_layers), "qcore version": qcore.__version__}
@@ -170,7 +178,6 @@ def _fsync_dir(d: pathlib.Path) -> None:
 def _atomic_write(path: pathlib.Path, write: Callable[[Any], None]) -> None:
     """``write(file object)`` into a staged file beside ``path`` (``qcore._fsutil.staged_file``, the one staged
     writer), fsync, then it replaces ``path``; the directory is fsynced after the rename."""
-    from qcore._fsutil import staged_file
     with staged_file(path, recheck=lambda: None) as tmp:
         with open(tmp, "wb") as f:
             write(f)
@@ -205,7 +212,6 @@ def check_work_args(work_dir: Any, resume: Any, *, sources: Sequence = (), names
     if not isinstance(work_dir, (str, os.PathLike)) or not os.fspath(work_dir):
         raise TypeError(f"{names('work_dir')} must be a directory path (str or os.PathLike) or None, got "
                         f"{work_dir!r}")
-    from qcore._fsutil import check_not_source
     check_not_source(work_dir, [s for s in sources if s is not None], what=names("work_dir"))
     p = pathlib.Path(work_dir)
     if p.exists() and not p.is_dir():
@@ -334,7 +340,6 @@ def _inputs_state(inputs) -> Any:
 
 
 def _inputs_from(state) -> Any:
-    from .runner import LayerInputs
     if state is None:
         return None
     return LayerInputs([tuple(a) for a in state["args"]], list(state["kwargs"]), state["tuple_out"])
@@ -369,7 +374,6 @@ class LayerCheckpoint:
             self.restore(i, layers[i], self.work.load(self.work.entries[i]["layer"]))
         saved = self.work.load(self.work.entries[k - 1]["carry"])
         if device is not None:
-            from .._batches import _to
             saved = _to(saved, device)
         self.start = k
         if self.set_carry is not None:
@@ -446,7 +450,6 @@ def qtensor_state(q) -> dict:
 def qtensor_from_state(saved: Mapping, spec, device=None) -> Any:
     """The QTensor ``qtensor_state`` saved, with ``spec`` (recomputed from the config; must have the saved repr),
     its torch arrays on ``device`` (where the module's weight is)."""
-    from qcore.quantize import QTensor
     if repr(spec) != saved["spec"]:
         raise ValueError(f"work_dir: a saved QTensor has spec {saved['spec']}; this run's is {spec!r}")
     vals = {f: (saved[f].numpy() if f in saved["numpy"] and saved[f] is not None else
@@ -454,7 +457,6 @@ def qtensor_from_state(saved: Mapping, spec, device=None) -> Any:
             for f in _QFIELDS + _GGUF_FIELDS if f in saved}
     ss = None
     if "ss_d" in vals:
-        from qcore._kquants import GGUFScales
         ss = GGUFScales(vals["ss_d"], vals["ss_dmin"], vals["ss_scale_codes"], vals["ss_min_codes"])
     return QTensor(vals["codes"], vals["scales"], vals["zero_points"], spec, subblock_shifts=vals["subblock_shifts"],
                    tensor_scale=vals["tensor_scale"], offsets=vals.get("offsets"), super_scales=ss)
@@ -506,7 +508,6 @@ def streaming_checkpoint(work: WorkDir, spill, records: list, layouts: dict, str
                          device) -> LayerCheckpoint:
     """``quantize_checkpoint``'s: per layer its encoded tensors (the spill's records of that layer, exact bytes)
     and layouts; the carry is both streams of layer inputs (the algorithms' and the calibration's)."""
-    from qcore.formats.safetensors_io import TensorRecord
     seen = {"records": 0, "layouts": set()}
 
     def state(i, layer):
@@ -532,7 +533,6 @@ def streaming_checkpoint(work: WorkDir, spill, records: list, layouts: dict, str
         return {k: _inputs_state(v) for k, v in streams.items()}
 
     def set_carry(saved):
-        from .._batches import _to
         for k in streams:
             streams[k] = _inputs_from(_to(saved.get(k), device))
 

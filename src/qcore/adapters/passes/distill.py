@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import qcore
+from qcore.algorithms.distill import data_order, distill_loss
 
 from .._batches import _call, _progress, _to, logits_of
 from ..modules import QuantExperts, _QuantMixin
@@ -178,7 +179,6 @@ def run_distill(model: nn.Module, teacher: nn.Module, data: list, algo, *, progr
     without). The weights are written (on the grid of their stored scales) at the end, also when interrupted.
     ``init``: ``{module name: the float weight its committed value was rounded to nearest from}``: the trained
     weight starts there (it rounds to the committed value with the stored scales)."""
-    from qcore.algorithms.distill import data_order, distill_loss
 
     if not data:
         raise ValueError("distill: the calibration data is empty; distillation trains on it")

@@ -38,6 +38,11 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 
+from qcore.formats.safetensors_io import TensorRecord
+
+from .._batches import _call, _check_batch, _describe, _device_of, _progress, _to
+from ..families import decoder_layers_path
+
 _log = logging.getLogger("qcore.adapters")
 
 __all__ = ["AlgorithmError", "FloatStream", "LayerInputs", "LayerRunner", "Spill", "Stop", "capture",
@@ -68,7 +73,6 @@ def find_decoder_layers(model: nn.Module, path: Optional[str] = None) -> tuple[s
         if not isinstance(m, nn.ModuleList) or len(m) == 0:
             raise ValueError(f"decoder_layers {path!r} is a {type(m).__name__}, not a non-empty nn.ModuleList")
         return path, m
-    from ..families import decoder_layers_path
     known = decoder_layers_path(model)
     if known is not None and len(model.get_submodule(known)) > 0:
         return known, model.get_submodule(known)
@@ -176,7 +180,6 @@ def capture(model: nn.Module, layer: nn.Module, batches: Sequence, *, device=Non
     """The inputs of ``layer`` (the first decoder layer) for every batch: the model runs on each batch (moved to
     ``device`` when given) until the layer's call, which is kept and cut short. A batch that does not fit the
     model, or a forward that never reaches the layer, raises ``ValueError`` naming the batch."""
-    from .._batches import _call, _check_batch, _describe, _progress, _to
 
     args_l: list = []
     kwargs_l: list = []
@@ -258,7 +261,6 @@ class LayerRunner:
                     raise
                 self.path, self.layers = None, None
         if device is None:
-            from .._batches import _device_of
             device = _device_of(model)
         self.device = torch.device(device)
 
@@ -288,7 +290,6 @@ class LayerRunner:
         """Whole-model forwards over ``batches`` (as given: not moved) keeping every decoder layer's inputs;
         ``each(i, output)`` sees batch ``i``'s model output. Returns one ``LayerInputs`` per layer (``[]``
         without layers)."""
-        from .._batches import _call, _progress
 
         n = len(self)
         kept: list = [([], []) for _ in range(n)]
@@ -336,7 +337,6 @@ class LayerRunner:
         as ``step(i, layer, inputs, FloatStream(float_inputs, float_outputs))``; the float outputs are the next
         layer's float inputs. Memory: two more copies of one layer's inputs. A work directory keeps both
         streams."""
-        from .._batches import _progress
 
         if not callable(step):
             raise TypeError(f"step must be callable as step(i, layer, inputs), got {type(step).__name__}")
@@ -390,7 +390,6 @@ class LayerRunner:
         batch). ``k == len(layers)``: every layer stands aside and ``inputs`` holds the final hidden states
         (the modules after the layers run on them). ``k`` None (or 0 without ``stop``): plain forwards.
         ``stop``: the forward ends after that layer (nothing yielded). Yields each batch's model output."""
-        from .._batches import _call, _progress, _to
 
         n = len(self)
         it = batches if desc is None else _progress(batches, total=len(batches), desc=desc, enabled=self.progress)
@@ -457,7 +456,6 @@ class Spill:
         self.pos = 0
 
     def add(self, r, name: str):
-        from qcore.formats.safetensors_io import TensorRecord
 
         data = r.produce()
         if len(data) != r.nbytes:

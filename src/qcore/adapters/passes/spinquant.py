@@ -34,13 +34,26 @@ from torch import nn
 from torch.func import functional_call
 
 import qcore
+from qcore.algorithms.config import SpinQuantConfig
 from qcore.algorithms.hadamard import rotation
 from qcore.algorithms.orthogonal import cayley_step
 
-from ..modules import _act_granularity, _with_granularity, linear_weight_spec
+from .._batches import _progress
 from ..families import family_of
-from .rotation import (InputRotation, _ReferenceInputRotation, _check, _fold_and_untie, _online_hooks, _times_online,
-                       _write, check_rotation, remove_online, rotate_model, rotated_weights)
+from ..modules import _act_granularity, _with_granularity, linear_weight_spec
+from .rotation import (
+    InputRotation,
+    _check,
+    _fold_and_untie,
+    _online_hooks,
+    _ReferenceInputRotation,
+    _times_online,
+    _write,
+    check_rotation,
+    remove_online,
+    rotate_model,
+    rotated_weights,
+)
 
 __all__ = ["spinquant", "apply_rotation"]
 
@@ -171,7 +184,6 @@ def _as_reference(model) -> dict:
 
 
 def _spinquant(model, plans, data, algo, *, progress: bool, train_weights: bool, reference: bool):
-    from .._batches import _progress
     emb, norm, head, layers, hd = _check(model)
     if not data:
         raise ValueError("spinquant trains its rotations on calibration data: pass a non-empty list of token-id "
@@ -264,7 +276,6 @@ def apply_rotation(model: nn.Module, algo, *, plans: Sequence = (), data: Option
     above, which needs ``plans``,
     the quantizer's plan of the model, and calibration ``data``; ``gptq_follows`` decides SpinQuant's
     ``train_weights=None``)."""
-    from qcore.algorithms.config import SpinQuantConfig
     check_rotation(model, algo)
     if isinstance(algo, SpinQuantConfig):
         return spinquant(model, plans, data, algo, progress=progress,

@@ -53,20 +53,41 @@ import torch
 from torch import nn
 
 from qcore._fsutil import check_not_source, staged_dir
+from qcore.algorithms.config import ROTATION_CONFIGS
 from qcore.formats import quark_layout as L
-from qcore.formats.safetensors_io import (CorruptCheckpointError, SafetensorsFile, TensorRecord, index_shards,
-                                         no_safetensors)
+from qcore.formats.safetensors_io import (
+    CorruptCheckpointError,
+    SafetensorsFile,
+    TensorRecord,
+    index_shards,
+    no_safetensors,
+)
 
+from .._batches import _set_module
+from .._device import check_device
 from ..config import ModelConfig, TensorConfig
+from ..distributed import Distributed
+from ..distributed import fingerprint as distributed_fingerprint
+from ..families import family_or_none
+from ..io._records import _ST_TORCH
 from ..io.common import check_destination, parse_size, read_config, unexpected_keys, weightless_error
 from ..io.common import hf_config as read_hf_config
-from ..io.quark_hf import (ExportInfo, checkpoint_method, export_info, plan_tensors, quantization_config,
-                           write_metadata, write_shards)
-from ..io._records import _ST_TORCH
+from ..io.experts import check_no_experts
+from ..io.quark_hf import (
+    ExportInfo,
+    checkpoint_method,
+    export_info,
+    plan_tensors,
+    quantization_config,
+    write_metadata,
+    write_shards,
+)
 from ..modules import calibrating, wrap
-from .._batches import _set_module
 from ..plan import plan_model, resolve_config
+from .checkpointing import WorkDir, check_work_args, digest_source, fingerprint, streaming_checkpoint
 from .runner import LayerRunner, Spill, find_decoder_layers, forward_layer
+from .sequential import binding, check_layers, run_layer
+from .targets import layer_plans
 
 _log = logging.getLogger("qcore.adapters")
 
@@ -75,7 +96,6 @@ __all__ = ["quantize_checkpoint"]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                     "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja",
                     "chat_template.json")
-
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -259,7 +279,6 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
     """
     src, dst = pathlib.Path(src_dir), pathlib.Path(dst_dir)
     check_not_source(dst, [src], what="dst_dir")  # with overwrite or not: replacing the source would delete it
-    from .checkpointing import check_work_args
     work_path = check_work_args(work_dir, resume, sources=[src, dst])
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"src_dir {str(src)!r} is not a model directory (no config.json)")
@@ -270,7 +289,6 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
             raise TypeError(f"{name} must be a bool, got {v!r}")
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-    from .._device import check_device
     device = check_device(device, what="device")
     max_bytes = parse_size(max_shard_size)
     cfg = resolve_config(config)
@@ -280,7 +298,6 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
                             f"{type(data).__name__}; wrap a single batch in a list: [batch]")
         data = list(data)
     if distributed is not None:
-        from ..distributed import Distributed
         if not isinstance(distributed, Distributed):
             raise TypeError(f"distributed must be a qcore.adapters.distributed.Distributed, got "
                             f"{type(distributed).__name__}")
@@ -301,7 +318,6 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
 
     model, dtype, gen = _skeleton(src, dtype)
     plans = plan_model(model, cfg)
-    from ..io.experts import check_no_experts
     check_no_experts(model, cfg, who="quantize_checkpoint")  # fused MoE experts: not streamed yet (docs/adapters.md)
     weightless = [p.name for p in plans if p.config.weight is None]
     if weightless:  # the checkpoint stores quantized weights with their scales (as export_hf, which refuses too)
@@ -309,16 +325,12 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
     static = [p for p in plans for r in ("input", "output")
               if isinstance(getattr(p.config, r), TensorConfig) and getattr(p.config, r).calibrated]
     algos = resolve_config(cfg).algorithms
-    from qcore.algorithms.config import ROTATION_CONFIGS
     if any(isinstance(a, ROTATION_CONFIGS) for a in algos):
         raise ValueError(f"quantize_checkpoint: rotations ({[a.name for a in algos if isinstance(a, ROTATION_CONFIGS)]}) "
                          f"act on the whole model at once and are not streamed; use quantize_model")
     if (static or algos) and not data:
         what = "the algorithms" if algos else "static activation scales"
         raise ValueError(f"{what} need calibration data; pass a non-empty list of batches as data=")
-    from ..families import family_or_none
-    from .sequential import binding, check_layers
-    from .targets import layer_plans
     two = [a.name for a in algos if binding(a).FLOAT_STREAM]
     if two:
         raise ValueError(f"quantize_checkpoint: {two} read the float model's layer inputs beside the quantized "
@@ -344,13 +356,11 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
             raise ValueError("quantize_checkpoint: static activation scales are not reduced over the ranks of "
                              "distributed= yet; quantize_model(..., distributed=...) reduces them, or run in one "
                              "process")
-        from ..distributed import fingerprint
-        distributed.check_consistent(fingerprint=fingerprint(model, cfg, plans), n_batches=len(data or ()),
+        distributed.check_consistent(fingerprint=distributed_fingerprint(model, cfg, plans), n_batches=len(data or ()),
                                      error=refused)
     own = checkpoint_method(model, cfg) == "qcore"  # every quantized weight in qcore's layout (export_hf's rule)
     work = None
     if work_path is not None:  # tied to this run before any work (checkpointing.streaming_checkpoint)
-        from .checkpointing import WorkDir, digest_source, fingerprint
         work = WorkDir(work_path, fingerprint(
             what="quantize_checkpoint", model=digest_source(src), config=cfg.to_dict(), data=data,
             n_layers=len(layers), extra={"dtype": str(dtype), "pack_method": pack_method, "device": str(device)}),
@@ -407,8 +417,6 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
 
 def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static, data, source, dtype, device,
          spill, pack_method, progress, *, own=False, work_dir=None, reduce=None):
-    from ..families import family_or_none
-    from .sequential import run_layer
     family = family_or_none(model)
 
     runner = LayerRunner(model, path=path, layers=layers, device=device, progress=progress)
@@ -486,7 +494,6 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
 
     checkpoint = None
     if work_dir is not None:
-        from .checkpointing import streaming_checkpoint
         checkpoint = streaming_checkpoint(work_dir, spill, records, layouts, streams, device)
     runner.run(step, desc="quantizing layer by layer", replay=False, checkpoint=checkpoint)
     if tail:

@@ -25,6 +25,8 @@ import importlib.util
 import os
 from typing import Any, Optional
 
+from . import _specs
+
 __all__ = ["available", "supports", "why_not", "fake_quantize", "quantize", "dequantize", "quantize_packed",
            "dequantize_w4", "linear_w4", "w4_format", "fwht", "ENV"]
 
@@ -71,9 +73,7 @@ def why_not(spec: Any, *, ndim: Optional[int] = None, given_scale: bool = False)
     to 8 bits (symmetric, narrow, unsigned, zero points); PerTensor, PerChannel (any axis) and PerGroup along the
     last axis (ragged last group included) with float32 scales; power-of-two scales (E8M0: MXFP8/MXFP6/MXFP4)
     with FLOOR, CEIL or EVEN; two-level scales (NVFP4) with a narrow float block-scale format."""
-    from ._specs import why_not as _why
-
-    return _why(spec, ndim=ndim, given_scale=given_scale)
+    return _specs.why_not(spec, ndim=ndim, given_scale=given_scale)
 
 
 def supports(spec: Any, *, ndim: Optional[int] = None, given_scale: bool = False) -> bool:
@@ -117,9 +117,7 @@ def w4_format(spec: Any) -> Optional[str]:
     """``"int4"``, ``"uint4"`` or ``"mxfp4"`` when a weight spec's frozen layout is one the fused matmul reads
     (int4 / uint4 per group along the input axis with float32 scales, symmetric or with zero points; fp4 e2m1
     under E8M0 scales, any scale rule), else None."""
-    from ._specs import w4_format as f
-
-    return f(spec)
+    return _specs.w4_format(spec)
 
 
 def dequantize_w4(packed, scales, zero_points=None, *, spec, k: int):
