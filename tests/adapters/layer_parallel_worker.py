@@ -41,18 +41,18 @@ def main(rank: int, world: int, init_file: str, out: str, src: str, dst: str) ->
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
-    import qcore.adapters.passes.sequential as seq
+    import qcore.adapters.passes.gptq as gptq_binding
     from qcore.adapters import quantize_model
     from qcore.adapters.distributed import Distributed
     from qcore.adapters.passes.streaming import quantize_checkpoint
 
     runs = []
-    real = seq.gptq
+    real = gptq_binding.gptq
 
     def counting(w, *a, **k):
         runs.append(tuple(w.shape))
         return real(w, *a, **k)
-    seq.gptq = counting
+    gptq_binding.gptq = counting
     d = Distributed(layer_parallel=True)
     mine = dist_worker.batches()[rank::world]
     result = {"runs": {}}
