@@ -17,7 +17,7 @@ import dist_worker  # noqa: E402  (tests/adapters, next to this file)
 import layer_parallel_worker as worker  # noqa: E402
 import stream_worker  # noqa: E402
 
-import qcore.adapters.passes.sequential as seq  # noqa: E402
+import qcore.adapters.passes.gptq as seq  # noqa: E402  (the GPTQ binding: where gptq() is looked up)
 from qcore.adapters import quantize_model  # noqa: E402
 from qcore.adapters.distributed import Distributed, owners  # noqa: E402
 from qcore.adapters.passes.streaming import quantize_checkpoint  # noqa: E402
