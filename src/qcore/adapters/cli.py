@@ -238,8 +238,8 @@ def schemes_command(args) -> int:
             mode = "" if role == "weight" else (" dynamic" if tc.dynamic else " static")
             parts.append(f"{role[0].upper()} {s.name or s.dtype.name} {g}{mode}")
         spec = c.layer.weight.spec
-        from .modules import _norm_weight_granularity, _with_granularity
-        spec = _with_granularity(spec, _norm_weight_granularity(spec.granularity, "Linear", name, 2, SCHEMES_SHAPE))
+        from .modules import weight_granularity, with_granularity
+        spec = with_granularity(spec, weight_granularity(spec.granularity, "Linear", name, 2, SCHEMES_SHAPE))
         layout, bits = layout_bits_per_weight(spec, SCHEMES_SHAPE)
         own = spec.bits_per_element(SCHEMES_SHAPE)
         note = ""

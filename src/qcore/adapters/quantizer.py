@@ -22,7 +22,7 @@ from torch import nn
 from ._batches import (_call, _check_batch, _check_batches, _describe, _device_of, _progress,  # noqa: F401
                        _set_module, _to)
 from .config import COMPUTE_TYPES, LayerConfig, ModelConfig, TensorConfig
-from .modules import (EXPERT_PROJS, QUANT_CLASSES, CalibrationError, QuantExperts, _QuantMixin, is_fused_experts,
+from .modules import (EXPERT_PROJS, QUANT_CLASSES, CalibrationError, QuantExperts, QuantModule, is_fused_experts,
                       is_quantized_module, wrap)
 
 _log = logging.getLogger("qcore.adapters")
@@ -283,7 +283,7 @@ def _why_odd(m: nn.Module, local: str, t: torch.Tensor) -> Optional[str]:
     (those are planned, excluded or warned about by ``plan_model``)."""
     if not t.is_floating_point() or t.dim() < 2 or "bias" in local.lower():
         return None
-    if isinstance(m, (_QuantMixin, _FloatView)) or any(isinstance(m, c) for c in QUANT_CLASSES) or \
+    if isinstance(m, (QuantModule, _FloatView)) or any(isinstance(m, c) for c in QUANT_CLASSES) or \
             is_fused_experts(m):  # fused experts of a known layout are planned (QuantExperts)
         return None
     tname = type(m).__name__
@@ -529,7 +529,7 @@ def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distri
     if isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable):
         raise TypeError(f"calibration data must be an iterable of batches (a list or a DataLoader), got "
                         f"{type(data).__name__}; wrap a single batch in a list: [batch]")
-    mods = [m for m in model.modules() if isinstance(m, _QuantMixin) and m.static_roles()]
+    mods = [m for m in model.modules() if isinstance(m, QuantModule) and m.static_roles()]
     if not mods:
         return 0
     device = _device_of(model)
@@ -827,7 +827,7 @@ def config_algorithms(config) -> tuple:
 
 def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
     """``{name: wrapper}`` of the quantized modules of ``model``."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantModule)}
 
 
 def freeze(model: nn.Module, *, progress: bool = False) -> nn.Module:

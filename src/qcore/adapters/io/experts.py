@@ -31,7 +31,7 @@ from torch import nn
 from qcore.formats import quark_layout as L
 from qcore.formats.safetensors_io import CorruptCheckpointError, TensorRecord
 
-from ..modules import EXPERT_PROJS, QuantExperts, _QuantMixin, is_fused_experts
+from ..modules import EXPERT_PROJS, QuantExperts, QuantModule, is_fused_experts
 
 __all__ = ["disk_names", "experts_layout", "experts_records", "ExpertsShell", "check_no_experts",
            "drop_expert_converters"]
@@ -49,7 +49,7 @@ def _experts_named(model: nn.Module, config: Any) -> list[str]:
     """The fused experts modules of ``model`` that are (or, for a float model quantized with ``config``, would
     be) quantized."""
     names = [n for n, m in model.named_modules() if isinstance(m, QuantExperts)]
-    if names or any(isinstance(m, _QuantMixin) for m in model.modules()) or config is None:
+    if names or any(isinstance(m, QuantModule) for m in model.modules()) or config is None:
         return names
     import warnings
 
@@ -274,7 +274,7 @@ class ExpertsShell(nn.Module):
             shape = (rows[1] - rows[0], shapes[proj][2])
             want = dict(L.expected_weight(spec, shape, layout=self.layout))
             for role in q.static_roles():
-                sshape = q._expert_static_shape(proj, role)
+                sshape = q.expert_static_scale_shape(proj, role)
                 if role == "output" and sshape:
                     sshape = (shape[0],)
                 want.update(L.expected_activation(role, q.specs[role], sshape, layout=self.layout))
@@ -413,7 +413,6 @@ def float_experts_split(model: nn.Module) -> dict[str, list]:
     written per expert under the names ``save_pretrained`` writes (and transformers' own conversion merges them
     back on load). Empty when the model has quantized fused experts (qcore's loader then reads the float ones
     under their fused names) or when the family's checkpoints have no per-expert names."""
-    from ..modules import is_fused_experts
     if any(isinstance(m, QuantExperts) for m in model.modules()):
         return {}
     out: dict[str, list] = {}

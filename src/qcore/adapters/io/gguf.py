@@ -134,7 +134,8 @@ from qcore.formats import gguf as G
 from qcore.formats.safetensors_io import CorruptCheckpointError
 
 from ..config import ModelConfig, LayerConfig, TensorConfig
-from ..modules import _QuantMixin, QUANT_CLASSES
+from ..modules import (IN_OUT, QUANT_CLASSES, QuantExperts, QuantModule, input_rotations, is_fused_experts,
+                       linear_weight, weight_layout)
 from .._batches import _set_module
 
 __all__ = ['export_gguf', 'export_gguf_dir', 'check_gguf', 'gguf_names', 'gguf_family', 'GGUFExportInfo',
@@ -298,7 +299,7 @@ def _expert_names(model: nn.Module) -> dict:
     return {f"{loc.layers}.{i}.{fam.experts.path}": f"blk.{i}" for i in range(n_layers)}
 
 
-def _in_memory_weight(m: _QuantMixin) -> np.ndarray:
+def _in_memory_weight(m: QuantModule) -> np.ndarray:
     return m.effective("weight", canonical=True).float().cpu().numpy()
 
 
@@ -329,7 +330,7 @@ def _exactness(data: np.ndarray, kind: str, how: str, ref: np.ndarray) -> tuple[
     return G.is_exact(data, kind, ref)
 
 
-def _encode_quantized(name: str, gbase: str, m: _QuantMixin, strict: bool) -> tuple[np.ndarray, str, TensorReport]:
+def _encode_quantized(name: str, gbase: str, m: QuantModule, strict: bool) -> tuple[np.ndarray, str, TensorReport]:
     from .quark_hf import weight_parts
     spec = m.specs["weight"]
     if spec.gguf:  # a GGUF spec: its own ggml type, the stored block bytes as they are (no re-quantization)
@@ -380,7 +381,6 @@ def _expert_mats(m: nn.Module) -> tuple[dict, Optional[dict], Any]:
     """``({gguf role: float32 [E, out, in]}, {gguf role: [per-expert WeightParts]} or None, spec)`` of a fused
     experts module: gate = the first half of each expert's ``gate_up_proj`` rows, up = the second, down."""
     from qcore.formats.quark_layout import WeightParts
-    from ..modules import QuantExperts
     gate, up, down = G.EXPERT_TENSORS
     if not isinstance(m, QuantExperts) or "weight" not in m.specs:
         gu = m.gate_up_proj.detach().float().cpu().numpy()
@@ -413,7 +413,6 @@ def _encode_experts(name: str, blk: str, m: nn.Module, strict: bool) -> tuple[li
     """The three 3-D expert tensors of the experts module ``name`` (``[(gguf name, data, type)]``) and their
     reports: code for code where the grid is a GGUF type (every expert the same type), else requantized with
     ggml's reference quantizer, else float (see ``_encode_quantized``)."""
-    from ..modules import QuantExperts
     if isinstance(m, QuantExperts) and "weight" in m.specs and m.weight_spec("down_proj").gguf:
         return _encode_gguf_experts(name, blk, m)
     mats, parts, spec = _expert_mats(m)
@@ -465,8 +464,7 @@ def _encode_gguf_experts(name: str, blk: str, m: nn.Module) -> tuple[list, list]
         kind = G.GGUF_KIND_OF[m.weight_spec(proj).gguf]  # down_proj may have its own (llama.cpp's mixes)
         data = m.gguf_blocks(proj)
         e_, o, i = m.expert_shape(proj)
-        with torch.no_grad():
-            ref = m._proj(proj).detach()
+        ref = m.effective_proj(proj)
         vals = torch.from_numpy(G.dequantize(data.reshape(e_ * o, -1), kind, (e_ * o, i)).reshape(e_, o, i))
         if not torch.equal(vals.to(ref.dtype).float(), ref.float().cpu()):
             raise RuntimeError(f"export_gguf: {name}.{proj}: the {kind} blocks do not reproduce the experts' weights "
@@ -547,14 +545,13 @@ def _check_model(model: nn.Module, drop_activations: bool) -> tuple:
     from .quark_hf import refuse_low_rank
     refuse_low_rank(model, None, "export_gguf")
     fam, arch, meta, d = _arch(model)
-    from ..passes.rotation import input_rotations
     rot = input_rotations(model)
     if rot:
         raise ValueError(f"export_gguf: the model carries online rotations (e.g. before {next(iter(rot))!r}); "
                          f"llama.cpp's graphs cannot apply them")
     dropped = []
     for n, m in model.named_modules():
-        if not isinstance(m, _QuantMixin):
+        if not isinstance(m, QuantModule):
             continue
         why = _unit_problem(n, list(m.specs), drop_activations)
         if why:
@@ -644,13 +641,12 @@ def _check_bias(name: str, role: str, arch) -> None:
 
 def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[TensorReport]]:
     """``[(gguf name, array, type name)]`` in state-dict order, and the reports of the quantized weights."""
-    from ..modules import linear_weight
     n_head = int(model.config.num_attention_heads)  # the config's attribute (GPT-2's n_head: attribute_map)
     n_kv = int(getattr(model.config, "num_key_value_heads", None) or n_head)
     per_head_qkv = gguf_family(model)[0].qkv_layout == "per_head"
     names = gguf_names(model)
     experts = _expert_names(model)
-    mods = {n: m for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
+    mods = {n: m for n, m in model.named_modules() if isinstance(m, QuantModule)}
     owned = {}
     for n, m in mods.items():
         for k in m.state_dict():
@@ -751,7 +747,7 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
         raise ValueError(f"path must name a .gguf file, got {str(path)!r}")
     check_file_destination(path, overwrite, model_sources(model) + ([str(tokenizer)] if isinstance(
         tokenizer, (str, os.PathLike)) else []))
-    if not any(isinstance(m, _QuantMixin) for m in model.modules()):
+    if not any(isinstance(m, QuantModule) for m in model.modules()):
         raise ValueError("export_gguf: the model has no qcore quantized modules; run quantize_model first")
     arch, meta, cfg, dropped = _check_model(model, drop_activations)
     tok = None if tokenizer is None else _tokenizer_fields(tokenizer, int(cfg["vocab_size"]),
@@ -1004,9 +1000,8 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, 
 def _conv1d_weight(model: nn.Module, hf: str) -> bool:
     """Whether ``hf`` is the weight of a float transformers ``Conv1D`` (GPT-2): stored ``[in, out]``, the transpose
     of the GGUF tensor (a Linear's ``[out, in]``)."""
-    from ..modules import _Conv1D
     mod_name, _, leaf = hf.rpartition(".")
-    return leaf == "weight" and _Conv1D is not None and type(model.get_submodule(mod_name)) is _Conv1D
+    return leaf == "weight" and weight_layout(model.get_submodule(mod_name)) == IN_OUT
 
 
 def _set_param(model: nn.Module, hf: str, value: torch.Tensor) -> None:
@@ -1022,7 +1017,6 @@ def _model_config(model: nn.Module, specs: dict[str, QuantSpec]) -> Optional[Mod
     global layer, the others (and every float Linear, and a quantized embedding) by name."""
     if not specs:
         return None
-    from ..modules import QuantExperts, is_fused_experts
     linears = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantExperts)) or is_fused_experts(m)]
     counts = collections.Counter(specs[n] for n in linears if n in specs)
     common = counts.most_common(1)[0][0] if counts else None
@@ -1074,7 +1068,6 @@ def _import_experts(model: nn.Module, mod_name: str, ts: dict, dtype: torch.dtyp
     ``gate_up_proj`` / ``down_proj`` (ggml's dequantization; block types listed as dequantized)."""
     import gguf
     from qcore.formats.quark_layout import WeightParts
-    from ..modules import QuantExperts, is_fused_experts
     module = model.get_submodule(mod_name)
     gate, up, down = G.EXPERT_TENSORS
     kinds = {r: t.tensor_type.name for r, t in ts.items()}
@@ -1174,7 +1167,6 @@ def _import_gguf_experts(model: nn.Module, module: nn.Module, mod_name: str, ts:
     """``_import_experts`` of expert tensors of ``G.GGUF_SPEC_KINDS`` types (gate and up ``kind``; down ``kind`` or
     ``down_kind``, its own spec: ``QuantExperts`` ``proj_weights``): a frozen ``QuantExperts`` with those GGUF
     specs holding the file's block bytes (``load_frozen_gguf``; gate then up rows of each expert)."""
-    from ..modules import QuantExperts
     gate, up, down = G.EXPERT_TENSORS
     down_kind = down_kind or kind
     spec = qcore.make_spec(G.GGUF_SPEC_KINDS[kind])
@@ -1225,7 +1217,7 @@ def _same_q4_spec(s1, p1, s2, p2):
 
 
 def _tied_head_of(model: nn.Module, emb: nn.Module, spec, parts, shape: tuple, dtype: torch.dtype,
-                  q: _QuantMixin) -> Optional[str]:
+                  q: QuantModule) -> Optional[str]:
     """The output head tied to the quantized token embedding ``q`` (imported from ``emb``) as a frozen module of
     the same spec sharing ``q``'s weight buffers (llama.cpp's head multiplies by the same quantized matrix); its
     module name, or None when the model has no separate head module."""
@@ -1250,7 +1242,7 @@ def _shares_weight(head: Optional[nn.Module], emb: Optional[nn.Module], tied: bo
     """The quantized head holds the quantized token embedding's weight itself (tied: the same parameter, or the
     same frozen buffers; on a ``tied`` model also equal ones, e.g. after a device move copied the buffers) with
     the same spec: llama.cpp computes it with ``token_embd``."""
-    if not isinstance(head, _QuantMixin) or not isinstance(emb, _QuantMixin) \
+    if not isinstance(head, QuantModule) or not isinstance(emb, QuantModule) \
             or head.specs.get("weight") != emb.specs.get("weight"):
         return False
 
@@ -1368,7 +1360,7 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
     for mod_name, ts in experts.items():
         _import_experts(model, mod_name, ts, dtype, strict, reports, specs, float_blocks)
 
-    if tied and not any(isinstance(m, _QuantMixin) for m in [model.get_output_embeddings()]):
+    if tied and not any(isinstance(m, QuantModule) for m in [model.get_output_embeddings()]):
         model.tie_weights()
         out, emb = model.get_output_embeddings(), model.get_input_embeddings()
         if out is not None and out.weight is not emb.weight:

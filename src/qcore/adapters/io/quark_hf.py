@@ -66,7 +66,8 @@ from qcore.formats.safetensors_io import (TensorRecord, write_file, CorruptCheck
 
 from ._records import _ST_TORCH, _TORCH_ST, _np, _record, _tensor_record, untied_state  # noqa: F401
 from ..config import ModelConfig
-from ..modules import QuantExperts, QuantLinear, _QuantMixin, QUANT_CLASSES
+from ..modules import (IN_OUT, QUANT_CLASSES, QuantExperts, QuantLinear, QuantModule, input_rotations, install_online,
+                       low_rank_modules, online_plan, weight_granularity, weight_layout, with_granularity)
 from .._batches import _set_module
 from ..quantizer import plan_model
 
@@ -157,7 +158,7 @@ def _weight_parts_rows(m, w: torch.Tensor, spec, kw: dict, step: int) -> L.Weigh
     return L.WeightParts(codes=codes, scales=scales, zero_points=zps, shifts=None, tensor_scale=None)
 
 
-def weight_parts(m: _QuantMixin) -> tuple[L.WeightParts, tuple]:
+def weight_parts(m: QuantModule) -> tuple[L.WeightParts, tuple]:
     """The qcore parts of a quantized module's weight (canonical layout) and the canonical shape; frozen or not
     (a fake-quantized weight is quantized again with its own scales, exactly as ``freeze`` does, nothing
     changes)."""
@@ -196,14 +197,14 @@ def weight_parts(m: _QuantMixin) -> tuple[L.WeightParts, tuple]:
                          tensor_scale=None if q.tensor_scale is None else _np(q.tensor_scale)), tuple(wc.shape)
 
 
-def canonical_shape(m: _QuantMixin) -> tuple:
+def canonical_shape(m: QuantModule) -> tuple:
     """The shape of a quantized module's weight in the canonical ``[out, in, *kernel]`` layout, frozen or not."""
     if isinstance(m, QuantExperts):  # [E, 2I, H]: each expert's Linears are [I, H] (gate, up) and [H, I]
         return m.expert_shape("gate_up_proj")
     return m.weight_shape
 
 
-def module_layout(m: _QuantMixin) -> str:
+def module_layout(m: QuantModule) -> str:
     if isinstance(m, QuantExperts):
         from .experts import experts_layout
         return experts_layout(m.specs["weight"], {p: m.expert_shape(p) for p in ("gate_up_proj", "down_proj")})
@@ -211,7 +212,7 @@ def module_layout(m: _QuantMixin) -> str:
                            else "other")
 
 
-def _activation_records(m: _QuantMixin, layout: str) -> dict:
+def _activation_records(m: QuantModule, layout: str) -> dict:
     out = {}
     for role in m.static_roles():
         if not m.is_calibrated(role):
@@ -226,7 +227,7 @@ def _activation_records(m: _QuantMixin, layout: str) -> dict:
     return out
 
 
-def module_records(name: str, m: _QuantMixin, layout: str, cache: dict, pack_method: str = "reorder"
+def module_records(name: str, m: QuantModule, layout: str, cache: dict, pack_method: str = "reorder"
                    ) -> list[TensorRecord]:
     """One quantized module's tensors in the checkpoint (weight codes and scales in ``layout``, calibrated
     activation scales, bias), as lazy records; ``cache`` holds one module's encoded weight at a time."""
@@ -286,7 +287,7 @@ def _plan_tensors(model: nn.Module, pack_method: str = "reorder", *, own: bool =
     Quark's where it has one, or, with ``own`` (a ``quant_method: "qcore"`` checkpoint: ``checkpoint_method``),
     qcore's extension for every quantized module. Order (it decides the shards): the quantized modules' tensors
     in module order, then every other tensor of the state dict in its order (a tied weight once)."""
-    mods = {n: m for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
+    mods = {n: m for n, m in model.named_modules() if isinstance(m, QuantModule)}
     layouts = {n: "qcore" if own else module_layout(m) for n, m in mods.items()}
     records: list[TensorRecord] = []
     owned: set[str] = set()
@@ -311,7 +312,6 @@ def _online_rotations(model: nn.Module, config: ModelConfig) -> bool:
     """Whether the model carries online rotations; ValueError if they are not what its config's rotation says
     (a loader re-installs them from the config)."""
     from qcore.algorithms.config import parse_algorithms, split_rotation
-    from ..passes.rotation import input_rotations, online_plan
     have = {n: (h.size, h.key) for n, h in input_rotations(model).items()}
     rot, _ = split_rotation(parse_algorithms(config.algorithms))
     want = {n: (h.size, h.key) for n, h in online_plan(model, rot).items()} if rot is not None else {}
@@ -336,16 +336,17 @@ def export_units(model: nn.Module, config: ModelConfig) -> list[ExportUnit]:
     """The quantized modules of ``model`` as they are, or, for a model not quantized yet, as ``quantize_model``
     would make them from ``config`` (``plan_model``): what the exporters' up-front checks (``check_hf``,
     ``check_gguf``, ``check_onnx``, ``check_ct``) look at, before any evaluation or quantization."""
-    mods = [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantMixin)]
+    mods = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantModule)]
     if mods:
         return [ExportUnit(n, "Experts" if isinstance(m, QuantExperts) else m.float_type.__name__,
                            canonical_shape(m), m.qconfig) for n, m in mods]
     from ..quantizer import plan_model
     out = []
     for p in plan_model(model, config):
-        w = getattr(model.get_submodule(p.name), "weight" if p.type != "Experts" else "gate_up_proj", None)
+        mod = model.get_submodule(p.name)
+        w = getattr(mod, "weight" if p.type != "Experts" else "gate_up_proj", None)
         shape = tuple(w.shape) if w is not None else ()
-        if p.type in ("ConvTranspose2d", "Conv1D") and len(shape) >= 2:  # stored [in, out, ...]
+        if (p.type == "ConvTranspose2d" or weight_layout(mod) == IN_OUT) and len(shape) >= 2:  # stored [in, out, ...]
             shape = (shape[1], shape[0], *shape[2:])
         out.append(ExportUnit(p.name, p.type, shape, p.config))
     return out
@@ -357,10 +358,9 @@ def refuse_conv1d(model: nn.Module, config: Optional[ModelConfig], who: str) -> 
     exporters and their up-front checks) has no writer for them yet (docs/adapters.md); ``export_hf`` writes them.
     These exporters refuse SVDQuant's low-rank branches the same way, first (``refuse_low_rank``)."""
     refuse_low_rank(model, config, who)
-    names = [n for n, m in model.named_modules()
-             if isinstance(m, _QuantMixin) and type(m).__bases__[1].__name__ == "Conv1D"]
-    if not names and isinstance(config, ModelConfig) and not any(isinstance(m, _QuantMixin) for m in model.modules()) \
-            and any(type(m).__name__ == "Conv1D" for m in model.modules()):  # models without one: not planned here
+    names = [n for n, m in model.named_modules() if isinstance(m, QuantModule) and weight_layout(m) == IN_OUT]
+    if not names and isinstance(config, ModelConfig) and not any(isinstance(m, QuantModule) for m in model.modules()) \
+            and any(weight_layout(m) == IN_OUT for m in model.modules()):  # models without one: not planned here
         names = [u.name for u in export_units(model, config) if u.type == "Conv1D"]
     if names:
         raise ValueError(conv1d_error(who, names))
@@ -370,9 +370,8 @@ def refuse_low_rank(model: nn.Module, config: Optional[ModelConfig], who: str) -
     """Before any work: ValueError naming the first module that carries (or, for a float model and ``config`` with
     SVDQuant, will carry) SVDQuant's low-rank branch: ``who`` (GGUF, ONNX, compressed-tensors) has no way to
     write the branch, and dropping it would change the model's function; ``export_hf`` writes it."""
-    from ..modules import low_rank_modules
     names = low_rank_modules(model)
-    if not names and isinstance(config, ModelConfig) and not any(isinstance(m, _QuantMixin) for m in model.modules()):
+    if not names and isinstance(config, ModelConfig) and not any(isinstance(m, QuantModule) for m in model.modules()):
         from qcore.algorithms.config import parse_algorithms
         if any(a.name == "svdquant" for a in parse_algorithms(config.algorithms)):
             names = ["every Linear SVDQuant quantizes"]
@@ -394,14 +393,12 @@ def conv1d_error(who: str, names: list) -> str:
 
 def will_rotate_online(model: nn.Module, config: ModelConfig) -> bool:
     """Whether the model carries (or, quantized with ``config``, will carry) online rotations."""
-    from ..passes.rotation import input_rotations
     if input_rotations(model):
         return True
     from qcore.algorithms.config import parse_algorithms, split_rotation
     rot, _ = split_rotation(parse_algorithms(config.algorithms))
     if rot is None:
         return False
-    from ..passes.rotation import online_plan
     return bool(online_plan(model, rot))
 
 
@@ -464,21 +461,19 @@ def checkpoint_method(model: nn.Module, config: ModelConfig) -> str:
 def _low_rank(model: nn.Module, config: ModelConfig) -> bool:
     """Whether the model carries (or, quantized with ``config``, will carry) SVDQuant's low-rank branches."""
     from qcore.algorithms.config import parse_algorithms
-    from ..modules import low_rank_modules
     return bool(low_rank_modules(model)) or any(a.name == "svdquant" for a in parse_algorithms(config.algorithms))
 
 
 def _experts_unit_layout(u: ExportUnit) -> str:
     """The layout of a fused experts unit's per-expert Linears (ValueError where qcore cannot write them yet)."""
     from .experts import experts_layout, split_problem
-    from ..modules import _norm_weight_granularity, _with_granularity
     e, o, i = u.shape
     spec = u.config.weight.spec
     if spec.gguf:
         raise ValueError(f"export_hf: experts {u.name!r}: their weights are GGUF {spec.gguf} (float block offsets "
                          f"and super-block scales), which only GGUF files hold; export them with export_gguf, or "
                          f"quantize the float model with another spec for this format")
-    spec = _with_granularity(spec, _norm_weight_granularity(spec.granularity, "experts", u.name, 2, (o, i)))
+    spec = with_granularity(spec, weight_granularity(spec.granularity, "experts", u.name, 2, (o, i)))
     shapes = {"gate_up_proj": (e, o, i), "down_proj": (e, i, o // 2)}
     problem = split_problem(spec, shapes)
     if problem is not None:
@@ -515,7 +510,7 @@ def _check_config_describes(model: nn.Module, config: ModelConfig) -> None:
     """The config written must give exactly the model's quantized modules (a loader rebuilds them from it)."""
     from ..quantizer import plan_model
     want = {p.name: p.config for p in plan_model(model, config, _quantized_ok=True)}
-    have = {n: m.qconfig for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
+    have = {n: m.qconfig for n, m in model.named_modules() if isinstance(m, QuantModule)}
     for name in sorted(set(want) | set(have)):
         if want.get(name) != have.get(name):
             got = "float" if name not in have else "quantized"
@@ -584,9 +579,9 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
         raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
     max_bytes = parse_size(max_shard_size)
     config = model_config(model, config, who="export_hf")
-    if not any(isinstance(m, _QuantMixin) for m in model.modules()):
+    if not any(isinstance(m, QuantModule) for m in model.modules()):
         raise ValueError("export_hf: the model has no qcore quantized modules; run quantize_model first")
-    weightless = [n for n, m in model.named_modules() if isinstance(m, _QuantMixin) and "weight" not in m.specs]
+    weightless = [n for n, m in model.named_modules() if isinstance(m, QuantModule) and "weight" not in m.specs]
     if weightless:  # before any work: the layouts are the weights' (a KV-cache-only / activation-only config)
         raise ValueError(weightless_error("export_hf", weightless))
     hf_config = getattr(model, "config", None)
@@ -1064,7 +1059,6 @@ def _make_classes():
                         f"quantization_config.algo_config: Quark's rotation with online transforms "
                         f"({list(rot.online)}) uses Quark's own Hadamard tables, which qcore does not reproduce; "
                         f"load this checkpoint with amd-quark")
-                from ..passes.rotation import install_online
                 install_online(model, rot)
             return model
 

@@ -31,7 +31,7 @@ from torch import nn
 import qcore
 
 from .._batches import _call, _progress, _to, logits_of
-from ..modules import QuantExperts, _QuantMixin
+from ..modules import QuantExperts, QuantModule
 
 _log = logging.getLogger("qcore.adapters")
 
@@ -40,7 +40,7 @@ __all__ = ["check_distill", "run_distill", "make_teacher"]
 
 def _targets(model: nn.Module) -> list:
     """``[(name, module)]`` of the quantized modules with a quantized weight, in model order."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantMixin) and "weight" in m.specs]
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantModule) and "weight" in m.specs]
 
 
 def _scale_trainable(spec) -> Optional[str]:
@@ -117,7 +117,7 @@ class _Trainee:
             kw["tensor_scale"] = self.tscale
         return kw
 
-    def fake(self, m: _QuantMixin) -> torch.Tensor:
+    def fake(self, m: QuantModule) -> torch.Tensor:
         """The weight the forward uses: fake-quantized with the scales, straight-through to the weight (and the
         LSQ gradient to a trained scale)."""
         w = m.to_canonical(self.weight)

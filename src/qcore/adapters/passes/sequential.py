@@ -52,7 +52,7 @@ from qcore.algorithms.gptq import HessianStats, _HessianSum, check_gptq_spec, gp
 from qcore.stats import RunningStats
 
 from ..config import MinMax, Percentile
-from ..modules import EXPERT_PROJS, experts_weight_spec, is_fused_experts, linear_weight, linear_weight_spec
+from ..modules import EXPERT_PROJS, experts_weight_spec, gguf_cat, is_fused_experts, linear_weight, linear_weight_spec
 from ..families import family_or_none
 from .runner import AlgorithmError, LayerInputs, LayerRunner, Stop, find_decoder_layers, forward_layer
 
@@ -303,10 +303,9 @@ def _experts_gptq(w, hess, spec, fn, kw: dict, imp, proj: str, e: int):
     rows = rows[e]
     if all(np.array_equal(rows[0], r) for r in rows[1:]):
         return gptq(w, hess, spec, scale_fn=fn, imatrix=rows[0], **kw).qtensor
-    from ..modules import _gguf_cat
     k = w.shape[0] // len(rows)
-    return _gguf_cat([gptq(w[h * k:(h + 1) * k].contiguous(), hess, spec, scale_fn=fn, imatrix=r, **kw).qtensor
-                      for h, r in enumerate(rows)])
+    return gguf_cat([gptq(w[h * k:(h + 1) * k].contiguous(), hess, spec, scale_fn=fn, imatrix=r, **kw).qtensor
+                     for h, r in enumerate(rows)])
 
 
 def _concat_ok(specs: list) -> bool:
