@@ -55,7 +55,7 @@ from .experts import (EXPERT_PROJS, KNOWN_EXPERTS, QuantExperts, experts_layout_
                       is_fused_experts)
 from .gguf_parts import gguf_cat, gguf_numpy, gguf_qtensor
 from .granularity import activation_granularity, weight_granularity, with_granularity
-from .layout import IN_OUT, OUT_IN, Conv1D, linear_weight, linear_weight_spec, weight_layout
+from .layout import IN_OUT, OUT_IN, linear_weight, linear_weight_spec, weight_layout
 from .linear import QuantConv1D, QuantLinear
 from .lowrank import LowRankBranch, add_low_rank_branch, low_rank_modules
 from .observers import CalibrationError, Observer, calibrating, quantize_observed

@@ -32,10 +32,9 @@ __all__ = ["QuantModule", "StoredScales", "is_quantized_module", "fake_quantize_
 PENDING, INPLACE, QAT, FROZEN = "pending", "inplace", "qat", "frozen"
 
 
-
-
 class QuantModule:
-    """State and helpers shared by the wrappers. Module state lives here only (adapters hold module state)."""
+    """The base class of every quantized wrapper (``QuantLinear``, ``QuantConv2d``, ..., ``QuantExperts``): state and
+    helpers shared by the wrappers. Module state lives here only (adapters hold module state)."""
 
     _conv = False
     _index_input = False  # embeddings: the input is indices
@@ -850,11 +849,7 @@ class QuantModule:
         self._qspecs.pop("bias", None)
 
 
-
-
 _SCALE_SUFFIXES = ("_scale", "_zero_point", "_tensor_scale", "_subblock_shifts")
-
-
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -867,8 +862,6 @@ class StoredScales:
     subblock_shifts: Optional[torch.Tensor]
 
 
-
-
 class _Kept(NamedTuple):
     """The scales of a fake-quantized parameter (what ``_keep_params`` stores as buffers)."""
 
@@ -876,8 +869,6 @@ class _Kept(NamedTuple):
     zero_points: Any
     tensor_scale: Any
     super_scales: Any = None  # GGUF specs: llama.cpp's stored scales
-
-
 
 
 def fake_quantize_dispatch(x: torch.Tensor, spec: QuantSpec, **kw) -> torch.Tensor:
@@ -899,8 +890,6 @@ def dequantize_dispatch(q) -> torch.Tensor:
 def _ste(x: torch.Tensor, fq: torch.Tensor) -> torch.Tensor:
     """``fq`` in the forward, identity gradient to ``x`` in the backward."""
     return x + (fq.to(x.dtype) - x).detach()
-
-
 
 
 def is_quantized_module(m: nn.Module) -> bool:

@@ -25,8 +25,6 @@ class LowRankBranch(NamedTuple):
 _BRANCH_BUFFERS = ("lowrank_down", "lowrank_up", "input_smoothing")
 
 
-
-
 def add_low_rank_branch(m: nn.Module, down: torch.Tensor, up: torch.Tensor, smoothing: Optional[torch.Tensor] = None,
                         *, where: str = "") -> None:
     """Register SVDQuant's branch buffers (``lowrank_down`` [r, in], ``lowrank_up`` [out, r], ``input_smoothing``

@@ -23,7 +23,6 @@ class CalibrationError(ValueError):
     """A calibration statistic is NaN or Inf, or a calibration batch does not fit the model."""
 
 
-
 class Observer:
     """Running statistics of one static activation role, as values updated per batch."""
 
