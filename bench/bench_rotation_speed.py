@@ -33,6 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 
 from qcore.adapters import preset, quantize_model  # noqa: E402
+from qcore.adapters.modules import rotation as MR  # noqa: E402
 from qcore.adapters.passes import rotation as R  # noqa: E402
 from qcore.adapters.passes import spinquant as S  # noqa: E402
 from qcore.adapters.plan import plan_model  # noqa: E402
@@ -130,7 +131,7 @@ def _spin(model, calib, cfg, steps, reference, profile):
         tm.wrap(torch.Tensor, "backward", "backward")
         tm.wrap(S, "cayley_step", "Cayley update")
         tm.wrap(R.InputRotation, "apply", "online Hadamard transforms (forward)")
-        tm.wrap(R._FWHT, "backward", "online Hadamard transforms (backward)")
+        tm.wrap(MR._FWHT, "backward", "online Hadamard transforms (backward)")
     t = time.perf_counter()
     try:
         (S._reference_spinquant if reference else S.spinquant)(m, plans, calib, algo, train_weights=True)
@@ -154,7 +155,7 @@ def _gptq(model, calib, cfg, rotate, old):
             tm.wrap(R.InputRotation, "apply", "x")  # placeholder, replaced below
             tm.restore()
             orig = R.InputRotation.apply
-            R.InputRotation.apply = R._ReferenceInputRotation.apply
+            R.InputRotation.apply = MR.ReferenceInputRotation.apply
             tm.undo.append((R.InputRotation, "apply", orig))
             tm.wrap(R.InputRotation, "apply", "online Hadamard transforms")
         else:

@@ -155,7 +155,7 @@ def _instrument(ph: Phases):
     if sb is not None and hasattr(sb, "_Recorder"):
         ph.wrap(sb._Recorder, "__call__", "  recorder hooks (in statistics forward)")
     ph.wrap(q, "calibrate", "static calibration (full forward + observers)")
-    ph.wrap(m._Observer, "update", "  observers (in calibration)")
+    ph.wrap(m.Observer, "update", "  observers (in calibration)")
 
 
 def _loadavg():

@@ -78,7 +78,7 @@ if mode == "rtn":
     st._load = labelled(load, "load")
     qh.weight_parts = labelled(qh.weight_parts, "weight_parts")
     L.encode_weight = labelled(L.encode_weight, "encode")
-    M._QuantMixin.commit = labelled(M._QuantMixin.commit, "commit")
+    M.QuantModule.commit = labelled(M.QuantModule.commit, "commit")
     R.Spill.add = labelled(R.Spill.add, "spill")
     res["rss_after_imports"] = rss()
     t0 = time.perf_counter()

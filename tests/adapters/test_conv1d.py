@@ -20,7 +20,8 @@ from qcore import PerChannel, PerGroup, PerTensor  # noqa: E402
 from qcore.adapters import (PRESETS, LayerConfig, ModelConfig, TensorConfig, excluded_weights, export_hf,  # noqa: E402
                             freeze, from_pretrained, plan_model, preset, quantize_model, quantized_modules,
                             unquantized_weights, wrap)
-from qcore.adapters.modules import QuantConv1D, QuantLinear, linear_weight  # noqa: E402
+from qcore.adapters.modules import (IN_OUT, OUT_IN, QuantConv1D, QuantLinear, linear_weight,  # noqa: E402
+                                    weight_layout)
 
 V = 128
 CONV1D = [f"transformer.h.{i}.{n}" for i in (0, 1) for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
@@ -322,6 +323,22 @@ def test_linear_weight_lets_scale_folding_reach_conv1d(gpt2):
     torch.testing.assert_close(logits(model), ref, rtol=1e-9, atol=1e-9)
     assert linear_weight(model.lm_head) is model.lm_head.weight and linear_weight(block.ln_1) is None
 
+
+
+def test_weight_layout_says_how_a_linear_like_weight_is_stored(gpt2):
+    """``weight_layout``: ``in_out`` for transformers' Conv1D (float, quantized, frozen), ``out_in`` for nn.Linear
+    (float, quantized), None for modules that are not Linear-like; what the exporters, imatrix, the layer report and
+    AutoRound ask instead of the class name."""
+    block = gpt2.transformer.h[0]
+    assert (OUT_IN, IN_OUT) == ("out_in", "in_out")
+    assert weight_layout(block.attn.c_attn) == IN_OUT and weight_layout(gpt2.lm_head) == OUT_IN
+    assert weight_layout(block.ln_1) is None and weight_layout(gpt2.transformer.wte) is None
+    assert weight_layout(nn.Conv2d(2, 2, 1)) is None and weight_layout(nn.ConvTranspose2d(2, 2, 1)) is None
+    q = wrap(copy.deepcopy(block.attn.c_attn), LayerConfig(weight="int8"), name="c_attn")
+    lq = wrap(nn.Linear(8, 4), LayerConfig(weight="int8"), name="fc")
+    assert weight_layout(q) == IN_OUT and weight_layout(lq) == OUT_IN
+    q.freeze()
+    assert weight_layout(q) == IN_OUT and "weight" not in q._parameters
 
 # ---------------------------------------------------------------------------------------------------------------
 # AWQ / SmoothQuant / AutoSmoothQuant: the GPT-2 record's groups (ln_1 -> attn.c_attn, ln_2 -> mlp.c_fc), folded

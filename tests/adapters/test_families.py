@@ -16,11 +16,10 @@ from torch import nn  # noqa: E402
 
 from qcore.adapters.families import (BY_MODEL_TYPE, DEFAULT_FUSED, FAMILIES, Experts, Family,  # noqa: E402
                                      ScalingRule, UnknownFamily, decoder_layers_path, family_of, fused_units,
-                                     locate)
+                                     locate, unit_offset_norm)
 from qcore.adapters.modules import linear_weight  # noqa: E402
 from qcore.adapters.passes.rotation import rotate_model  # noqa: E402
-from qcore.adapters.passes.scaling import (_UNIT_OFFSET_NORMS, NoScalingMap, ScalingGroup, fold_scales,  # noqa: E402
-                                    scaling_groups)
+from qcore.adapters.passes.scaling import NoScalingMap, ScalingGroup, fold_scales, scaling_groups  # noqa: E402
 
 VOCAB, HIDDEN, HEADS, KV, HD = 128, 32, 4, 2, 8
 _DEC = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
@@ -144,8 +143,10 @@ def test_every_name_of_the_record_exists_with_its_shape(mt):
             norm = layer.get_submodule(n)
             want = HIDDEN if n not in fam.qk_norms else hd
             assert tuple(norm.weight.shape) == (want,), n
+            # the record agrees with what a model without one would be told (Quark's class list) and with the fold
+            assert unit_offset_norm(norm, fam) == unit_offset_norm(norm) == (fam.norm == "rms_unit_offset"), n
             kind = ("layernorm" if isinstance(norm, nn.LayerNorm) else
-                    "rms_unit_offset" if type(norm).__name__ in _UNIT_OFFSET_NORMS else
+                    "rms_unit_offset" if unit_offset_norm(norm) else
                     "rms" if type(norm).__name__.endswith("RMSNorm") else type(norm).__name__)
             assert kind == fam.norm, (n, type(norm).__name__)
         all_norms = {n for n, x in layer.named_modules() if type(x).__name__.endswith(("RMSNorm", "LayerNorm"))}

@@ -114,7 +114,8 @@ def test_kquant_family_export_imports_as_codes_and_goes_back_byte_for_byte(tmp_p
 
 def test_fused_experts_refuse_kquants_on_rows_not_a_multiple_of_256():
     """Fused experts take GGUF specs (test_gguf_moe_kquants.py) where each expert's rows are whole blocks; this
-    Qwen3-MoE's 32-wide expert rows are refused by name (src/qcore/adapters/modules.py ``experts_weight_spec``)."""
+    Qwen3-MoE's 32-wide expert rows are refused by name (src/qcore/adapters/modules/experts.py
+    ``experts_weight_spec``)."""
     m = tiny256("qwen3_moe")
     with pytest.raises(ValueError, match="GGUF type 'q4_k' needs each expert's down_proj rows to be a multiple of 256"):
         quantize_model(m, ModelConfig(LayerConfig(weight=qcore.make_spec("q4_k"))), None, progress=False)

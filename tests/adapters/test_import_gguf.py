@@ -21,7 +21,7 @@ from qcore.adapters.config import LayerConfig, ModelConfig  # noqa: E402
 from qcore.adapters.io.common import weight_parts  # noqa: E402
 from qcore.adapters.io.gguf import export_gguf  # noqa: E402
 from qcore.adapters.io.gguf import from_gguf  # noqa: E402
-from qcore.adapters.modules import QuantEmbedding, QuantLinear, _QuantMixin  # noqa: E402
+from qcore.adapters.modules import QuantEmbedding, QuantLinear, QuantModule  # noqa: E402
 
 SPECS = {
     "Q4_0": lambda: qcore.make_spec("int4", granularity=PerGroup(32, axis=-1), scale_dtype="float16"),
@@ -109,7 +109,7 @@ def test_export_import_roundtrip_bit_identical(zoo, tmp_path, kind):
     assert len(rep.codes) == 14 and {r.gguf_type for r in rep.codes} == {kind}
     assert {r.how for r in rep.tensors if r.gguf_type == "F32"} == {"float"}
     for n, mod in m.named_modules():
-        if isinstance(mod, _QuantMixin):
+        if isinstance(mod, QuantModule):
             got = b.get_submodule(n)
             assert type(got) is QuantLinear and got.frozen
             p1, s1 = weight_parts(mod)
@@ -205,7 +205,7 @@ def test_ggml_q4_1_file_imports_as_float_offset_codes(zoo, tmp_path):
     assert len(rep.codes) == 15 and not rep.dequantized and rep.exact and not warned
     assert {r.spec.gguf for r in rep.codes} == {"q4_1"}
     q = b.model.layers[0].self_attn.q_proj
-    assert isinstance(q, _QuantMixin) and q.frozen and q.specs["weight"].gguf == "q4_1"
+    assert isinstance(q, QuantModule) and q.frozen and q.specs["weight"].gguf == "q4_1"
     assert torch.equal(_logits(b), _logits(_hf_gguf(path)))
     export_gguf(b, tmp_path / "n.gguf")
     assert _tensors(tmp_path / "n.gguf").keys() == _tensors(path).keys()
@@ -504,7 +504,7 @@ def test_moe_ggml_quantized_experts_import_as_codes(zoo, tmp_path):
                    progress=False)
     export_gguf(m, tmp_path / "f.gguf")  # experts F32: come back as float experts, the same values
     b, warned = _import(tmp_path / "f.gguf")
-    assert not warned and b.qcore_gguf_report.exact and not isinstance(b.model.layers[0].mlp.experts, _QuantMixin)
+    assert not warned and b.qcore_gguf_report.exact and not isinstance(b.model.layers[0].mlp.experts, QuantModule)
     assert torch.equal(b.model.layers[0].mlp.experts.gate_up_proj, m.model.layers[0].mlp.experts.gate_up_proj)
     assert torch.equal(_logits(b), _logits(m))
     for kind in ("Q4_0", "Q8_0"):

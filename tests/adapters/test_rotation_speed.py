@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from qcore.adapters import plan_model, preset, quantize_model  # noqa: E402
+from qcore.adapters import modules as M  # noqa: E402
 from qcore.adapters.passes import rotation as R  # noqa: E402
 from qcore.adapters.passes import spinquant as S  # noqa: E402
 from qcore.algorithms.config import SpinQuantConfig  # noqa: E402
@@ -72,7 +73,7 @@ def test_fwht_transpose_is_the_adjoint(n):
 
 @pytest.mark.parametrize("size, key", [(576, 2), (576, None), (48, 5), (92, 3)])  # 92: the dense fallback
 def test_input_rotation_forward_is_the_landed_one_and_its_gradient_within_rounding(size, key):
-    fast, ref = R.InputRotation(size, key=key), R._ReferenceInputRotation(size, key=key)
+    fast, ref = R.InputRotation(size, key=key), M.ReferenceInputRotation(size, key=key)
     x = torch.randn(2, 7, size)
     with torch.no_grad():
         assert torch.equal(fast.apply(x), ref.apply(x))
@@ -95,7 +96,7 @@ def test_quarot_gptq_gives_the_bytes_of_the_landed_online_transform(monkeypatch)
     data = _data()
     cfg = preset("w_mxfp4_a_mxfp4").replace(algorithms=({"name": "quarot"}, {"name": "gptq"}))
     a = quantize_model(copy.deepcopy(m), cfg, data, progress=False)
-    monkeypatch.setattr(R.InputRotation, "apply", R._ReferenceInputRotation.apply)
+    monkeypatch.setattr(M.InputRotation, "apply", M.ReferenceInputRotation.apply)
     b = quantize_model(copy.deepcopy(m), cfg, data, progress=False)
     monkeypatch.undo()
     sa, sb = a.state_dict(), b.state_dict()
@@ -109,7 +110,7 @@ def test_quarot_gptq_gives_the_bytes_of_the_landed_online_transform(monkeypatch)
 
 def test_rotated_weights_from_a_start_and_with_skips():
     m = _llama(tie=False)
-    S._fold_and_untie(m, *R._check(m)[:4])
+    R.fold_norms_and_untie(m, *R.rotation_parts(m)[:4])
     r1 = torch.from_numpy(R.rotation(72, key=0)).float()
     full = R.rotated_weights(m, r1, None, dtype=torch.float32)
     q = torch.linalg.qr(torch.randn(96, 96))[0]

@@ -268,6 +268,26 @@ def test_unit_offset_norm_folds_exactly():
     assert_same_function(before, block.fc(block.norm(x)).detach().double())
 
 
+
+class OffsetRMSNorm(GemmaRMSNorm):
+    """A ``1 + w`` norm whose class no list knows: only its model's record can say how it scales."""
+
+
+def test_the_family_record_says_how_a_norm_folds():
+    """``fold_scales(..., family=)``: the record's ``norm`` (``rms_unit_offset``) decides, whatever the norm's class
+    is called; without a record, Quark's class list does (``families.unit_offset_norm``)."""
+    from qcore.adapters.families import BY_MODEL_TYPE, unit_offset_norm
+    torch.manual_seed(0)
+    block = nn.Module()
+    block.norm = OffsetRMSNorm(32)
+    block.fc = nn.Linear(32, 16)
+    x = torch.randn(10, 32)
+    before = block.fc(block.norm(x)).detach().double()
+    assert not unit_offset_norm(block.norm) and unit_offset_norm(block.norm, BY_MODEL_TYPE["gemma"])
+    assert not unit_offset_norm(GemmaRMSNorm(4), BY_MODEL_TYPE["llama"]) and unit_offset_norm(GemmaRMSNorm(4))
+    fold_scales(block, ScalingGroup("norm", ("fc",), "fc"), random_scales(32, 9), family=BY_MODEL_TYPE["gemma"])
+    assert_same_function(before, block.fc(block.norm(x)).detach().double())
+
 def test_fold_keeps_parameter_dtype_and_identity():
     m = llama(4).to(torch.bfloat16)
     layer = m.model.layers[0]

@@ -95,7 +95,7 @@ def _presets():
 @pytest.mark.parametrize("name", _presets())
 def test_schemes_and_inspect_count_the_same_bits(name, tmp_path):
     from qcore.adapters import preset
-    from qcore.adapters.modules import _norm_weight_granularity, _with_granularity
+    from qcore.adapters.modules import weight_granularity, with_granularity
     model = tiny_llama(hidden=128, inter=256)
     shapes = {n: tuple(m.weight.shape) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     d = _export(model, preset(name), tmp_path / name, data=batches())
@@ -104,7 +104,7 @@ def test_schemes_and_inspect_count_the_same_bits(name, tmp_path):
     assert len(info["layers"]) == 14
     for n, v in info["layers"].items():
         shape = shapes[n]
-        spec = _with_granularity(spec0, _norm_weight_granularity(spec0.granularity, "Linear", n, 2, shape))
+        spec = with_granularity(spec0, weight_granularity(spec0.granularity, "Linear", n, 2, shape))
         layout, bits = fi.layout_bits_per_weight(spec, shape)
         assert v["layout"] == layout and v["weights"] == math.prod(shape), n
         assert v["bits_per_weight"] == pytest.approx(bits, abs=1e-4), n

@@ -13,7 +13,7 @@ from torch import nn
 
 from ._batches import _call, _check_batch, _describe, _device_of, _progress, _to
 from ._calib_tail import TailSkip
-from .modules import CalibrationError, _QuantMixin
+from .modules import CalibrationError, QuantModule
 from .moe import moe_calibration
 from .plan import quantized_modules
 
@@ -42,7 +42,7 @@ def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distri
     if isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable):
         raise TypeError(f"calibration data must be an iterable of batches (a list or a DataLoader), got "
                         f"{type(data).__name__}; wrap a single batch in a list: [batch]")
-    mods = [m for m in model.modules() if isinstance(m, _QuantMixin) and m.static_roles()]
+    mods = [m for m in model.modules() if isinstance(m, QuantModule) and m.static_roles()]
     if not mods:
         return 0
     device = _device_of(model)

@@ -42,7 +42,7 @@ from .jobs.common import write_report as _write_report
 from .jobs.convert import convert
 from .jobs.imatrix import imatrix_file
 from .jobs.quantize import QuantizeJob, QuantizeReport, run as run_job
-from .modules import _norm_weight_granularity, _with_granularity
+from .modules import weight_granularity, with_granularity
 from .plan import quantized_modules
 from .presets import GGUF_MIX_PRESETS, PRESETS, preset
 
@@ -247,7 +247,7 @@ def schemes_command(args) -> int:
             mode = "" if role == "weight" else (" dynamic" if tc.dynamic else " static")
             parts.append(f"{role[0].upper()} {s.name or s.dtype.name} {g}{mode}")
         spec = c.layer.weight.spec
-        spec = _with_granularity(spec, _norm_weight_granularity(spec.granularity, "Linear", name, 2, SCHEMES_SHAPE))
+        spec = with_granularity(spec, weight_granularity(spec.granularity, "Linear", name, 2, SCHEMES_SHAPE))
         layout, bits = layout_bits_per_weight(spec, SCHEMES_SHAPE)
         own = spec.bits_per_element(SCHEMES_SHAPE)
         note = ""

@@ -31,7 +31,7 @@ from typing import Any, Mapping, Optional
 
 __all__ = ["Family", "Experts", "ScalingRule", "UnknownFamily", "Located", "FAMILIES", "BY_MODEL_TYPE",
            "family_of", "family_or_none", "locate", "non_language_modules", "decoder_layers_path", "fused_units", "DEFAULT_FUSED", "attach", "ATTRIBUTE",
-           "NORM_KINDS", "LINEAR_KINDS", "QKV_LAYOUTS", "ScalingGroup"]
+           "NORM_KINDS", "LINEAR_KINDS", "QKV_LAYOUTS", "ScalingGroup", "unit_offset_norm", "text_config"]
 
 #: how a norm's weight scales: ``rms`` x * w (no bias), ``rms_unit_offset`` x * (1 + w) (Gemma), ``layernorm``
 #: (x - mean) / std * w + b.
@@ -474,7 +474,9 @@ if len(BY_MODEL_TYPE) != len(FAMILIES):  # pragma: no cover - a table edit givin
 _TOWERS = ("model.language_model", "language_model.model", "language_model")
 
 
-def _text_config(cfg: Any) -> Any:
+def text_config(cfg: Any) -> Any:
+    """The language model's config of a model config: ``cfg.get_text_config()`` where it gives one with a
+    ``model_type`` (vision-language models), else ``cfg`` itself."""
     get = getattr(cfg, "get_text_config", None)
     if callable(get):
         try:
@@ -494,7 +496,7 @@ def _model_type(obj: Any) -> tuple:
     cls = type(obj).__name__
     if cfg is None or not isinstance(getattr(cfg, "model_type", None), str):
         return None, cls
-    return _text_config(cfg).model_type or None, cls
+    return text_config(cfg).model_type or None, cls
 
 
 def family_of(obj: Any, *, what: str = "") -> Family:
@@ -594,6 +596,25 @@ def family_or_none(model: Any) -> Optional[Family]:
         return family_of(model)
     except UnknownFamily:
         return None
+
+
+# RMSNorm classes computing normalize(x) * (1 + weight) (Quark 0.13's UNIT_OFFSET_NORM_CLASSES): what tells how the
+# norms of a model WITHOUT a record scale (a record says it: Family.norm); unit_offset_norm reads it
+_RECORDLESS_UNIT_OFFSET_NORMS = frozenset({
+    "GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "RecurrentGemmaRMSNorm", "VaultGemmaRMSNorm",
+    "T5GemmaRMSNorm", "T5Gemma2RMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "MuseGlimmerTextCenteredRMSNorm",
+})
+
+
+def unit_offset_norm(norm: Any, family: Optional[Family] = None) -> bool:
+    """Whether the norm module ``norm`` computes ``normalize(x) * (1 + weight)`` (folds into it act on ``1 +
+    weight``): ``family.norm == "rms_unit_offset"``, the record of the model ``norm`` belongs to
+    (``family_or_none(model)``, a record given with ``attach`` included). For a model without a record
+    (``family`` None), whether ``norm``'s class is one of the RMSNorm classes Quark lists as computing ``1 +
+    weight`` (Gemma's, Gemma2's, Gemma3's, Qwen3.5's, ...)."""
+    if family is not None:
+        return family.norm == "rms_unit_offset"
+    return type(norm).__name__ in _RECORDLESS_UNIT_OFFSET_NORMS
 
 
 def fused_units(model: Any) -> tuple:

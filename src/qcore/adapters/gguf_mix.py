@@ -11,8 +11,8 @@ The tensor names are the model's GGUF names (``qcore.adapters.gguf_names.gguf_na
 as GGUF works. A tied head (SmolLM2, Gemma) has no ``output.weight`` in the file: llama.cpp quantizes
 ``token_embd`` as the output (Q6_K, or Q8_0 where its rows are not a multiple of 256: SmolLM2's 576) and computes
 the head with it; the config gives the head module the embedding's spec, so the tied modules share one quantized
-weight (the same scales: ``src/qcore/adapters/modules.py`` ``_inplace_quantize``) and the model computes what llama.cpp
-computes. A tensor llama.cpp writes as F16 (rows not a multiple of 32) stays float in qcore.
+weight (the same scales: ``src/qcore/adapters/modules/base.py`` ``_inplace_quantize``) and the model computes what
+llama.cpp computes. A tensor llama.cpp writes as F16 (rows not a multiple of 32) stays float in qcore.
 
 Fused MoE experts (``QuantExperts``) get llama.cpp's types: the module the type of ``ffn_gate_exps`` /
 ``ffn_up_exps`` and, where the mix types ``ffn_down_exps`` apart (Q4_K_M's ``use_more_bits`` layers, Q3_K_M, Q2_K,

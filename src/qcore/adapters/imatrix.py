@@ -42,6 +42,7 @@ from qcore.formats.imatrix import ImatrixDat, ImatrixGGUF, read_imatrix, write_i
 
 from ._batches import _call, _device_of, _progress, _to
 from .gguf_names import expert_names, gguf_names
+from .modules import EXPERT_PROJS, IN_OUT, QuantExperts, is_fused_experts, weight_layout
 
 __all__ = ["collect_imatrix", "save_imatrix", "load_imatrix", "module_quant_weights", "linear_modules",
            "model_importance"]
@@ -52,8 +53,7 @@ _NAMES = ("gguf", "module")
 def _in_features(m: nn.Module) -> Optional[int]:
     if isinstance(m, nn.Linear):
         return int(m.in_features)
-    if type(m).__name__ in ("Conv1D", "QuantConv1D") and getattr(m, "weight", None) is not None \
-            and m.weight.dim() == 2:
+    if weight_layout(m) == IN_OUT and getattr(m, "weight", None) is not None and m.weight.dim() == 2:
         return int(m.weight.shape[0])  # transformers' Conv1D: weight [in, out]
     return None
 
@@ -312,8 +312,6 @@ def experts_quant_weights(model: nn.Module, stats: Mapping[str, ImatrixStats]) -
     llama.cpp's per-expert ``quant_weights``, the gate rows' and the up rows' of ``gate_up_proj`` apart (one
     statistic each in llama.cpp's file; the same input, so equal when collected together). An entry whose shape is
     not ``[E, in]`` of its experts is refused; experts with any of their entries missing are absent."""
-    from .modules import EXPERT_PROJS, QuantExperts, is_fused_experts
-
     exps = {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts) or is_fused_experts(m)}
     keys = {n: [_expert_keys(model, exps, "module")[n]] for n in exps}
     try:

@@ -23,7 +23,7 @@ from qcore.algorithms.config import check_runnable
 from .config import COMPUTE_TYPES, LayerConfig, ModelConfig, match_name, match_tree
 from .families import non_language_modules
 from .gguf_mix import gguf_mix
-from .modules import (EXPERT_PROJS, QUANT_CLASSES, QuantExperts, _QuantMixin, is_fused_experts, is_quantized_module,
+from .modules import (EXPERT_PROJS, QUANT_CLASSES, QuantExperts, QuantModule, is_fused_experts, is_quantized_module,
                       quantizable_type)
 from .presets import mix_of_preset, preset
 
@@ -264,7 +264,7 @@ def _why_odd(m: nn.Module, local: str, t: torch.Tensor) -> Optional[str]:
     (those are planned, excluded or warned about by ``plan_model``)."""
     if not t.is_floating_point() or t.dim() < 2 or "bias" in local.lower():
         return None
-    if isinstance(m, (_QuantMixin, _FloatView)) or any(isinstance(m, c) for c in QUANT_CLASSES) or \
+    if isinstance(m, (QuantModule, _FloatView)) or any(isinstance(m, c) for c in QUANT_CLASSES) or \
             is_fused_experts(m):  # fused experts of a known layout are planned (QuantExperts)
         return None
     tname = type(m).__name__
@@ -492,4 +492,4 @@ def _check_ties(model, mods, plans):
 
 def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
     """``{name: wrapper}`` of the quantized modules of ``model``."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantModule)}

@@ -33,6 +33,7 @@ from qcore.algorithms.metrics import sqnr_db, sqnr_db_of_sums
 
 from .._batches import _call, _device_of, _progress, _to
 from ..plan import quantized_modules
+from ..modules import IN_OUT, weight_layout
 
 __all__ = ["LayerError", "measure", "ranked", "block_and_kind", "figure", "save_plot"]
 
@@ -57,7 +58,7 @@ def _reference_output(m: nn.Module, x: torch.Tensor, w: torch.Tensor) -> Optiona
         return nn.Conv2d._conv_forward(m, x, w, bias)  # type: ignore[arg-type]
     if isinstance(m, nn.Embedding):
         return F.embedding(x, w, m.padding_idx, m.max_norm, m.norm_type, m.scale_grad_by_freq, m.sparse)
-    if type(m).__name__ == "QuantConv1D":  # transformers' Conv1D (GPT-2): w is stored [in, out]
+    if weight_layout(m) == IN_OUT:  # transformers' Conv1D (GPT-2): w is stored [in, out]
         return F.linear(x, w.t(), bias)
     return None
 

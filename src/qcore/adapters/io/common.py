@@ -29,7 +29,7 @@ from qcore.formats.safetensors_io import CorruptCheckpointError, read_json_objec
 
 from ._records import _np
 from ..config import ModelConfig
-from ..modules import QuantExperts, _QuantMixin, low_rank_modules
+from ..modules import IN_OUT, QuantExperts, QuantModule, input_rotations, low_rank_modules, online_plan, weight_layout
 from ..plan import plan_model
 
 __all__ = ['QCORE_FORMAT_VERSION', 'ExportUnit', 'canonical_shape', 'check_config_describes', 'check_destination',
@@ -107,7 +107,7 @@ def _weight_parts_rows(m, w: torch.Tensor, spec, kw: dict, step: int) -> L.Weigh
     return L.WeightParts(codes=codes, scales=scales, zero_points=zps, shifts=None, tensor_scale=None)
 
 
-def weight_parts(m: _QuantMixin) -> tuple[L.WeightParts, tuple]:
+def weight_parts(m: QuantModule) -> tuple[L.WeightParts, tuple]:
     """The qcore parts of a quantized module's weight (canonical layout) and the canonical shape; frozen or not
     (a fake-quantized weight is quantized again with its own scales, exactly as ``freeze`` does, nothing
     changes)."""
@@ -146,7 +146,7 @@ def weight_parts(m: _QuantMixin) -> tuple[L.WeightParts, tuple]:
                          tensor_scale=None if q.tensor_scale is None else _np(q.tensor_scale)), tuple(wc.shape)
 
 
-def canonical_shape(m: _QuantMixin) -> tuple:
+def canonical_shape(m: QuantModule) -> tuple:
     """The shape of a quantized module's weight in the canonical ``[out, in, *kernel]`` layout, frozen or not."""
     if isinstance(m, QuantExperts):  # [E, 2I, H]: each expert's Linears are [I, H] (gate, up) and [H, I]
         return m.expert_shape("gate_up_proj")
@@ -156,7 +156,6 @@ def canonical_shape(m: _QuantMixin) -> tuple:
 def online_rotations(model: nn.Module, config: ModelConfig) -> bool:
     """Whether the model carries online rotations; ValueError if they are not what its config's rotation says
     (a loader re-installs them from the config)."""
-    from ..passes.rotation import input_rotations, online_plan
     have = {n: (h.size, h.key) for n, h in input_rotations(model).items()}
     rot, _ = split_rotation(parse_algorithms(config.algorithms))
     want = {n: (h.size, h.key) for n, h in online_plan(model, rot).items()} if rot is not None else {}
@@ -181,15 +180,16 @@ def export_units(model: nn.Module, config: ModelConfig) -> list[ExportUnit]:
     """The quantized modules of ``model`` as they are, or, for a model not quantized yet, as ``quantize_model``
     would make them from ``config`` (``plan_model``): what the exporters' up-front checks (``check_hf``,
     ``check_gguf``, ``check_onnx``, ``check_ct``) look at, before any evaluation or quantization."""
-    mods = [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantMixin)]
+    mods = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantModule)]
     if mods:
         return [ExportUnit(n, "Experts" if isinstance(m, QuantExperts) else m.float_type.__name__,
                            canonical_shape(m), m.qconfig) for n, m in mods]
     out = []
     for p in plan_model(model, config):
-        w = getattr(model.get_submodule(p.name), "weight" if p.type != "Experts" else "gate_up_proj", None)
+        mod = model.get_submodule(p.name)
+        w = getattr(mod, "weight" if p.type != "Experts" else "gate_up_proj", None)
         shape = tuple(w.shape) if w is not None else ()
-        if p.type in ("ConvTranspose2d", "Conv1D") and len(shape) >= 2:  # stored [in, out, ...]
+        if (p.type == "ConvTranspose2d" or weight_layout(mod) == IN_OUT) and len(shape) >= 2:  # stored [in, out, ...]
             shape = (shape[1], shape[0], *shape[2:])
         out.append(ExportUnit(p.name, p.type, shape, p.config))
     return out
@@ -202,9 +202,9 @@ def refuse_conv1d(model: nn.Module, config: Optional[ModelConfig], who: str) -> 
     These exporters refuse SVDQuant's low-rank branches the same way, first (``refuse_low_rank``)."""
     refuse_low_rank(model, config, who)
     names = [n for n, m in model.named_modules()
-             if isinstance(m, _QuantMixin) and type(m).__bases__[1].__name__ == "Conv1D"]
-    if not names and isinstance(config, ModelConfig) and not any(isinstance(m, _QuantMixin) for m in model.modules()) \
-            and any(type(m).__name__ == "Conv1D" for m in model.modules()):  # models without one: not planned here
+             if isinstance(m, QuantModule) and weight_layout(m) == IN_OUT]
+    if not names and isinstance(config, ModelConfig) and not any(isinstance(m, QuantModule) for m in model.modules()) \
+            and any(weight_layout(m) == IN_OUT for m in model.modules()):  # models without one: not planned here
         names = [u.name for u in export_units(model, config) if u.type == "Conv1D"]
     if names:
         raise ValueError(conv1d_error(who, names))
@@ -215,7 +215,7 @@ def refuse_low_rank(model: nn.Module, config: Optional[ModelConfig], who: str) -
     SVDQuant, will carry) SVDQuant's low-rank branch: ``who`` (GGUF, ONNX, compressed-tensors) has no way to
     write the branch, and dropping it would change the model's function; ``export_hf`` writes it."""
     names = low_rank_modules(model)
-    if not names and isinstance(config, ModelConfig) and not any(isinstance(m, _QuantMixin) for m in model.modules()):
+    if not names and isinstance(config, ModelConfig) and not any(isinstance(m, QuantModule) for m in model.modules()):
         if any(a.name == "svdquant" for a in parse_algorithms(config.algorithms)):
             names = ["every Linear SVDQuant quantizes"]
     if names:
@@ -236,13 +236,11 @@ def conv1d_error(who: str, names: list) -> str:
 
 def will_rotate_online(model: nn.Module, config: ModelConfig) -> bool:
     """Whether the model carries (or, quantized with ``config``, will carry) online rotations."""
-    from ..passes.rotation import input_rotations
     if input_rotations(model):
         return True
     rot, _ = split_rotation(parse_algorithms(config.algorithms))
     if rot is None:
         return False
-    from ..passes.rotation import online_plan
     return bool(online_plan(model, rot))
 
 
@@ -262,7 +260,7 @@ def model_config(model: nn.Module, config: Optional[ModelConfig], *, who: str) -
 def check_config_describes(model: nn.Module, config: ModelConfig) -> None:
     """The config written must give exactly the model's quantized modules (a loader rebuilds them from it)."""
     want = {p.name: p.config for p in plan_model(model, config, _quantized_ok=True)}
-    have = {n: m.qconfig for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
+    have = {n: m.qconfig for n, m in model.named_modules() if isinstance(m, QuantModule)}
     for name in sorted(set(want) | set(have)):
         if want.get(name) != have.get(name):
             got = "float" if name not in have else "quantized"

@@ -59,7 +59,7 @@ from .common import (QCORE_FORMAT_VERSION, canonical_shape, check_config_describ
 from .experts import check_no_experts
 from .quark_hf import write_checkpoint
 from .._batches import _set_module
-from ..modules import QuantLinear, _QuantMixin, QUANT_CLASSES
+from ..modules import IN_OUT, QUANT_CLASSES, QuantLinear, QuantModule, weight_layout
 from ..plan import plan_model
 
 __all__ = ['export_compressed_tensors', 'check_ct', 'CTExportInfo', 'TensorReport', 'ct_quantization_config',
@@ -121,7 +121,7 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def _kv_role(name: str, m: _QuantMixin, config: ModelConfig) -> Optional[str]:
+def _kv_role(name: str, m: QuantModule, config: ModelConfig) -> Optional[str]:
     """'k' / 'v' when this module's output quantization is the config's KV cache, else None."""
     kv = config.kv_cache
     if kv is None or m.qconfig.output is None or m.qconfig.output != kv.output:
@@ -135,7 +135,7 @@ def _kv_role(name: str, m: _QuantMixin, config: ModelConfig) -> Optional[str]:
     return leaf[0]
 
 
-def _scales_of(m: _QuantMixin) -> np.ndarray:
+def _scales_of(m: QuantModule) -> np.ndarray:
     """The float32 weight scales of a quantized module (without touching its codes when it can)."""
     spec = m.specs["weight"]
     sc = m.scales("weight").scale
@@ -168,7 +168,7 @@ def _scale_report(kind: str, st: str, s: np.ndarray, shape: tuple, name: str) ->
 @dataclass
 class _Layer:
     name: str
-    m: _QuantMixin
+    m: QuantModule
     spec: Any
     shape: tuple
     fmt: CT.CTFormat
@@ -176,17 +176,17 @@ class _Layer:
     kv: Optional[str]
 
 
-def _act_args(m: _QuantMixin, role: str, where: str) -> Optional[CT.CTArgs]:
+def _act_args(m: QuantModule, role: str, where: str) -> Optional[CT.CTArgs]:
     tc = getattr(m.qconfig, role)
     if tc is None:
         return None
     return CT.spec_to_args(m.specs[role], role=role, dynamic=tc.dynamic, where=f"{where} {role}")
 
 
-def _unit_check(name: str, type_name: str, lc: Any, config: ModelConfig) -> None:
-    """What compressed-tensors cannot store about one quantized module (its float type and ``LayerConfig``): the one
-    rule for ``export_compressed_tensors`` and ``check_ct``."""
-    if type_name == "Conv1D":
+def _unit_check(name: str, type_name: str, layout: Optional[str], lc: Any, config: ModelConfig) -> None:
+    """What compressed-tensors cannot store about one quantized module (its float type, its ``weight_layout`` and
+    its ``LayerConfig``): the one rule for ``export_compressed_tensors`` and ``check_ct``."""
+    if layout == IN_OUT:
         raise ValueError(conv1d_error("export_compressed_tensors", [name]))
     if type_name != "Linear":
         raise ValueError(f"export: {name!r} is a quantized {type_name}; compressed-tensors stores quantized Linear "
@@ -220,7 +220,7 @@ def check_ct(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
     if units and all(u.config.weight is None for u in units):  # KV-cache-only or activation-only: no group
         raise ValueError(weightless_error("export_compressed_tensors", [u.name for u in units]))
     for u in units:
-        _unit_check(u.name, u.type, u.config, config)
+        _unit_check(u.name, u.type, weight_layout(model.get_submodule(u.name)), u.config, config)
         if u.config.weight is None:
             continue
         # what _plan checks of each layer, from the config's specs: formats compressed-tensors spells, static
@@ -252,8 +252,8 @@ def _plan(model: nn.Module, config: ModelConfig) -> tuple[list[_Layer], dict, li
     groups: dict[str, dict] = {}
     floats: list[str] = []
     for name, m in model.named_modules():
-        if isinstance(m, _QuantMixin):
-            _unit_check(name, m.float_type.__name__, m.qconfig, config)
+        if isinstance(m, QuantModule):
+            _unit_check(name, m.float_type.__name__, weight_layout(m), m.qconfig, config)
         if not isinstance(m, QuantLinear):
             if type(m) is nn.Linear:
                 floats.append(name)
@@ -408,7 +408,7 @@ def export_compressed_tensors(model: nn.Module, directory: Union[str, os.PathLik
             raise TypeError(f"{k} must be a bool, got {v!r}")
     max_bytes = parse_size(max_shard_size)
     config = model_config(model, config, who="export_compressed_tensors")
-    if not any(isinstance(m, _QuantMixin) for m in model.modules()):
+    if not any(isinstance(m, QuantModule) for m in model.modules()):
         raise ValueError("export_compressed_tensors: the model has no qcore quantized modules; run quantize_model "
                          "first")
     hf_config = getattr(model, "config", None)

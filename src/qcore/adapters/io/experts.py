@@ -34,7 +34,7 @@ from qcore.formats import quark_layout as L
 from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile, TensorRecord
 
 from ._records import _ST_TORCH, _np, _record, _tensor_record
-from ..modules import EXPERT_PROJS, QuantExperts, _QuantMixin, is_fused_experts
+from ..modules import EXPERT_PROJS, QuantExperts, QuantModule, is_fused_experts
 from ..plan import default_exclude, plan_model, resolve_config
 
 __all__ = ["disk_names", "experts_layout", "experts_records", "ExpertsShell", "check_no_experts",
@@ -53,7 +53,7 @@ def _experts_named(model: nn.Module, config: Any) -> list[str]:
     """The fused experts modules of ``model`` that are (or, for a float model quantized with ``config``, would
     be) quantized."""
     names = [n for n, m in model.named_modules() if isinstance(m, QuantExperts)]
-    if names or any(isinstance(m, _QuantMixin) for m in model.modules()) or config is None:
+    if names or any(isinstance(m, QuantModule) for m in model.modules()) or config is None:
         return names
     if not any(is_fused_experts(m) for m in model.modules()):
         return []
@@ -273,7 +273,7 @@ class ExpertsShell(nn.Module):
             shape = (rows[1] - rows[0], shapes[proj][2])
             want = dict(L.expected_weight(spec, shape, layout=self.layout))
             for role in q.static_roles():
-                sshape = q._expert_static_shape(proj, role)
+                sshape = q.expert_static_scale_shape(proj, role)
                 if role == "output" and sshape:
                     sshape = (shape[0],)
                 want.update(L.expected_activation(role, q.specs[role], sshape, layout=self.layout))

@@ -139,7 +139,8 @@ from ._gguf_tokenizer import sentencepiece_fields_of
 from .common import (check_config_describes, check_destination, export_units, refuse_low_rank, weight_parts,
                      will_rotate_online)
 from ..config import ModelConfig, LayerConfig, TensorConfig
-from ..modules import _Conv1D, _QuantMixin, QUANT_CLASSES, QuantExperts, is_fused_experts, linear_weight
+from ..modules import (IN_OUT, QUANT_CLASSES, QuantExperts, QuantModule, input_rotations, is_fused_experts,
+                       linear_weight, weight_layout)
 from .._batches import _set_module
 from ..families import FAMILIES
 from ..gguf_names import expert_names, family_problem, gguf_arch, gguf_family, gguf_names
@@ -182,7 +183,7 @@ class GGUFExportInfo:
         return tuple(r for r in self.quantized if not r.exact)
 
 
-def _in_memory_weight(m: _QuantMixin) -> np.ndarray:
+def _in_memory_weight(m: QuantModule) -> np.ndarray:
     return m.effective("weight", canonical=True).float().cpu().numpy()
 
 
@@ -213,7 +214,7 @@ def _exactness(data: np.ndarray, kind: str, how: str, ref: np.ndarray) -> tuple[
     return G.is_exact(data, kind, ref)
 
 
-def _encode_quantized(name: str, gbase: str, m: _QuantMixin, strict: bool) -> tuple[np.ndarray, str, TensorReport]:
+def _encode_quantized(name: str, gbase: str, m: QuantModule, strict: bool) -> tuple[np.ndarray, str, TensorReport]:
     spec = m.specs["weight"]
     if spec.gguf:  # a GGUF spec: its own ggml type, the stored block bytes as they are (no re-quantization)
         kind = G.GGUF_KIND_OF[spec.gguf]
@@ -345,8 +346,7 @@ def _encode_gguf_experts(name: str, blk: str, m: nn.Module) -> tuple[list, list]
         kind = G.GGUF_KIND_OF[m.weight_spec(proj).gguf]  # down_proj may have its own (llama.cpp's mixes)
         data = m.gguf_blocks(proj)
         e_, o, i = m.expert_shape(proj)
-        with torch.no_grad():
-            ref = m._proj(proj).detach()
+        ref = m.effective_proj(proj)
         vals = torch.from_numpy(G.dequantize(data.reshape(e_ * o, -1), kind, (e_ * o, i)).reshape(e_, o, i))
         if not torch.equal(vals.to(ref.dtype).float(), ref.float().cpu()):
             raise RuntimeError(f"export_gguf: {name}.{proj}: the {kind} blocks do not reproduce the experts' weights "
@@ -408,14 +408,13 @@ def _tied_same_config(model: nn.Module, config: ModelConfig, head_unit) -> bool:
 def _check_model(model: nn.Module, drop_activations: bool) -> tuple:
     refuse_low_rank(model, None, "export_gguf")
     fam, arch, meta, d = gguf_arch(model)
-    from ..passes.rotation import input_rotations
     rot = input_rotations(model)
     if rot:
         raise ValueError(f"export_gguf: the model carries online rotations (e.g. before {next(iter(rot))!r}); "
                          f"llama.cpp's graphs cannot apply them")
     dropped = []
     for n, m in model.named_modules():
-        if not isinstance(m, _QuantMixin):
+        if not isinstance(m, QuantModule):
             continue
         why = _unit_problem(n, list(m.specs), drop_activations)
         if why:
@@ -508,7 +507,7 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
     per_head_qkv = gguf_family(model)[0].qkv_layout == "per_head"
     names = gguf_names(model)
     experts = expert_names(model)
-    mods = {n: m for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
+    mods = {n: m for n, m in model.named_modules() if isinstance(m, QuantModule)}
     owned = {}
     for n, m in mods.items():
         for k in m.state_dict():
@@ -609,7 +608,7 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
         raise ValueError(f"path must name a .gguf file, got {str(path)!r}")
     check_file_destination(path, overwrite, model_sources(model) + ([str(tokenizer)] if isinstance(
         tokenizer, (str, os.PathLike)) else []))
-    if not any(isinstance(m, _QuantMixin) for m in model.modules()):
+    if not any(isinstance(m, QuantModule) for m in model.modules()):
         raise ValueError("export_gguf: the model has no qcore quantized modules; run quantize_model first")
     arch, meta, cfg, dropped = _check_model(model, drop_activations)
     tok = None if tokenizer is None else _tokenizer_fields(tokenizer, int(cfg["vocab_size"]),
@@ -862,7 +861,7 @@ def _conv1d_weight(model: nn.Module, hf: str) -> bool:
     """Whether ``hf`` is the weight of a float transformers ``Conv1D`` (GPT-2): stored ``[in, out]``, the transpose
     of the GGUF tensor (a Linear's ``[out, in]``)."""
     mod_name, _, leaf = hf.rpartition(".")
-    return leaf == "weight" and _Conv1D is not None and type(model.get_submodule(mod_name)) is _Conv1D
+    return leaf == "weight" and weight_layout(model.get_submodule(mod_name)) == IN_OUT
 
 
 def _set_param(model: nn.Module, hf: str, value: torch.Tensor) -> None:
@@ -1074,7 +1073,7 @@ def _same_q4_spec(s1, p1, s2, p2):
 
 
 def _tied_head_of(model: nn.Module, emb: nn.Module, spec, parts, shape: tuple, dtype: torch.dtype,
-                  q: _QuantMixin) -> Optional[str]:
+                  q: QuantModule) -> Optional[str]:
     """The output head tied to the quantized token embedding ``q`` (imported from ``emb``) as a frozen module of
     the same spec sharing ``q``'s weight buffers (llama.cpp's head multiplies by the same quantized matrix); its
     module name, or None when the model has no separate head module."""
@@ -1099,7 +1098,7 @@ def _shares_weight(head: Optional[nn.Module], emb: Optional[nn.Module], tied: bo
     """The quantized head holds the quantized token embedding's weight itself (tied: the same parameter, or the
     same frozen buffers; on a ``tied`` model also equal ones, e.g. after a device move copied the buffers) with
     the same spec: llama.cpp computes it with ``token_embd``."""
-    if not isinstance(head, _QuantMixin) or not isinstance(emb, _QuantMixin) \
+    if not isinstance(head, QuantModule) or not isinstance(emb, QuantModule) \
             or head.specs.get("weight") != emb.specs.get("weight"):
         return False
 
@@ -1217,7 +1216,7 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
     for mod_name, ts in experts.items():
         _import_experts(model, mod_name, ts, dtype, strict, reports, specs, float_blocks)
 
-    if tied and not any(isinstance(m, _QuantMixin) for m in [model.get_output_embeddings()]):
+    if tied and not any(isinstance(m, QuantModule) for m in [model.get_output_embeddings()]):
         model.tie_weights()
         out, emb = model.get_output_embeddings(), model.get_input_embeddings()
         if out is not None and out.weight is not emb.weight:

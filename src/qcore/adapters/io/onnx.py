@@ -55,7 +55,8 @@ from .common import canonical_shape, check_destination, export_units, refuse_con
 from .experts import check_no_experts
 from ..config import ModelConfig
 from ..families import FAMILIES, locate, non_language_modules
-from ..modules import QuantConvTranspose2d, QuantEmbedding, QuantEmbeddingBag, QuantLinear, _QuantMixin
+from ..modules import (QuantConvTranspose2d, QuantEmbedding, QuantEmbeddingBag, QuantLinear, QuantModule,
+                       input_rotations)
 
 __all__ = ["export_onnx", "WeightFormat", "Unsupported", "ONNXExportInfo", "TensorReport", "DECODER_TYPES",
            "decoder_logits", "export_onnx_dir", "ONNX_FILE", "check_onnx", "UnsupportedWeightError"]
@@ -158,7 +159,7 @@ def _np32(t: torch.Tensor) -> np.ndarray:
     return t.detach().float().cpu().numpy()
 
 
-def _in_memory_weight(m: _QuantMixin) -> np.ndarray:
+def _in_memory_weight(m: QuantModule) -> np.ndarray:
     return np.ascontiguousarray(m.effective("weight", canonical=True).float().cpu().numpy())
 
 
@@ -176,7 +177,7 @@ class _Ctx:
 
     # -- weights ------------------------------------------------------------------------------------------
 
-    def weight(self, name: str, m: _QuantMixin, *, output: Optional[str] = None) -> str:
+    def weight(self, name: str, m: QuantModule, *, output: Optional[str] = None) -> str:
         """The float32 canonical weight of quantized module ``m`` (DequantizeLinear, or the dequantized floats)."""
         spec = m.specs["weight"]
         ref = _in_memory_weight(m)
@@ -210,7 +211,7 @@ class _Ctx:
 
     # -- activations --------------------------------------------------------------------------------------
 
-    def act(self, name: str, m: _QuantMixin, role: str, x: str, *, axis: int) -> str:
+    def act(self, name: str, m: QuantModule, role: str, x: str, *, axis: int) -> str:
         if role not in m.specs or not m.quant_enabled:
             return x
         spec = m.specs[role]
@@ -238,7 +239,7 @@ class _Ctx:
         return X.activation_qdq(self.g, f"{name}_{role}", x, spec, s, None if zp is None else _np32(zp), axis=axis)
 
 
-def _check_module(name: str, m: _QuantMixin, ctx: _Ctx) -> None:
+def _check_module(name: str, m: QuantModule, ctx: _Ctx) -> None:
     """Validate ``m``'s activation roles before any work (weights are checked when encoded, still before writing)."""
     if not m.quant_enabled:
         return
@@ -270,7 +271,7 @@ def _check_float32(model: nn.Module) -> None:
     bad += [n for n, b in model.named_buffers() if b.is_floating_point() and b.dtype not in (torch.float32,)
             and not n.endswith(("_scale", "_zero_point"))]
     for n, m in model.named_modules():
-        if isinstance(m, _QuantMixin) and m.frozen and m.weight_dtype != torch.float32:
+        if isinstance(m, QuantModule) and m.frozen and m.weight_dtype != torch.float32:
             bad.append(f"{n}.weight")
     if bad:
         raise ValueError(f"export_onnx: the ONNX graph computes in float32; {bad[0]!r} is not float32 "
@@ -346,7 +347,7 @@ class _Decoder:
 
     def linear(self, name: str, m: nn.Linear, x: str) -> str:
         g, ctx = self.g, self.ctx
-        if not isinstance(m, _QuantMixin):
+        if not isinstance(m, QuantModule):
             y = g.node("MatMul", [x, self.float_param(f"{name}.weight.T", m.weight, transpose=True)], f"{name}_MatMul")
             if m.bias is not None:
                 y = g.node("Add", [y, self.float_param(f"{name}.bias", m.bias)], f"{name}_Add")
@@ -419,14 +420,14 @@ class _Decoder:
         base = model.get_submodule(loc.prefix) if loc.prefix else model
         # embeddings
         emb = model.get_submodule(loc.embed)
-        if isinstance(emb, _QuantMixin) and "weight" in emb.specs:
+        if isinstance(emb, QuantModule) and "weight" in emb.specs:
             table = ctx.weight(loc.embed, emb)
             tied_out = table
         else:
             table = self.float_param(f"{loc.embed}.weight", emb.weight)
             tied_out = None
         x = g.node("Gather", [table, "input_ids"], "embed_Gather", axis=0)
-        if isinstance(emb, _QuantMixin):
+        if isinstance(emb, QuantModule):
             x = ctx.act(loc.embed, emb, "output", x, axis=-1)
         # rotary tables [batch, 1, seq, hd]
         rot = base.rotary_emb
@@ -532,14 +533,14 @@ class _Decoder:
         x = self.rmsnorm(loc.final_norm, model.get_submodule(loc.final_norm), x)
         head = model.get_submodule(loc.lm_head)
         tied = getattr(head, "weight", None) is not None and getattr(emb, "weight", None) is head.weight
-        same = (not isinstance(head, _QuantMixin) or "weight" not in head.specs or tied_out is not None
+        same = (not isinstance(head, QuantModule) or "weight" not in head.specs or tied_out is not None
                 and head.specs["weight"] == emb.specs["weight"] and getattr(head, "bias", None) is None)
         if tied and same:  # the embedding table once (float or dequantized), as the tied head's weight
-            if isinstance(head, _QuantMixin):
+            if isinstance(head, QuantModule):
                 x = ctx.act(loc.lm_head, head, "input", x, axis=-1)
             wt = g.node("Transpose", [tied_out or table], "lm_head_Transpose", perm=[1, 0])
             y = g.node("MatMul", [x, wt], "lm_head_MatMul")
-            if isinstance(head, _QuantMixin):
+            if isinstance(head, QuantModule):
                 y = ctx.act(loc.lm_head, head, "output", y, axis=-1)
             logits = g.node("Identity", [y], "logits_Identity", outputs=[g.reserve("logits")])
         else:
@@ -555,7 +556,6 @@ class _Decoder:
 
 def _check_decoder(model: nn.Module) -> None:
     cfg = model.config
-    from ..passes.rotation import input_rotations
     rot = input_rotations(model)
     if rot:
         raise ValueError(f"export_onnx: the model carries online rotations (e.g. before {next(iter(rot))!r}); the "
@@ -587,7 +587,7 @@ def _check_decoder(model: nn.Module) -> None:
 def _traced(model: nn.Module, inputs: tuple, kwargs: Optional[dict], ctx: _Ctx, input_names, output_names,
             dynamic_axes) -> tuple:
     onnx = __import__("onnx")
-    mods = [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantMixin)]
+    mods = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantModule)]
     table: list = []  # index -> (kind, name, module, role)
 
     class Mark(torch.autograd.Function):
@@ -741,7 +741,7 @@ def _strip_prefix(gr: Any, prefix: str) -> None:
                 nd.input[i] = ren[v]
 
 
-def _uncanon_nodes(g: "X.Graph", name: str, m: _QuantMixin, w: str, out: str) -> None:
+def _uncanon_nodes(g: "X.Graph", name: str, m: QuantModule, w: str, out: str) -> None:
     """The module layout of a ConvTranspose2d weight from its canonical [out, in/groups, k, k] tensor."""
     groups = m.groups
     if groups == 1:
@@ -788,7 +788,7 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], *, inputs: Unio
     if path.suffix != ".onnx":
         raise ValueError(f"path must name a .onnx file, got {str(path)!r}")
     check_file_destination(path, overwrite, model_sources(model))
-    mods = [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantMixin)]
+    mods = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantModule)]
     if not mods:
         raise ValueError("export_onnx: the model has no qcore quantized modules; run quantize_model first")
     refuse_conv1d(model, None, "export_onnx")

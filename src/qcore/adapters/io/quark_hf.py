@@ -74,8 +74,8 @@ from .experts import (ExpertsShell, check_split_experts, drop_expert_converters,
                       experts_layout, experts_records, float_experts_records, float_experts_split, split_problem,
                       stored_float_experts)
 from ..config import ModelConfig
-from ..modules import (QuantExperts, QuantLinear, _QuantMixin, QUANT_CLASSES, _norm_weight_granularity,
-                       _with_granularity, low_rank_modules)
+from ..modules import (QUANT_CLASSES, QuantExperts, QuantLinear, QuantModule, install_online,
+                       low_rank_modules, weight_granularity, with_granularity)
 from .._batches import _set_module
 from .._device import check_device
 from ..plan import plan_model
@@ -100,14 +100,14 @@ class ExportInfo:
     layers: dict = field(default_factory=dict)  # module name -> layout
 
 
-def module_layout(m: _QuantMixin) -> str:
+def module_layout(m: QuantModule) -> str:
     if isinstance(m, QuantExperts):
         return experts_layout(m.specs["weight"], {p: m.expert_shape(p) for p in ("gate_up_proj", "down_proj")})
     return L.weight_layout(m.specs["weight"], canonical_shape(m), module="Linear" if type(m) is QuantLinear
                            else "other")
 
 
-def _activation_records(m: _QuantMixin, layout: str) -> dict:
+def _activation_records(m: QuantModule, layout: str) -> dict:
     out = {}
     for role in m.static_roles():
         if not m.is_calibrated(role):
@@ -122,7 +122,7 @@ def _activation_records(m: _QuantMixin, layout: str) -> dict:
     return out
 
 
-def module_records(name: str, m: _QuantMixin, layout: str, cache: dict, pack_method: str = "reorder"
+def module_records(name: str, m: QuantModule, layout: str, cache: dict, pack_method: str = "reorder"
                    ) -> list[TensorRecord]:
     """One quantized module's tensors in the checkpoint (weight codes and scales in ``layout``, calibrated
     activation scales, bias), as lazy records; ``cache`` holds one module's encoded weight at a time."""
@@ -182,7 +182,7 @@ def plan_tensors(model: nn.Module, pack_method: str = "reorder", *, own: bool = 
     Quark's where it has one, or, with ``own`` (a ``quant_method: "qcore"`` checkpoint: ``checkpoint_method``),
     qcore's extension for every quantized module. Order (it decides the shards): the quantized modules' tensors
     in module order, then every other tensor of the state dict in its order (a tied weight once)."""
-    mods = {n: m for n, m in model.named_modules() if isinstance(m, _QuantMixin)}
+    mods = {n: m for n, m in model.named_modules() if isinstance(m, QuantModule)}
     layouts = {n: "qcore" if own else module_layout(m) for n, m in mods.items()}
     records: list[TensorRecord] = []
     owned: set[str] = set()
@@ -257,7 +257,7 @@ def _experts_unit_layout(u: ExportUnit) -> str:
         raise ValueError(f"export_hf: experts {u.name!r}: their weights are GGUF {spec.gguf} (float block offsets "
                          f"and super-block scales), which only GGUF files hold; export them with export_gguf, or "
                          f"quantize the float model with another spec for this format")
-    spec = _with_granularity(spec, _norm_weight_granularity(spec.granularity, "experts", u.name, 2, (o, i)))
+    spec = with_granularity(spec, weight_granularity(spec.granularity, "experts", u.name, 2, (o, i)))
     shapes = {"gate_up_proj": (e, o, i), "down_proj": (e, i, o // 2)}
     problem = split_problem(spec, shapes)
     if problem is not None:
@@ -323,9 +323,9 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
         raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
     max_bytes = parse_size(max_shard_size)
     config = model_config(model, config, who="export_hf")
-    if not any(isinstance(m, _QuantMixin) for m in model.modules()):
+    if not any(isinstance(m, QuantModule) for m in model.modules()):
         raise ValueError("export_hf: the model has no qcore quantized modules; run quantize_model first")
-    weightless = [n for n, m in model.named_modules() if isinstance(m, _QuantMixin) and "weight" not in m.specs]
+    weightless = [n for n, m in model.named_modules() if isinstance(m, QuantModule) and "weight" not in m.specs]
     if weightless:  # before any work: the layouts are the weights' (a KV-cache-only / activation-only config)
         raise ValueError(weightless_error("export_hf", weightless))
     hf_config = getattr(model, "config", None)
@@ -746,7 +746,6 @@ def _make_classes():
                         f"quantization_config.algo_config: Quark's rotation with online transforms "
                         f"({list(rot.online)}) uses Quark's own Hadamard tables, which qcore does not reproduce; "
                         f"load this checkpoint with amd-quark")
-                from ..passes.rotation import install_online
                 install_online(model, rot)
             return model
 

@@ -48,7 +48,7 @@ from .._batches import _set_module
 from ..io.formats import FORMATS, ExportRequest, Format, detect_format, format_named, gguf_in_dir
 from ..io.gguf import _model_config
 from ..io.onnx import UnsupportedWeightError
-from ..modules import EXPERT_PROJS, QuantExperts, _QuantMixin
+from ..modules import EXPERT_PROJS, QuantExperts, QuantModule
 
 __all__ = ["convert", "ConvertInfo", "TensorChange", "load_quantized", "compare_models"]
 
@@ -147,7 +147,7 @@ def _effective(model: nn.Module) -> dict:
     for mname, m in model.named_modules(remove_duplicate=False):
         pre = f"{mname}." if mname else ""
         experts = isinstance(m, QuantExperts)
-        if isinstance(m, _QuantMixin):
+        if isinstance(m, QuantModule):
             spec = m.specs.get("weight")
             if spec is not None and experts:  # fused MoE experts: one weight per projection
                 for p in EXPERT_PROJS:
@@ -165,7 +165,7 @@ def _effective(model: nn.Module) -> dict:
                 sc = m.scales(role).scale
                 out[f"{pre}{role}_quant"] = ("activation", None if tc.dynamic or sc is None else sc.detach(), desc)
         for n, t in m._parameters.items():
-            if t is None or (isinstance(m, _QuantMixin) and n == "weight") or (
+            if t is None or (isinstance(m, QuantModule) and n == "weight") or (
                     experts and n in EXPERT_PROJS and "weight" in m.specs):
                 continue
             out[pre + n] = ("tensor", t.detach(), str(t.dtype).replace("torch.", ""))
@@ -245,7 +245,7 @@ def _gguf_specs_to_float(model: nn.Module, to: str) -> list:
     ``model.qcore_config`` describes the modules left quantized."""
     changes, left = [], {}
     for name, m in list(model.named_modules()):
-        if not isinstance(m, _QuantMixin) or "weight" not in m.specs:
+        if not isinstance(m, QuantModule) or "weight" not in m.specs:
             continue
         spec = m.specs["weight"]
         if not spec.gguf:
@@ -345,7 +345,7 @@ def _onnx_changes(info: Any, model: nn.Module) -> list:
 
     def desc(name: str) -> str:
         m = mods.get(name[:-len(".weight")] if name.endswith(".weight") else name)
-        return _spec_desc(m.specs["weight"]) if isinstance(m, _QuantMixin) and "weight" in m.specs else "?"
+        return _spec_desc(m.specs["weight"]) if isinstance(m, QuantModule) and "weight" in m.specs else "?"
     return [TensorChange(r.name, "weight", desc(r.name), f"{r.onnx_type} ({r.how})", float(r.max_abs_diff))
             for r in info.quantized if not r.exact or r.how == "dequantized"]
 
@@ -358,7 +358,7 @@ def _check_dst(dst: pathlib.Path, overwrite: bool) -> None:
 
 def _model_dtype(model: nn.Module) -> torch.dtype:
     for m in model.modules():
-        if isinstance(m, _QuantMixin) and m.frozen:
+        if isinstance(m, QuantModule) and m.frozen:
             return m.weight_dtype
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
@@ -424,7 +424,7 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
         else:
             tok_note = None
         imported = _import_changes(model) + ([] if to.gguf_specs else _gguf_specs_to_float(model, to.name))
-        nq = sum(1 for m in model.modules() if isinstance(m, _QuantMixin) and "weight" in m.specs)
+        nq = sum(1 for m in model.modules() if isinstance(m, QuantModule) and "weight" in m.specs)
         if nq == 0:
             raise ValueError(f"src {str(src_p)!r}: no weight could be loaded onto a qcore grid"
                              + (f" ({len(imported)} block-quantized tensors have none, e.g. "

@@ -60,7 +60,7 @@ from qcore.algorithms.mixed_precision import DEFAULT_RESOLUTION, MixedPrecision,
 
 from .._batches import _check_batch, _describe, _device_of, _progress, _set_module, _to, logits_of
 from ..config import LayerConfig, ModelConfig
-from ..modules import _norm_weight_granularity, _QuantMixin, _with_granularity, calibrating, wrap
+from ..modules import QuantModule, calibrating, weight_granularity, with_granularity, wrap
 from ..plan import plan_model
 
 __all__ = ["Metric", "Sensitivity", "layer_sensitivity", "amp_config", "config_from_choice", "DEFAULT_TIE", "FLOAT"]
@@ -321,7 +321,7 @@ class _Probe:
             yield _logits(out).float()
 
     def calibrate(self, k: Optional[int], stop: Optional[int], wrappers: list) -> None:
-        mods = [w for w in wrappers if isinstance(w, _QuantMixin) and w.static_roles()]
+        mods = [w for w in wrappers if isinstance(w, QuantModule) and w.static_roles()]
         if not mods:
             return
         with calibrating(mods):
@@ -400,8 +400,8 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
         if lc is None or lc.weight is None:  # left in float
             return float(w.element_size() * 8)
         p = plans[scheme][name]
-        g = _norm_weight_granularity(p.config.weight.spec.granularity, p.type, name, w.dim(), tuple(w.shape))
-        return _with_granularity(p.config.weight.spec, g).bits_per_element(tuple(w.shape))
+        g = weight_granularity(p.config.weight.spec.granularity, p.type, name, w.dim(), tuple(w.shape))
+        return with_granularity(p.config.weight.spec, g).bits_per_element(tuple(w.shape))
 
     was_training = model.training
     model.eval()

@@ -23,7 +23,7 @@ from torch import nn
 
 from qcore.algorithms.autoround import check_autoround_spec, signround
 
-from ..modules import is_fused_experts, linear_weight, linear_weight_spec
+from ..modules import IN_OUT, is_fused_experts, linear_weight, linear_weight_spec, weight_layout
 from .runner import hidden_of
 from .targets import named_targets, write_pinned
 
@@ -70,7 +70,7 @@ def run(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, pinned: dict,
         return
     weights = {n: linear_weight(m).detach().float().clone() for n, m, _ in targets}
     specs = {n: spec for n, _, spec in targets}
-    conv = {n: linear_weight(m) is not m.weight for n, m, _ in targets}  # Conv1D: the parameter is [in, out]
+    conv = {n: weight_layout(m) == IN_OUT for n, m, _ in targets}  # Conv1D: the parameter is [in, out]
     dtypes = {n: m.weight.dtype for n, m, _ in targets}
     outs = [floats.outputs.hidden(b) for b in range(len(floats.outputs))]
     calls = list(zip(inputs.args, inputs.kwargs))

@@ -32,7 +32,7 @@ import qcore
 from qcore.algorithms.distill import data_order, distill_loss
 
 from .._batches import _call, _progress, _to, logits_of
-from ..modules import QuantExperts, _QuantMixin
+from ..modules import QuantExperts, QuantModule
 from .targets import check_experts_algorithms
 
 _log = logging.getLogger("qcore.adapters")
@@ -42,7 +42,7 @@ __all__ = ["check_distill", "run_distill", "make_teacher"]
 
 def _targets(model: nn.Module) -> list:
     """``[(name, module)]`` of the quantized modules with a quantized weight, in model order."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantMixin) and "weight" in m.specs]
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantModule) and "weight" in m.specs]
 
 
 def _scale_trainable(spec) -> Optional[str]:
@@ -118,7 +118,7 @@ class _Trainee:
             kw["tensor_scale"] = self.tscale
         return kw
 
-    def fake(self, m: _QuantMixin) -> torch.Tensor:
+    def fake(self, m: QuantModule) -> torch.Tensor:
         """The weight the forward uses: fake-quantized with the scales, straight-through to the weight (and the
         LSQ gradient to a trained scale)."""
         w = m.to_canonical(self.weight)

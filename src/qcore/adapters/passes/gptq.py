@@ -20,7 +20,7 @@ from qcore.algorithms.config import GPTQConfig
 from qcore.algorithms.gptq import gptq
 from qcore.algorithms.gptq_core import HessianStats, HessianSum, check_gptq_spec
 
-from ..modules import EXPERT_PROJS, _gguf_cat, experts_weight_spec, is_fused_experts, linear_weight, linear_weight_spec
+from ..modules import EXPERT_PROJS, gguf_cat, experts_weight_spec, is_fused_experts, linear_weight, linear_weight_spec
 from .runner import LayerInputs, Stop, forward_layer
 from .targets import input_stages, named_targets, scale_fn, write_pinned
 
@@ -193,7 +193,7 @@ def _experts_gptq(w, hess, spec, fn, kw: dict, imp, proj: str, e: int):
     if all(np.array_equal(rows[0], r) for r in rows[1:]):
         return gptq(w, hess, spec, scale_fn=fn, imatrix=rows[0], **kw).qtensor
     k = w.shape[0] // len(rows)
-    return _gguf_cat([gptq(w[h * k:(h + 1) * k].contiguous(), hess, spec, scale_fn=fn, imatrix=r, **kw).qtensor
+    return gguf_cat([gptq(w[h * k:(h + 1) * k].contiguous(), hess, spec, scale_fn=fn, imatrix=r, **kw).qtensor
                       for h, r in enumerate(rows)])
 
 

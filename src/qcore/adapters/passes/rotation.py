@@ -43,9 +43,10 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from qcore.algorithms.hadamard import fwht, is_constructible, random_signs, reference_fwht, rotation
+from qcore.algorithms.hadamard import rotation
 
-from ..families import family_of
+from ..families import UnknownFamily, family_of, locate, non_language_modules, text_config
+from ..modules import InputRotation, input_rotations, install_online, online_hooks, online_plan
 
 __all__ = ["rotate_model", "check_rotation", "rotated_weights", "InputRotation",
            "input_rotations", "online_plan", "install_online", "ONLINE"]
@@ -62,7 +63,6 @@ def _get(m, name):
 def _located(model):
     """The architecture record of ``model`` and where it sits (``qcore.adapters.families.locate``); ValueError
     before any work when the family is unknown or its record says rotations do not support it."""
-    from ..families import UnknownFamily, locate
     if not isinstance(model, nn.Module):
         raise TypeError(f"rotate_model: model must be a torch.nn.Module, got {type(model).__name__}")
     try:
@@ -84,14 +84,15 @@ def _located(model):
 
 
 def _text_config(model):
-    from ..families import _text_config as tc
-    return tc(model.config)
+    return text_config(model.config)
 
 
-def _check(model) -> tuple:
+def rotation_parts(model) -> tuple:
+    """``(embedding, final norm, head, decoder layers, head_dim)`` of a model QuaRot / SpinQuant can rotate (its
+    family's record allows it, and every module the record names is where and what it says); ValueError naming
+    the first thing that is not, before any work."""
     loc = _located(model)
     fam = loc.family
-    from ..families import non_language_modules
     other = non_language_modules(model)
     if other:  # their outputs (image features) enter the residual stream, which the rotation changes
         raise ValueError(f"rotate_model: {type(model).__name__} (model_type {model.config.model_type!r}) is a "
@@ -142,134 +143,6 @@ def _v_rows(model, fam, hd: int) -> slice:
     return slice((nh + kv) * hd, (nh + 2 * kv) * hd)
 
 
-class InputRotation:
-    """A forward pre-hook multiplying a Linear's input by the orthogonal ``Q`` of size ``size`` (see the module
-    docstring): ``x @ Q`` with ``Q = rotation(size, key=key).T``. A value (size, key); the matrix is rebuilt
-    from it, so a model with these hooks deep-copies and pickles. The signs (or the dense matrix of a size with
-    no construction) are cached per (device, dtype) on first use; under autograd the transform is one
-    ``torch.autograd.Function`` whose backward is the adjoint transform (``fwht(..., transpose=True)``), not the
-    graph of the transform's elementwise operations (issue 23)."""
-
-    __slots__ = ("size", "key", "_signs", "_dense", "_cache")
-
-    def __init__(self, size: int, *, key: Optional[int] = None):
-        self.size, self.key = int(size), key
-        self._signs = self._dense = None
-        self._cache = {}
-
-    def __repr__(self) -> str:
-        return f"InputRotation(size={self.size}, key={self.key})"
-
-    def __getstate__(self):
-        return {"size": self.size, "key": self.key}
-
-    def __setstate__(self, st):
-        self.size, self.key = st["size"], st["key"]
-        self._signs = self._dense = None
-        self._cache = {}
-
-    def matrix(self) -> torch.Tensor:
-        """``Q`` as a float64 [size, size] tensor."""
-        return torch.from_numpy(rotation(self.size, key=self.key).T.copy())
-
-    def __call__(self, module, args):
-        x = args[0]
-        return (self.apply(x),) + tuple(args[1:])
-
-    def _on(self, what: str, device, dtype) -> torch.Tensor:
-        """The signs (``what="signs"``) or the dense ``Q`` (``"dense"``) on ``device`` in ``dtype``, built once."""
-        k = (what, str(device), dtype)
-        t = self._cache.get(k)
-        if t is None:
-            if what == "signs":
-                if self._signs is None:
-                    self._signs = torch.from_numpy(random_signs(self.size, key=self.key))
-                t = self._signs.to(device=device, dtype=dtype)
-            else:
-                if self._dense is None:
-                    self._dense = self.matrix()
-                t = self._dense.to(device=device, dtype=dtype)
-            self._cache[k] = t
-        return t
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.size:
-            raise ValueError(f"InputRotation: input has {x.shape[-1]} features, the rotation is of size {self.size}")
-        ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-        z = x.to(ct)
-        if is_constructible(self.size):
-            if self.key is not None:
-                z = z * self._on("signs", x.device, ct)
-            y = _FWHT.apply(z) if z.requires_grad and torch.is_grad_enabled() else _fwht(z)
-        else:
-            y = z @ self._on("dense", x.device, ct)
-        return y.to(x.dtype)
-
-
-class _FWHT(torch.autograd.Function):
-    """``fwht`` with the adjoint transform as its backward (``d/dz (z H^T / r) = g H / r``)."""
-
-    @staticmethod
-    def forward(ctx, z):
-        return _fwht(z)
-
-    @staticmethod
-    def backward(ctx, g):
-        return fwht(g, transpose=True)
-
-
-def _fwht(x: torch.Tensor) -> torch.Tensor:
-    """``fwht(x)``, by its Triton twin (same bits) for float32 tensors on a GPU with Triton
-    (``qcore.adapters.triton.available``) when no gradient is needed."""
-    if x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled()):
-        from .. import triton as kernels
-
-        if kernels.available(x):
-            return kernels.fwht(x)
-    return fwht(x)
-
-
-class _ReferenceInputRotation(InputRotation):
-    """The landed ``InputRotation.apply`` (issue 11): signs moved per call, ``reference_fwht`` differentiated through
-    its elementwise graph; the reference SpinQuant (``spinquant._reference_spinquant``) is tested against."""
-
-    __slots__ = ()
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.size:
-            raise ValueError(f"InputRotation: input has {x.shape[-1]} features, the rotation is of size {self.size}")
-        ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-        if is_constructible(self.size):
-            if self.key is not None:
-                if self._signs is None:
-                    self._signs = torch.from_numpy(random_signs(self.size, key=self.key))
-                y = reference_fwht(x.to(ct) * self._signs.to(device=x.device, dtype=ct))
-            else:
-                y = reference_fwht(x.to(ct))
-        else:
-            if self._dense is None:
-                self._dense = self.matrix()
-            y = x.to(ct) @ self._dense.to(device=x.device, dtype=ct)
-        return y.to(x.dtype)
-
-
-def remove_online(model: nn.Module) -> None:
-    """Remove every ``InputRotation`` hook (undoing ``_online_hooks`` when the weights were not rotated)."""
-    for m in model.modules():
-        for k in [k for k, h in m._forward_pre_hooks.items() if isinstance(h, InputRotation)]:
-            del m._forward_pre_hooks[k]
-
-
-def input_rotations(model: nn.Module) -> dict:
-    """``{module name: InputRotation}`` for every module carrying one (``rotate_model(..., online=...)``)."""
-    out = {}
-    for n, m in model.named_modules():
-        for h in m._forward_pre_hooks.values():
-            if isinstance(h, InputRotation):
-                out[n] = h
-    return out
-
-
 @torch.no_grad()
 def _set(p: torch.Tensor, v: torch.Tensor) -> None:
     p.copy_(v.to(p.dtype))
@@ -279,7 +152,7 @@ def _w(p):
     return p.detach().to(torch.float64)
 
 
-def _fold_and_untie(model, emb, norm, head, layers) -> None:
+def fold_norms_and_untie(model, emb, norm, head, layers) -> None:
     """Fold every norm's weight into the Linears reading it (then the weight that makes the norm the identity
     scale: ones, or zeros for a unit-offset ``x * (1 + w)`` norm); untie the output head."""
     fam = family_of(model)
@@ -313,7 +186,7 @@ def rotated_weights(model: nn.Module, r1: Optional[torch.Tensor], r2: Optional[S
     ``attn_in`` and the per-head input columns of ``attn_out``. ``start``: ``{parameter name: value}`` to start
     from instead of the model's (SpinQuant's weights already times their online ``Q``); ``skip``: parameter names
     left out of R1 (SpinQuant rotates the embedding's output and the head's input instead)."""
-    emb, norm, head, layers, hd = _check(model)
+    emb, norm, head, layers, hd = rotation_parts(model)
     fam = family_of(model)
     vrows = _v_rows(model, fam, hd)
     vname = fam.attn_in[2] if len(fam.attn_in) == 3 else fam.attn_in[0]
@@ -364,54 +237,13 @@ def rotated_weights(model: nn.Module, r1: Optional[torch.Tensor], r2: Optional[S
 
 
 @torch.no_grad()
-def _write(model: nn.Module, values: dict) -> None:
+def write_weights(model: nn.Module, values: dict) -> None:
+    """Write ``{parameter name: value}`` into the model's parameters in place (cast to each one's dtype)."""
     for k, v in values.items():
         _set(model.get_parameter(k), v)
 
 
-def _online_names(fam, online) -> list:
-    """The record's module for each canonical ``ONLINE`` entry (``mlp.down_proj``: the MLP's output projection,
-    ``self_attn.o_proj``: attention's)."""
-    where = {"mlp.down_proj": fam.mlp_out, "self_attn.o_proj": fam.attn_out}
-    return [where.get(o, o) for o in online]
-
-
-def online_plan(model: nn.Module, algo) -> dict:
-    """``{module name: InputRotation}`` that ``rotate_model`` / ``apply_rotation`` install for the rotation config
-    ``algo`` (``online``, ``key``) on ``model`` (what a checkpoint's config says to re-install on loading)."""
-    from ..families import locate
-    loc = locate(model, what=algo.name)
-    path = loc.layers
-    layers = _get(model, path)
-    out = {}
-    for li, layer in enumerate(layers):
-        for i, name in enumerate(_online_names(loc.family, algo.online)):
-            lin = _get(layer, name)
-            if lin is None or not hasattr(lin, "in_features"):
-                raise ValueError(f"{algo.name}: {path}.{li}.{name} is not a Linear")
-            out[f"{path}.{li}.{name}"] = InputRotation(lin.in_features,
-                                                       key=None if algo.key is None else algo.key + 2 + i)
-    return out
-
-
-def install_online(model: nn.Module, algo) -> dict:
-    """Register ``online_plan(model, algo)``'s hooks on a model whose weights already hold the rotations (a
-    reloaded checkpoint); returns the plan."""
-    plan = online_plan(model, algo)
-    for name, h in plan.items():
-        model.get_submodule(name).register_forward_pre_hook(h)
-    return plan
-
-
-def _online_hooks(model, online: Sequence[str], key: Optional[int]) -> dict:
-    """Register the online ``InputRotation`` hooks; ``{weight parameter name: Q}`` whose columns must be
-    multiplied by ``Q`` (``W @ Q``) for the model to compute the same function."""
-    from types import SimpleNamespace
-    plan = install_online(model, SimpleNamespace(online=tuple(online), key=key, name="rotate_model"))
-    return {f"{n}.weight": h.matrix().to(model.get_submodule(n).weight.device) for n, h in plan.items()}
-
-
-def _times_online(model, values: dict, qs: dict, dtype=torch.float64) -> dict:
+def times_online(model, values: dict, qs: dict, dtype=torch.float64) -> dict:
     """``values`` with every weight in ``qs`` (taken from the model where ``values`` lacks it) times its ``Q``."""
     out = dict(values)
     for k, q in qs.items():
@@ -431,22 +263,22 @@ def rotate_model(model: nn.Module, *, key: Optional[int] = 0, heads: bool = True
                  online: Sequence[str] = ONLINE) -> nn.Module:
     """Fold norms and fuse QuaRot's rotations into ``model`` in place (module docstring); returns it."""
     online = _check_online(online)
-    emb, norm, head, layers, hd = _check(model)
+    emb, norm, head, layers, hd = rotation_parts(model)
     if input_rotations(model):
         raise ValueError("rotate_model: the model is already rotated (it has online InputRotation hooks)")
     hidden = emb.weight.shape[1]
     dev = emb.weight.device
     r1 = torch.from_numpy(rotation(hidden, key=key)).to(dev)
     r2 = torch.from_numpy(rotation(hd, key=None if key is None else key + 1)).to(dev)
-    _fold_and_untie(model, emb, norm, head, layers)
+    fold_norms_and_untie(model, emb, norm, head, layers)
     values = rotated_weights(model, r1, [r2] * len(layers) if heads else None)
-    _write(model, _times_online(model, values, _online_hooks(model, online, key)))
+    write_weights(model, times_online(model, values, online_hooks(model, online, key)))
     return model
 
 
 def check_rotation(model: nn.Module, algo) -> None:
     """What ``apply_rotation`` checks before changing anything."""
-    _check(model)
+    rotation_parts(model)
     if input_rotations(model):
         raise ValueError("the model is already rotated (it has online InputRotation hooks); reload it")
     path = _located(model).layers

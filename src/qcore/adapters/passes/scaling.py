@@ -32,10 +32,11 @@ arithmetic the layer computes the same function, and only quantization sees the 
   must be ``nn.Linear`` / ``Conv1D``, and a Linear -> Linear entry whose sizes do not match (Quark's ``v_proj ->
   o_proj`` under grouped-query attention, which Quark handles by a max over the query heads sharing a KV head) is
   left out, with a warning, rather than folded wrongly.
-- ``fold_scales(layer, group, s)``: in place, all checks before any change; float64 arithmetic, cast back to
-  each parameter's dtype (so the float model changes only by that rounding). Foldable producers: a norm with a
+- ``fold_scales(layer, group, s, family=)``: in place, all checks before any change; float64 arithmetic, cast back
+  to each parameter's dtype (so the float model changes only by that rounding). Foldable producers: a norm with a
   per-channel weight (``nn.LayerNorm``, ``nn.RMSNorm``, any module whose class name ends in ``RMSNorm`` /
-  ``LayerNorm``; Gemma-style "unit offset" RMSNorms, ``x * (1 + w)``, fold as ``(w + 1) / s - 1`` as Quark does)
+  ``LayerNorm``; Gemma-style "unit offset" RMSNorms, ``x * (1 + w)`` (the family record's ``norm``,
+  ``families.unit_offset_norm``), fold as ``(w + 1) / s - 1`` as Quark does)
   or an ``nn.Linear`` / ``Conv1D`` with ``len(s)`` outputs; the readers are ``nn.Linear`` / ``Conv1D``. Fold
   before a model is quantized (calibrated scales of a wrapped Linear would not follow the change).
 
@@ -54,16 +55,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..families import ScalingGroup  # the record type lives with the architecture records
+from ..families import ScalingGroup, unit_offset_norm  # the record type lives with the architecture records
 from ..modules import linear_weight
 
 __all__ = ["ScalingGroup", "NoScalingMap", "scaling_groups", "fold_scales", "check_fold", "linear_view"]
 
-# RMSNorm classes computing normalize(x) * (1 + weight) (Quark 0.13's UNIT_OFFSET_NORM_CLASSES).
-_UNIT_OFFSET_NORMS = frozenset({
-    "GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "RecurrentGemmaRMSNorm", "VaultGemmaRMSNorm",
-    "T5GemmaRMSNorm", "T5Gemma2RMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "MuseGlimmerTextCenteredRMSNorm",
-})
 # ---------------------------------------------------------------------------------------------------------------
 # architecture map
 # ---------------------------------------------------------------------------------------------------------------
@@ -267,12 +263,15 @@ def check_fold(layer: nn.Module, group: ScalingGroup, n: int) -> tuple:
     return kind, prev, fcs
 
 
-def fold_scales(layer: nn.Module, group: ScalingGroup, s: Any) -> None:
+def fold_scales(layer: nn.Module, group: ScalingGroup, s: Any, *, family: Any = None) -> None:
     """Fold per-channel scales ``s`` ([n], positive, finite; numpy or torch) into ``layer`` in place: the output
     of ``group.prev_op`` is divided by ``s`` and each Linear of ``group.layers`` has its input columns multiplied
     by ``s``, so the layer's float function is unchanged (up to rounding to the parameters' dtypes). Everything
     is checked first (ValueError/TypeError, nothing changed): the names exist, the layers are nn.Linear with
-    ``in_features == n``, the producer is foldable (module docstring) with ``n`` output channels."""
+    ``in_features == n``, the producer is foldable (module docstring) with ``n`` output channels. ``family``: the
+    record of the model the layer belongs to (``families.family_or_none(model)``): its ``norm`` says whether a
+    norm computes ``x * (1 + w)``; None (a model without a record): ``families.unit_offset_norm`` by the norm's
+    class."""
     st = _scales(s)
     kind, prev, fcs = check_fold(layer, group, int(st.numel()))
     with torch.no_grad():
@@ -283,7 +282,7 @@ def fold_scales(layer: nn.Module, group: ScalingGroup, s: Any) -> None:
             if prev.bias is not None:
                 _assign(prev.bias, prev.bias.to(torch.float64) / sd.to(prev.bias.device))
         else:
-            c = 1.0 if type(prev).__name__ in _UNIT_OFFSET_NORMS else 0.0
+            c = 1.0 if unit_offset_norm(prev, family) else 0.0
             w = prev.weight
             _assign(w, (w.to(torch.float64) + c) / st.to(w.device) - c)
             b = getattr(prev, "bias", None)

@@ -29,7 +29,7 @@ from qcore.algorithms.awq import awq_clip, awq_search
 from qcore.algorithms.config import AutoSmoothQuantConfig, AWQConfig, SmoothQuantConfig
 from qcore.algorithms.smoothquant import auto_smoothquant, smoothquant_scales, weight_absmax
 
-from ..modules import _act_granularity, _with_granularity, linear_weight_spec
+from ..modules import activation_granularity, with_granularity, linear_weight_spec
 from .runner import forward_layer
 from .scaling import NoScalingMap, ScalingGroup, check_fold, fold_scales, linear_view, scaling_groups
 
@@ -58,7 +58,7 @@ def _groups(layer: nn.Module, algo, prefix: str, family=None) -> list[ScalingGro
 
 def _ispec(plan):
     tc = plan.config.input
-    return _with_granularity(tc.spec, _act_granularity(tc.spec.granularity, False))
+    return with_granularity(tc.spec, activation_granularity(tc.spec.granularity, False))
 
 
 def check_scaling(layer: nn.Module, lplans: dict, algo, prefix: str, *, family=None) -> None:
@@ -154,7 +154,7 @@ def apply_scaling(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, *, 
                                      loss=algo.loss, act_absmax=rec.absmax).scales
             else:
                 s = awq_search(x, ws, specs, grid=algo.grid).scales
-        fold_scales(layer, g, s)
+        fold_scales(layer, g, s, family=family)
         if isinstance(algo, AWQConfig) and algo.clip:
             xs = x / s.to(x.dtype)
             for n, m, spec in zip(g.layers, mods, specs):

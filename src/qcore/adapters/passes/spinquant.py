@@ -39,21 +39,11 @@ from qcore.algorithms.hadamard import rotation
 from qcore.algorithms.orthogonal import cayley_step
 
 from .._batches import _progress
+from ..modules import (InputRotation, ReferenceInputRotation, activation_granularity, linear_weight_spec, online_hooks,
+                       remove_online, with_granularity)
 from ..families import family_of
-from ..modules import _act_granularity, _with_granularity, linear_weight_spec
-from .rotation import (
-    InputRotation,
-    _check,
-    _fold_and_untie,
-    _online_hooks,
-    _ReferenceInputRotation,
-    _times_online,
-    _write,
-    check_rotation,
-    remove_online,
-    rotate_model,
-    rotated_weights,
-)
+from .rotation import (check_rotation, fold_norms_and_untie, rotate_model, rotated_weights, rotation_parts,
+                       times_online, write_weights)
 
 __all__ = ["spinquant", "apply_rotation"]
 
@@ -86,7 +76,7 @@ def _specs(model: nn.Module, plans: Sequence) -> tuple[dict, dict]:
             wspecs[f"{p.name}.weight"] = linear_weight_spec(m, p, p.name)
         if p.config.input is not None:
             spec = p.config.input.spec
-            aspecs[p.name] = _with_granularity(spec, _act_granularity(spec.granularity, False))
+            aspecs[p.name] = with_granularity(spec, activation_granularity(spec.granularity, False))
     return wspecs, aspecs
 
 
@@ -164,7 +154,7 @@ class _Step:
         vals = rotated_weights(model, r1v, r2v, dtype=torch.float32, start=self.start, skip=self.skip)
         for k, w in self.start.items():  # r1 None: W Q as it is
             vals.setdefault(k, w)
-        return _times_online(model, vals, self.qs, torch.float32)
+        return times_online(model, vals, self.qs, torch.float32)
 
     def remove(self) -> None:
         for h in self.hooks:
@@ -172,19 +162,19 @@ class _Step:
 
 
 def _as_reference(model) -> dict:
-    """Swap every ``InputRotation`` hook for the landed one (``_ReferenceInputRotation``); returns what to restore."""
+    """Swap every ``InputRotation`` hook for the landed one (``ReferenceInputRotation``); returns what to restore."""
     swapped = {}
     for m in model.modules():
         for k, h in list(m._forward_pre_hooks.items()):
             if type(h) is InputRotation:
-                ref = _ReferenceInputRotation(h.size, key=h.key)
+                ref = ReferenceInputRotation(h.size, key=h.key)
                 m._forward_pre_hooks[k] = ref
                 swapped[(id(m), k)] = (m, k, h)
     return swapped
 
 
 def _spinquant(model, plans, data, algo, *, progress: bool, train_weights: bool, reference: bool):
-    emb, norm, head, layers, hd = _check(model)
+    emb, norm, head, layers, hd = rotation_parts(model)
     if not data:
         raise ValueError("spinquant trains its rotations on calibration data: pass a non-empty list of token-id "
                          "batches as data=")
@@ -199,8 +189,8 @@ def _spinquant(model, plans, data, algo, *, progress: bool, train_weights: bool,
     r1 = torch.from_numpy(rotation(emb.weight.shape[1], key=key)).to(dev)
     r2 = [torch.from_numpy(rotation(hd, key=None if key is None else key + 1)).to(dev)
           for _ in layers] if algo.heads else None
-    _fold_and_untie(model, emb, norm, head, layers)
-    qs = _online_hooks(model, algo.online, key)
+    fold_norms_and_untie(model, emb, norm, head, layers)
+    qs = online_hooks(model, algo.online, key)
     swapped = _as_reference(model) if reference else {}
     last = None if reference else [None, None, None]
     hooks = [model.get_submodule(n).register_forward_pre_hook(_act_hook(s, last)) for n, s in aspecs.items()]
@@ -221,7 +211,7 @@ def _spinquant(model, plans, data, algo, *, progress: bool, train_weights: bool,
             r1v = r1.float().requires_grad_()
             r2v = [r.float().requires_grad_() for r in r2] if r2 is not None else None
             if reference:
-                vals = _times_online(model, rotated_weights(model, r1v, r2v, dtype=torch.float32), qs, torch.float32)
+                vals = times_online(model, rotated_weights(model, r1v, r2v, dtype=torch.float32), qs, torch.float32)
             else:
                 vals = step_of.values(model, r1v, r2v)
             for k, spec in wspecs.items():
@@ -261,7 +251,7 @@ def _spinquant(model, plans, data, algo, *, progress: bool, train_weights: bool,
     if step_of is not None:
         step_of.remove()
     with torch.no_grad():
-        _write(model, _times_online(model, rotated_weights(model, r1, r2), qs))
+        write_weights(model, times_online(model, rotated_weights(model, r1, r2), qs))
     model._qcore_spinquant_losses = losses  # the training curve (first, last: logged)
     model._qcore_spinquant_step_s = step_s  # seconds per step (bench/bench_rotation_speed.py)
     _log.info("spinquant: %d steps in %.1f s, loss %.4f -> %.4f", algo.steps, time.perf_counter() - t0,

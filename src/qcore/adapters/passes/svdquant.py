@@ -190,7 +190,7 @@ def run(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, pinned: dict,
         scales.append(s)
     for g, s in zip(plan, scales):
         if g.fold is not None:
-            fold_scales(layer, g.fold, s)
+            fold_scales(layer, g.fold, s, family=family)
     for g, s in zip(plan, scales):
         folded = g.fold is not None
         rec = recs[g.inp]
