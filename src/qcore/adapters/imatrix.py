@@ -43,6 +43,7 @@ from qcore.formats.imatrix import ImatrixDat, ImatrixGGUF, read_imatrix, write_i
 from ._batches import _call, _device_of, _progress, _to
 from .gguf_names import expert_names, gguf_names
 from .modules import EXPERT_PROJS, IN_OUT, QuantExperts, is_fused_experts, weight_layout
+from .moe import find_moe_blocks
 
 __all__ = ["collect_imatrix", "save_imatrix", "load_imatrix", "module_quant_weights", "linear_modules",
            "model_importance"]
@@ -94,7 +95,6 @@ def _plain_experts(model: nn.Module) -> dict:
     standard fused layout (Mixtral, Qwen2/3-MoE, OLMoE, ...: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``
     plain parameters, ``act_fn``, no biases), each token ``act_fn(x @ gate.T) * (x @ up.T)`` into ``down_proj``.
     Other experts (biased or interleaved gpt-oss experts, qcore's quantized experts) are not collected."""
-    from .moe import find_moe_blocks
 
     out = {}
     for b in find_moe_blocks(model):

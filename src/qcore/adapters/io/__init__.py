@@ -12,6 +12,10 @@ import os
 import pathlib
 from typing import Any
 
+from .common import read_config
+from .compressed_tensors import load_compressed_tensors
+from .quark_hf import from_pretrained as quark_from_pretrained
+
 __all__ = ["from_pretrained"]
 
 
@@ -20,7 +24,6 @@ def from_pretrained(directory, *, dtype: Any = None, device_map: Any = None, **k
     (module docstring); the arguments as ``quark_hf.from_pretrained``'s."""
     if not isinstance(directory, (str, os.PathLike)):
         raise TypeError(f"from_pretrained: directory must be a str or os.PathLike, got {type(directory).__name__}")
-    from .common import read_config
     d = pathlib.Path(directory)
     _, raw = read_config(d)
     if isinstance(raw, dict) and raw.get("quant_method") == "compressed-tensors":
@@ -29,7 +32,5 @@ def from_pretrained(directory, *, dtype: Any = None, device_map: Any = None, **k
             raise TypeError(f"from_pretrained: a compressed-tensors checkpoint loads through "
                             f"qcore.adapters.io.compressed_tensors.load_compressed_tensors, which takes dtype only; "
                             f"got {extra}")
-        from .compressed_tensors import load_compressed_tensors
         return load_compressed_tensors(d, dtype=dtype)
-    from .quark_hf import from_pretrained as quark_from_pretrained
     return quark_from_pretrained(d, dtype=dtype, device_map=device_map, **kwargs)

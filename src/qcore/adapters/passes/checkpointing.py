@@ -58,6 +58,7 @@ from qcore.formats.safetensors_io import TensorRecord
 from qcore.quantize import QTensor
 
 from .._batches import _to
+from ..modules import experts_weight_spec, is_fused_experts, linear_weight, linear_weight_spec
 from .runner import LayerInputs
 
 _log = logging.getLogger("qcore.adapters")
@@ -471,7 +472,6 @@ def algorithms_checkpoint(work: WorkDir, path: str, by_layer: list, pinned: dict
                           reference: Optional[dict]) -> LayerCheckpoint:
     """``run_algorithms``'s: per layer its state, GPTQ's QTensors of its modules (fused experts: per projection,
     per expert, None where rounded to nearest) and the reference weights (when the run keeps them)."""
-    from ..modules import experts_weight_spec, is_fused_experts, linear_weight, linear_weight_spec
 
     def mine(d: Optional[dict], i: int) -> dict:
         return {} if d is None else {k: v for k, v in d.items() if k.startswith(f"{path}.{i}.")}
