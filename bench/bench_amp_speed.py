@@ -310,7 +310,7 @@ _NOTES = [
     "- the KL: the landed expression allocated four `tokens x vocab` temporaries (the log-softmax, the "
     "`exp`, the difference, the product; 100 MB each per window) and made about ten passes over them; it now "
     "runs 64 positions at a time in cache (`amp._kl_rows`): bit-identical to the landed expression "
-    "(`amp._reference_kl_rows`, tests/adapters/test_amp_speed.py).",
+    "(`amp._reference_kl_rows`, tests/adapters/passes/test_amp_speed.py).",
     "- the layers before k: already skipped (their outputs replayed) in the landed code.",
     "- not shareable: the tail after layer k runs on different hidden states for every (unit, scheme), and "
     "the KL needs every logit (log-sum-exp over the vocabulary). Batching the two schemes into one forward "

@@ -74,7 +74,7 @@ NOTES = """Where the time goes and what changed (issue 23):
   it): the landed 83.9 s was the float forward itself on a loaded machine. Now each batch after the first ends
   right after the last module with observers (``qcore.adapters._calib_tail.TailSkip``): the excluded output head
   (49152 x 576, about a fifth of SmolLM2's multiply-adds) no longer runs. Same observers on the same tensors:
-  the same scales, bit for bit (tests/adapters/test_scaling_speed.py).
+  the same scales, bit for bit (tests/adapters/passes/test_scaling_speed.py).
 - **AutoSmoothQuant**: the alpha search was about 90 % of the run: per scaling group and candidate (20), a
   fake-quantization of the [4096, in] sample and of the weights, then float64 conversions and matmuls. Now every
   candidate is screened with float32 matmuls (its operands are float32 values already) and only the candidates

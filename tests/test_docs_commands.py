@@ -178,7 +178,7 @@ def _byte_tokenizer():
 
 
 def _char_tokenizer():
-    """tests/adapters/test_lm_eval.py's: one token per printable ASCII character (99 ids)."""
+    """tests/adapters/eval/test_lm_eval.py's: one token per printable ASCII character (99 ids)."""
     import transformers
     from tokenizers import Tokenizer, decoders, models
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "\n": 3}
@@ -316,7 +316,7 @@ def test_doc_commands_run(doc, line, kind, value, lines, tmp_path, monkeypatch, 
     elif kind is not None:
         pytest.fail(f"docs/{doc}:{line}: unknown marker {kind!r}")
     # lm-eval's accuracies of a chance-level random model are ties-sensitive: run as a reader does, in a new process
-    # (in-process, after tests/adapters/test_lm_eval.py in the same session, they came out different)
+    # (in-process, after tests/adapters/eval/test_lm_eval.py in the same session, they came out different)
     _run_block(lines, cwd, monkeypatch, capsys, stand_in=request.getfixturevalue("stand_in") if needs_model else None,
                fresh=(kind, value) == ("setup", "lm_eval_model"))
 

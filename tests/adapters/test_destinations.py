@@ -28,7 +28,7 @@ from qcore.adapters.io.gguf import from_gguf  # noqa: E402
 from qcore.adapters.passes.streaming import quantize_checkpoint  # noqa: E402
 from qcore.cli import main  # noqa: E402
 
-from test_export_gguf import tiny_tokenizer  # noqa: E402
+from gguf_kit import tiny_tokenizer  # noqa: E402
 
 
 def _tiny(cls_name, cfg_name, seed=0, **kw):  # as conftest's factories (which another conftest.py may shadow)

@@ -8,7 +8,7 @@
   exports to a GGUF file that imports as the same codes; with a diagonal Hessian it is llama.cpp's quantizer;
 - refusals before any work.
 
-Tiny Llama with 256-wide rows (tests/adapters/test_gguf_kquants.py)."""
+Tiny Llama with 256-wide rows (tests/adapters/io/test_gguf_kquants.py)."""
 
 import numpy as np
 import pytest

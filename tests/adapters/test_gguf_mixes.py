@@ -297,7 +297,7 @@ def test_quantize_and_report_with_a_mix(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 def _tokenizer():
-    from test_export_gguf import tiny_tokenizer  # noqa: E402
+    from gguf_kit import tiny_tokenizer  # noqa: E402
     return tiny_tokenizer()
 
 
@@ -375,7 +375,7 @@ def test_qcore_mix_writes_llama_cpps_file_and_llama_cpp_runs_it(tmp_path, family
     ``export_gguf``) has every tensor of llama.cpp's own quantized file, type and bytes; the types are
     ``gguf_mix(...).types``; llama.cpp's logits of qcore's file match qcore's model (llama.cpp quantizes
     activations to 8 bits in its k-quant dot products: a small difference)."""
-    from test_gguf_kquants import _ids, _llama_logits  # noqa: E402
+    from gguf_kit import llama_logits as _llama_logits, token_ids as _ids  # noqa: E402
     pytest.importorskip("llama_cpp")
     src = _float_gguf(tiny(family, layers=4), tmp_path / "f.gguf")
     for mix in mixes:

@@ -151,7 +151,7 @@ def test_excluded_experts_freeze_export_and_reload_with_the_same_logits(tmp_path
 
 
 def test_gpt2_conv1d_is_quantized_and_kept_float_only_knowingly():
-    # transformers' Conv1D is quantized as a Linear (issue 22; tests/adapters/test_conv1d.py): not refused any more
+    # transformers' Conv1D is quantized as a Linear (issue 22; tests/adapters/modules/test_conv1d.py): not refused any more
     model = tiny_gpt2()
     float_attn = copy.deepcopy(model.transformer.h[1].attn.c_attn)
     quantize_model(model, preset("uint4_wo_64"), progress=False)

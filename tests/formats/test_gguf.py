@@ -326,7 +326,7 @@ def test_architectures_are_gguf_pys():
         assert set(a.layer) | set(G.TOP_TENSORS[:2]) <= known, name
         assert ("output" in known) == a.output, name
         assert set(a.biases) <= set(a.layer) and set(a.layer) <= set(G.LAYER_TENSORS)
-        if a.norm == "layernorm":  # GPT-2 / GPT-NeoX configs: tests/adapters/test_gguf_gpt2_neox.py
+        if a.norm == "layernorm":  # GPT-2 / GPT-NeoX configs: tests/adapters/io/test_gguf_gpt2_neox.py
             continue
         cfg = dict(num_attention_heads=4, hidden_size=64, head_dim=32, max_position_embeddings=64,
                    num_hidden_layers=2, intermediate_size=128, rms_norm_eps=1e-6, vocab_size=128,

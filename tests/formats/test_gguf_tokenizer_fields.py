@@ -1,5 +1,5 @@
 """qcore.formats.gguf_tokenizer: vocabulary lists -> llama.cpp's SentencePiece (``llama``) tokenizer metadata
-(pure; the llama.cpp checks are in tests/adapters/test_gguf_tokenizers.py)."""
+(pure; the llama.cpp checks are in tests/adapters/io/test_gguf_tokenizers.py)."""
 
 import pytest
 

@@ -249,10 +249,16 @@ def guarded(fn, *args, **kwargs):
 
 
 def config_digest(model) -> str:
+    """The digest of the model's config. Its algorithms are compared as the configs they parse to: since issue 32
+    ``ModelConfig`` holds typed algorithm configs and ``to_dict`` writes each one's full dict, where the landed code
+    kept a dict as it was given (``{"name": "gptq"}``); the same config either way."""
     cfg = getattr(model, "qcore_config", None)
     if cfg is None:
         return "none"
-    return sha(json.dumps(cfg.to_dict(), sort_keys=True, default=repr).encode())
+    from qcore.algorithms.config import parse_algorithm
+    d = cfg.to_dict()
+    d["algorithms"] = [parse_algorithm(a).to_dict() for a in d["algorithms"]]
+    return sha(json.dumps(d, sort_keys=True, default=repr).encode())
 
 
 def quantized_digest(model, config, data, test, *, freeze: bool = True, **kw) -> dict:

@@ -8,7 +8,7 @@ CI does not run this (it needs amd-quark); run it in the separate venv of ``make
 Each ``quark_exports/<scheme>/`` holds what ``export_safetensors(..., custom_mode="quark",
 weight_format="real_quantized", pack_method="reorder")`` writes (``config.json``, ``generation_config.json``,
 ``model.safetensors``) plus ``ids.npy`` (int64 [1, 24]) and ``quark_logits.npy`` (float32 logits of Quark's
-``AutoModelForCausalLM.from_pretrained(dir)`` on those ids). ``tests/adapters/test_export.py`` checks that
+``AutoModelForCausalLM.from_pretrained(dir)`` on those ids). ``tests/adapters/io/test_export.py`` checks that
 ``qcore.adapters.load_quark`` reads each with the same logits, without amd-quark.
 """
 

@@ -14,7 +14,7 @@ of the packed codes), those Quark has a layout for included: vLLM refuses the un
 without qcore skips it with only a warning and loads the checkpoint as a float one, so a tensor with a float
 parameter's name and shape (int8 / fp8 codes in Quark's ``[out, in]`` layout, e.g. a Mixtral's per-expert
 Linears) would load as a float weight, silently wrong; 1-D codes match no float weight's shape, so it fails
-instead (tests/adapters/test_qcore_layout_unreadable.py, tests/interop/test_family_interop.py).
+instead (tests/adapters/io/test_qcore_layout_unreadable.py, tests/interop/test_family_interop.py).
 ``quantization_config`` refuses a ``"qcore"`` checkpoint that would hold a Quark layout (a qcore bug). Exports
 written before this rule (format_version 1 as well: some "qcore" checkpoints held Quark-layout experts or Linears)
 still load: the loader reads a layer in the layout ``qcore.layouts`` states when it is qcore's or the one the

@@ -24,7 +24,7 @@ from qcore.cli import main  # noqa: E402
 
 pytestmark = pytest.mark.lm_eval
 
-TASK_DIR = pathlib.Path(__file__).resolve().parents[1] / "data" / "lm_eval_tasks"
+TASK_DIR = pathlib.Path(__file__).resolve().parents[2] / "data" / "lm_eval_tasks"
 TASK_YAML = TASK_DIR / "python_basics.yaml"
 DOCS = [json.loads(line) for line in (TASK_DIR / "python_basics.jsonl").read_text().splitlines()]
 

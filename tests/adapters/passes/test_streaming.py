@@ -22,7 +22,7 @@ from qcore.formats.inspect import inspect_checkpoint  # noqa: E402
 from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+ROOT = HERE.parents[2]
 VOCAB = stream_worker.VOCAB
 BATCHES = [torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1)) for _ in range(4)]
 

@@ -307,7 +307,7 @@ def test_two_gloo_ranks_agree_with_one_process(tmp_path):
     import pathlib
     import subprocess
     import sys
-    here = pathlib.Path(__file__).resolve().parent
+    here = pathlib.Path(__file__).resolve().parents[1]  # tests/adapters: moe_dist_worker.py and conftest.py
     sys.path.insert(0, str(here))
     try:
         import moe_dist_worker as w

@@ -529,7 +529,7 @@ def test_moe_ggml_quantized_experts_import_as_codes(zoo, tmp_path):
 
 def test_moe_mixed_expert_types_dequantized_or_refused(zoo, tmp_path):
     """Gate and up of different block types have no one qcore spec (down may differ from them: its own GGUF spec,
-    tests/adapters/test_gguf_moe_kquants.py): imported as float experts holding ggml's dequantization, with a
+    tests/adapters/io/test_gguf_moe_kquants.py): imported as float experts holding ggml's dequantization, with a
     warning and in the report; strict=True refuses naming the experts."""
     from test_export_gguf import family_quantized
     from qcore.adapters.modules import QuantExperts

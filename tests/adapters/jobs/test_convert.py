@@ -18,7 +18,7 @@ import qcore.adapters as A  # noqa: E402
 from qcore.adapters.io.formats import detect_format
 from qcore.adapters.jobs.convert import compare_models, convert  # noqa: E402
 
-from test_export_gguf import tiny_tokenizer  # noqa: E402
+from gguf_kit import tiny_tokenizer  # noqa: E402
 
 
 def _llama(seed=0):

@@ -36,25 +36,11 @@ def _quantized(zoo, spec, seed=0, **layer):
     return m
 
 
+from gguf_kit import tiny_tokenizer  # noqa: E402,F401  (tests/adapters; other GGUF tests import it from here)
+
+
 def _ids(n=16):
     return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(1))
-
-
-def tiny_tokenizer():
-    """A 128-token byte-level BPE tokenizer (the tiny Llama's vocab size), built offline."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-    base = ["<|endoftext|>"] + [c for c in sorted(ByteLevel.alphabet()) if c in "ĠĊ" or c.isascii() and c.isalnum()]
-    letters = "etaoinshr"
-    merges = [(a, b) for a in letters for b in letters][:128 - len(base)]
-    vocab = {t: i for i, t in enumerate(base)}
-    for a, b in merges:
-        vocab[a + b] = len(vocab)
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>",
-                                                bos_token="<|endoftext|>")
 
 
 @pytest.mark.parametrize("kind", list(SPECS))
@@ -388,7 +374,7 @@ def _tiny_specs() -> dict:
     """tests/adapters/conftest.py's TINY_SPECS, loaded by path (``import conftest`` may find another conftest.py)."""
     import importlib.util
     import pathlib
-    spec = importlib.util.spec_from_file_location("_adapters_conftest", pathlib.Path(__file__).with_name("conftest.py"))
+    spec = importlib.util.spec_from_file_location("_adapters_conftest", pathlib.Path(__file__).resolve().parents[1] / "conftest.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.TINY_SPECS

@@ -18,7 +18,7 @@ from qcore.adapters.jobs.convert import convert, load_quantized  # noqa: E402
 from qcore.adapters.io.gguf import export_gguf  # noqa: E402
 from qcore.cli import main  # noqa: E402
 
-from test_export_gguf import tiny_tokenizer  # noqa: E402
+from gguf_kit import tiny_tokenizer  # noqa: E402
 
 WHY = "transformers cannot load the source's tokenizer ('gpt2', 128 tokens, 0 merges)"
 

@@ -29,7 +29,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 
 def _spawn(*args):
-    env = dict(os.environ, PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     return subprocess.Popen([sys.executable, str(HERE / "work_worker.py"), *map(str, args)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

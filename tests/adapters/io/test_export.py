@@ -19,7 +19,7 @@ from qcore.adapters.io import quark_hf as E  # noqa: E402
 from qcore.formats.inspect import inspect_checkpoint  # noqa: E402
 from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile  # noqa: E402
 
-QUARK_EXPORTS = pathlib.Path(__file__).resolve().parents[1] / "formats" / "data" / "quark_exports"
+QUARK_EXPORTS = pathlib.Path(__file__).resolve().parents[2] / "formats" / "data" / "quark_exports"
 
 
 def llama(seed=0, hidden=128):

@@ -307,7 +307,7 @@ def test_bad_configs_and_models_are_refused_before_any_work():
     with torch.no_grad():
         _experts(nan).down_proj[2, 0, 0] = float("nan")
     _refused(nan, lambda: quantize_model(nan, "uint4_wo_32", progress=False), "NaN or Inf")
-    # 6. algorithms that do not handle fused experts (GPTQ does: tests/adapters/test_moe_gptq.py)
+    # 6. algorithms that do not handle fused experts (GPTQ does: tests/adapters/passes/test_moe_gptq.py)
     for algo in ("awq", "smoothquant"):
         cfg = preset("uint4_wo_32").replace(algorithms=({"name": algo},))
         _refused(model, lambda cfg=cfg: quantize_model(model, cfg, [IDS], progress=False),

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 import qcore
-from qcore.testing.ggml import llama_cpp_logits
 from qcore.formats import gguf as G
 
 gguf = pytest.importorskip("gguf")
@@ -24,6 +23,7 @@ from qcore.adapters import freeze, quantize_model  # noqa: E402
 from qcore.adapters.config import LayerConfig, ModelConfig, TensorConfig  # noqa: E402
 from qcore.adapters.io.gguf import export_gguf, from_gguf  # noqa: E402
 from qcore.adapters.modules import wrap  # noqa: E402
+from gguf_kit import llama_logits, tiny_tokenizer, token_ids  # noqa: E402
 
 ALL = list(qcore.GGUF_DTYPES)
 
@@ -48,7 +48,7 @@ def _quantized(name, seed=0, layers=1, embedding=True):
 
 
 def _ids(n=12):
-    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(1))
+    return token_ids(n)
 
 
 def _tensors(path):
@@ -175,12 +175,10 @@ def test_k_quant_import_is_refused_by_strict_only_for_misfits(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 def _llama_logits(path, ids):
-    pytest.importorskip("llama_cpp")
-    return llama_cpp_logits(path, ids[0].tolist())
+    return llama_logits(path, ids)
 
 
 def _tokenizer():
-    from test_export_gguf import tiny_tokenizer  # noqa: E402
     return tiny_tokenizer()
 
 

@@ -9,7 +9,7 @@ the difference propagates through the later layers. On 8 x 48 random tokens (see
 int8 per tensor, ``ort_session(exact=True)``, one thread) the first differing code is at an exact tie and the
 logits differ by up to about 1e-2; without such a tie they differ by < 1e-6.
 
-This test is also the measuring command: ``pytest -m onnx_client -s tests/adapters/test_onnx_rounding_ties.py``
+This test is also the measuring command: ``pytest -m onnx_client -s tests/adapters/io/test_onnx_rounding_ties.py``
 prints the figures docs/onnx.md quotes. Marker ``onnx_client``.
 """
 
