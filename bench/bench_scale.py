@@ -258,7 +258,7 @@ def child(a) -> None:
     torch.set_num_threads(threads)
     rec["threads"] = threads
     from qcore.adapters import preset
-    from qcore.adapters.passes.streaming import quantize_checkpoint
+    from qcore.adapters.jobs.checkpoint import quantize_checkpoint
     cfg = preset("uint4_wo_128")
     data = None
     dist_obj = None

@@ -64,25 +64,32 @@ def labelled(real, label):
 res = {}
 if mode == "rtn":
     import qcore.adapters.passes.streaming as st
+    try:  # the job and its pass apart (issue 32): the reads go through load_tensors in both
+        import qcore.adapters.jobs.checkpoint as job
+        readers, run = [(st, "load_tensors"), (job, "load_tensors")], job.quantize_checkpoint
+    except ImportError:  # a landed checkout before issue 32
+        readers, run = [(st, "_load")], st.quantize_checkpoint
     import qcore.adapters.io.quark_hf as qh  # module_records looks weight_parts (io.common's) up here
     import qcore.adapters.modules as M
     import qcore.formats.quark_layout as L
     import qcore.adapters.passes.runner as R
     from qcore.adapters import preset
     starts = []
-    real_load = st._load
+    real_load = getattr(*readers[0])
     def load(root, prefix, *x, **k):
         if prefix and prefix.rstrip(".").rsplit(".", 1)[-1].isdigit():
             starts.append(rss())
         return real_load(root, prefix, *x, **k)
-    st._load = labelled(load, "load")
+    for mod, name in readers:
+        setattr(mod, name, labelled(load, "load"))
     qh.weight_parts = labelled(qh.weight_parts, "weight_parts")
     L.encode_weight = labelled(L.encode_weight, "encode")
-    M.QuantModule.commit = labelled(M.QuantModule.commit, "commit")
+    base = getattr(M, "QuantModule", None) or M._QuantMixin  # the base's name before issue 32
+    base.commit = labelled(base.commit, "commit")
     R.Spill.add = labelled(R.Spill.add, "spill")
     res["rss_after_imports"] = rss()
     t0 = time.perf_counter()
-    st.quantize_checkpoint(a, b, preset("uint4_wo_128"), None, progress=False, overwrite=True)
+    run(a, b, preset("uint4_wo_128"), None, progress=False, overwrite=True)
     res["seconds"] = time.perf_counter() - t0
     res["layer_start_rss"] = starts
 else:

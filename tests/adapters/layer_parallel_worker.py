@@ -44,7 +44,7 @@ def main(rank: int, world: int, init_file: str, out: str, src: str, dst: str) ->
     import qcore.adapters.passes.gptq as gptq_binding
     from qcore.adapters import quantize_model
     from qcore.adapters.distributed import Distributed
-    from qcore.adapters.passes.streaming import quantize_checkpoint
+    from qcore.adapters.jobs.checkpoint import quantize_checkpoint
 
     runs = []
     real = gptq_binding.gptq

@@ -25,7 +25,7 @@ from qcore.adapters.jobs.convert import convert  # noqa: E402
 from qcore.adapters.io.compressed_tensors import export_compressed_tensors  # noqa: E402
 from qcore.adapters.io.gguf import export_gguf, export_gguf_dir  # noqa: E402
 from qcore.adapters.io.gguf import from_gguf  # noqa: E402
-from qcore.adapters.passes.streaming import quantize_checkpoint  # noqa: E402
+from qcore.adapters.jobs.checkpoint import quantize_checkpoint  # noqa: E402
 from qcore.cli import main  # noqa: E402
 
 from gguf_kit import tiny_tokenizer  # noqa: E402
@@ -467,8 +467,8 @@ def test_eval_and_convert_refuse_before_any_work(model_dirs, world, tmp_path, ca
 @pytest.mark.parametrize("device,needle", [("foo", "not a torch device"), ("xla", "cpu, cuda or mps"),
                                            ("cuda:9", "CUDA")])
 def test_quantize_checkpoint_refuses_a_missing_device_before_reading(world, tmp_path, device, needle, monkeypatch):
-    import qcore.adapters.passes.streaming as S
-    monkeypatch.setattr(S, "_Source", lambda *a, **k: pytest.fail("the source was read before refusing"))
+    import qcore.adapters.jobs.checkpoint as S
+    monkeypatch.setattr(S, "Source", lambda *a, **k: pytest.fail("the source was read before refusing"))
     with pytest.raises(ValueError, match=needle):
         quantize_checkpoint(world.flt, tmp_path / "out", "uint4_wo_64", device=device, progress=False)
     assert os.listdir(tmp_path) == []

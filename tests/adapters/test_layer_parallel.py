@@ -20,7 +20,7 @@ import stream_worker  # noqa: E402
 import qcore.adapters.passes.gptq as seq  # noqa: E402  (the GPTQ binding: where gptq() is looked up)
 from qcore.adapters import quantize_model  # noqa: E402
 from qcore.adapters.distributed import Distributed, owners  # noqa: E402
-from qcore.adapters.passes.streaming import quantize_checkpoint  # noqa: E402
+from qcore.adapters.jobs.checkpoint import quantize_checkpoint  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

@@ -27,7 +27,7 @@ from .io.quark_hf import CorruptCheckpointError, load_quark, register_with_trans
 from .io.gguf import GGUFImportReport, from_gguf
 from .gguf_mix import GGUF_MIX_PRESETS, GGUFMix, gguf_mix
 from .distributed import Distributed
-from .passes.streaming import quantize_checkpoint
+from .jobs.checkpoint import quantize_checkpoint
 from .jobs.quantize import QuantizeJob, QuantizeReport, quantize_and_report
 
 register_with_transformers()  # the one registration qcore makes (documented above); a no-op without transformers

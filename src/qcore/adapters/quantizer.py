@@ -114,7 +114,7 @@ def _quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], 
         raise ValueError(f"quantize_model: {len(meta)} parameters are on the meta device (e.g. {meta[0]!r}): offloaded "
                          f"by accelerate (a device_map with 'cpu' or 'disk' entries) or never loaded; quantize_model "
                          f"needs every weight in memory (on any devices). For a model larger than memory use "
-                         f"qcore.adapters.passes.streaming.quantize_checkpoint")
+                         f"qcore.adapters.jobs.checkpoint.quantize_checkpoint")
     static = [f"{p.name}.{r}" for p in plans for r in ("input", "output")
               if isinstance(getattr(p.config, r), TensorConfig) and getattr(p.config, r).calibrated]
     if static and data is None:

@@ -83,7 +83,7 @@ def _status(key: str) -> int:
 def main(src: str, dst: str, algo: str) -> None:
     torch.set_num_threads(1)
     import gc
-    from qcore.adapters.passes.streaming import quantize_checkpoint
+    from qcore.adapters.jobs.checkpoint import quantize_checkpoint
 
     warm = pathlib.Path(tempfile.mkdtemp())
     write_llama(warm / "src", hidden=64, intermediate=64, layers=2)

@@ -1,4 +1,4 @@
-"""Models larger than memory (``qcore.adapters.passes.streaming.quantize_checkpoint``): the checkpoint read and written one
+"""Models larger than memory (``qcore.adapters.jobs.checkpoint.quantize_checkpoint``): the checkpoint read and written one
 decoder layer at a time equals ``quantize_model`` + ``export_hf`` of the whole model, file for file and byte for
 byte; peak memory stays far below the model's weights; errors leave the destination alone."""
 
@@ -17,7 +17,7 @@ import stream_worker  # noqa: E402  (tests/adapters, next to this file)
 
 import qcore.adapters as A  # noqa: E402
 from qcore.adapters import LayerConfig, TensorConfig  # noqa: E402
-from qcore.adapters.passes.streaming import quantize_checkpoint  # noqa: E402
+from qcore.adapters.jobs.checkpoint import quantize_checkpoint  # noqa: E402
 from qcore.formats.inspect import inspect_checkpoint  # noqa: E402
 from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile  # noqa: E402
 

@@ -22,7 +22,7 @@ import work_worker  # noqa: E402
 import qcore.adapters as A  # noqa: E402
 from qcore.adapters.passes import checkpointing as K  # noqa: E402
 from qcore.adapters.passes.amp import layer_sensitivity  # noqa: E402
-from qcore.adapters.passes.streaming import quantize_checkpoint  # noqa: E402
+from qcore.adapters.jobs.checkpoint import quantize_checkpoint  # noqa: E402
 from qcore.cli import main  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent

@@ -52,7 +52,7 @@ def _model(work: str, k: int) -> None:
 
 
 def _stream(src: str, dst: str, work: str, k: int) -> None:
-    from qcore.adapters.passes.streaming import quantize_checkpoint
+    from qcore.adapters.jobs.checkpoint import quantize_checkpoint
     _kill_after(k)
     quantize_checkpoint(src, dst, stream_config(), batches(256), max_shard_size="60KB", progress=False,
                         work_dir=work)

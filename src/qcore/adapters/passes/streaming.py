@@ -1,6 +1,5 @@
-"""Quantize a checkpoint larger than memory: read it one decoder layer at a time, write the result layer by layer.
-
-``quantize_checkpoint(src_dir, dst_dir, config, data)`` takes an HF model directory (``config.json`` and
+"""The streamed pass of a checkpoint larger than memory: read it one decoder layer at a time, write the result layer by
+layer. The job that runs it is ``qcore.adapters.jobs.checkpoint.quantize_checkpoint``, which takes an HF model directory (``config.json`` and
 safetensors shards) and writes the quantized checkpoint in AMD Quark's HF layout, the same files
 ``export_hf`` writes for the model quantized in memory:
 
@@ -42,19 +41,12 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import pathlib
-import shutil
-import time
-from collections.abc import Iterable, Mapping
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import nn
 
-from qcore._fsutil import check_not_source, staged_dir
-from qcore.algorithms.config import ROTATION_CONFIGS
-from qcore.formats import quark_layout as L
 from qcore.formats.safetensors_io import (
     CorruptCheckpointError,
     SafetensorsFile,
@@ -64,36 +56,24 @@ from qcore.formats.safetensors_io import (
 )
 
 from .._batches import _set_module
-from .._device import check_device
-from ..config import ModelConfig, TensorConfig
-from ..distributed import Distributed
-from ..distributed import fingerprint as distributed_fingerprint
 from ..families import family_or_none
 from ..io._records import _ST_TORCH
-from ..io.common import check_destination, parse_size, read_config, unexpected_keys, weightless_error
+from ..io.common import read_config, unexpected_keys
 from ..io.common import hf_config as read_hf_config
-from ..io.experts import check_no_experts
 from ..io.quark_hf import (
-    ExportInfo,
-    checkpoint_method,
-    export_info,
     plan_tensors,
-    quantization_config,
-    write_metadata,
-    write_shards,
 )
 from ..modules import calibrating, wrap
-from ..plan import plan_model, resolve_config
-from .checkpointing import WorkDir, check_work_args, digest_source, fingerprint, streaming_checkpoint
-from .runner import LayerRunner, Spill, find_decoder_layers, forward_layer
-from .sequential import binding, check_layers, run_layer
-from .targets import layer_plans
+from .checkpointing import streaming_checkpoint
+from .runner import LayerRunner, forward_layer
+from .sequential import run_layer
 
 _log = logging.getLogger("qcore.adapters")
 
-__all__ = ["quantize_checkpoint"]
+__all__ = ["Source", "skeleton", "check_source", "stream_layers", "load_tensors", "set_tensor", "meta_keys",
+           "pin_mmap_threshold", "TOKENIZER_FILES"]
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                     "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja",
                     "chat_template.json")
 
@@ -103,7 +83,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class _Source:
+class Source:
     """The source checkpoint's tensors by name (headers validated; each tensor read on request)."""
 
     def __init__(self, directory: pathlib.Path):
@@ -134,7 +114,7 @@ class _Source:
         return t.to(device)
 
 
-def _set_tensor(root: nn.Module, name: str, value: torch.Tensor) -> None:
+def set_tensor(root: nn.Module, name: str, value: torch.Tensor) -> None:
     mod_name, _, leaf = name.rpartition(".")
     mod = root.get_submodule(mod_name) if mod_name else root
     if leaf in mod._parameters:
@@ -151,17 +131,17 @@ def _set_tensor(root: nn.Module, name: str, value: torch.Tensor) -> None:
         mod._buffers[leaf] = value
 
 
-def _load(root: nn.Module, prefix: str, keys: list[str], source: _Source, dtype, device) -> None:
+def load_tensors(root: nn.Module, prefix: str, keys: list[str], source: Source, dtype, device) -> None:
     """Read ``keys`` (names relative to ``root``; ``prefix`` + key in the checkpoint) into ``root``."""
     missing = [prefix + k for k in keys if prefix + k not in source.where]
     if missing:
         raise CorruptCheckpointError(f"the checkpoint has no tensor {missing[0]!r} ({len(missing)} missing) that "
                                      f"the model built from its config.json needs")
     for k in keys:
-        _set_tensor(root, k, source.read(prefix + k, dtype, device))
+        set_tensor(root, k, source.read(prefix + k, dtype, device))
 
 
-def _check_source(model: nn.Module, source: _Source) -> None:
+def check_source(model: nn.Module, source: Source) -> None:
     """Every tensor of the model is in the checkpoint with its shape (from the headers, before any work); a tied
     weight may be stored under one of its names only."""
     present: dict[int, str] = {}
@@ -188,7 +168,7 @@ def _check_source(model: nn.Module, source: _Source) -> None:
                                      f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}")
 
 
-def _meta_keys(module: nn.Module) -> list[str]:
+def meta_keys(module: nn.Module) -> list[str]:
     return [k for k, t in module.state_dict(keep_vars=True).items() if t is not None and t.is_meta]
 
 
@@ -205,7 +185,7 @@ def _release_memory() -> None:
         trim(0)
 
 
-def _pin_mmap_threshold() -> None:
+def pin_mmap_threshold() -> None:
     """Keep glibc's mmap threshold at its initial 128 KiB (``mallopt(M_MMAP_THRESHOLD, ...)``) for this process: by
     default every free of a mapped block raises the threshold, after which blocks of that size (a layer's weights,
     GPTQ's per-block temporaries) come from the heap, fragment it, and stay resident; with the threshold pinned
@@ -225,7 +205,7 @@ def _pin_mmap_threshold() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _skeleton(src: pathlib.Path, dtype: Optional[torch.dtype]):
+def skeleton(src: pathlib.Path, dtype: Optional[torch.dtype]):
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -252,170 +232,7 @@ def _skeleton(src: pathlib.Path, dtype: Optional[torch.dtype]):
     return model, dtype, gen
 
 
-def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os.PathLike],
-                        config: Union[ModelConfig, str, Mapping], data: Optional[Iterable] = None, *,
-                        dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cpu",
-                        max_shard_size: Union[int, str] = "5GB", pack_method: str = "reorder",
-                        overwrite: bool = False, progress: bool = True, work_dir=None,
-                        resume: bool = False, distributed=None) -> Optional[ExportInfo]:
-    """Quantize the float HF checkpoint in ``src_dir`` (config.json + safetensors) per ``config`` and write it to
-    ``dst_dir`` in Quark's HF layout, one decoder layer in memory at a time (module docstring). The result is
-    what ``quantize_model`` + ``export_hf`` write for the model loaded whole, bit for bit.
-
-    data: calibration batches (token ids, as for ``quantize_model``); needed for algorithms and static scales.
-    dtype: the float dtype to compute in (default: the checkpoint's, as ``from_pretrained`` picks it).
-    device: where each layer and the activations live while it is processed (e.g. ``"cuda"``).
-    max_shard_size, pack_method, overwrite, progress: as for ``export_hf`` (a ``dst_dir`` that is, contains or
-        lies inside ``src_dir`` is refused, with overwrite or not).
-    work_dir, resume: save the progress after each decoder layer in ``work_dir`` (the layer's encoded tensors,
-        the next layer's inputs); ``resume=True`` continues a run saved there to the same files
-        (``qcore.adapters.passes.checkpointing``; a work directory inside ``src_dir`` or ``dst_dir`` is refused).
-    distributed: a ``qcore.adapters.distributed.Distributed`` when several processes each hold a share of the
-        calibration batches (every rank calls ``quantize_checkpoint`` with the same arguments and its own
-        ``data``): GPTQ's Hessians are reduced over the ranks (and with ``layer_parallel=True`` the ranks share
-        the column loops), every rank computes the same layers, and rank 0 alone writes ``dst_dir`` (the other
-        ranks return None). Static activation scales are refused with it (not reduced here yet). A refusal of
-        rank 0's ``dst_dir`` is raised on every rank, as a ``ValueError`` naming it, before any work.
-    """
-    src, dst = pathlib.Path(src_dir), pathlib.Path(dst_dir)
-    check_not_source(dst, [src], what="dst_dir")  # with overwrite or not: replacing the source would delete it
-    work_path = check_work_args(work_dir, resume, sources=[src, dst])
-    if not (src / "config.json").is_file():
-        raise FileNotFoundError(f"src_dir {str(src)!r} is not a model directory (no config.json)")
-    if pack_method not in L.PACK_METHODS:
-        raise ValueError(f"pack_method must be one of {sorted(L.PACK_METHODS)}, got {pack_method!r}")
-    for name, v in (("overwrite", overwrite), ("progress", progress)):
-        if not isinstance(v, bool):
-            raise TypeError(f"{name} must be a bool, got {v!r}")
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-    device = check_device(device, what="device")
-    max_bytes = parse_size(max_shard_size)
-    cfg = resolve_config(config)
-    if data is not None:
-        if isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable):
-            raise TypeError(f"data must be an iterable of batches (a list or a DataLoader), got "
-                            f"{type(data).__name__}; wrap a single batch in a list: [batch]")
-        data = list(data)
-    if distributed is not None:
-        if not isinstance(distributed, Distributed):
-            raise TypeError(f"distributed must be a qcore.adapters.distributed.Distributed, got "
-                            f"{type(distributed).__name__}")
-        distributed.check()
-        if work_path is not None:
-            raise ValueError("quantize_checkpoint: work_dir= is not supported with distributed= (each rank would "
-                             "need its own work directory); run without work_dir or in one process")
-    writer = distributed is None or distributed.rank == 0
-    refused = None  # with ranks: rank 0's refusal is raised on every rank, by check_consistent below
-    if writer:
-        try:
-            check_destination(dst, overwrite, [src])
-        except (OSError, ValueError) as e:
-            if distributed is None:
-                raise
-            refused = f"dst_dir: {e}"
-    source = _Source(src)
-
-    model, dtype, gen = _skeleton(src, dtype)
-    plans = plan_model(model, cfg)
-    check_no_experts(model, cfg, who="quantize_checkpoint")  # fused MoE experts: not streamed yet (docs/adapters.md)
-    weightless = [p.name for p in plans if p.config.weight is None]
-    if weightless:  # the checkpoint stores quantized weights with their scales (as export_hf, which refuses too)
-        raise ValueError(weightless_error("quantize_checkpoint", weightless))
-    static = [p for p in plans for r in ("input", "output")
-              if isinstance(getattr(p.config, r), TensorConfig) and getattr(p.config, r).calibrated]
-    algos = resolve_config(cfg).algorithms
-    if any(isinstance(a, ROTATION_CONFIGS) for a in algos):
-        raise ValueError(f"quantize_checkpoint: rotations ({[a.name for a in algos if isinstance(a, ROTATION_CONFIGS)]}) "
-                         f"act on the whole model at once and are not streamed; use quantize_model")
-    if (static or algos) and not data:
-        what = "the algorithms" if algos else "static activation scales"
-        raise ValueError(f"{what} need calibration data; pass a non-empty list of batches as data=")
-    two = [a.name for a in algos if binding(a).FLOAT_STREAM]
-    if two:
-        raise ValueError(f"quantize_checkpoint: {two} read the float model's layer inputs beside the quantized "
-                         f"ones, which the streamed pass does not keep yet; use quantize_model")
-    if algos:
-        path, layers, by_layer = layer_plans(model, plans, algos)
-        check_layers(layers, by_layer, algos, path, family=family_or_none(model))
-    else:
-        path, layers = find_decoder_layers(model)
-        by_layer = [{} for _ in layers]
-    layer_of = {}
-    for p in plans:
-        idx, _, rel = p.name[len(path) + 1:].partition(".") if p.name.startswith(path + ".") else ("", "", "")
-        if idx.isdigit() and rel:
-            layer_of[p.name] = int(idx)
-    outer_plans = [p for p in plans if p.name not in layer_of]
-    state_order = {k: i for i, k in enumerate(model.state_dict(keep_vars=True))}
-    module_order = {p.name: i for i, p in enumerate(plans)}
-
-    _check_source(model, source)
-    if distributed is not None:
-        if static:
-            raise ValueError("quantize_checkpoint: static activation scales are not reduced over the ranks of "
-                             "distributed= yet; quantize_model(..., distributed=...) reduces them, or run in one "
-                             "process")
-        distributed.check_consistent(fingerprint=distributed_fingerprint(model, cfg, plans), n_batches=len(data or ()),
-                                     error=refused)
-    own = checkpoint_method(model, cfg) == "qcore"  # every quantized weight in qcore's layout (export_hf's rule)
-    work = None
-    if work_path is not None:  # tied to this run before any work (checkpointing.streaming_checkpoint)
-        work = WorkDir(work_path, fingerprint(
-            what="quantize_checkpoint", model=digest_source(src), config=cfg.to_dict(), data=data,
-            n_layers=len(layers), extra={"dtype": str(dtype), "pack_method": pack_method, "device": str(device)}),
-            resume=resume)
-
-    # the weights outside the decoder layers
-    outer_keys = [k for k in _meta_keys(model) if not k.startswith(path + ".")]
-    _load(model, "", [k for k in outer_keys if k in source.where], source, dtype, device)
-    if any(k not in source.where for k in outer_keys):
-        model.tie_weights()  # a tied weight stored once (e.g. lm_head.weight = model.embed_tokens.weight)
-    for name, b in list(model.named_buffers()):
-        if not name.startswith(path + ".") and b is not None and b.device != device and not b.is_meta:
-            _set_tensor(model, name, b.to(device))
-
-    _pin_mmap_threshold()
-    t0 = time.perf_counter()
-    if not writer:  # a distributed rank other than 0: the same layers as rank 0 (its collectives), nothing written
-        with torch.no_grad():
-            _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static, data, source, dtype,
-                 device, None, pack_method, progress, own=own, reduce=distributed)
-        return None
-    spill = None
-    try:
-        with staged_dir(dst, recheck=lambda: check_destination(dst, overwrite, [src])) as tmp:
-            spill = Spill(tmp / ".qcore-layers.spill")
-            with torch.no_grad():
-                records, layouts = _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static,
-                                        data, source, dtype, device, spill, pack_method, progress, own=own,
-                                        work_dir=work, reduce=distributed)
-            # export_hf's order: the quantized modules' tensors in module order, then the other tensors in
-            # state-dict order (stable sort: each module keeps its own tensor order)
-            qnames = {p.name for p in plans}
-
-            def key(r):
-                owner = r.name.rpartition(".")[0]
-                if owner in qnames:
-                    return (0, module_order[owner])
-                return (1, state_order[r.name])
-            records.sort(key=key)
-            qdict = quantization_config(model, cfg, layouts, pack_method)
-            write_metadata(tmp, model.config, qdict, type(model).__name__, gen)
-            for f in _TOKENIZER_FILES:
-                if (src / f).is_file():
-                    shutil.copyfile(src / f, tmp / f)
-            spill.close()
-            write_shards(tmp, records, max_bytes, progress=progress)
-            os.remove(spill.path)
-    finally:
-        if spill is not None:
-            spill.close()
-    _log.info("quantize_checkpoint: %d layers in %.1f s", len(layers), time.perf_counter() - t0)
-    return export_info(dst, qdict, layouts)
-
-
-def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static, data, source, dtype, device,
+def stream_layers(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static, data, source, dtype, device,
          spill, pack_method, progress, *, own=False, work_dir=None, reduce=None):
     family = family_or_none(model)
 
@@ -450,10 +267,10 @@ def _run(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, sta
     def step(i, meta_layer, _):
         prefix = f"{path}.{i}"
         work = copy.deepcopy(meta_layer)
-        _load(work, prefix + ".", _meta_keys(work), source, dtype, device)
+        load_tensors(work, prefix + ".", meta_keys(work), source, dtype, device)
         for name, b in list(work.named_buffers()):
             if b is not None and b.device != device:
-                _set_tensor(work, name, b.to(device))
+                set_tensor(work, name, b.to(device))
         layers[i] = work
         try:
             pinned: dict = {}
