@@ -9,7 +9,7 @@ runner (``qcore.adapters.passes``), HQQ, then distillation on the committed mode
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -40,7 +40,8 @@ __all__ = ["quantize_model"]
 def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], data: Optional[Iterable] = None, *,
                    imatrix: Any = None, qat: bool = False, progress: bool = True, distributed: Any = None,
                    reference: Optional[dict] = None, moe_all_experts: bool = True, work_dir=None,
-                   resume: bool = False, distill_data: Optional[Iterable] = None) -> nn.Module:
+                   resume: bool = False, distill_data: Optional[Iterable] = None,
+                   plans: Optional[Sequence] = None) -> nn.Module:
     """Quantize ``model`` in place per ``config`` (a ``ModelConfig``, a preset name or a config dict) and return it.
     llama.cpp's mixes are preset names too (``"gguf_q4_k_m"``, ...: ``qcore.adapters.gguf_mix``, one GGUF type per
     tensor from the model's shapes and layers, exactly llama.cpp's choice).
@@ -74,6 +75,8 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
         data: refused otherwise) to the same weights an uninterrupted run gives (``qcore.adapters.passes.
         checkpointing``; docs/adapters.md "Long runs: a work directory"). Not with ``distributed``.
     distill_data: the batches a ``distill`` algorithm trains on (default: ``data``).
+    plans: ``plan_model(model, config)`` when the caller has made it (the main job plans once, in its checks);
+        None: planned here.
 
     All or nothing: on any error the original modules are put back and the weights are untouched. With
     algorithms (``config.algorithms``: a rotation first, QuaRot or SpinQuant, on the whole float model,
@@ -84,18 +87,42 @@ def quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], d
     kw = dict(qat=qat, progress=progress, distributed=distributed, reference=reference,
               moe_all_experts=moe_all_experts, work_dir=work_dir, resume=resume, distill_data=distill_data)
     if imatrix is None:
-        return _quantize_model(model, config, data, **kw)
+        return _quantize_model(model, config, data, plans=plans, **kw)
     config = resolve_config(config, model, imatrix=True)
-    importance = model_importance(model, plan_model(model, config), imatrix, config.algorithms)
+    plans = plan_model(model, config) if plans is None else list(plans)
+    importance = model_importance(model, plans, imatrix, config.algorithms)
     with attached_importance(model, importance):
-        return _quantize_model(model, config, data, **kw)
+        return _quantize_model(model, config, data, plans=plans, **kw)
 
 
 def _quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], data: Optional[Iterable] = None, *,
-                    qat: bool = False, progress: bool = True, distributed: Any = None,
-                    reference: Optional[dict] = None, moe_all_experts: bool = True, work_dir=None,
-                    resume: bool = False, distill_data: Optional[Iterable] = None) -> nn.Module:
-    """``quantize_model`` without ``imatrix`` (the importance, if any, is attached to the modules)."""
+                    plans: Optional[Sequence] = None, qat: bool = False, progress: bool = True,
+                    distributed: Any = None, reference: Optional[dict] = None, moe_all_experts: bool = True,
+                    work_dir=None, resume: bool = False, distill_data: Optional[Iterable] = None) -> nn.Module:
+    """``quantize_model`` without ``imatrix`` (the importance, if any, is attached to the modules), in phases: every
+    check, the algorithms on the float weights, the swap and calibration, the commit, distillation."""
+    _check_options(model, qat=qat, progress=progress, moe_all_experts=moe_all_experts, reference=reference)
+    config = resolve_config(config, model)
+    plans = plan_model(model, config) if plans is None else list(plans)
+    static, data = _check_data(model, plans, data, distributed=distributed, config=config)
+    dist, algos = split_distill(config.algorithms)  # quantization-aware distillation: last, on the quantized model
+    distill_data, teacher = _check_distill(model, plans, dist, data, distill_data, qat=qat, distributed=distributed)
+    if work_dir is not None and data is not None:
+        data = list(data)  # read by the fingerprint, then by the run
+    work = _work_dir(model, config, algos, data, work_dir, resume, distributed, reference is not None)
+    pinned: dict = {}
+    if algos:
+        pinned, data = _run_algorithms(model, plans, algos, data, qat=qat, progress=progress, distributed=distributed,
+                                       reference=reference, work=work, moe_all_experts=moe_all_experts)
+    wrappers = _swap_and_calibrate(model, plans, pinned, data, static=static, qat=qat, progress=progress,
+                                   distributed=distributed, moe_all_experts=moe_all_experts)
+    _commit(model, wrappers, pinned, qat=qat, progress=progress, reference=reference, teacher=teacher, dist=dist,
+            distill_data=distill_data)
+    model.qcore_config = config  # what exporters write (qcore.adapters.export_hf)
+    return model
+
+
+def _check_options(model, *, qat, progress, moe_all_experts, reference) -> None:
     if not isinstance(qat, bool):
         raise TypeError(f"qat must be a bool, got {qat!r}")
     if not isinstance(progress, bool):
@@ -107,8 +134,11 @@ def _quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], 
                         f"{type(reference).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    config = resolve_config(config, model)
-    plans = plan_model(model, config)
+
+
+def _check_data(model, plans, data, *, distributed, config) -> tuple:
+    """``(static activation roles, data)``: every weight in memory, calibration batches where static scales need
+    them, and the ranks of ``distributed`` agreeing on the model, the config and the number of batches."""
     meta = [n for n, t in model.named_parameters() if t.is_meta]
     if meta:
         raise ValueError(f"quantize_model: {len(meta)} parameters are on the meta device (e.g. {meta[0]!r}): offloaded "
@@ -135,61 +165,72 @@ def _quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], 
             data = list(data)
         distributed.check_consistent(fingerprint=distributed_fingerprint(model, config, plans),
                                      n_batches=len(data) if data is not None else 1)
-    pinned: dict = {}
-    algos = config.algorithms
-    dist, algos = split_distill(algos)  # quantization-aware distillation: last, on the whole quantized model
-    teacher = None
-    if dist is not None:
-        if qat or distributed is not None:
-            raise ValueError("distill trains the committed quantized model on one process: not with qat=True or "
-                             "distributed=")
-        if distill_data is None and data is None:
-            raise ValueError("the algorithm distill needs training batches; pass calibration batches as data=")
-        distill_data = list(data if distill_data is None else distill_data)
-        _check_batches(model, distill_data)
-        check_distill(model, plans, dist)
-        teacher = make_teacher(model)  # the float model (a rotation keeps its function)
-    elif distill_data is not None:
-        raise ValueError("distill_data= is for the algorithm distill, which the config does not run")
-    if work_dir is not None and data is not None:
-        data = list(data)  # read by the fingerprint, then by the run
-    work = _work_dir(model, config, algos, data, work_dir, resume, distributed, reference is not None)
-    if algos:
-        rot, algos = split_rotation(algos)
-        if qat:
-            raise ValueError("qat=True keeps float master weights; the algorithms write quantized weights (use "
-                             "qat=False with algorithms)")
-        hq, algos = split_hqq(algos)  # HQQ (data-free) runs last, outside the layer runner: every Linear weight
-        needs = [a.name for a in algos] + ([rot.name] if isinstance(rot, SpinQuantConfig) else [])
-        if data is None and needs:
-            raise ValueError(f"the algorithms {needs} need calibration data; pass calibration batches as data=")
-        if data is not None:
-            data = list(data)  # read more than once: by the algorithms and by calibration
-            _check_batches(model, data)
-        if hq is not None:
-            check_hqq(model, plans, hq)
-        if rot is not None:
-            check_rotation(model, rot)
-            if algos:
-                sequential.check_algorithms(model, plans, algos)
-            try:
-                apply_rotation(model, rot, plans=plans, data=data, progress=progress,
-                               gptq_follows=any(a.name == "gptq" for a in algos))
-            except BaseException:
-                model._qcore_partial = True  # some weights may already be rotated
-                raise
+    return static, data
+
+
+def _check_distill(model, plans, dist, data, distill_data, *, qat, distributed) -> tuple:
+    """``(distill batches, teacher)``: the float model kept as distillation's teacher (None without ``distill``)."""
+    if dist is None:
+        if distill_data is not None:
+            raise ValueError("distill_data= is for the algorithm distill, which the config does not run")
+        return distill_data, None
+    if qat or distributed is not None:
+        raise ValueError("distill trains the committed quantized model on one process: not with qat=True or "
+                         "distributed=")
+    if distill_data is None and data is None:
+        raise ValueError("the algorithm distill needs training batches; pass calibration batches as data=")
+    distill_data = list(data if distill_data is None else distill_data)
+    _check_batches(model, distill_data)
+    check_distill(model, plans, dist)
+    return distill_data, make_teacher(model)  # the float model (a rotation keeps its function)
+
+
+def _run_algorithms(model, plans, algos, data, *, qat, progress, distributed, reference, work,
+                    moe_all_experts) -> tuple:
+    """``(pinned QTensors, data)``: a rotation on the whole float model, the layer algorithms through the layer
+    runner (their checks first), HQQ last; a failure after the first rewrite marks the model partly rewritten."""
+    rot, algos = split_rotation(algos)
+    if qat:
+        raise ValueError("qat=True keeps float master weights; the algorithms write quantized weights (use "
+                         "qat=False with algorithms)")
+    hq, algos = split_hqq(algos)  # HQQ (data-free) runs last, outside the layer runner: every Linear weight
+    needs = [a.name for a in algos] + ([rot.name] if isinstance(rot, SpinQuantConfig) else [])
+    if data is None and needs:
+        raise ValueError(f"the algorithms {needs} need calibration data; pass calibration batches as data=")
+    if data is not None:
+        data = list(data)  # read more than once: by the algorithms and by calibration
+        _check_batches(model, data)
+    if hq is not None:
+        check_hqq(model, plans, hq)
+    if rot is not None:
+        check_rotation(model, rot)
         if algos:
-            # layers run several times per batch there: counted by calibrate's single pass only
-            with moe_calibration(model, all_experts=moe_all_experts, warn=False) as moe, moe.counting(False):
-                pinned = sequential.run_algorithms(model, plans, algos, data, progress=progress, reduce=distributed,
-                                        reference=reference, work=work)
-        if hq is not None:
-            try:
-                apply_hqq(model, plans, hq, pinned, reference=reference, progress=progress)
-            except BaseException:
-                if rot is not None or algos:
-                    model._qcore_partial = True  # the algorithms before it rewrote the float weights
-                raise
+            sequential.check_algorithms(model, plans, algos)
+        try:
+            apply_rotation(model, rot, plans=plans, data=data, progress=progress,
+                           gptq_follows=any(a.name == "gptq" for a in algos))
+        except BaseException:
+            model._qcore_partial = True  # some weights may already be rotated
+            raise
+    pinned: dict = {}
+    if algos:
+        # layers run several times per batch there: counted by calibrate's single pass only
+        with moe_calibration(model, all_experts=moe_all_experts, warn=False) as moe, moe.counting(False):
+            pinned = sequential.run_algorithms(model, plans, algos, data, progress=progress, reduce=distributed,
+                                               reference=reference, work=work)
+    if hq is not None:
+        try:
+            apply_hqq(model, plans, hq, pinned, reference=reference, progress=progress)
+        except BaseException:
+            if rot is not None or algos:
+                model._qcore_partial = True  # the algorithms before it rewrote the float weights
+            raise
+    return pinned, data
+
+
+def _swap_and_calibrate(model, plans, pinned, data, *, static, qat, progress, distributed, moe_all_experts) -> list:
+    """``[(name, float module, wrapper)]``: each planned module swapped for its wrapper (the algorithms' weights
+    committed as they are), static scales calibrated; on any error the float modules are put back."""
     wrappers = [(p.name, model.get_submodule(p.name), wrap(model.get_submodule(p.name), p.config, name=p.name,
                                                            qat=qat, proj_weights=p.proj_weights)) for p in plans]
     for name, _, new in wrappers:
@@ -212,6 +253,11 @@ def _quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], 
         if pinned:
             model._qcore_partial = True  # the float modules hold the algorithms' weights now
         raise
+    return wrappers
+
+
+def _commit(model, wrappers, pinned, *, qat, progress, reference, teacher, dist, distill_data) -> None:
+    """The reference weights kept, every weight written on its grid (not with ``qat``), then distillation."""
     if reference is not None:
         for name, _, new in wrappers:
             if name not in pinned and "weight" in new.specs and not isinstance(new, QuantExperts):  # experts:
@@ -234,8 +280,6 @@ def _quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], 
             raise
         finally:
             del teacher
-    model.qcore_config = config  # what exporters write (qcore.adapters.export_hf)
-    return model
 
 
 def _work_dir(model, config, algos, data, work_dir, resume, distributed, keeps_reference):

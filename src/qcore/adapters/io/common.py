@@ -176,7 +176,7 @@ class ExportUnit(NamedTuple):
     config: Any
 
 
-def export_units(model: nn.Module, config: ModelConfig) -> list[ExportUnit]:
+def export_units(model: nn.Module, config: ModelConfig, *, plans=None) -> list[ExportUnit]:
     """The quantized modules of ``model`` as they are, or, for a model not quantized yet, as ``quantize_model``
     would make them from ``config`` (``plan_model``): what the exporters' up-front checks (``check_hf``,
     ``check_gguf``, ``check_onnx``, ``check_ct``) look at, before any evaluation or quantization."""
@@ -185,7 +185,7 @@ def export_units(model: nn.Module, config: ModelConfig) -> list[ExportUnit]:
         return [ExportUnit(n, "Experts" if isinstance(m, QuantExperts) else m.float_type.__name__,
                            canonical_shape(m), m.qconfig) for n, m in mods]
     out = []
-    for p in plan_model(model, config):
+    for p in plan_model(model, config) if plans is None else plans:  # plans: plan_model's, when the caller has it
         mod = model.get_submodule(p.name)
         w = getattr(mod, "weight" if p.type != "Experts" else "gate_up_proj", None)
         shape = tuple(w.shape) if w is not None else ()
@@ -259,7 +259,8 @@ def model_config(model: nn.Module, config: Optional[ModelConfig], *, who: str) -
 
 def check_config_describes(model: nn.Module, config: ModelConfig) -> None:
     """The config written must give exactly the model's quantized modules (a loader rebuilds them from it)."""
-    want = {p.name: p.config for p in plan_model(model, config, _quantized_ok=True)}
+    plans = plan_model(model, config, _quantized_ok=True)
+    want = {p.name: p.config for p in plans}
     have = {n: m.qconfig for n, m in model.named_modules() if isinstance(m, QuantModule)}
     for name in sorted(set(want) | set(have)):
         if want.get(name) != have.get(name):
@@ -267,7 +268,7 @@ def check_config_describes(model: nn.Module, config: ModelConfig) -> None:
             raise ValueError(f"export: config does not describe the model: {name!r} is {got} in the model but the "
                              f"config gives {'float' if name not in want else repr(want[name])}; pass the config "
                              f"the model was quantized with")
-    own = {p.name: p.proj_weights for p in plan_model(model, config, _quantized_ok=True) if p.proj_weights}
+    own = {p.name: p.proj_weights for p in plans if p.proj_weights}
     have_own = {n: m.proj_weights for n, m in model.named_modules() if getattr(m, "proj_weights", ())}
     for name in sorted(set(own) | set(have_own)):  # fused experts' per-projection weight specs
         if own.get(name, ()) != have_own.get(name, ()):

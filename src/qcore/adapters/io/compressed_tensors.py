@@ -200,7 +200,7 @@ def _unit_check(name: str, type_name: str, layout: Optional[str], lc: Any, confi
         raise ValueError(f"export: {where} quantizes its bias; compressed-tensors has no bias quantization")
 
 
-def check_ct(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
+def check_ct(model: nn.Module, config: Optional[ModelConfig] = None, *, plans=None) -> None:
     """Before any work: ValueError if ``export_compressed_tensors`` would refuse ``model`` quantized with ``config``
     (default ``model.qcore_config``) for reasons the model and the config already decide (the model dtype, module
     types, bias or weightless quantization, online rotations; ``qcore quantize --export compressed-tensors`` calls
@@ -216,7 +216,7 @@ def check_ct(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
         return
     if will_rotate_online(model, config):
         raise ValueError(_ROTATION_REFUSAL)
-    units = export_units(model, config)
+    units = export_units(model, config, plans=plans)
     if units and all(u.config.weight is None for u in units):  # KV-cache-only or activation-only: no group
         raise ValueError(weightless_error("export_compressed_tensors", [u.name for u in units]))
     for u in units:

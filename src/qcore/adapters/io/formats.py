@@ -70,7 +70,8 @@ class Format:
     activations: whether the format holds activation quantization; ``no_activations``: why not (in messages).
     float32_only: whether the format computes in float32 only (``float32_why``: in messages).
     weightless_ok: whether a module quantizing activations but not its weight can be written.
-    check: ``check(model, config, request)``: the refusals the model and the config decide, before any work.
+    check: ``check(model, config, request, plans)``: the refusals the model and the config decide, before any work
+        (``plans``: ``plan_model(model, config)`` when the caller has made it, else None).
     write: ``write(model, dst, request) -> Written``.
     load: ``load(path, dtype) -> nn.Module`` of frozen qcore modules (None: not a source format).
     """
@@ -189,24 +190,25 @@ def _load_gguf(path: pathlib.Path, dtype) -> nn.Module:
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("hf", ("quark",), "AMD Quark's HF layout (config.json + safetensors; vLLM, transformers + amd-quark and "
            "qcore load it)",
-           check=lambda model, config, r: HF.check_hf(model, config),
+           check=lambda model, config, r, plans=None: HF.check_hf(model, config, plans=plans),
            write=_write_hf, load=lambda path, dtype: from_pretrained(path, dtype=dtype)),
     Format("gguf", (), "DIR/model.gguf for llama.cpp (every family with a llama.cpp graph: Llama, Mistral, Qwen2/3, "
            "Gemma 1/2/3, Phi-3, GPT-2, GPT-NeoX, Mixtral, Qwen2/3-MoE; k-quants and legacy types; see docs/gguf.md)",
-           check=lambda model, config, r: GG.check_gguf(model, config, drop_activations=r.drop_activations),
+           check=lambda model, config, r, plans=None: GG.check_gguf(model, config, drop_activations=r.drop_activations,
+                                                                    plans=plans),
            write=_write_gguf, load=_load_gguf, options=(("drop_activations", False),), activations=False,
            no_activations="llama.cpp quantizes activations its own way", suffix=".gguf", gguf_specs=True,
            read_tokenizer=_gguf_tokenizer, held_tokenizer=_gguf_held_tokenizer),
     Format("onnx", (), "DIR/model.onnx for onnxruntime (Llama models with a KV cache, or any traced model; see "
            "docs/onnx.md)",
-           check=lambda model, config, r: OX.check_onnx(model, config, weight_format=r.onnx_weights,
-                                                        unsupported=r.onnx_unsupported),
+           check=lambda model, config, r, plans=None: OX.check_onnx(model, config, weight_format=r.onnx_weights,
+                                                                    unsupported=r.onnx_unsupported, plans=plans),
            write=_write_onnx, options=(("onnx_weights", "qdq"), ("onnx_unsupported", "error")),
            float32_only=True, float32_why="computes in float32", weightless_ok=True, suffix=".onnx",
            file_holds_tokenizer=False),
     Format("compressed-tensors", ("ct", "compressed_tensors"), "llm-compressor's layout (vLLM, transformers + "
            "compressed-tensors; see docs/compressed_tensors.md)",
-           check=lambda model, config, r: CT.check_ct(model, config),
+           check=lambda model, config, r, plans=None: CT.check_ct(model, config, plans=plans),
            write=_write_ct, load=lambda path, dtype: CT.load_compressed_tensors(path, dtype=dtype)),
 )}
 

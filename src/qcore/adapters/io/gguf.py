@@ -371,7 +371,8 @@ def _unit_problem(name: str, roles: list, drop_activations: bool) -> Optional[st
     return None
 
 
-def check_gguf(model: nn.Module, config: Optional[ModelConfig] = None, *, drop_activations: bool = False) -> None:
+def check_gguf(model: nn.Module, config: Optional[ModelConfig] = None, *, drop_activations: bool = False,
+               plans=None) -> None:
     """Before any work: ValueError if ``export_gguf`` would refuse ``model`` quantized with ``config`` (default
     ``model.qcore_config``) for reasons the architecture and the config already decide (``qcore quantize
     --export gguf`` calls it before the baseline evaluation; ``export_gguf`` itself too)."""
@@ -385,7 +386,7 @@ def check_gguf(model: nn.Module, config: Optional[ModelConfig] = None, *, drop_a
         return  # export_gguf reads the modules themselves
     if will_rotate_online(model, config):
         raise ValueError("export_gguf: the model carries online rotations; llama.cpp's graphs cannot apply them")
-    units = export_units(model, config)
+    units = export_units(model, config, plans=plans)
     for u in units:
         why = _unit_problem(u.name, [r for r in ("weight", "input", "output", "bias")
                                      if getattr(u.config, r) is not None], drop_activations)

@@ -295,7 +295,7 @@ def _check_graph_kind(model: nn.Module, inputs: Any, wf: WeightFormat) -> bool:
 
 def check_onnx(model: nn.Module, config: Optional[Any] = None, *, inputs: Any = None,
                weight_format: Union[WeightFormat, str] = WeightFormat.QDQ,
-               unsupported: Union[Unsupported, str] = Unsupported.ERROR) -> None:
+               unsupported: Union[Unsupported, str] = Unsupported.ERROR, plans=None) -> None:
     """Before any work: ValueError if ``export_onnx`` would refuse ``model`` quantized with ``config`` (default
     ``model.qcore_config``) for reasons the model and the config already decide: not float32, no graph for its
     architecture without ``inputs``, formats onnxruntime cannot run (``qcore quantize --export onnx`` calls it
@@ -314,7 +314,7 @@ def check_onnx(model: nn.Module, config: Optional[Any] = None, *, inputs: Any = 
     if inputs is None and will_rotate_online(model, config):
         raise ValueError("export_onnx: the model carries online rotations; the ONNX decoder graph does not "
                          "apply them")
-    for u in export_units(model, config):
+    for u in export_units(model, config, plans=plans):
         _check_roles(u.name, u.config, un)
 
 

@@ -219,15 +219,15 @@ def _quark_part(config: ModelConfig, model_dtype: str, quark_ok: bool) -> dict:
         return {}
 
 
-def check_hf(model: nn.Module, config: Optional[ModelConfig] = None) -> None:
+def check_hf(model: nn.Module, config: Optional[ModelConfig] = None, *, plans=None) -> None:
     """Before any work: ValueError if ``export_hf`` would refuse ``model`` quantized with ``config`` (default
     ``model.qcore_config``), for reasons the config and the float model already decide (``qcore quantize
-    --output`` calls it before the baseline evaluation; ``export_hf`` itself too)."""
+    --output`` calls it before the baseline evaluation, with its ``plans``; ``export_hf`` itself too)."""
     config = model_config(model, config, who="export_hf")
-    _quark_part(config, _model_dtype_name(model), checkpoint_method(model, config) == "quark")
+    _quark_part(config, _model_dtype_name(model), checkpoint_method(model, config, plans=plans) == "quark")
 
 
-def checkpoint_method(model: nn.Module, config: ModelConfig) -> str:
+def checkpoint_method(model: nn.Module, config: ModelConfig, *, plans=None) -> str:
     """The ``quant_method`` of ``model``'s HF checkpoint (quantized, or a float model to be quantized with
     ``config``), decided before any tensor is written: ``"quark"`` when Quark has a tensor layout for every
     quantized module's weight and the model carries no online rotations and no quantized fused MoE experts, else
@@ -235,7 +235,7 @@ def checkpoint_method(model: nn.Module, config: ModelConfig) -> str:
     so that no tensor in it has the name and shape of a float parameter: transformers without qcore skips an
     unknown ``quant_method`` with a warning only, and must then fail on the shapes instead of loading codes as
     floats."""
-    units = [u for u in export_units(model, config) if u.config.weight is not None]
+    units = [u for u in export_units(model, config, plans=plans) if u.config.weight is not None]
     layouts = [L.weight_layout(u.config.weight.spec, u.shape, module="Linear" if u.type == "Linear" else "other")
                if u.type != "Experts" else _experts_unit_layout(u) for u in units]
     quark_ok = all(v != "qcore" for v in layouts) and not will_rotate_online(model, config) and not any(

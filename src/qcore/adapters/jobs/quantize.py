@@ -897,7 +897,7 @@ def _check_on_model(job: QuantizeJob, model, tok, config: ModelConfig, plans: tu
         request = ExportRequest(drop_activations=ex.drop_activations, onnx_weights=ex.onnx_weights,
                                 onnx_unsupported=ex.onnx_unsupported)
         try:
-            fmt.check(model, config, request)
+            fmt.check(model, config, request, plans)
         except (ValueError, TypeError) as e:
             if isinstance(e, UnsupportedWeightError):  # the flag or argument, not the exporter's
                 e = e.with_option(names.arg("onnx_unsupported", "dequantize"))
@@ -1044,7 +1044,8 @@ def _quantize(plan: QuantizePlan) -> _Quantized:
     reference: dict = {}
     quantizer.quantize_model(model, config, calib, progress=progress, reference=reference,
                              work_dir=plan.work.get("algorithms"),
-                             resume=job.run.resume and "algorithms" in plan.work, imatrix=imatrix)
+                             resume=job.run.resume and "algorithms" in plan.work, imatrix=imatrix,
+                             plans=plan.plans if config is plan.config else None)  # planned once, in the checks
     seconds = time.perf_counter() - t0
     errors = layer_report.measure(model, reference, calib, max_batches=LAYER_ERROR_WINDOWS, progress=progress)
     return _Quantized(config, calib, imatrix, errors, rtn_errors, size_before, seconds)
