@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._batches import _call, _check_batch, _describe, _device_of, _progress, _to
+from .batches import call_model, check_batch, describe_batch, device_of, progress_bar, to_device
 from ._calib_tail import TailSkip
 from .modules import CalibrationError, QuantModule
 from .moe import moe_calibration
@@ -45,7 +45,7 @@ def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distri
     mods = [m for m in model.modules() if isinstance(m, QuantModule) and m.static_roles()]
     if not mods:
         return 0
-    device = _device_of(model)
+    device = device_of(model)
     for m in mods:
         m.start_calibration()
     n = 0
@@ -58,16 +58,16 @@ def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distri
             total = None
         with torch.no_grad(), moe_calibration(model, all_experts=moe_all_experts) as moe, \
                 TailSkip(mods, enabled=not moe.blocks) as tail:  # forwards end after the last observed module
-            for i, batch in enumerate(_progress(data, total=total, desc="calibrating", enabled=progress)):
-                _check_batch(model, batch, i)
+            for i, batch in enumerate(progress_bar(data, total=total, desc="calibrating", enabled=progress)):
+                check_batch(model, batch, i)
                 try:
-                    _call(model, _to(batch, device))
+                    call_model(model, to_device(batch, device))
                 except TailSkip.Done:
                     pass
                 except CalibrationError:
                     raise
                 except (RuntimeError, ValueError, TypeError, IndexError) as e:
-                    raise ValueError(f"calibration batch {i} ({_describe(batch)}) does not fit the model: "
+                    raise ValueError(f"calibration batch {i} ({describe_batch(batch)}) does not fit the model: "
                                      f"{type(e).__name__}: {e}") from e
                 tail.batch_done()
                 n += 1
@@ -97,7 +97,7 @@ def freeze(model: nn.Module, *, progress: bool = False) -> nn.Module:
     if not mods:
         raise ValueError("freeze: the model has no qcore quantized modules; run quantize_model first")
     before = model_bytes(model)
-    for m in _progress(list(mods.values()), desc="freezing", enabled=progress):
+    for m in progress_bar(list(mods.values()), desc="freezing", enabled=progress):
         m.freeze()
     after = model_bytes(model)
     _log.info("froze %d modules: %s -> %s bytes (%.3fx)", len(mods), f"{before:,}", f"{after:,}",

@@ -40,7 +40,7 @@ from qcore.algorithms.config import ROTATION_CONFIGS, AutoSmoothQuantConfig, AWQ
 from qcore.algorithms.imatrix import ImatrixStats, quant_weights
 from qcore.formats.imatrix import ImatrixDat, ImatrixGGUF, read_imatrix, write_imatrix
 
-from ._batches import _call, _device_of, _progress, _to
+from .batches import call_model, device_of, progress_bar, to_device
 from .gguf_names import expert_names, gguf_names
 from .modules import EXPERT_PROJS, IN_OUT, QuantExperts, is_fused_experts, weight_layout
 from .moe import find_moe_blocks
@@ -163,7 +163,7 @@ def collect_imatrix(model: nn.Module, data: Iterable, *, names: str = "gguf", pr
     batches = list(data)
     if not batches:
         raise ValueError("collect_imatrix: data holds no calibration batch")
-    dev = _device_of(model)
+    dev = device_of(model)
     sums: dict = {}
     counts: dict = {}
     mask: list = [None]
@@ -209,11 +209,11 @@ def collect_imatrix(model: nn.Module, data: Iterable, *, names: str = "gguf", pr
     handles += [model.get_submodule(n).register_forward_pre_hook(ehook(n), with_kwargs=True) for n in ekeys]
     try:
         with torch.no_grad():
-            for b in _progress(batches, total=len(batches), desc="imatrix", enabled=progress):
-                b = _to(b, dev)
+            for b in progress_bar(batches, total=len(batches), desc="imatrix", enabled=progress):
+                b = to_device(b, dev)
                 am = b.get("attention_mask") if isinstance(b, Mapping) else None
                 mask[0] = None if am is None or bool((am != 0).all()) else (am != 0)
-                _call(model, b)
+                call_model(model, b)
     finally:
         for h in handles:
             h.remove()

@@ -18,7 +18,7 @@ from torch import nn
 from qcore._fsutil import model_sources
 from qcore.algorithms.config import ROTATION_CONFIGS, SpinQuantConfig, split_distill, split_rotation
 
-from ._batches import _check_batches, _progress, _set_module
+from .batches import check_batches, progress_bar, set_module
 from .calibration import calibrate
 from .config import ModelConfig, TensorConfig
 from .distributed import Distributed, fingerprint as distributed_fingerprint
@@ -153,7 +153,7 @@ def _check_data(model, plans, data, *, distributed, config) -> tuple:
     if data is not None and (isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable)):
         raise TypeError(f"data must be an iterable of batches (a list or a DataLoader), got {type(data).__name__}; "
                         f"wrap a single batch in a list: [batch]")
-    _check_batches(model, data)
+    check_batches(model, data)
     if static and isinstance(data, (list, tuple)) and not data:
         raise ValueError("calibration data is empty; static activation scales need at least one batch")
     if distributed is not None:
@@ -180,7 +180,7 @@ def _check_distill(model, plans, dist, data, distill_data, *, qat, distributed) 
     if distill_data is None and data is None:
         raise ValueError("the algorithm distill needs training batches; pass calibration batches as data=")
     distill_data = list(data if distill_data is None else distill_data)
-    _check_batches(model, distill_data)
+    check_batches(model, distill_data)
     check_distill(model, plans, dist)
     return distill_data, make_teacher(model)  # the float model (a rotation keeps its function)
 
@@ -199,7 +199,7 @@ def _run_algorithms(model, plans, algos, data, *, qat, progress, distributed, re
         raise ValueError(f"the algorithms {needs} need calibration data; pass calibration batches as data=")
     if data is not None:
         data = list(data)  # read more than once: by the algorithms and by calibration
-        _check_batches(model, data)
+        check_batches(model, data)
     if hq is not None:
         check_hqq(model, plans, hq)
     if rot is not None:
@@ -234,7 +234,7 @@ def _swap_and_calibrate(model, plans, pinned, data, *, static, qat, progress, di
     wrappers = [(p.name, model.get_submodule(p.name), wrap(model.get_submodule(p.name), p.config, name=p.name,
                                                            qat=qat, proj_weights=p.proj_weights)) for p in plans]
     for name, _, new in wrappers:
-        _set_module(model, name, new)
+        set_module(model, name, new)
     for name, _, new in wrappers:  # weights the algorithms quantized are committed as they are, before calibration
         if name in pinned:
             new.commit(weight=pinned[name])
@@ -249,7 +249,7 @@ def _swap_and_calibrate(model, plans, pinned, data, *, static, qat, progress, di
                             new.effective(role)
     except BaseException:
         for name, old, _ in wrappers:
-            _set_module(model, name, old)
+            set_module(model, name, old)
         if pinned:
             model._qcore_partial = True  # the float modules hold the algorithms' weights now
         raise
@@ -269,7 +269,7 @@ def _commit(model, wrappers, pinned, *, qat, progress, reference, teacher, dist,
         # Past this point the model is quantized: writing the weights in place cannot be undone without a second
         # copy of them. If it is interrupted, the wrappers not yet written stay in their pending mode, which
         # fake-quantizes at the forward: the model is fully quantized either way.
-        for _, _, new in _progress(wrappers, desc="quantizing weights", enabled=progress):
+        for _, _, new in progress_bar(wrappers, desc="quantizing weights", enabled=progress):
             new.commit()
     if teacher is not None:
         try:

@@ -146,7 +146,7 @@ def test_amp_sensitivity_equals_a_direct_full_forward(zoo):
     from qcore.adapters import ModelConfig, preset
     from qcore.adapters.passes.amp import layer_sensitivity
     from qcore.adapters.modules import wrap
-    from qcore.adapters._batches import _set_module
+    from qcore.adapters.batches import set_module
     from qcore.adapters.plan import plan_model
 
     model = zoo.tiny_llama()
@@ -159,7 +159,7 @@ def test_amp_sensitivity_equals_a_direct_full_forward(zoo):
         mods = [(n, model.get_submodule(n)) for n in unit]
         try:
             for n, m in mods:
-                _set_module(model, n, wrap(m, plans[n].config, name=n))
+                set_module(model, n, wrap(m, plans[n].config, name=n))
             total, count = 0.0, 0
             with torch.no_grad():
                 for r, b in zip(ref, data):
@@ -169,7 +169,7 @@ def test_amp_sensitivity_equals_a_direct_full_forward(zoo):
                     count += kl.numel()
         finally:
             for n, m in mods:
-                _set_module(model, n, m)
+                set_module(model, n, m)
         assert loss == total / count, unit  # bit for bit: the runner's skipped layers change nothing
 
 

@@ -31,7 +31,7 @@ from torch import nn
 from qcore._fsutil import staged_file
 from qcore.algorithms.metrics import sqnr_db, sqnr_db_of_sums
 
-from .._batches import _call, _device_of, _progress, _to
+from ..batches import call_model, device_of, progress_bar, to_device
 from ..plan import quantized_modules
 from ..modules import IN_OUT, weight_layout
 
@@ -87,7 +87,7 @@ def measure(model: nn.Module, reference: dict, batches: Optional[list] = None, *
     sums = {n: [0.0, 0.0] for n in reference}
     measured: set = set()
     if batches:
-        device = _device_of(model)
+        device = device_of(model)
         handles = []
 
         def hook(name):
@@ -111,8 +111,8 @@ def measure(model: nn.Module, reference: dict, batches: Optional[list] = None, *
         model.eval()
         try:
             with torch.no_grad():
-                for b in _progress(batches[:max_batches], desc="measuring layer errors", enabled=progress):
-                    _call(model, _to(b, device))
+                for b in progress_bar(batches[:max_batches], desc="measuring layer errors", enabled=progress):
+                    call_model(model, to_device(b, device))
         finally:
             for h in handles:
                 h.remove()

@@ -27,7 +27,7 @@ from qcore.algorithms.config import parse_algorithms, split_rotation
 from qcore.formats import quark_layout as L
 from qcore.formats.safetensors_io import CorruptCheckpointError, read_json_object
 
-from ._records import _np
+from .records import to_numpy
 from ..config import ModelConfig
 from ..modules import IN_OUT, QuantExperts, QuantModule, input_rotations, low_rank_modules, online_plan, weight_layout
 from ..plan import plan_model
@@ -95,15 +95,15 @@ def _weight_parts_rows(m, w: torch.Tensor, spec, kw: dict, step: int) -> L.Weigh
         if not torch.equal(qcore.dequantize(q).to(w.dtype), wc.to(w.dtype)):
             raise RuntimeError(f"export {m.qname!r}: the weight is not on its quantization grid (was it changed "
                                f"after quantize_model without a forward?); run a forward or freeze the model first")
-        c, sc = _np(q.codes), _np(q.scales)
+        c, sc = to_numpy(q.codes), to_numpy(q.scales)
         if codes is None:
             codes = np.empty((w.shape[0],) + c.shape[1:], c.dtype)
             scales = np.empty((w.shape[0],) + sc.shape[1:], sc.dtype)
             if q.zero_points is not None:
-                zps = np.empty((w.shape[0],) + tuple(q.zero_points.shape[1:]), _np(q.zero_points).dtype)
+                zps = np.empty((w.shape[0],) + tuple(q.zero_points.shape[1:]), to_numpy(q.zero_points).dtype)
         codes[i:i + step], scales[i:i + step] = c, sc
         if zps is not None:
-            zps[i:i + step] = _np(q.zero_points)
+            zps[i:i + step] = to_numpy(q.zero_points)
     return L.WeightParts(codes=codes, scales=scales, zero_points=zps, shifts=None, tensor_scale=None)
 
 
@@ -123,9 +123,9 @@ def weight_parts(m: QuantModule) -> tuple[L.WeightParts, tuple]:
         scales = sc.float() if sc.dtype == torch.float32 else qcore.decode(sc, spec.scale_dtype)
         stored = m.scales("weight")
         zp, sh, ts = stored.zero_point, stored.subblock_shifts, stored.tensor_scale
-        return L.WeightParts(codes=_np(codes), scales=_np(scales.float()),
-                             zero_points=None if zp is None else _np(zp.float()), shifts=None if sh is None else _np(sh),
-                             tensor_scale=None if ts is None else _np(ts.float())), shape
+        return L.WeightParts(codes=to_numpy(codes), scales=to_numpy(scales.float()),
+                             zero_points=None if zp is None else to_numpy(zp.float()), shifts=None if sh is None else to_numpy(sh),
+                             tensor_scale=None if ts is None else to_numpy(ts.float())), shape
     w = m.effective("weight", canonical=True)
     kw: dict[str, Any] = {"scale": m.weight_scale.cpu()}
     if not spec.symmetric:
@@ -141,9 +141,9 @@ def weight_parts(m: QuantModule) -> tuple[L.WeightParts, tuple]:
     if not torch.equal(back, wc.to(w.dtype)):
         raise RuntimeError(f"export {m.qname!r}: the weight is not on its quantization grid (was it changed after "
                            f"quantize_model without a forward?); run a forward or freeze the model first")
-    return L.WeightParts(codes=_np(q.codes), scales=_np(q.scales), zero_points=None if q.zero_points is None
-                         else _np(q.zero_points), shifts=None if q.subblock_shifts is None else _np(q.subblock_shifts),
-                         tensor_scale=None if q.tensor_scale is None else _np(q.tensor_scale)), tuple(wc.shape)
+    return L.WeightParts(codes=to_numpy(q.codes), scales=to_numpy(q.scales), zero_points=None if q.zero_points is None
+                         else to_numpy(q.zero_points), shifts=None if q.subblock_shifts is None else to_numpy(q.subblock_shifts),
+                         tensor_scale=None if q.tensor_scale is None else to_numpy(q.tensor_scale)), tuple(wc.shape)
 
 
 def canonical_shape(m: QuantModule) -> tuple:

@@ -51,14 +51,14 @@ from qcore.formats.quark_layout import WeightParts
 from qcore.formats.safetensors_io import TensorRecord, CorruptCheckpointError, SafetensorsFile
 
 from ..config import ModelConfig, KVCacheConfig, LayerConfig, TensorConfig, match_name
-from ._records import _TORCH_ST, _record, _tensor_record, untied_state
+from .records import TORCH_ST, record, tensor_record, untied_state
 from .common import (QCORE_FORMAT_VERSION, canonical_shape, check_config_describes, check_destination,
                      check_format_version, conv1d_error, export_units, hf_config, model_class, model_config,
                      online_rotations, parse_size, read_config, refuse_conv1d, weight_parts, weightless_error,
                      will_rotate_online)
 from .experts import check_no_experts
 from .quark_hf import write_checkpoint
-from .._batches import _set_module
+from ..batches import set_module
 from ..modules import IN_OUT, QUANT_CLASSES, QuantLinear, QuantModule, weight_layout
 from ..plan import plan_model
 
@@ -338,7 +338,7 @@ def _records(model: nn.Module, layers: list, st: str, report: dict) -> list[Tens
 
         scales = None if float_weight else _scales_of(m)
         for suffix, (dt, shp) in exp.items():
-            records.append(_record(prefix + suffix, dt, lambda s=suffix, enc=enc: enc()[s][1], shp))
+            records.append(record(prefix + suffix, dt, lambda s=suffix, enc=enc: enc()[s][1], shp))
             if suffix == "weight_scale" and dt != "U8":
                 report[prefix + suffix] = _scale_report("scale", dt, scales, shp, prefix + suffix)
             else:
@@ -355,24 +355,24 @@ def _records(model: nn.Module, layers: list, st: str, report: dict) -> list[Tens
                 key = f"{parent}.{lay.kv}_scale"
                 rep = _scale_report("kv_scale", st, s, (1,), key)
                 report[key] = rep
-                kv_recs.append(_record(key, st, lambda s=s: CT.scale_to_dtype(s, st), (1,)))
+                kv_recs.append(record(key, st, lambda s=s: CT.scale_to_dtype(s, st), (1,)))
                 continue
             key = f"{prefix}{role}_scale"
             report[key] = _scale_report("activation_scale", st, s, (1,), key)
-            records.append(_record(key, st, lambda s=s: CT.scale_to_dtype(s, st), (1,)))
+            records.append(record(key, st, lambda s=s: CT.scale_to_dtype(s, st), (1,)))
             zp = m.scales(role).zero_point
             if zp is not None:
                 spec = m.specs[role]
                 k = 0 if spec.dtype.signed else 1 << (spec.dtype.bits - 1)
                 z = (zp.detach().float().cpu().numpy().reshape(1).astype(np.int64) - k).astype(np.int8)
                 report[f"{prefix}{role}_zero_point"] = TensorReport("zero_point", "I8", (1,), True)
-                records.append(_record(f"{prefix}{role}_zero_point", "I8", lambda z=z: z, (1,)))
+                records.append(record(f"{prefix}{role}_zero_point", "I8", lambda z=z: z, (1,)))
         bias = m._parameters.get("bias")
         if bias is not None and not float_weight:
-            records.append(_tensor_record(prefix + "bias", bias.detach()))
+            records.append(tensor_record(prefix + "bias", bias.detach()))
     records.extend(kv_recs)
     for k, t in untied_state(model, owned):  # a tied weight: written once, as save_pretrained does
-        records.append(_tensor_record(k, t.detach()))
+        records.append(tensor_record(k, t.detach()))
     names = [r.name for r in records]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -516,7 +516,7 @@ def config_from_ct(model: nn.Module, ctc: CT.CTConfig) -> ModelConfig:
 _ST_NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64, "I8": np.int8, "U8": np.uint8,
           "I16": np.int16, "I32": np.int32, "I64": np.int64, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8,
           "BOOL": np.bool_, "U16": np.uint16, "U32": np.uint32, "U64": np.uint64, "F8_E8M0": np.uint8}
-_ST_TORCH = {st: t for t, st in _TORCH_ST.items()}
+ST_TORCH = {st: t for t, st in TORCH_ST.items()}
 _FLOAT_ST = ("F32", "BF16", "F16")
 
 
@@ -551,7 +551,7 @@ class _Reader:
         a = np.array(self.array(name))
         t = torch.from_numpy(a)
         if e.dtype in ("BF16", "F8_E4M3", "F8_E5M2"):
-            t = t.view(_ST_TORCH[e.dtype])
+            t = t.view(ST_TORCH[e.dtype])
         return t
 
 
@@ -684,7 +684,7 @@ def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Modu
                 tied.add(k)  # the output head shares the input embedding (written once)
                 continue
             raise CorruptCheckpointError(f"tensor {k!r} of the model is missing from the checkpoint")
-        reader.check(k, _FLOAT_ST if t.is_floating_point() else (_TORCH_ST[t.dtype],), tuple(t.shape),
+        reader.check(k, _FLOAT_ST if t.is_floating_point() else (TORCH_ST[t.dtype],), tuple(t.shape),
                      f"tensor {k!r}")
     # the model's float tensors (norms, embeddings, biases, float Linears) all in the checkpoint's one float dtype
     qweights = {f"{p.name}.weight" for p, q, spec, *_ in todo if spec is not None}
@@ -729,7 +729,7 @@ def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Modu
                         raise CorruptCheckpointError(f"{where}: tensor {zkey!r} is out of range for {rs.dtype.name}")
                     z = torch.full(q.static_scale_shape(role), z)
                 q.load_static_scales(role, scale=np.array(s, np.float32), zero_point=z)
-            _set_module(model, p.name, q)
+            set_module(model, p.name, q)
         quantized = {p.name for p, *_ in todo}
         for name, mod in model.named_modules():
             if name in quantized:

@@ -33,7 +33,7 @@ from torch import nn
 from qcore.formats import quark_layout as L
 from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile, TensorRecord
 
-from ._records import _ST_TORCH, _np, _record, _tensor_record
+from .records import ST_TORCH, to_numpy, record, tensor_record
 from ..modules import EXPERT_PROJS, QuantExperts, QuantModule, is_fused_experts
 from ..plan import default_exclude, plan_model, resolve_config
 
@@ -222,7 +222,7 @@ def experts_records(model: nn.Module, name: str, m: QuantExperts, layout: str, p
                                                pack_method=pack_method)
             return cache["enc"]
         for suffix, (dt, shp) in L.expected_weight(spec, shape, layout=layout).items():
-            records.append(_record(f"{prefix}.{suffix}", dt, lambda enc=enc, suffix=suffix: enc()[suffix][1], shp))
+            records.append(record(f"{prefix}.{suffix}", dt, lambda enc=enc, suffix=suffix: enc()[suffix][1], shp))
         for role in m.static_roles():
             if not m.is_calibrated(role):
                 raise ValueError(f"export {name!r}: static {role} scales are not calibrated; run quantize_model "
@@ -230,7 +230,7 @@ def experts_records(model: nn.Module, name: str, m: QuantExperts, layout: str, p
             arrays = L.activation_tensors(role, m.specs[role], layout=layout,
                                           **_static(m, proj, role, e, rows, out))
             for n, (dt, a) in arrays.items():
-                records.append(_record(f"{prefix}.{n}", dt, lambda a=a: a, a.shape))
+                records.append(record(f"{prefix}.{n}", dt, lambda a=a: a, a.shape))
     return records
 
 
@@ -279,7 +279,7 @@ class ExpertsShell(nn.Module):
                 want.update(L.expected_activation(role, q.specs[role], sshape, layout=self.layout))
             holder = nn.Module()
             for suffix, (dt, shp) in want.items():
-                holder.register_parameter(suffix, nn.Parameter(torch.empty(shp, dtype=_ST_TORCH[dt], device="meta"),
+                holder.register_parameter(suffix, nn.Parameter(torch.empty(shp, dtype=ST_TORCH[dt], device="meta"),
                                                                requires_grad=False))
                 self.expected[f"{rel}.{suffix}"] = (dt, shp)
                 self.disk[f"{rel}.{suffix}"] = f"{prefix}.{suffix}"
@@ -299,7 +299,7 @@ class ExpertsShell(nn.Module):
         halves: dict = {}
         acts: dict = {}
         for rel, proj, e, half, rows, out, shape in self.linears:
-            arrays = {k[len(rel) + 1:]: _np(params[k]) for k in self.expected if k.startswith(rel + ".")}
+            arrays = {k[len(rel) + 1:]: to_numpy(params[k]) for k in self.expected if k.startswith(rel + ".")}
             lw = f"{where} ({self.disk[rel + '.weight']})"
             parts = L.decode_weight(arrays, spec, shape, layout=self.layout, pack_method=pack_method, where=lw)
             halves.setdefault((proj, e), []).append(parts)
@@ -431,7 +431,7 @@ def float_experts_split(model: nn.Module) -> dict[str, list]:
 
 def float_experts_records(model: nn.Module, key: str, t: torch.Tensor, parts: list) -> list[TensorRecord]:
     """The per-expert float tensors of the fused parameter ``t`` (state-dict ``key``), lazily sliced."""
-    return [_tensor_record(disk, t.detach()[e, rows[0]:rows[1]]) for disk, (proj, e, rows) in parts]
+    return [tensor_record(disk, t.detach()[e, rows[0]:rows[1]]) for disk, (proj, e, rows) in parts]
 
 
 def check_split_experts(key: str, t: torch.Tensor, parts: list, entries: dict, want_float: Optional[str]) -> None:

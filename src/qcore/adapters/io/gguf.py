@@ -141,7 +141,7 @@ from .common import (check_config_describes, check_destination, export_units, re
 from ..config import ModelConfig, LayerConfig, TensorConfig
 from ..modules import (IN_OUT, QUANT_CLASSES, QuantExperts, QuantModule, input_rotations, is_fused_experts,
                        linear_weight, weight_layout)
-from .._batches import _set_module
+from ..batches import set_module
 from ..families import FAMILIES
 from ..gguf_names import expert_names, family_problem, gguf_arch, gguf_family, gguf_names
 
@@ -1014,7 +1014,7 @@ def _import_experts(model: nn.Module, mod_name: str, ts: dict, dtype: torch.dtyp
     q = QuantExperts.from_module(module, LayerConfig(weight=TensorConfig(spec)), name=mod_name)
     q.load_frozen(parts, dtype=dtype, device=torch.device("cpu"))
     q.eval()
-    _set_module(model, mod_name, q)
+    set_module(model, mod_name, q)
     specs[mod_name] = spec
     for r, t in ts.items():
         reports.append(ImportedTensor(names[r], t.name, kinds[r], "codes", spec, True, 0.0))
@@ -1046,7 +1046,7 @@ def _import_gguf_experts(model: nn.Module, module: nn.Module, mod_name: str, ts:
             raise RuntimeError(f"from_gguf: experts {mod_name}: the module does not hold the file's {kind} blocks "
                                f"(a qcore bug; please report it)")
     q.eval()
-    _set_module(model, mod_name, q)
+    set_module(model, mod_name, q)
     specs[mod_name] = spec
     if own:
         specs[f"{mod_name}.down_proj"] = own["down_proj"].spec  # by name in the model's config (_model_config)
@@ -1091,7 +1091,7 @@ def _tied_head_of(model: nn.Module, emb: nn.Module, spec, parts, shape: tuple, d
         if k.startswith("weight_"):
             h._buffers[k] = v
     h.eval()
-    _set_module(model, name, h)
+    set_module(model, name, h)
     return name
 
 
@@ -1206,7 +1206,7 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
                                    f"values (a qcore bug; please report it)")
             q.load_frozen(parts, shape=shape, dtype=dtype, device=torch.device("cpu"))
         q.eval()
-        _set_module(model, mod_name, q)
+        set_module(model, mod_name, q)
         specs[mod_name] = spec
         reports.append(ImportedTensor(hf, t.name, kind, "codes", spec, True, 0.0))
         if tied and isinstance(module, nn.Embedding):

@@ -66,7 +66,7 @@ from qcore.formats import quark_layout as L
 from qcore.formats.inspect import checkpoint_files
 from qcore.formats.safetensors_io import TensorRecord, write_file, CorruptCheckpointError, SafetensorsFile
 
-from ._records import _ST_TORCH, _TORCH_ST, _np, _record, _tensor_record, untied_state  # noqa: F401
+from .records import ST_TORCH, TORCH_ST, to_numpy, record, tensor_record, untied_state  # noqa: F401
 from .common import (QCORE_FORMAT_VERSION, ExportUnit, canonical_shape, check_config_describes, check_destination,
                      check_format_version, export_units, hf_config, model_class, model_config, online_rotations,
                      parse_size, read_config, unexpected_keys, weight_parts, weightless_error, will_rotate_online)
@@ -76,7 +76,7 @@ from .experts import (ExpertsShell, check_split_experts, drop_expert_converters,
 from ..config import ModelConfig
 from ..modules import (QUANT_CLASSES, QuantExperts, QuantLinear, QuantModule, install_online,
                        low_rank_modules, weight_granularity, with_granularity)
-from .._batches import _set_module
+from ..batches import set_module
 from .._device import check_device
 from ..plan import plan_model
 
@@ -116,9 +116,9 @@ def _activation_records(m: QuantModule, layout: str) -> dict:
         spec = m.specs[role]
         b = m.scales(role)
         out.update(L.activation_tensors(
-            role, spec, scale=None if spec.two_level else _np(b.scale.float()),
-            zero_point=None if b.zero_point is None else _np(b.zero_point.float()),
-            tensor_scale=_np(b.tensor_scale.float()) if spec.two_level else None, layout=layout))
+            role, spec, scale=None if spec.two_level else to_numpy(b.scale.float()),
+            zero_point=None if b.zero_point is None else to_numpy(b.zero_point.float()),
+            tensor_scale=to_numpy(b.tensor_scale.float()) if spec.two_level else None, layout=layout))
     return out
 
 
@@ -136,16 +136,16 @@ def module_records(name: str, m: QuantModule, layout: str, cache: dict, pack_met
                 cache["enc"] = L.encode_weight(weight_parts(m)[0], spec, layout=layout, pack_method=pack_method)
                 cache["module"] = m
             return cache["enc"][suffix][1]
-        records.append(_record(prefix + suffix, dt, arr, shp))
+        records.append(record(prefix + suffix, dt, arr, shp))
     for n, (dt, a) in _activation_records(m, layout).items():
-        records.append(_record(prefix + n, dt, lambda a=a: a, a.shape))
+        records.append(record(prefix + n, dt, lambda a=a: a, a.shape))
     records.extend(_branch_records(prefix, m))
     bias = m._parameters.get("bias")
     if bias is not None:
         if "bias" in m.specs:  # the fake-quantized bias the model computes with, as floats
-            records.append(_tensor_record(prefix + "bias", m.effective("bias")))
+            records.append(tensor_record(prefix + "bias", m.effective("bias")))
         else:
-            records.append(_tensor_record(prefix + "bias", bias))
+            records.append(tensor_record(prefix + "bias", bias))
     return records
 
 
@@ -158,10 +158,10 @@ def _branch_records(prefix: str, m: nn.Module) -> list[TensorRecord]:
     br = getattr(m, "low_rank_branch", None)
     if br is None:
         return []
-    out = [_tensor_record(prefix + "lowrank_down", br.down.detach().float()),
-           _tensor_record(prefix + "lowrank_up", br.up.detach().float())]
+    out = [tensor_record(prefix + "lowrank_down", br.down.detach().float()),
+           tensor_record(prefix + "lowrank_up", br.up.detach().float())]
     if br.smoothing is not None:
-        out.append(_tensor_record(prefix + "input_smoothing", br.smoothing.detach().float()))
+        out.append(tensor_record(prefix + "input_smoothing", br.smoothing.detach().float()))
     return out
 
 
@@ -197,7 +197,7 @@ def plan_tensors(model: nn.Module, pack_method: str = "reorder", *, own: bool = 
         records.extend(module_records(name, m, layouts[name], cache, pack_method))
     split = float_experts_split(model)  # float fused experts: per expert, as the family's checkpoints hold them
     for k, t in untied_state(model, owned):  # a tied weight: written once, as save_pretrained does
-        records.extend(float_experts_records(model, k, t, split[k]) if k in split else [_tensor_record(k, t.detach())])
+        records.extend(float_experts_records(model, k, t, split[k]) if k in split else [tensor_record(k, t.detach())])
     return records, layouts
 
 
@@ -500,7 +500,7 @@ class _Shell(nn.Module):
                 self.branch["input_smoothing"] = ("F32", (n_in,))
             self.expected.update(self.branch)
         for n, (dt, shape) in self.expected.items():
-            self.register_parameter(n, nn.Parameter(torch.empty(shape, dtype=_ST_TORCH[dt], device="meta"),
+            self.register_parameter(n, nn.Parameter(torch.empty(shape, dtype=ST_TORCH[dt], device="meta"),
                                                     requires_grad=False))
         if getattr(m, "bias", None) is not None:
             self.bias = m.bias
@@ -564,7 +564,7 @@ def check_tensors(files: list, model: nn.Module, shells: dict[str, _Shell]) -> N
                 ok = e.dtype in _FLOAT_ST and e.dtype == want_float
                 want = f"{want_float} (the checkpoint's float dtype)"
             else:
-                want = _TORCH_ST.get(t.dtype, str(t.dtype))
+                want = TORCH_ST.get(t.dtype, str(t.dtype))
                 ok = e.dtype == want
             if not ok or tuple(e.shape) != tuple(t.shape):
                 raise CorruptCheckpointError(f"tensor {k!r} is {e.dtype} {list(e.shape)} in {pathlib.Path(f).name}; "
@@ -588,7 +588,7 @@ def _build(sh: _Shell, pack_method: str, dtype: torch.dtype) -> nn.Module:
     if missing:
         raise CorruptCheckpointError(f"{where}: tensors {missing} were not loaded from the checkpoint")
     branch = getattr(sh, "branch", None) or {}
-    arrays = {n: _np(params[n]) for n in sh.expected if n not in branch}
+    arrays = {n: to_numpy(params[n]) for n in sh.expected if n not in branch}
     q, shape = sh._wrapper, sh.shape
     spec = q.specs["weight"]
     parts = L.decode_weight(arrays, spec, shape, layout=sh.layout, pack_method=pack_method, where=where)
@@ -713,7 +713,7 @@ def _make_classes():
                     raise CorruptCheckpointError(f"layer {p.name!r}: quant_method 'quark' but the config's format "
                                                  f"has no Quark tensor layout (a qcore extension checkpoint says "
                                                  f"quant_method 'qcore')")
-                _set_module(model, p.name, sh)
+                set_module(model, p.name, sh)
                 self._shells[p.name] = sh
             if low_rank:
                 raise CorruptCheckpointError(f"quantization_config.qcore.low_rank names {sorted(low_rank)[:3]}, which "
@@ -733,7 +733,7 @@ def _make_classes():
                           and id(p) not in shell  # checkpoint tensors (e.g. float16 scales), not the model's
                           and p.dtype in (torch.float32, torch.bfloat16, torch.float16)), torch.float32)
             for name, sh in self._shells.items():
-                _set_module(model, name, _build(sh, self.pack_method, dtype))
+                set_module(model, name, _build(sh, self.pack_method, dtype))
             self._shells = {}
             model.qcore_config = checkpoint_config(self.quantization_config.raw)
             if getattr(self, "_float_experts", None):  # fused experts the checkpoint stores float: excluded, by name

@@ -44,7 +44,7 @@ from qcore import PerChannel, PerGroup, PerTensor
 from qcore._fsutil import check_not_source, staged_path
 from qcore.formats.gguf import check_file
 
-from .._batches import _set_module
+from ..batches import set_module
 from ..io.formats import FORMATS, ExportRequest, Format, detect_format, format_named, gguf_in_dir
 from ..io.gguf import _model_config
 from ..io.onnx import UnsupportedWeightError
@@ -252,7 +252,7 @@ def _gguf_specs_to_float(model: nn.Module, to: str) -> list:
             left[name] = spec
             continue
         if isinstance(m, QuantExperts):  # fused MoE experts: float experts of the same class
-            _set_module(model, name, m.to_float().eval())
+            set_module(model, name, m.to_float().eval())
             changes += [TensorChange(f"{name}.{p}", "dequantized", f"GGUF {m.weight_spec(p).gguf} (float block "
                                      f"offsets)", f"float ({to} has no float offsets or super-block scales)", 0.0)
                         for p in EXPERT_PROJS]
@@ -268,7 +268,7 @@ def _gguf_specs_to_float(model: nn.Module, to: str) -> list:
             raise ValueError(f"convert to {to}: {name!r} ({type(m).__name__}) has a GGUF weight spec "
                              f"({spec.gguf}) that {to} cannot hold")
         f.weight = nn.Parameter(w.clone(), requires_grad=False)
-        _set_module(model, name, f.eval())
+        set_module(model, name, f.eval())
         changes.append(TensorChange(f"{name}.weight", "dequantized", f"GGUF {spec.gguf} (float block offsets)",
                                     f"float ({to} has no float offsets or super-block scales)", 0.0))
     if changes:
@@ -327,7 +327,7 @@ def _reload(path: pathlib.Path, to: Format, dtype: torch.dtype) -> nn.Module:
         return to.load(path, dtype)
 
 
-def _describe(changes: list, info: Any) -> list:
+def describe_batch(changes: list, info: Any) -> list:
     """Destination descriptions from the exporter's per-tensor report where it has one (GGUF: the block type and
     whether it was written code for code or re-quantized)."""
     reports = {r.name: r for r in getattr(info, "quantized", ()) if hasattr(r, "gguf_type")}
@@ -445,7 +445,7 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
             elif verify:
                 stages.next("convert: loading the result back to compare")
                 back = _reload(written, to, load_dtype)
-                changes, how = imported + _describe(compare_models(model, back), info), "reload"
+                changes, how = imported + describe_batch(compare_models(model, back), info), "reload"
             else:
                 changes, how = imported, "none"
             if strict and changes:

@@ -58,7 +58,7 @@ from torch import nn
 
 from qcore.algorithms.mixed_precision import DEFAULT_RESOLUTION, MixedPrecision, search
 
-from .._batches import _check_batch, _describe, _device_of, _progress, _set_module, _to, logits_of
+from ..batches import check_batch, describe_batch, device_of, progress_bar, set_module, to_device, logits_of
 from ..config import LayerConfig, ModelConfig
 from ..modules import QuantModule, calibrating, weight_granularity, with_granularity, wrap
 from ..plan import plan_model
@@ -214,10 +214,10 @@ def _batches_arg(model, batches) -> list:
     if isinstance(batches, (torch.Tensor, Mapping)) or not isinstance(batches, Sequence) or not batches:
         raise TypeError(f"batches must be a non-empty list of batches (tensors, dicts or tuples), got "
                         f"{type(batches).__name__}")
-    device = _device_of(model)
+    device = device_of(model)
     for i, b in enumerate(batches):
-        _check_batch(model, b, i)
-    return [_to(b, device) for b in batches]
+        check_batch(model, b, i)
+    return [to_device(b, device) for b in batches]
 
 
 def _logits(out) -> torch.Tensor:
@@ -230,7 +230,7 @@ def _input_ids(batch) -> torch.Tensor:
         else batch[0]
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point:
         raise ValueError(f"Metric.NLL needs batches of input_ids [batch, sequence] (a causal LM); got "
-                         f"{_describe(batch)}")
+                         f"{describe_batch(batch)}")
     return ids
 
 
@@ -415,7 +415,7 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
                                                        units, jobs)
         runner = _Probe(model, batches, metric, progress)
         loss: dict = {} if work is None else work.done()
-        for unit, s in _progress(jobs, total=len(jobs), desc="layer sensitivity", enabled=progress):
+        for unit, s in progress_bar(jobs, total=len(jobs), desc="layer sensitivity", enabled=progress):
             if (unit, s) in loss:  # measured by the run saved in work_dir
                 continue
             where = [runner.layer_of(n) for n in unit]
@@ -425,14 +425,14 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
             wrappers = [(n, wrap(mods[n], plans[s][n].config, name=n)) for n in unit]
             try:
                 for n, w in wrappers:
-                    _set_module(model, n, w)
+                    set_module(model, n, w)
                 runner.calibrate(k, stop, [w for _, w in wrappers])
                 loss[(unit, s)] = runner.measure(k)
                 if work is not None:
                     work.add(unit, s, loss[(unit, s)])
             finally:
                 for n, m in originals:
-                    _set_module(model, n, m)
+                    set_module(model, n, m)
     finally:
         model.train(was_training)
         if old_cache is not None:

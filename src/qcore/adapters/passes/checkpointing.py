@@ -57,7 +57,7 @@ from qcore._kquants import GGUFScales
 from qcore.formats.safetensors_io import TensorRecord
 from qcore.quantize import QTensor
 
-from .._batches import _to
+from ..batches import to_device
 from ..modules import experts_weight_spec, is_fused_experts, linear_weight, linear_weight_spec
 from .runner import LayerInputs
 
@@ -375,7 +375,7 @@ class LayerCheckpoint:
             self.restore(i, layers[i], self.work.load(self.work.entries[i]["layer"]))
         saved = self.work.load(self.work.entries[k - 1]["carry"])
         if device is not None:
-            saved = _to(saved, device)
+            saved = to_device(saved, device)
         self.start = k
         if self.set_carry is not None:
             self.set_carry(saved)
@@ -534,7 +534,7 @@ def streaming_checkpoint(work: WorkDir, spill, records: list, layouts: dict, str
 
     def set_carry(saved):
         for k in streams:
-            streams[k] = _inputs_from(_to(saved.get(k), device))
+            streams[k] = _inputs_from(to_device(saved.get(k), device))
 
     return LayerCheckpoint(work, state=state, restore=restore, carry=carry, set_carry=set_carry)
 

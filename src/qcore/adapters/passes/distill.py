@@ -31,7 +31,7 @@ from torch import nn
 import qcore
 from qcore.algorithms.distill import data_order, distill_loss
 
-from .._batches import _call, _progress, _to, logits_of
+from ..batches import call_model, progress_bar, to_device, logits_of
 from ..modules import QuantExperts, QuantModule
 from .targets import check_experts_algorithms
 
@@ -202,10 +202,10 @@ def run_distill(model: nn.Module, teacher: nn.Module, data: list, algo, *, progr
     was_training = model.training
 
     def loss_of(batch) -> torch.Tensor:
-        b = _to(batch, device)
+        b = to_device(batch, device)
         with torch.no_grad():
-            t = _logits(_call(teacher, b))
-        s = _logits(_call(model, b))
+            t = _logits(call_model(teacher, b))
+        s = _logits(call_model(model, b))
         ids, mask = _ids_and_mask(b)
         return distill_loss(s, t, loss=algo.loss, temperature=algo.temperature, alpha=algo.alpha,
                             labels=ids if algo.alpha < 1 else None, mask=mask)
@@ -237,7 +237,7 @@ def run_distill(model: nn.Module, teacher: nn.Module, data: list, algo, *, progr
         base = [g["lr"] for g in opt.param_groups]
         order = data_order(len(data), algo.steps * algo.batch, key=algo.key)
         start = time.perf_counter()
-        bar = _progress(range(algo.steps), total=algo.steps, desc="distilling", enabled=progress)
+        bar = progress_bar(range(algo.steps), total=algo.steps, desc="distilling", enabled=progress)
         for step in bar:
             f = _lr_at(algo, step, time.perf_counter() - start)
             for g, b0 in zip(opt.param_groups, base):

@@ -30,7 +30,7 @@ from torch import nn
 from qcore.algorithms.config import ROTATION_CONFIGS, AutoSmoothQuantConfig, AWQConfig, SmoothQuantConfig
 from qcore.algorithms.hqq import check_hqq_spec, hqq
 
-from .._batches import _progress
+from ..batches import progress_bar
 from ..config import MinMax
 from ..modules import linear_weight, linear_weight_spec
 from .targets import check_experts_algorithms, write_pinned
@@ -109,7 +109,7 @@ def apply_hqq(model: nn.Module, plans: list, algo, pinned: dict, *, reference: O
     targets = _targets(model, plans)
     t0 = time.perf_counter()
     with torch.no_grad():
-        for name, m, spec in _progress(targets, desc="hqq", enabled=progress):
+        for name, m, spec in progress_bar(targets, desc="hqq", enabled=progress):
             q = _fit(m, spec, algo)
             if reference is not None:
                 reference[name] = m.weight.detach().to("cpu", copy=True)

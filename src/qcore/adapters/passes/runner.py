@@ -40,7 +40,7 @@ from torch import nn
 
 from qcore.formats.safetensors_io import TensorRecord
 
-from .._batches import _call, _check_batch, _describe, _device_of, _progress, _to
+from ..batches import call_model, check_batch, describe_batch, device_of, progress_bar, to_device
 from ..families import decoder_layers_path
 
 _log = logging.getLogger("qcore.adapters")
@@ -193,14 +193,14 @@ def capture(model: nn.Module, layer: nn.Module, batches: Sequence, *, device=Non
     h = layer.register_forward_pre_hook(pre, with_kwargs=True)
     try:
         with _NoCache(model):
-            for i, batch in enumerate(_progress(batches, total=len(batches), desc=desc, enabled=progress)):
-                _check_batch(model, batch, i)
+            for i, batch in enumerate(progress_bar(batches, total=len(batches), desc=desc, enabled=progress)):
+                check_batch(model, batch, i)
                 try:
-                    _call(model, batch if device is None else _to(batch, device))
+                    call_model(model, batch if device is None else to_device(batch, device))
                 except Stop:
                     continue
                 except (RuntimeError, ValueError, TypeError, IndexError) as e:
-                    raise ValueError(f"calibration batch {i} ({_describe(batch)}) does not fit the model: "
+                    raise ValueError(f"calibration batch {i} ({describe_batch(batch)}) does not fit the model: "
                                      f"{type(e).__name__}: {e}") from e
                 raise ValueError(f"calibration batch {i}: the model's forward never reached its first decoder layer")
     finally:
@@ -261,7 +261,7 @@ class LayerRunner:
                     raise
                 self.path, self.layers = None, None
         if device is None:
-            device = _device_of(model)
+            device = device_of(model)
         self.device = torch.device(device)
 
     def __len__(self):
@@ -310,8 +310,8 @@ class LayerRunner:
             hooks.append(self.layers[0].register_forward_hook(out_type))
         try:
             with torch.no_grad(), _NoCache(self.model):
-                for i, b in enumerate(_progress(batches, total=len(batches), desc=desc, enabled=self.progress)):
-                    out = _call(self.model, b)
+                for i, b in enumerate(progress_bar(batches, total=len(batches), desc=desc, enabled=self.progress)):
+                    out = call_model(self.model, b)
                     if each is not None:
                         each(i, out)
         finally:
@@ -359,7 +359,7 @@ class LayerRunner:
                                                                float_inputs=float_inputs)
                 if start:
                     desc = f"{desc} (resuming at layer {start} of {n})"
-            for i in _progress(range(start, n), total=n - start, desc=desc, enabled=self.progress):
+            for i in progress_bar(range(start, n), total=n - start, desc=desc, enabled=self.progress):
                 current = i
                 if float_inputs is not None:
                     float_out = forward_layer(self.layers[i], float_inputs, keep=True)
@@ -392,11 +392,11 @@ class LayerRunner:
         ``stop``: the forward ends after that layer (nothing yielded). Yields each batch's model output."""
 
         n = len(self)
-        it = batches if desc is None else _progress(batches, total=len(batches), desc=desc, enabled=self.progress)
+        it = batches if desc is None else progress_bar(batches, total=len(batches), desc=desc, enabled=self.progress)
         if k is None or (k == 0 and stop is None):
             with torch.no_grad():
                 for b in it:
-                    yield _call(self.model, _to(b, self.device) if move else b)
+                    yield call_model(self.model, to_device(b, self.device) if move else b)
             return
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= n:
             raise ValueError(f"k: got {k!r}; expected None or a layer index in [0, {n}]")
@@ -429,7 +429,7 @@ class LayerRunner:
                 for i, b in enumerate(it):
                     cur["i"] = i
                     try:
-                        out = _call(self.model, _to(b, self.device) if move else b)
+                        out = call_model(self.model, to_device(b, self.device) if move else b)
                     except Stop:
                         continue
                     yield out

@@ -38,7 +38,7 @@ from qcore.algorithms.config import SpinQuantConfig
 from qcore.algorithms.hadamard import rotation
 from qcore.algorithms.orthogonal import cayley_step
 
-from .._batches import _progress
+from ..batches import progress_bar
 from ..modules import (InputRotation, ReferenceInputRotation, activation_granularity, linear_weight_spec, online_hooks,
                        remove_online, with_granularity)
 from ..families import family_of
@@ -205,7 +205,7 @@ def _spinquant(model, plans, data, algo, *, progress: bool, train_weights: bool,
             p.requires_grad_(False)
         if not reference:
             step_of = _Step(model, emb, head, qs, wspecs, aspecs, r2 is not None)
-        for step in _progress(range(algo.steps), total=algo.steps, desc="spinquant", enabled=progress):
+        for step in progress_bar(range(algo.steps), total=algo.steps, desc="spinquant", enabled=progress):
             ts = time.perf_counter()
             ids = torch.cat([batches[(step * algo.batch + j) % len(batches)] for j in range(algo.batch)]).to(dev)
             r1v = r1.float().requires_grad_()

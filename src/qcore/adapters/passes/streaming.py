@@ -55,9 +55,9 @@ from qcore.formats.safetensors_io import (
     no_safetensors,
 )
 
-from .._batches import _set_module
+from ..batches import set_module
 from ..families import family_or_none
-from ..io._records import _ST_TORCH
+from ..io.records import ST_TORCH
 from ..io.common import read_config, unexpected_keys
 from ..io.common import hf_config as read_hf_config
 from ..io.quark_hf import (
@@ -103,7 +103,7 @@ class Source:
     def read(self, name: str, dtype: torch.dtype, device) -> torch.Tensor:
         st = self.where[name]
         e = st.entries[name]
-        src = _ST_TORCH.get(e.dtype)
+        src = ST_TORCH.get(e.dtype)
         if src is None:
             raise CorruptCheckpointError(f"tensor {name!r} has dtype {e.dtype}, which torch cannot hold")
         t = torch.empty(tuple(e.shape), dtype=src)
@@ -243,7 +243,7 @@ def stream_layers(model, path, layers, by_layer, plans, outer_plans, layer_of, a
     outer = []
     for p in outer_plans:
         w = wrap(model.get_submodule(p.name), p.config, name=p.name, proj_weights=p.proj_weights)
-        _set_module(model, p.name, w)
+        set_module(model, p.name, w)
         outer.append(w)
     cal_in = None
     tail: list = []
@@ -281,7 +281,7 @@ def stream_layers(model, path, layers, by_layer, plans, outer_plans, layer_of, a
             wrappers = []
             for p in mine:
                 w = wrap(model.get_submodule(p.name), p.config, name=p.name, proj_weights=p.proj_weights)
-                _set_module(model, p.name, w)
+                set_module(model, p.name, w)
                 wrappers.append(w)
                 if p.name in pinned:
                     w.commit(weight=pinned.pop(p.name))

@@ -10,44 +10,44 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["_set_module", "_progress", "_describe", "_device_of", "_to", "_call", "_check_batch", "_check_batches"]
+__all__ = ["set_module", "progress_bar", "describe_batch", "device_of", "to_device", "call_model", "check_batch", "check_batches"]
 
 
-def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, new)
 
 
-def _progress(it, *, total=None, desc="", enabled=True):
+def progress_bar(it, *, total=None, desc="", enabled=True):
     if not enabled:
         return it
     from tqdm.auto import tqdm
     return tqdm(it, total=total, desc=desc, leave=False)
 
 
-def _describe(batch) -> str:
+def describe_batch(batch) -> str:
     if isinstance(batch, torch.Tensor):
         return f"tensor {tuple(batch.shape)} {batch.dtype}"
     if isinstance(batch, Mapping):
-        return "dict(" + ", ".join(f"{k}={_describe(v)}" for k, v in batch.items()) + ")"
+        return "dict(" + ", ".join(f"{k}={describe_batch(v)}" for k, v in batch.items()) + ")"
     if isinstance(batch, (tuple, list)):
-        return type(batch).__name__ + "(" + ", ".join(_describe(v) for v in batch) + ")"
+        return type(batch).__name__ + "(" + ", ".join(describe_batch(v) for v in batch) + ")"
     return type(batch).__name__
 
 
-def _device_of(model: nn.Module):
+def device_of(model: nn.Module):
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
 
 
-def _to(batch, device):
+def to_device(batch, device):
     if isinstance(batch, torch.Tensor):
         return batch.to(device)
     if isinstance(batch, Mapping):
-        return {k: _to(v, device) for k, v in batch.items()}
+        return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (tuple, list)):
-        return type(batch)(_to(v, device) for v in batch)
+        return type(batch)(to_device(v, device) for v in batch)
     return batch
 
 
@@ -65,7 +65,7 @@ def logits_of(out: Any, *, missing: str) -> "torch.Tensor":
     raise TypeError(missing.format(type=type(out).__name__))
 
 
-def _call(model: nn.Module, batch: Any):
+def call_model(model: nn.Module, batch: Any):
     """``model(batch)``, ``model(**batch)`` or ``model(*batch)`` for a tensor, a dict or a tuple/list batch."""
     if isinstance(batch, torch.Tensor):
         return model(batch)
@@ -74,7 +74,7 @@ def _call(model: nn.Module, batch: Any):
     return model(*batch)
 
 
-def _check_batch(model: nn.Module, batch: Any, i: int) -> None:
+def check_batch(model: nn.Module, batch: Any, i: int) -> None:
     expected = ("a tensor (model(batch)), a dict of tensors (model(**batch)) or a tuple/list of tensors "
                 "(model(*batch))")
     if not isinstance(batch, (torch.Tensor, Mapping, tuple, list)):
@@ -89,7 +89,7 @@ def _check_batch(model: nn.Module, batch: Any, i: int) -> None:
         elif batch and isinstance(batch[0], torch.Tensor):
             ids = batch[0]
     if ids is not None and (ids.dtype.is_floating_point or ids.dim() != 2):
-        raise ValueError(f"calibration batch {i}: input_ids of {_describe(ids)}; this transformers model expects "
+        raise ValueError(f"calibration batch {i}: input_ids of {describe_batch(ids)}; this transformers model expects "
                          f"integer token ids of shape [batch, sequence]")
     try:
         emb = model.get_input_embeddings() if ids is not None and hasattr(model, "get_input_embeddings") else None
@@ -102,12 +102,12 @@ def _check_batch(model: nn.Module, batch: Any, i: int) -> None:
     tensors = [batch] if isinstance(batch, torch.Tensor) else list(batch.values()) if isinstance(batch, Mapping) \
         else list(batch)
     if not tensors or any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in tensors):
-        raise ValueError(f"calibration batch {i} is empty ({_describe(batch)}); every batch needs at least one "
+        raise ValueError(f"calibration batch {i} is empty ({describe_batch(batch)}); every batch needs at least one "
                          f"sample (drop it from the calibration data)")
 
 
-def _check_batches(model: nn.Module, data: Any) -> None:
-    """Every batch of a list / tuple of calibration batches checked before any work (``_check_batch``)."""
+def check_batches(model: nn.Module, data: Any) -> None:
+    """Every batch of a list / tuple of calibration batches checked before any work (``check_batch``)."""
     if isinstance(data, (list, tuple)):
         for i, batch in enumerate(data):
-            _check_batch(model, batch, i)
+            check_batch(model, batch, i)
