@@ -873,7 +873,7 @@ def _set_param(model: nn.Module, hf: str, value: torch.Tensor) -> None:
     m._parameters[leaf] = nn.Parameter(value, requires_grad=value.is_floating_point())
 
 
-def _model_config(model: nn.Module, specs: dict[str, QuantSpec]) -> Optional[ModelConfig]:
+def model_config_of_specs(model: nn.Module, specs: dict[str, QuantSpec]) -> Optional[ModelConfig]:
     """The ModelConfig whose plan gives exactly the model's quantized modules: the most common spec as the
     global layer, the others (and every float Linear, and a quantized embedding) by name."""
     if not specs:
@@ -1049,7 +1049,7 @@ def _import_gguf_experts(model: nn.Module, module: nn.Module, mod_name: str, ts:
     set_module(model, mod_name, q)
     specs[mod_name] = spec
     if own:
-        specs[f"{mod_name}.down_proj"] = own["down_proj"].spec  # by name in the model's config (_model_config)
+        specs[f"{mod_name}.down_proj"] = own["down_proj"].spec  # by name in the model's config (model_config_of_specs)
     names = {gate: f"{mod_name}.gate_up_proj", up: f"{mod_name}.gate_up_proj", down: f"{mod_name}.down_proj"}
     for r, t in ts.items():
         reports.append(ImportedTensor(names[r], t.name, kinds[r], "codes", q.weight_spec(names[r].rsplit(".", 1)[1]),
@@ -1225,7 +1225,7 @@ def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: b
     left = [n for n, v in list(model.named_parameters()) + list(model.named_buffers()) if v.is_meta]
     if left:
         raise CorruptCheckpointError(f"from_gguf: the file has no tensor for {left[:5]}")
-    model.qcore_config = _model_config(model, specs)
+    model.qcore_config = model_config_of_specs(model, specs)
     if model.qcore_config is not None:
         check_config_describes(model, model.qcore_config)  # a qcore bug if the config does not rebuild the model
     model.qcore_gguf_report = GGUFImportReport(str(p), tuple(reports))

@@ -46,7 +46,7 @@ from qcore.formats.gguf import check_file
 
 from ..batches import set_module
 from ..io.formats import FORMATS, ExportRequest, Format, detect_format, format_named, gguf_in_dir
-from ..io.gguf import _model_config
+from ..io.gguf import model_config_of_specs
 from ..io.onnx import UnsupportedWeightError
 from ..modules import EXPERT_PROJS, QuantExperts, QuantModule
 
@@ -272,7 +272,7 @@ def _gguf_specs_to_float(model: nn.Module, to: str) -> list:
         changes.append(TensorChange(f"{name}.weight", "dequantized", f"GGUF {spec.gguf} (float block offsets)",
                                     f"float ({to} has no float offsets or super-block scales)", 0.0))
     if changes:
-        cfg = _model_config(model, left)
+        cfg = model_config_of_specs(model, left)
         # exclude=None (the output head, float here anyway): the spelling that survives the checkpoint's
         # to_dict/from_dict round trip with float Linears listed by name (exclude=() reads back as None, and
         # Quark's exclude list would then come in another order)

@@ -56,7 +56,9 @@ def _groups(layer: nn.Module, algo, prefix: str, family=None) -> list[ScalingGro
         raise type(e)(f"{algo.name}: decoder layer {prefix!r}: {e}") from None
 
 
-def _ispec(plan):
+def input_spec_of(plan):
+    """The input activation spec a module's plan gives, on the activation axes (what the scale searches quantize
+    the inputs with)."""
     tc = plan.config.input
     return with_granularity(tc.spec, activation_granularity(tc.spec.granularity, False))
 
@@ -150,7 +152,7 @@ def apply_scaling(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, *, 
             specs = [linear_weight_spec(layer.get_submodule(n), lplans[n], n) for n in g.layers]
             x = rec.sample()
             if isinstance(algo, AutoSmoothQuantConfig):
-                s = auto_smoothquant(x, ws, weight_spec=specs, input_spec=_ispec(lplans[g.layers[0]]),
+                s = auto_smoothquant(x, ws, weight_spec=specs, input_spec=input_spec_of(lplans[g.layers[0]]),
                                      loss=algo.loss, act_absmax=rec.absmax).scales
             else:
                 s = awq_search(x, ws, specs, grid=algo.grid).scales

@@ -39,7 +39,7 @@ from ..modules import add_low_rank_branch, linear_weight_spec
 from .runner import forward_layer
 from .targets import scale_fn
 from .scaling import NoScalingMap, ScalingGroup, check_fold, fold_scales, scaling_groups
-from .scaling_bind import _ispec
+from .scaling_bind import input_spec_of
 
 __all__ = ["check", "run"]
 
@@ -180,7 +180,7 @@ def run(layer: nn.Module, lplans: dict, inputs, algo, prefix: str, pinned: dict,
         if algo.search_alpha:
             specs = [linear_weight_spec(m, lplans[n], f"{prefix}.{n}") for n, m in zip(g.layers, mods)]
             p0 = lplans[g.layers[0]]
-            ispec = _ispec(p0) if p0.config.input is not None else None
+            ispec = input_spec_of(p0) if p0.config.input is not None else None
             x = torch.cat(rec.rows, 0)
             r = search_alpha(x, ws, specs, rec.absmax, rank=algo.rank, alphas=alphas, input_spec=ispec, exact=False)
             s = r.scales
