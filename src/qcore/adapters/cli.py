@@ -30,7 +30,9 @@ from qcore.formats.quark_layout import expected_weight
 
 from .eval import evaluate as E
 from .eval import lm_eval_tasks as LT
+from .io.compressed_tensors import CTExportInfo
 from .io.formats import FORMATS, format_named
+from .io.gguf import GGUFExportInfo
 from .io.onnx import UnsupportedWeightError
 from .jobs.common import CLI, CommandError, load_model, read_eval_text
 from .jobs.common import check_device as _check_device
@@ -133,12 +135,12 @@ def _summary_rows(r: QuantizeReport, *, report: bool) -> list[tuple[str, str]]:
         rows += [("checkpoint", f"{r.output_dir} ({r.bytes_on_disk / 2**20:.1f} MiB on disk, "
                                 f"quant_method {r.quant_method!r}, {r.export_seconds:.1f} s)")]
     info = r.export_info
-    if r.export_format == "gguf":
+    if isinstance(info, GGUFExportInfo):
         worst_g = max((t.max_abs_diff for t in info.inexact), default=0.0)
         rows += [("gguf", "lossless (every quantized weight code for code)" if info.lossless else
                   f"{len(info.inexact)} of {len(info.quantized)} quantized weights not lossless (max abs "
                   f"difference {worst_g:.3g}; " + look.format("gguf_inexact"))]
-    if r.export_format == "compressed-tensors":
+    if isinstance(info, CTExportInfo):
         rows += [("compressed-tensors", f"format {info.format!r}, " + (
             "lossless (every tensor exact)" if info.lossless else f"{len(info.inexact)} tensor(s) not exact in "
             f"the model dtype (" + look.format("ct_inexact")))]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from qcore._fsutil import model_sources
-from qcore.algorithms.config import ROTATION_CONFIGS, SpinQuantConfig, split_distill, split_rotation
+from qcore.algorithms.config import ROTATION_CONFIGS, GPTQConfig, SpinQuantConfig, split_distill, split_rotation
 
 from .batches import check_batches, progress_bar, set_module
 from .calibration import calibrate
@@ -208,7 +208,7 @@ def _run_algorithms(model, plans, algos, data, *, qat, progress, distributed, re
             sequential.check_algorithms(model, plans, algos)
         try:
             apply_rotation(model, rot, plans=plans, data=data, progress=progress,
-                           gptq_follows=any(a.name == "gptq" for a in algos))
+                           gptq_follows=any(type(a) is GPTQConfig for a in algos))
         except BaseException:
             model._qcore_partial = True  # some weights may already be rotated
             raise

@@ -23,7 +23,7 @@ from torch import nn
 
 import qcore
 from qcore._fsutil import check_not_source
-from qcore.algorithms.config import parse_algorithms, split_rotation
+from qcore.algorithms.config import SVDQuantConfig, split_rotation
 from qcore.formats import quark_layout as L
 from qcore.formats.safetensors_io import CorruptCheckpointError, read_json_object
 
@@ -157,7 +157,7 @@ def online_rotations(model: nn.Module, config: ModelConfig) -> bool:
     """Whether the model carries online rotations; ValueError if they are not what its config's rotation says
     (a loader re-installs them from the config)."""
     have = {n: (h.size, h.key) for n, h in input_rotations(model).items()}
-    rot, _ = split_rotation(parse_algorithms(config.algorithms))
+    rot, _ = split_rotation(config.algorithms)
     want = {n: (h.size, h.key) for n, h in online_plan(model, rot).items()} if rot is not None else {}
     if have != want:
         raise ValueError(f"export: the model's online rotations ({len(have)} modules, e.g. "
@@ -216,7 +216,7 @@ def refuse_low_rank(model: nn.Module, config: Optional[ModelConfig], who: str) -
     write the branch, and dropping it would change the model's function; ``export_hf`` writes it."""
     names = low_rank_modules(model)
     if not names and isinstance(config, ModelConfig) and not any(isinstance(m, QuantModule) for m in model.modules()):
-        if any(a.name == "svdquant" for a in parse_algorithms(config.algorithms)):
+        if any(isinstance(a, SVDQuantConfig) for a in config.algorithms):
             names = ["every Linear SVDQuant quantizes"]
     if names:
         more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
@@ -238,7 +238,7 @@ def will_rotate_online(model: nn.Module, config: ModelConfig) -> bool:
     """Whether the model carries (or, quantized with ``config``, will carry) online rotations."""
     if input_rotations(model):
         return True
-    rot, _ = split_rotation(parse_algorithms(config.algorithms))
+    rot, _ = split_rotation(config.algorithms)
     if rot is None:
         return False
     return bool(online_plan(model, rot))

@@ -61,7 +61,7 @@ from torch import nn
 
 import qcore
 from qcore._fsutil import model_sources, staged_dir
-from qcore.algorithms.config import parse_algorithms, split_rotation
+from qcore.algorithms.config import SVDQuantConfig, split_rotation
 from qcore.formats import quark_layout as L
 from qcore.formats.inspect import checkpoint_files
 from qcore.formats.safetensors_io import TensorRecord, write_file, CorruptCheckpointError, SafetensorsFile
@@ -246,7 +246,7 @@ def checkpoint_method(model: nn.Module, config: ModelConfig, *, plans=None) -> s
 
 def _low_rank(model: nn.Module, config: ModelConfig) -> bool:
     """Whether the model carries (or, quantized with ``config``, will carry) SVDQuant's low-rank branches."""
-    return bool(low_rank_modules(model)) or any(a.name == "svdquant" for a in parse_algorithms(config.algorithms))
+    return bool(low_rank_modules(model)) or any(isinstance(a, SVDQuantConfig) for a in config.algorithms)
 
 
 def _experts_unit_layout(u: ExportUnit) -> str:
@@ -738,7 +738,7 @@ def _make_classes():
             model.qcore_config = checkpoint_config(self.quantization_config.raw)
             if getattr(self, "_float_experts", None):  # fused experts the checkpoint stores float: excluded, by name
                 model.qcore_config = exclude_float_experts(model, model.qcore_config, self._float_experts)
-            rot, _ = split_rotation(parse_algorithms(model.qcore_config.algorithms))
+            rot, _ = split_rotation(model.qcore_config.algorithms)
             if rot is not None and rot.online:  # the online transforms of the rotated weights (QuaRot / SpinQuant)
                 own = _own_rotation(model.qcore_config)
                 if not own:

@@ -43,7 +43,9 @@ from ..eval import layer_report
 from ..eval import models as M
 from ..gguf_mix import gguf_mix
 from ..imatrix import check_importance_algorithms, collect_imatrix, load_imatrix, model_importance
+from ..io.compressed_tensors import CTExportInfo
 from ..io.formats import EXPORT_OPTION_DEFAULTS, FORMATS, ExportRequest, Format
+from ..io.gguf import GGUFExportInfo
 from ..io.onnx import UnsupportedWeightError
 from ..io.common import check_destination, check_format_version, parse_size, weightless_error
 from ..io.quark_hf import checkpoint_config
@@ -141,8 +143,8 @@ class QuantizeReport:
 
     def to_dict(self) -> dict:
         """The report as JSON-ready values (what ``qcore quantize --report FILE.json`` writes)."""
-        gguf = self.export_info if self.export_format == "gguf" else None
-        ct = self.export_info if self.export_format == "compressed-tensors" else None
+        gguf = self.export_info if isinstance(self.export_info, GGUFExportInfo) else None
+        ct = self.export_info if isinstance(self.export_info, CTExportInfo) else None
         rtn = self.rtn_layer_errors
         return {
             "model": self.model, "scheme": self.scheme, "config": self.config.to_dict(),

@@ -46,7 +46,7 @@ def gptq_targets(layer: nn.Module, lplans: dict, algo: GPTQConfig, prefix: str) 
         if linear_weight(m) is None:
             continue  # GPTQ here covers Linear (and Conv1D) layers and fused experts; other types: round-to-nearest
         spec = linear_weight_spec(m, plan, f"{prefix}.{n}")
-        if spec.gguf and algo.name != "gptq":
+        if spec.gguf and type(algo) is not GPTQConfig:
             raise ValueError(f"{algo.name}: {prefix}.{n}: GGUF weight specs ({spec.gguf}) are quantized by llama.cpp's "
                              f"search inside GPTQ only (qcore.algorithms.gptq_gguf); use gptq, or round-to-nearest")
         try:

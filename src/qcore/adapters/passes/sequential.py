@@ -149,8 +149,7 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
     if not isinstance(batches, Sequence) or len(batches) == 0:
         raise ValueError("the algorithms need calibration data: pass a non-empty list of batches as data=")
     if reduce is not None:
-        searching = [a.name for a in algos if isinstance(a, (AWQConfig, AutoSmoothQuantConfig))
-                     or a.name == "autoround"]
+        searching = [a.name for a in algos if isinstance(a, (AWQConfig, AutoSmoothQuantConfig, AutoRoundConfig))]
         if searching:
             raise ValueError(f"{searching} search over calibration samples, which distributed calibration does not "
                              f"share between ranks yet; run them in one process (gptq and smoothquant run "
