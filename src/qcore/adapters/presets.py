@@ -23,6 +23,7 @@ scheme names.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any, Optional
 
 import qcore
@@ -32,7 +33,8 @@ from qcore.formats import gguf_mixes as GM
 
 from .config import KVCacheConfig, LayerConfig, ModelConfig, TensorConfig
 
-__all__ = ["PRESETS", "DEFAULT_GROUP_SIZE", "GGUF_MIX_PRESETS", "mix_of_preset", "preset", "preset_names"]
+__all__ = ["PRESETS", "DEFAULT_GROUP_SIZE", "GGUF_MIX_PRESETS", "mix_of_preset", "preset", "preset_names",
+           "similar_schemes"]
 
 DEFAULT_GROUP_SIZE = 128
 
@@ -105,6 +107,12 @@ def mix_of_preset(name) -> Optional[str]:
     return GGUF_MIX_PRESETS.get(name) if isinstance(name, str) else None
 
 
+def similar_schemes(name: str) -> list[str]:
+    """Up to three preset names (llama.cpp's mixes included) close to ``name``: the "did you mean" of every refusal
+    of an unknown scheme name."""
+    return difflib.get_close_matches(str(name).lower(), [*PRESETS, *GGUF_MIX_PRESETS], n=3)
+
+
 def preset_names() -> list[str]:
     """The names ``preset`` builds a config from. llama.cpp's mixes (``gguf_q4_k_m``, ...) are presets of
     ``quantize_model`` too, resolved on the model: ``GGUF_MIX_PRESETS``."""
@@ -152,8 +160,7 @@ def preset(name: str, *, group_size: Optional[int] = None, kv_cache: Optional[st
                          f"the model's shapes and layer count: give it to quantize_model(model, {name!r}) or use "
                          f"qcore.adapters.gguf_mix(model, {GGUF_MIX_PRESETS[name]!r}).config")
     if name not in PRESETS:
-        import difflib
-        close = difflib.get_close_matches(str(name).lower(), [*PRESETS, *GGUF_MIX_PRESETS], n=3)
+        close = similar_schemes(name)
         raise ValueError(f"unknown preset {name!r}" + (f"; did you mean {close}?" if close else "")
                          + f" Known presets: {', '.join(PRESETS)}; llama.cpp's mixes (resolved on a model by "
                          f"quantize_model): {', '.join(GGUF_MIX_PRESETS)}")

@@ -15,7 +15,6 @@ the Python argument here (``seq_len=1``), the flag on the command line (``--seq-
 from __future__ import annotations
 
 import copy
-import difflib
 import importlib.util
 import inspect
 import json
@@ -53,7 +52,7 @@ from ..passes.amp import amp_config
 from ..passes.checkpointing import check_work_args
 from ..passes.targets import check_experts_algorithms
 from ..plan import excluded_weights, plan_model, quantized_modules
-from ..presets import GGUF_MIX_PRESETS, PRESETS, mix_of_preset, preset
+from ..presets import PRESETS, mix_of_preset, preset, similar_schemes
 from .common import (CLI, DTYPES, PYTHON, CommandError, Names, calibration_windows, check_device, check_seq_len,
                      check_writable_file, load_model, loading_bars, protocol_windows, read_eval_text, torch_dtype,
                      write_report)
@@ -204,7 +203,7 @@ def _quantizes_activations(config) -> bool:
 
 
 def _did_you_mean(name: str) -> str:
-    close = difflib.get_close_matches(name.lower(), [*PRESETS, *GGUF_MIX_PRESETS], n=3)
+    close = similar_schemes(name)
     return f"; did you mean {', '.join(close)}?" if close else ""
 
 
