@@ -30,6 +30,7 @@ import contextlib
 import copy
 import hashlib
 import importlib
+import importlib.util
 import io
 import json
 import os
@@ -99,76 +100,20 @@ def public(name: str):
 # the tiny models of tests/adapters/conftest.py (same configs, same seeds)
 # ---------------------------------------------------------------------------------------------------------------
 
-VOCAB, HIDDEN, SEQ = 128, 64, 8
-_SPECIALS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-_DECODER = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
-                max_position_embeddings=64, **_SPECIALS)
-SPECS = {
-    "llama": ("LlamaConfig", dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
-              "LlamaForCausalLM"),
-    "opt": ("OPTConfig", dict(vocab_size=VOCAB, hidden_size=HIDDEN, ffn_dim=128, num_hidden_layers=2,
-                              num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=HIDDEN,
-                              dropout=0.0, attention_dropout=0.0), "OPTForCausalLM"),
-    "qwen2": ("Qwen2Config", dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
-              "Qwen2ForCausalLM"),
-    "bert": ("BertConfig", dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
-                                num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                attention_probs_dropout_prob=0.0), "BertModel"),
-    "mistral": ("MistralConfig", dict(_DECODER, intermediate_size=128, num_key_value_heads=2), "MistralForCausalLM"),
-    "qwen3": ("Qwen3Config", dict(_DECODER, intermediate_size=128, num_key_value_heads=2, head_dim=16),
-              "Qwen3ForCausalLM"),
-    "gemma": ("GemmaConfig", dict(_DECODER, intermediate_size=128, num_key_value_heads=2, head_dim=16),
-              "GemmaForCausalLM"),
-    "gemma2": ("Gemma2Config", dict(_DECODER, intermediate_size=128, num_key_value_heads=2, head_dim=16,
-                                    query_pre_attn_scalar=16), "Gemma2ForCausalLM"),
-    "gemma3_text": ("Gemma3TextConfig", dict(_DECODER, intermediate_size=128, num_key_value_heads=2, head_dim=16,
-                                             query_pre_attn_scalar=16), "Gemma3ForCausalLM"),
-    "phi3": ("Phi3Config", dict(_DECODER, intermediate_size=128, num_key_value_heads=2), "Phi3ForCausalLM"),
-    "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64,
-                                bos_token_id=1, eos_token_id=2), "GPT2LMHeadModel"),
-    "gpt_neox": ("GPTNeoXConfig", dict(_DECODER, intermediate_size=128), "GPTNeoXForCausalLM"),
-    "mixtral": ("MixtralConfig", dict(_DECODER, intermediate_size=128, num_key_value_heads=2, num_local_experts=4,
-                                      num_experts_per_tok=2), "MixtralForCausalLM"),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(_DECODER, intermediate_size=128, moe_intermediate_size=32,
-                                         shared_expert_intermediate_size=64, num_key_value_heads=2, num_experts=4,
-                                         num_experts_per_tok=2), "Qwen2MoeForCausalLM"),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(_DECODER, intermediate_size=128, moe_intermediate_size=32,
-                                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, head_dim=16,
-                                         norm_topk_prob=True), "Qwen3MoeForCausalLM"),
-    "llava": ("LlavaConfig", dict(text_config=dict(_DECODER, model_type="llama", intermediate_size=128,
-                                                   num_key_value_heads=2),
-                                  vision_config=dict(model_type="clip_vision_model", hidden_size=32,
-                                                     intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                                     image_size=16, patch_size=8),
-                                  image_token_id=3), "LlavaForConditionalGeneration"),
-    "gemma3": ("Gemma3Config", dict(text_config=dict(_DECODER, model_type="gemma3_text", intermediate_size=128,
-                                                     num_key_value_heads=2, head_dim=16),
-                                    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                       num_attention_heads=2, image_size=16, patch_size=8),
-                                    mm_tokens_per_image=4, image_token_index=3, boi_token_index=4, eoi_token_index=5),
-               "Gemma3ForConditionalGeneration"),
-    "qwen2_vl": ("Qwen2VLConfig", dict(text_config=dict(_DECODER, model_type="qwen2_vl_text", intermediate_size=128,
-                                                        num_key_value_heads=2,
-                                                        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
-                                       vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2,
-                                                          patch_size=4, spatial_merge_size=2, temporal_patch_size=2),
-                                       image_token_id=3, video_token_id=4, vision_start_token_id=5),
-                 "Qwen2VLForConditionalGeneration"),
-}
+def _adapters_conftest():
+    """tests/adapters/conftest.py, loaded by path: the tiny models of the family matrix (it imports no qcore)."""
+    spec = importlib.util.spec_from_file_location(
+        "_adapters_conftest", pathlib.Path(__file__).resolve().parents[1] / "adapters" / "conftest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def tiny(family: str, seed: int = 0):
-    cfg_cls, kwargs, model_cls = SPECS[family]
-    cfg = getattr(transformers, cfg_cls)(**copy.deepcopy(kwargs))
-    torch.manual_seed(seed)
-    return getattr(transformers, model_cls)(cfg).eval()
-
-
-def token_batches(n: int, *, seed: int, batch: int = 2, seq: int = SEQ, vocab: int = VOCAB) -> list:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(n)]
+_ZOO = _adapters_conftest()
+VOCAB, HIDDEN, SEQ = _ZOO.VOCAB, _ZOO.HIDDEN, _ZOO.SEQ
+SPECS = _ZOO.FAMILIES  # every family of the matrix: the four built-in models, then TINY_SPECS
+tiny = _ZOO.tiny_family
+token_batches = _ZOO.token_batches
 
 
 def output(model, batch):
