@@ -19,8 +19,8 @@ HEAVY = {"torch", "triton", "transformers", "onnx", "onnxruntime", "lm_eval", "m
          "safetensors", "ml_dtypes", "tqdm", "llama_cpp", "compressed_tensors", "sentencepiece", "scipy"}
 
 
-def _module_name(path: pathlib.Path) -> str:
-    parts = list(path.relative_to(SRC).with_suffix("").parts)
+def _module_name(path: pathlib.Path, src: pathlib.Path = SRC) -> str:
+    parts = list(path.relative_to(src).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -35,10 +35,42 @@ def _in_type_checking(node, parents) -> bool:
     return False
 
 
+def deferred_statements(src: pathlib.Path = SRC) -> list:
+    """``[(importer, imported qcore module, line)]`` for every import statement of a qcore module inside a function
+    (each one, also where the importer imports the same module at module level elsewhere)."""
+    files = {_module_name(p, src): p for p in (src / "qcore").rglob("*.py")}
+    out = []
+    for mod, path in files.items():
+        tree = ast.parse(path.read_text())
+        parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            p = parents.get(node)
+            while p is not None and not isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                p = parents.get(p)
+            if p is None:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                b = ".".join(base[:len(base) - (node.level - 1)] + ([node.module] if node.module else [])) \
+                    if node.level else node.module
+                targets = [f"{b}.{a.name}" if f"{b}.{a.name}" in files else b for a in node.names]
+            for t in targets:
+                while t and t not in files:
+                    t = t.rpartition(".")[0]
+                if t and t != mod:
+                    out.append((mod, t, node.lineno))
+    return out
+
+
 def build_graph(src: pathlib.Path = SRC):
     """``(modules, edges)``: ``edges[a]`` = ``{b: deferred}`` over qcore modules (``deferred``: every import of
     ``b`` in ``a`` is inside a function), and ``externals[a]`` = ``{top-level package: deferred}``."""
-    files = {_module_name(p): p for p in (src / "qcore").rglob("*.py")}
+    files = {_module_name(p, src): p for p in (src / "qcore").rglob("*.py")}
     edges: dict = collections.defaultdict(dict)
     externals: dict = collections.defaultdict(dict)
     for mod, path in files.items():
@@ -197,6 +229,16 @@ def test_no_import_cycles():
 def test_deferred_imports_only_for_heavy_dependencies():
     modules, edges, externals = build_graph()
     assert hidden_loops(modules, edges, externals) == []
+
+
+def test_every_function_level_import_defers_a_heavy_dependency():
+    """Each import statement of a qcore module inside a function, not only the edges whose every import is deferred
+    (a function-level import of a module the importer already imports at its top is a leftover, and one of a module
+    with no heavy dependency of its own hides nothing but a loop)."""
+    modules, edges, externals = build_graph()
+    heavy = heavy_at_import(modules, edges, externals)
+    bad = [f"{a}:{line} -> {b}" for a, b, line in deferred_statements() if not heavy[b] - heavy[a]]
+    assert bad == []
 
 
 def test_imports_point_down_the_layers():

@@ -70,6 +70,7 @@ __all__ = ["Metric", "Sensitivity", "layer_sensitivity", "amp_config", "config_f
 from qcore._fsutil import model_sources
 
 from ..families import DEFAULT_FUSED as DEFAULT_TIE  # noqa: E402
+from ..families import family_or_none, fused_units  # noqa: E402
 from ..presets import PRESETS, preset
 from .checkpointing import amp_work, check_work_args
 from .runner import LayerRunner
@@ -366,7 +367,6 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
         raise TypeError(f"progress must be a bool, got {progress!r}")
 
     work_path = check_work_args(work_dir, resume, sources=model_sources(model))
-    from ..families import family_or_none
     fam = family_or_none(model)
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     if fam is not None and not fam.causal and head is None:
@@ -389,7 +389,6 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
     if not names:
         raise ValueError("the schemes quantize no common layer of the model")
     if tie is None:
-        from ..families import fused_units
         tie = fused_units(model)
     units = _units(names, tie)
     batches = _batches_arg(model, batches)

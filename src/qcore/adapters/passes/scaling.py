@@ -55,7 +55,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..families import ScalingGroup, unit_offset_norm  # the record type lives with the architecture records
+from ..families import BY_MODEL_TYPE, FAMILIES, ScalingGroup, unit_offset_norm  # the records and their type
 from ..modules import linear_weight
 
 __all__ = ["ScalingGroup", "NoScalingMap", "scaling_groups", "fold_scales", "check_fold", "linear_view"]
@@ -163,8 +163,6 @@ def scaling_groups(layer: nn.Module, *, model_type: Optional[str] = None,
         raise TypeError(f"model_type must be a str or None, got {model_type!r}")
     if quark_entries is not None:
         return _from_entries(layer, quark_entries)
-    from ..families import BY_MODEL_TYPE, FAMILIES
-
     fam = family if family is not None else BY_MODEL_TYPE.get(model_type.lower()) if model_type else None
     cands = [fam] if fam else sorted(FAMILIES, key=lambda f: -len(f.layer_names()))
     notes = []

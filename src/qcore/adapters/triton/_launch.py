@@ -19,8 +19,8 @@ from qcore.algorithms.hadamard import dense_factor, fwht_plan
 from qcore.scales import inverse_pow2_scales
 
 from . import _kernels as K
-from ._specs import (channel_layout, decode_consts, element_consts, group_layout, int_code_signed, scale_consts,
-                     w4_format, why_not)
+from ._specs import (as_spec, channel_layout, decode_consts, element_consts, group_layout, int_code_signed,
+                     scale_consts, w4_format, why_not)
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -294,8 +294,6 @@ def dequantize(q: QTensor) -> torch.Tensor:
 
 
 def _w4_args(packed, scales, zero_points, spec, k):
-    from ._specs import as_spec
-
     spec = as_spec(spec)
     fmt = w4_format(spec)
     if fmt is None:

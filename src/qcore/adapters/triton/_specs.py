@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+import qcore
 from qcore import PerChannel, PerGroup, PerTensor, QuantSpec
 from qcore.dtypes import FloatDType, IntDType, ScaleMode, Specials
 from qcore.quantize import make_spec
@@ -87,8 +88,6 @@ def w4_format(spec: Any) -> Optional[str]:
 
 
 def _float_consts(d: FloatDType) -> dict:
-    import qcore
-
     signbit = 1 << (d.bits - 1)
     maxcode = int(np.asarray(qcore.encode(np.float32(d.max_finite), d)).reshape(-1)[0]) & (signbit - 1)
     e, m = d.exponent_bits, d.mantissa_bits
