@@ -202,14 +202,14 @@ def _batches(a):
 def _instrument(rec: dict):
     """Time, per decoder layer: the step (first read of its tensors to its memory release), the GPTQ solves
     (``gptq``, with the weight shape), the layer forwards (Hessian capture, and replay)."""
-    import qcore.adapters.passes.sequential as seq
+    import qcore.adapters.passes.gptq as seq  # GPTQ's binding: where gptq() and the Hessian forwards are looked up
     import qcore.adapters.passes.streaming as st
     layers = rec.setdefault("layers", [])
     cur: dict = {}
 
     import torch
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # GPU work timed to its end
-    real_load, real_release, real_gptq = st._load, st._release_memory, seq.gptq
+    real_load, real_release, real_gptq = st.load_tensors, st._release_memory, seq.gptq
     real_fwd_seq, real_fwd_st = seq.forward_layer, st.forward_layer
 
     def load(root, prefix, *args, **kw):
@@ -245,7 +245,7 @@ def _instrument(rec: dict):
             return out
         return f
 
-    st._load, st._release_memory, seq.gptq = load, release, gptq
+    st.load_tensors, st._release_memory, seq.gptq = load, release, gptq
     seq.forward_layer = fwd("hessian_fwd", real_fwd_seq)
     st.forward_layer = fwd("replay_fwd", real_fwd_st)
 

@@ -1,15 +1,21 @@
-"""The main job as one function: quantize a model, evaluate it before and after, export it, and report.
+"""The main job: quantize a model, evaluate it before and after, export it, and report.
 
     from qcore.adapters import quantize_and_report
     report = quantize_and_report("path/to/hf_model", "uint4_wo_64", algorithms=["gptq"], output="out",
                                  report="report.json")
     report.ppl_baseline, report.ppl, report.worst_layers, report.to_dict()
 
-``quantize_and_report`` is what ``qcore quantize`` does; the command line (``qcore.adapters.cli``) only parses its
-flags into these arguments, prints the returned ``QuantizeReport`` and turns errors into one line and exit code 2.
-Every option is checked before any work (nothing loads, evaluates or is written before a bad argument is refused);
-errors are ``ValueError`` / ``TypeError`` (``CommandError`` is a ``ValueError``) naming the argument and its value:
-the Python argument here (``seq_len=1``), the flag on the command line (``--seq-len 1``).
+The job is a value: ``QuantizeJob`` holds its options by section (``ModelSection``, ``SchemeSection``,
+``CalibrationSection``, ``EvaluationSection``, ``ExportSection``, ``RunSection``), built from
+``quantize_and_report``'s keyword arguments or from ``qcore quantize``'s flags by the same
+``QuantizeJob.from_arguments`` (``names``: how errors name an option). ``check(job)`` does every check and no work:
+it reads what the job reads (the scheme file, the text, the model), resolves the scheme once, plans the model once
+and makes the export format's refusals, and returns a ``QuantizePlan``. ``run(plan)`` does the work in phases
+(``_baseline``, ``_quantize``, ``_measure``, ``_export``, ``_report``) and returns the ``QuantizeReport``.
+``quantize_and_report(...)`` is ``run(QuantizeJob.from_arguments(...).check())``; the command line
+(``qcore.adapters.cli``) prints the report and turns errors into one line and exit code 2. Errors are
+``ValueError`` / ``TypeError`` (``CommandError`` is a ``ValueError``) naming the argument and its value: the Python
+argument here (``seq_len=1``), the flag on the command line (``--seq-len 1``).
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def _capture(layer: nn.Module, heads: list[str], inputs: LayerInputs, stop_after
 def collect_paired(layer: nn.Module, groups: list[list[str]], inputs: LayerInputs, floats: FloatStream, *,
                    float_layer: nn.Module, stop_after: Optional[str] = None) -> dict[str, PairedStats]:
     """``{head: PairedStats}`` for the head (first name) of each group of ``groups`` (names relative to the
-    layer; a group's modules share one input, ``sequential._stages``): ``X~`` from ``layer`` over ``inputs``,
+    layer; a group's modules share one input, ``passes.targets.input_stages``): ``X~`` from ``layer`` over ``inputs``,
     ``X`` from ``float_layer`` over ``floats.inputs`` (module docstring). ``stop_after``: a head after whose
     input the forwards stop (the last head of a stage)."""
     if not isinstance(floats, FloatStream):

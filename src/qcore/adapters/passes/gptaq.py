@@ -1,6 +1,6 @@
-"""GPTAQ on a decoder layer (``qcore.algorithms.gptaq``; ``sequential._BINDINGS["gptaq"]``).
+"""GPTAQ on a decoder layer (``qcore.algorithms.gptaq``; ``sequential.LAYER_BINDINGS[GPTAQConfig]``).
 
-The layer's targets, stages and groups are GPTQ's (``sequential._gptq_targets``, ``_stages``; ``modules``,
+The layer's targets, stages and groups are GPTQ's (``passes.gptq.gptq_targets``, ``passes.targets.input_stages``; ``modules``,
 ``true_sequential`` as ``GPTQConfig``'s): for each stage, the paired statistics of each group's shared input
 (``_paired.collect_paired``: ``X~`` from the layer as it is now over the quantized stream, ``X`` from a float
 copy of the layer taken before its first rewrite over the float model's stream), then GPTAQ on each module;

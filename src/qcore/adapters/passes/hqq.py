@@ -13,7 +13,7 @@ without the algorithms that decide the quantized weights themselves (GPTQ and th
 decides a weight's codes). Each weight's ``QTensor`` goes into the ``pinned`` dict that ``quantize_model`` commits,
 so export writes HQQ's codes, scales and integer zero points. Alone (or after a rotation), HQQ needs no ``data=``.
 
-``check`` / ``run`` are the layer runner's per-decoder-layer hook (``sequential._BINDINGS``; used where a pass runs
+``check`` / ``run`` are the layer runner's per-decoder-layer hook (``sequential.LAYER_BINDINGS``; used where a pass runs
 the layer algorithms itself, e.g. ``qcore.adapters.passes.streaming``): the same fit for the layer's Linears,
 inputs unused, float weights rewritten so the later layers see the quantized ones.
 """
@@ -118,7 +118,7 @@ def apply_hqq(model: nn.Module, plans: list, algo, pinned: dict, *, reference: O
     return pinned
 
 
-# the layer runner's hook (sequential._BINDINGS["hqq"])
+# the layer runner's hook (sequential.LAYER_BINDINGS[HQQConfig])
 
 
 def check(layer: nn.Module, lplans: dict, algo, prefix: str, *, family=None) -> None:

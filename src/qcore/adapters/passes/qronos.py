@@ -1,5 +1,5 @@
-"""Qronos bound to a decoder layer (``sequential._BINDINGS["qronos"]``): the Linear (and Conv1D) modules GPTQ
-would take, grouped and staged as GPTQ groups them (``sequential._gptq_targets`` / ``_stages``), each quantized
+"""Qronos bound to a decoder layer (``sequential.LAYER_BINDINGS[QronosConfig]``): the Linear (and Conv1D) modules GPTQ
+would take, grouped and staged as GPTQ groups them (``passes.gptq.gptq_targets`` / ``passes.targets.input_stages``), each quantized
 by ``qcore.algorithms.qronos.qronos`` from the paired statistics of its input (``_paired.collect_paired``:
 ``X~`` from this layer as it is now over the quantized stream, ``X`` from a float copy of the layer, taken before
 any rewrite, over the float model's stream ``floats``).
