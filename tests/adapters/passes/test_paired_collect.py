@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 import numpy as np  # noqa: E402
 
-from qcore.adapters.passes._paired import collect_paired, float_copy, reduce_paired  # noqa: E402
+from qcore.adapters.passes.paired import collect_paired, float_copy, reduce_paired  # noqa: E402
 from qcore.adapters.passes.runner import FloatStream, LayerRunner  # noqa: E402
 from qcore.algorithms.paired import PairedStats, update_paired  # noqa: E402
 

@@ -22,7 +22,7 @@ from qcore.algorithms.gptaq import gptaq
 from qcore.algorithms.paired import PairedStats
 
 from ..modules import is_fused_experts
-from ._paired import collect_paired, float_copy, reduce_paired
+from .paired import collect_paired, float_copy, reduce_paired
 from .gptq import gptq_targets, solve_group
 from .targets import input_stages
 

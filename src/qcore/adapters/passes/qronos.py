@@ -19,7 +19,7 @@ from torch import nn
 from qcore.algorithms.qronos import qronos
 
 from ..modules import is_fused_experts, linear_weight, linear_weight_spec
-from ._paired import collect_paired, float_copy, reduce_paired
+from .paired import collect_paired, float_copy, reduce_paired
 from .gptq import gptq_targets
 from .targets import input_stages, scale_fn, write_pinned
 
