@@ -79,7 +79,7 @@ def _landed_ppl(model, ids, windows, seq_len=E.SEQ_LEN) -> float:
 def bench_smollm2(args) -> dict:
     from qcore.adapters import quantizer as Q
     from qcore.adapters.eval import models
-    from qcore.adapters.jobs.quantize import build_config
+    from qcore.adapters.jobs.scheme import build_config
 
     model, tok = models.load_smollm2()
     ids = E.protocol_token_ids(tok)

@@ -4,7 +4,8 @@
   ``src/qcore`` and ``py.typed``, and nothing of tests/ or bench/; the version comes from its one place.
 - ``test_installed_wheel_end_to_end`` (marker ``wheel``, the README's heavy step): ``python -m build`` makes the
   sdist and the wheel, a fresh virtualenv installs the wheel (not editable, not the checkout), and from a folder
-  outside the checkout every public module imports and a tiny job runs: ``qcore --help``, ``qcore --version``,
+  outside the checkout (beside a clone named ``qcore``, which must not shadow the install) every public module
+  imports and a tiny job runs: ``qcore --help``, ``qcore --version``,
   ``qcore quantize`` on a tiny Llama with ``--output``, ``qcore inspect``, the checkpoint reloaded with
   ``from_pretrained`` (same logits as the model quantized in memory), ``qcore conformance export`` / ``check``.
 """
@@ -88,7 +89,8 @@ import importlib, pathlib, pkgutil, subprocess, sys, json
 import torch, transformers
 import qcore
 here = pathlib.Path(qcore.__file__).resolve()
-assert "site-packages" in here.parts, f"qcore imported from {here}, not the installed wheel"
+assert "site-packages" in here.parts, f"qcore imported from {here}, not the installed wheel (a clone named qcore "
+                                      f"in the working folder must not shadow it)"
 # every public module imports (optional heavy dependencies are deferred to the functions that need them)
 public = [m.name for m in pkgutil.walk_packages(qcore.__path__, "qcore.")
           if not any(part.startswith("_") for part in m.name.split("."))]
@@ -145,8 +147,9 @@ def test_installed_wheel_end_to_end(tmp_path):
     r = subprocess.run([str(py), "-m", "pip", "install", "-q", "torch==2.13.0", f"{whl}[hf,onnx]", "pytest"], env=env,
                        capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    work = tmp_path / "outside"  # not the checkout, not a folder that holds it
+    work = tmp_path / "outside"  # not the checkout; a folder that holds a clone named qcore (src/qcore inside it)
     work.mkdir()
+    (work / "qcore").symlink_to(tree, target_is_directory=True)
     r = subprocess.run([str(py), "-c", _E2E], cwd=work, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-5000:]
     assert "end to end: ok" in r.stdout

@@ -572,7 +572,7 @@ def test_the_quiet_import_scope_puts_the_levels_back():
 def test_scheme_file_may_be_a_qcore_exports_quantization_config(tmp_path):
     """``--scheme`` reads the quantization_config qcore writes (quant_method 'qcore' or 'compressed-tensors' with
     a qcore block; a whole config.json too), not only qcore's own dict and Quark's."""
-    from qcore.adapters.jobs.quantize import read_scheme_file as _read_scheme_file
+    from qcore.adapters.jobs.scheme import read_scheme_file as _read_scheme_file
     for i, qc in enumerate(({"quant_method": "qcore", "qcore": {"format_version": 1, "config": GOOD}},
                             {"quant_method": "compressed-tensors", "qcore": {"format_version": 1, "config": GOOD}},
                             {"quant_method": "quark", **GOOD_QUARK, "qcore": {"format_version": 1, "config": GOOD}})):

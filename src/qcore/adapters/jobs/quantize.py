@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import inspect
-import json
 import math
 import os
 import pathlib
@@ -38,36 +37,33 @@ from torch import nn
 
 import qcore
 from qcore._fsutil import check_not_source, overlap
-from qcore.algorithms.config import ROTATION_CONFIGS, QuaRotConfig, parse_algorithms
+from qcore.algorithms.config import ROTATION_CONFIGS, parse_algorithms
 
 from .. import quantizer
 from ..calibration import freeze, model_bytes
-from ..config import KVCacheConfig, LayerConfig, ModelConfig
+from ..config import ModelConfig
 from ..eval import evaluate as E
 from ..eval import layer_report
 from ..eval import models as M
 from ..gguf_mix import gguf_mix
 from ..imatrix import check_importance_algorithms, collect_imatrix, load_imatrix, model_importance
-from ..io.compressed_tensors import CTExportInfo
 from ..io.formats import EXPORT_OPTION_DEFAULTS, FORMATS, ExportRequest, Format
-from ..io.gguf import GGUFExportInfo
 from ..io.onnx import UnsupportedWeightError
-from ..io.common import check_destination, check_format_version, parse_size, weightless_error
-from ..io.quark_hf import checkpoint_config
+from ..io.common import check_destination, parse_size, weightless_error
 from ..passes.amp import amp_config
 from ..passes.checkpointing import check_work_args
 from ..passes.targets import check_experts_algorithms
 from ..plan import excluded_weights, plan_model, quantized_modules
-from ..presets import PRESETS, mix_of_preset, preset, similar_schemes
-from .common import (CLI, DTYPES, PYTHON, CommandError, Names, calibration_windows, check_device, check_seq_len,
+from ..presets import mix_of_preset
+from .report import LAYER_ERROR_WINDOWS, QuantizeReport
+from .scheme import DEFAULT_SCHEME, build_config, check_amp_schemes, needs_calibration, quantizes_activations
+from .common import (DTYPES, PYTHON, CommandError, Names, calibration_windows, check_device, check_seq_len,
                      check_writable_file, load_model, loading_bars, protocol_windows, read_eval_text, torch_dtype,
                      write_report)
 
 __all__ = ["quantize_and_report", "QuantizeJob", "QuantizePlan", "QuantizeReport", "run", "check", "DEFAULT_SCHEME",
-           "LAYER_ERROR_WINDOWS", "build_config", "read_scheme_file"]
+           "LAYER_ERROR_WINDOWS"]
 
-DEFAULT_SCHEME = "ptpc_fp8"  # fp8 weights per channel, fp8 activations per token: ppl 14.49 vs 14.01 on SmolLM2
-LAYER_ERROR_WINDOWS = 4  # calibration windows the per-layer output errors are measured on
 EXPORT_FORMATS = tuple(FORMATS)  # the names --export takes
 
 
@@ -75,270 +71,15 @@ EXPORT_FORMATS = tuple(FORMATS)  # the names --export takes
 # the report
 # ---------------------------------------------------------------------------------------------------------------
 
-_LAYER_METRICS = {
-    "weight": "SQNR (dB) of the committed weight against the float weight it was quantized from (the "
-              "original; after a rotation or smoothing fold the transformed float weight)",
-    "output": "SQNR (dB) of each module's output (quantized weight and activations) against its float "
-              "weight on the same input, over the first calibration windows",
-}
-
-
-@dataclass(frozen=True)
-class QuantizeReport:
-    """What ``quantize_and_report`` (``qcore quantize``) did: ``to_dict()`` is the JSON ``--report`` writes.
-
-    ``model`` describes the model (its path, or the module's class); ``config`` is the ``ModelConfig`` applied
-    (with the algorithms that ran, and for ``amp`` the per-layer choice); ``kept_float`` the weights an exclusion
-    left float (``FloatWeight``); ``ppl_baseline`` / ``ppl`` perplexity before and after (None with
-    ``eval="none"``) on ``eval_windows`` windows of ``seq_len`` tokens; ``layer_errors`` each quantized module's
-    ``LayerError`` (weight and output SQNR, ``qcore.adapters.eval.layer_report``), ``rtn_layer_errors`` the same by
-    round-to-nearest when algorithms ran and a report or plot was asked for; sizes in bytes; the export's
-    ``export_format``, ``output_dir``, ``bytes_on_disk``, ``quant_method``, ``export_seconds`` and the exporter's
-    own ``export_info`` (``ExportInfo``, ``GGUFExportInfo``, ``ONNXExportInfo`` or ``CTExportInfo``);
-    ``onnx_dequantized`` the weights ``onnx_unsupported="dequantize"`` wrote as float. ``quantized_model`` and
-    ``tokenizer`` are the frozen quantized model and its tokenizer (not part of the JSON, nor of equality).
-    """
-
-    model: str
-    scheme: str
-    config: ModelConfig
-    layers_quantized: int
-    kept_float: tuple
-    ppl_baseline: Optional[float]
-    ppl: Optional[float]
-    eval_windows: int
-    seq_len: int
-    eval_text: Optional[str]
-    calibration_samples: int
-    quantize_seconds: float
-    total_seconds: float
-    peak_rss_bytes: int
-    model_bytes_before: int
-    model_bytes_frozen: int
-    layer_errors: Mapping[str, Any]
-    rtn_layer_errors: Optional[Mapping[str, Any]]
-    static_scales: bool  # calibration set static activation / KV-cache scales
-    export_format: Optional[str] = None
-    output_dir: Optional[str] = None
-    bytes_on_disk: Optional[int] = None
-    quant_method: Optional[str] = None
-    export_seconds: Optional[float] = None
-    export_info: Any = None
-    onnx_dequantized: tuple = ()
-    moe_coverage: Any = None  # qcore.adapters.moe.ExpertCoverage of static calibration (MoE models), or None
-    qcore_version: str = ""
-    imatrix: Optional[str] = None  # the importance matrix the GGUF-spec modules used: its file, or "calib (N windows)"
-    command: Optional[str] = None
-    gguf_mix: Any = None  # qcore.adapters.gguf_mix.GGUFMix of a llama.cpp mix scheme (gguf_q4_k_m, ...), or None
-    quantized_model: Any = field(default=None, compare=False, repr=False)
-    tokenizer: Any = field(default=None, compare=False, repr=False)
-
-    @property
-    def algorithms(self) -> list:
-        return [a.name for a in self.config.algorithms]
-
-    @property
-    def worst_layers(self) -> list:
-        """Up to five module names, worst first (``layer_report.ranked``)."""
-        return layer_report.ranked(dict(self.layer_errors))[:5]
-
-    @property
-    def ranked_by_output(self) -> bool:
-        return any(e.output_sqnr_db is not None for e in self.layer_errors.values())
-
-    def to_dict(self) -> dict:
-        """The report as JSON-ready values (what ``qcore quantize --report FILE.json`` writes)."""
-        gguf = self.export_info if isinstance(self.export_info, GGUFExportInfo) else None
-        ct = self.export_info if isinstance(self.export_info, CTExportInfo) else None
-        rtn = self.rtn_layer_errors
-        return {
-            "model": self.model, "scheme": self.scheme, "config": self.config.to_dict(),
-            "algorithms": self.algorithms, "layers_quantized": self.layers_quantized,
-            "kept_float": [{"weight": w.name, "shape": list(w.shape), "why": w.why} for w in self.kept_float],
-            "ppl_baseline": self.ppl_baseline, "ppl": self.ppl, "eval_windows": self.eval_windows,
-            "seq_len": self.seq_len, "eval_text": self.eval_text or "pydoc protocol (anchors.md)",
-            "calibration_samples": self.calibration_samples, "quantize_seconds": self.quantize_seconds,
-            "total_seconds": self.total_seconds, "peak_rss_bytes": self.peak_rss_bytes,
-            "model_bytes_before": self.model_bytes_before, "model_bytes_frozen": self.model_bytes_frozen,
-            "bytes_on_disk": self.bytes_on_disk, "output_dir": self.output_dir, "export_format": self.export_format,
-            "quant_method": self.quant_method,
-            "gguf_lossless": None if gguf is None else gguf.lossless,
-            "gguf_inexact": None if gguf is None else [
-                {"tensor": r.name, "type": r.gguf_type, "how": r.how, "max_abs_diff": r.max_abs_diff}
-                for r in gguf.inexact],
-            "gguf_dropped": None if gguf is None else list(gguf.dropped),
-            "ct_lossless": None if ct is None else ct.lossless,
-            "ct_inexact": None if ct is None else [
-                {"tensor": n, "dtype": ct.tensors[n].dtype, "max_abs_diff": ct.tensors[n].max_abs_diff}
-                for n in ct.inexact],
-            "per_layer_sqnr_db": {n: e.weight_sqnr_db for n, e in self.layer_errors.items()},
-            "per_layer_output_sqnr_db": {n: e.output_sqnr_db for n, e in self.layer_errors.items()},
-            "per_layer_rtn_sqnr_db": None if rtn is None else {n: e.weight_sqnr_db for n, e in rtn.items()},
-            "per_layer_rtn_output_sqnr_db": None if rtn is None else {n: e.output_sqnr_db for n, e in rtn.items()},
-            "worst_layers": self.worst_layers,
-            "layer_metrics": {
-                **_LAYER_METRICS,
-                "output_windows": min(self.calibration_samples, LAYER_ERROR_WINDOWS),
-                "rtn": "the same scheme by round-to-nearest without the algorithms (with --algo and --report/--plot)",
-                "ranked_by": "output SQNR" if self.ranked_by_output else "weight SQNR (no calibration windows)"},
-            "moe_coverage": None if self.moe_coverage is None else self.moe_coverage.to_dict(),
-            "gguf_mix": None if self.gguf_mix is None else {
-                "mix": self.gguf_mix.mix, "counts": self.gguf_mix.counts(), "types": dict(self.gguf_mix.types),
-                "fallbacks": {n: {"wanted": c.wanted, "type": c.type}
-                              for n, c in self.gguf_mix.fallbacks().items()}},
-            "qcore_version": self.qcore_version,
-            "imatrix": self.imatrix,
-            "command": self.command,
-        }
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # loading (also ``qcore eval``'s)
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _quantizes_activations(config) -> bool:
-    layers = [config.layer, *config.by_type.values(), *config.by_name.values()]
-    return config.kv_cache is not None or any(lc is not None and (lc.input is not None or lc.output is not None)
-                                              for lc in layers)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # the scheme
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _did_you_mean(name: str) -> str:
-    close = similar_schemes(name)
-    return f"; did you mean {', '.join(close)}?" if close else ""
-
-
-def _amp_schemes(amp, scheme, group_size, target_bits, max_loss, names: Names) -> Optional[list]:
-    """The ``amp`` schemes (checked before any work), or None without ``amp``."""
-    if amp is None:
-        if target_bits is not None or max_loss is not None:
-            raise CommandError(f"{names('target_bits')} / {names('max_loss')} apply to {names('amp')} (layerwise "
-                               f"mixed precision)")
-        return None
-    if scheme is not None or group_size is not None:
-        raise CommandError(f"{names('amp')} chooses the scheme of every layer: give {names('amp')} or "
-                           f"{names('scheme')} / {names('group_size')}, not both")
-    if (target_bits is None) == (max_loss is None):
-        raise CommandError(f"{names('amp')} needs exactly one of {names('target_bits')} and {names('max_loss')}")
-    names_ = [n.strip() for n in amp.split(",") if n.strip()] if isinstance(amp, str) else list(amp)
-    for n in names_:
-        if n != "float" and n not in PRESETS:
-            raise CommandError(f"{names('amp')}: {n!r} is not a preset" + _did_you_mean(n)
-                               + " (qcore schemes lists them; 'float' leaves a layer as it is)")
-    if len(set(names_)) != len(names_) or not any(n != "float" for n in names_):
-        raise CommandError(f"{names.arg('amp', amp)}: expected distinct preset names, at least one of them "
-                           f"quantizing")
-    if target_bits is not None:  # a lower bound: per-tensor / per-channel scales add a little on top
-        fewest = min((preset(n).layer.weight.spec.bits_per_element(), n) for n in names_ if n != "float")
-        if target_bits < fewest[0]:
-            raise CommandError(f"{names.arg('target_bits', target_bits)}: below the fewest bits per weight any "
-                               f"{names('amp')} scheme stores ({fewest[0]:.2f}, {fewest[1]}); no choice of schemes "
-                               f"reaches it")
-    return names_
-
-
-def read_scheme_file(scheme: str, *, names: Names = CLI) -> ModelConfig:
-    """The ``ModelConfig`` of a ``--scheme`` JSON file (a qcore config, a Quark ``quantization_config`` or an HF
-    ``config.json`` holding one); every problem is a ``CommandError`` naming the file."""
-    path = pathlib.Path(scheme)
-    where = names.arg("scheme", scheme)
-    if not path.is_file():
-        raise CommandError(f"{where}: no such file")
-    try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CommandError(f"{where}: not JSON ({e})") from None
-    except RecursionError:
-        raise CommandError(f"{where}: the JSON is nested too deeply to be a config") from None
-    if not isinstance(d, dict):
-        raise CommandError(f"{where}: expected a JSON object (a qcore ModelConfig or a Quark "
-                           f"quantization_config), got a JSON {type(d).__name__}")
-    d = d.get("quantization_config", d)
-    if not isinstance(d, dict):
-        raise CommandError(f"{where}: quantization_config must be a JSON object, got a JSON "
-                           f"{type(d).__name__}")
-    try:
-        method = d.get("quant_method")
-        if method in ("quark", "qcore"):  # a qcore export's quantization_config: its qcore block, else Quark's
-            config = checkpoint_config(d)
-        elif method == "compressed-tensors":
-            own = d.get("qcore")
-            if not (isinstance(own, dict) and isinstance(own.get("config"), dict)):
-                raise ValueError("a compressed-tensors quantization_config without a qcore block names its layers "
-                                 "by module class, which only its model resolves; give a qcore or Quark config")
-            check_format_version(own, "quantization_config")
-            config = ModelConfig.from_dict(own["config"])
-        else:
-            config = ModelConfig.from_dict(d)
-    except (ValueError, TypeError) as e:
-        raise CommandError(f"{where}: {e}") from None
-    return config
-
-
-def build_config(scheme, *, group_size=None, kv_cache_dtype=None, exclude=None,
-                 names: Names = CLI) -> tuple[ModelConfig, str]:
-    """``(ModelConfig, label)`` of ``scheme`` (a preset name, a JSON file: a qcore config or a Quark
-    ``quantization_config``, or a ``ModelConfig``; None: ``DEFAULT_SCHEME``) with ``group_size``,
-    ``kv_cache_dtype`` and ``exclude`` applied."""
-    if isinstance(scheme, ModelConfig):
-        config, label = scheme, "config"
-    else:
-        label = scheme = os.fspath(scheme) if scheme is not None else DEFAULT_SCHEME
-        config = read_scheme_file(scheme, names=names) if scheme.endswith(".json") or os.path.sep in scheme \
-            else None
-    if config is not None:
-        if group_size is not None:
-            raise CommandError(f"{names('group_size')} applies to a preset {names('scheme')}, not to a "
-                               f"{'JSON ' if not isinstance(scheme, ModelConfig) else ''}config (set it there)")
-        if kv_cache_dtype:
-            config = config.replace(kv_cache=KVCacheConfig())
-    elif mix_of_preset(scheme) is not None:  # llama.cpp's mix: resolved on the model once it is loaded (_run)
-        if group_size is not None:
-            raise CommandError(f"{names('group_size')} does not apply to {names.arg('scheme', scheme)}: llama.cpp's "
-                               f"mixes fix each type's blocks")
-        config = ModelConfig(LayerConfig())
-        if kv_cache_dtype:
-            config = config.replace(kv_cache=KVCacheConfig())
-    else:
-        if scheme not in PRESETS:
-            raise CommandError(f"{names.arg('scheme', scheme, quote=True)} is not a preset" + _did_you_mean(scheme)
-                               + " (qcore schemes lists them; a .json file is read as a config)")
-        try:
-            config = preset(scheme, group_size=group_size, kv_cache=kv_cache_dtype)
-        except (ValueError, TypeError) as e:
-            if group_size is None:
-                raise
-            raise CommandError(f"{names.arg('group_size', group_size)}: {e}") from None
-    if exclude is not None:
-        try:
-            config = config.replace(exclude=tuple(exclude))
-        except (ValueError, TypeError) as e:
-            raise CommandError(f"{names('exclude')}: {e}") from None
-    return config, label
-
-
-def _needs_calibration(config: ModelConfig, names: Names = CLI) -> list[str]:
-    """What in ``config`` reads calibration windows: static activation scales, the KV cache, the algorithms
-    (all but QuaRot and the data-free HQQ); empty when nothing does."""
-    need = []
-    layers = [(names("scheme"), config.layer), *((f"by_type {k}", v) for k, v in config.by_type.items()),
-              *((f"by_name {k!r}", v) for k, v in config.by_name.items())]
-    for where, lc in layers:
-        for role in ("input", "output"):
-            tc = None if lc is None else getattr(lc, role)
-            if tc is not None and tc.calibrated:
-                need.append(f"static {role} scales ({where})")
-    if config.kv_cache is not None:
-        need.append("KV-cache scales")
-    if config.algorithms:
-        need += [f"algorithm {a.name}" for a in config.algorithms
-                 if not isinstance(a, QuaRotConfig) and not getattr(a, "data_free", False)]  # HQQ: data-free
-    return need
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -799,7 +540,7 @@ def _check_scheme(job: QuantizeJob, fmt: Optional[Format]) -> tuple:
     """``(config, label, AMP schemes or None)``: the scheme resolved once (a llama.cpp mix: on the model, later),
     the algorithms in it, and what the export format cannot hold."""
     names, s, ex = job.names, job.scheme, job.export
-    amp_schemes = _amp_schemes(s.amp, s.scheme, s.group_size, s.target_bits, s.max_loss, names)
+    amp_schemes = check_amp_schemes(s.amp, s.scheme, s.group_size, s.target_bits, s.max_loss, names)
     scheme_in = s.scheme if amp_schemes is None else next(n for n in amp_schemes if n != "float")
     build = dict(group_size=s.group_size, kv_cache_dtype=s.kv_cache_dtype, exclude=s.exclude, names=names)
     target, built = (FORMATS[ex.format] if ex.format else None), None
@@ -809,7 +550,7 @@ def _check_scheme(job: QuantizeJob, fmt: Optional[Format]) -> tuple:
                                f"activations, which {target.name.upper()} cannot hold; export AMP models with "
                                f"{names.arg('export', 'hf')}")
         built = build_config(scheme_in, **build)
-        if not ex.drop_activations and _quantizes_activations(built[0]):
+        if not ex.drop_activations and quantizes_activations(built[0]):
             raise CommandError(f"{names.arg('export', target.name)}: the scheme quantizes activations, which "
                                f"{target.name.upper()} cannot hold ({target.no_activations}); use a weight-only "
                                f"scheme or pass {names('drop_activations')}{'' if names.cli else '=True'}")
@@ -852,9 +593,9 @@ def _check_windows_asked(job: QuantizeJob, config: ModelConfig, amp_schemes) -> 
 
 
 def _needs(job: QuantizeJob, config: ModelConfig, amp_schemes) -> list:
-    """What reads calibration windows (``_needs_calibration``, AMP, ``imatrix="calib"``)."""
+    """What reads calibration windows (``needs_calibration``, AMP, ``imatrix="calib"``)."""
     names = job.names
-    return _needs_calibration(config, names) + ([f"{names('amp')}'s layer sensitivities"]
+    return needs_calibration(config, names) + ([f"{names('amp')}'s layer sensitivities"]
                                                 if amp_schemes is not None else []) + (
         [names.arg("imatrix", "calib")] if job.scheme.imatrix == "calib" else [])
 
