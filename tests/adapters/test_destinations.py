@@ -277,7 +277,7 @@ def test_a_failed_write_leaves_the_destination_and_no_sibling(tmp_path, monkeypa
     dst = tmp_path / "ckpt"
     dst.mkdir()
     (dst / "keep.txt").write_text("keep")
-    import qcore.adapters.io.quark_hf as E
+    import qcore.adapters.io.common as E  # the writers' shared write_checkpoint looks write_shards up here
 
     def boom(*a, **k):
         raise KeyboardInterrupt

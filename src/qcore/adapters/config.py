@@ -458,7 +458,7 @@ class ModelConfig:
     by_name: ``{pattern: LayerConfig or None}``; glob (``fnmatch``) or ``"re:<regex>"`` (full match).
     exclude: names/patterns left in float. ``None`` (default): the model's output head
         (``get_output_embeddings()`` for transformers models, nothing for other models) and a vision-language
-        model's vision tower and projector (``qcore.adapters.quantizer.default_exclude``).
+        model's vision tower and projector (``qcore.adapters.plan.default_exclude``).
     kv_cache: ``KVCacheConfig`` or None.
     algorithms: the algorithms to run before rounding, in order: their configs (``qcore.algorithms.config``:
         ``GPTQConfig``, ...), given as configs, dicts with a ``"name"`` (qcore's or Quark's keys) or names, and held

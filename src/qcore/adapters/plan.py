@@ -27,7 +27,7 @@ from .modules import (EXPERT_PROJS, QUANT_CLASSES, QuantExperts, QuantModule, is
                       quantizable_type)
 from .presets import mix_of_preset, preset
 
-__all__ = ["plan_model", "resolve_config", "default_exclude", "LayerPlan", "FloatWeight", "unquantized_weights",
+__all__ = ["plan_model", "check_plannable", "resolve_config", "default_exclude", "LayerPlan", "FloatWeight", "unquantized_weights",
            "excluded_weights", "quantized_modules", "module_type"]
 
 
@@ -93,8 +93,8 @@ def resolve_config(config: Any, model: Optional[nn.Module] = None, *, imatrix: b
     raise TypeError(f"config must be a ModelConfig, a preset name or a config dict, got {type(config).__name__}")
 
 
-def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _quantized_ok: bool = False,
-               _check_float: bool = True) -> list[LayerPlan]:
+def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, quantized_ok: bool = False,
+               check_float: bool = True) -> list[LayerPlan]:
     """Resolve ``config`` on ``model``: the modules that will be quantized and their configs. Pure: raises
     ``ValueError``/``TypeError`` for patterns matching nothing, configs that cannot apply, tied weights shared
     with a module treated differently, an already quantized model, and weight matrices qcore cannot quantize
@@ -105,24 +105,18 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
     ``exclude`` / ``by_name`` patterns match module names (a pattern naming a module covers everything in it) and,
     for the weights qcore cannot quantize and for fused experts, their parameter names too
     (``model.layers.0.mlp.experts.down_proj``; fused experts are kept float only as a whole: both parameters).
-    (``_check_float=False``: the checkpoint loaders, which resolve a saved config on a float skeleton.)"""
+    quantized_ok: resolve the config on a quantized model as on its float original (the exporters, which check
+        that the config describes the model they write). check_float=False: the checkpoint loaders, which
+        resolve a saved config on a float skeleton."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     config = resolve_config(config, model)
     mods = dict(model.named_modules())
-    if _quantized_ok:  # exporters: resolve the config on a quantized model as on its float original
+    if quantized_ok:  # exporters: resolve the config on a quantized model as on its float original
         mods = {n: _FloatView(m) if is_quantized_module(m) else m for n, m in mods.items()}
-    elif any(is_quantized_module(m) for m in mods.values()):
-        raise ValueError("the model already holds qcore quantized modules; quantize a float model (reload it)")
+    else:
+        check_plannable(model, config)
     names = [n for n in mods if n]
-    if config.algorithms:
-        try:
-            check_runnable(config.algorithms)
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"ModelConfig.algorithms: {e}") from None
-    if getattr(model, "_qcore_partial", False):
-        raise ValueError("an algorithm run on this model failed half-way and left some layers rewritten; reload "
-                         "the model and quantize it again")
     exclude = default_exclude(model) if config.exclude is None else list(config.exclude)
     odd = _odd_weights(mods)  # weight matrices of kinds qcore cannot quantize: excluded by name or refused below
     experts = {n: [f"{n}.{p}" for p in EXPERT_PROJS] for n, m in mods.items() if n and module_type(m) == "Experts"}
@@ -202,12 +196,28 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, _q
                       stacklevel=3)
     if not plans:
         raise _nothing_planned(mods)
-    if _check_float and not _quantized_ok:
+    if check_float and not quantized_ok:
         left = [w for w in odd if not _kept_float(w, config, exclude)]
         if left:
             raise _unsupported_error(left, config, exclude)
     _check_ties(model, mods, plans)
     return plans
+
+
+def check_plannable(model: nn.Module, config: ModelConfig) -> None:
+    """What makes ``model`` unfit to quantize with ``config`` whatever the plan: it already holds quantized modules,
+    an algorithm run left it half-rewritten, or the config names an algorithm qcore cannot run. ``plan_model``
+    checks it; ``quantize_model(..., plans=)`` checks it for the plan it is given."""
+    if any(is_quantized_module(m) for m in model.modules()):
+        raise ValueError("the model already holds qcore quantized modules; quantize a float model (reload it)")
+    if config.algorithms:
+        try:
+            check_runnable(config.algorithms)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"ModelConfig.algorithms: {e}") from None
+    if getattr(model, "_qcore_partial", False):
+        raise ValueError("an algorithm run on this model failed half-way and left some layers rewritten; reload "
+                         "the model and quantize it again")
 
 
 def _experts_patterns(name: str, params: list, config: ModelConfig, exclude: list, named, excluded) -> tuple:
@@ -388,7 +398,7 @@ def unquantized_weights(model: nn.Module, config: Union[ModelConfig, str, Mappin
     float by design and never listed."""
     config, mods, exclude = _walk_config(model, config)
     out = []
-    for p in plan_model(model, config, _quantized_ok=True, _check_float=False):
+    for p in plan_model(model, config, quantized_ok=True, check_float=False):
         if p.config.weight is None:
             continue
         m = mods[p.name]
@@ -435,7 +445,7 @@ def excluded_weights(model: nn.Module, config: Union[ModelConfig, str, Mapping, 
 
 
 class _FloatView:
-    """Stands for a quantized module in ``plan_model(..., _quantized_ok=True)``: its float type and its weight."""
+    """Stands for a quantized module in ``plan_model(..., quantized_ok=True)``: its float type and its weight."""
 
     def __init__(self, m):
         self.weight = m._parameters.get("weight", getattr(m, "weight_packed", None))

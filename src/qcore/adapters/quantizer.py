@@ -32,7 +32,8 @@ from .passes.rotation import check_rotation
 from .passes.runner import find_decoder_layers
 from .passes import sequential
 from .passes.spinquant import apply_rotation
-from .plan import plan_model, resolve_config
+from .passes.targets import layers_path
+from .plan import check_plannable, plan_model, resolve_config
 
 __all__ = ["quantize_model"]
 
@@ -103,7 +104,11 @@ def _quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], 
     check, the algorithms on the float weights, the swap and calibration, the commit, distillation."""
     _check_options(model, qat=qat, progress=progress, moe_all_experts=moe_all_experts, reference=reference)
     config = resolve_config(config, model)
-    plans = plan_model(model, config) if plans is None else list(plans)
+    if plans is None:
+        plans = plan_model(model, config)
+    else:  # the caller's plan of this model and config: what makes a model unfit whatever the plan, checked here
+        check_plannable(model, config)
+        plans = list(plans)
     static, data = _check_data(model, plans, data, distributed=distributed, config=config)
     dist, algos = split_distill(config.algorithms)  # quantization-aware distillation: last, on the quantized model
     distill_data, teacher = _check_distill(model, plans, dist, data, distill_data, qat=qat, distributed=distributed)
@@ -294,7 +299,7 @@ def _work_dir(model, config, algos, data, work_dir, resume, distributed, keeps_r
     if distributed is not None:
         raise ValueError(f"work_dir={str(work_dir)!r}: not with distributed= (each rank would write its own); run "
                          f"distributed calibration without a work directory")
-    n = len(find_decoder_layers(model, sequential.layers_path(layer_algos))[1])
+    n = len(find_decoder_layers(model, layers_path(layer_algos))[1])
     imp = importance_digest(model)
     fp = fingerprint(what="quantize_model", model=digest_model(model), config=config.to_dict(),
                      data=list(data) if data is not None else None, n_layers=n,

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 import qcore  # noqa: E402
 import qcore.adapters as A  # noqa: E402
-from qcore.adapters.io import quark_hf as E  # noqa: E402
+from qcore.adapters.io import common as E  # noqa: E402  (the shards are written there)
 from qcore.formats.inspect import inspect_checkpoint  # noqa: E402
 from qcore.formats.safetensors_io import CorruptCheckpointError, SafetensorsFile  # noqa: E402
 

@@ -310,7 +310,7 @@ def test_deterministic_and_frozen_equal(tmp_path):
 
 
 def test_atomic_on_failure(tmp_path, monkeypatch):
-    import qcore.adapters.io.quark_hf as E  # export_compressed_tensors writes through export.write_checkpoint
+    import qcore.adapters.io.common as E  # export_compressed_tensors writes through common.write_checkpoint
     m = _quantized("w4a16_sym_g32")
     dest = tmp_path / "out"
     dest.mkdir()

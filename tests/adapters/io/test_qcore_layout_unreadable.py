@@ -110,7 +110,8 @@ def test_the_check_catches_quark_layouts_under_quant_method_qcore(family_model, 
     check names its tensors, and transformers loads it without an error (the silently wrong model the fix
     prevents). qcore itself still reads such an older file right, by the layouts it states."""
     model, _ = _export(family_model, zoo, "mixtral-int8", tmp_path)
-    from qcore.adapters.io.quark_hf import plan_tensors, write_shards
+    from qcore.adapters.io.common import write_shards
+    from qcore.adapters.io.quark_hf import plan_tensors
     records, layouts = plan_tensors(model)  # Quark's layouts, where they exist
     assert set(layouts.values()) == {"int8"}
     old = tmp_path / "old"

@@ -1,4 +1,4 @@
-"""``qcore.adapters.quantize_and_report``: the main job as a function (src/qcore/adapters/main.py). The CLI's ``qcore
+"""``qcore.adapters.quantize_and_report``: the main job as a function (src/qcore/adapters/jobs/quantize.py). The CLI's ``qcore
 quantize`` is a thin parser over it: same report for the same arguments, every bad argument refused before any
 work (nothing loaded, evaluated or written), errors naming the Python argument."""
 

@@ -495,7 +495,8 @@ def test_fused_experts_a_quark_checkpoint_stores_float_load_float(tmp_path):
     logits = _logits(model)
     # as Quark writes it: its tensor layouts (export_hf writes a "qcore" checkpoint with quantized experts, all in
     # qcore's layout), no qcore block, the head excluded only
-    from qcore.adapters.io.quark_hf import plan_tensors, write_checkpoint
+    from qcore.adapters.io.common import write_checkpoint
+    from qcore.adapters.io.quark_hf import plan_tensors
     records, layouts = plan_tensors(model)
     assert set(layouts.values()) == {"fp8"}
     q = dict(model.qcore_config.to_quark(model_dtype="float32"), quant_method="quark", exclude=["lm_head"])

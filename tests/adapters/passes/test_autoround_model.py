@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 import qcore  # noqa: E402
 from qcore.adapters import export_hf, from_pretrained, preset, quantize_model  # noqa: E402
 from qcore.adapters.passes import sequential  # noqa: E402
+from qcore.adapters.passes import targets  # noqa: E402
 
 
 def _uint4(group=16, algos=(), dtype=None):
@@ -103,7 +104,7 @@ def test_fused_experts_are_refused_by_name():
     from qcore.algorithms.config import parse_algorithms
     plans = [SimpleNamespace(name="model.layers.0.mlp.experts", type="Experts")]
     with pytest.raises(ValueError, match="autoround: the plan quantizes fused MoE experts"):
-        sequential.check_experts_algorithms(plans, parse_algorithms(["autoround"]))
+        targets.check_experts_algorithms(plans, parse_algorithms(["autoround"]))
 
 
 def test_the_cli_takes_autoround_by_name_and_exports_quarks_algo_config(lm_dir, tmp_path, capsys):

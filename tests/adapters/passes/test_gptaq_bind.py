@@ -15,6 +15,7 @@ import qcore  # noqa: E402
 from qcore.adapters import export_hf, from_pretrained, preset, quantize_model  # noqa: E402
 from qcore.adapters.passes import sequential  # noqa: E402
 from qcore.cli import main  # noqa: E402
+from qcore.adapters.passes import targets  # noqa: E402
 
 
 def _mse(model, ref, batch):
@@ -93,7 +94,7 @@ def test_fused_experts_are_refused_by_name():
     class Plan:
         name, type = "model.layers.0.mlp.experts", "Experts"
     with pytest.raises(ValueError, match="gptaq: the plan quantizes fused MoE experts"):
-        sequential.check_experts_algorithms([Plan()], qcore.algorithms.config.parse_algorithms(cfg.algorithms))
+        targets.check_experts_algorithms([Plan()], qcore.algorithms.config.parse_algorithms(cfg.algorithms))
 
 
 def test_the_command_line_quantizes_with_gptaq(lm_dir, tmp_path, capsys):

@@ -63,7 +63,7 @@ def _check_dtype(dtype) -> None:
         raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.float32), got {dtype!r}")
 
 
-def _make_plain(model) -> None:
+def make_plain(model) -> None:
     """Drop what transformers' GGUF loader leaves on the model (``hf_quantizer``, ``quantization_method``,
     ``is_quantized``, ``config.quantization_config``): the weights are already dequantized floats, and the
     leftovers make re-quantizing or saving fail (interop.md). Mirrors HfQuantizer.remove_quantization_config,
@@ -98,7 +98,7 @@ def load_smollm2(*, dtype: torch.dtype = torch.float32, attn_implementation: str
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
                                                  attn_implementation=attn_implementation, local_files_only=True)
-    _make_plain(model)
+    make_plain(model)
     return model.eval(), tokenizer
 
 

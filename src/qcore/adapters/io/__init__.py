@@ -1,5 +1,6 @@
 """File formats for torch models: one module per format, export and import together, mirroring
-``qcore.formats`` (Quark HF, GGUF, compressed-tensors, ONNX), and ``convert`` between them.
+``qcore.formats`` (Quark HF, GGUF, compressed-tensors, ONNX); ``formats`` (the table of formats) and ``common``
+(what every writer and loader shares). Converting between them is a job (``qcore.adapters.jobs.convert``).
 
 ``from_pretrained(directory)``: any quantized HF checkpoint qcore reads, by its ``quant_method``: ``"quark"`` /
 ``"qcore"`` (``quark_hf.from_pretrained``) or ``"compressed-tensors"`` (``compressed_tensors.load_compressed_tensors``,

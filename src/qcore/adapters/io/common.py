@@ -12,7 +12,9 @@ streaming writer, ``passes.streaming``).
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import pathlib
 import re
 from typing import Any, Iterable, NamedTuple, Optional, Union
@@ -22,10 +24,10 @@ import torch
 from torch import nn
 
 import qcore
-from qcore._fsutil import check_not_source
+from qcore._fsutil import check_not_source, model_sources, staged_dir
 from qcore.algorithms.config import SVDQuantConfig, split_rotation
 from qcore.formats import quark_layout as L
-from qcore.formats.safetensors_io import CorruptCheckpointError, read_json_object
+from qcore.formats.safetensors_io import CorruptCheckpointError, TensorRecord, read_json_object, write_file
 
 from .records import to_numpy
 from ..config import ModelConfig
@@ -259,7 +261,7 @@ def model_config(model: nn.Module, config: Optional[ModelConfig], *, who: str) -
 
 def check_config_describes(model: nn.Module, config: ModelConfig) -> None:
     """The config written must give exactly the model's quantized modules (a loader rebuilds them from it)."""
-    plans = plan_model(model, config, _quantized_ok=True)
+    plans = plan_model(model, config, quantized_ok=True)
     want = {p.name: p.config for p in plans}
     have = {n: m.qconfig for n, m in model.named_modules() if isinstance(m, QuantModule)}
     for name in sorted(set(want) | set(have)):
@@ -357,3 +359,74 @@ def model_class(config: Any):
         if isinstance(cls, type) and hasattr(cls, "from_pretrained"):
             return cls
     return transformers.AutoModelForCausalLM
+
+
+def _shards(records: list[TensorRecord], max_bytes: int) -> list[list[TensorRecord]]:
+    shards: list[list[TensorRecord]] = [[]]
+    size = 0
+    for r in records:
+        if shards[-1] and size + r.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(r)
+        size += r.nbytes
+    return shards
+
+
+def write_checkpoint(directory: pathlib.Path, model: nn.Module, hf_config: Any, qdict: dict,
+                     records: list[TensorRecord], *, tokenizer: Any, overwrite: bool, max_bytes: int,
+                     progress: bool) -> None:
+    """An HF checkpoint directory (config with ``qdict`` as its ``quantization_config``, generation config,
+    tokenizer, safetensors shards of ``records``), written atomically: staged beside ``directory``, renamed into
+    place (shared by ``export_hf`` and ``export_compressed_tensors``)."""
+    with staged_dir(directory, recheck=lambda: check_destination(directory, overwrite, model_sources(model))) as tmp:
+        write_metadata(tmp, hf_config, qdict, type(model).__name__, getattr(model, "generation_config", None))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        write_shards(tmp, records, max_bytes, progress=progress)
+
+
+def publishable(d: Any) -> Any:
+    """``d`` (a config dict) without local paths: ``_name_or_path`` and every other string that is an absolute
+    path are dropped, so that the same model exports the same bytes wherever it was loaded from."""
+    if isinstance(d, dict):
+        return {k: publishable(v) for k, v in d.items()
+                if k != "_name_or_path" and not (isinstance(v, str) and _is_local_path(v))}
+    if isinstance(d, (list, tuple)):
+        return type(d)(publishable(v) for v in d if not (isinstance(v, str) and _is_local_path(v)))
+    return d
+
+
+def _is_local_path(v: str) -> bool:
+    return os.path.isabs(v) or v.startswith(("~" + os.sep, "." + os.sep, ".." + os.sep))
+
+
+def write_metadata(tmp: pathlib.Path, hf_config: Any, qdict: dict, architecture: str, generation_config: Any) -> None:
+    """``config.json`` (the model's config with ``quantization_config``) and ``generation_config.json``."""
+    cfg = publishable(hf_config.to_dict())
+    cfg["quantization_config"] = qdict
+    cfg["architectures"] = [architecture]  # as save_pretrained writes it (vLLM picks the class by it)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if generation_config is not None:
+        (tmp / "generation_config.json").write_text(generation_config.to_json_string(use_diff=True))
+
+
+def write_shards(tmp: pathlib.Path, records: list[TensorRecord], max_bytes: int, *, progress: bool = False) -> int:
+    """The records as safetensors shards of at most ``max_bytes`` (in order), with an index file when there are
+    several; returns the bytes of tensor data written."""
+    shards = _shards(records, max_bytes)
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    total = 0
+    it = list(zip(names, shards))
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(it, desc="exporting", unit="shard", leave=False)
+    for fname, shard in it:
+        write_file(tmp / fname, shard, metadata={"format": "pt"})
+        total += sum(r.nbytes for r in shard)
+    if n > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": dict(sorted((r.name, f) for f, s in zip(names, shards) for r in s))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return total

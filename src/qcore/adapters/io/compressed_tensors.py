@@ -55,9 +55,8 @@ from .records import TORCH_ST, record, tensor_record, untied_state
 from .common import (QCORE_FORMAT_VERSION, canonical_shape, check_config_describes, check_destination,
                      check_format_version, conv1d_error, export_units, hf_config, model_class, model_config,
                      online_rotations, parse_size, read_config, refuse_conv1d, weight_parts, weightless_error,
-                     will_rotate_online)
+                     will_rotate_online, write_checkpoint)
 from .experts import check_no_experts
-from .quark_hf import write_checkpoint
 from ..batches import set_module
 from ..modules import IN_OUT, QUANT_CLASSES, QuantLinear, QuantModule, weight_layout
 from ..plan import plan_model
@@ -604,7 +603,7 @@ def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Modu
                                      f"got {raw.get('qcore')!r}"[:300])
     own = ctc.qcore if isinstance(ctc.qcore, dict) and "config" in ctc.qcore else None
     config = ModelConfig.from_dict(own["config"]) if own is not None else config_from_ct(model, ctc)
-    plans = plan_model(model, config, _check_float=False)  # a saved config, as it was saved
+    plans = plan_model(model, config, check_float=False)  # a saved config, as it was saved
     which = _module_groups(model, ctc)
     float_here = sorted(set(which) - {p.name for p in plans if p.config.weight is not None})
     if float_here:  # compressed-tensors' loaders would quantize what qcore's config leaves float

@@ -456,7 +456,7 @@ def stored_float_experts(model: nn.Module, config, checkpoint_files) -> list[str
         return []
     with warnings.catch_warnings():  # the loader's own plan_model gives them, once
         warnings.simplefilter("ignore")
-        names = [p.name for p in plan_model(model, config, _check_float=False) if p.type == "Experts"]
+        names = [p.name for p in plan_model(model, config, check_float=False) if p.type == "Experts"]
     if not names:
         return []
     keys: set = set()

@@ -49,7 +49,6 @@ is in ``qcore.adapters.io.common``.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import pathlib
@@ -60,16 +59,17 @@ import torch
 from torch import nn
 
 import qcore
-from qcore._fsutil import model_sources, staged_dir
+from qcore._fsutil import model_sources
 from qcore.algorithms.config import SVDQuantConfig, split_rotation
 from qcore.formats import quark_layout as L
 from qcore.formats.inspect import checkpoint_files
-from qcore.formats.safetensors_io import TensorRecord, write_file, CorruptCheckpointError, SafetensorsFile
+from qcore.formats.safetensors_io import TensorRecord, CorruptCheckpointError, SafetensorsFile
 
 from .records import ST_TORCH, TORCH_ST, to_numpy, record, tensor_record, untied_state  # noqa: F401
-from .common import (QCORE_FORMAT_VERSION, ExportUnit, canonical_shape, check_config_describes, check_destination,
-                     check_format_version, export_units, hf_config, model_class, model_config, online_rotations,
-                     parse_size, read_config, unexpected_keys, weight_parts, weightless_error, will_rotate_online)
+from .common import (QCORE_FORMAT_VERSION, canonical_shape, check_config_describes, check_destination,
+                     check_format_version, export_units, ExportUnit, hf_config, model_class, model_config,
+                     online_rotations, parse_size, read_config, unexpected_keys, weight_parts,
+                     weightless_error, will_rotate_online, write_checkpoint)
 from .experts import (ExpertsShell, check_split_experts, drop_expert_converters, exclude_float_experts,
                       experts_layout, experts_records, float_experts_records, float_experts_split, split_problem,
                       stored_float_experts)
@@ -290,18 +290,6 @@ def quantization_config(model: nn.Module, config: ModelConfig, layouts: dict[str
     return q
 
 
-def _shards(records: list[TensorRecord], max_bytes: int) -> list[list[TensorRecord]]:
-    shards: list[list[TensorRecord]] = [[]]
-    size = 0
-    for r in records:
-        if shards[-1] and size + r.nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(r)
-        size += r.nbytes
-    return shards
-
-
 def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: Optional[ModelConfig] = None,
               tokenizer: Any = None, overwrite: bool = False, max_shard_size: Union[int, str] = "5GB",
               pack_method: str = "reorder", progress: bool = False) -> ExportInfo:
@@ -345,69 +333,10 @@ def export_hf(model: nn.Module, directory: Union[str, os.PathLike], *, config: O
     return export_info(directory, qdict, layouts)
 
 
-def write_checkpoint(directory: pathlib.Path, model: nn.Module, hf_config: Any, qdict: dict,
-                     records: list[TensorRecord], *, tokenizer: Any, overwrite: bool, max_bytes: int,
-                     progress: bool) -> None:
-    """An HF checkpoint directory (config with ``qdict`` as its ``quantization_config``, generation config,
-    tokenizer, safetensors shards of ``records``), written atomically: staged beside ``directory``, renamed into
-    place (shared by ``export_hf`` and ``export_compressed_tensors``)."""
-    with staged_dir(directory, recheck=lambda: check_destination(directory, overwrite, model_sources(model))) as tmp:
-        write_metadata(tmp, hf_config, qdict, type(model).__name__, getattr(model, "generation_config", None))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        write_shards(tmp, records, max_bytes, progress=progress)
-
-
 def export_info(directory: pathlib.Path, qdict: dict, layouts: dict) -> ExportInfo:
     files = tuple(sorted(p.name for p in directory.iterdir()))
     size = sum((directory / f).stat().st_size for f in files)
     return ExportInfo(str(directory), qdict["quant_method"], files, size, layouts)
-
-
-def publishable(d: Any) -> Any:
-    """``d`` (a config dict) without local paths: ``_name_or_path`` and every other string that is an absolute
-    path are dropped, so that the same model exports the same bytes wherever it was loaded from."""
-    if isinstance(d, dict):
-        return {k: publishable(v) for k, v in d.items()
-                if k != "_name_or_path" and not (isinstance(v, str) and _is_local_path(v))}
-    if isinstance(d, (list, tuple)):
-        return type(d)(publishable(v) for v in d if not (isinstance(v, str) and _is_local_path(v)))
-    return d
-
-
-def _is_local_path(v: str) -> bool:
-    return os.path.isabs(v) or v.startswith(("~" + os.sep, "." + os.sep, ".." + os.sep))
-
-
-def write_metadata(tmp: pathlib.Path, hf_config: Any, qdict: dict, architecture: str, generation_config: Any) -> None:
-    """``config.json`` (the model's config with ``quantization_config``) and ``generation_config.json``."""
-    cfg = publishable(hf_config.to_dict())
-    cfg["quantization_config"] = qdict
-    cfg["architectures"] = [architecture]  # as save_pretrained writes it (vLLM picks the class by it)
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    if generation_config is not None:
-        (tmp / "generation_config.json").write_text(generation_config.to_json_string(use_diff=True))
-
-
-def write_shards(tmp: pathlib.Path, records: list[TensorRecord], max_bytes: int, *, progress: bool = False) -> int:
-    """The records as safetensors shards of at most ``max_bytes`` (in order), with an index file when there are
-    several; returns the bytes of tensor data written."""
-    shards = _shards(records, max_bytes)
-    n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    total = 0
-    it = list(zip(names, shards))
-    if progress:
-        from tqdm.auto import tqdm
-        it = tqdm(it, desc="exporting", unit="shard", leave=False)
-    for fname, shard in it:
-        write_file(tmp / fname, shard, metadata={"format": "pt"})
-        total += sum(r.nbytes for r in shard)
-    if n > 1:
-        index = {"metadata": {"total_size": total},
-                 "weight_map": dict(sorted((r.name, f) for f, s in zip(names, shards) for r in s))}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return total
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -696,7 +625,7 @@ def _make_classes():
             self._float_experts = stored_float_experts(model, config, checkpoint_files)  # Quark 0.13's MoE exports
             method = raw.get("source_method", raw.get("quant_method"))
             low_rank = _low_rank_entries(raw, method)
-            for p in plan_model(model, config, _check_float=False):  # a saved config, as it was saved
+            for p in plan_model(model, config, check_float=False):  # a saved config, as it was saved
                 if p.name in self._float_experts:
                     continue
                 own = own_layout(method, stated, p.name)

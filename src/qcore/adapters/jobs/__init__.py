@@ -5,6 +5,8 @@
   export, report);
 - ``imatrix``: ``qcore imatrix`` (``imatrix_file``);
 - ``convert``: ``qcore convert`` (``convert``: any quantized checkpoint into another format, compared back);
+- ``checkpoint``: ``quantize_checkpoint`` (a checkpoint larger than memory, one decoder layer at a time);
+- ``scheme`` and ``report``: the main job's scheme resolution and its report;
 - ``common``: what they share (the model loader, the text, how errors name options).
 
 Each job is imported from its module (``from qcore.adapters.jobs.convert import convert``); ``qcore.adapters``

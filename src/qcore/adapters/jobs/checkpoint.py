@@ -27,9 +27,9 @@ from ..config import ModelConfig, TensorConfig
 from ..distributed import Distributed
 from ..distributed import fingerprint as distributed_fingerprint
 from ..families import family_or_none
-from ..io.common import check_destination, parse_size, weightless_error
 from ..io.experts import check_no_experts
-from ..io.quark_hf import ExportInfo, checkpoint_method, export_info, quantization_config, write_metadata, write_shards
+from ..io.common import check_destination, parse_size, weightless_error, write_metadata, write_shards
+from ..io.quark_hf import ExportInfo, checkpoint_method, export_info, quantization_config
 from ..passes.checkpointing import WorkDir, check_work_args, digest_source, fingerprint
 from ..passes.runner import Spill, find_decoder_layers
 from ..passes.sequential import binding, check_layers

@@ -128,7 +128,7 @@ def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str, names: N
         check_file(p)  # a truncated or corrupted file: one line naming the tensor, before transformers reads it
         tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=dtype, local_files_only=True)
-        M._make_plain(model)
+        M.make_plain(model)
         return model.eval().to(device), tok, str(p)
     if p.exists():
         if not (p / "config.json").is_file():

@@ -327,7 +327,7 @@ def _reload(path: pathlib.Path, to: Format, dtype: torch.dtype) -> nn.Module:
         return to.load(path, dtype)
 
 
-def describe_batch(changes: list, info: Any) -> list:
+def _describe_changes(changes: list, info: Any) -> list:
     """Destination descriptions from the exporter's per-tensor report where it has one (GGUF: the block type and
     whether it was written code for code or re-quantized)."""
     reports = {r.name: r for r in getattr(info, "quantized", ()) if hasattr(r, "gguf_type")}
@@ -445,7 +445,7 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
             elif verify:
                 stages.next("convert: loading the result back to compare")
                 back = _reload(written, to, load_dtype)
-                changes, how = imported + describe_batch(compare_models(model, back), info), "reload"
+                changes, how = imported + _describe_changes(compare_models(model, back), info), "reload"
             else:
                 changes, how = imported, "none"
             if strict and changes:

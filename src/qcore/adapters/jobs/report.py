@@ -16,7 +16,6 @@ __all__ = ["QuantizeReport", "LAYER_ERROR_WINDOWS"]
 LAYER_ERROR_WINDOWS = 4  # calibration windows the per-layer output errors are measured on
 
 
-LAYER_ERROR_WINDOWS = 4  # calibration windows the per-layer output errors are measured on
 
 
 _LAYER_METRICS = {

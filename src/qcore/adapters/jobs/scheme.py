@@ -1,7 +1,7 @@
 """The main job's scheme: a preset name (``presets.preset``; llama.cpp's mixes resolved on the loaded model by
 ``gguf_mix``), a JSON file (a qcore config, a Quark ``quantization_config`` or an HF ``config.json`` holding one) or
 a ``ModelConfig``, with ``group_size``, the KV cache and ``exclude`` applied (``build_config``); AMP's presets
-(``amp_schemes``); what in a config reads calibration windows (``needs_calibration``). Errors are
+(``check_amp_schemes``); what in a config reads calibration windows (``needs_calibration``). Errors are
 ``CommandError``s naming the option as the job's ``Names`` spell it."""
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def build_config(scheme, *, group_size=None, kv_cache_dtype=None, exclude=None,
                                f"{'JSON ' if not isinstance(scheme, ModelConfig) else ''}config (set it there)")
         if kv_cache_dtype:
             config = config.replace(kv_cache=KVCacheConfig())
-    elif mix_of_preset(scheme) is not None:  # llama.cpp's mix: resolved on the model once it is loaded (_run)
+    elif mix_of_preset(scheme) is not None:  # llama.cpp's mix: resolved on the model once it is loaded (the check)
         if group_size is not None:
             raise CommandError(f"{names('group_size')} does not apply to {names.arg('scheme', scheme)}: llama.cpp's "
                                f"mixes fix each type's blocks")

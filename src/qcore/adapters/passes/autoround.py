@@ -8,7 +8,7 @@ The learnt weights are written into the layer and their QTensors into ``pinned``
 
 Scales start from the weights' min/max (auto-round's starting point; the layer's weight observer is not used: the
 learnt range factors replace its clipping search). Refused before any work: fused MoE experts
-(``sequential.check_experts_algorithms``), non-integer / power-of-two / two-level specs, groups along other axes,
+(``targets.check_experts_algorithms``), non-integer / power-of-two / two-level specs, groups along other axes,
 modules the config names that are not quantized Linears.
 """
 

@@ -2,14 +2,14 @@
 
 The layer's targets, stages and groups are GPTQ's (``passes.gptq.gptq_targets``, ``passes.targets.input_stages``; ``modules``,
 ``true_sequential`` as ``GPTQConfig``'s): for each stage, the paired statistics of each group's shared input
-(``_paired.collect_paired``: ``X~`` from the layer as it is now over the quantized stream, ``X`` from a float
+(``paired.collect_paired``: ``X~`` from the layer as it is now over the quantized stream, ``X`` from a float
 copy of the layer taken before its first rewrite over the float model's stream), then GPTAQ on each module;
 rows of modules sharing an input and a concatenable spec run as one stacked weight (as GPTQ's
 ``_gptq_group``). The QTensors go into ``pinned`` (exported as they are); the dequantized weights replace the
-float ones (``sequential._write``).
+float ones (``targets.write_pinned``).
 
-Fused MoE experts are not handled (``sequential.check_experts_algorithms`` refuses them by name before any work).
-Distributed calibration: the paired sums are reduced with the GPTQ reducer (``_paired.reduce_paired``); the
+Fused MoE experts are not handled (``targets.check_experts_algorithms`` refuses them by name before any work).
+Distributed calibration: the paired sums are reduced with the GPTQ reducer (``paired.reduce_paired``); the
 layer-parallel split of GPTQ is not used (every rank computes every module).
 """
 

@@ -218,7 +218,7 @@ def _gptq_group(layer, names: list[str], hess: HessianStats, lplans: dict, algo:
 def solve_group(layer, names: list[str], lplans: dict, prefix: str, pinned: dict, reference: Optional[dict],
                 solve) -> None:
     """The Linears ``names`` of one input group through a GPTQ-like column solver, ``solve(weight [out, in],
-    spec, scale_fn) -> GPTQResult`` (GPTQ, GPTAQ), their QTensors written (``_write``). Rows of weights sharing
+    spec, scale_fn) -> GPTQResult`` (GPTQ, GPTAQ), their QTensors written (``targets.write_pinned``). Rows of weights sharing
     an input and a per-row / per-group spec are independent under one set of statistics: one run over the
     stacked rows equals the runs one by one, and is what runs when the specs allow it."""
     mods = [layer.get_submodule(n) for n in names]

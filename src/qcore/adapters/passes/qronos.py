@@ -1,13 +1,13 @@
 """Qronos bound to a decoder layer (``sequential.LAYER_BINDINGS[QronosConfig]``): the Linear (and Conv1D) modules GPTQ
 would take, grouped and staged as GPTQ groups them (``passes.gptq.gptq_targets`` / ``passes.targets.input_stages``), each quantized
-by ``qcore.algorithms.qronos.qronos`` from the paired statistics of its input (``_paired.collect_paired``:
+by ``qcore.algorithms.qronos.qronos`` from the paired statistics of its input (``paired.collect_paired``:
 ``X~`` from this layer as it is now over the quantized stream, ``X`` from a float copy of the layer, taken before
 any rewrite, over the float model's stream ``floats``).
 
 With ``true_sequential`` (the default of ``QronosConfig``) each input group is a stage: the attention output
 projection's ``X~`` already carries the quantized q/k/v projections, the MLP's the quantized attention, and so on.
-Fused MoE experts are refused before any work (``sequential.check_experts_algorithms`` by name, and here).
-The QTensors go into ``pinned`` exactly as GPTQ's (``sequential._write``), so the export writes these codes.
+Fused MoE experts are refused before any work (``targets.check_experts_algorithms`` by name, and here).
+The QTensors go into ``pinned`` exactly as GPTQ's (``targets.write_pinned``), so the export writes these codes.
 """
 
 from __future__ import annotations

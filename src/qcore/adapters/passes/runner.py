@@ -21,7 +21,7 @@ streamed checkpoint (``qcore.adapters.passes.streaming``) all work this way:
 One abort path: every hook the runner registers is removed on any exit; with ``rewrites=True`` an error or
 interrupt in a pass after the capture marks the model ``_qcore_partial`` (``quantize_model`` then refuses it)
 and an ``Exception`` is re-raised as ``AlgorithmError`` naming the pass and the layer (``KeyboardInterrupt`` /
-``SystemExit`` keep their type, with a warning). Progress bars: ``qcore.adapters.quantizer._progress`` (tqdm,
+``SystemExit`` keep their type, with a warning). Progress bars: ``qcore.adapters.batches.progress_bar`` (tqdm,
 ``leave=False``), off with ``progress=False``. Device: the batches are moved to the model's device (its first
 parameter's) unless given ``device=``. ``Spill`` appends a layer's encoded tensors to a file so the layer can be
 dropped (streaming). ``run(..., checkpoint=)``: each layer saved in a work directory, a saved run resumed after

@@ -14,7 +14,7 @@ algorithms) is a pass of the layer runner (``qcore.adapters.passes.runner``):
    weights as the algorithms left them, become the next layer's inputs.
 
 GPTQ covers the Linear (and transformers Conv1D) modules of the layers and their fused MoE experts
-(``_gptq_experts``: each expert's slice of ``gate_up_proj`` / ``down_proj``, with Hessians from the tokens that
+(``passes.gptq``: each expert's slice of ``gate_up_proj`` / ``down_proj``, with Hessians from the tokens that
 expert's GEMMs compute on; every token under ``quantize_model``'s all-expert routing, docs/algorithms.md).
 
 Peak memory: the model plus two copies of one layer's inputs (``batches x tokens x hidden`` floats) and the
@@ -51,7 +51,7 @@ from . import autoround, gptaq, hqq, qronos, scaling_bind, svdquant
 from . import gptq as gptq_binding
 from .checkpointing import algorithms_checkpoint
 from .runner import AlgorithmError, LayerInputs, LayerRunner, find_decoder_layers
-from .targets import check_experts_algorithms, layer_plans, layers_path  # noqa: F401  (importable here as before)
+from .targets import layer_plans
 
 _log = logging.getLogger("qcore.adapters")
 

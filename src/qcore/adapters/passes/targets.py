@@ -133,7 +133,7 @@ def check_experts_algorithms(plans: list, algos, *, who: Optional[str] = None) -
     """Before any work: ValueError when a layer algorithm other than GPTQ (AWQ, SmoothQuant, ...; or the pass
     ``who``, e.g. AMP's sensitivities) would run on a model whose plan quantizes fused experts (they know Linear
     weights only; fused experts would be left to round-to-nearest without a word). GPTQ quantizes each expert
-    (``_gptq_experts``); rotations act on the float model before it and are not concerned."""
+    (``passes.gptq``); rotations act on the float model before it and are not concerned."""
     layer = [a.name for a in algos if not isinstance(a, ROTATION_CONFIGS + (GPTQConfig,))] + ([who] if who else [])
     experts = [p.name for p in plans if p.type == "Experts"]
     if layer and experts:
