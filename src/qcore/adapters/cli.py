@@ -31,7 +31,7 @@ from qcore.formats.quark_layout import expected_weight
 from .eval import evaluate as E
 from .eval import lm_eval_tasks as LT
 from .io.compressed_tensors import CTExportInfo
-from .io.formats import FORMATS, format_named
+from .io.formats import FORMATS, aliases_text, format_named, option_owner
 from .io.gguf import GGUFExportInfo
 from .io.onnx import UnsupportedWeightError
 from .jobs.common import CLI, CommandError, load_model, read_eval_text
@@ -272,9 +272,9 @@ def convert_command(args) -> int:
     """``qcore convert SRC DST --to FORMAT``: ``qcore.adapters.jobs.convert.convert`` plus a printed report."""
     t0 = time.perf_counter()
     try:
-        format_named(args.to, what="--to")
+        to = format_named(args.to, what="--to")
     except (ValueError, TypeError) as e:
-        raise CommandError(f"{e} (aliases: quark = hf, ct = compressed-tensors)") from None
+        raise CommandError(f"{e} (aliases: {aliases_text()})") from None
     dtype = None if args.dtype is None else _dtype(args.dtype)
     if args.report:
         rp = pathlib.Path(args.report)
@@ -290,8 +290,9 @@ def convert_command(args) -> int:
                                f"converted checkpoint: choose another path")
         if overlap(rp.parent, args.dst) not in ("is", "lies inside"):  # a folder the conversion creates is fine
             _check_writable_file("--report", args.report)
-    if getattr(args, "onnx_unsupported", "error") != "error" and str(args.to).lower() != "onnx":
-        raise CommandError(f"--onnx-unsupported {args.onnx_unsupported} applies to --to onnx, not --to {args.to}")
+    if getattr(args, "onnx_unsupported", "error") != "error" and "onnx_unsupported" not in dict(to.options):
+        raise CommandError(f"--onnx-unsupported {args.onnx_unsupported} applies to --to "
+                           f"{option_owner('onnx_unsupported').name}, not --to {args.to}")
     progress = not getattr(args, "no_progress", False)
     with _loading_bars(progress):  # --no-progress: transformers' "Loading weights" bars too
         info = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, strict=args.strict, dtype=dtype,

@@ -19,14 +19,17 @@ from torch import nn
 
 from qcore.formats.safetensors_io import read_json_object
 
+from ..config import ModelConfig
+
 from . import compressed_tensors as CT
 from . import gguf as GG
 from . import onnx as OX
 from . import quark_hf as HF
+from .common import check_format_version
 from . import from_pretrained
 
 __all__ = ["Format", "ExportRequest", "Written", "FORMATS", "format_named", "detect_format", "gguf_in_dir",
-           "EXPORT_OPTION_DEFAULTS"]
+           "EXPORT_OPTION_DEFAULTS", "option_owner", "format_of_method", "aliases_text"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,9 @@ class Format:
     weightless_ok: bool = False
     suffix: Optional[str] = None  # a file destination's suffix (convert's dst may be DIR or FILE.suffix)
     gguf_specs: bool = False  # holds GGUF block types as they are (float block offsets, super-block scales)
+    copies_own_source: bool = False  # from a source of its own format: tokenizer and name copied as they are
+    methods: tuple = ()  # the quantization_config.quant_method values a checkpoint directory of it declares
+    config_of: Optional[Callable] = None  # (quantization_config dict) -> the ModelConfig it describes
     file_holds_tokenizer: bool = True  # a file destination (``suffix``) can hold a tokenizer
     read_tokenizer: Callable = None  # (path) -> the checkpoint's transformers tokenizer (raises when unreadable)
     held_tokenizer: Callable = None  # (path) -> a description of the tokenizer the checkpoint holds, or None
@@ -183,6 +189,17 @@ def _write_onnx(model: nn.Module, dst: pathlib.Path, r: ExportRequest) -> Writte
     return Written(pathlib.Path(info.path), str(dst), "onnx", info, dequantized=tuple(info.dequantized))
 
 
+def _ct_config(qc: dict) -> ModelConfig:
+    """The ``ModelConfig`` of a compressed-tensors ``quantization_config``: its qcore block (without one, its
+    layers are named by module class, which only its model resolves)."""
+    own = qc.get("qcore")
+    if not (isinstance(own, dict) and isinstance(own.get("config"), dict)):
+        raise ValueError("a compressed-tensors quantization_config without a qcore block names its layers "
+                         "by module class, which only its model resolves; give a qcore or Quark config")
+    check_format_version(own, "quantization_config")
+    return ModelConfig.from_dict(own["config"])
+
+
 def _load_gguf(path: pathlib.Path, dtype) -> nn.Module:
     return GG.from_gguf(path, dtype=dtype)
 
@@ -191,13 +208,15 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("hf", ("quark",), "AMD Quark's HF layout (config.json + safetensors; vLLM, transformers + amd-quark and "
            "qcore load it)",
            check=lambda model, config, r, plans=None: HF.check_hf(model, config, plans=plans),
-           write=_write_hf, load=lambda path, dtype: from_pretrained(path, dtype=dtype)),
+           write=_write_hf, load=lambda path, dtype: from_pretrained(path, dtype=dtype), methods=("quark", "qcore"),
+           config_of=HF.checkpoint_config),
     Format("gguf", (), "DIR/model.gguf for llama.cpp (every family with a llama.cpp graph: Llama, Mistral, Qwen2/3, "
            "Gemma 1/2/3, Phi-3, GPT-2, GPT-NeoX, Mixtral, Qwen2/3-MoE; k-quants and legacy types; see docs/gguf.md)",
            check=lambda model, config, r, plans=None: GG.check_gguf(model, config, drop_activations=r.drop_activations,
                                                                     plans=plans),
            write=_write_gguf, load=_load_gguf, options=(("drop_activations", False),), activations=False,
            no_activations="llama.cpp quantizes activations its own way", suffix=".gguf", gguf_specs=True,
+           copies_own_source=True,
            read_tokenizer=_gguf_tokenizer, held_tokenizer=_gguf_held_tokenizer),
     Format("onnx", (), "DIR/model.onnx for onnxruntime (Llama models with a KV cache, or any traced model; see "
            "docs/onnx.md)",
@@ -209,11 +228,28 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("compressed-tensors", ("ct", "compressed_tensors"), "llm-compressor's layout (vLLM, transformers + "
            "compressed-tensors; see docs/compressed_tensors.md)",
            check=lambda model, config, r, plans=None: CT.check_ct(model, config, plans=plans),
-           write=_write_ct, load=lambda path, dtype: CT.load_compressed_tensors(path, dtype=dtype)),
+           write=_write_ct, load=lambda path, dtype: CT.load_compressed_tensors(path, dtype=dtype),
+           methods=("compressed-tensors",), config_of=_ct_config),
 )}
 
 #: every format-specific export option and its default (``Format.options``)
 EXPORT_OPTION_DEFAULTS = {k: v for f in FORMATS.values() for k, v in f.options}
+
+
+def option_owner(option: str) -> Format:
+    """The format a format-specific export option belongs to (``Format.options``)."""
+    return next(f for f in FORMATS.values() if option in dict(f.options))
+
+
+def format_of_method(method: Any) -> Optional[Format]:
+    """The format whose checkpoint directories declare ``quantization_config.quant_method`` ``method`` (None for
+    a method qcore does not read)."""
+    return next((f for f in FORMATS.values() if method in f.methods), None) if isinstance(method, str) else None
+
+
+def aliases_text() -> str:
+    """The formats' aliases, for messages: ``quark = hf, ct = compressed-tensors, ...``."""
+    return ", ".join(f"{a} = {f.name}" for f in FORMATS.values() for a in f.aliases)
 
 
 def format_named(name: Any, *, what: str = "format", sources: bool = False) -> Format:
@@ -259,12 +295,11 @@ def detect_format(path: Union[str, pathlib.Path]) -> Format:
         raise ValueError(f"src {str(p)!r}: config.json's quantization_config must be a JSON object, got "
                          f"{type(qc).__name__}")
     method = qc.get("quant_method")
-    if method in ("quark", "qcore"):
-        return FORMATS["hf"]
-    if method == "compressed-tensors":
-        return FORMATS["compressed-tensors"]
+    fmt = format_of_method(method)
+    if fmt is not None:
+        return fmt
     if not qc:
         raise ValueError(f"src {str(p)!r} is not quantized (config.json has no quantization_config); quantize it "
                          f"with qcore quantize first")
-    raise ValueError(f"src {str(p)!r}: quant_method {method!r} is not one qcore reads (quark, qcore, "
-                     f"compressed-tensors)")
+    raise ValueError(f"src {str(p)!r}: quant_method {method!r} is not one qcore reads "
+                     f"({', '.join(m for f in FORMATS.values() for m in f.methods)})")

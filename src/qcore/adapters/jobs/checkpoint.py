@@ -245,10 +245,11 @@ def _load_outside(plan: _Plan) -> None:
 def _stream(plan: _Plan, spill: Optional[Spill]) -> tuple:
     """The streamed pass over the decoder layers (``passes.streaming.stream_layers``)."""
     job = plan.job
-    return stream_layers(plan.model, plan.path, plan.layers, plan.by_layer, plan.plans, plan.outer_plans,
-                         plan.layer_of, plan.algos, plan.static, job.data, plan.source, plan.dtype, job.device, spill,
-                         job.pack_method, job.progress, own=plan.own, reduce=job.distributed,
-                         **({} if spill is None else {"work_dir": plan.work}))
+    return stream_layers(plan.model, plan.source, path=plan.path, layers=plan.layers, by_layer=plan.by_layer,
+                         plans=plan.plans, outer_plans=plan.outer_plans, layer_of=plan.layer_of, algos=plan.algos,
+                         static=plan.static, data=job.data, dtype=plan.dtype, device=job.device, spill=spill,
+                         pack_method=job.pack_method, progress=job.progress, own=plan.own,
+                         work_dir=None if spill is None else plan.work, reduce=job.distributed)
 
 
 def _write(plan: _Plan) -> ExportInfo:

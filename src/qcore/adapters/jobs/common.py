@@ -23,6 +23,7 @@ from ..eval import evaluate as E
 from ..eval import models as M
 from ..io import from_pretrained
 from ..io.common import hf_config
+from ..io.formats import format_of_method
 
 __all__ = ["DTYPES", "CommandError", "Names", "PYTHON", "CLI", "torch_dtype", "load_model", "load_float_model", "loading_bars",
            "read_eval_text", "protocol_windows", "calibration_windows", "check_writable_file", "check_device", "check_seq_len",
@@ -135,7 +136,7 @@ def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str, names: N
             raise CommandError(f"{names.arg('model', spec)}: a directory without config.json is not an HF model "
                                f"directory")
         qc = read_json_object(p / "config.json", what="the model config").get("quantization_config") or {}
-        if isinstance(qc, dict) and qc.get("quant_method") in ("quark", "qcore", "compressed-tensors"):  # quantized
+        if isinstance(qc, dict) and format_of_method(qc.get("quant_method")) is not None:  # quantized
             model = from_pretrained(p, dtype=dtype)
         else:
             model = load_float_model(p, dtype=dtype, names=names)

@@ -45,7 +45,7 @@ from qcore._fsutil import check_not_source, staged_path
 from qcore.formats.gguf import check_file
 
 from ..batches import set_module
-from ..io.formats import FORMATS, ExportRequest, Format, detect_format, format_named, gguf_in_dir
+from ..io.formats import ExportRequest, Format, detect_format, format_named, gguf_in_dir, option_owner
 from ..io.gguf import model_config_of_specs
 from ..io.onnx import UnsupportedWeightError
 from ..modules import EXPERT_PROJS, QuantExperts, QuantModule
@@ -284,7 +284,7 @@ def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src: Format, dst
             overwrite: bool, tokenizer_pre: Optional[str], progress: bool = False,
             onnx_unsupported: str = "error") -> tuple:
     """Write ``model`` in format ``to`` at ``dst``; ``(path written, notes, exporter report)``."""
-    same = to.gguf_specs and src is to  # GGUF -> GGUF: the tokenizer.* fields and the name copied verbatim
+    same = to.copies_own_source and src is to  # GGUF -> GGUF: the tokenizer.* fields and the name copied verbatim
     request = ExportRequest(tokenizer=str(src_path) if same else tok, overwrite=overwrite, progress=progress,
                             drop_activations=True, tokenizer_pre=tokenizer_pre, onnx_unsupported=onnx_unsupported,
                             name=_gguf_name(src_path) if same else None, file_ok=True)
@@ -293,7 +293,7 @@ def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src: Format, dst
     except UnsupportedWeightError as e:  # name convert's own argument (the command line names its flag)
         raise e.with_option("onnx_unsupported='dequantize'") from None
     notes = list(written.notes)
-    if to.gguf_specs and request.tokenizer is None:
+    if to.copies_own_source and request.tokenizer is None:
         notes.append("no tokenizer in the source: the GGUF file has none (llama.cpp needs one)")
     return written.path, notes, written.info
 
@@ -393,7 +393,7 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
     if onnx_unsupported not in ("error", "dequantize"):
         raise ValueError(f"onnx_unsupported must be 'error' or 'dequantize', got {onnx_unsupported!r}")
     if onnx_unsupported != "error" and "onnx_unsupported" not in dict(to.options):
-        owner = next(f.name for f in FORMATS.values() if "onnx_unsupported" in dict(f.options))
+        owner = option_owner("onnx_unsupported").name
         raise ValueError(f"onnx_unsupported={onnx_unsupported!r} applies to to={owner!r}, not to={to.name!r}")
     if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype!r}")
@@ -416,7 +416,8 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
         model, tok, _, tok_dropped = _load_quantized(src_p, dtype=torch.float32 if to.float32_only else dtype)
         src_p = _source_file(src_p, src_fmt)
         # a GGUF destination of a GGUF source copies the tokenizer fields verbatim; an .onnx file holds none
-        carried = (to.gguf_specs and src_fmt is to) or (not to.file_holds_tokenizer and dst_p.suffix == to.suffix)
+        carried = (to.copies_own_source and src_fmt is to) or (
+            not to.file_holds_tokenizer and dst_p.suffix == to.suffix)
         if tok_dropped and not carried:
             if strict:
                 raise ValueError(f"convert to {to.name}: not lossless: {tok_dropped}; dst was not written")

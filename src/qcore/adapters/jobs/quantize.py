@@ -29,6 +29,7 @@ import pathlib
 import resource
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -47,7 +48,7 @@ from ..eval import layer_report
 from ..eval import models as M
 from ..gguf_mix import gguf_mix
 from ..imatrix import check_importance_algorithms, collect_imatrix, load_imatrix, model_importance
-from ..io.formats import EXPORT_OPTION_DEFAULTS, FORMATS, ExportRequest, Format
+from ..io.formats import EXPORT_OPTION_DEFAULTS, FORMATS, ExportRequest, Format, option_owner
 from ..io.onnx import UnsupportedWeightError
 from ..io.common import check_destination, parse_size, weightless_error
 from ..passes.amp import amp_config
@@ -336,9 +337,15 @@ class QuantizeJob:
 
     @classmethod
     def from_arguments(cls, *, names: Names = PYTHON, **arguments: Any) -> "QuantizeJob":
-        """The job of ``quantize_and_report``'s keyword arguments (each checked for its type and range, a
-        ``TypeError`` / ``ValueError`` naming it); the command line gives its flags the same way (``names=CLI``)."""
-        o = _check_types(arguments)
+        """The job of ``quantize_and_report``'s keyword arguments (those not given take its defaults; each is
+        checked for its type and range, a ``TypeError`` / ``ValueError`` naming it); the command line gives its
+        flags the same way (``names=CLI``)."""
+        params = inspect.signature(quantize_and_report).parameters
+        unknown = sorted(set(arguments) - set(params))
+        if unknown:
+            raise TypeError(f"QuantizeJob.from_arguments: unknown argument(s) {unknown}; expected those of "
+                            f"quantize_and_report")
+        o = _check_types({**{k: p.default for k, p in params.items()}, **arguments})
         try:
             algos = _parse_algorithms(o["algorithms"])
         except (ValueError, TypeError) as e:
@@ -485,9 +492,9 @@ def _check_export_options(job: QuantizeJob) -> tuple:
     if ex.format and not ex.output:
         raise CommandError(f"{names.arg('export', ex.format)} needs {names.meta('output', 'DIR')} (where to write "
                            f"the checkpoint)")
-    for name, default in EXPORT_OPTION_DEFAULTS.items():
-        owner = next(f.name for f in FORMATS.values() if name in dict(f.options))
-        if getattr(ex, name) != default and ex.format != owner:  # an option that would change nothing: a mistake
+    for name in (f.name for f in dataclasses.fields(ExportSection) if f.name in EXPORT_OPTION_DEFAULTS):
+        owner = option_owner(name).name
+        if getattr(ex, name) != EXPORT_OPTION_DEFAULTS[name] and ex.format != owner:  # an option that would change nothing: a mistake
             raise CommandError(f"{names(name)} applies to {names.arg('export', owner)}" + (
                 "" if ex.format is None else f", not {names.arg('export', ex.format)}"))
     im = job.scheme.imatrix
@@ -534,8 +541,9 @@ def _check_scheme(job: QuantizeJob, fmt: Optional[Format]) -> tuple:
             raise CommandError(f"{names.arg('export', target.name)} with {names('amp')}: the AMP schemes quantize "
                                f"activations, which {target.name.upper()} cannot hold; export AMP models with "
                                f"{names.arg('export', 'hf')}")
-        built = build_config(scheme_in, **build)
-        if not ex.drop_activations and quantizes_activations(built[0]):
+        if not ex.drop_activations:
+            built = build_config(scheme_in, **build)
+        if built is not None and quantizes_activations(built[0]):
             raise CommandError(f"{names.arg('export', target.name)}: the scheme quantizes activations, which "
                                f"{target.name.upper()} cannot hold ({target.no_activations}); use a weight-only "
                                f"scheme or pass {names('drop_activations')}{'' if names.cli else '=True'}")
@@ -728,7 +736,11 @@ class _Quantized:
 
 
 def run(plan: QuantizePlan) -> QuantizeReport:
-    """The work of a checked job, in phases: baseline, quantize, measure, export, report."""
+    """The work of a checked job, in phases: baseline, quantize, measure, export, report. A plan runs once: the
+    model is quantized and frozen in place (check the job again for another run on a fresh model)."""
+    if quantized_modules(plan.model):
+        raise ValueError("run: this plan's model is already quantized (a plan runs once); check the job again on "
+                         "a float model")
     if plan.job.names.cli and plan.out_dir is None:  # the work starts: a result lost unnoticed is no surprise
         print("qcore quantize: no --output DIR given: the quantized model will not be saved (this run evaluates "
               "and reports only)", file=sys.stderr, flush=True)
@@ -831,7 +843,7 @@ def _measure(plan: QuantizePlan, q: _Quantized) -> _Measured:
 def _export(plan: QuantizePlan, config: ModelConfig) -> dict:
     """Write the checkpoint in the plan's format; the report's export fields."""
     t, ex, tok = time.perf_counter(), plan.job.export, plan.tokenizer
-    if plan.format.gguf_specs:  # llama.cpp needs the tokenizer: the GGUF file the model came from, where it did
+    if plan.format.copies_own_source:  # llama.cpp needs the tokenizer: the GGUF file the model came from, where it did
         m = plan.job.model.model
         tok = M.smollm2_path() if m is None else (
             pathlib.Path(m) if isinstance(m, str) and m.endswith(".gguf") else tok)

@@ -14,8 +14,7 @@ from typing import Optional
 from qcore.algorithms.config import QuaRotConfig
 
 from ..config import KVCacheConfig, LayerConfig, ModelConfig
-from ..io.common import check_format_version
-from ..io.quark_hf import checkpoint_config
+from ..io.formats import format_of_method
 from ..presets import PRESETS, mix_of_preset, preset, similar_schemes
 from .common import CLI, CommandError, Names
 
@@ -86,18 +85,8 @@ def read_scheme_file(scheme: str, *, names: Names = CLI) -> ModelConfig:
         raise CommandError(f"{where}: quantization_config must be a JSON object, got a JSON "
                            f"{type(d).__name__}")
     try:
-        method = d.get("quant_method")
-        if method in ("quark", "qcore"):  # a qcore export's quantization_config: its qcore block, else Quark's
-            config = checkpoint_config(d)
-        elif method == "compressed-tensors":
-            own = d.get("qcore")
-            if not (isinstance(own, dict) and isinstance(own.get("config"), dict)):
-                raise ValueError("a compressed-tensors quantization_config without a qcore block names its layers "
-                                 "by module class, which only its model resolves; give a qcore or Quark config")
-            check_format_version(own, "quantization_config")
-            config = ModelConfig.from_dict(own["config"])
-        else:
-            config = ModelConfig.from_dict(d)
+        fmt = format_of_method(d.get("quant_method"))  # a checkpoint's quantization_config: as its format reads it
+        config = fmt.config_of(d) if fmt is not None else ModelConfig.from_dict(d)
     except (ValueError, TypeError) as e:
         raise CommandError(f"{where}: {e}") from None
     return config

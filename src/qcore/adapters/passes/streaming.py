@@ -232,8 +232,16 @@ def skeleton(src: pathlib.Path, dtype: Optional[torch.dtype]):
     return model, dtype, gen
 
 
-def stream_layers(model, path, layers, by_layer, plans, outer_plans, layer_of, algos, static, data, source, dtype, device,
-         spill, pack_method, progress, *, own=False, work_dir=None, reduce=None):
+def stream_layers(model, source: Source, *, path: str, layers, by_layer: list, plans: list, outer_plans: list,
+                  layer_of: dict, algos: tuple, static: list, data, dtype, device, spill, pack_method: str,
+                  progress: bool, own: bool = False, work_dir=None, reduce=None) -> tuple:
+    """The streamed pass (module docstring, steps 1-4) over the decoder layers ``layers`` (at ``path``) of the meta
+    skeleton ``model``, reading each layer's tensors from ``source``: ``by_layer`` / ``layer_of`` / ``outer_plans``
+    say which planned modules sit in which layer and which outside; ``algos`` run on each layer over the kept
+    inputs of ``data``; ``static`` roles are calibrated; each layer's encoded tensors go to ``spill`` (None: a rank
+    that writes nothing). Returns ``(records, layouts)``: the tensor records in the checkpoint layout (the layers'
+    spilled, the others' read from the live modules) and each module's layout.
+    ``work_dir``: the run's ``WorkDir`` (progress saved per layer); ``reduce``: the ranks' ``Distributed``."""
     family = family_or_none(model)
 
     runner = LayerRunner(model, path=path, layers=layers, device=device, progress=progress)
