@@ -51,7 +51,7 @@ from qcore.formats.quark_layout import WeightParts
 from qcore.formats.safetensors_io import TensorRecord, CorruptCheckpointError, SafetensorsFile
 
 from ..config import ModelConfig, KVCacheConfig, LayerConfig, TensorConfig, match_name
-from .records import TORCH_ST, record, tensor_record, untied_state
+from .records import ST_TORCH, TORCH_ST, record, tensor_record, untied_state
 from .common import (QCORE_FORMAT_VERSION, canonical_shape, check_config_describes, check_destination,
                      check_format_version, conv1d_error, export_units, hf_config, model_class, model_config,
                      online_rotations, parse_size, read_config, refuse_conv1d, weight_parts, weightless_error,
@@ -515,7 +515,6 @@ def config_from_ct(model: nn.Module, ctc: CT.CTConfig) -> ModelConfig:
 _ST_NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64, "I8": np.int8, "U8": np.uint8,
           "I16": np.int16, "I32": np.int32, "I64": np.int64, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8,
           "BOOL": np.bool_, "U16": np.uint16, "U32": np.uint32, "U64": np.uint64, "F8_E8M0": np.uint8}
-ST_TORCH = {st: t for t, st in TORCH_ST.items()}
 _FLOAT_ST = ("F32", "BF16", "F16")
 
 
