@@ -173,7 +173,6 @@ def bench_gemma(args) -> dict:
             lg = torch.tanh(logits / cap) * cap
             return torch.nn.functional.cross_entropy(lg[0, :-1].float(), batch[0, 1:], reduction="sum")
         _, t_loss = _timed(post_loss, args.repeat)
-        del logits
         loss = E._WindowLoss(model)
         _, t_chunk = _timed(lambda: loss(batch), args.repeat)
     res.update(ppl_old=p_old, ppl_new=p_new, rel_diff=p_new / p_old - 1, old_wall=t_old[0], old_cpu=t_old[1],

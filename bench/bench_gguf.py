@@ -111,7 +111,7 @@ def main() -> int:
     print(f"{out['scheme']}, {args.windows} windows of {E.SEQ_LEN} tokens, {args.threads} threads")
     print(f"GGUF: {out['gguf_lossless']}/{out['gguf_quantized']} weights lossless (max abs diff "
           f"{out['gguf_max_abs_diff']:.3g}), {out['gguf_bytes'] / 1e6:.1f} MB; import: {out['import']}")
-    print(f"| evaluator | ppl | seconds |\n|---|---|---|")
+    print("| evaluator | ppl | seconds |\n|---|---|---|")
     for k, name in (("qcore", "qcore (in memory)"), ("qcore_from_gguf", "qcore from_gguf(file)"),
                     ("llama_cpp", f"llama.cpp {out['llama_cpp']}")):
         print(f"| {name} | {out[k + '_ppl']:.4f} | {out[k + '_seconds']:.1f} |")

@@ -17,7 +17,6 @@ model (protocol windows). Writes bench/results/SPEED_ROTATIONS.md and .json (``-
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import os

@@ -136,7 +136,7 @@ def main(argv=None) -> int:
         (f"GPTQ resumed after {a.layers // 2} of {a.layers} layers", med["resumed"], med["resumed"] / med["float"],
          f"{med['resumed'] / med['plain']:.2f}x the whole run", "about half the run"),
     ]
-    lines = [f"# Work directory cost (bench/bench_work_dir.py)", "",
+    lines = ["# Work directory cost (bench/bench_work_dir.py)", "",
              f"machine: {meta['machine']}, {meta['cpus']} CPUs, torch threads {meta['torch_threads']}, load average "
              f"{load:.1f} (1 min) at the end; random Llama hidden {a.hidden}, {a.layers} layers, "
              f"{weights / 1e6:.0f} MB float32 weights; GPTQ uint4 g64 on {a.batches} x {a.tokens} tokens; "

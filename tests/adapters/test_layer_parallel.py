@@ -15,7 +15,8 @@ pytest.importorskip("transformers")
 
 import dist_worker  # noqa: E402  (tests/adapters, next to this file)
 import layer_parallel_worker as worker  # noqa: E402
-import stream_worker  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "passes"))  # stream_worker, whichever test ran first
+import stream_worker  # noqa: E402  (tests/adapters/passes)
 
 import qcore.adapters.passes.gptq as seq  # noqa: E402  (the GPTQ binding: where gptq() is looked up)
 from qcore.adapters import quantize_model  # noqa: E402

@@ -5,7 +5,6 @@ expressions of the landed code bit for bit, and ``gptq`` leaves a caller's Hessi
 import numpy as np
 import pytest
 
-import qcore
 from qcore.algorithms import gptq as G
 from qcore.algorithms import gptq_core as core
 

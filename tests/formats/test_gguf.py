@@ -315,7 +315,7 @@ def test_q4_0_holds_only_zero_points_7_and_8():
 def test_architectures_are_gguf_pys():
     """Every architecture, tensor name and metadata key qcore writes is one gguf-py (llama.cpp's constants) defines
     for that architecture."""
-    gguf = pytest.importorskip("gguf")
+    pytest.importorskip("gguf")
     from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES, Keys
     by_name = {v: k for k, v in MODEL_ARCH_NAMES.items()}
     keys = {v for cls in (Keys.LLM, Keys.Attention, Keys.Rope) for k, v in vars(cls).items()

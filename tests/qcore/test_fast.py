@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import qcore
-from qcore import PerBlock, PerChannel, PerGroup, PerTensor, make_spec
+from qcore import PerBlock, PerChannel, PerGroup, make_spec
 from qcore import _fast, _inplace
 from qcore._backend import ops
 from qcore.cast import decode, encode

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import qcore
-from qcore import PerChannel, PerGroup, make_spec
+from qcore import PerChannel, make_spec
 from qcore import _fast, _given, _inplace
 from qcore._backend import ops
 

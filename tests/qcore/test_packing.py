@@ -555,16 +555,16 @@ def _torch_cases():
 
 
 def _check_torch_matches_numpy(torch, device):
-    for name, x, pack, unpack, axis in _torch_cases():
+    for name, x, pack_fn, unpack_fn, axis in _torch_cases():
         n = x.shape[axis]
-        p_np = pack(x)
+        p_np = pack_fn(x)
         t = torch.from_numpy(x).to(device)
-        p_t = pack(t)
+        p_t = pack_fn(t)
         assert isinstance(p_t, torch.Tensor) and p_t.device == t.device, name
         assert str(p_t.dtype).split(".")[-1] == p_np.dtype.name, name
         np.testing.assert_array_equal(p_t.cpu().numpy(), p_np, err_msg=name)
-        u_np = unpack(p_np, n)
-        u_t = unpack(p_t, n)
+        u_np = unpack_fn(p_np, n)
+        u_t = unpack_fn(p_t, n)
         assert str(u_t.dtype).split(".")[-1] == u_np.dtype.name, name
         np.testing.assert_array_equal(u_t.cpu().numpy(), u_np, err_msg=name)
         np.testing.assert_array_equal(u_np, x, err_msg=name)

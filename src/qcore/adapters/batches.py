@@ -4,7 +4,7 @@ show a progress bar."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -111,3 +111,10 @@ def check_batches(model: nn.Module, data: Any) -> None:
     if isinstance(data, (list, tuple)):
         for i, batch in enumerate(data):
             check_batch(model, batch, i)
+
+
+def check_data(data: Any) -> None:
+    """``data=`` checked: None or an iterable of batches (not a single tensor or dict)."""
+    if data is not None and (isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable)):
+        raise TypeError(f"data must be an iterable of batches (a list or a DataLoader), got {type(data).__name__}; "
+                        f"wrap a single batch in a list: [batch]")

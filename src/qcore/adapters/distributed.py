@@ -359,3 +359,12 @@ def fingerprint(model: torch.nn.Module, config: Any, plans: list) -> str:
     h.update(repr([(p.name, p.type) for p in plans]).encode())
     h.update(repr([(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]).encode())
     return h.hexdigest()
+
+
+def check_distributed(distributed: Any) -> Distributed:
+    """``distributed=`` checked: a ``Distributed`` whose ``torch.distributed`` is initialised (TypeError /
+    ValueError naming it otherwise)."""
+    if not isinstance(distributed, Distributed):
+        raise TypeError(f"distributed must be a qcore.adapters.distributed.Distributed, got "
+                        f"{type(distributed).__name__}")
+    return distributed.check()

@@ -18,10 +18,10 @@ from torch import nn
 from qcore._fsutil import model_sources
 from qcore.algorithms.config import ROTATION_CONFIGS, GPTQConfig, SpinQuantConfig, split_distill, split_rotation
 
-from .batches import check_batches, progress_bar, set_module
+from .batches import check_batches, check_data, progress_bar, set_module
 from .calibration import calibrate
 from .config import ModelConfig, TensorConfig
-from .distributed import Distributed, fingerprint as distributed_fingerprint
+from .distributed import check_distributed, fingerprint as distributed_fingerprint
 from .imatrix import attached_importance, importance_digest, model_importance
 from .modules import QuantExperts, wrap
 from .moe import moe_calibration
@@ -155,17 +155,12 @@ def _check_data(model, plans, data, *, distributed, config) -> tuple:
     if static and data is None:
         raise ValueError(f"the config has static activation scales ({', '.join(static[:3])}"
                          f"{', ...' if len(static) > 3 else ''}); pass calibration batches as data=")
-    if data is not None and (isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable)):
-        raise TypeError(f"data must be an iterable of batches (a list or a DataLoader), got {type(data).__name__}; "
-                        f"wrap a single batch in a list: [batch]")
+    check_data(data)
     check_batches(model, data)
     if static and isinstance(data, (list, tuple)) and not data:
         raise ValueError("calibration data is empty; static activation scales need at least one batch")
     if distributed is not None:
-        if not isinstance(distributed, Distributed):
-            raise TypeError(f"distributed must be a qcore.adapters.distributed.Distributed, got "
-                            f"{type(distributed).__name__}")
-        distributed.check()
+        check_distributed(distributed)
         if data is not None:
             data = list(data)
         distributed.check_consistent(fingerprint=distributed_fingerprint(model, config, plans),

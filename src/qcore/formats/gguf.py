@@ -322,7 +322,6 @@ def decode(data: np.ndarray, kind: str, spec: QuantSpec, shape: tuple, *, where:
         raise ValueError(f"decode {where}: spec {spec.name or spec.dtype.name} ({g}) is not the group-32 spec of "
                          f"{kind}")
     b = _blocks(data, kind, shape, where)
-    n = b.shape[0]
     nb = cols // BLOCK
     zp = None
     if kind == "MXFP4":
@@ -419,7 +418,7 @@ def import_blocks(data: np.ndarray, kind: str, shape: tuple, *, where: str = "te
     d = _f16(b[:, :2])
     if not bool(np.all(np.isfinite(d))):
         raise CorruptCheckpointError(f"{where}: {kind} block scales d that are NaN or Inf")
-    pos, neg, zero = d > 0, d < 0, d == 0
+    neg, zero = d < 0, d == 0
     scale = np.where(zero, np.float32(1), np.abs(d)).astype(np.float32)
     if kind == "Q8_0":
         q = np.ascontiguousarray(b[:, 2:]).view(np.int8).astype(np.int16)

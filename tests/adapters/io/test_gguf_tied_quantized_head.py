@@ -1,7 +1,6 @@
 """A quantized output head tied to a token embedding of the same GGUF type is written once, as ``token_embd``
 (llama.cpp's tied layout, as llama.cpp's own quantizer writes it), not again as ``output.weight``."""
 
-import numpy as np
 import pytest
 import torch
 

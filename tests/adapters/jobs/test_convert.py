@@ -5,7 +5,6 @@ the destination untouched, the errors and the command line."""
 import json
 
 import numpy as np
-import pathlib
 
 import pytest
 
@@ -187,7 +186,7 @@ def test_cli_convert_gguf_strict(tmp_path, capsys):
 
 
 def test_convert_to_onnx_runs_in_onnxruntime(tmp_path):
-    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxruntime")
     from qcore.adapters.io.onnx import decoder_logits
     from qcore.formats.onnx import ort_session
     m = _hf_checkpoint(tmp_path / "hf", "uint4_wo_64")

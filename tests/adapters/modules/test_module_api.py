@@ -13,7 +13,7 @@ from torch import nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import qcore  # noqa: E402
-from qcore import PerChannel, PerGroup  # noqa: E402
+from qcore import PerGroup  # noqa: E402
 from qcore.adapters import LayerConfig, TensorConfig  # noqa: E402
 from qcore.adapters.modules import QuantExperts, QuantModule, StoredScales, wrap  # noqa: E402
 

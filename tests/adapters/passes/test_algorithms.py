@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import qcore  # noqa: E402
-from qcore.adapters import ModelConfig, export_hf, from_pretrained, preset, quantize_model  # noqa: E402
+from qcore.adapters import export_hf, from_pretrained, preset, quantize_model  # noqa: E402
 from qcore.adapters.passes import gptq as gptq_binding  # noqa: E402
 from qcore.adapters.passes import sequential  # noqa: E402
 from qcore.adapters.passes.runner import capture  # noqa: E402

@@ -9,11 +9,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import qcore  # noqa: E402
 from qcore import PerChannel, PerTensor, make_spec  # noqa: E402
 from qcore.adapters import _calib_tail, preset, quantize_model  # noqa: E402
 from qcore.algorithms import _scaling as u  # noqa: E402
-from qcore.algorithms import smoothquant as sq  # noqa: E402
 from qcore.algorithms.smoothquant import SmoothLoss, SmoothRule, _reference_auto_smoothquant, auto_smoothquant  # noqa: E402,E501
 
 

@@ -17,7 +17,6 @@ import stream_worker  # noqa: E402
 
 import qcore  # noqa: E402
 import qcore.adapters as A  # noqa: E402
-from qcore.adapters import LayerConfig, TensorConfig  # noqa: E402
 from qcore.adapters.io import common, quark_hf  # noqa: E402
 from qcore.adapters.jobs.checkpoint import quantize_checkpoint  # noqa: E402
 from qcore.formats import quark_layout as L  # noqa: E402

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 import qcore  # noqa: E402
 from qcore.adapters import export_hf, from_pretrained, preset, quantize_model  # noqa: E402
-from qcore.adapters.modules import QuantLinear, low_rank_modules  # noqa: E402
+from qcore.adapters.modules import low_rank_modules  # noqa: E402
 
 W4A4 = "w_int4_a_int4_per_token_dynamic"
 

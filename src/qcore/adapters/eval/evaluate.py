@@ -299,7 +299,8 @@ class _WindowLoss:
                           f"logits; computing them whole (slower, more memory)", RuntimeWarning, stacklevel=3)
             self.head = None
             return _reference_window_nll(self.model, batch)
-        del out, last, captured
+        del out, last
+        captured.clear()
         x, targets = h[:, :-1], batch[:, 1:]
         step = max(1, LOSS_CHUNK_ELEMENTS // max(1, self.head.out_features * batch.shape[0]))
         total = 0.0

@@ -23,8 +23,9 @@ from qcore.algorithms.config import ROTATION_CONFIGS
 from qcore.formats import quark_layout as L
 
 from .._device import check_device
+from ..batches import check_data
 from ..config import ModelConfig, TensorConfig
-from ..distributed import Distributed
+from ..distributed import check_distributed
 from ..distributed import fingerprint as distributed_fingerprint
 from ..families import family_or_none
 from ..io.experts import check_no_experts
@@ -123,16 +124,11 @@ def _check_arguments(src_dir, dst_dir, config, data, *, dtype, device, max_shard
     device = check_device(device, what="device")
     max_bytes = parse_size(max_shard_size)
     cfg = resolve_config(config)
+    check_data(data)
     if data is not None:
-        if isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable):
-            raise TypeError(f"data must be an iterable of batches (a list or a DataLoader), got "
-                            f"{type(data).__name__}; wrap a single batch in a list: [batch]")
         data = list(data)
     if distributed is not None:
-        if not isinstance(distributed, Distributed):
-            raise TypeError(f"distributed must be a qcore.adapters.distributed.Distributed, got "
-                            f"{type(distributed).__name__}")
-        distributed.check()
+        check_distributed(distributed)
         if work_path is not None:
             raise ValueError("quantize_checkpoint: work_dir= is not supported with distributed= (each rank would "
                              "need its own work directory); run without work_dir or in one process")

@@ -64,8 +64,13 @@ from .rotation import (InputRotation, ReferenceInputRotation, input_rotations, i
                        online_plan, remove_online)
 
 __all__ = ["QuantLinear", "QuantConv2d", "QuantConvTranspose2d", "QuantEmbedding", "QuantEmbeddingBag",
-           "QUANT_CLASSES", "wrap", "is_quantized_module", "CalibrationError", "QuantExperts",
-           "LowRankBranch", "add_low_rank_branch", "low_rank_modules", "StoredScales", "QuantModule", "weight_layout",
-           "OUT_IN", "IN_OUT", "quantizable_type"]
+           "QUANT_CLASSES", "wrap", "is_quantized_module", "CalibrationError", "QuantExperts", "LowRankBranch",
+           "add_low_rank_branch", "low_rank_modules", "StoredScales", "QuantModule", "weight_layout", "OUT_IN",
+           "IN_OUT", "quantizable_type", "FROZEN", "INPLACE", "PENDING", "QAT", "dequantize_dispatch",
+           "fake_quantize_dispatch", "EXPERT_PROJS", "KNOWN_EXPERTS", "experts_layout_problem",
+           "experts_weight_spec", "is_fused_experts", "gguf_cat", "gguf_numpy", "gguf_qtensor",
+           "activation_granularity", "weight_granularity", "with_granularity", "linear_weight", "linear_weight_spec",
+           "Observer", "calibrating", "quantize_observed", "InputRotation", "ReferenceInputRotation",
+           "input_rotations", "install_online", "online_hooks", "online_plan", "remove_online"]
 if QuantConv1D is not None:
     __all__.append("QuantConv1D")
