@@ -96,6 +96,7 @@ public = [m.name for m in pkgutil.walk_packages(qcore.__path__, "qcore.")
           if not any(part.startswith("_") for part in m.name.split("."))]
 for name in public:
     importlib.import_module(name)
+print("qcore", qcore.__version__, "from", pathlib.Path(qcore.__file__).parent)  # site-packages, not the clone
 print("imported", len(public), "public modules")
 # a tiny job: quantize on the command line, export, inspect, reload
 torch.manual_seed(0)
@@ -111,7 +112,9 @@ assert qcore_cli("--version").strip() == f"qcore {qcore.__version__}"
 qcore_cli("quantize", "--model", "tiny", "--scheme", "uint4_wo_64", "--eval", "none", "--output", "tiny-uint4",
           "--no-progress", "--report", "report.json")
 assert json.loads(pathlib.Path("report.json").read_text())["layers_quantized"] == 14
+print("qcore quantize --model tiny --scheme uint4_wo_64: 14 layers quantized")
 assert "uint4" in qcore_cli("inspect", "tiny-uint4")
+print("qcore inspect tiny-uint4: uint4")
 from qcore.adapters import from_pretrained, preset, quantize_model, freeze
 back = from_pretrained("tiny-uint4")
 ref = transformers.LlamaForCausalLM.from_pretrained("tiny").eval()
@@ -119,8 +122,10 @@ quantize_model(ref, preset("uint4_wo_64"), progress=False)
 freeze(ref)
 x = torch.randint(0, 256, (1, 16))
 assert torch.equal(back(x).logits, ref(x).logits)
+print("from_pretrained(tiny-uint4): logits equal to quantize_model in memory")
 qcore_cli("conformance", "export", "vectors", "--formats", "mxfp4,float8_e4m3fn")
 assert "PASS" in qcore_cli("conformance", "check", "vectors", "--outputs", "vectors")
+print("qcore conformance export / check (mxfp4, float8_e4m3fn): PASS")
 print("end to end: ok")
 '''
 
@@ -153,3 +158,5 @@ def test_installed_wheel_end_to_end(tmp_path):
     r = subprocess.run([str(py), "-c", _E2E], cwd=work, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-5000:]
     assert "end to end: ok" in r.stdout
+    print(f"\nbuilt {whl.name} ({whl.stat().st_size // 1024} KiB), {sdist.name} ({sdist.stat().st_size // 1024} KiB); "
+          f"installed in a fresh venv; from {work}:\n{r.stdout}")  # shown with pytest -s (the closing note's output)
