@@ -89,8 +89,8 @@ import importlib, pathlib, pkgutil, subprocess, sys, json
 import torch, transformers
 import qcore
 here = pathlib.Path(qcore.__file__).resolve()
-assert "site-packages" in here.parts, f"qcore imported from {here}, not the installed wheel (a clone named qcore "
-                                      f"in the working folder must not shadow it)"
+assert "site-packages" in here.parts, (f"qcore imported from {here}, not the installed wheel (a clone named "
+                                       f"qcore in the working folder must not shadow it)")
 # every public module imports (optional heavy dependencies are deferred to the functions that need them)
 public = [m.name for m in pkgutil.walk_packages(qcore.__path__, "qcore.")
           if not any(part.startswith("_") for part in m.name.split("."))]
@@ -128,6 +128,12 @@ assert "PASS" in qcore_cli("conformance", "check", "vectors", "--outputs", "vect
 print("qcore conformance export / check (mxfp4, float8_e4m3fn): PASS")
 print("end to end: ok")
 '''
+
+
+def test_end_to_end_script_compiles():
+    """The installed-wheel script (run only under the ``wheel`` marker) is valid Python: a slip in it shows in the
+    default run, not after a 10-minute build."""
+    compile(_E2E, "<wheel end to end>", "exec")
 
 
 @pytest.mark.wheel
