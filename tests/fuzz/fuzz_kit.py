@@ -27,7 +27,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import pathlib
 import re
 import signal
@@ -162,15 +161,16 @@ def attempt(fn: Callable[[], Any], *, watch: Sequence, size: int, timeout: float
 def check_refusal(err: BaseException, *, files: Sequence[str], fields: Sequence[str] = (),
                   classes: tuple = (ValueError, TypeError)) -> str:
     """``err`` is a refusal the contract allows: one of ``classes``, a one-line message naming one of ``files``
-    and (when given) one of ``fields``. Returns the message."""
+    and (when given) one of ``fields`` (a tuple among them: all of its parts). Returns the message."""
     if not isinstance(err, classes):
         tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))[-3000:]
         raise AssertionError(f"{type(err).__name__} is not a refusal ({[c.__name__ for c in classes]}):\n{tb}")
     msg = str(err)
     assert msg.strip() and "\n" not in msg.strip(), f"not a one-line message: {msg!r}"
     assert any(f in msg for f in files), f"the message names none of the files {list(files)}: {msg!r}"
-    if fields:
-        assert any(f in msg for f in fields), f"the message names none of {list(fields)}: {msg!r}"
+    if fields:  # a tuple among them: all its parts named (e.g. a layer and a tensor suffix)
+        assert any(all(p in msg for p in f) if isinstance(f, tuple) else f in msg for f in fields), \
+            f"the message names none of {list(fields)}: {msg!r}"
     return msg
 
 

@@ -132,7 +132,14 @@ def index_shards(directory: Union[str, os.PathLike], index: Union[str, os.PathLi
         if not f.is_file():
             raise CorruptCheckpointError(f"{str(idx)!r}: shard {name!r} is missing")
         out.append(f)
-    held = {name: SafetensorsFile(d / name).entries for name in sorted(set(wm.values()))}
+    held = {}
+    for name in sorted(set(wm.values())):
+        try:
+            held[name] = SafetensorsFile(d / name).entries
+        except CorruptCheckpointError as e:  # which entry of the index names the file, and what is wrong with it
+            key = next(k for k, v in wm.items() if v == name)
+            raise CorruptCheckpointError(f"{str(idx)!r}: weight_map[{key!r}] names {name!r}, which is not a valid "
+                                         f"safetensors file ({e})") from None
     for k, v in wm.items():  # the index says where each tensor is: it must be there
         if k not in held[v]:
             raise CorruptCheckpointError(f"{str(idx)!r}: the index puts tensor {k!r} in {v!r}, which does not "
