@@ -38,7 +38,7 @@ from qcore.algorithms.config import SpinQuantConfig
 from qcore.algorithms.hadamard import rotation
 from qcore.algorithms.orthogonal import cayley_step
 
-from ..batches import progress_bar
+from ..batches import FoundState, progress_bar
 from ..modules import (InputRotation, ReferenceInputRotation, activation_granularity, linear_weight_spec, online_hooks,
                        remove_online, with_granularity)
 from ..families import family_of
@@ -195,7 +195,7 @@ def _spinquant(model, plans, data, algo, *, progress: bool, train_weights: bool,
     last = None if reference else [None, None, None]
     hooks = [model.get_submodule(n).register_forward_pre_hook(_act_hook(s, last)) for n, s in aspecs.items()]
     step_of = None
-    was_training = model.training
+    found = FoundState(model, hooks=False)  # the online hooks stay (they are the result)
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
     model.eval()
@@ -251,7 +251,7 @@ def _spinquant(model, plans, data, algo, *, progress: bool, train_weights: bool,
                 m._forward_pre_hooks[k] = h
         for n, p in model.named_parameters():
             p.requires_grad_(flags.get(n, True))
-        model.train(was_training)
+        found.restore()
     if step_of is not None:
         step_of.remove()
     with torch.no_grad():
