@@ -213,6 +213,8 @@ class Edit:
     def fields(self) -> tuple:
         """Names an error about this edit may use: the keys on its path, innermost first."""
         keys = [str(k) for k in self.path if isinstance(k, str)]
+        if self.op == "extra":  # the unknown key added beside (or inside) the node
+            keys.append("qcore_fuzz_extra")
         return tuple(reversed(keys))
 
 
