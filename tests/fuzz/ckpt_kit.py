@@ -145,7 +145,10 @@ def tensor_edit(draw, d: pathlib.Path, *, keys=None) -> Case:
     if "." in key:  # "layer 'model.layers.0.mlp.up_proj': weight_scale holds ..." names it too
         fields += (tuple(key.rsplit(".", 1)),)
     scale = any(key.endswith(s) for s in ("_scale", "_scale_2"))
-    return Case(what, apply, (f"{shard_of(d, key).name}",), fields, finite=not (op == "values" and not scale))
+    # NaN / Inf written into a float weight, or a huge but representable scale (weights near float32's largest:
+    # a float checkpoint may hold those too), may compute NaN; the independent model must then compute it too
+    wild = op == "values" and (not scale or any(abs(fv) > 1e4 for _, fv, _ in picks))
+    return Case(what, apply, (f"{shard_of(d, key).name}",), fields, finite=not wild)
 
 
 def _reindex(d: pathlib.Path, old, new, file=None) -> None:
@@ -247,7 +250,7 @@ def _independent_model(d: pathlib.Path, dequantize) -> torch.nn.Module:
     for k, v in model.state_dict().items():
         layer = k[:-len(".weight")]
         try:
-            if k.endswith(".weight") and f"{layer}.weight_scale" in t:
+            if k.endswith(".weight") and f"{layer}.weight_scale" in t:  # Quark's weight, compressed-tensors' packed
                 a = dequantize(t, layer, qc)
             elif k in t:
                 a = t[k]
@@ -261,7 +264,8 @@ def _independent_model(d: pathlib.Path, dequantize) -> torch.nn.Module:
         except (KeyError, ValueError, IndexError, TypeError, AttributeError) as e:
             raise Unreadable(f"{k}: {type(e).__name__}: {e}") from None
         state[k] = torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(v.dtype)
-    used = set(state) | {f"{k[:-len('.weight')]}.{s}" for k in state for s in ("weight_scale", "weight_zero_point")}
+    used = set(state) | {f"{k[:-len('.weight')]}.{s}" for k in state
+                         for s in ("weight_scale", "weight_zero_point", "weight_packed", "weight_shape")}
     left = sorted(set(t) - used)
     if left:
         raise Unreadable(f"tensors the model does not have: {left[:3]}")

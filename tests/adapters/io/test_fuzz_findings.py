@@ -3,6 +3,7 @@ one-line ``CorruptCheckpointError`` (a ValueError) naming the file and the field
 
 import json
 import math
+import re
 
 import pytest
 
@@ -12,6 +13,7 @@ pytest.importorskip("safetensors")
 
 import qcore.adapters as A  # noqa: E402
 from qcore.adapters.io.common import check_hyperparameters  # noqa: E402
+from qcore.adapters.io.compressed_tensors import export_compressed_tensors, load_compressed_tensors  # noqa: E402
 from qcore.formats.safetensors_io import CorruptCheckpointError  # noqa: E402
 
 
@@ -20,11 +22,15 @@ def ckpts(tmp_path_factory, zoo):
     """int8 per-channel and uint4 groups of 32 (qcore's Quark layouts), the int8 one also in shards."""
     root = tmp_path_factory.mktemp("fuzz_findings")
     for name, scheme, kw in [("int8", "w_int8_per_channel_sym", {}), ("uint4", "uint4_wo_32", {}),
-                             ("sharded", "w_int8_per_channel_sym", dict(max_shard_size=40_000))]:
+                             ("sharded", "w_int8_per_channel_sym", dict(max_shard_size=40_000)),
+                             ("ct_uint4", "uint4_wo_32", None)]:
         m = zoo.tiny_llama(0)
         A.quantize_model(m, A.preset(scheme), zoo.token_batches(2, seed=1), progress=False)
         A.freeze(m)
-        A.export_hf(m, root / name, **kw)
+        if kw is None:
+            export_compressed_tensors(m, root / name)
+        else:
+            A.export_hf(m, root / name, **kw)
     return root
 
 
@@ -95,3 +101,45 @@ def test_an_index_naming_a_corrupt_shard_names_the_entry(ckpts, tmp_path):
                        match=rf"index\.json'?: weight_map\[.*\] names '{shard}', which is not a valid safetensors"):
         from qcore.formats.safetensors_io import index_shards
         index_shards(d)
+
+
+def _set_value(f, key, value):
+    from safetensors.torch import load_file, save_file
+    t = load_file(f)
+    a = t[key].clone()
+    a.view(-1)[0] = value
+    t[key] = a
+    save_file(t, f, metadata={"format": "pt"})
+
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize("kind, value", [("ct_uint4", 1e38), ("uint4", 1e38), ("int8", 3e36)])
+def test_a_scale_whose_weights_overflow_is_refused(ckpts, tmp_path, kind, value):
+    """A finite scale times the largest code distance past float32's range loaded as inf weights (NaN logits)."""
+    d = _copy(ckpts, kind, tmp_path)
+    _set_value(d / "model.safetensors", f"{Q}.weight_scale", value)
+    load = load_compressed_tensors if kind.startswith("ct") else A.from_pretrained
+    with pytest.raises(CorruptCheckpointError, match=rf"layer '{Q}'.*weight_scale holds {re.escape(f'{value:g}')}, "
+                                                     r"which times the largest code distance \d+ of u?int\d+ is "
+                                                     r"past 3\.40282e\+38"):
+        load(d)
+
+
+def test_the_bound_is_the_model_dtype(ckpts, tmp_path):
+    """A scale whose weights fit float32 but not float16 is refused for a float16 model only."""
+    d = _copy(ckpts, "ct_uint4", tmp_path)
+    _set_value(d / "model.safetensors", f"{Q}.weight_scale", 1e5)
+    load_compressed_tensors(d)
+    with pytest.raises(CorruptCheckpointError, match=r"weight_scale holds 100000, .* past 65504"):
+        load_compressed_tensors(d, dtype=torch.float16)
+
+
+def test_a_ct_qcore_config_that_is_no_config_names_the_field(ckpts, tmp_path):
+    """ModelConfig.from_dict's TypeError reached the caller without the file."""
+    d = _copy(ckpts, "ct_uint4", tmp_path)
+    _edit_json(d / "config.json", lambda c: c["quantization_config"]["qcore"].__setitem__("config", None))
+    with pytest.raises(CorruptCheckpointError, match=r"config\.json'?: quantization_config\.qcore\.config: "
+                                                     r"ModelConfig\.from_dict takes a dict, got NoneType"):
+        load_compressed_tensors(d)

@@ -520,7 +520,8 @@ def _build(sh: _Shell, pack_method: str, dtype: torch.dtype) -> nn.Module:
     arrays = {n: to_numpy(params[n]) for n in sh.expected if n not in branch}
     q, shape = sh._wrapper, sh.shape
     spec = q.specs["weight"]
-    parts = L.decode_weight(arrays, spec, shape, layout=sh.layout, pack_method=pack_method, where=where)
+    parts = L.decode_weight(arrays, spec, shape, layout=sh.layout, pack_method=pack_method, where=where,
+                            max_weight=float(torch.finfo(dtype).max))
     device = params["weight"].device
     q.load_frozen(parts, shape=shape, dtype=dtype, device=device)
     with torch.no_grad():
