@@ -130,7 +130,8 @@ def index_shards(directory: Union[str, os.PathLike], index: Union[str, os.PathLi
             raise CorruptCheckpointError(f"{str(idx)!r}: tensor {key!r} names the file {name!r}, which is not a file "
                                          f"directly inside the checkpoint directory")
         if not f.is_file():
-            raise CorruptCheckpointError(f"{str(idx)!r}: shard {name!r} is missing")
+            key = next(k for k, v in wm.items() if v == name)
+            raise CorruptCheckpointError(f"{str(idx)!r}: shard {name!r} is missing (weight_map[{key!r}] names it)")
         out.append(f)
     held = {}
     for name in sorted(set(wm.values())):

@@ -68,6 +68,33 @@ def test_hyperparameters_are_range_checked(ckpts, tmp_path, key, value, match):
         A.from_pretrained(d)
 
 
+NESTED = [  # (edit of config.json, what the message says): transformers' KeyError / TypeError before
+    (lambda c: c["rope_parameters"].__setitem__("rope_type", None), r"rope_parameters\.rope_type is None; expected a "
+                                                                    r"RoPE type \(default, dynamic"),
+    (lambda c: c["rope_parameters"].__setitem__("rope_type", "x"), r"rope_parameters\.rope_type is 'x'"),
+    (lambda c: c["rope_parameters"].__setitem__("rope_theta", None), r"rope_parameters\.rope_theta is None; "
+                                                                     r"expected a positive finite number"),
+    (lambda c: c.__setitem__("model_type", None), r"model_type is None; expected a model type name"),
+]
+
+
+@pytest.mark.parametrize("edit, match", NESTED, ids=["rope_type-null", "rope_type-unknown", "rope_theta-null",
+                                                     "model_type-null"])
+def test_rope_parameters_and_model_type_are_checked(ckpts, tmp_path, edit, match):
+    d = _copy(ckpts, "int8", tmp_path)
+    _edit_json(d / "config.json", edit)
+    with pytest.raises(CorruptCheckpointError, match=r"config\.json'?: " + match):
+        A.from_pretrained(d)
+
+
+def test_a_missing_shard_names_the_index_entry(ckpts, tmp_path):
+    d = _copy(ckpts, "sharded", tmp_path)
+    _edit_json(d / "model.safetensors.index.json", lambda j: j["weight_map"].__setitem__("lm_head.weight", "gone.st"))
+    with pytest.raises(CorruptCheckpointError, match=r"shard 'gone\.st' is missing \(weight_map\['lm_head\.weight'\] "
+                                                     r"names it\)"):
+        A.from_pretrained(d)
+
+
 def test_nested_hyperparameters_name_their_path():
     with pytest.raises(CorruptCheckpointError, match=r"'c\.json': rope_scaling\.factor is -2; expected a positive"):
         check_hyperparameters({"rope_scaling": {"factor": -2}}, "'c.json'")

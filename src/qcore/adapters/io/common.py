@@ -339,16 +339,27 @@ _FLOAT_DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "auto")
 
 
 def check_hyperparameters(cfg: dict, where: str, *, tensor_bytes: Optional[int] = None,
-                          tensor_count: Optional[int] = None, _path: str = "") -> None:
+                          tensor_count: Optional[int] = None, rope_types: Optional[set] = None,
+                          _path: str = "") -> None:
     """The hyperparameters of a model config (config.json as a dict) range-checked before transformers builds a
     model from them (``CorruptCheckpointError`` naming the file ``where`` and the field): sizes positive ints,
     layer counts at most ``tensor_count`` and other sizes at most ``tensor_bytes`` (the checkpoint's: a model
     larger than its checkpoint is not the checkpoint's), norm epsilons and RoPE bases positive and finite,
-    ``architectures`` a list of names, ``dtype`` / ``torch_dtype`` a float dtype name. A config whose model
-    would allocate past the checkpoint's size, divide by zero or compute NaN is refused here instead."""
+    ``architectures`` a list of names, ``dtype`` / ``torch_dtype`` a float dtype name, ``model_type`` a name,
+    and in ``rope_parameters`` / ``rope_scaling`` a ``rope_theta`` present (not null) and a ``rope_type`` /
+    ``type`` among ``rope_types`` (transformers' RoPE kinds). A config whose model would allocate past the
+    checkpoint's size, divide by zero or compute NaN is refused here instead."""
     def bad(key, v, expected):
         return CorruptCheckpointError(f"{where}: {_path}{key} is {v!r}; expected {expected}"[:300])
+    rope = _path.rstrip(".").rsplit(".", 1)[-1] in ("rope_parameters", "rope_scaling")
     for key, v in cfg.items():
+        if rope and key in ("rope_type", "type") and (not isinstance(v, str) or (
+                rope_types is not None and v not in rope_types)):
+            raise bad(key, v, f"a RoPE type ({', '.join(sorted(rope_types or ()))})")
+        if rope and key == "rope_theta" and v is None:
+            raise bad(key, v, "a positive finite number")
+        if key == "model_type" and not _path and not isinstance(v, str):
+            raise bad(key, v, "a model type name (a str)")
         if v is None:
             continue
         if key in _SIZES + _LAYER_COUNTS + _POSITIONS:
@@ -370,7 +381,7 @@ def check_hyperparameters(cfg: dict, where: str, *, tensor_bytes: Optional[int] 
                 raise bad(key, v, f"a float dtype name ({', '.join(_FLOAT_DTYPE_NAMES[:3])})")
         elif key in _NESTED and isinstance(v, dict):
             check_hyperparameters(v, where, tensor_bytes=tensor_bytes, tensor_count=tensor_count,
-                                  _path=f"{_path}{key}.")
+                                  rope_types=rope_types, _path=f"{_path}{key}.")
 
 
 def hf_config(d: pathlib.Path):
@@ -386,9 +397,10 @@ def hf_config(d: pathlib.Path):
             count = sum(len(SafetensorsFile(f).entries) for f in files)
         except CorruptCheckpointError:  # reported by the caller's own reading of the files
             count = None
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     check_hyperparameters(read_json_object(d / "config.json", what="the model config"), where,
                           tensor_bytes=sum(f.stat().st_size for f in files) if files else None,
-                          tensor_count=count)
+                          tensor_count=count, rope_types=set(ROPE_INIT_FUNCTIONS) | {"default"})
     bad: tuple = (ValueError, TypeError, KeyError, AttributeError, OSError, IndexError)
     try:  # transformers 5 validates config fields with huggingface_hub's strict dataclasses
         from huggingface_hub.errors import StrictDataclassError
