@@ -128,6 +128,12 @@ def gptq_config():
 
 
 @pytest.fixture(scope="session")
+def work_job():
+    """A fresh (model, batches, config) of the ``work_run`` job, to resume it with."""
+    return lambda: (tiny_llama(0), token_batches(3), gptq_config())
+
+
+@pytest.fixture(scope="session")
 def work_run(tmp_path_factory):
     """(work directory of a finished 2-layer GPTQ run, the state dict that run ended with)."""
     import qcore.adapters as A

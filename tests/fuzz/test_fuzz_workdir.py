@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conftest import gptq_config, tiny_llama, token_batches  # noqa: E402
 from fuzz_kit import attempt, byte_edit, check_refusal, counts, fuzz, json_edit, record, snapshot  # noqa: E402
 
 import qcore.adapters as A  # noqa: E402
@@ -64,13 +63,13 @@ def work_edit(draw, src: Source):
         (w / f).write_bytes(b.data)
     return Case(f"{f}: {b.what}", apply)
 
-def check_case(src: pathlib.Path, want: dict, case: Case) -> str:
+def check_case(src: pathlib.Path, want: dict, case: Case, job) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         w = pathlib.Path(tmp) / "work"
         shutil.copytree(src, w)
         case.apply(w)
         before = snapshot([w])
-        model, batches, config = tiny_llama(0), token_batches(3), gptq_config()
+        model, batches, config = job()
         size = sum(p.stat().st_size for p in w.iterdir())
         out = attempt(lambda: A.quantize_model(model, config, batches, progress=False, work_dir=w, resume=True),
                       watch=[pathlib.Path(tmp) / "outside"], size=size)
@@ -86,17 +85,17 @@ def check_case(src: pathlib.Path, want: dict, case: Case) -> str:
         check_refusal(out.error, files=["manifest.json", str(w)], fields=case.fields)
         return "refused"
 
-def test_the_unchanged_work_dir_resumes_to_the_same_model(work_run):
+def test_the_unchanged_work_dir_resumes_to_the_same_model(work_run, work_job):
     d, want = work_run
-    assert check_case(d, want, Case("unchanged", lambda w: None)) == "accepted"
+    assert check_case(d, want, Case("unchanged", lambda w: None), work_job) == "accepted"
 
 @pytest.mark.parametrize("n", counts(20, 300))
-def test_fuzz_work_dir_resume(work_run, n):
+def test_fuzz_work_dir_resume(work_run, work_job, n):
     d, want = work_run
 
     @fuzz(n)
     @given(work_edit(Source(d)))
     def run(case):
-        check_case(d, want, case)
+        check_case(d, want, case, work_job)
 
     run()
