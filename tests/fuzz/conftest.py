@@ -3,8 +3,8 @@ tests/adapters/conftest.py's ``tiny_llama``), for the fuzz targets to mutate (te
 
 Each fixture is a folder the tests copy before they change anything: ``quark_int8`` / ``quark_uint4`` (export_hf
 of int8 per-channel and asymmetric uint4 groups of 32: Quark's ``int8`` and ``int4_group`` layouts),
-``quark_sharded`` (the int8 export in shards, with model.safetensors.index.json), ``ct_uint4`` / ``ct_fp8``
-(export_compressed_tensors: pack-quantized asymmetric int4 groups, float-quantized fp8 with static inputs),
+``quark_sharded`` (the int8 export in shards, with model.safetensors.index.json), ``ct_uint4``
+(export_compressed_tensors: pack-quantized asymmetric int4 groups of 32),
 ``imatrix_files`` (an importance matrix collected on the model, as imatrix.gguf and imatrix.dat), ``onnx_files``
 (the decoder graph with QDQ int4 weights and with MatMulNBits), ``work_run`` (a finished GPTQ run's work
 directory). ``batches`` are the token batches every model is run on.
@@ -90,14 +90,6 @@ def ct_uint4(tmp_path_factory):
     from qcore.adapters.io.compressed_tensors import export_compressed_tensors
     d = tmp_path_factory.mktemp("fuzz_src") / "ct_uint4"
     export_compressed_tensors(_quantized("uint4_wo_32"), d)
-    return d
-
-
-@pytest.fixture(scope="session")
-def ct_fp8(tmp_path_factory):
-    from qcore.adapters.io.compressed_tensors import export_compressed_tensors
-    d = tmp_path_factory.mktemp("fuzz_src") / "ct_fp8"
-    export_compressed_tensors(_quantized("fp8"), d)
     return d
 
 
