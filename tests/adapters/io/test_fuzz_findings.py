@@ -100,6 +100,14 @@ def test_nested_hyperparameters_name_their_path():
         check_hyperparameters({"rope_scaling": {"factor": -2}}, "'c.json'")
     check_hyperparameters({"rope_scaling": {"factor": 2.0}, "vocab_size": None, "hidden_size": 64}, "'c.json'",
                           tensor_bytes=10 ** 6, tensor_count=30)
+    # what real configs hold is let through: no sliding window (Qwen2-MoE), Qwen2-VL's legacy "type": "mrope" and
+    # its vision tower's own RoPE kind
+    check_hyperparameters({"sliding_window": 0, "text_config": {"rope_parameters": {"type": "mrope",
+                                                                                    "rope_type": "default"}},
+                           "vision_config": {"rope_parameters": {"rope_type": "axial"}}}, "'c.json'",
+                          rope_types={"default", "yarn"})
+    with pytest.raises(CorruptCheckpointError, match=r"sliding_window is -1; expected an int >= 0"):
+        check_hyperparameters({"sliding_window": -1}, "'c.json'")
 
 
 def test_a_group_size_qcore_does_not_take_names_the_config(ckpts, tmp_path):

@@ -346,15 +346,16 @@ def check_hyperparameters(cfg: dict, where: str, *, tensor_bytes: Optional[int] 
     layer counts at most ``tensor_count`` and other sizes at most ``tensor_bytes`` (the checkpoint's: a model
     larger than its checkpoint is not the checkpoint's), norm epsilons and RoPE bases positive and finite,
     ``architectures`` a list of names, ``dtype`` / ``torch_dtype`` a float dtype name, ``model_type`` a name,
-    and in ``rope_parameters`` / ``rope_scaling`` a ``rope_theta`` present (not null) and a ``rope_type`` /
-    ``type`` among ``rope_types`` (transformers' RoPE kinds). A config whose model would allocate past the
-    checkpoint's size, divide by zero or compute NaN is refused here instead."""
+    and in ``rope_parameters`` / ``rope_scaling`` a ``rope_theta`` present (not null) and a ``rope_type`` among
+    ``rope_types`` (transformers' RoPE kinds; a vision tower's are its own); ``sliding_window`` may be 0 (none).
+    A config whose model would allocate past the checkpoint's size, divide by zero or compute NaN is refused here
+    instead."""
     def bad(key, v, expected):
         return CorruptCheckpointError(f"{where}: {_path}{key} is {v!r}; expected {expected}"[:300])
     rope = _path.rstrip(".").rsplit(".", 1)[-1] in ("rope_parameters", "rope_scaling")
     for key, v in cfg.items():
-        if rope and key in ("rope_type", "type") and (not isinstance(v, str) or (
-                rope_types is not None and v not in rope_types)):
+        if rope and key == "rope_type" and (not isinstance(v, str) or (  # ("type": legacy, e.g. Qwen2-VL's mrope)
+                rope_types is not None and v not in rope_types and "vision_config" not in _path)):
             raise bad(key, v, f"a RoPE type ({', '.join(sorted(rope_types or ()))})")
         if rope and key == "rope_theta" and v is None:
             raise bad(key, v, "a positive finite number")
@@ -363,8 +364,9 @@ def check_hyperparameters(cfg: dict, where: str, *, tensor_bytes: Optional[int] 
         if v is None:
             continue
         if key in _SIZES + _LAYER_COUNTS + _POSITIONS:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise bad(key, v, "a positive int")
+            low = 0 if key == "sliding_window" else 1  # 0: no sliding window (Qwen2-MoE)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise bad(key, v, "a positive int" if low else "an int >= 0")
             top = (tensor_count if key in _LAYER_COUNTS else 2 ** 31 - 1 if key in _POSITIONS else tensor_bytes)
             if top is not None and v > top:
                 what = ("the checkpoint's tensor count" if key in _LAYER_COUNTS else "2**31 - 1" if key in _POSITIONS
