@@ -396,7 +396,6 @@ BAD = [
     (dict(experts=Experts("mlp.experts", "mlp.gate", "num_local_experts")), "with experts"),
     (dict(gguf_arch=""), "gguf_arch"),
     (dict(causal="yes"), "causal"),
-    (dict(norm="layernorm"), "rotation is '' .* but norm is 'layernorm'"),
 ]
 
 

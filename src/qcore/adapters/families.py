@@ -296,9 +296,6 @@ class Family:
         for f in ("scaling_note", "rotation"):
             if not isinstance(getattr(self, f), str):
                 raise ValueError(f"Family.{f} must be a str, got {getattr(self, f)!r}")
-        if not self.rotation and self.norm == "layernorm":
-            raise ValueError(f"Family {self.model_type!r}: rotation is '' (QuaRot / SpinQuant supported) but norm is "
-                             f"'layernorm', which does not commute with the residual rotation; give the reason")
         if not self.scaling and not self.scaling_note:
             raise ValueError(f"Family {self.model_type!r}: scaling is empty; scaling_note must say why")
         fu = self.fused_units
