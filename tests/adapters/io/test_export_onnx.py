@@ -255,9 +255,10 @@ def test_unsupported_activation_named(zoo, tmp_path):
 @pytest.mark.onnx_client
 def test_unsupported_dequantize_writes_floats_with_a_warning(zoo, tmp_path):
     m = _quantized_llama(zoo, "mxfp4_weight_only")
-    with pytest.warns(UserWarning, match="dequantized float32"):
+    with pytest.warns(UserWarning, match="dequantized float32") as said:
         info = export_onnx(m, tmp_path / "m.onnx", unsupported=Unsupported.DEQUANTIZE)
     assert len(info.dequantized) == 14 and not info.lossless
+    assert [w.filename for w in said] == [__file__]  # the warning names the caller's line, not qcore's
     ids = zoo.token_batches(1, seed=5)[0]
     with torch.no_grad():
         ref = m(ids).logits.numpy()

@@ -821,9 +821,9 @@ def _export_onnx(model, path, inputs, input_names, output_names, dynamic_axes, w
             inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
         onnx_model, names_in, names_out = _traced(model, inputs, kwargs, ctx, input_names, output_names, dynamic_axes)
         kind = "traced"
-    if ctx.warned:
+    if ctx.warned:  # stacklevel 3: the warning names the caller of export_onnx
         warnings.warn(f"export_onnx: {len(ctx.warned)} weight(s) onnxruntime cannot dequantize are written as "
-                      f"dequantized float32 (e.g. {ctx.warned[0]}); see ONNXExportInfo.dequantized", stacklevel=2)
+                      f"dequantized float32 (e.g. {ctx.warned[0]}); see ONNXExportInfo.dequantized", stacklevel=3)
     size = X.save_model(onnx_model, path, overwrite=overwrite)
     return ONNXExportInfo(str(path), size, kind, tuple(names_in), tuple(names_out), tuple(ctx.reports),
                           tuple(ctx.acts))

@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from qcore._fsutil import check_not_source, staged_dir
+from qcore._fsutil import staged_dir
 from qcore.algorithms.config import ROTATION_CONFIGS
 from qcore.formats import quark_layout as L
 
@@ -31,17 +31,20 @@ from ..families import family_or_none
 from ..io.experts import check_no_experts
 from ..io.common import check_destination, parse_size, weightless_error, write_metadata, write_shards
 from ..io.quark_hf import ExportInfo, checkpoint_method, export_info, quantization_config
-from ..passes.checkpointing import WorkDir, check_work_args, digest_source, digest_source_files, fingerprint
+from ..passes.checkpointing import (WorkDir, check_work_args, digest_source, digest_source_files, fingerprint,
+                                   read_work_dir, saved_run)
 from ..passes.runner import Spill, find_decoder_layers
 from ..passes.sequential import binding, check_layers
 from ..passes.streaming import (TOKENIZER_FILES, Source, check_source, load_tensors, meta_keys, pin_mmap_threshold,
                                 set_tensor, skeleton, stream_layers)
 from ..passes.targets import layer_plans
 from ..plan import plan_model, resolve_config
+from .common import PYTHON
+from .files import JobFiles
 
 _log = logging.getLogger("qcore.adapters")
 
-__all__ = ["quantize_checkpoint"]
+__all__ = ["quantize_checkpoint", "job_files"]
 
 
 def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os.PathLike],
@@ -86,6 +89,12 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
     return info
 
 
+def job_files(src_dir, dst_dir, *, work_dir=None) -> JobFiles:
+    """What ``quantize_checkpoint`` reads (``src_dir``, ``work_dir``) and writes (``dst_dir``, ``work_dir``)."""
+    return JobFiles.of(PYTHON, reads=[("src_dir", src_dir), ("work_dir", work_dir)],
+                       writes=[("dst_dir", dst_dir, "the export"), ("work_dir", work_dir, "the run", False)])
+
+
 @dataclass(frozen=True)
 class _Job:
     """``quantize_checkpoint``'s arguments, checked."""
@@ -111,8 +120,13 @@ def _check_arguments(src_dir, dst_dir, config, data, *, dtype, device, max_shard
                      progress, work_dir, resume, distributed) -> _Job:
     """Every argument checked, before anything is read but ``src_dir``'s config.json."""
     src, dst = pathlib.Path(src_dir), pathlib.Path(dst_dir)
-    check_not_source(dst, [src], what="dst_dir")  # with overwrite or not: replacing the source would delete it
-    work_path = check_work_args(work_dir, resume, sources=[src, dst])
+    work_path = check_work_args(work_dir, resume)
+    job_files(src, dst, work_dir=work_path).check()  # with overwrite or not: replacing the source would delete it
+    if work_path is not None:  # a folder of someone's, or a saved run without resume: refused before any reading
+        saved = read_work_dir(work_path)
+        if saved is not None and not resume:
+            raise ValueError(f"work_dir {str(work_path)!r} holds a run ({saved_run(saved)} saved); pass "
+                             f"resume=True to continue it, or choose an empty or new directory")
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"src_dir {str(src)!r} is not a model directory (no config.json)")
     if pack_method not in L.PACK_METHODS:

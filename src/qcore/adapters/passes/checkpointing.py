@@ -68,8 +68,7 @@ from .runner import LayerInputs
 _log = logging.getLogger("qcore.adapters")
 
 __all__ = ["WorkDir", "LayerCheckpoint", "fingerprint", "digest_data", "digest_model", "digest_source",
-           "digest_source_files",
-           "check_work_args", "qtensor_state", "qtensor_from_state"]
+           "digest_source_files", "check_work_args", "read_work_dir", "saved_run", "qtensor_state", "qtensor_from_state"]
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -237,6 +236,40 @@ def check_work_args(work_dir: Any, resume: Any, *, sources: Sequence = (), names
     return p
 
 
+def read_work_dir(path: Union[str, os.PathLike], *, name: str = "work_dir") -> Optional[dict]:
+    """What the work directory ``path`` holds, read before any work: None when it does not exist, is empty (hidden
+    entries aside) or holds the manifest of a run that saved nothing yet; the manifest (a dict) of a run that
+    saved layers or measurements (``saved_run`` says what). ``ValueError`` naming ``name`` for a file, a folder
+    that is not empty and holds no manifest (not a qcore work directory: a run never writes into someone's
+    folder), or an unreadable manifest."""
+    p = pathlib.Path(path)
+    if not os.path.lexists(p):
+        return None
+    if not p.is_dir():
+        raise ValueError(f"{name} {str(p)!r} exists and is not a directory")
+    man = p / MANIFEST
+    if not man.is_file():
+        if any(not f.name.startswith(".") for f in p.iterdir()):
+            raise ValueError(f"{name} {str(p)!r} is not empty and holds no qcore run ({MANIFEST} missing); choose "
+                             f"an empty or new directory")
+        return None
+    try:
+        m = json.loads(man.read_text())
+        if not isinstance(m, dict) or m.get("format") != FORMAT:
+            raise ValueError("unknown format")
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{name} {str(p)!r}: its {MANIFEST} is unreadable ({e}); delete the directory to start "
+                         f"afresh") from None
+    return m if m.get("entries") or m.get("extra") else None  # nothing saved yet (e.g. a check failed after the start)
+
+
+def saved_run(manifest: Mapping) -> str:
+    """What the run of a work directory's ``manifest`` (``read_work_dir``'s) saved: ``"3 layers"``,
+    ``"12 measurements"``."""
+    done = len(manifest.get("entries") or ())
+    return f"{done} layers" if done else f"{len((manifest.get('extra') or {}).get('sensitivities', {}))} measurements"
+
+
 class WorkDir:
     """A run's work directory (module docstring): its manifest, fingerprint check, per-layer entries."""
 
@@ -245,26 +278,11 @@ class WorkDir:
         self.fp = dict(fp)
         self.entries: list[dict] = []
         self.extra: dict = {}
-        man = self.path / MANIFEST
-        fresh = False
-        if self.path.exists() and not self.path.is_dir():
-            raise ValueError(f"{name} {str(self.path)!r} exists and is not a directory")
-        if man.is_file():
-            try:
-                m = json.loads(man.read_text())
-                if not isinstance(m, dict) or m.get("format") != FORMAT:
-                    raise ValueError("unknown format")
-            except (ValueError, OSError) as e:
-                raise ValueError(f"{name} {str(self.path)!r}: its {MANIFEST} is unreadable ({e}); delete the "
-                                 f"directory to start afresh") from None
-            done = len(m.get("entries", []))
-            fresh = done == 0 and not m.get("extra")  # nothing saved yet (e.g. a check failed after the start)
-        if man.is_file() and not fresh:
+        m = read_work_dir(self.path, name=name)
+        if m is not None:
             if not resume:
-                saved = (f"{done} layers" if done else
-                         f"{len(m.get('extra', {}).get('sensitivities', {}))} measurements")
-                raise ValueError(f"{name} {str(self.path)!r} holds a run ({saved} saved); resume it (resume=True, "
-                                 f"--resume) or choose an empty directory")
+                raise ValueError(f"{name} {str(self.path)!r} holds a run ({saved_run(m)} saved); resume it "
+                                 f"(resume=True, --resume) or choose an empty directory")
             theirs = m.get("fingerprint", {})
             diff = [k for k in sorted(set(self.fp) | set(theirs)) if self.fp.get(k) != theirs.get(k)]
             if diff:
@@ -276,9 +294,6 @@ class WorkDir:
             self.entries = list(m.get("entries", []))
             self.extra = dict(m.get("extra", {}))
         else:
-            if not fresh and self.path.is_dir() and any(not f.name.startswith(".") for f in self.path.iterdir()):
-                raise ValueError(f"{name} {str(self.path)!r} is not empty and holds no qcore run ({MANIFEST} "
-                                 f"missing); choose an empty or new directory")
             if resume:
                 _log.warning("%s %s holds no saved run: starting afresh", name, self.path)
             self.path.mkdir(parents=True, exist_ok=True)
