@@ -353,6 +353,8 @@ def test_attach_gives_one_model_a_record_and_checks_it_first():
     with pytest.raises(TypeError, match="torch.nn.Module"):
         attach("llama", llama)
     assert not hasattr(b, "qcore_family")  # every refusal before anything was attached
+    from qcore.adapters.families import check_record
+    assert check_record(b, llama) is None and not hasattr(b, "qcore_family")  # checks only
 
 
 def test_fused_units_come_from_the_record():

@@ -637,11 +637,6 @@ def attach(model: Any, family: Family) -> Family:
     it (QuaRot's folds and rotations, AWQ / SmoothQuant's scaling groups) change the model's function silently.
     A ValueError naming the record's field refuses it, with nothing attached and the model as it was found.
     Returns the record."""
-    from torch import nn
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(family, Family):
-        raise TypeError(f"family must be a qcore.adapters.families.Family, got {type(family).__name__}")
     check_record(model, family)
     setattr(model, ATTRIBUTE, family)
     return family
@@ -679,6 +674,8 @@ def check_record(model: Any, family: Family) -> None:
     from torch import nn
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(family, Family):
+        raise TypeError(f"family must be a qcore.adapters.families.Family, got {type(family).__name__}")
     mt, cls = _model_type(model)
     if mt != family.model_type:
         raise ValueError(f"attach: the record is for model_type {family.model_type!r}, the model ({cls}) is "
