@@ -277,3 +277,32 @@ def test_python_names_its_arguments(src, tmp_path):
     with pytest.raises(ValueError, match=r"dst .*o\.gguf' is named like a GGUF file, but to='hf' writes a directory"):
         convert(src / "hf", tmp_path / "o.gguf", to="hf")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_written_checkpoint_that_does_not_load_back_is_not_published(src, tmp_path, monkeypatch):
+    """The comparison loads dst back with qcore's own loader: a refusal there is one line naming dst (not the
+    staging place), and nothing is published."""
+    def refuse(path, to):
+        raise ValueError(f"{str(path / 'config.json')!r}: quantization_config disagrees with the qcore block")
+    monkeypatch.setattr(CV, "_reload", refuse)
+    with pytest.raises(ValueError, match=r"convert to hf: the written hf checkpoint does not load back with qcore's "
+                                         r"own loader \(ValueError: '.*/o/config\.json': quantization_config "
+                                         r"disagrees.*\); dst was not written") as e:
+        convert(src / "hf", tmp_path / "o", to="hf")
+    assert ".tmp" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_chat_template_is_one_entry_wherever_it_is_saved(tmp_path):
+    a, b, c = (tmp_path / n for n in "abc")
+    for d in (a, b, c):
+        d.mkdir()
+    (a / "tokenizer_config.json").write_text(json.dumps({"eos_token": "x", "chat_template": "{{ m }}"}))
+    (b / "tokenizer_config.json").write_text(json.dumps({"eos_token": "x"}))
+    (b / "chat_template.jinja").write_text("{{ m }}")
+    (c / "tokenizer_config.json").write_text(json.dumps({"eos_token": "x"}))
+    (c / "chat_template.json").write_text(json.dumps({"chat_template": "{{ other }}"}))
+    assert CV._compare_dirs(a, b, True)[0] == []
+    (ch,) = CV._compare_dirs(a, c, True)[0]
+    assert (ch.where, ch.key, ch.change, ch.source, ch.destination) == (
+        "tokenizer_config.json", "chat_template", "changed", "{{ m }}", "{{ other }}")
