@@ -306,3 +306,26 @@ def test_the_chat_template_is_one_entry_wherever_it_is_saved(tmp_path):
     (ch,) = CV._compare_dirs(a, c, True)[0]
     assert (ch.where, ch.key, ch.change, ch.source, ch.destination) == (
         "tokenizer_config.json", "chat_template", "changed", "{{ m }}", "{{ other }}")
+
+
+def test_activation_quantization_is_compared_whole():
+    """A static activation's zero point and its whole spec are compared, not only its scale."""
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3))
+    act = qcore.make_spec("uint8", granularity=qcore.PerTensor(), symmetric=False)
+    models = []
+    for _ in range(2):
+        c = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2)
+        torch.manual_seed(0)
+        m = transformers.LlamaForCausalLM(c).eval()
+        A.quantize_model(m, A.ModelConfig(A.LayerConfig(weight=qcore.make_spec("int8", granularity=qcore.PerChannel(0)),
+                                                        input=act)), [ids], progress=False)
+        A.freeze(m)
+        models.append(m)
+    a, b = models
+    assert CV.compare_models(a, b) == []
+    q = b.model.layers[0].mlp.down_proj
+    assert q.scales("input").zero_point is not None
+    q.scales("input").zero_point.add_(1)  # the scale is the same
+    (ch,) = CV.compare_models(a, b)
+    assert ch.name == "model.layers.0.mlp.down_proj.input_quant" and ch.what == "activation" and ch.changed == 1

@@ -384,10 +384,13 @@ def _effective(model: nn.Module, *, values: bool = True) -> dict:
                 tc = getattr(m.qconfig, role, None)
                 if rs is None or tc is None:
                     continue
-                desc = f"{rs.name or rs.dtype.name} {'dynamic' if tc.dynamic else 'static'}"
-                sc = m.scales(role).scale
-                out[f"{pre}{role}_quant"] = ("activation", None if tc.dynamic or sc is None or not values
-                                             else sc.detach(), desc, "")
+                desc = f"{_spec_desc(rs)} {'dynamic' if tc.dynamic else 'static'}"
+                sc = m.scales(role)  # static: the scale, the zero point and a two-level format's tensor scale
+                parts = [x for x in (sc.scale, sc.zero_point, sc.tensor_scale) if x is not None]
+                t = None if tc.dynamic or sc.scale is None or not values else torch.cat(
+                    [x.detach().float().flatten() for x in parts])
+                # the 4th entry: the whole spec (rounding, range, ... too), compared as text
+                out[f"{pre}{role}_quant"] = ("activation", t, desc, f"{rs!r} dynamic={tc.dynamic}")
         for n, t in m._parameters.items():
             if t is None or (isinstance(m, QuantModule) and n == "weight") or (
                     experts and n in EXPERT_PROJS and "weight" in m.specs):
@@ -464,7 +467,7 @@ def _compare(a: dict, b: dict) -> list:
             continue
         (ka, ta, da, dta), (kb, tb, db, dtb) = a[name], b[name]
         if ka == "activation" or kb == "activation":
-            if ka != kb or da != db or (ta is None) != (tb is None):
+            if ka != kb or da != db or dta != dtb or (ta is None) != (tb is None):
                 changes.append(TensorChange(name, ka, da, db, float("nan")))
             elif ta is not None and (d := _diff(ta, tb)) is not None:
                 changes.append(TensorChange(name, ka, da, db, *d))
@@ -794,7 +797,8 @@ def check_options(to: Format, src_format: Format, src_file: pathlib.Path, *, str
 
 
 def _all_float32(model: nn.Module) -> bool:
-    return all(dt in ("float32", "") for _, _, _, dt in _effective(model, values=False).values())
+    return all(dt in ("float32", "") for kind, _, _, dt in _effective(model, values=False).values()
+               if kind != "activation")
 
 
 def _merge(known: list, computed: list) -> list:
