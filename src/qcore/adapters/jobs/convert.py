@@ -694,19 +694,35 @@ def _gguf_config_keys(fields: dict) -> set:
     return held | set(_GGUF_CONFIG)
 
 
-def _compare_configs(src_model: nn.Module, dst_model: nn.Module, held: set) -> tuple:
+def _default_spelled_out(arch: str, fields: dict, src: dict, key: str, value: Any) -> bool:
+    """Whether config ``src``'s None for ``key`` (the config class's default, e.g. GPT-2's ``n_inner``: 4 *
+    ``n_embd``) is ``value``: GGUF's metadata of the two spellings is the same."""
+    if src.get(key) is not None:
+        return False
+    experts = f"{arch}.expert_count" in fields
+    try:
+        return G.metadata(arch, src, experts=experts) == G.metadata(arch, {**src, key: value}, experts=experts)
+    except ValueError:
+        return False
+
+
+def _compare_configs(src_model: nn.Module, dst_model: nn.Module, held: set, fields: dict) -> tuple:
     """The model configs the two loaders build, key by key for the ``held`` keys (the ones the GGUF side has a
-    field for; ``quantization_config`` is compared through the tensors) and the model class: ``(changes,
-    {"model config": keys compared}, source keys not carried: absent from or other in dst, with no GGUF field)``."""
+    field for; ``quantization_config`` is compared through the tensors; a default spelled None on one side and
+    as its value on the other is the same entry) and the model class: ``(changes, {"model config": keys
+    compared}, source keys not carried: absent from or other in dst, with no GGUF field)``."""
     skip = _CONFIG_SKIP + ("quantization_config", "architectures")
-    a = {k: v for k, v in src_model.config.to_dict().items() if k not in skip}
+    src_cfg = src_model.config.to_dict()
+    a = {k: v for k, v in src_cfg.items() if k not in skip}
     b = {k: v for k, v in dst_model.config.to_dict().items() if k not in skip}
     a["(model class)"], b["(model class)"] = type(src_model).__name__, type(dst_model).__name__
     not_carried = [f"model config {k}" for k in a if k not in held and (k not in b or not _float32_equal(a[k], b[k]))]
     a = {k: v for k, v in a.items() if k in held}
     b = {k: v for k, v in b.items() if k in held}
-    return (_diff_entries("model config", a, b, equal=_float32_equal), {"model config": len(set(a) | set(b))},
-            not_carried)
+    arch = fields.get("general.architecture", (None, ""))[1]
+    changes = [c for c in _diff_entries("model config", a, b, equal=_float32_equal)
+               if not (c.change == "changed" and _default_spelled_out(arch, fields, src_cfg, c.key, b[c.key]))]
+    return changes, {"model config": len(set(a) | set(b))}, not_carried
 
 
 def _compare_metadata(src_fmt: Format, src_file: pathlib.Path, to: Format, written: pathlib.Path,
@@ -720,7 +736,7 @@ def _compare_metadata(src_fmt: Format, src_file: pathlib.Path, to: Format, writt
     if not src_gguf and not dst_gguf:
         return _compare_dirs(src_file, written, src_fmt is to)
     fields = _gguf_fields(src_file if src_gguf else written)
-    changes, compared, config_not_carried = _compare_configs(src_model, dst_model, _gguf_config_keys(fields))
+    changes, compared, config_not_carried = _compare_configs(src_model, dst_model, _gguf_config_keys(fields), fields)
     if src_gguf:  # the GGUF file's tokenizer fields against the tokenizer transformers reads from dst
         src_view = _gguf_tokenizer_view(fields)
         try:
