@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from qcore import PerChannel, PerGroup, PerTensor
-from qcore._fsutil import check_not_source, staged_path
+from qcore._fsutil import staged_path
 from qcore.formats import gguf as G
 from qcore.formats.gguf import check_file
 from qcore.formats.safetensors_io import read_json
@@ -68,9 +68,10 @@ from ..io.gguf import model_config_of_specs
 from ..io.onnx import UnsupportedWeightError
 from ..modules import EXPERT_PROJS, QuantExperts, QuantModule
 from .common import PYTHON, Names
+from .files import JobFiles
 
 __all__ = ["convert", "check_options", "ConvertInfo", "TensorChange", "MetadataChange", "load_quantized",
-           "compare_models", "summary_rows"]
+           "compare_models", "summary_rows", "job_files"]
 
 
 @dataclass(frozen=True)
@@ -839,6 +840,14 @@ def _refusal(to: Format, changes: list, metadata: list) -> str:
     return f"convert to {to.name}: not lossless, {'; '.join(parts)}; dst was not written"
 
 
+def job_files(src, dst, *, report=None, cli: bool = False) -> JobFiles:
+    """What ``convert`` reads (``src``) and writes (``dst``; ``qcore convert --report``: the report, written
+    after it), named as the command line (``cli``) or ``convert``'s arguments name them."""
+    names = (lambda a: "--report" if a == "report" else a) if cli else (lambda a: a)
+    return dataclasses.replace(JobFiles.of(names, reads=[("src", src)], writes=[
+        ("dst", dst, "the conversion"), ("report", report, "the report")]), cli=cli)
+
+
 def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to: str, overwrite: bool = False,
             strict: bool = False, dtype: Optional[torch.dtype] = None, tokenizer_pre: Optional[str] = None,
             verify: bool = True, progress: bool = False, onnx_unsupported: Optional[str] = None,
@@ -882,7 +891,7 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
         if not isinstance(v, (str, os.PathLike)) or not os.fspath(v):
             raise TypeError(f"{k} must be a non-empty path (str or os.PathLike), got {v!r}")
     src_p, dst_p = pathlib.Path(src), pathlib.Path(dst)
-    check_not_source(dst_p, [src_p], what="dst")  # with overwrite or not: replacing the source would delete it
+    job_files(src, dst).check()  # with overwrite or not: replacing the source would delete it
     src_fmt = detect_format(src_p)
     src_file = _source_file(src_p, src_fmt)
     check_options(to, src_fmt, src_file, strict=strict, verify=verify, dtype=dtype, tokenizer_pre=tokenizer_pre,
