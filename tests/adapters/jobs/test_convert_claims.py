@@ -329,3 +329,11 @@ def test_activation_quantization_is_compared_whole():
     q.scales("input").zero_point.add_(1)  # the scale is the same
     (ch,) = CV.compare_models(a, b)
     assert ch.name == "model.layers.0.mlp.down_proj.input_quant" and ch.what == "activation" and ch.changed == 1
+
+
+def test_gguf_to_hf_in_float16_loads_back_and_counts_the_loss(src, tmp_path):
+    """GGUF's float16 block scales in a float16 model are Quark's scale_type "float": the written checkpoint loads
+    back with qcore's own loader (it was refused as a disagreement) and the narrower floats are counted."""
+    info = convert(src / "q.gguf", tmp_path / "o", to="hf", dtype=torch.float16)
+    assert info.lossless is False and info.verified_by == "reload"
+    assert any("float16" in t.destination for t in info.tensors)
