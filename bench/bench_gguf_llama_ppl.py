@@ -2,7 +2,7 @@
 bench/results/GGUF_LLAMA_PPL.md / .json).
 
     python bench/bench_gguf_llama_ppl.py [--families llama,qwen2,...] [--types Q4_1,Q4_K,...] [--steps 60]
-        [--windows 16] [--seq 128] [--parts] [--threads 1] [--json FILE] [--md FILE]
+        [--windows 16] [--seq 128] [--parts] [--outliers ALPHA] [--smollm2] [--threads 1] [--json FILE] [--md FILE]
 
 For each family llama.cpp runs (tests/adapters/gguf_kit.py ``WIDE_FAMILIES``: 256-wide rows, two layers, the tiny
 tokenizer's 128 tokens), a model trained ``--steps`` AdamW steps on the protocol text in the tiny tokenizer's ids
@@ -19,6 +19,11 @@ tokenizer's 128 tokens), a model trained ``--steps`` AdamW steps on the protocol
   ``llama.cpp`` (llama-cpp-python ``Llama.eval``, logits_all, n_ctx = seq, ``--threads``; float64 cross entropy of
   its float32 logits); ``--parts`` adds the prediction with one part of ``LlamaCppNumerics`` at a time
   (``acts``: activation rounding only; ``acts+offsets``; ``kv``: the F16 KV cache only).
+
+``--outliers ALPHA``: the trained models get outlier activation channels (``gguf_kit.with_outliers``: the same
+float function, every 32nd channel after the norms ALPHA times larger, as real LLMs' activations have them).
+``--smollm2``: also the embedded SmolLM2-135M (its own llama.cpp Q4_1 file, then qcore's exports of its weights;
+``--smollm2-windows`` windows of 512 tokens).
 
 Relative differences: ``file/mem`` = file / memory - 1, ``llama/file`` = llama.cpp / file - 1 (what the prediction
 must explain), ``pred err`` = predicted / llama.cpp - 1 (the issue's bound: 1%). Nothing is asserted
@@ -139,18 +144,64 @@ def measure(fam: str, kinds, *, kit, ids, steps: int, seq: int, windows: int, th
     return rows
 
 
+def measure_smollm2(kinds, *, windows: int, seq: int, threads: int, work: pathlib.Path) -> list:
+    """The embedded SmolLM2-135M (a real Llama): its own GGUF file (llama.cpp's Q4_1, type ``file``), then qcore's
+    exports of its weights per type (576-wide rows: no k-quant; ``Q4_K`` is skipped)."""
+    import torch
+    from qcore.adapters import quantize_model
+    from qcore.adapters.eval import evaluate as E
+    from qcore.adapters.eval import models as M
+    from qcore.adapters.eval.llama_cpp import llama_cpp_perplexity
+    from qcore.adapters.io.gguf import export_gguf, from_gguf
+    from qcore.algorithms.metrics import token_windows
+    base, tok = M.load_smollm2()
+    ids = E.protocol_token_ids(tok)
+    wins = range(windows)
+    spans = token_windows(ids.numel(), seq_len=seq, windows=wins)
+    ev = dict(token_ids=ids, seq_len=seq, windows=wins, progress=False)
+    row0 = dict(family="smollm2 (real)", steps=0, outliers=0.0, float=E.perplexity(base, None, **ev))
+    rows = []
+    for kind in ["own"] + [k for k in kinds if k != "Q4_K"]:
+        if kind == "own":  # llama.cpp's own Q4_1 file of these weights
+            path = M.smollm2_path()
+            r = dict(row0, type="Q4_1 (llama.cpp's file)", lossless=True)
+            r["memory"] = r["file"] = E.perplexity(from_gguf(path), None, **ev)
+        else:
+            m = copy.deepcopy(base)
+            quantize_model(m, config_of(kind), None, progress=False)
+            path = work / f"smollm2_{kind}.gguf"
+            info = export_gguf(m, path, tokenizer=M.smollm2_path())
+            r = dict(row0, type=kind, lossless=info.lossless)
+            r["memory"] = E.perplexity(m, None, **ev)
+            del m
+            r["file"] = E.perplexity(from_gguf(path), None, **ev)
+        t = time.perf_counter()
+        r["predicted"] = llama_cpp_perplexity(path, None, **ev)
+        r["predict_s"] = round(time.perf_counter() - t, 1)
+        t = time.perf_counter()
+        r["llama.cpp"] = llama_cpp_ppl(path, ids, spans, threads)
+        r["llama_s"] = round(time.perf_counter() - t, 1)
+        r["file/mem"] = r["file"] / r["memory"] - 1
+        r["llama/file"] = r["llama.cpp"] / r["file"] - 1
+        r["pred err"] = r["predicted"] / r["llama.cpp"] - 1
+        print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+        rows.append(r)
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return rows
+
+
 def _pct(v) -> str:
-    return f"{100 * v:+.2f}%"
+    return f"{100 * v:+.3f}%"
 
 
 def markdown(rows: list, meta: dict) -> str:
-    parts = [k for k in rows[0] if k.startswith("predicted[")] if rows else []
+    parts = sorted({k for r in rows for k in r if k.startswith("predicted[")}, key=lambda k: (len(k), k))
     head = ["family", "type", "float", "memory", "file", "predicted", *parts, "llama.cpp", "file/mem", "llama/file",
             "pred err"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["family"], r["type"]] + [f"{r[k]:.4f}" for k in ("float", "memory", "file", "predicted", *parts,
-                                                                       "llama.cpp")]
+        cells = [r["family"], r["type"]] + [f"{r[k]:.4f}" if k in r else "-" for k in (
+            "float", "memory", "file", "predicted", *parts, "llama.cpp")]
         cells += [_pct(r["file/mem"]), _pct(r["llama/file"]), _pct(r["pred err"])]
         lines.append("| " + " | ".join(cells) + " |")
     worst = max(rows, key=lambda r: abs(r["pred err"])) if rows else None
@@ -173,13 +224,16 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--parts", action="store_true")
     ap.add_argument("--outliers", type=float, default=0.0)
+    ap.add_argument("--smollm2", action="store_true", help="also the embedded SmolLM2-135M (--smollm2-windows of "
+                    "512 tokens)")
+    ap.add_argument("--smollm2-windows", type=int, default=4)
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "GGUF_LLAMA_PPL.json"))
     ap.add_argument("--md", default=str(ROOT / "bench" / "results" / "GGUF_LLAMA_PPL.md"))
     a = ap.parse_args()
     import torch
     torch.set_num_threads(a.threads)
     kit = _kit()
-    fams, kinds = a.families.split(","), a.types.split(",")
+    fams, kinds = [f for f in a.families.split(",") if f], a.types.split(",")
     bad = [f for f in fams if f not in kit.WIDE_FAMILIES] + [k for k in kinds if k not in TYPES]
     if bad:
         ap.error(f"unknown families / types: {bad}")
@@ -192,6 +246,9 @@ def main() -> int:
             rows += measure(fam, kinds, kit=kit, ids=ids, steps=a.steps, seq=a.seq, windows=a.windows,
                             threads=a.threads, parts=a.parts, work=pathlib.Path(d),
                             outliers=a.outliers)
+        if a.smollm2:
+            rows += measure_smollm2(kinds, windows=a.smollm2_windows, seq=512, threads=a.threads,
+                                    work=pathlib.Path(d))
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     meta = dict(command="python bench/bench_gguf_llama_ppl.py " + " ".join(sys.argv[1:]), commit=commit,
