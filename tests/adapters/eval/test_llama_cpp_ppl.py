@@ -11,6 +11,7 @@ neighbours', as in real LLMs), exported as Q4_1 (the issue's uint4 g64) and Q4_K
 import copy
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -104,13 +105,14 @@ def test_refusals(q4_1_file, tmp_path):
         llama_cpp_perplexity(tmp_path / "none.gguf", None, token_ids=torch.arange(300) % 128)
 
 
-def test_the_report_gives_the_prediction_for_gguf_exports_only(lm_dir, tmp_path):
+def test_the_report_gives_the_prediction_for_gguf_exports_only(lm_dir, tmp_path, capsys):
     text = lm_dir.parent / "text.txt"
     base = ["quantize", "--model", str(lm_dir), "--scheme", "uint4_wo_64", "--eval", "ppl", "--eval-text",
             str(text), "--seq-len", "64", "--no-progress", "--calib-samples", "2"]
     rep = tmp_path / "r.json"
     assert main(base + ["--export", "gguf", "--output", str(tmp_path / "g"), "--report", str(rep)]) == 0
     r = json.loads(rep.read_text())
+    assert re.search(rf"perplexity in llama.cpp +{r['ppl_llama_cpp']:.3f} ", capsys.readouterr().out)
     tok = transformers.AutoTokenizer.from_pretrained(lm_dir)
     ids = E.protocol_token_ids(tok, text=text.read_text())
     want = llama_cpp_perplexity(tmp_path / "g" / "model.gguf", tok, token_ids=ids, seq_len=64,
@@ -120,6 +122,7 @@ def test_the_report_gives_the_prediction_for_gguf_exports_only(lm_dir, tmp_path)
     rep2 = tmp_path / "r2.json"
     assert main(base + ["--export", "hf", "--output", str(tmp_path / "h"), "--report", str(rep2)]) == 0
     assert json.loads(rep2.read_text())["ppl_llama_cpp"] is None
+    assert "llama.cpp" not in capsys.readouterr().out
 
 
 # -- against llama.cpp itself -------------------------------------------------------------------------------------
