@@ -110,11 +110,16 @@ def test_nested_hyperparameters_name_their_path():
         check_hyperparameters({"sliding_window": -1}, "'c.json'")
 
 
+def _quark_only_group(c):  # a Quark checkpoint (no qcore block: the Quark fields are the config) with a huge group
+    qc = c["quantization_config"]
+    qc.pop("qcore")
+    qc["global_quant_config"]["weight"]["group_size"] = 2 ** 40
+
+
 def test_a_group_size_qcore_does_not_take_names_the_config(ckpts, tmp_path):
     """TensorConfig's own check (group larger than qcore takes) was raised without the file and field."""
     d = _copy(ckpts, "uint4", tmp_path)
-    _edit_json(d / "config.json",
-               lambda c: c["quantization_config"]["global_quant_config"]["weight"].__setitem__("group_size", 2 ** 40))
+    _edit_json(d / "config.json", _quark_only_group)
     with pytest.raises(ValueError, match=r"config\.json.*global_quant_config.*group / block size 1099511627776"):
         A.from_pretrained(d)
 
