@@ -55,6 +55,7 @@ HYPERPARAMETERS = [  # (config.json key, value, what the message says)
     ("rms_norm_eps", 0.0, r"rms_norm_eps is 0\.0; expected a positive finite number"),
     ("rms_norm_eps", -1e-6, r"rms_norm_eps is -1e-06; expected a positive finite number"),
     ("rope_theta", math.inf, r"rope_theta is inf; expected a positive finite number"),
+    ("rope_theta", 2 ** 64, r"rope_theta is 18446744073709551616; expected a positive finite number"),
     ("architectures", "LlamaForCausalLM", r"architectures is 'LlamaForCausalLM'; expected a list of class names"),
     ("torch_dtype", "int8", r"torch_dtype is 'int8'; expected a float dtype name"),
 ]

@@ -336,6 +336,7 @@ _POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "nor
                     "partial_rotary_factor", "factor", "query_pre_attn_scalar")
 _NESTED = ("text_config", "vision_config", "rope_parameters", "rope_scaling")
 _FLOAT_DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "auto")
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def check_hyperparameters(cfg: dict, where: str, *, tensor_bytes: Optional[int] = None,
@@ -372,9 +373,10 @@ def check_hyperparameters(cfg: dict, where: str, *, tensor_bytes: Optional[int] 
                 what = ("the checkpoint's tensor count" if key in _LAYER_COUNTS else "2**31 - 1" if key in _POSITIONS
                         else "the checkpoint's size in bytes")
                 raise bad(key, v, f"at most {what} ({top})")
-        elif key in _POSITIVE_FLOATS:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
-                raise bad(key, v, "a positive finite number")
+        elif key in _POSITIVE_FLOATS:  # torch takes them as float32 / int64: 2**64 was an OverflowError
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, int) and v >= 2 ** 63) \
+                    or not (math.isfinite(v) and 0 < v <= _FLOAT32_MAX):
+                raise bad(key, v, "a positive finite number (at most float32's largest)")
         elif key == "architectures":
             if not isinstance(v, list) or not all(isinstance(a, str) for a in v):
                 raise bad(key, v, "a list of class names")
