@@ -1366,10 +1366,10 @@ def check_model_file(path) -> GGUFModel:
     n_layer = vals.get("block_count")
     if n_layer is None:
         raise bad(f"the file has no {arch}.block_count metadata")
-    if layers != set(range(n_layer)):
-        gone = sorted(set(range(n_layer)) - layers)
+    if len(layers) != n_layer or (layers and max(layers) != n_layer - 1):  # never range(n_layer): a header number
+        gone = next(i for i in range(len(layers) + 1) if i not in layers)
         raise bad(f"metadata '{arch}.block_count' is {n_layer}; the file's tensors are of layers "
-                  f"{_ranges(layers)}" + (f" (none of layer {gone[0]})" if gone and len(layers) > gone[0] else ""))
+                  f"{_ranges(layers)}" + (f" (none of layer {gone})" if gone < min(n_layer, len(layers)) else ""))
     n_head = vals.get("attention.head_count")
     if n_head is None:
         raise bad(f"the file has no {arch}.attention.head_count metadata")
@@ -1388,13 +1388,14 @@ def check_model_file(path) -> GGUFModel:
     if v_len is not None and v_len != head_dim:
         raise bad(f"metadata '{arch}.attention.value_length' is {v_len}, the head size is {head_dim}; qcore reads "
                   f"heads whose keys and values have one size")
+    reads = set(a.layer) | set(a.moe_layer or ())
     for name, rows, what in (("attn_q", n_head * head_dim, "head_count x the head size"),
                              ("attn_k", n_kv * head_dim, "head_count_kv x the head size"),
                              ("attn_qkv", (n_head + 2 * n_kv) * head_dim, "(head_count + 2 head_count_kv) x the "
                                                                           "head size")):
-        d = tensor_dims(f"blk.0.{name}.weight", 2)
+        d = tensor_dims(f"blk.0.{name}.weight", 2) if name in reads else None
         if d is not None and d[1] != rows:
-            raise bad(f"tensor 'blk.0.{name}.weight' has {d[1]} rows; the metadata gives {what} = {rows} "
+            raise bad(f"tensor 'blk.0.{name}.weight' has shape {[d[1], d[0]]}; the metadata gives {what} = {rows} rows "
                       f"(attention.head_count {n_head}, head_count_kv {n_kv}, head size {head_dim})")
     rot = vals.get("rope.dimension_count")
     if rot is not None and "rope.dimension_count" not in skip and rot > head_dim:
@@ -1406,13 +1407,14 @@ def check_model_file(path) -> GGUFModel:
                       f"({n_exp})")
         d = tensor_dims("blk.0.ffn_gate_inp.weight", 2)
         if d is not None and d[1] != n_exp:
-            raise bad(f"tensor 'blk.0.ffn_gate_inp.weight' (the router) has {d[1]} rows; metadata "
+            raise bad(f"tensor 'blk.0.ffn_gate_inp.weight' (the router) has shape {[d[1], d[0]]}; metadata "
                       f"'{arch}.expert_count' is {n_exp}")
     if a.position_embd:
         d = tensor_dims("position_embd.weight", 2)
         ctx = vals.get("context_length")
         if d is not None and ctx is not None and d[1] != ctx:
-            raise bad(f"metadata '{arch}.context_length' is {ctx}; tensor 'position_embd.weight' has {d[1]} rows")
+            raise bad(f"metadata '{arch}.context_length' is {ctx}; tensor 'position_embd.weight' has shape "
+                      f"{[d[1], d[0]]}")
     if vals.get("rope.scaling.type") == "linear" and "rope.scaling.factor" not in vals:
         raise bad(f"metadata '{arch}.rope.scaling.type' is 'linear' but the file has no {arch}.rope.scaling.factor")
     _check_tokenizer_fields(h, vocab, bad)
