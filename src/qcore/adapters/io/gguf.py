@@ -1018,10 +1018,12 @@ def check_gguf_file(path: Union[str, os.PathLike], *, reader: str = "qcore", str
         info = G.check_model_file(p)
         cfg, model, names = _skeleton(info, torch.float32, meta=True)
         plan, experts = _plan_import_gguf(info.header.tensors, model, cfg, names, strict, dequantize_other, reader)
-    except ValueError as e:  # every refusal names the file
-        if isinstance(e, CorruptCheckpointError):
-            raise CorruptCheckpointError.naming(p, e) from None
-        raise (e if str(p) in str(e) else ValueError(f"{str(p)!r}: {e}")) from None
+    except ValueError as e:  # every refusal names the file (and not from_gguf when transformers reads it)
+        msg = str(e)
+        if reader != "qcore" and msg.startswith("from_gguf: "):
+            msg = msg[len("from_gguf: "):]
+        msg = msg if str(p) in msg else f"{str(p)!r}: {msg}"
+        raise (CorruptCheckpointError if isinstance(e, CorruptCheckpointError) else ValueError)(msg) from None
     return GGUFFile(p, info, _family_of_file(info), cfg, tuple(plan), experts)
 
 
