@@ -3,7 +3,7 @@ UTF-8, gguf-py's reserved prefix) and ``check_model_file`` (the model the file d
 its type, in range and consistent with the tensors, before any reader allocates what a header number asks for;
 an architecture no record describes refused), on files built byte by byte here; ``metadata_differences``; the
 type tables against gguf-py's. The per-tensor match against the family records, and every loader behind the gate,
-are tested in tests/adapters/io/test_gguf_gate.py and test_gguf_fuzz.py."""
+are tested in tests/adapters/io/test_gguf_loading_gate.py and test_gguf_fuzz.py."""
 
 import re
 import struct
