@@ -165,6 +165,25 @@ def test_load_models_report_check_catches_what_the_gate_would_miss(source, tmp_p
         _load_model(f)
 
 
+def test_load_model_refuses_a_parameter_transformers_reads_with_another_shape(tmp_path):
+    """transformers' GGUF reader builds GPT-2 with its default 1024 positions whatever gpt2.context_length says:
+    the file's 64 rows of position_embd would be dropped and the positions randomly initialised. The gate passes
+    (qcore reads the file), load_model refuses naming the parameter; from_gguf loads it."""
+    cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=1, n_head=4, n_positions=64)
+    torch.manual_seed(0)
+    m = transformers.GPT2LMHeadModel(cfg).eval()
+    quantize_model(m, ModelConfig(LayerConfig(weight=Q8_0)), [torch.randint(0, 128, (1, 8))], progress=False)
+    f = tmp_path / "g.gguf"
+    export_gguf(m, f, tokenizer=tiny_tokenizer())
+    check_gguf_file(f, reader="transformers")
+    with pytest.raises(CommandError, match=r"g\.gguf: the model's 'transformer\.wpe\.weight' has another shape "
+                                           r"than the file's tensor .*qcore convert FILE\.gguf DIR --to hf"):
+        _load_model(f)
+    ids = token_ids()
+    with torch.no_grad():
+        assert torch.equal(from_gguf(f)(ids).logits, m(ids).logits)
+
+
 def test_cli_eval_of_a_file_missing_a_tensor_is_one_line(source, tmp_path, capsys):
     from qcore.cli import main
     f = _edited(source, tmp_path, lambda p: p.drop("blk.0.ffn_down.weight"))
