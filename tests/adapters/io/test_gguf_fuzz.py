@@ -1,13 +1,14 @@
-"""A hypothesis fuzz target for GGUF: real GGUF files (qcore's tiny Llama and GPT-2 exports; the embedded SmolLM2
-Q4_1 file's header under ``real_model``) mutated (bytes of the header flipped, the file truncated, metadata values
-and value types changed, keys given twice or dropped, tensor dims / types / offsets changed, tensors dropped, the
-header's counts changed), then read by every GGUF loader: the ``formats.gguf`` readers (``read_header``,
-``check_file``, ``check_model_file``), the gate (``check_gguf_file``), ``from_gguf`` (qcore's reader) and
-``load_model``'s transformers path. Each either refuses with one line (``ValueError`` / ``CommandError``) naming the
-file, or loads a model whose logits equal the independent reader's (transformers' GGUF loader called directly:
-gguf-py's dequantize and transformers' float model; given the config qcore read where transformers reads the
-metadata otherwise), which must then report no parameter left randomly initialised. Never another exception, a hang (each call under a 30 s alarm), a write (the folder and the
-file unchanged), nor memory beyond the bounds below:
+"""A hypothesis fuzz target for GGUF: real GGUF files (qcore's tiny Llama and GPT-2 exports, under ``slow`` also
+Qwen3-MoE, Gemma2 and Phi-3; the embedded SmolLM2 Q4_1 file's header under ``real_model``) mutated (bytes of the
+header flipped, the file truncated, metadata values and value types changed, keys given twice or dropped, tensor
+dims / types / offsets changed, tensors dropped, the header's counts changed), then read by every GGUF loader: the
+``formats.gguf`` readers (``read_header``, ``check_file``, ``check_model_file``), the gate (``check_gguf_file``),
+``from_gguf`` (qcore's reader) and ``load_model``'s transformers path. Each either refuses with one line
+(``ValueError`` / ``CommandError``) naming the file, or loads a model whose logits equal the independent reader's
+(transformers' GGUF loader called directly: gguf-py's dequantize and transformers' float model; given the config
+qcore read where transformers reads the metadata otherwise), which must then report no parameter left randomly
+initialised. Never another exception, a hang (each call under a 30 s alarm), a write (the folder and the file
+unchanged), nor memory beyond the bounds below:
 
 - the header readers: Python's allocations (``tracemalloc``) peak below 4x the file's size + 64 KiB;
 - every loader: the process's peak RSS (``ru_maxrss``) grows, over the whole run, by less than 4x the file's size
@@ -161,7 +162,9 @@ def _mutate(p: Parts, draw) -> list:
         return [kind, which]
     j = draw(st.integers(0, len(p.tensors) - 1))
     t = p.tensors[j]
-    if kind == "dims":
+    if kind == "dims" and not t[1]:
+        t[1] = [draw(st.sampled_from(INTS))]
+    elif kind == "dims":
         k = draw(st.integers(0, len(t[1]) - 1))
         t[1][k] = draw(st.sampled_from(INTS + [t[1][k] * 2, t[1][k] // 2 or 1]))
     elif kind == "ndims":
@@ -348,9 +351,24 @@ def test_gguf_fuzz(sources):
     assert counts["examples"] >= FUZZ_EXAMPLES // 2
 
 
+@pytest.fixture(scope="module")
+def more_sources(sources, zoo, tmp_path_factory):
+    """``sources`` and Q8_0 exports of the tiny Qwen3-MoE (fused experts), Gemma2 and Phi-3 (fused attn_qkv)."""
+    d = tmp_path_factory.mktemp("fuzz_more")
+    out = dict(sources)
+    for fam in ("qwen3_moe", "gemma2", "phi3"):
+        m = zoo.tiny_family(fam)
+        quantize_model(m, ModelConfig(LayerConfig(weight=SPECS["q8_0"])), [torch.randint(0, 128, (1, 8))],
+                       progress=False)
+        out[fam] = d / f"{fam}.gguf"
+        export_gguf(m, out[fam], tokenizer=tiny_tokenizer())
+        _read_all(out[fam])
+    return out
+
+
 @pytest.mark.slow
-def test_gguf_fuzz_many(sources):
-    counts = _run(sources, SLOW_EXAMPLES)
+def test_gguf_fuzz_many(more_sources):
+    counts = _run(more_sources, SLOW_EXAMPLES)
     assert counts["examples"] >= SLOW_EXAMPLES // 2
 
 
