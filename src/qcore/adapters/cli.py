@@ -22,7 +22,6 @@ import torch
 
 from qcore._argtypes import nonnegative_int, comma_list, nonnegative_number, positive_int, positive_number
 
-from qcore._fsutil import check_not_source, overlap
 from qcore.algorithms.config import parse_algorithms
 from qcore.formats.gguf_mixes import MIXES
 from qcore.formats.inspect import layout_bits_per_weight
@@ -42,6 +41,7 @@ from .jobs.common import loading_bars as _loading_bars
 from .jobs.common import torch_dtype as _dtype
 from .jobs.common import write_report as _write_report
 from .jobs.convert import convert
+from .jobs.convert import job_files as convert_files
 from .jobs.imatrix import imatrix_file
 from .jobs.quantize import QuantizeJob, QuantizeReport, run as run_job
 from .modules import weight_granularity, with_granularity
@@ -276,20 +276,12 @@ def convert_command(args) -> int:
     except (ValueError, TypeError) as e:
         raise CommandError(f"{e} (aliases: {aliases_text()})") from None
     dtype = None if args.dtype is None else _dtype(args.dtype)
+    convert_files(args.src, args.dst, report=args.report, cli=True).check()  # never over src, dst or each other
     if args.report:
         rp = pathlib.Path(args.report)
         if rp.exists() and rp.is_dir():
             raise CommandError(f"--report {args.report}: is a directory")
-        try:
-            check_not_source(rp, [args.src], what="--report")
-        except ValueError as e:
-            raise CommandError(str(e)) from None
-        how = overlap(rp, args.dst)
-        if how in ("is", "contains"):  # the report would replace the converted checkpoint
-            raise CommandError(f"--report {args.report!r} {how} dst {args.dst!r}; the report would replace the "
-                               f"converted checkpoint: choose another path")
-        if overlap(rp.parent, args.dst) not in ("is", "lies inside"):  # a folder the conversion creates is fine
-            _check_writable_file("--report", args.report)
+        _check_writable_file("--report", args.report)
     if getattr(args, "onnx_unsupported", "error") != "error" and "onnx_unsupported" not in dict(to.options):
         raise CommandError(f"--onnx-unsupported {args.onnx_unsupported} applies to --to "
                            f"{option_owner('onnx_unsupported').name}, not --to {args.to}")
@@ -324,7 +316,7 @@ def imatrix_command(args) -> int:
     t0 = time.perf_counter()
     r = imatrix_file(args.model, args.output, calib_samples=args.calib_samples, seq_len=args.seq_len,
                      eval_text=args.eval_text, process_output=args.process_output, device=args.device,
-                     dtype=args.dtype, overwrite=args.overwrite, progress=not args.no_progress)
+                     dtype=args.dtype, overwrite=args.overwrite, progress=not args.no_progress, names=CLI)
     print(f"qcore imatrix: {r['entries']} tensors over {r['windows']} windows ({r['tokens']} tokens) of "
           f"{r['model']} -> {r['path']} ({r['format']}, {time.perf_counter() - t0:.1f} s)")
     return 0
@@ -335,8 +327,8 @@ def run(args) -> int:
     try:
         return {"quantize": quantize_command, "eval": eval_command, "schemes": schemes_command,
                 "convert": convert_command, "imatrix": imatrix_command}[args.command](args)
-    except KeyboardInterrupt:
-        print(f"qcore {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # with what the job says about continuing (qcore quantize --work-dir)
+        print(f"qcore {args.command}: interrupted" + (f"; {e}" if str(e) else ""), file=sys.stderr)
         return 130
     except (CommandError, ValueError, TypeError, OSError, ModuleNotFoundError, RecursionError) as e:
         if getattr(args, "debug", False):

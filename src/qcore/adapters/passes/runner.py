@@ -378,7 +378,11 @@ class LayerRunner:
             msg = (f"while running {what} on decoder layer {current} of {self.path!r}; layers 0..{current} may "
                    f"already be rewritten: reload the model before quantizing it again")
             if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: keep their type
-                _log.warning("interrupted %s", msg)
+                if checkpoint is None:
+                    _log.warning("interrupted %s", msg)
+                else:  # the caller says how to resume, in its own words (a flag, an argument)
+                    _log.warning("interrupted while running %s on decoder layer %d of %r; the layers done are saved "
+                                 "in the work directory %s", what, current, self.path, str(checkpoint.work.path))
                 raise
             raise AlgorithmError(f"{type(e).__name__}: {e} ({msg})") from e
         return inputs if replay and keep_last else None
