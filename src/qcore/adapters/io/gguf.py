@@ -174,7 +174,9 @@ class GGUFExportInfo:
     types: dict = field(default_factory=dict)  # gguf tensor name -> type name
     quantized: tuple = ()  # TensorReport per quantized weight
     dropped: tuple = ()  # "module (role)" of activation quantization not written
-    not_carried: tuple = ()  # keys of export_gguf(metadata=) gguf-py's writer cannot write (empty arrays)
+    # keys of export_gguf(metadata=) gguf-py's writer cannot write (empty arrays); out of the repr, which stays what
+    # it was for every export without metadata=
+    not_carried: tuple = field(default=(), repr=False)
 
     @property
     def lossless(self) -> bool:
