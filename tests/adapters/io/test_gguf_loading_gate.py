@@ -184,6 +184,23 @@ def test_load_model_refuses_a_parameter_transformers_reads_with_another_shape(tm
         assert torch.equal(from_gguf(f)(ids).logits, m(ids).logits)
 
 
+def test_load_model_names_what_transformers_cannot_read(source, tmp_path, monkeypatch):
+    """Past the gate, transformers' own failures are one line naming the file: a tokenizer model its converters do
+    not know (from_gguf, which reads no tokenizer, loads the file), and whatever its model reader raises."""
+    f = _edited(source, tmp_path, _set("tokenizer.ggml.model", 8, "zzz"))
+    with pytest.raises(CommandError, match=r"--model .*x\.gguf: its tokenizer \(tokenizer\.ggml\.\*\) cannot be read "
+                                           r"by transformers: Cannot build a tokenizer .*'zzz'"):
+        _load_model(f)
+    from_gguf(f)
+
+    def broken(*a, **k):
+        raise KeyError("attention.head_count")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", broken)
+    with pytest.raises(CommandError, match=r"m\.gguf: transformers' GGUF reader cannot load it: 'attention\.head_count' "
+                                           r"\(qcore's own reader does: qcore convert FILE\.gguf DIR --to hf\)"):
+        _load_model(source)
+
+
 def test_cli_eval_of_a_file_missing_a_tensor_is_one_line(source, tmp_path, capsys):
     from qcore.cli import main
     f = _edited(source, tmp_path, lambda p: p.drop("blk.0.ffn_down.weight"))
