@@ -30,7 +30,7 @@ from qcore.formats.quark_layout import expected_weight
 from .eval import evaluate as E
 from .eval import lm_eval_tasks as LT
 from .io.compressed_tensors import CTExportInfo
-from .io.formats import FORMATS, aliases_text, format_named, option_owner
+from .io.formats import FORMATS, aliases_text, format_named
 from .io.gguf import GGUFExportInfo
 from .io.onnx import UnsupportedWeightError
 from .jobs.common import CLI, CommandError, load_model, read_eval_text
@@ -40,7 +40,7 @@ from .jobs.common import check_writable_file as _check_writable_file
 from .jobs.common import loading_bars as _loading_bars
 from .jobs.common import torch_dtype as _dtype
 from .jobs.common import write_report as _write_report
-from .jobs.convert import convert
+from .jobs.convert import convert, summary_rows
 from .jobs.convert import job_files as convert_files
 from .jobs.imatrix import imatrix_file
 from .jobs.quantize import QuantizeJob, QuantizeReport, run as run_job
@@ -272,7 +272,7 @@ def convert_command(args) -> int:
     """``qcore convert SRC DST --to FORMAT``: ``qcore.adapters.jobs.convert.convert`` plus a printed report."""
     t0 = time.perf_counter()
     try:
-        to = format_named(args.to, what="--to")
+        format_named(args.to, what="--to")
     except (ValueError, TypeError) as e:
         raise CommandError(f"{e} (aliases: {aliases_text()})") from None
     dtype = None if args.dtype is None else _dtype(args.dtype)
@@ -282,28 +282,12 @@ def convert_command(args) -> int:
         if rp.exists() and rp.is_dir():
             raise CommandError(f"--report {args.report}: is a directory")
         _check_writable_file("--report", args.report)
-    if getattr(args, "onnx_unsupported", "error") != "error" and "onnx_unsupported" not in dict(to.options):
-        raise CommandError(f"--onnx-unsupported {args.onnx_unsupported} applies to --to "
-                           f"{option_owner('onnx_unsupported').name}, not --to {args.to}")
     progress = not getattr(args, "no_progress", False)
     with _loading_bars(progress):  # --no-progress: transformers' "Loading weights" bars too
         info = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, strict=args.strict, dtype=dtype,
                        tokenizer_pre=args.tokenizer_pre, verify=not args.no_verify, progress=progress,
-                       onnx_unsupported=getattr(args, "onnx_unsupported", "error"))
-    verdict = ("not verified (--no-verify)" if info.verified_by == "none" else
-               ("lossless" if info.lossless else f"{len(info.tensors)} tensors changed")
-               + f" (checked by {'loading dst back' if info.verified_by == 'reload' else 'the exporter'})")
-    if any(n.startswith("tokenizer dropped") for n in info.notes):
-        verdict += "; tokenizer dropped (see the note)"
-    rows = [("source", f"{info.source} ({info.source_format}, {info.quantized} quantized weights)"),
-            ("destination", f"{info.destination} ({info.to}, {info.bytes_on_disk / 2**20:.2f} MiB)"),
-            ("result", verdict)]
-    rows += [("note", n) for n in info.notes]
-    for t in info.tensors[:20]:
-        diff = "dropped" if t.max_abs_diff != t.max_abs_diff else f"max |diff| {t.max_abs_diff:.3g}"
-        rows.append((f"  {t.name}", f"{t.what}: {t.source} -> {t.destination}, {diff}"))
-    if len(info.tensors) > 20:
-        rows.append(("  ...", f"{len(info.tensors) - 20} more (--report FILE.json lists all)"))
+                       onnx_unsupported=getattr(args, "onnx_unsupported", None), names=CLI)
+    rows = summary_rows(info)
     rows.append(("time", f"{time.perf_counter() - t0:.1f} s"))
     print(_table(rows))
     if args.report:
@@ -477,16 +461,17 @@ def _add_convert(c) -> None:
     c.add_argument("--to", required=True, metavar="FORMAT",
                    help=", ".join(f.name + (f" (alias {', '.join(f.aliases[:1])})" if f.aliases else "")
                                   for f in FORMATS.values()))
-    c.add_argument("--strict", action="store_true", help="refuse unless lossless (dst is then left untouched)")
+    c.add_argument("--strict", action="store_true", help="refuse unless lossless: every tensor and metadata entry of "
+                   "dst, loaded back, equal to the source's (always verifies; dst is then left untouched)")
     c.add_argument("--overwrite", action="store_true", help="replace an existing dst")
     c.add_argument("--dtype", default=None, help="float dtype to load in: float32, bfloat16 or float16 (default: "
                    "the checkpoint's)")
     c.add_argument("--tokenizer-pre", default=None, metavar="NAME", help="llama.cpp pre-tokenizer name when a "
                    "transformers tokenizer is converted for GGUF (default: the architecture's, 'gpt-2' for GPT-2 and "
-                   "GPT-NeoX, else 'default'; SmolLM2: smollm)")
+                   "GPT-NeoX, else 'default'; SmolLM2: smollm; refused where no tokenizer is converted for GGUF)")
     c.add_argument("--no-verify", action="store_true", help="do not load dst back to compare (faster; then "
-                   "nothing is measured)")
-    c.add_argument("--onnx-unsupported", choices=["error", "dequantize"], default="error", help="with --to onnx: "
+                   "nothing is compared; refused with --strict and with --to onnx)")
+    c.add_argument("--onnx-unsupported", choices=["error", "dequantize"], default=None, help="with --to onnx only: "
                    "weights onnxruntime cannot dequantize (fp4, MX6/MX9, NVFP4) are refused (error, default) or "
                    "written as dequantized float32 and reported as changed tensors (dequantize)")
     c.add_argument("--report", default=None, metavar="FILE.json", help="write the report as JSON")
