@@ -629,13 +629,13 @@ def _tc_from_quark(value, role: str, where: str, model_dtype: str) -> Optional[T
         return None
     try:
         spec, dynamic = quark_to_qcore(value, role=role, model_dtype=model_dtype)
+        if role in ("weight", "bias") and spec.tensor_scale_mode is TensorScale.GIVEN:
+            spec = dataclasses.replace(spec, tensor_scale_mode=TensorScale.AMAX)
+        if role in ("weight", "bias"):
+            dynamic = False  # Quark writes is_dynamic false for weights; qcore's weights are always from the weight
+        return TensorConfig(spec, dynamic=dynamic)  # its checks too (a group larger than qcore takes)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{where}: {e}") from None
-    if role in ("weight", "bias") and spec.tensor_scale_mode is TensorScale.GIVEN:
-        spec = dataclasses.replace(spec, tensor_scale_mode=TensorScale.AMAX)
-    if role in ("weight", "bias"):
-        dynamic = False  # Quark writes is_dynamic false for weights; qcore's weights are always from the weight
-    return TensorConfig(spec, dynamic=dynamic)
 
 
 def _layer_from_quark(ls: QuarkLayerSpec, where: str, model_dtype: str) -> LayerConfig:

@@ -49,6 +49,8 @@ import qcore
 from qcore import PerBlock, PerChannel, PerGroup, PerTensor, QuantSpec, RoundingMode, ScaleMode, TensorScale
 from qcore.dtypes import FloatDType, IntDType
 
+from .quark_layout import FLOAT32_MAX, check_representable
+
 __all__ = ["QUANT_METHOD", "CTFormat", "QType", "Strategy", "CTArgs", "CTScheme", "CTConfig", "Match", "ct_match",
            "vllm_match", "resolve_groups", "target_groups", "args_to_spec",
            "spec_to_args", "infer_format", "pack_int32", "unpack_int32", "pack_fp4", "unpack_fp4",
@@ -968,11 +970,12 @@ def encode_weight(codes: np.ndarray, scales: np.ndarray, zero_points: Optional[n
 
 
 def decode_weight(arrays: Mapping, spec: QuantSpec, shape: tuple, *, fmt: CTFormat, dtypes: Mapping,
-                  where: str = "weight") -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+                  where: str = "weight", max_weight: float = FLOAT32_MAX) -> tuple[np.ndarray, np.ndarray,
+                                                                                    Optional[np.ndarray]]:
     """(codes, float32 scales of ``spec.scale_shape(shape)``, float32 zero points or None) in qcore's terms from
     one layer's stored arrays (``dtypes``: their safetensors dtypes). Values are validated: scales finite and
-    positive, E8M0 codes not NaN, ``weight_shape`` equal to ``shape``, ``weight_g_idx`` (if any) the identity
-    grouping."""
+    positive and representable (``quark_layout.check_representable``: weights at most ``max_weight``), E8M0
+    codes not NaN, ``weight_shape`` equal to ``shape``, ``weight_g_idx`` (if any) the identity grouping."""
     shape = tuple(int(s) for s in shape)
     _check_layout(spec, shape, fmt, where)
     qshape = tuple(spec.scale_shape(shape))
@@ -1029,4 +1032,5 @@ def decode_weight(arrays: Mapping, spec: QuantSpec, shape: tuple, *, fmt: CTForm
     if not np.all(np.isfinite(scales)) or not np.all(scales > 0):
         bad = scales[~(np.isfinite(scales) & (scales > 0))].reshape(-1)[0]
         raise ValueError(f"{where}: tensor 'weight_scale' holds {float(bad)!r}; scales must be finite and positive")
+    check_representable(scales, spec, where=where, max_weight=max_weight)
     return codes, scales.reshape(qshape), zp

@@ -30,6 +30,7 @@ the staged writer (nothing half-written on failure). Malformed files raise ``Val
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -274,7 +275,7 @@ class ImatrixGGUF:
         for name, dims, off in infos:
             if name in arrays:
                 raise CorruptCheckpointError(f"{where}: tensor {name!r} appears twice")
-            n = int(np.prod(dims, dtype=np.int64))
+            n = math.prod(dims)  # Python ints: numpy's int64 product wraps for dimensions near 2**63
             b, e = start + off, start + off + 4 * n
             if e > len(data):
                 raise CorruptCheckpointError(f"{where}: the data of tensor {name!r} runs to byte {e}, past the end "
@@ -298,8 +299,13 @@ class ImatrixGGUF:
             if m < 1 or s2[1].size % m or s2[1].size == 0 or (len(s2[0]) > 1 and int(np.prod(s2[0][1:])) != m):
                 raise CorruptCheckpointError(f"{where}: {k!r}: in_sum2 of shape {s2[0]} does not hold one row per "
                                              f"count ({m} counts)")
-            if not (np.isfinite(c[1]).all() and (c[1] >= 0).all()):
-                raise CorruptCheckpointError(f"{where}: {k!r}: counts must be finite and non-negative")
+            # token counts (llama.cpp stores int64 counts as float32: whole numbers): a fraction would divide the
+            # sums up to inf, a count past int64 would wrap when read back as one
+            cnt = c[1]
+            if not (np.isfinite(cnt).all() and (cnt >= 0).all() and (cnt < 2.0 ** 63).all()
+                    and (cnt == np.floor(cnt)).all()):
+                raise CorruptCheckpointError(f"{where}: {k!r}: counts must be whole numbers in [0, 2**63) (token "
+                                             f"counts), got {cnt[~((cnt >= 0) & (cnt < 2.0 ** 63) & (cnt == np.floor(cnt)))][:3]}")
             if not np.isfinite(s2[1]).all() or (s2[1] < 0).any():
                 raise CorruptCheckpointError(f"{where}: {k!r}: in_sum2 holds negative or non-finite sums of squares")
             if s1 is not None and s1[1].size != s2[1].size:

@@ -549,7 +549,15 @@ def inspect_onnx(path: Union[str, pathlib.Path]) -> dict:
         model = onnx.load(str(f), load_external_data=False)
     except Exception as e:  # onnx raises DecodeError and friends: one line naming the file
         raise ValueError(f"{str(f)!r}: not a readable ONNX model ({type(e).__name__}: {e})") from None
-    inits = {t.name: t for t in model.graph.initializer}
+    inits = {}
+    for t in model.graph.initializer:  # what sizes are computed from, checked first (one line naming the tensor)
+        if t.name in inits:
+            raise ValueError(f"{str(f)!r}: initializer {t.name!r} appears twice")
+        if t.data_type not in onnx.TensorProto.DataType.values():
+            raise ValueError(f"{str(f)!r}: initializer {t.name!r} has data_type {t.data_type}, not an ONNX type")
+        if any(d < 0 for d in t.dims):
+            raise ValueError(f"{str(f)!r}: initializer {t.name!r} has dims {list(t.dims)}; expected sizes >= 0")
+        inits[t.name] = t
 
     def dtype(t) -> str:
         return onnx.TensorProto.DataType.Name(t.data_type)
@@ -561,12 +569,31 @@ def inspect_onnx(path: Union[str, pathlib.Path]) -> dict:
                              f"not size")
         return -(-math.prod(t.dims) * bits // 8)
 
+    def attributes(node) -> dict:
+        out = {}
+        label = node.name or (node.output[0] if node.output else node.op_type)
+        for a in node.attribute:
+            if a.name in out:
+                raise ValueError(f"{str(f)!r}: node {label!r} has attribute {a.name!r} twice")
+            try:
+                out[a.name] = onnx.helper.get_attribute_value(a)
+            except Exception as e:  # an attribute of no known type
+                raise ValueError(f"{str(f)!r}: node {label!r}: attribute {a.name!r} is unreadable ({e})") from None
+        for k in ("K", "N", "bits", "block_size", "axis"):
+            v = out.get(k)
+            if v is not None and (not isinstance(v, int) or (k != "axis" and v < 1)):
+                raise ValueError(f"{str(f)!r}: node {label!r}: attribute {k} is {v!r}; expected a "
+                                 f"{'' if k == 'axis' else 'positive '}int")
+        if node.op_type == "MatMulNBits" and ("K" not in out or "N" not in out):
+            raise ValueError(f"{str(f)!r}: node {label!r}: MatMulNBits needs the attributes K and N")
+        return out
+
     form: dict[str, str] = {}
     weights: dict[str, dict] = {}
     for node in model.graph.node:
         ins = list(node.input)
         if node.op_type == "DequantizeLinear" and ins and ins[0] in inits:
-            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            attrs = attributes(node)
             x = inits[ins[0]]
             how = "qdq " + (f"block {attrs['block_size']}" if attrs.get("block_size") else
                             "per tensor" if len(ins) > 1 and ins[1] in inits and not inits[ins[1]].dims else
@@ -574,7 +601,7 @@ def inspect_onnx(path: Union[str, pathlib.Path]) -> dict:
             parts = [n for n in ins[:3] if n in inits]
             weights[ins[0]] = {"form": how, "dtype": dtype(x), "weights": math.prod(x.dims), "parts": parts}
         elif node.op_type == "MatMulNBits" and len(ins) > 1 and ins[1] in inits:
-            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            attrs = attributes(node)
             parts = [n for n in ins[1:4] if n in inits]
             weights[ins[1]] = {"form": f"MatMulNBits {attrs.get('bits', 4)}-bit block {attrs.get('block_size')}",
                                "dtype": dtype(inits[ins[1]]), "weights": int(attrs["K"]) * int(attrs["N"]),
@@ -586,6 +613,8 @@ def inspect_onnx(path: Union[str, pathlib.Path]) -> dict:
             form[n] = w["form"]
     per_layer = {}
     for name, w in weights.items():
+        if w["weights"] < 1:
+            raise ValueError(f"{str(f)!r}: quantized weight {name!r} has {w['weights']} elements")
         b = sum(nbytes(inits[n]) for n in w["parts"])
         per_layer[name] = {"form": w["form"], "dtype": w["dtype"], "weights": w["weights"], "bytes": b,
                            "tensors": {n: f"{dtype(inits[n])} {list(inits[n].dims)}" for n in w["parts"]},

@@ -322,11 +322,30 @@ def check_zero_points(zp: Optional[np.ndarray], spec: QuantSpec, *, name: str, w
     return zp
 
 
+#: the largest float32: dequantized weights (codes x scales) must stay below it
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_representable(scales: np.ndarray, spec: QuantSpec, *, where: str, max_weight: float = FLOAT32_MAX,
+                        tensor_scale: Optional[np.ndarray] = None, name: str = "weight_scale") -> None:
+    """Scales (finite and positive, checked before) whose dequantized weights are representable: the largest
+    scale times the largest code distance of ``spec`` (``qmax - qmin`` asymmetric, ``max(|qmin|, qmax)``
+    symmetric; times a two-level tensor scale) at most ``max_weight`` (the model dtype's largest finite value;
+    float32's by default). A larger scale would load as inf weights and NaN outputs."""
+    top = float(np.max(scales, initial=0.0)) * (float(np.max(tensor_scale)) if tensor_scale is not None else 1.0)
+    amp = (spec.qmax - spec.qmin) if not spec.symmetric else max(abs(spec.qmin), abs(spec.qmax))
+    if not top * amp <= max_weight:
+        raise CorruptCheckpointError(f"{where}: {name} holds {top:g}, which times the largest code distance "
+                                     f"{amp:g} of {spec.dtype.name} is past {max_weight:g}, the largest value of "
+                                     f"the model's dtype (the weights would load as inf)")
+
+
 def decode_weight(arrays: Mapping[str, np.ndarray], spec: QuantSpec, shape: tuple, *, layout: str,
-                  pack_method: str = "reorder", where: str = "weight") -> WeightParts:
+                  pack_method: str = "reorder", where: str = "weight", max_weight: float = FLOAT32_MAX) -> WeightParts:
     """The inverse of ``encode_weight``: ``arrays`` maps each suffix of ``expected_weight`` to a numpy array
     (fp8 tensors as their uint8 bytes). Checks what a corrupted checkpoint would get wrong: scales that are not
-    finite and positive, e8m0 NaN codes, zero points out of the code range, codes of 8-bit formats out of range."""
+    finite and positive, e8m0 NaN codes, zero points out of the code range, codes of 8-bit formats out of range,
+    and scales whose weights would pass ``max_weight`` (``check_representable``)."""
     order = PACK_METHODS[pack_method]
     el = spec.dtype
     shape = tuple(shape)
@@ -382,6 +401,7 @@ def decode_weight(arrays: Mapping[str, np.ndarray], spec: QuantSpec, shape: tupl
         _fail(where, f"weight_scale holds {bad.size} values that are not finite and positive (e.g. {bad.flat[0]})")
     if ts is not None and not (np.isfinite(ts) and ts > 0):
         _fail(where, f"weight_scale_2 is {float(ts)}, expected a finite positive float")
+    check_representable(scales, spec, where=where, max_weight=max_weight, tensor_scale=ts)
     zp = check_zero_points(zp, spec, name="weight_zero_point", where=where)
     if isinstance(el, FloatDType) and el.bits == 8 and not el.name.startswith("float8_e5m2"):
         nan = np.asarray(qcore.decode(np.asarray(codes, np.uint8), el))

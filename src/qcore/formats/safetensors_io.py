@@ -130,9 +130,17 @@ def index_shards(directory: Union[str, os.PathLike], index: Union[str, os.PathLi
             raise CorruptCheckpointError(f"{str(idx)!r}: tensor {key!r} names the file {name!r}, which is not a file "
                                          f"directly inside the checkpoint directory")
         if not f.is_file():
-            raise CorruptCheckpointError(f"{str(idx)!r}: shard {name!r} is missing")
+            key = next(k for k, v in wm.items() if v == name)
+            raise CorruptCheckpointError(f"{str(idx)!r}: shard {name!r} is missing (weight_map[{key!r}] names it)")
         out.append(f)
-    held = {name: SafetensorsFile(d / name).entries for name in sorted(set(wm.values()))}
+    held = {}
+    for name in sorted(set(wm.values())):
+        try:
+            held[name] = SafetensorsFile(d / name).entries
+        except CorruptCheckpointError as e:  # which entry of the index names the file, and what is wrong with it
+            key = next(k for k, v in wm.items() if v == name)
+            raise CorruptCheckpointError(f"{str(idx)!r}: weight_map[{key!r}] names {name!r}, which is not a valid "
+                                         f"safetensors file ({e})") from None
     for k, v in wm.items():  # the index says where each tensor is: it must be there
         if k not in held[v]:
             raise CorruptCheckpointError(f"{str(idx)!r}: the index puts tensor {k!r} in {v!r}, which does not "
@@ -204,6 +212,50 @@ def write_file(path: Union[str, os.PathLike], records: Iterable[TensorRecord],
     return len(head) + sum(r.nbytes for r in records)
 
 
+def _short(v: object) -> str:
+    r = repr(v)
+    return r if len(r) <= 100 else f"{r[:80]}... ({len(r)} characters)"
+
+
+def _is_uint(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+class _Duplicate(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:
+    d: dict = {}
+    for k, v in pairs:
+        if k in d:
+            raise _Duplicate(k)
+        d[k] = v
+    return d
+
+
+def _not_json(token: str):
+    raise ValueError(f"{token} is not a JSON value")
+
+
+def _header_json(raw: bytes, where: str) -> dict:
+    """A safetensors header as the reference reader (serde_json) accepts it: UTF-8 JSON (no NaN / Infinity
+    tokens, no key written twice in one object, nesting within ``MAX_JSON_DEPTH``), an object."""
+    try:
+        head = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_not_json)
+    except _Duplicate as e:
+        raise CorruptCheckpointError(f"{where}: the header writes key {str(e)!r} twice in one object") from None
+    except (UnicodeDecodeError, ValueError) as e:  # json.JSONDecodeError and the NaN / Infinity tokens
+        raise CorruptCheckpointError(f"{where}: the header is not valid JSON ({e})") from None
+    except RecursionError:
+        raise CorruptCheckpointError(f"{where}: the header JSON nests too deeply to read") from None
+    if not isinstance(head, dict):
+        raise CorruptCheckpointError(f"{where}: the header is not a JSON object")
+    if _json_depth(head) > MAX_JSON_DEPTH:
+        raise CorruptCheckpointError(f"{where}: the header JSON nests more than {MAX_JSON_DEPTH} levels")
+    return head
+
+
 @dataclass(frozen=True)
 class Entry:
     dtype: str
@@ -233,24 +285,29 @@ class SafetensorsFile:
             if n > _MAX_HEADER or 8 + n > size:
                 raise CorruptCheckpointError(f"{where}: header length {n} does not fit the file ({size} bytes); "
                                              f"the file is truncated or not a safetensors file")
-            try:
-                head = json.loads(f.read(n))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise CorruptCheckpointError(f"{where}: the header is not valid JSON ({e})") from None
-        if not isinstance(head, dict):
-            raise CorruptCheckpointError(f"{where}: the header is not a JSON object")
-        self.metadata = dict(head.pop("__metadata__", None) or {})
+            head = _header_json(f.read(n), where)
+        meta = head.pop("__metadata__", None)
+        if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+            raise CorruptCheckpointError(f"{where}: __metadata__ must map strings to strings, got "
+                                         f"{_short(meta)}")
+        self.metadata = dict(meta or {})
         self.data_start = 8 + n
         entries = {}
         for name, e in head.items():
-            try:
-                dtype, shape, (b, end) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise CorruptCheckpointError(f"{where}: tensor {name!r} has a malformed header entry {e!r}") from None
-            if dtype not in DTYPE_BYTES:
-                raise CorruptCheckpointError(f"{where}: tensor {name!r} has unknown dtype {dtype!r}")
-            if not all(isinstance(d, int) and d >= 0 for d in shape) or not (isinstance(b, int) and isinstance(end, int)):
-                raise CorruptCheckpointError(f"{where}: tensor {name!r} has a malformed shape or offsets {e!r}")
+            if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= set(e):
+                raise CorruptCheckpointError(f"{where}: tensor {name!r} has a malformed header entry {_short(e)} "
+                                             f"(expected dtype, shape and data_offsets)")
+            dtype, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
+            if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+                raise CorruptCheckpointError(f"{where}: tensor {name!r} has unknown dtype {_short(dtype)}; expected "
+                                             f"one of {sorted(DTYPE_BYTES)}")
+            if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+                raise CorruptCheckpointError(f"{where}: tensor {name!r} has a malformed shape {_short(shape)} "
+                                             f"(expected a list of non-negative ints)")
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(v) for v in offsets)):
+                raise CorruptCheckpointError(f"{where}: tensor {name!r} has malformed data_offsets {_short(offsets)} "
+                                             f"(expected [begin, end], non-negative ints)")
+            (b, end), shape = offsets, tuple(shape)
             if end - b != math.prod(shape) * DTYPE_BYTES[dtype]:
                 raise CorruptCheckpointError(f"{where}: tensor {name!r} spans {end - b} bytes but {dtype} x "
                                              f"{list(shape)} needs {math.prod(shape) * DTYPE_BYTES[dtype]}")

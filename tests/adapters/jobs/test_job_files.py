@@ -330,7 +330,7 @@ def _saved_run(path: pathlib.Path) -> None:
     """A work directory's manifest with one layer saved (what an interrupted run leaves)."""
     path.mkdir(parents=True)
     (path / K.MANIFEST).write_text(json.dumps({"format": K.FORMAT, "fingerprint": {}, "entries": [
-        {"layer": {"file": "layer-00000.pt", "bytes": 1, "sha256": "0"}, "carry": None}], "extra": {}}))
+        {"layer": {"file": "layer-00000.pt", "bytes": 1, "sha256": "0" * 64}, "carry": None}], "extra": {}}))
 
 
 def test_work_dir_rules_before_any_loading(tmp_path, reach, capsys):

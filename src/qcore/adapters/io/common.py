@@ -27,7 +27,8 @@ import qcore
 from qcore._fsutil import check_not_source, model_sources, staged_dir
 from qcore.algorithms.config import SVDQuantConfig, split_rotation
 from qcore.formats import quark_layout as L
-from qcore.formats.safetensors_io import CorruptCheckpointError, TensorRecord, read_json_object, write_file
+from qcore.formats.safetensors_io import (CorruptCheckpointError, SafetensorsFile, TensorRecord, read_json_object,
+                                         write_file)
 
 from .records import to_numpy
 from ..config import ModelConfig
@@ -35,8 +36,8 @@ from ..modules import IN_OUT, QuantExperts, QuantModule, input_rotations, low_ra
 from ..plan import plan_model
 
 __all__ = ['QCORE_FORMAT_VERSION', 'ExportUnit', 'canonical_shape', 'check_config_describes', 'check_destination',
-           'check_format_version', 'conv1d_error', 'export_units', 'hf_config', 'model_class', 'model_config',
-           'online_rotations', 'parse_size', 'read_config', 'refuse_conv1d', 'refuse_low_rank', 'unexpected_keys',
+           'check_format_version', 'check_hyperparameters', 'conv1d_error', 'export_units', 'hf_config', 'model_class',
+           'model_config', 'online_rotations', 'parse_size', 'read_config', 'refuse_conv1d', 'refuse_low_rank', 'unexpected_keys',
            'weight_parts', 'weightless_error', 'will_rotate_online']
 
 
@@ -321,10 +322,89 @@ def read_config(d: pathlib.Path) -> tuple:
     return cfg, cfg.get("quantization_config")
 
 
+#: hyperparameters (in config.json, its text_config / vision_config, rope_parameters / rope_scaling) that are
+#: sizes: a positive int (or null); those naming layers are at most the checkpoint's tensor count, the others at
+#: most its bytes (a dimension of a stored tensor cannot exceed the bytes storing it), positions at most 2**31 - 1
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+          "n_embd", "n_head", "n_inner", "ffn_dim", "word_embed_proj_dim", "moe_intermediate_size",
+          "shared_expert_intermediate_size", "num_experts", "num_local_experts", "num_experts_per_tok",
+          "embed_dim", "num_heads", "patch_size", "image_size", "num_channels", "projection_dim")
+_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "depth")
+_POSITIONS = ("max_position_embeddings", "n_positions", "sliding_window", "original_max_position_embeddings")
+#: hyperparameters that are positive finite floats (or null)
+_POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "rope_theta",
+                    "partial_rotary_factor", "factor", "query_pre_attn_scalar")
+_NESTED = ("text_config", "vision_config", "rope_parameters", "rope_scaling")
+_FLOAT_DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "auto")
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def check_hyperparameters(cfg: dict, where: str, *, tensor_bytes: Optional[int] = None,
+                          tensor_count: Optional[int] = None, rope_types: Optional[set] = None,
+                          _path: str = "") -> None:
+    """The hyperparameters of a model config (config.json as a dict) range-checked before transformers builds a
+    model from them (``CorruptCheckpointError`` naming the file ``where`` and the field): sizes positive ints,
+    layer counts at most ``tensor_count`` and other sizes at most ``tensor_bytes`` (the checkpoint's: a model
+    larger than its checkpoint is not the checkpoint's), norm epsilons and RoPE bases positive and finite,
+    ``architectures`` a list of names, ``dtype`` / ``torch_dtype`` a float dtype name, ``model_type`` a name,
+    and in ``rope_parameters`` / ``rope_scaling`` a ``rope_theta`` present (not null) and a ``rope_type`` among
+    ``rope_types`` (transformers' RoPE kinds; a vision tower's are its own); ``sliding_window`` may be 0 (none).
+    A config whose model would allocate past the checkpoint's size, divide by zero or compute NaN is refused here
+    instead."""
+    def bad(key, v, expected):
+        return CorruptCheckpointError(f"{where}: {_path}{key} is {v!r}; expected {expected}"[:300])
+    rope = _path.rstrip(".").rsplit(".", 1)[-1] in ("rope_parameters", "rope_scaling")
+    for key, v in cfg.items():
+        if rope and key == "rope_type" and (not isinstance(v, str) or (  # ("type": legacy, e.g. Qwen2-VL's mrope)
+                rope_types is not None and v not in rope_types and "vision_config" not in _path)):
+            raise bad(key, v, f"a RoPE type ({', '.join(sorted(rope_types or ()))})")
+        if rope and key == "rope_theta" and v is None:
+            raise bad(key, v, "a positive finite number")
+        if key == "model_type" and not _path and not isinstance(v, str):
+            raise bad(key, v, "a model type name (a str)")
+        if v is None:
+            continue
+        if key in _SIZES + _LAYER_COUNTS + _POSITIONS:
+            low = 0 if key == "sliding_window" else 1  # 0: no sliding window (Qwen2-MoE)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise bad(key, v, "a positive int" if low else "an int >= 0")
+            top = (tensor_count if key in _LAYER_COUNTS else 2 ** 31 - 1 if key in _POSITIONS else tensor_bytes)
+            if top is not None and v > top:
+                what = ("the checkpoint's tensor count" if key in _LAYER_COUNTS else "2**31 - 1" if key in _POSITIONS
+                        else "the checkpoint's size in bytes")
+                raise bad(key, v, f"at most {what} ({top})")
+        elif key in _POSITIVE_FLOATS:  # torch takes them as float32 / int64: 2**64 was an OverflowError
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, int) and v >= 2 ** 63) \
+                    or not (math.isfinite(v) and 0 < v <= _FLOAT32_MAX):
+                raise bad(key, v, "a positive finite number (at most float32's largest)")
+        elif key == "architectures":
+            if not isinstance(v, list) or not all(isinstance(a, str) for a in v):
+                raise bad(key, v, "a list of class names")
+        elif key in ("dtype", "torch_dtype"):
+            if not isinstance(v, str) or v.removeprefix("torch.") not in _FLOAT_DTYPE_NAMES:
+                raise bad(key, v, f"a float dtype name ({', '.join(_FLOAT_DTYPE_NAMES[:3])})")
+        elif key in _NESTED and isinstance(v, dict):
+            check_hyperparameters(v, where, tensor_bytes=tensor_bytes, tensor_count=tensor_count,
+                                  rope_types=rope_types, _path=f"{_path}{key}.")
+
+
 def hf_config(d: pathlib.Path):
     """transformers' ``AutoConfig`` of the checkpoint directory ``d``; a config.json transformers cannot read is a
-    ``CorruptCheckpointError`` naming the file, not transformers' traceback."""
+    ``CorruptCheckpointError`` naming the file, not transformers' traceback. The hyperparameters are range-checked
+    first (``check_hyperparameters``, bounded by the safetensors files in ``d``)."""
     from transformers import AutoConfig
+    where = repr(str(d / "config.json"))
+    files = sorted(d.glob("*.safetensors"))
+    count = None
+    if files:
+        try:
+            count = sum(len(SafetensorsFile(f).entries) for f in files)
+        except CorruptCheckpointError:  # reported by the caller's own reading of the files
+            count = None
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    check_hyperparameters(read_json_object(d / "config.json", what="the model config"), where,
+                          tensor_bytes=sum(f.stat().st_size for f in files) if files else None,
+                          tensor_count=count, rope_types=set(ROPE_INIT_FUNCTIONS) | {"default"})
     bad: tuple = (ValueError, TypeError, KeyError, AttributeError, OSError, IndexError)
     try:  # transformers 5 validates config fields with huggingface_hub's strict dataclasses
         from huggingface_hub.errors import StrictDataclassError

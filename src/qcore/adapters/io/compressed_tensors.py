@@ -659,8 +659,14 @@ def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Modu
         raise CorruptCheckpointError(f"{str(d / 'config.json')!r}: quantization_config.qcore must be a JSON object, "
                                      f"got {raw.get('qcore')!r}"[:300])
     own = ctc.qcore if isinstance(ctc.qcore, dict) and "config" in ctc.qcore else None
-    config = ModelConfig.from_dict(own["config"]) if own is not None else config_from_ct(model, ctc)
-    plans = plan_model(model, config, check_float=False)  # a saved config, as it was saved
+    try:  # the stored qcore config: its own checks, naming the file and field
+        config = ModelConfig.from_dict(own["config"]) if own is not None else config_from_ct(model, ctc)
+        plans = plan_model(model, config, check_float=False)  # a saved config, as it was saved
+    except (ValueError, TypeError) as e:
+        if own is None or isinstance(e, CorruptCheckpointError):
+            raise
+        raise CorruptCheckpointError(f"{str(d / 'config.json')!r}: quantization_config.qcore.config: {e}"[:400]) \
+            from None
     which = _module_groups(model, ctc, own=own is not None)
     float_here = sorted(set(which) - {p.name for p in plans if p.config.weight is not None})
     if float_here:  # compressed-tensors' loaders would quantize what qcore's config leaves float
@@ -764,7 +770,8 @@ def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Modu
             else:
                 arrays = {s: reader.array(f"{p.name}.{s}") for s in dts}
                 try:
-                    codes, scales, zp = CT.decode_weight(arrays, spec, shape, fmt=fmt, dtypes=dts, where=where)
+                    codes, scales, zp = CT.decode_weight(arrays, spec, shape, fmt=fmt, dtypes=dts, where=where,
+                                                         max_weight=float(torch.finfo(dtype).max))
                 except ValueError as e:
                     raise CorruptCheckpointError(str(e)) from None
                 q.load_frozen(WeightParts(codes=np.array(codes), scales=scales, zero_points=zp), shape=shape,

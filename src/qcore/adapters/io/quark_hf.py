@@ -63,7 +63,7 @@ from qcore._fsutil import model_sources
 from qcore.algorithms.config import SVDQuantConfig, split_rotation
 from qcore.formats import quark_layout as L
 from qcore.formats.inspect import checkpoint_files
-from qcore.formats.safetensors_io import TensorRecord, CorruptCheckpointError, SafetensorsFile
+from qcore.formats.safetensors_io import TensorRecord, CorruptCheckpointError, SafetensorsFile, read_json_object
 
 from .records import ST_TORCH, TORCH_ST, to_numpy, record, tensor_record, untied_state  # noqa: F401
 from .common import (QCORE_FORMAT_VERSION, canonical_shape, check_config_describes, check_destination,
@@ -521,7 +521,8 @@ def _build(sh: _Shell, pack_method: str, dtype: torch.dtype) -> nn.Module:
     arrays = {n: to_numpy(params[n]) for n in sh.expected if n not in branch}
     q, shape = sh._wrapper, sh.shape
     spec = q.specs["weight"]
-    parts = L.decode_weight(arrays, spec, shape, layout=sh.layout, pack_method=pack_method, where=where)
+    parts = L.decode_weight(arrays, spec, shape, layout=sh.layout, pack_method=pack_method, where=where,
+                            max_weight=float(torch.finfo(dtype).max))
     device = params["weight"].device
     q.load_frozen(parts, shape=shape, dtype=dtype, device=device)
     with torch.no_grad():
@@ -771,6 +772,12 @@ def from_pretrained(directory, *, dtype: Optional[torch.dtype] = None, device_ma
         raise CorruptCheckpointError(f"{str(d / 'config.json')!r}: {e}") from None
     for f in checkpoint_files(d):  # headers first: a truncated or corrupted file fails here, naming the tensor
         SafetensorsFile(f)
+    idx = d / "model.safetensors.index.json"
+    if idx.is_file():  # transformers reads the index's metadata (a KeyError when it is missing)
+        meta = read_json_object(idx, what="safetensors index").get("metadata", KeyError)
+        if not isinstance(meta, dict):
+            raise CorruptCheckpointError(f"{str(idx)!r}: metadata " + ("is missing" if meta is KeyError else
+                                         f"must be a JSON object, got {meta!r}"[:200]) + " (transformers reads it)")
     config = hf_config(d)
     config.quantization_config = dict(raw, quant_method="qcore", source_method=raw["quant_method"])
     kw = dict(config=config, local_files_only=True, use_safetensors=True)

@@ -257,10 +257,50 @@ def read_work_dir(path: Union[str, os.PathLike], *, name: str = "work_dir") -> O
         m = json.loads(man.read_text())
         if not isinstance(m, dict) or m.get("format") != FORMAT:
             raise ValueError("unknown format")
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{name} {str(p)!r}: its {MANIFEST} is unreadable ({e}); delete the directory to start "
-                         f"afresh") from None
+        _check_manifest(m)
+    except (ValueError, OSError, RecursionError) as e:
+        raise ValueError(f"{name} {str(p)!r}: its {MANIFEST} is unreadable ({str(e)[:200]}); delete the directory "
+                         f"to start afresh") from None
     return m if m.get("entries") or m.get("extra") else None  # nothing saved yet (e.g. a check failed after the start)
+
+
+def _check_manifest(m: dict) -> None:
+    """The fields of a manifest the resume reads, checked before any is used (``ValueError`` naming the field):
+    ``fingerprint`` and ``extra`` objects; ``entries`` a list of objects whose ``layer`` / ``carry`` records name
+    the files the run writes for that entry (``layer-<i>.pt`` / ``carry-<i>.pt``: nothing outside the directory,
+    no entry reading another's) with a size (an int >= 0) and a SHA-256 (64 hex digits); AMP's
+    ``extra.sensitivities`` maps unit indices to numbers."""
+    def bad(field, v, expected):
+        return ValueError(f"{field} is {v!r}"[:120] + f"; expected {expected}")
+    for key in ("fingerprint", "extra"):
+        if not isinstance(m.get(key, {}), dict):
+            raise bad(key, m[key], "a JSON object")
+    entries = m.get("entries", [])
+    if not isinstance(entries, list):
+        raise bad("entries", entries, "a list")
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict):
+            raise bad(f"entries[{i}]", e, "a JSON object")
+        for kind in ("layer", "carry"):
+            rec, field = e.get(kind), f"entries[{i}].{kind}"
+            if rec is None and kind == "carry":  # dropped: only the latest carries are kept
+                continue
+            if not isinstance(rec, dict):
+                raise bad(field, rec, "a JSON object (file, bytes, sha256)")
+            if rec.get("file") != f"{kind}-{i:05d}.pt":
+                raise bad(f"{field}.file", rec.get("file"), repr(f"{kind}-{i:05d}.pt"))
+            b = rec.get("bytes")
+            if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+                raise bad(f"{field}.bytes", b, "a size in bytes (an int >= 0)")
+            h = rec.get("sha256")
+            if not isinstance(h, str) or len(h) != 64 or any(c not in "0123456789abcdef" for c in h):
+                raise bad(f"{field}.sha256", h, "a SHA-256 (64 lowercase hex digits)")
+    sens = m.get("extra", {}).get("sensitivities", {})
+    if not isinstance(sens, dict):
+        raise bad("extra.sensitivities", sens, "a JSON object")
+    for j, v in sens.items():
+        if not (j.isascii() and j.isdigit()) or isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise bad(f"extra.sensitivities[{j!r}]", v, "a number under a unit index")
 
 
 def saved_run(manifest: Mapping) -> str:
