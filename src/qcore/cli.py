@@ -27,7 +27,7 @@ import sys
 from typing import Optional, Sequence
 
 from . import __version__, conformance
-from ._argtypes import nonnegative_int, comma_list
+from ._argtypes import Needs, check_needs, comma_list, nonnegative_int
 from .dtypes import DTYPES, BlockDType
 from .formats import inspect as fi  # numpy only: works without torch
 
@@ -191,8 +191,15 @@ def _model_command(name: str):
     return add
 
 
+#: what ``qcore inspect``'s flags need to have an effect (``qcore._argtypes.Needs``; the conformance commands'
+#: flags have one wherever they are given)
+_INSPECT_NEEDS = (Needs("layers", lambda o: not o["json"], "has no effect with --json, which lists every layer"),)
+
+
 def _inspect(args) -> int:
     try:
+        check_needs(_INSPECT_NEEDS, vars(args), given={k for k in ("layers", "json") if getattr(args, k)},
+                    show=lambda k, v: "--" + k)
         info = fi.inspect_path(args.directory)
     except (OSError, ValueError, ModuleNotFoundError) as e:
         if args.debug:

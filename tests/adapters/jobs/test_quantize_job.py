@@ -130,11 +130,11 @@ def _bad(lm_dir, tmp):
         (dict(model=good, scheme="w_int9"), ValueError, "scheme='w_int9' is not a preset; did you mean"),
         (dict(model=good, scheme=preset("uint4_wo_32"), group_size=32), ValueError, "group_size applies to a preset scheme"),
         (dict(model=good, export="hf"), ValueError, "export='hf' needs output"),
-        (dict(model=good, onnx_weights="matmulnbits"), ValueError, "onnx_weights applies to export='onnx'"),
+        (dict(model=good, onnx_weights="matmulnbits"), ValueError, "onnx_weights='matmulnbits' applies to export='onnx'"),
         (dict(model=good, algorithms=["gptq", "quarot"]), ValueError, "algorithms=['gptq', 'quarot']: algorithms"),
         (dict(model=good, algorithms="nosuchalgo"), ValueError, "algorithm 'nosuchalgo' is not available"),
         (dict(model=good, amp="w_mxfp4_a_mxfp4,w_fp8_a_fp8"), ValueError, "amp needs exactly one of target_bits"),
-        (dict(model=good, target_bits=5), ValueError, "target_bits / max_loss apply to amp"),
+        (dict(model=good, target_bits=5), ValueError, "target_bits=5.0 applies to amp"),
         (dict(model=good, seq_len=1), ValueError, "seq_len=1: perplexity needs windows of 2 tokens or more (or "
                                                   "eval='none')"),
         (dict(model=good, output=str(full)), ValueError, "pass overwrite=True to replace it"),

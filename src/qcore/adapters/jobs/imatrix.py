@@ -8,41 +8,51 @@ import os
 
 from ..eval import evaluate as E
 from ..imatrix import collect_imatrix, imatrix_format, save_imatrix
-from .common import (PYTHON, calibration_windows, check_writable_file, load_model, protocol_windows, read_eval_text,
-                     torch_dtype)
+from .common import (PYTHON, CommandError, Names, calibration_windows, check_device, check_seq_len,
+                     check_writable_file, load_model, protocol_windows, read_eval_text, torch_dtype)
 
 __all__ = ["imatrix_file"]
 
 
 def imatrix_file(model=None, output=None, *, calib_samples: int = 32, seq_len: int = 512, eval_text=None,
                  process_output: bool = False, device: str = "cpu", dtype: str = "float32", overwrite: bool = False,
-                 progress: bool = True) -> dict:
+                 progress: bool = True, names: Names = PYTHON) -> dict:
     """``qcore imatrix``: load ``model`` (an HF directory, a ``.gguf`` file, a hub id; None: the embedded
     SmolLM2), collect its importance matrix on the calibration windows ``qcore quantize`` calibrates on
     (``calib_samples`` windows of ``seq_len`` tokens of the protocol text, after its evaluation windows; or of
     ``eval_text``), and write llama.cpp's file ``output`` (``.gguf`` or ``.dat``) with ``chunk_size =
-    seq_len``. Everything is checked before the model is loaded. Returns a summary (entries, tokens, path)."""
+    seq_len``. Everything is checked before the model is loaded (the context ``seq_len`` must fit in, once it is).
+    Returns a summary (entries, tokens, path). ``names``: how errors name the options (``qcore imatrix``: its
+    flags)."""
 
     if output is None:
         raise ValueError("output must be given: the imatrix file to write (.gguf or .dat)")
-    fmt = imatrix_format(output, None)
+    try:
+        fmt = imatrix_format(output, None)
+    except ValueError:
+        raise CommandError(f"{names.arg('output', os.fspath(output))}: an imatrix file is named .gguf (llama.cpp's "
+                           f"default format) or .dat (legacy)") from None
     for name, v, lo in (("calib_samples", calib_samples, 1), ("seq_len", seq_len, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+            raise ValueError(f"{names.arg(name, v)}: expected an int >= {lo}")
     if os.path.exists(output) and not overwrite:
-        raise FileExistsError(f"{os.fspath(output)!r} exists; pass overwrite=True (--overwrite) to replace it")
-    check_writable_file("output", os.fspath(output))
-    text = read_eval_text(eval_text, names=PYTHON)
-    m, tok, desc = load_model(None if model is None else os.fspath(model), dtype=torch_dtype(dtype, names=PYTHON),
-                              device=device, names=PYTHON)
+        raise FileExistsError(f"{names.arg('output', os.fspath(output))}: exists; pass {names('overwrite')}"
+                              f"{'' if names.cli else '=True'} to replace it")
+    check_writable_file(names("output"), os.fspath(output))
+    check_device(device, names=names)
+    text = read_eval_text(eval_text, names=names)
+    m, tok, desc = load_model(None if model is None else os.fspath(model), dtype=torch_dtype(dtype, names=names),
+                              device=device, names=names)
     if tok is None:
-        raise ValueError(f"model {desc!r} has no tokenizer: the calibration windows need one")
+        raise CommandError(f"{names.arg('model', desc)}: no tokenizer found next to the model; the calibration "
+                           f"windows need one")
+    check_seq_len(seq_len, m, names=names)
     ids = E.protocol_token_ids(tok, text=text)
     _, start = protocol_windows(ids, seq_len, text=text)  # the windows qcore quantize calibrates on
     n = min(calib_samples, ids.numel() // seq_len - start)
     if n <= 0:
-        raise ValueError(f"the text ({ids.numel()} tokens) has no calibration window of {seq_len} tokens left after "
-                         f"its {start} evaluation windows")
+        raise CommandError(f"the text ({ids.numel()} tokens) has no calibration window of "
+                           f"{names.arg('seq_len', seq_len)} tokens left after its {start} evaluation windows")
     calib = calibration_windows(ids, seq_len, start, n)
     stats = collect_imatrix(m, calib, process_output=process_output, progress=progress)
     save_imatrix(stats, output, format=fmt, datasets=(os.fspath(eval_text) if eval_text else "pydoc_data.topics"),
