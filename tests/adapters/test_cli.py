@@ -150,7 +150,7 @@ def test_quantize_a_model_directory_writes_the_report(llama_dir, tmp_path, capsy
                                 "spinquant) must come first"),
     (["--algo", "nosuchalgo"], "--algo nosuchalgo: algorithm 'nosuchalgo' is not available"),
     (["--export", "hf"], "--export hf needs --output DIR"),
-    (["--max-shard-size", "huge", "--output", "/tmp/qcore-never-written"], "max_shard_size 'huge' is not a size"),
+    (["--max-shard-size", "huge", "--output", "/tmp/qcore-never-written"], "--max-shard-size huge is not a size"),
     (["--scheme", "fp8", "--group-size", "64"], "'fp8' has no per-group or block role"),
     (["--scheme", "/nonexistent/c.json"], "--scheme /nonexistent/c.json: no such file"),
     (["--dtype", "float64"], "--dtype must be one of"),

@@ -534,9 +534,9 @@ def _check_destination(job: QuantizeJob, out_dir: Optional[pathlib.Path]) -> Non
     """The shard size, an existing checkpoint at ``output`` (replaced only with ``overwrite``), matplotlib."""
     names, ex = job.names, job.export
     try:
-        parse_size(ex.max_shard_size)
+        parse_size(ex.max_shard_size, what=names.arg("max_shard_size", ex.max_shard_size))
     except (ValueError, TypeError) as e:
-        raise CommandError(f"{names.arg('max_shard_size', ex.max_shard_size)}: {e}") from None
+        raise CommandError(str(e)) from None
     if out_dir is not None:  # before any work: an existing checkpoint is never replaced by accident
         try:
             check_destination(out_dir, ex.overwrite)
