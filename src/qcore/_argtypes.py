@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable, Mapping, Union
 
-__all__ = ["comma_list", "positive_number", "nonnegative_number", "nonnegative_int", "positive_int", "Needs",
+__all__ = ["nonempty", "comma_list", "positive_number", "nonnegative_number", "nonnegative_int", "positive_int", "Needs",
            "check_needs"]
 
 
@@ -35,6 +35,14 @@ def check_needs(needs: Iterable[Needs], options: Mapping[str, Any], *, given: Co
         if n.option in given and not n.when(options):
             why = n.why if isinstance(n.why, str) else n.why(names, options)
             raise error(f"{show(n.option, options[n.option])} {why}")
+
+
+def nonempty(text: str) -> str:
+    """A non-empty string (argparse type): an empty path would mean the working directory (``qcore conformance
+    export '' --overwrite`` would replace it)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a non-empty value, got ''")
+    return text
 
 
 def comma_list(text: str) -> list:

@@ -151,7 +151,8 @@ def test_quantize_a_model_directory_writes_the_report(llama_dir, tmp_path, capsy
     (["--algo", "nosuchalgo"], "--algo nosuchalgo: algorithm 'nosuchalgo' is not available"),
     (["--export", "hf"], "--export hf needs --output DIR"),
     (["--max-shard-size", "huge", "--output", "/tmp/qcore-never-written"], "--max-shard-size huge is not a size"),
-    (["--scheme", "fp8", "--group-size", "64"], "'fp8' has no per-group or block role"),
+    (["--scheme", "fp8", "--group-size", "64"], "--group-size 64 does not apply to --scheme fp8: the preset has no "
+                                                "per-group or block role"),
     (["--scheme", "/nonexistent/c.json"], "--scheme /nonexistent/c.json: no such file"),
     (["--dtype", "float64"], "--dtype must be one of"),
     (["--amp", "w_mxfp4_a_mxfp4,w_fp9", "--target-bits", "5"], "--amp: 'w_fp9' is not a preset"),

@@ -297,7 +297,7 @@ def convert_command(args) -> int:
     with _loading_bars(progress):  # --no-progress: transformers' "Loading weights" bars too
         info = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, strict=args.strict, dtype=dtype,
                        tokenizer_pre=args.tokenizer_pre, verify=not args.no_verify, progress=progress,
-                       onnx_unsupported=getattr(args, "onnx_unsupported", "error"))
+                       onnx_unsupported=getattr(args, "onnx_unsupported", "error"), names=CLI)
     verdict = ("not verified (--no-verify)" if info.verified_by == "none" else
                ("lossless" if info.lossless else f"{len(info.tensors)} tensors changed")
                + f" (checked by {'loading dst back' if info.verified_by == 'reload' else 'the exporter'})")
@@ -336,6 +336,7 @@ def run(args) -> int:
     try:
         given, parser = given_flags(args)
         args.given = given
+        _refuse_empty(parser, vars(args), given)
         check_needs(getattr(parser, "qcore_needs", ()), vars(args), given=given, show=_shower(parser),
                     error=CommandError)
         return {"quantize": quantize_command, "eval": eval_command, "schemes": schemes_command,
@@ -375,6 +376,16 @@ def given_flags(args) -> tuple:
     for a in parser._actions:  # the parser is also the table of the command's flags: its defaults back
         a.default = defaults[a.dest]
     return frozenset(d for d in vars(seen) if d in defaults), parser
+
+
+def _refuse_empty(parser, options, given) -> None:
+    """An empty value given to a flag that takes one (``--output ''``, ``--report=``, an empty ``dst``) is refused
+    naming it: no flag has a meaning for an empty string (several would take it for "not given", silently)."""
+    for a in parser._actions:
+        v = options.get(a.dest)
+        if a.dest in given and a.nargs != 0 and (v == "" or isinstance(v, list) and "" in v):
+            flag = a.option_strings[0] if a.option_strings else a.dest
+            raise CommandError(f"{flag} '': expected a non-empty {a.metavar or a.dest.upper()}")
 
 
 def _shower(parser):

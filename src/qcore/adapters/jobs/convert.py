@@ -49,6 +49,7 @@ from ..io.formats import ExportRequest, Format, detect_format, format_named, ggu
 from ..io.gguf import model_config_of_specs
 from ..io.onnx import UnsupportedWeightError
 from ..modules import EXPERT_PROJS, QuantExperts, QuantModule
+from .common import PYTHON, Names
 
 __all__ = ["convert", "ConvertInfo", "TensorChange", "load_quantized", "compare_models"]
 
@@ -350,10 +351,11 @@ def _onnx_changes(info: Any, model: nn.Module) -> list:
             for r in info.quantized if not r.exact or r.how == "dequantized"]
 
 
-def _check_dst(dst: pathlib.Path, overwrite: bool) -> None:
+def _check_dst(dst: pathlib.Path, overwrite: bool, names: Names = PYTHON) -> None:
     """An existing file or non-empty directory at ``dst`` needs ``overwrite`` (an empty directory does not)."""
     if dst.exists() and not overwrite and (not dst.is_dir() or any(dst.iterdir())):
-        raise FileExistsError(f"dst {str(dst)!r} exists; pass overwrite=True (--overwrite) to replace it")
+        raise FileExistsError(f"dst {str(dst)!r} exists; pass {names('overwrite')}{'' if names.cli else '=True'} to "
+                              f"replace it")
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:
@@ -365,7 +367,8 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
 
 def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to: str, overwrite: bool = False,
             strict: bool = False, dtype: Optional[torch.dtype] = None, tokenizer_pre: Optional[str] = None,
-            verify: bool = True, progress: bool = False, onnx_unsupported: str = "error") -> ConvertInfo:
+            verify: bool = True, progress: bool = False, onnx_unsupported: str = "error",
+            names: Names = PYTHON) -> ConvertInfo:
     """Convert the quantized checkpoint ``src`` into format ``to`` at ``dst`` (see the module docstring).
 
     to: one of ``FORMATS`` (aliases: ``quark`` = hf, ``ct`` = compressed-tensors).
@@ -383,6 +386,7 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
     onnx_unsupported: ``to="onnx"``: weights onnxruntime cannot dequantize (fp4, MX6/MX9, NVFP4) are refused
         (``"error"``, default) or written as dequantized float32 (``"dequantize"``; each one is reported as a
         changed tensor, so ``strict`` refuses it).
+    names: how errors name the options (``qcore convert``: its flags).
     """
     to = format_named(to, what="to")
     for k, v in (("overwrite", overwrite), ("strict", strict), ("verify", verify), ("progress", progress)):
@@ -403,7 +407,7 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
     src_p, dst_p = pathlib.Path(src), pathlib.Path(dst)
     check_not_source(dst_p, [src_p], what="dst")  # with overwrite or not: replacing the source would delete it
     src_fmt = detect_format(src_p)
-    _check_dst(dst_p, overwrite)
+    _check_dst(dst_p, overwrite, names)
     if to.suffix is not None and dst_p.exists() and dst_p.is_dir() and dst_p.suffix == to.suffix:
         raise ValueError(f"dst {str(dst_p)!r} is a directory named like a {to.name.upper()} file")
 
@@ -434,7 +438,7 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
         load_dtype = _model_dtype(model)
 
         # write into a private staging place first: strict refusals and failed checks leave dst untouched
-        with staged_path(dst_p, recheck=lambda: _check_dst(dst_p, overwrite)) as staged:
+        with staged_path(dst_p, recheck=lambda: _check_dst(dst_p, overwrite, names)) as staged:
             stages.next(f"convert: writing {to.name}")
             written, notes, info = _export(model, tok, src_p, src_fmt, staged, to, overwrite=False,
                                            tokenizer_pre=tokenizer_pre, progress=progress,

@@ -17,9 +17,10 @@ from ..imatrix import check_importance_algorithms
 from ..io.formats import FORMATS
 from ..presets import mix_of_preset
 from .common import CommandError, Names
-from .scheme import quantizes_activations
+from .report import LAYER_ERROR_WINDOWS
+from .scheme import needs_calibration, quantizes_activations
 
-__all__ = ["QUANTIZE_NEEDS", "shown", "check_flags", "check_scheme_flags"]
+__all__ = ["QUANTIZE_NEEDS", "shown", "check_flags", "check_scheme_flags", "calibration_readers"]
 
 
 def shown(names: Names, option: str, value: Any) -> str:
@@ -107,11 +108,29 @@ def _gguf_weights(config) -> bool:
     return any(lc is not None and lc.weight is not None and lc.weight.spec.gguf for lc in layers)
 
 
+def calibration_readers(job, config, amp_schemes) -> list:
+    """What in the run calibrates on the calibration windows (``needs_calibration``: static scales, the KV cache,
+    the algorithms; AMP; ``imatrix="calib"``), named as the caller gave it; empty when nothing does."""
+    names = job.names
+    return needs_calibration(config, names) + ([f"{names('amp')}'s layer sensitivities"]
+                                                if amp_schemes is not None else []) + (
+        [names.arg("imatrix", "calib")] if job.scheme.imatrix == "calib" else [])
+
+
 def check_scheme_flags(job, config, amp_schemes) -> None:
     """What the resolved scheme decides about the options, before the model loads: ``imatrix`` needs GGUF weight
     types (a llama.cpp mix, or a config giving them), no AMP, and no algorithm that changes the layers' inputs;
-    ``drop_activations`` needs a scheme quantizing activations."""
+    ``drop_activations`` needs a scheme quantizing activations; ``calib_samples`` above the report's
+    ``LAYER_ERROR_WINDOWS`` needs something that calibrates (a weight-only scheme rounded without data reads only
+    those first windows: more would change nothing; the default is never refused)."""
     names, s, ex = job.names, job.scheme, job.export
+    n = job.calibration.samples
+    if n > LAYER_ERROR_WINDOWS and n != type(job.calibration)().samples and not calibration_readers(
+            job, config, amp_schemes):
+        raise CommandError(f"{names.arg('calib_samples', n)} has no effect: nothing in this run calibrates (no "
+                           f"static scales, KV cache, algorithm reading data, {names('amp')} or "
+                           f"{names.arg('imatrix', 'calib')}); only the summary's per-layer output SQNR reads "
+                           f"calibration windows, the first {LAYER_ERROR_WINDOWS}")
     if ex.drop_activations and amp_schemes is None and not quantizes_activations(config):
         raise CommandError(f"{shown(names, 'drop_activations', True)} has no effect: the scheme quantizes no "
                            f"activations (nothing to drop)")

@@ -57,8 +57,8 @@ from ..passes.targets import check_experts_algorithms
 from ..plan import NoMatchError, excluded_weights, plan_model, quantized_modules
 from ..presets import mix_of_preset
 from .report import LAYER_ERROR_WINDOWS, QuantizeReport
-from .scheme import DEFAULT_SCHEME, build_config, check_amp_schemes, needs_calibration, quantizes_activations
-from .flags import check_flags, check_scheme_flags, given_options
+from .scheme import DEFAULT_SCHEME, build_config, check_amp_schemes, quantizes_activations
+from .flags import calibration_readers, check_flags, check_scheme_flags, given_options
 from .common import (DTYPES, PYTHON, CommandError, Names, calibration_windows, check_device, check_seq_len,
                      check_writable_file, load_model, loading_bars, protocol_windows, read_eval_text, torch_dtype,
                      write_report)
@@ -608,10 +608,7 @@ def _check_windows_asked(job: QuantizeJob, config: ModelConfig, amp_schemes) -> 
 
 def _needs(job: QuantizeJob, config: ModelConfig, amp_schemes) -> list:
     """What reads calibration windows (``needs_calibration``, AMP, ``imatrix="calib"``)."""
-    names = job.names
-    return needs_calibration(config, names) + ([f"{names('amp')}'s layer sensitivities"]
-                                                if amp_schemes is not None else []) + (
-        [names.arg("imatrix", "calib")] if job.scheme.imatrix == "calib" else [])
+    return calibration_readers(job, config, amp_schemes)
 
 
 def _load(job: QuantizeJob) -> tuple:
