@@ -35,10 +35,21 @@ def real_path(p: PathLike) -> Path:
 
 
 def overlap(dst: PathLike, src: PathLike) -> Optional[str]:
-    """How ``dst`` overlaps ``src`` once both are resolved: ``"is"``, ``"contains"``, ``"lies inside"``, or None."""
-    d, s = real_path(dst), real_path(src)
+    """How ``dst`` overlaps ``src`` once both are resolved: ``"is"`` (also two hard links of one file),
+    ``"contains"``, ``"lies inside"``, or None."""
+    return relation(real_path(dst), real_path(src))
+
+
+def relation(d: Path, s: Path) -> Optional[str]:
+    """``overlap`` of two absolute paths as given (resolved or not): ``"is"`` (the same path, or two existing
+    names of one file: a hard link), ``"contains"``, ``"lies inside"``, or None."""
     if d == s:
         return "is"
+    try:
+        if os.path.exists(d) and os.path.exists(s) and os.path.samefile(d, s):
+            return "is"
+    except OSError:
+        pass
     if d in s.parents:
         return "contains"
     if s in d.parents:

@@ -416,7 +416,8 @@ def test_check_functions_agree_with_the_exporters(model_dirs):
 
 @pytest.mark.parametrize("flag,value,needle", [
     ("--report", "{tmp}/no/such/dir/r.json", "does not exist"),
-    ("--report", "{tmp}", "is a directory"),
+    ("--report", "{tmp}", "contains --output"),  # the folder the checkpoint goes into (jobs/files.py)
+    ("--report", "{tmp}/out/../", "contains --output"),
     ("--plot", "{tmp}/missing/p.png", "does not exist"),
     ("--device", "foo", "not a torch device"),
     ("--device", "xla", "cpu, cuda or mps"),

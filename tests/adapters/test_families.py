@@ -353,6 +353,8 @@ def test_attach_gives_one_model_a_record_and_checks_it_first():
     with pytest.raises(TypeError, match="torch.nn.Module"):
         attach("llama", llama)
     assert not hasattr(b, "qcore_family")  # every refusal before anything was attached
+    from qcore.adapters.families import check_record
+    assert check_record(b, llama) is None and not hasattr(b, "qcore_family")  # checks only
 
 
 def test_fused_units_come_from_the_record():
@@ -433,3 +435,199 @@ def test_the_docs_table_matches_the_records():
         assert (moe == "-") == (fam.experts is None)
         assert gguf == (fam.gguf_arch or "-")
         assert groups.startswith("none") == (not fam.scaling)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# attach checks a record against the model's modules and its float function (issue 33)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _state(m):
+    return ({k: v.clone() for k, v in m.state_dict().items()}, [x.training for x in m.modules()],
+            sum(len(x._forward_hooks) + len(x._forward_pre_hooks) for x in m.modules()))
+
+
+def _same_state(m, before):
+    sd, modes, hooks = before
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in sd.items())
+    assert [x.training for x in m.modules()] == modes
+    assert sum(len(x._forward_hooks) + len(x._forward_pre_hooks) for x in m.modules()) == hooks
+
+
+@pytest.mark.parametrize("mt", list(CONFIGS))
+def test_attach_accepts_each_tables_record_on_its_model_and_leaves_the_model_as_found(mt):
+    from qcore.adapters.families import attach
+    m = build(mt).train()  # train mode: the probes run in eval mode and put every submodule's mode back
+    seen = []
+    m.register_forward_hook(lambda *a: seen.append(1))  # the user's own hook stays
+    before = _state(m)
+    fam = BY_MODEL_TYPE[mt]
+    assert attach(m, fam) is fam and family_of(m) is fam
+    _same_state(m, before)
+    assert seen  # the record was checked on the model's function (the probe batches ran)
+
+
+def _logits(m):
+    with torch.no_grad():
+        return m(IDS).logits.double()
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+# records that name only modules the model has, with the right shapes, and yet contradict it: QuaRot, given one,
+# rotates the model without an error and changes its function; attach refuses each in one line naming the field
+QUAROT_CONTRADICTIONS = [
+    ("gemma", dict(norm="rms"), r"record's norm='rms' contradicts the model: model\.norm \(GemmaRMSNorm\) does "
+                                r"not compute x / rms\(x\) \* w"),
+    ("llama", dict(attn_norm="post_attention_layernorm", mlp_norm="input_layernorm"),
+     r"record's attn_norm='post_attention_layernorm' / attn_in=.* folding post_attention_layernorm's weight"),
+    ("llama", dict(mlp_in=("mlp.up_proj",), scaling=tuple(LLAMA.scaling[i] for i in (0, 1, 3))),
+     r"record's mlp_norm='post_attention_layernorm' / mlp_in=\('mlp.up_proj',\) contradicts the model"),
+    ("llama", dict(attn_in=("self_attn.q_proj", "self_attn.v_proj", "self_attn.k_proj")),
+     r"record's attn_in=\('self_attn.q_proj', 'self_attn.v_proj', 'self_attn.k_proj'\) / attn_out='self_attn.o_proj'"
+     r" contradicts the model: rotating each value head"),
+    ("gemma2", dict(rotation=""), r"record's rotation='' \(.*output_norms\) contradicts the model: rotating the "
+                                  r"residual stream"),
+]
+
+
+@pytest.mark.parametrize("mt,kw,match", QUAROT_CONTRADICTIONS, ids=[f"{c[0]}-{next(iter(c[1]))}" for c in
+                                                                     QUAROT_CONTRADICTIONS])
+def test_attach_refuses_a_record_with_which_quarot_would_change_the_float_function(mt, kw, match):
+    from qcore.adapters.families import ATTRIBUTE, attach
+    bad = dataclasses.replace(BY_MODEL_TYPE[mt], **kw)
+    m = build(mt)
+    with torch.no_grad():  # a different weight in every norm (build's are alike: a swap of two would not show)
+        for i, (n, p) in enumerate(m.named_parameters()):
+            if p.ndim == 1 and "norm" in n:
+                p.add_(torch.rand(p.shape, generator=torch.Generator().manual_seed(10 + i), dtype=p.dtype))
+    ref = _logits(m)
+    unchecked = copy.deepcopy(m)  # what attach used to let through: the record stored as it was given
+    setattr(unchecked, ATTRIBUTE, bad)
+    rotate_model(unchecked)  # no error ...
+    assert _rel(_logits(unchecked), ref) > 0.05  # ... and a different function
+    before = _state(m)
+    with pytest.raises(ValueError, match=match) as e:
+        attach(m, bad)
+    assert "\n" not in str(e.value) and str(e.value).startswith("attach: ")
+    assert not hasattr(m, ATTRIBUTE)
+    _same_state(m, before)
+    attach(m, BY_MODEL_TYPE[mt])  # the table's record: accepted
+    if not BY_MODEL_TYPE[mt].rotation:
+        assert _rel(_logits(rotate_model(m)), ref) < 1e-6  # and QuaRot keeps the function
+
+
+def _moe_record(count):
+    return dataclasses.replace(BY_MODEL_TYPE["mixtral"], experts=Experts("mlp.experts", "mlp.gate", count))
+
+
+STRUCTURE_CONTRADICTIONS = [
+    ("qwen3", dict(attn_norm="self_attn.q_norm", qk_norms=("input_layernorm", "self_attn.k_norm")),
+     r"record's attn_norm='self_attn.q_norm' contradicts the model: model.layers.0.self_attn.q_norm \(Qwen3RMSNorm\) "
+     r"has weight \(8,\); a norm of the residual stream has one weight per channel \(32\)"),
+    ("gpt2", dict(linear="linear"), r"record's linear='linear' contradicts the model: transformer.h.0.attn.c_attn is a "
+                                    r"Conv1D"),
+    ("llama", dict(attn_in=("self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj")),
+     r"record's attn_in=.* q, k, v of model.layers.0 write 16, 32, 16 rows; the config has 4 heads, 2 key-value "
+     r"heads of 8"),
+    ("llama", dict(attn_out="mlp.down_proj", mlp_out="self_attn.o_proj"),
+     r"record's attn_out='mlp.down_proj' contradicts the model: model.layers.0.mlp.down_proj reads 64 features"),
+    ("llama", dict(final_norm="final"), r"record's final_norm='final' contradicts the model: the model has no "
+                                        r"model.final"),
+    ("llama", dict(lm_head="model.norm"), r"record's lm_head='model.norm' .* LlamaRMSNorm, not a Linear-like"),
+    ("llama", dict(embed="norm"), r"record's embed='norm' contradicts the model: model.norm is a LlamaRMSNorm"),
+    ("mixtral", dict(experts=_moe_record("num_hidden_layers").experts),
+     r"record's experts \('mlp.experts': 'gate_up_proj', 'down_proj'\) .* expected \[2, 2I, 32\]"),
+    ("gpt2", dict(pos_embed="wpe2"), r"record's pos_embed='wpe2' contradicts the model: transformer.wpe2 is missing"),
+    ("mixtral", dict(experts=_moe_record("num_experts_total").experts),
+     r"record's experts.count='num_experts_total' contradicts the model: the config \(MixtralConfig\) has no"),
+    ("qwen2_moe", dict(experts=dataclasses.replace(BY_MODEL_TYPE["qwen2_moe"].experts,
+                                                   router="mlp.shared_expert.gate_proj")),
+     r"record's experts.router='mlp.shared_expert.gate_proj' .* maps 32 -> 32; expected 32 -> 4 experts"),
+    ("qwen2_moe", dict(experts=dataclasses.replace(BY_MODEL_TYPE["qwen2_moe"].experts,
+                                                   shared_mlp=("gate_proj", "up_proj", "fc2"))),
+     r"record's experts.shared_mlp \('fc2'\) contradicts the model: model.layers.0.mlp.shared_expert has no fc2"),
+    ("gemma3_text", dict(output_norms=("self_attn.q_norm", "post_feedforward_layernorm"),
+                         qk_norms=("post_attention_layernorm", "self_attn.k_norm")),
+     r"record's output_norms \('self_attn.q_norm'\) .* has weight \(8,\); a norm of a block output"),
+    ("gemma3_text", dict(output_norms=("post_attention_layernorm",),
+                         qk_norms=("self_attn.q_norm", "post_feedforward_layernorm")),
+     r"record's qk_norms \('post_feedforward_layernorm'\) .* has weight \(32,\); a norm of one head has one "
+     r"weight per channel \(8\)"),
+    ("llama", dict(mlp_in=("mlp.gate_proj", "mlp.down_proj"), mlp_out="mlp.up_proj"),
+     r"record's mlp_in \('mlp.down_proj'\) contradicts the model: model.layers.0.mlp.down_proj reads 64 features, "
+     r"not the hidden size 32"),
+    ("llama", dict(lm_head="model.embed_tokens"),  # an [vocab, hidden] weight, but not the head
+     r"record's final_norm='norm' / lm_head='model.embed_tokens' contradicts the model: folding model.norm's weight "
+     r"into model.embed_tokens fails on a probe batch \(IndexError: "),
+    # a scaling group through a post-norm's LayerNorm (its output also feeds the residual): AWQ would change BERT
+    ("bert", dict(scaling=(ScalingRule(ScalingGroup("attention.output.LayerNorm", ("intermediate.dense",),
+                                                    "intermediate.dense")),)),
+     r"record's scaling\[0\] \(attention.output.LayerNorm -> intermediate.dense\) contradicts the model: dividing "
+     r"attention.output.LayerNorm's output by random positive scales .* changes the model's output"),
+]
+
+
+@pytest.mark.parametrize("mt,kw,match", STRUCTURE_CONTRADICTIONS,
+                         ids=[f"{c[0]}-{next(iter(c[1]))}" for c in STRUCTURE_CONTRADICTIONS])
+def test_attach_refuses_a_record_that_contradicts_the_models_modules(mt, kw, match):
+    from qcore.adapters.families import ATTRIBUTE, attach
+    m = build(mt)
+    before = _state(m)
+    with pytest.raises(ValueError, match=match) as e:
+        attach(m, dataclasses.replace(BY_MODEL_TYPE[mt], **kw))
+    assert "\n" not in str(e.value) and not hasattr(m, ATTRIBUTE)
+    _same_state(m, before)
+
+
+def test_attach_refuses_a_model_that_contradicts_the_tables_record():
+    from qcore.adapters.families import attach
+    m = build("llama")
+    m.model.layers[1].mlp.gate_proj = nn.Linear(HIDDEN, 48, bias=False, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"record's mlp_in=\('mlp.gate_proj', 'mlp.up_proj'\) contradicts the model: "
+                                         r"model.layers.1: mlp.gate_proj, mlp.up_proj write \[48, 64\] features and "
+                                         r"mlp.down_proj reads 64"):
+        attach(m, LLAMA)
+
+
+def test_attach_checks_a_bfloat16_model_within_its_rounding():
+    from qcore.adapters.families import attach
+    m = build("llama").to(torch.bfloat16)
+    attach(m, LLAMA)  # float rounding of bf16 (16 eps) passes the table's record ...
+    with pytest.raises(ValueError, match=r"attn_norm='post_attention_layernorm'"):  # ... and not a contradiction
+        attach(m, dataclasses.replace(LLAMA, attn_norm="post_attention_layernorm", mlp_norm="input_layernorm"))
+
+
+
+def test_attach_checks_a_bare_backbone_and_refuses_a_model_it_cannot_run():
+    from qcore.adapters.families import attach
+    m = build("llama")
+    bare = dataclasses.replace(LLAMA, backbone="", lm_head=None)  # LlamaModel: the final norm's output, no head
+    assert attach(m.model, bare) is bare
+    assert attach(m.model, dataclasses.replace(bare, final_norm=None)).final_norm is None  # its output: the stream
+    vars(m.config)["num_attention_heads"] = None  # heads unknown: their checks left out, the rest done
+    assert attach(m, LLAMA) is LLAMA
+    with pytest.raises(ValueError, match=r"record's norm='rms_unit_offset'"):
+        attach(m, dataclasses.replace(LLAMA, norm="rms_unit_offset"))
+    vars(m.config)["num_attention_heads"] = HEADS
+    with pytest.raises(ValueError, match=r"attn_norm='post_attention_layernorm'"):
+        attach(m.model, dataclasses.replace(bare, attn_norm="post_attention_layernorm", mlp_norm="input_layernorm"))
+
+    def needs_pixels(*a, **k):
+        raise RuntimeError("pixel_values are required\nsecond line")
+    m2 = build("llama")
+    m2.forward = needs_pixels
+    with pytest.raises(ValueError, match=r"^attach: cannot check the Llama record against the model's function: "
+                                         r"LlamaForCausalLM does not run a probe batch of token ids \(RuntimeError: "
+                                         r"pixel_values are required\)$"):
+        attach(m2, LLAMA)
+    assert not hasattr(m2, "qcore_family")
+    m2.forward = lambda *a, **k: (torch.zeros(1),)
+    with pytest.raises(ValueError, match=r"\(TypeError: the model's output is a tuple without logits or a hidden "
+                                         r"state\)$"):
+        attach(m2, LLAMA)
+    with pytest.raises(ValueError, match=r"record's norm='rms_unit_offset'"):  # a refused record: the one attached
+        attach(m, dataclasses.replace(LLAMA, norm="rms_unit_offset"))          # before stays
+    assert family_of(m) is LLAMA

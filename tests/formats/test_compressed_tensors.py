@@ -282,3 +282,109 @@ def test_decode_validates_values():
         CT.decode_weight(dict(enc, weight_g_idx=gi), spec, w.shape, fmt=fmt, dtypes=dts)
     with pytest.raises(ValueError, match="divide"):
         CT.expected_weight(spec, (8, 48), fmt=fmt, scale_dtype="F32")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# which config group quantizes a module (issue 33): compressed-tensors' rule and vLLM's
+# ---------------------------------------------------------------------------------------------------------------
+
+_Q, _K, _V = ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj")
+_O, _DOWN = "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj"
+_LIN = ("Linear", "Module")
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_MODULES = [(n, _LIN) for n in (_Q, _K, _V, _O, _DOWN, "lm_head")]
+
+# (what, {group: targets} in config order, ignore, module, compressed-tensors' group, vLLM's group); None: float,
+# "refused": vLLM refuses the config. Read off compressed_tensors 0.20 (utils/match.py match_targets / is_match,
+# quantization/lifecycle/apply.py) and vLLM (compressed_tensors/utils.py at 008014e8503b: should_ignore_layer,
+# find_matched_target, _find_first_match, _match_fused_layer)
+PRECEDENCE = [
+    ("a regex target beats a class target (the reported W4A8 -> W4A16)",
+     {"w4a16": ["Linear"], "w4a8": ["re:.*down_proj"]}, [], _DOWN, "w4a8", "w4a8"),
+    ("an exact name beats a class target", {"a": ["Linear"], "b": [_DOWN]}, [], _DOWN, "b", "b"),
+    ("exact before regex in config order: both take the exact name", {"a": [_DOWN], "b": ["re:.*down_proj"]}, [],
+     _DOWN, "a", "a"),
+    ("regex before exact in config order: compressed-tensors ranks exact names first, vLLM keeps config order",
+     {"a": ["re:.*down_proj"], "b": [_DOWN]}, [], _DOWN, "b", "a"),
+    ("two regexes: compressed-tensors sorts them, vLLM keeps config order",
+     {"a": ["re:.*mlp.*"], "b": ["re:.*down_proj"]}, [], _DOWN, "b", "a"),
+    ("a target given twice belongs to the later group", {"a": ["Linear"], "b": ["Linear"]}, [], _O, "b", "b"),
+    ("re: patterns are re.match, anchored at the start", {"a": ["re:down_proj"]}, [], _DOWN, None, None),
+    ("no target matches: float", {"a": [_O]}, [], _DOWN, None, None),
+    ("ignore by exact name", {"a": ["Linear"]}, ["lm_head"], "lm_head", None, None),
+    ("ignore by regex", {"a": ["Linear"]}, ["re:.*mlp.*"], _DOWN, None, None),
+    ("an ignore entry naming a class: compressed-tensors ignores, vLLM matches names only",
+     {"a": ["re:.*"]}, ["Linear"], _O, None, "a"),
+    ("a class target as a substring: vLLM only (case-insensitive substring of its class name)",
+     {"a": ["near"]}, [], _O, None, "a"),
+    ("fused q/k/v named exactly beside a Linear group: vLLM's qkv_proj matches the class target first",
+     {"w4a16": ["Linear"], "w4a8": [_Q, _K, _V]}, [], _K, "w4a8", "w4a16"),
+    ("fused q/k/v named exactly, no class target: vLLM takes the first shard's target",
+     {"a": [_Q, _K, _V], "b": [_O]}, [], _V, "a", "a"),
+    ("fused shards in different groups: vLLM gives all of them q_proj's group",
+     {"a": [_Q], "b": [_K, _V]}, [], _K, "b", "a"),
+    ("a regex matching the fused name (.*v_proj matches ...qkv_proj): vLLM takes it for q too",
+     {"a": ["Linear"], "b": ["re:.*v_proj"]}, [], _Q, "a", "b"),
+    ("one shard of a fused module ignored: vLLM refuses", {"a": ["Linear"]}, [_Q], _K, "a", "refused"),
+    ("every shard ignored: float for both", {"a": ["Linear"]}, [_Q, _K, _V], _V, None, None),
+]
+
+
+@pytest.mark.parametrize("what, groups, ignore, name, want_ct, want_vllm", PRECEDENCE, ids=[c[0] for c in PRECEDENCE])
+def test_target_precedence(what, groups, ignore, name, want_ct, want_vllm):
+    ct, v = CT.resolve_groups(_MODULES, groups, ignore, fused=_FUSED)[name]
+    assert ct.group == want_ct
+    assert ("refused" if v.refused else v.group) == want_vllm
+    assert (v.layer == "model.layers.0.self_attn.qkv_proj") == (name in (_Q, _K, _V))
+    assert ct.describe() and v.describe()
+
+
+def _their_groups(names_classes, groups, ignore):
+    """compressed-tensors' own decision: apply_quantization_config on a module tree with these names, each group
+    told apart by its num_bits."""
+    _ct()
+    import torch
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+
+    class MyLinear(torch.nn.Linear):
+        pass
+
+    root = torch.nn.Module()
+    for name, cls in names_classes:
+        parent = root
+        *path, leaf = name.split(".")
+        for p in path:
+            if not hasattr(parent, p):
+                parent.add_module(p, torch.nn.Module())
+            parent = getattr(parent, p)
+        parent.add_module(leaf, (MyLinear if cls[0] == "MyLinear" else torch.nn.Linear)(4, 4))
+    bits = {g: 2 + i for i, g in enumerate(groups)}
+    cfg = QuantizationConfig(config_groups={g: {"targets": list(t), "weights": {"num_bits": bits[g]}}
+                                            for g, t in groups.items()}, ignore=list(ignore),
+                             quantization_status="initialized")
+    apply_quantization_config(root, cfg, show_progress=False)
+    by_bits = {b: g for g, b in bits.items()}
+    out = {}
+    for name, _ in names_classes:
+        s = getattr(root.get_submodule(name), "quantization_scheme", None)
+        out[name] = None if s is None else by_bits[s.weights.num_bits]
+    return out
+
+
+@pytest.mark.ct_client
+def test_ct_match_is_compressed_tensors_own_matching():
+    """ct_match against the installed compressed-tensors' apply_quantization_config on the same names: every case
+    of the precedence table, then random configs from a pool of targets (names, patterns, classes)."""
+    import random
+    mods = _MODULES + [("model.layers.0.mlp.gate_proj", ("MyLinear", "Linear", "Module"))]
+    cases = [(g, i) for _, g, i, *_ in PRECEDENCE]
+    pool = ["Linear", "MyLinear", "re:.*proj", "re:.*mlp.*", "re:.*down_proj", "re:model\\.layers\\.0\\..*", _DOWN,
+            _Q, _O, "lm_head", "re:.*(q|k)_proj$", "Module"]
+    rng = random.Random(0)
+    for _ in range(40):
+        groups = {f"g{j}": rng.sample(pool, rng.randint(1, 3)) for j in range(rng.randint(1, 4))}
+        cases.append((groups, rng.sample(pool, rng.randint(0, 2)) if rng.random() < 0.5 else []))
+    for groups, ignore in cases:
+        theirs = _their_groups(mods, groups, ignore)
+        ours = {n: m[0].group for n, m in CT.resolve_groups(mods, groups, ignore).items()}
+        assert ours == theirs, (groups, ignore)

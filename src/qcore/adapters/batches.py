@@ -4,13 +4,65 @@ show a progress bar."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-__all__ = ["set_module", "progress_bar", "describe_batch", "device_of", "to_device", "call_model", "check_batch", "check_batches"]
+__all__ = ["as_found", "FoundState", "set_module", "progress_bar", "describe_batch", "device_of", "to_device", "call_model", "check_batch", "check_batches"]
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks",
+               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
+
+
+class FoundState:
+    """What ``as_found`` restores, saved from ``model`` now: every submodule's ``training`` flag, every
+    parameter's ``requires_grad`` and (``hooks``) every module's hook dicts; ``restore()`` puts them back (for
+    code whose try/finally is already there: ``saved = FoundState(model); model.eval(); try: ... finally:
+    saved.restore()``)."""
+
+    def __init__(self, model: nn.Module, *, hooks: bool = True):
+        mods = list(model.modules())
+        self.modes = [(m, m.training) for m in mods]
+        self.grads = [(p, p.requires_grad) for p in model.parameters()]
+        self.hooks = [(m, k, dict(getattr(m, k))) for m in mods for k in _HOOK_DICTS
+                      if hooks and isinstance(getattr(m, k, None), dict)]
+
+    def restore(self) -> None:
+        for m, t in self.modes:
+            m.training = t
+        for p, g in self.grads:
+            if p.requires_grad != g:
+                p.requires_grad_(g)
+        for m, k, saved in self.hooks:
+            d = getattr(m, k)
+            if d.keys() != saved.keys() or any(d[h] is not saved[h] for h in saved):
+                d.clear()
+                d.update(saved)
+
+
+@contextlib.contextmanager
+def as_found(model: nn.Module, *, mode: Optional[bool] = False, hooks: bool = True) -> Iterator[nn.Module]:
+    """Run the body with ``model`` in ``mode`` (``False``: eval, every submodule; ``True``: train; None: as it is)
+    and leave it exactly as it was found, whatever the body did or raised: every submodule's ``training`` flag
+    (not only the top module's: a model in train mode with frozen submodules in eval stays so), every parameter's
+    ``requires_grad``, and (``hooks``) every module's hooks (a hook the body left behind is removed, one it
+    removed is put back; ``hooks=False`` for a pass that installs hooks on purpose, QuaRot's online rotations).
+    What every exporter, evaluator, calibrator and pass that calls the user's model wraps its calls in (issue 33:
+    ``export_onnx`` left models in training mode, dropout on; ``model.train(was_training)`` put every submodule
+    in the top module's mode). ``FoundState`` is the same without the ``with``."""
+    saved = FoundState(model, hooks=hooks)
+    try:
+        if mode is not None:
+            model.train(mode)
+        yield model
+    finally:
+        saved.restore()
 
 
 def set_module(model: nn.Module, name: str, new: nn.Module) -> None:

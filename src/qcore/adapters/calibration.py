@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .batches import call_model, check_batch, describe_batch, device_of, progress_bar, to_device
+from .batches import FoundState, call_model, check_batch, describe_batch, device_of, progress_bar, to_device
 from ._calib_tail import TailSkip
 from .modules import CalibrationError, QuantModule
 from .moe import moe_calibration
@@ -49,7 +49,7 @@ def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distri
     for m in mods:
         m.start_calibration()
     n = 0
-    was_training = model.training
+    found = FoundState(model)
     model.eval()
     try:
         try:
@@ -84,7 +84,7 @@ def calibrate(model: nn.Module, data: Iterable, *, progress: bool = True, distri
             m.abort_calibration()
         raise
     finally:
-        model.train(was_training)
+        found.restore()
     return n
 
 

@@ -24,7 +24,6 @@ import torch
 from qcore._argtypes import Needs, check_needs, comma_list, nonnegative_int, nonnegative_number, positive_int, \
     positive_number
 
-from qcore._fsutil import check_not_source, overlap
 from qcore.algorithms.config import parse_algorithms
 from qcore.formats.gguf_mixes import MIXES
 from qcore.formats.inspect import layout_bits_per_weight
@@ -44,6 +43,7 @@ from .jobs.common import loading_bars as _loading_bars
 from .jobs.common import torch_dtype as _dtype
 from .jobs.common import write_report as _write_report
 from .jobs.convert import convert
+from .jobs.convert import job_files as convert_files
 from .jobs.imatrix import imatrix_file
 from .jobs.quantize import QuantizeJob, QuantizeReport, run as run_job
 from .passes.runner import AlgorithmError
@@ -279,20 +279,12 @@ def convert_command(args) -> int:
     except (ValueError, TypeError) as e:
         raise CommandError(f"{e} (aliases: {aliases_text()})") from None
     dtype = None if args.dtype is None else _dtype(args.dtype)
+    convert_files(args.src, args.dst, report=args.report, cli=True).check()  # never over src, dst or each other
     if args.report:
         rp = pathlib.Path(args.report)
         if rp.exists() and rp.is_dir():
             raise CommandError(f"--report {args.report}: is a directory")
-        try:
-            check_not_source(rp, [args.src], what="--report")
-        except ValueError as e:
-            raise CommandError(str(e)) from None
-        how = overlap(rp, args.dst)
-        if how in ("is", "contains"):  # the report would replace the converted checkpoint
-            raise CommandError(f"--report {args.report!r} {how} dst {args.dst!r}; the report would replace the "
-                               f"converted checkpoint: choose another path")
-        if overlap(rp.parent, args.dst) not in ("is", "lies inside"):  # a folder the conversion creates is fine
-            _check_writable_file("--report", args.report)
+        _check_writable_file("--report", args.report)
     progress = not getattr(args, "no_progress", False)
     with _loading_bars(progress):  # --no-progress: transformers' "Loading weights" bars too
         info = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, strict=args.strict, dtype=dtype,
@@ -341,10 +333,10 @@ def run(args) -> int:
                     error=CommandError)
         return {"quantize": quantize_command, "eval": eval_command, "schemes": schemes_command,
                 "convert": convert_command, "imatrix": imatrix_command}[args.command](args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # with what the job says about continuing (qcore quantize --work-dir)
         if getattr(args, "debug", False):
             raise
-        print(f"qcore {args.command}: interrupted", file=sys.stderr)
+        print(f"qcore {args.command}: interrupted" + (f"; {e}" if str(e) else ""), file=sys.stderr)
         return 130
     except (CommandError, ValueError, TypeError, OSError, ModuleNotFoundError, RecursionError, AlgorithmError) as e:
         if getattr(args, "debug", False):

@@ -30,7 +30,7 @@ from typing import Any, Mapping, Optional
 
 
 __all__ = ["Family", "Experts", "ScalingRule", "UnknownFamily", "Located", "FAMILIES", "BY_MODEL_TYPE",
-           "family_of", "family_or_none", "locate", "non_language_modules", "decoder_layers_path", "fused_units", "DEFAULT_FUSED", "attach", "ATTRIBUTE",
+           "family_of", "family_or_none", "locate", "non_language_modules", "decoder_layers_path", "fused_units", "DEFAULT_FUSED", "attach", "check_record", "ATTRIBUTE",
            "NORM_KINDS", "LINEAR_KINDS", "QKV_LAYOUTS", "ScalingGroup", "unit_offset_norm", "text_config"]
 
 #: how a norm's weight scales: ``rms`` x * w (no bias), ``rms_unit_offset`` x * (1 + w) (Gemma), ``layernorm``
@@ -632,9 +632,45 @@ def attach(model: Any, family: Family) -> Family:
     """Give ``model`` the record ``family`` (a family the table lacks, or a replacement for one model): it is
     stored on the model (``model.qcore_family``), so every pass reading ``family_of(model)`` uses it; nothing
     global changes (a record for everyone belongs in ``FAMILIES``, with a tiny model in
-    tests/adapters/test_families.py). Checked before it is attached: the record's ``model_type`` is the model's,
-    its layers are where it says, and every module it names exists in every layer (ValueError naming the first
-    that does not). Returns the record."""
+    tests/adapters/test_families.py). Checked before it is attached (``check_record``), against the model's
+    modules and against its float function: a record that contradicts the model would make the passes reading
+    it (QuaRot's folds and rotations, AWQ / SmoothQuant's scaling groups) change the model's function silently.
+    A ValueError naming the record's field refuses it, with nothing attached and the model as it was found.
+    Returns the record."""
+    check_record(model, family)
+    setattr(model, ATTRIBUTE, family)
+    return family
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checking a record against one model (attach)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check_record(model: Any, family: Family) -> None:
+    """What ``attach`` checks before it stores ``family`` on ``model``; ValueError (one line, naming the
+    record's field, the module and what it found) at the first contradiction. Nothing of the model changes.
+
+    1. Modules: the record's ``model_type`` is the model's; its layers are where it says; every module it names
+       exists (top level: ``embed``, ``final_norm``, ``lm_head``, ``pos_embed``; in every layer: projections,
+       norms, ``act``, the MoE modules and parameters); shapes agree with the model's config (``hidden_size``,
+       heads): norms have one weight per hidden channel (``qk_norms``: per head dimension), ``attn_in`` / ``mlp_in``
+       read the hidden size and ``attn_out`` / ``mlp_out`` write it, q / k / v (or the fused qkv) have the heads'
+       rows and ``attn_out`` reads the query heads, the MLP's inner sizes agree, the head reads the hidden size
+       (or the embedding's) and writes the vocabulary, the experts' parameters are ``[E, 2I, H]`` / ``[E, H, I]``
+       with ``E`` the config's ``count``; the projections are the record's ``linear`` kind.
+    2. Norms: every norm the record names computes what ``norm`` says (``x / rms(x) * w``, ``* (1 + w)``, or
+       ``(x - mean) / std * w + b``) on a probe input (a fold scales ``w`` or ``1 + w``).
+    3. The float function: a probe batch of token ids (one sequence of 8) through the model with the folds the
+       record implies applied on the activations, by hooks (the same linear maps the weight folds apply; no
+       weight changes, nothing copied), compared to the model without them (relative RMS difference of the
+       output at most ``max(1e-4, 16 * eps)`` of the model's dtype): every applicable ``scaling`` group (random
+       positive scales on ``prev_op``'s output, undone on ``layers``' inputs); when the record allows rotations
+       (``rotation == ""``): the norm folds (``attn_norm`` into ``attn_in``, ``mlp_norm`` into ``mlp_in``,
+       ``final_norm`` into ``lm_head``), a random orthogonal rotation of the residual stream (the embedding's
+       output and ``attn_out`` / ``mlp_out``'s outputs rotated, ``attn_in`` / ``mlp_in`` / the head's inputs
+       rotated back, the named norms seeing unrotated values) and one of each value head (``attn_in``'s v rows,
+       ``attn_out``'s input)."""
     from torch import nn
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -651,5 +687,365 @@ def attach(model: Any, family: Family) -> Family:
             if _get(layer, n) is None:
                 raise ValueError(f"attach: the {family.name} record names {n!r}, which layer {i} "
                                  f"({located.layers}.{i}, {type(layer).__name__}) does not have")
-    setattr(model, ATTRIBUTE, family)
-    return family
+    sizes = _check_shapes(model, family, located, layers)
+    _check_norm_kinds(model, family, located, layers)
+    _check_function(model, family, located, layers, sizes)
+
+
+def _refuse(fam: Family, field_: str, what: str) -> ValueError:
+    return ValueError(f"attach: the {fam.name} record's {field_} contradicts the model: {what}")
+
+
+def _io(m: Any, kind: str) -> Optional[tuple]:
+    """``(in, out)`` features of a Linear-like module: its ``in_features`` / ``out_features``, else its 2-D
+    weight read as ``kind`` lays it out (``linear`` [out, in], ``conv1d`` [in, out]); None when it has neither."""
+    import torch
+    i, o = getattr(m, "in_features", None), getattr(m, "out_features", None)
+    if isinstance(i, int) and isinstance(o, int):
+        return i, o
+    w = getattr(m, "weight", None)
+    if isinstance(w, torch.Tensor) and w.ndim == 2:
+        return (int(w.shape[1]), int(w.shape[0])) if kind == "linear" else (int(w.shape[0]), int(w.shape[1]))
+    return None
+
+
+def _int(cfg: Any, name: str) -> Optional[int]:
+    v = getattr(cfg, name, None)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def _check_shapes(model: Any, fam: Family, loc: Located, layers: Any) -> dict:
+    """Step 1 of ``check_record`` past the names: the shapes (and the projections' kind); returns the sizes the
+    function checks use (``hidden``, ``heads``, ``kv_heads``, ``head_dim``, ``vocab``; None where unknown)."""
+    import torch
+    from torch import nn
+    cfg = text_config(model.config)
+    emb = _get(model, loc.embed)
+    ew = getattr(emb, "weight", None)
+    if emb is None or not isinstance(ew, torch.Tensor) or ew.ndim != 2:
+        raise _refuse(fam, f"embed={fam.embed!r}", f"{loc.embed} is "
+                      f"{'missing' if emb is None else f'a {type(emb).__name__} without a 2-D weight'}; expected the "
+                      f"token embedding")
+    vocab, edim = int(ew.shape[0]), int(ew.shape[1])
+    hidden = _int(cfg, "hidden_size") or edim
+    nh = _int(cfg, "num_attention_heads")
+    kv = _int(cfg, "num_key_value_heads") or nh
+    hd = _int(cfg, "head_dim") or (hidden // nh if nh and hidden % nh == 0 else None)
+    if fam.pos_embed is not None:
+        pe = _get(model, loc.pos_embed)
+        pw = getattr(pe, "weight", None)
+        if not isinstance(pw, torch.Tensor) or pw.ndim != 2 or pw.shape[1] != edim:
+            raise _refuse(fam, f"pos_embed={fam.pos_embed!r}", f"{loc.pos_embed} is "
+                          f"{'missing' if pe is None else type(pe).__name__}; expected a position embedding of "
+                          f"{edim} features")
+
+    def norm_size(m: Any, path: str, field_: str, size: Optional[int], what: str) -> None:
+        w = getattr(m, "weight", None)
+        if not isinstance(w, torch.Tensor) or w.ndim != 1 or (size is not None and w.shape[0] != size):
+            got = f"weight {tuple(w.shape)}" if isinstance(w, torch.Tensor) else "no weight"
+            raise _refuse(fam, field_, f"{path} ({type(m).__name__}) has {got}; a norm of {what} has one weight "
+                          f"per channel ({size})")
+
+    if fam.final_norm is not None:
+        fn = _get(model, loc.final_norm)
+        if fn is None:
+            raise _refuse(fam, f"final_norm={fam.final_norm!r}", f"the model has no {loc.final_norm}")
+        norm_size(fn, loc.final_norm, f"final_norm={fam.final_norm!r}", hidden, "the hidden size")
+    if fam.lm_head is not None:
+        head = _get(model, fam.lm_head)
+        io = None if head is None else _io(head, "linear")
+        if head is None or io is None:
+            raise _refuse(fam, f"lm_head={fam.lm_head!r}", "the model has no such module" if head is None else
+                          f"{fam.lm_head} is a {type(head).__name__}, not a Linear-like output head")
+        if io[0] not in (hidden, edim) or io[1] != vocab:
+            raise _refuse(fam, f"lm_head={fam.lm_head!r}", f"{fam.lm_head} maps {io[0]} -> {io[1]} features; the "
+                          f"output head maps the hidden size {hidden} to the vocabulary {vocab}")
+    e = fam.experts
+    count = None if e is None else _int(cfg, e.count)
+    if e is not None and count is None:
+        raise _refuse(fam, f"experts.count={e.count!r}", f"the config ({type(cfg).__name__}) has no positive "
+                      f"integer {e.count!r}")
+    for i, layer in enumerate(layers):
+        at = f"{loc.layers}.{i}"
+        for f in ("attn_norm", "mlp_norm"):
+            n = getattr(fam, f)
+            if n is not None:
+                norm_size(_get(layer, n), f"{at}.{n}", f"{f}={n!r}", hidden, "the residual stream")
+        for n in fam.output_norms:
+            norm_size(_get(layer, n), f"{at}.{n}", f"output_norms ({n!r})", hidden, "a block output")
+        for n in fam.qk_norms:
+            norm_size(_get(layer, n), f"{at}.{n}", f"qk_norms ({n!r})", hd, "one head")
+        io = {}
+        for f, names in (("attn_in", fam.attn_in), ("attn_out", (fam.attn_out,)), ("mlp_in", fam.mlp_in),
+                         ("mlp_out", () if fam.mlp_out is None else (fam.mlp_out,))):
+            for n in names:
+                m = _get(layer, n)
+                conv = type(m).__name__ == "Conv1D"
+                if (fam.linear == "linear" and conv) or (fam.linear == "conv1d" and isinstance(m, nn.Linear)):
+                    raise _refuse(fam, f"linear={fam.linear!r}", f"{at}.{n} is a {type(m).__name__}")
+                io[n] = _io(m, fam.linear)
+                if io[n] is None:
+                    continue
+                side, k = ("reads", 0) if f.endswith("_in") else ("writes", 1)
+                if io[n][k] != hidden:
+                    raise _refuse(fam, f"{f} ({n!r})", f"{at}.{n} {side} {io[n][k]} features, not the hidden "
+                                  f"size {hidden}")
+        o = io[fam.attn_out]
+        if len(fam.attn_in) == 3 and all(io[n] is not None for n in fam.attn_in) and o is not None:
+            (_, q), (_, k), (_, v) = (io[n] for n in fam.attn_in)
+            if k != v or (nh and hd and (q, k) != (nh * hd, kv * hd)):
+                heads = f"; the config has {nh} heads, {kv} key-value heads of {hd}" if nh and hd else ""
+                raise _refuse(fam, f"attn_in={fam.attn_in!r}", f"q, k, v of {at} write {q}, {k}, {v} rows{heads}")
+            if nh and hd and o[0] != nh * hd:
+                raise _refuse(fam, f"attn_out={fam.attn_out!r}", f"{at}.{fam.attn_out} reads {o[0]} features, "
+                              f"not the {nh} query heads of {hd}")
+        elif len(fam.attn_in) == 1 and io[fam.attn_in[0]] is not None and nh and hd:
+            rows = io[fam.attn_in[0]][1]
+            if rows != (nh + 2 * kv) * hd:
+                raise _refuse(fam, f"attn_in={fam.attn_in!r}", f"{at}.{fam.attn_in[0]} writes {rows} rows, not "
+                              f"q, k and v of {nh} + 2 x {kv} heads of {hd}")
+        if fam.mlp_out is not None and io[fam.mlp_out] is not None and all(io[n] is not None for n in fam.mlp_in):
+            inner = io[fam.mlp_out][0]
+            outs = [io[n][1] for n in fam.mlp_in]
+            ok = outs == [inner, inner] if len(outs) == 2 else outs[0] in (inner, 2 * inner)
+            if not ok:
+                raise _refuse(fam, f"mlp_in={fam.mlp_in!r}", f"{at}: {', '.join(fam.mlp_in)} write {outs} features "
+                              f"and {fam.mlp_out} reads {inner}")
+        if e is not None:
+            ex = _get(layer, e.path)
+            gu, dn = getattr(ex, e.gate_up, None), getattr(ex, e.down, None)
+            if not (isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.ndim == dn.ndim == 3
+                    and gu.shape[0] == dn.shape[0] == count and gu.shape[2] == dn.shape[1] == hidden
+                    and gu.shape[1] == 2 * dn.shape[2]):
+                got = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in (gu, dn)]
+                raise _refuse(fam, f"experts ({e.path!r}: {e.gate_up!r}, {e.down!r})", f"{at}.{e.path} has "
+                              f"{got}; expected [{count}, 2I, {hidden}] and [{count}, {hidden}, I]")
+            r = _io(_get(layer, e.router), "linear")
+            if r is not None and r != (hidden, count):
+                raise _refuse(fam, f"experts.router={e.router!r}", f"{at}.{e.router} maps {r[0]} -> {r[1]}; "
+                              f"expected {hidden} -> {count} experts")
+            if e.shared is not None:
+                for n in e.shared_mlp:
+                    if _get(layer, f"{e.shared}.{n}") is None:
+                        raise _refuse(fam, f"experts.shared_mlp ({n!r})", f"{at}.{e.shared} has no {n}")
+    return dict(hidden=hidden, heads=nh, kv_heads=kv, head_dim=hd, vocab=vocab)
+
+
+_EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
+
+
+def _check_norm_kinds(model: Any, fam: Family, loc: Located, layers: Any) -> None:
+    """Step 2 of ``check_record``: every named norm computes what the record's ``norm`` says, on a probe of
+    values far from the norm's epsilon (every named norm of every layer, and the final norm)."""
+    import torch
+    gen = torch.Generator().manual_seed(0)
+    named = [(loc.final_norm, _get(model, loc.final_norm))] if fam.final_norm is not None else []
+    for i, layer in enumerate(layers):
+        named += [(f"{loc.layers}.{i}.{n}", _get(layer, n)) for n in fam.norm_names()]
+    with torch.no_grad():
+        for path, m in named:
+            w = m.weight
+            b = getattr(m, "bias", None)
+            x = (torch.randn((3, w.shape[0]), generator=gen, dtype=torch.float64) * 4 + 2)
+            got = m(x.to(device=w.device, dtype=w.dtype)).double().cpu()
+            wd = w.detach().double().cpu()
+            if fam.norm == "layernorm":
+                c = x - x.mean(-1, keepdim=True)
+                want = c / c.pow(2).mean(-1, keepdim=True).sqrt() * wd
+                want = want + (b.detach().double().cpu() if isinstance(b, torch.Tensor) else 0)
+            else:
+                want = x / x.pow(2).mean(-1, keepdim=True).sqrt() * (wd + 1 if fam.norm == "rms_unit_offset" else wd)
+            diff = float((got - want).norm() / want.norm().clamp_min(1e-30))
+            if not diff <= _tolerance(w.dtype):
+                said = {"rms": "x / rms(x) * w", "rms_unit_offset": "x / rms(x) * (1 + w)",
+                        "layernorm": "(x - mean) / std * w + b"}[fam.norm]
+                raise _refuse(fam, f"norm={fam.norm!r}", f"{path} ({type(m).__name__}) does not compute {said} "
+                              f"(relative difference {diff:.3g} on a probe input)")
+
+
+def _tolerance(dtype: Any) -> float:
+    import torch
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
+    return max(1e-4, 16 * eps)
+
+
+def _output(out: Any) -> Any:
+    """What the function checks compare: a transformers output's ``logits`` (a head model) or
+    ``last_hidden_state`` (a backbone, an encoder)."""
+    import torch
+    for k in ("logits", "last_hidden_state"):
+        v = getattr(out, k, None)
+        if isinstance(v, torch.Tensor):
+            return v
+    raise TypeError(f"the model's output is a {type(out).__name__} without logits or a hidden state")
+
+
+def _check_function(model: Any, fam: Family, loc: Located, layers: Any, sizes: dict) -> None:
+    """Step 3 of ``check_record`` (its docstring): the folds the record implies, emulated by hooks on a probe
+    batch, leave the model's output unchanged."""
+    import torch
+    from .batches import as_found
+    emb = model.get_submodule(loc.embed)
+    dev = emb.weight.device
+    ids = torch.randint(0, sizes["vocab"], (1, 8), generator=torch.Generator().manual_seed(0)).to(dev)
+    gen_seed, made = [0], {}
+
+    def scales(width: int) -> torch.Tensor:  # log-uniform in [1/8, 8], the same for one width within a check
+        key = ("s", width, gen_seed[0])
+        if key not in made:
+            g = torch.Generator().manual_seed(1000 * gen_seed[0] + width)
+            made[key] = torch.pow(2.0, torch.rand(width, generator=g, dtype=torch.float64) * 6 - 3).to(dev)
+        return made[key]
+
+    def orthogonal(n: int) -> torch.Tensor:  # random orthogonal, the same for one size within a check
+        key = ("q", n, gen_seed[0])
+        if key not in made:
+            g = torch.Generator().manual_seed(1000 * gen_seed[0] + n + 7)
+            q, r = torch.linalg.qr(torch.randn((n, n), generator=g, dtype=torch.float64))
+            made[key] = (q * torch.sign(torch.diagonal(r))).to(dev)
+        return made[key]
+
+    def times(t: torch.Tensor, f) -> torch.Tensor:
+        return f(t.double()).to(t.dtype)
+
+    def out_hook(f):
+        return lambda m, args, y: times(y, f)
+
+    def in_hook(f):
+        return lambda m, args: (times(args[0], f), *args[1:])
+
+    handles: list = []
+
+    def on_out(m, f):
+        handles.append(m.register_forward_hook(out_hook(f)))
+
+    def on_in(m, f):
+        handles.append(m.register_forward_pre_hook(in_hook(f), prepend=True))
+
+    with as_found(model), torch.no_grad():
+        try:
+            raw = _output(model(ids))
+        except Exception as e:  # noqa: BLE001 - any failure of the user's model: the record cannot be checked
+            raise ValueError(f"attach: cannot check the {fam.name} record against the model's function: "
+                             f"{type(model).__name__} does not run a probe batch of token ids ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        ref, tol = raw.double(), _tolerance(raw.dtype)
+
+        def check(field_: str, what: str) -> None:
+            try:
+                try:
+                    got = _output(model(ids)).double()
+                finally:
+                    for h in handles:
+                        h.remove()
+                    handles.clear()
+            except Exception as e:  # noqa: BLE001 - the hooks the record implies do not fit the model
+                raise _refuse(fam, field_, f"{what} fails on a probe batch ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            diff = float((got - ref).norm() / ref.norm().clamp_min(1e-30)) if got.shape == ref.shape else float("inf")
+            if not diff <= tol:
+                raise _refuse(fam, field_, f"{what} changes the model's output (relative difference {diff:.3g} on "
+                              f"a probe batch; float rounding allows {tol:.3g})")
+
+        for k, rule in enumerate(fam.scaling):
+            g, any_layer = rule.group, False
+            gen_seed[0] = k
+            for layer in layers:
+                if not _rule_applies(layer, fam, rule):
+                    continue
+                any_layer = True
+                on_out(_get(layer, g.prev_op), lambda y: y * scales(y.shape[-1]))
+                for n in g.layers:
+                    on_in(_get(layer, n), lambda x: x / scales(x.shape[-1]))
+            if any_layer:
+                check(f"scaling[{k}] ({g.prev_op} -> {', '.join(g.layers)})",
+                      f"dividing {g.prev_op}'s output by random positive scales and multiplying "
+                      f"{', '.join(g.layers)}'s inputs by them")
+        if fam.rotation:
+            return
+        folds = [("attn_norm", fam.attn_norm, "attn_in", fam.attn_in, None),
+                 ("mlp_norm", fam.mlp_norm, "mlp_in", fam.mlp_in, None)]
+        for k, (fn, norm, fr, readers, _) in enumerate(folds):
+            if norm is None:
+                continue
+            gen_seed[0] = 100 + k
+            for layer in layers:
+                on_out(_get(layer, norm), lambda y: y * scales(y.shape[-1]))
+                for n in readers:
+                    on_in(_get(layer, n), lambda x: x / scales(x.shape[-1]))
+            check(f"{fn}={norm!r} / {fr}={readers!r}", f"folding {norm}'s weight into {', '.join(readers)}")
+        if fam.final_norm is not None and fam.lm_head is not None:
+            gen_seed[0] = 102
+            on_out(model.get_submodule(loc.final_norm), lambda y: y * scales(y.shape[-1]))
+            on_in(model.get_submodule(fam.lm_head), lambda x: x / scales(x.shape[-1]))
+            check(f"final_norm={fam.final_norm!r} / lm_head={fam.lm_head!r}",
+                  f"folding {loc.final_norm}'s weight into {fam.lm_head}")
+        gen_seed[0] = 103
+        rot, back = (lambda t: t @ orthogonal(t.shape[-1])), (lambda t: t @ orthogonal(t.shape[-1]).T)
+        if fam.final_norm is None and fam.lm_head is None:
+            _check_heads(fam, layers, sizes, on_out, on_in, orthogonal, gen_seed, check)
+            return  # nothing named reads the last residual stream: the model's output is it, rotated
+        on_out(emb, rot)
+        if fam.pos_embed is not None:
+            on_out(model.get_submodule(loc.pos_embed), rot)
+        norms = [n for n in (fam.attn_norm, fam.mlp_norm) if n is not None]
+        for layer in layers:
+            for n in norms:
+                on_in(_get(layer, n), back)
+                on_out(_get(layer, n), rot)
+            for n in fam.attn_in + fam.mlp_in:
+                on_in(_get(layer, n), back)
+            for n in (fam.attn_out, fam.mlp_out):
+                on_out(_get(layer, n), rot)
+        if fam.final_norm is not None:  # the model's output: the head's, or the final norm's without a head
+            on_in(model.get_submodule(loc.final_norm), back)
+            if fam.lm_head is not None:
+                on_out(model.get_submodule(loc.final_norm), rot)
+        if fam.lm_head is not None:
+            on_in(model.get_submodule(fam.lm_head), back)
+        check("rotation='' (embed, attn_in, attn_out, mlp_in, mlp_out, lm_head, output_norms)",
+              "rotating the residual stream (QuaRot's R1) where the record says it is read and written")
+        _check_heads(fam, layers, sizes, on_out, on_in, orthogonal, gen_seed, check)
+
+
+def _check_heads(fam: Family, layers: Any, sizes: dict, on_out, on_in, orthogonal, gen_seed, check) -> None:
+    """The last function check of ``_check_function``: a random orthogonal rotation of each value head on
+    ``attn_in``'s value rows, undone on ``attn_out``'s input (QuaRot's R2)."""
+    import torch
+    nh, kv, hd = sizes["heads"], sizes["kv_heads"], sizes["head_dim"]
+    if nh and hd:  # (a fused qkv's value rows where QuaRot takes them: the concat layout's)
+        gen_seed[0] = 104
+        vname = fam.attn_in[2] if len(fam.attn_in) == 3 else fam.attn_in[0]
+        rows = slice(None) if len(fam.attn_in) == 3 else slice((nh + kv) * hd, (nh + 2 * kv) * hd)
+
+        def per_head(t: torch.Tensor, transpose: bool) -> torch.Tensor:
+            q = orthogonal(hd)
+            q = q.T if transpose else q
+            return (t.reshape(*t.shape[:-1], -1, hd) @ q).reshape(t.shape)
+
+        def values(y: torch.Tensor) -> torch.Tensor:
+            y = y.clone()
+            y[..., rows] = per_head(y[..., rows], False)
+            return y
+
+        for layer in layers:
+            on_out(_get(layer, vname), values)
+            on_in(_get(layer, fam.attn_out), lambda x: per_head(x, True))
+        check(f"attn_in={fam.attn_in!r} / attn_out={fam.attn_out!r}",
+              f"rotating each value head (QuaRot's R2) on {vname}'s value rows and {fam.attn_out}'s input")
+
+
+def _rule_applies(layer: Any, fam: Family, rule: ScalingRule) -> bool:
+    """Whether ``rule`` applies to ``layer`` (``ScalingRule``'s conditions and ``Family.scaling_requires``), as
+    qcore.adapters.passes.scaling decides it."""
+    from torch import nn
+    if fam.scaling_requires is not None and getattr(layer, fam.scaling_requires, None) is not True:
+        return False
+    g = rule.group
+    if rule.sizes_match:
+        p = _io(_get(layer, g.prev_op), fam.linear)
+        if p is None or any((_io(_get(layer, n), fam.linear) or (None,))[0] != p[1] for n in g.layers):
+            return False
+    if rule.relu and type(_get(layer, fam.act)) is not nn.ReLU:
+        return False
+    return not any(_get(layer, n) is not None for n in rule.absent)

@@ -37,10 +37,11 @@ shift).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -48,7 +49,8 @@ import qcore
 from qcore import PerBlock, PerChannel, PerGroup, PerTensor, QuantSpec, RoundingMode, ScaleMode, TensorScale
 from qcore.dtypes import FloatDType, IntDType
 
-__all__ = ["QUANT_METHOD", "CTFormat", "QType", "Strategy", "CTArgs", "CTScheme", "CTConfig", "args_to_spec",
+__all__ = ["QUANT_METHOD", "CTFormat", "QType", "Strategy", "CTArgs", "CTScheme", "CTConfig", "Match", "ct_match",
+           "vllm_match", "resolve_groups", "target_groups", "args_to_spec",
            "spec_to_args", "infer_format", "pack_int32", "unpack_int32", "pack_fp4", "unpack_fp4",
            "expected_weight", "encode_weight", "decode_weight", "scale_to_dtype", "scale_from_dtype", "SCALE_DTYPES"]
 
@@ -395,6 +397,155 @@ def _check_format(f: Any, what: str) -> None:
         CTFormat(f)
     except ValueError:
         raise _err(what, f, f"one of {[x.value for x in CTFormat]}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# which config group quantizes a module: compressed-tensors' rule and vLLM's
+# ---------------------------------------------------------------------------------------------------------------
+#
+# Two readers decide, for every Linear, which config group (if any) quantizes it; qcore follows both and refuses a
+# config they read differently (``resolve_groups``):
+#
+# - compressed-tensors 0.20 (what llm-compressor quantizes with, so what the tensors on disk were written by, and
+#   what transformers loads with): compressed_tensors/quantization/lifecycle/apply.py ``apply_quantization_config``
+#   and compressed_tensors/utils/match.py ``match_named_modules`` / ``is_match`` / ``match_targets`` /
+#   ``_match_class`` (the release installed here, 0.20.0). Targets of all groups go into one ordered map (a target a
+#   later group gives again takes that group's scheme); a module is skipped when an ``ignore`` entry matches its
+#   name (exact or ``re:`` pattern, ``re.match``) or one of its classes; else its scheme is the one of the first of
+#   ``match_targets``: exact names first, then ``re:`` patterns (each sorted by ``("re:" in t, t)``), then class
+#   names of the module's MRO (``"Linear"`` also matching vLLM's ``LinearBase``).
+# - vLLM: vllm/model_executor/layers/quantization/compressed_tensors/utils.py at commit 008014e8503b
+#   (``should_ignore_layer``, ``find_matched_target``, ``_find_first_match``, ``_match_fused_layer``), called by
+#   compressed_tensors.py ``get_scheme`` at commit be696453ee1b. The same ordered target map; ``ignore`` by exact
+#   name or ``re:`` pattern only (no classes); then the first target in config order that equals or ``re:``-matches
+#   the layer name (exact names and patterns NOT ranked: config order decides), else the first that ``re:``-matches
+#   or is a case-insensitive substring of the layer's class name, else (a fused layer) the target of its first shard
+#   when every shard matches one. vLLM fuses q/k/v into ``qkv_proj`` (class ``QKVParallelLinear``) and gate/up into
+#   ``gate_up_proj`` (``MergedColumnParallelLinear``), so all shards get the fused module's one scheme, and an
+#   ignore list that names some shards but not all is refused ("Found a different quantization schemes").
+#
+# Where the two differ (a regex before an exact name in config order, a class target that is a substring of a
+# vLLM class, shards of a fused module in different groups), the checkpoint means different things to the two
+# readers, and at least one of them misreads it.
+
+
+@dataclass(frozen=True)
+class Match:
+    """One reader's decision for one module: ``group`` (None: float) and why: the ``target`` that matched, the
+    ``ignore`` entry that matched, or ``refused`` (vLLM refuses the config for this module: the reason);
+    ``layer``: the reader's name of the module when it is not the module's own (vLLM's fused ``...qkv_proj``)."""
+
+    group: Optional[str] = None
+    target: Optional[str] = None
+    ignored: Optional[str] = None
+    refused: Optional[str] = None
+    layer: Optional[str] = None
+
+    def describe(self) -> str:
+        if self.refused:
+            return f"refused ({self.refused})"
+        if self.ignored is not None:
+            return f"float (ignore entry {self.ignored!r})"
+        if self.group is None:
+            return "float (no target matches)"
+        return f"group {self.group!r} (target {self.target!r})"
+
+
+def target_groups(groups: Mapping[str, Sequence[str]]) -> dict:
+    """``{target: group}`` as both readers build it from ``{group: targets}`` (config order): a target a later group
+    gives again belongs to that group and keeps its first place."""
+    out: dict = {}
+    for g, targets in groups.items():
+        for t in targets:
+            out[t] = g
+    return out
+
+
+def _name_match(name: str, target: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name
+
+
+def ct_match(name: str, classes: Sequence[str], groups: Mapping[str, Sequence[str]],
+             ignore: Sequence[str] = ()) -> Match:
+    """compressed-tensors 0.20's decision for module ``name`` whose class and base class names are ``classes``
+    (section comment above)."""
+    cls = set(classes) | ({"Linear"} if "LinearBase" in classes else set())
+    for t in ignore:
+        if _name_match(name, t) or t in cls:
+            return Match(ignored=t)
+    t2g = target_groups(groups)
+    ranked = sorted(t2g, key=lambda t: ("re:" in t, t))
+    hits = [t for t in ranked if _name_match(name, t)]
+    hits += [t for t in ranked if t in cls and t not in hits]
+    return Match(t2g[hits[0]], hits[0]) if hits else Match()
+
+
+def _vllm_equal_or_regex(value: str, target: str, contains: bool = False) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], value) is not None
+    if contains:
+        return target.lower() in value.lower()
+    return target == value
+
+
+def vllm_match(name: str, class_name: str, groups: Mapping[str, Sequence[str]], ignore: Sequence[str] = (), *,
+               fused: Mapping[str, Sequence[str]] = {}) -> Match:
+    """vLLM's decision for its layer ``name`` of class ``class_name`` (a fused ``...qkv_proj`` for q/k/v; section
+    comment above); ``fused``: vLLM's ``packed_modules_mapping`` (``{"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+    ...}``)."""
+    proj = name.split(".")[-1]
+    if proj in fused and name not in ignore:  # should_ignore_layer
+        flags = {s: any(_vllm_equal_or_regex(name.replace(proj, s), t) for t in ignore) for s in fused[proj]}
+        if len(set(flags.values())) > 1:
+            return Match(refused=f"vLLM ignores {sorted(s for s, f in flags.items() if f)} but not "
+                                 f"{sorted(s for s, f in flags.items() if not f)} of its fused {proj}")
+        ign = next((t for s in fused[proj] for t in ignore if _vllm_equal_or_regex(name.replace(proj, s), t)), None)
+    else:
+        ign = next((t for t in ignore if _vllm_equal_or_regex(name, t)), None)
+    if ign is not None:
+        return Match(ignored=ign)
+    t2g = target_groups(groups)
+    t = next((t for t in t2g if _vllm_equal_or_regex(name, t)), None)
+    if t is None:
+        t = next((t for t in t2g if _vllm_equal_or_regex(class_name, t, contains=True)), None)
+    if t is None:  # _match_fused_layer: every shard matches a target; the first shard's is used
+        key = next((k for k in fused if name.endswith(k)), None)
+        if key is not None:
+            firsts = [next((t for t in t2g if _vllm_equal_or_regex(name.replace(key, s), t)), None)
+                      for s in fused[key]]
+            t = firsts[0] if all(firsts) else None
+    return Match(t2g[t], t) if t is not None else Match()
+
+
+#: vLLM's class of a fused layer, by its name (vllm/model_executor/layers/linear.py)
+VLLM_FUSED_CLASSES = {"qkv_proj": "QKVParallelLinear"}
+_VLLM_MERGED = "MergedColumnParallelLinear"
+
+
+def resolve_groups(modules: Sequence[tuple], groups: Mapping[str, Sequence[str]], ignore: Sequence[str] = (), *,
+                   fused: Mapping[str, Sequence[str]] = {}) -> dict:
+    """``{name: (compressed-tensors' Match, vLLM's Match)}`` for every ``(name, classes)`` of ``modules`` (the
+    model's Linear-like modules as transformers builds them: class names of their MRO, most derived first),
+    given the config's ``{group: targets}`` and ``ignore``. ``fused``: vLLM's ``packed_modules_mapping`` for the
+    model (``{"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}``): shards
+    whose siblings are all among ``modules`` get vLLM's decision for the fused layer."""
+    names = {n for n, _ in modules}
+    out = {}
+    for name, classes in modules:
+        ct = ct_match(name, classes, groups, ignore)
+        parent, _, leaf = name.rpartition(".")
+        vname, vcls = name, (classes[0] if classes else "")
+        for key, shards in fused.items():
+            sib = [f"{parent}.{s}" if parent else s for s in shards]
+            if leaf in shards and all(s in names for s in sib):
+                vname = f"{parent}.{key}" if parent else key
+                vcls = VLLM_FUSED_CLASSES.get(key, _VLLM_MERGED)
+                break
+        v = vllm_match(vname, vcls, groups, ignore, fused=fused)
+        out[name] = (ct, v if vname == name else dataclasses.replace(v, layer=vname))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

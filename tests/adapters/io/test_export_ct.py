@@ -499,3 +499,100 @@ def test_kv_cache_on_float_attention(tmp_path):
     back = load_compressed_tensors(theirs)  # derived config: KV on the ignored projections
     assert torch.equal(_logits(back), ref)
     assert back.qcore_config.kv_cache is not None and "model.layers.1.self_attn.v_proj" in back.qcore_config.exclude
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# which config group quantizes a layer (issue 33): compressed-tensors' and vLLM's rules, reading and writing
+# ---------------------------------------------------------------------------------------------------------------
+
+_W4A16 = LayerConfig(weight=qcore.make_spec("int4", granularity=PerGroup(32, 1)))
+_W8A8 = LayerConfig(weight=qcore.make_spec("int8", granularity=PerChannel(0)), input=qcore.make_spec("int8"))
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """A tiny Llama quantized W4A16 with its down_proj layers W8A8, exported (two groups naming their layers)."""
+    m = _llama(3)
+    quantize_model(m, ModelConfig(_W4A16, by_name={"*mlp.down_proj": _W8A8}, exclude=("lm_head",)), _CALIB,
+                   progress=False)
+    d = tmp_path_factory.mktemp("mixed") / "ct"
+    export_compressed_tensors(m, d)
+    return m, _logits(m), d
+
+
+def _foreign(src, dst, targets):
+    """A copy of ``src`` as another tool would write it: no qcore block; the group holding ``targets[g][0]``-style
+    members renamed by ``targets`` (``{kind: targets}``, kind 'w4a16' / 'w8a8'), in the order given."""
+    import shutil
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    q = cfg["quantization_config"]
+    del q["qcore"]
+    kind = {g: ("w8a8" if any("down_proj" in t for t in s["targets"]) else "w4a16")
+            for g, s in q["config_groups"].items()}
+    by_kind = {kind[g]: s for g, s in q["config_groups"].items()}
+    q["config_groups"] = {f"group_{k}": dict(by_kind[k], targets=t) for k, t in targets.items()}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_a_pattern_target_beats_a_class_target_on_load(mixed, tmp_path):
+    """The report: a W4A16 group targeting "Linear" listed before a W8A8 group targeting the down projections by a
+    re: pattern. Both compressed-tensors and vLLM give the down projections the pattern's group (names and patterns
+    before classes); qcore loaded the first group that matched ("Linear") and read W8A8 layers as W4A16."""
+    m, ref, d = mixed
+    src = _foreign(d, tmp_path / "theirs", {"w4a16": ["Linear"], "w8a8": ["re:.*mlp\\.down_proj$"]})
+    back = load_compressed_tensors(src)
+    assert torch.equal(_logits(back), ref)
+    down, up = back.model.layers[1].mlp.down_proj, back.model.layers[1].mlp.up_proj
+    assert down.specs["weight"] == m.model.layers[1].mlp.down_proj.specs["weight"] and "input" in down.specs
+    assert up.specs["weight"].dtype.name == "int4" and "input" not in up.specs
+
+
+def test_a_config_the_two_readers_read_differently_is_refused(mixed, tmp_path):
+    """A pattern listed before exact names: compressed-tensors ranks the exact names first (the down projections
+    W8A8), vLLM takes the first target in config order (the pattern: W4A16). The checkpoint means two things;
+    refused naming the layer and both readings."""
+    m, ref, d = mixed
+    downs = [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
+    src = _foreign(d, tmp_path / "theirs", {"w4a16": ["re:.*proj$"], "w8a8": downs})
+    with pytest.raises(CorruptCheckpointError, match=r"layer 'model\.layers\.0\.mlp\.down_proj': compressed-tensors "
+                                                     r".* group 'group_w8a8' .* vLLM reads group 'group_w4a16'"):
+        load_compressed_tensors(src)
+    ok = _foreign(d, tmp_path / "ok", {"w8a8": downs, "w4a16": ["re:.*proj$"]})  # exact names first: one reading
+    assert torch.equal(_logits(load_compressed_tensors(ok)), ref)
+
+
+def test_writer_config_read_back_by_both_readers(mixed):
+    """qcore's own config (exact names per group, float Linears in ignore) gives every layer its group under both
+    rules."""
+    from qcore.adapters.io.compressed_tensors import _linears, _vllm_fused
+    from qcore.formats import compressed_tensors as CT
+    m, _, d = mixed
+    q = json.loads((d / "config.json").read_text())["quantization_config"]
+    groups = {g: s["targets"] for g, s in q["config_groups"].items()}
+    res = CT.resolve_groups(_linears(m), groups, q["ignore"], fused=_vllm_fused(m))
+    for name, (ct, v) in res.items():
+        assert ct.group == v.group and v.refused is None, name
+        assert (ct.group is None) == (name == "lm_head")
+
+
+@pytest.mark.parametrize("by_name, msg", [
+    ({"*self_attn.k_proj": _W8A8}, r"vLLM fuses \['q_proj', 'k_proj', 'v_proj'\] into one qkv_proj"),
+    ({"*mlp.up_proj": _W8A8}, r"vLLM fuses \['gate_proj', 'up_proj'\] into one gate_up_proj"),
+])
+def test_fused_projections_with_different_schemes_are_refused_before_writing(tmp_path, by_name, msg):
+    """vLLM loads q/k/v (gate/up) as one fused layer with one scheme: a model quantizing them differently cannot be
+    written so that vLLM reads it as meant; refused by check_ct (before qcore quantize's baseline) and the export."""
+    from qcore.adapters.io.compressed_tensors import check_ct
+    cfg = ModelConfig(_W4A16, by_name=by_name, exclude=("lm_head",))
+    with pytest.raises(ValueError, match=msg):
+        check_ct(_llama(), cfg)
+    m = _llama()
+    quantize_model(m, cfg, _CALIB, progress=False)
+    with pytest.raises(ValueError, match=msg):
+        export_compressed_tensors(m, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    partial = ModelConfig(_W4A16, exclude=("lm_head", "*self_attn.q_proj"))  # one shard float: vLLM refuses it
+    with pytest.raises(ValueError, match="vLLM would read refused"):
+        check_ct(_llama(), partial)

@@ -255,9 +255,10 @@ def test_unsupported_activation_named(zoo, tmp_path):
 @pytest.mark.onnx_client
 def test_unsupported_dequantize_writes_floats_with_a_warning(zoo, tmp_path):
     m = _quantized_llama(zoo, "mxfp4_weight_only")
-    with pytest.warns(UserWarning, match="dequantized float32"):
+    with pytest.warns(UserWarning, match="dequantized float32") as said:
         info = export_onnx(m, tmp_path / "m.onnx", unsupported=Unsupported.DEQUANTIZE)
     assert len(info.dequantized) == 14 and not info.lossless
+    assert [w.filename for w in said] == [__file__]  # the warning names the caller's line, not qcore's
     ids = zoo.token_batches(1, seed=5)[0]
     with torch.no_grad():
         ref = m(ids).logits.numpy()
@@ -391,3 +392,61 @@ def test_decoder_llama_like_families_with_sliding_windows(family, zoo, tmp_path)
     past = first[1:]
     nxt = sess.run(None, _feeds(ids[:1, 9:].numpy(), past=past, start=9, n_layers=2))
     assert np.abs(nxt[0] - full[:, 9:]).max() <= 1e-5
+
+
+class _DropoutNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.drop = torch.nn.Dropout(0.5)
+        self.norm = torch.nn.BatchNorm1d(32)
+        self.fc2 = torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(self.norm(self.drop(torch.relu(self.fc1(x)))))
+
+
+def _state(m):
+    return ({n: s.training for n, s in m.named_modules()}, {n: p.requires_grad for n, p in m.named_parameters()},
+            {n: (list(s._forward_hooks), list(s._forward_pre_hooks)) for n, s in m.named_modules()},
+            {k: v.clone() for k, v in m.state_dict().items()})
+
+
+def _same_state(a, b):
+    assert a[:3] == b[:3]
+    assert a[3].keys() == b[3].keys() and all(torch.equal(a[3][k], b[3][k]) for k in a[3])
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_export_leaves_the_model_as_it_found_it(tmp_path, train):
+    """Issue 33: export_onnx left the model in training mode (torch's exporter restored its wrapper's mode, a fresh
+    module in training mode, on the user's model: dropout on afterwards). Modes of every submodule (a BatchNorm
+    frozen in eval inside a model in training mode), requires_grad, hooks, parameters and buffers are as before,
+    and the outputs afterwards are the same (seeded dropout)."""
+    m = _DropoutNet()
+    qa.quantize_model(m, "w_int8_per_channel_sym", None, progress=False)
+    m.train(train)
+    m.norm.eval()  # a frozen submodule: model.train(was_training) would flip it
+    m.fc2.bias.requires_grad_(False)
+    m.fc1.register_forward_hook(lambda mod, a, out: None)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    before = _state(m)
+    torch.manual_seed(5)
+    ref = m(x).detach()
+    export_onnx(m, tmp_path / "m.onnx", inputs=(x,))
+    _same_state(before, _state(m))
+    torch.manual_seed(5)
+    assert torch.equal(m(x).detach(), ref)
+
+
+def test_export_failure_leaves_the_model_as_it_found_it(tmp_path, monkeypatch):
+    m = _DropoutNet()
+    qa.quantize_model(m, "w_int8_per_channel_sym", None, progress=False)
+    m.eval()
+    before = _state(m)
+    import qcore.formats.onnx as XF
+    monkeypatch.setattr(XF, "save_model", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        export_onnx(m, tmp_path / "m.onnx", inputs=(torch.randn(2, 16),))
+    _same_state(before, _state(m))

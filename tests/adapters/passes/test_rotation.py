@@ -261,3 +261,29 @@ def test_quark_online_rotations_are_refused_on_reload(tmp_path):
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="Quark's own Hadamard tables"):
         A.from_pretrained(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_spinquant_on_a_half_precision_model(dtype):
+    """Issue 33: SpinQuant on a bfloat16 model crashed on its first step (float32 rotated weights and hooks' outputs
+    beside the model's bfloat16 tensors). The rotations are trained in float32 and cast back: the steps run, the
+    model keeps its dtype, and the rotated float model computes the same function within the dtype's rounding."""
+    from qcore.adapters import plan_model, preset, quantize_model
+    from qcore.adapters.passes.spinquant import apply_rotation
+    from qcore.algorithms.config import SpinQuantConfig
+    m = _llama(64, 4, 2, 128, False).to(dtype)
+    x = _batches(1)[0]
+    with torch.no_grad():
+        ref = m(x).logits.float()
+    cfg = preset("w_int4_a_int4_per_token_dynamic", group_size=32)
+    s = apply_rotation(copy.deepcopy(m), SpinQuantConfig(steps=2, lr=0.5), plans=plan_model(m, cfg), data=_batches(),
+                       progress=False)
+    assert len(s._qcore_spinquant_losses) == 2 and all(np.isfinite(s._qcore_spinquant_losses))
+    assert {p.dtype for p in s.parameters()} == {dtype}
+    with torch.no_grad():
+        got = s(x).logits.float()
+    assert float((got - ref).abs().max()) <= 0.05 * float(ref.abs().max())
+    q = quantize_model(copy.deepcopy(m), preset("int4_wo_32").replace(algorithms=({"name": "spinquant", "steps": 1},)),
+                       _batches(), progress=False)  # the path `qcore quantize --dtype bfloat16 --algo spinquant` takes
+    with torch.no_grad():
+        assert torch.isfinite(q(x).logits.float()).all()

@@ -192,7 +192,7 @@ def test_a_different_run_is_refused_naming_the_difference(zoo, tmp_path, monkeyp
     src = tmp_path / "src"
     stream_worker.write_llama(src, hidden=64, intermediate=128, layers=1)
     for inside in (src / "work", tmp_path / "dst" / "work"):
-        with pytest.raises(ValueError, match="work_dir .* the source"):
+        with pytest.raises(ValueError, match="work_dir=.* lies inside the source src_dir=|dst_dir=.* contains the source work_dir="):
             quantize_checkpoint(src, tmp_path / "dst", "uint4_wo_32", progress=False, work_dir=inside)
     assert not (tmp_path / "dst").exists() and not (src / "work").exists()
 
@@ -257,7 +257,7 @@ def test_cli_work_dir_resume_and_the_nothing_saved_line(lm_dir, tmp_path, capsys
     assert main(base) == 0  # no --output: one line says so, before the run
     err = capsys.readouterr().err
     assert "qcore quantize: no --output DIR given: the quantized model will not be saved" in err
-    for extra, msg in ((["--resume"], "--resume: there is nothing to resume without --work-dir"),
+    for extra, msg in ((["--resume"], "--resume needs --work-dir DIR: there is nothing to resume without"),
                        (["--work-dir", str(tmp_path / "x")], "--work-dir .* has no layer-by-layer pass"),
                        (["--algo", "gptq", "--work-dir", str(lm_dir / "w")], "--work-dir .* the source")):
         assert main(base + extra) == 2
@@ -284,3 +284,76 @@ def test_fused_moe_experts_gptq_resumes_to_the_same_weights(family_model, zoo, t
     a, b = ref.get_submodule("model.layers.0.mlp.experts"), got.get_submodule("model.layers.0.mlp.experts")
     for p in ("gate_up_proj", "down_proj"):
         assert torch.equal(getattr(a, p), getattr(b, p))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the source changed under a saved run (issue 33)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _rewrite_values(f: pathlib.Path, *, keep_times: bool = False, same: bool = False):
+    """Change a safetensors file's tensor bytes in place (the header, so every name, shape and the file size,
+    unchanged): the last bytes negated as float32 values; ``same``: rewritten with the same bytes (touched);
+    ``keep_times``: the access and modification times put back afterwards."""
+    st = f.stat()
+    b = bytearray(f.read_bytes())
+    if not same:
+        tail = torch.frombuffer(b[-256:], dtype=torch.float32).clone()
+        b[-256:] = (-tail - 0.01).numpy().tobytes()
+    with open(f, "r+b") as fh:  # in place: the same inode
+        fh.write(bytes(b))
+    if keep_times:
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("change, refused", [
+    ("layer0", "layer-00000.safetensors"),            # a saved layer's shard rewritten in place
+    ("layer0_keep_times", "layer-00000.safetensors"),  # ... with its mtime put back: still rehashed (ctime)
+    ("outer", "outer.safetensors"),                   # the embedding / head shard, read again at every resume
+    ("layer0_touched", None),                         # rewritten with the same bytes: rehashed, the same: resumed
+    ("layer2", None),                                 # a layer not yet processed: read fresh, resumed
+])
+def test_a_resume_whose_source_changed_is_refused_naming_the_shard(tmp_path, monkeypatch, caplog, change, refused):
+    """Issue 33: the streamed checkpoint fingerprinted only the source's headers and sizes, so a resume after
+    the weights changed in place mixed stale layers into the output. Each saved layer now records the SHA-256
+    of what it read (hashed while streaming), per shard, and a resume checks it (shards whose stat changed are
+    hashed again; the outer weights are hashed as they are read again): refused naming the shard, before any
+    layer runs; an unchanged or not yet processed shard resumes to the bytes of an uninterrupted run on the
+    source as it is now."""
+    src = tmp_path / "src"
+    stream_worker.write_llama(src, hidden=64, intermediate=128, layers=3)
+    cfg, data = work_worker.stream_config(), work_worker.batches(256)
+    restore = _interrupt_after(monkeypatch, 1)  # layers 0 and 1 saved
+    with pytest.raises(KeyboardInterrupt):
+        quantize_checkpoint(src, tmp_path / "out", cfg, data, progress=False, work_dir=tmp_path / "w")
+    restore()
+    assert _entries(tmp_path / "w") == 2
+    shard = {"outer": "outer.safetensors", "layer2": "layer-00002.safetensors"}.get(change, "layer-00000.safetensors")
+    _rewrite_values(src / shard, keep_times="keep_times" in change, same="touched" in change)
+    if refused:
+        with pytest.raises(ValueError, match=f"the source's shard '{refused}' changed since the saved run"):
+            quantize_checkpoint(src, tmp_path / "out", cfg, data, progress=False, work_dir=tmp_path / "w",
+                                resume=True)
+        assert not (tmp_path / "out").exists() and _entries(tmp_path / "w") == 2
+        return
+    quantize_checkpoint(src, tmp_path / "ref", cfg, data, progress=False)
+    with caplog.at_level("WARNING", logger="qcore.adapters"):
+        quantize_checkpoint(src, tmp_path / "out", cfg, data, progress=False, work_dir=tmp_path / "w", resume=True)
+    assert "resuming at layer 2 of 3" in caplog.text
+    _same_files(tmp_path / "ref", tmp_path / "out")
+
+
+def test_the_main_job_fingerprints_the_loaded_weights(zoo, tmp_path, monkeypatch):
+    """quantize_model's work directory (qcore quantize --work-dir/--resume) hashes every tensor of the model it
+    was given (``digest_model``: the bytes, as loaded from the checkpoint), so a source whose weights changed in
+    place loads into a model whose fingerprint differs: refused before any work."""
+    m = zoo.tiny_llama(0)
+    restore = _interrupt_after(monkeypatch, 0)
+    with pytest.raises(KeyboardInterrupt):
+        A.quantize_model(m, _gptq(), _data(), progress=False, work_dir=tmp_path / "w")
+    restore()
+    changed = zoo.tiny_llama(0)
+    with torch.no_grad():
+        changed.model.layers[1].mlp.down_proj.weight[0, 0] += 1e-3  # one value, same shapes and dtypes
+    with pytest.raises(ValueError, match="holds a different run \\(model weights differ"):
+        A.quantize_model(changed, _gptq(), _data(), progress=False, work_dir=tmp_path / "w", resume=True)

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from qcore.algorithms.metrics import mean_cosine, perplexity_from_nll, token_windows
 
+from ..batches import FoundState
 from ..plan import quantized_modules
 from . import ppl_cache
 
@@ -180,7 +181,7 @@ def perplexity(model, tokenizer, *, text: str | None = None, token_ids: torch.Te
         if hit is not None:
             return hit
     nll_sum, n_predictions = 0.0, 0
-    was_training = model.training
+    found = FoundState(model)
     model.eval()
     loss = _WindowLoss(model)
     kept = [m for m in qmods if m.frozen and not m.keep_dequantized]
@@ -197,7 +198,7 @@ def perplexity(model, tokenizer, *, text: str | None = None, token_ids: torch.Te
     finally:
         for m in kept:
             m.keep_dequantized = False
-        model.train(was_training)
+        found.restore()
     value = perplexity_from_nll(nll_sum, n_predictions)
     if key is not None:
         ppl_cache.store(key, value)
@@ -358,7 +359,7 @@ def sentence_embeddings(model, tokenizer, sentences: Sequence[str], *, batch_siz
     max_length = _positive_int(max_length, "max_length")
     device = _model_device(model)
     out = []
-    was_training = model.training
+    found = FoundState(model)
     model.eval()
     try:
         with torch.inference_mode():
@@ -369,7 +370,7 @@ def sentence_embeddings(model, tokenizer, sentences: Sequence[str], *, batch_siz
                 mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                 out.append(((hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)).cpu())
     finally:
-        model.train(was_training)
+        found.restore()
     return torch.cat(out)
 
 

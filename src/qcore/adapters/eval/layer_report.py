@@ -31,7 +31,7 @@ from torch import nn
 from qcore._fsutil import staged_file
 from qcore.algorithms.metrics import sqnr_db, sqnr_db_of_sums
 
-from ..batches import call_model, device_of, progress_bar, to_device
+from ..batches import FoundState, call_model, device_of, progress_bar, to_device
 from ..plan import quantized_modules
 from ..modules import IN_OUT, weight_layout
 
@@ -105,9 +105,9 @@ def measure(model: nn.Module, reference: dict, batches: Optional[list] = None, *
                 measured.add(name)
             return f
 
+        found = FoundState(model)  # taken before the hooks below (restore() would put them back otherwise)
         for name in reference:
             handles.append(mods[name].register_forward_hook(hook(name)))
-        was_training = model.training
         model.eval()
         try:
             with torch.no_grad():
@@ -116,7 +116,7 @@ def measure(model: nn.Module, reference: dict, batches: Optional[list] = None, *
         finally:
             for h in handles:
                 h.remove()
-            model.train(was_training)
+            found.restore()
     return {n: LayerError(weight[n], sqnr_db_of_sums(*sums[n]) if n in measured else None) for n in reference}
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import re
 import types
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -57,6 +56,7 @@ from .common import (QCORE_FORMAT_VERSION, canonical_shape, check_config_describ
                      online_rotations, parse_size, read_config, refuse_conv1d, weight_parts, weightless_error,
                      will_rotate_online, write_checkpoint)
 from .experts import check_no_experts
+from ..families import fused_units
 from ..batches import set_module
 from ..modules import IN_OUT, QUANT_CLASSES, QuantLinear, QuantModule, weight_layout
 from ..plan import plan_model
@@ -218,6 +218,7 @@ def check_ct(model: nn.Module, config: Optional[ModelConfig] = None, *, plans=No
     units = export_units(model, config, plans=plans)
     if units and all(u.config.weight is None for u in units):  # KV-cache-only or activation-only: no group
         raise ValueError(weightless_error("export_compressed_tensors", [u.name for u in units]))
+    members: dict = {}
     for u in units:
         _unit_check(u.name, u.type, weight_layout(model.get_submodule(u.name)), u.config, config)
         if u.config.weight is None:
@@ -235,8 +236,14 @@ def check_ct(model: nn.Module, config: Optional[ModelConfig] = None, *, plans=No
             if args[role] is not None and not args[role].dynamic and args[role].strategy is not CT.Strategy.TENSOR:
                 raise ValueError(f"export: {where} {role}: static activation scales must be per tensor in "
                                  f"compressed-tensors")
-        CT.expected_weight(lc.weight.spec, u.shape, fmt=CT.infer_format(w, args["input"]), scale_dtype="F32",
-                           where=where)
+        fmt = CT.infer_format(w, args["input"])
+        CT.expected_weight(lc.weight.spec, u.shape, fmt=fmt, scale_dtype="F32", where=where)
+        members.setdefault((repr(w), repr(args["input"]), repr(args.get("output")), fmt), []).append(u.name)
+    if members:  # the config groups _plan will make: read back by compressed-tensors and vLLM as qcore means them
+        groups = {f"group_{i}": ns for i, ns in enumerate(members.values())}
+        quantized = {n for ns in groups.values() for n in ns}
+        _check_readers(model, groups, [n for n, _ in _linears(model) if n not in quantized],
+                       "export_compressed_tensors")
 
 
 _ROTATION_REFUSAL = ("export_compressed_tensors: the model carries online rotations (QuaRot / SpinQuant "
@@ -284,6 +291,8 @@ def _plan(model: nn.Module, config: ModelConfig) -> tuple[list[_Layer], dict, li
         g = schemes[key]
         groups[g]["members"].append(name)
         layers.append(_Layer(name, m, spec, tuple(shape), fmt, g, kv))
+    if groups:
+        _check_readers(model, {g: d["members"] for g, d in groups.items()}, floats, "export_compressed_tensors")
     return layers, groups, floats
 
 
@@ -453,16 +462,6 @@ def export_compressed_tensors(model: nn.Module, directory: Union[str, os.PathLik
 # import (formerly import_ct.py)
 # ---------------------------------------------------------------------------------------------------------------
 
-def _ct_is_match(name: str, module: nn.Module, target: str) -> bool:
-    """compressed-tensors' ``is_match`` for one target: ``re:`` (``re.match``), an exact name, or a class name of
-    the module's MRO."""
-    if target.startswith("re:"):
-        return re.match(target[3:], name) is not None
-    if target == name:
-        return True
-    return any(c.__name__ == target for c in type(module).__mro__ if issubclass(c, nn.Module))
-
-
 def _layer_config(s: CT.CTScheme, where: str) -> LayerConfig:
     roles: dict[str, Any] = {}
     if s.weights is None:
@@ -476,19 +475,78 @@ def _layer_config(s: CT.CTScheme, where: str) -> LayerConfig:
     return LayerConfig(**roles)
 
 
-def _module_groups(model: nn.Module, ctc: CT.CTConfig) -> dict[str, str]:
-    """Module name -> config group (the first group whose targets match it and that ``ignore`` does not)."""
-    out = {}
+#: vLLM's fused layer for each of the records' fused units (``families.Family.fused_units``: what vLLM's
+#: ``packed_modules_mapping`` fuses): q/k/v into ``qkv_proj`` (BERT's query/key/value too), gate/up into
+#: ``gate_up_proj``
+_VLLM_FUSED_NAMES = {("q_proj", "k_proj", "v_proj"): "qkv_proj", ("query", "key", "value"): "qkv_proj",
+                     ("gate_proj", "up_proj"): "gate_up_proj"}
+
+
+def _vllm_fused(model: nn.Module) -> dict:
+    """vLLM's ``packed_modules_mapping`` for ``model`` (from its family's record; ``families.DEFAULT_FUSED`` for
+    a model without one)."""
+    return {_VLLM_FUSED_NAMES[u]: u for u in fused_units(model) if u in _VLLM_FUSED_NAMES}
+
+
+def _linears(model: nn.Module) -> list:
+    """``(name, class names of the float module's MRO)`` of every Linear of ``model`` (a quantized one as the
+    float ``nn.Linear`` the readers build)."""
+    out = []
     for name, m in model.named_modules():
-        if type(m) is not nn.Linear:
-            continue
-        if any(_ct_is_match(name, m, t) for t in ctc.ignore):
-            continue
-        for g, s in ctc.config_groups.items():
-            if any(_ct_is_match(name, m, t) for t in s.targets):
-                out[name] = g
-                break
+        if type(m) is nn.Linear or isinstance(m, QuantLinear):
+            cls = m.float_type if isinstance(m, QuantModule) else type(m)
+            out.append((name, tuple(c.__name__ for c in cls.__mro__ if issubclass(c, nn.Module))))
     return out
+
+
+def _module_groups(model: nn.Module, ctc: CT.CTConfig, *, own: bool = False) -> dict[str, str]:
+    """Module name -> the config group that quantizes it, as compressed-tensors decides it (the rule llm-compressor
+    wrote the tensors by: exact names, then ``re:`` patterns, then class names; ``CT.resolve_groups``). A config
+    vLLM reads differently for some layer (its rule: names and patterns in config order, then class names, fused
+    q/k/v and gate/up deciding together) is refused naming the layer, unless qcore wrote the checkpoint (``own``:
+    its stored config says what each layer is)."""
+    groups = {g: s.targets for g, s in ctc.config_groups.items()}
+    out = {}
+    for name, (ct, v) in CT.resolve_groups(_linears(model), groups, ctc.ignore, fused=_vllm_fused(model)).items():
+        if not own and v.refused is None and v.group != ct.group:
+            on = f" (as part of its fused {v.layer!r})" if v.layer else ""
+            raise CorruptCheckpointError(
+                f"quantization_config: layer {name!r}: compressed-tensors (llm-compressor, transformers) reads "
+                f"{ct.describe()}, vLLM reads {v.describe()}{on}; qcore refuses a config the two read differently "
+                f"(one of them would load the layer with the wrong scheme)")
+        if ct.group is not None:
+            out[name] = ct.group
+    return out
+
+
+def _check_readers(model: nn.Module, members: dict, floats: list, who: str) -> None:
+    """The config qcore writes (``{group: members}``: a single group targets ``"Linear"``, several name their
+    modules; ``floats`` in ``ignore``) read back by compressed-tensors' rule and vLLM's (``CT.resolve_groups``):
+    every quantized module in its group, every float one float, for both; ValueError naming the first module
+    either would read otherwise (vLLM fuses q/k/v and gate/up and gives them one scheme), before anything is
+    written."""
+    groups = {g: (("Linear",) if len(members) == 1 else tuple(ns)) for g, ns in members.items()}
+    want = {n: g for g, ns in members.items() for n in ns}
+    fused = _vllm_fused(model)
+    for name, (ct, v) in CT.resolve_groups(_linears(model), groups, tuple(floats), fused=fused).items():
+        if name not in want and name not in floats:
+            continue
+        g = want.get(name)
+        mine = f"group {g!r}" if g is not None else "float"
+        for reader, m in (("compressed-tensors", ct), ("vLLM", v)):
+            if m.refused is None and m.group == g:
+                continue
+            unit = ""
+            if m.layer is not None:
+                leaf = m.layer.rsplit(".", 1)[-1]
+                parent = name.rpartition(".")[0]
+                sib = [f"{parent}.{x}" for x in fused[leaf]]
+                kinds = sorted({want.get(x, "float") for x in sib})
+                unit = (f"; vLLM fuses {[x.rsplit('.', 1)[-1] for x in sib]} into one {leaf} with one scheme, and "
+                        f"qcore quantizes them differently ({', '.join(kinds)}): give them one config (or keep all "
+                        f"of them float)")
+            raise ValueError(f"{who}: layer {name!r} is {mine} in the config qcore would write, but {reader} would "
+                             f"read {m.describe()}{unit}")
 
 
 def config_from_ct(model: nn.Module, ctc: CT.CTConfig) -> ModelConfig:
@@ -603,7 +661,7 @@ def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Modu
     own = ctc.qcore if isinstance(ctc.qcore, dict) and "config" in ctc.qcore else None
     config = ModelConfig.from_dict(own["config"]) if own is not None else config_from_ct(model, ctc)
     plans = plan_model(model, config, check_float=False)  # a saved config, as it was saved
-    which = _module_groups(model, ctc)
+    which = _module_groups(model, ctc, own=own is not None)
     float_here = sorted(set(which) - {p.name for p in plans if p.config.weight is not None})
     if float_here:  # compressed-tensors' loaders would quantize what qcore's config leaves float
         raise CorruptCheckpointError(f"layer {float_here[0]!r}: matched by the compressed-tensors group "

@@ -53,6 +53,7 @@ from qcore._fsutil import check_file_destination, model_sources, staged_dir
 
 from .common import canonical_shape, check_destination, export_units, refuse_conv1d, weight_parts, will_rotate_online
 from .experts import check_no_experts
+from ..batches import as_found
 from ..config import ModelConfig
 from ..families import FAMILIES, locate, non_language_modules
 from ..modules import (QuantConvTranspose2d, QuantEmbedding, QuantEmbeddingBag, QuantLinear, QuantModule,
@@ -794,6 +795,14 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], *, inputs: Unio
     refuse_conv1d(model, None, "export_onnx")
     check_no_experts(model, who="export_onnx")  # fused MoE experts: not written yet (docs/adapters.md)
     _check_float32(model)
+    with as_found(model):  # the model left exactly as found: modes of every submodule, requires_grad, hooks
+        return _export_onnx(model, path, inputs, input_names, output_names, dynamic_axes, wf, un, accuracy_level,
+                            overwrite)
+
+
+def _export_onnx(model, path, inputs, input_names, output_names, dynamic_axes, wf, un, accuracy_level,
+                 overwrite) -> ONNXExportInfo:
+    mods = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantModule)]
     ctx = _Ctx(X.Graph(), wf, un, accuracy_level)
     for n, m in mods:
         _check_module(n, m, ctx)
@@ -812,9 +821,9 @@ def export_onnx(model: nn.Module, path: Union[str, os.PathLike], *, inputs: Unio
             inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
         onnx_model, names_in, names_out = _traced(model, inputs, kwargs, ctx, input_names, output_names, dynamic_axes)
         kind = "traced"
-    if ctx.warned:
+    if ctx.warned:  # stacklevel 3: the warning names the caller of export_onnx
         warnings.warn(f"export_onnx: {len(ctx.warned)} weight(s) onnxruntime cannot dequantize are written as "
-                      f"dequantized float32 (e.g. {ctx.warned[0]}); see ONNXExportInfo.dequantized", stacklevel=2)
+                      f"dequantized float32 (e.g. {ctx.warned[0]}); see ONNXExportInfo.dequantized", stacklevel=3)
     size = X.save_model(onnx_model, path, overwrite=overwrite)
     return ONNXExportInfo(str(path), size, kind, tuple(names_in), tuple(names_out), tuple(ctx.reports),
                           tuple(ctx.acts))

@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from qcore._fsutil import check_not_source, staged_dir
+from qcore._fsutil import staged_dir
 from qcore.algorithms.config import ROTATION_CONFIGS
 from qcore.formats import quark_layout as L
 
@@ -31,17 +31,20 @@ from ..families import family_or_none
 from ..io.experts import check_no_experts
 from ..io.common import check_destination, parse_size, weightless_error, write_metadata, write_shards
 from ..io.quark_hf import ExportInfo, checkpoint_method, export_info, quantization_config
-from ..passes.checkpointing import WorkDir, check_work_args, digest_source, fingerprint
+from ..passes.checkpointing import (WorkDir, check_work_args, digest_source, digest_source_files, fingerprint,
+                                   read_work_dir, saved_run)
 from ..passes.runner import Spill, find_decoder_layers
 from ..passes.sequential import binding, check_layers
 from ..passes.streaming import (TOKENIZER_FILES, Source, check_source, load_tensors, meta_keys, pin_mmap_threshold,
                                 set_tensor, skeleton, stream_layers)
 from ..passes.targets import layer_plans
 from ..plan import plan_model, resolve_config
+from .common import PYTHON
+from .files import JobFiles
 
 _log = logging.getLogger("qcore.adapters")
 
-__all__ = ["quantize_checkpoint"]
+__all__ = ["quantize_checkpoint", "job_files"]
 
 
 def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os.PathLike],
@@ -74,6 +77,7 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
                            resume=resume, distributed=distributed)
     plan = _plan(job)
     _load_outside(plan)
+    _check_resumed_source(plan)
     pin_mmap_threshold()
     t0 = time.perf_counter()
     if not job.writer:  # a distributed rank other than 0: the same layers as rank 0 (its collectives), nothing written
@@ -83,6 +87,12 @@ def quantize_checkpoint(src_dir: Union[str, os.PathLike], dst_dir: Union[str, os
     info = _write(plan)
     _log.info("quantize_checkpoint: %d layers in %.1f s", len(plan.layers), time.perf_counter() - t0)
     return info
+
+
+def job_files(src_dir, dst_dir, *, work_dir=None) -> JobFiles:
+    """What ``quantize_checkpoint`` reads (``src_dir``, ``work_dir``) and writes (``dst_dir``, ``work_dir``)."""
+    return JobFiles.of(PYTHON, reads=[("src_dir", src_dir), ("work_dir", work_dir)],
+                       writes=[("dst_dir", dst_dir, "the export"), ("work_dir", work_dir, "the run", False)])
 
 
 @dataclass(frozen=True)
@@ -110,8 +120,13 @@ def _check_arguments(src_dir, dst_dir, config, data, *, dtype, device, max_shard
                      progress, work_dir, resume, distributed) -> _Job:
     """Every argument checked, before anything is read but ``src_dir``'s config.json."""
     src, dst = pathlib.Path(src_dir), pathlib.Path(dst_dir)
-    check_not_source(dst, [src], what="dst_dir")  # with overwrite or not: replacing the source would delete it
-    work_path = check_work_args(work_dir, resume, sources=[src, dst])
+    work_path = check_work_args(work_dir, resume)
+    job_files(src, dst, work_dir=work_path).check()  # with overwrite or not: replacing the source would delete it
+    if work_path is not None:  # a folder of someone's, or a saved run without resume: refused before any reading
+        saved = read_work_dir(work_path)
+        if saved is not None and not resume:
+            raise ValueError(f"work_dir {str(work_path)!r} holds a run ({saved_run(saved)} saved); pass "
+                             f"resume=True to continue it, or choose an empty or new directory")
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"src_dir {str(src)!r} is not a model directory (no config.json)")
     if pack_method not in L.PACK_METHODS:
@@ -173,7 +188,7 @@ def _plan(job: _Job) -> _Plan:
     """The skeleton built and planned, the config checked against it and the checkpoint: what the streamed pass
     refuses (fused experts, weightless modules, rotations, float-stream algorithms, missing data), before any
     tensor is read."""
-    source = Source(job.src)
+    source = Source(job.src, hash=job.work_path is not None)  # with a work directory: hashed as it is read
     model, dtype, gen = skeleton(job.src, job.dtype)
     cfg = job.config
     plans = plan_model(model, cfg)
@@ -216,10 +231,11 @@ def _plan(job: _Job) -> _Plan:
     own = checkpoint_method(model, cfg) == "qcore"  # every quantized weight in qcore's layout (export_hf's rule)
     work = None
     if job.work_path is not None:  # tied to this run before any work (checkpointing.streaming_checkpoint)
-        work = WorkDir(job.work_path, fingerprint(
+        files = {f"source file {n}": h for n, h in digest_source_files(job.src).items()}  # headers: a change names
+        work = WorkDir(job.work_path, fingerprint(                                           # the file
             what="quantize_checkpoint", model=digest_source(job.src), config=cfg.to_dict(), data=job.data,
             n_layers=len(layers), extra={"dtype": str(dtype), "pack_method": job.pack_method,
-                                         "device": str(job.device)}), resume=job.resume)
+                                         "device": str(job.device), **files}), resume=job.resume)
     return _Plan(job, model, dtype, gen, source, plans, algos, static, path, layers, by_layer, layer_of,
                  [p for p in plans if p.name not in layer_of],
                  {k: i for i, k in enumerate(model.state_dict(keep_vars=True))},
@@ -236,6 +252,33 @@ def _load_outside(plan: _Plan) -> None:
     for name, b in list(model.named_buffers()):
         if not name.startswith(path + ".") and b is not None and b.device != device and not b.is_meta:
             set_tensor(model, name, b.to(device))
+
+
+def _check_resumed_source(plan: _Plan) -> None:
+    """A resumed run: the source's bytes that the saved layers were computed from are still there. The weights
+    outside the layers were just read again (and hashed as they were read: compared with what the saved run
+    read); each saved layer's tensors are checked per shard (``Source.changed``: a shard untouched since then,
+    by size, mtime, ctime and inode, is trusted; any other is hashed again, those tensors only). A difference
+    is refused in one line naming the shard, before any layer runs: the output would mix old and new weights."""
+    work, source = plan.work, plan.source
+    if work is None or not work.entries:
+        return
+    where = f"quantize_checkpoint: work_dir {str(work.path)!r}"
+    if any(not isinstance(e.get("source"), dict) for e in work.entries):
+        raise ValueError(f"{where} holds layers saved without the source's digests (an older qcore); start afresh "
+                         f"in a new work directory")
+    outer = [n for n in source.digests if not n.startswith(plan.path + ".")]
+    f = source.changed(outer, work.entries[0]["source"]["outside"], reread=False)
+    if f is not None:
+        raise ValueError(f"{where}: the source's shard {f!r} changed since the saved run read it (the weights "
+                         f"outside the decoder layers); resuming would mix old and new weights: start afresh in a "
+                         f"new work directory")
+    for i, e in enumerate(work.entries):
+        f = source.changed([f"{plan.path}.{i}.{k}" for k in meta_keys(plan.layers[i])], e["source"]["layer"])
+        if f is not None:
+            raise ValueError(f"{where}: the source's shard {f!r} changed since the saved run quantized layer {i} "
+                             f"from it; resuming would mix old and new weights: start afresh in a new work "
+                             f"directory")
 
 
 def _stream(plan: _Plan, spill: Optional[Spill]) -> tuple:

@@ -33,8 +33,9 @@ def shown(names: Names, option: str, value: Any) -> str:
 
 def _windows(o: Mapping) -> bool:
     """Whether the run reads text windows: perplexity, or calibration windows (the scales, the algorithms, AMP,
-    ``imatrix="calib"`` and the per-layer output SQNR of the report all read them)."""
-    return o["eval"] == "ppl" or o["calib_samples"] > 0
+    ``imatrix="calib"`` and the per-layer output SQNR of the report all read them); AMP and ``imatrix="calib"``
+    always want them (with ``calib_samples=0`` the job then refuses that, naming it)."""
+    return o["eval"] == "ppl" or o["calib_samples"] > 0 or o["amp"] is not None or o["imatrix"] == "calib"
 
 
 def _no_windows(what: str):

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 import qcore
-from qcore._fsutil import check_not_source, overlap
+from qcore._fsutil import model_sources
 from qcore.algorithms.config import ROTATION_CONFIGS, parse_algorithms
 
 from .. import quantizer
@@ -52,7 +52,7 @@ from ..io.formats import EXPORT_OPTION_DEFAULTS, FORMATS, ExportRequest, Format,
 from ..io.onnx import UnsupportedWeightError
 from ..io.common import check_destination, parse_size, weightless_error
 from ..passes.amp import amp_config
-from ..passes.checkpointing import check_work_args
+from ..passes.checkpointing import check_work_args, read_work_dir, saved_run
 from ..passes.targets import check_experts_algorithms
 from ..plan import NoMatchError, excluded_weights, plan_model, quantized_modules
 from ..presets import mix_of_preset
@@ -62,9 +62,10 @@ from .flags import calibration_readers, check_flags, check_scheme_flags, given_o
 from .common import (DTYPES, PYTHON, CommandError, Names, calibration_windows, check_device, check_seq_len,
                      check_writable_file, load_model, loading_bars, protocol_windows, read_eval_text, torch_dtype,
                      write_report)
+from .files import JobFiles
 
-__all__ = ["quantize_and_report", "QuantizeJob", "QuantizePlan", "QuantizeReport", "run", "check", "DEFAULT_SCHEME",
-           "LAYER_ERROR_WINDOWS"]
+__all__ = ["quantize_and_report", "QuantizeJob", "QuantizePlan", "QuantizeReport", "run", "check", "job_files",
+           "DEFAULT_SCHEME", "LAYER_ERROR_WINDOWS"]
 
 EXPORT_FORMATS = tuple(FORMATS)  # the names --export takes
 
@@ -74,37 +75,35 @@ EXPORT_FORMATS = tuple(FORMATS)  # the names --export takes
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _check_outputs(names: Names, *, model, eval_text, scheme, output, report, plot, device) -> None:
-    """Before any work: ``output`` is not (and neither contains nor lies inside) the model; ``report`` and
-    ``plot`` can be written; none of them is, contains or lies inside a file the job reads (the model,
-    ``eval_text``, a ``scheme`` file) or another of them; ``device`` exists here."""
-    if isinstance(model, nn.Module):
-        src = None
-    else:
+def job_files(job: "QuantizeJob") -> JobFiles:
+    """What the job reads (the model: its file or directory, the embedded SmolLM2's file, or where a module was
+    loaded from; the scheme file, the evaluation text, the imatrix file, the work directory) and what it writes
+    (the output directory, the report, the plot, the work directory), named as ``job.names`` names them."""
+    s, r, m = job.scheme, job.run, job.model.model
+    if isinstance(m, nn.Module):
+        models = model_sources(m)
+    elif m is None:
         try:
-            src = model if model is not None else str(M.smollm2_path())
+            models = [str(M.smollm2_path())]
         except (ImportError, FileNotFoundError):
-            src = None  # loading the model says what is missing
-    if src is not None and not os.path.exists(src):
-        src = None  # a hub id
-    scheme_file = scheme if isinstance(scheme, str) and os.path.isfile(scheme) else None
-    sources = [src, eval_text, scheme_file]  # the files the job reads are sources too
-    written: list[tuple[str, str]] = []
-    for name, path in (("output", output), ("report", report), ("plot", plot)):
-        flag = names(name)
+            models = []  # loading the model says what is missing
+    else:
+        models = [m] if os.path.exists(m) else []  # else a hub id
+    scheme_file = s.scheme if isinstance(s.scheme, str) and os.path.isfile(s.scheme) else None
+    return JobFiles.of(job.names, reads=[*(("model", p) for p in models), ("scheme", scheme_file),
+                                         ("eval_text", job.evaluation.text),
+                                         ("imatrix", None if s.imatrix == "calib" else s.imatrix),
+                                         ("work_dir", r.work_dir)],
+                       writes=[("output", job.export.output, "the export"), ("report", r.report, "the report"),
+                               ("plot", r.plot, "the plot"), ("work_dir", r.work_dir, "the run", False)])
+
+
+def _check_outputs(names: Names, *, report, plot, device) -> None:
+    """Before any work: ``report`` and ``plot`` can be written (``job_files`` keeps them off the files the job
+    reads and off each other); ``device`` exists here."""
+    for name, path in (("report", report), ("plot", plot)):
         if path:
-            try:
-                check_not_source(path, sources, what=flag)
-            except ValueError as e:
-                raise CommandError(str(e)) from None
-            if name != "output":
-                check_writable_file(flag, path)
-            for other, opath in written:  # report / plot: neither the checkpoint nor each other
-                how = overlap(path, opath)
-                if how is not None:
-                    raise CommandError(f"{flag} {path!r} {how} {other} {opath!r}; the one would overwrite the "
-                                       f"other: choose another path")
-            written.append((flag, path))
+            check_writable_file(names(name), path)
     if device is not None:
         check_device(device, names=names)
 
@@ -394,6 +393,7 @@ class QuantizePlan:
     imatrix: Any = field(repr=False)
     work: Mapping[str, pathlib.Path]
     started: float
+    files: JobFiles = field(default=JobFiles(), repr=False)
 
     @property
     def needs_eval(self) -> bool:
@@ -463,10 +463,10 @@ def _parse_algorithms(al) -> tuple:
 def check(job: QuantizeJob) -> QuantizePlan:
     """Every check of ``job``, and no work (``QuantizeJob.check``)."""
     started = time.perf_counter()
+    files = job_files(job)
+    files.check()  # no write touches a file the job reads, nor another write
     fmt, out_dir = _check_export_options(job)
-    _check_outputs(job.names, model=job.model.model, eval_text=job.evaluation.text, scheme=job.scheme.scheme,
-                   output=job.export.output, report=job.run.report, plot=job.run.plot,
-                   device=_device(job))  # the model is never written over
+    _check_outputs(job.names, report=job.run.report, plot=job.run.plot, device=_device(job))
     _check_destination(job, out_dir)
     config, label, amp_schemes = _check_scheme(job, fmt)
     check_scheme_flags(job, config, amp_schemes)
@@ -480,7 +480,7 @@ def check(job: QuantizeJob) -> QuantizePlan:
     imatrix = _check_imatrix(job, model, config, plans, amp_schemes)
     ids, n_eval, start = _check_text(job, model, tok, text, config, plans, amp_schemes)
     return QuantizePlan(job, model, tok, desc, config, label, mix, plans, amp_schemes, fmt, out_dir, text, ids,
-                        n_eval, start, imatrix, work, started)
+                        n_eval, start, imatrix, work, started, files)
 
 
 def _plan(job: QuantizeJob, model, config: ModelConfig) -> tuple:
@@ -695,10 +695,9 @@ def _check_text(job: QuantizeJob, model, tok, text, config: ModelConfig, plans: 
     context where windows are read, and enough text for the evaluation and the calibration windows."""
     names, ev = job.names, job.evaluation
     needs, needs_eval = _needs(job, config, amp_schemes), ev.kind == "ppl"
-    uses_windows = job.scheme.imatrix == "calib" or needs_eval or amp_schemes is not None or \
-        bool(config.algorithms) or config.kv_cache is not None or any(
-            getattr(p.config, r) is not None and getattr(p.config, r).calibrated
-            for p in plans for r in ("input", "output"))
+    uses_windows = needs_eval or bool(needs) or any(  # needs: the readers (data-free algorithms read none)
+        getattr(p.config, r) is not None and getattr(p.config, r).calibrated
+        for p in plans for r in ("input", "output"))
     if uses_windows:  # windows past max_position_embeddings measure a model outside what it was trained for
         check_seq_len(ev.seq_len, model, names=names)
     if tok is None:
@@ -716,15 +715,18 @@ def _check_text(job: QuantizeJob, model, tok, text, config: ModelConfig, plans: 
     return ids, n_eval, start
 
 
+WORK_PARTS = ("algorithms", "amp")  # the work directories of the passes, under work_dir
+
+
 def _work_dirs(job: QuantizeJob, config: ModelConfig, amp: bool) -> dict:
-    """``{pass: its work directory}`` under ``work_dir`` (``algorithms``, ``amp``), checked before any work:
-    ``resume`` needs a work directory, which must not be (or overlap) the model, the output, the report or the
-    plot, and the run must have a layer-by-layer pass."""
-    names, r, m = job.names, job.run, job.model.model
-    model = m if isinstance(m, str) and os.path.exists(m) else None
+    """``{pass: its work directory}`` under ``work_dir`` (``algorithms``, ``amp``), checked before any work (the
+    model not loaded yet): ``resume`` needs a work directory, the run must have a layer-by-layer pass, and the
+    directory must be new, empty, or a qcore work directory (only the passes' directories, each holding a
+    manifest); one that holds a saved run of a pass this run has needs ``resume`` (``job_files`` keeps it off
+    the model, the other inputs and the outputs)."""
+    names, r = job.names, job.run
     try:
-        path = check_work_args(r.work_dir, r.resume, names=names,
-                               sources=[model, job.export.output, job.evaluation.text, r.report, r.plot])
+        path = check_work_args(r.work_dir, r.resume, names=names)
     except (ValueError, TypeError) as e:
         raise CommandError(str(e)) from None
     if path is None:
@@ -733,7 +735,40 @@ def _work_dirs(job: QuantizeJob, config: ModelConfig, amp: bool) -> dict:
     if not layer and not amp:
         raise CommandError(f"{names.arg('work_dir', r.work_dir)}: this run has no layer-by-layer pass to save "
                            f"(the algorithms gptq, awq, smoothquant, autosmoothquant, or {names('amp')})")
-    return {**({"algorithms": path / "algorithms"} if layer else {}), **({"amp": path / "amp"} if amp else {})}
+    work = {**({"algorithms": path / "algorithms"} if layer else {}), **({"amp": path / "amp"} if amp else {})}
+    if path.is_dir():
+        foreign = sorted(f.name for f in path.iterdir() if not f.name.startswith(".") and not (
+            f.name in WORK_PARTS and f.is_dir() and not f.is_symlink()))
+        if foreign:
+            raise CommandError(f"{names.arg('work_dir', r.work_dir, quote=True)}: not empty and not a qcore work "
+                               f"directory (it holds {foreign[0]!r}{' and more' if len(foreign) > 1 else ''}); "
+                               f"choose an empty or new directory")
+    for part in WORK_PARTS:
+        try:
+            saved = read_work_dir(path / part, name=names("work_dir"))
+        except ValueError as e:
+            raise CommandError(str(e)) from None
+        if saved is not None and part in work and not r.resume:  # refused now, not after the model loaded
+            raise CommandError(
+                f"{names.arg('work_dir', r.work_dir, quote=True)}: holds a run ({saved_run(saved)} saved in "
+                f"{str(path / part)!r}); " + (f"rerun the same command with {names('resume')} to continue it"
+                                              if names.cli else "pass resume=True to continue it")
+                + ", or choose an empty or new directory")
+    return work
+
+
+def _resume_hint(plan: "QuantizePlan") -> str:
+    """What an interrupted run with a work directory tells the caller: rerun it with ``--resume`` (the command
+    line) or ``resume=True`` (Python)."""
+    names, job = plan.job.names, plan.job
+    where = f"the layers done are saved in {names.arg('work_dir', job.run.work_dir, quote=True)}"
+    if names.cli:
+        return f"{where}: rerun the same command{' (with --resume)' if job.run.resume else ' with --resume'} " \
+               f"to continue from there"
+    fresh = " on a freshly loaded model (this one may be partly rewritten)" if isinstance(job.model.model, nn.Module) \
+        else ""
+    return f"{where}: call quantize_and_report again with the same arguments and resume=True{fresh} to continue " \
+           f"from there"
 
 
 # -- run --------------------------------------------------------------------------------------------------------
@@ -762,11 +797,16 @@ def run(plan: QuantizePlan) -> QuantizeReport:
     if plan.job.names.cli and plan.out_dir is None:  # the work starts: a result lost unnoticed is no surprise
         print("qcore quantize: no --output DIR given: the quantized model will not be saved (this run evaluates "
               "and reports only)", file=sys.stderr, flush=True)
-    ppl_base = _baseline(plan)
-    q = _quantize(plan)
-    measured = _measure(plan, q)
-    exported = _export(plan, q.config) if plan.out_dir is not None else {}
-    return _report(plan, q, ppl_base, measured, exported)
+    try:
+        ppl_base = _baseline(plan)
+        q = _quantize(plan)
+        measured = _measure(plan, q)
+        exported = _export(plan, q.config) if plan.out_dir is not None else {}
+        return _report(plan, q, ppl_base, measured, exported)
+    except KeyboardInterrupt:  # Ctrl-C: with a work directory, how to continue, in the caller's words
+        if not plan.work:
+            raise
+        raise KeyboardInterrupt(_resume_hint(plan)) from None
 
 
 def _windows(plan: QuantizePlan) -> range:

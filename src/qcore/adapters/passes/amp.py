@@ -58,7 +58,7 @@ from torch import nn
 
 from qcore.algorithms.mixed_precision import DEFAULT_RESOLUTION, MixedPrecision, search
 
-from ..batches import check_batch, describe_batch, device_of, progress_bar, set_module, to_device, logits_of
+from ..batches import FoundState, check_batch, describe_batch, device_of, progress_bar, set_module, to_device, logits_of
 from ..config import LayerConfig, ModelConfig
 from ..modules import QuantModule, calibrating, weight_granularity, with_granularity, wrap
 from ..plan import plan_model
@@ -402,7 +402,7 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
         g = weight_granularity(p.config.weight.spec.granularity, p.type, name, w.dim(), tuple(w.shape))
         return with_granularity(p.config.weight.spec, g).bits_per_element(tuple(w.shape))
 
-    was_training = model.training
+    found = FoundState(model, hooks=False)
     model.eval()
     cfg = getattr(model, "config", None)
     old_cache = getattr(cfg, "use_cache", None)
@@ -433,7 +433,7 @@ def layer_sensitivity(model: nn.Module, schemes: Any, batches: Sequence, *, metr
                 for n, m in originals:
                     set_module(model, n, m)
     finally:
-        model.train(was_training)
+        found.restore()
         if old_cache is not None:
             cfg.use_cache = old_cache
 

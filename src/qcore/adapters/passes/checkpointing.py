@@ -20,9 +20,13 @@ AMP keeps one ``sensitivities.json`` (each (unit, scheme) loss measured so far, 
 after each measurement, in the same manifest.
 
 Resume (``resume=True``): the manifest's fingerprint must equal this run's: the model's weights (SHA-256 of every
-state-dict tensor; streaming: the source's safetensors headers and file sizes), the config (algorithms
-included), the calibration data (SHA-256 of every batch), the pass, the number of layers and qcore's version; a
-difference raises ``ValueError`` naming what differs, before any work. The completed layers are then checked
+state-dict tensor; streaming: the source's safetensors headers and file sizes, one entry per file), the config
+(algorithms included), the calibration data (SHA-256 of every batch), the pass, the number of layers and qcore's
+version; a difference raises ``ValueError`` naming what differs, before any work. Streaming, the tensors' bytes
+are hashed as the pass reads them (``streaming.Source(hash=True)``): each layer's manifest entry records, per
+shard, the SHA-256 of what it read and the shard's stat, and a resume checks them
+(``jobs.checkpoint._check_resumed_source``: a shard whose stat changed is hashed again; a changed one is
+refused naming it). The completed layers are then checked
 (sizes and SHA-256); the run continues after the last layer whose files and inputs are intact (a damaged last
 entry: one layer earlier), with "resuming at layer k of n" on the log and the progress bar. Every layer's
 result is the one an uninterrupted run computes, bit for bit (the saved tensors are the bytes the run held).
@@ -64,7 +68,7 @@ from .runner import LayerInputs
 _log = logging.getLogger("qcore.adapters")
 
 __all__ = ["WorkDir", "LayerCheckpoint", "fingerprint", "digest_data", "digest_model", "digest_source",
-           "check_work_args", "qtensor_state", "qtensor_from_state"]
+           "digest_source_files", "check_work_args", "read_work_dir", "saved_run", "qtensor_state", "qtensor_from_state"]
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -118,13 +122,16 @@ def digest_model(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def digest_source(directory: Union[str, os.PathLike]) -> str:
-    """A streamed checkpoint's identity without reading its tensors: ``config.json`` and every safetensors
-    file's name, size and header (names, dtypes, shapes, offsets)."""
+def digest_source_files(directory: Union[str, os.PathLike]) -> dict:
+    """``{file name: SHA-256}`` of a streamed checkpoint's ``config.json``, index and safetensors files, without
+    reading their tensors: name, size and header (names, dtypes, shapes, offsets) of each safetensors file, the
+    others whole. The tensors' bytes are hashed as the streamed pass reads them (``streaming.Source``): each
+    saved layer records what it read, per shard, and a resume checks it."""
     d = pathlib.Path(directory)
-    h = hashlib.sha256()
+    out = {}
     for f in sorted(d.iterdir()):
         if f.name == "config.json" or f.name.endswith(".safetensors") or f.name.endswith(".safetensors.index.json"):
+            h = hashlib.sha256()
             h.update(f.name.encode())
             size = f.stat().st_size
             h.update(str(size).encode())
@@ -135,6 +142,15 @@ def digest_source(directory: Union[str, os.PathLike]) -> str:
                     h.update(head + fh.read(min(n, max(0, size - 8))))
                 else:
                     h.update(fh.read())
+            out[f.name] = h.hexdigest()
+    return out
+
+
+def digest_source(directory: Union[str, os.PathLike]) -> str:
+    """One SHA-256 of ``digest_source_files`` (the checkpoint's files, headers and sizes)."""
+    h = hashlib.sha256()
+    for name, v in digest_source_files(directory).items():
+        h.update(f"{name}\0{v}\0".encode())
     return h.hexdigest()
 
 
@@ -220,6 +236,40 @@ def check_work_args(work_dir: Any, resume: Any, *, sources: Sequence = (), names
     return p
 
 
+def read_work_dir(path: Union[str, os.PathLike], *, name: str = "work_dir") -> Optional[dict]:
+    """What the work directory ``path`` holds, read before any work: None when it does not exist, is empty (hidden
+    entries aside) or holds the manifest of a run that saved nothing yet; the manifest (a dict) of a run that
+    saved layers or measurements (``saved_run`` says what). ``ValueError`` naming ``name`` for a file, a folder
+    that is not empty and holds no manifest (not a qcore work directory: a run never writes into someone's
+    folder), or an unreadable manifest."""
+    p = pathlib.Path(path)
+    if not os.path.lexists(p):
+        return None
+    if not p.is_dir():
+        raise ValueError(f"{name} {str(p)!r} exists and is not a directory")
+    man = p / MANIFEST
+    if not man.is_file():
+        if any(not f.name.startswith(".") for f in p.iterdir()):
+            raise ValueError(f"{name} {str(p)!r} is not empty and holds no qcore run ({MANIFEST} missing); choose "
+                             f"an empty or new directory")
+        return None
+    try:
+        m = json.loads(man.read_text())
+        if not isinstance(m, dict) or m.get("format") != FORMAT:
+            raise ValueError("unknown format")
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{name} {str(p)!r}: its {MANIFEST} is unreadable ({e}); delete the directory to start "
+                         f"afresh") from None
+    return m if m.get("entries") or m.get("extra") else None  # nothing saved yet (e.g. a check failed after the start)
+
+
+def saved_run(manifest: Mapping) -> str:
+    """What the run of a work directory's ``manifest`` (``read_work_dir``'s) saved: ``"3 layers"``,
+    ``"12 measurements"``."""
+    done = len(manifest.get("entries") or ())
+    return f"{done} layers" if done else f"{len((manifest.get('extra') or {}).get('sensitivities', {}))} measurements"
+
+
 class WorkDir:
     """A run's work directory (module docstring): its manifest, fingerprint check, per-layer entries."""
 
@@ -228,26 +278,11 @@ class WorkDir:
         self.fp = dict(fp)
         self.entries: list[dict] = []
         self.extra: dict = {}
-        man = self.path / MANIFEST
-        fresh = False
-        if self.path.exists() and not self.path.is_dir():
-            raise ValueError(f"{name} {str(self.path)!r} exists and is not a directory")
-        if man.is_file():
-            try:
-                m = json.loads(man.read_text())
-                if not isinstance(m, dict) or m.get("format") != FORMAT:
-                    raise ValueError("unknown format")
-            except (ValueError, OSError) as e:
-                raise ValueError(f"{name} {str(self.path)!r}: its {MANIFEST} is unreadable ({e}); delete the "
-                                 f"directory to start afresh") from None
-            done = len(m.get("entries", []))
-            fresh = done == 0 and not m.get("extra")  # nothing saved yet (e.g. a check failed after the start)
-        if man.is_file() and not fresh:
+        m = read_work_dir(self.path, name=name)
+        if m is not None:
             if not resume:
-                saved = (f"{done} layers" if done else
-                         f"{len(m.get('extra', {}).get('sensitivities', {}))} measurements")
-                raise ValueError(f"{name} {str(self.path)!r} holds a run ({saved} saved); resume it (resume=True, "
-                                 f"--resume) or choose an empty directory")
+                raise ValueError(f"{name} {str(self.path)!r} holds a run ({saved_run(m)} saved); resume it "
+                                 f"(resume=True, --resume) or choose an empty directory")
             theirs = m.get("fingerprint", {})
             diff = [k for k in sorted(set(self.fp) | set(theirs)) if self.fp.get(k) != theirs.get(k)]
             if diff:
@@ -259,9 +294,6 @@ class WorkDir:
             self.entries = list(m.get("entries", []))
             self.extra = dict(m.get("extra", {}))
         else:
-            if not fresh and self.path.is_dir() and any(not f.name.startswith(".") for f in self.path.iterdir()):
-                raise ValueError(f"{name} {str(self.path)!r} is not empty and holds no qcore run ({MANIFEST} "
-                                 f"missing); choose an empty or new directory")
             if resume:
                 _log.warning("%s %s holds no saved run: starting afresh", name, self.path)
             self.path.mkdir(parents=True, exist_ok=True)
@@ -306,13 +338,16 @@ class WorkDir:
             self._write_manifest()
         return k
 
-    def save_layer(self, i: int, state: Any, carry: Any) -> None:
+    def save_layer(self, i: int, state: Any, carry: Any, meta: Optional[dict] = None) -> None:
         """Layer ``i`` done: its state and the next layer's carry, then the manifest (the commit point); carries
-        older than the two latest are deleted."""
+        older than the two latest are deleted. ``meta``: small JSON kept in the layer's manifest entry (the
+        streamed pass: what it read of the source, ``"source"``)."""
         if i != len(self.entries):
             raise RuntimeError(f"work_dir: layer {i} saved after {len(self.entries)} entries")
         entry = {"layer": self._save_file(f"layer-{i:05d}.pt", state),
                  "carry": self._save_file(f"carry-{i:05d}.pt", carry)}
+        if meta is not None:
+            entry["source"] = meta
         self.entries.append(entry)
         old = [e for e in self.entries[:-_KEEP_CARRIES] if e.get("carry") is not None]
         for e in old:
@@ -352,11 +387,14 @@ class LayerCheckpoint:
 
     work: the ``WorkDir``. state(i, layer) -> what to save for layer ``i`` (default: the layer's state dict);
     restore(i, layer, saved) puts it back (default: copied into the layer's tensors). carry() / set_carry(saved):
-    a pass that keeps its own streams (``replay=False``); by default the runner's inputs are the carry."""
+    a pass that keeps its own streams (``replay=False``); by default the runner's inputs are the carry.
+    meta(i) -> small JSON for layer ``i``'s manifest entry (``WorkDir.save_layer``)."""
 
     def __init__(self, work: WorkDir, *, state: Optional[Callable] = None, restore: Optional[Callable] = None,
-                 carry: Optional[Callable] = None, set_carry: Optional[Callable] = None):
+                 carry: Optional[Callable] = None, set_carry: Optional[Callable] = None,
+                 meta: Optional[Callable] = None):
         self.work = work
+        self.meta = meta
         self.state = state or (lambda i, layer: {"state": layer_state(layer)})
         self.restore = restore or (lambda i, layer, saved: restore_layer_state(layer, saved["state"]))
         self.carry, self.set_carry = carry, set_carry
@@ -394,7 +432,7 @@ class LayerCheckpoint:
             carry = {"quantized": _inputs_state(inputs), "float": _inputs_state(float_inputs)}
         else:
             carry = _inputs_state(inputs)
-        self.work.save_layer(i, self.state(i, layer), carry)
+        self.work.save_layer(i, self.state(i, layer), carry, None if self.meta is None else self.meta(i))
 
 
 def layer_state(layer: nn.Module) -> dict:
@@ -505,9 +543,10 @@ def algorithms_checkpoint(work: WorkDir, path: str, by_layer: list, pinned: dict
 
 
 def streaming_checkpoint(work: WorkDir, spill, records: list, layouts: dict, streams: dict,
-                         device) -> LayerCheckpoint:
+                         device, meta: Optional[Callable] = None) -> LayerCheckpoint:
     """``quantize_checkpoint``'s: per layer its encoded tensors (the spill's records of that layer, exact bytes)
-    and layouts; the carry is both streams of layer inputs (the algorithms' and the calibration's)."""
+    and layouts; the carry is both streams of layer inputs (the algorithms' and the calibration's); ``meta(i)``:
+    what layer ``i`` read of the source (per shard digests, kept in the manifest)."""
     seen = {"records": 0, "layouts": set()}
 
     def state(i, layer):
@@ -536,7 +575,7 @@ def streaming_checkpoint(work: WorkDir, spill, records: list, layouts: dict, str
         for k in streams:
             streams[k] = _inputs_from(to_device(saved.get(k), device))
 
-    return LayerCheckpoint(work, state=state, restore=restore, carry=carry, set_carry=set_carry)
+    return LayerCheckpoint(work, state=state, restore=restore, carry=carry, set_carry=set_carry, meta=meta)
 
 
 def _bytes_tensor(b: bytes) -> torch.Tensor:

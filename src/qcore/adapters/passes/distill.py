@@ -31,7 +31,7 @@ from torch import nn
 import qcore
 from qcore.algorithms.distill import data_order, distill_loss
 
-from ..batches import call_model, progress_bar, to_device, logits_of
+from ..batches import FoundState, call_model, progress_bar, to_device, logits_of
 from ..modules import QuantExperts, QuantModule
 from .targets import check_experts_algorithms
 
@@ -199,7 +199,7 @@ def run_distill(model: nn.Module, teacher: nn.Module, data: list, algo, *, progr
                 tr.weight.copy_(starts[k].to(tr.weight.device, tr.weight.dtype))
     device = next(model.parameters()).device
     req = {p: p.requires_grad for p in model.parameters()}
-    was_training = model.training
+    found = FoundState(model, hooks=False)  # modes and requires_grad
 
     def loss_of(batch) -> torch.Tensor:
         b = to_device(batch, device)
@@ -276,6 +276,6 @@ def run_distill(model: nn.Module, teacher: nn.Module, data: list, algo, *, progr
             tr.write()  # on the grid of the stored scales, also after an interruption
         for p, r in req.items():
             p.requires_grad_(r)
-        model.train(was_training)
+        found.restore()
     stats["eval_after"] = evaluate()
     return stats

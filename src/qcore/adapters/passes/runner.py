@@ -383,9 +383,12 @@ class LayerRunner:
             self.model._qcore_partial = True  # quantize_model refuses a half-rewritten model
             msg = (f"while running {what} on decoder layer {current} of {self.path!r}; layers 0..{current} may "
                    f"already be rewritten: reload the model before quantizing it again")
-            if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: keep their type; the advice (to a
-                if hasattr(e, "add_note"):  # Python caller) in the traceback, not on a command line's stderr
-                    e.add_note(f"interrupted {msg}")
+            if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: keep their type
+                if checkpoint is not None:  # the caller says how to resume, in its own words (a flag, an argument)
+                    _log.warning("interrupted while running %s on decoder layer %d of %r; the layers done are saved "
+                                 "in the work directory %s", what, current, self.path, str(checkpoint.work.path))
+                elif hasattr(e, "add_note"):  # the advice (to a Python caller) in the traceback, not on a command
+                    e.add_note(f"interrupted {msg}")  # line's stderr
                 else:  # Python 3.10
                     _log.warning("interrupted %s", msg)
                 raise

@@ -46,6 +46,7 @@ from qcore.algorithms.config import (ROTATION_CONFIGS, AutoRoundConfig, AutoSmoo
                                      GPTAQConfig, GPTQConfig, HQQConfig, QronosConfig, SmoothQuantConfig,
                                      SVDQuantConfig, parse_algorithms)
 
+from ..batches import FoundState
 from ..families import family_or_none
 from . import autoround, gptaq, hqq, qronos, scaling_bind, svdquant
 from . import gptq as gptq_binding
@@ -159,7 +160,7 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
     check_layers(layers, by_layer, algos, path, family=family)
 
     runner = LayerRunner(model, path=path, layers=layers, progress=progress)
-    was_training = model.training
+    found = FoundState(model, hooks=False)  # the passes install and remove their own hooks
     model.eval()
     pinned: dict = {}
     t0 = time.perf_counter()
@@ -180,6 +181,6 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
                        what=", ".join(a.name for a in algos), checkpoint=checkpoint,
                        float_inputs=inputs if two_streams else None)
     finally:
-        model.train(was_training)
+        found.restore()
     _log.info("algorithms %s on %d layers in %.1f s", [a.name for a in algos], len(layers), time.perf_counter() - t0)
     return pinned

@@ -38,7 +38,7 @@ from qcore.algorithms.config import SpinQuantConfig
 from qcore.algorithms.hadamard import rotation
 from qcore.algorithms.orthogonal import cayley_step
 
-from ..batches import progress_bar
+from ..batches import FoundState, progress_bar
 from ..modules import (InputRotation, ReferenceInputRotation, activation_granularity, linear_weight_spec, online_hooks,
                        remove_online, with_granularity)
 from ..families import family_of
@@ -143,11 +143,11 @@ class _Step:
             self.hooks.append(head.register_forward_pre_hook(self._head_in))
 
     def _emb_out(self, mod, args, out):
-        return out.to(self.r1.dtype) @ self.r1
+        return (out.to(self.r1.dtype) @ self.r1).to(out.dtype)  # rotated in float32, back in the model dtype
 
     def _head_in(self, mod, args):
         x = args[0]
-        return (x.to(self.r1.dtype) @ self.r1.T,) + tuple(args[1:])
+        return ((x.to(self.r1.dtype) @ self.r1.T).to(x.dtype),) + tuple(args[1:])
 
     def values(self, model, r1v, r2v) -> dict:
         self.r1 = r1v
@@ -195,8 +195,9 @@ def _spinquant(model, plans, data, algo, *, progress: bool, train_weights: bool,
     last = None if reference else [None, None, None]
     hooks = [model.get_submodule(n).register_forward_pre_hook(_act_hook(s, last)) for n, s in aspecs.items()]
     step_of = None
-    was_training = model.training
+    found = FoundState(model, hooks=False)  # the online hooks stay (they are the result)
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
     model.eval()
     t0 = time.perf_counter()
     losses, step_s = [], []
@@ -219,6 +220,9 @@ def _spinquant(model, plans, data, algo, *, progress: bool, train_weights: bool,
                 if w is None:
                     w = model.get_parameter(k).float()
                 vals[k] = qcore.fake_quantize(w, spec)
+            # the rotations are computed in float32; the model runs in its own dtype (bfloat16 / float16 models:
+            # cast back, as rotate_model writes its float64 products back; the gradient flows through the cast)
+            vals = {k: v if v.dtype == dtypes[k] else v.to(dtypes[k]) for k, v in vals.items()}
             out = functional_call(model, vals, (ids,), {"labels": ids, "use_cache": False})
             loss = out.loss
             if not torch.isfinite(loss):
@@ -247,7 +251,7 @@ def _spinquant(model, plans, data, algo, *, progress: bool, train_weights: bool,
                 m._forward_pre_hooks[k] = h
         for n, p in model.named_parameters():
             p.requires_grad_(flags.get(n, True))
-        model.train(was_training)
+        found.restore()
     if step_of is not None:
         step_of.remove()
     with torch.no_grad():

@@ -40,9 +40,13 @@ decoder layers that take the same keyword arguments (mask, position embeddings) 
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
+import os
 import pathlib
 from typing import Optional
+
+import numpy as np
 
 import torch
 from torch import nn
@@ -84,9 +88,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 class Source:
-    """The source checkpoint's tensors by name (headers validated; each tensor read on request)."""
+    """The source checkpoint's tensors by name (headers validated; each tensor read on request). With ``hash=True``
+    every tensor read is hashed as it is read (SHA-256 of its bytes, ``digests``): a run with a work directory
+    records what it read per shard (``record``) and a resumed run checks the shards it does not read again
+    (``changed``), without a second full read."""
 
-    def __init__(self, directory: pathlib.Path):
+    def __init__(self, directory: pathlib.Path, *, hash: bool = False):
+        self.hash = hash
+        self.digests: dict[str, str] = {}
         index = directory / "model.safetensors.index.json"
         if index.is_file():
             files = [f.name for f in index_shards(directory, index)]
@@ -109,9 +118,62 @@ class Source:
         t = torch.empty(tuple(e.shape), dtype=src)
         if t.numel():
             st.read_into(name, t.view(-1).view(torch.uint8).numpy())
+        if self.hash:  # the bytes just read, as they are in the file
+            self.digests[name] = hashlib.sha256(t.view(-1).view(torch.uint8).numpy() if t.numel() else b"").hexdigest()
         if src != dtype and t.is_floating_point():
             t = t.to(dtype)
         return t.to(device)
+
+
+    def _stat(self, st: SafetensorsFile) -> list:
+        s = os.stat(st.path)
+        return [s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino]
+
+    @staticmethod
+    def _combine(names: list, digest) -> str:
+        h = hashlib.sha256()
+        for n in sorted(names):
+            h.update(f"{n}\0{digest(n)}\0".encode())
+        return h.hexdigest()
+
+    def record(self, names) -> dict:
+        """``{shard file: {"sha256": ..., "stat": [size, mtime_ns, ctime_ns, inode]}}`` of tensors ``names``, all
+        read (hashed) by this run: the SHA-256 of their names and digests, per shard, and the shard's stat when
+        they were read (what ``changed`` compares)."""
+        by: dict = {}
+        for n in names:
+            by.setdefault(self.where[n], []).append(n)
+        return {st.path.name: {"sha256": self._combine(ns, self.digests.__getitem__), "stat": self._stat(st)}
+                for st, ns in sorted(by.items(), key=lambda kv: kv[0].path.name)}
+
+    def changed(self, names, saved: dict, *, reread: bool = True) -> Optional[str]:
+        """The first shard (file name) whose tensors among ``names`` no longer have the bytes ``saved`` (a
+        ``record``) says, or None. A shard whose size, mtime, ctime and inode are as recorded is trusted; any other
+        is hashed again (only these tensors: the ones the saved run processed); ``reread=False`` compares the
+        digests this run took while reading them instead."""
+        by: dict = {}
+        for n in names:
+            st = self.where.get(n)
+            by.setdefault(st.path.name if st is not None else None, []).append(n)
+        if None in by or set(by) != set(saved):
+            return sorted(set(by) ^ set(saved), key=str)[0] or "(a tensor moved between shards)"
+        for f, ns in sorted(by.items()):
+            st = self.where[ns[0]]
+            rec = saved[f]
+            if reread and self._stat(st) == list(rec.get("stat", [])):
+                continue  # the quick check: untouched since the saved run read it
+            if reread:
+                def digest(n, st=st):
+                    e = st.entries[n]
+                    buf = np.empty(e.end - e.begin, np.uint8)
+                    if buf.size:
+                        st.read_into(n, buf)
+                    return hashlib.sha256(buf).hexdigest()
+            else:
+                digest = self.digests.__getitem__
+            if self._combine(ns, digest) != rec.get("sha256"):
+                return f
+        return None
 
 
 def set_tensor(root: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -272,10 +334,16 @@ def stream_layers(model, source: Source, *, path: str, layers, by_layer: list, p
     n = len(layers)
     streams = {"alg": alg_in, "cal": cal_in}
 
+    read: dict = {}  # with a work directory: what each layer read of the source, per shard (its manifest entry)
+    outside = source.record(list(source.digests)) if work_dir is not None else None  # read before the layers
+
     def step(i, meta_layer, _):
         prefix = f"{path}.{i}"
         work = copy.deepcopy(meta_layer)
-        load_tensors(work, prefix + ".", meta_keys(work), source, dtype, device)
+        keys = meta_keys(work)
+        load_tensors(work, prefix + ".", keys, source, dtype, device)
+        if work_dir is not None:
+            read[i] = source.record([f"{prefix}.{k}" for k in keys])
         for name, b in list(work.named_buffers()):
             if b is not None and b.device != device:
                 set_tensor(work, name, b.to(device))
@@ -319,7 +387,8 @@ def stream_layers(model, source: Source, *, path: str, layers, by_layer: list, p
 
     checkpoint = None
     if work_dir is not None:
-        checkpoint = streaming_checkpoint(work_dir, spill, records, layouts, streams, device)
+        checkpoint = streaming_checkpoint(work_dir, spill, records, layouts, streams, device,
+                                          meta=lambda i: {"layer": read.pop(i), "outside": outside})
     runner.run(step, desc="quantizing layer by layer", replay=False, checkpoint=checkpoint)
     if tail:
         _calibrate_tail(runner, tail, streams["cal"], data)
