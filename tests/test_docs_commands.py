@@ -169,12 +169,16 @@ def _byte_tokenizer():
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(alphabet)}
+    # <|endoftext|> first, as SmolLM2's (transformers' GGUF reader adds it to a GPT-2 vocabulary without one, and
+    # qcore convert reports that added token as a change)
+    vocab = {"<|endoftext|>": 0}
+    vocab.update({c: i + 1 for i, c in enumerate(alphabet)})
     vocab["\u0120t"] = len(vocab)  # one merge (" t"): a GGUF file of it carries a tokenizer transformers can load
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[("\u0120", "t")]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                                                eos_token="<|endoftext|>")
 
 
 def _char_tokenizer():
@@ -193,7 +197,8 @@ def _tiny_llama(d: pathlib.Path, *, vocab: int, positions: int, tokenizer) -> pa
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions)
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
+                                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).eval().save_pretrained(d)
     tokenizer.save_pretrained(d)
@@ -205,7 +210,7 @@ def stand_in(tmp_path_factory):
     """The tiny stand-in for the embedded SmolLM2: (model directory, evaluation text file)."""
     pytest.importorskip("transformers")
     d = tmp_path_factory.mktemp("stand_in")
-    model = _tiny_llama(d / "tiny-llama", vocab=257, positions=128, tokenizer=_byte_tokenizer())
+    model = _tiny_llama(d / "tiny-llama", vocab=258, positions=128, tokenizer=_byte_tokenizer())
     import pydoc_data.topics
     text = d / "text.txt"
     text.write_text(" ".join(pydoc_data.topics.topics.values())[:6000])

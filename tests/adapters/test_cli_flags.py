@@ -204,21 +204,34 @@ FLAGS = {
         "to": [(C + ["--to", "ct"], OK),
                (C + ["--to", "zip"], Refused("--to must be one of ['hf', 'gguf', 'onnx', 'compressed-tensors'], "
                                              "got 'zip'"))],
-        "strict": [(C + ["--to", "hf", "--strict"], OK)],
+        "strict": [(C + ["--to", "hf", "--strict"], OK),
+                   (C + ["--to", "onnx", "--strict"], Refused("--strict loads dst back and compares it, and --to onnx "
+                                                              "cannot be loaded back"))],
         "overwrite": [(C + ["--to", "hf", "--overwrite"], OK)],
         "dtype": [(C + ["--to", "hf", "--dtype", "bfloat16"], OK),
-                  (C + ["--to", "onnx", "--dtype", "float32"], OK),
-                  (C + ["--to", "onnx", "--dtype", "bfloat16"], Refused("--dtype bfloat16 is refused by --to onnx")),
+                  (CH + ["--to", "hf", "--dtype", "float32"], OK),
+                  (C + ["--to", "hf", "--dtype", "float32"], Refused("--dtype float32 changes nothing: a GGUF source "
+                                                                     "loads in float32")),
+                  (C + ["--to", "onnx", "--dtype", "float32"], Refused("--dtype float32 changes nothing with --to "
+                                                                       "onnx: it always loads float32")),
+                  (C + ["--to", "onnx", "--dtype", "bfloat16"], Refused("--dtype bfloat16: ONNX exports are float32 "
+                                                                        "models")),
                   (C + ["--to", "hf", "--dtype", "float8"], Refused("--dtype must be one of"))],
         "tokenizer_pre": [(CH + ["--to", "gguf", "--tokenizer-pre", "smollm"], OK),
                           (C + ["--to", "hf", "--tokenizer-pre", "smollm"],
-                           Refused("--tokenizer-pre smollm applies to --to gguf, not --to hf")),
+                           Refused("--tokenizer-pre smollm changes nothing: it names llama.cpp's pre-tokenizer of a "
+                                   "GGUF destination, not --to hf")),
                           (C + ["--to", "gguf", "--tokenizer-pre", "smollm"],
-                           Refused("--tokenizer-pre smollm has no effect from a gguf source to --to gguf")),
+                           Refused("--tokenizer-pre smollm changes nothing: a GGUF source's tokenizer fields")),
+                          (["convert", "hfnotok", "out", "--to", "gguf", "--tokenizer-pre", "smollm"],
+                           Refused("--tokenizer-pre smollm changes nothing: the source holds no tokenizer")),
                           (CH + ["--to", "gguf", "--tokenizer-pre", ""],
                            Refused("--tokenizer-pre '': expected a non-empty NAME"))],
         "no_verify": [(C + ["--to", "hf", "--no-verify"], OK),
-                      (C + ["--to", "onnx", "--no-verify"], Refused("--no-verify has no effect with --to onnx"))],
+                      (C + ["--to", "onnx", "--no-verify"], Refused("--no-verify changes nothing with --to onnx: it "
+                                                                    "is never loaded back")),
+                      (C + ["--to", "hf", "--strict", "--no-verify"], Refused("--strict with --no-verify: --strict "
+                                                                              "always loads dst back"))],
         "onnx_unsupported": [(C + ["--to", "onnx", "--onnx-unsupported", "dequantize"], OK),
                              (C + ["--to", "hf", "--onnx-unsupported", "dequantize"],
                               Refused("--onnx-unsupported dequantize applies to --to onnx, not --to hf")),
@@ -338,7 +351,8 @@ def test_the_table_covers_every_flag():
 @pytest.fixture
 def workdir(tmp_path, monkeypatch, lm_dir):
     """The working directory of a row: ``lm`` (a tiny Llama directory, never loaded), an empty ``adir``, a file
-    ``src.json``, a text ``t.txt``, an empty ``q4.gguf``, a quark checkpoint directory ``hfq``, ``old.gguf``."""
+    ``src.json``, a text ``t.txt``, an empty ``q4.gguf``, quark checkpoint directories ``hfq`` (with a tokenizer) and
+    ``hfnotok`` (without), ``old.gguf``."""
     (tmp_path / "lm").symlink_to(lm_dir, target_is_directory=True)
     (tmp_path / "adir").mkdir()
     (tmp_path / "src.json").write_text("{}")
@@ -347,6 +361,9 @@ def workdir(tmp_path, monkeypatch, lm_dir):
     (tmp_path / "old.gguf").write_bytes(b"")
     (tmp_path / "hfq").mkdir()
     (tmp_path / "hfq" / "config.json").write_text('{"quantization_config": {"quant_method": "quark"}}')
+    (tmp_path / "hfq" / "tokenizer.json").write_text("{}")  # a tokenizer the GGUF destination converts
+    (tmp_path / "hfnotok").mkdir()
+    (tmp_path / "hfnotok" / "config.json").write_text('{"quantization_config": {"quant_method": "quark"}}')
     monkeypatch.chdir(tmp_path)
     return tmp_path
 

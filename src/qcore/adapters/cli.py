@@ -32,7 +32,7 @@ from qcore.formats.quark_layout import expected_weight
 from .eval import evaluate as E
 from .eval import lm_eval_tasks as LT
 from .io.compressed_tensors import CTExportInfo
-from .io.formats import FORMATS, aliases_text, detect_format, format_named, option_owner
+from .io.formats import FORMATS, aliases_text, format_named
 from .io.gguf import GGUFExportInfo
 from .io.onnx import UnsupportedWeightError
 from .jobs.common import CLI, CommandError, load_model, read_eval_text
@@ -42,7 +42,7 @@ from .jobs.common import check_writable_file as _check_writable_file
 from .jobs.common import loading_bars as _loading_bars
 from .jobs.common import torch_dtype as _dtype
 from .jobs.common import write_report as _write_report
-from .jobs.convert import convert
+from .jobs.convert import convert, summary_rows
 from .jobs.convert import job_files as convert_files
 from .jobs.imatrix import imatrix_file
 from .jobs.quantize import QuantizeJob, QuantizeReport, run as run_job
@@ -275,7 +275,7 @@ def convert_command(args) -> int:
     """``qcore convert SRC DST --to FORMAT``: ``qcore.adapters.jobs.convert.convert`` plus a printed report."""
     t0 = time.perf_counter()
     try:
-        format_named(args.to, what="--to")  # a bad name: one line with the aliases, before any work
+        format_named(args.to, what="--to")
     except (ValueError, TypeError) as e:
         raise CommandError(f"{e} (aliases: {aliases_text()})") from None
     dtype = None if args.dtype is None else _dtype(args.dtype)
@@ -289,21 +289,8 @@ def convert_command(args) -> int:
     with _loading_bars(progress):  # --no-progress: transformers' "Loading weights" bars too
         info = convert(args.src, args.dst, to=args.to, overwrite=args.overwrite, strict=args.strict, dtype=dtype,
                        tokenizer_pre=args.tokenizer_pre, verify=not args.no_verify, progress=progress,
-                       onnx_unsupported=getattr(args, "onnx_unsupported", "error"), names=CLI)
-    verdict = ("not verified (--no-verify)" if info.verified_by == "none" else
-               ("lossless" if info.lossless else f"{len(info.tensors)} tensors changed")
-               + f" (checked by {'loading dst back' if info.verified_by == 'reload' else 'the exporter'})")
-    if any(n.startswith("tokenizer dropped") for n in info.notes):
-        verdict += "; tokenizer dropped (see the note)"
-    rows = [("source", f"{info.source} ({info.source_format}, {info.quantized} quantized weights)"),
-            ("destination", f"{info.destination} ({info.to}, {info.bytes_on_disk / 2**20:.2f} MiB)"),
-            ("result", verdict)]
-    rows += [("note", n) for n in info.notes]
-    for t in info.tensors[:20]:
-        diff = "dropped" if t.max_abs_diff != t.max_abs_diff else f"max |diff| {t.max_abs_diff:.3g}"
-        rows.append((f"  {t.name}", f"{t.what}: {t.source} -> {t.destination}, {diff}"))
-    if len(info.tensors) > 20:
-        rows.append(("  ...", f"{len(info.tensors) - 20} more (--report FILE.json lists all)"))
+                       onnx_unsupported=getattr(args, "onnx_unsupported", None), names=CLI)
+    rows = summary_rows(info)
     rows.append(("time", f"{time.perf_counter() - t0:.1f} s"))
     print(_table(rows))
     if args.report:
@@ -433,29 +420,6 @@ def _eval_ppl(o) -> bool:
 _NO_PPL = "this run measures no perplexity (--tasks without --ppl, or --no-ppl)"
 _EVAL_PPL = (_eval_ppl, "applies to perplexity; " + _NO_PPL)
 _EVAL_TASKS = (lambda o: o["tasks"] is not None, "applies to lm-evaluation-harness tasks; give --tasks too")
-
-
-def _to(o):
-    """``qcore convert``'s ``--to`` format (None for a name that is none: --to's own check refuses it)."""
-    try:
-        return format_named(o["to"])
-    except (ValueError, TypeError):
-        return None
-
-
-def _source(o):
-    """``qcore convert``'s source format (None where it cannot be told: convert's own check says why)."""
-    try:
-        return detect_format(pathlib.Path(o["src"]))
-    except (ValueError, TypeError, OSError):
-        return None
-
-
-def _to_option(name: str) -> tuple:
-    """A format's own option (``Format.options``): applies to that ``--to`` only."""
-    owner = option_owner(name).name
-    return (lambda o: _to(o) is None or name in dict(_to(o).options),
-            lambda names, o: f"applies to --to {owner}, not --to {o['to']}")
 
 
 def _add_imatrix(p) -> None:
@@ -592,24 +556,17 @@ def _add_convert(c) -> None:
     c.add_argument("--to", required=True, metavar="FORMAT",
                    help=", ".join(f.name + (f" (alias {', '.join(f.aliases[:1])})" if f.aliases else "")
                                   for f in FORMATS.values()))
-    c.add_argument("--strict", action="store_true", help="refuse unless lossless (dst is then left untouched)")
+    c.add_argument("--strict", action="store_true", help="refuse unless lossless: every tensor and metadata entry of "
+                   "dst, loaded back, equal to the source's (always verifies; dst is then left untouched)")
     c.add_argument("--overwrite", action="store_true", help="replace an existing dst")
-    _flag(c, "--dtype", needs=[(lambda o: not (_to(o) and _to(o).float32_only) or o["dtype"] in (None, "float32"),
-                                lambda names, o: f"is refused by --to {_to(o).name}, which {_to(o).float32_why}")],
-          default=None, help="float dtype to load in: float32, bfloat16 or float16 (default: "
+    c.add_argument("--dtype", default=None, help="float dtype to load in: float32, bfloat16 or float16 (default: "
                    "the checkpoint's)")
-    _flag(c, "--tokenizer-pre", needs=[_to_option("tokenizer_pre"), (
-        lambda o: not (_to(o) is not None and _to(o).copies_own_source and _source(o) is _to(o)), lambda names, o: (
-            f"has no effect from a {_to(o).name} source to --to {_to(o).name}: the source's tokenizer is copied as it "
-            f"is"))], default=None, metavar="NAME", help="llama.cpp pre-tokenizer name when a "
+    c.add_argument("--tokenizer-pre", default=None, metavar="NAME", help="llama.cpp pre-tokenizer name when a "
                    "transformers tokenizer is converted for GGUF (default: the architecture's, 'gpt-2' for GPT-2 and "
-                   "GPT-NeoX, else 'default'; SmolLM2: smollm)")
-    _flag(c, "--no-verify", needs=[(lambda o: _to(o) is None or _to(o).load is not None, lambda names, o: (
-        f"has no effect with --to {_to(o).name}: it is never loaded back (the exporter's report is the check)"))],
-          action="store_true", help="do not load dst back to compare (faster; then "
-                   "nothing is measured)")
-    _flag(c, "--onnx-unsupported", needs=[_to_option("onnx_unsupported")], choices=["error", "dequantize"],
-          default="error", help="with --to onnx: "
+                   "GPT-NeoX, else 'default'; SmolLM2: smollm; refused where no tokenizer is converted for GGUF)")
+    c.add_argument("--no-verify", action="store_true", help="do not load dst back to compare (faster; then "
+                   "nothing is compared; refused with --strict and with --to onnx)")
+    c.add_argument("--onnx-unsupported", choices=["error", "dequantize"], default=None, help="with --to onnx only: "
                    "weights onnxruntime cannot dequantize (fp4, MX6/MX9, NVFP4) are refused (error, default) or "
                    "written as dequantized float32 and reported as changed tensors (dequantize)")
     c.add_argument("--report", default=None, metavar="FILE.json", help="write the report as JSON")

@@ -613,3 +613,34 @@ def test_micro_exponent_shifts_are_never_stored_in_quarks_mx_layout(zoo, tmp_pat
     (tmp_path / "mx" / "config.json").write_text(json.dumps(c))
     with pytest.raises(ValueError, match=r"layout 'mx', its config gives 'qcore'|no Quark spelling"):
         A.from_pretrained(tmp_path / "mx")
+
+
+def _f16_llama(scale_dtype):
+    c = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM._from_config(c, torch_dtype=torch.float16).eval()  # rotary buffers float32,
+    spec = qcore.make_spec("int4", granularity=qcore.PerGroup(32, axis=1), scale_dtype=scale_dtype)  # as from_pretrained
+    A.quantize_model(m, ModelConfig(LayerConfig(weight=spec)), progress=False)
+    return m
+
+
+@pytest.mark.parametrize("scale_dtype", ["float16", "float32"])
+def test_a_float16_model_with_float16_scales_loads_back(tmp_path, scale_dtype):
+    """Quark spells float16 scales of a float16 model scale_type "float" (the model's dtype): the loader reads the
+    Quark fields in each model dtype, so qcore's own export loads back (it was refused as a disagreement, and
+    ``qcore convert X.gguf DIR --to hf --dtype float16`` with it)."""
+    m = _f16_llama(scale_dtype)
+    A.export_hf(m, tmp_path / "o")
+    q = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
+    assert q["global_quant_config"]["weight"]["scale_type"] == ("float" if scale_dtype == "float16" else "float32")
+    back = A.from_pretrained(tmp_path / "o")
+    ids = torch.arange(16).reshape(1, 16)
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, m(ids).logits)
+    q["global_quant_config"]["weight"]["scale_type"] = "bfloat16"  # a real disagreement is still refused
+    cfg = json.loads((tmp_path / "o" / "config.json").read_text())
+    cfg["quantization_config"] = q
+    (tmp_path / "o" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Exception, match=r"global_quant_config\.weight\.scale_type disagrees with the qcore block"):
+        A.from_pretrained(tmp_path / "o")

@@ -360,12 +360,13 @@ def checkpoint_config(raw: dict) -> ModelConfig:
         mine = ModelConfig.from_dict(own["config"])
         quark = raw.get("source_method", raw.get("quant_method")) == "quark"
         if quark or any(k in raw for k in _QUARK_KEYS):  # what Quark and vLLM read (or a reader of Quark's fields
-            theirs = ModelConfig.from_quark({**{k: v for k, v in raw.items() if k not in _OWN_KEYS},  # and the same
-                                             "quant_method": "quark"})
-            # Quark's scale_type follows the model dtype the export wrote them in: equal for one of them
+            quark_part = {**{k: v for k, v in raw.items() if k not in _OWN_KEYS}, "quant_method": "quark"}  # and
+            # the same: Quark's scale_type "float" is the model dtype the export wrote them in: equal for one of them
+            # (read in that dtype too: float16 scales of a float16 model are "float" there)
             wheres = []
             for dt in ("float32", "bfloat16", "float16"):
                 try:
+                    theirs = ModelConfig.from_quark(quark_part, model_dtype=dt)
                     wheres.append(_first_difference(theirs.to_quark(model_dtype=dt), mine.to_quark(model_dtype=dt)))
                 except ValueError:  # a config this dtype cannot spell (E8M0 scales in float16)
                     continue
