@@ -95,6 +95,27 @@ def _entries(result: dict) -> dict:
     return flat
 
 
+# entries where the landed code refused by mistake and a named issue fixed it: the landed run must still show that
+# refusal (so the entry is exactly the one fixed) and this tree's run must do the work instead
+FIXED = {
+    "families/gpt2/gguf_q4_0": ("KeyError: 'num_attention_heads'", "issue 33: llama.cpp mixes on GPT-2"),
+    "families/gpt2/gguf_q4_k_m": ("KeyError: 'num_attention_heads'", "issue 33: llama.cpp mixes on GPT-2"),
+}
+
+
+def _fixed(landed: dict, current: dict) -> list:
+    """The entries of ``FIXED``, checked: refused by the landed code as recorded, done by this tree's code."""
+    out = []
+    for entry, (error, why) in FIXED.items():
+        section, name = entry.split("/", 1)
+        was, now = landed.get(section, {}).get(name), current.get(section, {}).get(name)
+        assert was is not None and now is not None, f"{entry} ({why}): not in both digests"
+        assert error in str(was.get("error", "")), f"{entry} ({why}): the landed run did not refuse with {error!r}"
+        assert "error" not in now, f"{entry} ({why}): still refused: {now['error']}"
+        out.append(entry)
+    return out
+
+
 def differences(landed: dict, current: dict) -> list:
     """``[(section/entry, line)]``: one line per key whose value differs."""
     a, b = _entries(landed), _entries(current)
@@ -152,7 +173,8 @@ def test_behaviour_is_bit_identical_to_the_landed_code(tmp_path):
         got = pathlib.Path(results[name]["meta"]["cli_qcore_file"]).resolve()
         assert got == (package / "__init__.py").resolve(), f"the {name} run's command line imported qcore from {got}"
         _sane(results[name], name)
-    diff = differences(results["landed"], results["current"])
+    fixed = _fixed(results["landed"], results["current"])
+    diff = [(e, line) for e, line in differences(results["landed"], results["current"]) if e not in fixed]
     if diff:
         entries: dict = {}
         for entry, _ in diff:

@@ -204,6 +204,14 @@ def tiny(family, layers=8, seed=0):
                               intermediate_size=256, num_attention_heads=4, num_key_value_heads=1,
                               num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)
         return t.MixtralForCausalLM(cfg).eval()
+    if family == "gpt2":  # Conv1D weights ([in, out]), fused attn_qkv, n_head (attribute_map), learned positions
+        cfg = t.GPT2Config(vocab_size=128, n_positions=64, n_layer=layers, n_embd=256, n_inner=320, n_head=4,
+                           bos_token_id=1, eos_token_id=2)
+        return t.GPT2LMHeadModel(cfg).eval()
+    if family == "gptneox":
+        cfg = t.GPTNeoXConfig(**common, hidden_size=256, intermediate_size=320, num_attention_heads=4,
+                              rotary_pct=0.25, bos_token_id=1, eos_token_id=2)
+        return t.GPTNeoXForCausalLM(cfg).eval()
     raise ValueError(family)
 
 
@@ -262,6 +270,27 @@ def test_modules_qcore_does_not_wrap_stay_float_and_experts_get_llama_cpps_types
     assert ok.kept_float["model.layers.0.mlp.experts"] == "excluded"
     quantize_model(mx, ok.config, progress=False)  # experts float, the rest llama.cpp's types
     assert mx.model.layers[0].self_attn.v_proj.specs["weight"].gguf == "q8_0"  # 8 experts: attn_v Q8_0
+
+
+def test_every_mix_on_gpt2_and_neox_quantizes_and_exports(tmp_path):
+    """GPT-2 (no num_attention_heads key in its config dict: n_head; Conv1D weights stored [in, out]) and GPT-NeoX:
+    every mix resolves (a KeyError on GPT-2 before), the rows that decide the fallbacks are the Linear's (c_fc's
+    256 inputs: Q4_K; c_proj's 320: Q5_0 / Q8_0), and the Q4_K_M export holds exactly the mix's types and reads back."""
+    g = tiny("gpt2", layers=2)
+    for mix in GM.MIX_NAMES:
+        assert gguf_mix(g, mix).types, mix
+        assert gguf_mix(tiny("gptneox", layers=2), mix).types, mix
+    r = gguf_mix(g, "Q4_K_M")
+    assert r.choices["blk.0.ffn_up.weight"].type == "Q4_K"
+    assert r.choices["blk.0.ffn_down.weight"].type == "Q5_0"  # Q4_K's fallback: rows of 320
+    assert r.choices["blk.1.ffn_down.weight"].type == "Q8_0"  # use_more_bits: Q6_K, whose fallback is Q8_0
+    quantize_model(g, "gguf_q4_k_m", progress=False)
+    info = export_gguf(g, tmp_path / "g.gguf")
+    assert info.lossless and {r.tensors[k]: v for k, v in r.types.items()} == {
+        k: v for k, v in info.types.items() if k.endswith("weight") and v != "F32"}
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(from_gguf(tmp_path / "g.gguf")(ids).logits, g(ids).logits)
 
 
 def test_preset_names_and_errors():
@@ -329,7 +358,7 @@ def test_ftypes_are_llama_cpps():
 
 
 @pytest.mark.gguf_client
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma", "phi3", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma", "phi3", "mixtral", "gpt2", "gptneox"])
 def test_every_mix_chooses_llama_cpps_type_for_every_tensor(tmp_path, family):
     """Every tensor of llama.cpp's quantized file, for each of the 14 mixes: the same type as qcore's rules on the
     model (``gguf_file_types``: the same tensor names too). Llama: GQA 4 (Q2_K's attn_v), 320-wide FFN rows

@@ -152,6 +152,9 @@ def _summary_rows(r: QuantizeReport, *, report: bool) -> list[tuple[str, str]]:
         rows += [("gguf", "lossless (every quantized weight code for code)" if info.lossless else
                   f"{len(info.inexact)} of {len(info.quantized)} quantized weights not lossless (max abs "
                   f"difference {worst_g:.3g}; " + look.format("gguf_inexact"))]
+    if r.ppl_llama_cpp is not None:
+        rows += [("perplexity in llama.cpp", f"{r.ppl_llama_cpp:.3f}  (predicted: the file as llama.cpp's CPU "
+                                             f"backend computes it, the same windows)")]
     if isinstance(info, CTExportInfo):
         rows += [("compressed-tensors", f"format {info.format!r}, " + (
             "lossless (every tensor exact)" if info.lossless else f"{len(info.inexact)} tensor(s) not exact in "

@@ -33,7 +33,7 @@ from qcore.formats import gguf_mixes as GM
 
 from .config import LayerConfig, ModelConfig, match_tree
 from .gguf_names import expert_names, gguf_arch, gguf_family, gguf_names
-from .modules import quantizable_type
+from .modules import IN_OUT, quantizable_type, weight_layout
 from .presets import GGUF_MIX_PRESETS, mix_of_preset  # noqa: F401  (re-exported: the preset names of the mixes)
 
 __all__ = ["GGUFMix", "gguf_mix", "gguf_file_types", "GGUF_MIX_PRESETS", "mix_of_preset"]
@@ -113,7 +113,10 @@ def _file_tensors(model: nn.Module) -> tuple[dict, dict, dict]:
             continue
         if base == "output" and leaf == "weight" and (t is emb or not arch.output):
             continue  # a tied head: llama.cpp computes it with token_embd
-        shapes[f"{base}.{leaf}"] = tuple(t.shape)
+        shape = tuple(t.shape)
+        if leaf == "weight" and weight_layout(model.get_submodule(mod)) == IN_OUT:
+            shape = shape[::-1]  # GPT-2's Conv1D [in, out]: written as the Linear [out, in] it is (rows: in)
+        shapes[f"{base}.{leaf}"] = shape
     return shapes, names, experts
 
 
@@ -126,7 +129,7 @@ def _hparams(model: nn.Module) -> dict:
         v = meta.get(f"{a}.{key}")
         return default if v is None else int(v[0])
     n_layer = len(model.get_submodule(loc.layers))
-    n_head = get("attention.head_count", int(cfg["num_attention_heads"]))
+    n_head = get("attention.head_count") or int(model.config.num_attention_heads)  # GPT-2's n_head: attribute_map
     return dict(arch=a, n_layer=get("block_count", n_layer), n_head=n_head,
                 n_head_kv=get("attention.head_count_kv", n_head), n_expert=get("expert_count", 0))
 

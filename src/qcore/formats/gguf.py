@@ -79,7 +79,9 @@ __all__ = ["BLOCK", "TYPES", "TYPE_BYTES", "gguf_type", "block_scales", "encode"
            "quantize_float", "is_exact", "hf_to_gguf_name", "gguf_to_hf_name", "permute_qk", "unpermute_qk",
            "qkv_heads_to_gguf", "qkv_heads_from_gguf",
            "llama_metadata", "metadata", "config_from_metadata", "Arch", "ARCHS", "HPARAMS", "LAYER_TENSORS",
-           "TOP_TENSORS", "NORM_TENSORS", "EXPERT_TENSORS", "CorruptCheckpointError", "check_file", "TensorSpan", "GGML_SIZES"]
+           "TOP_TENSORS", "NORM_TENSORS", "EXPERT_TENSORS", "CorruptCheckpointError", "check_file", "TensorSpan", "GGML_SIZES",
+           "GGML_NAMES", "WEIGHT_TYPES", "VALUE_TYPES", "read_header", "GGUFHeader", "MetaField", "check_model_file",
+           "GGUFModel", "metadata_differences", "MetadataDifference"]
 
 BLOCK = 32
 # type name -> (ggml type id, bytes per block of 32)
@@ -972,7 +974,9 @@ def config_from_metadata(arch: str, fields: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the file's structure, checked before a reader (gguf-py's GGUFReader memory-maps the whole file) touches it
+# the loading gate: the file's structure (``read_header`` / ``check_file``), then the model it describes
+# (``check_model_file``), checked before any reader (gguf-py's GGUFReader memory-maps the whole file, transformers
+# and qcore build a model from the header's numbers) touches it
 # ---------------------------------------------------------------------------------------------------------------
 
 # every ggml type id -> (elements per block, bytes per block) (ggml.c's type_traits; gguf-py's GGML_QUANT_SIZES)
@@ -981,8 +985,26 @@ GGML_SIZES = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (3
               16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110),
               22: (256, 82), 23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8),
               29: (256, 56), 30: (1, 2), 34: (256, 54), 35: (256, 66), 39: (32, 17), 40: (64, 36), 41: (128, 18)}
+#: ggml type id -> name (gguf-py's ``GGMLQuantizationType``)
+GGML_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
+              11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS",
+              19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32",
+              27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4",
+              41: "Q1_0"}
+#: the types a model's tensor may have: F32 / F16 / BF16, or a block type gguf-py dequantizes (what transformers'
+#: GGUF reader and ``from_gguf(dequantize_other=True)`` dequantize with). ggml's dot-product intermediates
+#: (Q8_1, Q8_K), integer and F64 tensors and Q1_0 are no weights any of qcore's readers can read.
+WEIGHT_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 16, 17, 18, 19, 20, 21, 22, 23, 29, 30, 34, 35, 39,
+                          40})
 # GGUF metadata value types -> fixed byte size (8 = string, 9 = array)
 _KV_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+#: GGUF metadata value type -> name (gguf-py's ``GGUFValueType``)
+VALUE_TYPES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32", 7: "bool",
+               8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64"}
+_NP_TYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "u1", 10: "<u8", 11: "<i8",
+             12: "<f8"}
+_INT_TYPES = frozenset({0, 1, 2, 3, 4, 5, 10, 11})
+_FLOAT_TYPES = frozenset({6, 12})
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
@@ -1017,17 +1039,23 @@ class _Cursor:
                                          f"left in the file can hold")
         return n
 
-    def string(self, what: str) -> bytes:
-        return self.take(self.count(f"the length of {what}", 1), what)
+    def text(self, what: str) -> str:
+        """A length-prefixed UTF-8 string (gguf-py decodes keys, names and string values strictly)."""
+        b = self.take(self.count(f"the length of {what}", 1), what)
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CorruptCheckpointError(f"{self.where}: {what} is not UTF-8 text (byte {e.start} of "
+                                         f"{b[:40]!r})") from None
 
-    def skip_value(self, vtype: int, what: str, depth: int = 0) -> Optional[int]:
-        """Skip one metadata value; returns its integer value for scalar integer types (else None)."""
+    def value(self, vtype: int, what: str, depth: int = 0):
+        """One metadata value: a Python int / float / bool / str; an array: a read-only numpy array (numbers) or
+        a tuple of str."""
         if vtype in _KV_SIZES:
-            b = self.take(_KV_SIZES[vtype], what)
-            return int.from_bytes(b, "little", signed=vtype in (1, 3, 5, 11)) if vtype not in (6, 7, 12) else None
+            v = np.frombuffer(self.take(_KV_SIZES[vtype], what), _NP_TYPES[vtype])[0]
+            return bool(v) if vtype == 7 else v.item()
         if vtype == 8:
-            self.string(what)
-            return None
+            return self.text(what)
         if vtype == 9:
             if depth > 0:
                 raise CorruptCheckpointError(f"{self.where}: {what} is an array of arrays nested deeper than GGUF "
@@ -1037,11 +1065,9 @@ class _Cursor:
                 raise CorruptCheckpointError(f"{self.where}: {what} has unknown element type {etype}")
             n = self.count(f"the length of array {what}", _KV_SIZES.get(etype, 8 if etype == 8 else 12))
             if etype in _KV_SIZES:
-                self.take(n * _KV_SIZES[etype], what)
-            else:
-                for i in range(n):
-                    self.skip_value(etype, f"{what}[{i}]", depth + 1)
-            return None
+                a = np.frombuffer(self.take(n * _KV_SIZES[etype], what), _NP_TYPES[etype])
+                return a.astype(bool) if etype == 7 else a
+            return tuple(self.value(etype, f"{what}[{i}]", depth + 1) for i in range(n))
         raise CorruptCheckpointError(f"{self.where}: {what} has unknown value type {vtype}")
 
 
@@ -1055,19 +1081,71 @@ class TensorSpan:
     begin: int
     end: int
 
+    @property
+    def shape(self) -> tuple:
+        """numpy's order (the row length last): ``[out, in]`` for a Linear weight."""
+        return tuple(reversed(self.dims))
 
-def check_file(path) -> tuple:
-    """Check a GGUF file's structure before any reader maps it, and return its tensors (``TensorSpan``, in the
-    file's order): the magic and version; every count (metadata entries, tensors, array and string lengths) no
-    larger than the rest of the file could hold (checked before anything is allocated for it); known value and
-    tensor types, at most 4 dimensions; each tensor's byte range aligned, inside the file and overlapping no
-    other; no name given twice. ``CorruptCheckpointError`` (a ``ValueError``) naming the file and the tensor or
-    field, so a truncated download fails here, naming the tensor it cuts."""
+    @property
+    def type_name(self) -> str:
+        return GGML_NAMES[self.type_id]
+
+
+@dataclass(frozen=True, eq=False)
+class MetaField:
+    """One metadata entry: its GGUF value ``type`` (``VALUE_TYPES``), ``item_type`` for an array, the ``value``
+    (int / float / bool / str; an array: a read-only numpy array, or a tuple of str) and ``raw``: its bytes as
+    stored after the type (what ``metadata_differences`` compares)."""
+
+    type: int
+    value: object
+    raw: bytes
+    item_type: Optional[int] = None
+
+    def describe(self) -> str:
+        """A short description: ``uint32 30``, ``string 'apache-2.0'``, ``array of 49152 string``."""
+        if self.type == 9:
+            return f"array of {len(self.value)} {VALUE_TYPES[self.item_type]}"
+        v = repr(self.value)
+        return f"{VALUE_TYPES[self.type]} {v if len(v) <= 60 else v[:57] + '...'}"
+
+
+@dataclass(frozen=True, eq=False)
+class GGUFHeader:
+    """A GGUF file's header, checked (``read_header``): ``fields`` (key -> ``MetaField``, in the file's order),
+    ``tensors`` (``TensorSpan``, in the file's order), the data ``alignment`` and where the data starts."""
+
+    path: str
+    size: int
+    version: int
+    alignment: int
+    data_start: int
+    fields: dict
+    tensors: tuple
+
+    def get(self, key: str, default=None):
+        """The value of metadata ``key`` (``default`` when the file has none)."""
+        f = self.fields.get(key)
+        return default if f is None else f.value
+
+    def tensor(self, name: str) -> Optional[TensorSpan]:
+        return next((t for t in self.tensors if t.name == name), None)
+
+
+def read_header(path) -> GGUFHeader:
+    """Read and check a GGUF file's header before any reader maps it: the magic and version; every count
+    (metadata entries, tensors, array and string lengths) no larger than the rest of the file could hold (checked
+    before anything is allocated for it); known value and tensor types, at most 4 dimensions; keys, names and
+    string values UTF-8; no metadata key and no tensor name given twice (gguf-py would keep both under a made-up
+    name); ``general.alignment`` a uint32 power of two; each tensor's byte range aligned, inside the file and
+    overlapping no other. ``CorruptCheckpointError`` (a ``ValueError``) naming the file and the tensor or key,
+    so a truncated download fails here, naming the tensor it cuts."""
     import os
     import pathlib
     p = pathlib.Path(path)
     where = str(p)
     size = os.path.getsize(p)
+    fields: dict = {}
     with open(p, "rb") as f:
         c = _Cursor(f, size, where)
         if c.take(4, "the magic") != b"GGUF":
@@ -1077,19 +1155,31 @@ def check_file(path) -> tuple:
             raise CorruptCheckpointError(f"{where}: GGUF version {version}; GGUF readers read versions 2 and 3")
         n_tensors = c.count("the tensor count", 4 + 8 + 4 + 8 + 8)  # name length, >= 1 dim, type, offset
         n_kv = c.count("the metadata entry count", 8 + 4 + 1)
-        alignment = 32
         for i in range(n_kv):
-            key = c.string(f"metadata key {i}").decode("utf-8", "replace")
+            key = c.text(f"metadata key {i}")
+            if key in fields:
+                raise CorruptCheckpointError(f"{where}: metadata key {key!r} appears twice")
+            if key.startswith("GGUF."):
+                raise CorruptCheckpointError(f"{where}: metadata key {key!r}: the GGUF. prefix is gguf-py's own "
+                                             f"(the header's version and counts)")
             vtype = c.u32(f"the type of metadata {key!r}")
-            v = c.skip_value(vtype, f"metadata {key!r}")
-            if key == "general.alignment":
-                if vtype != 4 or v is None or v <= 0 or v & (v - 1):
-                    raise CorruptCheckpointError(f"{where}: metadata 'general.alignment' must be a uint32 power of "
-                                                 f"two, got type {vtype} value {v!r}")
-                alignment = v
+            start = c.pos
+            v = c.value(vtype, f"metadata {key!r}")
+            end = c.pos
+            f.seek(start)
+            raw = f.read(end - start)
+            f.seek(end)
+            fields[key] = MetaField(vtype, v, raw, int.from_bytes(raw[:4], "little") if vtype == 9 else None)
+        al = fields.get("general.alignment")
+        alignment = 32
+        if al is not None:
+            if al.type != 4 or al.value <= 0 or al.value & (al.value - 1):
+                raise CorruptCheckpointError(f"{where}: metadata 'general.alignment' must be a uint32 power of "
+                                             f"two, got {al.describe()}")
+            alignment = al.value
         spans, seen = [], set()
         for i in range(n_tensors):
-            name = c.string(f"the name of tensor {i}").decode("utf-8", "replace")
+            name = c.text(f"the name of tensor {i}")
             if name in seen:
                 raise CorruptCheckpointError(f"{where}: tensor {name!r} appears twice")
             seen.add(name)
@@ -1131,4 +1221,276 @@ def check_file(path) -> tuple:
     if size - (start + end_prev) >= alignment and spans:
         raise CorruptCheckpointError(f"{where}: {size - start - end_prev} unexpected bytes after the last tensor "
                                      f"{prev!r}: a tensor's type or shape does not match its data")
-    return tuple(TensorSpan(name, tid, dims, start + b, start + e) for name, tid, dims, b, e in spans)
+    return GGUFHeader(where, size, version, alignment, start, fields,
+                      tuple(TensorSpan(name, tid, dims, start + b, start + e) for name, tid, dims, b, e in spans))
+
+
+def check_file(path) -> tuple:
+    """``read_header(path).tensors``: the file's structure checked (see ``read_header``), its tensors
+    (``TensorSpan``, in the file's order). What every reader of a GGUF file that is not a model (an importance
+    matrix, a tokenizer, ``qcore inspect``) passes first; a model file passes ``check_model_file``."""
+    return read_header(path).tensors
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the model a GGUF file describes
+# ---------------------------------------------------------------------------------------------------------------
+
+#: the hyperparameters that are counts or sizes: each an integer >= 1 (``{arch}.`` + key)
+_AT_LEAST_ONE = frozenset({"context_length", "embedding_length", "block_count", "feed_forward_length",
+                           "attention.head_count", "attention.head_count_kv", "attention.key_length",
+                           "attention.value_length", "rope.dimension_count", "vocab_size", "expert_count",
+                           "expert_used_count", "expert_feed_forward_length", "expert_shared_feed_forward_length",
+                           "attention.sliding_window"})
+#: the float hyperparameters: each finite and > 0 (epsilons, rope base and factor, soft-capping)
+_POSITIVE_FLOATS = frozenset({"rope.freq_base", "attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon",
+                              "attn_logit_softcapping", "final_logit_softcapping", "rope.scaling.factor"})
+#: metadata outside ``{arch}.*`` whose value type readers rely on: key -> (allowed value types, element types)
+_TYPED_KEYS = {"general.architecture": ({8}, None), "general.name": ({8}, None),
+               "general.file_type": (_INT_TYPES, None), "general.quantization_version": (_INT_TYPES, None),
+               "tokenizer.ggml.model": ({8}, None), "tokenizer.ggml.pre": ({8}, None),
+               "tokenizer.ggml.tokens": ({9}, {8}), "tokenizer.ggml.merges": ({9}, {8}),
+               "tokenizer.ggml.token_type": ({9}, _INT_TYPES), "tokenizer.ggml.scores": ({9}, _FLOAT_TYPES),
+               "tokenizer.chat_template": ({8}, None)}
+_KIND_TYPES = {"u32": _INT_TYPES, "f32": _FLOAT_TYPES, "bool": frozenset({7}), "str": frozenset({8})}
+
+
+@dataclass(frozen=True, eq=False)
+class GGUFModel:
+    """A GGUF model file that passed ``check_model_file``: its ``header``, llama.cpp's architecture ``arch``,
+    whether it has mixture-of-experts layers (``{arch}.expert_count``) and ``config``, the transformers config
+    arguments of its metadata (``config_from_metadata``)."""
+
+    header: GGUFHeader
+    arch: str
+    experts: bool
+    config: dict
+
+    @property
+    def path(self) -> str:
+        return self.header.path
+
+
+def _type_names(types) -> str:
+    return " / ".join(VALUE_TYPES[t] for t in sorted(types))
+
+
+def check_model_file(path) -> GGUFModel:
+    """The loading gate of a GGUF model file, before any reader builds a model from its numbers: the structure
+    (``read_header``), then the model it describes:
+
+    - ``general.architecture`` a string naming an architecture qcore's records describe (``ARCHS``; another one,
+      even one transformers' GGUF reader reads, is refused: nothing would check that the file holds every tensor
+      that model needs, and a missing one would be randomly initialised);
+    - every hyperparameter the architecture reads (``HPARAMS`` and the architecture's own) of its type (an integer,
+      a float, a bool, a string) and a single value; counts and sizes >= 1 (context length, embedding length,
+      block count, feed-forward lengths, head counts, key / value lengths, rope dimensions, vocab size, expert
+      counts, sliding window); epsilons, rope base and factor, soft-capping finite and > 0;
+    - consistency with the tensors (each bounded by the file's size, so no number of the header can ask for more
+      memory than the file holds): ``token_embd.weight`` ``[vocab, embedding_length]`` (``vocab_size`` its rows);
+      tensors of exactly the layers ``0 .. block_count - 1``; the attention heads: ``head_count_kv`` dividing
+      ``head_count``, ``head_count`` dividing the embedding length unless ``attention.key_length`` gives the head
+      size, the value length the key length, layer 0's ``attn_q`` / ``attn_k`` / ``attn_qkv`` rows those heads
+      times the head size; ``rope.dimension_count`` at most the head size; ``expert_used_count`` at most
+      ``expert_count``, layer 0's router ``ffn_gate_inp`` one row per expert; learned positions
+      (``position_embd``) one row per ``context_length``;
+    - the tokenizer metadata (``tokenizer.ggml.*``) of its types, as many tokens as ``token_embd`` has rows (what
+      llama.cpp requires), token types and scores one per token, special token ids inside the vocabulary;
+    - then ``config_from_metadata`` (a rope qcore does not read, a missing hyperparameter).
+
+    Returns a ``GGUFModel``. ``CorruptCheckpointError`` (a ``ValueError``) of one line naming the file and the key
+    or tensor. Which tensors the model needs, with their shapes and types, is the family record's knowledge
+    (``qcore.adapters.io.gguf.check_gguf_file`` checks them on top of this)."""
+    h = read_header(path)
+    where = h.path
+
+    def bad(msg: str):
+        return CorruptCheckpointError(f"{where}: {msg}")
+
+    for key, (types, items) in _TYPED_KEYS.items():
+        f = h.fields.get(key)
+        if f is not None and (f.type not in types or (items is not None and f.item_type not in items)):
+            want = _type_names(types) if items is None else f"an array of {_type_names(items)}"
+            raise bad(f"metadata {key!r} is {f.describe()}; readers expect {want}")
+    arch = h.get("general.architecture")
+    if arch is None:
+        raise bad("the file has no general.architecture metadata: not a model (an importance matrix?)")
+    if arch not in ARCHS:
+        raise bad(f"general.architecture is {arch!r}; qcore reads GGUF models of the architectures its records "
+                  f"describe, {sorted(ARCHS)} (another reader may know {arch!r}, but nothing would check that the "
+                  f"file holds every tensor such a model needs: a missing one would be randomly initialised)")
+    a = ARCHS[arch]
+    experts = f"{arch}.expert_count" in h.fields
+    kinds = {key: kind for key, _, kind in HPARAMS + a.hparams + a.moe_hparams}
+    kinds.update({"rope.scaling.type": "str", "rope.scaling.factor": "f32"})
+    vals: dict = {}
+    for key, kind in kinds.items():
+        f = h.fields.get(f"{arch}.{key}")
+        if f is None:
+            continue
+        if f.type not in _KIND_TYPES[kind]:
+            raise bad(f"metadata '{arch}.{key}' is {f.describe()}; qcore and llama.cpp read it as one "
+                      f"{_type_names(_KIND_TYPES[kind])} value")
+        v = f.value
+        if key in _AT_LEAST_ONE and v < 1:
+            raise bad(f"metadata '{arch}.{key}' is {v}; it must be at least 1")
+        if key in _POSITIVE_FLOATS and not (np.isfinite(v) and v > 0):
+            raise bad(f"metadata '{arch}.{key}' is {v!r}; it must be finite and > 0")
+        vals[key] = v
+
+    def tensor_dims(name: str, nd: int) -> Optional[tuple]:
+        t = h.tensor(name)
+        if t is None:
+            return None
+        if len(t.dims) != nd:
+            raise bad(f"tensor {name!r} has shape {list(t.shape)}; the {arch} model needs a {nd}-D tensor there")
+        return t.dims
+
+    emb = tensor_dims("token_embd.weight", 2)
+    if emb is None:
+        raise bad("the file has no tensor 'token_embd.weight' (the token embedding every model reads first)")
+    hidden, vocab = vals.get("embedding_length"), emb[1]
+    if hidden is None:
+        raise bad(f"the file has no {arch}.embedding_length metadata")
+    if hidden != emb[0]:
+        raise bad(f"metadata '{arch}.embedding_length' is {hidden}; tensor 'token_embd.weight' has "
+                  f"{list(reversed(emb))} ([vocab, embedding_length])")
+    if vals.get("vocab_size", vocab) != vocab:
+        raise bad(f"metadata '{arch}.vocab_size' is {vals['vocab_size']}; tensor 'token_embd.weight' has {vocab} "
+                  f"rows")
+    layers = set()
+    for t in h.tensors:
+        m = re.match(r"blk\.(\d+)\.", t.name)
+        if m:
+            layers.add(int(m.group(1)))
+    n_layer = vals.get("block_count")
+    if n_layer is None:
+        raise bad(f"the file has no {arch}.block_count metadata")
+    if len(layers) != n_layer or (layers and max(layers) != n_layer - 1):  # never range(n_layer): a header number
+        gone = next(i for i in range(len(layers) + 1) if i not in layers)
+        raise bad(f"metadata '{arch}.block_count' is {n_layer}; the file's tensors are of layers "
+                  f"{_ranges(layers)}" + (f" (none of layer {gone})" if gone < min(n_layer, len(layers)) else ""))
+    n_head = vals.get("attention.head_count")
+    if n_head is None:
+        raise bad(f"the file has no {arch}.attention.head_count metadata")
+    skip = a.skip_hparams
+    n_kv = n_head if "attention.head_count_kv" in skip else vals.get("attention.head_count_kv", n_head)
+    if n_head % n_kv:
+        raise bad(f"metadata '{arch}.attention.head_count_kv' is {n_kv}; it must divide "
+                  f"{arch}.attention.head_count ({n_head})")
+    head_dim = None if "attention.key_length" in skip else vals.get("attention.key_length")
+    if head_dim is None:
+        if hidden % n_head:
+            raise bad(f"metadata '{arch}.attention.head_count' is {n_head}; it must divide "
+                      f"{arch}.embedding_length ({hidden}) when no {arch}.attention.key_length gives the head size")
+        head_dim = hidden // n_head
+    v_len = None if "attention.value_length" in skip else vals.get("attention.value_length")
+    if v_len is not None and v_len != head_dim:
+        raise bad(f"metadata '{arch}.attention.value_length' is {v_len}, the head size is {head_dim}; qcore reads "
+                  f"heads whose keys and values have one size")
+    reads = set(a.layer) | set(a.moe_layer or ())
+    for name, rows, what in (("attn_q", n_head * head_dim, "head_count x the head size"),
+                             ("attn_k", n_kv * head_dim, "head_count_kv x the head size"),
+                             ("attn_qkv", (n_head + 2 * n_kv) * head_dim, "(head_count + 2 head_count_kv) x the "
+                                                                          "head size")):
+        d = tensor_dims(f"blk.0.{name}.weight", 2) if name in reads else None
+        if d is not None and d[1] != rows:
+            raise bad(f"tensor 'blk.0.{name}.weight' has shape {[d[1], d[0]]}; the metadata gives {what} = {rows} rows "
+                      f"(attention.head_count {n_head}, head_count_kv {n_kv}, head size {head_dim})")
+    rot = vals.get("rope.dimension_count")
+    if rot is not None and "rope.dimension_count" not in skip and rot > head_dim:
+        raise bad(f"metadata '{arch}.rope.dimension_count' is {rot}; it must be at most the head size {head_dim}")
+    if experts:
+        n_exp, used = vals["expert_count"], vals.get("expert_used_count")
+        if used is not None and used > n_exp:
+            raise bad(f"metadata '{arch}.expert_used_count' is {used}; it must be at most {arch}.expert_count "
+                      f"({n_exp})")
+        d = tensor_dims("blk.0.ffn_gate_inp.weight", 2)
+        if d is not None and d[1] != n_exp:
+            raise bad(f"tensor 'blk.0.ffn_gate_inp.weight' (the router) has shape {[d[1], d[0]]}; metadata "
+                      f"'{arch}.expert_count' is {n_exp}")
+    if a.position_embd:
+        d = tensor_dims("position_embd.weight", 2)
+        ctx = vals.get("context_length")
+        if d is not None and ctx is not None and d[1] != ctx:
+            raise bad(f"metadata '{arch}.context_length' is {ctx}; tensor 'position_embd.weight' has shape "
+                      f"{[d[1], d[0]]}")
+    if vals.get("rope.scaling.type") == "linear" and "rope.scaling.factor" not in vals:
+        raise bad(f"metadata '{arch}.rope.scaling.type' is 'linear' but the file has no {arch}.rope.scaling.factor")
+    _check_tokenizer_fields(h, vocab, bad)
+    try:
+        config = config_from_metadata(arch, {k: f.value for k, f in h.fields.items()})
+    except ValueError as e:
+        raise bad(str(e)) from None
+    return GGUFModel(h, arch, experts, config)
+
+
+def _ranges(ints) -> str:
+    """``{0, 1, 2, 5}`` -> ``0..2, 5``."""
+    out, run = [], []
+    for i in sorted(ints):
+        if run and i != run[-1] + 1:
+            out.append(f"{run[0]}..{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(i)
+    if run:
+        out.append(f"{run[0]}..{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out) or "none"
+
+
+def _check_tokenizer_fields(h: GGUFHeader, vocab: int, bad) -> None:
+    """The tokenizer metadata a model file holds: as many tokens as the embedding has rows (llama.cpp's rule),
+    types and scores one per token, merges strings, special token ids inside the vocabulary, flags bools."""
+    tokens = h.fields.get("tokenizer.ggml.tokens")
+    n = None if tokens is None else len(tokens.value)
+    if n is not None and n != vocab:
+        raise bad(f"metadata 'tokenizer.ggml.tokens' has {n} tokens; tensor 'token_embd.weight' has {vocab} rows "
+                  f"(llama.cpp needs one token per row)")
+    for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        f = h.fields.get(key)
+        if f is not None and len(f.value) != n:
+            raise bad(f"metadata {key!r} has {len(f.value)} entries for "
+                      f"{'no tokenizer.ggml.tokens' if n is None else f'{n} tokens'}")
+    for key, f in h.fields.items():
+        if not key.startswith("tokenizer.ggml."):
+            continue
+        if key.endswith("_token_id"):
+            if f.type not in _INT_TYPES or not 0 <= f.value < vocab:
+                raise bad(f"metadata {key!r} is {f.describe()}; a token id is an integer below the vocabulary "
+                          f"size {vocab}")
+        elif key.startswith(("tokenizer.ggml.add_", "tokenizer.ggml.remove_")) and f.type != 7:
+            raise bad(f"metadata {key!r} is {f.describe()}; readers expect a bool")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# metadata of two files
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MetadataDifference:
+    """One metadata key two GGUF files disagree on: its description in each (``MetaField.describe``; None where
+    the file has no such key)."""
+
+    key: str
+    a: Optional[str]
+    b: Optional[str]
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.a or 'absent'} -> {self.b or 'absent'}"
+
+
+def metadata_differences(a, b) -> tuple:
+    """Every metadata key whose presence, value type or stored bytes differ between GGUF files ``a`` and ``b``
+    (paths or ``GGUFHeader``s; each read with ``read_header``), as ``MetadataDifference``s in ``a``'s key order,
+    then the keys only ``b`` has. Empty: the two files hold the same metadata (in any order). The tensors and the
+    header's counts are not metadata."""
+    ha = a if isinstance(a, GGUFHeader) else read_header(a)
+    hb = b if isinstance(b, GGUFHeader) else read_header(b)
+    out = []
+    for key, fa in ha.fields.items():
+        fb = hb.fields.get(key)
+        if fb is None or fa.type != fb.type or fa.raw != fb.raw:
+            out.append(MetadataDifference(key, fa.describe(), None if fb is None else fb.describe()))
+    out += [MetadataDifference(key, None, fb.describe()) for key, fb in hb.fields.items() if key not in ha.fields]
+    return tuple(out)

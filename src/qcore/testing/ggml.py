@@ -20,13 +20,15 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["GGML_TYPES", "ggml_library", "ggml_quantize", "ggml_row_size", "llama_cpp_logits"]
+__all__ = ["GGML_TYPES", "ggml_library", "ggml_quantize", "ggml_row_size", "llama_cpp_logits", "ggml_cpu_library",
+           "ggml_from_float", "ggml_vec_dot_type"]
 
 # ggml_type enum values (ggml.h; the same numbers as gguf.GGMLQuantizationType).
 GGML_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q2_k": 10, "q3_k": 11, "q4_k": 12,
               "q5_k": 13, "q6_k": 14, "iq4_nl": 20}
 
 _LIB: list = []
+_CPU: list = []
 
 
 def _candidates():
@@ -61,6 +63,73 @@ def ggml_library() -> Optional[ctypes.CDLL]:
             break
     _LIB.append(lib)
     return lib
+
+
+def ggml_cpu_library() -> Optional[ctypes.CDLL]:
+    """The loaded ``libggml-cpu`` beside ``libggml-base`` (cached, ``ggml_cpu_init`` called), or None: the CPU
+    backend's own activation quantizers (``quantize_row_q8_0`` / ``_q8_1`` / ``_q8_K``, what llama.cpp runs)."""
+    if _CPU:
+        return _CPU[0]
+    lib = None
+    base = ggml_library()
+    path = getattr(base, "_name", None)
+    if base is not None and path:
+        p = Path(path).with_name("libggml-cpu.so")
+        if p.is_file():
+            try:
+                ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)  # its symbols for libggml-cpu
+                lib = ctypes.CDLL(str(p))
+            except OSError:
+                lib = None
+    if lib is not None:
+        lib.ggml_cpu_init.restype = None
+        lib.ggml_cpu_init()
+        for fn in ("quantize_row_q8_0", "quantize_row_q8_1", "quantize_row_q8_K"):
+            getattr(lib, fn).restype = None
+            getattr(lib, fn).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        lib.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_TypeTraitsCPU)
+        lib.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
+    _CPU.append(lib)
+    return lib
+
+
+class _TypeTraitsCPU(ctypes.Structure):  # ggml-cpu.h struct ggml_type_traits_cpu
+    _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
+                ("nrows", ctypes.c_int64)]
+
+
+# block bytes of the activation types: (elements per block, bytes per block)
+_ACT_BLOCKS = {"q8_0": (32, 34), "q8_1": (32, 36), "q8_K": (256, 292)}
+
+
+def ggml_from_float(x, type_name: str) -> np.ndarray:
+    """llama.cpp's CPU conversion of float32 activations ``x`` (rows, n) to ``type_name`` (``q8_0``, ``q8_1``,
+    ``q8_K``): ``quantize_row_<type>`` of libggml-cpu per row -> uint8 (rows, n / block, block bytes)."""
+    lib = ggml_cpu_library()
+    if lib is None:
+        raise RuntimeError("libggml-cpu is not available (install llama-cpp-python or set QCORE_GGML_LIB)")
+    key = {k.lower(): k for k in _ACT_BLOCKS}.get(str(type_name).lower())
+    if key is None:
+        raise ValueError(f"type_name must be one of {sorted(_ACT_BLOCKS)}, got {type_name!r}")
+    qk, size = _ACT_BLOCKS[key]
+    a = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+    if a.ndim == 1:
+        a = a[None, :]
+    if a.ndim != 2 or a.shape[1] % qk:
+        raise ValueError(f"x must be (rows, n) with n a multiple of {qk}, got shape {a.shape}")
+    out = np.zeros((a.shape[0], a.shape[1] // qk, size), dtype=np.uint8)
+    fn = getattr(lib, f"quantize_row_{key}")
+    for r in range(a.shape[0]):
+        fn(a[r].ctypes.data, out[r].ctypes.data, a.shape[1])
+    return out
+
+
+def ggml_vec_dot_type(type_id: int) -> int:
+    """ggml-cpu's ``vec_dot_type`` (a ggml_type id) of the weight type ``type_id``."""
+    lib = ggml_cpu_library()
+    if lib is None:
+        raise RuntimeError("libggml-cpu is not available (install llama-cpp-python or set QCORE_GGML_LIB)")
+    return int(lib.ggml_get_type_traits_cpu(int(type_id)).contents.vec_dot_type)
 
 
 def _type_id(type_name: str) -> int:

@@ -47,6 +47,7 @@ class ExportRequest:
     onnx_unsupported: str = "error"
     tokenizer_pre: Optional[str] = None  # GGUF: llama.cpp's pre-tokenizer name for a converted tokenizer
     name: Optional[str] = None  # GGUF: general.name
+    metadata: Optional[str] = None  # GGUF: a GGUF file whose other metadata keys are carried (export_gguf metadata=)
     file_ok: bool = False  # the destination may be a file of the format's suffix (convert), not only a directory
 
 
@@ -162,7 +163,7 @@ def _write_hf(model: nn.Module, dst: pathlib.Path, r: ExportRequest) -> Written:
 
 def _write_gguf(model: nn.Module, dst: pathlib.Path, r: ExportRequest) -> Written:
     kw = dict(tokenizer=r.tokenizer, drop_activations=r.drop_activations, overwrite=r.overwrite,
-              **_kw(tokenizer_pre=r.tokenizer_pre, name=r.name))
+              **_kw(tokenizer_pre=r.tokenizer_pre, name=r.name, metadata=r.metadata))
     if r.file_ok and dst.suffix == ".gguf":
         info = GG.export_gguf(model, dst, **kw)
     else:

@@ -146,7 +146,8 @@ from ..families import FAMILIES
 from ..gguf_names import expert_names, family_problem, gguf_arch, gguf_family, gguf_names
 
 __all__ = ['export_gguf', 'export_gguf_dir', 'check_gguf', 'gguf_names', 'gguf_family', 'GGUFExportInfo',
-           'TensorReport', 'GGUF_FILE', 'from_gguf', 'GGUFImportReport', 'ImportedTensor']
+           'TensorReport', 'GGUF_FILE', 'from_gguf', 'GGUFImportReport', 'ImportedTensor', 'check_gguf_file',
+           'GGUFFile']
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -173,6 +174,9 @@ class GGUFExportInfo:
     types: dict = field(default_factory=dict)  # gguf tensor name -> type name
     quantized: tuple = ()  # TensorReport per quantized weight
     dropped: tuple = ()  # "module (role)" of activation quantization not written
+    # keys of export_gguf(metadata=) gguf-py's writer cannot write (empty arrays); out of the repr, which stays what
+    # it was for every export without metadata=
+    not_carried: tuple = field(default=(), repr=False)
 
     @property
     def lossless(self) -> bool:
@@ -581,7 +585,8 @@ def _plan(model: nn.Module, cfg: dict, arch, strict: bool) -> tuple[list, list[T
 
 def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: Any = None,
                 tokenizer_pre: Optional[str] = None, strict: bool = False, drop_activations: bool = False,
-                overwrite: bool = False, name: Optional[str] = None) -> GGUFExportInfo:
+                overwrite: bool = False, name: Optional[str] = None,
+                metadata: Union[str, os.PathLike, None] = None) -> GGUFExportInfo:
     """Write ``model`` (a transformers Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Gemma3, Phi-3, Mixtral,
     Qwen2-MoE, Qwen3-MoE, GPT-2 or GPT-NeoX quantized with
     ``quantize_model``, frozen or not) to the GGUF file ``path``. See the module docstring for what is written
@@ -596,6 +601,13 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
     strict: refuse (ValueError naming the tensor) any quantized weight that is not lossless.
     drop_activations: write a model with activation quantization, without it (else ValueError).
     overwrite: replace an existing file (else FileExistsError, before any work).
+    name: ``general.name`` (default: the model's hub id, else ``"qcore model"``).
+    metadata: the path of a GGUF file (the one the model was loaded from) whose metadata the written file carries
+        too: every key of it the writer does not set itself from the model (``general.license``,
+        ``general.languages``, ``general.file_type``, ``{arch}.*`` keys qcore does not write, ...; its
+        ``tokenizer.*`` keys when the written file gets no tokenizer of its own), copied as they are, after the
+        writer's own; ``general.alignment`` is the writer's. GGUF -> GGUF ``convert`` passes its source. A key
+        gguf-py's writer cannot write (an empty array) is not carried: ``GGUFExportInfo.not_carried`` names it.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -604,11 +616,14 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
             raise TypeError(f"{k} must be a bool, got {v!r}")
     if tokenizer_pre is not None and (not isinstance(tokenizer_pre, str) or not tokenizer_pre):
         raise TypeError(f"tokenizer_pre must be a non-empty str or None, got {tokenizer_pre!r}")
+    if metadata is not None and not isinstance(metadata, (str, os.PathLike)):
+        raise TypeError(f"metadata must be the path of a GGUF file or None, got {type(metadata).__name__}")
     path = pathlib.Path(path)
     if path.suffix != ".gguf":
         raise ValueError(f"path must name a .gguf file, got {str(path)!r}")
-    check_file_destination(path, overwrite, model_sources(model) + ([str(tokenizer)] if isinstance(
-        tokenizer, (str, os.PathLike)) else []))
+    check_file_destination(path, overwrite, model_sources(model) + [str(s) for s in (tokenizer, metadata)
+                                                                     if isinstance(s, (str, os.PathLike))])
+    carried = None if metadata is None else G.read_header(metadata)  # the file's structure checked first
     if not any(isinstance(m, QuantModule) for m in model.modules()):
         raise ValueError("export_gguf: the model has no qcore quantized modules; run quantize_model first")
     arch, meta, cfg, dropped = _check_model(model, drop_activations)
@@ -627,6 +642,8 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
             w.add_key_value(k, v, kinds[kind])
         for k, v, vt, sub in tok or []:
             w.add_key_value(k, v, vt, sub_type=sub)
+        not_carried = _carry_metadata(w, carried, {"general.architecture", "general.name",
+                                                    "general.quantization_version", *meta, *(t[0] for t in tok or [])})
         for gname, data, kind in tensors:
             if kind in G.BLOCK_KINDS:
                 w.add_tensor(gname, data, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
@@ -639,7 +656,32 @@ def export_gguf(model: nn.Module, path: Union[str, os.PathLike], *, tokenizer: A
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
     return GGUFExportInfo(str(path), path.stat().st_size, {n: k for n, _, k in tensors}, tuple(reports),
-                          tuple(dropped))
+                          tuple(dropped), not_carried)
+
+
+def _carry_metadata(w, carried: Optional[G.GGUFHeader], written: set) -> tuple:
+    """Add to the writer ``w`` every metadata key of ``carried`` (a checked GGUF header) that is not in
+    ``written`` (the writer's own keys): as stored, in the file's order; ``tokenizer.*`` only when the writer
+    writes no tokenizer key of its own (one tokenizer, never a mix of two); never ``general.alignment`` (the
+    writer's layout). Returns the keys gguf-py's writer cannot write (empty arrays)."""
+    if carried is None:
+        return ()
+    import gguf
+    V = gguf.GGUFValueType
+    own_tokenizer = any(k.startswith("tokenizer.") for k in written)
+    skipped = []
+    for k, f in carried.fields.items():
+        if k in written or k == "general.alignment" or (own_tokenizer and k.startswith("tokenizer.")):
+            continue
+        if f.type == 9:
+            if len(f.value) == 0:
+                skipped.append(k)
+                continue
+            value = list(f.value) if isinstance(f.value, tuple) else f.value.tolist()
+            w.add_key_value(k, value, V.ARRAY, sub_type=V(f.item_type))
+        else:
+            w.add_key_value(k, f.value, V(f.type))
+    return tuple(skipped)
 
 
 GGUF_FILE = "model.gguf"
@@ -787,29 +829,37 @@ def _check_args(path, dtype, strict, dequantize_other) -> pathlib.Path:
     return p
 
 
-def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, dequantize_other: bool
-                      ) -> tuple[list, dict]:
-    """Per tensor ``(tensor, hf name, module name, kind, shape)``, and per fused experts module its three tensors
-    ``{module name: {G.EXPERT_TENSORS role: tensor}}``, validated before any data is read."""
+def _plan_import_gguf(spans, model: nn.Module, cfg, names: dict, strict: bool, dequantize_other: bool,
+                      reader: str = "qcore") -> tuple[list, dict]:
+    """The tensor match of the loading gate (``check_gguf_file``): per tensor ``(span, hf name, module name, kind,
+    shape)``, and per fused experts module its three tensors ``{module name: {G.EXPERT_TENSORS role: span}}``
+    (``spans``: the file's ``G.TensorSpan``s), every tensor of the file in its place in ``model`` (a skeleton)
+    with that parameter's shape and a type its reader reads, every parameter of ``model`` given one; before any
+    data is read. ``reader="transformers"``: the types gguf-py dequantizes (``G.WEIGHT_TYPES``), whatever the
+    qcore grids."""
     params = dict(model.named_parameters())
     back = {v: k for k, v in names.items()}
     exp_back = {v: k for k, v in expert_names(model).items()}
     out, seen, experts = [], set(), {}
-    for t in reader.tensors:
-        kind = t.tensor_type.name
+    for t in spans:
+        kind = t.type_name
+        if t.type_id not in G.WEIGHT_TYPES:
+            raise ValueError(f"from_gguf: tensor {t.name!r} is {kind}, not a type model weights are stored in "
+                             f"(F32 / F16 / BF16 or a block type gguf-py dequantizes)")
         base, _, leaf = t.name.rpartition(".")
         blk, _, role = base.rpartition(".")
         if blk in exp_back and role in G.EXPERT_TENSORS and leaf == "weight":
             mod_name = exp_back[blk]
             if role in experts.setdefault(mod_name, {}):
                 raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} appears twice in the file")
-            shape = _shape(t)
+            shape = t.shape
             gu, dn = params[f"{mod_name}.gate_up_proj"].shape, params[f"{mod_name}.down_proj"].shape
             want = tuple(dn) if role == "ffn_down_exps" else (gu[0], gu[1] // 2, gu[2])
             if shape != want:
                 raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} has shape {list(shape)}; the model's "
                                              f"experts {mod_name} need {list(want)}")
-            if kind not in _FLOAT_TYPES and kind not in G.BLOCK_KINDS and (strict or not dequantize_other):
+            if reader == "qcore" and kind not in _FLOAT_TYPES and kind not in G.BLOCK_KINDS and (
+                    strict or not dequantize_other):
                 raise ValueError(f"from_gguf: tensor {t.name!r} is {kind}, which no qcore grid of fused experts "
                                  f"holds; qcore imports experts in {', '.join(sorted(G.BLOCK_KINDS))} and F32/F16/BF16 "
                                  f"(from Python, from_gguf(..., "
@@ -830,7 +880,7 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, 
         if hf not in params:
             raise ValueError(f"from_gguf: tensor {t.name!r} ({hf}) is not a parameter of the model its metadata "
                              f"describes (e.g. a bias the config does not have)")
-        shape = _shape(t)
+        shape = t.shape
         want = tuple(params[hf].shape)
         if _conv1d_weight(model, hf):
             want = want[::-1]  # Conv1D's [in, out] parameter: the GGUF tensor is the Linear's [out, in]
@@ -840,7 +890,9 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, 
             raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} has shape {list(shape)}; the model's "
                                          f"{hf} is {list(want)}")
         mod_name, _, leaf = hf.rpartition(".")
-        if kind not in _FLOAT_TYPES and kind not in G.BLOCK_KINDS:
+        if reader != "qcore":
+            pass
+        elif kind not in _FLOAT_TYPES and kind not in G.BLOCK_KINDS:
             if strict or not dequantize_other:
                 raise ValueError(f"from_gguf: tensor {t.name!r} is {kind}, which no qcore grid holds; qcore imports "
                                  f"{_HELD} and F32/F16/BF16 (from Python, from_gguf(..., "
@@ -850,7 +902,12 @@ def _plan_import_gguf(reader, model: nn.Module, cfg, names: dict, strict: bool, 
             raise CorruptCheckpointError(f"from_gguf: tensor {t.name!r} ({hf}) is {kind}; qcore imports block types "
                                          f"for 2-D weights only")
         out.append((t, hf, mod_name, kind, shape))
+    lacking = [m for m, ts in experts.items() if len(ts) != len(G.EXPERT_TENSORS)]
     missing = [n for n in params if n not in seen and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if lacking:
+        m = lacking[0]
+        gone = [f"{expert_names(model)[m]}.{r}.weight" for r in G.EXPERT_TENSORS if r not in experts[m]]
+        raise CorruptCheckpointError(f"from_gguf: the file has no tensor {gone[0]!r} (experts {m})")
     if missing:
         base, _, leaf = missing[0].rpartition(".")
         raise CorruptCheckpointError(f"from_gguf: the file has no tensor for {missing[:5]} "
@@ -893,30 +950,83 @@ def model_config_of_specs(model: nn.Module, specs: dict[str, QuantSpec]) -> Opti
     return ModelConfig(layer, by_name=by_name, exclude=())
 
 
-def _skeleton(reader, arch: str, dtype: torch.dtype):
-    """The transformers config and an empty model (parameters on meta) of the file, and its GGUF name map."""
+def _family_of_file(info: G.GGUFModel):
+    """The family record qcore reads a checked GGUF model file as (its ``gguf_arch``; with experts or not)."""
+    fam = next((f for f in FAMILIES if f.gguf_arch == info.arch and family_problem(f) is None
+                and (f.experts is not None) == info.experts), None)
+    if fam is None:
+        have = sorted({f.gguf_arch for f in FAMILIES if f.gguf_arch and family_problem(f) is None})
+        raise ValueError(f"from_gguf: general.architecture is {info.arch!r}"
+                         f"{' with experts' if info.experts else ''}; qcore imports {have}")
+    return fam
+
+
+def _skeleton(info: G.GGUFModel, dtype: torch.dtype, *, meta: bool = False):
+    """The transformers config and an empty model (parameters on meta) of the checked file ``info``, and its GGUF
+    name map. ``meta``: buffers on meta too (the loading gate's skeleton: nothing allocated at all)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
-    moe = f"{arch}.expert_count" in reader.fields
-    fam = next((f for f in FAMILIES if f.gguf_arch == arch and family_problem(f) is None
-                and (f.experts is not None) == moe), None)
-    if fam is None:
-        raise ValueError(f"from_gguf: general.architecture is {arch!r}; qcore imports "
-                         f"{sorted({f.gguf_arch for f in FAMILIES if f.gguf_arch and family_problem(f) is None})}")
-    fields = {k: f.contents() for k, f in reader.fields.items()}
-    try:
-        kw = G.config_from_metadata(arch, fields)
-    except ValueError as e:
-        raise CorruptCheckpointError(f"from_gguf: {e}") from None
-    names = {t.name for t in reader.tensors}
+    fam = _family_of_file(info)
+    kw = dict(info.config)
+    names = {t.name for t in info.header.tensors}
     kw["tie_word_embeddings"] = "output.weight" not in names
     for key, attr in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
-        v = fields.get(f"tokenizer.ggml.{key}_token_id")
+        v = info.header.get(f"tokenizer.ggml.{key}_token_id")
         kw[attr] = None if v is None else int(v)  # not the config class's defaults (Phi-3's 32000)
     cfg = AutoConfig.for_model(fam.model_type, **kw)
-    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) computed
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    with torch.device("meta") if meta else init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)  # parameters on meta, buffers (rotary) computed
     return cfg, model, gguf_names(model)
+
+
+@dataclass(frozen=True, eq=False)
+class GGUFFile:
+    """A GGUF model file that passed the loading gate (``check_gguf_file``): what the header says (``model``:
+    ``formats.gguf.GGUFModel``), the family record qcore reads it as, the transformers config, and the tensor
+    match (``plan``: per tensor ``(span, hf name, module name, kind, shape)``; ``experts``: per fused experts
+    module its three tensors)."""
+
+    path: pathlib.Path
+    model: G.GGUFModel
+    family: Any
+    config: Any
+    plan: tuple
+    experts: dict
+
+
+def check_gguf_file(path: Union[str, os.PathLike], *, reader: str = "qcore", strict: bool = False,
+                    dequantize_other: bool = False) -> GGUFFile:
+    """The loading gate of a GGUF model file, whatever reads it afterwards (``from_gguf``, ``qcore convert``,
+    transformers' GGUF reader in ``qcore quantize / eval / imatrix --model X.gguf``): before any allocation that
+    a number of the header decides,
+
+    1. ``formats.gguf.check_model_file``: the structure (counts, types, UTF-8, keys and names given once, data
+       regions inside the file, aligned, not overlapping) and the hyperparameters (of their types, in range,
+       consistent with the tensors' shapes, which the file's size bounds);
+    2. the model it must build: the family record of ``general.architecture`` (``families.py``; an architecture
+       no record describes is refused, even one transformers reads) and the skeleton of its transformers model,
+       built on the meta device (nothing allocated); every tensor of the file in its place (``gguf_names``, the
+       same names ``export_gguf`` writes), with that parameter's shape and a type the reader reads, and a tensor
+       for every parameter (a missing one would be randomly initialised).
+
+    reader: ``"qcore"`` (``from_gguf``: ``strict`` / ``dequantize_other`` decide which block types are refused)
+        or ``"transformers"`` (every type gguf-py dequantizes).
+    ValueError (``CorruptCheckpointError`` for a damaged file) of one line naming the file and the key or tensor.
+    """
+    if reader not in ("qcore", "transformers"):
+        raise ValueError(f"reader must be 'qcore' or 'transformers', got {reader!r}")
+    p = pathlib.Path(path)
+    try:
+        info = G.check_model_file(p)
+        cfg, model, names = _skeleton(info, torch.float32, meta=True)
+        plan, experts = _plan_import_gguf(info.header.tensors, model, cfg, names, strict, dequantize_other, reader)
+    except ValueError as e:  # every refusal names the file (and not from_gguf when transformers reads it)
+        msg = str(e)
+        if reader != "qcore" and msg.startswith("from_gguf: "):
+            msg = msg[len("from_gguf: "):]
+        msg = msg if str(p) in msg else f"{str(p)!r}: {msg}"
+        raise (CorruptCheckpointError if isinstance(e, CorruptCheckpointError) else ValueError)(msg) from None
+    return GGUFFile(p, info, _family_of_file(info), cfg, tuple(plan), experts)
 
 
 def _import_experts(model: nn.Module, mod_name: str, ts: dict, dtype: torch.dtype, strict: bool, reports: list,
@@ -1135,14 +1245,14 @@ def from_gguf(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = N
 
 def _load(p: pathlib.Path, dtype: torch.dtype, strict: bool, dequantize_other: bool) -> nn.Module:
     import gguf
-    G.check_file(p)  # counts, types, data ranges: before gguf-py maps the file
-    reader = gguf.GGUFReader(p)
-    arch = reader.fields.get("general.architecture")
-    arch = arch.contents() if arch is not None else None
-    cfg, model, names = _skeleton(reader, arch, dtype)
-    a = G.ARCHS[arch]
+    checked = check_gguf_file(p, strict=strict, dequantize_other=dequantize_other)  # the gate: before gguf-py
+    reader = gguf.GGUFReader(p)  # maps the file, and before the skeleton is built
+    by_name = {t.name: t for t in reader.tensors}
+    cfg, model, names = _skeleton(checked.model, dtype)
+    a = G.ARCHS[checked.model.arch]
     per_head_qkv = gguf_family(model)[0].qkv_layout == "per_head"  # llama.cpp's [q | k | v] back to per head
-    plan, experts = _plan_import_gguf(reader, model, cfg, names, strict, dequantize_other)
+    plan = [(by_name[s.name], hf, mod_name, kind, shape) for s, hf, mod_name, kind, shape in checked.plan]
+    experts = {m: {r: by_name[s.name] for r, s in ts.items()} for m, ts in checked.experts.items()}
     n_head = int(cfg.num_attention_heads)
     n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_head)
     tied = bool(cfg.tie_word_embeddings)

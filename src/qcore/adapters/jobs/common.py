@@ -16,7 +16,6 @@ from typing import Any, Optional
 import torch
 
 from qcore._fsutil import staged_file
-from qcore.formats.gguf import check_file
 from qcore.formats.inspect import checkpoint_files
 from qcore.formats.safetensors_io import SafetensorsFile, read_json_object
 
@@ -24,6 +23,7 @@ from .._device import check_device as _check_device
 from ..eval import evaluate as E
 from ..eval import models as M
 from ..io import from_pretrained
+from ..io.gguf import check_gguf_file
 from ..io.common import hf_config
 from ..io.formats import format_of_method
 
@@ -157,11 +157,7 @@ def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str, names: N
     if p.suffix == ".gguf":
         if not p.is_file():
             raise CommandError(f"{names.arg('model', spec)}: no such GGUF file")
-        check_file(p)  # a truncated or corrupted file: one line naming the tensor, before transformers reads it
-        tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=dtype, local_files_only=True)
-        M.make_plain(model)
-        return model.eval().to(device), tok, str(p)
+        return _load_gguf(p, dtype=dtype, device=device, names=names)
     if p.is_file():  # a model is a directory (or a .gguf file): name the one to give
         there = f": {str(p.parent)!r}" if (p.parent / "config.json").is_file() else ""
         if p.suffix == ".safetensors":
@@ -205,6 +201,45 @@ def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str, names: N
                            f"could not be loaded (it needs a network, or the HF cache holding it): "
                            f"{str(e).splitlines()[0]}") from None
     return model.eval().to(device), tok, spec
+
+
+def _load_gguf(p: pathlib.Path, *, dtype: torch.dtype, device: str, names: Names):
+    """``load_model`` of a ``.gguf`` file through transformers' GGUF reader (a float model, the weights
+    dequantized by gguf-py): the loading gate first (``io.gguf.check_gguf_file``: the header, the hyperparameters
+    and every tensor the family's model needs, before transformers builds anything from the header's numbers),
+    then transformers' load, whose report must name no parameter left to random initialisation (a tensor
+    transformers' reader does not map, or maps to another shape: its config read the metadata otherwise)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    check_gguf_file(p, reader="transformers")
+    where = names.arg("model", str(p))
+    try:
+        tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True)
+    except Exception as e:  # transformers' tokenizer converters raise what they meet (KeyError, IndexError, ...)
+        raise CommandError(f"{where}: its tokenizer (tokenizer.ggml.*) cannot be read by transformers: "
+                           f"{_first_line(e)}") from None
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=dtype,
+                                                           local_files_only=True, output_loading_info=True,
+                                                           ignore_mismatched_sizes=True)
+    except (ValueError, RuntimeError, KeyError, IndexError, TypeError, AssertionError, NotImplementedError) as e:
+        raise CommandError(f"{where}: transformers' GGUF reader cannot load it: {_first_line(e)} (qcore's own "
+                           f"reader does: qcore convert FILE.gguf DIR --to hf)") from None
+    for what, keys in (("has no tensor of the file (transformers' GGUF reader would leave it randomly "
+                        "initialised)", info.get("missing_keys")),
+                       ("has another shape than the file's tensor (transformers' GGUF reader read the metadata "
+                        "otherwise and would leave it randomly initialised)", info.get("mismatched_keys"))):
+        keys = sorted(k if isinstance(k, str) else k[0] for k in (keys or ()))
+        if keys:
+            raise CommandError(f"{where}: the model's {keys[0]!r} {what}"
+                               f"{f' (and {len(keys) - 1} more)' if len(keys) > 1 else ''}; qcore's own reader "
+                               f"loads the file: qcore convert FILE.gguf DIR --to hf")
+    M.make_plain(model)
+    return model.eval().to(device), tok, str(p)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def read_eval_text(path: Optional[str], *, names: Names = CLI) -> Optional[str]:

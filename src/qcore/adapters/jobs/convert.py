@@ -271,7 +271,8 @@ def _export(model: nn.Module, tok: Any, src_path: pathlib.Path, src: Format, dst
     same = to.copies_own_source and src is to  # GGUF -> GGUF: the tokenizer.* fields and the name copied verbatim
     request = ExportRequest(tokenizer=str(src_path) if same else tok, overwrite=overwrite, progress=progress,
                             drop_activations=True, tokenizer_pre=tokenizer_pre, onnx_unsupported=onnx_unsupported,
-                            name=_gguf_name(src_path) if same else None, file_ok=True)
+                            name=_gguf_name(src_path) if same else None, file_ok=True,
+                            metadata=str(src_path) if same else None)
     try:
         written = to.write(model, dst, request)
     except UnsupportedWeightError as e:  # name convert's own argument (the command line names its flag)

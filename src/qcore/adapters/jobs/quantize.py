@@ -45,6 +45,7 @@ from ..calibration import freeze, model_bytes
 from ..config import ModelConfig
 from ..eval import evaluate as E
 from ..eval import layer_report
+from ..eval.llama_cpp import llama_cpp_perplexity
 from ..eval import models as M
 from ..gguf_mix import gguf_mix
 from ..imatrix import check_importance_algorithms, collect_imatrix, load_imatrix, model_importance
@@ -802,6 +803,11 @@ def run(plan: QuantizePlan) -> QuantizeReport:
         q = _quantize(plan)
         measured = _measure(plan, q)
         exported = _export(plan, q.config) if plan.out_dir is not None else {}
+        if plan.needs_eval and plan.format is not None and plan.format.name == "gguf" and exported:
+            ev = plan.job.evaluation  # the written file as llama.cpp computes it (eval/llama_cpp.py), same windows
+            exported["ppl_llama_cpp"] = llama_cpp_perplexity(
+                exported["export_info"].path, plan.tokenizer, token_ids=plan.token_ids, seq_len=ev.seq_len,
+                windows=_windows(plan), progress=plan.job.run.progress)
         return _report(plan, q, ppl_base, measured, exported)
     except KeyboardInterrupt:  # Ctrl-C: with a work directory, how to continue, in the caller's words
         if not plan.work:

@@ -38,6 +38,9 @@ class QuantizeReport:
     round-to-nearest when algorithms ran and a report or plot was asked for; sizes in bytes; the export's
     ``export_format``, ``output_dir``, ``bytes_on_disk``, ``quant_method``, ``export_seconds`` and the exporter's
     own ``export_info`` (``ExportInfo``, ``GGUFExportInfo``, ``ONNXExportInfo`` or ``CTExportInfo``);
+    ``ppl_llama_cpp`` (``--export gguf`` with evaluation) the written file's perplexity on the same windows as
+    llama.cpp's CPU backend computes it (``qcore.adapters.eval.llama_cpp``: 8-bit activation rounding per weight
+    type, the F16 KV cache), None otherwise;
     ``onnx_dequantized`` the weights ``onnx_unsupported="dequantize"`` wrote as float. ``quantized_model`` and
     ``tokenizer`` are the frozen quantized model and its tokenizer (not part of the JSON, nor of equality).
     """
@@ -67,6 +70,7 @@ class QuantizeReport:
     quant_method: Optional[str] = None
     export_seconds: Optional[float] = None
     export_info: Any = None
+    ppl_llama_cpp: Optional[float] = None  # --export gguf: the written file's perplexity as llama.cpp computes it
     onnx_dequantized: tuple = ()
     moe_coverage: Any = None  # qcore.adapters.moe.ExpertCoverage of static calibration (MoE models), or None
     qcore_version: str = ""
@@ -106,6 +110,7 @@ class QuantizeReport:
             "bytes_on_disk": self.bytes_on_disk, "output_dir": self.output_dir, "export_format": self.export_format,
             "quant_method": self.quant_method,
             "gguf_lossless": None if gguf is None else gguf.lossless,
+            "ppl_llama_cpp": self.ppl_llama_cpp,
             "gguf_inexact": None if gguf is None else [
                 {"tensor": r.name, "type": r.gguf_type, "how": r.how, "max_abs_diff": r.max_abs_diff}
                 for r in gguf.inexact],
