@@ -1,12 +1,48 @@
-"""argparse value types shared by the command lines (``qcore.cli`` and ``qcore.adapters.cli``): each raises
-``argparse.ArgumentTypeError`` so that argparse's error names the flag."""
+"""What the command lines (``qcore.cli`` and ``qcore.adapters.cli``) share: argparse value types, each raising
+``argparse.ArgumentTypeError`` so that argparse's error names the flag; and ``Needs`` / ``check_needs``, the context
+in which an option has an effect, as data, and the one check that refuses an option given where it has none (an
+option accepted and ignored is a silent wrong answer: the user believes it did something)."""
 
 from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Iterable, Mapping, Union
 
-__all__ = ["comma_list", "positive_number", "nonnegative_number", "nonnegative_int", "positive_int"]
+__all__ = ["nonempty", "comma_list", "positive_number", "nonnegative_number", "nonnegative_int", "positive_int", "Needs",
+           "check_needs"]
+
+
+@dataclass(frozen=True)
+class Needs:
+    """Option ``option`` (a parser's ``dest`` or a job's argument name) has an effect only where ``when(options)``
+    holds; given anywhere else it is refused with ``why``: a phrase following the option as the user gave it
+    (``--no-cache`` + ``"applies to perplexity; --eval none measures none"``), or a function of ``(names,
+    options)`` returning it (``names``: whatever the caller passes to ``check_needs``, e.g. a job's ``Names``)."""
+
+    option: str
+    when: Callable[[Mapping[str, Any]], bool]
+    why: Union[str, Callable[[Any, Mapping[str, Any]], str]]
+
+
+def check_needs(needs: Iterable[Needs], options: Mapping[str, Any], *, given: Collection[str],
+                show: Callable[[str, Any], str], names: Any = None, error: type = ValueError) -> None:
+    """Refuse (``error``, a ValueError by default; one line) the first option of ``given`` whose ``Needs`` entry in ``needs`` does not hold
+    for ``options``; ``show(option, value)``: the option as the user gave it (``--seq-len 64``, ``seq_len=64``).
+    Options not given (defaults) are never refused."""
+    for n in needs:
+        if n.option in given and not n.when(options):
+            why = n.why if isinstance(n.why, str) else n.why(names, options)
+            raise error(f"{show(n.option, options[n.option])} {why}")
+
+
+def nonempty(text: str) -> str:
+    """A non-empty string (argparse type): an empty path would mean the working directory (``qcore conformance
+    export '' --overwrite`` would replace it)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a non-empty value, got ''")
+    return text
 
 
 def comma_list(text: str) -> list:

@@ -27,7 +27,7 @@ import sys
 from typing import Optional, Sequence
 
 from . import __version__, conformance
-from ._argtypes import nonnegative_int, comma_list
+from ._argtypes import Needs, check_needs, comma_list, nonempty, nonnegative_int
 from .dtypes import DTYPES, BlockDType
 from .formats import inspect as fi  # numpy only: works without torch
 
@@ -124,7 +124,8 @@ def _add_conformance(sub) -> None:
     csub.required = True
 
     e = csub.add_parser("export", help="write inputs and expected outputs (.npy, .bin, manifest.json/.tsv)")
-    e.add_argument("directory", help="output directory (must not exist or be empty, unless --overwrite)")
+    e.add_argument("directory", type=nonempty,
+                   help="output directory (must not exist or be empty, unless --overwrite)")
     e.add_argument("--formats", required=True, type=comma_list,
                    help="comma-separated format names, e.g. mxfp4,float8_e4m3fn")
     e.add_argument("--modes", type=comma_list, default=None,
@@ -136,8 +137,8 @@ def _add_conformance(sub) -> None:
     e.set_defaults(func=_conformance_export)
 
     c = csub.add_parser("check", help="compare a kernel's outputs with exported vectors, bit for bit")
-    c.add_argument("vectors", help="directory written by 'qcore conformance export'")
-    c.add_argument("--outputs", required=True,
+    c.add_argument("vectors", type=nonempty, help="directory written by 'qcore conformance export'")
+    c.add_argument("--outputs", required=True, type=nonempty,
                    help="directory with the kernel's outputs: <case>/<expected file stem>.npy or .bin")
     c.add_argument("--ulps", type=nonnegative_int, default=0,
                    help="tolerance in units in the last place for float files (default 0)")
@@ -191,8 +192,15 @@ def _model_command(name: str):
     return add
 
 
+#: what ``qcore inspect``'s flags need to have an effect (``qcore._argtypes.Needs``; the conformance commands'
+#: flags have one wherever they are given)
+_INSPECT_NEEDS = (Needs("layers", lambda o: not o["json"], "has no effect with --json, which lists every layer"),)
+
+
 def _inspect(args) -> int:
     try:
+        check_needs(_INSPECT_NEEDS, vars(args), given={k for k in ("layers", "json") if getattr(args, k)},
+                    show=lambda k, v: "--" + k)
         info = fi.inspect_path(args.directory)
     except (OSError, ValueError, ModuleNotFoundError) as e:
         if args.debug:
@@ -211,7 +219,8 @@ def _add_inspect(sub) -> None:
                                    "safetensors headers, and checks that every file is complete), a .gguf file "
                                    "(tensor types, bits per weight by block type) or an ONNX export directory "
                                    "(initializers: dtype, quantized form, bits per weight).")
-    i.add_argument("directory", metavar="PATH", help="checkpoint directory (config.json + *.safetensors), .gguf "
+    i.add_argument("directory", metavar="PATH", type=nonempty, help="checkpoint directory (config.json + "
+                   "*.safetensors), .gguf "
                    "file, or ONNX export directory (model.onnx)")
     i.add_argument("--layers", action="store_true", help="one row per quantized layer / tensor")
     i.add_argument("--json", action="store_true", help="print the description as JSON (per layer included)")

@@ -103,7 +103,7 @@ BAD_CLI = [
     *[(Q + ["--max-shard-size", v, "--output", "out"], f"--max-shard-size {v}", "is not a size")
       for v in ("abc", "0", "5XB", "infGB", "0.0000001B")],
     (Q + ["--max-shard-size=-5GB", "--output", "out"], "--max-shard-size -5GB", "is not a size"),
-    (Q + ["--max-shard-size", "abc"], "--max-shard-size abc", "is not a size"),  # without --output too
+    (Q + ["--max-shard-size", "abc"], "--max-shard-size abc", "applies to the checkpoint written to --output"),
     (Q + ["--calib-samples", "0", "--scheme", "w_fp8_a_fp8"], "--calib-samples 0", "static input scales"),
     (Q + ["--calib-samples", "0", "--kv-cache-dtype", "fp8"], "--calib-samples 0", "KV-cache scales"),
     (Q + ["--calib-samples", "0", "--algo", "gptq"], "--calib-samples 0", "algorithm gptq"),
@@ -133,7 +133,7 @@ BAD_CLI = [
     (Q + ["--seq-len", "1"], "--seq-len 1", "windows of 2 tokens or more"),
     (Q + ["--eval", "bleu"], "--eval", "invalid choice"),
     (Q + ["--kv-cache-dtype", "int8"], "--kv-cache-dtype", "invalid choice"),
-    (Q + ["--target-bits", "4"], "--target-bits", "apply to --amp"),
+    (Q + ["--target-bits", "4"], "--target-bits", "applies to --amp"),
     (Q + ["--amp", "w_mxfp4_a_mxfp4,float", "--target-bits", "2"], "--target-bits 2.0", "below the fewest bits"),
     (Q + ["--algo", ",,,"], "--algo ,,,", "no algorithm named"),
     (Q + ["--eval-text", "adir"], "--eval-text adir", "no such file"),
@@ -278,7 +278,7 @@ BAD_WITH_MODEL = [
     (["--scheme", "kv_only.json", "--output", "out"], "--export hf", "KV-cache-only or activation-only"),
     (["--scheme", "act_only.json", "--output", "out", "--export", "compressed-tensors"],
      "--export compressed-tensors", "not their weight"),
-    (["--exclude", "no_such_module"], "ModelConfig.exclude entry", "matches no module"),
+    (["--exclude", "no_such_module"], "--exclude 'no_such_module'", "matches no module"),
     (["--amp", "w_mxfp4_a_mxfp4,float", "--target-bits", "100", "--seq-len", "32", "--amp-samples", "1",
       "--calib-samples", "1", "--eval", "none", "--eval-text", "long.txt"], "--amp chose 'float' for every layer",
      "nothing to quantize"),

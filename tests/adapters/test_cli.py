@@ -150,14 +150,15 @@ def test_quantize_a_model_directory_writes_the_report(llama_dir, tmp_path, capsy
                                 "spinquant) must come first"),
     (["--algo", "nosuchalgo"], "--algo nosuchalgo: algorithm 'nosuchalgo' is not available"),
     (["--export", "hf"], "--export hf needs --output DIR"),
-    (["--max-shard-size", "huge", "--output", "/tmp/qcore-never-written"], "max_shard_size 'huge' is not a size"),
-    (["--scheme", "fp8", "--group-size", "64"], "'fp8' has no per-group or block role"),
+    (["--max-shard-size", "huge", "--output", "/tmp/qcore-never-written"], "--max-shard-size huge is not a size"),
+    (["--scheme", "fp8", "--group-size", "64"], "--group-size 64 does not apply to --scheme fp8: the preset has no "
+                                                "per-group or block role"),
     (["--scheme", "/nonexistent/c.json"], "--scheme /nonexistent/c.json: no such file"),
     (["--dtype", "float64"], "--dtype must be one of"),
     (["--amp", "w_mxfp4_a_mxfp4,w_fp9", "--target-bits", "5"], "--amp: 'w_fp9' is not a preset"),
     (["--amp", "w_mxfp4_a_mxfp4,w_fp8_a_fp8"], "--amp needs exactly one of --target-bits and --max-loss"),
     (["--amp", "fp8", "--scheme", "fp8", "--target-bits", "5"], "give --amp or --scheme"),
-    (["--target-bits", "5"], "--target-bits / --max-loss apply to --amp"),
+    (["--target-bits", "5"], "--target-bits 5.0 applies to --amp"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(argv, message, capsys):
     assert main(["quantize", *argv]) == 2
@@ -207,11 +208,11 @@ def test_eval_needs_a_tokenizer_and_task_flags_need_tasks(llama_dir, capsys):
     assert main(["eval", "--model", str(llama_dir)]) == 2
     assert "no tokenizer found" in capsys.readouterr().err
     # refused before any model loads (no --model: the embedded SmolLM2 is not loaded); --tasks: test_lm_eval.py
-    for argv, message in [(["--limit", "3"], "--limit 3: applies to lm-evaluation-harness tasks; give --tasks too"),
-                          (["--num-fewshot", "0"], "--num-fewshot 0: applies to lm-evaluation-harness tasks"),
-                          (["--batch-size", "8"], "--batch-size 8: applies to lm-evaluation-harness tasks"),
-                          (["--no-ppl"], "--no-ppl without --tasks: nothing to evaluate"),
-                          (["--tasks", "x", "--eval-text", "t.txt", "--no-ppl"], "the text is read only for "
+    for argv, message in [(["--limit", "3"], "--limit 3 applies to lm-evaluation-harness tasks; give --tasks too"),
+                          (["--num-fewshot", "0"], "--num-fewshot 0 applies to lm-evaluation-harness tasks"),
+                          (["--batch-size", "8"], "--batch-size 8 applies to lm-evaluation-harness tasks"),
+                          (["--no-ppl"], "--no-ppl applies with --tasks"),
+                          (["--tasks", "x", "--eval-text", "t.txt", "--no-ppl"], "--eval-text t.txt is read only for "
                                                                                  "perplexity")]:
         assert main(["eval", *argv]) == 2, argv
         err = capsys.readouterr().err

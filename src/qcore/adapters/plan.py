@@ -27,7 +27,7 @@ from .modules import (EXPERT_PROJS, QUANT_CLASSES, QuantExperts, QuantModule, is
                       quantizable_type)
 from .presets import mix_of_preset, preset
 
-__all__ = ["plan_model", "check_plannable", "resolve_config", "default_exclude", "LayerPlan", "FloatWeight", "unquantized_weights",
+__all__ = ["plan_model", "NoMatchError", "check_plannable", "resolve_config", "default_exclude", "LayerPlan", "FloatWeight", "unquantized_weights",
            "excluded_weights", "quantized_modules", "module_type"]
 
 
@@ -55,13 +55,23 @@ class LayerPlan:
         return f"LayerPlan({self.name!r}, {self.type}, {', '.join(roles)})"
 
 
-def _no_match_error(what: str, pattern: str, names: list[str]) -> ValueError:
+class NoMatchError(ValueError):
+    """A config's pattern matches no module of the model: ``field`` (``"exclude"``, ``"by_name"``,
+    ``"kv_cache.targets"``), the ``pattern``, and ``hint`` (the closest module names), so that a caller can name the
+    option the pattern came from (``qcore quantize --exclude``)."""
+
+    def __init__(self, what: str, field: str, pattern: str, hint: str):
+        super().__init__(f"{what} {pattern!r} matches no module of the model{hint}")
+        self.field, self.pattern, self.hint = field, pattern, hint
+
+
+def _no_match_error(what: str, field: str, pattern: str, names: list[str]) -> NoMatchError:
     core = pattern[3:] if pattern.startswith("re:") else pattern.replace("*", "")
     close = difflib.get_close_matches(core, names, n=5, cutoff=0.3)
     if not close:
         close = [n for n in names if core and core.split(".")[-1] in n][:5]
     hint = f"; closest module names: {close}" if close else f"; module names look like {names[:5]}"
-    return ValueError(f"{what} {pattern!r} matches no module of the model{hint}")
+    return NoMatchError(what, field, pattern, hint)
 
 
 def _output_head(model: nn.Module) -> list[str]:
@@ -124,14 +134,14 @@ def plan_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], *, qu
     targets = names + [w.name for w in odd] + [q for ps in experts.values() for q in ps]
     for p in ([] if config.exclude is None else exclude):
         if not any(match_name(p, n) for n in targets):
-            raise _no_match_error("ModelConfig.exclude entry", p, names)
+            raise _no_match_error("ModelConfig.exclude entry", "exclude", p, names)
     for p in config.by_name:
         if not any(match_name(p, n) for n in targets):
-            raise _no_match_error("ModelConfig.by_name pattern", p, names)
+            raise _no_match_error("ModelConfig.by_name pattern", "by_name", p, names)
     kv_targets = config.kv_cache.targets if config.kv_cache is not None else ()
     for p in kv_targets:
         if not any(match_name(p, n) for n in names):
-            raise _no_match_error("KVCacheConfig.targets pattern", p, names)
+            raise _no_match_error("KVCacheConfig.targets pattern", "kv_cache.targets", p, names)
 
     plans: list[LayerPlan] = []
     skipped: list[str] = []

@@ -34,7 +34,7 @@ from qcore.formats import gguf_mixes as GM
 from .config import KVCacheConfig, LayerConfig, ModelConfig, TensorConfig
 
 __all__ = ["PRESETS", "DEFAULT_GROUP_SIZE", "GGUF_MIX_PRESETS", "mix_of_preset", "preset", "preset_names",
-           "similar_schemes"]
+           "similar_schemes", "takes_group_size"]
 
 DEFAULT_GROUP_SIZE = 128
 
@@ -145,6 +145,11 @@ def _spec(fmt: str, gran: str, group_size: Optional[int], scale_mode: ScaleMode)
     raise ValueError(f"preset table: unknown granularity {gran!r}")
 
 
+def takes_group_size(name: str) -> bool:
+    """Whether preset ``name`` has a per-group or block role (which ``preset(group_size=)`` sets)."""
+    return any(g == "group" or g == "block" or g.startswith("group") for _, g, _ in PRESETS[name].values())
+
+
 def preset(name: str, *, group_size: Optional[int] = None, kv_cache: Optional[str] = None,
            exclude: Optional[tuple] = None, scale_mode: ScaleMode = ScaleMode.EVEN) -> ModelConfig:
     """The ``ModelConfig`` of a named scheme.
@@ -169,8 +174,7 @@ def preset(name: str, *, group_size: Optional[int] = None, kv_cache: Optional[st
     if not isinstance(scale_mode, ScaleMode):
         raise TypeError(f"scale_mode must be a qcore.ScaleMode, got {scale_mode!r}")
     table = PRESETS[name]
-    if group_size is not None and not any(g == "group" or g == "block" or g.startswith("group")
-                                          for _, g, _ in table.values()):
+    if group_size is not None and not takes_group_size(name):
         raise ValueError(f"preset {name!r} has no per-group or block role: group_size={group_size} does not apply")
     mx_float = [f for f, g, _ in table.values() if g == "block" and isinstance(qcore.get_dtype(f).element, FloatDType)
                 and qcore.get_dtype(f).scale.mantissa_bits == 0 and not qcore.get_dtype(f).subblock_shift_bits]

@@ -23,6 +23,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+import qcore  # noqa: E402
+from qcore.adapters import LayerConfig, ModelConfig  # noqa: E402
 from qcore.adapters.jobs import checkpoint as CK  # noqa: E402
 from qcore.adapters.jobs import convert as CV  # noqa: E402
 from qcore.adapters.jobs import imatrix as IM  # noqa: E402
@@ -30,7 +32,6 @@ from qcore.adapters.jobs import quantize as J  # noqa: E402
 from qcore.adapters.jobs.common import CLI, PYTHON, CommandError  # noqa: E402
 from qcore.adapters.jobs.files import JobFiles, check_files  # noqa: E402
 from qcore.adapters.passes import checkpointing as K  # noqa: E402
-from qcore.adapters.presets import preset  # noqa: E402
 from qcore.cli import main  # noqa: E402
 
 
@@ -60,7 +61,8 @@ def _put(root: pathlib.Path, rel: str, content=None) -> str:
 def _quantize_base(root):
     model = _put(root, "in_model/model", "dir")
     _put(root, "in_model/model/config.json", "{}")
-    return dict(model=model, scheme=_put(root, "in_scheme/scheme.json", json.dumps(preset("uint4_wo_32").to_dict())),
+    gguf = ModelConfig(LayerConfig(weight=qcore.make_spec("q4_0")))  # GGUF weights: the imatrix has an effect
+    return dict(model=model, scheme=_put(root, "in_scheme/scheme.json", json.dumps(gguf.to_dict())),
                 eval_text=_put(root, "in_eval_text/text.txt", "some text to evaluate and calibrate on. " * 20),
                 imatrix=_put(root, "in_imatrix/imatrix.dat", b"\0" * 16),
                 work_dir=_put(root, "in_work_dir/work", "dir"), output=_put(root, "o_output/out"),

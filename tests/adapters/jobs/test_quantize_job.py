@@ -130,11 +130,11 @@ def _bad(lm_dir, tmp):
         (dict(model=good, scheme="w_int9"), ValueError, "scheme='w_int9' is not a preset; did you mean"),
         (dict(model=good, scheme=preset("uint4_wo_32"), group_size=32), ValueError, "group_size applies to a preset scheme"),
         (dict(model=good, export="hf"), ValueError, "export='hf' needs output"),
-        (dict(model=good, onnx_weights="matmulnbits"), ValueError, "onnx_weights applies to export='onnx'"),
+        (dict(model=good, onnx_weights="matmulnbits"), ValueError, "onnx_weights='matmulnbits' applies to export='onnx'"),
         (dict(model=good, algorithms=["gptq", "quarot"]), ValueError, "algorithms=['gptq', 'quarot']: algorithms"),
         (dict(model=good, algorithms="nosuchalgo"), ValueError, "algorithm 'nosuchalgo' is not available"),
         (dict(model=good, amp="w_mxfp4_a_mxfp4,w_fp8_a_fp8"), ValueError, "amp needs exactly one of target_bits"),
-        (dict(model=good, target_bits=5), ValueError, "target_bits / max_loss apply to amp"),
+        (dict(model=good, target_bits=5), ValueError, "target_bits=5.0 applies to amp"),
         (dict(model=good, seq_len=1), ValueError, "seq_len=1: perplexity needs windows of 2 tokens or more (or "
                                                   "eval='none')"),
         (dict(model=good, output=str(full)), ValueError, "pass overwrite=True to replace it"),
@@ -147,6 +147,13 @@ def _bad(lm_dir, tmp):
          "calib_samples=0: algorithm gptq need calibration windows"),
         (dict(model=good, scheme="fp8", export="gguf", output=str(tmp / "o")), ValueError,
          "pass drop_activations=True"),
+        # options that would change nothing (issue 33), and bad values named as given
+        (dict(model=good, scheme="uint4_wo_32", calib_samples=8), ValueError,
+         "calib_samples=8 has no effect: nothing in this run calibrates (no static scales, KV cache, algorithm "
+         "reading data, amp or imatrix='calib')"),
+        (dict(model=good, scheme="fp8", group_size=64), ValueError,
+         "group_size=64 does not apply to scheme='fp8': the preset has no per-group or block role"),
+        (dict(model=good, exclude=["re:[a"]), ValueError, "exclude='re:[a': bad regular expression 're:[a'"),
     ]
 
 
@@ -163,7 +170,7 @@ def test_bad_arguments_are_refused_before_any_work(lm_dir, tmp_path, no_work):
         assert " --" not in msg, msg  # the Python argument, not the command-line flag
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written
     assert sorted(p.name for p in pathlib.Path(lm_dir).rglob("*")) == model_files
-    assert len(cases) == 33
+    assert len(cases) == 36
 
 
 def test_module_only_refusals_and_checks_after_loading(lm_dir, tmp_path):

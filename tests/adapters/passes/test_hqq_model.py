@@ -105,7 +105,7 @@ def test_scaling_before_hqq_and_a_rotation_before_hqq(setup, zoo):
 def test_the_command_line_quantizes_with_hqq_without_calibration(lm_dir, tmp_path, capsys):
     out, rep = tmp_path / "ckpt", tmp_path / "r.json"
     argv = ["quantize", "--model", str(lm_dir), "--scheme", "w_uint4_per_group_asym", "--group-size", "32",
-            "--algo", "hqq", "--calib-samples", "0", "--seq-len", "32", "--eval", "none", "--output", str(out),
+            "--algo", "hqq", "--calib-samples", "0", "--eval", "none", "--output", str(out),
             "--export", "hf", "--report", str(rep),
             "--no-progress"]
     code = main(argv)

@@ -257,7 +257,7 @@ def test_cli_work_dir_resume_and_the_nothing_saved_line(lm_dir, tmp_path, capsys
     assert main(base) == 0  # no --output: one line says so, before the run
     err = capsys.readouterr().err
     assert "qcore quantize: no --output DIR given: the quantized model will not be saved" in err
-    for extra, msg in ((["--resume"], "--resume: there is nothing to resume without --work-dir"),
+    for extra, msg in ((["--resume"], "--resume needs --work-dir DIR: there is nothing to resume without"),
                        (["--work-dir", str(tmp_path / "x")], "--work-dir .* has no layer-by-layer pass"),
                        (["--algo", "gptq", "--work-dir", str(lm_dir / "w")], "--work-dir .* the source")):
         assert main(base + extra) == 2

@@ -44,14 +44,16 @@ __all__ = ['QCORE_FORMAT_VERSION', 'ExportUnit', 'canonical_shape', 'check_confi
 QCORE_FORMAT_VERSION = 1
 
 
-def parse_size(size: Union[int, str]) -> int:
-    """``5GB``, ``500MB``, ``2GiB``, ``1000000`` -> bytes (decimal units as transformers reads them)."""
+def parse_size(size: Union[int, str], *, what: Optional[str] = None) -> int:
+    """``5GB``, ``500MB``, ``2GiB``, ``1000000`` -> bytes (decimal units as transformers reads them). ``what``: how
+    errors name the value (default ``max_shard_size '5XB'``; a command line: ``--max-shard-size 5XB``)."""
+    what = what or f"max_shard_size {size!r}"
     if isinstance(size, int) and not isinstance(size, bool):
         if size <= 0:
-            raise ValueError(f"max_shard_size must be positive, got {size}")
+            raise ValueError(f"{what}: must be positive")
         return size
     if not isinstance(size, str):
-        raise TypeError(f"max_shard_size must be an int or a string like '5GB', got {type(size).__name__}")
+        raise TypeError(f"{what}: must be an int or a string like '5GB', not {type(size).__name__}")
     s = size.strip().upper()
     units = [("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)]
     for u, f in units:
@@ -66,7 +68,7 @@ def parse_size(size: Union[int, str]) -> int:
     else:
         if s.isdigit() and int(s) > 0:
             return int(s)
-    raise ValueError(f"max_shard_size {size!r} is not a size; expected e.g. '5GB', '500MB', '2GiB' or a byte count")
+    raise ValueError(f"{what} is not a size; expected e.g. '5GB', '500MB', '2GiB' or a byte count")
 
 
 _PARTS_ROWS_ELEMENTS = 1 << 21  # weight elements weight_parts quantizes at once (_weight_parts_rows)

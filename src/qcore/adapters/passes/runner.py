@@ -52,7 +52,13 @@ _CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past")
 
 
 class AlgorithmError(RuntimeError):
-    """An algorithm failed after some decoder layers were already rewritten (the model must be reloaded)."""
+    """An algorithm failed after some decoder layers were already rewritten (the model must be reloaded): ``what``
+    (the pass), ``layer`` (the decoder layer it failed on), ``cause`` (the failure, one line), so that a command
+    line reports it in its own words."""
+
+    def __init__(self, message: str, *, what: str = "", layer: int = -1, cause: str = ""):
+        super().__init__(message)
+        self.what, self.layer, self.cause = what, layer, cause
 
 
 class Stop(Exception):
@@ -378,13 +384,17 @@ class LayerRunner:
             msg = (f"while running {what} on decoder layer {current} of {self.path!r}; layers 0..{current} may "
                    f"already be rewritten: reload the model before quantizing it again")
             if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: keep their type
-                if checkpoint is None:
-                    _log.warning("interrupted %s", msg)
-                else:  # the caller says how to resume, in its own words (a flag, an argument)
+                if checkpoint is not None:  # the caller says how to resume, in its own words (a flag, an argument)
                     _log.warning("interrupted while running %s on decoder layer %d of %r; the layers done are saved "
                                  "in the work directory %s", what, current, self.path, str(checkpoint.work.path))
+                elif hasattr(e, "add_note"):  # the advice (to a Python caller) in the traceback, not on a command
+                    e.add_note(f"interrupted {msg}")  # line's stderr
+                else:  # Python 3.10
+                    _log.warning("interrupted %s", msg)
                 raise
-            raise AlgorithmError(f"{type(e).__name__}: {e} ({msg})") from e
+            cause = str(e).splitlines()[0] if str(e).strip() else ""
+            raise AlgorithmError(f"{type(e).__name__}: {e} ({msg})", what=str(what), layer=current,
+                                 cause=f"{type(e).__name__}: {cause}" if cause else type(e).__name__) from e
         return inputs if replay and keep_last else None
 
     def run_from(self, k: Optional[int], batches: Sequence, *, inputs: Optional[LayerInputs] = None,

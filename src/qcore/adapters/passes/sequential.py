@@ -178,7 +178,7 @@ def run_algorithms(model: nn.Module, plans: list, algorithms, batches: Sequence,
         with torch.no_grad():
             inputs = runner.capture(batches)
             runner.run(step, inputs, desc="algorithms, layer by layer", rewrites=True,
-                       what=f"{[a.name for a in algos]}", checkpoint=checkpoint,
+                       what=", ".join(a.name for a in algos), checkpoint=checkpoint,
                        float_inputs=inputs if two_streams else None)
     finally:
         found.restore()
