@@ -58,6 +58,10 @@ HYPERPARAMETERS = [  # (config.json key, value, what the message says)
     ("rope_theta", 2 ** 64, r"rope_theta is 18446744073709551616; expected a positive finite number"),
     ("architectures", "LlamaForCausalLM", r"architectures is 'LlamaForCausalLM'; expected a list of class names"),
     ("torch_dtype", "int8", r"torch_dtype is 'int8'; expected a float dtype name"),
+    # found by CI's slow run (turn 4): a TypeError in transformers' forward, its KeyError, its rope validator
+    ("output_hidden_states", "false", r"output_hidden_states is 'false'; expected true or false"),
+    ("hidden_act", "int8", r"hidden_act is 'int8'; expected an activation name"),
+    ("head_dim", 17, r"head_dim is 17; expected an even int \(RoPE"),
 ]
 
 
@@ -183,4 +187,26 @@ def test_a_ct_qcore_config_that_is_no_config_names_the_field(ckpts, tmp_path):
     _edit_json(d / "config.json", lambda c: c["quantization_config"]["qcore"].__setitem__("config", None))
     with pytest.raises(CorruptCheckpointError, match=r"config\.json'?: quantization_config\.qcore\.config: "
                                                      r"ModelConfig\.from_dict takes a dict, got NoneType"):
+        load_compressed_tensors(d)
+
+
+def test_a_ct_group_qcore_cannot_read_names_the_file_and_group(ckpts, tmp_path):
+    """Found by CI's slow run: dynamic weights in a group were 'QuantizationArgs: dynamic weights are not supported'
+    (no file, no field)."""
+    d = _copy(ckpts, "ct_uint4", tmp_path)
+    _edit_json(d / "config.json", lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"]
+               .__setitem__("dynamic", True))
+    with pytest.raises(CorruptCheckpointError, match=r"config\.json'?: quantization_config\.config_groups\.group_0"
+                                                     r"\.weights: dynamic weights are not supported"):
+        load_compressed_tensors(d)
+
+
+def test_a_layer_no_ct_group_targets_names_the_targets(ckpts, tmp_path):
+    """Found by CI's slow run: the refusal of a layer no group matches named no field."""
+    d = _copy(ckpts, "ct_uint4", tmp_path)
+    _edit_json(d / "config.json", lambda c: c["quantization_config"]["config_groups"]["group_0"]["targets"]
+               .__setitem__(0, "int8"))
+    with pytest.raises(CorruptCheckpointError, match=r"ct_uint4'?: layer '.*': quantized by the qcore config but "
+                                                     r"matched by no config group's targets \(quantization_config\."
+                                                     r"config_groups\)"):
         load_compressed_tensors(d)

@@ -337,20 +337,27 @@ _POSITIONS = ("max_position_embeddings", "n_positions", "sliding_window", "origi
 _POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "rope_theta",
                     "partial_rotary_factor", "factor", "query_pre_attn_scalar")
 _NESTED = ("text_config", "vision_config", "rope_parameters", "rope_scaling")
+#: switches transformers reads in the forward pass or while building the model: JSON booleans
+_BOOLS = ("output_hidden_states", "output_attentions", "use_cache", "return_dict", "tie_word_embeddings",
+          "attention_bias", "mlp_bias", "is_decoder", "is_encoder_decoder", "torchscript", "use_bfloat16")
+#: activation names: a key of transformers' ACT2FN
+_ACTIVATIONS = ("hidden_act", "hidden_activation", "activation_function")
 _FLOAT_DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "auto")
 _FLOAT32_MAX = 3.4028234663852886e38
 
 
 def check_hyperparameters(cfg: dict, where: str, *, tensor_bytes: Optional[int] = None,
                           tensor_count: Optional[int] = None, rope_types: Optional[set] = None,
-                          _path: str = "") -> None:
+                          activations: Optional[set] = None, _path: str = "") -> None:
     """The hyperparameters of a model config (config.json as a dict) range-checked before transformers builds a
     model from them (``CorruptCheckpointError`` naming the file ``where`` and the field): sizes positive ints,
     layer counts at most ``tensor_count`` and other sizes at most ``tensor_bytes`` (the checkpoint's: a model
     larger than its checkpoint is not the checkpoint's), norm epsilons and RoPE bases positive and finite,
     ``architectures`` a list of names, ``dtype`` / ``torch_dtype`` a float dtype name, ``model_type`` a name,
     and in ``rope_parameters`` / ``rope_scaling`` a ``rope_theta`` present (not null) and a ``rope_type`` among
-    ``rope_types`` (transformers' RoPE kinds; a vision tower's are its own); ``sliding_window`` may be 0 (none).
+    ``rope_types`` (transformers' RoPE kinds; a vision tower's are its own); ``sliding_window`` may be 0 (none);
+    the switches of ``_BOOLS`` booleans, an activation name among ``activations`` (transformers' ACT2FN), and
+    ``head_dim`` even where the model has RoPE (it rotates pairs).
     A config whose model would allocate past the checkpoint's size, divide by zero or compute NaN is refused here
     instead."""
     def bad(key, v, expected):
@@ -379,6 +386,12 @@ def check_hyperparameters(cfg: dict, where: str, *, tensor_bytes: Optional[int] 
             if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, int) and v >= 2 ** 63) \
                     or not (math.isfinite(v) and 0 < v <= _FLOAT32_MAX):
                 raise bad(key, v, "a positive finite number (at most float32's largest)")
+        elif key in _BOOLS:
+            if not isinstance(v, bool):
+                raise bad(key, v, "true or false")
+        elif key in _ACTIVATIONS:
+            if not isinstance(v, str) or (activations is not None and v not in activations):
+                raise bad(key, v, "an activation name (e.g. silu, gelu)")
         elif key == "architectures":
             if not isinstance(v, list) or not all(isinstance(a, str) for a in v):
                 raise bad(key, v, "a list of class names")
@@ -387,7 +400,11 @@ def check_hyperparameters(cfg: dict, where: str, *, tensor_bytes: Optional[int] 
                 raise bad(key, v, f"a float dtype name ({', '.join(_FLOAT_DTYPE_NAMES[:3])})")
         elif key in _NESTED and isinstance(v, dict):
             check_hyperparameters(v, where, tensor_bytes=tensor_bytes, tensor_count=tensor_count,
-                                  rope_types=rope_types, _path=f"{_path}{key}.")
+                                  rope_types=rope_types, activations=activations, _path=f"{_path}{key}.")
+    hd = cfg.get("head_dim")
+    roped = any(k in cfg for k in ("rope_theta", "rope_parameters", "rope_scaling"))
+    if roped and isinstance(hd, int) and not isinstance(hd, bool) and hd % 2:
+        raise bad("head_dim", hd, "an even int (RoPE rotates pairs of a head's channels)")
 
 
 def hf_config(d: pathlib.Path):
@@ -403,10 +420,12 @@ def hf_config(d: pathlib.Path):
             count = sum(len(SafetensorsFile(f).entries) for f in files)
         except CorruptCheckpointError:  # reported by the caller's own reading of the files
             count = None
+    from transformers.activations import ACT2FN
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     check_hyperparameters(read_json_object(d / "config.json", what="the model config"), where,
                           tensor_bytes=sum(f.stat().st_size for f in files) if files else None,
-                          tensor_count=count, rope_types=set(ROPE_INIT_FUNCTIONS) | {"default"})
+                          tensor_count=count, rope_types=set(ROPE_INIT_FUNCTIONS) | {"default"},
+                          activations=set(ACT2FN))
     bad: tuple = (ValueError, TypeError, KeyError, AttributeError, OSError, IndexError)
     try:  # transformers 5 validates config fields with huggingface_hub's strict dataclasses
         from huggingface_hub.errors import StrictDataclassError

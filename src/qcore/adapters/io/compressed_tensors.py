@@ -694,15 +694,21 @@ def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Modu
             todo.append((p, q, None, None, None, dts, {"output": (key, None)}))
             continue
         if p.name not in which:
-            raise CorruptCheckpointError(f"{where}: quantized by the qcore config but matched by no config group "
-                                         f"of the compressed-tensors config")
+            raise CorruptCheckpointError(f"{where}: quantized by the qcore config but matched by no config group's "
+                                         f"targets (quantization_config.config_groups) of the compressed-tensors "
+                                         f"config")
         g = which[p.name]
         fmt = ctc.scheme_format(g)
         q = QUANT_CLASSES[nn.Linear].from_module(m, p.config, name=p.name)
         spec = q.specs["weight"]
         want = CT.spec_to_args(spec, role="weight", where=f"{where} weight")
         have = ctc.config_groups[g].weights
-        if have is None or CT.args_to_spec(have, role="weight")[0].dtype.bits != spec.dtype.bits or \
+        try:  # the group's own weights: a refusal names the file and the group's field
+            have_bits = None if have is None else CT.args_to_spec(
+                have, role="weight", where=f"quantization_config.config_groups.{g}.weights")[0].dtype.bits
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{str(d / 'config.json')!r}: {e}"[:400]) from None
+        if have is None or have_bits != spec.dtype.bits or \
                 (want.type, want.strategy, want.group_size, want.block_structure, want.symmetric) != \
                 (have.type, have.strategy, have.group_size, have.block_structure, have.symmetric):
             theirs = None if have is None else have.to_dict()
