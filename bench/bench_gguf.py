@@ -36,28 +36,11 @@ sys.path.insert(0, str(ROOT / "src"))  # this checkout's qcore, however the scri
 
 
 def llama_cpp_perplexity(path: pathlib.Path, ids, spans, threads: int) -> tuple[float, float]:
-    """(perplexity, seconds) of llama.cpp on the token windows ``spans`` of ``ids``."""
-    import numpy as np
-    import llama_cpp
+    """(perplexity, seconds evaluating) of llama.cpp on the token windows ``spans`` of ``ids``."""
     from qcore.adapters.eval.evaluate import perplexity_from_nll
-    seq = spans[0][1] - spans[0][0]
-    llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=seq, n_batch=seq, n_threads=threads,
-                          verbose=False)
-    nll, n = 0.0, 0
-    t = time.perf_counter()
-    try:
-        for a, b in spans:
-            toks = ids[a:b].tolist()
-            llm.reset()
-            llm.eval(toks)
-            logits = np.asarray(llm.scores[:len(toks)], np.float64)[:-1]
-            mx = logits.max(axis=-1, keepdims=True)
-            lse = mx[:, 0] + np.log(np.exp(logits - mx).sum(axis=-1))
-            nll += float(np.sum(lse - logits[np.arange(len(toks) - 1), toks[1:]]))
-            n += len(toks) - 1
-    finally:
-        llm.close()
-    return perplexity_from_nll(nll, n), time.perf_counter() - t
+    from qcore.testing.ggml import llama_cpp_nll
+    nll, n, seconds = llama_cpp_nll(path, ids, spans, threads=threads)
+    return perplexity_from_nll(nll, n), seconds
 
 
 def main() -> int:

@@ -73,26 +73,11 @@ def config_of(kind: str):
 
 
 def llama_cpp_ppl(path, ids, spans, threads: int) -> float:
-    """llama.cpp's perplexity of ``path`` on the windows ``spans`` of ``ids`` (bench_gguf's computation)."""
-    import numpy as np
-    import llama_cpp
+    """llama.cpp's perplexity of ``path`` on the windows ``spans`` of ``ids`` (``qcore.testing.ggml.llama_cpp_nll``,
+    as bench_gguf)."""
     from qcore.algorithms.metrics import perplexity_from_nll
-    seq = spans[0][1] - spans[0][0]
-    llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=seq, n_batch=seq, n_threads=threads,
-                          verbose=False)
-    nll, n = 0.0, 0
-    try:
-        for a, b in spans:
-            toks = ids[a:b].tolist()
-            llm.reset()
-            llm.eval(toks)
-            logits = np.asarray(llm.scores[:len(toks)], np.float64)[:-1]
-            mx = logits.max(axis=-1, keepdims=True)
-            lse = mx[:, 0] + np.log(np.exp(logits - mx).sum(axis=-1))
-            nll += float(np.sum(lse - logits[np.arange(len(toks) - 1), toks[1:]]))
-            n += len(toks) - 1
-    finally:
-        llm.close()
+    from qcore.testing.ggml import llama_cpp_nll
+    nll, n, _ = llama_cpp_nll(path, ids, spans, threads=threads)
     return perplexity_from_nll(nll, n)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -188,3 +189,30 @@ def llama_cpp_logits(path, ids, *, n_ctx: int = 64, threads: int = 1) -> np.ndar
         return np.array(llm.scores[:llm.n_tokens])
     finally:
         llm.close()
+
+
+def llama_cpp_nll(path, ids, spans, *, threads: int = 1) -> tuple:
+    """``(summed negative log-likelihood, predictions, seconds evaluating)`` of llama.cpp for the GGUF file ``path`` on the token windows
+    ``spans`` (``(start, stop)`` pairs of equal length) of ``ids`` (a 1-D sequence of ints): each window evaluated
+    from an empty context (``Llama.reset`` then ``eval``), log-softmax in float64. Perplexity is
+    ``qcore.algorithms.metrics.perplexity_from_nll`` of it. Needs llama-cpp-python."""
+    import llama_cpp
+
+    seq = spans[0][1] - spans[0][0]
+    llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=seq, n_batch=seq, n_threads=threads,
+                          verbose=False)
+    nll, n = 0.0, 0
+    t = time.perf_counter()  # the windows' evaluation, the model's loading apart
+    try:
+        for a, b in spans:
+            toks = [int(t) for t in ids[a:b]]
+            llm.reset()
+            llm.eval(toks)
+            logits = np.asarray(llm.scores[:len(toks)], np.float64)[:-1]
+            mx = logits.max(axis=-1, keepdims=True)
+            lse = mx[:, 0] + np.log(np.exp(logits - mx).sum(axis=-1))
+            nll += float(np.sum(lse - logits[np.arange(len(toks) - 1), toks[1:]]))
+            n += len(toks) - 1
+    finally:
+        llm.close()
+    return nll, n, time.perf_counter() - t

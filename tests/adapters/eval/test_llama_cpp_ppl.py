@@ -20,7 +20,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-import torch.nn.functional as F  # noqa: E402
 
 from qcore import ggml_act  # noqa: E402
 from qcore.adapters import quantize_model  # noqa: E402
@@ -128,22 +127,9 @@ def test_the_report_gives_the_prediction_for_gguf_exports_only(lm_dir, tmp_path,
 # -- against llama.cpp itself -------------------------------------------------------------------------------------
 
 def _llama_cpp_ppl(path, ids, spans) -> float:
-    import llama_cpp
     from qcore.algorithms.metrics import perplexity_from_nll
-    seq = spans[0][1] - spans[0][0]
-    llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=seq, n_batch=seq, n_threads=1,
-                          verbose=False)
-    nll, n = 0.0, 0
-    try:
-        for a, b in spans:
-            toks = ids[a:b].tolist()
-            llm.reset()
-            llm.eval(toks)
-            logits = torch.from_numpy(np.asarray(llm.scores[:len(toks)], np.float64)[:-1])
-            nll += float(F.cross_entropy(logits, torch.tensor(toks[1:]), reduction="sum"))
-            n += len(toks) - 1
-    finally:
-        llm.close()
+    from qcore.testing.ggml import llama_cpp_nll
+    nll, n, _ = llama_cpp_nll(path, ids, spans, threads=1)
     return perplexity_from_nll(nll, n)
 
 
