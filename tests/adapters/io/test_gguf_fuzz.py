@@ -23,8 +23,8 @@ import math
 import os
 import resource
 import shutil
-import signal
 import struct
+import sys
 import tempfile
 import tracemalloc
 import pathlib
@@ -44,6 +44,9 @@ from hypothesis import strategies as st  # noqa: E402
 import qcore  # noqa: E402
 from gguf_bytes import Parts, value_bytes  # noqa: E402
 from gguf_kit import tiny_tokenizer, token_ids  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "fuzz"))  # the fuzz targets' kit
+from fuzz_kit import deadline  # noqa: E402
 
 from qcore.adapters import quantize_model  # noqa: E402
 from qcore.adapters.config import LayerConfig, ModelConfig  # noqa: E402
@@ -209,28 +212,11 @@ def _mutated(src: pathlib.Path, draw, *, header_only: bool = False) -> tuple:
 # the oracle
 # ---------------------------------------------------------------------------------------------------------------
 
-class _Timeout(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def _alarm(seconds: int):
-    def on_alarm(*_):
-        raise _Timeout(f"took more than {seconds} s")
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def _outcome(path: pathlib.Path, fn):
     """``(value, None)`` or ``(None, message)`` for a one-line ValueError / CommandError naming the file; any
     other exception (a hang's too) propagates."""
     try:
-        with _alarm(TIMEOUT_S):
+        with deadline(TIMEOUT_S):  # a BaseException: no reader's `except Exception` can swallow a hang
             return fn(path), None
     except (ValueError, CommandError) as e:
         msg = str(e)
