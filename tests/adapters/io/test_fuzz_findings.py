@@ -62,6 +62,10 @@ HYPERPARAMETERS = [  # (config.json key, value, what the message says)
     ("output_hidden_states", "false", r"output_hidden_states is 'false'; expected true or false"),
     ("hidden_act", "int8", r"hidden_act is 'int8'; expected an activation name"),
     ("head_dim", 17, r"head_dim is 17; expected an even int \(RoPE"),
+    # found by CI's slow run (session 40): tuple outputs, on which transformers' own LlamaForCausalLM fails
+    ("return_dict", False, r"return_dict is False; expected true \(or absent\)"),
+    ("return_dict", None, r"return_dict is None; expected true \(or absent\)"),
+    ("torchscript", True, r"torchscript is True; expected false \(or absent\)"),
 ]
 
 
@@ -209,4 +213,13 @@ def test_a_layer_no_ct_group_targets_names_the_targets(ckpts, tmp_path):
     with pytest.raises(CorruptCheckpointError, match=r"ct_uint4'?: layer '.*': quantized by the qcore config but "
                                                      r"matched by no config group's targets \(quantization_config\."
                                                      r"config_groups\)"):
+        load_compressed_tensors(d)
+
+
+def test_a_layer_the_ct_ignore_list_leaves_out_names_the_ignore_list(ckpts, tmp_path):
+    """Found by CI's slow run: ``ignore: null`` left lm_head to group_0, refused without naming the field."""
+    d = _copy(ckpts, "ct_uint4", tmp_path)
+    _edit_json(d / "config.json", lambda c: c["quantization_config"].__setitem__("ignore", None))
+    with pytest.raises(CorruptCheckpointError, match=r"ct_uint4'?: layer 'lm_head': matched by the compressed-tensors "
+                                                     r"group 'group_0' \(not in quantization_config\.ignore\)"):
         load_compressed_tensors(d)

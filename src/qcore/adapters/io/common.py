@@ -340,6 +340,8 @@ _NESTED = ("text_config", "vision_config", "rope_parameters", "rope_scaling")
 #: switches transformers reads in the forward pass or while building the model: JSON booleans
 _BOOLS = ("output_hidden_states", "output_attentions", "use_cache", "return_dict", "tie_word_embeddings",
           "attention_bias", "mlp_bias", "is_decoder", "is_encoder_decoder", "torchscript", "use_bfloat16")
+#: switches with one workable value: transformers' causal-LM forward reads its base model's output by attribute
+_FIXED = {"return_dict": True, "torchscript": False}
 #: activation names: a key of transformers' ACT2FN
 _ACTIVATIONS = ("hidden_act", "hidden_activation", "activation_function")
 _FLOAT_DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "auto")
@@ -371,6 +373,9 @@ def check_hyperparameters(cfg: dict, where: str, *, tensor_bytes: Optional[int] 
             raise bad(key, v, "a positive finite number")
         if key == "model_type" and not _path and not isinstance(v, str):
             raise bad(key, v, "a model type name (a str)")
+        if key in _FIXED and not _path and v is not _FIXED[key] and (v is not None or key == "return_dict"):
+            raise bad(key, v, f"{str(_FIXED[key]).lower()} (or absent): with it the model returns tuples, on which "
+                              f"transformers' own forward fails")
         if v is None:
             continue
         if key in _SIZES + _LAYER_COUNTS + _POSITIONS:

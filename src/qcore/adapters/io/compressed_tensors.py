@@ -671,7 +671,8 @@ def _load(d: pathlib.Path, dtype: Optional[torch.dtype], device: Any) -> nn.Modu
     float_here = sorted(set(which) - {p.name for p in plans if p.config.weight is not None})
     if float_here:  # compressed-tensors' loaders would quantize what qcore's config leaves float
         raise CorruptCheckpointError(f"layer {float_here[0]!r}: matched by the compressed-tensors group "
-                                     f"{which[float_here[0]]!r} but its weight is float in the qcore config"
+                                     f"{which[float_here[0]]!r} (not in quantization_config.ignore) but its weight is "
+                                     f"float in the qcore config"
                                      + (f" (and {len(float_here) - 1} more)" if len(float_here) > 1 else ""))
     # 1. every quantized tensor's name, dtype and shape, before anything is read
     todo = []
