@@ -247,6 +247,9 @@ def test_rotation_keeps_the_float_function(mt):
     m2 = build(mt)
     rotate_model(m2, key=None, heads=False, online=())
     same(out(m2), ref)
+    m3 = build(mt)  # block-diagonal rotations (of the scale-block size in use; 8 divides the head size here)
+    rotate_model(m3, key=3, block=8)
+    same(out(m3), ref)
 
 
 @pytest.mark.parametrize("mt", [x for x in ROTATES if x != "llama"])

@@ -28,7 +28,7 @@ from .moe import moe_calibration
 from .passes.checkpointing import WorkDir, check_work_args, digest_model, fingerprint
 from .passes.distill import check_distill, make_teacher, run_distill
 from .passes.hqq import apply_hqq, check_model as check_hqq, split_hqq
-from .passes.rotation import check_rotation
+from .passes.rotation import check_rotation, resolve_block
 from .passes.runner import find_decoder_layers
 from .passes import sequential
 from .passes.spinquant import apply_rotation
@@ -109,6 +109,7 @@ def _quantize_model(model: nn.Module, config: Union[ModelConfig, str, Mapping], 
     else:  # the caller's plan of this model and config: what makes a model unfit whatever the plan, checked here
         check_plannable(model, config)
         plans = list(plans)
+    config = resolve_block(model, config, plans)  # a rotation's block="auto": the weights' block size
     static, data = _check_data(model, plans, data, distributed=distributed, config=config)
     dist, algos = split_distill(config.algorithms)  # quantization-aware distillation: last, on the quantized model
     distill_data, teacher = _check_distill(model, plans, dist, data, distill_data, qat=qat, distributed=distributed)

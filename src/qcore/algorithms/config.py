@@ -39,6 +39,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Optional, Sequence, Union
 
+from .hadamard import is_constructible
 from .smoothquant import SmoothLoss
 
 __all__ = ["GPTQConfig", "AWQConfig", "SmoothQuantConfig", "AutoSmoothQuantConfig", "QuaRotConfig",
@@ -254,13 +255,18 @@ class QuaRotConfig:
     """QuaRot: norms folded, Hadamard rotations fused into the weights (residual stream R1; per attention head R2
     when ``heads``), online Hadamard transforms before the Linears in ``online`` (``"mlp.down_proj"``: QuaRot's
     R4; ``"self_attn.o_proj"``: across heads). ``key``: random signs (randomised Hadamard, QuaRot's default and
-    better than the plain one on SmolLM2, bench/results/ROTATIONS.md; None: plain Hadamard). Runs
-    on the whole float model before the other algorithms (``qcore.adapters.passes.rotation``)."""
+    better than the plain one on SmolLM2, bench/results/ROTATIONS.md; None: plain Hadamard). ``block``: every
+    rotation (R1, R2, the online transforms) block-diagonal with Hadamard blocks of this size
+    (``qcore.algorithms.hadamard.block_rotation``; MR-GPTQ's block rotations: the scale-block size, 32 for MX, 16
+    for NVFP4), ``"auto"``: the weights' group / block size (``quantize_model`` resolves it from its plan); None:
+    full-size rotations. Runs on the whole float model before the other algorithms
+    (``qcore.adapters.passes.rotation``)."""
 
     key: Optional[int] = 0
     heads: bool = True
     online: tuple = _ONLINE
     decoder_layers: Optional[str] = None
+    block: Union[int, str, None] = None
     name: str = field(default="quarot", init=False)
 
     def __post_init__(self):
@@ -269,10 +275,19 @@ class QuaRotConfig:
         _bool(self.heads, f"{type(self).__name__}.heads")
         object.__setattr__(self, "online", _online(self.online, f"{type(self).__name__}.online"))
         _layers_path(self.decoder_layers, f"{type(self).__name__}.decoder_layers")
+        if self.block is not None and self.block != "auto":
+            b = _int(self.block, f"{type(self).__name__}.block (or 'auto' or None)")
+            if not is_constructible(b):
+                raise ValueError(f"{type(self).__name__}.block={b}: no Hadamard matrix of that order here (1, 2, "
+                                 f"or a multiple of 4 that Sylvester / Paley constructions reach, e.g. 16, 32, 64)")
+            object.__setattr__(self, "block", b)
 
     def _common(self) -> dict:
-        return {"key": self.key, "heads": self.heads, "online": list(self.online),
-                "decoder_layers": self.decoder_layers}
+        out = {"key": self.key, "heads": self.heads, "online": list(self.online),
+               "decoder_layers": self.decoder_layers}
+        if self.block is not None:  # absent for full-size rotations: the landed configs' bytes
+            out["block"] = self.block
+        return out
 
     def to_dict(self) -> dict:
         return {"name": self.name, **self._common()}
@@ -286,7 +301,7 @@ class QuaRotConfig:
         with the same ``heads`` (``key`` becomes 0 or None: the weights already hold it)."""
         if not self.online:  # fused into the weights only: Quark's offline R1/R2 spelling loads as it is
             return {"name": "rotation", "r1": True, "r2": self.heads, "r3": False, "r4": False,
-                    "rotation_size": None, "random_r1": self.key is not None, "random_r2": self.key is not None and self.heads,
+                    "rotation_size": self.block, "random_r1": self.key is not None, "random_r2": self.key is not None and self.heads,
                     "trainable": False, "model_decoder_layers": self.decoder_layers or "model.layers",
                     "scaling_layers": {}, **_QUARK_ROTATION_PATHS}
         return {**self.to_dict(), "name": "qcore_rotation", "method": self.name}
@@ -309,6 +324,9 @@ class SpinQuantConfig(QuaRotConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.block is not None:
+            raise ValueError(f"SpinQuantConfig.block={self.block!r}: block rotations are QuaRot's (quarot); "
+                             f"SpinQuant learns full-size rotations (block must be None)")
         _int(self.steps, "SpinQuantConfig.steps")
         real_in_range(self.lr, "SpinQuantConfig.lr", 0.0, 1e3, lo_open=True)
         _int(self.batch, "SpinQuantConfig.batch")
@@ -336,9 +354,12 @@ def _from_quark_rotation(d: Mapping) -> "QuaRotConfig":
                     ("train_smooth", "trained smoothing scales (OSTQuant) are not implemented")):
         if d.get(k):
             raise ValueError(f"rotation config: {k}={d[k]!r}: {what}")
-    for k in ("rotation_size", "online_config"):
-        if d.get(k) is not None:
-            raise ValueError(f"rotation config: {k}={d[k]!r} is not supported (full-size rotations only)")
+    if d.get("online_config") is not None:
+        raise ValueError(f"rotation config: online_config={d['online_config']!r} is not supported")
+    block = d.get("rotation_size")
+    if block is not None and d.get("r4", False):  # fused block rotations are weights only; online ones use tables
+        raise ValueError(f"rotation config: rotation_size={block!r} with r4 (online block transforms with Quark's "
+                         f"Hadamard tables) is not supported; only fused block rotations (r4 false) load")
     for k, v in _QUARK_ROTATION_PATHS.items():
         if k in d and d[k] != v:
             raise ValueError(f"rotation config: {k}={d[k]!r}; qcore's rotations use Llama's layout ({v!r})")
@@ -348,6 +369,8 @@ def _from_quark_rotation(d: Mapping) -> "QuaRotConfig":
     random = bool(d.get("random_r1")) or bool(d.get("random_r2"))
     kw = {"key": 0 if random else None, "heads": _bool(d.get("r2", False), "rotation config r2"),
           "online": ("mlp.down_proj",) if d.get("r4", False) else (), "decoder_layers": layers}
+    if block is not None:
+        kw["block"] = block
     return SpinQuantConfig(**kw) if d.get("trainable") else QuaRotConfig(**kw)
 
 

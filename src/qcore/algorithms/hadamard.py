@@ -20,6 +20,12 @@ blocks of the largest constructible orders (greedy; a size-1 block is ``[1]``), 
 transforms. With ``key`` (an int seed), the result is ``R @ diag(signs)`` with random signs from
 ``numpy.random.default_rng(key)`` (QuaRot's randomised Hadamard).
 
+``block_rotation(n, *, block, key=None)``: the block-diagonal ``[n, n]`` float64 matrix with ``n / block`` copies of
+the normalised ``hadamard(block)`` on its diagonal (times the random signs of ``random_signs(n, key=key)`` on its
+columns when ``key`` is given): a rotation that mixes features only inside each aligned ``block`` (MR-GPTQ's and
+"Block rotation is all you need for MXFP4"'s block rotations, of the scale-block size). ``block_fwht(x, *, block,
+axis=-1)`` applies its unsigned transpose fast (``fwht`` on each block).
+
 ``fwht(x, *, axis=-1)``: ``x @ hadamard(n).T / sqrt(n)`` along ``axis`` for ``n = m * 2^k`` with a
 constructible ``m``, in ``O(n log n + n m)``: butterflies on the ``2^k`` factor, a dense ``m x m`` product for
 the rest (summed over its columns in order, then one correctly rounded division by ``sqrt(n)`` rounded to the
@@ -39,7 +45,8 @@ import numpy as np
 
 from qcore._backend import is_torch
 
-__all__ = ["hadamard", "hadamard_factors", "is_constructible", "rotation", "random_signs", "fwht", "fwht_plan"]
+__all__ = ["hadamard", "hadamard_factors", "is_constructible", "rotation", "block_rotation", "check_block",
+           "random_signs", "fwht", "block_fwht", "fwht_plan"]
 
 
 def _check_n(n, name="n") -> int:
@@ -277,6 +284,59 @@ def rotation(n: int, *, key: Optional[int] = None) -> np.ndarray:
     if key is not None:
         r = r * random_signs(n, key=key)[None, :]
     return r
+
+
+def check_block(n: int, block: Any, *, what: str = "n") -> int:
+    """``block`` as an int after checking it is a positive int, a constructible Hadamard order
+    (``is_constructible``) and a divisor of ``n`` (``what`` names ``n`` in the message); TypeError / ValueError."""
+    n = _check_n(n, what)
+    if isinstance(block, bool) or not isinstance(block, numbers.Integral):
+        raise TypeError(f"block must be a positive int, got {block!r}")
+    block = _check_n(block, "block")
+    if not is_constructible(block):
+        raise ValueError(f"block={block}: {_no_hadamard(block)}")
+    if n % block:
+        raise ValueError(f"block={block} does not divide {what}={n}")
+    return block
+
+
+def block_rotation(n: int, *, block: int, key: Optional[int] = None) -> np.ndarray:
+    """The orthogonal block-diagonal ``[n, n]`` float64 matrix ``kron(I_{n / block}, hadamard(block) / sqrt(block))``
+    (module docstring), times ``random_signs(n, key=key)`` on its columns when ``key`` is given (as ``rotation``).
+    ValueError when ``block`` does not divide ``n`` or has no Hadamard construction here; ``block == n`` is
+    ``rotation(n, key=key)`` for a constructible ``n``."""
+    block = check_block(n, block)
+    if key is not None and (isinstance(key, bool) or not isinstance(key, numbers.Integral)):
+        raise TypeError(f"key must be an int seed or None, got {key!r}")
+    h = hadamard(block).astype(np.float64) / math.sqrt(block)
+    r = np.kron(np.eye(n // block), h)
+    if key is not None:
+        r = r * random_signs(n, key=key)[None, :]
+    return r
+
+
+def block_fwht(x: Any, *, block: int, axis: int = -1, transpose: bool = False) -> Any:
+    """``x`` times ``block_rotation(n, block=block).T`` along ``axis`` (``n = x.shape[axis]``): ``fwht`` of each
+    aligned run of ``block`` features, the same float order as ``fwht`` of size ``block`` (``transpose``: times
+    ``block_rotation(n, block=block)``, torch only, as ``fwht``). numpy or torch; ValueError as ``block_rotation``."""
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+        raise TypeError(f"axis must be an int, got {axis!r}")
+    nd = len(x.shape)
+    if not -nd <= axis < nd:
+        raise ValueError(f"axis {axis} is out of range for x of shape {tuple(x.shape)}")
+    axis = int(axis) % nd
+    n = int(x.shape[axis])
+    block = check_block(n, block, what=f"x.shape[{axis}]")
+    if is_torch(x):
+        import torch
+        y = torch.movedim(x, axis, -1)
+    else:
+        y = np.moveaxis(np.asarray(x), axis, -1)
+    lead = tuple(y.shape[:-1])
+    y = y.reshape(*lead, n // block, block)
+    y = fwht(y, axis=-1, transpose=transpose) if transpose else fwht(y, axis=-1)
+    y = y.reshape(*lead, n)
+    return torch.movedim(y, -1, axis) if is_torch(x) else np.moveaxis(y, -1, axis)
 
 
 def random_signs(n: int, *, key: int) -> np.ndarray:

@@ -12,6 +12,8 @@ streaming writer, ``passes.streaming``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import os
@@ -161,9 +163,9 @@ def canonical_shape(m: QuantModule) -> tuple:
 def online_rotations(model: nn.Module, config: ModelConfig) -> bool:
     """Whether the model carries online rotations; ValueError if they are not what its config's rotation says
     (a loader re-installs them from the config)."""
-    have = {n: (h.size, h.key) for n, h in input_rotations(model).items()}
+    have = {n: (h.size, h.key, h.block) for n, h in input_rotations(model).items()}
     rot, _ = split_rotation(config.algorithms)
-    want = {n: (h.size, h.key) for n, h in online_plan(model, rot).items()} if rot is not None else {}
+    want = {n: (h.size, h.key, h.block) for n, h in online_plan(model, rot).items()} if rot is not None else {}
     if have != want:
         raise ValueError(f"export: the model's online rotations ({len(have)} modules, e.g. "
                          f"{next(iter(have), None)!r}) are not the ones its config's algorithms give ({len(want)}, "
@@ -246,6 +248,8 @@ def will_rotate_online(model: nn.Module, config: ModelConfig) -> bool:
     rot, _ = split_rotation(config.algorithms)
     if rot is None:
         return False
+    if getattr(rot, "block", None) == "auto":  # resolved by quantize_model; which modules does not depend on it
+        rot = dataclasses.replace(rot, block=None)
     return bool(online_plan(model, rot))
 
 

@@ -12,7 +12,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from qcore.algorithms.hadamard import reference_fwht, fwht, is_constructible, random_signs, rotation
+from qcore.algorithms.hadamard import (block_rotation, check_block, reference_fwht, fwht, is_constructible,
+                                       random_signs, rotation)
 
 from .. import triton as kernels
 from ..families import locate
@@ -30,32 +31,37 @@ def _get(m, name):
 
 class InputRotation:
     """A forward pre-hook multiplying a Linear's input by the orthogonal ``Q`` of size ``size``
-    (``qcore.adapters.passes.rotation``'s docstring, item 4): ``x @ Q`` with ``Q = rotation(size, key=key).T``. A value
-    (size, key); the matrix is rebuilt from it, so a model with these hooks deep-copies and pickles. The signs (or the
+    (``qcore.adapters.passes.rotation``'s docstring, item 4): ``x @ Q`` with ``Q = rotation(size, key=key).T``
+    (``block``: ``Q = block_rotation(size, block=block, key=key).T``, the fast transform on each aligned run of
+    ``block`` features). A value (size, key, block); the matrix is rebuilt from it, so a model with these hooks deep-copies and pickles. The signs (or the
     dense matrix of a size with no construction) are cached per (device, dtype) on first use; under autograd the
     transform is one ``torch.autograd.Function`` whose backward is the adjoint transform (``fwht(...,
     transpose=True)``), not the graph of the transform's elementwise operations (issue 23)."""
 
-    __slots__ = ("size", "key", "_signs", "_dense", "_cache")
+    __slots__ = ("size", "key", "block", "_signs", "_dense", "_cache")
 
-    def __init__(self, size: int, *, key: Optional[int] = None):
+    def __init__(self, size: int, *, key: Optional[int] = None, block: Optional[int] = None):
         self.size, self.key = int(size), key
+        self.block = None if block is None else check_block(self.size, block, what="size")
         self._signs = self._dense = None
         self._cache = {}
 
     def __repr__(self) -> str:
-        return f"InputRotation(size={self.size}, key={self.key})"
+        b = "" if self.block is None else f", block={self.block}"
+        return f"InputRotation(size={self.size}, key={self.key}{b})"
 
     def __getstate__(self):
-        return {"size": self.size, "key": self.key}
+        return {"size": self.size, "key": self.key, "block": self.block}
 
     def __setstate__(self, st):
-        self.size, self.key = st["size"], st["key"]
+        self.size, self.key, self.block = st["size"], st["key"], st.get("block")
         self._signs = self._dense = None
         self._cache = {}
 
     def matrix(self) -> torch.Tensor:
         """``Q`` as a float64 [size, size] tensor."""
+        if self.block is not None:
+            return torch.from_numpy(block_rotation(self.size, block=self.block, key=self.key).T.copy())
         return torch.from_numpy(rotation(self.size, key=self.key).T.copy())
 
     def __call__(self, module, args):
@@ -83,6 +89,12 @@ class InputRotation:
             raise ValueError(f"InputRotation: input has {x.shape[-1]} features, the rotation is of size {self.size}")
         ct = torch.float64 if x.dtype == torch.float64 else torch.float32
         z = x.to(ct)
+        if self.block is not None:  # the fast transform of size block on each aligned run of block features
+            if self.key is not None:
+                z = z * self._on("signs", x.device, ct)
+            zb = z.reshape(*z.shape[:-1], self.size // self.block, self.block)
+            y = _FWHT.apply(zb) if zb.requires_grad and torch.is_grad_enabled() else _fwht(zb)
+            return y.reshape(z.shape).to(x.dtype)
         if is_constructible(self.size):
             if self.key is not None:
                 z = z * self._on("signs", x.device, ct)
@@ -154,7 +166,7 @@ def input_rotations(model: nn.Module) -> dict:
     return out
 
 
-def _online_names(fam, online) -> list:
+def online_module_names(fam, online) -> list:
     """The record's module for each canonical entry of ``qcore.adapters.passes.rotation.ONLINE``
     (``mlp.down_proj``: the MLP's output projection, ``self_attn.o_proj``: attention's)."""
     where = {"mlp.down_proj": fam.mlp_out, "self_attn.o_proj": fam.attn_out}
@@ -169,12 +181,13 @@ def online_plan(model: nn.Module, algo) -> dict:
     layers = _get(model, path)
     out = {}
     for li, layer in enumerate(layers):
-        for i, name in enumerate(_online_names(loc.family, algo.online)):
+        for i, name in enumerate(online_module_names(loc.family, algo.online)):
             lin = _get(layer, name)
             if lin is None or not hasattr(lin, "in_features"):
                 raise ValueError(f"{algo.name}: {path}.{li}.{name} is not a Linear")
             out[f"{path}.{li}.{name}"] = InputRotation(lin.in_features,
-                                                       key=None if algo.key is None else algo.key + 2 + i)
+                                                       key=None if algo.key is None else algo.key + 2 + i,
+                                                       block=getattr(algo, "block", None))
     return out
 
 
@@ -187,9 +200,10 @@ def install_online(model: nn.Module, algo) -> dict:
     return plan
 
 
-def online_hooks(model, online: Sequence[str], key: Optional[int]) -> dict:
-    """Register the online ``InputRotation`` hooks; ``{weight parameter name: Q}`` whose columns must be
-    multiplied by ``Q`` (``W @ Q``) for the model to compute the same function."""
-    plan = install_online(model, SimpleNamespace(online=tuple(online), key=key, name="rotate_model"))
+def online_hooks(model, online: Sequence[str], key: Optional[int], *, block: Optional[int] = None) -> dict:
+    """Register the online ``InputRotation`` hooks (block-diagonal of size ``block`` when given); ``{weight
+    parameter name: Q}`` whose columns must be multiplied by ``Q`` (``W @ Q``) for the model to compute the same
+    function."""
+    plan = install_online(model, SimpleNamespace(online=tuple(online), key=key, block=block, name="rotate_model"))
     return {f"{n}.weight": h.matrix().to(model.get_submodule(n).weight.device) for n, h in plan.items()}
 

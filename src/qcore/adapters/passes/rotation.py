@@ -27,6 +27,17 @@ same function, its weights and activations are spread by orthogonal (Hadamard) r
    quantizer sees the rotated input: activation quantization and GPTQ's Hessians both act on rotated values.
    ``input_rotations(model)`` lists them.
 
+5. ``block`` (an int): every rotation above is block-diagonal instead, ``n / block`` normalised Hadamard blocks of
+   size ``block`` (``block_rotation``; random signs as above): R1 on the hidden size, R2 inside each head, the
+   online transforms on each aligned run of ``block`` input features (the fast transform of size ``block``).
+   MR-GPTQ's placement (arXiv 2509.23202, IST-DASLab FP-Quant: a block Hadamard of the scale-block size on the
+   input of every Linear of a decoder layer, fused into its weight columns and applied online to its input) is
+   ``block`` with ``key=None``: a block R1 fused into the residual stream *is* that transform on the inputs of q,
+   k, v, gate and up (RMSNorm with unit weight commutes with any orthogonal matrix), at no run-time cost; the
+   online transforms are the ones before o_proj and down_proj. Without ``online``, only the fused parts remain
+   (no run-time transform: every runtime loads them). ``block`` must divide the hidden size, the head size (with
+   ``heads``) and the input size of every online Linear (ValueError before any work).
+
 Supported: the families whose architecture record (``qcore.adapters.families``) allows rotations (Llama,
 Mistral, Qwen2, Qwen3 with its q/k norms, Gemma, whose ``x * (1 + w)`` norms fold ``1 + w`` and keep ``w = 0``,
 Phi-3 with its fused ``qkv_proj`` / ``gate_up_proj``): the record names
@@ -38,17 +49,20 @@ the table, naming the record to add. Everything is checked before any weight cha
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
-from qcore.algorithms.hadamard import rotation
+from qcore.algorithms.hadamard import block_rotation, check_block, rotation
+from qcore.granularity import PerGroup
 
 from ..families import UnknownFamily, family_of, locate, non_language_modules, text_config
 from ..modules import InputRotation, input_rotations, install_online, online_hooks, online_plan
+from ..modules.rotation import online_module_names
 
-__all__ = ["rotate_model", "check_rotation", "rotated_weights", "InputRotation",
+__all__ = ["rotate_model", "check_rotation", "check_block_sizes", "resolve_block", "rotated_weights", "InputRotation",
            "input_rotations", "online_plan", "install_online", "ONLINE"]
 
 ONLINE = ("mlp.down_proj", "self_attn.o_proj")
@@ -258,30 +272,87 @@ def _check_online(online) -> tuple:
     return tuple(o for o in ONLINE if o in online)  # canonical order: the keys (key + 2 + i) follow it
 
 
+def check_block_sizes(model: nn.Module, block, *, heads: bool = True, online: Sequence[str] = ONLINE,
+                      what: str = "quarot.block") -> None:
+    """ValueError naming ``what`` unless the int ``block`` divides the hidden size, the head size (``heads``) and the
+    input size of every online Linear in ``online`` (and is a Hadamard order here); before any work."""
+    emb, _, _, layers, hd = rotation_parts(model)
+    loc = _located(model)
+    sizes = [("the hidden size", emb.weight.shape[1])] + ([("the head size", hd)] if heads else [])
+    for entry, name in zip(online, online_module_names(loc.family, online)):
+        lin = _get(layers[0], name) if len(layers) else None
+        if lin is not None and hasattr(lin, "in_features"):
+            sizes.append((f"the input size of {entry}", lin.in_features))
+    for label, n in sizes:
+        try:
+            check_block(int(n), block, what=label)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{what}={block!r}: {e}") from None
+
+
 @torch.no_grad()
 def rotate_model(model: nn.Module, *, key: Optional[int] = 0, heads: bool = True,
-                 online: Sequence[str] = ONLINE) -> nn.Module:
-    """Fold norms and fuse QuaRot's rotations into ``model`` in place (module docstring); returns it."""
+                 online: Sequence[str] = ONLINE, block: Optional[int] = None) -> nn.Module:
+    """Fold norms and fuse QuaRot's rotations into ``model`` in place (module docstring); returns it. ``block``:
+    block-diagonal rotations of that size (item 5)."""
     online = _check_online(online)
     emb, norm, head, layers, hd = rotation_parts(model)
     if input_rotations(model):
         raise ValueError("rotate_model: the model is already rotated (it has online InputRotation hooks)")
+    if block is not None:
+        check_block_sizes(model, block, heads=heads, online=online, what="rotate_model: block")
     hidden = emb.weight.shape[1]
     dev = emb.weight.device
-    r1 = torch.from_numpy(rotation(hidden, key=key)).to(dev)
-    r2 = torch.from_numpy(rotation(hd, key=None if key is None else key + 1)).to(dev)
+    k2 = None if key is None else key + 1
+    if block is None:
+        r1 = torch.from_numpy(rotation(hidden, key=key)).to(dev)
+        r2 = torch.from_numpy(rotation(hd, key=k2)).to(dev)
+    else:
+        r1 = torch.from_numpy(block_rotation(hidden, block=block, key=key)).to(dev)
+        r2 = torch.from_numpy(block_rotation(hd, block=block, key=k2)).to(dev) if heads else None
     fold_norms_and_untie(model, emb, norm, head, layers)
     values = rotated_weights(model, r1, [r2] * len(layers) if heads else None)
-    write_weights(model, times_online(model, values, online_hooks(model, online, key)))
+    write_weights(model, times_online(model, values, online_hooks(model, online, key, block=block)))
     return model
 
 
 def check_rotation(model: nn.Module, algo) -> None:
     """What ``apply_rotation`` checks before changing anything."""
     rotation_parts(model)
+    block = getattr(algo, "block", None)
+    if block == "auto":
+        raise ValueError(f"{algo.name}.block='auto' takes the weights' block size from quantize_model's plan; "
+                         f"run the rotation through quantize_model's algorithms, or give an int")
+    if block is not None:
+        check_block_sizes(model, block, heads=algo.heads, online=algo.online, what=f"{algo.name}.block")
     if input_rotations(model):
         raise ValueError("the model is already rotated (it has online InputRotation hooks); reload it")
     path = _located(model).layers
     if algo.decoder_layers not in (None, path):
         raise ValueError(f"{algo.name}: decoder_layers={algo.decoder_layers!r}; the model's architecture record "
                          f"puts its decoder layers at {path!r}")
+
+
+def resolve_block(model: nn.Module, config, plans: Sequence):
+    """``config`` (a ``ModelConfig``) with its rotation's ``block="auto"`` replaced by the group size of the weights
+    the plan quantizes inside the decoder layers (their inputs' when no weight is quantized); ``config`` itself
+    otherwise. ValueError naming ``block`` when those Linears have no one per-group size along their input."""
+    algos = tuple(config.algorithms)
+    i = next((j for j, a in enumerate(algos) if getattr(a, "block", None) == "auto"), None)
+    if i is None:
+        return config
+    rot = algos[i]
+    path = _located(model).layers + "."
+    sizes = set()
+    for p in plans:
+        if not p.name.startswith(path):
+            continue
+        t = p.config.weight if p.config.weight is not None else p.config.input
+        g = getattr(getattr(t, "spec", None), "granularity", None)
+        sizes.add(g.size if isinstance(g, PerGroup) and g.axis in (1, -1) else None)
+    if not sizes or None in sizes or len(sizes) > 1:
+        found = sorted(map(str, sizes)) or ["no quantized Linear in the decoder layers"]
+        raise ValueError(f"{rot.name}.block='auto': the decoder layers' Linears must share one per-group block size "
+                         f"along their input (MX: 32, NVFP4: 16) to take it from; found {found}; give an int")
+    b = sizes.pop()
+    return config.replace(algorithms=algos[:i] + (dataclasses.replace(rot, block=b),) + algos[i + 1:])

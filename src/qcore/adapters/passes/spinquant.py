@@ -274,4 +274,4 @@ def apply_rotation(model: nn.Module, algo, *, plans: Sequence = (), data: Option
     if isinstance(algo, SpinQuantConfig):
         return spinquant(model, plans, data, algo, progress=progress,
                          train_weights=(not gptq_follows) if algo.train_weights is None else algo.train_weights)
-    return rotate_model(model, key=algo.key, heads=algo.heads, online=algo.online)
+    return rotate_model(model, key=algo.key, heads=algo.heads, online=algo.online, block=algo.block)
