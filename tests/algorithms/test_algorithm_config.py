@@ -79,10 +79,13 @@ def test_rotation_configs_qcore_and_quark_spellings():
     assert isinstance(r, SpinQuantConfig) and r.online == ("mlp.down_proj",) and r.key == 0 and r.decoder_layers is None
     assert parse_algorithm({"name": "quarot", "r1": True, "r2": False}) == QuaRotConfig(key=None, heads=False, online=())
     for bad, msg in (({"r3": True}, "R3"), ({"online_r1_rotation": True}, "online R1"),
-                     ({"rotation_size": 32}, "full-size"), ({"r1": False}, "r1=True"),
+                     ({"rotation_size": 32, "r4": True}, "online block transforms"), ({"r1": False}, "r1=True"),
                      ({"mlp": "feed_forward"}, "Llama's layout"), ({"bogus": 1}, "unknown key")):
         with pytest.raises(ValueError, match=msg):
             parse_algorithm({"name": "rotation", **bad})
+    # a fused block rotation (rotation_size, no r4) is weights only: it reads as quarot's block, and back
+    b = parse_algorithm({"name": "rotation", "r1": True, "r2": False, "rotation_size": 32})
+    assert b == QuaRotConfig(key=None, heads=False, online=(), block=32) and parse_algorithm(b.to_quark()) == b
     with pytest.raises(ValueError, match="online must name"):
         QuaRotConfig(online=("mlp.up_proj",))
     with pytest.raises(ValueError, match="lr must be"):

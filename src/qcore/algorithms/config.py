@@ -13,9 +13,11 @@
 - ``AutoSmoothQuantConfig(loss=SmoothLoss.MSE, n_tokens=4096, scaling_layers=(), decoder_layers=None)``; Quark keys
   ``compute_scale_loss`` ("MSE"/"MAE"), ``scaling_layers``, ``model_decoder_layers``.
 
-- ``QuaRotConfig(key=0, heads=True, online=("mlp.down_proj", "self_attn.o_proj"), decoder_layers=None)`` and
+- ``QuaRotConfig(key=0, heads=True, online=("mlp.down_proj", "self_attn.o_proj"), decoder_layers=None,
+  block=None)`` (``block``: block-diagonal rotations of that size, or ``"auto"``) and
   ``SpinQuantConfig(..., steps=100, lr=1.5, batch=1, train_weights=None)``; Quark's ``{"name": "rotation", r1, r2, r4, random_r1,
-  trainable, ...}`` (r3, online R1, block-sized rotations and trained smoothing are refused).
+  trainable, rotation_size, ...}`` (r3, online R1, online block rotations and trained smoothing are refused; a
+  fused block rotation, ``rotation_size`` without r4, reads as ``block``).
 - ``HQQConfig(p=0.7, beta=10.0, kappa=1.01, iters=20, error_p=2.0, scale_floor=1.0, decoder_layers=None)``: no
   Quark algorithm (``to_quark()`` is None);
   mobiusml/hqq's ``lp_norm`` reads as ``p``.

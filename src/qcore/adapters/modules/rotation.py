@@ -134,6 +134,8 @@ class ReferenceInputRotation(InputRotation):
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.size:
             raise ValueError(f"InputRotation: input has {x.shape[-1]} features, the rotation is of size {self.size}")
+        if self.block is not None:
+            raise ValueError("ReferenceInputRotation is the landed full-size transform; it has no block form")
         ct = torch.float64 if x.dtype == torch.float64 else torch.float32
         if is_constructible(self.size):
             if self.key is not None:
