@@ -143,3 +143,17 @@ def test_weight_search_observers_round_trip_and_are_validated():
     # Quark's spelling of a searched weight is the spec's (the scales are stored); activations stay refused
     assert ModelConfig(LayerConfig(weight=TensorConfig(nv, observer=FourOverSix()))).to_quark() == \
         ModelConfig(LayerConfig(weight=nv)).to_quark()
+
+
+@pytest.mark.parametrize("name,base,obs", [("nvfp4_4o6", "nvfp4", "four_over_six"),
+                                           ("w_mxfp4_a_mxfp4_search", "w_mxfp4_a_mxfp4", "exponent_search"),
+                                           ("mxfp4_weight_only_search", "mxfp4_weight_only", "exponent_search")])
+def test_searched_scale_presets_are_their_base_with_the_weight_observer(name, base, obs):
+    import dataclasses
+    from qcore.adapters.config import observer_from_dict
+    b = preset(base)
+    want = b.replace(layer=dataclasses.replace(b.layer, weight=TensorConfig(b.layer.weight.spec,
+                                                                            observer=observer_from_dict({"kind": obs}))))
+    assert preset(name) == want
+    assert preset(name, scale_mode=ScaleMode.FLOOR if "mx" in name else ScaleMode.EVEN).layer.weight.observer == \
+        want.layer.weight.observer

@@ -44,7 +44,7 @@ def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
 
 def _preset_kwargs(name: str) -> dict:
     """Group size 32 for the per-group presets that take one (hidden size 64: several groups per row)."""
-    grans = [g for _, g, _ in PRESETS[name].values()]
+    grans = [r[1] for r in PRESETS[name].values()]
     return {"group_size": 32} if "group" in grans else {}
 
 
