@@ -257,6 +257,8 @@ def schemes_command(args) -> int:
             if role != "weight" and g == "per-channel":
                 g = "per-token" if s.granularity.axis % 2 == 0 else "per-feature"
             mode = "" if role == "weight" else (" dynamic" if tc.dynamic else " static")
+            kind = tc.observer.to_dict()["kind"]
+            mode += "" if kind == "minmax" else f" {kind}"
             parts.append(f"{role[0].upper()} {s.name or s.dtype.name} {g}{mode}")
         spec = c.layer.weight.spec
         spec = with_granularity(spec, weight_granularity(spec.granularity, "Linear", name, 2, SCHEMES_SHAPE))
