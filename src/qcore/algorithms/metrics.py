@@ -1,4 +1,5 @@
-"""Quality metrics as pure math: token windows, perplexity from negative log-likelihoods, MSE, SQNR, cosine.
+"""Quality metrics as pure math: token windows, perplexity from negative log-likelihoods, the KL divergence and top-1
+agreement of next-token distributions, MSE, SQNR, cosine.
 
 Inputs may be numpy arrays, Python sequences or torch tensors; every result is a Python float (or a tuple of
 ints), computed in float64. torch is never imported here: a tensor is recognised through ``qcore._backend``
@@ -12,13 +13,13 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
 from qcore._backend import is_torch
 
-__all__ = ["token_windows", "perplexity_from_nll", "mse", "sqnr_db", "sqnr_db_of_sums", "cosine_similarities", "mean_cosine"]
+__all__ = ["token_windows", "perplexity_from_nll", "TokenDivergence", "token_divergence", "mse", "sqnr_db", "sqnr_db_of_sums", "cosine_similarities", "mean_cosine"]
 
 
 def _as_index(value: Any, name: str, *, minimum: int) -> int:
@@ -76,6 +77,82 @@ def perplexity_from_nll(nll_sum: float, n_predictions: int) -> float:
         return math.exp(mean)
     except OverflowError:
         return math.inf
+
+
+class TokenDivergence(NamedTuple):
+    """Per predicted token (row): ``kl`` the KL divergence ``KL(P_ref || P)`` in nats (float64 array), ``agree``
+    whether both distributions put their largest probability on the same token (bool array)."""
+
+    kl: np.ndarray
+    agree: np.ndarray
+
+
+#: float64 elements one block of rows of ``token_divergence`` holds (32 MB): a window's logits are never all
+#: converted to float64 at once
+DIVERGENCE_BLOCK_ELEMENTS = 1 << 22
+
+
+def _log_softmax64(x):
+    """Row-wise log-softmax in float64 (numpy array or torch tensor, same kind back): ``x - logsumexp(x)``."""
+    if is_torch(x):
+        x = x.detach().double()
+        return x - x.logsumexp(-1, keepdim=True)
+    m = np.max(x, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)  # a row of -inf: logsumexp -inf, its log-probs NaN (as torch gives)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return x - (m + np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True)))
+
+
+def _logit_rows(x: Any, name: str):
+    if is_torch(x):
+        if not (x.dtype.is_floating_point and x.ndim >= 1):
+            raise TypeError(f"{name} must be a float tensor of logits [..., vocab], got {x.dtype} {tuple(x.shape)}")
+        return x.reshape(-1, x.shape[-1]) if x.ndim else x
+    a = _f64(x, name)
+    if a.ndim < 1:
+        raise ValueError(f"{name} must hold logits [..., vocab] (at least 1 dimension), got shape {a.shape}")
+    return a.reshape(-1, a.shape[-1])
+
+
+def token_divergence(ref_logits: Any, logits: Any) -> TokenDivergence:
+    """KL divergence and top-1 agreement of the next-token distributions ``P_ref = softmax(ref_logits)`` and
+    ``P = softmax(logits)``, row by row (the last axis is the vocabulary; leading axes are flattened into rows):
+
+        kl[i]    = sum_v P_ref[i, v] * (log P_ref[i, v] - log P[i, v])    (nats, >= 0; 0 for equal logits)
+        agree[i] = argmax_v ref_logits[i, v] == argmax_v logits[i, v]      (first index among equal maxima)
+
+    what llama.cpp's ``llama-perplexity --kl-divergence`` reports as mean KLD and "same top p" (its reference is the
+    float model's logits). The log-softmax and the sums run in float64 (numpy arrays, or torch tensors in torch on
+    their device), in blocks of rows of at most ``DIVERGENCE_BLOCK_ELEMENTS`` elements. A token with ``P_ref = 0``
+    (logit -inf) adds nothing; one with ``P_ref > 0`` and ``P = 0`` makes the row's KL inf; NaN logits give NaN
+    (never hidden). Returns ``TokenDivergence`` of numpy arrays (float64 and bool) of one entry per row.
+    """
+    r, q = _logit_rows(ref_logits, "ref_logits"), _logit_rows(logits, "logits")
+    if tuple(r.shape) != tuple(q.shape):
+        raise ValueError(f"ref_logits and logits must have the same shape, got {tuple(_shape(ref_logits))} and "
+                         f"{tuple(_shape(logits))}")
+    if r.shape[0] == 0 or r.shape[1] == 0:
+        raise ValueError(f"ref_logits and logits must not be empty, got shape {tuple(_shape(ref_logits))}")
+    if is_torch(r) != is_torch(q):  # one of each kind: both in numpy
+        r, q = _f64(r, "ref_logits"), _f64(q, "logits")
+    elif is_torch(r) and r.device != q.device:
+        raise ValueError(f"ref_logits and logits must be on the same device, got {r.device} and {q.device}")
+    step = max(1, DIVERGENCE_BLOCK_ELEMENTS // r.shape[1])
+    kl, agree = [], []
+    for a in range(0, r.shape[0], step):
+        lp, lq = _log_softmax64(r[a:a + step]), _log_softmax64(q[a:a + step])
+        p = np.exp(lp) if not is_torch(lp) else lp.exp()
+        with np.errstate(invalid="ignore"):
+            t = p * (lp - lq)
+            t[p == 0] = 0.0  # 0 * log(0 / q) = 0; NaN (p NaN) stays
+            k, same = t.sum(-1), r[a:a + step].argmax(-1) == q[a:a + step].argmax(-1)
+        kl.append(k.cpu().numpy() if is_torch(k) else k)
+        agree.append(same.cpu().numpy() if is_torch(same) else same)
+    return TokenDivergence(np.concatenate(kl).astype(np.float64, copy=False), np.concatenate(agree).astype(bool))
+
+
+def _shape(x) -> tuple:
+    return tuple(getattr(x, "shape", np.shape(x)))
 
 
 def _f64(x: Any, name: str) -> np.ndarray:
