@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from typing import Any, Iterable, NamedTuple
 
 import numpy as np
@@ -87,20 +88,40 @@ class TokenDivergence(NamedTuple):
     agree: np.ndarray
 
 
-#: float64 elements one block of rows of ``token_divergence`` holds (32 MB): a window's logits are never all
-#: converted to float64 at once
+#: float64 elements one block of rows of ``token_divergence`` holds (32 MB; SmolLM2's 49,152-token vocabulary:
+#: 85 rows): a window's logits are never all converted to float64 at once
 DIVERGENCE_BLOCK_ELEMENTS = 1 << 22
 
 
-def _log_softmax64(x):
-    """Row-wise log-softmax in float64 (numpy array or torch tensor, same kind back): ``x - logsumexp(x)``."""
-    if is_torch(x):
-        x = x.detach().double()
-        return x - x.logsumexp(-1, keepdim=True)
-    m = np.max(x, axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)  # a row of -inf: logsumexp -inf, its log-probs NaN (as torch gives)
+def _block_divergence(r, q):
+    """KL and top-1 agreement of one block of rows. numpy: float64 throughout, with ``m`` the row maximum,
+    ``e = exp(r - m_r)`` and ``lse = m + log(sum(e))``, ``KL = sum(e * (r - q)) / sum(e) - lse(r) + lse(q)`` (the
+    definition, as ``sum(p) = 1``). torch: ``p * (log p - log q)`` from torch's fused log-softmax in the logits'
+    precision (float32 at least; float64 logits stay float64), summed in float64."""
+    if is_torch(r):
+        torch = sys.modules["torch"]
+        wide = torch.promote_types(torch.promote_types(r.dtype, q.dtype), torch.float32)
+        lp, lq = r.detach().to(wide).log_softmax(-1), q.detach().to(wide).log_softmax(-1)
+        p = lp.exp()
+        t = (lp - lq).mul_(p)
+        dot = t.sum(-1, dtype=torch.float64)
+        if dot.isnan().any():  # a token with p = 0 (logit -inf) adds nothing: 0 * log(0 / q) = 0; NaN (p NaN) stays
+            t[p == 0] = 0.0
+            dot = t.sum(-1, dtype=torch.float64)
+        return dot.cpu().numpy(), (r.argmax(-1) == q.argmax(-1)).cpu().numpy()
+    r64, q64 = np.asarray(r, dtype=np.float64), np.asarray(q, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        return x - (m + np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True)))
+        mr, mq = np.max(r64, axis=-1, keepdims=True), np.max(q64, axis=-1, keepdims=True)
+        mr, mq = np.where(np.isfinite(mr), mr, 0.0), np.where(np.isfinite(mq), mq, 0.0)
+        e = np.exp(r64 - mr)
+        sr, sq = e.sum(-1), np.exp(q64 - mq).sum(-1)
+        t = e * (r64 - q64)
+        dot = t.sum(-1)
+        if np.isnan(dot).any():
+            t[e == 0] = 0.0
+            dot = t.sum(-1)
+        kl = dot / sr - (mr[:, 0] + np.log(sr)) + (mq[:, 0] + np.log(sq))
+    return kl, r.argmax(-1) == q.argmax(-1)
 
 
 def _logit_rows(x: Any, name: str):
@@ -122,9 +143,16 @@ def token_divergence(ref_logits: Any, logits: Any) -> TokenDivergence:
         agree[i] = argmax_v ref_logits[i, v] == argmax_v logits[i, v]      (first index among equal maxima)
 
     what llama.cpp's ``llama-perplexity --kl-divergence`` reports as mean KLD and "same top p" (its reference is the
-    float model's logits). The log-softmax and the sums run in float64 (numpy arrays, or torch tensors in torch on
-    their device), in blocks of rows of at most ``DIVERGENCE_BLOCK_ELEMENTS`` elements. A token with ``P_ref = 0``
-    (logit -inf) adds nothing; one with ``P_ref > 0`` and ``P = 0`` makes the row's KL inf; NaN logits give NaN
+    float model's logits). numpy arrays are computed in float64 throughout (the reference computation), as
+    ``KL = sum(e * (r - q)) / sum(e) - logsumexp(r) + logsumexp(q)`` with ``e = exp(r - max(r))`` (the definition
+    rewritten with ``sum(P_ref) = 1``); torch tensors on their device by torch's fused log-softmax in the logits'
+    own precision (float32 at least: bfloat16 / float16 logits are widened, float64 ones stay float64), the sums
+    over the vocabulary in float64: 1.5x less CPU time than float64 elementwise; on 511 rows of 49,152 random
+    logits (SmolLM2's vocabulary) the mean KL is within 3.2e-8 of float64's, each token's within 5.2e-6
+    (tests/algorithms/test_token_divergence.py checks 1e-7 and 1e-5); SmolLM2's uint4_wo_64 run (20 windows):
+    mean 0.2970624 against float64's 0.2970598 (2.6e-6 apart), the same top-1 agreement. Rows go in blocks of at most
+    ``DIVERGENCE_BLOCK_ELEMENTS`` elements; equal logits give exactly 0. A token with ``P_ref = 0`` (logit -inf)
+    adds nothing; one with ``P_ref > 0`` and ``P = 0`` makes the row's KL inf; NaN logits give NaN
     (never hidden). Returns ``TokenDivergence`` of numpy arrays (float64 and bool) of one entry per row.
     """
     r, q = _logit_rows(ref_logits, "ref_logits"), _logit_rows(logits, "logits")
@@ -140,14 +168,9 @@ def token_divergence(ref_logits: Any, logits: Any) -> TokenDivergence:
     step = max(1, DIVERGENCE_BLOCK_ELEMENTS // r.shape[1])
     kl, agree = [], []
     for a in range(0, r.shape[0], step):
-        lp, lq = _log_softmax64(r[a:a + step]), _log_softmax64(q[a:a + step])
-        p = np.exp(lp) if not is_torch(lp) else lp.exp()
-        with np.errstate(invalid="ignore"):
-            t = p * (lp - lq)
-            t[p == 0] = 0.0  # 0 * log(0 / q) = 0; NaN (p NaN) stays
-            k, same = t.sum(-1), r[a:a + step].argmax(-1) == q[a:a + step].argmax(-1)
-        kl.append(k.cpu().numpy() if is_torch(k) else k)
-        agree.append(same.cpu().numpy() if is_torch(same) else same)
+        k, same = _block_divergence(r[a:a + step], q[a:a + step])
+        kl.append(k)
+        agree.append(same)
     return TokenDivergence(np.concatenate(kl).astype(np.float64, copy=False), np.concatenate(agree).astype(bool))
 
 
