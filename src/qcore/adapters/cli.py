@@ -50,6 +50,7 @@ from .passes.runner import AlgorithmError
 from .modules import weight_granularity, with_granularity
 from .plan import quantized_modules
 from .presets import GGUF_MIX_PRESETS, PRESETS, preset
+from .recipes import BEST, RECIPES, recipe_label
 
 
 def _eval_text(args):
@@ -79,6 +80,8 @@ def _algorithms(flags: list) -> tuple:
                 items.extend(s.strip() for s in a.split(",") if s.strip())
         if not items:
             raise ValueError("no algorithm named (e.g. --algo gptq)")
+        if any(isinstance(x, str) and x.lower() == BEST for x in items):  # the scheme's recipe: the job's
+            return tuple(items)
         return parse_algorithms(items)
     except (ValueError, TypeError) as e:
         raise CommandError(f"--algo {','.join(flags)}: {e}") from None
@@ -295,7 +298,8 @@ def schemes_command(args) -> int:
     """One line per preset: its roles and the bits per weight element an HF export stores for a 4096 x 4096
     Linear weight (codes, scales, zero points, shared exponents; ``qcore.formats.inspect.layout_bits_per_weight``,
     the count ``qcore inspect`` makes from a checkpoint), and the spec's own count where the layout stores more
-    (Quark's int8 and int4 layouts store zero points of symmetric specs)."""
+    (Quark's int8 and int4 layouts store zero points of symmetric specs), and the scheme's ``--algo best``
+    recipe where it has one (``qcore.adapters.recipes``)."""
     for name in PRESETS:
         c = preset(name)
         parts = []
@@ -323,7 +327,8 @@ def schemes_command(args) -> int:
             if "weight_shifts" in t:
                 why.append(f"each {spec.subblock_shift_bits}-bit shared-exponent shift in a byte")
             note = f" (the spec needs {own:.2f}; the {layout} layout stores {' and '.join(why) or 'more'})"
-        print(f"{name:42s} {'; '.join(parts):60s} {bits:.2f} bits/weight{note}")
+        best = f"; --algo best: {recipe_label(RECIPES[name])}" if name in RECIPES else ""
+        print(f"{name:42s} {'; '.join(parts):60s} {bits:.2f} bits/weight{note}{best}")
     for name, mix in GGUF_MIX_PRESETS.items():  # types per tensor from the model's shapes and layers (docs/gguf.md)
         print(f"{name:42s} W llama.cpp {mix}: {MIXES[mix].default} and per-tensor types (GGUF export)")
     return 0
@@ -532,7 +537,8 @@ def _add_quantize(q) -> None:
                    help="module name or pattern left in float, or a weight qcore cannot quantize yet (fused MoE "
                    "experts, Conv1D: docs/adapters.md) (repeatable; replaces the default: the output head)")
     q.add_argument("--algo", action="append", default=None, metavar="NAMES",
-                   help="algorithms to run before rounding, in order, comma-separated or repeated: quarot or "
+                   help="algorithms to run before rounding, in order, comma-separated or repeated: best (the "
+                   "scheme's measured best recipe, qcore schemes lists them; distill may follow), quarot or "
                    "spinquant (first), gptq, gptaq, qronos, autoround, awq, smoothquant, autosmoothquant, svdquant, "
                    "hqq (data-free; last but for distill), distill (last) (e.g. --algo quarot,gptq or --algo "
                    "quarot,gptq,distill); an entry may be a JSON object with settings, e.g. --algo '{\"name\": "

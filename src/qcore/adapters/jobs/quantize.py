@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import inspect
+import json
 import math
 import os
 import pathlib
@@ -56,6 +57,7 @@ from ..io.common import check_destination, parse_size, weightless_error
 from ..passes.amp import amp_config
 from ..passes.checkpointing import check_work_args, read_work_dir, saved_run
 from ..passes.targets import check_experts_algorithms
+from ..recipes import BEST, apply_recipe, best_recipe, recipe_label
 from ..plan import NoMatchError, excluded_weights, plan_model, quantized_modules
 from ..presets import mix_of_preset
 from .report import LAYER_ERROR_WINDOWS, QuantizeReport
@@ -271,6 +273,7 @@ class SchemeSection:
     target_bits: Optional[float] = None
     max_loss: Optional[float] = None
     imatrix: Optional[str] = None
+    best: bool = False  # algorithms led by "best": the scheme's recipe (qcore.adapters.recipes), then algorithms
 
 
 @dataclass(frozen=True)
@@ -353,15 +356,20 @@ class QuantizeJob:
         o = _check_types({**{k: p.default for k, p in params.items()}, **arguments})
         check_flags(o, given_options(arguments, o, {k: p.default for k, p in params.items()}, names), names)
         try:
-            algos = _parse_algorithms(o["algorithms"])
+            best, rest = _split_best(o["algorithms"])
+            algos = _parse_algorithms(rest)
         except (ValueError, TypeError) as e:
-            raise CommandError(f"{names.arg('algorithms', o['algorithms'])}: {e}") from None
+            al = o["algorithms"]
+            shown = al if not names.cli or isinstance(al, str) or not isinstance(al, Sequence) else ",".join(
+                x if isinstance(x, str) else json.dumps(x) if isinstance(x, Mapping) else getattr(x, "name", repr(x))
+                for x in al)
+            raise CommandError(f"{names.arg('algorithms', shown)}: {e}") from None
         return cls(
             ModelSection(o["model"], o["tokenizer"], o["device"], o["dtype"]),
             SchemeSection(o["scheme"], o["group_size"], o["kv_cache_dtype"],
                           None if o["exclude"] is None else tuple(o["exclude"]), algos,
                           o["amp"] if o["amp"] is None or isinstance(o["amp"], str) else tuple(o["amp"]),
-                          o["target_bits"], o["max_loss"], o["imatrix"]),
+                          o["target_bits"], o["max_loss"], o["imatrix"], best),
             CalibrationSection(o["calib_samples"], o["amp_samples"]),
             EvaluationSection(o["eval"], o["eval_text"], o["seq_len"], o["cache"], o["kl"]),
             ExportSection(o["output"], o["export"], o["onnx_weights"], o["onnx_unsupported"], o["drop_activations"],
@@ -461,6 +469,18 @@ def quantize_and_report(model: Union[None, str, os.PathLike, nn.Module] = None,
     nothing is loaded, evaluated or written.
     """
     return run(QuantizeJob.from_arguments(**dict(locals())).check())
+
+
+def _split_best(al) -> tuple:
+    """``(best, the other entries)``: whether ``al`` (``algorithms`` as given) starts with ``"best"``, the
+    scheme's recipe (``qcore.adapters.recipes``); ``best`` anywhere else is refused."""
+    items = [x.strip() for x in al.split(",") if x.strip()] if isinstance(al, str) else \
+        (list(al) if al is not None else [])
+    marks = [i for i, x in enumerate(items) if isinstance(x, str) and x.lower() == BEST]
+    if marks and marks != [0]:
+        raise ValueError(f"{BEST!r} stands for the scheme's whole recipe: it comes first, once (only distill may "
+                         f"follow it)")
+    return bool(marks), (items[1:] if marks else al)
 
 
 def _parse_algorithms(al) -> tuple:
@@ -588,9 +608,27 @@ def _check_scheme(job: QuantizeJob, fmt: Optional[Format]) -> tuple:
     if amp_schemes is not None:
         label = f"amp {','.join(amp_schemes)} " + (f"at {s.target_bits} bits/weight" if s.max_loss is None
                                                    else f"within a summed KL of {s.max_loss}")
-    if s.algorithms:
+    if s.best:
+        config, label = _best_recipe(config, label, scheme_in, amp_schemes, names, s)
+    elif s.algorithms:
         config = config.replace(algorithms=s.algorithms)
     return config, label, (None if amp_schemes is None else tuple(amp_schemes))
+
+
+def _best_recipe(config: ModelConfig, label: str, scheme, amp_schemes, names, s) -> tuple:
+    """``algorithms=["best", ...]``: ``config`` with the recipe of the preset ``scheme`` (refused for AMP, a
+    config file, a llama.cpp mix or a preset without one, naming the schemes that have one)."""
+    flag = names.arg("algorithms", ",".join([BEST, *(a.name for a in s.algorithms)]))
+    if amp_schemes is not None:
+        raise CommandError(f"{flag} with {names('amp')}: a recipe belongs to one scheme, and AMP chooses a scheme per "
+                           f"layer; give the algorithms by name")
+    try:
+        recipe = best_recipe(scheme if isinstance(scheme, str) else "a ModelConfig")
+        config = apply_recipe(config, recipe, after=s.algorithms)
+    except (ValueError, TypeError) as e:
+        raise CommandError(f"{flag}: {e}") from None
+    then = "".join(f" then {a.name}" for a in s.algorithms)
+    return config, f"{label} (--algo best: {recipe_label(recipe)}{then})"
 
 
 def _load_dtype(job: QuantizeJob) -> Optional[torch.dtype]:
