@@ -46,10 +46,16 @@ ROWS: dict[str, tuple[str, list]] = {
     "mx_quarot_gptaq": ("w_mxfp4_a_mxfp4", _q("--scheme", "w_mxfp4_a_mxfp4", "--algo", "quarot,gptaq")),
     "mx_block32_rtn": ("w_mxfp4_a_mxfp4", _q("--scheme", "w_mxfp4_a_mxfp4", "--algo", QR32)),
     "mx_block32_gptq": ("w_mxfp4_a_mxfp4", _q("--scheme", "w_mxfp4_a_mxfp4", "--algo", QR32, "--algo", "gptq")),
+    "mx_search_rtn": ("w_mxfp4_a_mxfp4", _q("--scheme", "w_mxfp4_a_mxfp4_search")),
+    "mx_quarot_qronos": ("w_mxfp4_a_mxfp4", _q("--scheme", "w_mxfp4_a_mxfp4", "--algo", "quarot,qronos")),
     "mx_best": ("w_mxfp4_a_mxfp4", _q("--scheme", "w_mxfp4_a_mxfp4", "--algo", "best")),
     # NVFP4 weights and activations
     "nv_rtn": ("nvfp4", _q("--scheme", "nvfp4")),
     "nv_gptq": ("nvfp4", _q("--scheme", "nvfp4", "--algo", "gptq")),
+    "nv_qronos": ("nvfp4", _q("--scheme", "nvfp4", "--algo", "qronos")),
+    "nv_gptaq": ("nvfp4", _q("--scheme", "nvfp4", "--algo", "gptaq")),
+    "nv4o6_rtn": ("nvfp4", _q("--scheme", "nvfp4_4o6")),
+    "nv4o6_gptq": ("nvfp4", _q("--scheme", "nvfp4_4o6", "--algo", "gptq")),
     "nv_block16_gptq": ("nvfp4", _q("--scheme", "nvfp4", "--algo", QR16, "--algo", "gptq")),
     "nv_best": ("nvfp4", _q("--scheme", "nvfp4", "--algo", "best")),
     # W4A4 int
