@@ -171,8 +171,8 @@ def hidden_loops(modules, edges, externals) -> list:
 
 # the layers, lowest first: a module may import its own layer and those below, never one above
 ADAPTER_LAYERS = [
-    ("config", ["qcore.adapters.config", "qcore.adapters.presets", "qcore.adapters.families", "qcore.adapters.batches",
-                "qcore.adapters._device", "qcore.adapters.gguf_names"]),
+    ("config", ["qcore.adapters.config", "qcore.adapters.presets", "qcore.adapters.recipes", "qcore.adapters.families",
+                "qcore.adapters.batches", "qcore.adapters._device", "qcore.adapters.gguf_names"]),
     ("modules", ["qcore.adapters.modules", "qcore.adapters.plan", "qcore.adapters.moe", "qcore.adapters._calib_tail",
                  "qcore.adapters.distributed", "qcore.adapters.triton", "qcore.adapters.gguf_mix",
                  "qcore.adapters.imatrix", "qcore.adapters.calibration"]),

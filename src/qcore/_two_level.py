@@ -29,26 +29,30 @@ def f32_const(v, o, like):
     return o.asarray(np.float32(v), o.float32, like)
 
 
-def tensor_scale_from_amax(amax, spec: QuantSpec, o, like):
-    """AMAX's rule for ``g`` from the tensor's absmax (0-d float32): see ``_tensor_scale``."""
+def tensor_scale_from_amax(amax, spec: QuantSpec, o, like, *, scale_max=None):
+    """AMAX's rule for ``g`` from the tensor's absmax (0-d float32): see ``_tensor_scale``. ``scale_max``: the
+    block scale the tensor's largest block maps to (default the scale dtype's largest finite value; four over
+    six uses less, ``qcore.stats.four_over_six``)."""
     one = f32_const(1.0, o, like)
+    top = spec.scale_dtype.max_finite if scale_max is None else scale_max
     with o.quiet():
-        g = amax / f32_const(spec.qmax * spec.scale_dtype.max_finite, o, like)
+        g = amax / f32_const(spec.qmax * top, o, like)
     g = o.where(g < F32_MIN_NORMAL, F32_MIN_NORMAL, g)
     g = o.where(amax == 0, one, g)
     return o.where(o.isfinite(amax), g, np.float32(math.nan))
 
 
-def two_level_scales(amax, g, spec: QuantSpec, o):
+def two_level_scales(amax, g, spec: QuantSpec, o, *, target=None):
     """THE two-level rule: from block absmax ``amax`` (float32, scale shape) and tensor scale ``g`` (0-d) ->
     ``(scales, q_mul, dq_mul)``: the public block scales (values of ``spec.scale_dtype``), the quantization
     multiplier (codes = round(x * q_mul)) and the dequantization multiplier (value = element * dq_mul).
 
     scale = cast_RNE(clamp(fl(fl(amax / max_element) / g), min_normal, max_finite), scale_dtype); NaN where
-    amax or g is NaN/Inf (the block is NaN). Multipliers: ``two_level_multipliers``."""
+    amax or g is NaN/Inf (the block is NaN). Multipliers: ``two_level_multipliers``. ``target``: the element
+    value the block's absmax maps to instead of ``max_element`` (four over six's 4)."""
     sd = spec.scale_dtype
     with o.quiet():
-        s = (amax / f32_const(spec.qmax, o, amax)) / g
+        s = (amax / f32_const(spec.qmax if target is None else target, o, amax)) / g
     s = o.clip(s, np.float32(sd.min_normal), np.float32(sd.max_finite))
     scales = cast(s, sd, saturate=True)
     good = o.logical_and(o.isfinite(amax), o.isfinite(g))

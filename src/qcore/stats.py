@@ -67,11 +67,14 @@ from ._elements import bump_from_extremes
 from ._typing import Array, ArrayLike, SpecLike
 from .granularity import (Blocked, Granularity, PerChannel, PerGroup, PerTensor, check_granularity,
                           to_blocks)
-from .quantize import QuantSpec, fake_quantize, make_spec
+from ._two_level import f32_const, tensor_scale_from_amax, two_level_scales
+from .dtypes import FloatDType, TensorScale
+from .quantize import QuantSpec, check_tensor_scale_arg, fake_quantize, make_spec
 from .rounding import RoundingMode, check_mode, pow2
-from .scales import asymmetric_scale, pow2_scale_exponent, symmetric_scale
+from .scales import asymmetric_scale, floor_log2, pow2_scale_exponent, scale_exponent_range, symmetric_scale
 
-__all__ = ["absmax", "minmax", "percentile", "mse_clip", "QParams", "RunningStats", "update", "scale_from_stats",
+__all__ = ["absmax", "minmax", "percentile", "mse_clip", "four_over_six", "four_over_six_scale_max",
+           "exponent_search", "QParams", "TwoLevelParams", "RunningStats", "update", "scale_from_stats",
            "ImatrixStats"]
 
 
@@ -318,6 +321,145 @@ def mse_clip(x: ArrayLike, spec: SpecLike, *, grid: int = 100, lo: float = 0.5, 
         zp = None if cand.zero_point is None else o.where(better, cand.zero_point, best.zero_point)
         best, best_err = QParams(scale, zp), o.where(better, err, best_err)
     return best
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# searched block scales for FP4: four over six (two-level, NVFP4) and the E8M0 exponent search (MX)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class TwoLevelParams(NamedTuple):
+    """Parameters of a two-level spec: block ``scale`` (values of ``spec.scale_dtype``, the spec's scale shape)
+    and the per-tensor ``tensor_scale`` (0-d float32; None under ``TensorScale.ONE``); pass them to ``quantize``
+    / ``fake_quantize`` as ``**p.kwargs()``."""
+
+    scale: Any
+    tensor_scale: Any = None
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"scale": self.scale, "tensor_scale": self.tensor_scale}
+
+
+def _block_sq_error(x, x64, spec, key, o, **params):
+    """Per block of ``spec.granularity``: the float64 ``sum (x - fake_quantize(x, **params))**2``."""
+    y = fake_quantize(x, spec, key=key, **params)
+    with o.quiet():
+        d = x64 - o.astype(y, _f64(o))
+        e = d * d
+    eb, b = to_blocks(e, spec.granularity, o)  # zero padding adds 0
+    return o.sum(eb, b.reduce_axes, keepdims=False)
+
+
+#: the element values four over six maps a block's absmax to: FP4 E2M1's largest (6) and the one below it (4)
+FOUR_OVER_SIX_TARGETS = (6.0, 4.0)
+
+
+def four_over_six_scale_max(scale_dtype: FloatDType) -> float:
+    """The block scale the tensor's largest block maps to under four over six: the largest power of two ``M``
+    with ``M * 6 / 4 <= scale_dtype.max_finite``, so that a block's "max -> 4" scale (1.5 times its "max -> 6"
+    scale) is never clamped. E4M3 (448): 256, the paper's ``E4M3_MAX_FOUROVERSIX``."""
+    m = 1.0
+    while m * 2.0 * 1.5 <= scale_dtype.max_finite:
+        m *= 2.0
+    return m
+
+
+def four_over_six(x: ArrayLike, spec: SpecLike, *, tensor_scale: Optional[ArrayLike] = None,
+                  key: Optional[int] = None) -> TwoLevelParams:
+    """Four over six (arXiv 2512.02010, mit-han-lab/fouroversix): per block of a two-level FP4 spec (NVFP4), the
+    block scale that maps the block's absmax to 6 or the one that maps it to 4, whichever gives the smaller
+    ``sum (x - fake_quantize(x))**2`` over the block (float64 sums; ties keep 6, the spec's own rule).
+
+    The tensor scale makes room for the "max -> 4" scales (1.5 times larger) in the scale dtype:
+    ``g = amax(|x|) / (6 * four_over_six_scale_max(scale_dtype))`` (NVFP4: amax / (6 * 256) instead of the
+    spec's amax / (6 * 448)), with ``TensorScale.AMAX``'s rules otherwise (raised to 2**-126; 1 for an all-zero
+    tensor). ``tensor_scale``: use this ``g`` instead (GPTQ's groups share the whole weight's). Each candidate's
+    block scales are the spec's own two-level arithmetic (``qcore._two_level.two_level_scales``) with target 6 or
+    4. ``TensorScale.ONE`` keeps ``g = 1``; ``GIVEN`` needs ``tensor_scale``.
+
+    Returns ``TwoLevelParams(scale, tensor_scale)``: ``quantize(x, spec, **p.kwargs())`` is the result. Refuses
+    (ValueError) a spec that is not two-level or whose elements are not ``float4_e2m1fn`` (the grid whose 4 and 6
+    the rule names), and an ``x`` holding NaN or Inf when the tensor scale is computed from it.
+    """
+    spec = spec if isinstance(spec, QuantSpec) else make_spec(spec)
+    what = spec.name or spec.dtype.name
+    if not spec.two_level:
+        raise ValueError(f"four_over_six: spec {what!r} is not a two-level (NVFP4) spec (tensor_scale_mode="
+                         f"{spec.tensor_scale_mode.name}); MX specs take exponent_search")
+    if spec.dtype.name != "float4_e2m1fn":
+        raise ValueError(f"four_over_six: spec {what!r} has elements {spec.dtype.name}; the rule picks between "
+                         f"the scales mapping a block's max to 6 or 4 of float4_e2m1fn")
+    key = check_mode(spec.rounding, key)
+    x, o = _float_input(x)
+    mode = spec.tensor_scale_mode
+    if tensor_scale is not None:
+        g = check_tensor_scale_arg(tensor_scale, spec, o, x)  # refuses it under TensorScale.ONE
+    elif mode is TensorScale.GIVEN:
+        raise ValueError(f"four_over_six: spec {what!r} has tensor_scale_mode=GIVEN: pass tensor_scale=")
+    elif mode is TensorScale.ONE or math.prod(tuple(x.shape)) == 0:
+        g = f32_const(1.0, o, x)
+    else:
+        amax = o.amax(o.reshape(o.abs(x), (-1,)), 0, keepdims=False)
+        if not math.isfinite(float(amax)):
+            raise ValueError("four_over_six: x holds NaN or Inf; its tensor scale (from amax |x|) would be NaN")
+        g = tensor_scale_from_amax(amax, spec, o, x, scale_max=four_over_six_scale_max(spec.scale_dtype))
+    ts = None if mode is TensorScale.ONE else g
+    bmax = absmax(x, spec.granularity)
+    x64 = o.astype(x, _f64(o))
+    best = best_err = None
+    for target in FOUR_OVER_SIX_TARGETS:
+        cand, _, _ = two_level_scales(bmax, g, spec, o, target=target)
+        err = _block_sq_error(x, x64, spec, key, o, scale=cand, tensor_scale=ts)
+        if best is None:
+            best, best_err = cand, err
+        else:
+            better = err < best_err  # strict: ties keep 6; NaN never wins
+            best, best_err = o.where(better, cand, best), o.where(better, err, best_err)
+    return TwoLevelParams(best, ts)
+
+
+def _check_radius(radius) -> int:
+    if isinstance(radius, (bool, np.bool_)) or not isinstance(radius, numbers.Integral):
+        raise TypeError(f"radius must be an int in [1, 8], got {radius!r}")
+    if not 1 <= int(radius) <= 8:
+        raise ValueError(f"radius must be in [1, 8] (exponents e - radius ... e + radius), got {radius!r}")
+    return int(radius)
+
+
+def exponent_search(x: ArrayLike, spec: SpecLike, *, radius: int = 1, key: Optional[int] = None) -> QParams:
+    """E8M0 exponent search for power-of-two (MX) block scales: per block, the exponent ``e`` that the spec's own
+    rule gives (``spec.scale_mode``; bfp16's bump included) and its neighbours ``e - 1``, ``e + 1`` (up to
+    ``e +- radius``), keeping the one with the smallest ``sum (x - fake_quantize(x))**2`` over the block (float64
+    sums). Candidates are tried in the order ``e, e - 1, e + 1, e - 2, ...`` and only a strictly smaller error
+    replaces the best so far, so ties keep the rule's exponent (never worse than it) and then the smaller scale.
+    ``e + 1`` is the scale that clips nothing (FLOOR's clipped top binade), ``e - 1`` the finer one that clips
+    more; exponents stay in ``scale_exponent_range(spec.scale_dtype)``. A NaN block keeps its NaN scale.
+
+    Returns ``QParams(scale, None)``: ``quantize(x, spec, **p.kwargs())`` is the result. Refuses (ValueError) a
+    spec without power-of-two scales, and the specs ``mse_clip`` refuses (microexponents, two-level, GGUF).
+    """
+    spec = _as_spec(spec)
+    if not spec.pow2_scale:
+        raise ValueError(f"exponent_search: spec {spec.name or spec.dtype.name!r} has {spec.scale_dtype.name} "
+                         f"scales, not powers of two (E8M0 / pow2_scale); use mse_clip")
+    radius = _check_radius(radius)
+    key = check_mode(spec.rounding, key)
+    x, o = _float_input(x)
+    g = spec.granularity
+    amax = absmax(x, g)
+    blo, bhi = minmax(x, g) if spec.bump_on_overflow else (None, None)
+    base = _params(amax, blo, bhi, spec, o, x).scale
+    nan = o.isnan(base)
+    e = o.where(nan, 0, floor_log2(base))
+    smin, smax = scale_exponent_range(spec.scale_dtype)
+    x64 = o.astype(x, _f64(o))
+    best, best_err = base, _block_sq_error(x, x64, spec, key, o, scale=base)
+    for k in [s * d for d in range(1, radius + 1) for s in (-1, 1)]:
+        cand = o.where(nan, np.float32(math.nan), pow2(o.clip(e + k, smin, smax), o, x))
+        err = _block_sq_error(x, x64, spec, key, o, scale=cand)
+        better = err < best_err
+        best, best_err = o.where(better, cand, best), o.where(better, err, best_err)
+    return QParams(best, None)
 
 
 # ---------------------------------------------------------------------------------------------------------------

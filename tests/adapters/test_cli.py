@@ -121,7 +121,8 @@ def test_schemes_lists_every_preset_with_bits(capsys):
     from qcore.adapters import GGUF_MIX_PRESETS  # llama.cpp's mixes last: resolved on the model (docs/gguf.md)
     assert [ln.split()[0] for ln in lines] == list(PRESETS) + list(GGUF_MIX_PRESETS)
     by = {ln.split()[0]: ln for ln in lines}
-    assert by["uint4_wo_64"].endswith("4.56 bits/weight")  # 4 + (32-bit scale + 4-bit zero point) / 64
+    # 4 + (32-bit scale + 4-bit zero point) / 64, then the scheme's --algo best recipe
+    assert by["uint4_wo_64"].split("; --algo best")[0].endswith("4.56 bits/weight")
     assert "I float8_e4m3fn per-token dynamic" in by["ptpc_fp8"]
 
 

@@ -70,6 +70,9 @@ FLAGS = {
         "no_cache": [(Q + ["--no-cache"], OK),
                      (Q + ["--no-cache", "--eval", "none"], Refused("--no-cache applies to the float model's "
                                                                     "perplexity, which --eval none does not measure"))],
+        "no_kl": [(Q + ["--no-kl"], OK),
+                  (Q + ["--no-kl", "--eval", "none"], Refused("--no-kl applies to the KL divergence measured beside "
+                                                              "perplexity, which --eval none does not measure"))],
         "debug": [(Q + ["--debug"], OK)],
         "scheme": [(Q + ["--scheme", "w_uint4_per_group_asym"], OK),
                    (Q + ["--scheme", "w_int9"], Refused("--scheme 'w_int9' is not a preset"))],
@@ -177,6 +180,10 @@ FLAGS = {
         "no_cache": [(E + ["--no-cache"], OK),
                      (E + ["--tasks", "x", "--no-cache"], Refused("--no-cache applies to perplexity"))],
         "debug": [(E + ["--debug"], OK)],
+        "reference": [(E + ["--reference", "lm"], OK),
+                      (E + ["--tasks", "x", "--reference", "lm"], Refused("--reference lm applies to perplexity")),
+                      (E + ["--reference", "missing/dir/"],
+                       Refused("--reference missing/dir/: no such file or directory"))],
         "tasks": [(E + ["--tasks", "x"], OK), (E + ["--tasks", ","], Refused("argument --tasks: expected a "
                                                                             "comma-separated list of names, got ','"))],
         "limit": [(E + ["--tasks", "x", "--limit", "3"], OK),

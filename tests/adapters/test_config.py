@@ -114,3 +114,46 @@ def test_observers_round_trip():
     for obs in (MinMax(), Percentile(99.5), MSE(grid=20, lo=0.3, p=2.4)):
         c = ModelConfig(LayerConfig(weight=TensorConfig("int8", observer=obs), input=TensorConfig("int8", observer=obs)))
         assert ModelConfig.from_json(c.to_json()) == c
+
+
+def test_weight_search_observers_round_trip_and_are_validated():
+    """FourOverSix (two-level FP4 weights) and ExponentSearch (power-of-two weights): JSON round trip; refused,
+    naming the field, on other specs, on activations and on the KV cache."""
+    from qcore.adapters import ExponentSearch, FourOverSix
+    nv, mx = qcore.make_spec("nvfp4", axis=1), qcore.make_spec("mxfp4", axis=1)
+    c = ModelConfig(LayerConfig(weight=TensorConfig(nv, observer=FourOverSix())),
+                    by_name={"*down_proj": LayerConfig(weight=TensorConfig(mx, observer=ExponentSearch(radius=2)))})
+    assert ModelConfig.from_json(c.to_json()) == c
+    assert c.to_dict()["layer"]["weight"]["observer"] == {"kind": "four_over_six"}
+    for make, match in [
+        (lambda: TensorConfig(mx, observer=FourOverSix()), "FourOverSix\\(\\) applies to two-level FP4"),
+        (lambda: TensorConfig("int4", observer=FourOverSix()), "FourOverSix\\(\\) applies to two-level FP4"),
+        (lambda: TensorConfig(nv, observer=ExponentSearch()), "ExponentSearch\\(\\) applies to power-of-two"),
+        (lambda: TensorConfig("int8", observer=ExponentSearch()), "ExponentSearch\\(\\) applies to power-of-two"),
+        (lambda: ExponentSearch(radius=0), "ExponentSearch.radius"),
+        (lambda: ExponentSearch(radius=True), "ExponentSearch.radius"),
+        (lambda: TensorConfig(mx, dynamic=True, observer=ExponentSearch()), "static scales only"),
+        (lambda: LayerConfig(input=TensorConfig(qcore.make_spec("float8_e4m3fn", scale_dtype="float8_e8m0fnu"),
+                                                observer=ExponentSearch())), "LayerConfig.input: observer"),
+        (lambda: KVCacheConfig(qcore.make_spec("float8_e4m3fn", scale_dtype="float8_e8m0fnu"),
+                               observer=ExponentSearch()), "KVCacheConfig.observer"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            make()
+    # Quark's spelling of a searched weight is the spec's (the scales are stored); activations stay refused
+    assert ModelConfig(LayerConfig(weight=TensorConfig(nv, observer=FourOverSix()))).to_quark() == \
+        ModelConfig(LayerConfig(weight=nv)).to_quark()
+
+
+@pytest.mark.parametrize("name,base,obs", [("nvfp4_4o6", "nvfp4", "four_over_six"),
+                                           ("w_mxfp4_a_mxfp4_search", "w_mxfp4_a_mxfp4", "exponent_search"),
+                                           ("mxfp4_weight_only_search", "mxfp4_weight_only", "exponent_search")])
+def test_searched_scale_presets_are_their_base_with_the_weight_observer(name, base, obs):
+    import dataclasses
+    from qcore.adapters.config import observer_from_dict
+    b = preset(base)
+    want = b.replace(layer=dataclasses.replace(b.layer, weight=TensorConfig(b.layer.weight.spec,
+                                                                            observer=observer_from_dict({"kind": obs}))))
+    assert preset(name) == want
+    assert preset(name, scale_mode=ScaleMode.FLOOR if "mx" in name else ScaleMode.EVEN).layer.weight.observer == \
+        want.layer.weight.observer

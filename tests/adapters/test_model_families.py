@@ -44,7 +44,7 @@ def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
 
 def _preset_kwargs(name: str) -> dict:
     """Group size 32 for the per-group presets that take one (hidden size 64: several groups per row)."""
-    grans = [g for _, g, _ in PRESETS[name].values()]
+    grans = [r[1] for r in PRESETS[name].values()]
     return {"group_size": 32} if "group" in grans else {}
 
 
@@ -86,6 +86,16 @@ def _static_scale(inputs: list, spec) -> tuple:
     return p.scale, p.zero_point
 
 
+def _rtn(w, tc):
+    """``qcore.fake_quantize`` of a float weight with the scales of its observer (the searched-scale presets)."""
+    kw = {}
+    if tc.observer.to_dict()["kind"] == "four_over_six":
+        kw = qcore.stats.four_over_six(w, tc.spec).kwargs()
+    elif tc.observer.to_dict()["kind"] == "exponent_search":
+        kw = qcore.stats.exponent_search(w, tc.spec, radius=tc.observer.radius).kwargs()
+    return qcore.fake_quantize(w, tc.spec, **kw)
+
+
 def _check_family(model, ref_model, cfg, family, ids):
     """Quantized-model checks shared by the preset tests; returns the quantized output."""
     q = quantized_modules(model)
@@ -97,7 +107,7 @@ def _check_family(model, ref_model, cfg, family, ids):
     for n, p in model.named_parameters(remove_duplicate=False):
         mod = n.rpartition(".")[0]
         if mod in q and n.endswith(".weight"):
-            want = qcore.fake_quantize(ref_params[n].detach().float(), cfg.layer.weight.spec).to(p.dtype)
+            want = _rtn(ref_params[n].detach().float(), cfg.layer.weight).to(p.dtype)
             assert_bits_equal(p.detach(), want, n)
         else:
             assert_bits_equal(p.detach(), ref_params[n].detach(), n)

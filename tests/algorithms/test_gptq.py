@@ -188,3 +188,24 @@ def test_bad_arguments_are_refused_before_any_work():
     h[1, 2] = np.nan
     with pytest.raises(ValueError, match="hessian holds NaN"):
         gptq(w, h, spec)
+
+
+def test_two_level_scale_fn_protocol_sets_the_tensor_scale():
+    """Two-level specs: ``scale_fn(weight)``'s tensor scale is the loop's, every group gets
+    ``scale_fn(part, tensor_scale=g)``; with an identity Hessian (no error feedback) GPTQ is four over six's RTN."""
+    from qcore.stats import four_over_six
+    rng = np.random.default_rng(0)
+    w = (rng.standard_t(3, (16, 64)) * 0.05).astype(np.float32)
+    spec = make_spec("nvfp4", axis=1)
+    calls = []
+
+    def fn(part, tensor_scale=None):
+        calls.append(tensor_scale)
+        return four_over_six(part, spec, tensor_scale=tensor_scale)._asdict()
+
+    r = gptq(w, np.eye(64, dtype=np.float64), spec, scale_fn=fn, damp=1e-9, act_order=False)
+    p = four_over_six(w, spec)
+    assert calls[0] is None and all(float(c) == float(p.tensor_scale) for c in calls[1:]) and len(calls) == 5
+    assert float(r.qtensor.tensor_scale) == float(p.tensor_scale)
+    np.testing.assert_array_equal(r.qtensor.scales, p.scale)
+    np.testing.assert_array_equal(r.weight, qcore.fake_quantize(w, spec, **p.kwargs()))

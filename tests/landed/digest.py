@@ -493,8 +493,10 @@ def _strip(obj):
 
 # report keys and summary rows added since the landed code, each by a named issue: new measurements beside the
 # unchanged ones (the digest leaves them out of both runs, so every other key and row still compares)
-ADDED = {"ppl_llama_cpp": "issue 33: GGUF exports' perplexity as llama.cpp computes it"}
-_ADDED_ROWS = ("perplexity in llama.cpp",)
+ADDED = {"ppl_llama_cpp": "issue 33: GGUF exports' perplexity as llama.cpp computes it",
+         **dict.fromkeys(("kl_divergence", "top1_agreement", "kl_per_window", "top1_per_window"),
+                         "issue 34: the KL divergence to the float model and the top-1 agreement beside perplexity")}
+_ADDED_ROWS = ("perplexity in llama.cpp", "KL divergence to float")
 
 
 def _summary(text: str) -> list:

@@ -13,8 +13,8 @@ Importing this package imports torch. When transformers is installed, it also re
 so ``AutoModelForCausalLM.from_pretrained`` loads qcore checkpoints; nothing else is registered anywhere.
 """
 
-from .config import (MSE, KVCacheConfig, LayerConfig, MinMax, ModelConfig, Percentile, TensorConfig, spec_from_dict,
-                     spec_to_dict)
+from .config import (MSE, ExponentSearch, FourOverSix, KVCacheConfig, LayerConfig, MinMax, ModelConfig, Percentile,
+                     TensorConfig, spec_from_dict, spec_to_dict)
 from .modules import (CalibrationError, QuantConv2d, QuantConvTranspose2d, QuantEmbedding, QuantEmbeddingBag,
                       QuantLinear, wrap)
 from .presets import PRESETS, preset, preset_names
@@ -33,7 +33,8 @@ from .jobs.quantize import QuantizeJob, QuantizeReport, quantize_and_report
 register_with_transformers()  # the one registration qcore makes (documented above); a no-op without transformers
 
 __all__ = [
-    "ModelConfig", "LayerConfig", "TensorConfig", "KVCacheConfig", "MinMax", "Percentile", "MSE",
+    "ModelConfig", "LayerConfig", "TensorConfig", "KVCacheConfig", "MinMax", "Percentile", "MSE", "FourOverSix",
+    "ExponentSearch",
     "spec_to_dict", "spec_from_dict", "PRESETS", "preset", "preset_names",
     "QuantLinear", "QuantConv2d", "QuantConvTranspose2d", "QuantEmbedding", "QuantEmbeddingBag", "wrap",
     "CalibrationError", "quantize_model", "plan_model", "calibrate", "freeze", "model_bytes", "quantized_modules",

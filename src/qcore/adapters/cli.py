@@ -50,6 +50,7 @@ from .passes.runner import AlgorithmError
 from .modules import weight_granularity, with_granularity
 from .plan import quantized_modules
 from .presets import GGUF_MIX_PRESETS, PRESETS, preset
+from .recipes import BEST, RECIPES, recipe_label
 
 
 def _eval_text(args):
@@ -79,13 +80,15 @@ def _algorithms(flags: list) -> tuple:
                 items.extend(s.strip() for s in a.split(",") if s.strip())
         if not items:
             raise ValueError("no algorithm named (e.g. --algo gptq)")
+        if any(isinstance(x, str) and x.lower() == BEST for x in items):  # the scheme's recipe: the job's
+            return tuple(items)
         return parse_algorithms(items)
     except (ValueError, TypeError) as e:
         raise CommandError(f"--algo {','.join(flags)}: {e}") from None
 
 
 #: the main job's argument of a ``qcore quantize`` flag whose name differs (``args`` dest -> argument)
-_JOB_ARGUMENT = {"algo": "algorithms", "no_progress": "progress", "no_cache": "cache"}
+_JOB_ARGUMENT = {"algo": "algorithms", "no_progress": "progress", "no_cache": "cache", "no_kl": "kl"}
 
 
 def quantize_command(args) -> int:
@@ -104,7 +107,7 @@ def quantize_command(args) -> int:
         onnx_unsupported=args.onnx_unsupported, drop_activations=args.drop_activations, overwrite=args.overwrite,
         max_shard_size=args.max_shard_size, report=args.report or None, plot=args.plot or None,
         progress=not args.no_progress, command="qcore " + " ".join(shlex.quote(a) for a in (args.argv or [])),
-        work_dir=args.work_dir or None, resume=args.resume, cache=not args.no_cache,
+        work_dir=args.work_dir or None, resume=args.resume, cache=not args.no_cache, kl=not args.no_kl,
         imatrix=getattr(args, "imatrix", None) or None)
     job = QuantizeJob.from_arguments(names=CLI, command=values.pop("command"),
                                      **{k: v for k, v in values.items() if k in given})
@@ -138,6 +141,8 @@ def _summary_rows(r: QuantizeReport, *, report: bool) -> list[tuple[str, str]]:
     if r.ppl is not None:
         rows += [("perplexity", f"{r.ppl_baseline:.3f} -> {r.ppl:.3f}  ({r.eval_windows} windows of {r.seq_len} "
                                 f"tokens)")]
+    if r.kl_divergence is not None:
+        rows += [("KL divergence to float", _kl_text(r.kl_divergence, r.top1_agreement))]
     rows += [("quantize time", f"{r.quantize_seconds:.1f} s" + (
                 f" (calibration: {r.calibration_samples} x {r.seq_len} tokens)" if r.static_scales else "")),
              ("weights in memory", f"{r.model_bytes_before / 2**20:.1f} MiB -> {r.model_bytes_frozen / 2**20:.1f} MiB "
@@ -165,6 +170,11 @@ def _summary_rows(r: QuantizeReport, *, report: bool) -> list[tuple[str, str]]:
         if errors[n].output_sqnr_db is not None else f"{n} weight {errors[n].weight_sqnr_db:.1f} dB"
         for n in r.worst_layers))]
     return rows
+
+
+def _kl_text(kl: float, top1: float) -> str:
+    """The summary's KL row: mean KL (nats per prediction) and top-1 agreement, on the perplexity's windows."""
+    return f"{kl:.6f} nats mean, top-1 agreement {100 * top1:.2f}%  (the same windows)"
 
 
 def _task_rows(metrics) -> list[tuple[str, str]]:
@@ -202,6 +212,9 @@ def eval_command(args) -> int:
             msg = str(e)
             raise CommandError("--" + msg if msg.startswith("tasks:") else msg) from e  # "--tasks: ..." 
     _check_device(args.device)
+    reference = None
+    if args.reference is not None:  # the float model first: its reference kept, the model itself dropped
+        reference = _eval_reference(args, text)
     with _loading_bars(not args.no_progress):
         model, tok, desc = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
     if tok is None:
@@ -218,10 +231,24 @@ def eval_command(args) -> int:
         if n < 1:
             raise CommandError(f"the text has {ids.numel()} tokens, fewer than one window of --seq-len {args.seq_len}")
         t0 = time.perf_counter()
-        value = E.perplexity(model, tok, token_ids=ids, seq_len=args.seq_len, windows=range(n),
-                             progress=not args.no_progress, cache=not args.no_cache)
+        if reference is None:
+            value = E.perplexity(model, tok, token_ids=ids, seq_len=args.seq_len, windows=range(n),
+                                 progress=not args.no_progress, cache=not args.no_cache)
+        else:
+            ref, ref_desc = reference
+            if not torch.equal(ids, ref.token_ids):
+                raise CommandError(f"--reference {args.reference}: its tokenizer reads the text as other tokens than "
+                                   f"--model's; KL divergence compares the same windows of the same tokens")
+            try:
+                c = E.compare(model, ref, progress=not args.no_progress)
+            except ValueError as e:
+                raise CommandError(f"--reference {args.reference}: {e}") from None
+            value = c.ppl
         rows.append(("perplexity", f"{value:.4f}  ({n} windows of {args.seq_len} tokens, "
                                    f"{time.perf_counter() - t0:.1f} s)"))
+        if reference is not None:
+            rows += [("reference", f"{ref_desc}: perplexity {c.ppl_reference:.4f}"),
+                     ("KL divergence to reference", _kl_text(c.kl, c.top1))]
     if tasks is not None:
         t0 = time.perf_counter()
         metrics = LT.run_tasks(model, tok, tasks, limit=args.limit, batch_size=args.batch_size or 1,
@@ -233,6 +260,37 @@ def eval_command(args) -> int:
     return 0
 
 
+class _ReferenceNames(type(CLI)):
+    """``qcore eval --reference``'s errors from the model loader name ``--reference``, not ``--model``."""
+
+    def __call__(self, name: str) -> str:
+        return "--reference" if name == "model" else super().__call__(name)
+
+
+def _eval_reference(args, text) -> tuple:
+    """``(FloatReference, description)`` of ``qcore eval --reference MODEL``: the float model loaded, its reference
+    taken on the perplexity windows (from the cache where an earlier run stored it), then dropped."""
+    with _loading_bars(not args.no_progress):
+        model, tok, desc = load_model(args.reference, dtype=_dtype(args.dtype), device=args.device,
+                                      names=_ReferenceNames(True))
+    if tok is None:
+        raise CommandError(f"--reference {args.reference}: no tokenizer found next to the model; the windows need one")
+    if quantized_modules(model):
+        raise CommandError(f"--reference {args.reference}: a quantized checkpoint; the reference is the float model "
+                           f"(KL divergence is measured from its distributions)")
+    _check_seq_len(args.seq_len, model)
+    ids = E.protocol_token_ids(tok, text=text)
+    n = min(len(E.EVAL_WINDOWS), ids.numel() // args.seq_len)
+    if n < 1:
+        raise CommandError(f"the text has {ids.numel()} tokens, fewer than one window of --seq-len {args.seq_len}")
+    try:
+        ref = E.float_reference(model, tok, token_ids=ids, seq_len=args.seq_len, windows=range(n),
+                                progress=not args.no_progress, cache=not args.no_cache)
+    except E.FloatReferenceError as e:
+        raise CommandError(f"--reference {args.reference}: {e}") from None
+    return ref, desc
+
+
 SCHEMES_SHAPE = (4096, 4096)  # the weight shape ``qcore schemes`` counts stored bits for
 
 
@@ -240,7 +298,8 @@ def schemes_command(args) -> int:
     """One line per preset: its roles and the bits per weight element an HF export stores for a 4096 x 4096
     Linear weight (codes, scales, zero points, shared exponents; ``qcore.formats.inspect.layout_bits_per_weight``,
     the count ``qcore inspect`` makes from a checkpoint), and the spec's own count where the layout stores more
-    (Quark's int8 and int4 layouts store zero points of symmetric specs)."""
+    (Quark's int8 and int4 layouts store zero points of symmetric specs), and the scheme's ``--algo best``
+    recipe where it has one (``qcore.adapters.recipes``)."""
     for name in PRESETS:
         c = preset(name)
         parts = []
@@ -253,6 +312,8 @@ def schemes_command(args) -> int:
             if role != "weight" and g == "per-channel":
                 g = "per-token" if s.granularity.axis % 2 == 0 else "per-feature"
             mode = "" if role == "weight" else (" dynamic" if tc.dynamic else " static")
+            kind = tc.observer.to_dict()["kind"]
+            mode += "" if kind == "minmax" else f" {kind}"
             parts.append(f"{role[0].upper()} {s.name or s.dtype.name} {g}{mode}")
         spec = c.layer.weight.spec
         spec = with_granularity(spec, weight_granularity(spec.granularity, "Linear", name, 2, SCHEMES_SHAPE))
@@ -268,7 +329,8 @@ def schemes_command(args) -> int:
             if "weight_shifts" in t:
                 why.append(f"each {spec.subblock_shift_bits}-bit shared-exponent shift in a byte")
             note = f" (the spec needs {own:.2f}; the {layout} layout stores {' and '.join(why) or 'more'})"
-        print(f"{name:42s} {'; '.join(parts):60s} {bits:.2f} bits/weight{note}")
+        best = f"; --algo best: {recipe_label(RECIPES[name])}" if name in RECIPES else ""
+        print(f"{name:42s} {'; '.join(parts):60s} {bits:.2f} bits/weight{note}{best}")
     for name, mix in GGUF_MIX_PRESETS.items():  # types per tensor from the model's shapes and layers (docs/gguf.md)
         print(f"{name:42s} W llama.cpp {mix}: {MIXES[mix].default} and per-tensor types (GGUF export)")
     return 0
@@ -477,7 +539,8 @@ def _add_quantize(q) -> None:
                    help="module name or pattern left in float, or a weight qcore cannot quantize yet (fused MoE "
                    "experts, Conv1D: docs/adapters.md) (repeatable; replaces the default: the output head)")
     q.add_argument("--algo", action="append", default=None, metavar="NAMES",
-                   help="algorithms to run before rounding, in order, comma-separated or repeated: quarot or "
+                   help="algorithms to run before rounding, in order, comma-separated or repeated: best (the "
+                   "scheme's measured best recipe, qcore schemes lists them; distill may follow), quarot or "
                    "spinquant (first), gptq, gptaq, qronos, autoround, awq, smoothquant, autosmoothquant, svdquant, "
                    "hqq (data-free; last but for distill), distill (last) (e.g. --algo quarot,gptq or --algo "
                    "quarot,gptq,distill); an entry may be a JSON object with settings, e.g. --algo '{\"name\": "
@@ -517,6 +580,9 @@ def _add_quantize(q) -> None:
     q.add_argument("--resume", action="store_true", help="continue the run saved in --work-dir (same model, scheme "
                    "and data) to the same result; a missing or empty --work-dir starts afresh")
     q.add_argument("--eval", choices=["ppl", "none"], default="ppl", help="evaluation before and after (default ppl)")
+    q.add_argument("--no-kl", action="store_true", help="skip the mean KL divergence to the float model and the "
+                   "top-1 agreement measured beside perplexity (they keep a copy of the output head and the float "
+                   "model's hidden states before it: docs/adapters.md)")
     q.add_argument("--report", default=None, metavar="FILE.json", help="write the report as JSON")
     q.add_argument("--plot", default=None, metavar="FILE.png", help="plot each layer's weight SQNR and output SQNR "
                    "on calibration by decoder block and projection, before and after --algo (needs matplotlib)")
@@ -531,6 +597,11 @@ def _add_eval(e) -> None:
                     "DIR --tasks tests/data/lm_eval_tasks/python_basics.yaml --limit 50. See docs/adapters.md.")
     _add_model_args(e, needs={"eval_text": [(_eval_ppl, "is read only for perplexity, which --no-ppl turns off")],
                               "seq_len": [_EVAL_PPL], "no_cache": [_EVAL_PPL]})
+    _flag(e, "--reference", needs=[_EVAL_PPL], default=None, metavar="MODEL",
+          help="the float model to compare with (HF directory, .gguf file or hub id, e.g. the model --model was "
+          "quantized from): the mean KL divergence of --model's next-token distributions from its, and the top-1 "
+          "agreement, on the perplexity windows (the same tokenizer; its hidden states are cached as its "
+          "perplexity is)")
     e.add_argument("--tasks", type=comma_list, default=None, metavar="TASK[,TASK...]",
                    help="lm-evaluation-harness tasks, comma-separated: task names (hellaswag, ...: documents from "
                    "the HF hub, so a network or a filled datasets cache), task YAML files, or folders of them (every "

@@ -4,7 +4,8 @@ A config says, for every quantizable module of a model, what happens to each of 
 
 - ``TensorConfig(spec, dynamic=False, observer=MinMax())``: a core ``qcore.QuantSpec`` plus how its scale is
   found. Weights always take their scales from the weight itself (``MinMax``: the spec's own rule, exactly
-  ``qcore.fake_quantize``; ``Percentile``/``MSE``: clipped). Activations are either *dynamic* (scales computed
+  ``qcore.fake_quantize``; ``Percentile``/``MSE``: clipped; ``FourOverSix`` (NVFP4) / ``ExponentSearch`` (MX):
+  searched per block, weights only). Activations are either *dynamic* (scales computed
   on every call from the tensor itself) or *static* (scales calibrated once over calibration batches by the
   observer, then fixed).
 - ``LayerConfig(weight=, input=, output=, bias=)``: the roles of one module (None: that tensor stays float).
@@ -44,8 +45,8 @@ from qcore import PerBlock, PerChannel, PerGroup, PerTensor, QuantSpec, Rounding
 from qcore.algorithms.config import ALGORITHM_CONFIGS, ForeignAlgorithm, parse_algorithms, parse_quark_algorithm
 from qcore.formats.quark_hf import QuarkConfig, QuarkExport, QuarkLayerSpec, qcore_to_quark, quark_to_qcore
 
-__all__ = ["MinMax", "Percentile", "MSE", "Observer", "TensorConfig", "LayerConfig", "KVCacheConfig",
-           "ModelConfig", "ROLES", "MODULE_TYPES", "spec_to_dict", "spec_from_dict"]
+__all__ = ["MinMax", "Percentile", "MSE", "FourOverSix", "ExponentSearch", "Observer", "TensorConfig", "LayerConfig",
+           "KVCacheConfig", "ModelConfig", "ROLES", "MODULE_TYPES", "spec_to_dict", "spec_from_dict"]
 
 ROLES = ("weight", "input", "output", "bias")
 #: module types the adapters can wrap (``Conv1D``: transformers' GPT-2 projections; ``"Experts"``: fused MoE
@@ -120,8 +121,38 @@ class MSE:
         return {"kind": "mse", "grid": self.grid, "lo": self.lo, "p": self.p}
 
 
-Observer = Union[MinMax, Percentile, MSE]
-_OBSERVERS = {"minmax": MinMax, "percentile": Percentile, "mse": MSE}
+@dataclass(frozen=True)
+class FourOverSix:
+    """Weights of two-level FP4 specs (NVFP4) only: per 16-block the E4M3 scale mapping the block's max to 6 or
+    to 4, whichever has the smaller squared error, under the tensor scale amax / (6 * 256)
+    (``qcore.stats.four_over_six``; arXiv 2512.02010). The scales are ordinary E4M3 values: files and loaders
+    are unchanged."""
+
+    def to_dict(self) -> dict:
+        return {"kind": "four_over_six"}
+
+
+@dataclass(frozen=True)
+class ExponentSearch:
+    """Weights of power-of-two (MX, E8M0) specs only: per block the exponent of the spec's own rule or a
+    neighbour within ``radius`` (default 1: e - 1, e, e + 1), whichever has the smallest squared error
+    (``qcore.stats.exponent_search``). The scales are ordinary E8M0 values: files and loaders are unchanged."""
+
+    radius: int = 1
+
+    def __post_init__(self):
+        if isinstance(self.radius, bool) or not isinstance(self.radius, int) or not 1 <= self.radius <= 8:
+            raise _err("ExponentSearch.radius", self.radius, "an int in [1, 8]")
+
+    def to_dict(self) -> dict:
+        return {"kind": "exponent_search", "radius": self.radius}
+
+
+Observer = Union[MinMax, Percentile, MSE, FourOverSix, ExponentSearch]
+_OBSERVERS = {"minmax": MinMax, "percentile": Percentile, "mse": MSE, "four_over_six": FourOverSix,
+              "exponent_search": ExponentSearch}
+#: observers that choose weight scales by a search over the weight itself (never activations)
+WEIGHT_SEARCHES = (FourOverSix, ExponentSearch)
 
 
 def observer_from_dict(d: Mapping) -> Observer:
@@ -244,8 +275,9 @@ class TensorConfig:
         object.__setattr__(self, "spec", _as_spec(self.spec, "TensorConfig.spec"))
         if not isinstance(self.dynamic, bool):
             raise TypeError(f"TensorConfig.dynamic must be a bool, got {self.dynamic!r}")
-        if not isinstance(self.observer, (MinMax, Percentile, MSE)):
-            raise TypeError(f"TensorConfig.observer must be MinMax(), Percentile(q) or MSE(), got {self.observer!r}")
+        if not isinstance(self.observer, (MinMax, Percentile, MSE) + WEIGHT_SEARCHES):
+            raise TypeError(f"TensorConfig.observer must be MinMax(), Percentile(q), MSE(), FourOverSix() or "
+                            f"ExponentSearch(), got {self.observer!r}")
         if self.dynamic and not isinstance(self.observer, MinMax):
             raise ValueError(f"TensorConfig: a dynamic tensor takes its scale from each call (observer MinMax()); "
                              f"observer {self.observer!r} applies to static scales only")
@@ -254,8 +286,16 @@ class TensorConfig:
                              f"{self.spec.dtype.name} is asymmetric here (use MinMax() or MSE())")
         if self.spec.subblock_shift_bits and not isinstance(self.observer, MinMax):
             raise ValueError("TensorConfig: shared-microexponent specs (mx9/mx6/mx4) take MinMax() only")
-        if self.spec.two_level and not isinstance(self.observer, MinMax):
-            raise ValueError("TensorConfig: two-level (NVFP4) specs take MinMax() only")
+        if isinstance(self.observer, FourOverSix) and not (self.spec.two_level
+                                                           and self.spec.dtype.name == "float4_e2m1fn"):
+            raise ValueError(f"TensorConfig.observer: FourOverSix() applies to two-level FP4 specs (NVFP4); spec "
+                             f"{self.spec.name or self.spec.dtype.name!r} is not one (MX specs: ExponentSearch())")
+        if isinstance(self.observer, ExponentSearch) and not self.spec.pow2_scale:
+            raise ValueError(f"TensorConfig.observer: ExponentSearch() applies to power-of-two (MX, E8M0) scales; "
+                             f"spec {self.spec.name or self.spec.dtype.name!r} has {self.spec.scale_dtype.name} "
+                             f"scales (NVFP4: FourOverSix(); others: MSE())")
+        if self.spec.two_level and not isinstance(self.observer, (MinMax, FourOverSix)):
+            raise ValueError("TensorConfig: two-level (NVFP4) specs take MinMax() or FourOverSix() (weights) only")
         if self.spec.gguf and (self.dynamic or not isinstance(self.observer, MinMax)):
             raise ValueError(f"TensorConfig: GGUF type {self.spec.gguf!r} takes llama.cpp's own scale search: "
                              f"static (dynamic=False) with observer MinMax(); got dynamic={self.dynamic!r}, "
@@ -289,6 +329,9 @@ class TensorConfig:
 
 def _check_activation(tc: TensorConfig, role: str):
     g = tc.spec.granularity
+    if isinstance(tc.observer, WEIGHT_SEARCHES):
+        raise ValueError(f"LayerConfig.{role}: observer {tc.observer!r} searches a weight's scales; activations "
+                         f"take MinMax(), Percentile(q) or MSE()")
     if tc.spec.gguf:
         raise ValueError(f"LayerConfig.{role}: GGUF type {tc.spec.gguf!r} is a weight format (llama.cpp stores "
                          f"weights in it); activations take another spec")
@@ -403,6 +446,9 @@ class KVCacheConfig:
             raise _err("KVCacheConfig.targets", self.targets, "a non-empty tuple of name patterns")
         object.__setattr__(self, "targets", tuple(check_pattern(t, "KVCacheConfig.targets entry")
                                                   for t in self.targets))
+        if isinstance(self.observer, WEIGHT_SEARCHES):
+            raise ValueError(f"KVCacheConfig.observer: {self.observer!r} searches a weight's scales; the KV cache "
+                             f"takes MinMax(), Percentile(q) or MSE()")
         TensorConfig(self.spec, observer=self.observer)  # validates the observer against the spec
 
     @property
@@ -654,8 +700,12 @@ def _tc_to_quark(tc: Optional[TensorConfig], role: str, where: str, model_dtype:
                 return like
         except ValueError:
             pass
-    if not isinstance(tc.observer, MinMax):
-        raise ValueError(f"{where}: observer {tc.observer!r} has no Quark spelling here (only MinMax() converts)")
+    # a weight search's scales are ordinary scales of the spec, stored in the checkpoint: Quark's spelling is the
+    # spec's (qcore's own config block keeps the observer)
+    if not isinstance(tc.observer, MinMax) and not (role in ("weight", "bias")
+                                                    and isinstance(tc.observer, WEIGHT_SEARCHES)):
+        raise ValueError(f"{where}: observer {tc.observer!r} has no Quark spelling here (only MinMax() converts; "
+                         f"FourOverSix() / ExponentSearch() on weights)")
     spec = tc.spec
     if role in ("weight", "bias") and spec.tensor_scale_mode is TensorScale.AMAX:
         spec = dataclasses.replace(spec, tensor_scale_mode=TensorScale.GIVEN)

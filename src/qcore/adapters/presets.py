@@ -8,7 +8,9 @@
   blocks along the input / feature axis; ``group_size`` overrides the block size);
 - mode: ``"static"`` (calibrated; weights: from the weight), ``"dynamic"`` (per call) or
   ``"dynamic_calibrated_tensor_scale"`` (two-level formats: per-call block scales under a calibrated per-tensor
-  scale, ``TensorScale.GIVEN``).
+  scale, ``TensorScale.GIVEN``);
+- an optional fourth entry on a weight: its observer's ``kind`` (``"four_over_six"``, ``"exponent_search"``: the
+  searched FP4 block scales of ``qcore.adapters.FourOverSix`` / ``ExponentSearch``; default MinMax).
 
 ``preset(name, group_size=..., kv_cache=..., exclude=...)`` builds the ``ModelConfig``. OCP MX float formats
 (MXFP4/6/8) use Quark's E8M0 rule (``ScaleMode.EVEN``) so that results match Quark; ``scale_mode=`` picks another
@@ -31,7 +33,7 @@ from qcore import PerChannel, PerGroup, PerTensor, ScaleMode, TensorScale
 from qcore.dtypes import BlockDType, FloatDType
 from qcore.formats import gguf_mixes as GM
 
-from .config import KVCacheConfig, LayerConfig, ModelConfig, TensorConfig
+from .config import KVCacheConfig, LayerConfig, MinMax, ModelConfig, TensorConfig, observer_from_dict
 
 __all__ = ["PRESETS", "DEFAULT_GROUP_SIZE", "GGUF_MIX_PRESETS", "mix_of_preset", "preset", "preset_names",
            "similar_schemes", "takes_group_size"]
@@ -92,6 +94,11 @@ PRESETS: dict[str, dict[str, tuple]] = {
     # Quark's int4_fp8 rounds the weight to fp8 per tensor first, then to int4 per channel; qcore's preset is
     # the int4 per-channel rounding alone (one quantizer), with fp8 per-tensor dynamic activations as Quark's
     "int4_fp8": _wa(("int4", "channel", "static"), (_FP8, "tensor", "dynamic")),
+    # qcore's searched FP4 weight scales (same files, same loaders; docs/numerics.md "Searched FP4 block scales")
+    "nvfp4_4o6": _wa(("nvfp4", "block", "static", "four_over_six"),
+                     ("nvfp4", "block", "dynamic_calibrated_tensor_scale")),
+    "w_mxfp4_a_mxfp4_search": _wa(("mxfp4", "block", "static", "exponent_search"), ("mxfp4", "block", "dynamic")),
+    "mxfp4_weight_only_search": _wa(("mxfp4", "block", "static", "exponent_search")),
 }
 
 _KV = {"fp8": _FP8, "float8_e4m3fn": _FP8, "fp8_e4m3": _FP8}
@@ -147,7 +154,7 @@ def _spec(fmt: str, gran: str, group_size: Optional[int], scale_mode: ScaleMode)
 
 def takes_group_size(name: str) -> bool:
     """Whether preset ``name`` has a per-group or block role (which ``preset(group_size=)`` sets)."""
-    return any(g == "group" or g == "block" or g.startswith("group") for _, g, _ in PRESETS[name].values())
+    return any(r[1] == "group" or r[1] == "block" or r[1].startswith("group") for r in PRESETS[name].values())
 
 
 def preset(name: str, *, group_size: Optional[int] = None, kv_cache: Optional[str] = None,
@@ -176,17 +183,18 @@ def preset(name: str, *, group_size: Optional[int] = None, kv_cache: Optional[st
     table = PRESETS[name]
     if group_size is not None and not takes_group_size(name):
         raise ValueError(f"preset {name!r} has no per-group or block role: group_size={group_size} does not apply")
-    mx_float = [f for f, g, _ in table.values() if g == "block" and isinstance(qcore.get_dtype(f).element, FloatDType)
+    mx_float = [f for f, g, *_ in table.values() if g == "block" and isinstance(qcore.get_dtype(f).element, FloatDType)
                 and qcore.get_dtype(f).scale.mantissa_bits == 0 and not qcore.get_dtype(f).subblock_shift_bits]
     if scale_mode is not ScaleMode.EVEN and not mx_float:
         raise ValueError(f"preset {name!r} has no OCP MX float role (MXFP4/6/8): scale_mode={scale_mode.name} does "
                          f"not apply (its formats keep their own scale rule)")
     roles = {}
-    for role, (fmt, gran, mode) in table.items():
+    for role, (fmt, gran, mode, *obs) in table.items():
         spec = _spec(fmt, gran, group_size, scale_mode)
         if mode == "dynamic_calibrated_tensor_scale":
             spec = dataclasses.replace(spec, tensor_scale_mode=TensorScale.GIVEN)
-        roles[role] = TensorConfig(spec, dynamic=mode.startswith("dynamic"))
+        observer = observer_from_dict({"kind": obs[0]}) if obs else MinMax()
+        roles[role] = TensorConfig(spec, dynamic=mode.startswith("dynamic"), observer=observer)
     kv = None
     if kv_cache is not None:
         if kv_cache not in _KV:

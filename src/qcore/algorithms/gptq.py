@@ -73,7 +73,9 @@ def gptq(weight: Any, hessian: Any, spec: QuantSpec, *, block_size: int = 128, d
 
     ``scale_fn(w_part) -> dict``: optional scale rule (``quantize`` keyword arguments: ``scale``,
     ``zero_point``) for a slice of the weight covering whole scale groups, used instead of the spec's own rule
-    (e.g. an MSE-clipped scale); ``tensor_scale`` of two-level specs is always the spec's own.
+    (e.g. an MSE-clipped scale). Two-level specs: ``scale_fn(weight)`` is called once first, and the
+    ``tensor_scale`` of its result (default: the spec's own) is the loop's; every group is then
+    ``scale_fn(part, tensor_scale=g)`` (``qcore.stats.four_over_six`` fits that protocol).
 
     GGUF specs (``spec.gguf``: k-quants, Q4_0 ... Q8_0, IQ4_NL) run llama.cpp's scale search per block inside the
     loop (``qcore.algorithms.gptq_gguf``), weighted by ``imatrix`` (per-column importance, llama.cpp's

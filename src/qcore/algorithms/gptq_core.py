@@ -510,12 +510,16 @@ def group_setup(W, spec: QuantSpec, n: int, scale_fn, static_groups: bool):
     scales of ``part`` (whole groups of the weight); ``group_params[g]`` is filled here for whole-row scales and
     static groups, else when the loop first reaches group ``g``."""
     two_level = bool(spec.two_level)
-    tensor_scale = qcore.quantize(W, spec).tensor_scale if two_level else None
+    tensor_scale = None
+    if two_level and scale_fn is not None:  # the rule's tensor scale of the whole weight (four over six's)
+        tensor_scale = dict(scale_fn(W)).get("tensor_scale")
+    if two_level and tensor_scale is None:
+        tensor_scale = qcore.quantize(W, spec).tensor_scale
     width = group_width(spec, n)
 
     def params_of(part):
         if scale_fn is not None:
-            kw = dict(scale_fn(part))
+            kw = dict(scale_fn(part, tensor_scale=tensor_scale)) if two_level else dict(scale_fn(part))
         else:
             q = qcore.quantize(part, spec, tensor_scale=tensor_scale) if two_level else qcore.quantize(part, spec)
             kw = {"scale": q.scales, "zero_point": q.zero_points}

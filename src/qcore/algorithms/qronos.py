@@ -207,8 +207,9 @@ def _qronos(weight, stats, spec, *, block_size, damp, damp_scale, act_order, sta
         q1 = f(cur[:, c0:c0 + 1])[:, 0]
         q1_64 = lib.cast(q1, lib.f64)
     else:
-        # two-level specs: GPTQ's tensor scale comes from the weight it is given; column 1's value here is v_1
-        # rounded by the spec's own rule with the tensor scale of the current weight (the loop re-rounds it)
+        # two-level specs: GPTQ's tensor scale comes from the weight it is given (by scale_fn's rule, if any);
+        # column 1's value here is v_1 rounded by the spec's own rule with the tensor scale of the current weight
+        # (the loop re-rounds it)
         cur = lib.cast(W32, lib.f32)
         cur[:, c0] = v1.to(lib.f32) if is_torch(v1) else v1.astype(np.float32)
         q1_64 = lib.cast(qcore.fake_quantize(cur, spec)[:, c0], lib.f64)
@@ -237,7 +238,7 @@ def _qronos(weight, stats, spec, *, block_size, damp, damp_scale, act_order, sta
 
     r = gptq_loop(W_after, h_gptq, spec, block_size=block_size, damp=rel, act_order=act_order,
                   static_groups=static_groups, max_retries=max_retries,
-                  scale_fn=None if two_level else loop_scale_fn, reference=reference)
+                  scale_fn=scale_fn if two_level else loop_scale_fn, reference=reference)
     return r
 
 

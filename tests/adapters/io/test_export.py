@@ -2,6 +2,7 @@
 per scheme with equal logits, Quark-written checkpoints read without amd-quark, determinism, atomicity, sharding,
 corruption and the errors."""
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -343,3 +344,33 @@ def test_16_bit_scales_in_qcore_layout_round_trip(scale_dtype, model_dtype, tmp_
     for name, q in qs.items():
         assert torch.equal(q.weight_scale, qb[name].weight_scale), name
         assert torch.equal(q._w(), qb[name]._w()) and q._w().dtype == model_dtype, name
+
+
+@pytest.mark.parametrize("scheme,obs", [("nvfp4", "four_over_six"), ("w_mxfp4_a_mxfp4", "exponent_search")])
+def test_searched_weight_scales_export_and_reload(scheme, obs, tmp_path):
+    """FourOverSix (NVFP4: E4M3 block scales under the tensor scale amax / (6 * 256)) and ExponentSearch (MX: E8M0
+    exponents) are ordinary scales of the spec: Quark's layout and spelling are unchanged, the checkpoint reloads
+    with the same scales, tensor scale and logits, and qcore's own config block keeps the observer."""
+    base = A.preset(scheme)
+    weight = A.TensorConfig(base.layer.weight.spec, observer=A.FourOverSix() if obs == "four_over_six" else
+                            A.ExponentSearch())
+    cfg = base.replace(layer=dataclasses.replace(base.layer, weight=weight))
+    m = llama()
+    w_amax = m.model.layers[1].mlp.down_proj.weight.detach().abs().max().item()
+    A.quantize_model(m, cfg, CALIB, progress=False)
+    A.freeze(m)
+    ref = logits(m)
+    info = A.export_hf(m, tmp_path / "ckpt")
+    assert set(info.layers.values()) == {SCHEMES.get(scheme, "mx")} and info.quant_method == "quark"
+    qc = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
+    assert qc["qcore"]["config"]["layer"]["weight"]["observer"]["kind"] == obs
+    assert qc["global_quant_config"] == base.to_quark()["global_quant_config"]
+    back = A.from_pretrained(tmp_path / "ckpt")
+    assert torch.equal(logits(back), ref)
+    a, b = m.model.layers[1].mlp.down_proj, back.model.layers[1].mlp.down_proj
+    assert torch.equal(a.weight_scale, b.weight_scale)
+    if obs == "four_over_six":
+        assert float(a.weight_tensor_scale) == float(np.float32(w_amax) / np.float32(6 * 256))
+        assert torch.equal(a.weight_tensor_scale, b.weight_tensor_scale)
+        assert float(a.weight_scale.max()) <= 384.0  # room for "max -> 4" under the 4/6 tensor scale
+    assert back.qcore_config == cfg

@@ -245,7 +245,8 @@ CT = [c for c in COMMON if c[0] not in ("scale-retyped",)] + [
     ("pow2-scales-claimed", _qconfig(("qcore", "config", "layer", "weight", "spec", "pow2_scale"), True),
      r"q_proj'?: QTensor\.scales: this spec uses power-of-two scales"),
     ("ct-ignore-dropped", _qconfig(("ignore",), []),
-     r"layer 'lm_head': matched by the compressed-tensors group 'group_0' but its weight is float"),
+     r"layer 'lm_head': matched by the compressed-tensors group 'group_0' \(not in quantization_config\.ignore\) "
+     r"but its weight is float"),
     ("ct-qcore-not-object", _qconfig(("qcore",), 5), r"quantization_config\.qcore must be a JSON object"),
     ("ct-symmetric-flipped", _qconfig(("config_groups", "group_0", "weights", "symmetric"), False),
      r"q_proj.*the qcore config's weight spec .* is not the compressed-tensors group 'group_0'"),

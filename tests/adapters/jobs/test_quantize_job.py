@@ -90,6 +90,69 @@ def test_a_module_in_memory_is_quantized_in_place(lm_dir, both, tmp_path):
         torch.testing.assert_close(q(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_the_report_gives_kl_divergence_and_top1_agreement_beside_perplexity(both):
+    """Beside perplexity, on the same windows: the mean KL divergence to the float model and the top-1 agreement,
+    in the report (the CLI's equal: test_the_function_reports_what_the_command_line_writes) and per window."""
+    cli, r, _, _ = both
+    d = r.to_dict()
+    assert r.kl_divergence == d["kl_divergence"] == cli["kl_divergence"] and d["kl_divergence"] > 0
+    assert 0 < d["top1_agreement"] < 1 and d["top1_agreement"] == r.top1_agreement
+    assert len(d["kl_per_window"]) == len(d["top1_per_window"]) == d["eval_windows"]
+    assert sum(d["kl_per_window"]) / d["eval_windows"] == pytest.approx(d["kl_divergence"], rel=1e-12)
+    assert sum(d["top1_per_window"]) / d["eval_windows"] == pytest.approx(d["top1_agreement"], rel=1e-12)
+    assert list(d).index("kl_divergence") == list(d).index("ppl") + 1
+
+
+def _bf16_exact(lm_dir):
+    """The tiny model with every weight rounded to bfloat16 (kept float32) and a scheme that rounds weights to
+    bfloat16 under power-of-two scales: a "quantization" that changes nothing."""
+    from qcore.adapters.config import ModelConfig
+    model = transformers.AutoModelForCausalLM.from_pretrained(lm_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    d = preset("w_int8_per_channel_sym").to_dict()
+    d["layer"]["weight"]["spec"] = {"dtype": "bfloat16", "granularity": {"kind": "per_tensor"}, "pow2_scale": True}
+    return model, transformers.AutoTokenizer.from_pretrained(lm_dir), ModelConfig.from_dict(d)
+
+
+def test_a_quantization_that_changes_nothing_has_zero_kl_and_full_agreement(lm_dir):
+    model, tok, config = _bf16_exact(lm_dir)
+    r = quantize_and_report(model, config, tokenizer=tok, **_opts(lm_dir), cache=False)
+    assert r.layers_quantized == 14 and r.ppl == r.ppl_baseline
+    assert r.kl_divergence == 0.0 and r.top1_agreement == 1.0 and set(r.kl_per_window) == {0.0}
+    model, tok, config = _bf16_exact(lm_dir)
+    r = quantize_and_report(model, config, tokenizer=tok, **_opts(lm_dir), kl=False)  # skipped
+    assert r.kl_divergence is r.top1_agreement is r.kl_per_window is None and r.ppl == r.ppl_baseline
+    assert r.to_dict()["kl_divergence"] is None
+
+
+def test_the_command_line_prints_them(lm_dir, capsys):
+    argv = ["quantize", "--model", str(lm_dir), "--scheme", "uint4_wo_32", "--eval-text", str(lm_dir.parent / "text.txt"),
+            "--seq-len", "32", "--calib-samples", "2", "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.strip().startswith("KL divergence to float"))
+    assert "nats mean, top-1 agreement" in line and "%  (the same windows)" in line
+    assert main(argv + ["--no-kl"]) == 0
+    assert "KL divergence" not in capsys.readouterr().out
+
+
+def test_qcore_eval_reference_compares_a_checkpoint_with_its_float_model(both, lm_dir, capsys):
+    """``qcore eval --model CHECKPOINT --reference FLOAT``: the figures ``qcore quantize`` reported for it."""
+    _, r, _, out_dir = both
+    base = ["eval", "--eval-text", str(lm_dir.parent / "text.txt"), "--seq-len", "32", "--no-progress"]
+    assert main(base + ["--model", str(out_dir), "--reference", str(lm_dir)]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.strip().startswith("KL divergence to reference"))
+    assert f"{r.kl_divergence:.6f} nats mean, top-1 agreement {100 * r.top1_agreement:.2f}%" in line, out
+    assert f"perplexity {r.ppl_baseline:.4f}" in out and f" {r.ppl:.4f}  (20 windows of 32 tokens" in out, out
+    assert main(base + ["--model", str(lm_dir), "--reference", str(lm_dir)]) == 0
+    assert "0.000000 nats mean, top-1 agreement 100.00%" in capsys.readouterr().out
+    assert main(base + ["--model", str(lm_dir), "--reference", str(out_dir)]) == 2
+    assert "--reference " + str(out_dir) + ": a quantized checkpoint" in capsys.readouterr().err
+
+
 @pytest.fixture
 def no_work(monkeypatch):
     """Loading, evaluating and quantizing fail the test if they run."""
@@ -117,6 +180,9 @@ def _bad(lm_dir, tmp):
         (dict(model=good, exclude="lm_head"), TypeError, "exclude: expected a list"),
         (dict(model=good, device=3), TypeError, "device: expected a torch device"),
         (dict(model=good, progress="no"), TypeError, "progress: expected True or False"),
+        (dict(model=good, kl=1), TypeError, "kl: expected True or False"),
+        (dict(model=good, kl=False, eval="none"), ValueError, "kl=False applies to the KL divergence measured "
+                                                              "beside perplexity, which eval='none' does not measure"),
         (dict(model=good, target_bits=float("nan")), ValueError, "target_bits: expected a positive finite number"),
         (dict(model=good, max_shard_size=1.5), TypeError, "max_shard_size: expected a size"),
         (dict(model=good, report=b"r.json"), TypeError, "report: expected a path"),
@@ -170,7 +236,7 @@ def test_bad_arguments_are_refused_before_any_work(lm_dir, tmp_path, no_work):
         assert " --" not in msg, msg  # the Python argument, not the command-line flag
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written
     assert sorted(p.name for p in pathlib.Path(lm_dir).rglob("*")) == model_files
-    assert len(cases) == 36
+    assert len(cases) == 38
 
 
 def test_module_only_refusals_and_checks_after_loading(lm_dir, tmp_path):
@@ -200,7 +266,7 @@ def test_every_flag_of_qcore_quantize_is_an_argument_of_the_function():
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices["quantize"]
     sub.parse_known_args([])  # the model commands' flags are added when the command is parsed
     flags = {a.dest for a in sub._actions} - {"help", "debug"}  # --debug: tracebacks; Python raises anyway
-    renames = {"algo": "algorithms", "no_progress": "progress", "no_cache": "cache"}
+    renames = {"algo": "algorithms", "no_progress": "progress", "no_cache": "cache", "no_kl": "kl"}
     params = set(inspect.signature(quantize_and_report).parameters)
     assert {renames.get(f, f) for f in flags} == params - {"tokenizer", "command"}
 

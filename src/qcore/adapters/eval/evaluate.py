@@ -23,13 +23,17 @@ The arithmetic (windows, nll -> ppl, cosine) is in ``qcore.algorithms.metrics``.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
+import warnings
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 from tqdm.auto import tqdm
 
-from qcore.algorithms.metrics import mean_cosine, perplexity_from_nll, token_windows
+from qcore.algorithms.metrics import mean_cosine, perplexity_from_nll, token_divergence, token_windows
 
 from ..batches import FoundState
 from ..plan import quantized_modules
@@ -39,7 +43,7 @@ __all__ = [
     "pydoc_text", "protocol_token_ids", "perplexity", "calibration_batches", "sentence_embeddings",
     "embedding_similarity", "mean_cosine", "split_sentences", "calibration_sentences", "evaluation_sentences",
     "SEQ_LEN", "EVAL_WINDOWS", "CALIBRATION_START_WINDOW", "PYDOC_TEXT_SHA256", "SMOLLM2_TOKENS",
-    "SMOLLM2_REFERENCE_PPL", "text_sha256",
+    "SMOLLM2_REFERENCE_PPL", "text_sha256", "FloatReference", "Comparison", "float_reference", "compare",
 ]
 
 SEQ_LEN = 512
@@ -180,29 +184,203 @@ def perplexity(model, tokenizer, *, text: str | None = None, token_ids: torch.Te
         hit = ppl_cache.load(key)
         if hit is not None:
             return hit
+    value = _run_windows(model, ids, spans, batch_size=batch_size, progress=progress)
+    if key is not None:
+        ppl_cache.store(key, value)
+    return value
+
+
+def _run_windows(model, ids: torch.Tensor, spans, *, batch_size: int, progress: bool, keep: Optional[list] = None,
+                 divergence: Optional["_Divergence"] = None, desc: str = "perplexity") -> float:
+    """The perplexity of ``model`` on windows ``spans`` of ``ids``, ``batch_size`` windows per forward (module
+    docstring); ``keep``: a list the hidden states before the output head are appended to, one ``[seq_len - 1,
+    hidden]`` CPU tensor per window (``float_reference``); ``divergence``: compared with a float reference chunk by
+    chunk (``compare``)."""
+    device = _model_device(model)
+    seq_len = spans[0][1] - spans[0][0]
     nll_sum, n_predictions = 0.0, 0
     found = FoundState(model)
     model.eval()
     loss = _WindowLoss(model)
-    kept = [m for m in qmods if m.frozen and not m.keep_dequantized]
+    kept = [m for m in quantized_modules(model).values() if m.frozen and not m.keep_dequantized]
     for m in kept:  # frozen weights dequantized once for the whole evaluation, not per window
         m.keep_dequantized = True
     try:
-        with torch.inference_mode(), tqdm(total=len(spans), desc="perplexity", unit="window",
+        with torch.inference_mode(), tqdm(total=len(spans), desc=desc, unit="window",
                                           disable=not progress) as bar:
             for i in range(0, len(spans), batch_size):
                 batch = torch.stack([ids[a:b] for a, b in spans[i:i + batch_size]]).to(device)
-                nll_sum += loss(batch)
+                nll_sum += loss(batch, keep=keep, compare=None if divergence is None else (
+                    lambda logits, a, b, i=i: divergence.add(i, logits, a, b)))
                 n_predictions += batch.shape[0] * (seq_len - 1)
                 bar.update(batch.shape[0])
     finally:
         for m in kept:
             m.keep_dequantized = False
         found.restore()
-    value = perplexity_from_nll(nll_sum, n_predictions)
-    if key is not None:
-        ppl_cache.store(key, value)
-    return value
+    return perplexity_from_nll(nll_sum, n_predictions)
+
+
+# -- KL divergence and top-1 agreement against the float model ------------------------------------------------------
+
+class FloatReferenceError(ValueError):
+    """The float model's hidden states before its output head cannot be read (its head is not a plain
+    ``nn.Linear`` whose inputs the chunked loss takes), so no ``FloatReference`` of it can be kept."""
+
+
+@dataclass(frozen=True, eq=False)
+class FloatReference:
+    """The float model's next-token distributions on the evaluation windows, kept small (``float_reference``).
+
+    Not the logits (20 windows x 511 predictions x 49,152 tokens of SmolLM2 are 2 GB in float32) but what they are
+    computed from: per window the hidden states the output head reads (``hidden[i]``: ``[seq_len - 1, hidden]``,
+    the model's dtype, on the CPU; 23.5 MB for SmolLM2's 20 windows) and a copy of the head (``weight``,
+    ``bias``: 113 MB for SmolLM2's tied 49,152 x 576 head) with the model's logit post-processing (``post``).
+    ``logits(i, a, b)`` recomputes window ``i``'s float logits of predictions ``a .. b - 1`` by the head's own ops,
+    chunk by chunk, while the other model runs (``compare``). ``ppl``: the float model's perplexity on those
+    windows; ``token_ids``, ``spans``, ``batch_size``: the windows ``compare`` evaluates the other model on;
+    ``cached``: the hidden states came from the perplexity cache (the float model did not run)."""
+
+    ppl: float
+    token_ids: torch.Tensor = field(repr=False)
+    spans: tuple
+    batch_size: int
+    hidden: tuple = field(repr=False)
+    weight: torch.Tensor = field(repr=False)
+    bias: Optional[torch.Tensor] = field(repr=False)
+    post: Optional[Callable] = field(repr=False)
+    cached: bool = False
+
+    @property
+    def seq_len(self) -> int:
+        a, b = self.spans[0]
+        return b - a
+
+    def logits(self, i: int, a: int, b: int) -> torch.Tensor:
+        """``[1, b - a, vocab]``: the float model's logits of predictions ``a .. b - 1`` of window ``i``."""
+        h = self.hidden[i][a:b].to(self.weight.device).unsqueeze(0)  # the shape the model's head saw (batch 1)
+        out = torch.nn.functional.linear(h, self.weight, self.bias)
+        return out if self.post is None else self.post(out)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A model against a ``FloatReference`` on the same windows (``compare``): ``ppl`` and the reference's
+    ``ppl_reference``; ``kl`` the mean over every prediction of ``KL(P_float || P_model)`` (nats) and ``top1`` the
+    fraction of predictions whose most likely token is the same (llama.cpp's ``--kl-divergence``: mean KLD and
+    "same top p"); per window the same two (``kl_per_window``, ``top1_per_window``); ``predictions`` counted."""
+
+    ppl: float
+    ppl_reference: float
+    kl: float
+    top1: float
+    kl_per_window: tuple
+    top1_per_window: tuple
+    predictions: int
+
+
+class _Divergence:
+    """The running sums of ``compare``: per window the summed KL and the count of equal top-1 tokens."""
+
+    def __init__(self, reference: FloatReference):
+        self.reference = reference
+        self.kl = [0.0] * len(reference.spans)
+        self.agree = [0] * len(reference.spans)
+
+    def add(self, first: int, logits: torch.Tensor, a: int, b: int) -> None:
+        for j in range(logits.shape[0]):
+            ref = self.reference.logits(first + j, a, b)[0]
+            d = token_divergence(ref, logits[j].to(ref.device))  # widened to float32 at least inside
+            self.kl[first + j] += math.fsum(d.kl.tolist())
+            self.agree[first + j] += int(d.agree.sum())
+
+
+def _reference_head(model):
+    head = _WindowLoss._chunkable_head(model)
+    if head is None:
+        raise FloatReferenceError(f"model: {type(model).__name__} has no output head whose inputs can be read "
+                                  f"(get_output_embeddings() is not a plain nn.Linear): no float reference of it")
+    return head
+
+
+def float_reference(model, tokenizer, *, text: str | None = None, token_ids: torch.Tensor | None = None,
+                    seq_len: int = SEQ_LEN, windows: Iterable[int] = EVAL_WINDOWS, batch_size: int = 1,
+                    progress: bool = True, cache: bool = False) -> FloatReference:
+    """The float ``model``'s ``FloatReference`` on the perplexity windows (``perplexity``'s arguments): its
+    perplexity, computed as ``perplexity`` computes it (the same figure), and per window the hidden states before
+    its output head, plus a copy of the head. ``cache=True``: both are read from the perplexity cache when an
+    earlier run stored them (``ppl_cache``: the same key as ``perplexity``'s; then the model does not run), and
+    stored there otherwise (an entry holding the perplexity alone: the model runs for the hidden states, the
+    figure is the cached one). Take it before the model is changed (quantized, rotated): the copy is what keeps it.
+
+    ``FloatReferenceError`` (a ValueError) for a model whose head is not a plain ``nn.Linear`` (or whose chunked
+    logits do not reproduce its own); ValueError for a model that holds qcore quantized modules."""
+    seq_len = _positive_int(seq_len, "seq_len")
+    batch_size = _positive_int(batch_size, "batch_size")
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be a bool, got {progress!r}")
+    if not isinstance(cache, bool):
+        raise TypeError(f"cache must be True or False, got {cache!r}")
+    device = _model_device(model)
+    _check_causal_lm(model)
+    if quantized_modules(model):
+        raise ValueError(f"model: the float reference is taken of a float model; {type(model).__name__} holds qcore "
+                         f"quantized modules")
+    head = _reference_head(model)
+    ids = _token_ids_arg(tokenizer, text, token_ids)
+    spans = token_windows(ids.numel(), seq_len=seq_len, windows=windows)
+    weight = head.weight.detach().clone()
+    bias = None if head.bias is None else head.bias.detach().clone()
+    shape = (len(spans), seq_len - 1, head.in_features)
+    key, hidden, value, cached = None, None, None, False
+    if cache:
+        key = ppl_cache.key(model, ids, seq_len=seq_len, spans=spans, batch_size=batch_size, device=device)
+        value = ppl_cache.load(key)
+        stored = ppl_cache.load_hidden(key, shape=shape) if value is not None else None
+        if stored is not None:
+            dt = weight.dtype
+            hidden, cached = tuple(torch.from_numpy(stored[i]).to(dt) for i in range(len(spans))), True
+    if hidden is None:
+        keep: list = []
+        ran = _run_windows(model, ids, spans, batch_size=batch_size, progress=progress, keep=keep)
+        value = ran if value is None else value  # a cached figure is the figure, as perplexity(cache=True) reads it
+        hidden = tuple(keep)
+        if key is not None:
+            ppl_cache.store(key, value, hidden=torch.stack(hidden).float().numpy())
+    return FloatReference(value, ids, spans, batch_size, hidden, weight, bias, _logit_post(model), cached)
+
+
+def compare(model, reference: FloatReference, *, progress: bool = True) -> Comparison:
+    """``model`` (a quantized copy of the reference's float model, or another model with its tokenizer and
+    vocabulary) on the reference's windows: its perplexity, as ``perplexity`` computes it (the same figure), and
+    per prediction the KL divergence from the float model's next-token distribution and whether both rank the
+    same token first (``qcore.algorithms.metrics.token_divergence``: float64 log-softmax, float64 sums), from
+    the same forward pass: each chunk of the model's logits is compared with the float logits the reference
+    recomputes for the same rows, so neither model's whole logits are ever held (time: the float head's matmul
+    and the float64 log-softmax per window; docs/adapters.md "KL divergence and top-1 agreement")."""
+    if not isinstance(reference, FloatReference):
+        raise TypeError(f"reference must be a FloatReference (from float_reference), got {type(reference).__name__}")
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be a bool, got {progress!r}")
+    _model_device(model)
+    _check_causal_lm(model)
+    vocab = _vocab_size(model)
+    if vocab is not None and vocab != reference.weight.shape[0]:
+        raise ValueError(f"model: its output head has {vocab} tokens, the float reference's {reference.weight.shape[0]}; "
+                         f"KL divergence compares distributions over the same vocabulary")
+    d = _Divergence(reference)
+    value = _run_windows(model, reference.token_ids, reference.spans, batch_size=reference.batch_size,
+                         progress=progress, divergence=d)
+    n = reference.seq_len - 1
+    total = len(reference.spans) * n
+    return Comparison(value, reference.ppl, math.fsum(d.kl) / total, sum(d.agree) / total,
+                      tuple(k / n for k in d.kl), tuple(a / n for a in d.agree), total)
+
+
+def _vocab_size(model) -> Optional[int]:
+    get = getattr(model, "get_output_embeddings", None)
+    n = getattr(get() if callable(get) else None, "out_features", None)
+    return n if isinstance(n, int) else None
 
 
 #: logits per chunk of the chunked loss (float32: 256 MB): 256 tokens of a 262k vocabulary (the head's weight is
@@ -222,9 +400,9 @@ def _check_causal_lm(model) -> None:
                         f"(embedding_similarity)")
 
 
-def _reference_window_nll(model, batch: torch.Tensor) -> float:
+def _reference_window_nll(model, batch: torch.Tensor, *, compare: Optional[Callable] = None) -> float:
     """The plain loss of one batch of windows (the landed computation): one forward, the whole logits, float32
-    cross entropy summed over the next-token predictions inside each window."""
+    cross entropy summed over the next-token predictions inside each window (``compare``: given those logits)."""
     out = model(input_ids=batch, use_cache=False)
     logits = getattr(out, "logits", None)
     if logits is None:
@@ -232,6 +410,8 @@ def _reference_window_nll(model, batch: torch.Tensor) -> float:
                         f"{type(out).__name__} from {type(model).__name__}")
     nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                                             batch[:, 1:].reshape(-1), reduction="sum")
+    if compare is not None:
+        compare(logits[:, :-1], 0, logits.shape[1] - 1)
     return float(nll)
 
 
@@ -274,9 +454,15 @@ class _WindowLoss:
             return None
         return head
 
-    def __call__(self, batch: torch.Tensor) -> float:
+    def __call__(self, batch: torch.Tensor, *, keep: Optional[list] = None, compare: Optional[Callable] = None) -> float:
+        """The summed loss of ``batch``; ``keep``: the hidden states before the head appended per window (CPU,
+        predictions only; needs the chunked head: ``FloatReferenceError`` otherwise); ``compare(logits, a, b)``:
+        called with each chunk of logits ``[batch, b - a, vocab]``, predictions ``a .. b - 1`` of every window."""
         if self.head is None:
-            return _reference_window_nll(self.model, batch)
+            if keep is not None:
+                raise FloatReferenceError(f"{type(self.model).__name__} has no output head whose inputs can be read "
+                                          f"(get_output_embeddings() is not a plain nn.Linear)")
+            return _reference_window_nll(self.model, batch, compare=compare)
         captured = []
 
         def grab(module, args):  # the hidden states before the head; the head itself computes the last token only
@@ -295,20 +481,26 @@ class _WindowLoss:
         h = captured[0] if len(captured) == 1 else None
         if h is None or last is None or tuple(h.shape[:-1]) != tuple(batch.shape) \
                 or tuple(last.shape[:-1]) != (batch.shape[0], 1) or not torch.equal(self._logits(h[:, -1:]), last):
-            import warnings
             warnings.warn(f"perplexity: the chunked loss does not reproduce {type(self.model).__name__}'s own "
                           f"logits; computing them whole (slower, more memory)", RuntimeWarning, stacklevel=3)
             self.head = None
-            return _reference_window_nll(self.model, batch)
+            if keep is not None:
+                raise FloatReferenceError(f"the chunked loss does not reproduce {type(self.model).__name__}'s own "
+                                          f"logits")
+            return _reference_window_nll(self.model, batch, compare=compare)
         del out, last
         captured.clear()
         x, targets = h[:, :-1], batch[:, 1:]
+        if keep is not None:
+            keep.extend(x[j].detach().to("cpu", copy=True) for j in range(x.shape[0]))
         step = max(1, LOSS_CHUNK_ELEMENTS // max(1, self.head.out_features * batch.shape[0]))
         total = 0.0
         for a in range(0, x.shape[1], step):  # each row's loss as the plain computation's (the same ops per row)
             logits = self._logits(x[:, a:a + step])
             total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                                              targets[:, a:a + step].reshape(-1), reduction="sum"))
+            if compare is not None:
+                compare(logits, a, a + logits.shape[1])
             del logits
         return total
 

@@ -12,6 +12,11 @@ mtime, so a model re-saved elsewhere hits and a changed weight misses), the toke
 every weight once: about 0.1-0.3 s per 100M float32 parameters on a CPU (bench/results/SPEED_EVAL.md measures it),
 against seconds per evaluation window.
 
+An entry may also hold the float model's hidden states before its output head on those windows
+(``store(..., hidden=)``, the ``FloatReference`` of ``qcore.adapters.eval.evaluate.float_reference`` that the KL
+divergence and top-1 agreement are measured against): a float32 ``ppl/<key>.hidden.npy`` beside the JSON, whose
+sha256 the JSON holds (SmolLM2, 20 windows of 512: 23.5 MB), read back by ``load_hidden``.
+
 Entries are written atomically (``qcore._fsutil.staged_file``: a staged sibling, then a rename); an entry that cannot be
 read, is not valid JSON or does not hold the key it is filed under is ignored with a warning (the figure is
 computed again and the entry rewritten), never trusted.
@@ -27,11 +32,12 @@ import pathlib
 import warnings
 from typing import Optional
 
+import numpy as np
 import torch
 
 from qcore import _fsutil
 
-__all__ = ["cache_dir", "model_digest", "key", "load", "store", "ENV_VAR", "LOSS_VERSION"]
+__all__ = ["cache_dir", "model_digest", "key", "load", "load_hidden", "store", "ENV_VAR", "LOSS_VERSION"]
 
 ENV_VAR = "QCORE_CACHE_DIR"
 #: bumped when the perplexity computation changes its figures (an old entry then misses)
@@ -110,17 +116,59 @@ def load(k: str) -> Optional[float]:
     return float(value)
 
 
-def store(k: str, value: float) -> None:
+def _hidden_entry(k: str) -> pathlib.Path:
+    return cache_dir() / "ppl" / f"{k}.hidden.npy"
+
+
+def _sha256(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_hidden(k: str, *, shape: tuple) -> Optional[np.ndarray]:
+    """The hidden states stored under key ``k`` (a float32 array of ``shape``: windows, predictions, hidden), or
+    None: absent, or not what the entry's JSON names (its sha256, its shape), warned about and ignored."""
+    path, hidden = _entry(k), _hidden_entry(k)
+    if not path.exists() or not hidden.exists():
+        return None
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8"))
+        meta = entry.get("hidden") if isinstance(entry, dict) else None
+        if meta is None and isinstance(entry, dict) and entry.get("key") == k:
+            return None  # an entry of the perplexity alone: a miss
+        if entry.get("key") != k or not isinstance(meta, dict) or meta.get("sha256") != _sha256(hidden):
+            raise ValueError("its hidden states are not the ones the entry names")
+        arr = np.load(hidden, allow_pickle=False)
+        if arr.dtype != np.float32 or tuple(arr.shape) != tuple(shape):
+            raise ValueError(f"hidden states {arr.dtype} {tuple(arr.shape)}, expected float32 {tuple(shape)}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        warnings.warn(f"perplexity cache: ignoring the hidden states of {path} ({type(e).__name__}: {e}); "
+                      f"computing them again", RuntimeWarning, stacklevel=3)
+        return None
+    return arr
+
+
+def store(k: str, value: float, *, hidden: Optional[np.ndarray] = None) -> None:
     """Write ``value`` under key ``k`` atomically (``qcore._fsutil.staged_file``: a staged sibling renamed into
-    place; NaN / inf figures are not cached). A cache folder that cannot be written is warned about, never fatal:
-    the figure was computed."""
+    place; NaN / inf figures are not cached); ``hidden`` (a float32 array): the float model's hidden states before
+    its head, written first, beside the JSON, which names their sha256. A cache folder that cannot be written is
+    warned about, never fatal: the figure was computed."""
     if not math.isfinite(value):
         return
     path = _entry(k)
+    entry: dict = {"key": k, "perplexity": float(value), "version": LOSS_VERSION}
     try:
+        if hidden is not None:
+            target = _hidden_entry(k)
+            with _fsutil.staged_file(target, recheck=lambda: None) as tmp:
+                with open(tmp, "wb") as f:
+                    np.save(f, np.ascontiguousarray(hidden, dtype=np.float32), allow_pickle=False)
+            entry["hidden"] = {"file": target.name, "sha256": _sha256(target), "shape": list(hidden.shape)}
         with _fsutil.staged_file(path, recheck=lambda: None) as tmp:
-            tmp.write_text(json.dumps({"key": k, "perplexity": float(value), "version": LOSS_VERSION}),
-                           encoding="utf-8")
+            tmp.write_text(json.dumps(entry), encoding="utf-8")
     except OSError as e:
         warnings.warn(f"perplexity cache: could not write {path} ({e}); the figure is not cached", RuntimeWarning,
                       stacklevel=3)

@@ -46,7 +46,7 @@ class Names:
     """How an error names an option: the Python argument (``seq_len=1``) or the command-line flag (``--seq-len
     1``), so that one function body serves both (``PYTHON``, ``CLI``)."""
 
-    _FLAGS = {"algorithms": "--algo", "progress": "--no-progress", "cache": "--no-cache"}
+    _FLAGS = {"algorithms": "--algo", "progress": "--no-progress", "cache": "--no-cache", "kl": "--no-kl"}
 
     def __init__(self, cli: bool):
         self.cli = cli

@@ -73,6 +73,9 @@ QUANTIZE_NEEDS: tuple = (
     Needs("seq_len", _windows, _no_windows("is the length of the perplexity and calibration windows")),
     Needs("cache", lambda o: o["eval"] == "ppl",
           lambda n, o: f"applies to the float model's perplexity, which {n.arg('eval', 'none')} does not measure"),
+    Needs("kl", lambda o: o["eval"] == "ppl",
+          lambda n, o: f"applies to the KL divergence measured beside perplexity, which {n.arg('eval', 'none')} "
+                       f"does not measure"),
     Needs("target_bits", lambda o: o["amp"] is not None,
           lambda n, o: f"applies to {n('amp')} (layerwise mixed precision): give {n('amp')} SCHEMES too"),
     Needs("max_loss", lambda o: o["amp"] is not None,

@@ -23,12 +23,14 @@ from __future__ import annotations
 import copy
 import importlib.util
 import inspect
+import json
 import math
 import os
 import pathlib
 import resource
 import sys
 import time
+import warnings
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -55,6 +57,7 @@ from ..io.common import check_destination, parse_size, weightless_error
 from ..passes.amp import amp_config
 from ..passes.checkpointing import check_work_args, read_work_dir, saved_run
 from ..passes.targets import check_experts_algorithms
+from ..recipes import BEST, apply_recipe, best_recipe, recipe_label
 from ..plan import NoMatchError, excluded_weights, plan_model, quantized_modules
 from ..presets import mix_of_preset
 from .report import LAYER_ERROR_WINDOWS, QuantizeReport
@@ -183,7 +186,7 @@ def _check_types(o: dict) -> dict:
                           ("onnx_unsupported", ("error", "dequantize"))):
         if not isinstance(o[name], (str, type(None))) or o[name] not in choices:
             bad(name, "one of " + ", ".join(map(repr, choices)), ValueError)
-    for name in ("drop_activations", "overwrite", "progress", "cache"):
+    for name in ("drop_activations", "overwrite", "progress", "cache", "kl"):
         if not isinstance(o[name], bool):
             bad(name, "True or False")
     for name in ("eval_text", "output", "report", "plot", "work_dir", "imatrix"):
@@ -270,6 +273,7 @@ class SchemeSection:
     target_bits: Optional[float] = None
     max_loss: Optional[float] = None
     imatrix: Optional[str] = None
+    best: bool = False  # algorithms led by "best": the scheme's recipe (qcore.adapters.recipes), then algorithms
 
 
 @dataclass(frozen=True)
@@ -283,12 +287,15 @@ class CalibrationSection:
 @dataclass(frozen=True)
 class EvaluationSection:
     """Perplexity before and after (``kind`` ``"ppl"`` or ``"none"``) on the protocol text or ``text`` (a file),
-    in windows of ``seq_len`` tokens; ``cache``: the float model's perplexity from the on-disk cache."""
+    in windows of ``seq_len`` tokens; ``cache``: the float model's perplexity (and its hidden states before the
+    head, for ``kl``) from the on-disk cache; ``kl``: the mean KL divergence to the float model and the top-1
+    agreement on the same windows, beside perplexity."""
 
     kind: str = "ppl"
     text: Optional[str] = None
     seq_len: int = 512
     cache: bool = True
+    kl: bool = True
 
 
 @dataclass(frozen=True)
@@ -349,17 +356,22 @@ class QuantizeJob:
         o = _check_types({**{k: p.default for k, p in params.items()}, **arguments})
         check_flags(o, given_options(arguments, o, {k: p.default for k, p in params.items()}, names), names)
         try:
-            algos = _parse_algorithms(o["algorithms"])
+            best, rest = _split_best(o["algorithms"])
+            algos = _parse_algorithms(rest)
         except (ValueError, TypeError) as e:
-            raise CommandError(f"{names.arg('algorithms', o['algorithms'])}: {e}") from None
+            al = o["algorithms"]
+            shown = al if not names.cli or isinstance(al, str) or not isinstance(al, Sequence) else ",".join(
+                x if isinstance(x, str) else json.dumps(x) if isinstance(x, Mapping) else getattr(x, "name", repr(x))
+                for x in al)
+            raise CommandError(f"{names.arg('algorithms', shown)}: {e}") from None
         return cls(
             ModelSection(o["model"], o["tokenizer"], o["device"], o["dtype"]),
             SchemeSection(o["scheme"], o["group_size"], o["kv_cache_dtype"],
                           None if o["exclude"] is None else tuple(o["exclude"]), algos,
                           o["amp"] if o["amp"] is None or isinstance(o["amp"], str) else tuple(o["amp"]),
-                          o["target_bits"], o["max_loss"], o["imatrix"]),
+                          o["target_bits"], o["max_loss"], o["imatrix"], best),
             CalibrationSection(o["calib_samples"], o["amp_samples"]),
-            EvaluationSection(o["eval"], o["eval_text"], o["seq_len"], o["cache"]),
+            EvaluationSection(o["eval"], o["eval_text"], o["seq_len"], o["cache"], o["kl"]),
             ExportSection(o["output"], o["export"], o["onnx_weights"], o["onnx_unsupported"], o["drop_activations"],
                           o["overwrite"], o["max_shard_size"]),
             RunSection(o["report"], o["plot"], o["progress"],
@@ -416,7 +428,8 @@ def quantize_and_report(model: Union[None, str, os.PathLike, nn.Module] = None,
                         report: Union[None, str, os.PathLike] = None, plot: Union[None, str, os.PathLike] = None,
                         progress: bool = True, command: Optional[str] = None,
                         work_dir: Union[None, str, os.PathLike] = None, resume: bool = False,
-                        cache: bool = True, imatrix: Union[None, str, os.PathLike] = None) -> QuantizeReport:
+                        cache: bool = True, imatrix: Union[None, str, os.PathLike] = None,
+                        kl: bool = True) -> QuantizeReport:
     """Quantize ``model`` with ``scheme``, evaluate it before and after, export it, and return the report:
     what ``qcore quantize`` does (each argument is the flag of the same name; ``algorithms`` is ``--algo``).
     ``run(QuantizeJob.from_arguments(...).check())``.
@@ -443,7 +456,11 @@ def quantize_and_report(model: Union[None, str, os.PathLike, nn.Module] = None,
     interrupted run (``qcore.adapters.passes.checkpointing``; docs/adapters.md "Long runs: a work directory").
     ``cache``: read the float model's perplexity from the on-disk cache when an earlier run measured the same
     weights on the same windows, and store it there otherwise (``qcore.adapters.eval.ppl_cache``); False (the
-    flag ``--no-cache``) measures it again and leaves the cache alone. ``imatrix``: an importance matrix for the
+    flag ``--no-cache``) measures it again and leaves the cache alone. ``kl``: with ``eval="ppl"``, also the mean
+    KL divergence of the quantized model's next-token distributions from the float model's and their top-1
+    agreement on the same windows (``report.kl_divergence``, ``report.top1_agreement``; the float model's hidden
+    states before its head are kept from the baseline run, ``qcore.adapters.eval.evaluate.float_reference``);
+    False (the flag ``--no-kl``) skips them. ``imatrix``: an importance matrix for the
     modules whose weight spec is a GGUF type: an imatrix file (llama.cpp's ``.gguf`` or legacy ``.dat``), or
     ``"calib"`` to collect it on the calibration windows first (``quantize_model(..., imatrix=)``; with
     ``algorithms=["gptq"]`` GPTQ weights its per-block scale search by it; docs/gguf.md).
@@ -452,6 +469,18 @@ def quantize_and_report(model: Union[None, str, os.PathLike, nn.Module] = None,
     nothing is loaded, evaluated or written.
     """
     return run(QuantizeJob.from_arguments(**dict(locals())).check())
+
+
+def _split_best(al) -> tuple:
+    """``(best, the other entries)``: whether ``al`` (``algorithms`` as given) starts with ``"best"``, the
+    scheme's recipe (``qcore.adapters.recipes``); ``best`` anywhere else is refused."""
+    items = [x.strip() for x in al.split(",") if x.strip()] if isinstance(al, str) else \
+        (list(al) if al is not None else [])
+    marks = [i for i, x in enumerate(items) if isinstance(x, str) and x.lower() == BEST]
+    if marks and marks != [0]:
+        raise ValueError(f"{BEST!r} stands for the scheme's whole recipe: it comes first, once (only distill may "
+                         f"follow it)")
+    return bool(marks), (items[1:] if marks else al)
 
 
 def _parse_algorithms(al) -> tuple:
@@ -579,9 +608,27 @@ def _check_scheme(job: QuantizeJob, fmt: Optional[Format]) -> tuple:
     if amp_schemes is not None:
         label = f"amp {','.join(amp_schemes)} " + (f"at {s.target_bits} bits/weight" if s.max_loss is None
                                                    else f"within a summed KL of {s.max_loss}")
-    if s.algorithms:
+    if s.best:
+        config, label = _best_recipe(config, label, scheme_in, amp_schemes, names, s)
+    elif s.algorithms:
         config = config.replace(algorithms=s.algorithms)
     return config, label, (None if amp_schemes is None else tuple(amp_schemes))
+
+
+def _best_recipe(config: ModelConfig, label: str, scheme, amp_schemes, names, s) -> tuple:
+    """``algorithms=["best", ...]``: ``config`` with the recipe of the preset ``scheme`` (refused for AMP, a
+    config file, a llama.cpp mix or a preset without one, naming the schemes that have one)."""
+    flag = names.arg("algorithms", ",".join([BEST, *(a.name for a in s.algorithms)]))
+    if amp_schemes is not None:
+        raise CommandError(f"{flag} with {names('amp')}: a recipe belongs to one scheme, and AMP chooses a scheme per "
+                           f"layer; give the algorithms by name")
+    try:
+        recipe = best_recipe(scheme if isinstance(scheme, str) else "a ModelConfig")
+        config = apply_recipe(config, recipe, after=s.algorithms)
+    except (ValueError, TypeError) as e:
+        raise CommandError(f"{flag}: {e}") from None
+    then = "".join(f" then {a.name}" for a in s.algorithms)
+    return config, f"{label} (--algo best: {recipe_label(recipe)}{then})"
 
 
 def _load_dtype(job: QuantizeJob) -> Optional[torch.dtype]:
@@ -799,9 +846,10 @@ def run(plan: QuantizePlan) -> QuantizeReport:
         print("qcore quantize: no --output DIR given: the quantized model will not be saved (this run evaluates "
               "and reports only)", file=sys.stderr, flush=True)
     try:
-        ppl_base = _baseline(plan)
+        ppl_base, reference = _baseline(plan)
         q = _quantize(plan)
-        measured = _measure(plan, q)
+        measured = _measure(plan, q, reference)
+        del reference  # the float head's copy and hidden states: not needed past the measurement
         exported = _export(plan, q.config) if plan.out_dir is not None else {}
         if plan.needs_eval and plan.format is not None and plan.format.name == "gguf" and exported:
             ev = plan.job.evaluation  # the written file as llama.cpp computes it (eval/llama_cpp.py), same windows
@@ -819,13 +867,21 @@ def _windows(plan: QuantizePlan) -> range:
     return range(0, plan.eval_windows)
 
 
-def _baseline(plan: QuantizePlan) -> Optional[float]:
-    """The float model's perplexity (None without evaluation)."""
+def _baseline(plan: QuantizePlan) -> tuple:
+    """``(the float model's perplexity, its FloatReference)``: (None, None) without evaluation; the reference is
+    None without ``kl`` or for a model whose head's inputs cannot be read (warned about: no KL then)."""
     if not plan.needs_eval:
-        return None
+        return None, None
     ev = plan.job.evaluation
-    return E.perplexity(plan.model, plan.tokenizer, token_ids=plan.token_ids, seq_len=ev.seq_len,
-                        windows=_windows(plan), progress=plan.job.run.progress, cache=ev.cache)
+    args = dict(token_ids=plan.token_ids, seq_len=ev.seq_len, windows=_windows(plan), progress=plan.job.run.progress,
+                cache=ev.cache)
+    if ev.kl:
+        try:
+            reference = E.float_reference(plan.model, plan.tokenizer, **args)
+            return reference.ppl, reference
+        except E.FloatReferenceError as e:
+            warnings.warn(f"qcore quantize: no KL divergence / top-1 agreement: {e}", RuntimeWarning, stacklevel=2)
+    return E.perplexity(plan.model, plan.tokenizer, **args), None
 
 
 def _calibration(plan: QuantizePlan) -> Optional[list]:
@@ -886,22 +942,29 @@ def _amp(plan: QuantizePlan, calib: Optional[list]) -> ModelConfig:
 @dataclass
 class _Measured:
     ppl: Optional[float]
+    comparison: Optional[E.Comparison]
     kept: list
     layers: int
     static_scales: bool
     size_after: int
 
 
-def _measure(plan: QuantizePlan, q: _Quantized) -> _Measured:
-    """Perplexity after, what stays float, then freeze and the frozen size."""
+def _measure(plan: QuantizePlan, q: _Quantized, reference: Optional[E.FloatReference]) -> _Measured:
+    """Perplexity after (with the KL divergence and top-1 agreement against ``reference``), what stays float,
+    then freeze and the frozen size."""
     model, ev = plan.model, plan.job.evaluation
     kept = excluded_weights(model, q.config)  # what stays float by an exclusion: in the summary and the report
-    ppl = E.perplexity(model, plan.tokenizer, token_ids=plan.token_ids, seq_len=ev.seq_len, windows=_windows(plan),
-                       progress=plan.job.run.progress) if plan.needs_eval else None
+    comparison = None
+    if reference is not None:  # the same windows, one forward each: perplexity and the divergence together
+        comparison = E.compare(model, reference, progress=plan.job.run.progress)
+        ppl = comparison.ppl
+    else:
+        ppl = E.perplexity(model, plan.tokenizer, token_ids=plan.token_ids, seq_len=ev.seq_len,
+                           windows=_windows(plan), progress=plan.job.run.progress) if plan.needs_eval else None
     qmods = quantized_modules(model)
     static_scales = bool(q.calib) and any(m.static_roles() for m in qmods.values())
     freeze(model)
-    return _Measured(ppl, kept, len(qmods), static_scales, model_bytes(model))
+    return _Measured(ppl, comparison, kept, len(qmods), static_scales, model_bytes(model))
 
 
 def _export(plan: QuantizePlan, config: ModelConfig) -> dict:
@@ -928,6 +991,10 @@ def _report(plan: QuantizePlan, q: _Quantized, ppl_base, m: _Measured, exported:
     result = QuantizeReport(
         model=plan.description, scheme=plan.label, config=q.config, layers_quantized=m.layers,
         kept_float=tuple(m.kept), ppl_baseline=ppl_base, ppl=m.ppl, eval_windows=plan.eval_windows,
+        kl_divergence=None if m.comparison is None else m.comparison.kl,
+        top1_agreement=None if m.comparison is None else m.comparison.top1,
+        kl_per_window=None if m.comparison is None else m.comparison.kl_per_window,
+        top1_per_window=None if m.comparison is None else m.comparison.top1_per_window,
         seq_len=job.evaluation.seq_len, eval_text=job.evaluation.text,
         calibration_samples=0 if q.calib is None else len(q.calib), quantize_seconds=q.seconds,
         total_seconds=time.perf_counter() - plan.started, peak_rss_bytes=peak, model_bytes_before=q.size_before,

@@ -33,7 +33,11 @@ class QuantizeReport:
     ``model`` describes the model (its path, or the module's class); ``config`` is the ``ModelConfig`` applied
     (with the algorithms that ran, and for ``amp`` the per-layer choice); ``kept_float`` the weights an exclusion
     left float (``FloatWeight``); ``ppl_baseline`` / ``ppl`` perplexity before and after (None with
-    ``eval="none"``) on ``eval_windows`` windows of ``seq_len`` tokens; ``layer_errors`` each quantized module's
+    ``eval="none"``) on ``eval_windows`` windows of ``seq_len`` tokens; ``kl_divergence`` the mean over those
+    windows' predictions of ``KL(P_float || P_quantized)`` (nats) and ``top1_agreement`` the fraction of predictions
+    whose most likely token is the float model's (llama.cpp's ``--kl-divergence`` mean KLD and "same top p"),
+    ``kl_per_window`` / ``top1_per_window`` the same per window (None with ``eval="none"`` or ``kl=False``);
+    ``layer_errors`` each quantized module's
     ``LayerError`` (weight and output SQNR, ``qcore.adapters.eval.layer_report``), ``rtn_layer_errors`` the same by
     round-to-nearest when algorithms ran and a report or plot was asked for; sizes in bytes; the export's
     ``export_format``, ``output_dir``, ``bytes_on_disk``, ``quant_method``, ``export_seconds`` and the exporter's
@@ -64,6 +68,10 @@ class QuantizeReport:
     layer_errors: Mapping[str, Any]
     rtn_layer_errors: Optional[Mapping[str, Any]]
     static_scales: bool  # calibration set static activation / KV-cache scales
+    kl_divergence: Optional[float] = None  # mean KL(float || quantized) per prediction, nats, on the ppl windows
+    top1_agreement: Optional[float] = None  # fraction of predictions whose top-1 token is the float model's
+    kl_per_window: Optional[tuple] = None
+    top1_per_window: Optional[tuple] = None
     export_format: Optional[str] = None
     output_dir: Optional[str] = None
     bytes_on_disk: Optional[int] = None
@@ -102,7 +110,11 @@ class QuantizeReport:
             "model": self.model, "scheme": self.scheme, "config": self.config.to_dict(),
             "algorithms": self.algorithms, "layers_quantized": self.layers_quantized,
             "kept_float": [{"weight": w.name, "shape": list(w.shape), "why": w.why} for w in self.kept_float],
-            "ppl_baseline": self.ppl_baseline, "ppl": self.ppl, "eval_windows": self.eval_windows,
+            "ppl_baseline": self.ppl_baseline, "ppl": self.ppl,
+            "kl_divergence": self.kl_divergence, "top1_agreement": self.top1_agreement,
+            "kl_per_window": None if self.kl_per_window is None else list(self.kl_per_window),
+            "top1_per_window": None if self.top1_per_window is None else list(self.top1_per_window),
+            "eval_windows": self.eval_windows,
             "seq_len": self.seq_len, "eval_text": self.eval_text or "pydoc protocol (anchors.md)",
             "calibration_samples": self.calibration_samples, "quantize_seconds": self.quantize_seconds,
             "total_seconds": self.total_seconds, "peak_rss_bytes": self.peak_rss_bytes,

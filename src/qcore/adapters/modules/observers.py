@@ -14,7 +14,7 @@ from qcore._backend import ops
 from qcore.quantize import tensor_scale_from_amax
 from qcore.stats import RunningStats
 
-from ..config import MinMax, Percentile, TensorConfig
+from ..config import ExponentSearch, FourOverSix, MinMax, Percentile, TensorConfig
 
 __all__ = ["CalibrationError", "Observer", "calibrating", "quantize_observed"]
 
@@ -106,10 +106,14 @@ def calibrating(mods: Iterable[Any]):
 
 def quantize_observed(x: torch.Tensor, spec: QuantSpec, obs: Any):
     """QTensor of ``x`` with the scales its observer gives: MinMax (the spec's own rule), Percentile (the
-    percentile's absmax) or MSE (the clipping search); what every wrapper quantizes a weight (or an expert's
-    slice) with."""
+    percentile's absmax), MSE (the clipping search), FourOverSix (NVFP4's 4-or-6 block scales and their tensor
+    scale) or ExponentSearch (MX exponents); what every wrapper quantizes a weight (or an expert's slice) with."""
     if isinstance(obs, MinMax):
         return qcore.quantize(x, spec)
+    if isinstance(obs, FourOverSix):
+        return qcore.quantize(x, spec, **qcore.stats.four_over_six(x, spec).kwargs())
+    if isinstance(obs, ExponentSearch):
+        return qcore.quantize(x, spec, **qcore.stats.exponent_search(x, spec, radius=obs.radius).kwargs())
     if isinstance(obs, Percentile):
         a = qcore.stats.percentile(x, spec.granularity, q=obs.q)
         p = qcore.stats.scale_from_stats(RunningStats(spec.granularity, absmax=a, lo=-a, hi=a, count=1), spec)

@@ -15,7 +15,7 @@ import qcore
 from qcore.algorithms.config import ROTATION_CONFIGS, GPTQConfig
 from qcore.stats import RunningStats
 
-from ..config import MinMax, Percentile
+from ..config import ExponentSearch, FourOverSix, MinMax, Percentile
 from ..modules import linear_weight
 from .runner import LayerInputs, find_decoder_layers, forward_layer
 
@@ -24,10 +24,19 @@ __all__ = ["named_targets", "scale_fn", "write_pinned", "input_stages", "layers_
 
 
 def scale_fn(plan, spec):
-    """GPTQ's scale rule for a weight slice from the layer's weight observer (None: the spec's own rule)."""
+    """GPTQ's scale rule for a weight slice from the layer's weight observer (None: the spec's own rule). Two-level
+    specs (FourOverSix) take the loop's ``tensor_scale`` (``qcore.algorithms.gptq``'s ``scale_fn`` protocol)."""
     obs = plan.config.weight.observer
     if isinstance(obs, MinMax):
         return None
+    if isinstance(obs, FourOverSix):
+        def f(part, tensor_scale=None):
+            return qcore.stats.four_over_six(part, spec, tensor_scale=tensor_scale)._asdict()
+        return f
+    if isinstance(obs, ExponentSearch):
+        def f(part):
+            return qcore.stats.exponent_search(part, spec, radius=obs.radius)._asdict()
+        return f
     if isinstance(obs, Percentile):
         def f(part):
             a = qcore.stats.percentile(part, spec.granularity, q=obs.q)
