@@ -61,6 +61,8 @@ ROWS: dict[str, tuple[str, list]] = {
     # W4A4 int
     "w4a4_quarot_gptq": ("w_int4_a_int4_per_token_dynamic",
                          _q("--scheme", "w_int4_a_int4_per_token_dynamic", "--algo", "quarot,gptq")),
+    "w4a4_quarot_qronos": ("w_int4_a_int4_per_token_dynamic",
+                           _q("--scheme", "w_int4_a_int4_per_token_dynamic", "--algo", "quarot,qronos")),
     "w4a4_best": ("w_int4_a_int4_per_token_dynamic",
                   _q("--scheme", "w_int4_a_int4_per_token_dynamic", "--algo", "best")),
 }

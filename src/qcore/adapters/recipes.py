@@ -55,8 +55,9 @@ _FP4 = "bench/FP4.md"
 
 #: preset name -> its best training-free recipe on SmolLM2-135M (fp32 perplexity 14.01)
 RECIPES: dict[str, Recipe] = {
-    "w_mxfp4_a_mxfp4": Recipe(("quarot", "gptq"), measured="ppl 24.70", source=_BENCH),
-    "mxfp4": Recipe(("quarot", "gptq"), measured="ppl 24.70 (as w_mxfp4_a_mxfp4)", source=_BENCH),
+    "w_mxfp4_a_mxfp4": Recipe(({"name": "quarot", "block": 32}, "gptq"), measured="ppl 22.68 (8 windows)",
+                              source=_FP4),
+    "mxfp4": Recipe(({"name": "quarot", "block": 32}, "gptq"), measured="as w_mxfp4_a_mxfp4", source=_FP4),
     "mxfp4_weight_only": Recipe(("gptq",), measured="ppl 15.57", source=_BENCH),
     "w_int4_a_int4_per_token_dynamic": Recipe(("quarot", "gptq"), measured="ppl 26.10", source=_BENCH),
     "uint4_wo_64": Recipe(("qronos",), measured="ppl 14.58", source=_BENCH),
@@ -101,8 +102,14 @@ def apply_recipe(config: ModelConfig, recipe: Recipe, *, after: tuple = ()) -> M
 
 def recipe_label(recipe: Recipe) -> str:
     """``quarot,gptq`` (and ``; weights: <observer>``): a recipe in one line, as ``qcore schemes`` prints it."""
-    algos = ",".join(a.name if a == parse_algorithm(a.name) else json.dumps(a.to_dict(), separators=(",", ":"))
-                     for a in recipe.algorithms)
+    algos = ",".join(_entry(a) for a in recipe.algorithms)
     obs = recipe.weight_observer
     return algos + (f"; weight scales: {obs.to_dict()['kind']}" if obs is not None else "")
 
+
+def _entry(a) -> str:
+    """An algorithm as ``--algo`` takes it: its name, or a JSON object of the name and the settings that differ from
+    the defaults."""
+    d, default = a.to_dict(), parse_algorithm(a.name).to_dict()
+    diff = {k: v for k, v in d.items() if k != "name" and default.get(k) != v}
+    return a.name if not diff else json.dumps({"name": a.name, **diff}, separators=(",", ":"))
