@@ -48,6 +48,7 @@ ROWS: dict[str, tuple[str, list]] = {
     "mx_block32_gptq": ("w_mxfp4_a_mxfp4", _q("--scheme", "w_mxfp4_a_mxfp4", "--algo", QR32, "--algo", "gptq")),
     "mx_search_rtn": ("w_mxfp4_a_mxfp4", _q("--scheme", "w_mxfp4_a_mxfp4_search")),
     "mx_quarot_qronos": ("w_mxfp4_a_mxfp4", _q("--scheme", "w_mxfp4_a_mxfp4", "--algo", "quarot,qronos")),
+    "mx_block32_qronos": ("w_mxfp4_a_mxfp4", _q("--scheme", "w_mxfp4_a_mxfp4", "--algo", QR32, "--algo", "qronos")),
     "mx_best": ("w_mxfp4_a_mxfp4", _q("--scheme", "w_mxfp4_a_mxfp4", "--algo", "best")),
     # NVFP4 weights and activations
     "nv_rtn": ("nvfp4", _q("--scheme", "nvfp4")),
@@ -126,7 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--md-only", action="store_true", help="only re-render --md from --jsonl")
     ap.add_argument("--import", dest="imports", action="append", default=[], metavar="LABEL=REPORT.json",
                     help="record a run made by hand (qcore quantize ... --report REPORT.json) under a row label; "
-                         "its load average is unknown")
+                         "its load average is unknown; a label outside the rows records an ablation")
+    ap.add_argument("--commit", default=None, help="--import: the commit the imported runs ran at")
     a = ap.parse_args(argv)
     if a.list:
         for k, (g, v) in ROWS.items():
@@ -139,15 +141,14 @@ def main(argv=None) -> int:
     extra = ["--calib-samples", str(a.calib_samples)] if a.calib_samples is not None else []
     for spec in a.imports:
         label, _, path = spec.partition("=")
-        if label not in ROWS:
-            ap.error(f"--import: unknown row {label!r}")
         r = json.loads(pathlib.Path(path).read_text())
         shown = re.sub(r" --report \S+| --no-progress", "", r["command"])
-        d = {"label": label, "group": ROWS[label][0], "command": shown, "ppl": r["ppl"],
+        d = {"label": label, "group": ROWS[label][0] if label in ROWS else r["scheme"].split("/")[-1].removesuffix(
+            ".json"), "command": shown, "ppl": r["ppl"],
              "ppl_baseline": r["ppl_baseline"], "kl": r.get("kl_divergence"), "top1": r.get("top1_agreement"),
              "algorithms": r["algorithms"], "quantize_seconds": r["quantize_seconds"], "wall_seconds":
              r["total_seconds"], "peak_rss_bytes": r["peak_rss_bytes"], "calibration_samples":
-             r["calibration_samples"], "load_start": ["?"], "load_end": ["?"], "commit": _commit() + " (imported)",
+             r["calibration_samples"], "load_start": ["?"], "load_end": ["?"], "commit": (a.commit or _commit()) + " (imported)",
              "threads": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
         with a.jsonl.open("a") as f:
             f.write(json.dumps(d) + "\n")
