@@ -55,8 +55,8 @@ _FP4 = "bench/FP4.md"
 
 #: preset name -> its best training-free recipe on SmolLM2-135M (fp32 perplexity 14.01)
 RECIPES: dict[str, Recipe] = {
-    "w_mxfp4_a_mxfp4": Recipe(({"name": "quarot", "block": 32}, "gptq"), measured="ppl 22.32", source=_FP4),
-    "mxfp4": Recipe(({"name": "quarot", "block": 32}, "gptq"), measured="as w_mxfp4_a_mxfp4", source=_FP4),
+    "w_mxfp4_a_mxfp4": Recipe(({"name": "quarot", "block": 32}, "qronos"), measured="ppl 21.10", source=_FP4),
+    "mxfp4": Recipe(({"name": "quarot", "block": 32}, "qronos"), measured="as w_mxfp4_a_mxfp4", source=_FP4),
     "mxfp4_weight_only": Recipe(("gptq",), measured="ppl 15.57", source=_BENCH),
     "nvfp4": Recipe(("qronos",), measured="ppl 17.02", source=_FP4),
     "w_int4_a_int4_per_token_dynamic": Recipe(("quarot", "qronos"), measured="ppl 24.43", source=_FP4),
