@@ -121,6 +121,20 @@ def _positive_int(value, name: str) -> int:
     return value
 
 
+def _window_args(model, seq_len, batch_size, progress, cache) -> tuple:
+    """``(seq_len, batch_size, device)``: the options ``perplexity`` and ``float_reference`` share, checked, and
+    the device of a causal LM ``model``."""
+    seq_len = _positive_int(seq_len, "seq_len")
+    batch_size = _positive_int(batch_size, "batch_size")
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be a bool, got {progress!r}")
+    if not isinstance(cache, bool):
+        raise TypeError(f"cache must be True or False, got {cache!r}")
+    device = _model_device(model)
+    _check_causal_lm(model)
+    return seq_len, batch_size, device
+
+
 def _model_device(model) -> torch.device:
     try:
         return next(model.parameters()).device
@@ -166,14 +180,7 @@ def perplexity(model, tokenizer, *, text: str | None = None, token_ids: torch.Te
     on an idle machine. On a shared machine set ``OMP_WAIT_POLICY=PASSIVE`` before importing torch (see
     bench/bench_quality.py): with spinning OpenMP waits a busy neighbour makes 2 threads 3-8x slower.
     """
-    seq_len = _positive_int(seq_len, "seq_len")
-    batch_size = _positive_int(batch_size, "batch_size")
-    if not isinstance(progress, bool):
-        raise TypeError(f"progress must be a bool, got {progress!r}")
-    if not isinstance(cache, bool):
-        raise TypeError(f"cache must be True or False, got {cache!r}")
-    device = _model_device(model)
-    _check_causal_lm(model)
+    seq_len, batch_size, device = _window_args(model, seq_len, batch_size, progress, cache)
     ids = _token_ids_arg(tokenizer, text, token_ids)
     spans = token_windows(ids.numel(), seq_len=seq_len, windows=windows)
 
@@ -315,14 +322,7 @@ def float_reference(model, tokenizer, *, text: str | None = None, token_ids: tor
 
     ``FloatReferenceError`` (a ValueError) for a model whose head is not a plain ``nn.Linear`` (or whose chunked
     logits do not reproduce its own); ValueError for a model that holds qcore quantized modules."""
-    seq_len = _positive_int(seq_len, "seq_len")
-    batch_size = _positive_int(batch_size, "batch_size")
-    if not isinstance(progress, bool):
-        raise TypeError(f"progress must be a bool, got {progress!r}")
-    if not isinstance(cache, bool):
-        raise TypeError(f"cache must be True or False, got {cache!r}")
-    device = _model_device(model)
-    _check_causal_lm(model)
+    seq_len, batch_size, device = _window_args(model, seq_len, batch_size, progress, cache)
     if quantized_modules(model):
         raise ValueError(f"model: the float reference is taken of a float model; {type(model).__name__} holds qcore "
                          f"quantized modules")
