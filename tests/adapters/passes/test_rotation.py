@@ -10,18 +10,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from qcore.adapters.passes.rotation import rotate_model  # noqa: E402
+from rotation_kit import rotation_llama  # noqa: E402
 
-
-def _llama(hidden, heads, kv, inter, tie, seed=0):
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
-                                   num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tie)
-    torch.manual_seed(seed)
-    m = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # non-trivial norm weights, so folding them matters
-        for n, p in m.named_parameters():
-            if n.endswith("norm.weight"):
-                p.uniform_(0.5, 2.0)
-    return m
+_llama = rotation_llama
 
 
 @pytest.mark.parametrize("hidden, heads, kv, inter, tie", [

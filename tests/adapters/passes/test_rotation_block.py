@@ -14,18 +14,9 @@ transformers = pytest.importorskip("transformers")
 import qcore.adapters as A  # noqa: E402
 from qcore.adapters.passes.rotation import input_rotations, rotate_model  # noqa: E402
 from qcore.algorithms.hadamard import block_rotation  # noqa: E402
+from rotation_kit import rotation_llama  # noqa: E402
 
-
-def _llama(hidden=64, heads=4, kv=2, inter=128, tie=False, seed=0):
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
-                                   num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tie)
-    torch.manual_seed(seed)
-    m = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith("norm.weight"):
-                p.uniform_(0.5, 2.0)
-    return m
+_llama = rotation_llama
 
 
 X = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))

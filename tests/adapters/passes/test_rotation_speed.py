@@ -9,6 +9,7 @@
 """
 
 import copy
+import functools
 import math
 import pickle
 
@@ -24,18 +25,9 @@ from qcore.adapters.passes import rotation as R  # noqa: E402
 from qcore.adapters.passes import spinquant as S  # noqa: E402
 from qcore.algorithms.config import SpinQuantConfig  # noqa: E402
 from qcore.algorithms.hadamard import fwht, hadamard, reference_fwht  # noqa: E402
+from rotation_kit import rotation_llama  # noqa: E402
 
-
-def _llama(hidden=72, heads=9, kv=3, inter=96, tie=True, vocab=96, seed=0):
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
-                                   num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tie)
-    torch.manual_seed(seed)
-    m = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith("norm.weight"):
-                p.uniform_(0.5, 2.0)
-    return m
+_llama = functools.partial(rotation_llama, 72, 9, 3, 96, tie=True)
 
 
 def _data(n=3, seq=24, vocab=96):
