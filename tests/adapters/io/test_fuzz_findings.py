@@ -185,41 +185,33 @@ def test_the_bound_is_the_model_dtype(ckpts, tmp_path):
         load_compressed_tensors(d, dtype=torch.float16)
 
 
-def test_a_ct_qcore_config_that_is_no_config_names_the_field(ckpts, tmp_path):
-    """ModelConfig.from_dict's TypeError reached the caller without the file."""
+def _qc(c):
+    return c["quantization_config"]
+
+
+CT_CONFIG_EDITS = [  # (why, edit of config.json, what the message says)
+    ("ModelConfig.from_dict's TypeError reached the caller without the file",
+     lambda c: _qc(c)["qcore"].__setitem__("config", None),
+     r"config\.json'?: quantization_config\.qcore\.config: ModelConfig\.from_dict takes a dict, got NoneType"),
+    ("found by CI's slow run: dynamic weights in a group were 'QuantizationArgs: dynamic weights are not supported' "
+     "(no file, no field)",
+     lambda c: _qc(c)["config_groups"]["group_0"]["weights"].__setitem__("dynamic", True),
+     r"config\.json'?: quantization_config\.config_groups\.group_0\.weights: dynamic weights are not supported"),
+    ("found by CI's slow run: the refusal of a layer no group matches named no field",
+     lambda c: _qc(c)["config_groups"]["group_0"]["targets"].__setitem__(0, "int8"),
+     r"ct_uint4'?: layer '.*': quantized by the qcore config but matched by no config group's targets "
+     r"\(quantization_config\.config_groups\)"),
+    ("found by CI's slow run: ``ignore: null`` left lm_head to group_0, refused without naming the field",
+     lambda c: _qc(c).__setitem__("ignore", None),
+     r"ct_uint4'?: layer 'lm_head': matched by the compressed-tensors group 'group_0' "
+     r"\(not in quantization_config\.ignore\)"),
+]
+
+
+@pytest.mark.parametrize("why, edit, match", CT_CONFIG_EDITS,
+                         ids=["qcore-config-null", "group-dynamic-weights", "no-group-targets", "ignore-null"])
+def test_a_ct_config_refusal_names_the_file_and_field(ckpts, tmp_path, why, edit, match):
     d = _copy(ckpts, "ct_uint4", tmp_path)
-    _edit_json(d / "config.json", lambda c: c["quantization_config"]["qcore"].__setitem__("config", None))
-    with pytest.raises(CorruptCheckpointError, match=r"config\.json'?: quantization_config\.qcore\.config: "
-                                                     r"ModelConfig\.from_dict takes a dict, got NoneType"):
-        load_compressed_tensors(d)
-
-
-def test_a_ct_group_qcore_cannot_read_names_the_file_and_group(ckpts, tmp_path):
-    """Found by CI's slow run: dynamic weights in a group were 'QuantizationArgs: dynamic weights are not supported'
-    (no file, no field)."""
-    d = _copy(ckpts, "ct_uint4", tmp_path)
-    _edit_json(d / "config.json", lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"]
-               .__setitem__("dynamic", True))
-    with pytest.raises(CorruptCheckpointError, match=r"config\.json'?: quantization_config\.config_groups\.group_0"
-                                                     r"\.weights: dynamic weights are not supported"):
-        load_compressed_tensors(d)
-
-
-def test_a_layer_no_ct_group_targets_names_the_targets(ckpts, tmp_path):
-    """Found by CI's slow run: the refusal of a layer no group matches named no field."""
-    d = _copy(ckpts, "ct_uint4", tmp_path)
-    _edit_json(d / "config.json", lambda c: c["quantization_config"]["config_groups"]["group_0"]["targets"]
-               .__setitem__(0, "int8"))
-    with pytest.raises(CorruptCheckpointError, match=r"ct_uint4'?: layer '.*': quantized by the qcore config but "
-                                                     r"matched by no config group's targets \(quantization_config\."
-                                                     r"config_groups\)"):
-        load_compressed_tensors(d)
-
-
-def test_a_layer_the_ct_ignore_list_leaves_out_names_the_ignore_list(ckpts, tmp_path):
-    """Found by CI's slow run: ``ignore: null`` left lm_head to group_0, refused without naming the field."""
-    d = _copy(ckpts, "ct_uint4", tmp_path)
-    _edit_json(d / "config.json", lambda c: c["quantization_config"].__setitem__("ignore", None))
-    with pytest.raises(CorruptCheckpointError, match=r"ct_uint4'?: layer 'lm_head': matched by the compressed-tensors "
-                                                     r"group 'group_0' \(not in quantization_config\.ignore\)"):
+    _edit_json(d / "config.json", edit)
+    with pytest.raises(CorruptCheckpointError, match=match):
         load_compressed_tensors(d)
