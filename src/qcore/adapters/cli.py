@@ -226,10 +226,7 @@ def eval_command(args) -> int:
         m.keep_dequantized = True
     rows = [("model", desc)]
     if ppl:
-        ids = E.protocol_token_ids(tok, text=text)
-        n = min(len(E.EVAL_WINDOWS), ids.numel() // args.seq_len)
-        if n < 1:
-            raise CommandError(f"the text has {ids.numel()} tokens, fewer than one window of --seq-len {args.seq_len}")
+        ids, n = _eval_windows(tok, text, args.seq_len)
         t0 = time.perf_counter()
         if reference is None:
             value = E.perplexity(model, tok, token_ids=ids, seq_len=args.seq_len, windows=range(n),
@@ -260,6 +257,16 @@ def eval_command(args) -> int:
     return 0
 
 
+def _eval_windows(tok, text, seq_len: int) -> tuple:
+    """``(token ids, window count)`` of ``qcore eval``'s perplexity (and ``--reference``'s): the protocol windows
+    that fit the text, at least one."""
+    ids = E.protocol_token_ids(tok, text=text)
+    n = min(len(E.EVAL_WINDOWS), ids.numel() // seq_len)
+    if n < 1:
+        raise CommandError(f"the text has {ids.numel()} tokens, fewer than one window of --seq-len {seq_len}")
+    return ids, n
+
+
 class _ReferenceNames(type(CLI)):
     """``qcore eval --reference``'s errors from the model loader name ``--reference``, not ``--model``."""
 
@@ -279,10 +286,7 @@ def _eval_reference(args, text) -> tuple:
         raise CommandError(f"--reference {args.reference}: a quantized checkpoint; the reference is the float model "
                            f"(KL divergence is measured from its distributions)")
     _check_seq_len(args.seq_len, model)
-    ids = E.protocol_token_ids(tok, text=text)
-    n = min(len(E.EVAL_WINDOWS), ids.numel() // args.seq_len)
-    if n < 1:
-        raise CommandError(f"the text has {ids.numel()} tokens, fewer than one window of --seq-len {args.seq_len}")
+    ids, n = _eval_windows(tok, text, args.seq_len)
     try:
         ref = E.float_reference(model, tok, token_ids=ids, seq_len=args.seq_len, windows=range(n),
                                 progress=not args.no_progress, cache=not args.no_cache)
