@@ -296,12 +296,7 @@ def mse_clip(x: ArrayLike, spec: SpecLike, *, grid: int = 100, lo: float = 0.5, 
     x64 = o.astype(x, f64)
 
     def error(params):
-        y = fake_quantize(x, spec, scale=params.scale, zero_point=params.zero_point, key=key)
-        with o.quiet():
-            d = o.abs(x64 - o.astype(y, f64))
-            e = d * d if p == 2.0 else d**p
-        eb, b = to_blocks(e, g, o)  # zero padding adds 0
-        return o.sum(eb, b.reduce_axes, keepdims=False)
+        return _block_error(x, x64, spec, key, o, p=p, scale=params.scale, zero_point=params.zero_point)
 
     best = None
     best_err = None
@@ -340,12 +335,13 @@ class TwoLevelParams(NamedTuple):
         return {"scale": self.scale, "tensor_scale": self.tensor_scale}
 
 
-def _block_sq_error(x, x64, spec, key, o, **params):
-    """Per block of ``spec.granularity``: the float64 ``sum (x - fake_quantize(x, **params))**2``."""
+def _block_error(x, x64, spec, key, o, *, p: float = 2.0, **params):
+    """Per block of ``spec.granularity``: the float64 ``sum |x - fake_quantize(x, **params)|**p`` (``x64``: ``x``
+    in float64); what ``mse_clip``, ``four_over_six`` and ``exponent_search`` compare their candidates by."""
     y = fake_quantize(x, spec, key=key, **params)
     with o.quiet():
-        d = x64 - o.astype(y, _f64(o))
-        e = d * d
+        d = o.abs(x64 - o.astype(y, _f64(o)))
+        e = d * d if p == 2.0 else d**p
     eb, b = to_blocks(e, spec.granularity, o)  # zero padding adds 0
     return o.sum(eb, b.reduce_axes, keepdims=False)
 
@@ -409,7 +405,7 @@ def four_over_six(x: ArrayLike, spec: SpecLike, *, tensor_scale: Optional[ArrayL
     best = best_err = None
     for target in FOUR_OVER_SIX_TARGETS:
         cand, _, _ = two_level_scales(bmax, g, spec, o, target=target)
-        err = _block_sq_error(x, x64, spec, key, o, scale=cand, tensor_scale=ts)
+        err = _block_error(x, x64, spec, key, o, scale=cand, tensor_scale=ts)
         if best is None:
             best, best_err = cand, err
         else:
@@ -453,10 +449,10 @@ def exponent_search(x: ArrayLike, spec: SpecLike, *, radius: int = 1, key: Optio
     e = o.where(nan, 0, floor_log2(base))
     smin, smax = scale_exponent_range(spec.scale_dtype)
     x64 = o.astype(x, _f64(o))
-    best, best_err = base, _block_sq_error(x, x64, spec, key, o, scale=base)
+    best, best_err = base, _block_error(x, x64, spec, key, o, scale=base)
     for k in [s * d for d in range(1, radius + 1) for s in (-1, 1)]:
         cand = o.where(nan, np.float32(math.nan), pow2(o.clip(e + k, smin, smax), o, x))
-        err = _block_sq_error(x, x64, spec, key, o, scale=cand)
+        err = _block_error(x, x64, spec, key, o, scale=cand)
         better = err < best_err
         best, best_err = o.where(better, cand, best), o.where(better, err, best_err)
     return QParams(best, None)
